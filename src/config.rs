@@ -1,0 +1,244 @@
+//! # Configuration: one TOML file, five sections, overrides from the command line
+//!
+//! A run is described by `[model]`, `[train]`, `[parallel]`, `[data]` and `[device]`. Every key
+//! has the value written in `configs/tiny.toml` (compiled into the binary) unless your file or a
+//! `--set section.key=value` says otherwise, in that order. Unknown keys and wrong types are
+//! errors that name the key; `validate` then checks that the values make sense together.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The built-in default run, `configs/tiny.toml`.
+pub const TINY: &str = include_str!("../configs/tiny.toml");
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct Config {
+    pub model: ModelConfig,
+    pub train: TrainConfig,
+    pub parallel: ParallelConfig,
+    pub data: DataConfig,
+    pub device: DeviceConfig,
+}
+
+/// The Llama architecture; key names follow Hugging Face's `config.json`.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub intermediate_size: usize,
+    pub num_hidden_layers: usize,
+    pub num_attention_heads: usize,
+    pub num_key_value_heads: usize,
+    /// Per-head width; when absent, `hidden_size / num_attention_heads`.
+    pub head_dim: Option<usize>,
+    pub rope_theta: f64,
+    pub rms_norm_eps: f32,
+    pub tie_word_embeddings: bool,
+    /// Standard deviation of the normal init of every matrix.
+    pub initializer_range: f32,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainConfig {
+    pub steps: usize,
+    pub seed: u64,
+    pub micro_batch_size: usize,
+    pub grad_accum_steps: usize,
+    pub seq_len: usize,
+    /// Peak learning rate, reached after `warmup_steps`.
+    pub lr: f32,
+    /// The floor the cosine decay ends at, on the last step.
+    pub min_lr: f32,
+    pub warmup_steps: usize,
+    /// Decoupled AdamW decay, applied to matrices only (not to norm weights).
+    pub weight_decay: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub adam_eps: f32,
+    /// Global gradient-norm clipping threshold; 0 turns clipping off.
+    pub grad_clip: f32,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ParallelConfig {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub cp: usize,
+    pub pp_schedule: PpSchedule,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum PpSchedule {
+    Afab,
+    #[serde(rename = "1f1b")]
+    OneFOneB,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DataConfig {
+    /// `"synthetic"` (built in) or `"text:PATH"` (a UTF-8 file, byte-level tokens).
+    pub source: String,
+    /// Seed of the data stream, separate from the init seed.
+    pub seed: u64,
+    /// Synthetic source: each token depends on this many previous tokens...
+    pub markov_order: usize,
+    /// ...through a table allowing this many successors per context.
+    pub branching: usize,
+    /// Probability that a marker token starts a copy span.
+    pub copy_prob: f64,
+    /// Length of a copy span.
+    pub copy_len: usize,
+    /// A copy span repeats the tokens this far back.
+    pub copy_lag: usize,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct DeviceConfig {
+    pub kind: DeviceKind,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceKind {
+    Cpu,
+    Cuda,
+}
+
+impl ModelConfig {
+    pub fn head_dim(&self) -> usize {
+        self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
+    }
+
+    /// The checks every model needs, whether it comes from a TOML file or a `config.json`.
+    pub fn validate(&self, prefix: &str) -> Result<()> {
+        let positive = [
+            ("vocab_size", self.vocab_size),
+            ("hidden_size", self.hidden_size),
+            ("intermediate_size", self.intermediate_size),
+            ("num_hidden_layers", self.num_hidden_layers),
+            ("num_attention_heads", self.num_attention_heads),
+            ("num_key_value_heads", self.num_key_value_heads),
+        ];
+        for (key, v) in positive {
+            if v == 0 {
+                bail!("{prefix}{key} = 0: it must be at least 1");
+            }
+        }
+        let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
+        if self.head_dim.is_none() && self.hidden_size % h != 0 {
+            bail!("{prefix}hidden_size = {} is not divisible by {prefix}num_attention_heads = {h}: change one, or set {prefix}head_dim", self.hidden_size);
+        }
+        if h % kv != 0 {
+            bail!("{prefix}num_attention_heads = {h} is not a multiple of {prefix}num_key_value_heads = {kv}: grouped-query attention shares each KV head among a whole number of query heads");
+        }
+        if self.head_dim() == 0 || self.head_dim() % 2 != 0 {
+            bail!("{prefix}head_dim = {} must be even and positive: RoPE rotates pairs of features", self.head_dim());
+        }
+        if self.rope_theta <= 0.0 || self.rms_norm_eps <= 0.0 {
+            bail!("{prefix}rope_theta and {prefix}rms_norm_eps must be positive");
+        }
+        Ok(())
+    }
+}
+
+impl Config {
+    /// The built-in default (`configs/tiny.toml`) with `--set` overrides.
+    pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config> {
+        let mut table: toml::Table = TINY.parse().expect("configs/tiny.toml is valid TOML");
+        if let Some(path) = path {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("cannot read config file {}: check the path", path.display()))?;
+            let user: toml::Table = text
+                .parse()
+                .map_err(|e: toml::de::Error| anyhow::anyhow!("{}: not valid TOML: {}", path.display(), one_line(&e.to_string())))?;
+            merge(&mut table, user);
+        }
+        for set in sets {
+            apply_set(&mut table, set)?;
+        }
+        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+            let where_ = path.map(|p| format!(" (in {} or --set)", p.display())).unwrap_or_default();
+            anyhow::anyhow!("config key `{}`: {}{where_}", e.path(), one_line(&e.inner().to_string()))
+        })?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    pub fn validate(&self) -> Result<()> {
+        self.model.validate("model.")?;
+        let t = &self.train;
+        for (key, v) in [
+            ("train.steps", t.steps),
+            ("train.micro_batch_size", t.micro_batch_size),
+            ("train.grad_accum_steps", t.grad_accum_steps),
+            ("train.seq_len", t.seq_len),
+        ] {
+            if v == 0 {
+                bail!("{key} = 0: it must be at least 1");
+            }
+        }
+        if !(t.lr > 0.0 && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
+            bail!("train.lr = {} and train.min_lr = {}: need 0 <= min_lr <= lr and lr > 0", t.lr, t.min_lr);
+        }
+        if !(0.0..1.0).contains(&t.beta1) || !(0.0..1.0).contains(&t.beta2) {
+            bail!("train.beta1 and train.beta2 must lie in [0, 1)");
+        }
+        let p = &self.parallel;
+        for (key, v) in [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)] {
+            if v != 1 {
+                bail!("{key} = {v}: this build trains on a single rank; set {key} = 1");
+            }
+        }
+        if self.device.kind == DeviceKind::Cuda {
+            bail!("device.kind = \"cuda\": this build has no CUDA backend yet; use device.kind = \"cpu\"");
+        }
+        crate::data::validate(&self.data, &self.model, t.seq_len)
+    }
+}
+
+/// Recursively lays `over` on top of `base`: tables merge, other values replace.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+/// `section.key=value`; the value is read as TOML (`3`, `1e-3`, `true`, `"x"`), else as a string.
+fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
+    let Some((path, raw)) = set.split_once('=') else {
+        bail!("--set {set}: expected section.key=value, for example --set train.steps=100");
+    };
+    let path: Vec<&str> = path.trim().split('.').collect();
+    if path.len() != 2 || path.iter().any(|p| p.is_empty()) {
+        bail!("--set {set}: the key must be section.key, for example train.lr");
+    }
+    let value = format!("v = {}", raw.trim())
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.trim().to_string()));
+    let section = table.entry(path[0]).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let Some(section) = section.as_table_mut() else {
+        bail!("--set {set}: `{}` is not a section", path[0]);
+    };
+    section.insert(path[1].to_string(), value);
+    Ok(())
+}
+
+fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}

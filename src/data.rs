@@ -1,0 +1,251 @@
+//! # Data: a built-in synthetic language with a known floor, and plain text
+//!
+//! The default source needs no download and tells you how low the loss can go. Each sequence is
+//! written left to right by a small machine with two modes:
+//!
+//! ```text
+//! markov: next token ~ uniform over `branching` successors of the last `markov_order` tokens
+//!         (a sparse table fixed by the seed), or, with probability copy_prob, the MARKER token
+//! copy:   after a MARKER, the next copy_len tokens repeat the tokens copy_lag positions back
+//!         …  a b c d e f g  …  MARKER a b c d  …      ← only attention can look copy_lag back
+//! ```
+//! The mode is always readable from the tokens already seen, so the best possible prediction of
+//! each token has an exact entropy: ln(branching) for a plain Markov step, the entropy of the
+//! marker coin plus ln(branching) when a marker may come, and 0 inside a copy span. Averaging that
+//! over positions (a small dynamic programme over the mode) gives the floor, in nats per token,
+//! that a perfect model reaches. A model that learns the Markov table but not to copy stays well
+//! above it.
+//!
+//! The other source is a UTF-8 text file read as bytes (vocab 256). Either way, sequence `i` of
+//! the run depends only on (data seed, i), so the tokens of a step never depend on the topology.
+
+use crate::config::{DataConfig, ModelConfig, TrainConfig};
+use anyhow::{bail, Context, Result};
+use rand::Rng;
+
+pub enum Dataset {
+    Synthetic(Synthetic),
+    Text { bytes: Vec<u8>, seed: u64 },
+}
+
+pub struct Synthetic {
+    seed: u64,
+    vocab: usize,
+    order: usize,
+    branching: usize,
+    copy_prob: f64,
+    copy_len: usize,
+    copy_lag: usize,
+    /// `branching` successors for every context of `order` previous tokens.
+    table: Vec<u32>,
+}
+
+/// The synthetic machine's mode before a token is written.
+#[derive(Clone, Copy, PartialEq)]
+enum Mode {
+    Markov,
+    Copy(usize),
+}
+
+/// Checks `[data]` against the model, before anything is read.
+pub fn validate(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
+    if let Some(path) = d.source.strip_prefix("text:") {
+        if m.vocab_size < 256 {
+            bail!("data.source = \"text:{path}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})", m.vocab_size);
+        }
+        return Ok(());
+    }
+    if d.source != "synthetic" {
+        bail!("data.source = \"{}\": use \"synthetic\" or \"text:PATH\"", d.source);
+    }
+    if d.branching == 0 || d.branching + 2 > m.vocab_size {
+        bail!("data.branching = {}: it must be at least 1 and at most model.vocab_size - 2 = {}", d.branching, m.vocab_size.saturating_sub(2));
+    }
+    if (m.vocab_size as f64 + 1.0).powi(d.markov_order as i32) > (1 << 22) as f64 {
+        bail!("data.markov_order = {} with model.vocab_size = {}: the successor table would be too large; lower the order", d.markov_order, m.vocab_size);
+    }
+    if !(0.0..1.0).contains(&d.copy_prob) {
+        bail!("data.copy_prob = {}: it must lie in [0, 1)", d.copy_prob);
+    }
+    if d.copy_prob > 0.0 && (d.copy_len == 0 || d.copy_lag == 0 || d.copy_lag >= seq_len) {
+        bail!("data.copy_len and data.copy_lag must be at least 1, and data.copy_lag below train.seq_len = {seq_len}");
+    }
+    Ok(())
+}
+
+impl Dataset {
+    /// Opens the source named by `data.source` (reading the file of a text source).
+    pub fn open(d: &DataConfig, m: &ModelConfig) -> Result<Dataset> {
+        if let Some(path) = d.source.strip_prefix("text:") {
+            let bytes = std::fs::read(path).with_context(|| format!("data.source: cannot read text file {path}: check the path"))?;
+            if std::str::from_utf8(&bytes).is_err() {
+                bail!("data.source: {path} is not UTF-8 text");
+            }
+            return Ok(Dataset::Text { bytes, seed: d.seed });
+        }
+        Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size)))
+    }
+
+    /// Sequence number `index` of the stream, `len` tokens long.
+    pub fn sequence(&self, index: u64, len: usize) -> Result<Vec<u32>> {
+        match self {
+            Dataset::Synthetic(s) => Ok(s.sequence(index, len)),
+            Dataset::Text { bytes, seed } => {
+                if bytes.len() < len {
+                    bail!("data.source: the text file has {} bytes, fewer than train.seq_len + 1 = {len}", bytes.len());
+                }
+                let start = crate::init::stream(*seed, &format!("text/{index}")).gen_range(0..=bytes.len() - len);
+                Ok(bytes[start..start + len].iter().map(|&b| b as u32).collect())
+            }
+        }
+    }
+
+    /// The entropy floor of next-token prediction at this sequence length, where known.
+    pub fn entropy_floor(&self, seq_len: usize) -> Option<f64> {
+        match self {
+            Dataset::Synthetic(s) => Some(s.entropy_floor(seq_len + 1)),
+            Dataset::Text { .. } => None,
+        }
+    }
+
+    /// Micro-batch `micro` of step `step`: (inputs, next-token targets), `micro_batch_size` rows.
+    /// Sequence numbers run through the global batch, so every step reads fresh sequences.
+    pub fn micro_batch(&self, t: &TrainConfig, step: usize, micro: usize) -> Result<(Vec<u32>, Vec<i32>)> {
+        let first = ((step * t.grad_accum_steps + micro) * t.micro_batch_size) as u64;
+        let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+        for i in 0..t.micro_batch_size as u64 {
+            let s = self.sequence(first + i, t.seq_len + 1)?;
+            inputs.extend_from_slice(&s[..t.seq_len]);
+            targets.extend(s[1..].iter().map(|&x| x as i32));
+        }
+        Ok((inputs, targets))
+    }
+}
+
+impl Synthetic {
+    pub fn new(d: &DataConfig, vocab: usize) -> Synthetic {
+        let content = vocab - 1; // the last id is the MARKER
+        let contexts = (vocab + 1).pow(d.markov_order as u32);
+        let mut rng = crate::init::stream(d.seed, "markov-table");
+        let mut table = Vec::with_capacity(contexts * d.branching);
+        let mut ids: Vec<u32> = (0..content as u32).collect();
+        for _ in 0..contexts {
+            for i in 0..d.branching {
+                let j = rng.gen_range(i..content); // partial Fisher–Yates: distinct successors
+                ids.swap(i, j);
+            }
+            table.extend_from_slice(&ids[..d.branching]);
+        }
+        Synthetic {
+            seed: d.seed,
+            vocab,
+            order: d.markov_order,
+            branching: d.branching,
+            copy_prob: d.copy_prob,
+            copy_len: d.copy_len,
+            copy_lag: d.copy_lag,
+            table,
+        }
+    }
+
+    fn marker(&self) -> u32 {
+        self.vocab as u32 - 1
+    }
+
+    /// The successors allowed after the tokens before position `t` (missing ones count as `vocab`).
+    fn successors(&self, x: &[u32], t: usize) -> &[u32] {
+        let ctx = (1..=self.order).fold(0, |acc, back| {
+            let tok = if t >= back { x[t - back] as usize } else { self.vocab };
+            acc * (self.vocab + 1) + tok
+        });
+        &self.table[ctx * self.branching..(ctx + 1) * self.branching]
+    }
+
+    /// May a marker be written at position `t`? Only once a copy has something to repeat.
+    fn marker_allowed(&self, t: usize) -> bool {
+        self.copy_prob > 0.0 && t >= self.copy_lag
+    }
+
+    fn next_mode(&self, mode: Mode, token: u32) -> Mode {
+        match mode {
+            Mode::Markov if token == self.marker() && self.copy_prob > 0.0 => Mode::Copy(0),
+            Mode::Copy(j) if j + 1 < self.copy_len => Mode::Copy(j + 1),
+            _ => Mode::Markov,
+        }
+    }
+
+    pub fn sequence(&self, index: u64, len: usize) -> Vec<u32> {
+        let mut rng = crate::init::stream(self.seed, &format!("sequence/{index}"));
+        let mut x = vec![rng.gen_range(0..self.marker())];
+        let mut mode = Mode::Markov;
+        for t in 1..len {
+            let tok = match mode {
+                Mode::Copy(_) => x[t - self.copy_lag],
+                Mode::Markov if self.marker_allowed(t) && rng.gen_bool(self.copy_prob) => self.marker(),
+                Mode::Markov => self.successors(&x, t)[rng.gen_range(0..self.branching)],
+            };
+            x.push(tok);
+            mode = self.next_mode(mode, tok);
+        }
+        x
+    }
+
+    /// Entropy (nats) of the next token at position `t` in `mode`.
+    fn step_entropy(&self, mode: Mode, t: usize) -> f64 {
+        let b = (self.branching as f64).ln();
+        match mode {
+            Mode::Copy(_) => 0.0,
+            Mode::Markov if self.marker_allowed(t) => {
+                let p = self.copy_prob;
+                -p * p.ln() - (1.0 - p) * (1.0 - p).ln() + (1.0 - p) * b
+            }
+            Mode::Markov => b,
+        }
+    }
+
+    /// Mean entropy of tokens 1..len given their past: the exact floor of the training loss.
+    /// `p_markov` and `p_copy[j]` are the probabilities of each mode before writing token t.
+    pub fn entropy_floor(&self, len: usize) -> f64 {
+        let (mut p_markov, mut p_copy) = (1.0, vec![0.0; self.copy_len]);
+        let mut total = 0.0;
+        for t in 1..len {
+            total += p_markov * self.step_entropy(Mode::Markov, t);
+            let start = if self.marker_allowed(t) { p_markov * self.copy_prob } else { 0.0 };
+            let end = p_copy.last().copied().unwrap_or(0.0);
+            p_markov += end - start;
+            p_copy.rotate_right(1);
+            if let Some(first) = p_copy.first_mut() {
+                *first = start;
+            }
+        }
+        total / (len - 1) as f64
+    }
+
+    /// The source's own mean negative log-likelihood of tokens 1.. of `x`: what a perfect model
+    /// scores on it. Averaged over many sequences it approaches `entropy_floor`.
+    pub fn nll(&self, x: &[u32]) -> f64 {
+        let mut mode = Mode::Markov;
+        let mut total = 0.0;
+        for t in 1..x.len() {
+            let p = match mode {
+                Mode::Copy(_) => (x[t] == x[t - self.copy_lag]) as u8 as f64,
+                Mode::Markov => {
+                    let (p_marker, p_rest) = match self.marker_allowed(t) {
+                        true => (self.copy_prob, 1.0 - self.copy_prob),
+                        false => (0.0, 1.0),
+                    };
+                    if x[t] == self.marker() {
+                        p_marker
+                    } else if self.successors(x, t).contains(&x[t]) {
+                        p_rest / self.branching as f64
+                    } else {
+                        0.0
+                    }
+                }
+            };
+            total -= p.ln();
+            mode = self.next_mode(mode, x[t]);
+        }
+        total / (x.len() - 1) as f64
+    }
+}

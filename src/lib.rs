@@ -1,0 +1,18 @@
+//! ferrotron: an educational, from-scratch LLM pre-training repository.
+//!
+//! Read in this order: `tensor` → `ops` (and `cpu`, its kernels) → `model` → `optimizer` →
+//! `data` → `train`. `init` makes the weights, `config` the run, `checkpoint` and `eval` read
+//! Hugging Face models.
+
+pub mod checkpoint;
+pub mod config;
+pub mod cpu;
+pub mod data;
+pub mod eval;
+pub mod init;
+pub mod metrics;
+pub mod model;
+pub mod ops;
+pub mod optimizer;
+pub mod tensor;
+pub mod train;

@@ -1,0 +1,74 @@
+//! The `ferrotron` command line: `train` and `eval`.
+
+use anyhow::Result;
+use clap::{Parser, Subcommand};
+use ferrotron::{checkpoint, config::Config, eval, train};
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+#[derive(Parser)]
+#[command(name = "ferrotron", version, about = "Educational from-scratch LLM pre-training")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Train a Llama from scratch (the built-in configs/tiny.toml unless --config is given).
+    Train {
+        /// A TOML config; keys it leaves out keep their configs/tiny.toml values.
+        #[arg(long)]
+        config: Option<PathBuf>,
+        /// Override one key, e.g. --set train.steps=100 (repeatable).
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        sets: Vec<String>,
+        /// Write one JSON object per step to this file.
+        #[arg(long, value_name = "OUT.jsonl")]
+        metrics: Option<PathBuf>,
+    },
+    /// Mean next-token loss of a Hugging Face Llama checkpoint on a token file.
+    Eval {
+        /// Folder with config.json and model.safetensors (or a sharded index).
+        #[arg(long)]
+        model: PathBuf,
+        /// Whitespace-separated token ids, one sequence per line.
+        #[arg(long)]
+        tokens: PathBuf,
+    },
+}
+
+fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Train { config, sets, metrics } => {
+            let cfg = Config::load(config.as_deref(), &sets)?;
+            let s = train::train(&cfg, metrics.as_deref(), false)?;
+            let floor = match s.floor {
+                Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),
+                None => "unknown".into(),
+            };
+            println!(
+                "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth) | entropy floor {floor}",
+                s.losses.len(),
+                s.wall_s,
+                s.final_loss()
+            );
+        }
+        Command::Eval { model, tokens } => {
+            let mut m = checkpoint::load_hf(&model)?;
+            let seqs = eval::read_tokens(&tokens, m.cfg.vocab_size)?;
+            println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs));
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

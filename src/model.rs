@@ -1,0 +1,284 @@
+//! # The Llama model, forward and backward by hand
+//!
+//! ```text
+//! tokens ─ embed ─┬─ block 0 ─ … ─ block L-1 ─ norm ─ lm_head ─ cross-entropy ─ loss
+//!                 │
+//! block:  x ─┬─ rmsnorm ─ q,k,v ─ rope ─ attention ─ o ─(+)─ h ─┬─ rmsnorm ─ gate,up ─ swiglu ─ down ─(+)─ out
+//!            └──────────────────────────────────────────────┘   └─────────────────────────────────────┘
+//! ```
+//! There is no autograd: `forward` keeps what the backward will need (the `Cache`), and
+//! `backward` walks the same picture right to left, returning each input gradient and
+//! accumulating each parameter gradient (`Param::grad`). Every line is one op-layer call, so the
+//! model runs on whatever device the op layer supports. Parameter names are Hugging Face's, so a
+//! transformers checkpoint loads by name and a gradient can be compared tensor by tensor.
+
+use crate::config::ModelConfig;
+use crate::ops::{self, Attn};
+use crate::tensor::Tensor;
+use anyhow::Result;
+
+/// A named weight and its gradient (same shape, accumulated by backward).
+pub struct Param {
+    pub name: String,
+    pub value: Tensor,
+    pub grad: Tensor,
+}
+
+/// What a parameter is, which decides its init: matrices are N(0, std²), norm weights ones.
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum ParamKind {
+    Matrix,
+    Norm,
+}
+
+pub struct Block {
+    q_proj: Param,
+    k_proj: Param,
+    v_proj: Param,
+    o_proj: Param,
+    gate_proj: Param,
+    up_proj: Param,
+    down_proj: Param,
+    input_layernorm: Param,
+    post_attention_layernorm: Param,
+}
+
+/// The activations one block's backward needs.
+struct BlockCache {
+    x: Tensor,
+    xn1: Tensor,
+    rstd1: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn: Tensor,
+    lse: Tensor,
+    h: Tensor,
+    xn2: Tensor,
+    rstd2: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    act: Tensor,
+}
+
+/// Everything `forward` keeps for `backward`.
+struct Cache {
+    tokens: Vec<u32>,
+    targets: Vec<i32>,
+    positions: Vec<u32>,
+    attn: Attn,
+    blocks: Vec<BlockCache>,
+    x_final: Tensor,
+    xn: Tensor,
+    rstd: Tensor,
+    logits: Tensor,
+    lse: Tensor,
+    count: usize,
+}
+
+pub struct Llama {
+    pub cfg: ModelConfig,
+    embed_tokens: Param,
+    layers: Vec<Block>,
+    norm: Param,
+    /// `None` when the output layer is tied to the embedding.
+    lm_head: Option<Param>,
+    cache: Option<Cache>,
+}
+
+impl Llama {
+    /// A fresh model: every parameter from its own (seed, name) stream (see `init.rs`).
+    pub fn new(cfg: &ModelConfig, seed: u64) -> Llama {
+        let std = cfg.initializer_range;
+        Llama::build(cfg, |name, shape, kind| {
+            Ok(match kind {
+                ParamKind::Matrix => crate::init::normal(seed, name, shape, std),
+                ParamKind::Norm => crate::init::ones(shape),
+            })
+        })
+        .expect("init cannot fail")
+    }
+
+    /// Builds the model, asking `make(name, shape, kind)` for each parameter in Hugging Face order.
+    pub fn build(cfg: &ModelConfig, mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>) -> Result<Llama> {
+        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+        let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        let mut param = |name: String, shape: &[usize], kind| -> Result<Param> {
+            let value = make(&name, shape, kind)?;
+            Ok(Param { grad: Tensor::zeros(shape), name, value })
+        };
+        let embed_tokens = param("model.embed_tokens.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}.weight");
+            layers.push(Block {
+                q_proj: param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix)?,
+                k_proj: param(p("self_attn.k_proj"), &[kv_out, d], ParamKind::Matrix)?,
+                v_proj: param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix)?,
+                o_proj: param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix)?,
+                gate_proj: param(p("mlp.gate_proj"), &[f, d], ParamKind::Matrix)?,
+                up_proj: param(p("mlp.up_proj"), &[f, d], ParamKind::Matrix)?,
+                down_proj: param(p("mlp.down_proj"), &[d, f], ParamKind::Matrix)?,
+                input_layernorm: param(p("input_layernorm"), &[d], ParamKind::Norm)?,
+                post_attention_layernorm: param(p("post_attention_layernorm"), &[d], ParamKind::Norm)?,
+            });
+        }
+        let norm = param("model.norm.weight".into(), &[d], ParamKind::Norm)?;
+        let lm_head = match cfg.tie_word_embeddings {
+            true => None,
+            false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix)?),
+        };
+        Ok(Llama { cfg: cfg.clone(), embed_tokens, layers, norm, lm_head, cache: None })
+    }
+
+    /// Every parameter, in Hugging Face order.
+    pub fn params(&self) -> Vec<&Param> {
+        let mut v = vec![&self.embed_tokens];
+        for b in &self.layers {
+            v.extend(b.params());
+        }
+        v.push(&self.norm);
+        v.extend(self.lm_head.as_ref());
+        v
+    }
+
+    pub fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v = vec![&mut self.embed_tokens];
+        for b in &mut self.layers {
+            v.extend(b.params_mut());
+        }
+        v.push(&mut self.norm);
+        v.extend(self.lm_head.as_mut());
+        v
+    }
+
+    pub fn zero_grads(&mut self) {
+        for p in self.params_mut() {
+            ops::scale(&mut p.grad, 0.0);
+        }
+    }
+
+    /// Runs `batch` sequences of `tokens.len() / batch` tokens; returns the mean cross-entropy
+    /// over the rows whose target is not negative. Keeps the activations for `backward`.
+    pub fn forward(&mut self, tokens: &[u32], batch: usize, targets: &[i32]) -> f32 {
+        let cfg = &self.cfg;
+        let seq = tokens.len() / batch;
+        let attn = Attn {
+            batch,
+            seq,
+            heads: cfg.num_attention_heads,
+            kv_heads: cfg.num_key_value_heads,
+            head_dim: cfg.head_dim(),
+        };
+        let positions: Vec<u32> = (0..tokens.len()).map(|r| (r % seq) as u32).collect();
+        let mut x = ops::embedding(&self.embed_tokens.value, tokens);
+        let mut blocks = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let (out, cache) = layer.forward(x, cfg, attn, &positions);
+            blocks.push(cache);
+            x = out;
+        }
+        let (xn, rstd) = ops::rmsnorm(&x, &self.norm.value, cfg.rms_norm_eps);
+        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
+        let logits = ops::linear(&xn, &head.value);
+        let (sum, count, lse) = ops::cross_entropy(&logits, targets);
+        let (tokens, targets) = (tokens.to_vec(), targets.to_vec());
+        self.cache = Some(Cache { tokens, targets, positions, attn, blocks, x_final: x, xn, rstd, logits, lse, count });
+        (sum / count.max(1) as f64) as f32
+    }
+
+    /// The logits of the last `forward`, `[rows, vocab]`.
+    pub fn logits(&self) -> Option<&Tensor> {
+        self.cache.as_ref().map(|c| &c.logits)
+    }
+
+    /// Accumulates into every `Param::grad` the gradient of `scale × loss` of the last forward.
+    pub fn backward(&mut self, scale: f32) {
+        let c = self.cache.take().expect("backward needs a forward first");
+        let dlogits = ops::cross_entropy_backward(&c.logits, &c.targets, &c.lse, scale / c.count.max(1) as f32);
+        let head = self.lm_head.as_mut().unwrap_or(&mut self.embed_tokens);
+        let dxn = ops::linear_backward(&dlogits, &c.xn, &head.value, &mut head.grad);
+        let mut dx = ops::rmsnorm_backward(&dxn, &c.x_final, &self.norm.value, &c.rstd, &mut self.norm.grad);
+        for (layer, cache) in self.layers.iter_mut().zip(&c.blocks).rev() {
+            dx = layer.backward(dx, cache, &self.cfg, c.attn, &c.positions);
+        }
+        ops::embedding_backward(&dx, &c.tokens, &mut self.embed_tokens.grad);
+    }
+}
+
+impl Block {
+    fn params(&self) -> [&Param; 9] {
+        [
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+        ]
+    }
+
+    fn params_mut(&mut self) -> [&mut Param; 9] {
+        [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+            &mut self.input_layernorm,
+            &mut self.post_attention_layernorm,
+        ]
+    }
+
+    fn forward(&self, x: Tensor, cfg: &ModelConfig, attn: Attn, positions: &[u32]) -> (Tensor, BlockCache) {
+        let (eps, hd, theta) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta);
+        // attention sub-block
+        let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
+        let mut q = ops::linear(&xn1, &self.q_proj.value);
+        let mut k = ops::linear(&xn1, &self.k_proj.value);
+        let v = ops::linear(&xn1, &self.v_proj.value);
+        ops::rope(&mut q, positions, hd, theta);
+        ops::rope(&mut k, positions, hd, theta);
+        let (attn_out, lse) = ops::attention(attn, &q, &k, &v);
+        let mut h = ops::linear(&attn_out, &self.o_proj.value);
+        ops::add_assign(&mut h, &x);
+        // MLP sub-block
+        let (xn2, rstd2) = ops::rmsnorm(&h, &self.post_attention_layernorm.value, eps);
+        let gate = ops::linear(&xn2, &self.gate_proj.value);
+        let up = ops::linear(&xn2, &self.up_proj.value);
+        let act = ops::swiglu(&gate, &up);
+        let mut out = ops::linear(&act, &self.down_proj.value);
+        ops::add_assign(&mut out, &h);
+        let cache = BlockCache { x, xn1, rstd1, q, k, v, attn: attn_out, lse, h, xn2, rstd2, gate, up, act };
+        (out, cache)
+    }
+
+    fn backward(&mut self, dout: Tensor, c: &BlockCache, cfg: &ModelConfig, attn: Attn, positions: &[u32]) -> Tensor {
+        let (hd, theta) = (attn.head_dim, cfg.rope_theta);
+        // MLP sub-block, right to left
+        let dact = ops::linear_backward(&dout, &c.act, &self.down_proj.value, &mut self.down_proj.grad);
+        let (dgate, dup) = ops::swiglu_backward(&dact, &c.gate, &c.up);
+        let mut dxn2 = ops::linear_backward(&dgate, &c.xn2, &self.gate_proj.value, &mut self.gate_proj.grad);
+        ops::add_assign(&mut dxn2, &ops::linear_backward(&dup, &c.xn2, &self.up_proj.value, &mut self.up_proj.grad));
+        let ln2 = &mut self.post_attention_layernorm;
+        let mut dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad);
+        ops::add_assign(&mut dh, &dout); // the residual carries dout straight through
+        // attention sub-block, right to left
+        let dattn = ops::linear_backward(&dh, &c.attn, &self.o_proj.value, &mut self.o_proj.grad);
+        let (mut dq, mut dk, dv) = ops::attention_backward(attn, (&c.q, &c.k, &c.v), &c.attn, &c.lse, &dattn);
+        ops::rope_backward(&mut dq, positions, hd, theta);
+        ops::rope_backward(&mut dk, positions, hd, theta);
+        let mut dxn1 = ops::linear_backward(&dq, &c.xn1, &self.q_proj.value, &mut self.q_proj.grad);
+        ops::add_assign(&mut dxn1, &ops::linear_backward(&dk, &c.xn1, &self.k_proj.value, &mut self.k_proj.grad));
+        ops::add_assign(&mut dxn1, &ops::linear_backward(&dv, &c.xn1, &self.v_proj.value, &mut self.v_proj.grad));
+        let ln1 = &mut self.input_layernorm;
+        let mut dx = ops::rmsnorm_backward(&dxn1, &c.x, &ln1.value, &c.rstd1, &mut ln1.grad);
+        ops::add_assign(&mut dx, &dh);
+        dx
+    }
+}

@@ -1,0 +1,170 @@
+//! # The op layer: what the model may ask of a device
+//!
+//! Each op takes and returns `Tensor`s and has its backward next to it. The model (`model.rs`)
+//! is written only in these calls, so it never knows which device it runs on: this file looks at
+//! where the tensors live and calls that device's kernels (`cpu.rs` today; a CUDA backend adds its
+//! launches here, one arm per op). Shapes are checked here, once, for every backend.
+//!
+//! Conventions: a linear weight is `[out, in]` as in PyTorch, so `y = x · Wᵀ`; activations are
+//! `[rows, features]`; parameter gradients are *accumulated* (`+=`), activation gradients are
+//! returned fresh.
+
+use crate::cpu::{self, AttnShape, View};
+pub use crate::cpu::AdamW;
+use crate::tensor::Tensor;
+
+/// y[m, n] = x[m, k] · w[n, k]ᵀ.
+pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
+    let (m, k, n) = (x.rows(), x.cols(), w.shape()[0]);
+    assert_eq!(w.cols(), k, "linear: input has {k} features, weight expects {}", w.cols());
+    let mut y = Tensor::zeros(&[m, n]);
+    cpu::gemm(m, k, n, View::rows(x.host(), k), View::transposed(w.host(), k), y.host_mut(), false);
+    y
+}
+
+/// Returns dx = dy · w and accumulates dw += dyᵀ · x.
+pub fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor, dw: &mut Tensor) -> Tensor {
+    let (m, k, n) = (x.rows(), x.cols(), w.shape()[0]);
+    let mut dx = Tensor::zeros(&[m, k]);
+    cpu::gemm(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k), dx.host_mut(), false);
+    cpu::gemm(n, m, k, View::transposed(dy.host(), n), View::rows(x.host(), k), dw.host_mut(), true);
+    dx
+}
+
+/// Rows of `table` picked by token id.
+pub fn embedding(table: &Tensor, tokens: &[u32]) -> Tensor {
+    let dim = table.cols();
+    let mut out = Tensor::zeros(&[tokens.len(), dim]);
+    cpu::embedding(table.host(), tokens, dim, out.host_mut());
+    out
+}
+
+pub fn embedding_backward(dout: &Tensor, tokens: &[u32], dtable: &mut Tensor) {
+    let dim = dtable.cols();
+    cpu::embedding_backward(dout.host(), tokens, dim, dtable.host_mut());
+}
+
+/// Returns (y, rstd): the normalised rows and the per-row 1/rms the backward needs.
+pub fn rmsnorm(x: &Tensor, w: &Tensor, eps: f32) -> (Tensor, Tensor) {
+    let mut y = Tensor::zeros(x.shape());
+    let mut rstd = Tensor::zeros(&[x.rows()]);
+    cpu::rmsnorm(x.host(), w.host(), eps, y.host_mut(), rstd.host_mut());
+    (y, rstd)
+}
+
+pub fn rmsnorm_backward(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, dw: &mut Tensor) -> Tensor {
+    let mut dx = Tensor::zeros(x.shape());
+    cpu::rmsnorm_backward(dy.host(), x.host(), w.host(), rstd.host(), dx.host_mut(), dw.host_mut());
+    dx
+}
+
+/// Rotates each head of `x` `[rows, heads*head_dim]` in place by its row's position.
+pub fn rope(x: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64) {
+    let heads = x.cols() / head_dim;
+    cpu::rope(x.host_mut(), positions, heads, head_dim, theta, false);
+}
+
+/// The backward of a rotation is the inverse rotation, applied to the gradient in place.
+pub fn rope_backward(dx: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64) {
+    let heads = dx.cols() / head_dim;
+    cpu::rope(dx.host_mut(), positions, heads, head_dim, theta, true);
+}
+
+/// The shape of one attention call.
+#[derive(Clone, Copy, Debug)]
+pub struct Attn {
+    pub batch: usize,
+    pub seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl Attn {
+    fn cpu(&self) -> AttnShape {
+        AttnShape { batch: self.batch, seq: self.seq, heads: self.heads, kv_heads: self.kv_heads, head_dim: self.head_dim }
+    }
+}
+
+/// Causal grouped-query attention. Returns (out, lse) with lse `[batch, heads, seq]`.
+pub fn attention(a: Attn, q: &Tensor, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+    assert_eq!(q.shape(), [a.batch * a.seq, a.heads * a.head_dim], "attention: q shape");
+    assert_eq!(k.shape(), [a.batch * a.seq, a.kv_heads * a.head_dim], "attention: k shape");
+    assert!(a.heads % a.kv_heads == 0, "attention: heads must be a multiple of kv_heads");
+    let mut out = Tensor::zeros(q.shape());
+    let mut lse = Tensor::zeros(&[a.batch, a.heads, a.seq]);
+    cpu::attention(&a.cpu(), q.host(), k.host(), v.host(), out.host_mut(), lse.host_mut());
+    (out, lse)
+}
+
+/// Returns (dq, dk, dv), recomputing the probabilities from `lse`.
+pub fn attention_backward(
+    a: Attn,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+) -> (Tensor, Tensor, Tensor) {
+    let (mut dq, mut dk, mut dv) = (Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()));
+    cpu::attention_backward(
+        &a.cpu(),
+        q.host(),
+        k.host(),
+        v.host(),
+        out.host(),
+        lse.host(),
+        dout.host(),
+        dq.host_mut(),
+        dk.host_mut(),
+        dv.host_mut(),
+    );
+    (dq, dk, dv)
+}
+
+/// h = silu(gate) · up.
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    let mut h = Tensor::zeros(gate.shape());
+    cpu::swiglu(gate.host(), up.host(), h.host_mut());
+    h
+}
+
+/// Returns (dgate, dup).
+pub fn swiglu_backward(dh: &Tensor, gate: &Tensor, up: &Tensor) -> (Tensor, Tensor) {
+    let (mut dg, mut du) = (Tensor::zeros(gate.shape()), Tensor::zeros(up.shape()));
+    cpu::swiglu_backward(dh.host(), gate.host(), up.host(), dg.host_mut(), du.host_mut());
+    (dg, du)
+}
+
+/// Cross-entropy of each row of `logits` against `targets` (negative target: row ignored).
+/// Returns (sum of the row losses, number of counted rows, per-row log-sum-exp).
+pub fn cross_entropy(logits: &Tensor, targets: &[i32]) -> (f64, usize, Tensor) {
+    assert_eq!(logits.rows(), targets.len(), "cross_entropy: one target per row");
+    let mut lse = Tensor::zeros(&[targets.len()]);
+    let (sum, count) = cpu::cross_entropy(logits.host(), targets, logits.cols(), lse.host_mut());
+    (sum, count, lse)
+}
+
+/// d(scale · Σ losses)/d logits.
+pub fn cross_entropy_backward(logits: &Tensor, targets: &[i32], lse: &Tensor, scale: f32) -> Tensor {
+    let mut d = Tensor::zeros(logits.shape());
+    cpu::cross_entropy_backward(logits.host(), targets, lse.host(), scale, d.host_mut());
+    d
+}
+
+pub fn add_assign(a: &mut Tensor, b: &Tensor) {
+    assert_eq!(a.shape(), b.shape(), "add_assign: shapes differ");
+    cpu::add_assign(a.host_mut(), b.host());
+}
+
+pub fn scale(a: &mut Tensor, s: f32) {
+    cpu::scale(a.host_mut(), s);
+}
+
+pub fn sum_squares(a: &Tensor) -> f64 {
+    cpu::sum_squares(a.host())
+}
+
+/// One AdamW step on a parameter, with its gradient and moments.
+pub fn adamw(o: &AdamW, p: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor) {
+    cpu::adamw(o, p.host_mut(), g.host(), m.host_mut(), v.host_mut());
+}

@@ -1,0 +1,75 @@
+//! # The optimizer: AdamW, global gradient-norm clipping, warmup + cosine schedule
+//!
+//! ```text
+//! lr │   ╱‾‾‾‾‾‾╲_
+//!    │  ╱          ‾╲_
+//!    │ ╱               ‾‾‾──── min_lr
+//!    └─────────────────────────── step
+//!     warmup     cosine decay
+//! ```
+//! One step: measure the global gradient norm (the √ of Σ over *all* parameters of Σ g²; with
+//! sharded parameters the sum of squares is all-reduced before the square root), scale every
+//! gradient down if the norm exceeds `grad_clip`, then update each parameter with AdamW. Weight
+//! decay is decoupled (applied to the weight, not added to the gradient) and skips norm weights.
+
+use crate::config::TrainConfig;
+use crate::model::Param;
+use crate::ops::{self, AdamW};
+use crate::tensor::Tensor;
+
+/// Learning rate at `step` (0-based): linear warmup to `lr`, then cosine down to `min_lr` at the
+/// last step.
+pub fn lr_at(t: &TrainConfig, step: usize) -> f32 {
+    if step < t.warmup_steps {
+        return t.lr * (step + 1) as f32 / t.warmup_steps as f32;
+    }
+    let decay_steps = t.steps.saturating_sub(t.warmup_steps).saturating_sub(1).max(1);
+    let progress = ((step - t.warmup_steps) as f32 / decay_steps as f32).min(1.0);
+    t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f32::consts::PI * progress).cos())
+}
+
+/// Σ g² over the given gradients (the caller all-reduces it when parameters are sharded).
+pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
+    params.iter().map(|p| ops::sum_squares(&p.grad)).sum()
+}
+
+/// Scales the gradients so that their global norm is at most `max_norm`; returns the factor.
+pub fn clip(params: &mut [&mut Param], norm: f64, max_norm: f32) -> f32 {
+    if max_norm <= 0.0 || norm <= max_norm as f64 {
+        return 1.0;
+    }
+    let factor = (max_norm as f64 / (norm + 1e-6)) as f32;
+    for p in params.iter_mut() {
+        ops::scale(&mut p.grad, factor);
+    }
+    factor
+}
+
+/// AdamW with fp32 moments, one pair per parameter.
+pub struct Optimizer {
+    moments: Vec<(Tensor, Tensor)>,
+    step: u32,
+}
+
+impl Optimizer {
+    pub fn new(params: &[&mut Param]) -> Optimizer {
+        let moments = params.iter().map(|p| (Tensor::zeros(p.value.shape()), Tensor::zeros(p.value.shape()))).collect();
+        Optimizer { moments, step: 0 }
+    }
+
+    pub fn step(&mut self, params: &mut [&mut Param], t: &TrainConfig, lr: f32) {
+        self.step += 1;
+        for (p, (m, v)) in params.iter_mut().zip(&mut self.moments) {
+            let decays = p.value.shape().len() >= 2;
+            let o = AdamW {
+                lr,
+                beta1: t.beta1,
+                beta2: t.beta2,
+                eps: t.adam_eps,
+                weight_decay: if decays { t.weight_decay } else { 0.0 },
+                step: self.step,
+            };
+            ops::adamw(&o, &mut p.value, &p.grad, m, v);
+        }
+    }
+}
