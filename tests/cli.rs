@@ -1,0 +1,49 @@
+//! The command line as a user meets it: `train` with metrics, and `eval` on a checkpoint.
+
+use std::process::Command;
+
+fn ferrotron(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{args:?} failed: {stderr}");
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+#[test]
+fn train_prints_floor_and_summary_and_writes_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let out = ferrotron(&[
+        "train",
+        "--set",
+        "train.steps=3",
+        "--set",
+        "train.seq_len=32",
+        "--set",
+        "data.copy_lag=8",
+        "--metrics",
+        metrics.to_str().unwrap(),
+    ]);
+    assert!(out.contains("entropy floor"), "{out}");
+    assert!(out.contains("done: 3 steps"), "{out}");
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 3);
+    for (i, l) in lines.iter().enumerate() {
+        assert_eq!(l["step"], i);
+        for key in ["loss", "lr", "grad_norm", "tokens_per_s"] {
+            assert!(l[key].as_f64().is_some_and(|v| v.is_finite() && v > 0.0), "{key} in {l}");
+        }
+    }
+    // the first loss of an untrained model is close to ln(vocab)
+    let first = lines[0]["loss"].as_f64().unwrap();
+    assert!((first - 64f64.ln()).abs() < 0.1, "first loss {first}");
+}
+
+#[test]
+fn eval_prints_the_transformers_loss() {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tied_odd");
+    let out = ferrotron(&["eval", "--model", dir, "--tokens", &format!("{dir}/tokens.txt")]);
+    let loss: f64 = out.trim().strip_prefix("loss: ").unwrap().parse().unwrap();
+    assert!((loss - 4.846938).abs() < 1e-5, "{out}");
+}

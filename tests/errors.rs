@@ -1,0 +1,112 @@
+//! Bad input gets one clear line naming the field or file, never a panic.
+
+use ferrotron::checkpoint;
+use ferrotron::config::Config;
+use std::path::Path;
+use std::process::Command;
+
+/// The one-line message of an error that must happen.
+fn err<T>(r: anyhow::Result<T>) -> String {
+    format!("{:#}", r.err().expect("this input must be rejected"))
+}
+
+fn config_error(sets: &[&str]) -> String {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    err(Config::load(None, &sets))
+}
+
+#[test]
+fn unknown_key_is_named() {
+    let e = config_error(&["model.hiden_size=64"]);
+    assert!(e.contains("hiden_size") && e.contains("model"), "{e}");
+    let e = config_error(&["trian.steps=3"]);
+    assert!(e.contains("trian"), "{e}");
+}
+
+#[test]
+fn wrong_type_is_named() {
+    let e = config_error(&["train.steps=\"many\""]);
+    assert!(e.contains("train.steps") && e.contains("invalid type"), "{e}");
+    let e = config_error(&["model.tie_word_embeddings=3"]);
+    assert!(e.contains("model.tie_word_embeddings"), "{e}");
+}
+
+#[test]
+fn impossible_model_shapes() {
+    let e = config_error(&["model.hidden_size=100", "model.num_attention_heads=8"]);
+    assert!(e.contains("model.hidden_size = 100 is not divisible by model.num_attention_heads = 8"), "{e}");
+    let e = config_error(&["model.num_key_value_heads=3"]);
+    assert!(e.contains("not a multiple of model.num_key_value_heads = 3"), "{e}");
+    let e = config_error(&["model.head_dim=7"]);
+    assert!(e.contains("head_dim = 7 must be even"), "{e}");
+}
+
+#[test]
+fn bad_values_are_named() {
+    assert!(config_error(&["train.steps=0"]).contains("train.steps = 0"));
+    assert!(config_error(&["parallel.tp=2"]).contains("parallel.tp = 2"));
+    assert!(config_error(&["parallel.pp_schedule=\"gpipe\""]).contains("parallel.pp_schedule"));
+    assert!(config_error(&["device.kind=\"tpu\""]).contains("device.kind"));
+    assert!(config_error(&["data.source=\"wiki\""]).contains("data.source = \"wiki\""));
+    assert!(config_error(&["data.source=\"text:x.txt\""]).contains("model.vocab_size must be at least 256"));
+    assert!(config_error(&["train.lr=-1.0"]).contains("train.lr"));
+    assert!(config_error(&["train.steps"]).contains("expected section.key=value"));
+}
+
+#[test]
+fn missing_files_are_named() {
+    let e = err(Config::load(Some(Path::new("no/such.toml")), &[]));
+    assert!(e.contains("no/such.toml"), "{e}");
+    let e = err(checkpoint::load_hf(Path::new("no/such/model")));
+    assert!(e.contains("no/such/model/config.json"), "{e}");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture("gqa/config.json"), dir.path().join("config.json")).unwrap();
+    let e = err(checkpoint::load_hf(dir.path()));
+    assert!(e.contains("model.safetensors"), "{e}");
+}
+
+#[test]
+fn corrupt_safetensors_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(fixture("gqa/config.json"), dir.path().join("config.json")).unwrap();
+    let good = std::fs::read(fixture("gqa/model.safetensors")).unwrap();
+    std::fs::write(dir.path().join("model.safetensors"), &good[..good.len() / 2]).unwrap();
+    let e = err(checkpoint::load_hf(dir.path()));
+    assert!(e.contains("model.safetensors: not a valid safetensors file"), "{e}");
+}
+
+#[test]
+fn checkpoint_shape_mismatch_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = std::fs::read_to_string(fixture("gqa/config.json")).unwrap();
+    std::fs::write(dir.path().join("config.json"), cfg.replace("\"intermediate_size\": 40", "\"intermediate_size\": 44")).unwrap();
+    std::fs::copy(fixture("gqa/model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+    let e = err(checkpoint::load_hf(dir.path()));
+    assert!(e.contains("gate_proj.weight has shape [40, 32], but config.json implies [44, 32]"), "{e}");
+}
+
+/// The binary prints exactly one `error:` line and exits with status 1.
+fn cli_error(args: &[&str]) -> String {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+    assert!(!stderr.contains("panicked"), "{args:?} panicked: {stderr}");
+    assert_eq!(stderr.trim().lines().count(), 1, "{args:?}: not one line: {stderr}");
+    assert!(stderr.starts_with("error: "), "{stderr}");
+    stderr
+}
+
+#[test]
+fn cli_errors_are_one_line() {
+    assert!(cli_error(&["train", "--set", "model.num_attention_heads=5"]).contains("num_attention_heads"));
+    assert!(cli_error(&["train", "--config", "missing.toml"]).contains("missing.toml"));
+    assert!(cli_error(&["eval", "--model", "nowhere", "--tokens", "t.txt"]).contains("nowhere/config.json"));
+    let tokens = fixture("gqa/tokens.txt");
+    let e = cli_error(&["eval", "--model", fixture("gqa").to_str().unwrap(), "--tokens", fixture("gqa/config.json").to_str().unwrap()]);
+    assert!(e.contains("config.json:1") && e.contains("is not a token id"), "{e}");
+    assert!(tokens.exists());
+}
+
+fn fixture(rel: &str) -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+}

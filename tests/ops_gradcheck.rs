@@ -1,0 +1,147 @@
+//! Every backward op against central finite differences of its forward.
+//!
+//! For an op y = f(x₁, x₂, …) and a fixed random R, the scalar L = Σ y·R has ∂L/∂xᵢ given by the
+//! op's backward applied to dy = R. We perturb sampled coordinates of each input by ±ε and compare
+//! (L(x+ε) − L(x−ε)) / 2ε with that gradient, relative to the gradient's largest entry.
+
+use ferrotron::ops::{self, Attn};
+use ferrotron::tensor::Tensor;
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+fn randn(rng: &mut ChaCha8Rng, n: usize, scale: f32) -> Vec<f32> {
+    (0..n).map(|_| (rng.gen::<f32>() * 2.0 - 1.0) * scale).collect()
+}
+
+/// `f` maps the inputs to the output; `analytic` are the gradients of Σ f(x)·r w.r.t. each input.
+fn check(op: &str, inputs: &[Vec<f32>], r: &[f32], f: impl Fn(&[Vec<f32>]) -> Vec<f32>, analytic: &[Vec<f32>]) {
+    let loss = |xs: &[Vec<f32>]| -> f64 { f(xs).iter().zip(r).map(|(y, r)| *y as f64 * *r as f64).sum() };
+    let eps = 1e-2f32;
+    for (i, grad) in analytic.iter().enumerate() {
+        assert_eq!(grad.len(), inputs[i].len(), "{op}: gradient {i} has the wrong size");
+        let scale = grad.iter().fold(0.0f32, |m, g| m.max(g.abs()));
+        assert!(scale > 0.0, "{op}: gradient {i} is all zeros");
+        let stride = (grad.len() / 24).max(1);
+        for j in (0..grad.len()).step_by(stride) {
+            let mut plus = inputs.to_vec();
+            plus[i][j] += eps;
+            let mut minus = inputs.to_vec();
+            minus[i][j] -= eps;
+            let numeric = ((loss(&plus) - loss(&minus)) / (2.0 * eps as f64)) as f32;
+            let err = (numeric - grad[j]).abs();
+            assert!(err <= 1e-2 * scale, "{op}: d/dx{i}[{j}] numeric {numeric} vs backward {} (scale {scale})", grad[j]);
+        }
+    }
+}
+
+fn t(shape: &[usize], v: &[f32]) -> Tensor {
+    Tensor::from_vec(shape, v.to_vec())
+}
+
+#[test]
+fn linear() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    let (m, k, n) = (5, 7, 6);
+    let (x, w, r) = (randn(&mut rng, m * k, 1.0), randn(&mut rng, n * k, 1.0), randn(&mut rng, m * n, 1.0));
+    let f = |xs: &[Vec<f32>]| ops::linear(&t(&[m, k], &xs[0]), &t(&[n, k], &xs[1])).to_vec();
+    let mut dw = Tensor::zeros(&[n, k]);
+    let dx = ops::linear_backward(&t(&[m, n], &r), &t(&[m, k], &x), &t(&[n, k], &w), &mut dw);
+    check("linear", &[x, w], &r, f, &[dx.to_vec(), dw.to_vec()]);
+}
+
+#[test]
+fn embedding() {
+    let mut rng = ChaCha8Rng::seed_from_u64(2);
+    let tokens = [3u32, 0, 3, 5, 1];
+    let (table, r) = (randn(&mut rng, 6 * 4, 1.0), randn(&mut rng, 5 * 4, 1.0));
+    let f = |xs: &[Vec<f32>]| ops::embedding(&t(&[6, 4], &xs[0]), &tokens).to_vec();
+    let mut dtable = Tensor::zeros(&[6, 4]);
+    ops::embedding_backward(&t(&[5, 4], &r), &tokens, &mut dtable);
+    check("embedding", &[table], &r, f, &[dtable.to_vec()]);
+}
+
+#[test]
+fn rmsnorm() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let (rows, d) = (4, 9);
+    let (x, w, r) = (randn(&mut rng, rows * d, 1.0), randn(&mut rng, d, 1.0), randn(&mut rng, rows * d, 1.0));
+    let f = |xs: &[Vec<f32>]| ops::rmsnorm(&t(&[rows, d], &xs[0]), &t(&[d], &xs[1]), 1e-5).0.to_vec();
+    let (xt, wt) = (t(&[rows, d], &x), t(&[d], &w));
+    let (_, rstd) = ops::rmsnorm(&xt, &wt, 1e-5);
+    let mut dw = Tensor::zeros(&[d]);
+    let dx = ops::rmsnorm_backward(&t(&[rows, d], &r), &xt, &wt, &rstd, &mut dw);
+    check("rmsnorm", &[x, w], &r, f, &[dx.to_vec(), dw.to_vec()]);
+}
+
+#[test]
+fn rope() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let (rows, heads, hd) = (6, 3, 8);
+    let positions = [0u32, 1, 2, 7, 30, 100];
+    let (x, r) = (randn(&mut rng, rows * heads * hd, 1.0), randn(&mut rng, rows * heads * hd, 1.0));
+    let f = |xs: &[Vec<f32>]| {
+        let mut y = t(&[rows, heads * hd], &xs[0]);
+        ops::rope(&mut y, &positions, hd, 10000.0);
+        y.to_vec()
+    };
+    let mut dx = t(&[rows, heads * hd], &r);
+    ops::rope_backward(&mut dx, &positions, hd, 10000.0);
+    check("rope", &[x], &r, f, &[dx.to_vec()]);
+}
+
+#[test]
+fn attention_grouped_query() {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let a = Attn { batch: 2, seq: 5, heads: 4, kv_heads: 2, head_dim: 4 };
+    let (rows, qw, kw) = (a.batch * a.seq, a.heads * a.head_dim, a.kv_heads * a.head_dim);
+    let q = randn(&mut rng, rows * qw, 1.0);
+    let k = randn(&mut rng, rows * kw, 1.0);
+    let v = randn(&mut rng, rows * kw, 1.0);
+    let r = randn(&mut rng, rows * qw, 1.0);
+    let f = |xs: &[Vec<f32>]| ops::attention(a, &t(&[rows, qw], &xs[0]), &t(&[rows, kw], &xs[1]), &t(&[rows, kw], &xs[2])).0.to_vec();
+    let (qt, kt, vt) = (t(&[rows, qw], &q), t(&[rows, kw], &k), t(&[rows, kw], &v));
+    let (out, lse) = ops::attention(a, &qt, &kt, &vt);
+    let (dq, dk, dv) = ops::attention_backward(a, (&qt, &kt, &vt), &out, &lse, &t(&[rows, qw], &r));
+    check("attention", &[q, k, v], &r, f, &[dq.to_vec(), dk.to_vec(), dv.to_vec()]);
+}
+
+#[test]
+fn attention_is_causal() {
+    // changing the last position's key and value must not change any earlier output
+    let mut rng = ChaCha8Rng::seed_from_u64(6);
+    let a = Attn { batch: 1, seq: 6, heads: 2, kv_heads: 1, head_dim: 4 };
+    let q = t(&[6, 8], &randn(&mut rng, 48, 1.0));
+    let (k, v) = (randn(&mut rng, 24, 1.0), randn(&mut rng, 24, 1.0));
+    let (mut k2, mut v2) = (k.clone(), v.clone());
+    k2[20..].iter_mut().for_each(|x| *x += 1.0);
+    v2[20..].iter_mut().for_each(|x| *x -= 1.0);
+    let o1 = ops::attention(a, &q, &t(&[6, 4], &k), &t(&[6, 4], &v)).0.to_vec();
+    let o2 = ops::attention(a, &q, &t(&[6, 4], &k2), &t(&[6, 4], &v2)).0.to_vec();
+    assert_eq!(o1[..40], o2[..40], "earlier positions saw the future");
+    assert_ne!(o1[40..], o2[40..], "the last position ignores its own key and value");
+}
+
+#[test]
+fn swiglu() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let (g, u, r) = (randn(&mut rng, 30, 3.0), randn(&mut rng, 30, 1.0), randn(&mut rng, 30, 1.0));
+    let f = |xs: &[Vec<f32>]| ops::swiglu(&t(&[5, 6], &xs[0]), &t(&[5, 6], &xs[1])).to_vec();
+    let (dg, du) = ops::swiglu_backward(&t(&[5, 6], &r), &t(&[5, 6], &g), &t(&[5, 6], &u));
+    check("swiglu", &[g, u], &r, f, &[dg.to_vec(), du.to_vec()]);
+}
+
+#[test]
+fn cross_entropy_with_ignored_rows() {
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let (rows, vocab) = (5, 7);
+    let targets = [2i32, 6, -1, 0, 3];
+    let logits = randn(&mut rng, rows * vocab, 3.0);
+    // the scalar here is the loss itself: R = [1]
+    let f = |xs: &[Vec<f32>]| vec![ops::cross_entropy(&t(&[rows, vocab], &xs[0]), &targets).0 as f32];
+    let lt = t(&[rows, vocab], &logits);
+    let (_, count, lse) = ops::cross_entropy(&lt, &targets);
+    assert_eq!(count, 4, "the ignored row is not counted");
+    let d = ops::cross_entropy_backward(&lt, &targets, &lse, 1.0).to_vec();
+    assert!(d[2 * vocab..3 * vocab].iter().all(|&x| x == 0.0), "an ignored row has no gradient");
+    check("cross_entropy", &[logits], &[1.0], f, &[d]);
+}

@@ -1,0 +1,141 @@
+//! The training pieces: init, data, schedule, optimizer, gradient accumulation, and learning.
+
+use ferrotron::config::Config;
+use ferrotron::data::{Dataset, Synthetic};
+use ferrotron::model::Llama;
+use ferrotron::ops::{self, AdamW};
+use ferrotron::tensor::Tensor;
+use ferrotron::{init, optimizer, train};
+
+fn cfg(sets: &[&str]) -> Config {
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    Config::load(None, &sets).unwrap()
+}
+
+/// A model small enough to train in seconds.
+const SMALL: &[&str] = &[
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_key_value_heads=2",
+    "train.seq_len=32",
+    "data.copy_lag=8",
+];
+
+#[test]
+fn tiny_config_file_is_the_builtin_default() {
+    let from_file = Config::load(Some(std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/configs/tiny.toml"))), &[]).unwrap();
+    assert_eq!(format!("{from_file:?}"), format!("{:?}", cfg(&[])));
+}
+
+#[test]
+fn init_is_keyed_by_seed_and_name() {
+    let a = init::normal(7, "model.layers.0.mlp.up_proj.weight", &[64, 32], 0.02).to_vec();
+    let b = init::normal(7, "model.layers.0.mlp.up_proj.weight", &[64, 32], 0.02).to_vec();
+    let c = init::normal(7, "model.layers.1.mlp.up_proj.weight", &[64, 32], 0.02).to_vec();
+    let d = init::normal(8, "model.layers.0.mlp.up_proj.weight", &[64, 32], 0.02).to_vec();
+    assert_eq!(a, b);
+    assert_ne!(a, c);
+    assert_ne!(a, d);
+    let mean = a.iter().sum::<f32>() / a.len() as f32;
+    let std = (a.iter().map(|x| (x - mean) * (x - mean)).sum::<f32>() / a.len() as f32).sqrt();
+    assert!(mean.abs() < 0.002 && (std - 0.02).abs() < 0.002, "mean {mean} std {std}");
+    // a row slice of the full tensor is what a sharded rank keeps: the first rows of a taller draw
+    let taller = init::normal(7, "model.layers.0.mlp.up_proj.weight", &[128, 32], 0.02).to_vec();
+    assert_eq!(a, taller[..a.len()]);
+    // two models from one seed are identical
+    let c = cfg(SMALL);
+    let (m1, m2) = (Llama::new(&c.model, 3), Llama::new(&c.model, 3));
+    for (p, q) in m1.params().iter().zip(m2.params()) {
+        assert_eq!(p.value.to_vec(), q.value.to_vec(), "{}", p.name);
+    }
+}
+
+#[test]
+fn synthetic_floor_matches_the_sources_own_likelihood() {
+    let c = cfg(&[]);
+    let source = Synthetic::new(&c.data, c.model.vocab_size);
+    let len = c.train.seq_len + 1;
+    let floor = source.entropy_floor(len);
+    let nlls: Vec<f64> = (0..3000).map(|i| source.nll(&source.sequence(i, len))).collect();
+    let mean = nlls.iter().sum::<f64>() / nlls.len() as f64;
+    let var = nlls.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (nlls.len() - 1) as f64;
+    let stderr = (var / nlls.len() as f64).sqrt();
+    assert!((mean - floor).abs() < 4.0 * stderr, "Monte Carlo {mean} ± {stderr} vs exact floor {floor}");
+    // without copies the floor is exactly ln(branching)
+    let plain = Synthetic::new(&cfg(&["data.copy_prob=0.0"]).data, 64);
+    assert!((plain.entropy_floor(len) - 4f64.ln()).abs() < 1e-12);
+    // sequences are a pure function of their index, inside the vocabulary
+    assert_eq!(source.sequence(17, len), source.sequence(17, len));
+    assert!(source.sequence(17, len).iter().all(|&t| (t as usize) < c.model.vocab_size));
+}
+
+#[test]
+fn text_source_reads_byte_windows() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("corpus.txt");
+    std::fs::write(&path, "hello ferrotron, hello world. ".repeat(20)).unwrap();
+    let c = cfg(&["model.vocab_size=256", &format!("data.source=\"text:{}\"", path.display()), "train.seq_len=16"]);
+    let data = Dataset::open(&c.data, &c.model).unwrap();
+    assert!(data.entropy_floor(16).is_none());
+    let (inputs, targets) = data.micro_batch(&c.train, 0, 0).unwrap();
+    assert_eq!(inputs.len(), c.train.micro_batch_size * 16);
+    assert_eq!(inputs[1], targets[0] as u32, "targets are the inputs shifted by one");
+    let text = std::fs::read_to_string(&path).unwrap();
+    let window: String = inputs[..16].iter().map(|&b| b as u8 as char).collect();
+    assert!(text.contains(&window), "a window of the file: {window:?}");
+}
+
+#[test]
+fn lr_schedule_warms_up_then_decays_to_the_floor() {
+    let t = cfg(&["train.steps=100", "train.warmup_steps=10", "train.lr=1.0", "train.min_lr=0.1"]).train;
+    assert!((optimizer::lr_at(&t, 0) - 0.1).abs() < 1e-6);
+    assert!((optimizer::lr_at(&t, 9) - 1.0).abs() < 1e-6);
+    assert!((optimizer::lr_at(&t, 99) - 0.1).abs() < 1e-6);
+    let lrs: Vec<f32> = (10..100).map(|s| optimizer::lr_at(&t, s)).collect();
+    assert!(lrs.windows(2).all(|w| w[1] <= w[0]), "cosine decay is monotone");
+}
+
+#[test]
+fn adamw_step_matches_the_formula() {
+    let o = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.5, step: 1 };
+    let mut p = Tensor::from_vec(&[2], vec![1.0, -2.0]);
+    let g = Tensor::from_vec(&[2], vec![0.5, 0.25]);
+    let (mut m, mut v) = (Tensor::zeros(&[2]), Tensor::zeros(&[2]));
+    ops::adamw(&o, &mut p, &g, &mut m, &mut v);
+    // step 1: m̂ = g, v̂ = g², so the Adam step is lr·sign(g); decay first multiplies by (1 − lr·wd)
+    let want = [1.0 * 0.95 - 0.1, -2.0 * 0.95 - 0.1];
+    for (a, b) in p.to_vec().iter().zip(want) {
+        assert!((a - b).abs() < 1e-6, "{a} vs {b}");
+    }
+}
+
+#[test]
+fn gradient_accumulation_keeps_the_global_batch() {
+    let mut one = SMALL.to_vec();
+    one.extend(["train.steps=4", "train.micro_batch_size=8", "train.grad_accum_steps=1"]);
+    let mut two = SMALL.to_vec();
+    two.extend(["train.steps=4", "train.micro_batch_size=4", "train.grad_accum_steps=2"]);
+    let a = train::train(&cfg(&one), None, true).unwrap();
+    let b = train::train(&cfg(&two), None, true).unwrap();
+    for (step, (x, y)) in a.losses.iter().zip(&b.losses).enumerate() {
+        assert!((x - y).abs() < 1e-5, "step {step}: {x} vs {y}");
+    }
+}
+
+#[test]
+fn clipping_bounds_the_global_norm() {
+    let c = cfg(SMALL);
+    let mut model = Llama::new(&c.model, 1);
+    let data = Dataset::open(&c.data, &c.model).unwrap();
+    let (inputs, targets) = data.micro_batch(&c.train, 0, 0).unwrap();
+    model.forward(&inputs, c.train.micro_batch_size, &targets);
+    model.backward(100.0);
+    let mut params = model.params_mut();
+    let norm = optimizer::grad_sum_squares(&params).sqrt();
+    assert!(norm > 1.0);
+    optimizer::clip(&mut params, norm, 1.0);
+    let after = optimizer::grad_sum_squares(&params).sqrt();
+    assert!((after - 1.0).abs() < 1e-4, "clipped norm {after}");
+}
