@@ -25,9 +25,7 @@ pub fn load_hf(dir: &Path) -> Result<Llama> {
         tensors.remove("lm_head.weight");
     }
     let model = Llama::build(&cfg, |name, shape, _| {
-        let t = tensors
-            .remove(name)
-            .with_context(|| format!("{}: tensor {name} is missing", dir.display()))?;
+        let t = tensors.remove(name).with_context(|| format!("{}: tensor {name} is missing", dir.display()))?;
         if t.shape() != shape {
             bail!("{}: tensor {name} has shape {:?}, but config.json implies {shape:?}", dir.display(), t.shape());
         }
@@ -35,15 +33,20 @@ pub fn load_hf(dir: &Path) -> Result<Llama> {
     })?;
     tensors.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
     if let Some(name) = tensors.keys().min() {
-        bail!("{}: tensor {name} is not part of a Llama model (biases and other architectures are not supported)", dir.display());
+        bail!(
+            "{}: tensor {name} is not part of a Llama model (biases and other architectures are not supported)",
+            dir.display()
+        );
     }
     Ok(model)
 }
 
 /// Reads the architecture from a Hugging Face `config.json`.
 pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}: a Hugging Face model folder needs config.json", path.display()))?;
-    let j: Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read {}: a Hugging Face model folder needs config.json", path.display()))?;
+    let j: Value =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
     let file = path.display();
     let model_type = j["model_type"].as_str().unwrap_or("llama");
     if model_type != "llama" {
@@ -58,7 +61,8 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         bail!("{file}: hidden_act = \"{act}\" is not supported; Llama uses \"silu\"");
     }
     let rope = &j["rope_parameters"];
-    let rope_type = rope["rope_type"].as_str().or(j["rope_scaling"]["rope_type"].as_str()).or(j["rope_scaling"]["type"].as_str());
+    let rope_type =
+        rope["rope_type"].as_str().or(j["rope_scaling"]["rope_type"].as_str()).or(j["rope_scaling"]["type"].as_str());
     if let Some(kind) = rope_type.filter(|k| *k != "default") {
         bail!("{file}: rope scaling \"{kind}\" is not supported; only plain RoPE is");
     }
@@ -90,7 +94,8 @@ pub fn read_hf_weights(dir: &Path) -> Result<HashMap<String, Tensor>> {
         return read_safetensors(&dir.join("model.safetensors"));
     }
     let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
-    let j: Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", index.display()))?;
+    let j: Value =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", index.display()))?;
     let Some(map) = j["weight_map"].as_object() else {
         bail!("{}: no weight_map object", index.display());
     };
@@ -105,9 +110,11 @@ pub fn read_hf_weights(dir: &Path) -> Result<HashMap<String, Tensor>> {
 /// Every tensor of a safetensors file, widened to f32.
 pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
     use safetensors::Dtype;
-    let bytes = std::fs::read(path).with_context(|| format!("cannot read {}: check that the file exists", path.display()))?;
-    let st = safetensors::SafeTensors::deserialize(&bytes)
-        .map_err(|e| anyhow::anyhow!("{}: not a valid safetensors file ({e:?}); re-download or re-export it", path.display()))?;
+    let bytes =
+        std::fs::read(path).with_context(|| format!("cannot read {}: check that the file exists", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        anyhow::anyhow!("{}: not a valid safetensors file ({e:?}); re-download or re-export it", path.display())
+    })?;
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {
         let raw = view.data();

@@ -134,13 +134,13 @@ impl ModelConfig {
             }
         }
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
-        if self.head_dim.is_none() && self.hidden_size % h != 0 {
+        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(h) {
             bail!("{prefix}hidden_size = {} is not divisible by {prefix}num_attention_heads = {h}: change one, or set {prefix}head_dim", self.hidden_size);
         }
-        if h % kv != 0 {
+        if !h.is_multiple_of(kv) {
             bail!("{prefix}num_attention_heads = {h} is not a multiple of {prefix}num_key_value_heads = {kv}: grouped-query attention shares each KV head among a whole number of query heads");
         }
-        if self.head_dim() == 0 || self.head_dim() % 2 != 0 {
+        if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             bail!("{prefix}head_dim = {} must be even and positive: RoPE rotates pairs of features", self.head_dim());
         }
         if self.rope_theta <= 0.0 || self.rms_norm_eps <= 0.0 {
@@ -157,9 +157,9 @@ impl Config {
         if let Some(path) = path {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("cannot read config file {}: check the path", path.display()))?;
-            let user: toml::Table = text
-                .parse()
-                .map_err(|e: toml::de::Error| anyhow::anyhow!("{}: not valid TOML: {}", path.display(), one_line(&e.to_string())))?;
+            let user: toml::Table = text.parse().map_err(|e: toml::de::Error| {
+                anyhow::anyhow!("{}: not valid TOML: {}", path.display(), one_line(&e.to_string()))
+            })?;
             merge(&mut table, user);
         }
         for set in sets {

@@ -88,15 +88,13 @@ pub fn embedding_backward(dout: &[f32], tokens: &[u32], dim: usize, dtable: &mut
 
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]) {
     let dim = w.len();
-    y.par_chunks_mut(dim).zip(x.par_chunks(dim)).zip(rstd.par_iter_mut()).for_each(
-        |((y, x), rstd)| {
-            let ms = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
-            *rstd = 1.0 / (ms + eps).sqrt();
-            for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
-                *y = x * *rstd * w;
-            }
-        },
-    );
+    y.par_chunks_mut(dim).zip(x.par_chunks(dim)).zip(rstd.par_iter_mut()).for_each(|((y, x), rstd)| {
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        *rstd = 1.0 / (ms + eps).sqrt();
+        for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+            *y = x * *rstd * w;
+        }
+    });
 }
 
 /// With x̂ = x·rstd: dw += Σ_rows dy·x̂ and dx = rstd · (dy·w − x̂ · mean(dy·w·x̂)).
@@ -200,10 +198,13 @@ pub fn attention(sh: &AttnShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32
             let mut row_lse = vec![0.0; t];
             for (row, l) in p.chunks_mut(t).zip(row_lse.iter_mut()) {
                 let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                let sum: f32 = row.iter_mut().map(|x| {
-                    *x = (*x - max).exp();
-                    *x
-                }).sum();
+                let sum: f32 = row
+                    .iter_mut()
+                    .map(|x| {
+                        *x = (*x - max).exp();
+                        *x
+                    })
+                    .sum();
                 row.iter_mut().for_each(|x| *x /= sum);
                 *l = max + sum.ln();
             }
@@ -256,7 +257,8 @@ pub fn attention_backward(
                 let mut ds = vec![0.0; t * t];
                 gemm(t, hd, t, d_o, sh.kv_view_t(v, b, g), &mut ds, false);
                 for (i, (ds_row, p_row)) in ds.chunks_mut(t).zip(p.chunks(t)).enumerate() {
-                    let delta: f32 = (0..hd).map(|d| d_o.data[i * d_o.row_stride + d] * o.data[i * o.row_stride + d]).sum();
+                    let delta: f32 =
+                        (0..hd).map(|d| d_o.data[i * d_o.row_stride + d] * o.data[i * o.row_stride + d]).sum();
                     for (x, p) in ds_row.iter_mut().zip(p_row) {
                         *x = p * (*x - delta) * sh.scale();
                     }

@@ -51,7 +51,10 @@ enum Mode {
 pub fn validate(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
     if let Some(path) = d.source.strip_prefix("text:") {
         if m.vocab_size < 256 {
-            bail!("data.source = \"text:{path}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})", m.vocab_size);
+            bail!(
+                "data.source = \"text:{path}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})",
+                m.vocab_size
+            );
         }
         return Ok(());
     }
@@ -59,7 +62,11 @@ pub fn validate(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
         bail!("data.source = \"{}\": use \"synthetic\" or \"text:PATH\"", d.source);
     }
     if d.branching == 0 || d.branching + 2 > m.vocab_size {
-        bail!("data.branching = {}: it must be at least 1 and at most model.vocab_size - 2 = {}", d.branching, m.vocab_size.saturating_sub(2));
+        bail!(
+            "data.branching = {}: it must be at least 1 and at most model.vocab_size - 2 = {}",
+            d.branching,
+            m.vocab_size.saturating_sub(2)
+        );
     }
     if (m.vocab_size as f64 + 1.0).powi(d.markov_order as i32) > (1 << 22) as f64 {
         bail!("data.markov_order = {} with model.vocab_size = {}: the successor table would be too large; lower the order", d.markov_order, m.vocab_size);
@@ -77,7 +84,8 @@ impl Dataset {
     /// Opens the source named by `data.source` (reading the file of a text source).
     pub fn open(d: &DataConfig, m: &ModelConfig) -> Result<Dataset> {
         if let Some(path) = d.source.strip_prefix("text:") {
-            let bytes = std::fs::read(path).with_context(|| format!("data.source: cannot read text file {path}: check the path"))?;
+            let bytes = std::fs::read(path)
+                .with_context(|| format!("data.source: cannot read text file {path}: check the path"))?;
             if std::str::from_utf8(&bytes).is_err() {
                 bail!("data.source: {path} is not UTF-8 text");
             }

@@ -35,7 +35,9 @@ impl Metrics {
             None => None,
         };
         let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(steps as u64) };
-        bar.set_style(ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise}]").expect("valid template"));
+        bar.set_style(
+            ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise}]").expect("valid template"),
+        );
         Ok(Metrics { file, bar, every: if quiet { 0 } else { steps.div_ceil(10) } })
     }
 
@@ -45,7 +47,7 @@ impl Metrics {
         }
         let msg = format!("loss {:.4} | lr {:.2e} | {:.0} tok/s", s.loss, s.lr, s.tokens_per_s);
         if self.bar.is_hidden() {
-            if self.every > 0 && (s.step + 1) % self.every == 0 {
+            if self.every > 0 && (s.step + 1).is_multiple_of(self.every) {
                 println!("step {:>5} | {msg}", s.step + 1);
             }
         } else {

@@ -100,7 +100,10 @@ impl Llama {
     }
 
     /// Builds the model, asking `make(name, shape, kind)` for each parameter in Hugging Face order.
-    pub fn build(cfg: &ModelConfig, mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>) -> Result<Llama> {
+    pub fn build(
+        cfg: &ModelConfig,
+        mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
+    ) -> Result<Llama> {
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let mut param = |name: String, shape: &[usize], kind| -> Result<Param> {
@@ -268,7 +271,7 @@ impl Block {
         let ln2 = &mut self.post_attention_layernorm;
         let mut dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad);
         ops::add_assign(&mut dh, &dout); // the residual carries dout straight through
-        // attention sub-block, right to left
+                                         // attention sub-block, right to left
         let dattn = ops::linear_backward(&dh, &c.attn, &self.o_proj.value, &mut self.o_proj.grad);
         let (mut dq, mut dk, dv) = ops::attention_backward(attn, (&c.q, &c.k, &c.v), &c.attn, &c.lse, &dattn);
         ops::rope_backward(&mut dq, positions, hd, theta);

@@ -9,8 +9,8 @@
 //! `[rows, features]`; parameter gradients are *accumulated* (`+=`), activation gradients are
 //! returned fresh.
 
-use crate::cpu::{self, AttnShape, View};
 pub use crate::cpu::AdamW;
+use crate::cpu::{self, AttnShape, View};
 use crate::tensor::Tensor;
 
 /// y[m, n] = x[m, k] · w[n, k]ᵀ.
@@ -82,7 +82,13 @@ pub struct Attn {
 
 impl Attn {
     fn cpu(&self) -> AttnShape {
-        AttnShape { batch: self.batch, seq: self.seq, heads: self.heads, kv_heads: self.kv_heads, head_dim: self.head_dim }
+        AttnShape {
+            batch: self.batch,
+            seq: self.seq,
+            heads: self.heads,
+            kv_heads: self.kv_heads,
+            head_dim: self.head_dim,
+        }
     }
 }
 
@@ -90,7 +96,7 @@ impl Attn {
 pub fn attention(a: Attn, q: &Tensor, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
     assert_eq!(q.shape(), [a.batch * a.seq, a.heads * a.head_dim], "attention: q shape");
     assert_eq!(k.shape(), [a.batch * a.seq, a.kv_heads * a.head_dim], "attention: k shape");
-    assert!(a.heads % a.kv_heads == 0, "attention: heads must be a multiple of kv_heads");
+    assert!(a.heads.is_multiple_of(a.kv_heads), "attention: heads must be a multiple of kv_heads");
     let mut out = Tensor::zeros(q.shape());
     let mut lse = Tensor::zeros(&[a.batch, a.heads, a.seq]);
     cpu::attention(&a.cpu(), q.host(), k.host(), v.host(), out.host_mut(), lse.host_mut());

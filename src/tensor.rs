@@ -25,11 +25,7 @@ impl Tensor {
 
     /// A tensor holding `data` (row-major). The length must match the shape.
     pub fn from_vec(shape: &[usize], data: Vec<f32>) -> Tensor {
-        assert_eq!(
-            shape.iter().product::<usize>(),
-            data.len(),
-            "tensor data does not match shape {shape:?}"
-        );
+        assert_eq!(shape.iter().product::<usize>(), data.len(), "tensor data does not match shape {shape:?}");
         Tensor { shape: shape.to_vec(), storage: Storage::Cpu(data) }
     }
 

@@ -41,13 +41,13 @@ pub fn train(cfg: &Config, metrics_path: Option<&Path>, quiet: bool) -> Result<S
     let n_params: usize = model.params().iter().map(|p| p.value.numel()).sum();
     if !quiet {
         println!(
-            "model: {:.2}M parameters | batch {} × {} × {} tokens | {} steps on {:?}",
+            "model: {:.2}M parameters | batch {} × {} × {} tokens | {} steps on {}",
             n_params as f64 / 1e6,
             t.micro_batch_size,
             t.grad_accum_steps,
             t.seq_len,
             t.steps,
-            cfg.device.kind
+            format!("{:?}", cfg.device.kind).to_lowercase()
         );
         match floor {
             Some(f) => println!("data: {} | entropy floor {f:.4} nats/token", cfg.data.source),

@@ -79,7 +79,11 @@ fn corrupt_safetensors_is_named() {
 fn checkpoint_shape_mismatch_is_named() {
     let dir = tempfile::tempdir().unwrap();
     let cfg = std::fs::read_to_string(fixture("gqa/config.json")).unwrap();
-    std::fs::write(dir.path().join("config.json"), cfg.replace("\"intermediate_size\": 40", "\"intermediate_size\": 44")).unwrap();
+    std::fs::write(
+        dir.path().join("config.json"),
+        cfg.replace("\"intermediate_size\": 40", "\"intermediate_size\": 44"),
+    )
+    .unwrap();
     std::fs::copy(fixture("gqa/model.safetensors"), dir.path().join("model.safetensors")).unwrap();
     let e = err(checkpoint::load_hf(dir.path()));
     assert!(e.contains("gate_proj.weight has shape [40, 32], but config.json implies [44, 32]"), "{e}");
@@ -102,7 +106,13 @@ fn cli_errors_are_one_line() {
     assert!(cli_error(&["train", "--config", "missing.toml"]).contains("missing.toml"));
     assert!(cli_error(&["eval", "--model", "nowhere", "--tokens", "t.txt"]).contains("nowhere/config.json"));
     let tokens = fixture("gqa/tokens.txt");
-    let e = cli_error(&["eval", "--model", fixture("gqa").to_str().unwrap(), "--tokens", fixture("gqa/config.json").to_str().unwrap()]);
+    let e = cli_error(&[
+        "eval",
+        "--model",
+        fixture("gqa").to_str().unwrap(),
+        "--tokens",
+        fixture("gqa/config.json").to_str().unwrap(),
+    ]);
     assert!(e.contains("config.json:1") && e.contains("is not a token id"), "{e}");
     assert!(tokens.exists());
 }

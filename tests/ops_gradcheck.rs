@@ -29,7 +29,11 @@ fn check(op: &str, inputs: &[Vec<f32>], r: &[f32], f: impl Fn(&[Vec<f32>]) -> Ve
             minus[i][j] -= eps;
             let numeric = ((loss(&plus) - loss(&minus)) / (2.0 * eps as f64)) as f32;
             let err = (numeric - grad[j]).abs();
-            assert!(err <= 1e-2 * scale, "{op}: d/dx{i}[{j}] numeric {numeric} vs backward {} (scale {scale})", grad[j]);
+            assert!(
+                err <= 1e-2 * scale,
+                "{op}: d/dx{i}[{j}] numeric {numeric} vs backward {} (scale {scale})",
+                grad[j]
+            );
         }
     }
 }
@@ -98,7 +102,9 @@ fn attention_grouped_query() {
     let k = randn(&mut rng, rows * kw, 1.0);
     let v = randn(&mut rng, rows * kw, 1.0);
     let r = randn(&mut rng, rows * qw, 1.0);
-    let f = |xs: &[Vec<f32>]| ops::attention(a, &t(&[rows, qw], &xs[0]), &t(&[rows, kw], &xs[1]), &t(&[rows, kw], &xs[2])).0.to_vec();
+    let f = |xs: &[Vec<f32>]| {
+        ops::attention(a, &t(&[rows, qw], &xs[0]), &t(&[rows, kw], &xs[1]), &t(&[rows, kw], &xs[2])).0.to_vec()
+    };
     let (qt, kt, vt) = (t(&[rows, qw], &q), t(&[rows, kw], &k), t(&[rows, kw], &v));
     let (out, lse) = ops::attention(a, &qt, &kt, &vt);
     let (dq, dk, dv) = ops::attention_backward(a, (&qt, &kt, &vt), &out, &lse, &t(&[rows, qw], &r));
