@@ -9,6 +9,7 @@
 //! Layouts: activations are `[rows, features]` with `rows = batch * seq`; attention inputs keep
 //! the Hugging Face layout `[rows, heads * head_dim]` (head-major inside a row).
 
+use crate::ops::Attn;
 use rayon::prelude::*;
 
 /// A matrix view over a slice: element `(i, j)` is `data[i * row_stride + j * col_stride]`.
@@ -149,15 +150,8 @@ pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, the
 // The forward keeps only the log-sum-exp of each row (lse); the backward rebuilds P = exp(S − lse),
 // as flash attention does, so no T×T matrix is kept between forward and backward.
 
-pub struct AttnShape {
-    pub batch: usize,
-    pub seq: usize,
-    pub heads: usize,
-    pub kv_heads: usize,
-    pub head_dim: usize,
-}
-
-impl AttnShape {
+/// The strided views and scale that the attention kernels use.
+impl Attn {
     fn q_view<'a>(&self, q: &'a [f32], b: usize, h: usize) -> View<'a> {
         let stride = self.heads * self.head_dim;
         View { data: &q[b * self.seq * stride + h * self.head_dim..], row_stride: stride, col_stride: 1 }
@@ -187,7 +181,7 @@ impl AttnShape {
 }
 
 /// Returns nothing; writes `out` `[batch*seq, heads*head_dim]` and `lse` `[batch, heads, seq]`.
-pub fn attention(sh: &AttnShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], lse: &mut [f32]) {
+pub fn attention(sh: &Attn, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], lse: &mut [f32]) {
     let (t, hd) = (sh.seq, sh.head_dim);
     let groups = sh.heads / sh.kv_heads;
     let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..sh.batch * sh.heads)
@@ -228,7 +222,7 @@ pub fn attention(sh: &AttnShape, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32
 /// dK += dSᵀ Q · scale, dV += Pᵀ dO.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
-    sh: &AttnShape,
+    sh: &Attn,
     q: &[f32],
     k: &[f32],
     v: &[f32],

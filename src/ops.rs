@@ -10,7 +10,7 @@
 //! returned fresh.
 
 pub use crate::cpu::AdamW;
-use crate::cpu::{self, AttnShape, View};
+use crate::cpu::{self, View};
 use crate::tensor::Tensor;
 
 /// y[m, n] = x[m, k] · w[n, k]ᵀ.
@@ -80,18 +80,6 @@ pub struct Attn {
     pub head_dim: usize,
 }
 
-impl Attn {
-    fn cpu(&self) -> AttnShape {
-        AttnShape {
-            batch: self.batch,
-            seq: self.seq,
-            heads: self.heads,
-            kv_heads: self.kv_heads,
-            head_dim: self.head_dim,
-        }
-    }
-}
-
 /// Causal grouped-query attention. Returns (out, lse) with lse `[batch, heads, seq]`.
 pub fn attention(a: Attn, q: &Tensor, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
     assert_eq!(q.shape(), [a.batch * a.seq, a.heads * a.head_dim], "attention: q shape");
@@ -99,7 +87,7 @@ pub fn attention(a: Attn, q: &Tensor, k: &Tensor, v: &Tensor) -> (Tensor, Tensor
     assert!(a.heads.is_multiple_of(a.kv_heads), "attention: heads must be a multiple of kv_heads");
     let mut out = Tensor::zeros(q.shape());
     let mut lse = Tensor::zeros(&[a.batch, a.heads, a.seq]);
-    cpu::attention(&a.cpu(), q.host(), k.host(), v.host(), out.host_mut(), lse.host_mut());
+    cpu::attention(&a, q.host(), k.host(), v.host(), out.host_mut(), lse.host_mut());
     (out, lse)
 }
 
@@ -113,7 +101,7 @@ pub fn attention_backward(
 ) -> (Tensor, Tensor, Tensor) {
     let (mut dq, mut dk, mut dv) = (Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()));
     cpu::attention_backward(
-        &a.cpu(),
+        &a,
         q.host(),
         k.host(),
         v.host(),

@@ -29,13 +29,6 @@ impl Tensor {
         Tensor { shape: shape.to_vec(), storage: Storage::Cpu(data) }
     }
 
-    /// Same storage, same element count, another shape.
-    pub fn reshape(mut self, shape: &[usize]) -> Tensor {
-        assert_eq!(shape.iter().product::<usize>(), self.numel(), "reshape changes the element count");
-        self.shape = shape.to_vec();
-        self
-    }
-
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }
