@@ -167,7 +167,11 @@ impl Config {
         }
         let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
             let where_ = path.map(|p| format!(" (in {} or --set)", p.display())).unwrap_or_default();
-            anyhow::anyhow!("config key `{}`: {}{where_}", e.path(), one_line(&e.inner().to_string()))
+            let mut msg = one_line(&e.inner().to_string());
+            if let Some(i) = msg.rfind(" in `") {
+                msg.truncate(i); // toml repeats the key we already name
+            }
+            anyhow::anyhow!("config key `{}`: {msg}{where_}", e.path())
         })?;
         config.validate()?;
         Ok(config)
