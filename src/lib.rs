@@ -2,17 +2,20 @@
 //!
 //! Read in this order: `tensor` → `ops` (and `cpu`, its kernels) → `model` → `optimizer` →
 //! `data` → `train`. `init` makes the weights, `config` the run, `checkpoint` and `eval` read
-//! Hugging Face models.
+//! Hugging Face models. Ranks: `process_grid` → `comm` → `launch`.
 
 pub mod checkpoint;
+pub mod comm;
 pub mod config;
 pub mod cpu;
 pub mod data;
 pub mod eval;
 pub mod init;
+pub mod launch;
 pub mod metrics;
 pub mod model;
 pub mod ops;
 pub mod optimizer;
+pub mod process_grid;
 pub mod tensor;
 pub mod train;

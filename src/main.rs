@@ -1,8 +1,9 @@
-//! The `ferrotron` command line: `train` and `eval`.
+//! The `ferrotron` command line: `train`, `grid` and `eval`.
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
-use ferrotron::{checkpoint, config::Config, eval, train};
+use ferrotron::process_grid::Grid;
+use ferrotron::{checkpoint, config::Config, eval, launch, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -26,6 +27,17 @@ enum Command {
         /// Write one JSON object per step to this file.
         #[arg(long, value_name = "OUT.jsonl")]
         metrics: Option<PathBuf>,
+    },
+    /// Print every rank's coordinates and process groups for a dp × pp × cp × tp layout.
+    Grid {
+        #[arg(long, default_value_t = 1)]
+        dp: usize,
+        #[arg(long, default_value_t = 1)]
+        pp: usize,
+        #[arg(long, default_value_t = 1)]
+        cp: usize,
+        #[arg(long, default_value_t = 1)]
+        tp: usize,
     },
     /// Mean next-token loss of a Hugging Face Llama checkpoint on a token file.
     Eval {
@@ -52,6 +64,15 @@ fn run(cli: Cli) -> Result<()> {
                 s.losses.len(),
                 s.wall_s,
                 s.final_loss()
+            );
+        }
+        Command::Grid { dp, pp, cp, tp } => {
+            let grid = Grid::new(dp, pp, cp, tp)?;
+            print!("{}", grid.table());
+            launch::check_groups(grid)?;
+            println!(
+                "checked: {} rank threads each all-gathered their rank number over each of their groups and got the members above",
+                grid.world_size()
             );
         }
         Command::Eval { model, tokens } => {

@@ -1,0 +1,168 @@
+//! # The process grid: where each rank sits in dp × pp × cp × tp
+//!
+//! Every rank runs the same program; its coordinates decide which data it reads, which layers it
+//! holds, which part of the sequence it attends over and which slice of each matrix it owns.
+//!
+//! ```text
+//! rank = ((dp_i · pp + pp_i) · cp + cp_i) · tp + tp_i        tp varies fastest, dp slowest
+//!
+//! dp=2 pp=2 cp=1 tp=2:   dp 0 ┬ pp 0: ranks 0 1   (a tp group)      pp groups: {0 2} {1 3} …
+//!                             └ pp 1: ranks 2 3                     dp groups: {0 4} {1 5} …
+//!                        dp 1 ┬ pp 0: ranks 4 5
+//!                             └ pp 1: ranks 6 7
+//! ```
+//! Tensor-parallel neighbours are adjacent ranks (on one machine, the fastest links). A group
+//! along an axis is every rank that agrees with you on all the *other* coordinates. The dp×cp
+//! group is where gradients of parameters replicated over both data and context are averaged.
+
+use anyhow::{bail, Result};
+use std::fmt::Write;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Grid {
+    pub dp: usize,
+    pub pp: usize,
+    pub cp: usize,
+    pub tp: usize,
+}
+
+/// A rank's position along each axis.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Coords {
+    pub dp: usize,
+    pub pp: usize,
+    pub cp: usize,
+    pub tp: usize,
+}
+
+/// The process groups every rank belongs to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Axis {
+    Tp,
+    Cp,
+    Pp,
+    Dp,
+    /// Data and context together: the gradient all-reduce of replicated parameters.
+    DpCp,
+    /// Every rank.
+    World,
+}
+
+impl Axis {
+    pub const ALL: [Axis; 6] = [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp, Axis::DpCp, Axis::World];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Axis::Tp => "tp",
+            Axis::Cp => "cp",
+            Axis::Pp => "pp",
+            Axis::Dp => "dp",
+            Axis::DpCp => "dp×cp",
+            Axis::World => "world",
+        }
+    }
+}
+
+impl Grid {
+    pub fn new(dp: usize, pp: usize, cp: usize, tp: usize) -> Result<Grid> {
+        for (name, v) in [("dp", dp), ("pp", pp), ("cp", cp), ("tp", tp)] {
+            if v == 0 {
+                bail!("parallel.{name} = 0: every parallel degree must be at least 1");
+            }
+        }
+        Ok(Grid { dp, pp, cp, tp })
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.dp * self.pp * self.cp * self.tp
+    }
+
+    pub fn rank(&self, c: Coords) -> usize {
+        ((c.dp * self.pp + c.pp) * self.cp + c.cp) * self.tp + c.tp
+    }
+
+    pub fn coords(&self, rank: usize) -> Coords {
+        Coords {
+            tp: rank % self.tp,
+            cp: rank / self.tp % self.cp,
+            pp: rank / (self.tp * self.cp) % self.pp,
+            dp: rank / (self.tp * self.cp * self.pp),
+        }
+    }
+
+    /// The members of `rank`'s group along `axis`, in rank order.
+    pub fn group(&self, rank: usize, axis: Axis) -> Vec<usize> {
+        let me = self.coords(rank);
+        let same = |c: Coords| match axis {
+            Axis::Tp => (c.dp, c.pp, c.cp) == (me.dp, me.pp, me.cp),
+            Axis::Cp => (c.dp, c.pp, c.tp) == (me.dp, me.pp, me.tp),
+            Axis::Pp => (c.dp, c.cp, c.tp) == (me.dp, me.cp, me.tp),
+            Axis::Dp => (c.pp, c.cp, c.tp) == (me.pp, me.cp, me.tp),
+            Axis::DpCp => (c.pp, c.tp) == (me.pp, me.tp),
+            Axis::World => true,
+        };
+        (0..self.world_size()).filter(|&r| same(self.coords(r))).collect()
+    }
+
+    /// The previous and next pipeline stage, if any.
+    pub fn pp_neighbours(&self, rank: usize) -> (Option<usize>, Option<usize>) {
+        let c = self.coords(rank);
+        let prev = (c.pp > 0).then(|| self.rank(Coords { pp: c.pp - 1, ..c }));
+        let next = (c.pp + 1 < self.pp).then(|| self.rank(Coords { pp: c.pp + 1, ..c }));
+        (prev, next)
+    }
+
+    /// The previous and next rank around the context-parallel ring (wrapping).
+    pub fn cp_ring(&self, rank: usize) -> (usize, usize) {
+        let c = self.coords(rank);
+        let prev = self.rank(Coords { cp: (c.cp + self.cp - 1) % self.cp, ..c });
+        let next = self.rank(Coords { cp: (c.cp + 1) % self.cp, ..c });
+        (prev, next)
+    }
+
+    /// One row per rank: coordinates, group members and neighbours.
+    pub fn table(&self) -> String {
+        let list = |v: &[usize]| v.iter().map(|r| r.to_string()).collect::<Vec<_>>().join(",");
+        let opt = |v: Option<usize>| v.map_or("-".to_string(), |r| r.to_string());
+        let mut out = format!(
+            "grid dp={} pp={} cp={} tp={}: {} ranks\n{:>4} {:>3} {:>3} {:>3} {:>3}  {:<12} {:<12} {:<12} {:<12} {:<14} {:<9} {}\n",
+            self.dp,
+            self.pp,
+            self.cp,
+            self.tp,
+            self.world_size(),
+            "rank",
+            "dp",
+            "pp",
+            "cp",
+            "tp",
+            "tp group",
+            "cp group",
+            "pp group",
+            "dp group",
+            "dp×cp group",
+            "pp prev/next",
+            "cp ring prev/next"
+        );
+        for r in 0..self.world_size() {
+            let c = self.coords(r);
+            let (prev, next) = self.pp_neighbours(r);
+            let (ring_prev, ring_next) = self.cp_ring(r);
+            let _ = writeln!(
+                out,
+                "{r:>4} {:>3} {:>3} {:>3} {:>3}  {:<12} {:<12} {:<12} {:<12} {:<14} {:<12} {ring_prev}/{ring_next}",
+                c.dp,
+                c.pp,
+                c.cp,
+                c.tp,
+                list(&self.group(r, Axis::Tp)),
+                list(&self.group(r, Axis::Cp)),
+                list(&self.group(r, Axis::Pp)),
+                list(&self.group(r, Axis::Dp)),
+                list(&self.group(r, Axis::DpCp)),
+                format!("{}/{}", opt(prev), opt(next)),
+            );
+        }
+        out
+    }
+}
