@@ -184,7 +184,10 @@ impl Hub {
         }
         drop(st);
         if let Some((r, (other, _))) = g.ranks.iter().zip(&parts).find(|(_, (o, _))| *o != op) {
-            bail!("{what}: rank {r} called {} at the same point; every member must call the same collective", other.name());
+            bail!(
+                "{what}: rank {r} called {} at the same point; every member must call the same collective",
+                other.name()
+            );
         }
         let sizes: Vec<usize> = parts.iter().map(|(_, d)| d.len()).collect();
         if sizes.iter().any(|&s| s != sizes[0]) {
@@ -278,7 +281,14 @@ pub struct Group {
     hub: Arc<Hub>,
     stream: Stream,
     calls: Mutex<u64>,
-    messages: Mutex<HashMap<(usize, usize), u64>>,
+    /// Message counters per (direction, peer): the n-th send to j meets j's n-th recv from us.
+    messages: Mutex<HashMap<(Direction, usize), u64>>,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+enum Direction {
+    Out,
+    In,
 }
 
 fn widen<T: Element>(data: &[T]) -> Vec<f32> {
@@ -329,11 +339,16 @@ impl Group {
         *c
     }
 
-    fn next_message(&self, from: usize, to: usize) -> u64 {
+    /// The mail key of the next message between this member and `peer`.
+    fn mail_key(&self, direction: Direction, peer: usize) -> (String, usize, usize, u64) {
         let mut m = self.messages.lock().unwrap_or_else(|e| e.into_inner());
-        let n = m.entry((from, to)).or_insert(0);
+        let n = m.entry((direction, peer)).or_insert(0);
         *n += 1;
-        *n
+        let (me, name) = (self.info.index, self.info.name.clone());
+        match direction {
+            Direction::Out => (name, me, peer, *n),
+            Direction::In => (name, peer, me, *n),
+        }
     }
 
     /// Issues collective `op` with this member's part; `finish` turns all parts into its result.
@@ -353,7 +368,9 @@ impl Group {
 
     /// Every member's `data`, concatenated in rank order.
     pub fn all_gather_async<T: Element>(&self, data: &[T]) -> Handle<Vec<T>> {
-        self.collective(Op::AllGather, widen(data), |parts, _| Ok(parts.iter().flat_map(|d| d.iter().copied()).collect()))
+        self.collective(Op::AllGather, widen(data), |parts, _| {
+            Ok(parts.iter().flat_map(|d| d.iter().copied()).collect())
+        })
     }
 
     /// Reduces the members' `data` and keeps this member's chunk of `size` equal chunks.
@@ -383,7 +400,7 @@ impl Group {
 
     /// Sends `data` to member `to` (a place in the group). Buffered: it does not wait for the recv.
     pub fn send_async<T: Element>(&self, data: &[T], to: usize) -> Handle<()> {
-        let key = (self.info.name.clone(), self.info.index, to, self.next_message(self.info.index, to));
+        let key = self.mail_key(Direction::Out, to);
         let data = widen(data);
         self.submit(move |hub, _| {
             hub.post(key, data);
@@ -393,16 +410,14 @@ impl Group {
 
     /// Receives `len` elements from member `from`.
     pub fn recv_async<T: Element>(&self, len: usize, from: usize) -> Handle<Vec<T>> {
-        let key = (self.info.name.clone(), from, self.info.index, self.next_message(from, self.info.index));
+        let key = self.mail_key(Direction::In, from);
         self.submit(move |hub, _| Ok(narrow(&hub.take(key, len)?)))
     }
 
     /// Sends `data` to `to` and receives `len` elements from `from` in one step, as a pipeline
     /// stage or a ring member does; neither side can block the other.
     pub fn send_recv_async<T: Element>(&self, data: &[T], to: usize, len: usize, from: usize) -> Handle<Vec<T>> {
-        let me = self.info.index;
-        let out = (self.info.name.clone(), me, to, self.next_message(me, to));
-        let inbound = (self.info.name.clone(), from, me, self.next_message(from, me));
+        let (out, inbound) = (self.mail_key(Direction::Out, to), self.mail_key(Direction::In, from));
         let data = widen(data);
         self.submit(move |hub, _| {
             hub.post(out, data);

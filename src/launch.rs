@@ -67,7 +67,8 @@ fn run_rank<R>(grid: Grid, rank: usize, hub: Arc<Hub>, f: &(impl Fn(&Rank) -> Re
     drop(stream);
     let me = Rank { rank, coords: grid.coords(rank), grid, groups };
     let result = catch_unwind(AssertUnwindSafe(|| f(&me))).unwrap_or_else(|panic| {
-        let msg = panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+        let msg =
+            panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
         Err(anyhow!("panicked: {}", msg.unwrap_or_default()))
     });
     if let Err(e) = &result {

@@ -1,0 +1,60 @@
+//! The process grid: rank numbering, groups, neighbours and the printed table.
+
+use ferrotron::process_grid::{Axis, Coords, Grid};
+
+#[test]
+fn rank_and_coords_round_trip_with_tp_fastest() {
+    for (dp, pp, cp, tp) in [(1, 1, 1, 1), (2, 2, 1, 2), (3, 1, 2, 1), (1, 4, 2, 1), (2, 1, 1, 4)] {
+        let g = Grid::new(dp, pp, cp, tp).unwrap();
+        for r in 0..g.world_size() {
+            let c = g.coords(r);
+            assert_eq!(r, ((c.dp * pp + c.pp) * cp + c.cp) * tp + c.tp);
+            assert_eq!(g.rank(c), r);
+        }
+        for r in 0..g.world_size() {
+            assert_eq!(g.group(r, Axis::Tp).len(), tp);
+            assert_eq!(g.group(r, Axis::Cp).len(), cp);
+            assert_eq!(g.group(r, Axis::Pp).len(), pp);
+            assert_eq!(g.group(r, Axis::Dp).len(), dp);
+            assert_eq!(g.group(r, Axis::DpCp).len(), dp * cp);
+            assert_eq!(g.group(r, Axis::World).len(), g.world_size());
+            for axis in Axis::ALL {
+                assert!(g.group(r, axis).contains(&r));
+            }
+        }
+    }
+}
+
+#[test]
+fn groups_of_dp2_pp2_tp2() {
+    let g = Grid::new(2, 2, 1, 2).unwrap();
+    assert_eq!(g.coords(5), Coords { dp: 1, pp: 0, cp: 0, tp: 1 });
+    assert_eq!(g.group(5, Axis::Tp), [4, 5]);
+    assert_eq!(g.group(5, Axis::Pp), [5, 7]);
+    assert_eq!(g.group(5, Axis::Dp), [1, 5]);
+    assert_eq!(g.pp_neighbours(5), (None, Some(7)));
+    assert_eq!(g.pp_neighbours(7), (Some(5), None));
+    let table = g.table();
+    assert_eq!(table.lines().count(), 2 + 8);
+    assert!(
+        table.lines().any(|l| l.split_whitespace().collect::<Vec<_>>()
+            == ["5", "1", "0", "0", "1", "4,5", "5", "5,7", "1,5", "1,5", "-/7", "5/5"]),
+        "{table}"
+    );
+}
+
+#[test]
+fn context_ring_wraps_and_dp_cp_spans_both() {
+    let g = Grid::new(2, 1, 4, 1).unwrap();
+    assert_eq!(g.cp_ring(0), (3, 1));
+    assert_eq!(g.cp_ring(3), (2, 0));
+    assert_eq!(g.cp_ring(5), (4, 6));
+    assert_eq!(g.group(1, Axis::DpCp), (0..8).collect::<Vec<_>>());
+    assert_eq!(g.group(6, Axis::Cp), [4, 5, 6, 7]);
+}
+
+#[test]
+fn zero_degree_is_an_error() {
+    let e = Grid::new(2, 0, 1, 1).unwrap_err().to_string();
+    assert!(e.contains("parallel.pp = 0"), "{e}");
+}
