@@ -202,11 +202,10 @@ impl Hub {
         self.changed.notify_all();
     }
 
-    fn take(&self, key: (String, usize, usize, u64), len: usize) -> Result<Vec<f32>> {
-        let what = format!("recv on group {} from rank {}", key.0, key.1);
-        let from = key.1;
-        let st = self.wait_for(self.lock(), &what, |st| st.mail.contains_key(&key), |_| vec![from])?;
-        let mut st = st;
+    /// Waits for message `key` (group, from, to, number) from global rank `sender`.
+    fn take(&self, key: (String, usize, usize, u64), len: usize, sender: usize) -> Result<Vec<f32>> {
+        let what = format!("recv on group {} from rank {sender}", key.0);
+        let mut st = self.wait_for(self.lock(), &what, |st| st.mail.contains_key(&key), |_| vec![sender])?;
         let data = st.mail.remove(&key).expect("message present");
         if data.len() != len {
             bail!("{what}: expected {len} elements, the sender sent {}", data.len());
@@ -247,6 +246,20 @@ struct GroupInfo {
     name: String,
     ranks: Vec<usize>,
     index: usize,
+}
+
+impl GroupInfo {
+    /// The global rank at member `place`, or an error naming the operation.
+    fn member(&self, place: usize, what: &str) -> Result<usize> {
+        match self.ranks.get(place) {
+            Some(&rank) => Ok(rank),
+            None => bail!(
+                "{what} on group {}: member {place} does not exist (the group has {})",
+                self.name,
+                self.ranks.len()
+            ),
+        }
+    }
 }
 
 /// A rank's communication thread: jobs run one after another, in the order they were issued.
@@ -387,9 +400,9 @@ impl Group {
 
     /// Every member receives the `data` of member `root` (a place in the group).
     pub fn broadcast_async<T: Element>(&self, data: &[T], root: usize) -> Handle<Vec<T>> {
-        self.collective(Op::Broadcast { root }, widen(data), move |parts, g| match parts.get(root) {
-            Some(d) => Ok(d.to_vec()),
-            None => bail!("broadcast on group {}: root {root} is not a member place (size {})", g.name, g.ranks.len()),
+        self.collective(Op::Broadcast { root }, widen(data), move |parts, g| {
+            g.member(root, "broadcast")?;
+            Ok(parts[root].to_vec())
         })
     }
 
@@ -402,7 +415,8 @@ impl Group {
     pub fn send_async<T: Element>(&self, data: &[T], to: usize) -> Handle<()> {
         let key = self.mail_key(Direction::Out, to);
         let data = widen(data);
-        self.submit(move |hub, _| {
+        self.submit(move |hub, g| {
+            g.member(to, "send")?;
             hub.post(key, data);
             Ok(())
         })
@@ -411,7 +425,7 @@ impl Group {
     /// Receives `len` elements from member `from`.
     pub fn recv_async<T: Element>(&self, len: usize, from: usize) -> Handle<Vec<T>> {
         let key = self.mail_key(Direction::In, from);
-        self.submit(move |hub, _| Ok(narrow(&hub.take(key, len)?)))
+        self.submit(move |hub, g| Ok(narrow(&hub.take(key, len, g.member(from, "recv")?)?)))
     }
 
     /// Sends `data` to `to` and receives `len` elements from `from` in one step, as a pipeline
@@ -419,9 +433,11 @@ impl Group {
     pub fn send_recv_async<T: Element>(&self, data: &[T], to: usize, len: usize, from: usize) -> Handle<Vec<T>> {
         let (out, inbound) = (self.mail_key(Direction::Out, to), self.mail_key(Direction::In, from));
         let data = widen(data);
-        self.submit(move |hub, _| {
+        self.submit(move |hub, g| {
+            let sender = g.member(from, "send_recv")?;
+            g.member(to, "send_recv")?;
             hub.post(out, data);
-            Ok(narrow(&hub.take(inbound, len)?))
+            Ok(narrow(&hub.take(inbound, len, sender)?))
         })
     }
 
