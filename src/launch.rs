@@ -10,7 +10,8 @@
 //! every other rank's pending collective returns at once, and the run ends with the first
 //! failure's message. Nobody hangs.
 
-use crate::comm::{Group, Hub, Stream};
+use crate::comm::{Group, Stream};
+use crate::hub::Hub;
 use crate::process_grid::{Axis, Coords, Grid};
 use anyhow::{anyhow, bail, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};

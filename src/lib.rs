@@ -2,7 +2,7 @@
 //!
 //! Read in this order: `tensor` → `ops` (and `cpu`, its kernels) → `model` → `optimizer` →
 //! `data` → `train`. `init` makes the weights, `config` the run, `checkpoint` and `eval` read
-//! Hugging Face models. Ranks: `process_grid` → `comm` → `launch`.
+//! Hugging Face models. Ranks: `process_grid` → `comm` (and `hub`, its local backend) → `launch`.
 
 pub mod checkpoint;
 pub mod comm;
@@ -10,6 +10,7 @@ pub mod config;
 pub mod cpu;
 pub mod data;
 pub mod eval;
+pub mod hub;
 pub mod init;
 pub mod launch;
 pub mod metrics;
