@@ -16,13 +16,16 @@
 //! `wait()` collects the result. This is the overlap that bucketed data parallelism and the
 //! tensor-parallel input-gradient all-reduce rely on.
 //!
-//! Today the groups run on the `local` backend (ranks as threads, meeting in `hub.rs`): results
-//! are deterministic, and failures (timeouts, mismatched calls, a failing rank) are errors,
-//! never hangs.
+//! These host forms always run on the `local` backend (ranks as threads, meeting in `hub.rs`):
+//! results are deterministic, and failures (timeouts, mismatched calls, a failing rank) are
+//! errors, never hangs. Collectives on GPU buffers (`comm_gpu.rs`) use the group's NCCL
+//! communicator when the run has one, and the hub otherwise.
 
+use crate::comm_gpu::Nccl;
 use crate::hub::{reduce, GroupInfo, Hub, Op};
 use anyhow::{anyhow, bail, Result};
 use half::bf16;
+use std::cell::OnceCell;
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex};
 
@@ -91,6 +94,8 @@ pub struct Group {
     calls: Mutex<u64>,
     /// Message counters per (direction, peer): the n-th send to j meets j's n-th recv from us.
     messages: Mutex<HashMap<(Direction, usize), u64>>,
+    /// The NCCL communicator, on the `nccl` backend.
+    nccl: OnceCell<Nccl>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -112,7 +117,17 @@ impl Group {
     pub fn new(name: String, ranks: Vec<usize>, rank: usize, hub: Arc<Hub>, stream: Stream) -> Group {
         let index = ranks.iter().position(|&r| r == rank).expect("a rank belongs to its own groups");
         let info = Arc::new(GroupInfo { name, ranks, index });
-        Group { info, hub, stream, calls: Mutex::new(0), messages: Mutex::new(HashMap::new()) }
+        Group { info, hub, stream, calls: Mutex::new(0), messages: Mutex::new(HashMap::new()), nccl: OnceCell::new() }
+    }
+
+    /// Joins this group's NCCL communicator on `gpu`; every member calls it at the same point.
+    pub fn connect_nccl(&self, gpu: &crate::gpu::Gpu) -> Result<()> {
+        let nccl = Nccl::connect(self, gpu)?;
+        self.nccl.set(nccl).map_err(|_| anyhow!("group {} is already connected to NCCL", self.name()))
+    }
+
+    pub(crate) fn nccl(&self) -> Option<&Nccl> {
+        self.nccl.get()
     }
 
     pub fn name(&self) -> &str {

@@ -71,6 +71,25 @@ pub struct ParallelConfig {
     pub pp: usize,
     pub cp: usize,
     pub pp_schedule: PpSchedule,
+    /// How GPU buffers travel between ranks: `auto` (NCCL when each rank has its own GPU),
+    /// `local` (through host memory) or `nccl`.
+    pub backend: CommBackend,
+    /// Seconds a rank waits for the others before the run stops with the names of the missing.
+    pub timeout_s: f64,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum CommBackend {
+    Auto,
+    Local,
+    Nccl,
+}
+
+impl ParallelConfig {
+    pub fn world_size(&self) -> usize {
+        self.dp * self.tp * self.pp * self.cp
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
@@ -201,6 +220,9 @@ impl Config {
             if v != 1 {
                 bail!("{key} = {v}: this build trains on a single rank; set {key} = 1");
             }
+        }
+        if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
+            bail!("parallel.timeout_s = {}: it must be a positive number of seconds", p.timeout_s);
         }
         if self.device.kind == DeviceKind::Cuda {
             bail!("device.kind = \"cuda\": this build has no CUDA backend yet; use device.kind = \"cpu\"");

@@ -6,11 +6,14 @@
 //!                   └── …                 each with its own communication thread
 //! ```
 //! SPMD: every rank runs the same function; only its `Rank` differs. Ranks share nothing but the
-//! communication hub. If one rank fails (an error or a panic), the launcher aborts the hub, so
+//! communication hub. On GPUs, rank r opens GPU r (modulo the GPUs there are) with its compute
+//! and communication streams, and on the `nccl` backend every group also gets its communicator. If one rank fails (an error or a panic), the launcher aborts the hub, so
 //! every other rank's pending collective returns at once, and the run ends with the first
 //! failure's message. Nobody hangs.
 
 use crate::comm::{Group, Stream};
+use crate::config::{CommBackend, Config, DeviceKind};
+use crate::gpu::Gpu;
 use crate::hub::Hub;
 use crate::process_grid::{Axis, Coords, Grid};
 use anyhow::{anyhow, bail, Result};
@@ -23,7 +26,57 @@ pub struct Rank {
     pub rank: usize,
     pub coords: Coords,
     pub grid: Grid,
+    /// This rank's GPU, when the run is on CUDA.
+    pub gpu: Option<Gpu>,
     groups: Vec<(Axis, Group)>,
+}
+
+/// How the GPU collectives of a run travel (host collectives always use the hub).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Backend {
+    Local,
+    Nccl,
+}
+
+/// Where the ranks of a run compute and how they talk.
+#[derive(Clone, Copy, Debug)]
+pub struct Setup {
+    /// The longest any rank waits for the others.
+    pub timeout: Duration,
+    /// Each rank opens a GPU.
+    pub cuda: bool,
+    pub backend: Backend,
+}
+
+impl Setup {
+    pub fn cpu(timeout: Duration) -> Setup {
+        Setup { timeout, cuda: false, backend: Backend::Local }
+    }
+
+    /// The setup a config asks for, checked against the GPUs this machine has.
+    pub fn from_config(cfg: &Config) -> Result<Setup> {
+        let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s);
+        let cuda = cfg.device.kind == DeviceKind::Cuda;
+        let gpus = if cuda { crate::gpu::device_count()? } else { 0 };
+        let backend = choose_backend(cfg.parallel.backend, cuda, cfg.parallel.world_size(), gpus)?;
+        Ok(Setup { timeout, cuda, backend })
+    }
+}
+
+/// `auto` picks NCCL when every rank has a GPU of its own, else the local hub.
+pub fn choose_backend(choice: CommBackend, cuda: bool, world: usize, gpus: usize) -> Result<Backend> {
+    match (choice, cuda) {
+        (CommBackend::Nccl, false) => bail!(
+            "parallel.backend = \"nccl\" needs device.kind = \"cuda\" (NCCL moves GPU buffers); use \"local\" or \"auto\""
+        ),
+        (_, true) if gpus == 0 => bail!("device.kind = \"cuda\" but the driver sees no GPU; use device.kind = \"cpu\""),
+        (CommBackend::Nccl, true) if gpus < world => bail!(
+            "parallel.backend = \"nccl\" needs one GPU per rank: {world} ranks, {gpus} GPU(s); use \"local\" to share GPUs, or fewer ranks"
+        ),
+        (CommBackend::Nccl, true) => Ok(Backend::Nccl),
+        (CommBackend::Auto, true) if gpus >= world => Ok(Backend::Nccl),
+        _ => Ok(Backend::Local),
+    }
 }
 
 impl Rank {
@@ -33,15 +86,20 @@ impl Rank {
     }
 }
 
-/// Runs `f` on every rank of `grid`, each in its own thread, over the local backend; returns the
-/// results in rank order, or the first failure. `timeout` bounds every wait for other ranks.
+/// Runs `f` on every rank of `grid`, each in its own thread, on the CPU; returns the results in
+/// rank order, or the first failure. `timeout` bounds every wait for other ranks.
 pub fn launch<R: Send>(grid: Grid, timeout: Duration, f: impl Fn(&Rank) -> Result<R> + Sync) -> Result<Vec<R>> {
-    let hub = Arc::new(Hub::new(timeout));
+    launch_on(grid, Setup::cpu(timeout), f)
+}
+
+/// `launch` on the devices and backend of `setup`.
+pub fn launch_on<R: Send>(grid: Grid, setup: Setup, f: impl Fn(&Rank) -> Result<R> + Sync) -> Result<Vec<R>> {
+    let hub = Arc::new(Hub::new(setup.timeout));
     let results: Vec<Option<R>> = std::thread::scope(|s| {
         let threads: Vec<_> = (0..grid.world_size())
             .map(|rank| {
                 let (hub, f) = (hub.clone(), &f);
-                s.spawn(move || run_rank(grid, rank, hub, f))
+                s.spawn(move || run_rank(grid, setup, rank, hub, f))
             })
             .collect();
         threads.into_iter().map(|t| t.join().ok().flatten()).collect()
@@ -54,7 +112,13 @@ pub fn launch<R: Send>(grid: Grid, timeout: Duration, f: impl Fn(&Rank) -> Resul
 
 /// One rank's thread: its groups, its communication thread, and `f`, with failures reported to
 /// the hub. Returns `None` when it failed.
-fn run_rank<R>(grid: Grid, rank: usize, hub: Arc<Hub>, f: &(impl Fn(&Rank) -> Result<R> + Sync)) -> Option<R> {
+fn run_rank<R>(
+    grid: Grid,
+    setup: Setup,
+    rank: usize,
+    hub: Arc<Hub>,
+    f: &(impl Fn(&Rank) -> Result<R> + Sync),
+) -> Option<R> {
     let (stream, comm_thread) = Stream::start();
     let groups = Axis::ALL
         .iter()
@@ -66,8 +130,12 @@ fn run_rank<R>(grid: Grid, rank: usize, hub: Arc<Hub>, f: &(impl Fn(&Rank) -> Re
         })
         .collect();
     drop(stream);
-    let me = Rank { rank, coords: grid.coords(rank), grid, groups };
-    let result = catch_unwind(AssertUnwindSafe(|| f(&me))).unwrap_or_else(|panic| {
+    let mut me = Rank { rank, coords: grid.coords(rank), grid, gpu: None, groups };
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        open_devices(&mut me, setup)?;
+        f(&me)
+    }))
+    .unwrap_or_else(|panic| {
         let msg =
             panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
         Err(anyhow!("panicked: {}", msg.unwrap_or_default()))
@@ -79,6 +147,21 @@ fn run_rank<R>(grid: Grid, rank: usize, hub: Arc<Hub>, f: &(impl Fn(&Rank) -> Re
     let _ = comm_thread.join();
     hub.finish(rank);
     result.ok()
+}
+
+/// Opens the rank's GPU and, on NCCL, connects every group, all ranks in the same group order.
+fn open_devices(me: &mut Rank, setup: Setup) -> Result<()> {
+    if !setup.cuda {
+        return Ok(());
+    }
+    let gpu = Gpu::open(me.rank % crate::gpu::device_count()?)?;
+    if setup.backend == Backend::Nccl {
+        for (_, group) in &me.groups {
+            group.connect_nccl(&gpu)?;
+        }
+    }
+    me.gpu = Some(gpu);
+    Ok(())
 }
 
 /// Each rank all-gathers its rank number over each of its groups and checks that it gets the

@@ -6,10 +6,13 @@
 
 pub mod checkpoint;
 pub mod comm;
+pub mod comm_gpu;
 pub mod config;
 pub mod cpu;
 pub mod data;
+pub mod doctor;
 pub mod eval;
+pub mod gpu;
 pub mod hub;
 pub mod init;
 pub mod launch;

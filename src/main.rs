@@ -1,9 +1,9 @@
-//! The `ferrotron` command line: `train`, `grid` and `eval`.
+//! The `ferrotron` command line: `train`, `grid`, `eval` and `doctor`.
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use ferrotron::process_grid::Grid;
-use ferrotron::{checkpoint, config::Config, eval, launch, train};
+use ferrotron::{checkpoint, config::Config, doctor, eval, launch, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -48,6 +48,8 @@ enum Command {
         #[arg(long)]
         tokens: PathBuf,
     },
+    /// Check the CUDA setup: libraries, driver, GPUs, then self-tests on GPU 0.
+    Doctor,
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -80,6 +82,7 @@ fn run(cli: Cli) -> Result<()> {
             let seqs = eval::read_tokens(&tokens, m.cfg.vocab_size)?;
             println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs));
         }
+        Command::Doctor => doctor::doctor()?,
     }
     Ok(())
 }

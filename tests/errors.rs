@@ -51,6 +51,8 @@ fn bad_values_are_named() {
     assert!(config_error(&["data.source=\"text:x.txt\""]).contains("model.vocab_size must be at least 256"));
     assert!(config_error(&["train.lr=-1.0"]).contains("train.lr"));
     assert!(config_error(&["train.steps"]).contains("expected section.key=value"));
+    assert!(config_error(&["parallel.timeout_s=0"]).contains("parallel.timeout_s = 0"));
+    assert!(config_error(&["parallel.backend=\"mpi\""]).contains("parallel.backend"));
 }
 
 #[test]

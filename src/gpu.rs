@@ -1,0 +1,116 @@
+//! # The GPU runtime: a device, its two streams, and the libraries we load
+//!
+//! A CUDA *stream* is a queue of work on the GPU; work in one stream runs in order, work in two
+//! streams may overlap. Each rank owns one GPU and two streams:
+//!
+//! ```text
+//! compute: ─[fwd]─[bwd layer 3]─[bwd layer 2]─[bwd layer 1]─…─(wait ev)─[optimizer]
+//!                              │ record ev₁              ▲
+//! comm:                        └─(wait ev₁)─[all-reduce bucket 1]─(record ev)
+//! ```
+//! An *event* marks a point in a stream; another stream can wait for it without stopping the host.
+//! That is how a gradient bucket's all-reduce starts once backward has written it, and how the
+//! optimizer waits for the all-reduce, with no host synchronisation in the step.
+//!
+//! cudarc loads the CUDA libraries when they are first used and panics when one is missing, so we
+//! look for each library first (`libraries`) and turn "not found" into a sentence.
+
+use anyhow::{anyhow, bail, Result};
+use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use std::sync::Arc;
+
+/// A CUDA library: is it on this machine (`LD_LIBRARY_PATH` and the loader's usual places)?
+pub struct Library {
+    pub name: &'static str,
+    pub found: bool,
+}
+
+/// The libraries the CUDA backend loads, and whether each was found.
+pub fn libraries() -> Vec<Library> {
+    // SAFETY: these only try to open the shared libraries; no CUDA call is made.
+    let found = unsafe {
+        [
+            ("CUDA driver (libcuda)", cudarc::driver::sys::is_culib_present()),
+            ("NVRTC (libnvrtc)", cudarc::nvrtc::sys::is_culib_present()),
+            ("cuBLAS (libcublas)", cudarc::cublas::sys::is_culib_present()),
+            ("cuBLASLt (libcublasLt)", cudarc::cublaslt::sys::is_culib_present()),
+            ("NCCL (libnccl)", cudarc::nccl::sys::is_culib_present()),
+        ]
+    };
+    found.into_iter().map(|(name, found)| Library { name, found }).collect()
+}
+
+/// Fails with a sentence unless the library `name` (as in `libraries`) can be loaded.
+pub fn require(prefix: &str) -> Result<()> {
+    let libs = libraries();
+    let lib = libs.iter().find(|l| l.name.starts_with(prefix)).expect("a library we know");
+    if !lib.found {
+        bail!(
+            "{} was not found: install it, or put the folder holding it on LD_LIBRARY_PATH (cudarc looks for \
+             names like libX.so and libX.so.12; make a symlink if you only have libX.so.2 or libX.so.13)",
+            lib.name
+        );
+    }
+    Ok(())
+}
+
+/// How many GPUs the driver sees; an error when there is no driver.
+pub fn device_count() -> Result<usize> {
+    require("CUDA driver")?;
+    let n = CudaContext::device_count().map_err(|e| anyhow!("the CUDA driver cannot count GPUs: {e:?}"))?;
+    Ok(n.max(0) as usize)
+}
+
+/// One rank's GPU: its context, the compute stream and the communication stream.
+#[derive(Clone)]
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub compute: Arc<CudaStream>,
+    pub comm: Arc<CudaStream>,
+}
+
+impl Gpu {
+    /// Opens GPU `ordinal` for the calling thread.
+    pub fn open(ordinal: usize) -> Result<Gpu> {
+        let count = device_count()?;
+        if ordinal >= count {
+            bail!("GPU {ordinal} asked for, but the driver sees {count} GPU(s)");
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| anyhow!("cannot open GPU {ordinal}: {e:?}"))?;
+        // We order the two streams ourselves with events, so cudarc's per-buffer tracking is
+        // turned off before any buffer exists (it would add an event per buffer use).
+        // SAFETY: no allocation has been made on this context yet.
+        unsafe { ctx.disable_event_tracking() };
+        let compute = ctx.new_stream().map_err(|e| anyhow!("GPU {ordinal}: cannot create a stream: {e:?}"))?;
+        let comm = ctx.new_stream().map_err(|e| anyhow!("GPU {ordinal}: cannot create a stream: {e:?}"))?;
+        Ok(Gpu { ctx, compute, comm })
+    }
+
+    /// An event marking all work queued so far on `stream`.
+    pub fn mark(&self, stream: &CudaStream) -> Result<CudaEvent> {
+        stream.record_event(None).map_err(cuda_err)
+    }
+
+    /// Copies host data to a new device buffer (on the compute stream).
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>> {
+        self.compute.clone_htod(data).map_err(cuda_err)
+    }
+
+    /// Copies a device buffer to the host; waits for the compute stream.
+    pub fn download<T: DeviceRepr + Default + Clone>(&self, data: &CudaSlice<T>) -> Result<Vec<T>> {
+        self.compute.clone_dtoh(data).map_err(cuda_err)
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        self.compute.alloc_zeros(len).map_err(cuda_err)
+    }
+
+    /// Overwrites a device buffer with host data (on the compute stream).
+    pub fn write<T: DeviceRepr>(&self, data: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
+        self.compute.memcpy_htod(data, dst).map_err(cuda_err)
+    }
+}
+
+pub fn cuda_err(e: cudarc::driver::DriverError) -> anyhow::Error {
+    anyhow!("CUDA error: {e:?}")
+}
