@@ -28,6 +28,7 @@ use half::bf16;
 use std::cell::OnceCell;
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::Instant;
 
 /// The number types collectives carry. Reductions accumulate in f32 and round once at the end.
 pub trait Element: Copy + Send + 'static {
@@ -77,12 +78,18 @@ impl Stream {
 
 /// The result of an asynchronous collective, to `wait` on.
 pub struct Handle<R> {
-    result: mpsc::Receiver<Result<R>>,
+    result: mpsc::Receiver<(Result<R>, Instant, Instant)>,
 }
 
 impl<R> Handle<R> {
     pub fn wait(self) -> Result<R> {
-        self.result.recv().unwrap_or_else(|_| Err(anyhow!("the communication thread stopped")))
+        self.wait_timed().map(|(r, _, _)| r)
+    }
+
+    /// `wait`, also returning when the communication thread started and finished the call.
+    pub fn wait_timed(self) -> Result<(R, Instant, Instant)> {
+        let (result, start, end) = self.result.recv().map_err(|_| anyhow!("the communication thread stopped"))?;
+        Ok((result?, start, end))
     }
 }
 
@@ -151,7 +158,9 @@ impl Group {
         let (hub, info) = (self.hub.clone(), self.info.clone());
         // if the thread is gone, the handle's wait reports it
         let _ = self.stream.jobs.send(Box::new(move || {
-            let _ = tx.send(job(&hub, &info));
+            let start = Instant::now();
+            let result = job(&hub, &info);
+            let _ = tx.send((result, start, Instant::now()));
         }));
         Handle { result: rx }
     }

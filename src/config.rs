@@ -71,11 +71,22 @@ pub struct ParallelConfig {
     pub pp: usize,
     pub cp: usize,
     pub pp_schedule: PpSchedule,
+    /// How data-parallel ranks average gradients: `bucketed` (overlapped with backward) or `naive`.
+    pub dp_mode: DpMode,
+    /// Size of a gradient bucket, in MiB of f32 gradients.
+    pub bucket_mb: f64,
     /// How GPU buffers travel between ranks: `auto` (NCCL when each rank has its own GPU),
     /// `local` (through host memory) or `nccl`.
     pub backend: CommBackend,
     /// Seconds a rank waits for the others before the run stops with the names of the missing.
     pub timeout_s: f64,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum DpMode {
+    Naive,
+    Bucketed,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
@@ -216,10 +227,16 @@ impl Config {
             bail!("train.beta1 and train.beta2 must lie in [0, 1)");
         }
         let p = &self.parallel;
-        for (key, v) in [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)] {
+        if p.dp == 0 {
+            bail!("parallel.dp = 0: it must be at least 1");
+        }
+        for (key, v) in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)] {
             if v != 1 {
-                bail!("{key} = {v}: this build trains on a single rank; set {key} = 1");
+                bail!("{key} = {v}: this build has data parallelism only; set {key} = 1");
             }
+        }
+        if !(p.bucket_mb > 0.0 && p.bucket_mb.is_finite()) {
+            bail!("parallel.bucket_mb = {}: it must be a positive number of MiB", p.bucket_mb);
         }
         if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
             bail!("parallel.timeout_s = {}: it must be a positive number of seconds", p.timeout_s);

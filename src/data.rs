@@ -116,10 +116,19 @@ impl Dataset {
         }
     }
 
-    /// Micro-batch `micro` of step `step`: (inputs, next-token targets), `micro_batch_size` rows.
-    /// Sequence numbers run through the global batch, so every step reads fresh sequences.
-    pub fn micro_batch(&self, t: &TrainConfig, step: usize, micro: usize) -> Result<(Vec<u32>, Vec<i32>)> {
-        let first = ((step * t.grad_accum_steps + micro) * t.micro_batch_size) as u64;
+    /// Micro-batch `micro` of step `step` for data-parallel rank `dp_rank` of `dp`: (inputs,
+    /// next-token targets), `micro_batch_size` rows. A step's global batch is the sequences
+    /// `step·G .. (step+1)·G` with `G = micro_batch_size × grad_accum_steps × dp`; rank d reads the
+    /// d-th contiguous slice of it. So the tokens of a step never depend on how it is cut.
+    pub fn micro_batch(
+        &self,
+        t: &TrainConfig,
+        (dp_rank, dp): (usize, usize),
+        step: usize,
+        micro: usize,
+    ) -> Result<(Vec<u32>, Vec<i32>)> {
+        let global = t.micro_batch_size * t.grad_accum_steps * dp;
+        let first = (step * global + (dp_rank * t.grad_accum_steps + micro) * t.micro_batch_size) as u64;
         let (mut inputs, mut targets) = (Vec::new(), Vec::new());
         for i in 0..t.micro_batch_size as u64 {
             let s = self.sequence(first + i, t.seq_len + 1)?;

@@ -1,9 +1,10 @@
-//! The `ferrotron` command line: `train`, `grid`, `eval` and `doctor`.
+//! The `ferrotron` command line: `train`, `converge`, `grid`, `eval` and `doctor`.
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use ferrotron::process_grid::Grid;
-use ferrotron::{checkpoint, config::Config, doctor, eval, launch, train};
+use ferrotron::trace::Trace;
+use ferrotron::{checkpoint, config::Config, converge, doctor, eval, launch, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -27,6 +28,30 @@ enum Command {
         /// Write one JSON object per step to this file.
         #[arg(long, value_name = "OUT.jsonl")]
         metrics: Option<PathBuf>,
+        /// Write a Chrome trace (open in ui.perfetto.dev): every rank's forward, backward,
+        /// all-reduce and optimizer spans.
+        #[arg(long, value_name = "OUT.json")]
+        trace: Option<PathBuf>,
+    },
+    /// Run the single-rank baseline and parallel variants with the same seed and global batch;
+    /// compare their loss curves.
+    Converge {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        sets: Vec<String>,
+        /// Variants separated by `;`, settings by `,`: "dp=2;dp=4;dp=2,grad_accum_steps=2".
+        #[arg(long)]
+        variants: String,
+        /// Steps per run (default: the config's train.steps).
+        #[arg(long)]
+        steps: Option<usize>,
+        /// Largest per-step loss difference that passes.
+        #[arg(long, default_value_t = 1e-4)]
+        tol: f32,
+        /// Folder for losses.csv and losses.svg.
+        #[arg(long, default_value = "converge_out")]
+        out: PathBuf,
     },
     /// Print every rank's coordinates and process groups for a dp × pp × cp × tp layout.
     Grid {
@@ -54,9 +79,19 @@ enum Command {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, sets, metrics } => {
+        Command::Train { config, sets, metrics, trace } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
-            let s = train::train(&cfg, metrics.as_deref(), false)?;
+            let spans = trace.as_ref().map(|_| Trace::default());
+            let opts = train::Options { metrics: metrics.as_deref(), trace: spans.as_ref(), quiet: false };
+            let s = train::train(&cfg, opts)?;
+            if let (Some(path), Some(spans)) = (&trace, &spans) {
+                spans.write(path)?;
+                println!(
+                    "trace: {} ({:.0}% of all-reduce time ran during backward)",
+                    path.display(),
+                    100.0 * spans.hidden_fraction("backward")
+                );
+            }
             let floor = match s.floor {
                 Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),
                 None => "unknown".into(),
@@ -67,6 +102,18 @@ fn run(cli: Cli) -> Result<()> {
                 s.wall_s,
                 s.final_loss()
             );
+        }
+        Command::Converge { config, mut sets, variants, steps, tol, out } => {
+            let variants = converge::parse_variants(&variants)?;
+            sets.extend(steps.map(|n| format!("train.steps={n}")));
+            let (baseline, outcomes) = converge::converge(config.as_deref(), &sets, &variants, tol)?;
+            converge::write_outputs(&out, &baseline, &outcomes)?;
+            print!("{}", converge::table(&outcomes, tol));
+            println!("curves: {0}/losses.csv, plot: {0}/losses.svg", out.display());
+            let failed = outcomes.iter().filter(|o| !o.pass).count();
+            if failed > 0 {
+                anyhow::bail!("{failed} variant(s) left the single-rank loss curve by more than {tol:e}");
+            }
         }
         Command::Grid { dp, pp, cp, tp } => {
             let grid = Grid::new(dp, pp, cp, tp)?;

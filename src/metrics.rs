@@ -65,3 +65,11 @@ impl Metrics {
         Ok(())
     }
 }
+
+/// Writes `bytes` to `path` through a temporary file and a rename: readers never see half a file.
+pub fn write_atomically(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, bytes)?;
+    std::fs::rename(&tmp, path)
+}

@@ -197,15 +197,25 @@ impl Llama {
 
     /// Accumulates into every `Param::grad` the gradient of `scale × loss` of the last forward.
     pub fn backward(&mut self, scale: f32) {
+        self.backward_with(scale, &mut |_| {})
+    }
+
+    /// `backward` that calls `ready(param)` as soon as a parameter's gradient is complete, so
+    /// that data parallelism can start reducing it while the rest of backward runs.
+    pub fn backward_with(&mut self, scale: f32, ready: &mut dyn FnMut(&Param)) {
         let c = self.cache.take().expect("backward needs a forward first");
         let dlogits = ops::cross_entropy_backward(&c.logits, &c.targets, &c.lse, scale / c.count.max(1) as f32);
         let head = self.lm_head.as_mut().unwrap_or(&mut self.embed_tokens);
         let dxn = ops::linear_backward(&dlogits, &c.xn, &head.value, &mut head.grad);
+        self.lm_head.iter().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
         let mut dx = ops::rmsnorm_backward(&dxn, &c.x_final, &self.norm.value, &c.rstd, &mut self.norm.grad);
+        ready(&self.norm);
         for (layer, cache) in self.layers.iter_mut().zip(&c.blocks).rev() {
             dx = layer.backward(dx, cache, &self.cfg, c.attn, &c.positions);
+            layer.params().into_iter().for_each(&mut *ready);
         }
         ops::embedding_backward(&dx, &c.tokens, &mut self.embed_tokens.grad);
+        ready(&self.embed_tokens);
     }
 }
 

@@ -1,28 +1,53 @@
 //! # The training loop
 //!
+//! Every rank runs this same loop (SPMD); with `dp` data-parallel ranks each reads its own slice
+//! of the step's global batch:
+//!
 //! ```text
 //! for each step:
 //!     zero the gradients
 //!     for each micro-batch:  forward → loss,  backward(1 / grad_accum_steps)   (gradients add up)
+//!                            on the last one, each finished gradient goes to data parallelism
+//!     data parallel: wait until every gradient is the average over the dp ranks
 //!     global gradient norm → clip → learning rate for this step → AdamW
-//!     log step, loss, lr, grad_norm, tokens/s
+//!     log step, loss (averaged over the dp ranks), lr, grad_norm, tokens/s
 //! ```
-//! The global batch of a step is `micro_batch_size × grad_accum_steps` sequences; its loss is the
-//! mean over all of their tokens, whatever way it is cut into micro-batches.
+//! The global batch of a step is `micro_batch_size × grad_accum_steps × dp` sequences; its loss is
+//! the mean over all of their tokens, whatever way it is cut into ranks and micro-batches.
 
+use crate::comm::ReduceOp;
 use crate::config::Config;
 use crate::data::Dataset;
+use crate::data_parallel::DataParallel;
+use crate::launch::{launch_on, Rank, Setup};
 use crate::metrics::{Metrics, StepLog};
-use crate::model::Llama;
+use crate::model::{Llama, Param};
 use crate::optimizer::{self, Optimizer};
+use crate::process_grid::{Axis, Grid};
+use crate::trace::{Lane, Trace};
 use anyhow::{bail, Result};
 use std::path::Path;
 use std::time::Instant;
 
+/// What a run prints and records besides training.
+#[derive(Clone, Copy, Default)]
+pub struct Options<'a> {
+    /// One JSON object per step (written by rank 0).
+    pub metrics: Option<&'a Path>,
+    /// Collects every rank's forward, backward, all-reduce and optimizer spans.
+    pub trace: Option<&'a Trace>,
+    /// No header, no progress.
+    pub quiet: bool,
+}
+
+/// One rank's view of a finished run.
 pub struct Summary {
+    /// The loss of every step, averaged over the global batch.
     pub losses: Vec<f32>,
     pub floor: Option<f64>,
     pub wall_s: f64,
+    /// A hash of the bits of every weight: replicas that agree have equal checksums.
+    pub checksum: u64,
 }
 
 impl Summary {
@@ -33,30 +58,57 @@ impl Summary {
     }
 }
 
-pub fn train(cfg: &Config, metrics_path: Option<&Path>, quiet: bool) -> Result<Summary> {
-    let t = &cfg.train;
+/// Trains on every rank of the configured grid; returns rank 0's summary.
+pub fn train(cfg: &Config, opts: Options) -> Result<Summary> {
+    Ok(train_all(cfg, opts)?.swap_remove(0))
+}
+
+/// Trains and returns every rank's summary, in rank order.
+pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
+    let (t, p) = (&cfg.train, &cfg.parallel);
+    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?;
+    let setup = Setup::from_config(cfg)?;
     let data = Dataset::open(&cfg.data, &cfg.model)?;
     let floor = data.entropy_floor(t.seq_len);
-    let mut model = Llama::new(&cfg.model, t.seed);
-    let n_params: usize = model.params().iter().map(|p| p.value.numel()).sum();
-    if !quiet {
+    if !opts.quiet {
+        let n_params: usize = Llama::new(&cfg.model, t.seed).params().iter().map(|p| p.value.numel()).sum();
         println!(
-            "model: {:.2}M parameters | batch {} × {} × {} tokens | {} steps on {}",
+            "model: {:.2}M parameters | global batch {} × {} × {} dp × {} tokens | {} steps on {} ({} rank{})",
             n_params as f64 / 1e6,
             t.micro_batch_size,
             t.grad_accum_steps,
+            p.dp,
             t.seq_len,
             t.steps,
-            format!("{:?}", cfg.device.kind).to_lowercase()
+            format!("{:?}", cfg.device.kind).to_lowercase(),
+            grid.world_size(),
+            if grid.world_size() == 1 { "" } else { "s" },
         );
         match floor {
             Some(f) => println!("data: {} | entropy floor {f:.4} nats/token", cfg.data.source),
             None => println!("data: {} | entropy floor unknown", cfg.data.source),
         }
     }
+    let mut summaries = launch_on(grid, setup, |me| train_rank(me, cfg, &data, opts))?;
+    summaries.iter_mut().for_each(|s| s.floor = floor);
+    Ok(summaries)
+}
+
+/// The loop of one rank.
+fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<Summary> {
+    let t = &cfg.train;
+    let dp_group = me.group(Axis::DpCp);
+    let mut model = Llama::new(&cfg.model, t.seed);
+    let mut dp = DataParallel::new(dp_group, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
     let mut optimizer = Optimizer::new(&model.params_mut());
-    let mut metrics = Metrics::new(t.steps, metrics_path, quiet)?;
-    let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * t.seq_len) as f64;
+    let quiet = opts.quiet || me.rank != 0;
+    let mut metrics = Metrics::new(t.steps, opts.metrics.filter(|_| me.rank == 0), quiet)?;
+    let record = |name: &str, start: Instant| {
+        if let Some(trace) = opts.trace {
+            trace.record(me.rank, Lane::Compute, name, start, Instant::now());
+        }
+    };
+    let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
     let start = Instant::now();
     let mut losses = Vec::with_capacity(t.steps);
     for step in 0..t.steps {
@@ -64,18 +116,35 @@ pub fn train(cfg: &Config, metrics_path: Option<&Path>, quiet: bool) -> Result<S
         model.zero_grads();
         let mut loss = 0.0;
         for micro in 0..t.grad_accum_steps {
-            let (inputs, targets) = data.micro_batch(t, step, micro)?;
+            let (inputs, targets) = data.micro_batch(t, (me.coords.dp, cfg.parallel.dp), step, micro)?;
+            let t0 = Instant::now();
             loss += model.forward(&inputs, t.micro_batch_size, &targets) / t.grad_accum_steps as f32;
-            model.backward(1.0 / t.grad_accum_steps as f32);
+            record("forward", t0);
+            let (t1, last) = (Instant::now(), micro + 1 == t.grad_accum_steps);
+            model.backward_with(1.0 / t.grad_accum_steps as f32, &mut |p| {
+                if last {
+                    dp.grad_ready(p)
+                }
+            });
+            record("backward", t1);
         }
+        let t2 = Instant::now();
+        dp.finish(&mut model.params_mut(), opts.trace.map(|tr| (tr, me.rank)))?;
+        record("wait for gradients", t2);
+        let mut global_loss = [loss];
+        dp_group.all_reduce(&mut global_loss, ReduceOp::Avg)?;
+        let loss = global_loss[0];
         if !loss.is_finite() {
             bail!("the loss became {loss} at step {step}: lower train.lr or set train.grad_clip");
         }
+        let t3 = Instant::now();
         let mut params = model.params_mut();
+        // every replica now holds the same averaged gradients, so its norm is the global norm
         let grad_norm = optimizer::grad_sum_squares(&params).sqrt();
         optimizer::clip(&mut params, grad_norm, t.grad_clip);
         let lr = optimizer::lr_at(t, step);
         optimizer.step(&mut params, t, lr);
+        record("optimizer", t3);
         losses.push(loss);
         metrics.log(&StepLog {
             step,
@@ -87,5 +156,17 @@ pub fn train(cfg: &Config, metrics_path: Option<&Path>, quiet: bool) -> Result<S
         })?;
     }
     metrics.finish()?;
-    Ok(Summary { losses, floor, wall_s: start.elapsed().as_secs_f64() })
+    let checksum = checksum(&model.params());
+    Ok(Summary { losses, floor: None, wall_s: start.elapsed().as_secs_f64(), checksum })
+}
+
+/// FNV-1a over the bits of every weight, in model order.
+fn checksum(params: &[&Param]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for x in params.iter().flat_map(|p| p.value.to_vec()) {
+        for b in x.to_bits().to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+    }
+    h
 }

@@ -47,3 +47,40 @@ fn eval_prints_the_transformers_loss() {
     let loss: f64 = out.trim().strip_prefix("loss: ").unwrap().parse().unwrap();
     assert!((loss - 4.846938).abs() < 1e-5, "{out}");
 }
+
+#[test]
+fn converge_prints_a_table_and_writes_csv_and_svg() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("conv");
+    let small = ["model.num_hidden_layers=1", "train.seq_len=32", "data.copy_lag=8", "train.micro_batch_size=4"];
+    let mut args = vec!["converge", "--variants", "dp=2;dp=2,grad_accum_steps=2", "--steps", "3"];
+    for s in &small {
+        args.extend(["--set", s]);
+    }
+    args.extend(["--out", out_dir.to_str().unwrap()]);
+    let out = ferrotron(&args);
+    assert!(out.contains("dp=2,grad_accum_steps=2") && out.matches("pass").count() == 2, "{out}");
+    let csv = std::fs::read_to_string(out_dir.join("losses.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 4, "a header and 3 steps: {csv}");
+    assert!(csv.starts_with("step,baseline,\"dp=2\""));
+    let svg = std::fs::read_to_string(out_dir.join("losses.svg")).unwrap();
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>") && svg.matches("<polyline").count() == 5);
+}
+
+#[test]
+fn train_with_dp_writes_a_trace() {
+    let dir = tempfile::tempdir().unwrap();
+    let trace = dir.path().join("t.json");
+    let sets = ["parallel.dp=2", "train.steps=2", "model.num_hidden_layers=1", "train.seq_len=32", "data.copy_lag=8"];
+    let mut args = vec!["train", "--trace", trace.to_str().unwrap()];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let out = ferrotron(&args);
+    assert!(out.contains("2 ranks") && out.contains("of all-reduce time ran during backward"), "{out}");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let names: Vec<&str> = json["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
+    for want in ["forward", "backward", "all-reduce bucket 0", "optimizer", "process_name"] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+}

@@ -12,6 +12,10 @@ fn cfg(sets: &[&str]) -> Config {
     Config::load(None, &sets).unwrap()
 }
 
+fn quiet() -> train::Options<'static> {
+    train::Options { quiet: true, ..Default::default() }
+}
+
 /// A model small enough to train in seconds.
 const SMALL: &[&str] = &[
     "model.hidden_size=32",
@@ -85,7 +89,7 @@ fn text_source_reads_byte_windows() {
     let c = cfg(&["model.vocab_size=256", &format!("data.source=\"text:{}\"", path.display()), "train.seq_len=16"]);
     let data = Dataset::open(&c.data, &c.model).unwrap();
     assert!(data.entropy_floor(16).is_none());
-    let (inputs, targets) = data.micro_batch(&c.train, 0, 0).unwrap();
+    let (inputs, targets) = data.micro_batch(&c.train, (0, 1), 0, 0).unwrap();
     assert_eq!(inputs.len(), c.train.micro_batch_size * 16);
     assert_eq!(inputs[1], targets[0] as u32, "targets are the inputs shifted by one");
     let text = std::fs::read_to_string(&path).unwrap();
@@ -123,8 +127,8 @@ fn gradient_accumulation_keeps_the_global_batch() {
     one.extend(["train.steps=4", "train.micro_batch_size=8", "train.grad_accum_steps=1"]);
     let mut two = SMALL.to_vec();
     two.extend(["train.steps=4", "train.micro_batch_size=4", "train.grad_accum_steps=2"]);
-    let a = train::train(&cfg(&one), None, true).unwrap();
-    let b = train::train(&cfg(&two), None, true).unwrap();
+    let a = train::train(&cfg(&one), quiet()).unwrap();
+    let b = train::train(&cfg(&two), quiet()).unwrap();
     for (step, (x, y)) in a.losses.iter().zip(&b.losses).enumerate() {
         assert!((x - y).abs() < 1e-5, "step {step}: {x} vs {y}");
     }
@@ -135,7 +139,7 @@ fn clipping_bounds_the_global_norm() {
     let c = cfg(SMALL);
     let mut model = Llama::new(&c.model, 1);
     let data = Dataset::open(&c.data, &c.model).unwrap();
-    let (inputs, targets) = data.micro_batch(&c.train, 0, 0).unwrap();
+    let (inputs, targets) = data.micro_batch(&c.train, (0, 1), 0, 0).unwrap();
     model.forward(&inputs, c.train.micro_batch_size, &targets);
     model.backward(100.0);
     let mut params = model.params_mut();
@@ -162,7 +166,7 @@ fn learns_to_near_the_entropy_floor() {
         "train.steps=600",
         "train.warmup_steps=20",
     ]);
-    let s = train::train(&c, None, true).unwrap();
+    let s = train::train(&c, quiet()).unwrap();
     let floor = s.floor.unwrap();
     let gap = s.final_loss() as f64 - floor;
     assert!((0.0..0.1).contains(&gap), "final loss {} vs floor {floor}: gap {gap}", s.final_loss());

@@ -1,0 +1,113 @@
+//! # A small SVG line chart, for loss curves
+//!
+//! Two panels sharing the step axis: the curves themselves, and below them each curve's
+//! distance from the first one on a log scale, where a parallel run that matches the
+//! single-rank run shows up as a line near the bottom.
+
+use std::fmt::Write;
+
+const COLORS: [&str; 8] = ["#222222", "#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b"];
+// the canvas, the left margin, the top of the first panel, a panel's height, the gap between panels
+const W: f64 = 900.0;
+const H: f64 = 640.0;
+const LEFT: f64 = 70.0;
+const TOP: f64 = 30.0;
+const PANEL: f64 = 250.0;
+const GAP: f64 = 70.0;
+
+/// `curves[0]` is the reference; all curves are indexed by step.
+pub fn loss_chart(title: &str, curves: &[(String, Vec<f32>)]) -> String {
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{LEFT}\" y=\"18\" font-size=\"14\">{}</text>\n",
+        escape(title)
+    );
+    let steps = curves.iter().map(|c| c.1.len()).max().unwrap_or(1).max(2);
+    let all = curves.iter().flat_map(|c| c.1.iter().copied()).filter(|v| v.is_finite());
+    let (lo, hi) = all.fold((f32::MAX, f32::MIN), |(a, b), v| (a.min(v), b.max(v)));
+    let (lo, hi) = if lo < hi { (lo as f64, hi as f64) } else { (0.0, 1.0) };
+    panel(&mut svg, TOP, "loss", steps, (lo, hi), &fmt_loss);
+    for (i, (_, c)) in curves.iter().enumerate() {
+        let pts: Vec<(usize, f64)> = c.iter().enumerate().map(|(s, &v)| (s, v as f64)).collect();
+        polyline(&mut svg, TOP, steps, (lo, hi), &pts, COLORS[i % COLORS.len()], i == 0);
+    }
+    // |Δ| against the reference, log10, clamped at 1e-9
+    let top2 = TOP + PANEL + GAP;
+    let range = (-9.0, 0.0);
+    panel(&mut svg, top2, "|loss − reference| (log10)", steps, range, &|v| format!("1e{v:.0}"));
+    for (i, (_, c)) in curves.iter().enumerate().skip(1) {
+        let pts: Vec<(usize, f64)> = c
+            .iter()
+            .zip(&curves[0].1)
+            .enumerate()
+            .map(|(s, (&a, &b))| (s, ((a - b).abs() as f64).max(1e-9).log10().min(0.0)))
+            .collect();
+        polyline(&mut svg, top2, steps, range, &pts, COLORS[i % COLORS.len()], false);
+    }
+    for (i, (name, _)) in curves.iter().enumerate() {
+        let y = TOP + 16.0 * i as f64 + 10.0;
+        let x = W - 230.0;
+        let color = COLORS[i % COLORS.len()];
+        let _ = writeln!(
+            svg,
+            "<line x1=\"{x}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"{color}\" stroke-width=\"3\"/>",
+            x + 20.0
+        );
+        let _ = writeln!(svg, "<text x=\"{}\" y=\"{}\">{}</text>", x + 26.0, y + 4.0, escape(name));
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+fn fmt_loss(v: f64) -> String {
+    format!("{v:.2}")
+}
+
+fn panel(svg: &mut String, top: f64, label: &str, steps: usize, (lo, hi): (f64, f64), fmt: &dyn Fn(f64) -> String) {
+    let right = W - 250.0;
+    let _ = writeln!(
+        svg,
+        "<rect x=\"{LEFT}\" y=\"{top}\" width=\"{}\" height=\"{PANEL}\" fill=\"none\" stroke=\"#999\"/>",
+        right - LEFT
+    );
+    for k in 0..=4 {
+        let v = lo + (hi - lo) * k as f64 / 4.0;
+        let y = top + PANEL * (1.0 - k as f64 / 4.0);
+        let _ = writeln!(svg, "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{}</text>", LEFT - 6.0, y + 4.0, fmt(v));
+        let s = (steps - 1) as f64 * k as f64 / 4.0;
+        let x = LEFT + (right - LEFT) * k as f64 / 4.0;
+        let _ = writeln!(svg, "<text x=\"{x}\" y=\"{}\" text-anchor=\"middle\">{s:.0}</text>", top + PANEL + 16.0);
+    }
+    let _ = writeln!(svg, "<text x=\"{LEFT}\" y=\"{}\">{} (x: step)</text>", top - 6.0, escape(label));
+}
+
+fn polyline(
+    svg: &mut String,
+    top: f64,
+    steps: usize,
+    (lo, hi): (f64, f64),
+    pts: &[(usize, f64)],
+    color: &str,
+    wide: bool,
+) {
+    let right = W - 250.0;
+    let coords: Vec<String> = pts
+        .iter()
+        .filter(|(_, v)| v.is_finite())
+        .map(|&(s, v)| {
+            let x = LEFT + (right - LEFT) * s as f64 / (steps - 1) as f64;
+            let y = top + PANEL * (1.0 - ((v - lo) / (hi - lo)).clamp(0.0, 1.0));
+            format!("{x:.1},{y:.1}")
+        })
+        .collect();
+    let (width, dash) = if wide { (4.0, "") } else { (1.5, " stroke-dasharray=\"6 3\"") };
+    let _ = writeln!(
+        svg,
+        "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"{width}\"{dash} points=\"{}\"/>",
+        coords.join(" ")
+    );
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
