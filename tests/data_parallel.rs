@@ -7,22 +7,13 @@ use ferrotron::converge::{self, parse_variants};
 use ferrotron::trace::{Lane, Trace};
 use ferrotron::train::{self, train_all, Options, Summary};
 
-/// A model small enough for many runs in seconds; a global batch of 12 splits into 1, 2, 3, 4 ranks.
-const SMALL: &[&str] = &[
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_key_value_heads=2",
-    "train.seq_len=32",
-    "train.micro_batch_size=12",
-    "train.steps=20",
-    "train.warmup_steps=5",
-    "data.copy_lag=8",
-];
+mod common;
+
+/// 20 steps of the small model; a global batch of 12 splits into 1, 2, 3 and 4 ranks.
+const RUN: &[&str] = &["train.micro_batch_size=12", "train.steps=20", "train.warmup_steps=5"];
 
 fn sets(extra: &[&str]) -> Vec<String> {
-    SMALL.iter().chain(extra).map(|s| s.to_string()).collect()
+    common::SMALL.iter().chain(RUN).chain(extra).map(|s| s.to_string()).collect()
 }
 
 fn run(extra: &[&str]) -> Vec<Summary> {

@@ -16,16 +16,8 @@ fn quiet() -> train::Options<'static> {
     train::Options { quiet: true, ..Default::default() }
 }
 
-/// A model small enough to train in seconds.
-const SMALL: &[&str] = &[
-    "model.hidden_size=32",
-    "model.intermediate_size=64",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=4",
-    "model.num_key_value_heads=2",
-    "train.seq_len=32",
-    "data.copy_lag=8",
-];
+mod common;
+use common::SMALL;
 
 #[test]
 fn a_config_file_changes_only_its_keys_and_set_wins() {
