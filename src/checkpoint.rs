@@ -15,7 +15,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
 
 /// Loads a Hugging Face Llama folder into a model ready for `forward`.
-pub fn load_hf(dir: &Path) -> Result<Llama> {
+pub fn load_hf(dir: &Path) -> Result<Llama<'static>> {
     let mut cfg = read_hf_config(&dir.join("config.json"))?;
     let mut tensors = read_hf_weights(dir)?;
     if !tensors.contains_key("lm_head.weight") {
@@ -24,7 +24,7 @@ pub fn load_hf(dir: &Path) -> Result<Llama> {
     if cfg.tie_word_embeddings {
         tensors.remove("lm_head.weight");
     }
-    let model = Llama::build(&cfg, |name, shape, _| {
+    let model = Llama::build(&cfg, None, |name, shape, _| {
         let t = tensors.remove(name).with_context(|| format!("{}: tensor {name} is missing", dir.display()))?;
         if t.shape() != shape {
             bail!("{}: tensor {name} has shape {:?}, but config.json implies {shape:?}", dir.display(), t.shape());

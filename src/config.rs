@@ -227,12 +227,25 @@ impl Config {
             bail!("train.beta1 and train.beta2 must lie in [0, 1)");
         }
         let p = &self.parallel;
-        if p.dp == 0 {
-            bail!("parallel.dp = 0: it must be at least 1");
+        for (key, v) in [("parallel.dp", p.dp), ("parallel.tp", p.tp)] {
+            if v == 0 {
+                bail!("{key} = 0: it must be at least 1");
+            }
         }
-        for (key, v) in [("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)] {
+        for (key, v) in [("parallel.pp", p.pp), ("parallel.cp", p.cp)] {
             if v != 1 {
-                bail!("{key} = {v}: this build has data parallelism only; set {key} = 1");
+                bail!("{key} = {v}: this build has data and tensor parallelism only; set {key} = 1");
+            }
+        }
+        let m = &self.model;
+        for (key, v) in [
+            ("num_attention_heads", m.num_attention_heads),
+            ("num_key_value_heads", m.num_key_value_heads),
+            ("intermediate_size", m.intermediate_size),
+            ("vocab_size", m.vocab_size),
+        ] {
+            if !v.is_multiple_of(p.tp) {
+                bail!("parallel.tp = {} does not divide model.{key} = {v}: tensor parallelism gives each rank whole attention heads, whole KV heads, and equal slices of the MLP and the vocabulary; choose a tp that divides all four", p.tp);
             }
         }
         if !(p.bucket_mb > 0.0 && p.bucket_mb.is_finite()) {

@@ -70,16 +70,19 @@ pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accum
 // ---------------------------------------------------------------------------------------------
 // Embedding: out[r] = table[token[r]]; backward scatters rows back, in row order.
 
-pub fn embedding(table: &[f32], tokens: &[u32], dim: usize, out: &mut [f32]) {
-    out.par_chunks_mut(dim).zip(tokens.par_iter()).for_each(|(row, &t)| {
-        let t = t as usize;
-        row.copy_from_slice(&table[t * dim..(t + 1) * dim]);
+/// The table holds ids `first..first + rows`; other tokens get zero rows.
+pub fn embedding(table: &[f32], tokens: &[u32], first: usize, dim: usize, out: &mut [f32]) {
+    let rows = table.len() / dim;
+    out.par_chunks_mut(dim).zip(tokens.par_iter()).for_each(|(row, &t)| match (t as usize).checked_sub(first) {
+        Some(t) if t < rows => row.copy_from_slice(&table[t * dim..(t + 1) * dim]),
+        _ => row.fill(0.0),
     });
 }
 
-pub fn embedding_backward(dout: &[f32], tokens: &[u32], dim: usize, dtable: &mut [f32]) {
+pub fn embedding_backward(dout: &[f32], tokens: &[u32], first: usize, dim: usize, dtable: &mut [f32]) {
+    let rows = dtable.len() / dim;
     for (row, &t) in dout.chunks(dim).zip(tokens) {
-        let t = t as usize;
+        let Some(t) = (t as usize).checked_sub(first).filter(|&t| t < rows) else { continue };
         for (g, d) in dtable[t * dim..(t + 1) * dim].iter_mut().zip(row) {
             *g += d;
         }
@@ -306,34 +309,51 @@ pub fn swiglu_backward(dh: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], 
 // is negative are ignored. The gradient is (softmax − onehot) · scale, rebuilt from the saved lse.
 
 /// Writes each row's log-sum-exp; returns (sum of losses, number of counted rows).
-pub fn cross_entropy(logits: &[f32], targets: &[i32], vocab: usize, lse: &mut [f32]) -> (f64, usize) {
-    lse.par_iter_mut().zip(logits.par_chunks(vocab)).for_each(|(l, row)| {
-        let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-        *l = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+pub fn row_max(logits: &[f32], vocab: usize, max: &mut [f32]) {
+    max.par_iter_mut().zip(logits.par_chunks(vocab)).for_each(|(m, row)| {
+        *m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
     });
-    let mut sum = 0.0f64;
-    let mut count = 0;
-    for ((row, &t), l) in logits.chunks(vocab).zip(targets).zip(lse.iter()) {
-        if t >= 0 {
-            sum += (l - row[t as usize]) as f64;
-            count += 1;
-        }
-    }
-    (sum, count)
 }
 
-pub fn cross_entropy_backward(logits: &[f32], targets: &[i32], lse: &[f32], scale: f32, dlogits: &mut [f32]) {
+pub fn row_sum_exp(logits: &[f32], vocab: usize, max: &[f32], sum: &mut [f32]) {
+    sum.par_iter_mut().zip(logits.par_chunks(vocab)).zip(max.par_iter()).for_each(|((s, row), &m)| {
+        *s = row.iter().map(|x| (x - m).exp()).sum::<f32>();
+    });
+}
+
+/// The logit of each row's target when it lies in this slice of the vocabulary, else 0.
+pub fn target_logits(logits: &[f32], vocab: usize, targets: &[i32], first: usize, z: &mut [f32]) {
+    for ((z, row), &t) in z.iter_mut().zip(logits.chunks(vocab)).zip(targets) {
+        *z = local_target(t, first, vocab).map_or(0.0, |t| row[t]);
+    }
+}
+
+/// Column of target `t` in a slice of `vocab` ids starting at `first`, if it is there.
+fn local_target(t: i32, first: usize, vocab: usize) -> Option<usize> {
+    usize::try_from(t).ok()?.checked_sub(first).filter(|&c| c < vocab)
+}
+
+pub fn cross_entropy_backward(
+    logits: &[f32],
+    targets: &[i32],
+    first: usize,
+    lse: &[f32],
+    scale: f32,
+    dlogits: &mut [f32],
+) {
     let vocab = logits.len() / targets.len();
     dlogits.par_chunks_mut(vocab).zip(logits.par_chunks(vocab)).zip(targets.par_iter().zip(lse.par_iter())).for_each(
         |((d, row), (&t, &l))| {
             if t < 0 {
-                d.iter_mut().for_each(|x| *x = 0.0);
+                d.fill(0.0);
                 return;
             }
             for (d, x) in d.iter_mut().zip(row) {
                 *d = (x - l).exp() * scale;
             }
-            d[t as usize] -= scale;
+            if let Some(c) = local_target(t, first, vocab) {
+                d[c] -= scale;
+            }
         },
     );
 }

@@ -35,12 +35,12 @@ pub fn shifted_targets(seq: &[u32]) -> Vec<i32> {
 }
 
 /// Mean next-token cross-entropy over all sequences, in nats.
-pub fn mean_loss(model: &mut Llama, seqs: &[Vec<u32>]) -> f64 {
+pub fn mean_loss(model: &mut Llama, seqs: &[Vec<u32>]) -> Result<f64> {
     let (mut sum, mut count) = (0.0, 0usize);
     for seq in seqs.iter().filter(|s| s.len() >= 2) {
         let n = seq.len() - 1;
-        sum += model.forward(seq, 1, &shifted_targets(seq)) as f64 * n as f64;
+        sum += model.forward(seq, 1, &shifted_targets(seq))? as f64 * n as f64;
         count += n;
     }
-    sum / count as f64
+    Ok(sum / count as f64)
 }

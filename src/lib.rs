@@ -26,5 +26,6 @@ pub mod optimizer;
 pub mod plot;
 pub mod process_grid;
 pub mod tensor;
+pub mod tensor_parallel;
 pub mod trace;
 pub mod train;

@@ -127,7 +127,7 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval { model, tokens } => {
             let mut m = checkpoint::load_hf(&model)?;
             let seqs = eval::read_tokens(&tokens, m.cfg.vocab_size)?;
-            println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs));
+            println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
         }
         Command::Doctor => doctor::doctor()?,
     }

@@ -24,24 +24,39 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
 
 /// Returns dx = dy · w and accumulates dw += dyᵀ · x.
 pub fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor, dw: &mut Tensor) -> Tensor {
-    let (m, k, n) = (x.rows(), x.cols(), w.shape()[0]);
-    let mut dx = Tensor::zeros(&[m, k]);
-    cpu::gemm(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k), dx.host_mut(), false);
-    cpu::gemm(n, m, k, View::transposed(dy.host(), n), View::rows(x.host(), k), dw.host_mut(), true);
+    let dx = linear_input_grad(dy, w);
+    linear_weight_grad(dy, x, dw);
     dx
 }
 
-/// Rows of `table` picked by token id.
-pub fn embedding(table: &Tensor, tokens: &[u32]) -> Tensor {
+/// The input half of `linear_backward`: dx = dy · w.
+pub fn linear_input_grad(dy: &Tensor, w: &Tensor) -> Tensor {
+    let (m, n, k) = (dy.rows(), w.shape()[0], w.cols());
+    assert_eq!(dy.cols(), n, "linear backward: output gradient has {} features, weight has {n} rows", dy.cols());
+    let mut dx = Tensor::zeros(&[m, k]);
+    cpu::gemm(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k), dx.host_mut(), false);
+    dx
+}
+
+/// The weight half of `linear_backward`: dw += dyᵀ · x.
+pub fn linear_weight_grad(dy: &Tensor, x: &Tensor, dw: &mut Tensor) {
+    let (m, k, n) = (x.rows(), x.cols(), dw.shape()[0]);
+    cpu::gemm(n, m, k, View::transposed(dy.host(), n), View::rows(x.host(), k), dw.host_mut(), true);
+}
+
+/// Rows of `table` picked by token id. The table may be a slice of the vocabulary starting at
+/// id `first`: tokens outside it get zero rows (vocab-parallel embedding).
+pub fn embedding(table: &Tensor, tokens: &[u32], first: usize) -> Tensor {
     let dim = table.cols();
     let mut out = Tensor::zeros(&[tokens.len(), dim]);
-    cpu::embedding(table.host(), tokens, dim, out.host_mut());
+    cpu::embedding(table.host(), tokens, first, dim, out.host_mut());
     out
 }
 
-pub fn embedding_backward(dout: &Tensor, tokens: &[u32], dtable: &mut Tensor) {
+/// Accumulates the rows of `dout` into the table rows of their tokens (those in the slice).
+pub fn embedding_backward(dout: &Tensor, tokens: &[u32], first: usize, dtable: &mut Tensor) {
     let dim = dtable.cols();
-    cpu::embedding_backward(dout.host(), tokens, dim, dtable.host_mut());
+    cpu::embedding_backward(dout.host(), tokens, first, dim, dtable.host_mut());
 }
 
 /// Returns (y, rstd): the normalised rows and the per-row 1/rms the backward needs.
@@ -129,20 +144,41 @@ pub fn swiglu_backward(dh: &Tensor, gate: &Tensor, up: &Tensor) -> (Tensor, Tens
     (dg, du)
 }
 
-/// Cross-entropy of each row of `logits` against `targets` (negative target: row ignored).
-/// Returns (sum of the row losses, number of counted rows, per-row log-sum-exp).
-pub fn cross_entropy(logits: &Tensor, targets: &[i32]) -> (f64, usize, Tensor) {
-    assert_eq!(logits.rows(), targets.len(), "cross_entropy: one target per row");
-    let mut lse = Tensor::zeros(&[targets.len()]);
-    let (sum, count) = cpu::cross_entropy(logits.host(), targets, logits.cols(), lse.host_mut());
-    (sum, count, lse)
+/// Per-row maximum of `logits`, `[rows]`: the first statistic of a (vocab-parallel) softmax.
+pub fn row_max(logits: &Tensor) -> Tensor {
+    let mut m = Tensor::zeros(&[logits.rows()]);
+    cpu::row_max(logits.host(), logits.cols(), m.host_mut());
+    m
 }
 
-/// d(scale · Σ losses)/d logits.
-pub fn cross_entropy_backward(logits: &Tensor, targets: &[i32], lse: &Tensor, scale: f32) -> Tensor {
+/// Per-row Σ exp(logit − max), `[rows]`.
+pub fn row_sum_exp(logits: &Tensor, max: &Tensor) -> Tensor {
+    let mut s = Tensor::zeros(&[logits.rows()]);
+    cpu::row_sum_exp(logits.host(), logits.cols(), max.host(), s.host_mut());
+    s
+}
+
+/// Per-row logit of the target, for targets in this vocabulary slice (ids `first..`); 0 otherwise.
+pub fn target_logits(logits: &Tensor, targets: &[i32], first: usize) -> Tensor {
+    assert_eq!(logits.rows(), targets.len(), "cross-entropy: one target per row");
+    let mut z = Tensor::zeros(&[targets.len()]);
+    cpu::target_logits(logits.host(), logits.cols(), targets, first, z.host_mut());
+    z
+}
+
+/// d(scale · Σ row losses)/d logits for a vocabulary slice starting at id `first`:
+/// softmax − one-hot(target), with softmax = exp(logit − lse); zero rows where the target is
+/// negative (ignored).
+pub fn cross_entropy_backward(logits: &Tensor, targets: &[i32], first: usize, lse: &Tensor, scale: f32) -> Tensor {
     let mut d = Tensor::zeros(logits.shape());
-    cpu::cross_entropy_backward(logits.host(), targets, lse.host(), scale, d.host_mut());
+    cpu::cross_entropy_backward(logits.host(), targets, first, lse.host(), scale, d.host_mut());
     d
+}
+
+/// Elementwise max, then logarithm of the exponential sum: lse = max + ln(sum), `[rows]`.
+pub fn log_sum_exp(max: &Tensor, sum_exp: &Tensor) -> Tensor {
+    let v = max.host().iter().zip(sum_exp.host()).map(|(m, s)| m + s.ln()).collect();
+    Tensor::from_vec(max.shape(), v)
 }
 
 pub fn add_assign(a: &mut Tensor, b: &Tensor) {

@@ -12,10 +12,13 @@
 //! gradient down if the norm exceeds `grad_clip`, then update each parameter with AdamW. Weight
 //! decay is decoupled (applied to the weight, not added to the gradient) and skips norm weights.
 
+use crate::comm::{Group, ReduceOp};
 use crate::config::TrainConfig;
 use crate::model::Param;
 use crate::ops::{self, AdamW};
 use crate::tensor::Tensor;
+use crate::tensor_parallel::Split;
+use anyhow::Result;
 
 /// Learning rate at `step` (0-based): linear warmup to `lr`, then cosine down to `min_lr` at the
 /// last step.
@@ -28,9 +31,29 @@ pub fn lr_at(t: &TrainConfig, step: usize) -> f32 {
     t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f32::consts::PI * progress).cos())
 }
 
-/// Σ g² over the given gradients (the caller all-reduces it when parameters are sharded).
+/// Σ g² over the given gradients.
 pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
     params.iter().map(|p| ops::sum_squares(&p.grad)).sum()
+}
+
+/// The norm of the whole model's gradient when it is cut across the tp group: each rank's Σ g²
+/// over its shards, summed over the group, plus the replicated parameters counted once.
+pub fn global_grad_norm(params: &[&mut Param], tp: &Group) -> Result<f64> {
+    let (mut sharded, mut replicated) = (0.0, 0.0);
+    for p in params {
+        let s = ops::sum_squares(&p.grad);
+        if p.split == Split::Replicated {
+            replicated += s;
+        } else {
+            sharded += s;
+        }
+    }
+    if tp.size() > 1 {
+        let mut total = [sharded as f32];
+        tp.all_reduce(&mut total, ReduceOp::Sum)?;
+        sharded = total[0] as f64;
+    }
+    Ok((sharded + replicated).sqrt())
 }
 
 /// Scales the gradients so that their global norm is at most `max_norm`; returns the factor.

@@ -98,7 +98,7 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
 fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<Summary> {
     let t = &cfg.train;
     let dp_group = me.group(Axis::DpCp);
-    let mut model = Llama::new(&cfg.model, t.seed);
+    let mut model = Llama::init(&cfg.model, t.seed, Some(me.group(Axis::Tp)));
     let mut dp = DataParallel::new(dp_group, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
     let mut optimizer = Optimizer::new(&model.params_mut());
     let quiet = opts.quiet || me.rank != 0;
@@ -118,14 +118,14 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
         for micro in 0..t.grad_accum_steps {
             let (inputs, targets) = data.micro_batch(t, (me.coords.dp, cfg.parallel.dp), step, micro)?;
             let t0 = Instant::now();
-            loss += model.forward(&inputs, t.micro_batch_size, &targets) / t.grad_accum_steps as f32;
+            loss += model.forward(&inputs, t.micro_batch_size, &targets)? / t.grad_accum_steps as f32;
             record("forward", t0);
             let (t1, last) = (Instant::now(), micro + 1 == t.grad_accum_steps);
             model.backward_with(1.0 / t.grad_accum_steps as f32, &mut |p| {
                 if last {
                     dp.grad_ready(p)
                 }
-            });
+            })?;
             record("backward", t1);
         }
         let t2 = Instant::now();
@@ -139,8 +139,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
         }
         let t3 = Instant::now();
         let mut params = model.params_mut();
-        // every replica now holds the same averaged gradients, so its norm is the global norm
-        let grad_norm = optimizer::grad_sum_squares(&params).sqrt();
+        // dp replicas now hold the same averaged gradients; tp shards add up their parts
+        let grad_norm = optimizer::global_grad_norm(&params, me.group(Axis::Tp))?;
         optimizer::clip(&mut params, grad_norm, t.grad_clip);
         let lr = optimizer::lr_at(t, step);
         optimizer.step(&mut params, t, lr);

@@ -44,7 +44,11 @@ fn impossible_model_shapes() {
 #[test]
 fn bad_values_are_named() {
     assert!(config_error(&["train.steps=0"]).contains("train.steps = 0"));
-    assert!(config_error(&["parallel.tp=2"]).contains("parallel.tp = 2"));
+    assert!(config_error(&["parallel.pp=2"]).contains("parallel.pp = 2"));
+    assert!(config_error(&["parallel.tp=3"]).contains("parallel.tp = 3 does not divide model.num_attention_heads = 8"));
+    assert!(config_error(&["parallel.tp=8"]).contains("does not divide model.num_key_value_heads = 4"));
+    assert!(config_error(&["parallel.tp=2", "model.intermediate_size=383"]).contains("model.intermediate_size = 383"));
+    assert!(config_error(&["parallel.tp=0"]).contains("parallel.tp = 0"));
     assert!(config_error(&["parallel.pp_schedule=\"gpipe\""]).contains("parallel.pp_schedule"));
     assert!(config_error(&["device.kind=\"tpu\""]).contains("device.kind"));
     assert!(config_error(&["data.source=\"wiki\""]).contains("data.source = \"wiki\""));

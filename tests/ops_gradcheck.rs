@@ -6,6 +6,7 @@
 
 use ferrotron::ops::{self, Attn};
 use ferrotron::tensor::Tensor;
+use ferrotron::tensor_parallel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -58,9 +59,9 @@ fn embedding() {
     let mut rng = ChaCha8Rng::seed_from_u64(2);
     let tokens = [3u32, 0, 3, 5, 1];
     let (table, r) = (randn(&mut rng, 6 * 4, 1.0), randn(&mut rng, 5 * 4, 1.0));
-    let f = |xs: &[Vec<f32>]| ops::embedding(&t(&[6, 4], &xs[0]), &tokens).to_vec();
+    let f = |xs: &[Vec<f32>]| ops::embedding(&t(&[6, 4], &xs[0]), &tokens, 0).to_vec();
     let mut dtable = Tensor::zeros(&[6, 4]);
-    ops::embedding_backward(&t(&[5, 4], &r), &tokens, &mut dtable);
+    ops::embedding_backward(&t(&[5, 4], &r), &tokens, 0, &mut dtable);
     check("embedding", &[table], &r, f, &[dtable.to_vec()]);
 }
 
@@ -143,11 +144,12 @@ fn cross_entropy_with_ignored_rows() {
     let targets = [2i32, 6, -1, 0, 3];
     let logits = randn(&mut rng, rows * vocab, 3.0);
     // the scalar here is the loss itself: R = [1]
-    let f = |xs: &[Vec<f32>]| vec![ops::cross_entropy(&t(&[rows, vocab], &xs[0]), &targets).0 as f32];
+    let ce = |x: &Tensor| tensor_parallel::cross_entropy(None, x, &targets, 0).unwrap();
+    let f = |xs: &[Vec<f32>]| vec![ce(&t(&[rows, vocab], &xs[0])).0 as f32];
     let lt = t(&[rows, vocab], &logits);
-    let (_, count, lse) = ops::cross_entropy(&lt, &targets);
+    let (_, count, lse) = ce(&lt);
     assert_eq!(count, 4, "the ignored row is not counted");
-    let d = ops::cross_entropy_backward(&lt, &targets, &lse, 1.0).to_vec();
+    let d = tensor_parallel::cross_entropy_backward(&lt, &targets, 0, &lse, 1.0).to_vec();
     assert!(d[2 * vocab..3 * vocab].iter().all(|&x| x == 0.0), "an ignored row has no gradient");
     check("cross_entropy", &[logits], &[1.0], f, &[d]);
 }
