@@ -1,0 +1,147 @@
+//! Tensor parallelism: each parallel layer against its dense twin (output, input gradient,
+//! weight gradient) for tp = 1, 2, 4; the model's shards cut from the single-rank init; tp and
+//! dp×tp training on the single-rank loss curve.
+
+mod common;
+
+use ferrotron::comm::ReduceOp;
+use ferrotron::config::Config;
+use ferrotron::converge::{self, parse_variants};
+use ferrotron::launch::launch;
+use ferrotron::model::{Llama, Param};
+use ferrotron::ops;
+use ferrotron::process_grid::{Axis, Grid};
+use ferrotron::tensor::Tensor;
+use ferrotron::tensor_parallel::{self as tp, shard, Split};
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use std::time::Duration;
+
+fn randn(seed: u64, shape: &[usize]) -> Tensor {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    Tensor::from_vec(shape, (0..shape.iter().product()).map(|_| rng.gen::<f32>() * 2.0 - 1.0).collect())
+}
+
+fn param(value: Tensor) -> Param {
+    Param { grad: Tensor::zeros(value.shape()), name: "w".into(), value, split: Split::Replicated }
+}
+
+fn close(got: &Tensor, want: &Tensor, what: &str) {
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    for (i, (a, b)) in got.to_vec().iter().zip(want.to_vec()).enumerate() {
+        assert!((a - b).abs() <= 1e-5 * (1.0 + b.abs()), "{what}[{i}]: {a} vs {b}");
+    }
+}
+
+fn tp_grid(n: usize) -> Grid {
+    Grid::new(1, 1, 1, n).unwrap()
+}
+
+#[test]
+fn column_and_row_parallel_linear_match_dense() {
+    let (m, k, n) = (5, 8, 12);
+    let (x, w, dy) = (randn(1, &[m, k]), randn(2, &[n, k]), randn(3, &[m, n]));
+    // the dense twin
+    let y = ops::linear(&x, &w);
+    let mut dw = Tensor::zeros(&[n, k]);
+    let dx = ops::linear_backward(&dy, &x, &w, &mut dw);
+    // the row-parallel twin works on [m, k] → [m, n] with the weight cut by columns
+    for size in [1, 2, 4] {
+        launch(tp_grid(size), Duration::from_secs(30), |me| {
+            let (g, i) = (me.group(Axis::Tp), me.group(Axis::Tp).index());
+            // column parallel: output features split
+            let mut wc = param(shard(&w, Split::Rows, i, size));
+            close(&tp::column_forward(&x, &wc), &shard(&y, Split::Cols, i, size), "column y");
+            let dx_col = tp::column_backward(Some(g), &shard(&dy, Split::Cols, i, size), &x, &mut wc)?;
+            close(&dx_col, &dx, "column dx (all-reduced)");
+            close(&wc.grad, &shard(&dw, Split::Rows, i, size), "column dW");
+            // row parallel: input features split, output summed
+            let mut wr = param(shard(&w, Split::Cols, i, size));
+            let x_part = shard(&x, Split::Cols, i, size);
+            close(&tp::row_forward(Some(g), &x_part, &wr)?, &y, "row y (all-reduced)");
+            close(&tp::row_backward(&dy, &x_part, &mut wr), &shard(&dx, Split::Cols, i, size), "row dx");
+            close(&wr.grad, &shard(&dw, Split::Cols, i, size), "row dW");
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("tp = {size}: {e:#}"));
+    }
+}
+
+#[test]
+fn vocab_parallel_embedding_and_cross_entropy_match_dense() {
+    let (vocab, dim, rows) = (16, 6, 7);
+    let table = randn(4, &[vocab, dim]);
+    let tokens: Vec<u32> = vec![0, 15, 3, 8, 8, 12, 7];
+    let logits = randn(5, &[rows, vocab]);
+    let targets = [3i32, 15, -1, 0, 8, 9, 4];
+    let dout = randn(6, &[rows, dim]);
+    let x = ops::embedding(&table, &tokens, 0);
+    let mut dtable = Tensor::zeros(&[vocab, dim]);
+    ops::embedding_backward(&dout, &tokens, 0, &mut dtable);
+    let (sum, count, lse) = tp::cross_entropy(None, &logits, &targets, 0).unwrap();
+    let dlogits = tp::cross_entropy_backward(&logits, &targets, 0, &lse, 0.5);
+    for size in [1, 2, 4] {
+        launch(tp_grid(size), Duration::from_secs(30), |me| {
+            let (g, i) = (me.group(Axis::Tp), me.group(Axis::Tp).index());
+            let first = i * vocab / size;
+            let mut t = param(shard(&table, Split::Rows, i, size));
+            close(&tp::embedding_forward(Some(g), &t, &tokens, first)?, &x, "embedding");
+            tp::embedding_backward(&dout, &tokens, first, &mut t);
+            close(&t.grad, &shard(&dtable, Split::Rows, i, size), "embedding grad");
+            let part = shard(&logits, Split::Cols, i, size);
+            let (s, c, l) = tp::cross_entropy(Some(g), &part, &targets, first)?;
+            assert!((s - sum).abs() < 1e-5 * sum && c == count, "loss {s} vs {sum}, rows {c} vs {count}");
+            close(&l, &lse, "log-sum-exp");
+            let d = tp::cross_entropy_backward(&part, &targets, first, &l, 0.5);
+            close(&d, &shard(&dlogits, Split::Cols, i, size), "dlogits");
+            Ok(())
+        })
+        .unwrap_or_else(|e| panic!("tp = {size}: {e:#}"));
+    }
+    assert_eq!(count, 6, "the row with target −1 is ignored");
+}
+
+#[test]
+fn shards_are_cut_from_the_single_rank_init() {
+    let cfg = Config::load(None, &["parallel.tp=4".to_string()]).unwrap();
+    let dense: Vec<Tensor> = Llama::new(&cfg.model, 7).params().iter().map(|p| p.value.clone()).collect();
+    launch(tp_grid(4), Duration::from_secs(30), |me| {
+        let model = Llama::init(&cfg.model, 7, Some(me.group(Axis::Tp)));
+        for (p, full) in model.params().iter().zip(&dense) {
+            let i = me.group(Axis::Tp).index();
+            assert_eq!(p.value.to_vec(), shard(full, p.split, i, 4).to_vec(), "{}", p.name);
+        }
+        // and the shards of a row-split weight add back up to the whole
+        let mut rows = [model.params()[0].value.rows() as f32];
+        me.group(Axis::Tp).all_reduce(&mut rows, ReduceOp::Sum)?;
+        assert_eq!(rows[0] as usize, cfg.model.vocab_size);
+        Ok(())
+    })
+    .unwrap();
+}
+
+#[test]
+fn tp_and_dp_tp_follow_the_single_rank_curve() {
+    let mut sets: Vec<String> = common::SMALL.iter().map(|s| s.to_string()).collect();
+    sets.extend(
+        ["model.num_key_value_heads=4", "train.micro_batch_size=8", "train.steps=20", "train.warmup_steps=5"]
+            .map(String::from),
+    );
+    let variants = parse_variants("tp=2;tp=4;dp=2,tp=2;tp=2,model.tie_word_embeddings=true").unwrap();
+    let (baseline, outcomes) = converge::converge(None, &sets, &variants, 1e-4).unwrap();
+    assert!(baseline[19] < baseline[0] - 0.5, "the baseline learns");
+    for o in outcomes.iter().take(3) {
+        assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);
+    }
+    // the tied variant is a different model: it must differ from the untied baseline, and match
+    // its own single-rank run
+    assert!(outcomes[3].max_diff > 1e-3);
+    sets.push("model.tie_word_embeddings=true".into());
+    let (tied, tied_tp) = converge::converge(None, &sets, &parse_variants("tp=2;dp=2,tp=2").unwrap(), 1e-4).unwrap();
+    assert!(
+        tied_tp.iter().all(|o| o.pass),
+        "tied under tp: {:?}",
+        tied_tp.iter().map(|o| o.max_diff).collect::<Vec<_>>()
+    );
+    assert!(tied[19] < tied[0] - 0.5);
+}
