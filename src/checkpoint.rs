@@ -8,6 +8,7 @@
 
 use crate::config::ModelConfig;
 use crate::model::Llama;
+use crate::pipeline_parallel::Stage;
 use crate::tensor::Tensor;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -24,7 +25,7 @@ pub fn load_hf(dir: &Path) -> Result<Llama<'static>> {
     if cfg.tie_word_embeddings {
         tensors.remove("lm_head.weight");
     }
-    let model = Llama::build(&cfg, None, |name, shape, _| {
+    let model = Llama::build(&cfg, None, Stage::WHOLE, |name, shape, _| {
         let t = tensors.remove(name).with_context(|| format!("{}: tensor {name} is missing", dir.display()))?;
         if t.shape() != shape {
             bail!("{}: tensor {name} has shape {:?}, but config.json implies {shape:?}", dir.display(), t.shape());

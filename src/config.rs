@@ -227,15 +227,23 @@ impl Config {
             bail!("train.beta1 and train.beta2 must lie in [0, 1)");
         }
         let p = &self.parallel;
-        for (key, v) in [("parallel.dp", p.dp), ("parallel.tp", p.tp)] {
+        for (key, v) in [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp)] {
             if v == 0 {
                 bail!("{key} = 0: it must be at least 1");
             }
         }
-        for (key, v) in [("parallel.pp", p.pp), ("parallel.cp", p.cp)] {
-            if v != 1 {
-                bail!("{key} = {v}: this build has data and tensor parallelism only; set {key} = 1");
-            }
+        if p.cp != 1 {
+            bail!("parallel.cp = {}: context parallelism is not in this build yet; set parallel.cp = 1", p.cp);
+        }
+        if p.pp > self.model.num_hidden_layers {
+            bail!(
+                "parallel.pp = {} exceeds model.num_hidden_layers = {}: every pipeline stage needs at least one layer",
+                p.pp,
+                self.model.num_hidden_layers
+            );
+        }
+        if p.pp > 1 && self.model.tie_word_embeddings {
+            bail!("model.tie_word_embeddings = true with parallel.pp = {}: the embedding (first stage) and the output layer (last stage) would need a shared gradient; untie them or set parallel.pp = 1", p.pp);
         }
         let m = &self.model;
         for (key, v) in [

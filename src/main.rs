@@ -1,10 +1,11 @@
-//! The `ferrotron` command line: `train`, `converge`, `grid`, `eval` and `doctor`.
+//! The `ferrotron` command line: `train`, `converge`, `grid`, `schedule`, `eval` and `doctor`.
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use ferrotron::config::PpSchedule;
 use ferrotron::process_grid::Grid;
 use ferrotron::trace::Trace;
-use ferrotron::{checkpoint, config::Config, converge, doctor, eval, launch, train};
+use ferrotron::{checkpoint, config::Config, converge, doctor, eval, launch, schedule, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -64,6 +65,18 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         tp: usize,
     },
+    /// Draw the pipeline schedules (AFAB and 1F1B) as an SVG timeline and print their bubbles.
+    Schedule {
+        #[arg(long, default_value_t = 4)]
+        pp: usize,
+        #[arg(long, default_value_t = 8)]
+        microbatches: usize,
+        /// afab, 1f1b or both.
+        #[arg(long, default_value = "both")]
+        schedule: String,
+        #[arg(long, default_value = "schedule.svg")]
+        out: PathBuf,
+    },
     /// Mean next-token loss of a Hugging Face Llama checkpoint on a token file.
     Eval {
         /// Folder with config.json and model.safetensors (or a sharded index).
@@ -114,6 +127,28 @@ fn run(cli: Cli) -> Result<()> {
             if failed > 0 {
                 anyhow::bail!("{failed} variant(s) left the single-rank loss curve by more than {tol:e}");
             }
+        }
+        Command::Schedule { pp, microbatches, schedule: which, out } => {
+            let kinds = match which.as_str() {
+                "afab" => vec![PpSchedule::Afab],
+                "1f1b" => vec![PpSchedule::OneFOneB],
+                "both" => vec![PpSchedule::Afab, PpSchedule::OneFOneB],
+                other => anyhow::bail!("--schedule {other}: expected afab, 1f1b or both"),
+            };
+            let timelines =
+                kinds.into_iter().map(|k| schedule::simulate(k, pp, microbatches)).collect::<Result<Vec<_>>>()?;
+            for t in &timelines {
+                println!(
+                    "{:<4} pp={pp} m={microbatches}: bubble {:.1}% of the step (formula (p-1)/(m+p-1) = {:.1}%), peak micro-batch activations per stage {:?}",
+                    if t.kind == PpSchedule::Afab { "afab" } else { "1f1b" },
+                    100.0 * t.bubble(),
+                    100.0 * t.bubble_formula(),
+                    t.peak_activations
+                );
+            }
+            ferrotron::metrics::write_atomically(&out, schedule::svg(&timelines).as_bytes())
+                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
+            println!("picture: {}", out.display());
         }
         Command::Grid { dp, pp, cp, tp } => {
             let grid = Grid::new(dp, pp, cp, tp)?;

@@ -16,6 +16,8 @@ pub struct StepLog {
     pub loss: f32,
     pub lr: f32,
     pub grad_norm: f32,
+    /// The most micro-batch activations rank 0 held at once during the step (pipeline memory).
+    pub activations: usize,
     pub tokens_per_s: f64,
     pub elapsed_s: f64,
 }

@@ -19,9 +19,11 @@
 use crate::comm::Group;
 use crate::config::ModelConfig;
 use crate::ops::{self, Attn};
+use crate::pipeline_parallel::Stage;
 use crate::tensor::Tensor;
 use crate::tensor_parallel::{self as tp, Split, Tp};
-use anyhow::Result;
+use anyhow::{anyhow, bail, Result};
+use std::collections::VecDeque;
 
 /// A named weight and its gradient (same shape, accumulated by backward).
 pub struct Param {
@@ -69,13 +71,19 @@ struct BlockCache {
     act: Tensor,
 }
 
-/// Everything `forward` keeps for `backward`.
+/// Everything one micro-batch's `forward` keeps for its `backward`.
 struct Cache {
-    tokens: Vec<u32>,
-    targets: Vec<i32>,
+    /// The input tokens, on the first pipeline stage.
+    tokens: Option<Vec<u32>>,
     positions: Vec<u32>,
     attn: Attn,
     blocks: Vec<BlockCache>,
+    /// The output end, on the last pipeline stage.
+    head: Option<HeadCache>,
+}
+
+struct HeadCache {
+    targets: Vec<i32>,
     x_final: Tensor,
     xn: Tensor,
     rstd: Tensor,
@@ -84,30 +92,58 @@ struct Cache {
     count: usize,
 }
 
+/// The final norm and the output layer, on the last pipeline stage.
+struct Head {
+    norm: Param,
+    /// `None` when the output layer is tied to the embedding.
+    lm_head: Option<Param>,
+}
+
+/// What a pipeline stage receives: tokens (first stage) or the previous stage's activations.
+pub enum StageInput<'a> {
+    Tokens(&'a [u32]),
+    Hidden(Tensor),
+}
+
+/// What a stage produces: the mean loss (last stage) or activations for the next stage.
+pub enum StageOutput {
+    Loss(f32),
+    Hidden(Tensor),
+}
+
+/// Where a stage's backward starts: the loss, scaled (last stage), or the next stage's gradient.
+pub enum StageGrad {
+    Loss(f32),
+    Hidden(Tensor),
+}
+
 pub struct Llama<'g> {
     pub cfg: ModelConfig,
     tp: Tp<'g>,
     /// The first vocabulary id of this rank's slice.
     vocab_first: usize,
-    embed_tokens: Param,
+    /// On the first pipeline stage.
+    embed_tokens: Option<Param>,
+    /// This stage's layers.
     layers: Vec<Block>,
-    norm: Param,
-    /// `None` when the output layer is tied to the embedding.
-    lm_head: Option<Param>,
-    cache: Option<Cache>,
+    /// On the last pipeline stage.
+    head: Option<Head>,
+    /// One per micro-batch whose forward is done and backward is not (the activation memory).
+    caches: VecDeque<Cache>,
 }
 
 impl<'g> Llama<'g> {
     /// A fresh model on one rank: every parameter from its own (seed, name) stream (`init.rs`).
     pub fn new(cfg: &ModelConfig, seed: u64) -> Llama<'static> {
-        Llama::init(cfg, seed, None)
+        Llama::init(cfg, seed, None, Stage::WHOLE)
     }
 
-    /// This rank's shard of the same model, split over the tp group `tp`: each part is cut
-    /// from the full initialised tensor, so every tp size starts from the single-rank model.
-    pub fn init(cfg: &ModelConfig, seed: u64, tp: Tp<'g>) -> Llama<'g> {
+    /// This rank's part of the same model: the layers of pipeline `stage`, each tensor split over
+    /// the tp group `tp`. Parts are cut from the full initialised tensors, so every layout starts
+    /// from the single-rank model.
+    pub fn init(cfg: &ModelConfig, seed: u64, tp: Tp<'g>, stage: Stage) -> Llama<'g> {
         let std = cfg.initializer_range;
-        Llama::build(cfg, tp, |name, shape, kind| {
+        Llama::build(cfg, tp, stage, |name, shape, kind| {
             Ok(match kind {
                 ParamKind::Matrix => crate::init::normal(seed, name, shape, std),
                 ParamKind::Norm => crate::init::ones(shape),
@@ -121,6 +157,7 @@ impl<'g> Llama<'g> {
     pub fn build(
         cfg: &ModelConfig,
         tp: Tp<'g>,
+        stage: Stage,
         mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
     ) -> Result<Llama<'g>> {
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
@@ -131,9 +168,13 @@ impl<'g> Llama<'g> {
             Ok(Param { grad: Tensor::zeros(value.shape()), name, value, split })
         };
         use Split::{Cols, Replicated, Rows};
-        let embed_tokens = param("model.embed_tokens.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?;
-        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
+        let embed_name = "model.embed_tokens.weight".to_string();
+        let embed_tokens = match stage.is_first() {
+            true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+            false => None,
+        };
+        let mut layers = Vec::new();
+        for i in stage.layers(cfg.num_hidden_layers) {
             let p = |s: &str| format!("model.layers.{i}.{s}.weight");
             layers.push(Block {
                 q_proj: param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix, Rows)?,
@@ -147,34 +188,48 @@ impl<'g> Llama<'g> {
                 post_attention_layernorm: param(p("post_attention_layernorm"), &[d], ParamKind::Norm, Replicated)?,
             });
         }
-        let norm = param("model.norm.weight".into(), &[d], ParamKind::Norm, Replicated)?;
-        let lm_head = match cfg.tie_word_embeddings {
-            true => None,
-            false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+        let head = match stage.is_last() {
+            true => Some(Head {
+                norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, Replicated)?,
+                lm_head: match cfg.tie_word_embeddings {
+                    true => None,
+                    false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+                },
+            }),
+            false => None,
         };
         let vocab_first = index * cfg.vocab_size / count;
-        Ok(Llama { cfg: cfg.clone(), tp, vocab_first, embed_tokens, layers, norm, lm_head, cache: None })
+        Ok(Llama { cfg: cfg.clone(), tp, vocab_first, embed_tokens, layers, head, caches: VecDeque::new() })
     }
 
     /// Every parameter, in Hugging Face order.
     pub fn params(&self) -> Vec<&Param> {
-        let mut v = vec![&self.embed_tokens];
+        let mut v: Vec<&Param> = self.embed_tokens.iter().collect();
         for b in &self.layers {
             v.extend(b.params());
         }
-        v.push(&self.norm);
-        v.extend(self.lm_head.as_ref());
+        if let Some(h) = &self.head {
+            v.push(&h.norm);
+            v.extend(h.lm_head.as_ref());
+        }
         v
     }
 
     pub fn params_mut(&mut self) -> Vec<&mut Param> {
-        let mut v = vec![&mut self.embed_tokens];
+        let mut v: Vec<&mut Param> = self.embed_tokens.iter_mut().collect();
         for b in &mut self.layers {
             v.extend(b.params_mut());
         }
-        v.push(&mut self.norm);
-        v.extend(self.lm_head.as_mut());
+        if let Some(h) = &mut self.head {
+            v.push(&mut h.norm);
+            v.extend(h.lm_head.as_mut());
+        }
         v
+    }
+
+    /// Micro-batches whose activations this rank holds now (forward done, backward not yet).
+    pub fn activations_held(&self) -> usize {
+        self.caches.len()
     }
 
     pub fn zero_grads(&mut self) {
@@ -183,11 +238,29 @@ impl<'g> Llama<'g> {
         }
     }
 
-    /// Runs `batch` sequences of `tokens.len() / batch` tokens; returns the mean cross-entropy
-    /// over the rows whose target is not negative. Keeps the activations for `backward`.
+    /// Runs `batch` sequences of `tokens.len() / batch` tokens through the whole model; returns
+    /// the mean cross-entropy over the rows whose target is not negative. Keeps the activations
+    /// for `backward`, dropping those of earlier forwards that had none (as in evaluation).
     pub fn forward(&mut self, tokens: &[u32], batch: usize, targets: &[i32]) -> Result<f32> {
+        self.caches.clear();
+        match self.forward_stage(StageInput::Tokens(tokens), batch, targets)? {
+            StageOutput::Loss(loss) => Ok(loss),
+            StageOutput::Hidden(_) => bail!("forward: this model is one pipeline stage, not the whole model"),
+        }
+    }
+
+    /// One micro-batch of `batch` sequences through this stage's part of the model; `targets`
+    /// are used on the last stage. The activations stay until this micro-batch's backward.
+    pub fn forward_stage(&mut self, input: StageInput, batch: usize, targets: &[i32]) -> Result<StageOutput> {
         let (cfg, tp) = (&self.cfg, self.tp);
-        let seq = tokens.len() / batch;
+        let (mut x, tokens) = match (input, &self.embed_tokens) {
+            (StageInput::Tokens(t), Some(embed)) => {
+                (tp::embedding_forward(tp, embed, t, self.vocab_first)?, Some(t.to_vec()))
+            }
+            (StageInput::Hidden(x), _) => (x, None),
+            (StageInput::Tokens(_), None) => bail!("forward: tokens given to a pipeline stage without the embedding"),
+        };
+        let seq = x.rows() / batch;
         let ranks = tp.map_or(1, Group::size);
         let attn = Attn {
             batch,
@@ -196,26 +269,29 @@ impl<'g> Llama<'g> {
             kv_heads: cfg.num_key_value_heads / ranks,
             head_dim: cfg.head_dim(),
         };
-        let positions: Vec<u32> = (0..tokens.len()).map(|r| (r % seq) as u32).collect();
-        let mut x = tp::embedding_forward(tp, &self.embed_tokens, tokens, self.vocab_first)?;
+        let positions: Vec<u32> = (0..x.rows()).map(|r| (r % seq) as u32).collect();
         let mut blocks = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
             let (out, cache) = layer.forward(tp, x, cfg, attn, &positions)?;
             blocks.push(cache);
             x = out;
         }
-        let (xn, rstd) = ops::rmsnorm(&x, &self.norm.value, cfg.rms_norm_eps);
-        let head = self.lm_head.as_ref().unwrap_or(&self.embed_tokens);
-        let logits = tp::column_forward(&xn, head); // this rank's slice of the vocabulary
+        let Some(h) = &self.head else {
+            self.caches.push_back(Cache { tokens, positions, attn, blocks, head: None });
+            return Ok(StageOutput::Hidden(x));
+        };
+        let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, cfg.rms_norm_eps);
+        let out_layer = h.lm_head.as_ref().or(self.embed_tokens.as_ref()).expect("a tied head has the embedding");
+        let logits = tp::column_forward(&xn, out_layer); // this rank's slice of the vocabulary
         let (sum, count, lse) = tp::cross_entropy(tp, &logits, targets, self.vocab_first)?;
-        let (tokens, targets) = (tokens.to_vec(), targets.to_vec());
-        self.cache = Some(Cache { tokens, targets, positions, attn, blocks, x_final: x, xn, rstd, logits, lse, count });
-        Ok((sum / count.max(1) as f64) as f32)
+        let head = HeadCache { targets: targets.to_vec(), x_final: x, xn, rstd, logits, lse, count };
+        self.caches.push_back(Cache { tokens, positions, attn, blocks, head: Some(head) });
+        Ok(StageOutput::Loss((sum / count.max(1) as f64) as f32))
     }
 
     /// The logits of the last `forward`, `[rows, vocab]` (this rank's vocabulary slice).
     pub fn logits(&self) -> Option<&Tensor> {
-        self.cache.as_ref().map(|c| &c.logits)
+        self.caches.back().and_then(|c| c.head.as_ref()).map(|h| &h.logits)
     }
 
     /// Accumulates into every `Param::grad` the gradient of `scale × loss` of the last forward.
@@ -226,20 +302,41 @@ impl<'g> Llama<'g> {
     /// `backward` that calls `ready(param)` as soon as a parameter's gradient is complete, so
     /// that data parallelism can start reducing it while the rest of backward runs.
     pub fn backward_with(&mut self, scale: f32, ready: &mut dyn FnMut(&Param)) -> Result<()> {
-        let (c, tp, first) = (self.cache.take().expect("backward needs a forward first"), self.tp, self.vocab_first);
-        let dlogits = tp::cross_entropy_backward(&c.logits, &c.targets, first, &c.lse, scale / c.count.max(1) as f32);
-        let head = self.lm_head.as_mut().unwrap_or(&mut self.embed_tokens);
-        let dxn = tp::column_backward(tp, &dlogits, &c.xn, head)?;
-        self.lm_head.iter().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
-        let mut dx = ops::rmsnorm_backward(&dxn, &c.x_final, &self.norm.value, &c.rstd, &mut self.norm.grad);
-        ready(&self.norm);
+        self.backward_stage(StageGrad::Loss(scale), ready).map(drop)
+    }
+
+    /// The backward of the oldest micro-batch whose forward is done. Returns the gradient of the
+    /// stage's input activations (`None` on the first stage, whose input is tokens).
+    pub fn backward_stage(&mut self, grad: StageGrad, ready: &mut dyn FnMut(&Param)) -> Result<Option<Tensor>> {
+        let c = self.caches.pop_front().ok_or_else(|| anyhow!("backward: no forward is waiting for its backward"))?;
+        let (tp, first) = (self.tp, self.vocab_first);
+        let mut dx = match (grad, &c.head, &mut self.head) {
+            (StageGrad::Loss(scale), Some(hc), Some(h)) => {
+                let scale = scale / hc.count.max(1) as f32;
+                let dlogits = tp::cross_entropy_backward(&hc.logits, &hc.targets, first, &hc.lse, scale);
+                let out_layer =
+                    h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
+                let dxn = tp::column_backward(tp, &dlogits, &hc.xn, out_layer)?;
+                h.lm_head.iter().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
+                let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad);
+                ready(&h.norm);
+                dx
+            }
+            (StageGrad::Hidden(dx), None, _) => dx,
+            _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
+        };
         for (layer, cache) in self.layers.iter_mut().zip(&c.blocks).rev() {
             dx = layer.backward(tp, dx, cache, &self.cfg, c.attn, &c.positions)?;
             layer.params().into_iter().for_each(&mut *ready);
         }
-        tp::embedding_backward(&dx, &c.tokens, first, &mut self.embed_tokens);
-        ready(&self.embed_tokens);
-        Ok(())
+        match (&c.tokens, &mut self.embed_tokens) {
+            (Some(tokens), Some(embed)) => {
+                tp::embedding_backward(&dx, tokens, first, embed);
+                ready(embed);
+                Ok(None)
+            }
+            _ => Ok(Some(dx)),
+        }
     }
 }
 

@@ -36,9 +36,10 @@ pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
     params.iter().map(|p| ops::sum_squares(&p.grad)).sum()
 }
 
-/// The norm of the whole model's gradient when it is cut across the tp group: each rank's Σ g²
-/// over its shards, summed over the group, plus the replicated parameters counted once.
-pub fn global_grad_norm(params: &[&mut Param], tp: &Group) -> Result<f64> {
+/// The norm of the whole model's gradient when it is cut across the tp group and the pp stages:
+/// each rank's Σ g² over its shards summed over the tp group, plus the tp-replicated parameters
+/// counted once, then summed over the stages.
+pub fn global_grad_norm(params: &[&mut Param], tp: &Group, pp: &Group) -> Result<f64> {
     let (mut sharded, mut replicated) = (0.0, 0.0);
     for p in params {
         let s = ops::sum_squares(&p.grad);
@@ -53,7 +54,13 @@ pub fn global_grad_norm(params: &[&mut Param], tp: &Group) -> Result<f64> {
         tp.all_reduce(&mut total, ReduceOp::Sum)?;
         sharded = total[0] as f64;
     }
-    Ok((sharded + replicated).sqrt())
+    let mut total = sharded + replicated;
+    if pp.size() > 1 {
+        let mut stages = [total as f32];
+        pp.all_reduce(&mut stages, ReduceOp::Sum)?;
+        total = stages[0] as f64;
+    }
+    Ok(total.sqrt())
 }
 
 /// Scales the gradients so that their global norm is at most `max_norm`; returns the factor.

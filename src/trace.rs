@@ -55,13 +55,14 @@ impl Trace {
     }
 
     /// Of all time spent in communication spans, the fraction that ran while the same rank was
-    /// inside a compute span named `during` (for example "backward").
+    /// inside a compute span whose name starts with `during` (for example "backward").
     pub fn hidden_fraction(&self, during: &str) -> f64 {
         let spans = self.spans();
         let (mut total, mut hidden) = (0.0, 0.0);
         for c in spans.iter().filter(|s| s.lane == Lane::Comm) {
             total += c.end_us - c.start_us;
-            for b in spans.iter().filter(|s| s.rank == c.rank && s.lane == Lane::Compute && s.name == during) {
+            for b in spans.iter().filter(|s| s.rank == c.rank && s.lane == Lane::Compute && s.name.starts_with(during))
+            {
                 hidden += (c.end_us.min(b.end_us) - c.start_us.max(b.start_us)).max(0.0);
             }
         }

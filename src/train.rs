@@ -6,8 +6,9 @@
 //! ```text
 //! for each step:
 //!     zero the gradients
-//!     for each micro-batch:  forward → loss,  backward(1 / grad_accum_steps)   (gradients add up)
-//!                            on the last one, each finished gradient goes to data parallelism
+//!     for each micro-batch, in the pipeline schedule's order (on one stage: one after another):
+//!         forward → loss,  backward(1 / grad_accum_steps)       (gradients add up)
+//!         on the last one, each finished gradient goes to data parallelism
 //!     data parallel: wait until every gradient is the average over the dp ranks
 //!     global gradient norm → clip → learning rate for this step → AdamW
 //!     log step, loss (averaged over the dp ranks), lr, grad_norm, tokens/s
@@ -23,6 +24,7 @@ use crate::launch::{launch_on, Rank, Setup};
 use crate::metrics::{Metrics, StepLog};
 use crate::model::{Llama, Param};
 use crate::optimizer::{self, Optimizer};
+use crate::pipeline_parallel::{self, Stage, StepPlan};
 use crate::process_grid::{Axis, Grid};
 use crate::trace::{Lane, Trace};
 use anyhow::{bail, Result};
@@ -48,6 +50,8 @@ pub struct Summary {
     pub wall_s: f64,
     /// A hash of the bits of every weight: replicas that agree have equal checksums.
     pub checksum: u64,
+    /// The most micro-batch activations this rank held at once.
+    pub peak_activations: usize,
 }
 
 impl Summary {
@@ -97,8 +101,9 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
 /// The loop of one rank.
 fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<Summary> {
     let t = &cfg.train;
-    let dp_group = me.group(Axis::DpCp);
-    let mut model = Llama::init(&cfg.model, t.seed, Some(me.group(Axis::Tp)));
+    let (dp_group, pp_group) = (me.group(Axis::DpCp), me.group(Axis::Pp));
+    let stage = Stage { index: me.coords.pp, count: cfg.parallel.pp };
+    let mut model = Llama::init(&cfg.model, t.seed, Some(me.group(Axis::Tp)), stage);
     let mut dp = DataParallel::new(dp_group, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
     let mut optimizer = Optimizer::new(&model.params_mut());
     let quiet = opts.quiet || me.rank != 0;
@@ -110,44 +115,44 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
     };
     let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
     let start = Instant::now();
-    let mut losses = Vec::with_capacity(t.steps);
+    let (mut losses, mut peak_activations) = (Vec::with_capacity(t.steps), 0);
     for step in 0..t.steps {
         let step_start = Instant::now();
         model.zero_grads();
-        let mut loss = 0.0;
-        for micro in 0..t.grad_accum_steps {
-            let (inputs, targets) = data.micro_batch(t, (me.coords.dp, cfg.parallel.dp), step, micro)?;
-            let t0 = Instant::now();
-            loss += model.forward(&inputs, t.micro_batch_size, &targets)? / t.grad_accum_steps as f32;
-            record("forward", t0);
-            let (t1, last) = (Instant::now(), micro + 1 == t.grad_accum_steps);
-            model.backward_with(1.0 / t.grad_accum_steps as f32, &mut |p| {
-                if last {
-                    dp.grad_ready(p)
-                }
-            })?;
-            record("backward", t1);
-        }
+        let data = |micro| data.micro_batch(t, (me.coords.dp, cfg.parallel.dp), step, micro);
+        let plan = StepPlan {
+            kind: cfg.parallel.pp_schedule,
+            micro_batches: t.grad_accum_steps,
+            batch: t.micro_batch_size,
+            hidden: [t.micro_batch_size * t.seq_len, cfg.model.hidden_size],
+            data: &data,
+            record: &|name, start| record(&name, start),
+        };
+        let stats = pipeline_parallel::run_step(&mut model, pp_group, &plan, &mut |p| dp.grad_ready(p))?;
         let t2 = Instant::now();
         dp.finish(&mut model.params_mut(), opts.trace.map(|tr| (tr, me.rank)))?;
         record("wait for gradients", t2);
-        let mut global_loss = [loss];
-        dp_group.all_reduce(&mut global_loss, ReduceOp::Avg)?;
-        let loss = global_loss[0];
+        // the last stage knows the loss; every rank logs the mean over the global batch
+        let mut loss = [stats.loss];
+        pp_group.broadcast(&mut loss, pp_group.size() - 1)?;
+        dp_group.all_reduce(&mut loss, ReduceOp::Avg)?;
+        let loss = loss[0];
         if !loss.is_finite() {
             bail!("the loss became {loss} at step {step}: lower train.lr or set train.grad_clip");
         }
         let t3 = Instant::now();
         let mut params = model.params_mut();
-        // dp replicas now hold the same averaged gradients; tp shards add up their parts
-        let grad_norm = optimizer::global_grad_norm(&params, me.group(Axis::Tp))?;
+        // dp replicas now hold the same averaged gradients; tp shards and pp stages add up their parts
+        let grad_norm = optimizer::global_grad_norm(&params, me.group(Axis::Tp), pp_group)?;
         optimizer::clip(&mut params, grad_norm, t.grad_clip);
         let lr = optimizer::lr_at(t, step);
         optimizer.step(&mut params, t, lr);
         record("optimizer", t3);
         losses.push(loss);
+        peak_activations = peak_activations.max(stats.peak_activations);
         metrics.log(&StepLog {
             step,
+            activations: stats.peak_activations,
             loss,
             lr,
             grad_norm: grad_norm as f32,
@@ -157,7 +162,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
     }
     metrics.finish()?;
     let checksum = checksum(&model.params());
-    Ok(Summary { losses, floor: None, wall_s: start.elapsed().as_secs_f64(), checksum })
+    Ok(Summary { losses, floor: None, wall_s: start.elapsed().as_secs_f64(), checksum, peak_activations })
 }
 
 /// FNV-1a over the bits of every weight, in model order.

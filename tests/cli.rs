@@ -80,7 +80,7 @@ fn train_with_dp_writes_a_trace() {
     assert!(out.contains("2 ranks") && out.contains("of all-reduce time ran during backward"), "{out}");
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
     let names: Vec<&str> = json["traceEvents"].as_array().unwrap().iter().filter_map(|e| e["name"].as_str()).collect();
-    for want in ["forward", "backward", "all-reduce bucket 0", "optimizer", "process_name"] {
+    for want in ["forward 0", "backward 0", "all-reduce bucket 0", "optimizer", "process_name"] {
         assert!(names.contains(&want), "{want} missing from {names:?}");
     }
 }

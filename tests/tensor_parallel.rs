@@ -10,6 +10,7 @@ use ferrotron::converge::{self, parse_variants};
 use ferrotron::launch::launch;
 use ferrotron::model::{Llama, Param};
 use ferrotron::ops;
+use ferrotron::pipeline_parallel::Stage;
 use ferrotron::process_grid::{Axis, Grid};
 use ferrotron::tensor::Tensor;
 use ferrotron::tensor_parallel::{self as tp, shard, Split};
@@ -106,7 +107,7 @@ fn shards_are_cut_from_the_single_rank_init() {
     let cfg = Config::load(None, &["parallel.tp=4".to_string()]).unwrap();
     let dense: Vec<Tensor> = Llama::new(&cfg.model, 7).params().iter().map(|p| p.value.clone()).collect();
     launch(tp_grid(4), Duration::from_secs(30), |me| {
-        let model = Llama::init(&cfg.model, 7, Some(me.group(Axis::Tp)));
+        let model = Llama::init(&cfg.model, 7, Some(me.group(Axis::Tp)), Stage::WHOLE);
         for (p, full) in model.params().iter().zip(&dense) {
             let i = me.group(Axis::Tp).index();
             assert_eq!(p.value.to_vec(), shard(full, p.split, i, 4).to_vec(), "{}", p.name);
