@@ -74,6 +74,9 @@ enum Command {
         /// afab, 1f1b or both.
         #[arg(long, default_value = "both")]
         schedule: String,
+        /// Draw the last step of a real run instead, from its `train --trace` file.
+        #[arg(long, value_name = "TRACE.json")]
+        trace: Option<PathBuf>,
         #[arg(long, default_value = "schedule.svg")]
         out: PathBuf,
     },
@@ -99,11 +102,14 @@ fn run(cli: Cli) -> Result<()> {
             let s = train::train(&cfg, opts)?;
             if let (Some(path), Some(spans)) = (&trace, &spans) {
                 spans.write(path)?;
-                println!(
-                    "trace: {} ({:.0}% of all-reduce time ran during backward)",
-                    path.display(),
-                    100.0 * spans.hidden_fraction("backward")
-                );
+                let overlap = match spans.spans().iter().any(|s| s.lane == ferrotron::trace::Lane::Comm) {
+                    true => format!(
+                        "{:.0}% of all-reduce time ran during backward",
+                        100.0 * spans.hidden_fraction("backward")
+                    ),
+                    false => "no data-parallel all-reduce in this run".into(),
+                };
+                println!("trace: {} ({overlap})", path.display());
             }
             let floor = match s.floor {
                 Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),
@@ -128,19 +134,25 @@ fn run(cli: Cli) -> Result<()> {
                 anyhow::bail!("{failed} variant(s) left the single-rank loss curve by more than {tol:e}");
             }
         }
-        Command::Schedule { pp, microbatches, schedule: which, out } => {
+        Command::Schedule { pp, microbatches, schedule: which, trace, out } => {
             let kinds = match which.as_str() {
                 "afab" => vec![PpSchedule::Afab],
                 "1f1b" => vec![PpSchedule::OneFOneB],
                 "both" => vec![PpSchedule::Afab, PpSchedule::OneFOneB],
                 other => anyhow::bail!("--schedule {other}: expected afab, 1f1b or both"),
             };
-            let timelines =
-                kinds.into_iter().map(|k| schedule::simulate(k, pp, microbatches)).collect::<Result<Vec<_>>>()?;
+            let timelines = match &trace {
+                Some(path) => vec![schedule::from_trace(path)?],
+                None => {
+                    kinds.into_iter().map(|k| schedule::simulate(k, pp, microbatches)).collect::<Result<Vec<_>>>()?
+                }
+            };
             for t in &timelines {
                 println!(
-                    "{:<4} pp={pp} m={microbatches}: bubble {:.1}% of the step (formula (p-1)/(m+p-1) = {:.1}%), peak micro-batch activations per stage {:?}",
-                    if t.kind == PpSchedule::Afab { "afab" } else { "1f1b" },
+                    "{}: {} rows, m={}: bubble {:.1}% of the step (formula (p-1)/(m+p-1) = {:.1}%), peak micro-batch activations per row {:?}",
+                    t.name,
+                    t.stages,
+                    t.micro_batches,
                     100.0 * t.bubble(),
                     100.0 * t.bubble_formula(),
                     t.peak_activations

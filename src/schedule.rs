@@ -21,7 +21,9 @@ pub struct Slot {
 }
 
 pub struct Timeline {
-    pub kind: PpSchedule,
+    /// What is drawn: "AFAB", "1F1B", or the trace file it came from.
+    pub name: String,
+    /// Rows: pipeline stages (or, from a trace, ranks).
     pub stages: usize,
     pub micro_batches: usize,
     pub slots: Vec<Slot>,
@@ -75,20 +77,75 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize) -> Result<Timeline> {
         }
     }
     let makespan = free.iter().cloned().fold(0.0, f64::max);
-    let peak_activations = plans
+    let name = if kind == PpSchedule::Afab { "AFAB" } else { "1F1B" }.to_string();
+    Ok(Timeline { name, stages, micro_batches: m, slots, makespan, peak_activations: peaks(&plans) })
+}
+
+/// The most micro-batches held at once along each row's sequence of actions.
+fn peaks(plans: &[Vec<Action>]) -> Vec<usize> {
+    let held = |plan: &Vec<Action>| {
+        let mut n = 0i64;
+        plan.iter()
+            .map(|a| {
+                n += if matches!(a, Action::Forward(_)) { 1 } else { -1 };
+                n
+            })
+            .max()
+            .unwrap_or(0) as usize
+    };
+    plans.iter().map(held).collect()
+}
+
+/// The last step of a real run, from the `forward i` / `backward i` spans of `train --trace`: a
+/// row per rank, time in units of the mean forward span.
+pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{}: not a trace-event JSON file: {e}", path.display()))?;
+    let mut spans = Vec::new(); // (rank, action, start µs, end µs)
+    for e in json["traceEvents"].as_array().into_iter().flatten().filter(|e| e["ph"] == "X") {
+        let (Some(name), Some(rank), Some(ts), Some(dur)) =
+            (e["name"].as_str(), e["pid"].as_u64(), e["ts"].as_f64(), e["dur"].as_f64())
+        else {
+            continue;
+        };
+        let action = match name.split_once(' ') {
+            Some(("forward", i)) => i.parse().ok().map(Action::Forward),
+            Some(("backward", i)) => i.parse().ok().map(Action::Backward),
+            _ => None,
+        };
+        spans.extend(action.map(|a| (rank as usize, a, ts, ts + dur)));
+    }
+    // the last step starts at the earliest of the ranks' last `forward 0`
+    let mut last_start: Vec<(usize, f64)> = Vec::new();
+    for &(rank, _, ts, _) in spans.iter().filter(|s| s.1 == Action::Forward(0)) {
+        match last_start.iter_mut().find(|(r, _)| *r == rank) {
+            Some(entry) => entry.1 = entry.1.max(ts),
+            None => last_start.push((rank, ts)),
+        }
+    }
+    let Some(t0) = last_start.iter().map(|&(_, ts)| ts).reduce(f64::min) else {
+        bail!("{}: no `forward 0` spans; write one with `ferrotron train --trace`", path.display());
+    };
+    let step: Vec<_> = spans.into_iter().filter(|s| s.2 >= t0).collect();
+    let ranks = step.iter().map(|s| s.0 + 1).max().unwrap_or(1);
+    let forwards: Vec<f64> = step.iter().filter(|s| matches!(s.1, Action::Forward(_))).map(|s| s.3 - s.2).collect();
+    let unit = (forwards.iter().sum::<f64>() / forwards.len().max(1) as f64).max(1e-9);
+    let slots: Vec<Slot> = step
         .iter()
-        .map(|plan| {
-            let mut held = 0i64;
-            plan.iter()
-                .map(|a| {
-                    held += if matches!(a, Action::Forward(_)) { 1 } else { -1 };
-                    held
-                })
-                .max()
-                .unwrap_or(0) as usize
-        })
+        .map(|s| Slot { stage: s.0, action: s.1, start: (s.2 - t0) / unit, end: (s.3 - t0) / unit })
         .collect();
-    Ok(Timeline { kind, stages, micro_batches: m, slots, makespan, peak_activations })
+    let makespan = slots.iter().map(|s| s.end).fold(0.0, f64::max);
+    let micro_batches = forwards.len() / ranks;
+    let plans: Vec<Vec<Action>> = (0..ranks).map(|r| step.iter().filter(|s| s.0 == r).map(|s| s.1).collect()).collect();
+    Ok(Timeline {
+        name: format!("{} (last step)", path.display()),
+        stages: ranks,
+        micro_batches,
+        slots,
+        makespan,
+        peak_activations: peaks(&plans),
+    })
 }
 
 /// The timelines one above the other, a row per stage, F boxes light and B boxes dark.
@@ -103,7 +160,7 @@ pub fn svg(timelines: &[Timeline]) -> String {
     for t in timelines {
         let title = format!(
             "{} — bubble {:.1}% (formula (p−1)/(m+p−1): {:.1}%), peak activations per stage {:?}",
-            if t.kind == PpSchedule::Afab { "AFAB" } else { "1F1B" },
+            t.name,
             100.0 * t.bubble(),
             100.0 * t.bubble_formula(),
             t.peak_activations

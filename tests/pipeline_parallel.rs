@@ -7,8 +7,9 @@ mod common;
 use ferrotron::config::{Config, PpSchedule};
 use ferrotron::converge::{self, parse_variants};
 use ferrotron::pipeline_parallel::{schedule, Action, Stage};
-use ferrotron::schedule::simulate;
-use ferrotron::train::{train_all, Options};
+use ferrotron::schedule::{from_trace, simulate};
+use ferrotron::trace::Trace;
+use ferrotron::train::{train, train_all, Options};
 
 /// 20 steps of the small model with 4 micro-batches of 2 sequences.
 fn sets(extra: &[&str]) -> Vec<String> {
@@ -98,4 +99,18 @@ fn impossible_pipelines_are_clear_errors() {
     let err = |extra: &[&str]| format!("{:#}", Config::load(None, &sets(extra)).unwrap_err());
     assert!(err(&["parallel.pp=5"]).contains("parallel.pp = 5 exceeds model.num_hidden_layers = 4"));
     assert!(err(&["parallel.pp=2", "model.tie_word_embeddings=true"]).contains("tie_word_embeddings"));
+}
+
+#[test]
+fn a_real_runs_trace_draws_its_schedule() {
+    let cfg = Config::load(None, &sets(&["parallel.pp=2", "parallel.dp=2", "train.steps=2"])).unwrap();
+    let trace = Trace::default();
+    train(&cfg, Options { trace: Some(&trace), quiet: true, ..Default::default() }).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.json");
+    trace.write(&path).unwrap();
+    let t = from_trace(&path).unwrap();
+    assert_eq!((t.stages, t.micro_batches, t.slots.len()), (4, 4, 4 * 8), "4 ranks, 4 micro-batches, F and B each");
+    // ranks 0 and 2 are stage 0 (two dp replicas), ranks 1 and 3 stage 1
+    assert_eq!(t.peak_activations, vec![2, 1, 2, 1]);
 }
