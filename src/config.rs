@@ -71,6 +71,8 @@ pub struct ParallelConfig {
     pub pp: usize,
     pub cp: usize,
     pub pp_schedule: PpSchedule,
+    /// How context parallelism cuts each sequence: `zigzag` (balanced) or `contiguous`.
+    pub cp_split: CpSplit,
     /// How data-parallel ranks average gradients: `bucketed` (overlapped with backward) or `naive`.
     pub dp_mode: DpMode,
     /// Size of a gradient bucket, in MiB of f32 gradients.
@@ -80,6 +82,13 @@ pub struct ParallelConfig {
     pub backend: CommBackend,
     /// Seconds a rank waits for the others before the run stops with the names of the missing.
     pub timeout_s: f64,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum CpSplit {
+    Contiguous,
+    Zigzag,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
@@ -227,13 +236,14 @@ impl Config {
             bail!("train.beta1 and train.beta2 must lie in [0, 1)");
         }
         let p = &self.parallel;
-        for (key, v) in [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp)] {
+        for (key, v) in [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)] {
             if v == 0 {
                 bail!("{key} = 0: it must be at least 1");
             }
         }
-        if p.cp != 1 {
-            bail!("parallel.cp = {}: context parallelism is not in this build yet; set parallel.cp = 1", p.cp);
+        let chunks = if p.cp_split == CpSplit::Zigzag { 2 * p.cp } else { p.cp };
+        if p.cp > 1 && !t.seq_len.is_multiple_of(chunks) {
+            bail!("train.seq_len = {} does not split into {chunks} equal chunks for parallel.cp = {} (the {:?} split cuts {chunks} chunks): choose a seq_len divisible by {chunks}", t.seq_len, p.cp, p.cp_split);
         }
         if p.pp > self.model.num_hidden_layers {
             bail!(

@@ -11,7 +11,7 @@
 //! ```
 //! and reports, per variant, the largest per-step loss difference against a tolerance, with a
 //! CSV of all curves and an SVG plot. Keys are `section.key`, or the short names `dp`, `tp`,
-//! `pp`, `cp`, `pp_schedule`, `dp_mode`, `bucket_mb`, `backend` (in `[parallel]`) and
+//! `pp`, `cp`, `pp_schedule`, `cp_split`, `dp_mode`, `bucket_mb`, `backend` (in `[parallel]`) and
 //! `grad_accum_steps`, `micro_batch_size` (in `[train]`).
 
 use crate::config::Config;
@@ -37,9 +37,11 @@ pub fn parse_variants(spec: &str) -> Result<Vec<Variant>> {
             let key = key.trim();
             let full = match key {
                 _ if key.contains('.') => key.to_string(),
-                "dp" | "tp" | "pp" | "cp" | "pp_schedule" | "dp_mode" | "bucket_mb" | "backend" => format!("parallel.{key}"),
+                "dp" | "tp" | "pp" | "cp" | "pp_schedule" | "cp_split" | "dp_mode" | "bucket_mb" | "backend" => {
+                    format!("parallel.{key}")
+                }
                 "grad_accum_steps" | "micro_batch_size" => format!("train.{key}"),
-                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, pp_schedule, dp_mode, bucket_mb, backend, grad_accum_steps, micro_batch_size"),
+                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, pp_schedule, cp_split, dp_mode, bucket_mb, backend, grad_accum_steps, micro_batch_size"),
             };
             sets.push(format!("{full}={}", value.trim()));
         }

@@ -151,9 +151,13 @@ pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, the
 
 // ---------------------------------------------------------------------------------------------
 // Causal attention with grouped-query attention. Query head h reads KV head h / (heads / kv_heads).
-// Per (sequence, head): S = Q Kᵀ · scale, masked above the diagonal, P = softmax(S), O = P V.
-// The forward keeps only the log-sum-exp of each row (lse); the backward rebuilds P = exp(S − lse),
-// as flash attention does, so no T×T matrix is kept between forward and backward.
+// Per (sequence, head): S = Q Kᵀ · scale, masked where the key's position is after the query's,
+// P = softmax(S), O = P V. The forward keeps only the log-sum-exp of each row (lse); the backward
+// rebuilds P = exp(S − lse), as flash attention does, so no T×T matrix is kept between forward
+// and backward. Queries and keys carry their positions in the sequence, so the same kernels
+// compute one block of ring attention (a query chunk against another rank's key chunk): a row
+// that sees no key of the block gets output 0 and lse −∞, and the backward takes the lse and
+// output of the whole row, merged over all blocks.
 
 /// The strided views and scale that the attention kernels use.
 impl Attn {
@@ -163,7 +167,7 @@ impl Attn {
     }
     fn kv_view<'a>(&self, kv: &'a [f32], b: usize, g: usize) -> View<'a> {
         let stride = self.kv_heads * self.head_dim;
-        View { data: &kv[b * self.seq * stride + g * self.head_dim..], row_stride: stride, col_stride: 1 }
+        View { data: &kv[b * self.kv_seq * stride + g * self.head_dim..], row_stride: stride, col_stride: 1 }
     }
     fn kv_view_t<'a>(&self, kv: &'a [f32], b: usize, g: usize) -> View<'a> {
         let v = self.kv_view(kv, b, g);
@@ -172,31 +176,45 @@ impl Attn {
     fn scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
     }
-    /// Causal scores of one (sequence, head) pair, scaled, with −∞ above the diagonal.
-    fn scores(&self, q: &[f32], k: &[f32], b: usize, h: usize) -> Vec<f32> {
-        let (t, g) = (self.seq, h / (self.heads / self.kv_heads));
-        let mut s = vec![0.0; t * t];
-        gemm(t, self.head_dim, t, self.q_view(q, b, h), self.kv_view_t(k, b, g), &mut s, false);
-        for (i, row) in s.chunks_mut(t).enumerate() {
-            row[..=i].iter_mut().for_each(|v| *v *= self.scale());
-            row[i + 1..].iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+    /// Causal scores `[seq, kv_seq]` of one (sequence, head) pair, scaled, −∞ where the key
+    /// comes after the query.
+    fn scores(&self, q: &[f32], k: &[f32], (b, h): (usize, usize), (q_pos, k_pos): (&[u32], &[u32])) -> Vec<f32> {
+        let (t, tk, g) = (self.seq, self.kv_seq, h / (self.heads / self.kv_heads));
+        let mut s = vec![0.0; t * tk];
+        gemm(t, self.head_dim, tk, self.q_view(q, b, h), self.kv_view_t(k, b, g), &mut s, false);
+        for (row, &qp) in s.chunks_mut(tk).zip(q_pos) {
+            for (v, &kp) in row.iter_mut().zip(k_pos) {
+                *v = if kp <= qp { *v * self.scale() } else { f32::NEG_INFINITY };
+            }
         }
         s
     }
 }
 
-/// Writes `out` `[batch*seq, heads*head_dim]` and `lse` `[batch, heads, seq]`.
-pub fn attention(sh: &Attn, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], lse: &mut [f32]) {
-    let (t, hd) = (sh.seq, sh.head_dim);
+/// Writes `out` `[batch*seq, heads*head_dim]` and `lse` `[batch, heads, seq]`; `pos` holds the
+/// positions of the queries and of the keys within a sequence.
+pub fn attention(
+    sh: &Attn,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    pos: (&[u32], &[u32]),
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let (t, tk, hd) = (sh.seq, sh.kv_seq, sh.head_dim);
     let groups = sh.heads / sh.kv_heads;
     let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..sh.batch * sh.heads)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / sh.heads, bh % sh.heads);
-            let mut p = sh.scores(q, k, b, h);
+            let mut p = sh.scores(q, k, (b, h), pos);
             let mut row_lse = vec![0.0; t];
-            for (row, l) in p.chunks_mut(t).zip(row_lse.iter_mut()) {
+            for (row, l) in p.chunks_mut(tk).zip(row_lse.iter_mut()) {
                 let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                if max == f32::NEG_INFINITY {
+                    row.fill(0.0); // no key of this block is visible to this query
+                    *l = f32::NEG_INFINITY;
+                    continue;
+                }
                 let sum: f32 = row
                     .iter_mut()
                     .map(|x| {
@@ -208,7 +226,7 @@ pub fn attention(sh: &Attn, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], ls
                 *l = max + sum.ln();
             }
             let mut o = vec![0.0; t * hd];
-            gemm(t, t, hd, View::rows(&p, t), sh.kv_view(v, b, h / groups), &mut o, false);
+            gemm(t, tk, hd, View::rows(&p, tk), sh.kv_view(v, b, h / groups), &mut o, false);
             (o, row_lse)
         })
         .collect();
@@ -224,13 +242,12 @@ pub fn attention(sh: &Attn, q: &[f32], k: &[f32], v: &[f32], out: &mut [f32], ls
 
 /// Gradients of attention. Per (sequence, KV head): for each query head of its group,
 /// P = exp(S − lse), dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K · scale,
-/// dK += dSᵀ Q · scale, dV += Pᵀ dO.
+/// dK += dSᵀ Q · scale, dV += Pᵀ dO. `out` and `lse` are the whole row's (over all blocks).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
     sh: &Attn,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    pos: (&[u32], &[u32]),
     out: &[f32],
     lse: &[f32],
     dout: &[f32],
@@ -238,48 +255,68 @@ pub fn attention_backward(
     dk: &mut [f32],
     dv: &mut [f32],
 ) {
-    let (t, hd) = (sh.seq, sh.head_dim);
+    let (t, tk, hd) = (sh.seq, sh.kv_seq, sh.head_dim);
     let groups = sh.heads / sh.kv_heads;
     let blocks: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..sh.batch * sh.kv_heads)
         .into_par_iter()
         .map(|bg| {
             let (b, g) = (bg / sh.kv_heads, bg % sh.kv_heads);
-            let (mut dq_g, mut dk_g, mut dv_g) = (vec![0.0; groups * t * hd], vec![0.0; t * hd], vec![0.0; t * hd]);
+            let (mut dq_g, mut dk_g, mut dv_g) = (vec![0.0; groups * t * hd], vec![0.0; tk * hd], vec![0.0; tk * hd]);
             for (j, dq_h) in dq_g.chunks_mut(t * hd).enumerate() {
                 let h = g * groups + j;
-                let mut p = sh.scores(q, k, b, h);
+                let mut p = sh.scores(q, k, (b, h), pos);
                 let row_lse = &lse[(b * sh.heads + h) * t..][..t];
-                for (row, l) in p.chunks_mut(t).zip(row_lse) {
+                for (row, l) in p.chunks_mut(tk).zip(row_lse) {
                     row.iter_mut().for_each(|x| *x = (*x - l).exp());
                 }
                 let (d_o, o) = (sh.q_view(dout, b, h), sh.q_view(out, b, h));
-                let mut ds = vec![0.0; t * t];
-                gemm(t, hd, t, d_o, sh.kv_view_t(v, b, g), &mut ds, false);
-                for (i, (ds_row, p_row)) in ds.chunks_mut(t).zip(p.chunks(t)).enumerate() {
+                let mut ds = vec![0.0; t * tk];
+                gemm(t, hd, tk, d_o, sh.kv_view_t(v, b, g), &mut ds, false);
+                for (i, (ds_row, p_row)) in ds.chunks_mut(tk).zip(p.chunks(tk)).enumerate() {
                     let delta: f32 =
                         (0..hd).map(|d| d_o.data[i * d_o.row_stride + d] * o.data[i * o.row_stride + d]).sum();
                     for (x, p) in ds_row.iter_mut().zip(p_row) {
                         *x = p * (*x - delta) * sh.scale();
                     }
                 }
-                gemm(t, t, hd, View::rows(&ds, t), sh.kv_view(k, b, g), dq_h, false);
-                gemm(t, t, hd, View::transposed(&ds, t), sh.q_view(q, b, h), &mut dk_g, true);
-                gemm(t, t, hd, View::transposed(&p, t), d_o, &mut dv_g, true);
+                gemm(t, tk, hd, View::rows(&ds, tk), sh.kv_view(k, b, g), dq_h, false);
+                gemm(tk, t, hd, View::transposed(&ds, tk), sh.q_view(q, b, h), &mut dk_g, true);
+                gemm(tk, t, hd, View::transposed(&p, tk), d_o, &mut dv_g, true);
             }
             (dq_g, dk_g, dv_g)
         })
         .collect();
     for (bg, (dq_g, dk_g, dv_g)) in blocks.into_iter().enumerate() {
         let (b, g) = (bg / sh.kv_heads, bg % sh.kv_heads);
-        for i in 0..t {
-            let kv_at = (b * t + i) * sh.kv_heads * hd + g * hd;
+        for i in 0..tk {
+            let kv_at = (b * tk + i) * sh.kv_heads * hd + g * hd;
             dk[kv_at..kv_at + hd].copy_from_slice(&dk_g[i * hd..(i + 1) * hd]);
             dv[kv_at..kv_at + hd].copy_from_slice(&dv_g[i * hd..(i + 1) * hd]);
+        }
+        for i in 0..t {
             for j in 0..groups {
                 let q_at = (b * t + i) * sh.heads * hd + (g * groups + j) * hd;
                 dq[q_at..q_at + hd].copy_from_slice(&dq_g[(j * t + i) * hd..][..hd]);
             }
         }
+    }
+}
+
+/// The log-sum-exp merge of two partial attentions of the same queries (see `ops::attention_merge`).
+pub fn attention_merge(sh: &Attn, out: &mut [f32], lse: &mut [f32], block_out: &[f32], block_lse: &[f32]) {
+    let (t, hd) = (sh.seq, sh.head_dim);
+    for (bh, (l, &bl)) in lse.iter_mut().zip(block_lse).enumerate() {
+        if bl == f32::NEG_INFINITY {
+            continue; // the block adds nothing to this row
+        }
+        let (b, h, i) = (bh / (sh.heads * t), bh / t % sh.heads, bh % t);
+        let merged = if *l == f32::NEG_INFINITY { bl } else { l.max(bl) + (-(*l - bl).abs()).exp().ln_1p() };
+        let (keep, add) = ((*l - merged).exp(), (bl - merged).exp());
+        let at = (b * t + i) * sh.heads * hd + h * hd;
+        for (o, &x) in out[at..at + hd].iter_mut().zip(&block_out[at..at + hd]) {
+            *o = *o * keep + x * add;
+        }
+        *l = merged;
     }
 }
 

@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod comm;
 pub mod comm_gpu;
 pub mod config;
+pub mod context_parallel;
 pub mod converge;
 pub mod cpu;
 pub mod data;

@@ -18,6 +18,7 @@
 
 use crate::comm::Group;
 use crate::config::ModelConfig;
+use crate::context_parallel::{self as cp, Ring};
 use crate::ops::{self, Attn};
 use crate::pipeline_parallel::Stage;
 use crate::tensor::Tensor;
@@ -130,6 +131,17 @@ pub struct Llama<'g> {
     head: Option<Head>,
     /// One per micro-batch whose forward is done and backward is not (the activation memory).
     caches: VecDeque<Cache>,
+    /// The context-parallel ring, when the sequence is split.
+    ring: Option<Ring<'g>>,
+    /// Attention score entries computed since the last `take_attention_work`.
+    attention_work: u64,
+}
+
+/// The groups a block talks over: tensor parallel and the context-parallel ring.
+#[derive(Clone, Copy)]
+struct Groups<'a> {
+    tp: Tp<'a>,
+    ring: Option<&'a Ring<'a>>,
 }
 
 impl<'g> Llama<'g> {
@@ -199,7 +211,25 @@ impl<'g> Llama<'g> {
             false => None,
         };
         let vocab_first = index * cfg.vocab_size / count;
-        Ok(Llama { cfg: cfg.clone(), tp, vocab_first, embed_tokens, layers, head, caches: VecDeque::new() })
+        let caches = VecDeque::new();
+        Ok(Llama {
+            cfg: cfg.clone(),
+            tp,
+            vocab_first,
+            embed_tokens,
+            layers,
+            head,
+            caches,
+            ring: None,
+            attention_work: 0,
+        })
+    }
+
+    /// Splits every sequence over the ring: forward then takes this rank's tokens (see
+    /// `context_parallel::local_rows`) and attention runs around the ring.
+    pub fn with_ring(mut self, ring: Ring<'g>) -> Llama<'g> {
+        self.ring = Some(ring);
+        self
     }
 
     /// Every parameter, in Hugging Face order.
@@ -232,6 +262,11 @@ impl<'g> Llama<'g> {
         self.caches.len()
     }
 
+    /// Attention score entries (query × key pairs, all heads) computed since the last call.
+    pub fn take_attention_work(&mut self) -> u64 {
+        std::mem::take(&mut self.attention_work)
+    }
+
     pub fn zero_grads(&mut self) {
         for p in self.params_mut() {
             ops::scale(&mut p.grad, 0.0);
@@ -260,19 +295,26 @@ impl<'g> Llama<'g> {
             (StageInput::Hidden(x), _) => (x, None),
             (StageInput::Tokens(_), None) => bail!("forward: tokens given to a pipeline stage without the embedding"),
         };
-        let seq = x.rows() / batch;
+        let seq = x.rows() / batch; // this rank's tokens of each sequence
         let ranks = tp.map_or(1, Group::size);
         let attn = Attn {
             batch,
             seq,
+            kv_seq: seq,
             heads: cfg.num_attention_heads / ranks, // this rank's heads
             kv_heads: cfg.num_key_value_heads / ranks,
             head_dim: cfg.head_dim(),
         };
-        let positions: Vec<u32> = (0..x.rows()).map(|r| (r % seq) as u32).collect();
+        let seq_positions = match &self.ring {
+            Some(r) => cp::positions(r.split, r.group.size(), r.group.index(), seq * r.group.size()),
+            None => (0..seq as u32).collect(),
+        };
+        let positions: Vec<u32> = (0..x.rows()).map(|r| seq_positions[r % seq]).collect();
+        let groups = Groups { tp, ring: self.ring.as_ref() };
         let mut blocks = Vec::with_capacity(self.layers.len());
         for layer in &self.layers {
-            let (out, cache) = layer.forward(tp, x, cfg, attn, &positions)?;
+            let (out, cache, work) = layer.forward(groups, x, cfg, attn, &positions)?;
+            self.attention_work += work;
             blocks.push(cache);
             x = out;
         }
@@ -325,8 +367,9 @@ impl<'g> Llama<'g> {
             (StageGrad::Hidden(dx), None, _) => dx,
             _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
         };
+        let groups = Groups { tp, ring: self.ring.as_ref() };
         for (layer, cache) in self.layers.iter_mut().zip(&c.blocks).rev() {
-            dx = layer.backward(tp, dx, cache, &self.cfg, c.attn, &c.positions)?;
+            dx = layer.backward(groups, dx, cache, &self.cfg, c.attn, &c.positions)?;
             layer.params().into_iter().for_each(&mut *ready);
         }
         match (&c.tokens, &mut self.embed_tokens) {
@@ -369,15 +412,16 @@ impl Block {
         ]
     }
 
+    /// Returns the output, the cache and the attention work.
     fn forward(
         &self,
-        tp: Tp,
+        groups: Groups,
         x: Tensor,
         cfg: &ModelConfig,
         attn: Attn,
         positions: &[u32],
-    ) -> Result<(Tensor, BlockCache)> {
-        let (eps, hd, theta) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta);
+    ) -> Result<(Tensor, BlockCache, u64)> {
+        let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, groups.tp);
         // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
         let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
         let mut q = tp::column_forward(&xn1, &self.q_proj);
@@ -385,7 +429,7 @@ impl Block {
         let v = tp::column_forward(&xn1, &self.v_proj);
         ops::rope(&mut q, positions, hd, theta);
         ops::rope(&mut k, positions, hd, theta);
-        let (attn_out, lse) = ops::attention(attn, &q, &k, &v);
+        let (attn_out, lse, work) = cp::attention(groups.ring, attn, &q, &k, &v, &positions[..attn.seq])?;
         let mut h = tp::row_forward(tp, &attn_out, &self.o_proj)?;
         ops::add_assign(&mut h, &x);
         // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
@@ -396,19 +440,19 @@ impl Block {
         let mut out = tp::row_forward(tp, &act, &self.down_proj)?;
         ops::add_assign(&mut out, &h);
         let cache = BlockCache { x, xn1, rstd1, q, k, v, attn: attn_out, lse, h, xn2, rstd2, gate, up, act };
-        Ok((out, cache))
+        Ok((out, cache, work))
     }
 
     fn backward(
         &mut self,
-        tp: Tp,
+        groups: Groups,
         dout: Tensor,
         c: &BlockCache,
         cfg: &ModelConfig,
         attn: Attn,
         positions: &[u32],
     ) -> Result<Tensor> {
-        let (hd, theta) = (attn.head_dim, cfg.rope_theta);
+        let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, groups.tp);
         // MLP sub-block, right to left
         let dact = tp::row_backward(&dout, &c.act, &mut self.down_proj);
         let (dgate, dup) = ops::swiglu_backward(&dact, &c.gate, &c.up);
@@ -419,7 +463,9 @@ impl Block {
         ops::add_assign(&mut dh, &dout); // the residual carries dout straight through
                                          // attention sub-block, right to left
         let dattn = tp::row_backward(&dh, &c.attn, &mut self.o_proj);
-        let (mut dq, mut dk, dv) = ops::attention_backward(attn, (&c.q, &c.k, &c.v), &c.attn, &c.lse, &dattn);
+        let qkv = (&c.q, &c.k, &c.v);
+        let (mut dq, mut dk, dv) =
+            cp::attention_backward(groups.ring, attn, qkv, &positions[..attn.seq], (&c.attn, &c.lse), &dattn)?;
         ops::rope_backward(&mut dq, positions, hd, theta);
         ops::rope_backward(&mut dk, positions, hd, theta);
         let mut dxn1 = tp::column_backward(tp, &dq, &c.xn1, &mut self.q_proj)?;

@@ -85,41 +85,46 @@ pub fn rope_backward(dx: &mut Tensor, positions: &[u32], head_dim: usize, theta:
     cpu::rope(dx.host_mut(), positions, heads, head_dim, theta, true);
 }
 
-/// The shape of one attention call.
+/// The shape of one attention call: `seq` queries and `kv_seq` keys per sequence.
 #[derive(Clone, Copy, Debug)]
 pub struct Attn {
     pub batch: usize,
     pub seq: usize,
+    pub kv_seq: usize,
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
 }
 
-/// Causal grouped-query attention. Returns (out, lse) with lse `[batch, heads, seq]`.
-pub fn attention(a: Attn, q: &Tensor, k: &Tensor, v: &Tensor) -> (Tensor, Tensor) {
+/// Causal grouped-query attention of queries at positions `pos.0` against keys at positions
+/// `pos.1` (positions within a sequence, the same for every sequence of the batch; a key is seen
+/// by the queries at or after it). Returns (out, lse) with lse `[batch, heads, seq]`; a row that
+/// sees no key gets out 0 and lse −∞.
+pub fn attention(a: Attn, q: &Tensor, k: &Tensor, v: &Tensor, pos: (&[u32], &[u32])) -> (Tensor, Tensor) {
     assert_eq!(q.shape(), [a.batch * a.seq, a.heads * a.head_dim], "attention: q shape");
-    assert_eq!(k.shape(), [a.batch * a.seq, a.kv_heads * a.head_dim], "attention: k shape");
+    assert_eq!(k.shape(), [a.batch * a.kv_seq, a.kv_heads * a.head_dim], "attention: k shape");
     assert!(a.heads.is_multiple_of(a.kv_heads), "attention: heads must be a multiple of kv_heads");
+    assert_eq!((pos.0.len(), pos.1.len()), (a.seq, a.kv_seq), "attention: one position per query and per key");
     let mut out = Tensor::zeros(q.shape());
     let mut lse = Tensor::zeros(&[a.batch, a.heads, a.seq]);
-    cpu::attention(&a, q.host(), k.host(), v.host(), out.host_mut(), lse.host_mut());
+    cpu::attention(&a, (q.host(), k.host(), v.host()), pos, out.host_mut(), lse.host_mut());
     (out, lse)
 }
 
-/// Returns (dq, dk, dv), recomputing the probabilities from `lse`.
+/// Returns (dq, dk, dv), recomputing the probabilities from `lse`. `out` and `lse` are the whole
+/// attention's, also when (q, k, v) is one block of it.
 pub fn attention_backward(
     a: Attn,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    out: &Tensor,
-    lse: &Tensor,
+    pos: (&[u32], &[u32]),
+    (out, lse): (&Tensor, &Tensor),
     dout: &Tensor,
 ) -> (Tensor, Tensor, Tensor) {
     let (mut dq, mut dk, mut dv) = (Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()));
     cpu::attention_backward(
         &a,
-        q.host(),
-        k.host(),
-        v.host(),
+        (q.host(), k.host(), v.host()),
+        pos,
         out.host(),
         lse.host(),
         dout.host(),
@@ -130,7 +135,12 @@ pub fn attention_backward(
     (dq, dk, dv)
 }
 
-/// h = silu(gate) · up.
+/// Folds one block's attention (`block_out`, `block_lse`) into the running (`out`, `lse`):
+/// lse = log(e^lse + e^block_lse), out = e^(lse_old − lse)·out + e^(block_lse − lse)·block_out.
+pub fn attention_merge(a: Attn, (out, lse): (&mut Tensor, &mut Tensor), block_out: &Tensor, block_lse: &Tensor) {
+    cpu::attention_merge(&a, out.host_mut(), lse.host_mut(), block_out.host(), block_lse.host());
+}
+
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
     let mut h = Tensor::zeros(gate.shape());
     cpu::swiglu(gate.host(), up.host(), h.host_mut());

@@ -18,6 +18,7 @@
 
 use crate::comm::ReduceOp;
 use crate::config::Config;
+use crate::context_parallel::{self, Ring};
 use crate::data::Dataset;
 use crate::data_parallel::DataParallel;
 use crate::launch::{launch_on, Rank, Setup};
@@ -52,6 +53,8 @@ pub struct Summary {
     pub checksum: u64,
     /// The most micro-batch activations this rank held at once.
     pub peak_activations: usize,
+    /// Attention score entries this rank computed per step (the context-parallel balance).
+    pub attention_work: u64,
 }
 
 impl Summary {
@@ -95,6 +98,10 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
     }
     let mut summaries = launch_on(grid, setup, |me| train_rank(me, cfg, &data, opts))?;
     summaries.iter_mut().for_each(|s| s.floor = floor);
+    if p.cp > 1 && !opts.quiet {
+        let work: Vec<String> = summaries.iter().map(|s| format!("{:.2}M", s.attention_work as f64 / 1e6)).collect();
+        println!("attention work per rank and step ({:?} split, score entries): {}", p.cp_split, work.join(" "));
+    }
     Ok(summaries)
 }
 
@@ -104,6 +111,11 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
     let (dp_group, pp_group) = (me.group(Axis::DpCp), me.group(Axis::Pp));
     let stage = Stage { index: me.coords.pp, count: cfg.parallel.pp };
     let mut model = Llama::init(&cfg.model, t.seed, Some(me.group(Axis::Tp)), stage);
+    let (cp, local_seq) = (me.group(Axis::Cp), t.seq_len / cfg.parallel.cp);
+    let local = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
+    if cp.size() > 1 {
+        model = model.with_ring(Ring { group: cp, split: cfg.parallel.cp_split });
+    }
     let mut dp = DataParallel::new(dp_group, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
     let mut optimizer = Optimizer::new(&model.params_mut());
     let quiet = opts.quiet || me.rank != 0;
@@ -115,16 +127,23 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
     };
     let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
     let start = Instant::now();
-    let (mut losses, mut peak_activations) = (Vec::with_capacity(t.steps), 0);
+    let (mut losses, mut peak_activations, mut attention_work) = (Vec::with_capacity(t.steps), 0, 0);
     for step in 0..t.steps {
         let step_start = Instant::now();
         model.zero_grads();
-        let data = |micro| data.micro_batch(t, (me.coords.dp, cfg.parallel.dp), step, micro);
+        // this rank's slice of the micro-batch: its dp share, and its cp positions of each sequence
+        let data = |micro| {
+            let (tokens, targets) = data.micro_batch(t, (me.coords.dp, cfg.parallel.dp), step, micro)?;
+            Ok((
+                context_parallel::local_rows(&tokens, t.seq_len, &local),
+                context_parallel::local_rows(&targets, t.seq_len, &local),
+            ))
+        };
         let plan = StepPlan {
             kind: cfg.parallel.pp_schedule,
             micro_batches: t.grad_accum_steps,
             batch: t.micro_batch_size,
-            hidden: [t.micro_batch_size * t.seq_len, cfg.model.hidden_size],
+            hidden: [t.micro_batch_size * local_seq, cfg.model.hidden_size],
             data: &data,
             record: &|name, start| record(&name, start),
         };
@@ -150,6 +169,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
         record("optimizer", t3);
         losses.push(loss);
         peak_activations = peak_activations.max(stats.peak_activations);
+        attention_work += model.take_attention_work();
         metrics.log(&StepLog {
             step,
             activations: stats.peak_activations,
@@ -162,7 +182,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
     }
     metrics.finish()?;
     let checksum = checksum(&model.params());
-    Ok(Summary { losses, floor: None, wall_s: start.elapsed().as_secs_f64(), checksum, peak_activations })
+    let attention_work = attention_work / t.steps as u64;
+    let wall_s = start.elapsed().as_secs_f64();
+    Ok(Summary { losses, floor: None, wall_s, checksum, peak_activations, attention_work })
 }
 
 /// FNV-1a over the bits of every weight, in model order.

@@ -44,7 +44,7 @@ fn impossible_model_shapes() {
 #[test]
 fn bad_values_are_named() {
     assert!(config_error(&["train.steps=0"]).contains("train.steps = 0"));
-    assert!(config_error(&["parallel.cp=2"]).contains("parallel.cp = 2"));
+    assert!(config_error(&["parallel.cp=0"]).contains("parallel.cp = 0"));
     assert!(config_error(&["parallel.tp=3"]).contains("parallel.tp = 3 does not divide model.num_attention_heads = 8"));
     assert!(config_error(&["parallel.tp=8"]).contains("does not divide model.num_key_value_heads = 4"));
     assert!(config_error(&["parallel.tp=2", "model.intermediate_size=383"]).contains("model.intermediate_size = 383"));

@@ -97,18 +97,20 @@ fn rope() {
 #[test]
 fn attention_grouped_query() {
     let mut rng = ChaCha8Rng::seed_from_u64(5);
-    let a = Attn { batch: 2, seq: 5, heads: 4, kv_heads: 2, head_dim: 4 };
+    let a = Attn { batch: 2, seq: 5, kv_seq: 5, heads: 4, kv_heads: 2, head_dim: 4 };
     let (rows, qw, kw) = (a.batch * a.seq, a.heads * a.head_dim, a.kv_heads * a.head_dim);
+    let pos: Vec<u32> = (0..5).collect();
+    let pos = (&pos[..], &pos[..]);
     let q = randn(&mut rng, rows * qw, 1.0);
     let k = randn(&mut rng, rows * kw, 1.0);
     let v = randn(&mut rng, rows * kw, 1.0);
     let r = randn(&mut rng, rows * qw, 1.0);
     let f = |xs: &[Vec<f32>]| {
-        ops::attention(a, &t(&[rows, qw], &xs[0]), &t(&[rows, kw], &xs[1]), &t(&[rows, kw], &xs[2])).0.to_vec()
+        ops::attention(a, &t(&[rows, qw], &xs[0]), &t(&[rows, kw], &xs[1]), &t(&[rows, kw], &xs[2]), pos).0.to_vec()
     };
     let (qt, kt, vt) = (t(&[rows, qw], &q), t(&[rows, kw], &k), t(&[rows, kw], &v));
-    let (out, lse) = ops::attention(a, &qt, &kt, &vt);
-    let (dq, dk, dv) = ops::attention_backward(a, (&qt, &kt, &vt), &out, &lse, &t(&[rows, qw], &r));
+    let (out, lse) = ops::attention(a, &qt, &kt, &vt, pos);
+    let (dq, dk, dv) = ops::attention_backward(a, (&qt, &kt, &vt), pos, (&out, &lse), &t(&[rows, qw], &r));
     check("attention", &[q, k, v], &r, f, &[dq.to_vec(), dk.to_vec(), dv.to_vec()]);
 }
 
@@ -116,14 +118,16 @@ fn attention_grouped_query() {
 fn attention_is_causal() {
     // changing the last position's key and value must not change any earlier output
     let mut rng = ChaCha8Rng::seed_from_u64(6);
-    let a = Attn { batch: 1, seq: 6, heads: 2, kv_heads: 1, head_dim: 4 };
+    let a = Attn { batch: 1, seq: 6, kv_seq: 6, heads: 2, kv_heads: 1, head_dim: 4 };
+    let pos: Vec<u32> = (0..6).collect();
+    let pos = (&pos[..], &pos[..]);
     let q = t(&[6, 8], &randn(&mut rng, 48, 1.0));
     let (k, v) = (randn(&mut rng, 24, 1.0), randn(&mut rng, 24, 1.0));
     let (mut k2, mut v2) = (k.clone(), v.clone());
     k2[20..].iter_mut().for_each(|x| *x += 1.0);
     v2[20..].iter_mut().for_each(|x| *x -= 1.0);
-    let o1 = ops::attention(a, &q, &t(&[6, 4], &k), &t(&[6, 4], &v)).0.to_vec();
-    let o2 = ops::attention(a, &q, &t(&[6, 4], &k2), &t(&[6, 4], &v2)).0.to_vec();
+    let o1 = ops::attention(a, &q, &t(&[6, 4], &k), &t(&[6, 4], &v), pos).0.to_vec();
+    let o2 = ops::attention(a, &q, &t(&[6, 4], &k2), &t(&[6, 4], &v2), pos).0.to_vec();
     assert_eq!(o1[..40], o2[..40], "earlier positions saw the future");
     assert_ne!(o1[40..], o2[40..], "the last position ignores its own key and value");
 }
