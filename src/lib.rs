@@ -3,7 +3,8 @@
 //! Read in this order: `tensor` → `ops` (and `cpu`, its kernels) → `model` → `optimizer` →
 //! `data` → `train`. `init` makes the weights, `config` the run, `checkpoint` and `eval` read
 //! Hugging Face models. Ranks: `process_grid` → `comm` (and `hub`, its local backend) → `launch`
-//! → `data_parallel` → `tensor_parallel` → `pipeline_parallel` (and `schedule`) → `context_parallel` → `converge`. GPUs: `gpu` → `comm_gpu` (NCCL) → `doctor`.
+//! → `data_parallel` → `tensor_parallel` → `pipeline_parallel` (and `schedule`) →
+//! `context_parallel` → `converge`. GPUs: `gpu` → `comm_gpu` (NCCL) → `doctor`.
 
 pub mod checkpoint;
 pub mod comm;
