@@ -1,9 +1,10 @@
-//! # Configuration: one TOML file, five sections, overrides from the command line
+//! # Configuration: one TOML file, six sections, overrides from the command line
 //!
-//! A run is described by `[model]`, `[train]`, `[parallel]`, `[data]` and `[device]`. Every key
-//! has the value written in `configs/tiny.toml` (compiled into the binary) unless your file or a
-//! `--set section.key=value` says otherwise, in that order. Unknown keys and wrong types are
-//! errors that name the key; `validate` then checks that the values make sense together.
+//! A run is described by `[model]`, `[train]`, `[parallel]`, `[data]`, `[device]` and
+//! `[checkpoint]`. Every key has the value written in `configs/tiny.toml` (compiled into the
+//! binary) unless your file or a `--set section.key=value` says otherwise, in that order.
+//! Unknown keys and wrong types are errors that name the key; `validate` then checks that the
+//! values make sense together.
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -20,6 +21,7 @@ pub struct Config {
     pub parallel: ParallelConfig,
     pub data: DataConfig,
     pub device: DeviceConfig,
+    pub checkpoint: CheckpointConfig,
 }
 
 /// The Llama architecture; key names follow Hugging Face's `config.json`.
@@ -137,6 +139,18 @@ pub struct DataConfig {
     pub copy_len: usize,
     /// A copy span repeats the tokens this far back.
     pub copy_lag: usize,
+}
+
+/// Saving the run as it trains (see `save.rs`).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct CheckpointConfig {
+    /// Save every this many steps (and at the end); 0 saves nothing.
+    pub every: usize,
+    /// Checkpoints go to `dir/step_NNNNNN/`.
+    pub dir: String,
+    /// How many checkpoints to keep; older ones are deleted once a newer one is complete.
+    pub keep: usize,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

@@ -28,6 +28,7 @@ pub mod optimizer;
 pub mod pipeline_parallel;
 pub mod plot;
 pub mod process_grid;
+pub mod save;
 pub mod schedule;
 pub mod tensor;
 pub mod tensor_parallel;

@@ -33,6 +33,9 @@ enum Command {
         /// all-reduce and optimizer spans.
         #[arg(long, value_name = "OUT.json")]
         trace: Option<PathBuf>,
+        /// Continue a run from a checkpoint folder, or `latest` (the newest in checkpoint.dir).
+        #[arg(long, value_name = "DIR|latest")]
+        resume: Option<PathBuf>,
     },
     /// Run the single-rank baseline and parallel variants with the same seed and global batch;
     /// compare their loss curves.
@@ -95,10 +98,15 @@ enum Command {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Train { config, sets, metrics, trace } => {
+        Command::Train { config, sets, metrics, trace, resume } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
             let spans = trace.as_ref().map(|_| Trace::default());
-            let opts = train::Options { metrics: metrics.as_deref(), trace: spans.as_ref(), quiet: false };
+            let opts = train::Options {
+                metrics: metrics.as_deref(),
+                trace: spans.as_ref(),
+                quiet: false,
+                resume: resume.as_deref(),
+            };
             let s = train::train(&cfg, opts)?;
             if let (Some(path), Some(spans)) = (&trace, &spans) {
                 spans.write(path)?;
@@ -182,6 +190,13 @@ fn run(cli: Cli) -> Result<()> {
 }
 
 fn main() -> ExitCode {
+    // Like other command-line tools, stop quietly when the reader of our output goes away
+    // (`ferrotron train | head`); Rust's runtime ignores SIGPIPE and would panic on the next print.
+    #[cfg(unix)]
+    // SAFETY: restoring the default action of a signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     match run(Cli::parse()) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

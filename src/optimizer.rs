@@ -87,6 +87,22 @@ impl Optimizer {
         Optimizer { moments, step: 0 }
     }
 
+    /// An optimizer resumed at AdamW step `step` with the given moments (one pair per parameter,
+    /// in parameter order).
+    pub fn restore(moments: Vec<(Tensor, Tensor)>, step: u32) -> Optimizer {
+        Optimizer { moments, step }
+    }
+
+    /// The first and second moments, one pair per parameter.
+    pub fn moments(&self) -> &[(Tensor, Tensor)] {
+        &self.moments
+    }
+
+    /// AdamW steps taken (the bias corrections depend on it).
+    pub fn steps_taken(&self) -> u32 {
+        self.step
+    }
+
     pub fn step(&mut self, params: &mut [&mut Param], t: &TrainConfig, lr: f32) {
         self.step += 1;
         for (p, (m, v)) in params.iter_mut().zip(&mut self.moments) {

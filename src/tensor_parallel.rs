@@ -133,3 +133,18 @@ pub fn shard(full: &Tensor, split: Split, index: usize, count: usize) -> Tensor 
         }
     }
 }
+
+/// The inverse of `shard`: the full tensor from every rank's part, in rank order.
+pub fn unshard(parts: &[Tensor], split: Split) -> Tensor {
+    let (rows, cols) = (parts[0].rows(), parts[0].cols());
+    match split {
+        Split::Replicated => parts[0].clone(),
+        Split::Rows => Tensor::from_vec(&[rows * parts.len(), cols], parts.iter().flat_map(|p| p.to_vec()).collect()),
+        Split::Cols => {
+            let data: Vec<Vec<f32>> = parts.iter().map(|p| p.to_vec()).collect();
+            let full =
+                (0..rows).flat_map(|r| data.iter().flat_map(move |d| d[r * cols..(r + 1) * cols].iter().copied()));
+            Tensor::from_vec(&[rows, cols * parts.len()], full.collect())
+        }
+    }
+}

@@ -27,6 +27,7 @@ use crate::model::{Llama, Param};
 use crate::optimizer::{self, Optimizer};
 use crate::pipeline_parallel::{self, Stage, StepPlan};
 use crate::process_grid::{Axis, Grid};
+use crate::save::{self, Resumed};
 use crate::trace::{Lane, Trace};
 use anyhow::{bail, Result};
 use std::path::Path;
@@ -41,6 +42,8 @@ pub struct Options<'a> {
     pub trace: Option<&'a Trace>,
     /// No header, no progress.
     pub quiet: bool,
+    /// Continue from this checkpoint folder (or `latest` in `checkpoint.dir`).
+    pub resume: Option<&'a Path>,
 }
 
 /// One rank's view of a finished run.
@@ -96,7 +99,18 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
             None => println!("data: {} | entropy floor unknown", cfg.data.source),
         }
     }
-    let mut summaries = launch_on(grid, setup, |me| train_rank(me, cfg, &data, opts))?;
+    let resumed = match opts.resume {
+        Some(arg) => {
+            let dir = save::resolve(arg, cfg)?;
+            let r = save::load(&dir)?;
+            if !opts.quiet {
+                println!("resuming from {} (step {} of {})", dir.display(), r.step, t.steps);
+            }
+            Some(r)
+        }
+        None => None,
+    };
+    let mut summaries = launch_on(grid, setup, |me| train_rank(me, cfg, &data, opts, resumed.as_ref()))?;
     summaries.iter_mut().for_each(|s| s.floor = floor);
     if p.cp > 1 && !opts.quiet {
         let work: Vec<String> = summaries.iter().map(|s| format!("{:.2}M", s.attention_work as f64 / 1e6)).collect();
@@ -106,18 +120,25 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
 }
 
 /// The loop of one rank.
-fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<Summary> {
+fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, resumed: Option<&Resumed>) -> Result<Summary> {
     let t = &cfg.train;
     let (dp_group, pp_group) = (me.group(Axis::DpCp), me.group(Axis::Pp));
     let stage = Stage { index: me.coords.pp, count: cfg.parallel.pp };
-    let mut model = Llama::init(&cfg.model, t.seed, Some(me.group(Axis::Tp)), stage);
+    let tp_group = me.group(Axis::Tp);
+    let (mut model, first_step) = match resumed {
+        Some(r) => (r.model(&cfg.model, Some(tp_group), stage)?, r.step),
+        None => (Llama::init(&cfg.model, t.seed, Some(tp_group), stage), 0),
+    };
     let (cp, local_seq) = (me.group(Axis::Cp), t.seq_len / cfg.parallel.cp);
     let local = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
     if cp.size() > 1 {
         model = model.with_ring(Ring { group: cp, split: cfg.parallel.cp_split });
     }
     let mut dp = DataParallel::new(dp_group, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
-    let mut optimizer = Optimizer::new(&model.params_mut());
+    let mut optimizer = match resumed {
+        Some(r) => r.optimizer(&model.params(), (tp_group.index(), tp_group.size()))?,
+        None => Optimizer::new(&model.params_mut()),
+    };
     let quiet = opts.quiet || me.rank != 0;
     let mut metrics = Metrics::new(t.steps, opts.metrics.filter(|_| me.rank == 0), quiet)?;
     let record = |name: &str, start: Instant| {
@@ -128,7 +149,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
     let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
     let start = Instant::now();
     let (mut losses, mut peak_activations, mut attention_work) = (Vec::with_capacity(t.steps), 0, 0);
-    for step in 0..t.steps {
+    for step in first_step..t.steps {
         let step_start = Instant::now();
         model.zero_grads();
         // this rank's slice of the micro-batch: its dp share, and its cp positions of each sequence
@@ -179,10 +200,16 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options) -> Result<
             tokens_per_s: tokens_per_step / step_start.elapsed().as_secs_f64(),
             elapsed_s: start.elapsed().as_secs_f64(),
         })?;
+        let every = cfg.checkpoint.every;
+        if every > 0 && ((step + 1) % every == 0 || step + 1 == t.steps) {
+            if let Some(state) = save::gather(me, cfg, &model, &optimizer)? {
+                save::save(Path::new(&cfg.checkpoint.dir), step + 1, &state, cfg, optimizer.steps_taken())?;
+            }
+        }
     }
     metrics.finish()?;
     let checksum = checksum(&model.params());
-    let attention_work = attention_work / t.steps as u64;
+    let attention_work = attention_work / (t.steps - first_step).max(1) as u64;
     let wall_s = start.elapsed().as_secs_f64();
     Ok(Summary { losses, floor: None, wall_s, checksum, peak_activations, attention_work })
 }
