@@ -83,6 +83,7 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         rms_norm_eps: j["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
         tie_word_embeddings: j["tie_word_embeddings"].as_bool().unwrap_or(false),
         initializer_range: j["initializer_range"].as_f64().unwrap_or(0.02) as f32,
+        init_from: String::new(),
     };
     cfg.validate(&format!("{file}: "))?;
     Ok(cfg)
@@ -128,4 +129,45 @@ pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
         out.insert(name, Tensor::from_vec(view.shape(), data));
     }
     Ok(out)
+}
+
+/// This rank's part (tp slice, pipeline stage) of a model whose full tensors are `weights`;
+/// `source` names them in errors.
+pub fn build_from<'g>(
+    weights: &HashMap<String, Tensor>,
+    cfg: &ModelConfig,
+    tp: crate::tensor_parallel::Tp<'g>,
+    stage: Stage,
+    source: &str,
+) -> Result<Llama<'g>> {
+    Llama::build(cfg, tp, stage, |name, shape, _| full_tensor(weights, name, shape, source))
+}
+
+/// The tensor `name`, checked against the shape the config needs.
+pub fn full_tensor(tensors: &HashMap<String, Tensor>, name: &str, shape: &[usize], source: &str) -> Result<Tensor> {
+    let t = tensors.get(name).with_context(|| format!("{source}: tensor {name} is missing"))?;
+    if t.shape() != shape {
+        bail!("{source}: tensor {name} has shape {:?}, but the config needs {shape:?}", t.shape());
+    }
+    Ok(t.clone())
+}
+
+/// The weights of `model.init_from`, after checking that its config.json is the configured
+/// architecture.
+pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
+    let dir = Path::new(&cfg.init_from);
+    let theirs = read_hf_config(&dir.join("config.json"))?;
+    let (a, b) = (toml::Table::try_from(cfg)?, toml::Table::try_from(&theirs)?);
+    for (key, mine) in a.iter().filter(|(k, _)| !["initializer_range", "init_from"].contains(&k.as_str())) {
+        let other = b.get(key);
+        let same = match (mine, other) {
+            (toml::Value::Float(x), Some(toml::Value::Float(y))) => (x - y).abs() <= 1e-6 * x.abs().max(1e-30),
+            _ => Some(mine) == other,
+        };
+        if !same {
+            let other = other.map_or("absent".to_string(), |v| v.to_string());
+            bail!("model.init_from = {}: its config.json has {key} = {other}, but model.{key} = {mine}; set the [model] keys to the checkpoint's", dir.display());
+        }
+    }
+    read_hf_weights(dir)
 }

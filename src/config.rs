@@ -41,6 +41,9 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Standard deviation of the normal init of every matrix.
     pub initializer_range: f32,
+    /// Start from these weights instead of a random init: a Hugging Face Llama folder whose
+    /// config.json matches the keys above. Empty: random init.
+    pub init_from: String,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

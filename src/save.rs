@@ -18,7 +18,7 @@
 //! renamed when complete; only then are checkpoints beyond the newest `keep` deleted. A run
 //! killed while saving leaves the previous checkpoint as the latest complete one.
 
-use crate::checkpoint::read_safetensors;
+use crate::checkpoint::{full_tensor, read_safetensors};
 use crate::config::{Config, ModelConfig};
 use crate::launch::Rank;
 use crate::model::{Llama, Param};
@@ -171,7 +171,7 @@ pub fn load(dir: &Path) -> Result<Resumed> {
 impl Resumed {
     /// This rank's model: the checkpoint's tensors, sliced for `tp` and `stage`.
     pub fn model<'g>(&self, cfg: &ModelConfig, tp: crate::tensor_parallel::Tp<'g>, stage: Stage) -> Result<Llama<'g>> {
-        Llama::build(cfg, tp, stage, |name, shape, _| full(&self.weights, name, shape, "model.safetensors"))
+        crate::checkpoint::build_from(&self.weights, cfg, tp, stage, "model.safetensors")
     }
 
     /// The optimizer for `params` (this rank's slices), at the checkpoint's AdamW step.
@@ -184,21 +184,14 @@ impl Resumed {
                 Split::Cols => vec![p.value.rows(), p.value.cols() * count],
             };
             let get = |kind: &str| -> Result<Tensor> {
-                let t = full(&self.moments, &format!("{kind}.{}", p.name), &full_shape, "optimizer.safetensors")?;
+                let t =
+                    full_tensor(&self.moments, &format!("{kind}.{}", p.name), &full_shape, "optimizer.safetensors")?;
                 Ok(tp::shard(&t, p.split, index, count))
             };
             moments.push((get("exp_avg")?, get("exp_avg_sq")?));
         }
         Ok(Optimizer::restore(moments, self.adam_steps))
     }
-}
-
-fn full(tensors: &HashMap<String, Tensor>, name: &str, shape: &[usize], file: &str) -> Result<Tensor> {
-    let t = tensors.get(name).with_context(|| format!("{file}: tensor {name} is missing"))?;
-    if t.shape() != shape {
-        bail!("{file}: tensor {name} has shape {:?}, but the config needs {shape:?}", t.shape());
-    }
-    Ok(t.clone())
 }
 
 /// The architecture as a Hugging Face `config.json`.

@@ -16,6 +16,7 @@
 //! The global batch of a step is `micro_batch_size × grad_accum_steps × dp` sequences; its loss is
 //! the mean over all of their tokens, whatever way it is cut into ranks and micro-batches.
 
+use crate::checkpoint;
 use crate::comm::ReduceOp;
 use crate::config::Config;
 use crate::context_parallel::{self, Ring};
@@ -28,8 +29,10 @@ use crate::optimizer::{self, Optimizer};
 use crate::pipeline_parallel::{self, Stage, StepPlan};
 use crate::process_grid::{Axis, Grid};
 use crate::save::{self, Resumed};
+use crate::tensor::Tensor;
 use crate::trace::{Lane, Trace};
 use anyhow::{bail, Result};
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
@@ -110,7 +113,12 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
         }
         None => None,
     };
-    let mut summaries = launch_on(grid, setup, |me| train_rank(me, cfg, &data, opts, resumed.as_ref()))?;
+    let pretrained = match cfg.model.init_from.is_empty() || resumed.is_some() {
+        true => None,
+        false => Some(checkpoint::pretrained(&cfg.model)?),
+    };
+    let start = Start { resumed: resumed.as_ref(), pretrained: pretrained.as_ref() };
+    let mut summaries = launch_on(grid, setup, |me| train_rank(me, cfg, &data, opts, start))?;
     summaries.iter_mut().for_each(|s| s.floor = floor);
     if p.cp > 1 && !opts.quiet {
         let work: Vec<String> = summaries.iter().map(|s| format!("{:.2}M", s.attention_work as f64 / 1e6)).collect();
@@ -120,14 +128,23 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
 }
 
 /// The loop of one rank.
-fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, resumed: Option<&Resumed>) -> Result<Summary> {
+/// Where the weights come from: a checkpoint to resume, pretrained weights, or (neither) the init.
+#[derive(Clone, Copy)]
+struct Start<'a> {
+    resumed: Option<&'a Resumed>,
+    pretrained: Option<&'a HashMap<String, Tensor>>,
+}
+
+fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Start) -> Result<Summary> {
+    let resumed = start.resumed;
     let t = &cfg.train;
     let (dp_group, pp_group) = (me.group(Axis::DpCp), me.group(Axis::Pp));
     let stage = Stage { index: me.coords.pp, count: cfg.parallel.pp };
     let tp_group = me.group(Axis::Tp);
-    let (mut model, first_step) = match resumed {
-        Some(r) => (r.model(&cfg.model, Some(tp_group), stage)?, r.step),
-        None => (Llama::init(&cfg.model, t.seed, Some(tp_group), stage), 0),
+    let (mut model, first_step) = match (resumed, start.pretrained) {
+        (Some(r), _) => (r.model(&cfg.model, Some(tp_group), stage)?, r.step),
+        (None, Some(w)) => (checkpoint::build_from(w, &cfg.model, Some(tp_group), stage, &cfg.model.init_from)?, 0),
+        (None, None) => (Llama::init(&cfg.model, t.seed, Some(tp_group), stage), 0),
     };
     let (cp, local_seq) = (me.group(Axis::Cp), t.seq_len / cfg.parallel.cp);
     let local = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);

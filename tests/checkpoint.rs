@@ -129,3 +129,30 @@ fn a_corrupt_checkpoint_is_named() {
         .unwrap();
     assert!(format!("{err:#}").contains("trainer_state.json"), "{err:#}");
 }
+
+#[test]
+fn pretrained_weights_are_really_used() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gqa");
+    let mut cfg =
+        Config::load(None, &["train.steps=1".into(), "train.seq_len=16".into(), "data.copy_lag=4".into()]).unwrap();
+    cfg.model = checkpoint::read_hf_config(&fixture.join("config.json")).unwrap();
+    cfg.model.init_from = fixture.display().to_string();
+    cfg.validate().unwrap();
+    let quiet = Options { quiet: true, ..Default::default() };
+    let first = train(&cfg, quiet).unwrap().losses[0];
+    // the same batch through the checkpoint loaded as `eval` loads it
+    let data = ferrotron::data::Dataset::open(&cfg.data, &cfg.model).unwrap();
+    let (tokens, targets) = data.micro_batch(&cfg.train, (0, 1), 0, 0).unwrap();
+    let want = checkpoint::load_hf(&fixture).unwrap().forward(&tokens, cfg.train.micro_batch_size, &targets).unwrap();
+    assert!((first - want).abs() < 1e-6, "first training loss {first} vs the checkpoint's {want}");
+    let mut tp2 = cfg.clone();
+    tp2.parallel.tp = 2;
+    assert!((train(&tp2, quiet).unwrap().losses[0] - want).abs() < 1e-5, "sliced for tp = 2");
+    let mut random = cfg.clone();
+    random.model.init_from.clear();
+    assert!((train(&random, quiet).unwrap().losses[0] - want).abs() > 1e-3, "a random init gives another loss");
+    let mut wrong = cfg.clone();
+    wrong.model.intermediate_size = 48;
+    let err = format!("{:#}", train(&wrong, quiet).err().unwrap());
+    assert!(err.contains("intermediate_size = 40") && err.contains("model.intermediate_size = 48"), "{err}");
+}
