@@ -128,7 +128,7 @@ pub enum PpSchedule {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// `"synthetic"` (built in) or `"text:PATH"` (a UTF-8 file, byte-level tokens).
+    /// `"synthetic"` (built in) or `"text:PATH"` (a UTF-8 file, or JSON lines with a `text` field).
     pub source: String,
     /// Seed of the data stream, separate from the init seed.
     pub seed: u64,
@@ -142,6 +142,8 @@ pub struct DataConfig {
     pub copy_len: usize,
     /// A copy span repeats the tokens this far back.
     pub copy_lag: usize,
+    /// Text sources: `"bytes"` or a path to a Hugging Face `tokenizer.json`.
+    pub tokenizer: String,
 }
 
 /// Saving the run as it trains (see `save.rs`).

@@ -16,16 +16,17 @@
 //! that a perfect model reaches. A model that learns the Markov table but not to copy stays well
 //! above it.
 //!
-//! The other source is a UTF-8 text file read as bytes (vocab 256). Either way, sequence `i` of
-//! the run depends only on (data seed, i), so the tokens of a step never depend on the topology.
+//! The other source is real text, tokenised by `text.rs`; sequence `i` is a window of its tokens
+//! at a place drawn from (data seed, i). Either way, sequence `i` of the run depends only on
+//! (data seed, i), so the tokens of a step never depend on the topology.
 
 use crate::config::{DataConfig, ModelConfig, TrainConfig};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use rand::Rng;
 
 pub enum Dataset {
     Synthetic(Synthetic),
-    Text { bytes: Vec<u8>, seed: u64 },
+    Text { tokens: crate::text::Tokens, seed: u64 },
 }
 
 pub struct Synthetic {
@@ -50,7 +51,7 @@ enum Mode {
 /// Checks `[data]` against the model, before anything is read.
 pub fn validate(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
     if let Some(path) = d.source.strip_prefix("text:") {
-        if m.vocab_size < 256 {
+        if d.tokenizer == "bytes" && m.vocab_size < 256 {
             bail!(
                 "data.source = \"text:{path}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})",
                 m.vocab_size
@@ -84,12 +85,17 @@ impl Dataset {
     /// Opens the source named by `data.source` (reading the file of a text source).
     pub fn open(d: &DataConfig, m: &ModelConfig) -> Result<Dataset> {
         if let Some(path) = d.source.strip_prefix("text:") {
-            let bytes = std::fs::read(path)
-                .with_context(|| format!("data.source: cannot read text file {path}: check the path"))?;
-            if std::str::from_utf8(&bytes).is_err() {
-                bail!("data.source: {path} is not UTF-8 text");
+            let tokenizer = crate::text::Tokenizer::load(&d.tokenizer)?;
+            if tokenizer.vocab_size() > m.vocab_size {
+                bail!(
+                    "data.tokenizer {} has {} tokens, more than model.vocab_size = {}: raise model.vocab_size",
+                    d.tokenizer,
+                    tokenizer.vocab_size(),
+                    m.vocab_size
+                );
             }
-            return Ok(Dataset::Text { bytes, seed: d.seed });
+            let tokens = crate::text::Tokens::open(std::path::Path::new(path), &d.tokenizer, &tokenizer)?;
+            return Ok(Dataset::Text { tokens, seed: d.seed });
         }
         Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size)))
     }
@@ -98,12 +104,12 @@ impl Dataset {
     pub fn sequence(&self, index: u64, len: usize) -> Result<Vec<u32>> {
         match self {
             Dataset::Synthetic(s) => Ok(s.sequence(index, len)),
-            Dataset::Text { bytes, seed } => {
-                if bytes.len() < len {
-                    bail!("data.source: the text file has {} bytes, fewer than train.seq_len + 1 = {len}", bytes.len());
+            Dataset::Text { tokens, seed } => {
+                if tokens.len() < len {
+                    bail!("data.source: the text has {} tokens, fewer than train.seq_len + 1 = {len}", tokens.len());
                 }
-                let start = crate::init::stream(*seed, &format!("text/{index}")).gen_range(0..=bytes.len() - len);
-                Ok(bytes[start..start + len].iter().map(|&b| b as u32).collect())
+                let start = crate::init::stream(*seed, &format!("text/{index}")).gen_range(0..=tokens.len() - len);
+                Ok(tokens.window(start, len))
             }
         }
     }

@@ -32,5 +32,6 @@ pub mod save;
 pub mod schedule;
 pub mod tensor;
 pub mod tensor_parallel;
+pub mod text;
 pub mod trace;
 pub mod train;

@@ -1,0 +1,105 @@
+//! Real text: a tokenizer.json tokenises as transformers does; JSON-lines documents joined by the
+//! end-of-text token into a cached token file; training on it; the errors.
+
+use ferrotron::config::Config;
+use ferrotron::data::Dataset;
+use ferrotron::text::Tokenizer;
+use ferrotron::train::{train, Options};
+use std::path::{Path, PathBuf};
+
+fn fixture() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer")
+}
+
+#[test]
+fn tokenizer_json_matches_transformers() {
+    let tok = Tokenizer::load(fixture().join("tokenizer.json").to_str().unwrap()).unwrap();
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixture().join("expected.json")).unwrap()).unwrap();
+    assert_eq!(tok.vocab_size() as u64, expected["vocab_size"].as_u64().unwrap());
+    assert_eq!(tok.eos().map(u64::from), expected["eos"].as_u64());
+    for (text, ids) in expected["texts"].as_array().unwrap().iter().zip(expected["ids"].as_array().unwrap()) {
+        let want: Vec<u32> = ids.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        assert_eq!(tok.encode(text.as_str().unwrap()).unwrap(), want, "{text}");
+    }
+}
+
+fn text_config(source: &Path, extra: &[&str]) -> Config {
+    let mut sets: Vec<String> = [
+        format!("data.source=\"text:{}\"", source.display()),
+        format!("data.tokenizer=\"{}\"", fixture().join("tokenizer.json").display()),
+        "model.vocab_size=320".into(),
+        "model.num_hidden_layers=1".into(),
+        "train.seq_len=16".into(),
+        "train.micro_batch_size=4".into(),
+    ]
+    .to_vec();
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    Config::load(None, &sets).unwrap()
+}
+
+#[test]
+fn jsonl_documents_are_tokenised_once_with_eos_between() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("docs.jsonl");
+    let docs = ["The quick brown fox.", "Ring attention passes keys around.", "Données naïves 🚀"];
+    let lines: Vec<String> = docs.iter().map(|d| serde_json::json!({ "text": d, "id": 1 }).to_string()).collect();
+    std::fs::write(&source, lines.join("\n")).unwrap();
+    let cfg = text_config(&source, &[]);
+    let data = Dataset::open(&cfg.data, &cfg.model).unwrap();
+    let tok = Tokenizer::load(&cfg.data.tokenizer).unwrap();
+    let mut want = Vec::new();
+    for (i, d) in docs.iter().enumerate() {
+        if i > 0 {
+            want.push(tok.eos().unwrap());
+        }
+        want.extend(tok.encode(d).unwrap());
+    }
+    let Dataset::Text { tokens, .. } = &data else { panic!("a text source") };
+    assert_eq!(tokens.window(0, tokens.len()), want);
+    // the token file sits next to the source and is reused
+    let cached: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "tokens"))
+        .collect();
+    assert_eq!(cached.len(), 1);
+    Dataset::open(&cfg.data, &cfg.model).unwrap();
+    // a damaged token file is named
+    let bytes = std::fs::read(&cached[0]).unwrap();
+    std::fs::write(&cached[0], &bytes[..bytes.len() - 3]).unwrap();
+    let err = Dataset::open(&cfg.data, &cfg.model).err().unwrap();
+    assert!(format!("{err:#}").contains(".tokens: not a complete token file"), "{err:#}");
+}
+
+#[test]
+fn trains_on_tokenised_text() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("corpus.txt");
+    std::fs::write(&source, "Pipeline parallelism splits layers; tensor parallelism splits matrices. ".repeat(40))
+        .unwrap();
+    let s = train(
+        &text_config(&source, &["train.steps=30", "train.warmup_steps=3"]),
+        Options { quiet: true, ..Default::default() },
+    )
+    .unwrap();
+    assert!((s.losses[0] - 320f32.ln()).abs() < 0.2, "first loss {} is about ln(vocab)", s.losses[0]);
+    assert!(s.final_loss() < s.losses[0] - 1.0, "a repeated sentence is learnt: {} → {}", s.losses[0], s.final_loss());
+}
+
+#[test]
+fn text_errors_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("bad.jsonl");
+    std::fs::write(&source, "{\"text\": \"fine\"}\n{\"body\": \"no text\"}\n").unwrap();
+    let cfg = text_config(&source, &[]);
+    let err = format!("{:#}", Dataset::open(&cfg.data, &cfg.model).err().unwrap());
+    assert!(err.contains("bad.jsonl line 2: no \"text\" string field"), "{err}");
+    let small = text_config(&source, &["model.vocab_size=256"]);
+    let err = format!("{:#}", Dataset::open(&small.data, &small.model).err().unwrap());
+    assert!(err.contains("300 tokens, more than model.vocab_size = 256"), "{err}");
+    assert!(format!("{:#}", Tokenizer::load("hub:gpt2").err().unwrap()).contains("not in this build"));
+    assert!(
+        format!("{:#}", Tokenizer::load("/nowhere/tokenizer.json").err().unwrap()).contains("/nowhere/tokenizer.json")
+    );
+}
