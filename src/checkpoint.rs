@@ -155,7 +155,11 @@ pub fn full_tensor(tensors: &HashMap<String, Tensor>, name: &str, shape: &[usize
 /// The weights of `model.init_from`, after checking that its config.json is the configured
 /// architecture.
 pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
-    let dir = Path::new(&cfg.init_from);
+    let dir = match cfg.init_from.strip_prefix("hub:") {
+        Some(id) => crate::download::model_dir(id)?,
+        None => std::path::PathBuf::from(&cfg.init_from),
+    };
+    let dir = dir.as_path();
     let theirs = read_hf_config(&dir.join("config.json"))?;
     let (a, b) = (toml::Table::try_from(cfg)?, toml::Table::try_from(&theirs)?);
     for (key, mine) in a.iter().filter(|(k, _)| !["initializer_range", "init_from"].contains(&k.as_str())) {

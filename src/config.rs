@@ -142,7 +142,7 @@ pub struct DataConfig {
     pub copy_len: usize,
     /// A copy span repeats the tokens this far back.
     pub copy_lag: usize,
-    /// Text sources: `"bytes"` or a path to a Hugging Face `tokenizer.json`.
+    /// Text sources: `"bytes"`, a path to a Hugging Face `tokenizer.json`, or `"hub:ORG/NAME"`.
     pub tokenizer: String,
 }
 

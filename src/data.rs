@@ -50,17 +50,18 @@ enum Mode {
 
 /// Checks `[data]` against the model, before anything is read.
 pub fn validate(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
-    if let Some(path) = d.source.strip_prefix("text:") {
+    if d.source.starts_with("text:") || d.source.starts_with("hub:") {
         if d.tokenizer == "bytes" && m.vocab_size < 256 {
             bail!(
-                "data.source = \"text:{path}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})",
+                "data.source = \"{}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})",
+                d.source,
                 m.vocab_size
             );
         }
         return Ok(());
     }
     if d.source != "synthetic" {
-        bail!("data.source = \"{}\": use \"synthetic\" or \"text:PATH\"", d.source);
+        bail!("data.source = \"{}\": use \"synthetic\", \"text:PATH\" or \"hub:ORG/NAME/FILE\"", d.source);
     }
     if d.branching == 0 || d.branching + 2 > m.vocab_size {
         bail!(
@@ -84,7 +85,12 @@ pub fn validate(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
 impl Dataset {
     /// Opens the source named by `data.source` (reading the file of a text source).
     pub fn open(d: &DataConfig, m: &ModelConfig) -> Result<Dataset> {
-        if let Some(path) = d.source.strip_prefix("text:") {
+        let path = match (d.source.strip_prefix("text:"), d.source.strip_prefix("hub:")) {
+            (Some(path), _) => Some(std::path::PathBuf::from(path)),
+            (_, Some(spec)) => Some(crate::download::dataset_file(spec)?),
+            _ => None,
+        };
+        if let Some(path) = path {
             let tokenizer = crate::text::Tokenizer::load(&d.tokenizer)?;
             if tokenizer.vocab_size() > m.vocab_size {
                 bail!(
@@ -94,7 +100,7 @@ impl Dataset {
                     m.vocab_size
                 );
             }
-            let tokens = crate::text::Tokens::open(std::path::Path::new(path), &d.tokenizer, &tokenizer)?;
+            let tokens = crate::text::Tokens::open(&path, &tokenizer)?;
             return Ok(Dataset::Text { tokens, seed: d.seed });
         }
         Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size)))

@@ -16,6 +16,7 @@ pub mod cpu;
 pub mod data;
 pub mod data_parallel;
 pub mod doctor;
+pub mod download;
 pub mod eval;
 pub mod gpu;
 pub mod hub;

@@ -20,30 +20,32 @@ use std::path::{Path, PathBuf};
 
 pub enum Tokenizer {
     Bytes,
-    Bpe(Box<tokenizers::Tokenizer>),
+    /// A Hugging Face tokenizer and the `tokenizer.json` it came from.
+    Bpe(Box<tokenizers::Tokenizer>, PathBuf),
 }
 
 /// End-of-text tokens used by common tokenizers, looked up in this order.
 const EOS_NAMES: [&str; 5] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>"];
 
 impl Tokenizer {
-    /// `"bytes"` or a path to a `tokenizer.json`.
+    /// `"bytes"`, a path to a `tokenizer.json`, or `"hub:ORG/NAME"` (that model's tokenizer.json).
     pub fn load(spec: &str) -> Result<Tokenizer> {
         if spec == "bytes" {
             return Ok(Tokenizer::Bytes);
         }
-        if spec.starts_with("hub:") {
-            bail!("data.tokenizer = \"{spec}\": downloading from the Hub is not in this build; download the repository's tokenizer.json and give its path");
-        }
-        let t = tokenizers::Tokenizer::from_file(spec)
-            .map_err(|e| anyhow::anyhow!("data.tokenizer: cannot load {spec} as a tokenizer.json: {e}"))?;
-        Ok(Tokenizer::Bpe(Box::new(t)))
+        let path = match spec.strip_prefix("hub:") {
+            Some(id) => crate::download::tokenizer_file(id)?,
+            None => PathBuf::from(spec),
+        };
+        let t = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| anyhow::anyhow!("data.tokenizer: cannot load {} as a tokenizer.json: {e}", path.display()))?;
+        Ok(Tokenizer::Bpe(Box::new(t), path))
     }
 
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Bytes => 256,
-            Tokenizer::Bpe(t) => t.get_vocab_size(true),
+            Tokenizer::Bpe(t, _) => t.get_vocab_size(true),
         }
     }
 
@@ -51,7 +53,7 @@ impl Tokenizer {
     pub fn eos(&self) -> Option<u32> {
         match self {
             Tokenizer::Bytes => None,
-            Tokenizer::Bpe(t) => EOS_NAMES.iter().find_map(|n| t.token_to_id(n)),
+            Tokenizer::Bpe(t, _) => EOS_NAMES.iter().find_map(|n| t.token_to_id(n)),
         }
     }
 
@@ -59,7 +61,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
-            Tokenizer::Bpe(t) => {
+            Tokenizer::Bpe(t, _) => {
                 Ok(t.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?.get_ids().to_vec())
             }
         }
@@ -74,9 +76,9 @@ pub struct Tokens {
 const HEADER: usize = 16;
 
 impl Tokens {
-    /// Maps the token file of `source` for `tokenizer` (named `spec`), writing it first if needed.
-    pub fn open(source: &Path, spec: &str, tokenizer: &Tokenizer) -> Result<Tokens> {
-        let cache = cache_path(source, spec)?;
+    /// Maps the token file of `source` for `tokenizer`, writing it first if needed.
+    pub fn open(source: &Path, tokenizer: &Tokenizer) -> Result<Tokens> {
+        let cache = cache_path(source, tokenizer)?;
         if !cache.exists() {
             write_tokens(source, tokenizer, &cache)?;
         }
@@ -108,12 +110,15 @@ impl Tokens {
 
 /// `PATH.<fingerprint>.tokens`: the fingerprint covers the tokenizer (its file's bytes) and the
 /// source's size and modification time.
-fn cache_path(source: &Path, spec: &str) -> Result<PathBuf> {
+fn cache_path(source: &Path, tokenizer: &Tokenizer) -> Result<PathBuf> {
     let meta = std::fs::metadata(source)
         .with_context(|| format!("data.source: cannot read {}: check the path", source.display()))?;
-    let mut key = format!("{spec}|{}|{:?}|", meta.len(), meta.modified().ok()).into_bytes();
-    if spec != "bytes" {
-        key.extend(std::fs::read(spec).with_context(|| format!("data.tokenizer: cannot read {spec}"))?);
+    let mut key = format!("{}|{:?}|", meta.len(), meta.modified().ok()).into_bytes();
+    match tokenizer {
+        Tokenizer::Bytes => key.extend(b"bytes"),
+        Tokenizer::Bpe(_, path) => {
+            key.extend(std::fs::read(path).with_context(|| format!("data.tokenizer: cannot read {}", path.display()))?)
+        }
     }
     let fp = key.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3));
     let mut name = source.as_os_str().to_owned();

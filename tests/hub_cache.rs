@@ -1,0 +1,59 @@
+//! `hub:` names resolve through the Hugging Face cache without any network: a model (weights
+//! and tokenizer) and a dataset file laid out as `huggingface_hub` lays them out. (Downloads
+//! themselves need the internet and are not tested here.) Its own test binary, because it sets
+//! HF_HOME for the process.
+
+use ferrotron::config::Config;
+use ferrotron::train::{train, Options};
+use std::path::Path;
+
+/// `hub/<kind>s--org--name/refs/main` → `snapshots/<commit>/<files>`.
+fn cache_repo(home: &Path, kind: &str, id: &str, files: &[(&str, &Path)]) {
+    let repo = home.join("hub").join(format!("{kind}s--{}", id.replace('/', "--")));
+    std::fs::create_dir_all(repo.join("refs")).unwrap();
+    std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
+    let snap = repo.join("snapshots/0123abcd");
+    std::fs::create_dir_all(&snap).unwrap();
+    for (name, from) in files {
+        std::fs::copy(from, snap.join(name)).unwrap();
+    }
+}
+
+#[test]
+fn hub_names_resolve_from_the_cache_offline() {
+    let home = tempfile::tempdir().unwrap();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures");
+    let gqa = fixtures.join("gqa");
+    cache_repo(
+        home.path(),
+        "model",
+        "ferrotron/tiny-gqa",
+        &[
+            ("config.json", &gqa.join("config.json")),
+            ("model.safetensors", &gqa.join("model.safetensors")),
+            ("tokenizer.json", &fixtures.join("tokenizer/tokenizer.json")),
+        ],
+    );
+    let corpus = home.path().join("corpus.txt");
+    std::fs::write(&corpus, "The lazy fox splits the ring. ".repeat(30)).unwrap();
+    cache_repo(home.path(), "dataset", "ferrotron/texts", &[("train.txt", &corpus)]);
+    std::env::set_var("HF_HOME", home.path());
+
+    // pretrained weights from the cache, and the same model through eval
+    let mut cfg =
+        Config::load(None, &["train.steps=1".into(), "train.seq_len=16".into(), "data.copy_lag=4".into()]).unwrap();
+    cfg.model = ferrotron::checkpoint::read_hf_config(&gqa.join("config.json")).unwrap();
+    cfg.model.init_from = "hub:ferrotron/tiny-gqa".into();
+    let quiet = Options { quiet: true, ..Default::default() };
+    let from_hub = train(&cfg, quiet).unwrap().losses[0];
+    cfg.model.init_from = gqa.display().to_string();
+    assert_eq!(from_hub, train(&cfg, quiet).unwrap().losses[0]);
+
+    // a dataset file and a tokenizer from the cache
+    cfg.data.source = "hub:ferrotron/texts/train.txt".into();
+    cfg.data.tokenizer = "hub:ferrotron/tiny-gqa".into();
+    cfg.model.vocab_size = 320;
+    cfg.model.init_from.clear();
+    let s = train(&cfg, quiet).unwrap();
+    assert!(s.losses[0].is_finite());
+}
