@@ -156,3 +156,19 @@ fn pretrained_weights_are_really_used() {
     let err = format!("{:#}", train(&wrong, quiet).err().unwrap());
     assert!(err.contains("intermediate_size = 40") && err.contains("model.intermediate_size = 48"), "{err}");
 }
+
+#[test]
+fn a_diverging_run_stops_and_keeps_its_last_good_checkpoint() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let cfg = Config::load(
+        None,
+        &sets(&dir, &["train.steps=50", "train.lr=1e6", "train.min_lr=1e6", "train.grad_clip=0", "checkpoint.every=1"]),
+    )
+    .unwrap();
+    let err = format!("{:#}", train(&cfg, Options { quiet: true, ..Default::default() }).err().unwrap());
+    assert!(err.contains("the loss became") && err.contains("lower train.lr"), "{err}");
+    let latest = ferrotron::save::resolve(Path::new("latest"), &cfg).unwrap();
+    let state = ferrotron::save::load(&latest).unwrap();
+    assert!(state.step < 50, "stopped early, at step {}", state.step);
+}
