@@ -1,0 +1,65 @@
+//! Shared by the tutorial steps: the run's size, the single-device reference, and the verdict.
+#![allow(dead_code)] // each step uses some of these
+
+use anyhow::{bail, Result};
+use ferrotron::config::Config;
+use ferrotron::train::{self, Options};
+
+/// `--tiny`: a few steps of a smaller model (what the test suite runs, so the tutorial never rots).
+pub fn tiny() -> bool {
+    std::env::args().any(|a| a == "--tiny")
+}
+
+/// The tiny config (`configs/tiny.toml`) for 40 steps, or a smaller model for 4 with `tiny`;
+/// then `extra` settings.
+pub fn config(tiny: bool, extra: &[&str]) -> Result<Config> {
+    let mut sets: Vec<String> = vec!["train.steps=40".into(), "train.warmup_steps=10".into()];
+    if tiny {
+        let small = [
+            "train.steps=4",
+            "model.hidden_size=32",
+            "model.intermediate_size=64",
+            "train.seq_len=32",
+            "data.copy_lag=8",
+        ];
+        sets.extend(small.map(String::from));
+    }
+    sets.extend(extra.iter().map(|s| s.to_string()));
+    Config::load(None, &sets)
+}
+
+/// The losses of `cfg` trained on one device with the whole global batch in one micro-batch:
+/// what step 01 computes.
+pub fn reference(cfg: &Config) -> Result<Vec<f32>> {
+    let mut one = cfg.clone();
+    one.train.micro_batch_size *= cfg.train.grad_accum_steps * cfg.parallel.dp;
+    one.train.grad_accum_steps = 1;
+    (one.parallel.dp, one.parallel.tp, one.parallel.pp, one.parallel.cp) = (1, 1, 1, 1);
+    Ok(train::train(&one, Options { quiet: true, ..Default::default() })?.losses)
+}
+
+/// Prints PASS or FAIL for `claim`, comparing two loss curves step by step.
+pub fn verdict(claim: &str, got: &[f32], want: &[f32], tol: f32) -> Result<()> {
+    let max = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let pass = max <= tol && got.len() == want.len();
+    println!(
+        "verdict: {} — {claim}: max |Δloss| {max:.1e} over {} steps (tolerance {tol:.0e})",
+        if pass { "PASS" } else { "FAIL" },
+        got.len()
+    );
+    if !pass {
+        bail!("the claim does not hold");
+    }
+    Ok(())
+}
+
+/// `main` of every step: run it, print an error in one line and exit 1 on failure.
+pub fn main(run: fn(bool) -> Result<()>) -> std::process::ExitCode {
+    match run(tiny()) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
