@@ -1,0 +1,42 @@
+//! Step 07 — pipeline parallel with AFAB: all forwards, then all backwards.
+//! `cargo run --release --example step07`
+
+#[path = "../common.rs"]
+mod common;
+
+use anyhow::Result;
+use ferrotron::config::PpSchedule;
+use ferrotron::schedule;
+use ferrotron::train::{train_all, Options};
+
+fn run(tiny: bool) -> Result<()> {
+    // 2 stages of 2 layers; the global batch of 16 as 4 micro-batches of 4
+    let cfg = common::config(
+        tiny,
+        &["parallel.pp=2", "parallel.pp_schedule=\"afab\"", "train.grad_accum_steps=4", "train.micro_batch_size=4"],
+    )?;
+    let timeline = schedule::simulate(PpSchedule::Afab, 2, 4)?;
+    for stage in 0..2 {
+        let row: Vec<String> =
+            timeline.slots.iter().filter(|s| s.stage == stage).map(|s| format!("{:?}", s.action)).collect();
+        println!("stage {stage}: {}", row.join(" "));
+    }
+    println!(
+        "bubble {:.0}% of the step, as (p−1)/(m+p−1) = {:.0}%",
+        100.0 * timeline.bubble(),
+        100.0 * timeline.bubble_formula()
+    );
+    let ranks = train_all(&cfg, Options { quiet: true, ..Default::default() })?;
+    let held: Vec<usize> = ranks.iter().map(|r| r.peak_activations).collect();
+    println!("micro-batch activations held at once, per stage: {held:?} (AFAB keeps all 4 until the backwards start)");
+    common::verdict("pp = 2 with AFAB follows step 01", &ranks[0].losses, &common::reference(&cfg)?, 1e-5)
+}
+
+fn main() -> std::process::ExitCode {
+    common::main(run)
+}
+
+#[test]
+fn tiny() {
+    run(true).unwrap();
+}

@@ -1,0 +1,36 @@
+//! Step 08 — pipeline parallel with 1F1B: the same bubble as AFAB, a fraction of the memory.
+//! `cargo run --release --example step08`  (writes step08_schedule.svg)
+
+#[path = "../common.rs"]
+mod common;
+
+use anyhow::Result;
+use ferrotron::config::PpSchedule;
+use ferrotron::schedule;
+use ferrotron::train::{train_all, Options};
+
+fn run(tiny: bool) -> Result<()> {
+    // 4 stages of one layer; 8 micro-batches of 2
+    let sets = ["parallel.pp=4", "train.grad_accum_steps=8", "train.micro_batch_size=2"];
+    let cfg = common::config(tiny, &sets)?;
+    let timelines = [schedule::simulate(PpSchedule::Afab, 4, 8)?, schedule::simulate(PpSchedule::OneFOneB, 4, 8)?];
+    for t in &timelines {
+        println!("{}: bubble {:.1}%, activations held per stage {:?}", t.name, 100.0 * t.bubble(), t.peak_activations);
+    }
+    let path = if tiny { "target/step08_schedule.svg" } else { "step08_schedule.svg" };
+    ferrotron::metrics::write_atomically(std::path::Path::new(path), schedule::svg(&timelines).as_bytes())?;
+    println!("picture: {path}");
+    let ranks = train_all(&cfg, Options { quiet: true, ..Default::default() })?;
+    let held: Vec<usize> = ranks.iter().map(|r| r.peak_activations).collect();
+    println!("measured in the run: 1F1B stage s held at most {held:?} micro-batches (pp − s)");
+    common::verdict("pp = 4 with 1F1B follows step 01", &ranks[0].losses, &common::reference(&cfg)?, 1e-5)
+}
+
+fn main() -> std::process::ExitCode {
+    common::main(run)
+}
+
+#[test]
+fn tiny() {
+    run(true).unwrap();
+}

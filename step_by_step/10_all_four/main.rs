@@ -1,0 +1,42 @@
+//! Step 10 — all four together, and the loss-convergence check.
+//! `cargo run --release --example step10`
+
+#[path = "../common.rs"]
+mod common;
+
+use anyhow::{bail, Result};
+use ferrotron::converge::{self, parse_variants};
+
+fn run(tiny: bool) -> Result<()> {
+    let steps = if tiny { 3 } else { 20 };
+    let mut sets = vec![
+        format!("train.steps={steps}"),
+        "train.warmup_steps=5".into(),
+        "train.grad_accum_steps=2".into(),
+        "train.micro_batch_size=8".into(),
+    ];
+    if tiny {
+        sets.extend(
+            ["model.hidden_size=32", "model.intermediate_size=64", "train.seq_len=32", "data.copy_lag=8"]
+                .map(String::from),
+        );
+    }
+    // 8 ranks in each variant; the last uses all four dimensions (16 ranks)
+    let variants = parse_variants("dp=2,tp=2,pp=2;dp=2,cp=2,tp=2;tp=2,pp=2,cp=2;dp=2,tp=2,pp=2,cp=2")?;
+    let (_, outcomes) = converge::converge(None, &sets, &variants, 1e-4)?;
+    print!("{}", converge::table(&outcomes, 1e-4));
+    if outcomes.iter().any(|o| !o.pass) {
+        bail!("a variant left the single-rank curve");
+    }
+    println!("verdict: PASS — every 3D and 4D layout follows the single-rank loss curve within 1e-4");
+    Ok(())
+}
+
+fn main() -> std::process::ExitCode {
+    common::main(run)
+}
+
+#[test]
+fn tiny() {
+    run(true).unwrap();
+}
