@@ -21,6 +21,7 @@ pub mod eval;
 pub mod gpu;
 pub mod hub;
 pub mod init;
+pub mod kernels;
 pub mod launch;
 pub mod metrics;
 pub mod model;

@@ -1,0 +1,194 @@
+// attention.cu — causal grouped-query attention in the flash-attention style, forward and backward.
+//
+// Math, per (sequence b, query head h, KV head g = h / (heads / kv_heads)):
+//   s_ij = q_i · k_j / sqrt(head_dim) where key position ≤ query position (else masked),
+//   p_ij = exp(s_ij − lse_i), lse_i = log Σ_j exp(s_ij), o_i = Σ_j p_ij v_j.
+// Queries and keys carry their positions, so the same kernel computes one block of ring
+// attention (a row that sees no key gets o = 0 and lse = −∞; blocks merge by their lse).
+//
+// Forward: a block handles BQ query rows of one (b, h); each thread owns one query row. The keys
+// and values are walked in tiles of BK rows staged in shared memory; each thread keeps a running
+// max m, sum l and output accumulator and rescales them as each key arrives (online softmax), so
+// no seq × seq matrix ever exists. It writes o and lse (kept for backward and for ring merges).
+// Backward recomputes p from lse, in three kernels and without atomics (deterministic):
+//   attention_delta:  delta_i = Σ_d do_id · o_id            (one thread per query row)
+//   attention_dq:     dq_i = Σ_j p_ij (do_i·v_j − delta_i) k_j / sqrt(d)   (thread per query row)
+//   attention_dkdv:   dk_j = Σ_{h in group, i} ds_ij q_i / sqrt(d), dv_j = Σ p_ij do_i (thread per key row)
+// head_dim is at most MAX_HEAD_DIM (the host checks).
+
+#define MAX_HEAD_DIM 128
+#define BQ 64
+#define BK 32
+
+struct Shape {
+    int batch, seq, kv_seq, heads, kv_heads, head_dim;
+};
+
+// Row r of head `head` in a [batch*len, n_heads*head_dim] tensor.
+__device__ __forceinline__ long at(const Shape& s, int b, int len, int r, int n_heads, int head) {
+    return ((long)(b * len + r) * n_heads + head) * s.head_dim;
+}
+
+template <typename T>
+__device__ void attention_forward(Shape s, const T* q, const T* k, const T* v, const unsigned* q_pos, const unsigned* k_pos, T* out, float* lse) {
+    __shared__ float ks[BK][MAX_HEAD_DIM], vs[BK][MAX_HEAD_DIM];
+    __shared__ unsigned kp[BK];
+    int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads);
+    int i = blockIdx.x * BQ + threadIdx.x, d = s.head_dim;
+    bool active = i < s.seq;
+    float scale = rsqrtf((float)d), qi[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    float m = -INFINITY, l = 0.0f;
+    unsigned pi = active ? q_pos[i] : 0;
+    for (int c = 0; c < d; c++) {
+        qi[c] = active ? load(q, at(s, b, s.seq, i, s.heads, h) + c) * scale : 0.0f;
+        acc[c] = 0.0f;
+    }
+    for (int j0 = 0; j0 < s.kv_seq; j0 += BK) {
+        for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
+            int j = j0 + e / d, c = e % d;
+            ks[e / d][c] = j < s.kv_seq ? load(k, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
+            vs[e / d][c] = j < s.kv_seq ? load(v, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
+        }
+        for (int e = threadIdx.x; e < BK; e += blockDim.x) kp[e] = j0 + e < s.kv_seq ? k_pos[j0 + e] : 0xffffffffu;
+        __syncthreads();
+        for (int jj = 0; jj < BK && active; jj++) {
+            if (kp[jj] > pi) continue; // masked: the key comes after the query (or is padding)
+            float sij = 0.0f;
+            for (int c = 0; c < d; c++) sij += qi[c] * ks[jj][c];
+            float m_new = fmaxf(m, sij), correction = expf(m - m_new), p = expf(sij - m_new);
+            l = l * correction + p;
+            for (int c = 0; c < d; c++) acc[c] = acc[c] * correction + p * vs[jj][c];
+            m = m_new;
+        }
+        __syncthreads();
+    }
+    if (!active) return;
+    for (int c = 0; c < d; c++) store(out, at(s, b, s.seq, i, s.heads, h) + c, l > 0.0f ? acc[c] / l : 0.0f);
+    lse[((long)b * s.heads + h) * s.seq + i] = l > 0.0f ? m + logf(l) : -INFINITY;
+}
+
+template <typename T>
+__device__ void attention_delta(Shape s, const T* out, const T* dout, float* delta) {
+    long r = blockIdx.x * (long)blockDim.x + threadIdx.x; // over batch * heads * seq, lse layout
+    if (r >= (long)s.batch * s.heads * s.seq) return;
+    int i = r % s.seq, h = (r / s.seq) % s.heads, b = r / ((long)s.seq * s.heads);
+    long base = at(s, b, s.seq, i, s.heads, h);
+    float acc = 0.0f;
+    for (int c = 0; c < s.head_dim; c++) acc += load(dout, base + c) * load(out, base + c);
+    delta[r] = acc;
+}
+
+template <typename T>
+__device__ void attention_dq(Shape s, const T* q, const T* k, const T* v, const unsigned* q_pos, const unsigned* k_pos, const float* lse, const float* delta, const T* dout, T* dq) {
+    __shared__ float ks[BK][MAX_HEAD_DIM], vs[BK][MAX_HEAD_DIM];
+    __shared__ unsigned kp[BK];
+    int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads);
+    int i = blockIdx.x * BQ + threadIdx.x, d = s.head_dim;
+    bool active = i < s.seq;
+    float scale = rsqrtf((float)d), qi[MAX_HEAD_DIM], doi[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    long row = ((long)b * s.heads + h) * s.seq + i;
+    float li = active ? lse[row] : 0.0f, di = active ? delta[row] : 0.0f;
+    unsigned pi = active ? q_pos[i] : 0;
+    for (int c = 0; c < d; c++) {
+        qi[c] = active ? load(q, at(s, b, s.seq, i, s.heads, h) + c) * scale : 0.0f;
+        doi[c] = active ? load(dout, at(s, b, s.seq, i, s.heads, h) + c) : 0.0f;
+        acc[c] = 0.0f;
+    }
+    for (int j0 = 0; j0 < s.kv_seq; j0 += BK) {
+        for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
+            int j = j0 + e / d, c = e % d;
+            ks[e / d][c] = j < s.kv_seq ? load(k, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
+            vs[e / d][c] = j < s.kv_seq ? load(v, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
+        }
+        for (int e = threadIdx.x; e < BK; e += blockDim.x) kp[e] = j0 + e < s.kv_seq ? k_pos[j0 + e] : 0xffffffffu;
+        __syncthreads();
+        for (int jj = 0; jj < BK && active; jj++) {
+            if (kp[jj] > pi) continue;
+            float sij = 0.0f, dp = 0.0f;
+            for (int c = 0; c < d; c++) {
+                sij += qi[c] * ks[jj][c];
+                dp += doi[c] * vs[jj][c];
+            }
+            float ds = expf(sij - li) * (dp - di);
+            for (int c = 0; c < d; c++) acc[c] += ds * ks[jj][c];
+        }
+        __syncthreads();
+    }
+    if (!active) return;
+    for (int c = 0; c < d; c++) store(dq, at(s, b, s.seq, i, s.heads, h) + c, acc[c] * scale);
+}
+
+template <typename T>
+__device__ void attention_dkdv(Shape s, const T* q, const T* k, const T* v, const unsigned* q_pos, const unsigned* k_pos, const float* lse, const float* delta, const T* dout, T* dk, T* dv) {
+    __shared__ float qs[BK][MAX_HEAD_DIM], dos[BK][MAX_HEAD_DIM];
+    __shared__ float ls[BK], ds_[BK];
+    __shared__ unsigned qp[BK];
+    int b = blockIdx.z, g = blockIdx.y, groups = s.heads / s.kv_heads;
+    int j = blockIdx.x * BK + threadIdx.x, d = s.head_dim;
+    bool active = j < s.kv_seq;
+    float scale = rsqrtf((float)d), kj[MAX_HEAD_DIM], vj[MAX_HEAD_DIM], dkj[MAX_HEAD_DIM], dvj[MAX_HEAD_DIM];
+    unsigned pj = active ? k_pos[j] : 0xffffffffu;
+    for (int c = 0; c < d; c++) {
+        kj[c] = active ? load(k, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
+        vj[c] = active ? load(v, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
+        dkj[c] = dvj[c] = 0.0f;
+    }
+    for (int h = g * groups; h < (g + 1) * groups; h++) {
+        for (int i0 = 0; i0 < s.seq; i0 += BK) {
+            for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
+                int i = i0 + e / d, c = e % d;
+                qs[e / d][c] = i < s.seq ? load(q, at(s, b, s.seq, i, s.heads, h) + c) * scale : 0.0f;
+                dos[e / d][c] = i < s.seq ? load(dout, at(s, b, s.seq, i, s.heads, h) + c) : 0.0f;
+            }
+            for (int e = threadIdx.x; e < BK; e += blockDim.x) {
+                long row = ((long)b * s.heads + h) * s.seq + i0 + e;
+                bool in = i0 + e < s.seq;
+                qp[e] = in ? q_pos[i0 + e] : 0;
+                ls[e] = in ? lse[row] : INFINITY; // p = exp(s − ∞) = 0 for padding rows
+                ds_[e] = in ? delta[row] : 0.0f;
+            }
+            __syncthreads();
+            for (int ii = 0; ii < BK && active; ii++) {
+                if (pj > qp[ii]) continue;
+                float sij = 0.0f, dp = 0.0f;
+                for (int c = 0; c < d; c++) {
+                    sij += qs[ii][c] * kj[c];
+                    dp += dos[ii][c] * vj[c];
+                }
+                float p = expf(sij - ls[ii]), dsij = p * (dp - ds_[ii]);
+                for (int c = 0; c < d; c++) {
+                    dvj[c] += p * dos[ii][c];
+                    dkj[c] += dsij * qs[ii][c]; // qs already carries the 1/sqrt(d)
+                }
+            }
+            __syncthreads();
+        }
+    }
+    if (!active) return;
+    for (int c = 0; c < d; c++) {
+        store(dk, at(s, b, s.kv_seq, j, s.kv_heads, g) + c, dkj[c]);
+        store(dv, at(s, b, s.kv_seq, j, s.kv_heads, g) + c, dvj[c]);
+    }
+}
+
+#define EXPORT(T, suffix)                                                                                              \
+    extern "C" __global__ void attention_forward_##suffix(Shape s, const T* q, const T* k, const T* v,                 \
+                                                          const unsigned* q_pos, const unsigned* k_pos, T* out,        \
+                                                          float* lse) {                                                \
+        attention_forward(s, q, k, v, q_pos, k_pos, out, lse);                                                         \
+    }                                                                                                                  \
+    extern "C" __global__ void attention_delta_##suffix(Shape s, const T* out, const T* dout, float* delta) {          \
+        attention_delta(s, out, dout, delta);                                                                          \
+    }                                                                                                                  \
+    extern "C" __global__ void attention_dq_##suffix(Shape s, const T* q, const T* k, const T* v,                      \
+                                                     const unsigned* q_pos, const unsigned* k_pos, const float* lse,   \
+                                                     const float* delta, const T* dout, T* dq) {                       \
+        attention_dq(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq);                                                  \
+    }                                                                                                                  \
+    extern "C" __global__ void attention_dkdv_##suffix(Shape s, const T* q, const T* k, const T* v,                    \
+                                                       const unsigned* q_pos, const unsigned* k_pos, const float* lse, \
+                                                       const float* delta, const T* dout, T* dk, T* dv) {              \
+        attention_dkdv(s, q, k, v, q_pos, k_pos, lse, delta, dout, dk, dv);                                            \
+    }
+EXPORT(float, f32)
+EXPORT(__nv_bfloat16, bf16)

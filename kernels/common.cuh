@@ -1,0 +1,43 @@
+// common.cuh — prepended to every kernel file before NVRTC compiles it (src/kernels.rs).
+//
+// Storage types: activations and weights used for compute are `float` (f32 mode) or
+// `__nv_bfloat16` (mixed precision); every kernel computes in float. `load`/`store` convert.
+// Each kernel family is written once as a template and instantiated for both types by the
+// EXPORT macros at the end of its file, as `name_f32` and `name_bf16`.
+#include <cuda_bf16.h>
+
+#ifndef INFINITY
+#define INFINITY __int_as_float(0x7f800000)
+#endif
+
+__device__ __forceinline__ float load(const float* p, long i) { return p[i]; }
+__device__ __forceinline__ float load(const __nv_bfloat16* p, long i) { return __bfloat162float(p[i]); }
+__device__ __forceinline__ void store(float* p, long i, float v) { p[i] = v; }
+__device__ __forceinline__ void store(__nv_bfloat16* p, long i, float v) { p[i] = __float2bfloat16(v); }
+
+// Sum of `v` over the block (blockDim.x a multiple of 32, at most 1024), in a fixed order:
+// the same bits every run. `scratch` holds 32 floats of shared memory.
+__device__ float block_sum(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x / 32;
+    v = lane < warps ? scratch[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+
+// The maximum of `v` over the block, like block_sum.
+__device__ float block_max(float v, float* scratch) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    __syncthreads();
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    int warps = blockDim.x / 32;
+    v = lane < warps ? scratch[lane] : -INFINITY;
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}

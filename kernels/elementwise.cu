@@ -1,0 +1,45 @@
+// elementwise.cu — casts, residual adds, scaling, and the sum of squares for the gradient norm.
+//
+// Math: y = bf16(x) and back; a += b; a *= s; partial[b] = Σ x² over block b's elements.
+// Decomposition: one thread per element, grid-stride loops. The sum of squares is deterministic:
+// each block reduces a fixed range in a fixed order into partial[blockIdx.x], and the host adds
+// the partials in order (no atomics).
+
+extern "C" __global__ void cast_f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        y[i] = __float2bfloat16(x[i]);
+}
+
+extern "C" __global__ void cast_bf16_to_f32(const __nv_bfloat16* x, float* y, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        y[i] = __bfloat162float(x[i]);
+}
+
+template <typename T>
+__device__ void add_assign(T* a, const T* b, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        store(a, i, load(a, i) + load(b, i));
+}
+
+template <typename T>
+__device__ void scale(T* a, float s, long n) {
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        store(a, i, load(a, i) * s);
+}
+
+// Gradients are f32 in both modes, so the norm reads f32 only.
+extern "C" __global__ void sum_squares_f32(const float* x, long n, float* partial) {
+    __shared__ float scratch[32];
+    long per_block = (n + gridDim.x - 1) / gridDim.x;
+    long start = blockIdx.x * per_block, end = min(n, start + per_block);
+    float acc = 0.0f;
+    for (long i = start + threadIdx.x; i < end; i += blockDim.x) acc += x[i] * x[i];
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+#define EXPORT(T, suffix)                                                                             \
+    extern "C" __global__ void add_assign_##suffix(T* a, const T* b, long n) { add_assign(a, b, n); } \
+    extern "C" __global__ void scale_##suffix(T* a, float s, long n) { scale(a, s, n); }
+EXPORT(float, f32)
+EXPORT(__nv_bfloat16, bf16)
