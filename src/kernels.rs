@@ -51,7 +51,8 @@ pub fn nvrtc_ready() -> Result<PathBuf> {
 
 /// The PTX of kernel file `name` for `arch` (e.g. "sm_90"), compiled on first use.
 pub fn ptx(name: &str, arch: &'static str) -> Result<Arc<Ptx>> {
-    static CACHE: OnceLock<Mutex<HashMap<(String, &'static str), Arc<Ptx>>>> = OnceLock::new();
+    type Compiled = HashMap<(String, &'static str), Arc<Ptx>>;
+    static CACHE: OnceLock<Mutex<Compiled>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     let key = (name.to_string(), arch);
     if let Some(p) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
