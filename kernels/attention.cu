@@ -29,6 +29,21 @@ __device__ __forceinline__ long at(const Shape& s, int b, int len, int r, int n_
     return ((long)(b * len + r) * n_heads + head) * s.head_dim;
 }
 
+// The block stages key/value rows j0..j0+BK of KV head g into shared memory (zeros past the end,
+// and a position no query reaches, so padding is masked), then waits for every thread.
+template <typename T>
+__device__ void load_kv_tile(const Shape& s, const T* k, const T* v, const unsigned* k_pos, int b, int g, int j0,
+                             float (*ks)[MAX_HEAD_DIM], float (*vs)[MAX_HEAD_DIM], unsigned* kp) {
+    int d = s.head_dim;
+    for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
+        int j = j0 + e / d, c = e % d;
+        ks[e / d][c] = j < s.kv_seq ? load(k, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
+        vs[e / d][c] = j < s.kv_seq ? load(v, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
+    }
+    for (int e = threadIdx.x; e < BK; e += blockDim.x) kp[e] = j0 + e < s.kv_seq ? k_pos[j0 + e] : 0xffffffffu;
+    __syncthreads();
+}
+
 template <typename T>
 __device__ void attention_forward(Shape s, const T* q, const T* k, const T* v, const unsigned* q_pos, const unsigned* k_pos, T* out, float* lse) {
     __shared__ float ks[BK][MAX_HEAD_DIM], vs[BK][MAX_HEAD_DIM];
@@ -44,13 +59,7 @@ __device__ void attention_forward(Shape s, const T* q, const T* k, const T* v, c
         acc[c] = 0.0f;
     }
     for (int j0 = 0; j0 < s.kv_seq; j0 += BK) {
-        for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
-            int j = j0 + e / d, c = e % d;
-            ks[e / d][c] = j < s.kv_seq ? load(k, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
-            vs[e / d][c] = j < s.kv_seq ? load(v, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
-        }
-        for (int e = threadIdx.x; e < BK; e += blockDim.x) kp[e] = j0 + e < s.kv_seq ? k_pos[j0 + e] : 0xffffffffu;
-        __syncthreads();
+        load_kv_tile(s, k, v, k_pos, b, g, j0, ks, vs, kp);
         for (int jj = 0; jj < BK && active; jj++) {
             if (kp[jj] > pi) continue; // masked: the key comes after the query (or is padding)
             float sij = 0.0f;
@@ -95,13 +104,7 @@ __device__ void attention_dq(Shape s, const T* q, const T* k, const T* v, const 
         acc[c] = 0.0f;
     }
     for (int j0 = 0; j0 < s.kv_seq; j0 += BK) {
-        for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
-            int j = j0 + e / d, c = e % d;
-            ks[e / d][c] = j < s.kv_seq ? load(k, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
-            vs[e / d][c] = j < s.kv_seq ? load(v, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
-        }
-        for (int e = threadIdx.x; e < BK; e += blockDim.x) kp[e] = j0 + e < s.kv_seq ? k_pos[j0 + e] : 0xffffffffu;
-        __syncthreads();
+        load_kv_tile(s, k, v, k_pos, b, g, j0, ks, vs, kp);
         for (int jj = 0; jj < BK && active; jj++) {
             if (kp[jj] > pi) continue;
             float sij = 0.0f, dp = 0.0f;

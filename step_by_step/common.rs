@@ -53,6 +53,20 @@ pub fn verdict(claim: &str, got: &[f32], want: &[f32], tol: f32) -> Result<()> {
     Ok(())
 }
 
+/// Gives a step its `main` (run at the lesson's size) and a test that runs it with `--tiny`.
+macro_rules! step {
+    ($run:ident) => {
+        fn main() -> std::process::ExitCode {
+            common::main($run)
+        }
+
+        #[test]
+        fn tiny() {
+            $run(true).unwrap();
+        }
+    };
+}
+
 /// `main` of every step: run it, print an error in one line and exit 1 on failure.
 pub fn main(run: fn(bool) -> Result<()>) -> std::process::ExitCode {
     match run(tiny()) {

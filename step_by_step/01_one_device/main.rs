@@ -1,6 +1,7 @@
 //! Step 01 — one device: the model, explicit forward and backward, the training loop.
 //! `cargo run --release --example step01`
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -37,11 +38,4 @@ fn run(tiny: bool) -> Result<()> {
     common::verdict("this loop gives the losses of the library's `train` on one rank", &losses, &library, 1e-6)
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

@@ -1,6 +1,7 @@
 //! Step 02 — ranks, the process grid and collectives.
 //! `cargo run --release --example step02`
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -42,11 +43,4 @@ fn run(_tiny: bool) -> Result<()> {
     Ok(())
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

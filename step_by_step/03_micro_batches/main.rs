@@ -1,6 +1,7 @@
 //! Step 03 — micro-batches, gradient accumulation and the global batch.
 //! `cargo run --release --example step03`
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -42,11 +43,4 @@ fn run(tiny: bool) -> Result<()> {
     common::verdict("4 micro-batches of 4 give the losses of 1 batch of 16 (step 01)", &losses, &one_batch, 1e-5)
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

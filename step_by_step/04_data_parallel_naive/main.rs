@@ -1,6 +1,7 @@
 //! Step 04 — data parallel, naive: every rank a replica, gradients averaged one by one.
 //! `cargo run --release --example step04`
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -53,11 +54,4 @@ fn run(tiny: bool) -> Result<()> {
     common::verdict("the two replicas log the same losses", &losses[1], &losses[0], 0.0)
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

@@ -1,6 +1,7 @@
 //! Step 05 — data parallel, bucketed and overlapped with backward, seen in a trace.
 //! `cargo run --release --example step05`  (then open step05_trace.json in ui.perfetto.dev)
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -30,11 +31,4 @@ fn run(tiny: bool) -> Result<()> {
     common::verdict("bucketed dp = 2 follows step 01", &b, &common::reference(&bucketed)?, 1e-5)
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

@@ -1,6 +1,7 @@
 //! Step 06 — tensor parallel: column and row parallel linear layers, then the whole model.
 //! `cargo run --release --example step06`
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -43,11 +44,4 @@ fn run(tiny: bool) -> Result<()> {
     common::verdict("tp = 2 follows step 01", &losses, &common::reference(&cfg)?, 1e-5)
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

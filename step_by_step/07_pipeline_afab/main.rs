@@ -1,6 +1,7 @@
 //! Step 07 — pipeline parallel with AFAB: all forwards, then all backwards.
 //! `cargo run --release --example step07`
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -32,11 +33,4 @@ fn run(tiny: bool) -> Result<()> {
     common::verdict("pp = 2 with AFAB follows step 01", &ranks[0].losses, &common::reference(&cfg)?, 1e-5)
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

@@ -1,6 +1,7 @@
 //! Step 08 — pipeline parallel with 1F1B: the same bubble as AFAB, a fraction of the memory.
 //! `cargo run --release --example step08`  (writes step08_schedule.svg)
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -26,11 +27,4 @@ fn run(tiny: bool) -> Result<()> {
     common::verdict("pp = 4 with 1F1B follows step 01", &ranks[0].losses, &common::reference(&cfg)?, 1e-5)
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

@@ -1,6 +1,7 @@
 //! Step 09 — context parallel: ring attention, the sequence split contiguously, then zigzag.
 //! `cargo run --release --example step09`
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -32,11 +33,4 @@ fn run(tiny: bool) -> Result<()> {
     Ok(())
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);

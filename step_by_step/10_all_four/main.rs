@@ -1,6 +1,7 @@
 //! Step 10 — all four together, and the loss-convergence check.
 //! `cargo run --release --example step10`
 
+#[macro_use]
 #[path = "../common.rs"]
 mod common;
 
@@ -32,11 +33,4 @@ fn run(tiny: bool) -> Result<()> {
     Ok(())
 }
 
-fn main() -> std::process::ExitCode {
-    common::main(run)
-}
-
-#[test]
-fn tiny() {
-    run(true).unwrap();
-}
+step!(run);
