@@ -1,8 +1,9 @@
 //! # `ferrotron doctor`: what this machine offers the CUDA backend, and does it work
 //!
-//! It lists the CUDA libraries (found or not, and the file that was loaded), the driver and its
-//! CUDA version, every GPU with its memory, and then runs self-tests on GPU 0: the collectives on
-//! GPU buffers, over NCCL and over the local hub, against answers computed on the host.
+//! It lists the CUDA libraries (found or not, and the file that was loaded), compiles every kernel
+//! with NVRTC when it can, shows the driver and its CUDA version and every GPU with its memory,
+//! and then runs self-tests on GPU 0: the collectives on GPU buffers, over NCCL and over the local
+//! hub, against answers computed on the host.
 //! Without a GPU it says so and fails, so scripts can tell.
 
 use crate::comm::ReduceOp;
@@ -21,6 +22,19 @@ pub fn doctor() -> Result<()> {
     for lib in &libs {
         let at = if lib.found { loaded_from(lib.name).unwrap_or_else(|| "found".into()) } else { "NOT FOUND".into() };
         println!("  {:<24} {at}", lib.name);
+    }
+    match crate::kernels::nvrtc_ready() {
+        Ok(include) => {
+            for (name, _) in crate::kernels::SOURCES {
+                crate::kernels::compile(name, "sm_90")?;
+            }
+            println!(
+                "kernels: all {} kernel files compile with NVRTC for sm_90 (headers: {})",
+                crate::kernels::SOURCES.len(),
+                include.display()
+            );
+        }
+        Err(e) => println!("kernels: not compiled: {e:#}"),
     }
     let count = gpu::device_count().map_err(|e| anyhow!("{e:#}\nno GPU here: device.kind = \"cpu\" works"))?;
     let mut version = 0;
