@@ -2,8 +2,9 @@
 //!
 //! It lists the CUDA libraries (found or not, and the file that was loaded), compiles every kernel
 //! with NVRTC when it can, shows the driver and its CUDA version and every GPU with its memory,
-//! and then runs self-tests on GPU 0: the collectives on GPU buffers, over NCCL and over the local
-//! hub, against answers computed on the host.
+//! and then runs self-tests on GPU 0: the kernels launched by `cuda.rs` against the CPU reference,
+//! and the collectives on GPU buffers, over NCCL and over the local hub, against answers computed
+//! on the host.
 //! Without a GPU it says so and fails, so scripts can tell.
 
 use crate::comm::ReduceOp;
@@ -50,6 +51,12 @@ pub fn doctor() -> Result<()> {
         let name = ctx.name().map_err(cuda_err)?;
         let mem = ctx.total_mem().map_err(cuda_err)? as f64 / (1u64 << 30) as f64;
         println!("GPU {ordinal}: {name}, sm_{major}{minor}, {mem:.1} GiB");
+    }
+    if crate::kernels::nvrtc_ready().is_ok() {
+        let kernels = crate::cuda::Kernels::new(&Gpu::open(0)?)?;
+        for line in kernels.self_test()? {
+            println!("self-test: kernel {line}");
+        }
     }
     if libs.iter().any(|l| l.name.starts_with("NCCL") && l.found) {
         comm_self_test(Grid::new(1, 1, 1, 1)?, Backend::Nccl)?;

@@ -13,6 +13,7 @@ pub mod config;
 pub mod context_parallel;
 pub mod converge;
 pub mod cpu;
+pub mod cuda;
 pub mod data;
 pub mod data_parallel;
 pub mod doctor;

@@ -1,0 +1,22 @@
+//! The CUDA kernels on a GPU against the CPU reference (f32, random inputs, odd sizes). Skipped
+//! with a printed reason where there is no GPU or no NVRTC.
+
+#[test]
+fn kernels_match_the_cpu_reference_on_a_gpu() {
+    let ready = ferrotron::gpu::device_count().and_then(|n| {
+        if n > 0 {
+            ferrotron::kernels::nvrtc_ready()
+        } else {
+            anyhow::bail!("the driver sees no GPU")
+        }
+    });
+    if let Err(e) = ready {
+        eprintln!("skipped: {e:#}");
+        return;
+    }
+    let gpu = ferrotron::gpu::Gpu::open(0).unwrap();
+    let report = ferrotron::cuda::Kernels::new(&gpu).unwrap().self_test().unwrap_or_else(|e| panic!("{e:#}"));
+    for line in report {
+        eprintln!("{line}");
+    }
+}
