@@ -237,12 +237,16 @@ impl Config {
 
     pub fn validate(&self) -> Result<()> {
         self.model.validate("model.")?;
-        let t = &self.train;
+        let (t, p) = (&self.train, &self.parallel);
         for (key, v) in [
             ("train.steps", t.steps),
             ("train.micro_batch_size", t.micro_batch_size),
             ("train.grad_accum_steps", t.grad_accum_steps),
             ("train.seq_len", t.seq_len),
+            ("parallel.dp", p.dp),
+            ("parallel.tp", p.tp),
+            ("parallel.pp", p.pp),
+            ("parallel.cp", p.cp),
         ] {
             if v == 0 {
                 bail!("{key} = 0: it must be at least 1");
@@ -253,12 +257,6 @@ impl Config {
         }
         if !(0.0..1.0).contains(&t.beta1) || !(0.0..1.0).contains(&t.beta2) {
             bail!("train.beta1 and train.beta2 must lie in [0, 1)");
-        }
-        let p = &self.parallel;
-        for (key, v) in [("parallel.dp", p.dp), ("parallel.tp", p.tp), ("parallel.pp", p.pp), ("parallel.cp", p.cp)] {
-            if v == 0 {
-                bail!("{key} = 0: it must be at least 1");
-            }
         }
         let chunks = if p.cp_split == CpSplit::Zigzag { 2 * p.cp } else { p.cp };
         if p.cp > 1 && !t.seq_len.is_multiple_of(chunks) {

@@ -358,6 +358,12 @@ pub fn row_sum_exp(logits: &[f32], vocab: usize, max: &[f32], sum: &mut [f32]) {
     });
 }
 
+pub fn log_sum_exp(max: &[f32], sum_exp: &[f32], lse: &mut [f32]) {
+    for ((l, m), s) in lse.iter_mut().zip(max).zip(sum_exp) {
+        *l = m + s.ln();
+    }
+}
+
 /// The logit of each row's target when it lies in this slice of the vocabulary, else 0.
 pub fn target_logits(logits: &[f32], vocab: usize, targets: &[i32], first: usize, z: &mut [f32]) {
     for ((z, row), &t) in z.iter_mut().zip(logits.chunks(vocab)).zip(targets) {

@@ -1,11 +1,14 @@
 //! ferrotron: an educational, from-scratch LLM pre-training repository.
 //!
-//! Read in this order: `tensor` → `ops` (and `cpu`, its kernels) → `model` → `optimizer` →
-//! `data` → `train`. `init` makes the weights, `config` the run, `checkpoint` and `eval` read
-//! Hugging Face models. Ranks: `process_grid` → `comm` (and `hub`, its local backend) → `launch`
-//! → `data_parallel` → `tensor_parallel` → `pipeline_parallel` (and `schedule`) →
-//! `context_parallel` → `converge`. GPUs: `gpu` → `comm_gpu` (NCCL) → `doctor`.
+//! Read in this order: `tensor` → `ops` (and `cpu`, its kernels) → `block` → `model` →
+//! `optimizer` → `data` → `train`. `init` makes the weights, `config` the run, `checkpoint` and
+//! `eval` read Hugging Face models, `save` writes and resumes checkpoints, `text` and `download`
+//! bring real text and Hub files. Ranks: `process_grid` → `comm` (and `hub`, its local backend)
+//! → `launch` → `data_parallel` → `tensor_parallel` → `pipeline_parallel` (and `schedule`) →
+//! `context_parallel` → `converge` (and `trace`, `plot`). GPUs: `gpu` → `kernels` → `cuda` →
+//! `comm_gpu` (NCCL) → `doctor`.
 
+pub mod block;
 pub mod checkpoint;
 pub mod comm;
 pub mod comm_gpu;

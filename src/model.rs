@@ -1,21 +1,22 @@
 //! # The Llama model, forward and backward by hand
 //!
 //! ```text
-//! tokens ─ embed ─┬─ block 0 ─ … ─ block L-1 ─ norm ─ lm_head ─ cross-entropy ─ loss
-//!                 │
-//! block:  x ─┬─ rmsnorm ─ q,k,v ─ rope ─ attention ─ o ─(+)─ h ─┬─ rmsnorm ─ gate,up ─ swiglu ─ down ─(+)─ out
-//!            └──────────────────────────────────────────────┘   └─────────────────────────────────────┘
+//! tokens ─ embed ─ block 0 ─ … ─ block L-1 ─ norm ─ lm_head ─ cross-entropy ─ loss
 //! ```
+//! (A block, its attention and its MLP, is in `block.rs`.)
 //! There is no autograd: `forward` keeps what the backward will need (the `Cache`), and
 //! `backward` walks the same picture right to left, returning each input gradient and
 //! accumulating each parameter gradient (`Param::grad`). Every line is one op-layer call, so the
 //! model runs on whatever device the op layer supports. Parameter names are Hugging Face's, so a
 //! transformers checkpoint loads by name and a gradient can be compared tensor by tensor.
 //!
-//! Every linear layer is a tensor-parallel one (`tensor_parallel.rs`): q, k, v, gate, up and the
-//! output layer column parallel, o and down row parallel, the embedding vocab parallel. On a
-//! single rank (`tp` = None) their collectives vanish and this is the plain dense model.
+//! The model is also the unit of every parallelism: it may hold one pipeline stage's layers
+//! (`forward_stage`/`backward_stage`, one cache per micro-batch in flight), a tp slice of every
+//! matrix (the output layer column parallel, the embedding vocab parallel, the blocks' layers in
+//! `block.rs`), and its rank's part of each sequence (the cp ring). On a single rank all of that
+//! vanishes and this is the plain dense model.
 
+use crate::block::{Block, BlockCache, Groups};
 use crate::comm::Group;
 use crate::config::ModelConfig;
 use crate::context_parallel::{self as cp, Ring};
@@ -40,36 +41,6 @@ pub struct Param {
 pub enum ParamKind {
     Matrix,
     Norm,
-}
-
-pub struct Block {
-    q_proj: Param,
-    k_proj: Param,
-    v_proj: Param,
-    o_proj: Param,
-    gate_proj: Param,
-    up_proj: Param,
-    down_proj: Param,
-    input_layernorm: Param,
-    post_attention_layernorm: Param,
-}
-
-/// The activations one block's backward needs.
-struct BlockCache {
-    x: Tensor,
-    xn1: Tensor,
-    rstd1: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    attn: Tensor,
-    lse: Tensor,
-    h: Tensor,
-    xn2: Tensor,
-    rstd2: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    act: Tensor,
 }
 
 /// Everything one micro-batch's `forward` keeps for its `backward`.
@@ -137,13 +108,6 @@ pub struct Llama<'g> {
     attention_work: u64,
 }
 
-/// The groups a block talks over: tensor parallel and the context-parallel ring.
-#[derive(Clone, Copy)]
-struct Groups<'a> {
-    tp: Tp<'a>,
-    ring: Option<&'a Ring<'a>>,
-}
-
 impl<'g> Llama<'g> {
     /// A fresh model on one rank: every parameter from its own (seed, name) stream (`init.rs`).
     pub fn new(cfg: &ModelConfig, seed: u64) -> Llama<'static> {
@@ -172,14 +136,13 @@ impl<'g> Llama<'g> {
         stage: Stage,
         mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
     ) -> Result<Llama<'g>> {
-        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
-        let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        let d = cfg.hidden_size;
         let (index, count) = tp.map_or((0, 1), |g| (g.index(), g.size()));
         let mut param = |name: String, shape: &[usize], kind, split| -> Result<Param> {
             let value = tp::shard(&make(&name, shape, kind)?, split, index, count);
             Ok(Param { grad: Tensor::zeros(value.shape()), name, value, split })
         };
-        use Split::{Cols, Replicated, Rows};
+        use Split::{Replicated, Rows};
         let embed_name = "model.embed_tokens.weight".to_string();
         let embed_tokens = match stage.is_first() {
             true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
@@ -187,18 +150,7 @@ impl<'g> Llama<'g> {
         };
         let mut layers = Vec::new();
         for i in stage.layers(cfg.num_hidden_layers) {
-            let p = |s: &str| format!("model.layers.{i}.{s}.weight");
-            layers.push(Block {
-                q_proj: param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix, Rows)?,
-                k_proj: param(p("self_attn.k_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
-                v_proj: param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
-                o_proj: param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix, Cols)?,
-                gate_proj: param(p("mlp.gate_proj"), &[f, d], ParamKind::Matrix, Rows)?,
-                up_proj: param(p("mlp.up_proj"), &[f, d], ParamKind::Matrix, Rows)?,
-                down_proj: param(p("mlp.down_proj"), &[d, f], ParamKind::Matrix, Cols)?,
-                input_layernorm: param(p("input_layernorm"), &[d], ParamKind::Norm, Replicated)?,
-                post_attention_layernorm: param(p("post_attention_layernorm"), &[d], ParamKind::Norm, Replicated)?,
-            });
+            layers.push(Block::build(i, cfg, &mut param)?);
         }
         let head = match stage.is_last() {
             true => Some(Head {
@@ -380,100 +332,5 @@ impl<'g> Llama<'g> {
             }
             _ => Ok(Some(dx)),
         }
-    }
-}
-
-impl Block {
-    fn params(&self) -> [&Param; 9] {
-        [
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-            &self.o_proj,
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
-            &self.input_layernorm,
-            &self.post_attention_layernorm,
-        ]
-    }
-
-    fn params_mut(&mut self) -> [&mut Param; 9] {
-        [
-            &mut self.q_proj,
-            &mut self.k_proj,
-            &mut self.v_proj,
-            &mut self.o_proj,
-            &mut self.gate_proj,
-            &mut self.up_proj,
-            &mut self.down_proj,
-            &mut self.input_layernorm,
-            &mut self.post_attention_layernorm,
-        ]
-    }
-
-    /// Returns the output, the cache and the attention work.
-    fn forward(
-        &self,
-        groups: Groups,
-        x: Tensor,
-        cfg: &ModelConfig,
-        attn: Attn,
-        positions: &[u32],
-    ) -> Result<(Tensor, BlockCache, u64)> {
-        let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, groups.tp);
-        // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
-        let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
-        let mut q = tp::column_forward(&xn1, &self.q_proj);
-        let mut k = tp::column_forward(&xn1, &self.k_proj);
-        let v = tp::column_forward(&xn1, &self.v_proj);
-        ops::rope(&mut q, positions, hd, theta);
-        ops::rope(&mut k, positions, hd, theta);
-        let (attn_out, lse, work) = cp::attention(groups.ring, attn, &q, &k, &v, &positions[..attn.seq])?;
-        let mut h = tp::row_forward(tp, &attn_out, &self.o_proj)?;
-        ops::add_assign(&mut h, &x);
-        // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
-        let (xn2, rstd2) = ops::rmsnorm(&h, &self.post_attention_layernorm.value, eps);
-        let gate = tp::column_forward(&xn2, &self.gate_proj);
-        let up = tp::column_forward(&xn2, &self.up_proj);
-        let act = ops::swiglu(&gate, &up);
-        let mut out = tp::row_forward(tp, &act, &self.down_proj)?;
-        ops::add_assign(&mut out, &h);
-        let cache = BlockCache { x, xn1, rstd1, q, k, v, attn: attn_out, lse, h, xn2, rstd2, gate, up, act };
-        Ok((out, cache, work))
-    }
-
-    fn backward(
-        &mut self,
-        groups: Groups,
-        dout: Tensor,
-        c: &BlockCache,
-        cfg: &ModelConfig,
-        attn: Attn,
-        positions: &[u32],
-    ) -> Result<Tensor> {
-        let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, groups.tp);
-        // MLP sub-block, right to left
-        let dact = tp::row_backward(&dout, &c.act, &mut self.down_proj);
-        let (dgate, dup) = ops::swiglu_backward(&dact, &c.gate, &c.up);
-        let mut dxn2 = tp::column_backward(tp, &dgate, &c.xn2, &mut self.gate_proj)?;
-        ops::add_assign(&mut dxn2, &tp::column_backward(tp, &dup, &c.xn2, &mut self.up_proj)?);
-        let ln2 = &mut self.post_attention_layernorm;
-        let mut dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad);
-        ops::add_assign(&mut dh, &dout); // the residual carries dout straight through
-                                         // attention sub-block, right to left
-        let dattn = tp::row_backward(&dh, &c.attn, &mut self.o_proj);
-        let qkv = (&c.q, &c.k, &c.v);
-        let (mut dq, mut dk, dv) =
-            cp::attention_backward(groups.ring, attn, qkv, &positions[..attn.seq], (&c.attn, &c.lse), &dattn)?;
-        ops::rope_backward(&mut dq, positions, hd, theta);
-        ops::rope_backward(&mut dk, positions, hd, theta);
-        let mut dxn1 = tp::column_backward(tp, &dq, &c.xn1, &mut self.q_proj)?;
-        ops::add_assign(&mut dxn1, &tp::column_backward(tp, &dk, &c.xn1, &mut self.k_proj)?);
-        ops::add_assign(&mut dxn1, &tp::column_backward(tp, &dv, &c.xn1, &mut self.v_proj)?);
-        let ln1 = &mut self.input_layernorm;
-        let mut dx = ops::rmsnorm_backward(&dxn1, &c.x, &ln1.value, &c.rstd1, &mut ln1.grad);
-        ops::add_assign(&mut dx, &dh);
-        Ok(dx)
     }
 }

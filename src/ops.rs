@@ -187,8 +187,9 @@ pub fn cross_entropy_backward(logits: &Tensor, targets: &[i32], first: usize, ls
 
 /// Elementwise max, then logarithm of the exponential sum: lse = max + ln(sum), `[rows]`.
 pub fn log_sum_exp(max: &Tensor, sum_exp: &Tensor) -> Tensor {
-    let v = max.host().iter().zip(sum_exp.host()).map(|(m, s)| m + s.ln()).collect();
-    Tensor::from_vec(max.shape(), v)
+    let mut lse = Tensor::zeros(max.shape());
+    cpu::log_sum_exp(max.host(), sum_exp.host(), lse.host_mut());
+    lse
 }
 
 pub fn add_assign(a: &mut Tensor, b: &Tensor) {

@@ -111,7 +111,11 @@ pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn 
         let start = Instant::now();
         let outgoing = match action {
             Action::Forward(i) => {
-                let (tokens, targets) = (plan.data)(i)?;
+                // tokens feed the first stage, targets the last; the stages between need neither
+                let (tokens, targets) = match stage.is_first() || stage.is_last() {
+                    true => (plan.data)(i)?,
+                    false => (Vec::new(), Vec::new()),
+                };
                 let input = match stage.is_first() {
                     true => StageInput::Tokens(&tokens),
                     false => StageInput::Hidden(receive(&mut inbox, pp, plan.hidden, prev)?),
