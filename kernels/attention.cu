@@ -174,6 +174,23 @@ __device__ void attention_dkdv(Shape s, const T* q, const T* k, const T* v, cons
     }
 }
 
+// Ring attention's merge of one block's (o_b, lse_b) into the running (o, lse), per query row:
+//   lse' = log(e^lse + e^lse_b),  o ← e^(lse − lse')·o + e^(lse_b − lse')·o_b.
+// One thread per (b, h, i) row of the lse layout; a block that saw no key (lse_b = −∞) adds nothing.
+template <typename T>
+__device__ void attention_merge(Shape s, T* out, float* lse, const T* block_out, const float* block_lse) {
+    long r = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (r >= (long)s.batch * s.heads * s.seq) return;
+    float l = lse[r], bl = block_lse[r];
+    if (bl == -INFINITY) return;
+    float merged = l == -INFINITY ? bl : fmaxf(l, bl) + log1pf(expf(-fabsf(l - bl)));
+    float keep = expf(l - merged), add = expf(bl - merged);
+    int i = r % s.seq, h = (r / s.seq) % s.heads, b = r / ((long)s.seq * s.heads);
+    long base = at(s, b, s.seq, i, s.heads, h);
+    for (int c = 0; c < s.head_dim; c++) store(out, base + c, load(out, base + c) * keep + load(block_out, base + c) * add);
+    lse[r] = merged;
+}
+
 #define EXPORT(T, suffix)                                                                                              \
     extern "C" __global__ void attention_forward_##suffix(Shape s, const T* q, const T* k, const T* v,                 \
                                                           const unsigned* q_pos, const unsigned* k_pos, T* out,        \
@@ -192,6 +209,10 @@ __device__ void attention_dkdv(Shape s, const T* q, const T* k, const T* v, cons
                                                        const unsigned* q_pos, const unsigned* k_pos, const float* lse, \
                                                        const float* delta, const T* dout, T* dk, T* dv) {              \
         attention_dkdv(s, q, k, v, q_pos, k_pos, lse, delta, dout, dk, dv);                                            \
+    }                                                                                                                  \
+    extern "C" __global__ void attention_merge_##suffix(Shape s, T* out, float* lse, const T* block_out,               \
+                                                        const float* block_lse) {                                      \
+        attention_merge(s, out, lse, block_out, block_lse);                                                            \
     }
 EXPORT(float, f32)
 EXPORT(__nv_bfloat16, bf16)

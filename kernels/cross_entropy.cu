@@ -5,7 +5,8 @@
 // dlogits = (exp(x − lse) − onehot(target)) · scale, zero where target < 0 (ignored rows).
 // Vocab-parallel: each rank holds columns first..first+vocab of the logits; the row statistics
 // (row_max, row_sum_exp, target_logit) are computed per slice and all-reduced between the calls,
-// exactly as `src/tensor_parallel.rs` does on the CPU. One block per row, threads over the vocab.
+// exactly as `src/tensor_parallel.rs` does on the CPU. One block per row, threads over the vocab
+// (target_logit and log_sum_exp: one thread per row).
 
 template <typename T>
 __device__ void row_max(const T* logits, int vocab, float* max) {
@@ -46,6 +47,12 @@ __device__ void cross_entropy_backward(const T* logits, const int* targets, long
         if (t >= 0) d = (expf(load(logits, row * vocab + j) - lse[row]) - (j == c ? 1.0f : 0.0f)) * scale;
         store(dlogits, row * vocab + j, d);
     }
+}
+
+// lse = max + log(sum) per row, after the statistics were all-reduced. One thread per row.
+extern "C" __global__ void log_sum_exp(const float* max, const float* sum, float* lse, long rows) {
+    long row = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    if (row < rows) lse[row] = max[row] + logf(sum[row]);
 }
 
 #define EXPORT(T, suffix)                                                                                          \

@@ -162,6 +162,28 @@ pub struct CheckpointConfig {
 #[serde(deny_unknown_fields)]
 pub struct DeviceConfig {
     pub kind: DeviceKind,
+    /// What the GPU computes in: `bf16` (mixed precision: bf16 activations and compute copies of
+    /// the weights, fp32 master weights, gradients and AdamW moments), `f32` (f32 throughout, no
+    /// TF32: step-by-step comparable with the CPU), or `auto` (bf16 on a GPU, f32 on the CPU).
+    pub dtype: DeviceDtype,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum DeviceDtype {
+    Auto,
+    F32,
+    Bf16,
+}
+
+impl DeviceConfig {
+    /// The dtype the kernels compute in.
+    pub fn compute_dtype(&self) -> crate::cuda::DType {
+        match (self.kind, self.dtype) {
+            (DeviceKind::Cuda, DeviceDtype::Auto | DeviceDtype::Bf16) => crate::cuda::DType::Bf16,
+            _ => crate::cuda::DType::F32,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
@@ -289,8 +311,11 @@ impl Config {
         if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
             bail!("parallel.timeout_s = {}: it must be a positive number of seconds", p.timeout_s);
         }
-        if self.device.kind == DeviceKind::Cuda {
-            bail!("device.kind = \"cuda\": this build has no CUDA backend yet; use device.kind = \"cpu\"");
+        if self.device.kind == DeviceKind::Cpu && self.device.dtype == DeviceDtype::Bf16 {
+            bail!("device.dtype = \"bf16\" with device.kind = \"cpu\": the CPU backend computes in f32; set device.dtype = \"auto\" or \"f32\", or device.kind = \"cuda\"");
+        }
+        if self.device.kind == DeviceKind::Cuda && self.model.head_dim() > 128 {
+            bail!("model.head_dim = {}: the CUDA attention kernel supports head_dim up to 128; use device.kind = \"cpu\" or a smaller head_dim", self.model.head_dim());
         }
         crate::data::validate(&self.data, &self.model, t.seq_len)
     }

@@ -22,8 +22,9 @@
 
 use crate::comm::Group;
 use crate::config::CpSplit;
+use crate::cuda::DType;
 use crate::ops::{self, Attn};
-use crate::tensor::Tensor;
+use crate::tensor::{Place, Tensor};
 use anyhow::Result;
 
 /// A rank's place in the cp ring and how the sequence is cut.
@@ -89,8 +90,10 @@ pub fn attention(
         return Ok((out, lse, work));
     };
     let (next, prev) = ring.next_prev();
-    let mut out = Tensor::zeros(q.shape());
-    let mut lse = Tensor::from_vec(&[a.batch, a.heads, a.seq], vec![f32::NEG_INFINITY; a.batch * a.heads * a.seq]);
+    let place = q.place();
+    let mut out = Tensor::zeros_like(q);
+    let no_key = vec![f32::NEG_INFINITY; a.batch * a.heads * a.seq];
+    let mut lse = Tensor::from_vec(&[a.batch, a.heads, a.seq], no_key).to_dtype(&place, DType::F32);
     let (mut k_blk, mut v_blk, mut done) = (k.clone(), v.clone(), 0);
     for step in 0..ring.size() {
         // pass the block on while computing with it
@@ -103,7 +106,7 @@ pub fn attention(
             done += work;
         }
         if let Some(handle) = pending {
-            [k_blk, v_blk] = unpack(handle.wait()?, k.shape());
+            [k_blk, v_blk] = unpack(handle.wait()?, k.shape(), &place);
         }
     }
     Ok((out, lse, done))
@@ -123,9 +126,10 @@ pub fn attention_backward(
         return Ok(ops::attention_backward(a, (q, k, v), (pos, pos), (out, lse), dout));
     };
     let (next, prev) = ring.next_prev();
-    let mut dq = Tensor::zeros(q.shape());
+    let place = q.place();
+    let mut dq = Tensor::zeros_like(q);
     let (mut k_blk, mut v_blk) = (k.clone(), v.clone());
-    let (mut dk_blk, mut dv_blk) = (Tensor::zeros(k.shape()), Tensor::zeros(v.shape()));
+    let (mut dk_blk, mut dv_blk) = (Tensor::zeros_like(k), Tensor::zeros_like(v));
     for step in 0..ring.size() {
         let pending = (step + 1 < ring.size())
             .then(|| ring.group.send_recv_async(&pack(&[&k_blk, &v_blk]), next, 2 * k.numel(), prev));
@@ -138,9 +142,9 @@ pub fn attention_backward(
         }
         // the block's gradient follows the block; after the last hop it is back with its owner
         let grads = ring.group.send_recv(&pack(&[&dk_blk, &dv_blk]), next, 2 * k.numel(), prev)?;
-        [dk_blk, dv_blk] = unpack(grads, k.shape());
+        [dk_blk, dv_blk] = unpack(grads, k.shape(), &place);
         if let Some(handle) = pending {
-            [k_blk, v_blk] = unpack(handle.wait()?, k.shape());
+            [k_blk, v_blk] = unpack(handle.wait()?, k.shape(), &place);
         }
     }
     Ok((dq, dk_blk, dv_blk))
@@ -150,7 +154,8 @@ fn pack(parts: &[&Tensor]) -> Vec<f32> {
     parts.iter().flat_map(|t| t.to_vec()).collect()
 }
 
-fn unpack(data: Vec<f32>, shape: &[usize]) -> [Tensor; 2] {
-    let half = data.len() / 2;
-    [Tensor::from_vec(shape, data[..half].to_vec()), Tensor::from_vec(shape, data[half..].to_vec())]
+/// The two tensors of a received block, on this rank's device.
+fn unpack(mut data: Vec<f32>, shape: &[usize], place: &Place) -> [Tensor; 2] {
+    let second = data.split_off(data.len() / 2);
+    [Tensor::from_host(shape, data, place), Tensor::from_host(shape, second, place)]
 }

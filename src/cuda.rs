@@ -1,27 +1,200 @@
-//! # CUDA launches: the kernels of `kernels/*.cu` on a rank's GPU
+//! # The CUDA backend: device buffers, kernel launches and cuBLAS GEMMs
 //!
-//! `Kernels` compiles each kernel file for the GPU's own architecture (once per process, see
-//! `kernels.rs`), loads it into the rank's context, and launches kernels on the compute stream.
-//! Each launch below mirrors one op of `src/ops.rs`, with the same shapes; `self_test` runs every
-//! one of them in f32 on fresh random inputs and compares with the CPU reference. `ferrotron
-//! doctor` and `tests/kernels_gpu.rs` run it where there is a GPU.
+//! A `Device` is one rank's GPU as the op layer sees it: the kernels of `kernels/*.cu` (compiled
+//! by NVRTC for this GPU's architecture, once per process, see `kernels.rs`), a cuBLAS handle, and
+//! the dtype the model computes in. Every launch goes on the compute stream and none waits for
+//! the GPU: the host only queues work, and the first `to_vec` (the loss, once per micro-batch)
+//! is where it waits.
 //!
-//! Launch shapes follow the kernels' header comments: one block per row for row-wise ops (256
-//! threads), grid-stride loops for elementwise ops, BQ = 64 query rows (or BK = 32 key rows) per
-//! block for attention.
+//! Mixed precision (`DType::Bf16`), the picture of one linear layer:
+//! ```text
+//!   master W (fp32) ──AdamW──▶ W' (fp32) ──written by the same kernel──▶ copy W (bf16)
+//!   x (bf16) ─┬─ GEMM, bf16 in, fp32 accumulate ─▶ y (bf16)
+//!   dy (bf16)─┴─ GEMM, bf16 in, fp32 accumulate ─▶ dW += … (fp32, straight into the gradient)
+//! ```
+//! Activations and their gradients are bf16; weights, gradients, AdamW moments and all softmax
+//! and normalisation statistics are fp32. `DType::F32` is the same code in f32 throughout with
+//! cuBLAS's pedantic f32 GEMM (no TF32), so a GPU run can be compared step by step with the CPU.
+//!
+//! Kernel arguments are device addresses and numbers (`Arg`). Launch shapes follow the kernels'
+//! header comments: one block per row for row-wise ops, grid-stride loops for elementwise ops,
+//! BQ = 64 query rows (or BK = 32 key rows) per block for attention.
 
 use crate::gpu::{cuda_err, Gpu};
-use crate::ops::Attn;
+use crate::ops::{AdamW, Attn};
+use crate::tensor::Tensor;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
-use std::collections::HashMap;
+use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use half::bf16;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// The kernels loaded into one GPU's context.
-pub struct Kernels {
-    gpu: Gpu,
-    arch: &'static str,
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+/// What the kernels compute with.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum DType {
+    F32,
+    Bf16,
+}
+
+impl DType {
+    fn suffix(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        }
+    }
+}
+
+/// A failed CUDA call inside an op stops the rank with this message (the launcher reports it and
+/// stops the other ranks): a GPU error leaves nothing to recover.
+pub(crate) fn fatal<T>(what: &str, r: Result<T>) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA {what}: {e:#}"))
+}
+
+/// A GPU buffer: f32, bf16, or a mixed-precision weight (fp32 master + bf16 compute copy).
+pub struct Buf {
+    data: Data,
+    dev: Arc<Device>,
+}
+
+enum Data {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
+    Mixed { master: CudaSlice<f32>, copy: CudaSlice<bf16> },
+}
+
+impl Data {
+    fn bytes(&self) -> usize {
+        match self {
+            Data::F32(s) => s.num_bytes(),
+            Data::Bf16(s) => s.num_bytes(),
+            Data::Mixed { master, copy } => master.num_bytes() + copy.num_bytes(),
+        }
+    }
+}
+
+impl Buf {
+    fn new(dev: &Arc<Device>, data: Data) -> Buf {
+        let held = dev.held.fetch_add(data.bytes(), Ordering::Relaxed) + data.bytes();
+        dev.peak.fetch_max(held, Ordering::Relaxed);
+        Buf { data, dev: dev.clone() }
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// The dtype the kernels read: a mixed-precision weight reads as bf16.
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            Data::F32(_) => DType::F32,
+            Data::Bf16(_) | Data::Mixed { .. } => DType::Bf16,
+        }
+    }
+
+    /// The address the kernels read and write (a mixed weight's bf16 copy).
+    fn ptr(&self) -> Arg {
+        let s = &self.dev.gpu.compute;
+        Arg::Ptr(match &self.data {
+            Data::F32(x) => x.device_ptr(s).0,
+            Data::Bf16(x) | Data::Mixed { copy: x, .. } => x.device_ptr(s).0,
+        })
+    }
+
+    /// The fp32 numbers: an f32 buffer, or a mixed weight's master.
+    fn f32_ptr(&self) -> Arg {
+        let s = &self.dev.gpu.compute;
+        match &self.data {
+            Data::F32(x) | Data::Mixed { master: x, .. } => Arg::Ptr(x.device_ptr(s).0),
+            Data::Bf16(_) => panic!("an f32 GPU buffer was expected, this one is bf16"),
+        }
+    }
+
+    fn len(&self) -> usize {
+        match &self.data {
+            Data::F32(x) | Data::Mixed { master: x, .. } => x.len(),
+            Data::Bf16(x) => x.len(),
+        }
+    }
+
+    /// A host copy as f32 (a mixed weight gives its master); waits for the compute stream.
+    pub fn to_vec(&self) -> Vec<f32> {
+        let d = &self.dev;
+        fatal(
+            "download",
+            (|| match &self.data {
+                Data::F32(x) | Data::Mixed { master: x, .. } => d.gpu.download(x),
+                Data::Bf16(x) => {
+                    let f32s = d.gpu.zeros::<f32>(x.len())?;
+                    let s = &d.gpu.compute;
+                    let args = [Arg::Ptr(x.device_ptr(s).0), Arg::Ptr(f32s.device_ptr(s).0), Arg::I64(x.len() as i64)];
+                    d.launch("elementwise", "cast_bf16_to_f32", grid_for(x.len()), &args)?;
+                    d.gpu.download(&f32s)
+                }
+            })(),
+        )
+    }
+
+    /// Overwrites the buffer with host f32 data (a mixed weight: the master and its copy).
+    pub fn write(&mut self, data: &[f32]) {
+        let dev = self.dev.clone();
+        fatal(
+            "upload",
+            (|| match &mut self.data {
+                Data::F32(x) => dev.gpu.write(data, x),
+                Data::Bf16(x) => dev.gpu.write(&data.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(), x),
+                Data::Mixed { master, copy } => {
+                    dev.gpu.write(data, master)?;
+                    dev.cast(master, copy)
+                }
+            })(),
+        )
+    }
+}
+
+impl Clone for Buf {
+    fn clone(&self) -> Buf {
+        let s = &self.dev.gpu.compute;
+        let data = fatal(
+            "copy",
+            (|| -> Result<Data> {
+                Ok(match &self.data {
+                    Data::F32(x) => Data::F32(s.clone_dtod(x).map_err(cuda_err)?),
+                    Data::Bf16(x) => Data::Bf16(s.clone_dtod(x).map_err(cuda_err)?),
+                    Data::Mixed { master, copy } => Data::Mixed {
+                        master: s.clone_dtod(master).map_err(cuda_err)?,
+                        copy: s.clone_dtod(copy).map_err(cuda_err)?,
+                    },
+                })
+            })(),
+        );
+        Buf::new(&self.dev, data)
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        self.dev.held.fetch_sub(self.data.bytes(), Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for Buf {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "GPU {:?} buffer of {}", self.dtype(), self.len())
+    }
+}
+
+/// One kernel argument: a device address or a number, as the kernel declares it (`long` is i64).
+#[derive(Clone, Copy)]
+enum Arg {
+    Ptr(u64),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Shape(Shape),
 }
 
 /// The attention shape as `kernels/attention.cu` reads it (a `struct Shape` of six ints).
@@ -38,19 +211,58 @@ struct Shape {
 // SAFETY: six i32 in C layout, as the kernel declares them.
 unsafe impl DeviceRepr for Shape {}
 
-const ROW_THREADS: u32 = 256;
-
-fn rows_config(rows: usize) -> LaunchConfig {
-    LaunchConfig { grid_dim: (rows as u32, 1, 1), block_dim: (ROW_THREADS, 1, 1), shared_mem_bytes: 0 }
+impl From<Attn> for Shape {
+    fn from(a: Attn) -> Shape {
+        let i = |v: usize| v as i32;
+        Shape {
+            batch: i(a.batch),
+            seq: i(a.seq),
+            kv_seq: i(a.kv_seq),
+            heads: i(a.heads),
+            kv_heads: i(a.kv_heads),
+            head_dim: i(a.head_dim),
+        }
+    }
 }
 
-fn elementwise_config(n: usize) -> LaunchConfig {
-    let blocks = n.div_ceil(256).clamp(1, 4096) as u32;
-    LaunchConfig { grid_dim: (blocks, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 }
+/// (grid, block) of a launch.
+type Grid = ((u32, u32, u32), u32);
+
+const THREADS: u32 = 256;
+/// Blocks of the sum-of-squares kernel, each writing one partial sum.
+const NORM_BLOCKS: usize = 256;
+
+/// One block per row.
+fn grid_rows(rows: usize) -> Grid {
+    ((rows as u32, 1, 1), THREADS)
 }
 
-impl Kernels {
-    pub fn new(gpu: &Gpu) -> Result<Kernels> {
+/// One thread per item.
+fn grid_for(n: usize) -> Grid {
+    ((n.div_ceil(THREADS as usize).max(1) as u32, 1, 1), THREADS)
+}
+
+/// An index array and its device copy.
+type Indices = (Vec<u32>, Arc<CudaSlice<u32>>);
+
+/// One rank's GPU as the op layer sees it.
+pub struct Device {
+    pub gpu: Gpu,
+    /// The dtype activations are computed in.
+    pub dtype: DType,
+    arch: &'static str,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    blas: CudaBlas,
+    /// Recently uploaded token, target and position arrays, by content: each micro-batch's are
+    /// uploaded once and reused by every layer.
+    indices: Mutex<VecDeque<Indices>>,
+    held: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+impl Device {
+    pub fn new(gpu: &Gpu, dtype: DType) -> Result<Arc<Device>> {
+        crate::gpu::require("cuBLAS")?;
         let (major, minor) = gpu.ctx.compute_capability().map_err(cuda_err)?;
         let arch = match (major, minor) {
             (8, 0) => "sm_80",
@@ -61,130 +273,466 @@ impl Kernels {
             (12, 0) => "sm_120",
             _ => bail!("GPU compute capability {major}.{minor} is not one ferrotron compiles for (sm_80 to sm_120)"),
         };
-        Ok(Kernels { gpu: gpu.clone(), arch, modules: Mutex::new(HashMap::new()) })
+        let blas = CudaBlas::new(gpu.compute.clone()).map_err(|e| anyhow!("cuBLAS cannot start: {e:?}"))?;
+        Ok(Arc::new(Device {
+            gpu: gpu.clone(),
+            dtype,
+            arch,
+            functions: Mutex::default(),
+            blas,
+            indices: Mutex::default(),
+            held: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+        }))
+    }
+
+    /// The most bytes tensors held at once since the last call; starts the next period.
+    pub fn take_peak_bytes(&self) -> usize {
+        self.peak.swap(self.held.load(Ordering::Relaxed), Ordering::Relaxed)
     }
 
     fn function(&self, file: &'static str, name: &str) -> Result<CudaFunction> {
-        let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-        let module = match modules.get(file) {
-            Some(m) => m.clone(),
-            None => {
-                let ptx = crate::kernels::ptx(file, self.arch)?;
-                let m = self.gpu.ctx.load_module((*ptx).clone()).map_err(cuda_err)?;
-                modules.insert(file, m.clone());
-                m
-            }
-        };
-        module.load_function(name).map_err(|e| anyhow!("kernels/{file}.cu has no kernel {name}: {e:?}"))
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let ptx = crate::kernels::ptx(file, self.arch)?;
+        let module = self.gpu.ctx.load_module((*ptx).clone()).map_err(cuda_err)?;
+        let f = module.load_function(name).map_err(|e| anyhow!("kernels/{file}.cu has no kernel {name}: {e:?}"))?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
     }
 
-    pub fn rmsnorm_f32(
-        &self,
-        x: &CudaSlice<f32>,
-        w: &CudaSlice<f32>,
-        eps: f32,
-        dim: usize,
-    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-        let rows = x.len() / dim;
-        let (mut y, mut rstd) = (self.gpu.zeros::<f32>(x.len())?, self.gpu.zeros::<f32>(rows)?);
-        let f = self.function("rmsnorm", "rmsnorm_forward_f32")?;
-        let dim_i = dim as i32;
+    /// Queues kernel `name` of `kernels/{file}.cu` on the compute stream.
+    fn launch(&self, file: &'static str, name: &str, (grid, block): Grid, args: &[Arg]) -> Result<()> {
+        let f = self.function(file, name)?;
         let mut l = self.gpu.compute.launch_builder(&f);
-        l.arg(x).arg(w).arg(&eps).arg(&dim_i).arg(&mut y).arg(&mut rstd);
-        // SAFETY: the argument list matches rmsnorm_forward_f32; every buffer has rows × dim or rows elements.
-        unsafe { l.launch(rows_config(rows)) }.map_err(cuda_err)?;
+        for a in args {
+            match a {
+                Arg::Ptr(v) => l.arg(v),
+                Arg::I32(v) => l.arg(v),
+                Arg::I64(v) => l.arg(v),
+                Arg::F32(v) => l.arg(v),
+                Arg::F64(v) => l.arg(v),
+                Arg::Shape(v) => l.arg(v),
+            };
+        }
+        let config = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: every caller passes the argument list its kernel declares, with buffers of the
+        // sizes the launch shape reaches (the op layer checked the shapes).
+        unsafe { l.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {name}: {e:?}"))
+    }
+
+    /// A zero-filled buffer of `n` numbers.
+    pub fn zeros(self: &Arc<Self>, n: usize, dtype: DType) -> Buf {
+        let s = &self.gpu.compute;
+        let data = fatal(
+            "alloc",
+            match dtype {
+                DType::F32 => s.alloc_zeros(n).map(Data::F32),
+                DType::Bf16 => s.alloc_zeros(n).map(Data::Bf16),
+            }
+            .map_err(|e| anyhow!("cannot allocate {n} numbers on the GPU: {e:?}")),
+        );
+        Buf::new(self, data)
+    }
+
+    fn tensor(self: &Arc<Self>, shape: &[usize], dtype: DType) -> Tensor {
+        Tensor::from_buf(shape, self.zeros(shape.iter().product(), dtype))
+    }
+
+    /// Host f32 data on the GPU as `dtype` (bf16: converted on the GPU by `cast_f32_to_bf16`).
+    pub fn upload(self: &Arc<Self>, data: &[f32], dtype: DType) -> Buf {
+        let f32s = fatal("upload", self.gpu.upload(data));
+        let data = match dtype {
+            DType::F32 => Data::F32(f32s),
+            DType::Bf16 => Data::Bf16(fatal("cast", self.to_bf16(&f32s))), // f32s is freed in stream order
+        };
+        Buf::new(self, data)
+    }
+
+    /// A weight on the GPU: f32, or in mixed precision an fp32 master with its bf16 copy.
+    pub fn upload_param(self: &Arc<Self>, data: &[f32]) -> Buf {
+        let master = fatal("upload", self.gpu.upload(data));
+        let data = match self.dtype {
+            DType::F32 => Data::F32(master),
+            DType::Bf16 => Data::Mixed { copy: fatal("cast", self.to_bf16(&master)), master },
+        };
+        Buf::new(self, data)
+    }
+
+    fn to_bf16(&self, from: &CudaSlice<f32>) -> Result<CudaSlice<bf16>> {
+        let to = self.gpu.zeros::<bf16>(from.len())?;
+        self.cast(from, &to)?;
+        Ok(to)
+    }
+
+    /// to ← bf16(from), on the GPU.
+    fn cast(&self, from: &CudaSlice<f32>, to: &CudaSlice<bf16>) -> Result<()> {
+        let s = &self.gpu.compute;
+        let args = [Arg::Ptr(from.device_ptr(s).0), Arg::Ptr(to.device_ptr(s).0), Arg::I64(from.len() as i64)];
+        self.launch("elementwise", "cast_f32_to_bf16", grid_for(from.len()), &args)
+    }
+
+    /// The device copy of an index array (tokens, targets as their bits, positions).
+    fn indices(&self, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        let mut cache = self.indices.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, d)) = cache.iter().find(|(k, _)| k.as_slice() == v) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(self.gpu.upload(v)?);
+        if cache.len() == 16 {
+            cache.pop_front();
+        }
+        cache.push_back((v.to_vec(), d.clone()));
+        Ok(d)
+    }
+
+    fn index_arg(&self, v: &[u32]) -> Result<(Arg, Arc<CudaSlice<u32>>)> {
+        let d = self.indices(v)?;
+        let ptr = d.device_ptr(&self.gpu.compute).0;
+        Ok((Arg::Ptr(ptr), d))
+    }
+
+    fn typed(&self, name: &str, t: &Tensor) -> String {
+        format!("{name}_{}", t.dtype().suffix())
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // GEMMs. cuBLAS is column-major: a row-major [r, c] matrix is, to cuBLAS, its transpose
+    // [c, r] with leading dimension c. So row-major C = A·B is asked as Cᵀ = Bᵀ·Aᵀ.
+
+    /// Column-major c[m, n] = op(a) · op(b) (+ c when `accumulate`), with fp32 accumulation.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm(
+        &self,
+        (ta, tb): (bool, bool),
+        (m, n, k): (usize, usize, usize),
+        a: (&Buf, usize),
+        b: (&Buf, usize),
+        c: (&Buf, usize),
+        accumulate: bool,
+    ) -> Result<()> {
+        use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
+        let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
+        let ty = |b: &Buf| if b.dtype() == DType::F32 { CUDA_R_32F } else { CUDA_R_16BF };
+        let compute = match a.0.dtype() {
+            DType::F32 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC, // no TF32
+            DType::Bf16 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        };
+        let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        let addr = |x: Arg| match x {
+            Arg::Ptr(p) => p as *mut std::ffi::c_void,
+            _ => unreachable!("a buffer address"),
+        };
+        let i = |v: usize| v as i32;
+        // SAFETY: the op layer checked the shapes: a, b and c hold the m·k, k·n and m·n numbers
+        // their leading dimensions describe; alpha and beta are host f32 as the compute type wants.
+        unsafe {
+            blas::gemm_ex(
+                *self.blas.handle(),
+                op(ta),
+                op(tb),
+                i(m),
+                i(n),
+                i(k),
+                &alpha as *const f32 as *const _,
+                addr(a.0.ptr()),
+                ty(a.0),
+                i(a.1),
+                addr(b.0.ptr()),
+                ty(b.0),
+                i(b.1),
+                &beta as *const f32 as *const _,
+                addr(c.0.ptr()),
+                ty(c.0),
+                i(c.1),
+                compute,
+                blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
+            )
+        }
+        .map_err(|e| anyhow!("cuBLAS GEMM {m}×{n}×{k}: {e:?}"))
+    }
+
+    /// y[m, n] = x[m, k] · w[n, k]ᵀ  ⇔  (column-major) yᵀ = wᵀᵀ · xᵀ.
+    pub fn linear(self: &Arc<Self>, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let (m, k, n) = (x.rows(), x.cols(), w.shape()[0]);
+        let y = self.tensor(&[m, n], x.dtype());
+        self.gemm((true, false), (n, m, k), (buf(w), k), (buf(x), k), (buf(&y), n), false)?;
+        Ok(y)
+    }
+
+    /// dx[m, k] = dy[m, n] · w[n, k].
+    pub fn linear_input_grad(self: &Arc<Self>, dy: &Tensor, w: &Tensor) -> Result<Tensor> {
+        let (m, n, k) = (dy.rows(), w.shape()[0], w.cols());
+        let dx = self.tensor(&[m, k], dy.dtype());
+        self.gemm((false, false), (k, m, n), (buf(w), k), (buf(dy), n), (buf(&dx), k), false)?;
+        Ok(dx)
+    }
+
+    /// dw[n, k] += dy[m, n]ᵀ · x[m, k], accumulated into the fp32 gradient.
+    pub fn linear_weight_grad(&self, dy: &Tensor, x: &Tensor, dw: &Tensor) -> Result<()> {
+        let (m, k, n) = (x.rows(), x.cols(), dw.shape()[0]);
+        self.gemm((false, true), (k, n, m), (buf(x), k), (buf(dy), n), (buf(dw), k), true)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // Kernels, one method per op of `ops.rs`, same arguments.
+
+    pub fn embedding(self: &Arc<Self>, table: &Tensor, tokens: &[u32], first: usize) -> Result<Tensor> {
+        let dim = table.cols();
+        let out = self.tensor(&[tokens.len(), dim], self.dtype);
+        let (ids, _keep) = self.index_arg(tokens)?;
+        let name = self.typed("embedding_forward", &out);
+        let args = [
+            buf(table).ptr(),
+            ids,
+            Arg::I64(first as i64),
+            Arg::I64(table.rows() as i64),
+            Arg::I32(dim as i32),
+            buf(&out).ptr(),
+        ];
+        self.launch("embedding", &name, grid_rows(tokens.len()), &args)?;
+        Ok(out)
+    }
+
+    pub fn embedding_backward(&self, dout: &Tensor, tokens: &[u32], first: usize, dtable: &Tensor) -> Result<()> {
+        let dim = dtable.cols();
+        let (ids, _keep) = self.index_arg(tokens)?;
+        let n = Arg::I64(tokens.len() as i64);
+        let rows = Arg::I64(dtable.rows() as i64);
+        let args = [buf(dout).ptr(), ids, n, Arg::I64(first as i64), rows, Arg::I32(dim as i32), buf(dtable).f32_ptr()];
+        self.launch("embedding", &self.typed("embedding_backward", dout), grid_for(dim), &args)
+    }
+
+    pub fn rmsnorm(self: &Arc<Self>, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+        let (y, rstd) = (self.tensor(x.shape(), x.dtype()), self.tensor(&[x.rows()], DType::F32));
+        let args =
+            [buf(x).ptr(), buf(w).ptr(), Arg::F32(eps), Arg::I32(x.cols() as i32), buf(&y).ptr(), buf(&rstd).ptr()];
+        self.launch("rmsnorm", &self.typed("rmsnorm_forward", x), grid_rows(x.rows()), &args)?;
         Ok((y, rstd))
     }
 
-    pub fn swiglu_f32(&self, gate: &CudaSlice<f32>, up: &CudaSlice<f32>) -> Result<CudaSlice<f32>> {
-        let n = gate.len();
-        let mut h = self.gpu.zeros::<f32>(n)?;
-        let f = self.function("swiglu", "swiglu_forward_f32")?;
-        let n_i = n as i64;
-        let mut l = self.gpu.compute.launch_builder(&f);
-        l.arg(gate).arg(up).arg(&mut h).arg(&n_i);
-        // SAFETY: matches swiglu_forward_f32; all buffers hold n elements.
-        unsafe { l.launch(elementwise_config(n)) }.map_err(cuda_err)?;
-        Ok(h)
+    pub fn rmsnorm_backward(
+        self: &Arc<Self>,
+        dy: &Tensor,
+        x: &Tensor,
+        w: &Tensor,
+        rstd: &Tensor,
+        dw: &Tensor,
+    ) -> Result<Tensor> {
+        let dx = self.tensor(x.shape(), x.dtype());
+        let dim = Arg::I32(x.cols() as i32);
+        let args = [buf(dy).ptr(), buf(x).ptr(), buf(w).ptr(), buf(rstd).ptr(), dim, buf(&dx).ptr()];
+        self.launch("rmsnorm", &self.typed("rmsnorm_backward_dx", x), grid_rows(x.rows()), &args)?;
+        let rows = Arg::I64(x.rows() as i64);
+        let args = [buf(dy).ptr(), buf(x).ptr(), buf(rstd).ptr(), rows, dim, buf(dw).f32_ptr()];
+        self.launch("rmsnorm", &self.typed("rmsnorm_backward_dw", x), grid_for(x.cols()), &args)?;
+        Ok(dx)
     }
 
-    /// Causal attention of queries at `q_pos` to keys at `k_pos` (as `ops::attention`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attention_f32(
-        &self,
+    pub fn rope(&self, x: &Tensor, positions: &[u32], head_dim: usize, theta: f64, inverse: bool) -> Result<()> {
+        let heads = x.cols() / head_dim;
+        let (pos, _keep) = self.index_arg(positions)?;
+        let args = [
+            buf(x).ptr(),
+            pos,
+            Arg::I64(x.rows() as i64),
+            Arg::I32(heads as i32),
+            Arg::I32(head_dim as i32),
+            Arg::F64(theta),
+            Arg::I32(inverse as i32),
+        ];
+        self.launch("rope", &self.typed("rope", x), grid_for(x.rows() * heads * head_dim / 2), &args)
+    }
+
+    pub fn attention(
+        self: &Arc<Self>,
         a: Attn,
-        q: &CudaSlice<f32>,
-        k: &CudaSlice<f32>,
-        v: &CudaSlice<f32>,
-        q_pos: &CudaSlice<u32>,
-        k_pos: &CudaSlice<u32>,
-    ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-        if a.head_dim > 128 {
-            bail!("the CUDA attention kernel supports head_dim up to 128, not {}", a.head_dim);
-        }
-        let shape = Shape {
-            batch: a.batch as i32,
-            seq: a.seq as i32,
-            kv_seq: a.kv_seq as i32,
-            heads: a.heads as i32,
-            kv_heads: a.kv_heads as i32,
-            head_dim: a.head_dim as i32,
-        };
-        let (mut out, mut lse) = (self.gpu.zeros::<f32>(q.len())?, self.gpu.zeros::<f32>(a.batch * a.heads * a.seq)?);
-        let f = self.function("attention", "attention_forward_f32")?;
-        let config = LaunchConfig {
-            grid_dim: (a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32),
-            block_dim: (64, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let mut l = self.gpu.compute.launch_builder(&f);
-        l.arg(&shape).arg(q).arg(k).arg(v).arg(q_pos).arg(k_pos).arg(&mut out).arg(&mut lse);
-        // SAFETY: matches attention_forward_f32 and its grid (BQ = 64 query rows per block).
-        unsafe { l.launch(config) }.map_err(cuda_err)?;
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        pos: (&[u32], &[u32]),
+    ) -> Result<(Tensor, Tensor)> {
+        check_head_dim(a)?;
+        let (out, lse) = (self.tensor(q.shape(), q.dtype()), self.tensor(&[a.batch, a.heads, a.seq], DType::F32));
+        let ((qp, _k1), (kp, _k2)) = (self.index_arg(pos.0)?, self.index_arg(pos.1)?);
+        let args =
+            [Arg::Shape(a.into()), buf(q).ptr(), buf(k).ptr(), buf(v).ptr(), qp, kp, buf(&out).ptr(), buf(&lse).ptr()];
+        let grid = ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 64);
+        self.launch("attention", &self.typed("attention_forward", q), grid, &args)?;
         Ok((out, lse))
     }
 
-    /// Every kernel launched here against the CPU reference, in f32, on random inputs with odd
-    /// sizes; returns one line per check.
-    pub fn self_test(&self) -> Result<Vec<String>> {
-        let mut report = Vec::new();
-        let g = &self.gpu;
-        let rand = |seed: u64, n: usize| crate::init::normal(seed, "self-test", &[n], 1.0).to_vec();
-        let tensor = |shape: &[usize], data: Vec<f32>| crate::tensor::Tensor::from_vec(shape, data);
-        let mut check = |what: &str, got: Vec<f32>, want: Vec<f32>, tol: f32| -> Result<()> {
-            let err = got.iter().zip(&want).map(|(a, b)| (a - b).abs() / (1.0 + b.abs())).fold(0.0f32, f32::max);
-            if got.len() != want.len() || err > tol {
-                bail!("kernel self-test {what}: relative error {err:.1e} above {tol:.0e}");
-            }
-            report.push(format!("{what}: ok (max relative error {err:.1e})"));
-            Ok(())
-        };
-        // RMSNorm, 7 rows of 100
-        let (rows, dim) = (7, 100);
-        let (x, w) = (rand(1, rows * dim), rand(2, dim));
-        let (y, rstd) = self.rmsnorm_f32(&g.upload(&x)?, &g.upload(&w)?, 1e-5, dim)?;
-        let (want_y, want_rstd) = crate::ops::rmsnorm(&tensor(&[rows, dim], x), &tensor(&[dim], w), 1e-5);
-        check("rmsnorm forward", g.download(&y)?, want_y.to_vec(), 1e-5)?;
-        check("rmsnorm rstd", g.download(&rstd)?, want_rstd.to_vec(), 1e-5)?;
-        // SwiGLU, 1001 elements
-        let (gate, up) = (rand(3, 1001), rand(4, 1001));
-        let h = self.swiglu_f32(&g.upload(&gate)?, &g.upload(&up)?)?;
-        check(
-            "swiglu forward",
-            g.download(&h)?,
-            crate::ops::swiglu(&tensor(&[1001], gate), &tensor(&[1001], up)).to_vec(),
-            1e-5,
-        )?;
-        // attention: 2 sequences of 37, 4 heads sharing 2 KV heads of 16
-        let a = Attn { batch: 2, seq: 37, kv_seq: 37, heads: 4, kv_heads: 2, head_dim: 16 };
-        let (q, k, v) = (rand(5, 2 * 37 * 64), rand(6, 2 * 37 * 32), rand(7, 2 * 37 * 32));
-        let pos: Vec<u32> = (0..37).collect();
-        let (out, lse) =
-            self.attention_f32(a, &g.upload(&q)?, &g.upload(&k)?, &g.upload(&v)?, &g.upload(&pos)?, &g.upload(&pos)?)?;
-        let (want_out, want_lse) =
-            crate::ops::attention(a, &tensor(&[74, 64], q), &tensor(&[74, 32], k), &tensor(&[74, 32], v), (&pos, &pos));
-        check("attention forward", g.download(&out)?, want_out.to_vec(), 1e-4)?;
-        check("attention lse", g.download(&lse)?, want_lse.to_vec(), 1e-4)?;
-        Ok(report)
+    pub fn attention_backward(
+        self: &Arc<Self>,
+        a: Attn,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        pos: (&[u32], &[u32]),
+        (out, lse): (&Tensor, &Tensor),
+        dout: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        check_head_dim(a)?;
+        let shape = Arg::Shape(a.into());
+        let delta = self.tensor(lse.shape(), DType::F32);
+        let args = [shape, buf(out).ptr(), buf(dout).ptr(), buf(&delta).ptr()];
+        self.launch("attention", &self.typed("attention_delta", q), grid_for(lse.numel()), &args)?;
+        let (dq, dk, dv) =
+            (self.tensor(q.shape(), q.dtype()), self.tensor(k.shape(), k.dtype()), self.tensor(v.shape(), v.dtype()));
+        let ((qp, _k1), (kp, _k2)) = (self.index_arg(pos.0)?, self.index_arg(pos.1)?);
+        let inputs = [
+            shape,
+            buf(q).ptr(),
+            buf(k).ptr(),
+            buf(v).ptr(),
+            qp,
+            kp,
+            buf(lse).ptr(),
+            buf(&delta).ptr(),
+            buf(dout).ptr(),
+        ];
+        let mut args = inputs.to_vec();
+        args.push(buf(&dq).ptr());
+        let grid = ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 64);
+        self.launch("attention", &self.typed("attention_dq", q), grid, &args)?;
+        let mut args = inputs.to_vec();
+        args.extend([buf(&dk).ptr(), buf(&dv).ptr()]);
+        let grid = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);
+        self.launch("attention", &self.typed("attention_dkdv", q), grid, &args)?;
+        Ok((dq, dk, dv))
     }
+
+    pub fn attention_merge(&self, a: Attn, (out, lse): (&Tensor, &Tensor), block: (&Tensor, &Tensor)) -> Result<()> {
+        let args = [Arg::Shape(a.into()), buf(out).ptr(), buf(lse).ptr(), buf(block.0).ptr(), buf(block.1).ptr()];
+        self.launch("attention", &self.typed("attention_merge", out), grid_for(lse.numel()), &args)
+    }
+
+    pub fn swiglu(self: &Arc<Self>, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        let h = self.tensor(gate.shape(), gate.dtype());
+        let args = [buf(gate).ptr(), buf(up).ptr(), buf(&h).ptr(), Arg::I64(h.numel() as i64)];
+        self.launch("swiglu", &self.typed("swiglu_forward", gate), grid_for(h.numel()), &args)?;
+        Ok(h)
+    }
+
+    pub fn swiglu_backward(self: &Arc<Self>, dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (dg, du) = (self.tensor(gate.shape(), gate.dtype()), self.tensor(up.shape(), up.dtype()));
+        let n = Arg::I64(dh.numel() as i64);
+        let args = [buf(dh).ptr(), buf(gate).ptr(), buf(up).ptr(), buf(&dg).ptr(), buf(&du).ptr(), n];
+        self.launch("swiglu", &self.typed("swiglu_backward", gate), grid_for(dh.numel()), &args)?;
+        Ok((dg, du))
+    }
+
+    pub fn row_max(self: &Arc<Self>, logits: &Tensor) -> Result<Tensor> {
+        let m = self.tensor(&[logits.rows()], DType::F32);
+        let args = [buf(logits).ptr(), Arg::I32(logits.cols() as i32), buf(&m).ptr()];
+        self.launch("cross_entropy", &self.typed("row_max", logits), grid_rows(logits.rows()), &args)?;
+        Ok(m)
+    }
+
+    pub fn row_sum_exp(self: &Arc<Self>, logits: &Tensor, max: &Tensor) -> Result<Tensor> {
+        let s = self.tensor(&[logits.rows()], DType::F32);
+        let args = [buf(logits).ptr(), Arg::I32(logits.cols() as i32), buf(max).ptr(), buf(&s).ptr()];
+        self.launch("cross_entropy", &self.typed("row_sum_exp", logits), grid_rows(logits.rows()), &args)?;
+        Ok(s)
+    }
+
+    pub fn log_sum_exp(self: &Arc<Self>, max: &Tensor, sum_exp: &Tensor) -> Result<Tensor> {
+        let lse = self.tensor(max.shape(), DType::F32);
+        let args = [buf(max).ptr(), buf(sum_exp).ptr(), buf(&lse).ptr(), Arg::I64(max.numel() as i64)];
+        self.launch("cross_entropy", "log_sum_exp", grid_for(max.numel()), &args)?;
+        Ok(lse)
+    }
+
+    pub fn target_logits(self: &Arc<Self>, logits: &Tensor, targets: &[i32], first: usize) -> Result<Tensor> {
+        let z = self.tensor(&[targets.len()], DType::F32);
+        let (t, _keep) = self.index_arg(&target_bits(targets))?;
+        let rows = Arg::I64(targets.len() as i64);
+        let args = [buf(logits).ptr(), Arg::I32(logits.cols() as i32), t, Arg::I64(first as i64), rows, buf(&z).ptr()];
+        self.launch("cross_entropy", &self.typed("target_logit", logits), grid_for(targets.len()), &args)?;
+        Ok(z)
+    }
+
+    pub fn cross_entropy_backward(
+        self: &Arc<Self>,
+        logits: &Tensor,
+        targets: &[i32],
+        first: usize,
+        lse: &Tensor,
+        scale: f32,
+    ) -> Result<Tensor> {
+        let d = self.tensor(logits.shape(), logits.dtype());
+        let (t, _keep) = self.index_arg(&target_bits(targets))?;
+        let vocab = Arg::I32(logits.cols() as i32);
+        let args =
+            [buf(logits).ptr(), t, Arg::I64(first as i64), buf(lse).ptr(), Arg::F32(scale), vocab, buf(&d).ptr()];
+        self.launch("cross_entropy", &self.typed("cross_entropy_backward", logits), grid_rows(logits.rows()), &args)?;
+        Ok(d)
+    }
+
+    pub fn add_assign(&self, a: &Tensor, b: &Tensor) -> Result<()> {
+        let args = [buf(a).ptr(), buf(b).ptr(), Arg::I64(a.numel() as i64)];
+        self.launch("elementwise", &self.typed("add_assign", a), grid_for(a.numel()), &args)
+    }
+
+    pub fn scale(&self, a: &Tensor, s: f32) -> Result<()> {
+        let args = [buf(a).ptr(), Arg::F32(s), Arg::I64(a.numel() as i64)];
+        self.launch("elementwise", &self.typed("scale", a), grid_for(a.numel()), &args)
+    }
+
+    /// Σ x² of each f32 tensor: every tensor's partial sums land in one buffer, which is read
+    /// back once (one wait for the GPU for the whole gradient norm).
+    pub fn sum_squares(self: &Arc<Self>, ts: &[&Tensor]) -> Result<Vec<f64>> {
+        let partial = self.zeros(ts.len() * NORM_BLOCKS, DType::F32);
+        let Arg::Ptr(base) = partial.f32_ptr() else { unreachable!("a buffer address") };
+        for (i, t) in ts.iter().enumerate() {
+            let at = Arg::Ptr(base + (i * NORM_BLOCKS * 4) as u64);
+            let grid = ((NORM_BLOCKS as u32, 1, 1), THREADS);
+            self.launch("elementwise", "sum_squares_f32", grid, &[buf(t).f32_ptr(), Arg::I64(t.numel() as i64), at])?;
+        }
+        let sums = partial.to_vec();
+        Ok(sums.chunks(NORM_BLOCKS).map(|c| c.iter().map(|&x| x as f64).sum()).collect())
+    }
+
+    /// One AdamW step on the fp32 master weight; in mixed precision the same kernel writes the
+    /// new bf16 copy.
+    pub fn adamw(&self, o: &AdamW, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
+        let p = buf(p);
+        let mut args = vec![
+            p.f32_ptr(),
+            buf(g).f32_ptr(),
+            buf(m).f32_ptr(),
+            buf(v).f32_ptr(),
+            Arg::I64(p.len() as i64),
+            Arg::F32(o.lr),
+            Arg::F32(o.beta1),
+            Arg::F32(o.beta2),
+            Arg::F32(o.eps),
+            Arg::F32(o.weight_decay),
+            Arg::I32(o.step as i32),
+        ];
+        let name = match p.data {
+            Data::Mixed { .. } => {
+                args.push(p.ptr());
+                "adamw_bf16"
+            }
+            _ => "adamw_f32",
+        };
+        self.launch("adamw", name, grid_for(p.len()), &args)
+    }
+}
+
+/// The GPU buffer of a tensor the op layer has already found on the GPU.
+fn buf(t: &Tensor) -> &Buf {
+    t.gpu().expect("the op layer checked that every tensor of the op is on the GPU")
+}
+
+/// Targets are `int` in the kernels: the same 32 bits.
+fn target_bits(targets: &[i32]) -> Vec<u32> {
+    targets.iter().map(|&t| t as u32).collect()
+}
+
+fn check_head_dim(a: Attn) -> Result<()> {
+    if a.head_dim > 128 {
+        bail!("the CUDA attention kernel supports head_dim up to 128, not {}", a.head_dim);
+    }
+    Ok(())
 }

@@ -81,7 +81,7 @@ impl<'g> DataParallel<'g> {
         }
         let (b, offset) = self.place[&p.name];
         let bucket = &mut self.buckets[b];
-        bucket.flat[offset..offset + p.grad.numel()].copy_from_slice(p.grad.host());
+        bucket.flat[offset..offset + p.grad.numel()].copy_from_slice(&p.grad.to_vec());
         bucket.waiting -= 1;
         if bucket.waiting == 0 {
             bucket.in_flight = Some(self.group.all_reduce_async(&bucket.flat, ReduceOp::Avg));
@@ -101,9 +101,10 @@ impl<'g> DataParallel<'g> {
         };
         if self.mode == DpMode::Naive {
             for p in params.iter_mut() {
-                let (reduced, start, end) = self.group.all_reduce_async(p.grad.host(), ReduceOp::Avg).wait_timed()?;
+                let (reduced, start, end) =
+                    self.group.all_reduce_async(&p.grad.to_vec(), ReduceOp::Avg).wait_timed()?;
                 record(format!("all-reduce {}", p.name), start, end);
-                p.grad.host_mut().copy_from_slice(&reduced);
+                p.grad.write(&reduced);
             }
             return Ok(());
         }
@@ -112,9 +113,9 @@ impl<'g> DataParallel<'g> {
             let (reduced, start, end) = handle.wait_timed()?;
             record(format!("all-reduce bucket {i}"), start, end);
             for &(member, offset) in &bucket.members {
-                let grad = params[member].grad.host_mut();
-                let n = grad.len();
-                grad.copy_from_slice(&reduced[offset..offset + n]);
+                let grad = &mut params[member].grad;
+                let n = grad.numel();
+                grad.write(&reduced[offset..offset + n]);
             }
             bucket.waiting = bucket.members.len();
         }

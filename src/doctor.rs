@@ -2,7 +2,8 @@
 //!
 //! It lists the CUDA libraries (found or not, and the file that was loaded), compiles every kernel
 //! with NVRTC when it can, shows the driver and its CUDA version and every GPU with its memory,
-//! and then runs self-tests on GPU 0: the kernels launched by `cuda.rs` against the CPU reference,
+//! and then runs self-tests on GPU 0: every op of `cuda.rs`, forward and backward, in f32 and bf16,
+//! against the CPU reference (`cuda_check.rs`),
 //! and the collectives on GPU buffers, over NCCL and over the local hub, against answers computed
 //! on the host.
 //! Without a GPU it says so and fails, so scripts can tell.
@@ -53,10 +54,11 @@ pub fn doctor() -> Result<()> {
         println!("GPU {ordinal}: {name}, sm_{major}{minor}, {mem:.1} GiB");
     }
     if crate::kernels::nvrtc_ready().is_ok() {
-        let kernels = crate::cuda::Kernels::new(&Gpu::open(0)?)?;
-        for line in kernels.self_test()? {
+        let report = crate::cuda_check::self_test(&Gpu::open(0)?)?;
+        for line in &report {
             println!("self-test: kernel {line}");
         }
+        println!("self-test: all {} kernel checks passed (f32 and bf16 against the CPU reference)", report.len());
     }
     if libs.iter().any(|l| l.name.starts_with("NCCL") && l.found) {
         comm_self_test(Grid::new(1, 1, 1, 1)?, Backend::Nccl)?;

@@ -17,6 +17,7 @@ pub mod context_parallel;
 pub mod converge;
 pub mod cpu;
 pub mod cuda;
+pub mod cuda_check;
 pub mod data;
 pub mod data_parallel;
 pub mod doctor;

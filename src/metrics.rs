@@ -20,6 +20,10 @@ pub struct StepLog {
     pub activations: usize,
     pub tokens_per_s: f64,
     pub elapsed_s: f64,
+    /// On a GPU: the most memory rank 0's tensors held at once during the step (weights, their
+    /// gradients and optimizer state, and the activations kept for backward), in MiB.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub gpu_peak_mib: Option<f64>,
 }
 
 pub struct Metrics {
@@ -47,7 +51,10 @@ impl Metrics {
         if let Some(f) = &mut self.file {
             writeln!(f, "{}", serde_json::to_string(s)?).context("--metrics: write failed")?;
         }
-        let msg = format!("loss {:.4} | lr {:.2e} | {:.0} tok/s", s.loss, s.lr, s.tokens_per_s);
+        let mut msg = format!("loss {:.4} | lr {:.2e} | {:.0} tok/s", s.loss, s.lr, s.tokens_per_s);
+        if let Some(mib) = s.gpu_peak_mib {
+            msg += &format!(" | GPU peak {mib:.0} MiB");
+        }
         if self.bar.is_hidden() {
             if self.every > 0 && (s.step + 1).is_multiple_of(self.every) {
                 println!("step {:>5} | {msg}", s.step + 1);

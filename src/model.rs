@@ -20,9 +20,10 @@ use crate::block::{Block, BlockCache, Groups};
 use crate::comm::Group;
 use crate::config::ModelConfig;
 use crate::context_parallel::{self as cp, Ring};
+use crate::cuda::DType;
 use crate::ops::{self, Attn};
 use crate::pipeline_parallel::Stage;
-use crate::tensor::Tensor;
+use crate::tensor::{Place, Tensor};
 use crate::tensor_parallel::{self as tp, Split, Tp};
 use anyhow::{anyhow, bail, Result};
 use std::collections::VecDeque;
@@ -207,6 +208,20 @@ impl<'g> Llama<'g> {
             v.extend(h.lm_head.as_mut());
         }
         v
+    }
+
+    /// The device the model lives on.
+    pub fn place(&self) -> Place {
+        self.params()[0].value.place()
+    }
+
+    /// Moves every weight and gradient to `place`: on a GPU in mixed precision each weight
+    /// becomes an fp32 master with its bf16 copy, and gradients stay fp32.
+    pub fn to_place(&mut self, place: &Place) {
+        for p in self.params_mut() {
+            p.value = p.value.to_param(place);
+            p.grad = p.grad.to_dtype(place, DType::F32);
+        }
     }
 
     /// Micro-batches whose activations this rank holds now (forward done, backward not yet).

@@ -14,9 +14,10 @@
 
 use crate::comm::{Group, ReduceOp};
 use crate::config::TrainConfig;
+use crate::cuda::DType;
 use crate::model::Param;
 use crate::ops::{self, AdamW};
-use crate::tensor::Tensor;
+use crate::tensor::{Place, Tensor};
 use crate::tensor_parallel::Split;
 use anyhow::Result;
 
@@ -33,7 +34,8 @@ pub fn lr_at(t: &TrainConfig, step: usize) -> f32 {
 
 /// Σ g² over the given gradients.
 pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
-    params.iter().map(|p| ops::sum_squares(&p.grad)).sum()
+    let grads: Vec<&Tensor> = params.iter().map(|p| &p.grad).collect();
+    ops::sum_squares(&grads).iter().sum()
 }
 
 /// The norm of the whole model's gradient when it is cut across the tp group and the pp stages:
@@ -41,8 +43,8 @@ pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
 /// counted once, then summed over the stages.
 pub fn global_grad_norm(params: &[&mut Param], tp: &Group, pp: &Group) -> Result<f64> {
     let (mut sharded, mut replicated) = (0.0, 0.0);
-    for p in params {
-        let s = ops::sum_squares(&p.grad);
+    let grads: Vec<&Tensor> = params.iter().map(|p| &p.grad).collect();
+    for (p, s) in params.iter().zip(ops::sum_squares(&grads)) {
         if p.split == Split::Replicated {
             replicated += s;
         } else {
@@ -83,7 +85,7 @@ pub struct Optimizer {
 
 impl Optimizer {
     pub fn new(params: &[&mut Param]) -> Optimizer {
-        let moments = params.iter().map(|p| (Tensor::zeros(p.value.shape()), Tensor::zeros(p.value.shape()))).collect();
+        let moments = params.iter().map(|p| (Tensor::zeros_like(&p.grad), Tensor::zeros_like(&p.grad))).collect();
         Optimizer { moments, step: 0 }
     }
 
@@ -91,6 +93,13 @@ impl Optimizer {
     /// in parameter order).
     pub fn restore(moments: Vec<(Tensor, Tensor)>, step: u32) -> Optimizer {
         Optimizer { moments, step }
+    }
+
+    /// Moves the moments to `place` (fp32 on every device), next to their parameters.
+    pub fn to_place(&mut self, place: &Place) {
+        for (m, v) in &mut self.moments {
+            (*m, *v) = (m.to_dtype(place, DType::F32), v.to_dtype(place, DType::F32));
+        }
     }
 
     /// The first and second moments, one pair per parameter.

@@ -22,7 +22,7 @@
 use crate::comm::Group;
 use crate::config::PpSchedule;
 use crate::model::{Llama, Param, StageGrad, StageInput, StageOutput};
-use crate::tensor::Tensor;
+use crate::tensor::{Place, Tensor};
 use anyhow::Result;
 use std::ops::Range;
 use std::time::Instant;
@@ -106,6 +106,7 @@ pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn 
     let actions = schedule(plan.kind, stage.count, stage.index, m);
     let (prev, next) = (stage.index.wrapping_sub(1), stage.index + 1);
     let mut inbox: Option<Tensor> = None; // what the next action needs, received early
+    let place = model.place(); // received activations land on this rank's device
     let mut stats = StepStats { loss: 0.0, peak_activations: 0 };
     for (a, &action) in actions.iter().enumerate() {
         let start = Instant::now();
@@ -118,7 +119,7 @@ pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn 
                 };
                 let input = match stage.is_first() {
                     true => StageInput::Tokens(&tokens),
-                    false => StageInput::Hidden(receive(&mut inbox, pp, plan.hidden, prev)?),
+                    false => StageInput::Hidden(receive(&mut inbox, pp, plan.hidden, prev, &place)?),
                 };
                 let out = model.forward_stage(input, plan.batch, &targets)?;
                 stats.peak_activations = stats.peak_activations.max(model.activations_held());
@@ -134,7 +135,7 @@ pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn 
             Action::Backward(i) => {
                 let grad = match stage.is_last() {
                     true => StageGrad::Loss(1.0 / m as f32),
-                    false => StageGrad::Hidden(receive(&mut inbox, pp, plan.hidden, next)?),
+                    false => StageGrad::Hidden(receive(&mut inbox, pp, plan.hidden, next, &place)?),
                 };
                 let last = i + 1 == m;
                 let dx = model.backward_stage(grad, &mut |p| {
@@ -155,9 +156,9 @@ pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn 
         match (outgoing, wanted) {
             (Some((x, to)), Some(from)) if from == to => {
                 let len = plan.hidden[0] * plan.hidden[1];
-                inbox = Some(Tensor::from_vec(&plan.hidden, pp.send_recv(x.host(), to, len, from)?));
+                inbox = Some(Tensor::from_host(&plan.hidden, pp.send_recv(&x.to_vec(), to, len, from)?, &place));
             }
-            (Some((x, to)), _) => pp.send(x.host(), to)?,
+            (Some((x, to)), _) => pp.send(&x.to_vec(), to)?,
             (None, _) => {}
         }
     }
@@ -165,9 +166,9 @@ pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn 
 }
 
 /// The tensor received early, or a blocking receive from `from` now.
-fn receive(inbox: &mut Option<Tensor>, pp: &Group, shape: [usize; 2], from: usize) -> Result<Tensor> {
+fn receive(inbox: &mut Option<Tensor>, pp: &Group, shape: [usize; 2], from: usize, place: &Place) -> Result<Tensor> {
     match inbox.take() {
         Some(t) => Ok(t),
-        None => Ok(Tensor::from_vec(&shape, pp.recv(shape[0] * shape[1], from)?)),
+        None => Ok(Tensor::from_host(&shape, pp.recv(shape[0] * shape[1], from)?, place)),
     }
 }

@@ -1,15 +1,29 @@
 //! # Tensors: a shape and its storage on a device
 //!
-//! A `Tensor` is a row-major array of `f32` with a shape. Its storage lives on a device; today the
-//! only device is the CPU (`Storage::Cpu`), and the CUDA backend adds a variant next to it. Model
-//! code never looks inside the storage: it hands tensors to the op layer (`ops.rs`), which picks
-//! the kernels for the device the tensor lives on. Host copies (`to_vec`, `from_vec`) are how data
-//! enters and leaves: batches, checkpoints, tests.
+//! A `Tensor` is a row-major array with a shape. Its storage lives on a device: `Storage::Cpu`
+//! holds `f32` in host memory; `Storage::Cuda` holds a GPU buffer (`cuda::Buf`) in one of three
+//! forms: f32, bf16, or — for a *parameter* in mixed precision — an fp32 master copy together
+//! with the bf16 copy that the kernels compute with (the optimizer updates the first and rewrites
+//! the second). Model code never looks inside the storage: it hands tensors to the op layer
+//! (`ops.rs`), which picks the kernels for the device the tensor lives on. Host copies
+//! (`to_vec`, `from_vec`, `write`) are how data enters and leaves: batches, checkpoints, tests.
+
+use crate::cuda::{Buf, DType, Device};
+use std::sync::Arc;
 
 /// Where a tensor's numbers live.
 #[derive(Clone, Debug)]
 pub enum Storage {
     Cpu(Vec<f32>),
+    Cuda(Buf),
+}
+
+/// A device tensors can be placed on.
+#[derive(Clone)]
+pub enum Place {
+    Cpu,
+    /// A rank's GPU and the dtype it computes in.
+    Cuda(Arc<Device>),
 }
 
 #[derive(Clone, Debug)]
@@ -27,6 +41,53 @@ impl Tensor {
     pub fn from_vec(shape: &[usize], data: Vec<f32>) -> Tensor {
         assert_eq!(shape.iter().product::<usize>(), data.len(), "tensor data does not match shape {shape:?}");
         Tensor { shape: shape.to_vec(), storage: Storage::Cpu(data) }
+    }
+
+    /// Host data as a tensor on `place` (on a GPU, in its compute dtype).
+    pub fn from_host(shape: &[usize], data: Vec<f32>, place: &Place) -> Tensor {
+        match place {
+            Place::Cpu => Tensor::from_vec(shape, data),
+            Place::Cuda(dev) => Tensor::from_buf(shape, dev.upload(&data, dev.dtype)),
+        }
+    }
+
+    /// A tensor on the GPU; the op layer makes these.
+    pub(crate) fn from_buf(shape: &[usize], buf: Buf) -> Tensor {
+        Tensor { shape: shape.to_vec(), storage: Storage::Cuda(buf) }
+    }
+
+    /// Zeros of `t`'s shape and dtype on `t`'s device.
+    pub fn zeros_like(t: &Tensor) -> Tensor {
+        match &t.storage {
+            Storage::Cpu(_) => Tensor::zeros(&t.shape),
+            Storage::Cuda(b) => Tensor::from_buf(&t.shape, b.device().zeros(t.numel(), b.dtype())),
+        }
+    }
+
+    /// A copy of this tensor on `place`: an activation or statistic keeps its values in the
+    /// place's compute dtype (f32 on the CPU); see `to_param` for weights.
+    pub fn to(&self, place: &Place) -> Tensor {
+        match place {
+            Place::Cpu => self.to_dtype(place, DType::F32),
+            Place::Cuda(dev) => self.to_dtype(place, dev.dtype),
+        }
+    }
+
+    /// A copy of this f32 tensor on `place` in the given dtype (gradients and optimizer moments
+    /// stay f32 in every mode).
+    pub fn to_dtype(&self, place: &Place, dtype: DType) -> Tensor {
+        match place {
+            Place::Cpu => Tensor::from_vec(&self.shape, self.to_vec()),
+            Place::Cuda(dev) => Tensor::from_buf(&self.shape, dev.upload(&self.to_vec(), dtype)),
+        }
+    }
+
+    /// A weight on `place`: on a GPU in mixed precision, an fp32 master with its bf16 copy.
+    pub fn to_param(&self, place: &Place) -> Tensor {
+        match place {
+            Place::Cpu => Tensor::from_vec(&self.shape, self.to_vec()),
+            Place::Cuda(dev) => Tensor::from_buf(&self.shape, dev.upload_param(&self.to_vec())),
+        }
     }
 
     pub fn shape(&self) -> &[usize] {
@@ -47,19 +108,59 @@ impl Tensor {
         *self.shape.last().unwrap_or(&1)
     }
 
-    /// A host copy of the data, row-major.
-    pub fn to_vec(&self) -> Vec<f32> {
-        self.host().to_vec()
+    /// The dtype the kernels read (a mixed-precision weight reads as bf16).
+    pub fn dtype(&self) -> DType {
+        match &self.storage {
+            Storage::Cpu(_) => DType::F32,
+            Storage::Cuda(b) => b.dtype(),
+        }
     }
 
-    /// The CPU data; for the op layer and host-side code such as checkpoints.
+    /// Where the tensor lives.
+    pub fn place(&self) -> Place {
+        match &self.storage {
+            Storage::Cpu(_) => Place::Cpu,
+            Storage::Cuda(b) => Place::Cuda(b.device().clone()),
+        }
+    }
+
+    /// A host copy of the data, row-major, as f32 (a mixed-precision weight gives its master).
+    pub fn to_vec(&self) -> Vec<f32> {
+        match &self.storage {
+            Storage::Cpu(v) => v.clone(),
+            Storage::Cuda(b) => b.to_vec(),
+        }
+    }
+
+    /// Overwrites the data with `data` (row-major, f32) wherever the tensor lives.
+    pub fn write(&mut self, data: &[f32]) {
+        assert_eq!(data.len(), self.numel(), "write: {} values for a tensor of {}", data.len(), self.numel());
+        match &mut self.storage {
+            Storage::Cpu(v) => v.copy_from_slice(data),
+            Storage::Cuda(b) => b.write(data),
+        }
+    }
+
+    /// The GPU buffer, when the tensor is on a GPU; for the op layer.
+    pub(crate) fn gpu(&self) -> Option<&Buf> {
+        match &self.storage {
+            Storage::Cpu(_) => None,
+            Storage::Cuda(b) => Some(b),
+        }
+    }
+
+    /// The CPU data; for the op layer's CPU arm.
     pub(crate) fn host(&self) -> &[f32] {
-        let Storage::Cpu(v) = &self.storage;
-        v
+        match &self.storage {
+            Storage::Cpu(v) => v,
+            Storage::Cuda(_) => panic!("a GPU tensor was read as a CPU one (use to_vec, or the op layer)"),
+        }
     }
 
     pub(crate) fn host_mut(&mut self) -> &mut [f32] {
-        let Storage::Cpu(v) = &mut self.storage;
-        v
+        match &mut self.storage {
+            Storage::Cpu(v) => v,
+            Storage::Cuda(_) => panic!("a GPU tensor was written as a CPU one (use write, or the op layer)"),
+        }
     }
 }

@@ -20,6 +20,7 @@ use crate::checkpoint;
 use crate::comm::ReduceOp;
 use crate::config::Config;
 use crate::context_parallel::{self, Ring};
+use crate::cuda::Device;
 use crate::data::Dataset;
 use crate::data_parallel::DataParallel;
 use crate::launch::{launch_on, Rank, Setup};
@@ -29,7 +30,7 @@ use crate::optimizer::{self, Optimizer};
 use crate::pipeline_parallel::{self, Stage, StepPlan};
 use crate::process_grid::{Axis, Grid};
 use crate::save::{self, Resumed};
-use crate::tensor::Tensor;
+use crate::tensor::{Place, Tensor};
 use crate::trace::{Lane, Trace};
 use anyhow::{bail, Result};
 use std::collections::HashMap;
@@ -151,11 +152,19 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     if cp.size() > 1 {
         model = model.with_ring(Ring { group: cp, split: cfg.parallel.cp_split });
     }
+    // on a GPU, the weights move there once; the training step below is the same code
+    let device = match &me.gpu {
+        Some(gpu) => Some(Device::new(gpu, cfg.device.compute_dtype())?),
+        None => None,
+    };
+    let place = device.clone().map_or(Place::Cpu, Place::Cuda);
+    model.to_place(&place);
     let mut dp = DataParallel::new(dp_group, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
     let mut optimizer = match resumed {
         Some(r) => r.optimizer(&model.params(), (tp_group.index(), tp_group.size()))?,
         None => Optimizer::new(&model.params_mut()),
     };
+    optimizer.to_place(&place);
     let quiet = opts.quiet || me.rank != 0;
     let mut metrics = Metrics::new(t.steps, opts.metrics.filter(|_| me.rank == 0), quiet)?;
     let record = |name: &str, start: Instant| {
@@ -214,6 +223,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             loss,
             lr,
             grad_norm: grad_norm as f32,
+            gpu_peak_mib: device.as_ref().map(|d| d.take_peak_bytes() as f64 / (1 << 20) as f64),
             tokens_per_s: tokens_per_step / step_start.elapsed().as_secs_f64(),
             elapsed_s: start.elapsed().as_secs_f64(),
         })?;

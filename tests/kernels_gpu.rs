@@ -1,5 +1,6 @@
-//! The CUDA kernels on a GPU against the CPU reference (f32, random inputs, odd sizes). Skipped
-//! with a printed reason where there is no GPU or no NVRTC.
+//! The CUDA kernels on a GPU against the CPU reference: every op forward and backward, f32 and
+//! bf16, random inputs, odd sizes (`src/cuda_check.rs`). Skipped with a printed reason where there
+//! is no GPU or no NVRTC.
 
 #[test]
 fn kernels_match_the_cpu_reference_on_a_gpu() {
@@ -15,7 +16,8 @@ fn kernels_match_the_cpu_reference_on_a_gpu() {
         return;
     }
     let gpu = ferrotron::gpu::Gpu::open(0).unwrap();
-    let report = ferrotron::cuda::Kernels::new(&gpu).unwrap().self_test().unwrap_or_else(|e| panic!("{e:#}"));
+    let report = ferrotron::cuda_check::self_test(&gpu).unwrap_or_else(|e| panic!("{e:#}"));
+    assert!(report.len() > 50, "every op is checked in both dtypes");
     for line in report {
         eprintln!("{line}");
     }

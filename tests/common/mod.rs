@@ -10,3 +10,14 @@ pub const SMALL: &[&str] = &[
     "train.seq_len=32",
     "data.copy_lag=8",
 ];
+
+/// Why the GPU tests cannot run here, if they cannot: no driver, no GPU, no NVRTC or headers,
+/// no cuBLAS.
+#[allow(dead_code)] // used by the GPU test files only
+pub fn no_gpu() -> Option<String> {
+    let ready = ferrotron::gpu::device_count()
+        .and_then(|n| if n > 0 { Ok(()) } else { anyhow::bail!("the driver sees no GPU") })
+        .and_then(|_| ferrotron::kernels::nvrtc_ready().map(drop))
+        .and_then(|_| ferrotron::gpu::require("cuBLAS"));
+    ready.err().map(|e| format!("{e:#}"))
+}
