@@ -198,6 +198,15 @@ impl ModelConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// The number of weights, from the shapes alone (`block.rs` and `model.rs` make them).
+    pub fn parameter_count(&self) -> usize {
+        let (d, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim());
+        let (q, kv) = (self.num_attention_heads * hd, self.num_key_value_heads * hd);
+        let layer = 2 * q * d + 2 * kv * d + 3 * f * d + 2 * d; // q, o, k, v, MLP, two norms
+        let embeddings = if self.tie_word_embeddings { 1 } else { 2 } * self.vocab_size * d;
+        embeddings + self.num_hidden_layers * layer + d
+    }
+
     /// The checks every model needs, whether it comes from a TOML file or a `config.json`.
     pub fn validate(&self, prefix: &str) -> Result<()> {
         let positive = [

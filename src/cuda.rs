@@ -261,6 +261,8 @@ pub struct Device {
 }
 
 impl Device {
+    /// The op layer on `gpu`, computing in `dtype`. Every kernel file is compiled here, before
+    /// training starts, so a missing NVRTC or header shows up now and not in the first step.
     pub fn new(gpu: &Gpu, dtype: DType) -> Result<Arc<Device>> {
         crate::gpu::require("cuBLAS")?;
         let (major, minor) = gpu.ctx.compute_capability().map_err(cuda_err)?;
@@ -273,6 +275,9 @@ impl Device {
             (12, 0) => "sm_120",
             _ => bail!("GPU compute capability {major}.{minor} is not one ferrotron compiles for (sm_80 to sm_120)"),
         };
+        for (file, _) in crate::kernels::SOURCES {
+            crate::kernels::ptx(file, arch)?;
+        }
         let blas = CudaBlas::new(gpu.compute.clone()).map_err(|e| anyhow!("cuBLAS cannot start: {e:?}"))?;
         Ok(Arc::new(Device {
             gpu: gpu.clone(),

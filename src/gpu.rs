@@ -98,7 +98,10 @@ impl Gpu {
 
     /// Copies a device buffer to the host; waits for the compute stream.
     pub fn download<T: DeviceRepr + Default + Clone>(&self, data: &CudaSlice<T>) -> Result<Vec<T>> {
-        self.compute.clone_dtoh(data).map_err(cuda_err)
+        let host = self.compute.clone_dtoh(data).map_err(cuda_err)?;
+        // an async copy into pageable memory *may* return early: wait until the numbers are there
+        self.compute.synchronize().map_err(cuda_err)?;
+        Ok(host)
     }
 
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {

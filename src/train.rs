@@ -85,16 +85,15 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
     let data = Dataset::open(&cfg.data, &cfg.model)?;
     let floor = data.entropy_floor(t.seq_len);
     if !opts.quiet {
-        let n_params: usize = Llama::new(&cfg.model, t.seed).params().iter().map(|p| p.value.numel()).sum();
         println!(
             "model: {:.2}M parameters | global batch {} × {} × {} dp × {} tokens | {} steps on {} ({} rank{})",
-            n_params as f64 / 1e6,
+            cfg.model.parameter_count() as f64 / 1e6,
             t.micro_batch_size,
             t.grad_accum_steps,
             p.dp,
             t.seq_len,
             t.steps,
-            format!("{:?}", cfg.device.kind).to_lowercase(),
+            format!("{:?} ({:?})", cfg.device.kind, cfg.device.compute_dtype()).to_lowercase(),
             grid.world_size(),
             if grid.world_size() == 1 { "" } else { "s" },
         );

@@ -57,6 +57,20 @@ fn bad_values_are_named() {
     assert!(config_error(&["train.steps"]).contains("expected section.key=value"));
     assert!(config_error(&["parallel.timeout_s=0"]).contains("parallel.timeout_s = 0"));
     assert!(config_error(&["parallel.backend=\"mpi\""]).contains("parallel.backend"));
+    assert!(config_error(&["device.dtype=\"f16\""]).contains("device.dtype"));
+    assert!(config_error(&["device.dtype=\"bf16\""]).contains("the CPU backend computes in f32"));
+    let e = config_error(&["device.kind=\"cuda\"", "model.head_dim=256"]);
+    assert!(e.contains("model.head_dim = 256: the CUDA attention kernel supports head_dim up to 128"), "{e}");
+}
+
+#[test]
+fn a_cuda_run_without_a_gpu_says_so() {
+    if ferrotron::gpu::device_count().is_ok_and(|n| n > 0) {
+        return; // there is a GPU: tests/training_gpu.rs trains on it
+    }
+    let cfg = Config::load(None, &["device.kind=\"cuda\"".to_string()]).unwrap();
+    let e = err(ferrotron::train::train(&cfg, Default::default()));
+    assert!(e.contains("CUDA driver") || e.contains("no GPU"), "{e}");
 }
 
 #[test]

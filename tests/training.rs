@@ -32,6 +32,15 @@ fn a_config_file_changes_only_its_keys_and_set_wins() {
 }
 
 #[test]
+fn parameter_count_from_shapes_matches_the_model() {
+    for extra in [&[][..], &["model.tie_word_embeddings=true", "model.head_dim=12"], SMALL] {
+        let c = cfg(extra);
+        let built: usize = Llama::new(&c.model, 1).params().iter().map(|p| p.value.numel()).sum();
+        assert_eq!(c.model.parameter_count(), built, "{extra:?}");
+    }
+}
+
+#[test]
 fn init_is_keyed_by_seed_and_name() {
     let a = init::normal(7, "model.layers.0.mlp.up_proj.weight", &[64, 32], 0.02).to_vec();
     let b = init::normal(7, "model.layers.0.mlp.up_proj.weight", &[64, 32], 0.02).to_vec();
