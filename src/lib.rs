@@ -6,7 +6,7 @@
 //! bring real text and Hub files. Ranks: `process_grid` → `comm` (and `hub`, its local backend)
 //! → `launch` → `data_parallel` → `tensor_parallel` → `pipeline_parallel` (and `schedule`) →
 //! `context_parallel` → `converge` (and `trace`, `plot`). GPUs: `gpu` → `kernels` → `cuda` →
-//! `comm_gpu` (NCCL) → `doctor`.
+//! (and `cuda_check`) → `comm_gpu` (NCCL) → `doctor`.
 
 pub mod block;
 pub mod checkpoint;

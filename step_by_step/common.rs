@@ -1,8 +1,12 @@
-//! Shared by the tutorial steps: the run's size, the single-device reference, and the verdict.
+//! Shared by the tutorial steps: the run's size and device, the single-device reference, and the
+//! verdict.
 #![allow(dead_code)] // each step uses some of these
 
 use anyhow::{bail, Result};
-use ferrotron::config::Config;
+use ferrotron::config::{Config, DeviceKind};
+use ferrotron::cuda::Device;
+use ferrotron::gpu::Gpu;
+use ferrotron::tensor::Place;
 use ferrotron::train::{self, Options};
 
 /// `--tiny`: a few steps of a smaller model (what the test suite runs, so the tutorial never rots).
@@ -10,8 +14,23 @@ pub fn tiny() -> bool {
     std::env::args().any(|a| a == "--tiny")
 }
 
+/// `--gpu`: run on the GPUs (rank r on GPU r mod their count), in f32, so that every claim is
+/// checked to the same tolerance as on the CPU.
+pub fn gpu() -> bool {
+    std::env::args().any(|a| a == "--gpu")
+}
+
+/// Where rank `rank` computes: its GPU with `--gpu`, else the CPU.
+pub fn place(cfg: &Config, rank: usize) -> Result<Place> {
+    if cfg.device.kind == DeviceKind::Cpu {
+        return Ok(Place::Cpu);
+    }
+    let gpu = Gpu::open(rank % ferrotron::gpu::device_count()?)?;
+    Ok(Place::Cuda(Device::new(&gpu, cfg.device.compute_dtype())?))
+}
+
 /// The tiny config (`configs/tiny.toml`) for 40 steps, or a smaller model for 4 with `tiny`;
-/// then `extra` settings.
+/// on the GPUs with `--gpu`; then `extra` settings.
 pub fn config(tiny: bool, extra: &[&str]) -> Result<Config> {
     let mut sets: Vec<String> = vec!["train.steps=40".into(), "train.warmup_steps=10".into()];
     if tiny {
@@ -23,6 +42,9 @@ pub fn config(tiny: bool, extra: &[&str]) -> Result<Config> {
             "data.copy_lag=8",
         ];
         sets.extend(small.map(String::from));
+    }
+    if gpu() {
+        sets.extend(["device.kind=\"cuda\"".into(), "device.dtype=\"f32\"".into()]);
     }
     sets.extend(extra.iter().map(|s| s.to_string()));
     Config::load(None, &sets)

@@ -15,6 +15,7 @@ fn run(tiny: bool) -> Result<()> {
     let t = &cfg.train;
     let data = Dataset::open(&cfg.data, &cfg.model)?;
     let mut model = Llama::new(&cfg.model, t.seed); // every weight from its (seed, name) stream
+    model.to_place(&common::place(&cfg, 0)?); // with --gpu the weights move to the GPU; nothing else changes
     let mut optimizer = Optimizer::new(&model.params_mut());
     let mut losses = Vec::new();
     for step in 0..t.steps {

@@ -16,6 +16,7 @@ fn run(tiny: bool) -> Result<()> {
     let t = &cfg.train;
     let data = Dataset::open(&cfg.data, &cfg.model)?;
     let mut model = Llama::new(&cfg.model, t.seed);
+    model.to_place(&common::place(&cfg, 0)?);
     let mut optimizer = Optimizer::new(&model.params_mut());
     let mut losses = Vec::new();
     for step in 0..t.steps {

@@ -12,7 +12,6 @@ use ferrotron::launch::launch;
 use ferrotron::model::Llama;
 use ferrotron::optimizer::{self, Optimizer};
 use ferrotron::process_grid::{Axis, Grid};
-use ferrotron::tensor::Tensor;
 use std::time::Duration;
 
 fn run(tiny: bool) -> Result<()> {
@@ -24,6 +23,7 @@ fn run(tiny: bool) -> Result<()> {
     let losses = launch(Grid::new(dp, 1, 1, 1)?, Duration::from_secs(60), |me| {
         let group = me.group(Axis::Dp);
         let mut model = Llama::new(&cfg.model, t.seed); // identical replicas: same seed
+        model.to_place(&common::place(&cfg, me.rank)?);
         let mut optimizer = Optimizer::new(&model.params_mut());
         let mut losses = Vec::new();
         for step in 0..t.steps {
@@ -35,7 +35,7 @@ fn run(tiny: bool) -> Result<()> {
                 // the whole lesson: average every gradient over the replicas
                 let mut g = p.grad.to_vec();
                 group.all_reduce(&mut g, ReduceOp::Avg)?;
-                p.grad = Tensor::from_vec(p.grad.shape(), g);
+                p.grad.write(&g);
             }
             group.all_reduce(&mut loss, ReduceOp::Avg)?; // the loss of the global batch
             let mut params = model.params_mut();
