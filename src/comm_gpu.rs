@@ -59,7 +59,7 @@ impl Nccl {
         let ready = self.gpu.mark(&self.gpu.compute)?;
         self.gpu.comm.wait(&ready).map_err(cuda_err)?;
         issue(&self.comm)?;
-        Ok(DeviceHandle::Nccl { done: self.gpu.mark(&self.gpu.comm)?, gpu: self.gpu.clone() })
+        Ok(DeviceHandle::Nccl(Done { event: self.gpu.mark(&self.gpu.comm)?, gpu: self.gpu.clone() }))
     }
 }
 
@@ -74,7 +74,7 @@ fn nccl_op(op: ReduceOp) -> cudarc::nccl::safe::ReduceOp {
 /// A GPU collective in flight. `wait` orders the compute stream after it: with NCCL the host
 /// does not stop; with the local backend the result is copied back to the GPU.
 pub enum DeviceHandle<'a, T: DeviceElement> {
-    Nccl { done: CudaEvent, gpu: Gpu },
+    Nccl(Done),
     Staged { result: Handle<Vec<T>>, into: &'a mut CudaSlice<T>, gpu: Gpu },
     Sent(Handle<()>),
 }
@@ -82,7 +82,7 @@ pub enum DeviceHandle<'a, T: DeviceElement> {
 impl<T: DeviceElement> DeviceHandle<'_, T> {
     pub fn wait(self) -> Result<()> {
         match self {
-            DeviceHandle::Nccl { done, gpu } => gpu.compute.wait(&done).map_err(cuda_err),
+            DeviceHandle::Nccl(done) => done.gpu.compute.wait(&done.event).map_err(cuda_err),
             DeviceHandle::Staged { result, into, gpu } => {
                 let host = result.wait()?;
                 if host.len() != into.len() {
@@ -92,6 +92,20 @@ impl<T: DeviceElement> DeviceHandle<'_, T> {
             }
             DeviceHandle::Sent(handle) => handle.wait(),
         }
+    }
+}
+
+/// The end of an NCCL operation on the communication stream. Even a handle dropped without
+/// `wait` makes the compute stream wait for it, so its buffers cannot be freed (in compute-stream
+/// order) while NCCL still uses them.
+pub struct Done {
+    event: CudaEvent,
+    gpu: Gpu,
+}
+
+impl Drop for Done {
+    fn drop(&mut self) {
+        let _ = self.gpu.compute.wait(&self.event); // after `wait`, a second wait costs nothing
     }
 }
 

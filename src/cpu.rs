@@ -267,7 +267,8 @@ pub fn attention_backward(
                 let mut p = sh.scores(q, k, (b, h), pos);
                 let row_lse = &lse[(b * sh.heads + h) * t..][..t];
                 for (row, l) in p.chunks_mut(tk).zip(row_lse) {
-                    row.iter_mut().for_each(|x| *x = (*x - l).exp());
+                    // a masked score is −∞ and its probability 0, also in a row that sees no key (lse −∞)
+                    row.iter_mut().for_each(|x| *x = if *x == f32::NEG_INFINITY { 0.0 } else { (*x - l).exp() });
                 }
                 let (d_o, o) = (sh.q_view(dout, b, h), sh.q_view(out, b, h));
                 let mut ds = vec![0.0; t * tk];

@@ -25,7 +25,7 @@ use crate::ops::{AdamW, Attn};
 use crate::tensor::Tensor;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -251,6 +251,8 @@ pub struct Device {
     /// The dtype activations are computed in.
     pub dtype: DType,
     arch: &'static str,
+    /// Each kernel file's module, loaded once, and the kernels looked up in them.
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
     functions: Mutex<HashMap<String, CudaFunction>>,
     blas: CudaBlas,
     /// Recently uploaded token, target and position arrays, by content: each micro-batch's are
@@ -266,15 +268,10 @@ impl Device {
     pub fn new(gpu: &Gpu, dtype: DType) -> Result<Arc<Device>> {
         crate::gpu::require("cuBLAS")?;
         let (major, minor) = gpu.ctx.compute_capability().map_err(cuda_err)?;
-        let arch = match (major, minor) {
-            (8, 0) => "sm_80",
-            (8, 6) => "sm_86",
-            (8, 9) => "sm_89",
-            (9, 0) => "sm_90",
-            (10, 0) => "sm_100",
-            (12, 0) => "sm_120",
-            _ => bail!("GPU compute capability {major}.{minor} is not one ferrotron compiles for (sm_80 to sm_120)"),
-        };
+        if major < 8 {
+            bail!("GPU compute capability {major}.{minor}: the kernels need bf16, so sm_80 (Ampere) or newer");
+        }
+        let arch = crate::kernels::arch_name(major, minor);
         for (file, _) in crate::kernels::SOURCES {
             crate::kernels::ptx(file, arch)?;
         }
@@ -283,6 +280,7 @@ impl Device {
             gpu: gpu.clone(),
             dtype,
             arch,
+            modules: Mutex::default(),
             functions: Mutex::default(),
             blas,
             indices: Mutex::default(),
@@ -301,8 +299,18 @@ impl Device {
         if let Some(f) = functions.get(name) {
             return Ok(f.clone());
         }
-        let ptx = crate::kernels::ptx(file, self.arch)?;
-        let module = self.gpu.ctx.load_module((*ptx).clone()).map_err(cuda_err)?;
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match modules.get(file) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = crate::kernels::ptx(file, self.arch)?;
+                    let m = self.gpu.ctx.load_module((*ptx).clone()).map_err(|e| load_error(file, e))?;
+                    modules.insert(file, m.clone());
+                    m
+                }
+            }
+        };
         let f = module.load_function(name).map_err(|e| anyhow!("kernels/{file}.cu has no kernel {name}: {e:?}"))?;
         functions.insert(name.to_string(), f.clone());
         Ok(f)
@@ -310,6 +318,9 @@ impl Device {
 
     /// Queues kernel `name` of `kernels/{file}.cu` on the compute stream.
     fn launch(&self, file: &'static str, name: &str, (grid, block): Grid, args: &[Arg]) -> Result<()> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(()); // nothing to compute (an empty tensor)
+        }
         let f = self.function(file, name)?;
         let mut l = self.gpu.compute.launch_builder(&f);
         for a in args {
@@ -426,7 +437,18 @@ impl Device {
             DType::F32 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC, // no TF32
             DType::Bf16 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         };
+        if a.0.dtype() != b.0.dtype() {
+            bail!(
+                "GEMM of a {:?} and a {:?} matrix: the op layer multiplies matrices of one dtype",
+                a.0.dtype(),
+                b.0.dtype()
+            );
+        }
+        if m == 0 || n == 0 || (k == 0 && !accumulate) {
+            return Ok(()); // an empty product (k = 0: zeros, which the output already holds)
+        }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
+        self.gpu.ctx.bind_to_thread().map_err(cuda_err)?; // cuBLAS runs in the thread's current context
         let addr = |x: Arg| match x {
             Arg::Ptr(p) => p as *mut std::ffi::c_void,
             _ => unreachable!("a buffer address"),
@@ -487,7 +509,7 @@ impl Device {
 
     pub fn embedding(self: &Arc<Self>, table: &Tensor, tokens: &[u32], first: usize) -> Result<Tensor> {
         let dim = table.cols();
-        let out = self.tensor(&[tokens.len(), dim], self.dtype);
+        let out = self.tensor(&[tokens.len(), dim], table.dtype());
         let (ids, _keep) = self.index_arg(tokens)?;
         let name = self.typed("embedding_forward", &out);
         let args = [
@@ -674,6 +696,9 @@ impl Device {
     }
 
     pub fn add_assign(&self, a: &Tensor, b: &Tensor) -> Result<()> {
+        if a.dtype() != b.dtype() {
+            bail!("adding a {:?} tensor to a {:?} one", b.dtype(), a.dtype());
+        }
         let args = [buf(a).ptr(), buf(b).ptr(), Arg::I64(a.numel() as i64)];
         self.launch("elementwise", &self.typed("add_assign", a), grid_for(a.numel()), &args)
     }
@@ -723,6 +748,25 @@ impl Device {
         };
         self.launch("adamw", name, grid_for(p.len()), &args)
     }
+}
+
+/// A module that does not load: most often PTX newer than the driver can read.
+fn load_error(file: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+    let mut nvrtc = (0, 0);
+    // SAFETY: NVRTC is loaded (the kernels were just compiled with it); two valid out-pointers.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nvrtc.0, &mut nvrtc.1) };
+    let mut driver = 0;
+    // SAFETY: the driver is loaded (a context exists); a valid out-pointer.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+    anyhow!(
+        "kernels/{file}.cu compiled but the GPU driver cannot load it ({e:?}); NVRTC is CUDA {}.{}, the driver \
+         supports CUDA {}.{}: use an NVRTC no newer than the driver (FERROTRON_CUDA_INCLUDE and LD_LIBRARY_PATH \
+         pick it) or update the driver",
+        nvrtc.0,
+        nvrtc.1,
+        driver / 1000,
+        driver % 1000 / 10
+    )
 }
 
 /// The GPU buffer of a tensor the op layer has already found on the GPU.

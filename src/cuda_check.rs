@@ -41,6 +41,10 @@ pub fn self_test(gpu: &Gpu) -> Result<Vec<String>> {
         let ring = Attn { batch: 2, seq: 20, kv_seq: 33, heads: 4, kv_heads: 2, head_dim: 16 };
         let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((40..60).collect(), (30..63).collect());
         c.attention(ring, (&q_pos, &k_pos))?;
+        // a block whose keys all lie after its first queries: those rows see nothing (out 0, lse −∞)
+        let early = Attn { batch: 1, seq: 20, kv_seq: 33, heads: 2, kv_heads: 1, head_dim: 16 };
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((0..20).collect(), (10..43).collect());
+        c.attention(early, (&q_pos, &k_pos))?;
         c.attention_merge(ring)?;
         c.adamw(1000)?;
     }

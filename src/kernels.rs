@@ -43,6 +43,14 @@ pub fn include_dir() -> Result<PathBuf> {
     })
 }
 
+/// NVRTC's name of compute capability `major.minor` ("sm_90"); a `'static` string as NVRTC's
+/// options want, made once per architecture.
+pub fn arch_name(major: i32, minor: i32) -> &'static str {
+    static NAMES: OnceLock<Mutex<HashMap<(i32, i32), &'static str>>> = OnceLock::new();
+    let mut names = NAMES.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner());
+    names.entry((major, minor)).or_insert_with(|| format!("sm_{major}{minor}").leak())
+}
+
 /// Can this machine compile kernels? An error says what is missing.
 pub fn nvrtc_ready() -> Result<PathBuf> {
     crate::gpu::require("NVRTC")?;
