@@ -49,6 +49,15 @@ pub(crate) struct BlockCache {
     act: Tensor,
 }
 
+impl BlockCache {
+    /// The bytes these activations occupy.
+    pub(crate) fn bytes(&self) -> usize {
+        let all = [&self.x, &self.xn1, &self.rstd1, &self.q, &self.k, &self.v, &self.attn, &self.lse];
+        let more = [&self.h, &self.xn2, &self.rstd2, &self.gate, &self.up, &self.act];
+        all.iter().chain(&more).map(|t| t.bytes()).sum()
+    }
+}
+
 /// The groups a block talks over: tensor parallel and the context-parallel ring.
 #[derive(Clone, Copy)]
 pub(crate) struct Groups<'a> {

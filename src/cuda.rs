@@ -112,6 +112,10 @@ impl Buf {
         }
     }
 
+    pub fn bytes(&self) -> usize {
+        self.data.bytes()
+    }
+
     fn len(&self) -> usize {
         match &self.data {
             Data::F32(x) | Data::Mixed { master: x, .. } => x.len(),

@@ -8,6 +8,7 @@
 //! `context_parallel` → `converge` (and `trace`, `plot`). GPUs: `gpu` → `kernels` → `cuda` →
 //! (and `cuda_check`) → `comm_gpu` (NCCL) → `doctor`.
 
+pub mod bench;
 pub mod block;
 pub mod checkpoint;
 pub mod comm;

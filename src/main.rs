@@ -1,11 +1,12 @@
-//! The `ferrotron` command line: `train`, `converge`, `grid`, `schedule`, `eval` and `doctor`.
+//! The `ferrotron` command line: `train`, `converge`, `grid`, `schedule`, `eval`, `doctor` and
+//! `bench`.
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
 use ferrotron::config::PpSchedule;
 use ferrotron::process_grid::Grid;
 use ferrotron::trace::Trace;
-use ferrotron::{checkpoint, config::Config, converge, doctor, eval, launch, schedule, train};
+use ferrotron::{bench, checkpoint, config::Config, converge, doctor, eval, launch, schedule, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -94,6 +95,26 @@ enum Command {
     },
     /// Check the CUDA setup: libraries, driver, GPUs, then self-tests on GPU 0.
     Doctor,
+    /// Measure a config: step time, tokens/s, MFU and peak memory (warm-up steps excluded);
+    /// prints a table and the same as JSON.
+    Bench {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        sets: Vec<String>,
+        /// Steps measured, after the warm-up.
+        #[arg(long, default_value_t = 10)]
+        steps: usize,
+        /// Steps run first and not measured (kernel loading, allocator warm-up).
+        #[arg(long, default_value_t = 3)]
+        warmup: usize,
+        /// Peak TFLOP/s of one device, for the MFU (default: by GPU name; none on a CPU).
+        #[arg(long)]
+        peak_tflops: Option<f64>,
+        /// Also write the JSON to this file.
+        #[arg(long, value_name = "OUT.json")]
+        json: Option<PathBuf>,
+    },
 }
 
 fn run(cli: Cli) -> Result<()> {
@@ -185,6 +206,17 @@ fn run(cli: Cli) -> Result<()> {
             println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
         }
         Command::Doctor => doctor::doctor()?,
+        Command::Bench { config, sets, steps, warmup, peak_tflops, json } => {
+            let cfg = Config::load(config.as_deref(), &sets)?;
+            let report = bench::bench(&cfg, warmup, steps, peak_tflops)?;
+            print!("{}", bench::table(&report));
+            let text = serde_json::to_string(&report)?;
+            println!("json: {text}");
+            if let Some(path) = json {
+                ferrotron::metrics::write_atomically(&path, text.as_bytes())
+                    .map_err(|e| anyhow::anyhow!("--json: cannot write {}: {e}", path.display()))?;
+            }
+        }
     }
     Ok(())
 }

@@ -229,6 +229,13 @@ impl<'g> Llama<'g> {
         self.caches.len()
     }
 
+    /// The bytes of the activations held for backward (all micro-batches in flight).
+    pub fn activation_bytes(&self) -> usize {
+        let head = |h: &HeadCache| [&h.x_final, &h.xn, &h.rstd, &h.logits, &h.lse].iter().map(|t| t.bytes()).sum();
+        let cache = |c: &Cache| c.blocks.iter().map(BlockCache::bytes).sum::<usize>() + c.head.as_ref().map_or(0, head);
+        self.caches.iter().map(cache).sum()
+    }
+
     /// Attention score entries (query × key pairs, all heads) computed since the last call.
     pub fn take_attention_work(&mut self) -> u64 {
         std::mem::take(&mut self.attention_work)

@@ -108,6 +108,14 @@ impl Tensor {
         *self.shape.last().unwrap_or(&1)
     }
 
+    /// The bytes the numbers occupy (a mixed-precision weight: its master and its copy).
+    pub fn bytes(&self) -> usize {
+        match &self.storage {
+            Storage::Cpu(v) => 4 * v.len(),
+            Storage::Cuda(b) => b.bytes(),
+        }
+    }
+
     /// The dtype the kernels read (a mixed-precision weight reads as bf16).
     pub fn dtype(&self) -> DType {
         match &self.storage {

@@ -62,6 +62,10 @@ pub struct Summary {
     pub peak_activations: usize,
     /// Attention score entries this rank computed per step (the context-parallel balance).
     pub attention_work: u64,
+    /// The wall time of every step, in seconds.
+    pub step_s: Vec<f64>,
+    /// On a GPU: the most memory this rank's tensors held in any step, in MiB.
+    pub gpu_peak_mib: Option<f64>,
 }
 
 impl Summary {
@@ -174,6 +178,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
     let start = Instant::now();
     let (mut losses, mut peak_activations, mut attention_work) = (Vec::with_capacity(t.steps), 0, 0);
+    let (mut step_s, mut gpu_peak_mib) = (Vec::with_capacity(t.steps), None::<f64>);
     for step in first_step..t.steps {
         let step_start = Instant::now();
         model.zero_grads();
@@ -216,13 +221,16 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         losses.push(loss);
         peak_activations = peak_activations.max(stats.peak_activations);
         attention_work += model.take_attention_work();
+        let step_peak = device.as_ref().map(|d| d.take_peak_bytes() as f64 / (1 << 20) as f64);
+        gpu_peak_mib = step_peak.map(|p| p.max(gpu_peak_mib.unwrap_or(0.0)));
+        step_s.push(step_start.elapsed().as_secs_f64());
         metrics.log(&StepLog {
             step,
             activations: stats.peak_activations,
             loss,
             lr,
             grad_norm: grad_norm as f32,
-            gpu_peak_mib: device.as_ref().map(|d| d.take_peak_bytes() as f64 / (1 << 20) as f64),
+            gpu_peak_mib: step_peak,
             tokens_per_s: tokens_per_step / step_start.elapsed().as_secs_f64(),
             elapsed_s: start.elapsed().as_secs_f64(),
         })?;
@@ -237,7 +245,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     let checksum = checksum(&model.params());
     let attention_work = attention_work / (t.steps - first_step).max(1) as u64;
     let wall_s = start.elapsed().as_secs_f64();
-    Ok(Summary { losses, floor: None, wall_s, checksum, peak_activations, attention_work })
+    Ok(Summary { losses, floor: None, wall_s, checksum, peak_activations, attention_work, step_s, gpu_peak_mib })
 }
 
 /// FNV-1a over the bits of every weight, in model order.

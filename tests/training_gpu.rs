@@ -65,3 +65,25 @@ fn bf16_mixed_precision_reaches_the_floor() {
     eprintln!("tiny config, bf16, {} steps: final {last:.4}, floor {floor:.4}", s.losses.len());
     assert!(last - floor < 0.08, "bf16 training ended at {last:.4}, {:.3} above the floor", last - floor);
 }
+
+#[test]
+fn bf16_activations_match_the_memory_formula() {
+    if let Some(why) = common::no_gpu() {
+        eprintln!("skipped: {why}");
+        return;
+    }
+    use ferrotron::{cuda::Device, gpu::Gpu, model::Llama, tensor::Place};
+    let cfg = Config::load(None, &[]).unwrap();
+    let device = Device::new(&Gpu::open(0).unwrap(), ferrotron::cuda::DType::Bf16).unwrap();
+    let mut model = Llama::new(&cfg.model, 1);
+    model.to_place(&Place::Cuda(device.clone()));
+    let (batch, seq) = (2, cfg.train.seq_len);
+    let tokens: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % cfg.model.vocab_size) as u32).collect();
+    let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    model.forward(&tokens, batch, &targets).unwrap();
+    let want = ferrotron::bench::activation_bytes(&cfg.model, batch, seq, 1, ferrotron::cuda::DType::Bf16);
+    assert_eq!(model.activation_bytes(), want);
+    model.backward(1.0).unwrap();
+    assert_eq!(model.activation_bytes(), 0, "backward frees what forward kept");
+    assert!(device.take_peak_bytes() >= want, "the peak counts the activations");
+}

@@ -1,0 +1,80 @@
+//! `ferrotron bench`: the FLOP formula, the memory formula against the activations the model
+//! really keeps, the peak table, and the command's table and JSON.
+
+use ferrotron::bench::{self, activation_bytes, flops_per_token, peak_tflops};
+use ferrotron::config::Config;
+use ferrotron::cuda::DType;
+use ferrotron::model::Llama;
+use std::process::Command;
+
+mod common;
+
+fn cfg(sets: &[&str]) -> Config {
+    Config::load(None, &sets.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap()
+}
+
+#[test]
+fn flops_follow_the_palm_formula() {
+    let c = cfg(&[]); // tiny: d 128, f 384, 4 layers, 8 heads of 16, 4 KV heads, vocab 64, untied
+    let (d, f, l, v, s) = (128.0, 384.0, 4.0, 64.0, 128.0);
+    let layer = 2.0 * d * d + 2.0 * (d / 2.0) * d + 3.0 * f * d + 2.0 * d;
+    let matmul_weights = l * layer + d + v * d; // the output layer; the input embedding is a lookup
+    assert_eq!(flops_per_token(&c.model, 128), 6.0 * matmul_weights + 12.0 * l * d * s);
+    let tied = cfg(&["model.tie_word_embeddings=true"]);
+    assert_eq!(flops_per_token(&tied.model, 128), 6.0 * matmul_weights + 12.0 * l * d * s, "one table either way");
+}
+
+#[test]
+fn activation_formula_matches_what_the_model_keeps() {
+    for extra in [&[][..], &["model.tie_word_embeddings=true", "model.head_dim=12"], common::SMALL] {
+        let c = cfg(extra);
+        let (batch, seq) = (3, c.train.seq_len);
+        let mut model = Llama::new(&c.model, 1);
+        let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % c.model.vocab_size) as u32).collect();
+        let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        model.forward(&tokens, batch, &targets).unwrap();
+        assert_eq!(model.activation_bytes(), activation_bytes(&c.model, batch, seq, 1, DType::F32), "{extra:?}");
+    }
+}
+
+#[test]
+fn peaks_by_gpu_name() {
+    assert_eq!(peak_tflops("NVIDIA H100 80GB HBM3", DType::Bf16), Some(989.4));
+    assert_eq!(peak_tflops("NVIDIA H100 PCIe", DType::Bf16), Some(756.5));
+    assert_eq!(peak_tflops("NVIDIA GH200 480GB", DType::F32), Some(66.9));
+    assert_eq!(peak_tflops("NVIDIA A100-SXM4-80GB", DType::Bf16), Some(312.0));
+    assert_eq!(peak_tflops("Some Future GPU", DType::Bf16), None);
+}
+
+#[test]
+fn bench_reports_a_table_and_json() {
+    let small: Vec<String> = common::SMALL.iter().map(|s| s.to_string()).collect();
+    let r = bench::bench(&Config::load(None, &small).unwrap(), 1, 2, Some(1.0)).unwrap();
+    assert_eq!((r.measured_steps, r.tokens_per_step), (2, 16 * 32));
+    assert!(r.step_ms > 0.0 && r.tokens_per_s > 0.0 && r.mfu.unwrap() > 0.0);
+    assert!((r.achieved_tflops - r.flops_per_token * r.tokens_per_s / 1e12).abs() < 1e-12);
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["bench", "--steps", "2", "--warmup", "1"])
+        .args(common::SMALL.iter().flat_map(|s| ["--set", s]))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("tokens/s") && text.contains("MFU                  n/a"), "{text}");
+    let json = text.lines().find_map(|l| l.strip_prefix("json: ")).expect("a json line");
+    let v: serde_json::Value = serde_json::from_str(json).unwrap();
+    assert_eq!(v["measured_steps"], 2);
+    let bad = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(["bench", "--steps", "0"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("--steps 0"));
+}
+
+#[test]
+fn gpu_configs_have_the_published_sizes() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    // the parameter counts Hugging Face reports for these models
+    for (file, params) in [("smollm-135m", 134_515_008), ("smollm-360m", 361_821_120), ("llama-1b", 1_100_048_384)] {
+        let c = Config::load(Some(&root.join(format!("configs/{file}.toml"))), &[]).unwrap();
+        assert_eq!(c.model.parameter_count(), params, "{file}");
+        assert_eq!((c.train.seq_len, c.device.compute_dtype()), (2048, DType::Bf16), "{file}");
+    }
+}
