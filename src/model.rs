@@ -218,6 +218,9 @@ impl<'g> Llama<'g> {
     /// Moves every weight and gradient to `place`: on a GPU in mixed precision each weight
     /// becomes an fp32 master with its bf16 copy, and gradients stay fp32.
     pub fn to_place(&mut self, place: &Place) {
+        if self.place().is(place) {
+            return;
+        }
         for p in self.params_mut() {
             p.value = p.value.to_param(place);
             p.grad = p.grad.to_dtype(place, DType::F32);

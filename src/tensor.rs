@@ -26,6 +26,17 @@ pub enum Place {
     Cuda(Arc<Device>),
 }
 
+impl Place {
+    /// The same device (the CPU, or the same rank's GPU).
+    pub fn is(&self, other: &Place) -> bool {
+        match (self, other) {
+            (Place::Cpu, Place::Cpu) => true,
+            (Place::Cuda(a), Place::Cuda(b)) => Arc::ptr_eq(a, b),
+            _ => false,
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Tensor {
     shape: Vec<usize>,

@@ -164,10 +164,13 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     model.to_place(&place);
     let mut dp = DataParallel::new(dp_group, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
     let mut optimizer = match resumed {
-        Some(r) => r.optimizer(&model.params(), (tp_group.index(), tp_group.size()))?,
-        None => Optimizer::new(&model.params_mut()),
+        Some(r) => {
+            let mut o = r.optimizer(&model.params(), (tp_group.index(), tp_group.size()))?;
+            o.to_place(&place); // the moments were read into host memory
+            o
+        }
+        None => Optimizer::new(&model.params_mut()), // moments made next to the gradients
     };
-    optimizer.to_place(&place);
     let quiet = opts.quiet || me.rank != 0;
     let mut metrics = Metrics::new(t.steps, opts.metrics.filter(|_| me.rank == 0), quiet)?;
     let record = |name: &str, start: Instant| {
