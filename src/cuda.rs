@@ -229,6 +229,43 @@ impl From<Attn> for Shape {
     }
 }
 
+/// One cuBLAS GEMM: column-major c[m, n] = op(a)[m, k] · op(b)[k, n] (op: transposed when `ta`,
+/// `tb`), with leading dimensions lda, ldb, ldc.
+///
+/// cuBLAS is column-major, our matrices row-major. A row-major [r, c] matrix read column-major
+/// *is* its transpose, [c, r] with leading dimension c. So each row-major product C = A·B is asked
+/// as Cᵀ = Bᵀ·Aᵀ: swap the operands, and transpose where the row-major formula has none.
+/// `tests/gemm_layout.rs` runs these shapes through a column-major reference GEMM on the CPU.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gemm {
+    pub ta: bool,
+    pub tb: bool,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub lda: usize,
+    pub ldb: usize,
+    pub ldc: usize,
+}
+
+impl Gemm {
+    /// y[rows, out] = x[rows, inp] · w[out, inp]ᵀ, asked as yᵀ = w · xᵀ: a = w (transposed), b = x.
+    pub fn linear(rows: usize, inp: usize, out: usize) -> Gemm {
+        Gemm { ta: true, tb: false, m: out, n: rows, k: inp, lda: inp, ldb: inp, ldc: out }
+    }
+
+    /// dx[rows, inp] = dy[rows, out] · w[out, inp], asked as dxᵀ = wᵀ · dyᵀ: a = w, b = dy.
+    pub fn input_grad(rows: usize, inp: usize, out: usize) -> Gemm {
+        Gemm { ta: false, tb: false, m: inp, n: rows, k: out, lda: inp, ldb: out, ldc: inp }
+    }
+
+    /// dw[out, inp] += dy[rows, out]ᵀ · x[rows, inp], asked as dwᵀ = xᵀ · dy: a = x, b = dy
+    /// (transposed).
+    pub fn weight_grad(rows: usize, inp: usize, out: usize) -> Gemm {
+        Gemm { ta: false, tb: true, m: inp, n: out, k: rows, lda: inp, ldb: out, ldc: inp }
+    }
+}
+
 /// (grid, block) of a launch.
 type Grid = ((u32, u32, u32), u32);
 
@@ -419,36 +456,26 @@ impl Device {
     }
 
     // -----------------------------------------------------------------------------------------
-    // GEMMs. cuBLAS is column-major: a row-major [r, c] matrix is, to cuBLAS, its transpose
-    // [c, r] with leading dimension c. So row-major C = A·B is asked as Cᵀ = Bᵀ·Aᵀ.
+    // GEMMs: the three products of a linear layer, each one cuBLAS call (shapes in `Gemm`).
 
-    /// Column-major c[m, n] = op(a) · op(b) (+ c when `accumulate`), with fp32 accumulation.
-    #[allow(clippy::too_many_arguments)]
-    fn gemm(
-        &self,
-        (ta, tb): (bool, bool),
-        (m, n, k): (usize, usize, usize),
-        a: (&Buf, usize),
-        b: (&Buf, usize),
-        c: (&Buf, usize),
-        accumulate: bool,
-    ) -> Result<()> {
+    /// c = op(a) · op(b) (+ c when `accumulate`) as `g` describes, with fp32 accumulation.
+    fn gemm(&self, g: Gemm, a: &Buf, b: &Buf, c: &Buf, accumulate: bool) -> Result<()> {
         use blas_sys::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         use blas_sys::cudaDataType::{CUDA_R_16BF, CUDA_R_32F};
         let op = |t: bool| if t { CUBLAS_OP_T } else { CUBLAS_OP_N };
         let ty = |b: &Buf| if b.dtype() == DType::F32 { CUDA_R_32F } else { CUDA_R_16BF };
-        let compute = match a.0.dtype() {
+        let compute = match a.dtype() {
             DType::F32 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F_PEDANTIC, // no TF32
             DType::Bf16 => blas_sys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
         };
-        if a.0.dtype() != b.0.dtype() {
+        if a.dtype() != b.dtype() {
             bail!(
                 "GEMM of a {:?} and a {:?} matrix: the op layer multiplies matrices of one dtype",
-                a.0.dtype(),
-                b.0.dtype()
+                a.dtype(),
+                b.dtype()
             );
         }
-        if m == 0 || n == 0 || (k == 0 && !accumulate) {
+        if g.m == 0 || g.n == 0 || (g.k == 0 && !accumulate) {
             return Ok(()); // an empty product (k = 0: zeros, which the output already holds)
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
@@ -458,54 +485,51 @@ impl Device {
             _ => unreachable!("a buffer address"),
         };
         let i = |v: usize| v as i32;
-        // SAFETY: the op layer checked the shapes: a, b and c hold the m·k, k·n and m·n numbers
-        // their leading dimensions describe; alpha and beta are host f32 as the compute type wants.
+        // SAFETY: the op layer checked the shapes: a, b and c hold the numbers their leading
+        // dimensions describe (`Gemm`); alpha and beta are host f32 as the compute type wants.
         unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
-                op(ta),
-                op(tb),
-                i(m),
-                i(n),
-                i(k),
+                op(g.ta),
+                op(g.tb),
+                i(g.m),
+                i(g.n),
+                i(g.k),
                 &alpha as *const f32 as *const _,
-                addr(a.0.ptr()),
-                ty(a.0),
-                i(a.1),
-                addr(b.0.ptr()),
-                ty(b.0),
-                i(b.1),
+                addr(a.ptr()),
+                ty(a),
+                i(g.lda),
+                addr(b.ptr()),
+                ty(b),
+                i(g.ldb),
                 &beta as *const f32 as *const _,
-                addr(c.0.ptr()),
-                ty(c.0),
-                i(c.1),
+                addr(c.ptr()),
+                ty(c),
+                i(g.ldc),
                 compute,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
         }
-        .map_err(|e| anyhow!("cuBLAS GEMM {m}×{n}×{k}: {e:?}"))
+        .map_err(|e| anyhow!("cuBLAS GEMM {}×{}×{}: {e:?}", g.m, g.n, g.k))
     }
 
-    /// y[m, n] = x[m, k] · w[n, k]ᵀ  ⇔  (column-major) yᵀ = wᵀᵀ · xᵀ.
+    /// y[m, n] = x[m, k] · w[n, k]ᵀ.
     pub fn linear(self: &Arc<Self>, x: &Tensor, w: &Tensor) -> Result<Tensor> {
-        let (m, k, n) = (x.rows(), x.cols(), w.shape()[0]);
-        let y = self.tensor(&[m, n], x.dtype());
-        self.gemm((true, false), (n, m, k), (buf(w), k), (buf(x), k), (buf(&y), n), false)?;
+        let y = self.tensor(&[x.rows(), w.shape()[0]], x.dtype());
+        self.gemm(Gemm::linear(x.rows(), x.cols(), w.shape()[0]), buf(w), buf(x), buf(&y), false)?;
         Ok(y)
     }
 
     /// dx[m, k] = dy[m, n] · w[n, k].
     pub fn linear_input_grad(self: &Arc<Self>, dy: &Tensor, w: &Tensor) -> Result<Tensor> {
-        let (m, n, k) = (dy.rows(), w.shape()[0], w.cols());
-        let dx = self.tensor(&[m, k], dy.dtype());
-        self.gemm((false, false), (k, m, n), (buf(w), k), (buf(dy), n), (buf(&dx), k), false)?;
+        let dx = self.tensor(&[dy.rows(), w.cols()], dy.dtype());
+        self.gemm(Gemm::input_grad(dy.rows(), w.cols(), w.shape()[0]), buf(w), buf(dy), buf(&dx), false)?;
         Ok(dx)
     }
 
     /// dw[n, k] += dy[m, n]ᵀ · x[m, k], accumulated into the fp32 gradient.
     pub fn linear_weight_grad(&self, dy: &Tensor, x: &Tensor, dw: &Tensor) -> Result<()> {
-        let (m, k, n) = (x.rows(), x.cols(), dw.shape()[0]);
-        self.gemm((false, true), (k, n, m), (buf(x), k), (buf(dy), n), (buf(dw), k), true)
+        self.gemm(Gemm::weight_grad(x.rows(), x.cols(), dw.shape()[0]), buf(x), buf(dy), buf(dw), true)
     }
 
     // -----------------------------------------------------------------------------------------
