@@ -16,16 +16,16 @@
 //! and normalisation statistics are fp32. `DType::F32` is the same code in f32 throughout with
 //! cuBLAS's pedantic f32 GEMM (no TF32), so a GPU run can be compared step by step with the CPU.
 //!
-//! Kernel arguments are device addresses and numbers (`Arg`). Launch shapes follow the kernels'
-//! header comments: one block per row for row-wise ops, grid-stride loops for elementwise ops,
-//! BQ = 64 query rows (or BK = 32 key rows) per block for attention.
+//! Each op method allocates its outputs, takes the buffers' device addresses, and queues the
+//! launches `launches.rs` describes (kernel, grid, arguments); matrix products go to cuBLAS.
 
 use crate::gpu::{cuda_err, Gpu};
+use crate::launches::{self, Addr, Arg, Launch, NORM_BLOCKS};
 use crate::ops::{AdamW, Attn};
 use crate::tensor::Tensor;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys, CudaBlas};
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -39,7 +39,8 @@ pub enum DType {
 }
 
 impl DType {
-    fn suffix(self) -> &'static str {
+    /// The suffix of the kernels instantiated for this dtype (`name_f32`, `name_bf16`).
+    pub fn suffix(self) -> &'static str {
         match self {
             DType::F32 => "f32",
             DType::Bf16 => "bf16",
@@ -95,19 +96,19 @@ impl Buf {
     }
 
     /// The address the kernels read and write (a mixed weight's bf16 copy).
-    fn ptr(&self) -> Arg {
+    fn addr(&self) -> Addr {
         let s = &self.dev.gpu.compute;
-        Arg::Ptr(match &self.data {
+        match &self.data {
             Data::F32(x) => x.device_ptr(s).0,
             Data::Bf16(x) | Data::Mixed { copy: x, .. } => x.device_ptr(s).0,
-        })
+        }
     }
 
     /// The fp32 numbers: an f32 buffer, or a mixed weight's master.
-    fn f32_ptr(&self) -> Arg {
+    fn f32_addr(&self) -> Addr {
         let s = &self.dev.gpu.compute;
         match &self.data {
-            Data::F32(x) | Data::Mixed { master: x, .. } => Arg::Ptr(x.device_ptr(s).0),
+            Data::F32(x) | Data::Mixed { master: x, .. } => x.device_ptr(s).0,
             Data::Bf16(_) => panic!("an f32 GPU buffer was expected, this one is bf16"),
         }
     }
@@ -133,8 +134,7 @@ impl Buf {
                 Data::Bf16(x) => {
                     let f32s = d.gpu.zeros::<f32>(x.len())?;
                     let s = &d.gpu.compute;
-                    let args = [Arg::Ptr(x.device_ptr(s).0), Arg::Ptr(f32s.device_ptr(s).0), Arg::I64(x.len() as i64)];
-                    d.launch("elementwise", "cast_bf16_to_f32", grid_for(x.len()), &args)?;
+                    d.run(&launches::cast_bf16_to_f32(x.device_ptr(s).0, f32s.device_ptr(s).0, x.len()))?;
                     d.gpu.download(&f32s)
                 }
             })(),
@@ -190,45 +190,6 @@ impl std::fmt::Debug for Buf {
     }
 }
 
-/// One kernel argument: a device address or a number, as the kernel declares it (`long` is i64).
-#[derive(Clone, Copy)]
-enum Arg {
-    Ptr(u64),
-    I32(i32),
-    I64(i64),
-    F32(f32),
-    F64(f64),
-    Shape(Shape),
-}
-
-/// The attention shape as `kernels/attention.cu` reads it (a `struct Shape` of six ints).
-#[repr(C)]
-#[derive(Clone, Copy)]
-struct Shape {
-    batch: i32,
-    seq: i32,
-    kv_seq: i32,
-    heads: i32,
-    kv_heads: i32,
-    head_dim: i32,
-}
-// SAFETY: six i32 in C layout, as the kernel declares them.
-unsafe impl DeviceRepr for Shape {}
-
-impl From<Attn> for Shape {
-    fn from(a: Attn) -> Shape {
-        let i = |v: usize| v as i32;
-        Shape {
-            batch: i(a.batch),
-            seq: i(a.seq),
-            kv_seq: i(a.kv_seq),
-            heads: i(a.heads),
-            kv_heads: i(a.kv_heads),
-            head_dim: i(a.head_dim),
-        }
-    }
-}
-
 /// One cuBLAS GEMM: column-major c[m, n] = op(a)[m, k] · op(b)[k, n] (op: transposed when `ta`,
 /// `tb`), with leading dimensions lda, ldb, ldc.
 ///
@@ -264,23 +225,6 @@ impl Gemm {
     pub fn weight_grad(rows: usize, inp: usize, out: usize) -> Gemm {
         Gemm { ta: false, tb: true, m: inp, n: out, k: rows, lda: inp, ldb: out, ldc: inp }
     }
-}
-
-/// (grid, block) of a launch.
-type Grid = ((u32, u32, u32), u32);
-
-const THREADS: u32 = 256;
-/// Blocks of the sum-of-squares kernel, each writing one partial sum.
-const NORM_BLOCKS: usize = 256;
-
-/// One block per row.
-fn grid_rows(rows: usize) -> Grid {
-    ((rows as u32, 1, 1), THREADS)
-}
-
-/// One thread per item.
-fn grid_for(n: usize) -> Grid {
-    ((n.div_ceil(THREADS as usize).max(1) as u32, 1, 1), THREADS)
 }
 
 /// An index array and its device copy.
@@ -357,27 +301,27 @@ impl Device {
         Ok(f)
     }
 
-    /// Queues kernel `name` of `kernels/{file}.cu` on the compute stream.
-    fn launch(&self, file: &'static str, name: &str, (grid, block): Grid, args: &[Arg]) -> Result<()> {
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+    /// Queues a kernel launch (`launches.rs`) on the compute stream.
+    fn run(&self, l: &Launch) -> Result<()> {
+        if l.grid.0 == 0 || l.grid.1 == 0 || l.grid.2 == 0 {
             return Ok(()); // nothing to compute (an empty tensor)
         }
-        let f = self.function(file, name)?;
-        let mut l = self.gpu.compute.launch_builder(&f);
-        for a in args {
+        let f = self.function(l.file, &l.kernel)?;
+        let mut b = self.gpu.compute.launch_builder(&f);
+        for a in &l.args {
             match a {
-                Arg::Ptr(v) => l.arg(v),
-                Arg::I32(v) => l.arg(v),
-                Arg::I64(v) => l.arg(v),
-                Arg::F32(v) => l.arg(v),
-                Arg::F64(v) => l.arg(v),
-                Arg::Shape(v) => l.arg(v),
+                Arg::Ptr(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::F64(v) => b.arg(v),
+                Arg::Shape(v) => b.arg(v),
             };
         }
-        let config = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: every caller passes the argument list its kernel declares, with buffers of the
-        // sizes the launch shape reaches (the op layer checked the shapes).
-        unsafe { l.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {name}: {e:?}"))
+        let config = LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        // SAFETY: `launches.rs` passes the argument list each kernel declares, and the op layer
+        // checked that the buffers hold what the launch shape reaches.
+        unsafe { b.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {}: {e:?}", l.kernel))
     }
 
     /// A zero-filled buffer of `n` numbers.
@@ -427,8 +371,7 @@ impl Device {
     /// to ← bf16(from), on the GPU.
     fn cast(&self, from: &CudaSlice<f32>, to: &CudaSlice<bf16>) -> Result<()> {
         let s = &self.gpu.compute;
-        let args = [Arg::Ptr(from.device_ptr(s).0), Arg::Ptr(to.device_ptr(s).0), Arg::I64(from.len() as i64)];
-        self.launch("elementwise", "cast_f32_to_bf16", grid_for(from.len()), &args)
+        self.run(&launches::cast_f32_to_bf16(from.device_ptr(s).0, to.device_ptr(s).0, from.len()))
     }
 
     /// The device copy of an index array (tokens, targets as their bits, positions).
@@ -445,14 +388,12 @@ impl Device {
         Ok(d)
     }
 
-    fn index_arg(&self, v: &[u32]) -> Result<(Arg, Arc<CudaSlice<u32>>)> {
+    /// The address of an index array's device copy, and the copy (keep it until the launch is
+    /// queued).
+    fn index_addr(&self, v: &[u32]) -> Result<(Addr, Arc<CudaSlice<u32>>)> {
         let d = self.indices(v)?;
-        let ptr = d.device_ptr(&self.gpu.compute).0;
-        Ok((Arg::Ptr(ptr), d))
-    }
-
-    fn typed(&self, name: &str, t: &Tensor) -> String {
-        format!("{name}_{}", t.dtype().suffix())
+        let addr = d.device_ptr(&self.gpu.compute).0;
+        Ok((addr, d))
     }
 
     // -----------------------------------------------------------------------------------------
@@ -480,10 +421,7 @@ impl Device {
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         self.gpu.ctx.bind_to_thread().map_err(cuda_err)?; // cuBLAS runs in the thread's current context
-        let addr = |x: Arg| match x {
-            Arg::Ptr(p) => p as *mut std::ffi::c_void,
-            _ => unreachable!("a buffer address"),
-        };
+        let addr = |b: &Buf| b.addr() as *mut std::ffi::c_void;
         let i = |v: usize| v as i32;
         // SAFETY: the op layer checked the shapes: a, b and c hold the numbers their leading
         // dimensions describe (`Gemm`); alpha and beta are host f32 as the compute type wants.
@@ -496,14 +434,14 @@ impl Device {
                 i(g.n),
                 i(g.k),
                 &alpha as *const f32 as *const _,
-                addr(a.ptr()),
+                addr(a),
                 ty(a),
                 i(g.lda),
-                addr(b.ptr()),
+                addr(b),
                 ty(b),
                 i(g.ldb),
                 &beta as *const f32 as *const _,
-                addr(c.ptr()),
+                addr(c),
                 ty(c),
                 i(g.ldc),
                 compute,
@@ -533,39 +471,26 @@ impl Device {
     }
 
     // -----------------------------------------------------------------------------------------
-    // Kernels, one method per op of `ops.rs`, same arguments.
+    // Kernels, one method per op of `ops.rs`, same arguments; the launches are in `launches.rs`.
 
     pub fn embedding(self: &Arc<Self>, table: &Tensor, tokens: &[u32], first: usize) -> Result<Tensor> {
-        let dim = table.cols();
-        let out = self.tensor(&[tokens.len(), dim], table.dtype());
-        let (ids, _keep) = self.index_arg(tokens)?;
-        let name = self.typed("embedding_forward", &out);
-        let args = [
-            buf(table).ptr(),
-            ids,
-            Arg::I64(first as i64),
-            Arg::I64(table.rows() as i64),
-            Arg::I32(dim as i32),
-            buf(&out).ptr(),
-        ];
-        self.launch("embedding", &name, grid_rows(tokens.len()), &args)?;
+        let (dt, dim) = (table.dtype(), table.cols());
+        let out = self.tensor(&[tokens.len(), dim], dt);
+        let (ids, _keep) = self.index_addr(tokens)?;
+        self.run(&launches::embedding(dt, (addr(table), table.rows()), (ids, tokens.len()), first, dim, addr(&out)))?;
         Ok(out)
     }
 
     pub fn embedding_backward(&self, dout: &Tensor, tokens: &[u32], first: usize, dtable: &Tensor) -> Result<()> {
-        let dim = dtable.cols();
-        let (ids, _keep) = self.index_arg(tokens)?;
-        let n = Arg::I64(tokens.len() as i64);
-        let rows = Arg::I64(dtable.rows() as i64);
-        let args = [buf(dout).ptr(), ids, n, Arg::I64(first as i64), rows, Arg::I32(dim as i32), buf(dtable).f32_ptr()];
-        self.launch("embedding", &self.typed("embedding_backward", dout), grid_for(dim), &args)
+        let (ids, _keep) = self.index_addr(tokens)?;
+        let shape = (dtable.rows(), dtable.cols());
+        let dt = dout.dtype();
+        self.run(&launches::embedding_backward(dt, addr(dout), (ids, tokens.len()), first, shape, f32_addr(dtable)))
     }
 
     pub fn rmsnorm(self: &Arc<Self>, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
         let (y, rstd) = (self.tensor(x.shape(), x.dtype()), self.tensor(&[x.rows()], DType::F32));
-        let args =
-            [buf(x).ptr(), buf(w).ptr(), Arg::F32(eps), Arg::I32(x.cols() as i32), buf(&y).ptr(), buf(&rstd).ptr()];
-        self.launch("rmsnorm", &self.typed("rmsnorm_forward", x), grid_rows(x.rows()), &args)?;
+        self.run(&launches::rmsnorm(x.dtype(), addr(x), addr(w), eps, (x.rows(), x.cols()), addr(&y), addr(&rstd)))?;
         Ok((y, rstd))
     }
 
@@ -578,28 +503,17 @@ impl Device {
         dw: &Tensor,
     ) -> Result<Tensor> {
         let dx = self.tensor(x.shape(), x.dtype());
-        let dim = Arg::I32(x.cols() as i32);
-        let args = [buf(dy).ptr(), buf(x).ptr(), buf(w).ptr(), buf(rstd).ptr(), dim, buf(&dx).ptr()];
-        self.launch("rmsnorm", &self.typed("rmsnorm_backward_dx", x), grid_rows(x.rows()), &args)?;
-        let rows = Arg::I64(x.rows() as i64);
-        let args = [buf(dy).ptr(), buf(x).ptr(), buf(rstd).ptr(), rows, dim, buf(dw).f32_ptr()];
-        self.launch("rmsnorm", &self.typed("rmsnorm_backward_dw", x), grid_for(x.cols()), &args)?;
+        let inputs = (addr(dy), addr(x), addr(w), addr(rstd));
+        for l in launches::rmsnorm_backward(x.dtype(), inputs, (x.rows(), x.cols()), addr(&dx), f32_addr(dw)) {
+            self.run(&l)?;
+        }
         Ok(dx)
     }
 
     pub fn rope(&self, x: &Tensor, positions: &[u32], head_dim: usize, theta: f64, inverse: bool) -> Result<()> {
-        let heads = x.cols() / head_dim;
-        let (pos, _keep) = self.index_arg(positions)?;
-        let args = [
-            buf(x).ptr(),
-            pos,
-            Arg::I64(x.rows() as i64),
-            Arg::I32(heads as i32),
-            Arg::I32(head_dim as i32),
-            Arg::F64(theta),
-            Arg::I32(inverse as i32),
-        ];
-        self.launch("rope", &self.typed("rope", x), grid_for(x.rows() * heads * head_dim / 2), &args)
+        let (pos, _keep) = self.index_addr(positions)?;
+        let shape = (x.rows(), x.cols() / head_dim, head_dim);
+        self.run(&launches::rope(x.dtype(), addr(x), pos, shape, theta, inverse))
     }
 
     pub fn attention(
@@ -610,11 +524,9 @@ impl Device {
     ) -> Result<(Tensor, Tensor)> {
         check_head_dim(a)?;
         let (out, lse) = (self.tensor(q.shape(), q.dtype()), self.tensor(&[a.batch, a.heads, a.seq], DType::F32));
-        let ((qp, _k1), (kp, _k2)) = (self.index_arg(pos.0)?, self.index_arg(pos.1)?);
-        let args =
-            [Arg::Shape(a.into()), buf(q).ptr(), buf(k).ptr(), buf(v).ptr(), qp, kp, buf(&out).ptr(), buf(&lse).ptr()];
-        let grid = ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 64);
-        self.launch("attention", &self.typed("attention_forward", q), grid, &args)?;
+        let ((qp, _k1), (kp, _k2)) = (self.index_addr(pos.0)?, self.index_addr(pos.1)?);
+        let qkv = (addr(q), addr(k), addr(v));
+        self.run(&launches::attention(q.dtype(), a, qkv, (qp, kp), addr(&out), addr(&lse)))?;
         Ok((out, lse))
     }
 
@@ -627,82 +539,59 @@ impl Device {
         dout: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         check_head_dim(a)?;
-        let shape = Arg::Shape(a.into());
         let delta = self.tensor(lse.shape(), DType::F32);
-        let args = [shape, buf(out).ptr(), buf(dout).ptr(), buf(&delta).ptr()];
-        self.launch("attention", &self.typed("attention_delta", q), grid_for(lse.numel()), &args)?;
         let (dq, dk, dv) =
             (self.tensor(q.shape(), q.dtype()), self.tensor(k.shape(), k.dtype()), self.tensor(v.shape(), v.dtype()));
-        let ((qp, _k1), (kp, _k2)) = (self.index_arg(pos.0)?, self.index_arg(pos.1)?);
-        let inputs = [
-            shape,
-            buf(q).ptr(),
-            buf(k).ptr(),
-            buf(v).ptr(),
-            qp,
-            kp,
-            buf(lse).ptr(),
-            buf(&delta).ptr(),
-            buf(dout).ptr(),
-        ];
-        let mut args = inputs.to_vec();
-        args.push(buf(&dq).ptr());
-        let grid = ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 64);
-        self.launch("attention", &self.typed("attention_dq", q), grid, &args)?;
-        let mut args = inputs.to_vec();
-        args.extend([buf(&dk).ptr(), buf(&dv).ptr()]);
-        let grid = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);
-        self.launch("attention", &self.typed("attention_dkdv", q), grid, &args)?;
+        let ((qp, _k1), (kp, _k2)) = (self.index_addr(pos.0)?, self.index_addr(pos.1)?);
+        let (qkv, grads) = ((addr(q), addr(k), addr(v)), (addr(&dq), addr(&dk), addr(&dv)));
+        let saved = (addr(out), addr(lse), addr(dout));
+        for l in launches::attention_backward(q.dtype(), a, qkv, (qp, kp), saved, addr(&delta), grads) {
+            self.run(&l)?;
+        }
         Ok((dq, dk, dv))
     }
 
     pub fn attention_merge(&self, a: Attn, (out, lse): (&Tensor, &Tensor), block: (&Tensor, &Tensor)) -> Result<()> {
-        let args = [Arg::Shape(a.into()), buf(out).ptr(), buf(lse).ptr(), buf(block.0).ptr(), buf(block.1).ptr()];
-        self.launch("attention", &self.typed("attention_merge", out), grid_for(lse.numel()), &args)
+        self.run(&launches::attention_merge(out.dtype(), a, (addr(out), addr(lse)), (addr(block.0), addr(block.1))))
     }
 
     pub fn swiglu(self: &Arc<Self>, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
         let h = self.tensor(gate.shape(), gate.dtype());
-        let args = [buf(gate).ptr(), buf(up).ptr(), buf(&h).ptr(), Arg::I64(h.numel() as i64)];
-        self.launch("swiglu", &self.typed("swiglu_forward", gate), grid_for(h.numel()), &args)?;
+        self.run(&launches::swiglu(gate.dtype(), (addr(gate), addr(up)), addr(&h), h.numel()))?;
         Ok(h)
     }
 
     pub fn swiglu_backward(self: &Arc<Self>, dh: &Tensor, gate: &Tensor, up: &Tensor) -> Result<(Tensor, Tensor)> {
         let (dg, du) = (self.tensor(gate.shape(), gate.dtype()), self.tensor(up.shape(), up.dtype()));
-        let n = Arg::I64(dh.numel() as i64);
-        let args = [buf(dh).ptr(), buf(gate).ptr(), buf(up).ptr(), buf(&dg).ptr(), buf(&du).ptr(), n];
-        self.launch("swiglu", &self.typed("swiglu_backward", gate), grid_for(dh.numel()), &args)?;
+        let inputs = (addr(dh), addr(gate), addr(up));
+        self.run(&launches::swiglu_backward(gate.dtype(), inputs, (addr(&dg), addr(&du)), dh.numel()))?;
         Ok((dg, du))
     }
 
     pub fn row_max(self: &Arc<Self>, logits: &Tensor) -> Result<Tensor> {
         let m = self.tensor(&[logits.rows()], DType::F32);
-        let args = [buf(logits).ptr(), Arg::I32(logits.cols() as i32), buf(&m).ptr()];
-        self.launch("cross_entropy", &self.typed("row_max", logits), grid_rows(logits.rows()), &args)?;
+        self.run(&launches::row_max(logits.dtype(), addr(logits), (logits.rows(), logits.cols()), addr(&m)))?;
         Ok(m)
     }
 
     pub fn row_sum_exp(self: &Arc<Self>, logits: &Tensor, max: &Tensor) -> Result<Tensor> {
         let s = self.tensor(&[logits.rows()], DType::F32);
-        let args = [buf(logits).ptr(), Arg::I32(logits.cols() as i32), buf(max).ptr(), buf(&s).ptr()];
-        self.launch("cross_entropy", &self.typed("row_sum_exp", logits), grid_rows(logits.rows()), &args)?;
+        let shape = (logits.rows(), logits.cols());
+        self.run(&launches::row_sum_exp(logits.dtype(), addr(logits), shape, addr(max), addr(&s)))?;
         Ok(s)
     }
 
     pub fn log_sum_exp(self: &Arc<Self>, max: &Tensor, sum_exp: &Tensor) -> Result<Tensor> {
         let lse = self.tensor(max.shape(), DType::F32);
-        let args = [buf(max).ptr(), buf(sum_exp).ptr(), buf(&lse).ptr(), Arg::I64(max.numel() as i64)];
-        self.launch("cross_entropy", "log_sum_exp", grid_for(max.numel()), &args)?;
+        self.run(&launches::log_sum_exp(addr(max), addr(sum_exp), addr(&lse), max.numel()))?;
         Ok(lse)
     }
 
     pub fn target_logits(self: &Arc<Self>, logits: &Tensor, targets: &[i32], first: usize) -> Result<Tensor> {
         let z = self.tensor(&[targets.len()], DType::F32);
-        let (t, _keep) = self.index_arg(&target_bits(targets))?;
-        let rows = Arg::I64(targets.len() as i64);
-        let args = [buf(logits).ptr(), Arg::I32(logits.cols() as i32), t, Arg::I64(first as i64), rows, buf(&z).ptr()];
-        self.launch("cross_entropy", &self.typed("target_logit", logits), grid_for(targets.len()), &args)?;
+        let (t, _keep) = self.index_addr(&target_bits(targets))?;
+        let shape = (logits.rows(), logits.cols());
+        self.run(&launches::target_logit(logits.dtype(), addr(logits), shape, t, first, addr(&z)))?;
         Ok(z)
     }
 
@@ -715,11 +604,9 @@ impl Device {
         scale: f32,
     ) -> Result<Tensor> {
         let d = self.tensor(logits.shape(), logits.dtype());
-        let (t, _keep) = self.index_arg(&target_bits(targets))?;
-        let vocab = Arg::I32(logits.cols() as i32);
-        let args =
-            [buf(logits).ptr(), t, Arg::I64(first as i64), buf(lse).ptr(), Arg::F32(scale), vocab, buf(&d).ptr()];
-        self.launch("cross_entropy", &self.typed("cross_entropy_backward", logits), grid_rows(logits.rows()), &args)?;
+        let (t, _keep) = self.index_addr(&target_bits(targets))?;
+        let (dt, shape) = (logits.dtype(), (logits.rows(), logits.cols()));
+        self.run(&launches::cross_entropy_backward(dt, (addr(logits), t), first, (addr(lse), scale), shape, addr(&d)))?;
         Ok(d)
     }
 
@@ -727,24 +614,20 @@ impl Device {
         if a.dtype() != b.dtype() {
             bail!("adding a {:?} tensor to a {:?} one", b.dtype(), a.dtype());
         }
-        let args = [buf(a).ptr(), buf(b).ptr(), Arg::I64(a.numel() as i64)];
-        self.launch("elementwise", &self.typed("add_assign", a), grid_for(a.numel()), &args)
+        self.run(&launches::add_assign(a.dtype(), addr(a), addr(b), a.numel()))
     }
 
     pub fn scale(&self, a: &Tensor, s: f32) -> Result<()> {
-        let args = [buf(a).ptr(), Arg::F32(s), Arg::I64(a.numel() as i64)];
-        self.launch("elementwise", &self.typed("scale", a), grid_for(a.numel()), &args)
+        self.run(&launches::scale(a.dtype(), addr(a), s, a.numel()))
     }
 
     /// Σ x² of each f32 tensor: every tensor's partial sums land in one buffer, which is read
     /// back once (one wait for the GPU for the whole gradient norm).
     pub fn sum_squares(self: &Arc<Self>, ts: &[&Tensor]) -> Result<Vec<f64>> {
         let partial = self.zeros(ts.len() * NORM_BLOCKS, DType::F32);
-        let Arg::Ptr(base) = partial.f32_ptr() else { unreachable!("a buffer address") };
         for (i, t) in ts.iter().enumerate() {
-            let at = Arg::Ptr(base + (i * NORM_BLOCKS * 4) as u64);
-            let grid = ((NORM_BLOCKS as u32, 1, 1), THREADS);
-            self.launch("elementwise", "sum_squares_f32", grid, &[buf(t).f32_ptr(), Arg::I64(t.numel() as i64), at])?;
+            let at = partial.f32_addr() + (i * NORM_BLOCKS * 4) as u64;
+            self.run(&launches::sum_squares(f32_addr(t), t.numel(), at))?;
         }
         let sums = partial.to_vec();
         Ok(sums.chunks(NORM_BLOCKS).map(|c| c.iter().map(|&x| x as f64).sum()).collect())
@@ -753,28 +636,9 @@ impl Device {
     /// One AdamW step on the fp32 master weight; in mixed precision the same kernel writes the
     /// new bf16 copy.
     pub fn adamw(&self, o: &AdamW, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
-        let p = buf(p);
-        let mut args = vec![
-            p.f32_ptr(),
-            buf(g).f32_ptr(),
-            buf(m).f32_ptr(),
-            buf(v).f32_ptr(),
-            Arg::I64(p.len() as i64),
-            Arg::F32(o.lr),
-            Arg::F32(o.beta1),
-            Arg::F32(o.beta2),
-            Arg::F32(o.eps),
-            Arg::F32(o.weight_decay),
-            Arg::I32(o.step as i32),
-        ];
-        let name = match p.data {
-            Data::Mixed { .. } => {
-                args.push(p.ptr());
-                "adamw_bf16"
-            }
-            _ => "adamw_f32",
-        };
-        self.launch("adamw", name, grid_for(p.len()), &args)
+        let copy = matches!(buf(p).data, Data::Mixed { .. }).then(|| addr(p));
+        let f32s = (f32_addr(p), f32_addr(g), f32_addr(m), f32_addr(v));
+        self.run(&launches::adamw(o, f32s, p.numel(), copy))
     }
 }
 
@@ -800,6 +664,16 @@ fn load_error(file: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
 /// The GPU buffer of a tensor the op layer has already found on the GPU.
 fn buf(t: &Tensor) -> &Buf {
     t.gpu().expect("the op layer checked that every tensor of the op is on the GPU")
+}
+
+/// The address the kernels read and write.
+fn addr(t: &Tensor) -> Addr {
+    buf(t).addr()
+}
+
+/// The address of the fp32 numbers (a gradient, a moment, a master weight).
+fn f32_addr(t: &Tensor) -> Addr {
+    buf(t).f32_addr()
 }
 
 /// Targets are `int` in the kernels: the same 32 bits.

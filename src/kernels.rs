@@ -71,11 +71,18 @@ pub fn ptx(name: &str, arch: &'static str) -> Result<Arc<Ptx>> {
     Ok(compiled)
 }
 
-/// Compiles kernel file `name` for `arch`; the error carries NVRTC's log.
-pub fn compile(name: &str, arch: &'static str) -> Result<Ptx> {
+/// Kernel file `name` as it is compiled: `common.cuh`, then the file (its lines numbered as in
+/// `kernels/{name}.cu`, for the compiler's messages).
+pub fn full_source(name: &str) -> Result<String> {
     let Some((_, source)) = SOURCES.iter().find(|(n, _)| *n == name) else {
         bail!("no kernel file named {name}");
     };
+    Ok(format!("{COMMON}\n#line 1 \"{name}.cu\"\n{source}"))
+}
+
+/// Compiles kernel file `name` for `arch`; the error carries NVRTC's log.
+pub fn compile(name: &str, arch: &'static str) -> Result<Ptx> {
+    let text = full_source(name)?;
     let include = nvrtc_ready()?;
     let options = CompileOptions {
         arch: Some(arch),
@@ -83,7 +90,6 @@ pub fn compile(name: &str, arch: &'static str) -> Result<Ptx> {
         options: vec!["--std=c++17".into()],
         ..Default::default()
     };
-    let text = format!("{COMMON}\n#line 1 \"{name}.cu\"\n{source}");
     cudarc::nvrtc::compile_ptx_with_opts(text, options).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => {
             anyhow!("kernels/{name}.cu does not compile for {arch}:\n{}", log.to_string_lossy())

@@ -29,6 +29,7 @@ pub mod hub;
 pub mod init;
 pub mod kernels;
 pub mod launch;
+pub mod launches;
 pub mod metrics;
 pub mod model;
 pub mod ops;

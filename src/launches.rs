@@ -1,0 +1,302 @@
+//! # Kernel launches: which kernel each op runs, on what grid, with which arguments
+//!
+//! Every CUDA kernel launch of the op layer is written here once, as a `Launch` value built from
+//! buffer addresses and shapes: the kernel's name (`name_f32` or `name_bf16` by the compute
+//! dtype), its grid and block, and its arguments in the order its `extern "C"` signature declares
+//! them (`long` is i64, `int` i32, pointers are addresses). `cuda.rs` queues them on a GPU;
+//! `tests/kernels_emulated.rs` runs the very same launches on the CPU through a thread-per-CUDA-
+//! thread emulator, so the kernels and these argument lists are tested where there is no GPU.
+//!
+//! Launch shapes follow the kernels' header comments: one block of 256 threads per row for
+//! row-wise ops, one thread per element (or per column, for the deterministic weight gradients)
+//! otherwise, BQ = 64 query rows per block for attention and its dq, BK = 32 key rows for dk/dv.
+
+use crate::cuda::DType;
+use crate::ops::{AdamW, Attn};
+
+/// A device address (on the CPU emulator, a host address).
+pub type Addr = u64;
+
+/// One kernel argument, as the kernel declares it.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(Addr),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Shape(Shape),
+}
+
+/// The attention shape as `kernels/attention.cu` reads it (a `struct Shape` of six ints).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    batch: i32,
+    seq: i32,
+    kv_seq: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+}
+// SAFETY: six i32 in C layout, as the kernel declares them.
+unsafe impl cudarc::driver::DeviceRepr for Shape {}
+
+impl From<Attn> for Shape {
+    fn from(a: Attn) -> Shape {
+        let i = |v: usize| v as i32;
+        Shape {
+            batch: i(a.batch),
+            seq: i(a.seq),
+            kv_seq: i(a.kv_seq),
+            heads: i(a.heads),
+            kv_heads: i(a.kv_heads),
+            head_dim: i(a.head_dim),
+        }
+    }
+}
+
+/// One launch of kernel `kernel` of `kernels/{file}.cu`.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub file: &'static str,
+    pub kernel: String,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub args: Vec<Arg>,
+}
+
+pub const THREADS: u32 = 256;
+/// Blocks of the sum-of-squares kernel, each writing one partial sum.
+pub const NORM_BLOCKS: usize = 256;
+
+fn launch(file: &'static str, kernel: String, (grid, block): ((u32, u32, u32), u32), args: Vec<Arg>) -> Launch {
+    Launch { file, kernel, grid, block, args }
+}
+
+/// `name_f32` or `name_bf16`.
+fn typed(name: &str, dt: DType) -> String {
+    format!("{name}_{}", dt.suffix())
+}
+
+/// One block per row.
+fn rows(n: usize) -> ((u32, u32, u32), u32) {
+    ((n as u32, 1, 1), THREADS)
+}
+
+/// One thread per item.
+fn each(n: usize) -> ((u32, u32, u32), u32) {
+    ((n.div_ceil(THREADS as usize).max(1) as u32, 1, 1), THREADS)
+}
+
+use Arg::{Ptr, F32, F64, I32, I64};
+
+fn long(v: usize) -> Arg {
+    I64(v as i64)
+}
+
+fn int(v: usize) -> Arg {
+    I32(v as i32)
+}
+
+pub fn cast_f32_to_bf16(from: Addr, to: Addr, n: usize) -> Launch {
+    launch("elementwise", "cast_f32_to_bf16".into(), each(n), vec![Ptr(from), Ptr(to), long(n)])
+}
+
+pub fn cast_bf16_to_f32(from: Addr, to: Addr, n: usize) -> Launch {
+    launch("elementwise", "cast_bf16_to_f32".into(), each(n), vec![Ptr(from), Ptr(to), long(n)])
+}
+
+/// out[tokens, dim] from a table of `table_rows` ids starting at `first`.
+pub fn embedding(
+    dt: DType,
+    (table, table_rows): (Addr, usize),
+    (ids, tokens): (Addr, usize),
+    first: usize,
+    dim: usize,
+    out: Addr,
+) -> Launch {
+    let args = vec![Ptr(table), Ptr(ids), long(first), long(table_rows), int(dim), Ptr(out)];
+    launch("embedding", typed("embedding_forward", dt), rows(tokens), args)
+}
+
+/// dtable (f32) += the rows of dout, one thread per feature column.
+pub fn embedding_backward(
+    dt: DType,
+    dout: Addr,
+    (ids, tokens): (Addr, usize),
+    first: usize,
+    (table_rows, dim): (usize, usize),
+    dtable: Addr,
+) -> Launch {
+    let args = vec![Ptr(dout), Ptr(ids), long(tokens), long(first), long(table_rows), int(dim), Ptr(dtable)];
+    launch("embedding", typed("embedding_backward", dt), each(dim), args)
+}
+
+pub fn rmsnorm(dt: DType, x: Addr, w: Addr, eps: f32, (n, dim): (usize, usize), y: Addr, rstd: Addr) -> Launch {
+    launch(
+        "rmsnorm",
+        typed("rmsnorm_forward", dt),
+        rows(n),
+        vec![Ptr(x), Ptr(w), F32(eps), int(dim), Ptr(y), Ptr(rstd)],
+    )
+}
+
+/// dx (one block per row), then dw += (f32, one thread per feature column).
+pub fn rmsnorm_backward(
+    dt: DType,
+    (dy, x, w, rstd): (Addr, Addr, Addr, Addr),
+    (n, dim): (usize, usize),
+    dx: Addr,
+    dw: Addr,
+) -> [Launch; 2] {
+    [
+        launch(
+            "rmsnorm",
+            typed("rmsnorm_backward_dx", dt),
+            rows(n),
+            vec![Ptr(dy), Ptr(x), Ptr(w), Ptr(rstd), int(dim), Ptr(dx)],
+        ),
+        launch(
+            "rmsnorm",
+            typed("rmsnorm_backward_dw", dt),
+            each(dim),
+            vec![Ptr(dy), Ptr(x), Ptr(rstd), long(n), int(dim), Ptr(dw)],
+        ),
+    ]
+}
+
+/// Rotates x[n, heads·head_dim] in place (by −angle when `inverse`).
+pub fn rope(
+    dt: DType,
+    x: Addr,
+    positions: Addr,
+    (n, heads, head_dim): (usize, usize, usize),
+    theta: f64,
+    inverse: bool,
+) -> Launch {
+    let args = vec![Ptr(x), Ptr(positions), long(n), int(heads), int(head_dim), F64(theta), I32(inverse as i32)];
+    launch("rope", typed("rope", dt), each(n * heads * head_dim / 2), args)
+}
+
+fn query_blocks(a: Attn) -> ((u32, u32, u32), u32) {
+    ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 64)
+}
+
+/// (out, lse) of queries q at q_pos against keys and values at k_pos.
+pub fn attention(
+    dt: DType,
+    a: Attn,
+    (q, k, v): (Addr, Addr, Addr),
+    (q_pos, k_pos): (Addr, Addr),
+    out: Addr,
+    lse: Addr,
+) -> Launch {
+    let args = vec![Arg::Shape(a.into()), Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(out), Ptr(lse)];
+    launch("attention", typed("attention_forward", dt), query_blocks(a), args)
+}
+
+/// The backward in three launches: delta (f32, `[batch, heads, seq]` like lse), dq, then dk and dv.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dt: DType,
+    a: Attn,
+    (q, k, v): (Addr, Addr, Addr),
+    (q_pos, k_pos): (Addr, Addr),
+    (out, lse, dout): (Addr, Addr, Addr),
+    delta: Addr,
+    (dq, dk, dv): (Addr, Addr, Addr),
+) -> [Launch; 3] {
+    let shape = Arg::Shape(a.into());
+    let inputs = vec![shape, Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(lse), Ptr(delta), Ptr(dout)];
+    let key_blocks = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);
+    [
+        launch(
+            "attention",
+            typed("attention_delta", dt),
+            each(a.batch * a.heads * a.seq),
+            vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
+        ),
+        launch("attention", typed("attention_dq", dt), query_blocks(a), [&inputs[..], &[Ptr(dq)]].concat()),
+        launch("attention", typed("attention_dkdv", dt), key_blocks, [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat()),
+    ]
+}
+
+/// Folds a block's (out, lse) into the running (out, lse), one thread per query row.
+pub fn attention_merge(dt: DType, a: Attn, (out, lse): (Addr, Addr), (block_out, block_lse): (Addr, Addr)) -> Launch {
+    let args = vec![Arg::Shape(a.into()), Ptr(out), Ptr(lse), Ptr(block_out), Ptr(block_lse)];
+    launch("attention", typed("attention_merge", dt), each(a.batch * a.heads * a.seq), args)
+}
+
+pub fn swiglu(dt: DType, (gate, up): (Addr, Addr), h: Addr, n: usize) -> Launch {
+    launch("swiglu", typed("swiglu_forward", dt), each(n), vec![Ptr(gate), Ptr(up), Ptr(h), long(n)])
+}
+
+pub fn swiglu_backward(dt: DType, (dh, gate, up): (Addr, Addr, Addr), (dgate, dup): (Addr, Addr), n: usize) -> Launch {
+    let args = vec![Ptr(dh), Ptr(gate), Ptr(up), Ptr(dgate), Ptr(dup), long(n)];
+    launch("swiglu", typed("swiglu_backward", dt), each(n), args)
+}
+
+pub fn row_max(dt: DType, logits: Addr, (n, vocab): (usize, usize), max: Addr) -> Launch {
+    launch("cross_entropy", typed("row_max", dt), rows(n), vec![Ptr(logits), int(vocab), Ptr(max)])
+}
+
+pub fn row_sum_exp(dt: DType, logits: Addr, (n, vocab): (usize, usize), max: Addr, sum: Addr) -> Launch {
+    launch("cross_entropy", typed("row_sum_exp", dt), rows(n), vec![Ptr(logits), int(vocab), Ptr(max), Ptr(sum)])
+}
+
+pub fn log_sum_exp(max: Addr, sum: Addr, lse: Addr, n: usize) -> Launch {
+    launch("cross_entropy", "log_sum_exp".into(), each(n), vec![Ptr(max), Ptr(sum), Ptr(lse), long(n)])
+}
+
+/// z[row] = the target's logit where it lies in this vocabulary slice, one thread per row.
+pub fn target_logit(
+    dt: DType,
+    logits: Addr,
+    (n, vocab): (usize, usize),
+    targets: Addr,
+    first: usize,
+    z: Addr,
+) -> Launch {
+    let args = vec![Ptr(logits), int(vocab), Ptr(targets), long(first), long(n), Ptr(z)];
+    launch("cross_entropy", typed("target_logit", dt), each(n), args)
+}
+
+/// d(scale · loss)/d logits, with `lse` the rows' log-sum-exp over the whole vocabulary.
+pub fn cross_entropy_backward(
+    dt: DType,
+    (logits, targets): (Addr, Addr),
+    first: usize,
+    (lse, scale): (Addr, f32),
+    (n, vocab): (usize, usize),
+    d: Addr,
+) -> Launch {
+    let args = vec![Ptr(logits), Ptr(targets), long(first), Ptr(lse), F32(scale), int(vocab), Ptr(d)];
+    launch("cross_entropy", typed("cross_entropy_backward", dt), rows(n), args)
+}
+
+pub fn add_assign(dt: DType, a: Addr, b: Addr, n: usize) -> Launch {
+    launch("elementwise", typed("add_assign", dt), each(n), vec![Ptr(a), Ptr(b), long(n)])
+}
+
+pub fn scale(dt: DType, a: Addr, s: f32, n: usize) -> Launch {
+    launch("elementwise", typed("scale", dt), each(n), vec![Ptr(a), F32(s), long(n)])
+}
+
+/// NORM_BLOCKS partial sums of x² (f32) into partial[0..NORM_BLOCKS].
+pub fn sum_squares(x: Addr, n: usize, partial: Addr) -> Launch {
+    launch(
+        "elementwise",
+        "sum_squares_f32".into(),
+        ((NORM_BLOCKS as u32, 1, 1), THREADS),
+        vec![Ptr(x), long(n), Ptr(partial)],
+    )
+}
+
+/// AdamW on f32 p, g, m, v; `copy`: the bf16 compute copy to rewrite (mixed precision).
+pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: Option<Addr>) -> Launch {
+    let mut args = vec![Ptr(p), Ptr(g), Ptr(m), Ptr(v), long(n)];
+    args.extend([F32(o.lr), F32(o.beta1), F32(o.beta2), F32(o.eps), F32(o.weight_decay), I32(o.step as i32)]);
+    args.extend(copy.map(Ptr));
+    launch("adamw", if copy.is_some() { "adamw_bf16" } else { "adamw_f32" }.into(), each(n), args)
+}

@@ -1,0 +1,445 @@
+//! The CUDA kernels, run on the CPU: every `kernels/*.cu` file is compiled as C++ with a small
+//! CUDA emulator (`tests/emulator/cuda_bf16.h`: one OS thread per CUDA thread, real barriers for
+//! `__syncthreads` and warp shuffles), and the launches of `src/launches.rs` (kernel names, grids,
+//! argument lists) run on host memory against the CPU reference of the op layer, in f32 and bf16.
+//! So a kernel's indexing, masking and reductions, and every launch's argument order, are checked
+//! on machines without a GPU. Needs g++ (C++20); skipped with a printed reason without it, unless
+//! FERROTRON_REQUIRE_EMULATOR=1 (as in CI).
+
+use ferrotron::cuda::DType;
+use ferrotron::launches::{self, Addr, Arg, Launch};
+use ferrotron::ops::{self, AdamW, Attn};
+use ferrotron::tensor::Tensor;
+use half::bf16;
+use std::collections::BTreeMap;
+use std::ffi::{c_char, c_void, CString};
+use std::path::Path;
+use std::process::Command;
+
+type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, u32, *const *mut c_void) -> i32;
+
+/// The compiled kernels and the emulator's entry point.
+struct Emulator {
+    launch: LaunchFn,
+}
+
+impl Emulator {
+    fn build() -> Result<Emulator, String> {
+        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernel_emulator");
+        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
+        let mut files = vec![dir.join("glue.cpp")];
+        std::fs::write(&files[0], glue()).map_err(|e| e.to_string())?;
+        for (name, _) in ferrotron::kernels::SOURCES {
+            let path = dir.join(format!("{name}.cpp"));
+            std::fs::write(&path, ferrotron::kernels::full_source(name).unwrap()).map_err(|e| e.to_string())?;
+            files.push(path);
+        }
+        let lib = dir.join("libkernels.so");
+        let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulator");
+        let out = Command::new("g++")
+            .args(["-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-w", "-I"])
+            .arg(&include)
+            .args(&files)
+            .arg("-o")
+            .arg(&lib)
+            .output()
+            .map_err(|e| format!("g++ cannot run ({e}): install g++ (C++20) to emulate the kernels"))?;
+        if !out.status.success() {
+            return Err(format!("the kernels do not compile as C++:\n{}", String::from_utf8_lossy(&out.stderr)));
+        }
+        let path = CString::new(lib.to_str().unwrap()).unwrap();
+        // SAFETY: a library we just built; dlsym's result is checked and has the glue's signature.
+        unsafe {
+            let handle = libc::dlopen(path.as_ptr(), libc::RTLD_NOW);
+            assert!(!handle.is_null(), "dlopen {}", lib.display());
+            let f = libc::dlsym(handle, c"emu_launch".as_ptr());
+            assert!(!f.is_null(), "no emu_launch");
+            Ok(Emulator { launch: std::mem::transmute::<*mut c_void, LaunchFn>(f) })
+        }
+    }
+
+    /// Runs one launch; its addresses point at host buffers.
+    fn run(&self, l: &Launch) {
+        let mut slots: Vec<[u64; 3]> = vec![[0; 3]; l.args.len()]; // 24 bytes: the largest argument (Shape)
+        for (slot, arg) in slots.iter_mut().zip(&l.args) {
+            let p = slot.as_mut_ptr() as *mut u8;
+            // SAFETY: each value fits the 24-byte, 8-aligned slot.
+            unsafe {
+                match *arg {
+                    Arg::Ptr(a) => std::ptr::write(p as *mut u64, a),
+                    Arg::I32(v) => std::ptr::write(p as *mut i32, v),
+                    Arg::I64(v) => std::ptr::write(p as *mut i64, v),
+                    Arg::F32(v) => std::ptr::write(p as *mut f32, v),
+                    Arg::F64(v) => std::ptr::write(p as *mut f64, v),
+                    Arg::Shape(s) => std::ptr::write(p as *mut launches::Shape, s),
+                }
+            }
+        }
+        let ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s.as_mut_ptr() as *mut c_void).collect();
+        let name = CString::new(l.kernel.as_str()).unwrap();
+        let (x, y, z) = l.grid;
+        // SAFETY: the glue calls the kernel with these argument slots, typed as the launch says.
+        let rc = unsafe { (self.launch)(name.as_ptr(), x, y, z, l.block, ptrs.as_ptr()) };
+        assert_eq!(rc, 0, "the emulator has no kernel {}", l.kernel);
+    }
+}
+
+/// Every launch the op layer makes (addresses and sizes do not matter here): their kernels'
+/// names and argument types make the C++ glue that calls them.
+fn every_launch() -> Vec<Launch> {
+    let a = Attn { batch: 1, seq: 1, kv_seq: 1, heads: 1, kv_heads: 1, head_dim: 2 };
+    let o = AdamW { lr: 0.0, beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0, step: 1 };
+    let mut all = vec![
+        launches::cast_f32_to_bf16(0, 0, 1),
+        launches::cast_bf16_to_f32(0, 0, 1),
+        launches::log_sum_exp(0, 0, 0, 1),
+        launches::sum_squares(0, 1, 0),
+        launches::adamw(&o, (0, 0, 0, 0), 1, None),
+        launches::adamw(&o, (0, 0, 0, 0), 1, Some(0)),
+    ];
+    for dt in [DType::F32, DType::Bf16] {
+        all.push(launches::embedding(dt, (0, 1), (0, 1), 0, 1, 0));
+        all.push(launches::embedding_backward(dt, 0, (0, 1), 0, (1, 1), 0));
+        all.push(launches::rmsnorm(dt, 0, 0, 0.0, (1, 1), 0, 0));
+        all.extend(launches::rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), 0, 0));
+        all.push(launches::rope(dt, 0, 0, (1, 1, 2), 1.0, false));
+        all.push(launches::attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
+        all.extend(launches::attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
+        all.push(launches::attention_merge(dt, a, (0, 0), (0, 0)));
+        all.push(launches::swiglu(dt, (0, 0), 0, 1));
+        all.push(launches::swiglu_backward(dt, (0, 0, 0), (0, 0), 1));
+        all.push(launches::row_max(dt, 0, (1, 1), 0));
+        all.push(launches::row_sum_exp(dt, 0, (1, 1), 0, 0));
+        all.push(launches::target_logit(dt, 0, (1, 1), 0, 0, 0));
+        all.push(launches::cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
+        all.push(launches::add_assign(dt, 0, 0, 1));
+        all.push(launches::scale(dt, 0, 1.0, 1));
+    }
+    all
+}
+
+/// C++ that declares each kernel with its argument types and calls it from an argument array.
+fn glue() -> String {
+    let kernels: BTreeMap<String, Vec<&str>> = every_launch()
+        .into_iter()
+        .map(|l| {
+            let types = l.args.iter().map(|a| match a {
+                Arg::Ptr(_) => "void*",
+                Arg::I32(_) => "int",
+                Arg::I64(_) => "long",
+                Arg::F32(_) => "float",
+                Arg::F64(_) => "double",
+                Arg::Shape(_) => "Shape",
+            });
+            (l.kernel.clone(), types.collect())
+        })
+        .collect();
+    let mut c = String::from("#include \"cuda_bf16.h\"\n#include <cstring>\nstruct Shape { int v[6]; };\n");
+    for (i, (name, types)) in kernels.iter().enumerate() {
+        let args: Vec<String> = types.iter().enumerate().map(|(j, t)| format!("*({t}*)a[{j}]")).collect();
+        c += &format!("extern \"C\" void {name}({});\n", types.join(", "));
+        c += &format!("static void call{i}(void** a) {{ {name}({}); }}\n", args.join(", "));
+    }
+    c += "extern \"C\" int emu_launch(const char* name, unsigned x, unsigned y, unsigned z, unsigned block, void** a) {\n";
+    for (i, name) in kernels.keys().enumerate() {
+        c += &format!(
+            "    if (!strcmp(name, \"{name}\")) {{ emu::run(call{i}, a, dim3{{x, y, z}}, block); return 0; }}\n"
+        );
+    }
+    c + "    return -1;\n}\n"
+}
+
+/// A host buffer the emulated kernels read and write, in f32 or bf16.
+enum Buf {
+    F32(Vec<f32>),
+    Bf16(Vec<u16>),
+}
+
+impl Buf {
+    fn new(data: &[f32], dt: DType) -> Buf {
+        match dt {
+            DType::F32 => Buf::F32(data.to_vec()),
+            DType::Bf16 => Buf::Bf16(data.iter().map(|&v| bf16::from_f32(v).to_bits()).collect()),
+        }
+    }
+    fn zeros(n: usize, dt: DType) -> Buf {
+        Buf::new(&vec![0.0; n], dt)
+    }
+    fn addr(&mut self) -> Addr {
+        match self {
+            Buf::F32(v) => v.as_mut_ptr() as Addr,
+            Buf::Bf16(v) => v.as_mut_ptr() as Addr,
+        }
+    }
+    fn values(&self) -> Vec<f32> {
+        match self {
+            Buf::F32(v) => v.clone(),
+            Buf::Bf16(v) => v.iter().map(|&b| bf16::from_bits(b).to_f32()).collect(),
+        }
+    }
+}
+
+struct Check {
+    emu: Emulator,
+    dt: DType,
+    seed: u64,
+    checked: usize,
+}
+
+impl Check {
+    /// Fresh N(0, 1) numbers, representable in the dtype (so CPU and kernel see the same inputs).
+    fn rand(&mut self, shape: &[usize]) -> Tensor {
+        self.seed += 1;
+        let t = ferrotron::init::normal(self.seed, "emulated kernels", shape, 1.0).to_vec();
+        Tensor::from_vec(shape, t.into_iter().map(|v| self.round(v)).collect())
+    }
+    fn round(&self, v: f32) -> f32 {
+        if self.dt == DType::Bf16 {
+            bf16::from_f32(v).to_f32()
+        } else {
+            v
+        }
+    }
+    /// A buffer in the compute dtype, and one in f32 (statistics, gradients).
+    fn buf(&self, t: &Tensor) -> Buf {
+        Buf::new(&t.to_vec(), self.dt)
+    }
+    fn f32(&self, t: &Tensor) -> Buf {
+        Buf::new(&t.to_vec(), DType::F32)
+    }
+    fn run(&self, l: &Launch) {
+        self.emu.run(l);
+    }
+    fn same(&mut self, what: &str, got: &Buf, want: &Tensor) {
+        let (got, want) = (got.values(), want.to_vec());
+        assert_eq!(got.len(), want.len(), "{what}: sizes");
+        let scale = want.iter().filter(|v| v.is_finite()).fold(1e-6f32, |m, v| m.max(v.abs()));
+        let tol = if self.dt == DType::F32 { 2e-5 } else { 2e-2 };
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            let ok = if w.is_finite() { (g - w).abs() <= tol * scale } else { g == w };
+            assert!(ok, "{:?} {what}: element {i} is {g}, the CPU reference {w} (largest {scale})", self.dt);
+        }
+        self.checked += 1;
+    }
+}
+
+fn emulator() -> Option<Emulator> {
+    match Emulator::build() {
+        Ok(e) => Some(e),
+        Err(why) if std::env::var("FERROTRON_REQUIRE_EMULATOR").is_err() && why.contains("cannot run") => {
+            eprintln!("skipped: {why}");
+            None
+        }
+        Err(why) => panic!("{why}"),
+    }
+}
+
+#[test]
+fn kernels_match_the_cpu_reference_on_the_emulator() {
+    let Some(emu) = emulator() else { return };
+    let mut checked = 0;
+    for dt in [DType::F32, DType::Bf16] {
+        let mut c = Check { emu: Emulator { launch: emu.launch }, dt, seed: 0, checked: 0 };
+        for (rows, dim, vocab) in [(3, 40, 21), (5, 64, 300)] {
+            rowwise(&mut c, rows, dim);
+            cross_entropy(&mut c, rows, vocab);
+            embedding(&mut c, rows, dim, vocab);
+        }
+        let a = Attn { batch: 2, seq: 37, kv_seq: 37, heads: 4, kv_heads: 2, head_dim: 16 };
+        let pos: Vec<u32> = (0..37).collect();
+        attention(&mut c, a, (&pos, &pos));
+        rope(&mut c, a);
+        // a ring block whose first queries see no key (out 0, lse −∞)
+        let ring = Attn { batch: 1, seq: 20, kv_seq: 33, heads: 2, kv_heads: 1, head_dim: 8 };
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((0..20).collect(), (10..43).collect());
+        attention(&mut c, ring, (&q_pos, &k_pos));
+        merge(&mut c, ring);
+        adamw(&mut c, 300);
+        checked += c.checked;
+    }
+    eprintln!("{checked} kernel outputs match the CPU reference");
+    assert!(checked >= 60);
+}
+
+fn rowwise(c: &mut Check, rows: usize, dim: usize) {
+    let dt = c.dt;
+    // RMSNorm forward and backward
+    let (x, w, dy, dw) = (c.rand(&[rows, dim]), c.rand(&[dim]), c.rand(&[rows, dim]), c.rand(&[dim]));
+    let (y, rstd) = ops::rmsnorm(&x, &w, 1e-5);
+    let (mut bx, mut bw, mut by, mut brstd) =
+        (c.buf(&x), c.buf(&w), Buf::zeros(rows * dim, dt), Buf::zeros(rows, DType::F32));
+    c.run(&launches::rmsnorm(dt, bx.addr(), bw.addr(), 1e-5, (rows, dim), by.addr(), brstd.addr()));
+    c.same("rmsnorm", &by, &y);
+    c.same("rmsnorm 1/rms", &brstd, &rstd);
+    let mut want_dw = dw.clone();
+    let dx = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw);
+    let (mut bdy, mut bdx, mut bdw, mut brstd) = (c.buf(&dy), Buf::zeros(rows * dim, dt), c.f32(&dw), c.f32(&rstd));
+    let inputs = (bdy.addr(), bx.addr(), bw.addr(), brstd.addr());
+    for l in launches::rmsnorm_backward(dt, inputs, (rows, dim), bdx.addr(), bdw.addr()) {
+        c.run(&l);
+    }
+    c.same("rmsnorm backward dx", &bdx, &dx);
+    c.same("rmsnorm backward dw (+=)", &bdw, &want_dw);
+    // SwiGLU forward and backward
+    let n = rows * dim;
+    let (g, u, dh) = (c.rand(&[n]), c.rand(&[n]), c.rand(&[n]));
+    let (mut bg, mut bu, mut bh, mut bdh) = (c.buf(&g), c.buf(&u), Buf::zeros(n, dt), c.buf(&dh));
+    c.run(&launches::swiglu(dt, (bg.addr(), bu.addr()), bh.addr(), n));
+    c.same("swiglu", &bh, &ops::swiglu(&g, &u));
+    let (dg, du) = ops::swiglu_backward(&dh, &g, &u);
+    let (mut bdg, mut bdu) = (Buf::zeros(n, dt), Buf::zeros(n, dt));
+    c.run(&launches::swiglu_backward(dt, (bdh.addr(), bg.addr(), bu.addr()), (bdg.addr(), bdu.addr()), n));
+    c.same("swiglu backward dgate", &bdg, &dg);
+    c.same("swiglu backward dup", &bdu, &du);
+    // add, scale, and (f32) the sum of squares and the casts
+    let (mut a, b) = (c.rand(&[n]), c.rand(&[n]));
+    let (mut ba, mut bb) = (c.buf(&a), c.buf(&b));
+    c.run(&launches::add_assign(dt, ba.addr(), bb.addr(), n));
+    c.run(&launches::scale(dt, ba.addr(), 0.75, n));
+    ops::add_assign(&mut a, &b);
+    ops::scale(&mut a, 0.75);
+    c.same("add and scale", &ba, &a);
+    let mut partial = Buf::zeros(launches::NORM_BLOCKS, DType::F32);
+    let mut bgrad = c.f32(&g);
+    c.run(&launches::sum_squares(bgrad.addr(), n, partial.addr()));
+    let total: f64 = partial.values().iter().map(|&v| v as f64).sum();
+    c.same(
+        "sum of squares",
+        &Buf::F32(vec![total as f32]),
+        &Tensor::from_vec(&[1], vec![ops::sum_squares(&[&g])[0] as f32]),
+    );
+    let (mut f, mut h) = (c.f32(&a), Buf::zeros(n, DType::Bf16));
+    c.run(&launches::cast_f32_to_bf16(f.addr(), h.addr(), n));
+    let mut back = Buf::zeros(n, DType::F32);
+    c.run(&launches::cast_bf16_to_f32(h.addr(), back.addr(), n));
+    let rounded = Tensor::from_vec(&[n], a.to_vec().iter().map(|&v| bf16::from_f32(v).to_f32()).collect());
+    let exact = std::mem::replace(&mut c.dt, DType::F32); // the round trip is exact: compare as f32
+    c.same("casts f32 → bf16 → f32", &back, &rounded);
+    c.dt = exact;
+}
+
+fn cross_entropy(c: &mut Check, rows: usize, vocab: usize) {
+    let dt = c.dt;
+    let logits = c.rand(&[rows, vocab]);
+    let targets: Vec<i32> = (0..rows).map(|i| if i % 4 == 3 { -1 } else { ((i * 13) % (vocab + 9)) as i32 }).collect();
+    let (max, sum) = (ops::row_max(&logits), ops::row_sum_exp(&logits, &ops::row_max(&logits)));
+    let lse = ops::log_sum_exp(&max, &sum);
+    let mut bl = c.buf(&logits);
+    let stat = || Buf::zeros(rows, DType::F32);
+    let (mut bmax, mut bsum, mut blse, mut bz) = (stat(), stat(), stat(), stat());
+    c.run(&launches::row_max(dt, bl.addr(), (rows, vocab), bmax.addr()));
+    c.same("row max", &bmax, &max);
+    c.run(&launches::row_sum_exp(dt, bl.addr(), (rows, vocab), bmax.addr(), bsum.addr()));
+    c.same("row sum of exponentials", &bsum, &sum);
+    c.run(&launches::log_sum_exp(bmax.addr(), bsum.addr(), blse.addr(), rows));
+    c.same("log-sum-exp", &blse, &lse);
+    let mut bt: Vec<u32> = targets.iter().map(|&t| t as u32).collect();
+    let t = bt.as_mut_ptr() as Addr;
+    c.run(&launches::target_logit(dt, bl.addr(), (rows, vocab), t, 5, bz.addr()));
+    c.same("target logits (slice from 5)", &bz, &ops::target_logits(&logits, &targets, 5));
+    let mut bd = Buf::zeros(rows * vocab, dt);
+    c.run(&launches::cross_entropy_backward(dt, (bl.addr(), t), 5, (blse.addr(), 0.25), (rows, vocab), bd.addr()));
+    c.same("cross-entropy backward", &bd, &ops::cross_entropy_backward(&logits, &targets, 5, &lse, 0.25));
+}
+
+fn embedding(c: &mut Check, rows: usize, dim: usize, vocab: usize) {
+    let dt = c.dt;
+    let (table, dout, dtable) = (c.rand(&[vocab, dim]), c.rand(&[rows, dim]), c.rand(&[vocab, dim]));
+    let mut tokens: Vec<u32> = (0..rows).map(|i| ((i * 7) % (vocab + 5)) as u32).collect(); // repeats, and ids past the slice
+    let ids = tokens.as_mut_ptr() as Addr;
+    let (mut bt, mut out) = (c.buf(&table), Buf::zeros(rows * dim, dt));
+    c.run(&launches::embedding(dt, (bt.addr(), vocab), (ids, rows), 3, dim, out.addr()));
+    c.same("embedding (slice from 3)", &out, &ops::embedding(&table, &tokens, 3));
+    let (mut bdout, mut bdtable) = (c.buf(&dout), c.f32(&dtable));
+    c.run(&launches::embedding_backward(dt, bdout.addr(), (ids, rows), 3, (vocab, dim), bdtable.addr()));
+    let mut want = dtable.clone();
+    ops::embedding_backward(&dout, &tokens, 3, &mut want);
+    c.same("embedding backward (+=)", &bdtable, &want);
+}
+
+fn rope(c: &mut Check, a: Attn) {
+    let dt = c.dt;
+    let n = a.batch * a.seq;
+    let mut positions: Vec<u32> = (0..n).map(|r| (r % a.seq) as u32 * 97).collect();
+    let mut x = c.rand(&[n, a.heads * a.head_dim]);
+    let mut bx = c.buf(&x);
+    let pos = positions.as_mut_ptr() as Addr;
+    c.run(&launches::rope(dt, bx.addr(), pos, (n, a.heads, a.head_dim), 10000.0, false));
+    ops::rope(&mut x, &positions, a.head_dim, 10000.0);
+    c.same("rope", &bx, &x);
+    c.run(&launches::rope(dt, bx.addr(), pos, (n, a.heads, a.head_dim), 10000.0, true));
+    ops::rope_backward(&mut x, &positions, a.head_dim, 10000.0);
+    c.same("rope backward", &bx, &x);
+}
+
+fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
+    let dt = c.dt;
+    let q = c.rand(&[a.batch * a.seq, a.heads * a.head_dim]);
+    let (k, v) = (
+        c.rand(&[a.batch * a.kv_seq, a.kv_heads * a.head_dim]),
+        c.rand(&[a.batch * a.kv_seq, a.kv_heads * a.head_dim]),
+    );
+    let (out, lse) = ops::attention(a, &q, &k, &v, pos);
+    let (mut qp, mut kp) = (pos.0.to_vec(), pos.1.to_vec());
+    let positions = (qp.as_mut_ptr() as Addr, kp.as_mut_ptr() as Addr);
+    let (mut bq, mut bk, mut bv) = (c.buf(&q), c.buf(&k), c.buf(&v));
+    let (mut bout, mut blse) = (Buf::zeros(out.numel(), dt), Buf::zeros(lse.numel(), DType::F32));
+    let qkv = (bq.addr(), bk.addr(), bv.addr());
+    c.run(&launches::attention(dt, a, qkv, positions, bout.addr(), blse.addr()));
+    let what = format!("attention q{} k{} h{}/{} d{}", a.seq, a.kv_seq, a.heads, a.kv_heads, a.head_dim);
+    c.same(&what, &bout, &out);
+    c.same(&format!("{what} lse"), &blse, &lse);
+    // backward from the reference forward, rounded to the compute dtype
+    let out = Tensor::from_vec(out.shape(), out.to_vec().into_iter().map(|v| c.round(v)).collect());
+    let dout = c.rand(out.shape());
+    let (dq, dk, dv) = ops::attention_backward(a, (&q, &k, &v), pos, (&out, &lse), &dout);
+    let (mut bout, mut blse, mut bdout, mut delta) =
+        (c.buf(&out), c.f32(&lse), c.buf(&dout), Buf::zeros(lse.numel(), DType::F32));
+    let (mut bdq, mut bdk, mut bdv) =
+        (Buf::zeros(dq.numel(), dt), Buf::zeros(dk.numel(), dt), Buf::zeros(dv.numel(), dt));
+    let saved = (bout.addr(), blse.addr(), bdout.addr());
+    let grads = (bdq.addr(), bdk.addr(), bdv.addr());
+    for l in launches::attention_backward(dt, a, qkv, positions, saved, delta.addr(), grads) {
+        c.run(&l);
+    }
+    c.same(&format!("{what} dq"), &bdq, &dq);
+    c.same(&format!("{what} dk"), &bdk, &dk);
+    c.same(&format!("{what} dv"), &bdv, &dv);
+}
+
+fn merge(c: &mut Check, a: Attn) {
+    let dt = c.dt;
+    let shape = [a.batch * a.seq, a.heads * a.head_dim];
+    let (mut out, block_out) = (c.rand(&shape), c.rand(&shape));
+    let lse_shape = [a.batch, a.heads, a.seq];
+    let mut l = c.rand(&lse_shape).to_vec();
+    let mut bl = c.rand(&lse_shape).to_vec();
+    l.iter_mut().step_by(5).for_each(|x| *x = f32::NEG_INFINITY);
+    bl.iter_mut().step_by(7).for_each(|x| *x = f32::NEG_INFINITY);
+    let (mut lse, block_lse) = (Tensor::from_vec(&lse_shape, l), Tensor::from_vec(&lse_shape, bl));
+    let (mut bout, mut blse, mut bbo, mut bbl) = (c.buf(&out), c.f32(&lse), c.buf(&block_out), c.f32(&block_lse));
+    c.run(&launches::attention_merge(dt, a, (bout.addr(), blse.addr()), (bbo.addr(), bbl.addr())));
+    ops::attention_merge(a, (&mut out, &mut lse), &block_out, &block_lse);
+    c.same("attention merge", &bout, &out);
+    c.same("attention merge lse", &blse, &lse);
+}
+
+fn adamw(c: &mut Check, n: usize) {
+    let o = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3 };
+    let (mut p, g, mut m) = (c.rand(&[n]), c.rand(&[n]), c.rand(&[n]));
+    let mut v = Tensor::from_vec(&[n], c.rand(&[n]).to_vec().iter().map(|x| x * x).collect());
+    let (mut bp, mut bg, mut bm, mut bv) = (c.f32(&p), c.f32(&g), c.f32(&m), c.f32(&v));
+    let mut copy = Buf::zeros(n, DType::Bf16);
+    let mixed = (c.dt == DType::Bf16).then(|| copy.addr());
+    c.run(&launches::adamw(&o, (bp.addr(), bg.addr(), bm.addr(), bv.addr()), n, mixed));
+    ops::adamw(&o, &mut p, &g, &mut m, &mut v);
+    let exact = std::mem::replace(&mut c.dt, DType::F32); // AdamW is f32 in both modes
+    c.same("adamw weight", &bp, &p);
+    c.same("adamw first moment", &bm, &m);
+    c.same("adamw second moment", &bv, &v);
+    c.dt = exact;
+    if mixed.is_some() {
+        let rounded = Tensor::from_vec(&[n], p.to_vec().iter().map(|&x| bf16::from_f32(x).to_f32()).collect());
+        c.same("adamw bf16 compute copy", &copy, &rounded);
+    }
+}
