@@ -2,7 +2,7 @@
 //!
 //! It lists the CUDA libraries (found or not, and the file that was loaded), compiles every kernel
 //! with NVRTC when it can, shows the driver and its CUDA version and every GPU with its memory,
-//! and then runs self-tests on GPU 0: every op of `cuda.rs`, forward and backward, in f32 and bf16,
+//! and then runs self-tests on GPU 0: every op of `cuda_ops.rs`, forward and backward, in f32 and bf16,
 //! against the CPU reference (`cuda_check.rs`),
 //! and the collectives on GPU buffers, over NCCL and over the local hub, against answers computed
 //! on the host.

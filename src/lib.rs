@@ -6,7 +6,7 @@
 //! bring real text and Hub files. Ranks: `process_grid` → `comm` (and `hub`, its local backend)
 //! → `launch` → `data_parallel` → `tensor_parallel` → `pipeline_parallel` (and `schedule`) →
 //! `context_parallel` → `converge` (and `trace`, `plot`). GPUs: `gpu` → `kernels` → `cuda` →
-//! (and `cuda_check`) → `comm_gpu` (NCCL) → `doctor`.
+//! `launches` → `cuda_ops` (and `cuda_check`) → `comm_gpu` (NCCL) → `doctor`.
 
 pub mod bench;
 pub mod block;
@@ -19,6 +19,7 @@ pub mod converge;
 pub mod cpu;
 pub mod cuda;
 pub mod cuda_check;
+pub mod cuda_ops;
 pub mod data;
 pub mod data_parallel;
 pub mod doctor;

@@ -16,7 +16,16 @@ fn sets(extra: &[&str]) -> Vec<String> {
     common::SMALL.iter().chain(RUN).chain(extra).map(|s| s.to_string()).collect()
 }
 
+/// The trace test measures when all-reduces start against backward: it must not share the two
+/// cores with the other training tests of this file, so each takes this lock while it trains.
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn alone() -> std::sync::MutexGuard<'static, ()> {
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 fn run(extra: &[&str]) -> Vec<Summary> {
+    let _alone = alone();
     let cfg = Config::load(None, &sets(extra)).unwrap();
     train_all(&cfg, Options { quiet: true, ..Default::default() }).unwrap()
 }
@@ -24,7 +33,10 @@ fn run(extra: &[&str]) -> Vec<Summary> {
 #[test]
 fn dp_2_3_4_follow_the_single_rank_curve() {
     let variants = parse_variants("dp=2;dp=3;dp=4;dp=2,grad_accum_steps=3").unwrap();
-    let (baseline, outcomes) = converge::converge(None, &sets(&[]), &variants, 1e-4).unwrap();
+    let (baseline, outcomes) = {
+        let _alone = alone();
+        converge::converge(None, &sets(&[]), &variants, 1e-4).unwrap()
+    };
     assert_eq!(baseline.len(), 20);
     assert!(baseline[19] < baseline[0] - 0.5, "the baseline learns: {} → {}", baseline[0], baseline[19]);
     for o in &outcomes {
@@ -74,6 +86,7 @@ fn trace_shows_one_sync_per_step_overlapping_backward() {
     )
     .unwrap();
     let trace = Trace::default();
+    let _alone = alone();
     train::train(&cfg, Options { trace: Some(&trace), quiet: true, ..Default::default() }).unwrap();
     let spans = trace.spans();
     for rank in 0..2 {

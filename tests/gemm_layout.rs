@@ -3,7 +3,7 @@
 //! written here exactly as cuBLAS defines it, on the row-major buffers the backend hands over,
 //! and must give the CPU op layer's linear, input gradient and weight gradient.
 
-use ferrotron::cuda::Gemm;
+use ferrotron::cuda_ops::Gemm;
 use ferrotron::ops;
 use ferrotron::tensor::Tensor;
 
