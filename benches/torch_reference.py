@@ -13,7 +13,6 @@ import argparse
 import json
 import math
 import time
-import tomllib
 from pathlib import Path
 
 import torch
@@ -35,10 +34,30 @@ PEAKS = [
 ]
 
 
+def parse_toml(text):
+    """tomllib (Python 3.11+), else the subset ferrotron's configs use: [sections], key = value
+    with strings, numbers and booleans, # comments."""
+    try:
+        import tomllib
+
+        return tomllib.loads(text)
+    except ImportError:
+        pass
+    cfg, section = {}, None
+    for line in text.splitlines():
+        line = line.split(" #")[0].strip() if not line.lstrip().startswith("#") else ""
+        if line.startswith("["):
+            section = cfg.setdefault(line.strip("[]"), {})
+        elif "=" in line:
+            key, value = (part.strip() for part in line.split("=", 1))
+            section[key] = json.loads(value) if value not in ("true", "false") else value == "true"
+    return cfg
+
+
 def load_config(path):
-    cfg = tomllib.loads((ROOT / "configs/tiny.toml").read_text())
+    cfg = parse_toml((ROOT / "configs/tiny.toml").read_text())
     if path:
-        for section, values in tomllib.loads(Path(path).read_text()).items():
+        for section, values in parse_toml(Path(path).read_text()).items():
             cfg.setdefault(section, {}).update(values)
     return cfg
 
@@ -135,6 +154,8 @@ def main():
     cfg = load_config(args.config)
     m, t = cfg["model"], cfg["train"]
     cuda = torch.cuda.is_available()
+    if cfg.get("device", {}).get("kind") == "cuda" and not cuda:
+        raise SystemExit("error: this config asks for device.kind = \"cuda\" and PyTorch sees no GPU")
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = args.dtype or cfg.get("device", {}).get("dtype", "auto")
     bf16 = dtype == "bf16" or (dtype == "auto" and cuda)
