@@ -29,6 +29,7 @@ PEAKS = [
     ("H200", 989.4, 66.9),
     ("A100", 312.0, 19.5),
     ("L40S", 362.1, 91.6),
+    ("L40", 181.0, 90.5),
     ("RTX 4090", 165.2, 82.6),
     ("L4", 121.0, 30.3),
 ]
@@ -109,7 +110,7 @@ class Block(torch.nn.Module):
 def rope(x, cos, sin):
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)  # in q's dtype: bf16 under autocast
 
 
 class Llama(torch.nn.Module):
@@ -132,9 +133,8 @@ class Llama(torch.nn.Module):
 
     def forward(self, tokens, targets):
         x = self.embed(tokens)
-        cos, sin = self.cos.to(x.dtype), self.sin.to(x.dtype)
         for block in self.blocks:
-            x = block(x, cos, sin)
+            x = block(x, self.cos, self.sin)
         x = F.rms_norm(x, (x.shape[-1],), self.norm, self.eps)
         logits = x @ (self.embed.weight if self.head is None else self.head.weight).t()
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
@@ -163,10 +163,12 @@ def main():
     torch.manual_seed(t["seed"])
     seq, batch, accum = t["seq_len"], t["micro_batch_size"], t["grad_accum_steps"]
     model = Llama(m, seq).to(dev)
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=t["adam_eps"],
-        weight_decay=t["weight_decay"], fused=cuda,
-    )
+    # as ferrotron: weight decay on matrices only, not on norm weights
+    groups = [
+        {"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": t["weight_decay"]},
+        {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=t["lr"], betas=(t["beta1"], t["beta2"]), eps=t["adam_eps"], fused=cuda)
     step_fn = torch.compile(model) if args.compile else model
     tokens = torch.randint(0, m["vocab_size"], (accum, batch, seq + 1), device=dev)
 
@@ -176,7 +178,8 @@ def main():
             with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
                 loss = step_fn(tokens[micro, :, :-1], tokens[micro, :, 1:]) / accum
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
+        if t["grad_clip"] > 0:  # 0: no clipping, as in ferrotron
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t["grad_clip"])
         opt.step()
         return loss
 

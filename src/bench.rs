@@ -19,21 +19,23 @@
 //! per weight for weights, gradients and AdamW, plus the activations one micro-batch keeps for its
 //! backward, `activation_bytes`), and the largest micro-batch that the GPU's memory would hold.
 
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, ModelConfig, PpSchedule};
 use crate::cuda::DType;
+use crate::pipeline_parallel::Stage;
 use crate::train::{self, Options};
 use anyhow::{bail, Result};
 use serde::Serialize;
 
 /// Dense peak TFLOP/s (bf16 tensor cores, f32 CUDA cores) by a part of the GPU's name; the first
 /// match wins.
-const PEAKS: [(&str, f64, f64); 8] = [
+const PEAKS: [(&str, f64, f64); 9] = [
     ("H100 PCIe", 756.5, 51.2),
     ("H100 NVL", 835.5, 60.0),
     ("H100", 989.4, 66.9), // SXM (its name reads "H100 80GB HBM3")
     ("H200", 989.4, 66.9), // and GH200
     ("A100", 312.0, 19.5),
     ("L40S", 362.1, 91.6),
+    ("L40", 181.0, 90.5), // before "L4", which its name contains
     ("RTX 4090", 165.2, 82.6),
     ("L4", 121.0, 30.3),
 ];
@@ -62,18 +64,37 @@ pub fn bytes_per_weight(dtype: DType) -> usize {
 }
 
 /// Bytes of the activations one micro-batch of `batch` sequences of `seq` tokens keeps for its
-/// backward on one rank of a tp group of `tp` (what `block.rs`'s `BlockCache` and the model's
-/// head cache hold): per layer the block input, two norms' outputs, q, k, v, the attention output,
-/// the residual, gate, up and their product in the compute dtype, and the two 1/rms rows and the
-/// attention lse in f32; at the end the final norm's input and output and the logits.
-pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, tp: usize, dtype: DType) -> usize {
+/// backward on one rank of pipeline `stage` in a tp group of `tp` (what `block.rs`'s `BlockCache`
+/// and the model's head cache hold): per layer the block input, two norms' outputs, q, k, v, the
+/// attention output, the residual, gate, up and their product in the compute dtype, and the two
+/// 1/rms rows and the attention lse in f32; on the last stage also the final norm's input and
+/// output and the logits.
+pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, tp: usize, stage: Stage, dtype: DType) -> usize {
     let e = if dtype == DType::Bf16 { 2 } else { 4 };
     let rows = batch * seq;
     let (d, hd) = (m.hidden_size, m.head_dim());
     let (q, kv, f) = (m.num_attention_heads * hd / tp, m.num_key_value_heads * hd / tp, m.intermediate_size / tp);
     let layer = rows * (4 * d + 2 * q + 2 * kv + 3 * f) * e + (2 * rows + batch * m.num_attention_heads / tp * seq) * 4;
-    let head = rows * (2 * d + m.vocab_size / tp) * e + 2 * rows * 4;
-    m.num_hidden_layers * layer + head
+    let head = if stage.is_last() { rows * (2 * d + m.vocab_size / tp) * e + 2 * rows * 4 } else { 0 };
+    stage.layers(m.num_hidden_layers).len() * layer + head
+}
+
+/// The most activation bytes a rank holds at once for micro-batches of `batch` sequences: a
+/// pipeline stage keeps those of every micro-batch it has in flight (all of a step's with AFAB,
+/// at most pp − stage with 1F1B); the busiest stage counts.
+pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> usize {
+    let (t, p) = (&cfg.train, &cfg.parallel);
+    let in_flight = |s: usize| match p.pp_schedule {
+        PpSchedule::Afab => t.grad_accum_steps,
+        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps),
+    };
+    (0..p.pp)
+        .map(|s| {
+            let stage = Stage { index: s, count: p.pp };
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, p.tp, stage, dtype) * in_flight(s)
+        })
+        .max()
+        .unwrap_or(0)
 }
 
 #[derive(Serialize, Debug)]
@@ -94,7 +115,8 @@ pub struct Report {
     pub mfu: Option<f64>,
     pub gpu_peak_mib: Option<f64>,
     pub formula_static_mib: f64,
-    pub formula_activations_mib_per_micro_batch: f64,
+    /// The activations the busiest rank holds at once (`activations_held`).
+    pub formula_activations_mib: f64,
     /// The largest micro-batch (sequences) the GPU's memory holds by the formula, at 90% use.
     pub max_micro_batch: Option<usize>,
 }
@@ -123,8 +145,8 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
     let ranks = p.world_size();
     let peak = peak_override.or_else(|| peak_tflops(&name, dtype));
     let static_bytes = bytes_per_weight(dtype) * m.parameter_count() / (p.tp * p.pp);
-    let per_micro = activation_bytes(m, t.micro_batch_size, t.seq_len / p.cp, p.tp, dtype);
-    let per_sequence = activation_bytes(m, 1, t.seq_len / p.cp, p.tp, dtype);
+    let held = activations_held(&cfg, t.micro_batch_size, dtype);
+    let per_sequence = activations_held(&cfg, 1, dtype);
     let mib = |b: usize| b as f64 / (1 << 20) as f64;
     Ok(Report {
         device: name,
@@ -143,7 +165,7 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
         mfu: peak.map(|pk| achieved_tflops / (pk * ranks as f64)),
         gpu_peak_mib: s.gpu_peak_mib,
         formula_static_mib: mib(static_bytes),
-        formula_activations_mib_per_micro_batch: mib(per_micro),
+        formula_activations_mib: mib(held),
         max_micro_batch: gpu_mem
             .map(|total| ((total as f64 * 0.9) as usize).saturating_sub(static_bytes) / per_sequence),
     })
@@ -173,8 +195,8 @@ pub fn table(r: &Report) -> String {
         (
             "formula",
             format!(
-                "{:.0} MiB weights+grads+AdamW, {:.0} MiB activations per micro-batch",
-                r.formula_static_mib, r.formula_activations_mib_per_micro_batch
+                "{:.0} MiB weights+grads+AdamW, {:.0} MiB activations held at once",
+                r.formula_static_mib, r.formula_activations_mib
             ),
         ),
         ("largest micro-batch", r.max_micro_batch.map_or("n/a".to_string(), |b| format!("{b} sequences"))),

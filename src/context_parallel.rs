@@ -94,19 +94,20 @@ pub fn attention(
     let mut out = Tensor::zeros_like(q);
     let no_key = vec![f32::NEG_INFINITY; a.batch * a.heads * a.seq];
     let mut lse = Tensor::from_vec(&[a.batch, a.heads, a.seq], no_key).to_dtype(&place, DType::F32);
-    let (mut k_blk, mut v_blk, mut done) = (k.clone(), v.clone(), 0);
+    let (mut received, mut done): (Option<[Tensor; 2]>, u64) = (None, 0); // the block in hand, after our own
     for step in 0..ring.size() {
+        let (k_blk, v_blk) = received.as_ref().map_or((k, v), |[k, v]| (k, v));
         // pass the block on while computing with it
         let pending = (step + 1 < ring.size())
-            .then(|| ring.group.send_recv_async(&pack(&[&k_blk, &v_blk]), next, 2 * k.numel(), prev));
+            .then(|| ring.group.send_recv_async(&pack(&[k_blk, v_blk]), next, 2 * k.numel(), prev));
         let k_pos = ring.block_positions(step, a.seq);
         if visible(pos, &k_pos) {
-            let (o, l) = ops::attention(a, q, &k_blk, &v_blk, (pos, &k_pos));
+            let (o, l) = ops::attention(a, q, k_blk, v_blk, (pos, &k_pos));
             ops::attention_merge(a, (&mut out, &mut lse), &o, &l);
             done += work;
         }
         if let Some(handle) = pending {
-            [k_blk, v_blk] = unpack(handle.wait()?, k.shape(), &place);
+            received = Some(unpack(handle.wait()?, k.shape(), &place));
         }
     }
     Ok((out, lse, done))
@@ -128,14 +129,15 @@ pub fn attention_backward(
     let (next, prev) = ring.next_prev();
     let place = q.place();
     let mut dq = Tensor::zeros_like(q);
-    let (mut k_blk, mut v_blk) = (k.clone(), v.clone());
+    let mut received: Option<[Tensor; 2]> = None; // the block in hand, after our own
     let (mut dk_blk, mut dv_blk) = (Tensor::zeros_like(k), Tensor::zeros_like(v));
     for step in 0..ring.size() {
+        let (k_blk, v_blk) = received.as_ref().map_or((k, v), |[k, v]| (k, v));
         let pending = (step + 1 < ring.size())
-            .then(|| ring.group.send_recv_async(&pack(&[&k_blk, &v_blk]), next, 2 * k.numel(), prev));
+            .then(|| ring.group.send_recv_async(&pack(&[k_blk, v_blk]), next, 2 * k.numel(), prev));
         let k_pos = ring.block_positions(step, a.seq);
         if visible(pos, &k_pos) {
-            let (dq_i, dk_i, dv_i) = ops::attention_backward(a, (q, &k_blk, &v_blk), (pos, &k_pos), (out, lse), dout);
+            let (dq_i, dk_i, dv_i) = ops::attention_backward(a, (q, k_blk, v_blk), (pos, &k_pos), (out, lse), dout);
             ops::add_assign(&mut dq, &dq_i);
             ops::add_assign(&mut dk_blk, &dk_i);
             ops::add_assign(&mut dv_blk, &dv_i);
@@ -144,7 +146,7 @@ pub fn attention_backward(
         let grads = ring.group.send_recv(&pack(&[&dk_blk, &dv_blk]), next, 2 * k.numel(), prev)?;
         [dk_blk, dv_blk] = unpack(grads, k.shape(), &place);
         if let Some(handle) = pending {
-            [k_blk, v_blk] = unpack(handle.wait()?, k.shape(), &place);
+            received = Some(unpack(handle.wait()?, k.shape(), &place));
         }
     }
     Ok((dq, dk_blk, dv_blk))

@@ -2,9 +2,9 @@
 //!
 //! A `Device` is one rank's GPU as the op layer sees it: the kernels of `kernels/*.cu` (compiled
 //! by NVRTC for this GPU's architecture, once per process, see `kernels.rs`), a cuBLAS handle, and
-//! the dtype the model computes in. The ops themselves are in `cuda_ops.rs`. Every launch goes on the compute stream and none waits for
-//! the GPU: the host only queues work, and the first `to_vec` (the loss, once per micro-batch)
-//! is where it waits.
+//! the dtype the model computes in. The ops themselves are in `cuda_ops.rs`. Every launch goes on
+//! the compute stream and none waits for the GPU: the host only queues work, and a `to_vec` (the
+//! loss, once per micro-batch; the gradient norm, once per step) is where it waits.
 //!
 //! Mixed precision (`DType::Bf16`), the picture of one linear layer:
 //! ```text
@@ -357,8 +357,6 @@ impl Device {
         let addr = d.device_ptr(&self.gpu.compute).0;
         Ok((addr, d))
     }
-
-    // -----------------------------------------------------------------------------------------
 }
 
 /// A module that does not load: most often PTX newer than the driver can read.

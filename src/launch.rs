@@ -74,7 +74,7 @@ pub fn choose_backend(choice: CommBackend, cuda: bool, world: usize, gpus: usize
             "parallel.backend = \"nccl\" needs one GPU per rank: {world} ranks, {gpus} GPU(s); use \"local\" to share GPUs, or fewer ranks"
         ),
         (CommBackend::Nccl, true) => Ok(Backend::Nccl),
-        (CommBackend::Auto, true) if gpus >= world => Ok(Backend::Nccl),
+        (CommBackend::Auto, true) if world > 1 && gpus >= world => Ok(Backend::Nccl), // one rank: no one to talk to
         _ => Ok(Backend::Local),
     }
 }

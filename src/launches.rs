@@ -300,3 +300,38 @@ pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: 
     args.extend(copy.map(Ptr));
     launch("adamw", if copy.is_some() { "adamw_bf16" } else { "adamw_f32" }.into(), each(n), args)
 }
+
+/// One launch of every kind the op layer makes, in both dtypes, with placeholder addresses and
+/// sizes: the kernels the backend needs and their argument types (`tests/kernels_compile.rs`
+/// checks that the PTX exports each; the CPU emulator's glue calls them).
+pub fn catalogue() -> Vec<Launch> {
+    let a = Attn { batch: 1, seq: 1, kv_seq: 1, heads: 1, kv_heads: 1, head_dim: 2 };
+    let o = AdamW { lr: 0.0, beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0, step: 1 };
+    let mut all = vec![
+        cast_f32_to_bf16(0, 0, 1),
+        cast_bf16_to_f32(0, 0, 1),
+        log_sum_exp(0, 0, 0, 1),
+        sum_squares(0, 1, 0),
+        adamw(&o, (0, 0, 0, 0), 1, None),
+        adamw(&o, (0, 0, 0, 0), 1, Some(0)),
+    ];
+    for dt in [DType::F32, DType::Bf16] {
+        all.push(embedding(dt, (0, 1), (0, 1), 0, 1, 0));
+        all.push(embedding_backward(dt, 0, (0, 1), 0, (1, 1), 0));
+        all.push(rmsnorm(dt, 0, 0, 0.0, (1, 1), 0, 0));
+        all.extend(rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), 0, 0));
+        all.push(rope(dt, 0, 0, (1, 1, 2), 1.0, false));
+        all.push(attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
+        all.extend(attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
+        all.push(attention_merge(dt, a, (0, 0), (0, 0)));
+        all.push(swiglu(dt, (0, 0), 0, 1));
+        all.push(swiglu_backward(dt, (0, 0, 0), (0, 0), 1));
+        all.push(row_max(dt, 0, (1, 1), 0));
+        all.push(row_sum_exp(dt, 0, (1, 1), 0, 0));
+        all.push(target_logit(dt, 0, (1, 1), 0, 0, 0));
+        all.push(cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
+        all.push(add_assign(dt, 0, 0, 1));
+        all.push(scale(dt, 0, 1.0, 1));
+    }
+    all
+}

@@ -47,7 +47,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
     let (tp_group, pp) = (me.group(Axis::Tp), me.group(Axis::Pp));
     let whole = |t: &Tensor, split: Split| -> Result<Tensor> {
         if split == Split::Replicated || tp_group.size() == 1 {
-            return Ok(t.clone());
+            return Ok(Tensor::from_vec(t.shape(), t.to_vec())); // a host copy, also of a GPU tensor
         }
         let all = tp_group.all_gather(&t.to_vec())?;
         let parts: Vec<Tensor> = all.chunks(t.numel()).map(|c| Tensor::from_vec(t.shape(), c.to_vec())).collect();

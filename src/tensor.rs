@@ -67,7 +67,8 @@ impl Tensor {
         Tensor { shape: shape.to_vec(), storage: Storage::Cuda(buf) }
     }
 
-    /// Zeros of `t`'s shape and dtype on `t`'s device.
+    /// Zeros of `t`'s shape and dtype on `t`'s device (of a mixed-precision weight: a plain bf16
+    /// buffer, like its compute copy; gradients and moments are made from the f32 gradient).
     pub fn zeros_like(t: &Tensor) -> Tensor {
         match &t.storage {
             Storage::Cpu(_) => Tensor::zeros(&t.shape),

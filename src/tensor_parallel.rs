@@ -33,7 +33,7 @@ pub type Tp<'g> = Option<&'g Group>;
 fn all_reduce(tp: Tp, t: &mut Tensor, op: ReduceOp) -> Result<()> {
     match tp {
         Some(g) if g.size() > 1 => {
-            let mut v = t.to_vec(); // on a GPU: staged through host memory (the local backend)
+            let mut v = t.to_vec(); // on a GPU: staged through host memory, over the local hub
             g.all_reduce(&mut v, op)?;
             t.write(&v);
             Ok(())

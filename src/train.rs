@@ -90,14 +90,15 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
     let floor = data.entropy_floor(t.seq_len);
     if !opts.quiet {
         println!(
-            "model: {:.2}M parameters | global batch {} × {} × {} dp × {} tokens | {} steps on {} ({} rank{})",
+            "model: {:.2}M parameters | global batch {} × {} × {} dp × {} tokens | {} steps on {} in {} ({} rank{})",
             cfg.model.parameter_count() as f64 / 1e6,
             t.micro_batch_size,
             t.grad_accum_steps,
             p.dp,
             t.seq_len,
             t.steps,
-            format!("{:?} ({:?})", cfg.device.kind, cfg.device.compute_dtype()).to_lowercase(),
+            format!("{:?}", cfg.device.kind).to_lowercase(),
+            format!("{:?}", cfg.device.compute_dtype()).to_lowercase(),
             grid.world_size(),
             if grid.world_size() == 1 { "" } else { "s" },
         );

@@ -20,6 +20,14 @@ pub fn gpu() -> bool {
     std::env::args().any(|a| a == "--gpu")
 }
 
+/// The settings `--gpu` adds (none without it).
+pub fn device_sets() -> Vec<String> {
+    match gpu() {
+        true => vec!["device.kind=\"cuda\"".into(), "device.dtype=\"f32\"".into()],
+        false => Vec::new(),
+    }
+}
+
 /// Where rank `rank` computes: its GPU with `--gpu`, else the CPU.
 pub fn place(cfg: &Config, rank: usize) -> Result<Place> {
     if cfg.device.kind == DeviceKind::Cpu {
@@ -43,9 +51,7 @@ pub fn config(tiny: bool, extra: &[&str]) -> Result<Config> {
         ];
         sets.extend(small.map(String::from));
     }
-    if gpu() {
-        sets.extend(["device.kind=\"cuda\"".into(), "device.dtype=\"f32\"".into()]);
-    }
+    sets.extend(device_sets());
     sets.extend(extra.iter().map(|s| s.to_string()));
     Config::load(None, &sets)
 }

@@ -4,7 +4,9 @@
 use ferrotron::bench::{self, activation_bytes, flops_per_token, peak_tflops};
 use ferrotron::config::Config;
 use ferrotron::cuda::DType;
-use ferrotron::model::Llama;
+use ferrotron::model::{Llama, StageInput};
+use ferrotron::pipeline_parallel::Stage;
+use ferrotron::tensor::Tensor;
 use std::process::Command;
 
 mod common;
@@ -33,8 +35,26 @@ fn activation_formula_matches_what_the_model_keeps() {
         let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % c.model.vocab_size) as u32).collect();
         let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         model.forward(&tokens, batch, &targets).unwrap();
-        assert_eq!(model.activation_bytes(), activation_bytes(&c.model, batch, seq, 1, DType::F32), "{extra:?}");
+        let want = activation_bytes(&c.model, batch, seq, 1, Stage::WHOLE, DType::F32);
+        assert_eq!(model.activation_bytes(), want, "{extra:?}");
     }
+    // pipeline stages: 5 layers on 2 stages, the embedding on the first, the head on the last
+    let c = cfg(&[common::SMALL, &["model.num_hidden_layers=5"]].concat());
+    let (batch, seq) = (2, c.train.seq_len);
+    let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % c.model.vocab_size) as u32).collect();
+    let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+    for index in 0..2 {
+        let stage = Stage { index, count: 2 };
+        let mut model = Llama::init(&c.model, 1, None, stage);
+        let hidden = Tensor::zeros(&[batch * seq, c.model.hidden_size]);
+        let input = if index == 0 { StageInput::Tokens(&tokens) } else { StageInput::Hidden(hidden) };
+        model.forward_stage(input, batch, &targets).unwrap();
+        assert_eq!(model.activation_bytes(), activation_bytes(&c.model, batch, seq, 1, stage, DType::F32));
+    }
+    // held at once with 1F1B on 2 stages and 4 micro-batches: two on the first stage, one on the last
+    let c = cfg(&[common::SMALL, &["parallel.pp=2", "train.grad_accum_steps=4"]].concat());
+    let per = |index| activation_bytes(&c.model, 16, 32, 1, Stage { index, count: 2 }, DType::F32);
+    assert_eq!(bench::activations_held(&c, 16, DType::F32), (2 * per(0)).max(per(1)));
 }
 
 #[test]
@@ -43,6 +63,7 @@ fn peaks_by_gpu_name() {
     assert_eq!(peak_tflops("NVIDIA H100 PCIe", DType::Bf16), Some(756.5));
     assert_eq!(peak_tflops("NVIDIA GH200 480GB", DType::F32), Some(66.9));
     assert_eq!(peak_tflops("NVIDIA A100-SXM4-80GB", DType::Bf16), Some(312.0));
+    assert_eq!(peak_tflops("NVIDIA L40", DType::Bf16), Some(181.0), "not the L4's");
     assert_eq!(peak_tflops("Some Future GPU", DType::Bf16), None);
 }
 

@@ -50,6 +50,7 @@ fn backend_choice() {
     // NCCL when every rank has a GPU of its own, the hub otherwise
     assert_eq!(choose_backend(Auto, true, 4, 8).unwrap(), Backend::Nccl);
     assert_eq!(choose_backend(Auto, true, 4, 1).unwrap(), Backend::Local);
+    assert_eq!(choose_backend(Auto, true, 1, 1).unwrap(), Backend::Local, "one rank needs no NCCL");
     assert_eq!(choose_backend(Auto, false, 4, 0).unwrap(), Backend::Local);
     assert_eq!(choose_backend(Local, true, 2, 2).unwrap(), Backend::Local);
     assert_eq!(choose_backend(Nccl, true, 2, 2).unwrap(), Backend::Nccl);

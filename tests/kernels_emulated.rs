@@ -3,8 +3,9 @@
 //! `__syncthreads` and warp shuffles), and the launches of `src/launches.rs` (kernel names, grids,
 //! argument lists) run on host memory against the CPU reference of the op layer, in f32 and bf16.
 //! So a kernel's indexing, masking and reductions, and every launch's argument order, are checked
-//! on machines without a GPU. Needs g++ (C++20); skipped with a printed reason without it, unless
-//! FERROTRON_REQUIRE_EMULATOR=1 (as in CI).
+//! on machines without a GPU. Needs g++ (C++20); skipped with a printed reason when g++ is missing
+//! or cannot build the emulator, unless FERROTRON_REQUIRE_EMULATOR=1 (as in CI). The emulator's
+//! grid and shared memory are process-wide: the launches run one at a time, from this one test.
 
 use ferrotron::cuda::DType;
 use ferrotron::launches::{self, Addr, Arg, Launch};
@@ -84,43 +85,9 @@ impl Emulator {
     }
 }
 
-/// Every launch the op layer makes (addresses and sizes do not matter here): their kernels'
-/// names and argument types make the C++ glue that calls them.
-fn every_launch() -> Vec<Launch> {
-    let a = Attn { batch: 1, seq: 1, kv_seq: 1, heads: 1, kv_heads: 1, head_dim: 2 };
-    let o = AdamW { lr: 0.0, beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0, step: 1 };
-    let mut all = vec![
-        launches::cast_f32_to_bf16(0, 0, 1),
-        launches::cast_bf16_to_f32(0, 0, 1),
-        launches::log_sum_exp(0, 0, 0, 1),
-        launches::sum_squares(0, 1, 0),
-        launches::adamw(&o, (0, 0, 0, 0), 1, None),
-        launches::adamw(&o, (0, 0, 0, 0), 1, Some(0)),
-    ];
-    for dt in [DType::F32, DType::Bf16] {
-        all.push(launches::embedding(dt, (0, 1), (0, 1), 0, 1, 0));
-        all.push(launches::embedding_backward(dt, 0, (0, 1), 0, (1, 1), 0));
-        all.push(launches::rmsnorm(dt, 0, 0, 0.0, (1, 1), 0, 0));
-        all.extend(launches::rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), 0, 0));
-        all.push(launches::rope(dt, 0, 0, (1, 1, 2), 1.0, false));
-        all.push(launches::attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
-        all.extend(launches::attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
-        all.push(launches::attention_merge(dt, a, (0, 0), (0, 0)));
-        all.push(launches::swiglu(dt, (0, 0), 0, 1));
-        all.push(launches::swiglu_backward(dt, (0, 0, 0), (0, 0), 1));
-        all.push(launches::row_max(dt, 0, (1, 1), 0));
-        all.push(launches::row_sum_exp(dt, 0, (1, 1), 0, 0));
-        all.push(launches::target_logit(dt, 0, (1, 1), 0, 0, 0));
-        all.push(launches::cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
-        all.push(launches::add_assign(dt, 0, 0, 1));
-        all.push(launches::scale(dt, 0, 1.0, 1));
-    }
-    all
-}
-
 /// C++ that declares each kernel with its argument types and calls it from an argument array.
 fn glue() -> String {
-    let kernels: BTreeMap<String, Vec<&str>> = every_launch()
+    let kernels: BTreeMap<String, Vec<&str>> = launches::catalogue()
         .into_iter()
         .map(|l| {
             let types = l.args.iter().map(|a| match a {
@@ -226,7 +193,7 @@ impl Check {
 fn emulator() -> Option<Emulator> {
     match Emulator::build() {
         Ok(e) => Some(e),
-        Err(why) if std::env::var("FERROTRON_REQUIRE_EMULATOR").is_err() && why.contains("cannot run") => {
+        Err(why) if std::env::var("FERROTRON_REQUIRE_EMULATOR").is_err() => {
             eprintln!("skipped: {why}");
             None
         }
@@ -258,7 +225,7 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert!(checked >= 60);
+    assert_eq!(checked, 103, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {

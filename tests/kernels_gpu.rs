@@ -1,18 +1,13 @@
 //! The CUDA kernels on a GPU against the CPU reference: every op forward and backward, f32 and
 //! bf16, random inputs, odd sizes (`src/cuda_check.rs`). Skipped with a printed reason where there
-//! is no GPU or no NVRTC.
+//! is no GPU, no NVRTC or no cuBLAS.
+
+mod common;
 
 #[test]
 fn kernels_match_the_cpu_reference_on_a_gpu() {
-    let ready = ferrotron::gpu::device_count().and_then(|n| {
-        if n > 0 {
-            ferrotron::kernels::nvrtc_ready()
-        } else {
-            anyhow::bail!("the driver sees no GPU")
-        }
-    });
-    if let Err(e) = ready {
-        eprintln!("skipped: {e:#}");
+    if let Some(why) = common::no_gpu() {
+        eprintln!("skipped: {why}");
         return;
     }
     let gpu = ferrotron::gpu::Gpu::open(0).unwrap();

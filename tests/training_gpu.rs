@@ -81,7 +81,8 @@ fn bf16_activations_match_the_memory_formula() {
     let tokens: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % cfg.model.vocab_size) as u32).collect();
     let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     model.forward(&tokens, batch, &targets).unwrap();
-    let want = ferrotron::bench::activation_bytes(&cfg.model, batch, seq, 1, ferrotron::cuda::DType::Bf16);
+    let whole = ferrotron::pipeline_parallel::Stage::WHOLE;
+    let want = ferrotron::bench::activation_bytes(&cfg.model, batch, seq, 1, whole, ferrotron::cuda::DType::Bf16);
     assert_eq!(model.activation_bytes(), want);
     model.backward(1.0).unwrap();
     assert_eq!(model.activation_bytes(), 0, "backward frees what forward kept");

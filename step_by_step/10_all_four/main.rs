@@ -16,9 +16,7 @@ fn run(tiny: bool) -> Result<()> {
         "train.grad_accum_steps=2".into(),
         "train.micro_batch_size=8".into(),
     ];
-    if common::gpu() {
-        sets.extend(["device.kind=\"cuda\"", "device.dtype=\"f32\""].map(String::from));
-    }
+    sets.extend(common::device_sets());
     if tiny {
         sets.extend(
             ["model.hidden_size=32", "model.intermediate_size=64", "train.seq_len=32", "data.copy_lag=8"]

@@ -1,6 +1,7 @@
 //! Shared by the test files that train.
 
 /// A model small enough to train in seconds (`--set` strings).
+#[allow(dead_code)] // not every test file trains
 pub const SMALL: &[&str] = &[
     "model.hidden_size=32",
     "model.intermediate_size=64",

@@ -6,6 +6,7 @@
 // `__syncthreads()` is a barrier over the block and `__shfl_xor_sync` an exchange through a
 // barrier over the warp. `__shared__` variables are statics: shared by the block that runs.
 // A thread that returns early leaves both barriers, as an exited CUDA thread does.
+// gridDim, blockDim and the __shared__ statics are process-wide: one launch at a time.
 #pragma once
 #include <algorithm>
 #include <barrier>
