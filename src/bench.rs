@@ -177,6 +177,45 @@ fn gpu_name_and_memory() -> Result<(String, Option<usize>)> {
     Ok((ctx.name().map_err(crate::gpu::cuda_err)?, Some(ctx.total_mem().map_err(crate::gpu::cuda_err)?)))
 }
 
+/// Another run's report, for a ratio: what `benches/torch_reference.py --json` writes.
+#[derive(serde::Deserialize, Debug)]
+pub struct Other {
+    #[serde(default)]
+    pub framework: Option<String>,
+    pub device: String,
+    pub tokens_per_s: f64,
+    pub tokens_per_step: usize,
+}
+
+impl Other {
+    pub fn read(path: &std::path::Path) -> Result<Other> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--against {}: cannot read it: {e}", path.display()))?;
+        serde_json::from_str(&text).map_err(|e| {
+            anyhow::anyhow!(
+                "--against {}: not a bench JSON (tokens_per_s, tokens_per_step, device): {e}",
+                path.display()
+            )
+        })
+    }
+
+    /// One line: our tokens/s as a multiple of the other run's.
+    pub fn compare(&self, r: &Report) -> String {
+        let who = self.framework.clone().unwrap_or_else(|| "ferrotron".into());
+        let mut line = format!(
+            "against {who} on {}: {:.2}× its tokens/s ({:.0} vs {:.0})",
+            self.device,
+            r.tokens_per_s / self.tokens_per_s,
+            r.tokens_per_s,
+            self.tokens_per_s
+        );
+        if self.tokens_per_step != r.tokens_per_step || self.device != r.device {
+            line += " — not the same batch or device: compare with care";
+        }
+        line
+    }
+}
+
 /// The report as the table `ferrotron bench` prints.
 pub fn table(r: &Report) -> String {
     let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("n/a".to_string(), f);

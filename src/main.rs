@@ -114,6 +114,10 @@ enum Command {
         /// Also write the JSON to this file.
         #[arg(long, value_name = "OUT.json")]
         json: Option<PathBuf>,
+        /// The JSON of another run of the same config (`benches/torch_reference.py --json`, or
+        /// an earlier `bench --json`): print the tokens/s ratio against it.
+        #[arg(long, value_name = "OTHER.json")]
+        against: Option<PathBuf>,
     },
 }
 
@@ -206,10 +210,14 @@ fn run(cli: Cli) -> Result<()> {
             println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
         }
         Command::Doctor => doctor::doctor()?,
-        Command::Bench { config, sets, steps, warmup, peak_tflops, json } => {
+        Command::Bench { config, sets, steps, warmup, peak_tflops, json, against } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
+            let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
             let report = bench::bench(&cfg, warmup, steps, peak_tflops)?;
             print!("{}", bench::table(&report));
+            if let Some(other) = other {
+                println!("{}", other.compare(&report));
+            }
             let text = serde_json::to_string(&report)?;
             println!("json: {text}");
             if let Some(path) = json {

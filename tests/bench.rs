@@ -87,6 +87,25 @@ fn bench_reports_a_table_and_json() {
     assert_eq!(v["measured_steps"], 2);
     let bad = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(["bench", "--steps", "0"]).output().unwrap();
     assert!(String::from_utf8_lossy(&bad.stderr).contains("--steps 0"));
+    // --against: the ratio to another run's JSON (the PyTorch reference writes the same keys)
+    let dir = tempfile::tempdir().unwrap();
+    let other = dir.path().join("torch.json");
+    let torch =
+        r#"{"framework": "pytorch 2.15 eager", "device": "cpu", "tokens_per_s": 1000.0, "tokens_per_step": 512}"#;
+    std::fs::write(&other, torch).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["bench", "--steps", "1", "--warmup", "0", "--against"])
+        .arg(&other)
+        .args(common::SMALL.iter().flat_map(|s| ["--set", s]))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("against pytorch 2.15 eager on cpu: ") && text.contains("× its tokens/s"), "{text}");
+    assert!(!text.contains("compare with care"), "same batch, same device: {text}");
+    std::fs::write(&other, "{}").unwrap();
+    let bad = Command::new(env!("CARGO_BIN_EXE_ferrotron")).arg("bench").arg("--against").arg(&other).output().unwrap();
+    let err = String::from_utf8_lossy(&bad.stderr);
+    assert!(err.contains("--against") && err.contains("not a bench JSON"), "{err}");
 }
 
 #[test]
