@@ -14,6 +14,7 @@ use ferrotron::tensor::Tensor;
 use half::bf16;
 use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CString};
+use std::io::Write;
 use std::path::Path;
 use std::process::Command;
 
@@ -203,6 +204,14 @@ fn emulator() -> Option<Emulator> {
 
 #[test]
 fn kernels_match_the_cpu_reference_on_the_emulator() {
+    // A kernel whose threads do not all reach a __syncthreads would wait forever here (on a GPU it
+    // is undefined behaviour): stop with a sentence rather than hang the suite.
+    std::thread::spawn(|| {
+        std::thread::sleep(std::time::Duration::from_secs(600));
+        let why = "the emulated kernels took over 10 minutes: a kernel waits at a barrier that some of its threads never reach";
+        let _ = writeln!(std::io::stderr(), "{why}"); // not eprintln!: the test harness would swallow it
+        std::process::exit(1);
+    });
     let Some(emu) = emulator() else { return };
     let mut checked = 0;
     for dt in [DType::F32, DType::Bf16] {
