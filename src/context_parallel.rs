@@ -89,27 +89,18 @@ pub fn attention(
         let (out, lse) = ops::attention(a, q, k, v, (pos, pos));
         return Ok((out, lse, work));
     };
-    let (next, prev) = ring.next_prev();
-    let place = q.place();
     let mut out = Tensor::zeros_like(q);
     let no_key = vec![f32::NEG_INFINITY; a.batch * a.heads * a.seq];
-    let mut lse = Tensor::from_vec(&[a.batch, a.heads, a.seq], no_key).to_dtype(&place, DType::F32);
-    let (mut received, mut done): (Option<[Tensor; 2]>, u64) = (None, 0); // the block in hand, after our own
-    for step in 0..ring.size() {
-        let (k_blk, v_blk) = received.as_ref().map_or((k, v), |[k, v]| (k, v));
-        // pass the block on while computing with it
-        let pending = (step + 1 < ring.size())
-            .then(|| ring.group.send_recv_async(&pack(&[k_blk, v_blk]), next, 2 * k.numel(), prev));
-        let k_pos = ring.block_positions(step, a.seq);
-        if visible(pos, &k_pos) {
-            let (o, l) = ops::attention(a, q, k_blk, v_blk, (pos, &k_pos));
+    let mut lse = Tensor::from_vec(&[a.batch, a.heads, a.seq], no_key).to_dtype(&q.place(), DType::F32);
+    let mut done = 0;
+    walk(ring, a, (k, v), |k_blk, v_blk, k_pos| {
+        if visible(pos, k_pos) {
+            let (o, l) = ops::attention(a, q, k_blk, v_blk, (pos, k_pos));
             ops::attention_merge(a, (&mut out, &mut lse), &o, &l);
             done += work;
         }
-        if let Some(handle) = pending {
-            received = Some(unpack(handle.wait()?, k.shape(), &place));
-        }
-    }
+        Ok(())
+    })?;
     Ok((out, lse, done))
 }
 
@@ -127,33 +118,50 @@ pub fn attention_backward(
         return Ok(ops::attention_backward(a, (q, k, v), (pos, pos), (out, lse), dout));
     };
     let (next, prev) = ring.next_prev();
-    let place = q.place();
     let mut dq = Tensor::zeros_like(q);
-    let mut received: Option<[Tensor; 2]> = None; // the block in hand, after our own
     let (mut dk_blk, mut dv_blk) = (Tensor::zeros_like(k), Tensor::zeros_like(v));
-    for step in 0..ring.size() {
-        let (k_blk, v_blk) = received.as_ref().map_or((k, v), |[k, v]| (k, v));
-        let pending = (step + 1 < ring.size())
-            .then(|| ring.group.send_recv_async(&pack(&[k_blk, v_blk]), next, 2 * k.numel(), prev));
-        let k_pos = ring.block_positions(step, a.seq);
-        if visible(pos, &k_pos) {
-            let (dq_i, dk_i, dv_i) = ops::attention_backward(a, (q, k_blk, v_blk), (pos, &k_pos), (out, lse), dout);
+    walk(ring, a, (k, v), |k_blk, v_blk, k_pos| {
+        if visible(pos, k_pos) {
+            let (dq_i, dk_i, dv_i) = ops::attention_backward(a, (q, k_blk, v_blk), (pos, k_pos), (out, lse), dout);
             ops::add_assign(&mut dq, &dq_i);
             ops::add_assign(&mut dk_blk, &dk_i);
             ops::add_assign(&mut dv_blk, &dv_i);
         }
         // the block's gradient follows the block; after the last hop it is back with its owner
         let grads = ring.group.send_recv(&pack(&[&dk_blk, &dv_blk]), next, 2 * k.numel(), prev)?;
-        [dk_blk, dv_blk] = unpack(grads, k.shape(), &place);
-        if let Some(handle) = pending {
-            received = Some(unpack(handle.wait()?, k.shape(), &place));
-        }
-    }
+        [dk_blk, dv_blk] = unpack(grads, k.shape(), &q.place());
+        Ok(())
+    })?;
     Ok((dq, dk_blk, dv_blk))
 }
 
+/// Walks the ring: at step s this rank holds the K/V block of the rank s places before it (its
+/// own at step 0), and `visit(k, v, key positions)` runs on it while the block already travels
+/// on to the next rank (an async `send_recv`).
+fn walk(
+    ring: &Ring,
+    a: Attn,
+    (k, v): (&Tensor, &Tensor),
+    mut visit: impl FnMut(&Tensor, &Tensor, &[u32]) -> Result<()>,
+) -> Result<()> {
+    let (next, prev) = ring.next_prev();
+    let mut received: Option<[Tensor; 2]> = None; // the block in hand, after our own
+    for step in 0..ring.size() {
+        let (k_blk, v_blk) = received.as_ref().map_or((k, v), |[k, v]| (k, v));
+        let pending = (step + 1 < ring.size())
+            .then(|| ring.group.send_recv_async(&pack(&[k_blk, v_blk]), next, 2 * k.numel(), prev));
+        visit(k_blk, v_blk, &ring.block_positions(step, a.seq))?;
+        if let Some(handle) = pending {
+            received = Some(unpack(handle.wait()?, k.shape(), &k.place()));
+        }
+    }
+    Ok(())
+}
+
 fn pack(parts: &[&Tensor]) -> Vec<f32> {
-    parts.iter().flat_map(|t| t.to_vec()).collect()
+    let mut flat = Vec::with_capacity(parts.iter().map(|t| t.numel()).sum());
+    parts.iter().for_each(|t| flat.extend_from_slice(&t.host_view()));
+    flat
 }
 
 /// The two tensors of a received block, on this rank's device.

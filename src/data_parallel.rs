@@ -81,7 +81,7 @@ impl<'g> DataParallel<'g> {
         }
         let (b, offset) = self.place[&p.name];
         let bucket = &mut self.buckets[b];
-        bucket.flat[offset..offset + p.grad.numel()].copy_from_slice(&p.grad.to_vec());
+        bucket.flat[offset..offset + p.grad.numel()].copy_from_slice(&p.grad.host_view());
         bucket.waiting -= 1;
         if bucket.waiting == 0 {
             bucket.in_flight = Some(self.group.all_reduce_async(&bucket.flat, ReduceOp::Avg));
@@ -102,7 +102,7 @@ impl<'g> DataParallel<'g> {
         if self.mode == DpMode::Naive {
             for p in params.iter_mut() {
                 let (reduced, start, end) =
-                    self.group.all_reduce_async(&p.grad.to_vec(), ReduceOp::Avg).wait_timed()?;
+                    self.group.all_reduce_async(&p.grad.host_view(), ReduceOp::Avg).wait_timed()?;
                 record(format!("all-reduce {}", p.name), start, end);
                 p.grad.write(&reduced);
             }

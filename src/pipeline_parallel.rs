@@ -156,9 +156,9 @@ pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn 
         match (outgoing, wanted) {
             (Some((x, to)), Some(from)) if from == to => {
                 let len = plan.hidden[0] * plan.hidden[1];
-                inbox = Some(Tensor::from_host(&plan.hidden, pp.send_recv(&x.to_vec(), to, len, from)?, &place));
+                inbox = Some(Tensor::from_host(&plan.hidden, pp.send_recv(&x.host_view(), to, len, from)?, &place));
             }
-            (Some((x, to)), _) => pp.send(&x.to_vec(), to)?,
+            (Some((x, to)), _) => pp.send(&x.host_view(), to)?,
             (None, _) => {}
         }
     }

@@ -49,7 +49,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
         if split == Split::Replicated || tp_group.size() == 1 {
             return Ok(Tensor::from_vec(t.shape(), t.to_vec())); // a host copy, also of a GPU tensor
         }
-        let all = tp_group.all_gather(&t.to_vec())?;
+        let all = tp_group.all_gather(&t.host_view())?;
         let parts: Vec<Tensor> = all.chunks(t.numel()).map(|c| Tensor::from_vec(t.shape(), c.to_vec())).collect();
         Ok(tp::unshard(&parts, split))
     };

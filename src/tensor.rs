@@ -6,9 +6,12 @@
 //! with the bf16 copy that the kernels compute with (the optimizer updates the first and rewrites
 //! the second). Model code never looks inside the storage: it hands tensors to the op layer
 //! (`ops.rs`), which picks the kernels for the device the tensor lives on. Host copies
-//! (`to_vec`, `from_vec`, `write`) are how data enters and leaves: batches, checkpoints, tests.
+//! (`to_vec`, `from_vec`, `write`) are how data enters and leaves: batches, checkpoints, tests;
+//! the collectives of the local hub read and write through `host_view` and `update_host`, in place
+//! on the CPU and through a host copy on a GPU.
 
 use crate::cuda::{Buf, DType, Device};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Where a tensor's numbers live.
@@ -149,6 +152,29 @@ impl Tensor {
         match &self.storage {
             Storage::Cpu(v) => v.clone(),
             Storage::Cuda(b) => b.to_vec(),
+        }
+    }
+
+    /// The numbers in host memory, for a collective to send: the CPU data itself, or a copy of a
+    /// GPU tensor's (which waits for the GPU).
+    pub fn host_view(&self) -> Cow<'_, [f32]> {
+        match &self.storage {
+            Storage::Cpu(v) => Cow::Borrowed(v),
+            Storage::Cuda(b) => Cow::Owned(b.to_vec()),
+        }
+    }
+
+    /// Runs `f` on the numbers in host memory and keeps what it writes: in place on the CPU; a GPU
+    /// tensor goes to the host and back (how the local hub's collectives reach GPU tensors).
+    pub fn update_host<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> R {
+        match &mut self.storage {
+            Storage::Cpu(v) => f(v),
+            Storage::Cuda(b) => {
+                let mut v = b.to_vec();
+                let r = f(&mut v);
+                b.write(&v);
+                r
+            }
         }
     }
 

@@ -32,12 +32,7 @@ pub type Tp<'g> = Option<&'g Group>;
 /// In-place all-reduce over the tp group (nothing to do alone).
 fn all_reduce(tp: Tp, t: &mut Tensor, op: ReduceOp) -> Result<()> {
     match tp {
-        Some(g) if g.size() > 1 => {
-            let mut v = t.to_vec(); // on a GPU: staged through host memory, over the local hub
-            g.all_reduce(&mut v, op)?;
-            t.write(&v);
-            Ok(())
-        }
+        Some(g) if g.size() > 1 => t.update_host(|v| g.all_reduce(v, op)),
         _ => Ok(()),
     }
 }
@@ -51,7 +46,7 @@ pub fn column_forward(x: &Tensor, w: &Param) -> Tensor {
 /// asynchronously, while the weight-gradient GEMM runs.
 pub fn column_backward(tp: Tp, dy: &Tensor, x: &Tensor, w: &mut Param) -> Result<Tensor> {
     let mut dx = ops::linear_input_grad(dy, &w.value);
-    let pending = tp.filter(|g| g.size() > 1).map(|g| g.all_reduce_async(&dx.to_vec(), ReduceOp::Sum));
+    let pending = tp.filter(|g| g.size() > 1).map(|g| g.all_reduce_async(&dx.host_view(), ReduceOp::Sum));
     ops::linear_weight_grad(dy, x, &mut w.grad); // overlaps the all-reduce
     if let Some(handle) = pending {
         dx.write(&handle.wait()?);
