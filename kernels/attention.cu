@@ -20,15 +20,6 @@
 #define BQ 64
 #define BK 32
 
-struct Shape {
-    int batch, seq, kv_seq, heads, kv_heads, head_dim;
-};
-
-// Row r of head `head` in a [batch*len, n_heads*head_dim] tensor.
-__device__ __forceinline__ long at(const Shape& s, int b, int len, int r, int n_heads, int head) {
-    return ((long)(b * len + r) * n_heads + head) * s.head_dim;
-}
-
 // The block stages key/value rows j0..j0+BK of KV head g into shared memory (zeros past the end,
 // and a position no query reaches, so padding is masked), then waits for every thread.
 template <typename T>

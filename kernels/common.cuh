@@ -41,3 +41,14 @@ __device__ float block_max(float v, float* scratch) {
     for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
     return v;
 }
+
+// The attention shape (attention.cu, attention_tc.cu): queries [batch*seq, heads*head_dim],
+// keys and values [batch*kv_seq, kv_heads*head_dim].
+struct Shape {
+    int batch, seq, kv_seq, heads, kv_heads, head_dim;
+};
+
+// Row r of head `head` in a [batch*len, n_heads*head_dim] tensor.
+__device__ __forceinline__ long at(const Shape& s, int b, int len, int r, int n_heads, int head) {
+    return ((long)(b * len + r) * n_heads + head) * s.head_dim;
+}

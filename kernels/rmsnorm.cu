@@ -3,7 +3,10 @@
 // Math: rstd = 1/sqrt(mean(x²) + eps), y = x · rstd · w.
 // Backward: with g = dy · w, dx = rstd · g − x · rstd³ · mean(g · x); dw += Σ_rows dy · x · rstd.
 // Forward and dx: one block per row, threads over the features, block reductions.
-// dw, deterministic: one thread per feature column walks the rows in order (no atomics).
+// dw, deterministic (no atomics) and spread over the whole GPU, in two launches: each block of
+// rmsnorm_backward_dw_partial sums one chunk of rows (threads over the feature columns) into
+// partial[chunk][dim]; then rmsnorm_backward_dw_sum, one thread per column, adds the chunks in
+// order into dw. (One thread per column walking every row would use a few dozen warps of the GPU.)
 
 template <typename T>
 __device__ void rmsnorm_forward(const T* x, const T* w, float eps, int dim, T* y, float* rstd) {
@@ -33,11 +36,21 @@ __device__ void rmsnorm_backward_dx(const T* dy, const T* x, const T* w, const f
 }
 
 template <typename T>
-__device__ void rmsnorm_backward_dw(const T* dy, const T* x, const float* rstd, long rows, int dim, float* dw) {
+__device__ void rmsnorm_backward_dw_partial(const T* dy, const T* x, const float* rstd, long rows, int dim,
+                                            int chunk_rows, float* partial) {
+    int d = blockIdx.x * blockDim.x + threadIdx.x;
+    long chunk = blockIdx.y, first = chunk * chunk_rows, end = min(rows, first + chunk_rows);
+    if (d >= dim) return;
+    float acc = 0.0f;
+    for (long row = first; row < end; row++) acc += load(dy, row * dim + d) * load(x, row * dim + d) * rstd[row];
+    partial[chunk * dim + d] = acc;
+}
+
+extern "C" __global__ void rmsnorm_backward_dw_sum(const float* partial, int chunks, int dim, float* dw) {
     int d = blockIdx.x * blockDim.x + threadIdx.x;
     if (d >= dim) return;
     float acc = 0.0f;
-    for (long row = 0; row < rows; row++) acc += load(dy, row * dim + d) * load(x, row * dim + d) * rstd[row];
+    for (int c = 0; c < chunks; c++) acc += partial[(long)c * dim + d];
     dw[d] += acc;
 }
 
@@ -50,9 +63,10 @@ __device__ void rmsnorm_backward_dw(const T* dy, const T* x, const float* rstd, 
                                                             int dim, T* dx) {                                     \
         rmsnorm_backward_dx(dy, x, w, rstd, dim, dx);                                                             \
     }                                                                                                             \
-    extern "C" __global__ void rmsnorm_backward_dw_##suffix(const T* dy, const T* x, const float* rstd, long rows, \
-                                                            int dim, float* dw) {                                 \
-        rmsnorm_backward_dw(dy, x, rstd, rows, dim, dw);                                                          \
+    extern "C" __global__ void rmsnorm_backward_dw_partial_##suffix(const T* dy, const T* x, const float* rstd,    \
+                                                                    long rows, int dim, int chunk_rows,           \
+                                                                    float* partial) {                             \
+        rmsnorm_backward_dw_partial(dy, x, rstd, rows, dim, chunk_rows, partial);                                 \
     }
 EXPORT(float, f32)
 EXPORT(__nv_bfloat16, bf16)

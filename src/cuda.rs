@@ -209,6 +209,23 @@ pub struct Device {
     peak: AtomicUsize,
 }
 
+/// Buffers are allocated in stream order (`cuMemAllocAsync`) from the device's default memory pool,
+/// which by default hands freed memory back to the driver at every synchronisation (each loss
+/// and gradient-norm read); the next step would then map it again. A release threshold of "all"
+/// keeps it in the pool for reuse, as PyTorch's caching allocator does.
+fn keep_freed_memory(gpu: &Gpu) -> Result<()> {
+    use cudarc::driver::{result, sys};
+    gpu.ctx.bind_to_thread().map_err(cuda_err)?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the default pool of this context's device; the attribute's value is a cuuint64_t.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(gpu.ctx.cu_device()).map_err(cuda_err)?;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        result::mem_pool::set_attribute(pool, attr, &mut threshold as *mut u64 as *mut std::ffi::c_void)
+            .map_err(cuda_err)
+    }
+}
+
 impl Device {
     /// The op layer on `gpu`, computing in `dtype`. Every kernel file is compiled here, before
     /// training starts, so a missing NVRTC or header shows up now and not in the first step.
@@ -217,6 +234,9 @@ impl Device {
         let (major, minor) = gpu.ctx.compute_capability().map_err(cuda_err)?;
         if major < 8 {
             bail!("GPU compute capability {major}.{minor}: the kernels need bf16, so sm_80 (Ampere) or newer");
+        }
+        if gpu.ctx.has_async_alloc() {
+            keep_freed_memory(gpu)?;
         }
         let arch = crate::kernels::arch_name(major, minor);
         for (file, _) in crate::kernels::SOURCES {

@@ -33,10 +33,15 @@ pub fn self_test(gpu: &Gpu) -> Result<Vec<String>> {
             Attn { batch: 2, seq: 37, kv_seq: 37, heads: 4, kv_heads: 2, head_dim: 16 },
             Attn { batch: 1, seq: 70, kv_seq: 70, heads: 3, kv_heads: 1, head_dim: 32 },
             Attn { batch: 1, seq: 65, kv_seq: 65, heads: 2, kv_heads: 2, head_dim: 128 },
+            Attn { batch: 1, seq: 33, kv_seq: 33, heads: 2, kv_heads: 1, head_dim: 24 }, // no tensor-core kernel
         ] {
             let pos: Vec<u32> = (0..a.seq as u32).collect();
             c.attention(a, (&pos, &pos))?;
         }
+        // zigzag's two chunks per rank: tiles skipped by position, not by index
+        let zigzag = Attn { batch: 1, seq: 64, kv_seq: 64, heads: 2, kv_heads: 1, head_dim: 64 };
+        let pos: Vec<u32> = (0..32).chain(96..128).collect();
+        c.attention(zigzag, (&pos, &pos))?;
         // one block of ring attention: 20 queries at positions 40.., 33 keys of which some lie after them
         let ring = Attn { batch: 2, seq: 20, kv_seq: 33, heads: 4, kv_heads: 2, head_dim: 16 };
         let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((40..60).collect(), (30..63).collect());

@@ -139,10 +139,10 @@ impl Device {
     }
 
     pub fn embedding_backward(&self, dout: &Tensor, tokens: &[u32], first: usize, dtable: &Tensor) -> Result<()> {
-        let (ids, _keep) = self.index_addr(tokens)?;
-        let shape = (dtable.rows(), dtable.cols());
-        let dt = dout.dtype();
-        self.run(&launches::embedding_backward(dt, addr(dout), (ids, tokens.len()), first, shape, f32_addr(dtable)))
+        let grouped = launches::tokens_by_id(tokens, first, dtable.rows());
+        let (at, _keep) = self.index_addr(&grouped.packed)?;
+        let grouped_at = (at, grouped.distinct);
+        self.run(&launches::embedding_backward(dout.dtype(), addr(dout), grouped_at, dtable.cols(), f32_addr(dtable)))
     }
 
     pub fn rmsnorm(self: &Arc<Self>, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
@@ -159,9 +159,10 @@ impl Device {
         rstd: &Tensor,
         dw: &Tensor,
     ) -> Result<Tensor> {
-        let dx = self.tensor(x.shape(), x.dtype());
+        let (dx, shape) = (self.tensor(x.shape(), x.dtype()), (x.rows(), x.cols()));
+        let partial = self.tensor(&[launches::rmsnorm_partial_len(shape)], DType::F32);
         let inputs = (addr(dy), addr(x), addr(w), addr(rstd));
-        for l in launches::rmsnorm_backward(x.dtype(), inputs, (x.rows(), x.cols()), addr(&dx), f32_addr(dw)) {
+        for l in launches::rmsnorm_backward(x.dtype(), inputs, shape, addr(&dx), (f32_addr(dw), addr(&partial))) {
             self.run(&l)?;
         }
         Ok(dx)

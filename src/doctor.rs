@@ -33,7 +33,7 @@ pub fn doctor() -> Result<()> {
             println!(
                 "kernels: all {} kernel files compile with NVRTC for sm_90 (headers: {})",
                 crate::kernels::SOURCES.len(),
-                include.display()
+                std::env::join_paths(&include).unwrap_or_default().to_string_lossy()
             );
         }
         Err(e) => println!("kernels: not compiled: {e:#}"),

@@ -4,7 +4,7 @@
 //! process for the GPU's own architecture (`sm_90` on an H100) and the PTX is cached here; the
 //! CUDA backend loads it into its context. Each file is preceded by `kernels/common.cuh` (the
 //! f32/bf16 load and store helpers and the block reductions) before it is compiled, so NVRTC needs
-//! no include path of ours, only the CUDA headers for `cuda_bf16.h`.
+//! no include path of ours, only the CUDA headers (`cuda_bf16.h`, and `mma.h` for tensor cores).
 //!
 //! Without a GPU the same compilation still runs, and `tests/kernels_compile.rs` uses it so CI
 //! catches a kernel that does not compile: NVRTC and the headers come from the Python wheels
@@ -19,28 +19,38 @@ use std::sync::{Arc, Mutex, OnceLock};
 const COMMON: &str = include_str!("../kernels/common.cuh");
 
 /// Every kernel file: (name, source).
-pub const SOURCES: [(&str, &str); 8] = [
+pub const SOURCES: [(&str, &str); 9] = [
     ("elementwise", include_str!("../kernels/elementwise.cu")),
     ("embedding", include_str!("../kernels/embedding.cu")),
     ("rmsnorm", include_str!("../kernels/rmsnorm.cu")),
     ("rope", include_str!("../kernels/rope.cu")),
     ("swiglu", include_str!("../kernels/swiglu.cu")),
     ("attention", include_str!("../kernels/attention.cu")),
+    ("attention_tc", include_str!("../kernels/attention_tc.cu")),
     ("cross_entropy", include_str!("../kernels/cross_entropy.cu")),
     ("adamw", include_str!("../kernels/adamw.cu")),
 ];
 
-/// The folder holding `cuda_bf16.h`: `$FERROTRON_CUDA_INCLUDE`, else `$CUDA_HOME/include`, else
-/// `/usr/local/cuda/include`.
-pub fn include_dir() -> Result<PathBuf> {
-    let candidates = [
-        std::env::var_os("FERROTRON_CUDA_INCLUDE").map(PathBuf::from),
-        std::env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("include")),
-        Some(PathBuf::from("/usr/local/cuda/include")),
-    ];
-    candidates.into_iter().flatten().find(|d| d.join("cuda_bf16.h").exists()).ok_or_else(|| {
-        anyhow!("no CUDA headers (cuda_bf16.h) found: set FERROTRON_CUDA_INCLUDE or CUDA_HOME, or `pip install nvidia-cuda-runtime-cu12` and point FERROTRON_CUDA_INCLUDE at its nvidia/cuda_runtime/include")
-    })
+/// The folders NVRTC searches for the CUDA headers the kernels include: `cuda_bf16.h`, and
+/// `crt/mma.h` behind `mma.h` (tensor cores). A CUDA toolkit has both in one `include/`; the PyPI
+/// wheels split them (`nvidia/cuda_runtime/include`, `nvidia/cuda_nvcc/include`). Looked for in
+/// `$FERROTRON_CUDA_INCLUDE` (folders separated by ':'), `$CUDA_HOME/include`,
+/// `/usr/local/cuda/include`, and beside each of them the wheels' `../../cuda_nvcc/include`.
+pub fn include_dirs() -> Result<Vec<PathBuf>> {
+    let mut candidates: Vec<PathBuf> =
+        std::env::var_os("FERROTRON_CUDA_INCLUDE").map(|v| std::env::split_paths(&v).collect()).unwrap_or_default();
+    candidates.extend(std::env::var_os("CUDA_HOME").map(|h| PathBuf::from(h).join("include")));
+    candidates.push(PathBuf::from("/usr/local/cuda/include"));
+    let wheel_siblings: Vec<PathBuf> = candidates.iter().map(|d| d.join("../../cuda_nvcc/include")).collect();
+    candidates.extend(wheel_siblings);
+    let find = |header: &str| candidates.iter().find(|d| d.join(header).exists()).cloned();
+    let bf16 = find("cuda_bf16.h").ok_or_else(|| {
+        anyhow!("no CUDA headers (cuda_bf16.h) found: set FERROTRON_CUDA_INCLUDE or CUDA_HOME, or `pip install nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12` and point FERROTRON_CUDA_INCLUDE at its nvidia/cuda_runtime/include")
+    })?;
+    let mma = find("crt/mma.h").ok_or_else(|| {
+        anyhow!("no crt/mma.h (the CUDA compiler's tensor-core header) found beside {}: install the CUDA toolkit's headers, or `pip install nvidia-cuda-nvcc-cu12` and add its nvidia/cuda_nvcc/include to FERROTRON_CUDA_INCLUDE (folders separated by ':')", bf16.display())
+    })?;
+    Ok(if bf16 == mma { vec![bf16] } else { vec![bf16, mma] })
 }
 
 /// NVRTC's name of compute capability `major.minor` ("sm_90"); a `'static` string as NVRTC's
@@ -52,9 +62,9 @@ pub fn arch_name(major: i32, minor: i32) -> &'static str {
 }
 
 /// Can this machine compile kernels? An error says what is missing.
-pub fn nvrtc_ready() -> Result<PathBuf> {
+pub fn nvrtc_ready() -> Result<Vec<PathBuf>> {
     crate::gpu::require("NVRTC")?;
-    include_dir()
+    include_dirs()
 }
 
 /// The PTX of kernel file `name` for `arch` (e.g. "sm_90"), compiled on first use.
@@ -83,13 +93,9 @@ pub fn full_source(name: &str) -> Result<String> {
 /// Compiles kernel file `name` for `arch`; the error carries NVRTC's log.
 pub fn compile(name: &str, arch: &'static str) -> Result<Ptx> {
     let text = full_source(name)?;
-    let include = nvrtc_ready()?;
-    let options = CompileOptions {
-        arch: Some(arch),
-        include_paths: vec![include.display().to_string()],
-        options: vec!["--std=c++17".into()],
-        ..Default::default()
-    };
+    let include_paths = nvrtc_ready()?.iter().map(|d| d.display().to_string()).collect();
+    let options =
+        CompileOptions { arch: Some(arch), include_paths, options: vec!["--std=c++17".into()], ..Default::default() };
     cudarc::nvrtc::compile_ptx_with_opts(text, options).map_err(|e| match e {
         cudarc::nvrtc::CompileError::CompileError { log, .. } => {
             anyhow!("kernels/{name}.cu does not compile for {arch}:\n{}", log.to_string_lossy())

@@ -9,7 +9,8 @@
 //!
 //! Launch shapes follow the kernels' header comments: one block of 256 threads per row for
 //! row-wise ops, one thread per element (or per column, for the deterministic weight gradients)
-//! otherwise, BQ = 64 query rows per block for attention and its dq, BK = 32 key rows for dk/dv.
+//! otherwise, BQ = 64 query rows per block for attention and its dq, BK = 32 key rows for dk/dv
+//! (on tensor cores: 32 rows and 2 warps per block for all three).
 
 use crate::cuda::DType;
 use crate::ops::{AdamW, Attn};
@@ -121,16 +122,42 @@ pub fn embedding(
 }
 
 /// dtable (f32) += the rows of dout, one thread per feature column.
+/// The tokens of a table slice (ids `first..first + rows`) grouped by id, packed in one index
+/// array for the embedding backward: the distinct table rows (id − first, ascending), then where
+/// each one's tokens start in `order` (and where the last ends), then `order`, the token indices
+/// id by id, ascending within an id.
+pub struct TokensById {
+    pub packed: Vec<u32>,
+    pub distinct: usize,
+}
+
+pub fn tokens_by_id(tokens: &[u32], first: usize, rows: usize) -> TokensById {
+    let row = |t: u32| (tokens[t as usize] as usize).wrapping_sub(first);
+    let mut order: Vec<u32> = (0..tokens.len() as u32).filter(|&t| row(t) < rows).collect();
+    order.sort_by_key(|&t| row(t)); // stable: token order within an id
+    let (mut distinct, mut starts) = (Vec::new(), Vec::new());
+    for (e, &t) in order.iter().enumerate() {
+        if distinct.last() != Some(&(row(t) as u32)) {
+            distinct.push(row(t) as u32);
+            starts.push(e as u32);
+        }
+    }
+    starts.push(order.len() as u32);
+    TokensById { distinct: distinct.len(), packed: [distinct, starts, order].concat() }
+}
+
+/// dtable[row] += the rows of dout of its tokens, one block per distinct id; `grouped` is the
+/// device address of `tokens_by_id(..).packed`.
 pub fn embedding_backward(
     dt: DType,
     dout: Addr,
-    (ids, tokens): (Addr, usize),
-    first: usize,
-    (table_rows, dim): (usize, usize),
+    (grouped, distinct): (Addr, usize),
+    dim: usize,
     dtable: Addr,
 ) -> Launch {
-    let args = vec![Ptr(dout), Ptr(ids), long(tokens), long(first), long(table_rows), int(dim), Ptr(dtable)];
-    launch("embedding", typed("embedding_backward", dt), each(dim), args)
+    let (starts, order) = (grouped + 4 * distinct as Addr, grouped + 4 * (2 * distinct + 1) as Addr);
+    let args = vec![Ptr(dout), Ptr(grouped), Ptr(starts), Ptr(order), int(dim), Ptr(dtable)];
+    launch("embedding", typed("embedding_backward", dt), rows(distinct), args)
 }
 
 pub fn rmsnorm(dt: DType, x: Addr, w: Addr, eps: f32, (n, dim): (usize, usize), y: Addr, rstd: Addr) -> Launch {
@@ -142,14 +169,25 @@ pub fn rmsnorm(dt: DType, x: Addr, w: Addr, eps: f32, (n, dim): (usize, usize), 
     )
 }
 
-/// dx (one block per row), then dw += (f32, one thread per feature column).
+/// Rows per chunk of RMSNorm's weight gradient: each chunk is summed by its own blocks.
+pub const NORM_CHUNK_ROWS: usize = 64;
+
+/// The f32 scratch `rmsnorm_backward` needs for `n` rows of `dim` features: a partial dw per chunk.
+pub fn rmsnorm_partial_len((n, dim): (usize, usize)) -> usize {
+    n.div_ceil(NORM_CHUNK_ROWS).max(1) * dim
+}
+
+/// dx (one block per row); the partial dw of each chunk of rows (blocks over columns × chunks);
+/// then dw += their sum (f32, one thread per feature column, chunks in order).
 pub fn rmsnorm_backward(
     dt: DType,
     (dy, x, w, rstd): (Addr, Addr, Addr, Addr),
     (n, dim): (usize, usize),
     dx: Addr,
-    dw: Addr,
-) -> [Launch; 2] {
+    (dw, partial): (Addr, Addr),
+) -> [Launch; 3] {
+    let chunks = n.div_ceil(NORM_CHUNK_ROWS).max(1);
+    let chunk_grid = ((dim.div_ceil(THREADS as usize) as u32, chunks as u32, 1), THREADS);
     [
         launch(
             "rmsnorm",
@@ -159,9 +197,15 @@ pub fn rmsnorm_backward(
         ),
         launch(
             "rmsnorm",
-            typed("rmsnorm_backward_dw", dt),
+            typed("rmsnorm_backward_dw_partial", dt),
+            chunk_grid,
+            vec![Ptr(dy), Ptr(x), Ptr(rstd), long(n), int(dim), int(NORM_CHUNK_ROWS), Ptr(partial)],
+        ),
+        launch(
+            "rmsnorm",
+            "rmsnorm_backward_dw_sum".into(),
             each(dim),
-            vec![Ptr(dy), Ptr(x), Ptr(rstd), long(n), int(dim), Ptr(dw)],
+            vec![Ptr(partial), int(chunks), int(dim), Ptr(dw)],
         ),
     ]
 }
@@ -183,6 +227,21 @@ fn query_blocks(a: Attn) -> ((u32, u32, u32), u32) {
     ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 64)
 }
 
+/// The head sizes `kernels/attention_tc.cu` is instantiated for.
+pub const TENSOR_CORE_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Mixed precision with a head size it is built for runs attention on tensor cores
+/// (`attention_tc.cu`: blocks of 32 rows, 2 warps); f32 mode and other sizes run `attention.cu`.
+fn tensor_cores(dt: DType, a: Attn) -> bool {
+    dt == DType::Bf16 && TENSOR_CORE_HEAD_DIMS.contains(&a.head_dim)
+}
+
+/// Kernel `name` of `attention_tc.cu` on blocks of 32 rows of `rows` (per head of `heads`).
+fn tensor_core_launch(name: &str, a: Attn, (rows, heads): (usize, usize), args: Vec<Arg>) -> Launch {
+    let grid = ((rows.div_ceil(32) as u32, heads as u32, a.batch as u32), 64);
+    launch("attention_tc", format!("attention_tc_{name}_d{}", a.head_dim), grid, args)
+}
+
 /// (out, lse) of queries q at q_pos against keys and values at k_pos.
 pub fn attention(
     dt: DType,
@@ -193,6 +252,9 @@ pub fn attention(
     lse: Addr,
 ) -> Launch {
     let args = vec![Arg::Shape(a.into()), Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(out), Ptr(lse)];
+    if tensor_cores(dt, a) {
+        return tensor_core_launch("forward", a, (a.seq, a.heads), args);
+    }
     launch("attention", typed("attention_forward", dt), query_blocks(a), args)
 }
 
@@ -209,16 +271,25 @@ pub fn attention_backward(
 ) -> [Launch; 3] {
     let shape = Arg::Shape(a.into());
     let inputs = vec![shape, Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(lse), Ptr(delta), Ptr(dout)];
+    let delta_launch = launch(
+        "attention",
+        typed("attention_delta", dt),
+        each(a.batch * a.heads * a.seq),
+        vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
+    );
+    let (dq_args, dkdv_args) = ([&inputs[..], &[Ptr(dq)]].concat(), [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat());
+    if tensor_cores(dt, a) {
+        return [
+            delta_launch,
+            tensor_core_launch("dq", a, (a.seq, a.heads), dq_args),
+            tensor_core_launch("dkdv", a, (a.kv_seq, a.kv_heads), dkdv_args),
+        ];
+    }
     let key_blocks = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);
     [
-        launch(
-            "attention",
-            typed("attention_delta", dt),
-            each(a.batch * a.heads * a.seq),
-            vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
-        ),
-        launch("attention", typed("attention_dq", dt), query_blocks(a), [&inputs[..], &[Ptr(dq)]].concat()),
-        launch("attention", typed("attention_dkdv", dt), key_blocks, [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat()),
+        delta_launch,
+        launch("attention", typed("attention_dq", dt), query_blocks(a), dq_args),
+        launch("attention", typed("attention_dkdv", dt), key_blocks, dkdv_args),
     ]
 }
 
@@ -317,13 +388,18 @@ pub fn catalogue() -> Vec<Launch> {
     ];
     for dt in [DType::F32, DType::Bf16] {
         all.push(embedding(dt, (0, 1), (0, 1), 0, 1, 0));
-        all.push(embedding_backward(dt, 0, (0, 1), 0, (1, 1), 0));
+        all.push(embedding_backward(dt, 0, (0, 1), 1, 0));
         all.push(rmsnorm(dt, 0, 0, 0.0, (1, 1), 0, 0));
-        all.extend(rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), 0, 0));
+        all.extend(rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), 0, (0, 0)));
         all.push(rope(dt, 0, 0, (1, 1, 2), 1.0, false));
         all.push(attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
         all.extend(attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
         all.push(attention_merge(dt, a, (0, 0), (0, 0)));
+        for head_dim in TENSOR_CORE_HEAD_DIMS.into_iter().filter(|_| dt == DType::Bf16) {
+            let a = Attn { head_dim, ..a };
+            all.push(attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
+            all.extend(attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
+        }
         all.push(swiglu(dt, (0, 0), 0, 1));
         all.push(swiglu_backward(dt, (0, 0, 0), (0, 0), 1));
         all.push(row_max(dt, 0, (1, 1), 0));

@@ -1,20 +1,34 @@
 //! Every `kernels/*.cu` compiles with NVRTC for sm_80 (A100) and sm_90 (H100/H200), and its PTX
-//! exports every kernel the CUDA backend launches (`launches::catalogue`). Where NVRTC or the CUDA headers are missing
-//! the test prints why and passes, unless FERROTRON_REQUIRE_NVRTC=1 (CI sets it, after installing
-//! the nvidia-cuda-nvrtc-cu12 and nvidia-cuda-runtime-cu12 wheels).
+//! exports every kernel the CUDA backend launches (`launches::catalogue`). Then `ptxas`, the
+//! assembler the driver runs when it loads PTX, turns it into machine code, and its report is
+//! checked: every kernel fits the 48 KiB of static shared memory a block may have, and the
+//! tensor-core attention keeps its accumulators in registers (no spills to local memory).
+//! Where NVRTC, the CUDA headers or ptxas are missing the test prints why and passes, unless
+//! FERROTRON_REQUIRE_NVRTC=1 (CI sets it, after installing the nvidia-cuda-nvrtc-cu12,
+//! nvidia-cuda-runtime-cu12 and nvidia-cuda-nvcc-cu12 wheels).
 
-use ferrotron::kernels::{compile, nvrtc_ready, SOURCES};
+use ferrotron::kernels::{compile, include_dirs, nvrtc_ready, SOURCES};
+use std::path::PathBuf;
+use std::process::Command;
+
+fn required() -> bool {
+    std::env::var_os("FERROTRON_REQUIRE_NVRTC").is_some_and(|v| v == "1")
+}
 
 #[test]
 fn every_kernel_compiles_for_sm80_and_sm90() {
     if let Err(e) = nvrtc_ready() {
-        if std::env::var_os("FERROTRON_REQUIRE_NVRTC").is_some_and(|v| v == "1") {
-            panic!("FERROTRON_REQUIRE_NVRTC=1 but NVRTC cannot run: {e:#}");
-        }
+        assert!(!required(), "FERROTRON_REQUIRE_NVRTC=1 but NVRTC cannot run: {e:#}");
         eprintln!("skipped: {e:#}");
         return;
     }
+    let ptxas = ptxas();
+    if ptxas.is_none() {
+        assert!(!required(), "FERROTRON_REQUIRE_NVRTC=1 but no ptxas: pip install nvidia-cuda-nvcc-cu12");
+        eprintln!("ptxas not found: the PTX is not assembled (pip install nvidia-cuda-nvcc-cu12)");
+    }
     let launches = ferrotron::launches::catalogue();
+    let mut assembled = 0;
     for (name, _) in SOURCES {
         for arch in ["sm_80", "sm_90"] {
             let ptx = compile(name, arch).unwrap_or_else(|e| panic!("{e:#}")).to_src();
@@ -23,7 +37,69 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
                 let entry = &l.kernel;
                 assert!(ptx.contains(&format!(".entry {entry}(")), "{name}.cu for {arch} does not export {entry}");
             }
+            if let Some(ptxas) = &ptxas {
+                for k in assemble(ptxas, name, arch, &ptx) {
+                    assert!(
+                        k.smem <= 48 * 1024,
+                        "{} for {arch}: {} bytes of shared memory, over 48 KiB",
+                        k.name,
+                        k.smem
+                    );
+                    let in_registers = !k.name.starts_with("attention_tc") || k.spilled == 0;
+                    assert!(in_registers, "{} for {arch} spills {} bytes to local memory", k.name, k.spilled);
+                    assembled += 1;
+                }
+            }
         }
     }
     assert!(SOURCES.iter().all(|(name, _)| launches.iter().any(|l| l.file == *name)), "every file is launched");
+    if ptxas.is_some() {
+        eprintln!("{assembled} kernels assembled by ptxas for sm_80 and sm_90");
+        assert!(assembled >= launches.len(), "ptxas reported fewer kernels than are launched");
+    }
+}
+
+/// ptxas on the PATH, or in the `bin/` beside the CUDA headers (a toolkit, or the nvcc wheel).
+fn ptxas() -> Option<PathBuf> {
+    let beside_headers = include_dirs().ok()?.into_iter().map(|d| d.join("../bin/ptxas"));
+    let on_path =
+        std::env::var_os("PATH").map(|p| std::env::split_paths(&p).map(|d| d.join("ptxas")).collect::<Vec<_>>());
+    beside_headers.chain(on_path.unwrap_or_default()).find(|p| p.is_file())
+}
+
+/// What ptxas -v reports of one kernel.
+struct Kernel {
+    name: String,
+    spilled: usize,
+    smem: usize,
+}
+
+fn assemble(ptxas: &PathBuf, name: &str, arch: &str, ptx: &str) -> Vec<Kernel> {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let file = dir.join(format!("{name}_{arch}.ptx"));
+    std::fs::write(&file, ptx).unwrap();
+    let out = Command::new(ptxas)
+        .args(["-v", "-arch", arch, "-o"])
+        .arg(dir.join(format!("{name}_{arch}.cubin")))
+        .arg(&file)
+        .output()
+        .unwrap_or_else(|e| panic!("{}: {e}", ptxas.display()));
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "ptxas rejects {name}.cu for {arch}:\n{log}");
+    // "Compiling entry function 'NAME' for 'sm_90'", "... N bytes spill stores ...", "... M bytes smem"
+    let number_before = |line: &str, what: &str| {
+        let words: Vec<&str> = line.split([' ', ',']).filter(|w| !w.is_empty()).collect();
+        words.windows(3).find(|w| w[1] == "bytes" && w[2] == what).map(|w| w[0].parse::<usize>().unwrap())
+    };
+    let mut kernels: Vec<Kernel> = Vec::new();
+    for line in log.lines() {
+        if let Some(rest) = line.split("Compiling entry function '").nth(1) {
+            let name = rest.split('\'').next().unwrap().to_string();
+            kernels.push(Kernel { name, spilled: 0, smem: 0 });
+        } else if let Some(k) = kernels.last_mut() {
+            k.spilled += number_before(line, "spill").unwrap_or(0);
+            k.smem = number_before(line, "smem").unwrap_or(k.smem);
+        }
+    }
+    kernels
 }

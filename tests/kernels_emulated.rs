@@ -221,6 +221,7 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
             cross_entropy(&mut c, rows, vocab);
             embedding(&mut c, rows, dim, vocab);
         }
+        rowwise(&mut c, 130, 24); // RMSNorm's dw over three chunks of rows, the last one short
         let a = Attn { batch: 2, seq: 37, kv_seq: 37, heads: 4, kv_heads: 2, head_dim: 16 };
         let pos: Vec<u32> = (0..37).collect();
         attention(&mut c, a, (&pos, &pos));
@@ -230,11 +231,20 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((0..20).collect(), (10..43).collect());
         attention(&mut c, ring, (&q_pos, &k_pos));
         merge(&mut c, ring);
+        // in bf16 these run on tensor cores (attention_tc.cu): several tiles, tiles skipped by
+        // causal order (contiguous, and zigzag's two chunks), head_dim 128, a ring block
+        let long = Attn { batch: 1, seq: 70, kv_seq: 70, heads: 2, kv_heads: 1, head_dim: 64 };
+        let pos: Vec<u32> = (0..70).collect();
+        attention(&mut c, long, (&pos, &pos));
+        let zigzag = Attn { batch: 1, seq: 64, kv_seq: 64, heads: 2, kv_heads: 2, head_dim: 128 };
+        let pos: Vec<u32> = (0..32).chain(96..128).collect();
+        attention(&mut c, zigzag, (&pos, &pos));
+        attention(&mut c, Attn { head_dim: 32, ..ring }, (&q_pos, &k_pos));
         adamw(&mut c, 300);
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert_eq!(checked, 103, "every check ran");
+    assert_eq!(checked, 153, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {
@@ -250,8 +260,9 @@ fn rowwise(c: &mut Check, rows: usize, dim: usize) {
     let mut want_dw = dw.clone();
     let dx = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw);
     let (mut bdy, mut bdx, mut bdw, mut brstd) = (c.buf(&dy), Buf::zeros(rows * dim, dt), c.f32(&dw), c.f32(&rstd));
+    let mut partial = Buf::zeros(launches::rmsnorm_partial_len((rows, dim)), DType::F32);
     let inputs = (bdy.addr(), bx.addr(), bw.addr(), brstd.addr());
-    for l in launches::rmsnorm_backward(dt, inputs, (rows, dim), bdx.addr(), bdw.addr()) {
+    for l in launches::rmsnorm_backward(dt, inputs, (rows, dim), bdx.addr(), (bdw.addr(), partial.addr())) {
         c.run(&l);
     }
     c.same("rmsnorm backward dx", &bdx, &dx);
@@ -327,7 +338,9 @@ fn embedding(c: &mut Check, rows: usize, dim: usize, vocab: usize) {
     c.run(&launches::embedding(dt, (bt.addr(), vocab), (ids, rows), 3, dim, out.addr()));
     c.same("embedding (slice from 3)", &out, &ops::embedding(&table, &tokens, 3));
     let (mut bdout, mut bdtable) = (c.buf(&dout), c.f32(&dtable));
-    c.run(&launches::embedding_backward(dt, bdout.addr(), (ids, rows), 3, (vocab, dim), bdtable.addr()));
+    let mut grouped = launches::tokens_by_id(&tokens, 3, vocab);
+    let at = (grouped.packed.as_mut_ptr() as Addr, grouped.distinct);
+    c.run(&launches::embedding_backward(dt, bdout.addr(), at, dim, bdtable.addr()));
     let mut want = dtable.clone();
     ops::embedding_backward(&dout, &tokens, 3, &mut want);
     c.same("embedding backward (+=)", &bdtable, &want);

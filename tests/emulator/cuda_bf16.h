@@ -25,6 +25,7 @@ using std::min;
 #define __device__ static
 #define __forceinline__ inline
 #define __shared__ static
+#define __align__(n) __attribute__((aligned(n)))
 
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
@@ -106,3 +107,5 @@ inline float __shfl_xor_sync(unsigned, float v, int offset) {
     w->sync.arrive_and_wait();
     return other;
 }
+
+inline void __syncwarp(unsigned = 0xffffffff) { emu::warp_of_thread->sync.arrive_and_wait(); }
