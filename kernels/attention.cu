@@ -134,13 +134,7 @@ __device__ void attention_dkdv(Shape s, const T* q, const T* k, const T* v, cons
                 qs[e / d][c] = i < s.seq ? load(q, at(s, b, s.seq, i, s.heads, h) + c) * scale : 0.0f;
                 dos[e / d][c] = i < s.seq ? load(dout, at(s, b, s.seq, i, s.heads, h) + c) : 0.0f;
             }
-            for (int e = threadIdx.x; e < BK; e += blockDim.x) {
-                long row = ((long)b * s.heads + h) * s.seq + i0 + e;
-                bool in = i0 + e < s.seq;
-                qp[e] = in ? q_pos[i0 + e] : 0;
-                ls[e] = in ? lse[row] : INFINITY; // p = exp(s − ∞) = 0 for padding rows
-                ds_[e] = in ? delta[row] : 0.0f;
-            }
+            stage_query_rows(s, q_pos, lse, delta, b, h, i0, BK, qp, ls, ds_);
             __syncthreads();
             for (int ii = 0; ii < BK && active; ii++) {
                 if (pj > qp[ii]) continue;

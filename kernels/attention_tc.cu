@@ -223,13 +223,7 @@ __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const
             if (max_position(q_pos, i0, s.seq) < first) continue; // every query before every key
             stage<D>(s, q, b, s.seq, s.heads, h, i0, qs);
             stage<D>(s, dout, b, s.seq, s.heads, h, i0, dos);
-            for (int e = threadIdx.x; e < TILE; e += blockDim.x) {
-                long r = ((long)b * s.heads + h) * s.seq + i0 + e;
-                bool in = i0 + e < s.seq;
-                qp[e] = in ? q_pos[i0 + e] : 0;
-                ls[e] = in ? lse[r] : INFINITY; // p = exp(s − ∞) = 0 for padding rows
-                dl[e] = in ? delta[r] : 0.0f;
-            }
+            stage_query_rows(s, q_pos, lse, delta, b, h, i0, TILE, qp, ls, dl);
             __syncthreads();
             times_transposed<D>(&ks.x[16 * w], qs, st[w]);
             times_transposed<D>(&vs.x[16 * w], dos, dpt[w]);

@@ -119,12 +119,19 @@ pub struct Report {
     pub formula_activations_mib: f64,
     /// The largest micro-batch (sequences) the GPU's memory holds by the formula, at 90% use.
     pub max_micro_batch: Option<usize>,
+    /// With `--profile`: GPU time by kernel over the measured steps, longest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<crate::profile::Row>,
 }
 
-/// Trains `warmup + steps` steps of `cfg` and measures the last `steps`.
-pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f64>) -> Result<Report> {
+/// Trains `warmup + steps` steps of `cfg` and measures the last `steps`; with `profile`, times
+/// every GPU kernel of the measured steps (`profile.rs`).
+pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f64>, profile: bool) -> Result<Report> {
     if steps == 0 {
         bail!("--steps 0: measure at least one step");
+    }
+    if profile && cfg.device.kind != crate::config::DeviceKind::Cuda {
+        bail!("--profile times GPU kernels: set device.kind = \"cuda\" (on the CPU, `train --trace` shows where the time goes)");
     }
     let mut cfg = cfg.clone();
     cfg.train.steps = warmup + steps;
@@ -135,7 +142,9 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
         crate::config::DeviceKind::Cuda => gpu_name_and_memory()?,
         crate::config::DeviceKind::Cpu => ("cpu".to_string(), None),
     };
-    let s = train::train(&cfg, Options { quiet: true, ..Default::default() })?;
+    let profile_from_step = profile.then_some(warmup);
+    let s = train::train(&cfg, Options { quiet: true, profile_from_step, ..Default::default() })?;
+    let profile = if profile { crate::profile::finish()? } else { Vec::new() };
     let measured = &s.step_s[warmup..];
     let step_s = measured.iter().sum::<f64>() / measured.len() as f64;
     let tokens_per_step = t.micro_batch_size * t.grad_accum_steps * p.dp * t.seq_len;
@@ -166,6 +175,7 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
         gpu_peak_mib: s.gpu_peak_mib,
         formula_static_mib: mib(static_bytes),
         formula_activations_mib: mib(held),
+        profile,
         max_micro_batch: gpu_mem
             .map(|total| ((total as f64 * 0.9) as usize).saturating_sub(static_bytes) / per_sequence),
     })

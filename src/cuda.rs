@@ -301,9 +301,13 @@ impl Device {
             };
         }
         let config = LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
-        // SAFETY: `launches.rs` passes the argument list each kernel declares, and the op layer
-        // checked that the buffers hold what the launch shape reaches.
-        unsafe { b.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {}: {e:?}", l.kernel))
+        crate::profile::timed(
+            || l.kernel.clone(),
+            &self.gpu.compute,
+            // SAFETY: `launches.rs` passes the argument list each kernel declares, and the op
+            // layer checked that the buffers hold what the launch shape reaches.
+            || unsafe { b.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {}: {e:?}", l.kernel)),
+        )
     }
 
     /// A zero-filled buffer of `n` numbers.

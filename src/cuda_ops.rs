@@ -80,9 +80,10 @@ impl Device {
         self.gpu.ctx.bind_to_thread().map_err(cuda_err)?; // cuBLAS runs in the thread's current context
         let addr = |b: &Buf| b.addr() as *mut std::ffi::c_void;
         let i = |v: usize| v as i32;
+        let name = || format!("cublas gemm {}x{}x{}", g.m, g.n, g.k);
         // SAFETY: the op layer checked the shapes: a, b and c hold the numbers their leading
         // dimensions describe (`Gemm`); alpha and beta are host f32 as the compute type wants.
-        unsafe {
+        crate::profile::timed(name, &self.gpu.compute, || unsafe {
             blas::gemm_ex(
                 *self.blas.handle(),
                 op(g.ta),
@@ -104,8 +105,8 @@ impl Device {
                 compute,
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
-        }
-        .map_err(|e| anyhow!("cuBLAS GEMM {}×{}×{}: {e:?}", g.m, g.n, g.k))
+            .map_err(|e| anyhow!("cuBLAS GEMM {}×{}×{}: {e:?}", g.m, g.n, g.k))
+        })
     }
 
     /// y[m, n] = x[m, k] · w[n, k]ᵀ.

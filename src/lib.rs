@@ -38,6 +38,7 @@ pub mod optimizer;
 pub mod pipeline_parallel;
 pub mod plot;
 pub mod process_grid;
+pub mod profile;
 pub mod save;
 pub mod schedule;
 pub mod tensor;

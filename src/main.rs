@@ -118,6 +118,10 @@ enum Command {
         /// an earlier `bench --json`): print the tokens/s ratio against it.
         #[arg(long, value_name = "OTHER.json")]
         against: Option<PathBuf>,
+        /// Time every GPU kernel and GEMM of the measured steps and print where the step's time
+        /// goes (GPU only; events on the stream, a little slower than a plain run).
+        #[arg(long)]
+        profile: bool,
     },
 }
 
@@ -131,6 +135,7 @@ fn run(cli: Cli) -> Result<()> {
                 trace: spans.as_ref(),
                 quiet: false,
                 resume: resume.as_deref(),
+                profile_from_step: None,
             };
             let s = train::train(&cfg, opts)?;
             if let (Some(path), Some(spans)) = (&trace, &spans) {
@@ -210,11 +215,14 @@ fn run(cli: Cli) -> Result<()> {
             println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
         }
         Command::Doctor => doctor::doctor()?,
-        Command::Bench { config, sets, steps, warmup, peak_tflops, json, against } => {
+        Command::Bench { config, sets, steps, warmup, peak_tflops, json, against, profile } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
             let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
-            let report = bench::bench(&cfg, warmup, steps, peak_tflops)?;
+            let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;
             print!("{}", bench::table(&report));
+            if profile {
+                print!("\n{}", ferrotron::profile::table(&report.profile, steps, report.step_ms));
+            }
             if let Some(other) = other {
                 println!("{}", other.compare(&report));
             }

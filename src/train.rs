@@ -48,6 +48,8 @@ pub struct Options<'a> {
     pub quiet: bool,
     /// Continue from this checkpoint folder (or `latest` in `checkpoint.dir`).
     pub resume: Option<&'a Path>,
+    /// Time every GPU kernel from this step on (`profile.rs`; `bench --profile`).
+    pub profile_from_step: Option<usize>,
 }
 
 /// One rank's view of a finished run.
@@ -184,6 +186,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     let (mut losses, mut peak_activations, mut attention_work) = (Vec::with_capacity(t.steps), 0, 0);
     let (mut step_s, mut gpu_peak_mib) = (Vec::with_capacity(t.steps), None::<f64>);
     for step in first_step..t.steps {
+        if opts.profile_from_step == Some(step) {
+            crate::profile::start();
+        }
         let step_start = Instant::now();
         model.zero_grads();
         // this rank's slice of the micro-batch: its dp share, and its cp positions of each sequence

@@ -70,7 +70,7 @@ fn peaks_by_gpu_name() {
 #[test]
 fn bench_reports_a_table_and_json() {
     let small: Vec<String> = common::SMALL.iter().map(|s| s.to_string()).collect();
-    let r = bench::bench(&Config::load(None, &small).unwrap(), 1, 2, Some(1.0)).unwrap();
+    let r = bench::bench(&Config::load(None, &small).unwrap(), 1, 2, Some(1.0), false).unwrap();
     assert_eq!((r.measured_steps, r.tokens_per_step), (2, 16 * 32));
     assert!(r.step_ms > 0.0 && r.tokens_per_s > 0.0 && r.mfu.unwrap() > 0.0);
     assert!((r.achieved_tflops - r.flops_per_token * r.tokens_per_s / 1e12).abs() < 1e-12);
@@ -117,4 +117,44 @@ fn gpu_configs_have_the_published_sizes() {
         assert_eq!(c.model.parameter_count(), params, "{file}");
         assert_eq!((c.train.seq_len, c.device.compute_dtype()), (2048, DType::Bf16), "{file}");
     }
+}
+
+#[test]
+fn the_profile_table_sorts_longest_first_and_shares_add_up() {
+    use ferrotron::profile::{longest_first, table, Row};
+    let rows = longest_first(vec![
+        Row { name: "rmsnorm_forward_bf16".into(), calls: 122, ms: 4.0 },
+        Row { name: "attention_tc_forward_d64".into(), calls: 60, ms: 30.0 },
+        Row { name: "cublas 576x16384x1536".into(), calls: 120, ms: 16.0 },
+    ]);
+    assert_eq!(rows[0].name, "attention_tc_forward_d64");
+    assert_eq!(rows[2].name, "rmsnorm_forward_bf16");
+    let t = table(&rows, 2, 40.0); // 2 steps of 40 ms: 25 ms of each busy, 15 idle
+    let lines: Vec<&str> = t.lines().collect();
+    assert_eq!(lines.len(), 5, "{t}");
+    assert!(lines[1].contains("30.0") && lines[1].contains("15.000") && lines[1].contains("37.5%"), "{t}");
+    assert!(lines[4].starts_with("(GPU idle") && lines[4].contains("15.000") && lines[4].contains("37.5%"), "{t}");
+}
+
+#[test]
+fn bench_profile_times_the_gpu_kernels() {
+    // on the CPU it is refused with a sentence
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(["bench", "--profile"]).output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--profile") && err.contains("device.kind"), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "{err}");
+    if let Some(why) = common::no_gpu() {
+        eprintln!("GPU part skipped: {why}");
+        return;
+    }
+    let tiny_on_gpu = Config::load(None, &["device.kind=cuda".to_string()]).unwrap(); // head_dim 16: tensor cores
+    let r = bench::bench(&tiny_on_gpu, 1, 2, None, true).unwrap();
+    let names: Vec<&str> = r.profile.iter().map(|row| row.name.as_str()).collect();
+    assert!(names.iter().any(|n| n.starts_with("attention_tc_forward")), "{names:?}");
+    assert!(
+        names.iter().any(|n| n.starts_with("cublas gemm")) && names.iter().any(|n| n.starts_with("adamw")),
+        "{names:?}"
+    );
+    let busy: f64 = r.profile.iter().map(|row| row.ms).sum();
+    assert!(busy > 0.0 && busy <= 2.0 * r.step_ms * 1.05, "kernels {busy} ms, steps {} ms", 2.0 * r.step_ms);
 }
