@@ -354,14 +354,11 @@ pub fn scale(dt: DType, a: Addr, s: f32, n: usize) -> Launch {
     launch("elementwise", typed("scale", dt), each(n), vec![Ptr(a), F32(s), long(n)])
 }
 
-/// NORM_BLOCKS partial sums of x² (f32) into partial[0..NORM_BLOCKS].
+/// Partial sums of x² (f32) into partial[0..blocks]: NORM_BLOCKS blocks, or one per THREADS
+/// numbers for a small tensor (the rest of its NORM_BLOCKS slots stay as they are, zeros).
 pub fn sum_squares(x: Addr, n: usize, partial: Addr) -> Launch {
-    launch(
-        "elementwise",
-        "sum_squares_f32".into(),
-        ((NORM_BLOCKS as u32, 1, 1), THREADS),
-        vec![Ptr(x), long(n), Ptr(partial)],
-    )
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS) as u32;
+    launch("elementwise", "sum_squares_f32".into(), ((blocks, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
 }
 
 /// AdamW on f32 p, g, m, v; `copy`: the bf16 compute copy to rewrite (mixed precision).

@@ -1,6 +1,6 @@
 //! The CUDA kernels, run on the CPU: every `kernels/*.cu` file is compiled as C++ with a small
-//! CUDA emulator (`tests/emulator/cuda_bf16.h`: one OS thread per CUDA thread, real barriers for
-//! `__syncthreads` and warp shuffles), and the launches of `src/launches.rs` (kernel names, grids,
+//! CUDA emulator (`tests/emulator/cuda_bf16.h`: a fiber per CUDA thread, barriers for
+//! `__syncthreads`, `__syncwarp` and warp shuffles), and the launches of `src/launches.rs` (kernel names, grids,
 //! argument lists) run on host memory against the CPU reference of the op layer, in f32 and bf16.
 //! So a kernel's indexing, masking and reductions, and every launch's argument order, are checked
 //! on machines without a GPU. Needs g++ (C++20); skipped with a printed reason when g++ is missing
@@ -12,11 +12,11 @@ use ferrotron::launches::{self, Addr, Arg, Launch};
 use ferrotron::ops::{self, AdamW, Attn};
 use ferrotron::tensor::Tensor;
 use half::bf16;
-use std::collections::BTreeMap;
 use std::ffi::{c_char, c_void, CString};
 use std::io::Write;
-use std::path::Path;
-use std::process::Command;
+
+#[path = "common/emulator.rs"]
+mod emulator;
 
 type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, u32, *const *mut c_void) -> i32;
 
@@ -27,28 +27,7 @@ struct Emulator {
 
 impl Emulator {
     fn build() -> Result<Emulator, String> {
-        let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join("kernel_emulator");
-        std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
-        let mut files = vec![dir.join("glue.cpp")];
-        std::fs::write(&files[0], glue()).map_err(|e| e.to_string())?;
-        for (name, _) in ferrotron::kernels::SOURCES {
-            let path = dir.join(format!("{name}.cpp"));
-            std::fs::write(&path, ferrotron::kernels::full_source(name).unwrap()).map_err(|e| e.to_string())?;
-            files.push(path);
-        }
-        let lib = dir.join("libkernels.so");
-        let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulator");
-        let out = Command::new("g++")
-            .args(["-std=c++20", "-O2", "-fPIC", "-shared", "-pthread", "-w", "-I"])
-            .arg(&include)
-            .args(&files)
-            .arg("-o")
-            .arg(&lib)
-            .output()
-            .map_err(|e| format!("g++ cannot run ({e}): install g++ (C++20) to emulate the kernels"))?;
-        if !out.status.success() {
-            return Err(format!("the kernels do not compile as C++:\n{}", String::from_utf8_lossy(&out.stderr)));
-        }
+        let lib = emulator::build("kernel_emulator", "libkernels.so", &[])?;
         let path = CString::new(lib.to_str().unwrap()).unwrap();
         // SAFETY: a library we just built; dlsym's result is checked and has the glue's signature.
         unsafe {
@@ -84,37 +63,6 @@ impl Emulator {
         let rc = unsafe { (self.launch)(name.as_ptr(), x, y, z, l.block, ptrs.as_ptr()) };
         assert_eq!(rc, 0, "the emulator has no kernel {}", l.kernel);
     }
-}
-
-/// C++ that declares each kernel with its argument types and calls it from an argument array.
-fn glue() -> String {
-    let kernels: BTreeMap<String, Vec<&str>> = launches::catalogue()
-        .into_iter()
-        .map(|l| {
-            let types = l.args.iter().map(|a| match a {
-                Arg::Ptr(_) => "void*",
-                Arg::I32(_) => "int",
-                Arg::I64(_) => "long",
-                Arg::F32(_) => "float",
-                Arg::F64(_) => "double",
-                Arg::Shape(_) => "Shape",
-            });
-            (l.kernel.clone(), types.collect())
-        })
-        .collect();
-    let mut c = String::from("#include \"cuda_bf16.h\"\n#include <cstring>\nstruct Shape { int v[6]; };\n");
-    for (i, (name, types)) in kernels.iter().enumerate() {
-        let args: Vec<String> = types.iter().enumerate().map(|(j, t)| format!("*({t}*)a[{j}]")).collect();
-        c += &format!("extern \"C\" void {name}({});\n", types.join(", "));
-        c += &format!("static void call{i}(void** a) {{ {name}({}); }}\n", args.join(", "));
-    }
-    c += "extern \"C\" int emu_launch(const char* name, unsigned x, unsigned y, unsigned z, unsigned block, void** a) {\n";
-    for (i, name) in kernels.keys().enumerate() {
-        c += &format!(
-            "    if (!strcmp(name, \"{name}\")) {{ emu::run(call{i}, a, dim3{{x, y, z}}, block); return 0; }}\n"
-        );
-    }
-    c + "    return -1;\n}\n"
 }
 
 /// A host buffer the emulated kernels read and write, in f32 or bf16.
@@ -204,11 +152,11 @@ fn emulator() -> Option<Emulator> {
 
 #[test]
 fn kernels_match_the_cpu_reference_on_the_emulator() {
-    // A kernel whose threads do not all reach a __syncthreads would wait forever here (on a GPU it
-    // is undefined behaviour): stop with a sentence rather than hang the suite.
+    // The emulator stops a kernel whose threads wait at barriers the others never reach; one
+    // that loops forever would hang the suite: stop it with a sentence instead.
     std::thread::spawn(|| {
         std::thread::sleep(std::time::Duration::from_secs(600));
-        let why = "the emulated kernels took over 10 minutes: a kernel waits at a barrier that some of its threads never reach";
+        let why = "the emulated kernels took over 10 minutes: a kernel never finishes";
         let _ = writeln!(std::io::stderr(), "{why}"); // not eprintln!: the test harness would swallow it
         std::process::exit(1);
     });

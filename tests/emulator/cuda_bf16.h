@@ -1,21 +1,24 @@
-// cuda_bf16.h for the CPU emulator (tests/kernels_emulated.rs): just enough of CUDA to run
-// ferrotron's kernels on a CPU, one OS thread per CUDA thread. `kernels/common.cuh` includes
+// cuda_bf16.h for the CPU emulator (tests/kernels_emulated.rs, tests/gpu_path_emulated.rs): just
+// enough of CUDA to run ferrotron's kernels on a CPU. `kernels/common.cuh` includes
 // <cuda_bf16.h>; with this folder first on the include path, it gets this file instead.
 //
-// A launch runs its blocks one after the other; a block's threads run at once, so
-// `__syncthreads()` is a barrier over the block and `__shfl_xor_sync` an exchange through a
-// barrier over the warp. `__shared__` variables are statics: shared by the block that runs.
-// A thread that returns early leaves both barriers, as an exited CUDA thread does.
-// gridDim, blockDim and the __shared__ statics are process-wide: one launch at a time.
+// Every CUDA thread is a fiber (a ucontext with its own stack) on the calling OS thread. A launch
+// runs its blocks one after the other; within a block the fibers take turns: each runs until it
+// reaches a barrier (`__syncthreads`, `__syncwarp`, the two halves of a warp shuffle), then
+// yields; a barrier opens when every thread of its block (or warp) that has not returned has
+// reached it, as on a GPU, where an exited thread stops counting. A round in which no thread
+// moves means some threads wait at a barrier others never reach: the emulator says so and stops.
+// `__shared__` variables are statics: shared by the block that runs. One launch at a time.
 #pragma once
 #include <algorithm>
-#include <barrier>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <math.h>
 #include <memory>
-#include <thread>
+#include <cstdio>
+#include <cstdlib>
+#include <ucontext.h>
 #include <vector>
 
 using std::max;
@@ -30,7 +33,7 @@ using std::min;
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };
-inline thread_local dim3 threadIdx, blockIdx;
+inline dim3 threadIdx, blockIdx;
 inline dim3 blockDim, gridDim;
 
 struct __nv_bfloat16 {
@@ -52,60 +55,109 @@ inline __nv_bfloat16 __float2bfloat16(float f) { // round to nearest, ties to ev
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 
 namespace emu {
+// A barrier of `expected` threads; `generation` counts its openings.
+struct Barrier {
+    unsigned expected = 0, arrived = 0, generation = 0;
+};
+struct Fiber {
+    ucontext_t context;
+    std::vector<char> stack = std::vector<char>(256 << 10);
+    bool done = false;
+};
 struct Warp {
-    std::barrier<> sync{32};
+    Barrier sync;
     float values[32];
 };
-// The barriers of one block: a thread that returns early leaves them (arrive_and_drop), as an
-// exited CUDA thread stops counting for __syncthreads; the next block gets fresh ones.
-struct Block {
-    std::barrier<> sync;
-    std::vector<Warp> warps;
-    explicit Block(unsigned threads) : sync((ptrdiff_t)threads), warps(threads / 32) {}
-};
-inline thread_local std::barrier<>* block_sync;
-inline thread_local Warp* warp_of_thread;
-inline thread_local int lane_of_thread;
+inline ucontext_t scheduler;
+inline std::vector<Fiber> fibers;
+inline Fiber* current;
+inline Barrier block_sync;
+inline std::vector<Warp> warps;
+inline unsigned long moves; // arrivals at barriers, openings and exits: a round without any is stuck
+inline void (*running_kernel)(void**);
+inline void** running_args;
 
-// Runs `kernel(args)` on every thread of every block of the grid: `threads` OS threads (a
-// multiple of 32, as every launch has), which take the blocks one after the other.
+inline int lane() { return threadIdx.x % 32; }
+inline Warp& warp() { return warps[threadIdx.x / 32]; }
+
+inline void yield() { swapcontext(&current->context, &scheduler); }
+
+inline void open_if_full(Barrier& b) {
+    if (b.arrived > 0 && b.arrived == b.expected) {
+        b.arrived = 0;
+        b.generation++;
+        moves++;
+    }
+}
+
+inline void wait(Barrier& b) {
+    unsigned generation = b.generation;
+    b.arrived++;
+    moves++;
+    open_if_full(b);
+    while (b.generation == generation) yield();
+}
+
+inline void fiber_main() {
+    running_kernel(running_args);
+    current->done = true;
+    moves++;
+    block_sync.expected--; // an exited thread stops counting
+    open_if_full(block_sync);
+    warp().sync.expected--;
+    open_if_full(warp().sync);
+} // returns to the scheduler (uc_link)
+
+// Runs `kernel(args)` on every thread of every block of the grid (`threads` a multiple of 32, as
+// every launch has).
 inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads) {
     gridDim = grid;
     blockDim = {threads, 1, 1};
-    std::vector<std::unique_ptr<Block>> blocks;
-    for (unsigned b = 0; b < grid.x * grid.y * grid.z; b++) blocks.push_back(std::make_unique<Block>(threads));
-    std::barrier<> between((ptrdiff_t)threads);
-    std::vector<std::thread> pool;
-    for (unsigned t = 0; t < threads; t++)
-        pool.emplace_back([&, t] {
-            threadIdx = {t, 0, 0};
-            lane_of_thread = t % 32;
-            unsigned b = 0;
-            for (unsigned z = 0; z < grid.z; z++)
-                for (unsigned y = 0; y < grid.y; y++)
-                    for (unsigned x = 0; x < grid.x; x++, b++) {
-                        blockIdx = {x, y, z};
-                        block_sync = &blocks[b]->sync;
-                        warp_of_thread = &blocks[b]->warps[t / 32];
-                        kernel(args);
-                        block_sync->arrive_and_drop();
-                        warp_of_thread->sync.arrive_and_drop();
-                        between.arrive_and_wait(); // the block is done before the next one starts
+    running_kernel = kernel;
+    running_args = args;
+    if (fibers.size() < threads) fibers.resize(threads);
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                blockIdx = {x, y, z};
+                block_sync = Barrier{threads};
+                warps.assign(threads / 32, Warp{Barrier{32}, {}});
+                for (unsigned t = 0; t < threads; t++) {
+                    Fiber& f = fibers[t];
+                    f.done = false;
+                    getcontext(&f.context);
+                    f.context.uc_stack = {f.stack.data(), 0, f.stack.size()};
+                    f.context.uc_link = &scheduler;
+                    makecontext(&f.context, fiber_main, 0);
+                }
+                for (unsigned live = threads; live > 0;) {
+                    unsigned long before = moves;
+                    live = 0;
+                    for (unsigned t = 0; t < threads; t++) {
+                        if (fibers[t].done) continue;
+                        current = &fibers[t];
+                        threadIdx = {t, 0, 0};
+                        swapcontext(&scheduler, &current->context);
+                        live += !fibers[t].done;
                     }
-        });
-    for (auto& th : pool) th.join();
+                    if (live > 0 && moves == before) {
+                        fprintf(stderr, "emulator: block (%u,%u,%u): %u threads wait at a barrier that the others never reach\n", x, y, z, live);
+                        abort();
+                    }
+                }
+            }
 }
 } // namespace emu
 
-inline void __syncthreads() { emu::block_sync->arrive_and_wait(); }
+inline void __syncthreads() { emu::wait(emu::block_sync); }
 
 inline float __shfl_xor_sync(unsigned, float v, int offset) {
-    emu::Warp* w = emu::warp_of_thread;
-    w->values[emu::lane_of_thread] = v;
-    w->sync.arrive_and_wait();
-    float other = w->values[emu::lane_of_thread ^ offset];
-    w->sync.arrive_and_wait();
+    emu::Warp& w = emu::warp();
+    w.values[emu::lane()] = v;
+    emu::wait(w.sync);
+    float other = w.values[emu::lane() ^ offset];
+    emu::wait(w.sync);
     return other;
 }
 
-inline void __syncwarp(unsigned = 0xffffffff) { emu::warp_of_thread->sync.arrive_and_wait(); }
+inline void __syncwarp(unsigned = 0xffffffff) { emu::wait(emu::warp().sync); }

@@ -65,7 +65,7 @@ void mma_sync(fragment<accumulator, 16, 16, 16, float>& d, const A& a, const B& 
 
 inline void store_matrix_sync(float* p, const fragment<accumulator, 16, 16, 16, float>& f, unsigned ldm, layout_t layout) {
     check(p, ldm);
-    if (emu::lane_of_thread != 0) return;
+    if (emu::lane() != 0) return;
     for (int r = 0; r < 16; r++)
         for (int c = 0; c < 16; c++) (layout == mem_row_major ? p[r * ldm + c] : p[c * ldm + r]) = f.x[r][c];
 }

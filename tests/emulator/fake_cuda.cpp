@@ -1,0 +1,144 @@
+// A fake CUDA driver and cuBLAS for tests/gpu_path_emulated.rs: just the calls ferrotron makes
+// through cudarc, so that the real binary runs its whole GPU path on a CPU. One "GPU" (compute
+// capability 9.0); device memory is host memory (a device pointer is a host address); every call
+// is synchronous, so streams and events only record times; a module is the emulated kernels of
+// this library (tests/emulator/cuda_bf16.h, linked in with the glue), found by name at
+// cuModuleGetFunction and run by cuLaunchKernel, one launch at a time; cublasGemmEx is a plain
+// column-major GEMM with float accumulation, as cuBLAS defines it. Built as libcuda.so and
+// linked as libcublas.so too.
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+#include "cuda_bf16.h"
+
+extern "C" int emu_launch(const char* name, unsigned x, unsigned y, unsigned z, unsigned block, void** a);
+extern "C" int emu_has(const char* name);
+
+namespace {
+typedef int CUresult;
+const CUresult OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, NOT_FOUND = 500;
+int context_token, pool_token, handle_token;
+std::mutex launches; // the emulator runs one launch at a time
+
+double now_ms() {
+    using namespace std::chrono;
+    return duration<double, std::milli>(steady_clock::now().time_since_epoch()).count();
+}
+} // namespace
+
+extern "C" {
+CUresult cuInit(unsigned) { return OK; }
+CUresult cuDriverGetVersion(int* v) { *v = 12080; return OK; }
+CUresult cuDeviceGetCount(int* n) { *n = 1; return OK; }
+CUresult cuDeviceGet(int* d, int ordinal) { return ordinal == 0 ? (*d = 0, OK) : INVALID_DEVICE; }
+CUresult cuDeviceGetName(char* name, int len, int) {
+    snprintf(name, len, "Fake CUDA device (CPU emulator)");
+    return OK;
+}
+CUresult cuDeviceTotalMem_v2(size_t* bytes, int) { *bytes = (size_t)16 << 30; return OK; }
+CUresult cuMemGetInfo_v2(size_t* free_bytes, size_t* total) {
+    *free_bytes = *total = (size_t)16 << 30;
+    return OK;
+}
+CUresult cuDeviceGetAttribute(int* v, int attribute, int) {
+    switch (attribute) {
+    case 75: *v = 9; break;   // compute capability major
+    case 76: *v = 0; break;   // minor
+    case 16: *v = 132; break; // multiprocessors
+    case 115: *v = 1; break;  // memory pools supported
+    default: *v = 0;
+    }
+    return OK;
+}
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int) { *ctx = &context_token; return OK; }
+CUresult cuDevicePrimaryCtxRelease_v2(int) { return OK; }
+CUresult cuCtxSetCurrent(void*) { return OK; }
+CUresult cuCtxGetCurrent(void** ctx) { *ctx = &context_token; return OK; }
+CUresult cuCtxGetDevice(int* d) { *d = 0; return OK; }
+CUresult cuCtxSynchronize() { return OK; }
+CUresult cuGetErrorString(CUresult, const char** s) { *s = "fake CUDA driver error"; return OK; }
+CUresult cuGetErrorName(CUresult, const char** s) { *s = "CUDA_ERROR_FAKE"; return OK; }
+
+CUresult cuStreamCreate(void** s, unsigned) { *s = malloc(1); return OK; }
+CUresult cuStreamCreateWithPriority(void** s, unsigned, int) { *s = malloc(1); return OK; }
+CUresult cuStreamDestroy_v2(void* s) { free(s); return OK; }
+CUresult cuStreamSynchronize(void*) { return OK; }
+CUresult cuStreamQuery(void*) { return OK; }
+CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
+
+// An event holds the time it was recorded at (everything before it has run: calls are synchronous).
+CUresult cuEventCreate(void** e, unsigned) { *e = new double(0.0); return OK; }
+CUresult cuEventDestroy_v2(void* e) { delete (double*)e; return OK; }
+CUresult cuEventRecord(void* e, void*) { *(double*)e = now_ms(); return OK; }
+CUresult cuEventSynchronize(void*) { return OK; }
+CUresult cuEventQuery(void*) { return OK; }
+CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
+    *ms = (float)(*(double*)end - *(double*)start);
+    return OK;
+}
+CUresult cuEventElapsedTime_v2(float* ms, void* start, void* end) { return cuEventElapsedTime(ms, start, end); }
+
+CUresult cuMemAlloc_v2(uint64_t* p, size_t bytes) {
+    void* m = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
+    if (!m) return 2; // out of memory
+    *p = (uint64_t)m;
+    return OK;
+}
+CUresult cuMemAllocAsync(uint64_t* p, size_t bytes, void*) { return cuMemAlloc_v2(p, bytes); }
+CUresult cuMemFree_v2(uint64_t p) { free((void*)p); return OK; }
+CUresult cuMemFreeAsync(uint64_t p, void*) { return cuMemFree_v2(p); }
+CUresult cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t n, void*) { memcpy((void*)dst, src, n); return OK; }
+CUresult cuMemcpyDtoHAsync_v2(void* dst, uint64_t src, size_t n, void*) { memcpy(dst, (void*)src, n); return OK; }
+CUresult cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t n, void*) { memmove((void*)dst, (void*)src, n); return OK; }
+CUresult cuMemcpyHtoD_v2(uint64_t dst, const void* src, size_t n) { memcpy((void*)dst, src, n); return OK; }
+CUresult cuMemcpyDtoH_v2(void* dst, uint64_t src, size_t n) { memcpy(dst, (void*)src, n); return OK; }
+CUresult cuMemsetD8Async(uint64_t p, unsigned char v, size_t n, void*) { memset((void*)p, v, n); return OK; }
+CUresult cuMemsetD8_v2(uint64_t p, unsigned char v, size_t n) { memset((void*)p, v, n); return OK; }
+CUresult cuDeviceGetDefaultMemPool(void** pool, int) { *pool = &pool_token; return OK; }
+CUresult cuMemPoolSetAttribute(void* pool, int, void* value) { return pool == &pool_token && value ? OK : INVALID_VALUE; }
+
+// Modules: the PTX is ignored; kernels are the emulated ones, looked up by name.
+CUresult cuModuleLoadData(void** m, const void* ptx) { *m = (void*)ptx; return ptx ? OK : INVALID_VALUE; }
+CUresult cuModuleUnload(void*) { return OK; }
+CUresult cuModuleGetFunction(void** f, void*, const char* name) {
+    if (!emu_has(name)) return NOT_FOUND;
+    *f = strdup(name);
+    return OK;
+}
+CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
+                        unsigned shared_bytes, void*, void** params, void** extra) {
+    if (by != 1 || bz != 1 || bx % 32 != 0 || shared_bytes != 0 || extra) return INVALID_VALUE;
+    std::lock_guard<std::mutex> one_at_a_time(launches);
+    return emu_launch((const char*)f, gx, gy, gz, bx, params) == 0 ? OK : NOT_FOUND;
+}
+
+// cuBLAS: C = alpha·op(A)·op(B) + beta·C, column-major, f32 or bf16 matrices, float arithmetic.
+int cublasCreate_v2(void** h) { *h = &handle_token; return 0; }
+int cublasDestroy_v2(void*) { return 0; }
+int cublasSetStream_v2(void*, void*) { return 0; }
+int cublasGemmEx(void*, int ta, int tb, int m, int n, int k, const void* alpha, const void* a, int atype, int lda,
+                 const void* b, int btype, int ldb, const void* beta, void* c, int ctype, int ldc, int, int) {
+    auto at = [](const void* p, int type, long i) {
+        return type == 0 ? ((const float*)p)[i] : __bfloat162float(((const __nv_bfloat16*)p)[i]);
+    };
+    float al = *(const float*)alpha, be = *(const float*)beta;
+    for (int j = 0; j < n; j++)
+        for (int i = 0; i < m; i++) {
+            float acc = 0.0f;
+            for (int l = 0; l < k; l++) {
+                float x = ta ? at(a, atype, (long)i * lda + l) : at(a, atype, (long)l * lda + i);
+                float y = tb ? at(b, btype, (long)l * ldb + j) : at(b, btype, (long)j * ldb + l);
+                acc += x * y;
+            }
+            long o = (long)j * ldc + i;
+            float v = al * acc + (be == 0.0f ? 0.0f : be * at(c, ctype, o));
+            if (ctype == 0) ((float*)c)[o] = v;
+            else ((__nv_bfloat16*)c)[o] = __float2bfloat16(v);
+        }
+    return 0;
+}
+}

@@ -1,0 +1,147 @@
+//! The whole GPU path of the `ferrotron` binary, run on the CPU. A fake CUDA driver and cuBLAS
+//! (`tests/emulator/fake_cuda.cpp`, built with the emulated kernels into a `libcuda.so` that is
+//! also linked as `libcublas.so`) stand in for NVIDIA's libraries: device memory is host memory,
+//! every call is synchronous, a kernel launch runs the emulated kernel of that name, GemmEx is a
+//! plain column-major GEMM. The real binary then opens its "GPU" through cudarc, compiles its
+//! kernels with the real NVRTC, moves the model, launches every kernel, stages collectives
+//! through host memory and reads results back, as on a GPU. So every line of the host-side GPU
+//! code (`cuda.rs`, `cuda_ops.rs`, `cuda_check.rs`, `profile.rs`, the moves in `tensor.rs` and
+//! `train.rs`) runs in CI; what it cannot show is anything about a real GPU's timing, its
+//! asynchrony, or its driver. Needs g++ and NVRTC; skipped with a printed reason without them,
+//! unless FERROTRON_REQUIRE_EMULATOR=1 and FERROTRON_REQUIRE_NVRTC=1 (as in CI).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+
+mod common;
+#[path = "common/emulator.rs"]
+mod emulator;
+
+/// The folder holding the fake libcuda.so and libcublas.so, built once.
+fn fake_driver() -> Option<&'static Path> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let built = DIR.get_or_init(|| {
+        ferrotron::kernels::nvrtc_ready().map_err(|e| format!("{e:#}"))?;
+        let lib = emulator::build("fake_cuda", "libcuda.so", &["fake_cuda.cpp"])?;
+        let dir = lib.parent().unwrap().to_path_buf();
+        let cublas = dir.join("libcublas.so");
+        let _ = std::fs::remove_file(&cublas);
+        std::os::unix::fs::symlink(&lib, &cublas).map_err(|e| e.to_string())?;
+        Ok(dir)
+    });
+    match built {
+        Ok(dir) => Some(dir),
+        Err(why) if std::env::var_os("FERROTRON_REQUIRE_EMULATOR").is_none() => {
+            eprintln!("skipped: {why}");
+            None
+        }
+        Err(why) => panic!("{why}"),
+    }
+}
+
+/// `ferrotron ARGS` with the fake driver first on the library path.
+fn ferrotron(dir: &Path, args: &[&str]) -> Output {
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(args)
+        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+        .output()
+        .unwrap();
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success(), "ferrotron {}:\n{text}", args.join(" "));
+    out
+}
+
+/// The loss of every step of `ferrotron train` with these settings (from its --metrics).
+fn losses(dir: &Path, name: &str, sets: &[&str]) -> Vec<f64> {
+    let metrics = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu_path_{name}.jsonl"));
+    let mut args = vec!["train", "--metrics", metrics.to_str().unwrap()];
+    for s in common::SMALL.iter().chain(sets) {
+        args.extend(["--set", s]);
+    }
+    ferrotron(dir, &args);
+    let text = std::fs::read_to_string(&metrics).unwrap();
+    let values: Vec<serde_json::Value> = text.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    values.iter().filter_map(|v| v["loss"].as_f64()).collect()
+}
+
+/// SMALL has head_dim 8; two heads of 16 take the tensor-core attention in bf16.
+const HEAD_DIM_16: [&str; 2] = ["model.num_attention_heads=2", "model.num_key_value_heads=1"];
+
+fn max_diff(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "{a:?} vs {b:?}");
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f64::max)
+}
+
+#[test]
+fn doctor_finds_the_fake_gpu_and_every_kernel_passes_its_self_test() {
+    let Some(dir) = fake_driver() else { return };
+    let out = ferrotron(dir, &["doctor"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("GPU 0: Fake CUDA device (CPU emulator), sm_90"), "{text}");
+    assert!(text.contains("kernel checks passed (f32 and bf16 against the CPU reference)"), "{text}");
+    assert!(text.contains("local collectives on GPU buffers (3 ranks sharing GPU 0): ok"), "{text}");
+}
+
+#[test]
+fn training_on_the_gpu_path_follows_the_cpu() {
+    let Some(dir) = fake_driver() else { return };
+    // one sequence of 32 tokens a step: the emulator runs a CUDA thread per OS thread, slowly
+    let steps = ["train.steps=4", "train.warmup_steps=1", "train.micro_batch_size=1"];
+    let cuda = |dtype: &'static str| [&steps[..], &["device.kind=cuda"], &[dtype]].concat();
+    let cpu = losses(dir, "cpu", &steps);
+    let f32 = losses(dir, "f32", &cuda("device.dtype=f32"));
+    assert!(max_diff(&cpu, &f32) <= 1e-4, "f32 on the GPU path {f32:?}, CPU {cpu:?}");
+    // bf16 with head_dim 16: attention on the tensor-core kernels
+    let cpu16 = losses(dir, "cpu_d16", &[&steps[..], &HEAD_DIM_16].concat());
+    let bf16 = losses(dir, "bf16_d16", &[&cuda("device.dtype=bf16")[..], &HEAD_DIM_16].concat());
+    assert!(max_diff(&cpu16, &bf16) <= 0.05, "bf16 on the GPU path {bf16:?}, CPU {cpu16:?}");
+}
+
+#[test]
+fn every_parallelism_on_the_gpu_path_follows_one_rank() {
+    let Some(dir) = fake_driver() else { return };
+    // two ranks sharing the GPU per variant, collectives staged through host memory; f32, so the
+    // single-rank tolerance holds; head_dim 16, two KV heads for tp = 2
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_converge");
+    let mut args =
+        vec!["converge", "--variants", "dp=2;tp=2;pp=2;cp=2", "--steps", "3", "--out", out.to_str().unwrap()];
+    let sets = [
+        "device.kind=cuda",
+        "device.dtype=f32",
+        "model.hidden_size=64",
+        "model.intermediate_size=64",
+        "model.num_hidden_layers=2",
+        "model.num_attention_heads=4",
+        "model.num_key_value_heads=2",
+        "train.seq_len=32",
+        "data.copy_lag=8",
+        "train.micro_batch_size=2",
+    ];
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let text = String::from_utf8_lossy(&ferrotron(dir, &args).stdout).to_string();
+    for variant in ["dp=2", "tp=2", "pp=2", "cp=2"] {
+        let line = text.lines().find(|l| l.starts_with(variant)).unwrap_or_else(|| panic!("no {variant}:\n{text}"));
+        assert!(line.ends_with("pass"), "{line}\n{text}");
+    }
+}
+
+#[test]
+fn bench_profiles_the_gpu_path() {
+    let Some(dir) = fake_driver() else { return };
+    let mut args = vec!["bench", "--steps", "1", "--warmup", "1", "--profile"];
+    args.extend(["--set", "device.kind=cuda", "--set", "train.micro_batch_size=1"]);
+    for s in common::SMALL.iter().chain(&HEAD_DIM_16) {
+        args.extend(["--set", s]);
+    }
+    let out = ferrotron(dir, &args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    for kernel in
+        ["cublas gemm", "attention_tc_forward_d16", "rmsnorm_backward_dw_partial_bf16", "adamw_bf16", "(GPU idle"]
+    {
+        assert!(text.contains(kernel), "no {kernel} in the profile:\n{text}");
+    }
+}
