@@ -154,6 +154,7 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
         if (pass == 1) m = l > 0.0f ? m + logf(l) : -INFINITY; // from here on m holds the row's lse
     }
     if (row) lse[((long)b * s.heads + h) * s.seq + i] = m;
+    __syncwarp(); // the warp together again before its fragments are stored
     write_rows<D>(s, o, 1.0f, sc[w], out, b, s.seq, s.heads, h, i0 + 16 * w);
 }
 
@@ -193,6 +194,7 @@ __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const u
         accumulate<D>(ds[w], ks, acc);
         __syncthreads();
     }
+    __syncwarp();
     write_rows<D>(s, acc, scale, sc[w], dq, b, s.seq, s.heads, h, i0 + 16 * w);
 }
 
@@ -240,6 +242,7 @@ __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const
             __syncthreads();
         }
     }
+    __syncwarp();
     write_rows<D>(s, dka, scale, st[w], dk, b, s.kv_seq, s.kv_heads, g, j0 + 16 * w);
     write_rows<D>(s, dva, 1.0f, st[w], dv, b, s.kv_seq, s.kv_heads, g, j0 + 16 * w);
 }
