@@ -4,8 +4,10 @@
 // readable version and the f32 path. Here every product of two tiles — S = Q·Kᵀ, dP = dO·Vᵀ,
 // O += P·V, dQ += dS·K, dV += Pᵀ·dO, dK += dSᵀ·Q — is a warp-wide WMMA matrix multiply on 16×16
 // bf16 fragments with fp32 accumulators (`nvcuda::wmma`, sm_80+). The element-wise softmax work
-// in between (masking by position, exp, the row statistics) stays on CUDA cores, one thread per
-// row, reading the products from shared memory.
+// in between (masking by position, exp, the row statistics) stays on CUDA cores, two threads per
+// row (lane r and lane r + 16 take half of the row's columns each), reading the products from
+// shared memory; the fp32 score tiles' rows are padded by 4 floats, so that the 16 rows a warp
+// reads at once fall on different banks (4-way conflicts instead of 16-way).
 //
 // A block is WARPS = 2 warps; warp w owns 16 rows of the block's TILE = 32 (query rows in the
 // forward and dq, key rows in dk/dv) and keeps its output rows in registers, as WMMA
@@ -27,6 +29,8 @@ using namespace nvcuda;
 
 #define WARPS 2
 #define TILE (16 * WARPS)
+#define LDS (TILE + 4) // row stride of the fp32 score tiles
+#define HALF (TILE / 2) // the columns of a score row each of its two threads takes
 typedef __nv_bfloat16 bf16;
 typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> FragA;
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> FragB;
@@ -64,7 +68,7 @@ __device__ unsigned max_position(const unsigned* pos, int r0, int len) {
 
 // One warp: out[16][TILE] (fp32, row-major) = a[16 rows] · b[TILE rows]ᵀ, over D columns.
 template <int D>
-__device__ void times_transposed(const bf16 (*a)[D + 8], const Rows<D>& b, float (*out)[TILE]) {
+__device__ void times_transposed(const bf16 (*a)[D + 8], const Rows<D>& b, float (*out)[LDS]) {
     for (int n = 0; n < TILE / 16; n++) {
         Acc acc;
         wmma::fill_fragment(acc, 0.0f);
@@ -75,7 +79,7 @@ __device__ void times_transposed(const bf16 (*a)[D + 8], const Rows<D>& b, float
             wmma::load_matrix_sync(fb, &b.x[16 * n][k], D + 8);
             wmma::mma_sync(acc, fa, fb, acc);
         }
-        wmma::store_matrix_sync(&out[0][16 * n], acc, TILE, wmma::mem_row_major);
+        wmma::store_matrix_sync(&out[0][16 * n], acc, LDS, wmma::mem_row_major);
     }
 }
 
@@ -96,11 +100,11 @@ __device__ void accumulate(const bf16 (*p)[TILE], const Rows<D>& b, Acc* acc) {
 // One warp writes its 16 rows (r0.. of head `head`, rows past len skipped) of acc × factor to y,
 // a fragment at a time through `scratch`.
 template <int D>
-__device__ void write_rows(const Shape& s, Acc* acc, float factor, float (*scratch)[TILE], bf16* y, int b, int len,
+__device__ void write_rows(const Shape& s, Acc* acc, float factor, float (*scratch)[LDS], bf16* y, int b, int len,
                            int n_heads, int head, int r0) {
     int lane = threadIdx.x % 32;
     for (int n = 0; n < D / 16; n++) {
-        wmma::store_matrix_sync(&scratch[0][0], acc[n], TILE, wmma::mem_row_major);
+        wmma::store_matrix_sync(&scratch[0][0], acc[n], LDS, wmma::mem_row_major);
         __syncwarp();
         for (int e = lane; e < 256; e += 32) {
             int r = e / 16, c = e % 16;
@@ -114,12 +118,12 @@ template <int D>
 __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                         const unsigned* k_pos, bf16* out, float* lse) {
     __shared__ __align__(32) Rows<D> qs, ks, vs;
-    __shared__ __align__(32) float sc[WARPS][16][TILE];
+    __shared__ __align__(32) float sc[WARPS][16][LDS];
     __shared__ __align__(32) bf16 ps[WARPS][16][TILE];
     __shared__ unsigned kp[TILE];
     int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads), i0 = blockIdx.x * TILE;
-    int w = threadIdx.x / 32, lane = threadIdx.x % 32, i = i0 + 16 * w + lane;
-    bool row = lane < 16 && i < s.seq; // this thread does the softmax of query row i
+    int w = threadIdx.x / 32, r = threadIdx.x % 16, c0 = threadIdx.x % 32 / 16 * HALF, i = i0 + 16 * w + r;
+    bool row = i < s.seq; // this thread does half of the softmax of query row i: columns c0..c0+HALF
     unsigned pi = row ? q_pos[i] : 0, last = max_position(q_pos, i0, s.seq);
     float scale = rsqrtf((float)D), m = -INFINITY, l = 0.0f;
     stage<D>(s, q, b, s.seq, s.heads, h, i0, qs);
@@ -134,26 +138,30 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
             __syncthreads();
             times_transposed<D>(&qs.x[16 * w], ks, sc[w]);
             __syncwarp();
-            if (row && pass == 1) { // running max and sum of exp over this row's visible keys
-                for (int jj = 0; jj < TILE; jj++) {
+            if (row && pass == 1) { // running max and sum of exp over this half row's visible keys
+                for (int jj = c0; jj < c0 + HALF; jj++) {
                     if (kp[jj] > pi) continue;
-                    float sij = sc[w][lane][jj] * scale, m_new = fmaxf(m, sij);
+                    float sij = sc[w][r][jj] * scale, m_new = fmaxf(m, sij);
                     l = l * expf(m - m_new) + expf(sij - m_new);
                     m = m_new;
                 }
             }
             if (pass == 2) {
-                if (lane < 16) // the final probabilities of this tile, bf16 for the next product
-                    for (int jj = 0; jj < TILE; jj++)
-                        ps[w][lane][jj] = __float2bfloat16(row && l > 0.0f && kp[jj] <= pi ? expf(sc[w][lane][jj] * scale - m) : 0.0f);
+                for (int jj = c0; jj < c0 + HALF; jj++) // the final probabilities, bf16 for the next product
+                    ps[w][r][jj] = __float2bfloat16(row && l > 0.0f && kp[jj] <= pi ? expf(sc[w][r][jj] * scale - m) : 0.0f);
                 __syncwarp();
                 accumulate<D>(ps[w], vs, o);
             }
             __syncthreads(); // every warp is done with ks, vs, kp before the next tile
         }
-        if (pass == 1) m = l > 0.0f ? m + logf(l) : -INFINITY; // from here on m holds the row's lse
+        if (pass == 1) { // the two halves' (m, l) combined; from here on m holds the row's lse, l Σ exp
+            float m_other = __shfl_xor_sync(0xffffffff, m, 16), l_other = __shfl_xor_sync(0xffffffff, l, 16);
+            float top = fmaxf(m, m_other);
+            l = (l > 0.0f ? l * expf(m - top) : 0.0f) + (l_other > 0.0f ? l_other * expf(m_other - top) : 0.0f);
+            m = l > 0.0f ? top + logf(l) : -INFINITY;
+        }
     }
-    if (row) lse[((long)b * s.heads + h) * s.seq + i] = m;
+    if (row && c0 == 0) lse[((long)b * s.heads + h) * s.seq + i] = m;
     __syncwarp(); // the warp together again before its fragments are stored
     write_rows<D>(s, o, 1.0f, sc[w], out, b, s.seq, s.heads, h, i0 + 16 * w);
 }
@@ -163,15 +171,15 @@ template <int D>
 __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                    const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dq) {
     __shared__ __align__(32) Rows<D> qs, dos, ks, vs;
-    __shared__ __align__(32) float sc[WARPS][16][TILE], dp[WARPS][16][TILE];
+    __shared__ __align__(32) float sc[WARPS][16][LDS], dp[WARPS][16][LDS];
     __shared__ __align__(32) bf16 ds[WARPS][16][TILE];
     __shared__ unsigned kp[TILE];
     int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads), i0 = blockIdx.x * TILE;
-    int w = threadIdx.x / 32, lane = threadIdx.x % 32, i = i0 + 16 * w + lane;
-    bool row = lane < 16 && i < s.seq;
-    long r = ((long)b * s.heads + h) * s.seq + i;
+    int w = threadIdx.x / 32, r = threadIdx.x % 16, c0 = threadIdx.x % 32 / 16 * HALF, i = i0 + 16 * w + r;
+    bool row = i < s.seq;
+    long at_i = ((long)b * s.heads + h) * s.seq + i;
     unsigned pi = row ? q_pos[i] : 0, last = max_position(q_pos, i0, s.seq);
-    float scale = rsqrtf((float)D), li = row ? lse[r] : 0.0f, di = row ? delta[r] : 0.0f;
+    float scale = rsqrtf((float)D), li = row ? lse[at_i] : 0.0f, di = row ? delta[at_i] : 0.0f;
     stage<D>(s, q, b, s.seq, s.heads, h, i0, qs);
     stage<D>(s, dout, b, s.seq, s.heads, h, i0, dos);
     Acc acc[D / 16];
@@ -185,11 +193,10 @@ __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const u
         times_transposed<D>(&qs.x[16 * w], ks, sc[w]);
         times_transposed<D>(&dos.x[16 * w], vs, dp[w]);
         __syncwarp();
-        if (lane < 16)
-            for (int jj = 0; jj < TILE; jj++) {
-                bool seen = row && kp[jj] <= pi;
-                ds[w][lane][jj] = __float2bfloat16(seen ? expf(sc[w][lane][jj] * scale - li) * (dp[w][lane][jj] - di) : 0.0f);
-            }
+        for (int jj = c0; jj < c0 + HALF; jj++) {
+            bool seen = row && kp[jj] <= pi;
+            ds[w][r][jj] = __float2bfloat16(seen ? expf(sc[w][r][jj] * scale - li) * (dp[w][r][jj] - di) : 0.0f);
+        }
         __syncwarp();
         accumulate<D>(ds[w], ks, acc);
         __syncthreads();
@@ -204,13 +211,13 @@ template <int D>
 __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                      const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dk, bf16* dv) {
     __shared__ __align__(32) Rows<D> ks, vs, qs, dos;
-    __shared__ __align__(32) float st[WARPS][16][TILE], dpt[WARPS][16][TILE];
+    __shared__ __align__(32) float st[WARPS][16][LDS], dpt[WARPS][16][LDS];
     __shared__ __align__(32) bf16 pt[WARPS][16][TILE], dst[WARPS][16][TILE];
     __shared__ unsigned qp[TILE];
     __shared__ float ls[TILE], dl[TILE];
     int b = blockIdx.z, g = blockIdx.y, groups = s.heads / s.kv_heads, j0 = blockIdx.x * TILE;
-    int w = threadIdx.x / 32, lane = threadIdx.x % 32, j = j0 + 16 * w + lane;
-    bool row = lane < 16 && j < s.kv_seq; // this thread handles key row j
+    int w = threadIdx.x / 32, r = threadIdx.x % 16, c0 = threadIdx.x % 32 / 16 * HALF, j = j0 + 16 * w + r;
+    bool row = j < s.kv_seq; // this thread handles half (queries c0..c0+HALF) of key row j
     unsigned pj = row ? k_pos[j] : 0xffffffffu, first = min_position(k_pos, j0, s.kv_seq);
     float scale = rsqrtf((float)D);
     stage<D>(s, k, b, s.kv_seq, s.kv_heads, g, j0, ks);
@@ -230,12 +237,12 @@ __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const
             times_transposed<D>(&ks.x[16 * w], qs, st[w]);
             times_transposed<D>(&vs.x[16 * w], dos, dpt[w]);
             __syncwarp();
-            if (lane < 16)
-                for (int ii = 0; ii < TILE; ii++) {
-                    float p = row && pj <= qp[ii] ? expf(st[w][lane][ii] * scale - ls[ii]) : 0.0f;
-                    pt[w][lane][ii] = __float2bfloat16(p);
-                    dst[w][lane][ii] = __float2bfloat16(p * (dpt[w][lane][ii] - dl[ii]));
-                }
+#pragma unroll 4 // more would take registers from the 2·D/16 accumulators (spills at D = 128)
+            for (int ii = c0; ii < c0 + HALF; ii++) {
+                float p = row && pj <= qp[ii] ? expf(st[w][r][ii] * scale - ls[ii]) : 0.0f;
+                pt[w][r][ii] = __float2bfloat16(p);
+                dst[w][r][ii] = __float2bfloat16(p * (dpt[w][r][ii] - dl[ii]));
+            }
             __syncwarp();
             accumulate<D>(pt[w], dos, dva);
             accumulate<D>(dst[w], qs, dka);
