@@ -8,8 +8,8 @@
 //! thread emulator, so the kernels and these argument lists are tested where there is no GPU.
 //!
 //! Launch shapes follow the kernels' header comments: one block of 256 threads per row for
-//! row-wise ops, one thread per element (or per column, for the deterministic weight gradients)
-//! otherwise, BQ = 64 query rows per block for attention and its dq, BK = 32 key rows for dk/dv
+//! row-wise ops (per distinct token for the embedding gradient), one thread per element (or per
+//! column, for the last sum of RMSNorm's weight gradient) otherwise, BQ = 64 query rows per block for attention and its dq, BK = 32 key rows for dk/dv
 //! (on tensor cores: 32 rows and 2 warps per block for all three).
 
 use crate::cuda::DType;
@@ -121,7 +121,6 @@ pub fn embedding(
     launch("embedding", typed("embedding_forward", dt), rows(tokens), args)
 }
 
-/// dtable (f32) += the rows of dout, one thread per feature column.
 /// The tokens of a table slice (ids `first..first + rows`) grouped by id, packed in one index
 /// array for the embedding backward: the distinct table rows (id − first, ascending), then where
 /// each one's tokens start in `order` (and where the last ends), then `order`, the token indices

@@ -221,7 +221,8 @@ fn run(cli: Cli) -> Result<()> {
             let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;
             print!("{}", bench::table(&report));
             if profile {
-                print!("\n{}", ferrotron::profile::table(&report.profile, steps, report.step_ms));
+                // every rank's kernels are timed: per step of one rank, on average
+                print!("\n{}", ferrotron::profile::table(&report.profile, steps * report.ranks, report.step_ms));
             }
             if let Some(other) = other {
                 println!("{}", other.compare(&report));

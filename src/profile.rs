@@ -66,8 +66,8 @@ pub fn longest_first(mut rows: Vec<Row>) -> Vec<Row> {
     rows
 }
 
-/// The profile of `steps` steps of `step_ms` each, per step: calls, milliseconds and share of the
-/// step; the last line is the part of the step the GPU spent on none of them (waiting for the
+/// The profile of `steps` steps of `step_ms` each (counting every rank's steps, when ranks ran),
+/// per step: calls, milliseconds and share of the step; the last line is the part of the step the GPU spent on none of them (waiting for the
 /// host, or between launches).
 pub fn table(rows: &[Row], steps: usize, step_ms: f64) -> String {
     let per_step = |v: f64| v / steps.max(1) as f64;
