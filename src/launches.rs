@@ -391,11 +391,6 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
         all.extend(attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
         all.push(attention_merge(dt, a, (0, 0), (0, 0)));
-        for head_dim in TENSOR_CORE_HEAD_DIMS.into_iter().filter(|_| dt == DType::Bf16) {
-            let a = Attn { head_dim, ..a };
-            all.push(attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
-            all.extend(attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
-        }
         all.push(swiglu(dt, (0, 0), 0, 1));
         all.push(swiglu_backward(dt, (0, 0, 0), (0, 0), 1));
         all.push(row_max(dt, 0, (1, 1), 0));
@@ -404,6 +399,12 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
         all.push(add_assign(dt, 0, 0, 1));
         all.push(scale(dt, 0, 1.0, 1));
+    }
+    // the tensor-core attention: bf16, each head size it is built for
+    for head_dim in TENSOR_CORE_HEAD_DIMS {
+        let a = Attn { head_dim, ..a };
+        all.push(attention(DType::Bf16, a, (0, 0, 0), (0, 0), 0, 0));
+        all.extend(attention_backward(DType::Bf16, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
     }
     all
 }

@@ -103,23 +103,13 @@ fn training_on_the_gpu_path_follows_the_cpu() {
 fn every_parallelism_on_the_gpu_path_follows_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // two ranks sharing the GPU per variant, collectives staged through host memory; f32, so the
-    // single-rank tolerance holds; head_dim 16, two KV heads for tp = 2
+    // single-rank tolerance holds
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_converge");
     let mut args =
         vec!["converge", "--variants", "dp=2;tp=2;pp=2;cp=2", "--steps", "3", "--out", out.to_str().unwrap()];
-    let sets = [
-        "device.kind=cuda",
-        "device.dtype=f32",
-        "model.hidden_size=64",
-        "model.intermediate_size=64",
-        "model.num_hidden_layers=2",
-        "model.num_attention_heads=4",
-        "model.num_key_value_heads=2",
-        "train.seq_len=32",
-        "data.copy_lag=8",
-        "train.micro_batch_size=2",
-    ];
-    for s in &sets {
+    // SMALL, then what the variants need: hidden 64 (head_dim 16), two sequences a step
+    let sets = ["device.kind=cuda", "device.dtype=f32", "model.hidden_size=64", "train.micro_batch_size=2"];
+    for s in common::SMALL.iter().chain(&sets) {
         args.extend(["--set", s]);
     }
     let text = String::from_utf8_lossy(&ferrotron(dir, &args).stdout).to_string();
