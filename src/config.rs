@@ -178,10 +178,10 @@ pub enum DeviceDtype {
 
 impl DeviceConfig {
     /// The dtype the kernels compute in.
-    pub fn compute_dtype(&self) -> crate::cuda::DType {
+    pub fn compute_dtype(&self) -> crate::ops::types::DType {
         match (self.kind, self.dtype) {
-            (DeviceKind::Cuda, DeviceDtype::Auto | DeviceDtype::Bf16) => crate::cuda::DType::Bf16,
-            _ => crate::cuda::DType::F32,
+            (DeviceKind::Cuda, DeviceDtype::Auto | DeviceDtype::Bf16) => crate::ops::types::DType::Bf16,
+            _ => crate::ops::types::DType::F32,
         }
     }
 }
@@ -326,8 +326,42 @@ impl Config {
         if self.device.kind == DeviceKind::Cuda && self.model.head_dim() > 128 {
             bail!("model.head_dim = {}: the CUDA attention kernel supports head_dim up to 128; use device.kind = \"cpu\" or a smaller head_dim", self.model.head_dim());
         }
-        crate::data::validate(&self.data, &self.model, t.seq_len)
+        validate_data(&self.data, &self.model, t.seq_len)
     }
+}
+
+/// Checks `[data]` against the model, before anything is read.
+fn validate_data(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
+    if d.source.starts_with("text:") || d.source.starts_with("hub:") {
+        if d.tokenizer == "bytes" && m.vocab_size < 256 {
+            bail!(
+                "data.source = \"{}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})",
+                d.source,
+                m.vocab_size
+            );
+        }
+        return Ok(());
+    }
+    if d.source != "synthetic" {
+        bail!("data.source = \"{}\": use \"synthetic\", \"text:PATH\" or \"hub:ORG/NAME/FILE\"", d.source);
+    }
+    if d.branching == 0 || d.branching + 2 > m.vocab_size {
+        bail!(
+            "data.branching = {}: it must be at least 1 and at most model.vocab_size - 2 = {}",
+            d.branching,
+            m.vocab_size.saturating_sub(2)
+        );
+    }
+    if (m.vocab_size as f64 + 1.0).powi(d.markov_order as i32) > (1 << 22) as f64 {
+        bail!("data.markov_order = {} with model.vocab_size = {}: the successor table would be too large; lower the order", d.markov_order, m.vocab_size);
+    }
+    if !(0.0..1.0).contains(&d.copy_prob) {
+        bail!("data.copy_prob = {}: it must lie in [0, 1)", d.copy_prob);
+    }
+    if d.copy_prob > 0.0 && (d.copy_len == 0 || d.copy_lag == 0 || d.copy_lag >= seq_len) {
+        bail!("data.copy_len and data.copy_lag must be at least 1, and data.copy_lag below train.seq_len = {seq_len}");
+    }
+    Ok(())
 }
 
 /// Recursively lays `over` on top of `base`: tables merge, other values replace.

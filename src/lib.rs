@@ -1,48 +1,31 @@
 //! ferrotron: an educational, from-scratch LLM pre-training repository.
 //!
-//! Read in this order: `tensor` → `ops` (and `cpu`, its kernels) → `block` → `model` →
-//! `optimizer` → `data` → `train`. `init` makes the weights, `config` the run, `checkpoint` and
-//! `eval` read Hugging Face models, `save` writes and resumes checkpoints, `text` and `download`
-//! bring real text and Hub files. Ranks: `process_grid` → `comm` (and `hub`, its local backend)
-//! → `launch` → `data_parallel` → `tensor_parallel` → `pipeline_parallel` (and `schedule`) →
-//! `context_parallel` → `converge` (and `trace`, `plot`). GPUs: `gpu` → `kernels` → `cuda` →
-//! `launches` → `cuda_ops` (and `cuda_check`) → `comm_gpu` (NCCL) → `doctor`.
+//! The folders are the course. Read them in this order:
+//!
+//! | folder | what it teaches |
+//! | --- | --- |
+//! | `ops/` | tensors and the op layer the model is written in; `cpu.rs` is the reference math |
+//! | `model/` | the Llama, forward and backward by hand; its parameters, init and AdamW |
+//! | `train.rs` | the training loop: one step, micro-batches, the optimizer |
+//! | `comm/` | process groups and collectives; ranks as threads (`local.rs`), the launcher |
+//! | `parallel/` | the process grid, then one lesson per parallelism: data, tensor, pipeline, context |
+//! | `data/` | the synthetic language, real text and tokenizers, Hugging Face hub files |
+//! | `checkpoint/` | Hugging Face weights in and out, save and resume |
+//! | `cuda/` | the GPU behind the op layer: runtime, NVRTC, kernel launches, GPU ops, NCCL |
+//! | `commands/` | the tools around training: converge, bench, doctor, eval, the schedule picture |
+//!
+//! Imports run one way, from the bottom of this list up: `ops` → `model` → `parallel` →
+//! `train` → `commands` (with `comm` beside `ops`, and `cuda` behind the op layer and the
+//! collectives). `tests/layering.rs` keeps it so.
 
-pub mod bench;
-pub mod block;
 pub mod checkpoint;
 pub mod comm;
-pub mod comm_gpu;
+pub mod commands;
 pub mod config;
-pub mod context_parallel;
-pub mod converge;
-pub mod cpu;
 pub mod cuda;
-pub mod cuda_check;
-pub mod cuda_ops;
 pub mod data;
-pub mod data_parallel;
-pub mod doctor;
-pub mod download;
-pub mod eval;
-pub mod gpu;
-pub mod hub;
-pub mod init;
-pub mod kernels;
-pub mod launch;
-pub mod launches;
-pub mod metrics;
+pub mod files;
 pub mod model;
 pub mod ops;
-pub mod optimizer;
-pub mod pipeline_parallel;
-pub mod plot;
-pub mod process_grid;
-pub mod profile;
-pub mod save;
-pub mod schedule;
-pub mod tensor;
-pub mod tensor_parallel;
-pub mod text;
-pub mod trace;
+pub mod parallel;
 pub mod train;

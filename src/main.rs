@@ -3,10 +3,14 @@
 
 use anyhow::Result;
 use clap::{Parser, Subcommand};
+use ferrotron::checkpoint::hf;
+use ferrotron::comm::launcher;
+use ferrotron::comm::trace::Trace;
+use ferrotron::commands::{bench, converge, doctor, eval, schedule};
 use ferrotron::config::PpSchedule;
-use ferrotron::process_grid::Grid;
-use ferrotron::trace::Trace;
-use ferrotron::{bench, checkpoint, config::Config, converge, doctor, eval, launch, schedule, train};
+use ferrotron::parallel::data_parallel::gradient_all_reduce;
+use ferrotron::parallel::process_grid::Grid;
+use ferrotron::{config::Config, train};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -140,10 +144,10 @@ fn run(cli: Cli) -> Result<()> {
             let s = train::train(&cfg, opts)?;
             if let (Some(path), Some(spans)) = (&trace, &spans) {
                 spans.write(path)?;
-                let overlap = match spans.spans().iter().any(|s| s.lane == ferrotron::trace::Lane::Comm) {
+                let overlap = match !spans.comm_spans(gradient_all_reduce).is_empty() {
                     true => format!(
-                        "{:.0}% of all-reduce time ran during backward",
-                        100.0 * spans.hidden_fraction("backward")
+                        "{:.0}% of data-parallel all-reduce time ran during backward",
+                        100.0 * spans.hidden_fraction(gradient_all_reduce, "backward")
                     ),
                     false => "no data-parallel all-reduce in this run".into(),
                 };
@@ -196,21 +200,21 @@ fn run(cli: Cli) -> Result<()> {
                     t.peak_activations
                 );
             }
-            ferrotron::metrics::write_atomically(&out, schedule::svg(&timelines).as_bytes())
+            ferrotron::files::write_atomically(&out, schedule::svg(&timelines).as_bytes())
                 .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
             println!("picture: {}", out.display());
         }
         Command::Grid { dp, pp, cp, tp } => {
             let grid = Grid::new(dp, pp, cp, tp)?;
             print!("{}", grid.table());
-            launch::check_groups(grid)?;
+            launcher::check_groups(grid)?;
             println!(
                 "checked: {} rank threads each all-gathered their rank number over each of their groups and got the members above",
                 grid.world_size()
             );
         }
         Command::Eval { model, tokens } => {
-            let mut m = checkpoint::load_hf(&model)?;
+            let mut m = hf::load_hf(&model)?;
             let seqs = eval::read_tokens(&tokens, m.cfg.vocab_size)?;
             println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
         }
@@ -222,7 +226,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", bench::table(&report));
             if profile {
                 // every rank's kernels are timed: per step of one rank, on average
-                print!("\n{}", ferrotron::profile::table(&report.profile, steps * report.ranks, report.step_ms));
+                print!("\n{}", ferrotron::cuda::profile::table(&report.profile, steps * report.ranks, report.step_ms));
             }
             if let Some(other) = other {
                 println!("{}", other.compare(&report));
@@ -230,7 +234,7 @@ fn run(cli: Cli) -> Result<()> {
             let text = serde_json::to_string(&report)?;
             println!("json: {text}");
             if let Some(path) = json {
-                ferrotron::metrics::write_atomically(&path, text.as_bytes())
+                ferrotron::files::write_atomically(&path, text.as_bytes())
                     .map_err(|e| anyhow::anyhow!("--json: cannot write {}: {e}", path.display()))?;
             }
         }

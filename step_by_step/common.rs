@@ -4,9 +4,9 @@
 
 use anyhow::{bail, Result};
 use ferrotron::config::{Config, DeviceKind};
-use ferrotron::cuda::Device;
-use ferrotron::gpu::Gpu;
-use ferrotron::tensor::Place;
+use ferrotron::cuda::device::Device;
+use ferrotron::cuda::runtime::Gpu;
+use ferrotron::ops::tensor::Place;
 use ferrotron::train::{self, Options};
 
 /// `--tiny`: a few steps of a smaller model (what the test suite runs, so the tutorial never rots).
@@ -33,7 +33,7 @@ pub fn place(cfg: &Config, rank: usize) -> Result<Place> {
     if cfg.device.kind == DeviceKind::Cpu {
         return Ok(Place::Cpu);
     }
-    let gpu = Gpu::open(rank % ferrotron::gpu::device_count()?)?;
+    let gpu = Gpu::open(rank % ferrotron::cuda::runtime::device_count()?)?;
     Ok(Place::Cuda(Device::new(&gpu, cfg.device.compute_dtype())?))
 }
 

@@ -1,12 +1,12 @@
 //! `ferrotron bench`: the FLOP formula, the memory formula against the activations the model
 //! really keeps, the peak table, and the command's table and JSON.
 
-use ferrotron::bench::{self, activation_bytes, flops_per_token, peak_tflops};
+use ferrotron::commands::bench::{self, activation_bytes, flops_per_token, peak_tflops};
 use ferrotron::config::Config;
-use ferrotron::cuda::DType;
+use ferrotron::model::Stage;
 use ferrotron::model::{Llama, StageInput};
-use ferrotron::pipeline_parallel::Stage;
-use ferrotron::tensor::Tensor;
+use ferrotron::ops::tensor::Tensor;
+use ferrotron::ops::DType;
 use std::process::Command;
 
 mod common;
@@ -45,7 +45,7 @@ fn activation_formula_matches_what_the_model_keeps() {
     let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     for index in 0..2 {
         let stage = Stage { index, count: 2 };
-        let mut model = Llama::init(&c.model, 1, None, stage);
+        let mut model = Llama::init(&c.model, 1, Box::new(ferrotron::model::Whole), stage);
         let hidden = Tensor::zeros(&[batch * seq, c.model.hidden_size]);
         let input = if index == 0 { StageInput::Tokens(&tokens) } else { StageInput::Hidden(hidden) };
         model.forward_stage(input, batch, &targets).unwrap();
@@ -121,7 +121,7 @@ fn gpu_configs_have_the_published_sizes() {
 
 #[test]
 fn the_profile_table_sorts_longest_first_and_shares_add_up() {
-    use ferrotron::profile::{longest_first, table, Row};
+    use ferrotron::cuda::profile::{longest_first, table, Row};
     let rows = longest_first(vec![
         Row { name: "rmsnorm_forward_bf16".into(), calls: 122, ms: 4.0 },
         Row { name: "attention_tc_forward_d64".into(), calls: 60, ms: 30.0 },

@@ -4,7 +4,7 @@
 
 mod common;
 
-use ferrotron::checkpoint;
+use ferrotron::checkpoint::hf as checkpoint;
 use ferrotron::config::Config;
 use ferrotron::train::{train, Options};
 use std::path::Path;
@@ -108,7 +108,7 @@ fn only_the_newest_complete_checkpoints_are_kept() {
     // a folder left by a run killed while writing is never taken for the latest
     std::fs::create_dir(dir.join("step_000009.tmp")).unwrap();
     let cfg = Config::load(None, &sets(&dir, &[])).unwrap();
-    assert_eq!(ferrotron::save::resolve(Path::new("latest"), &cfg).unwrap(), dir.join("step_000005"));
+    assert_eq!(ferrotron::checkpoint::save::resolve(Path::new("latest"), &cfg).unwrap(), dir.join("step_000005"));
 }
 
 #[test]
@@ -168,7 +168,7 @@ fn a_diverging_run_stops_and_keeps_its_last_good_checkpoint() {
     .unwrap();
     let err = format!("{:#}", train(&cfg, Options { quiet: true, ..Default::default() }).err().unwrap());
     assert!(err.contains("the loss became") && err.contains("lower train.lr"), "{err}");
-    let latest = ferrotron::save::resolve(Path::new("latest"), &cfg).unwrap();
-    let state = ferrotron::save::load(&latest).unwrap();
+    let latest = ferrotron::checkpoint::save::resolve(Path::new("latest"), &cfg).unwrap();
+    let state = ferrotron::checkpoint::save::load(&latest).unwrap();
     assert!(state.step < 50, "stopped early, at step {}", state.step);
 }

@@ -2,9 +2,9 @@
 //! dtypes, deterministic, truly asynchronous, and failing with clear errors instead of hanging.
 
 use anyhow::{bail, Result};
+use ferrotron::comm::launcher::{launch, Rank};
 use ferrotron::comm::{Element, ReduceOp};
-use ferrotron::launch::{launch, Rank};
-use ferrotron::process_grid::{Axis, Grid};
+use ferrotron::parallel::process_grid::{Axis, Grid};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -102,7 +102,7 @@ fn results_do_not_depend_on_thread_timing() {
 fn sub_groups_of_a_4d_grid() {
     for (dp, pp, cp, tp) in [(2, 2, 1, 2), (1, 2, 2, 2), (2, 1, 3, 1), (1, 1, 1, 1)] {
         let grid = Grid::new(dp, pp, cp, tp).unwrap();
-        ferrotron::launch::check_groups(grid).unwrap();
+        ferrotron::comm::launcher::check_groups(grid).unwrap();
         // a sum over the tp group equals the sum of its members' rank numbers
         launch(grid, LONG, |me| {
             let mut x = [me.rank as f32];

@@ -2,14 +2,14 @@
 //! backend. The GPU tests run where a CUDA driver and a GPU are found, and are skipped with a
 //! printed reason elsewhere; the backend choice is checked everywhere.
 
+use ferrotron::comm::launcher::{choose_backend, Backend};
+use ferrotron::commands::doctor::comm_self_test;
 use ferrotron::config::CommBackend;
-use ferrotron::doctor::comm_self_test;
-use ferrotron::launch::{choose_backend, Backend};
-use ferrotron::process_grid::Grid;
+use ferrotron::parallel::process_grid::Grid;
 
 /// The number of GPUs, or `None` (with the reason printed) when the GPU tests must be skipped.
 fn gpus() -> Option<usize> {
-    match ferrotron::gpu::device_count() {
+    match ferrotron::cuda::runtime::device_count() {
         Ok(n) if n > 0 => Some(n),
         Ok(_) => {
             eprintln!("skipped: the CUDA driver sees no GPU");
@@ -27,7 +27,7 @@ fn nccl_collectives_on_one_gpu() {
     if gpus().is_none() {
         return;
     }
-    if let Err(e) = ferrotron::gpu::require("NCCL") {
+    if let Err(e) = ferrotron::cuda::runtime::require("NCCL") {
         eprintln!("skipped: {e:#}");
         return;
     }

@@ -4,13 +4,14 @@
 
 mod common;
 
+use ferrotron::comm::launcher::launch;
+use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::{Config, CpSplit};
-use ferrotron::context_parallel::{self as cp, Ring};
-use ferrotron::converge::{self, parse_variants};
-use ferrotron::launch::launch;
+use ferrotron::model::SequenceSplit;
+use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::{self, Attn};
-use ferrotron::process_grid::{Axis, Grid};
-use ferrotron::tensor::Tensor;
+use ferrotron::parallel::context_parallel::{self as cp, Ring};
+use ferrotron::parallel::process_grid::{Axis, Grid};
 use ferrotron::train::{train_all, Options};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -57,9 +58,9 @@ fn ring_attention_matches_full_attention() {
                 };
                 let local = Attn { seq: seq / n, kv_seq: seq / n, ..full };
                 let (lq, lk, lv, ldo) = (rows(&q), rows(&k), rows(&v), rows(&dout));
-                let (o, l, _) = cp::attention(Some(&ring), local, &lq, &lk, &lv, &mine)?;
+                let (o, l, _) = ring.attention(local, &lq, &lk, &lv, &mine)?;
                 close(&o, &rows(&out).to_vec(), &format!("{split:?} cp={n} out"));
-                let (gq, gk, gv) = cp::attention_backward(Some(&ring), local, (&lq, &lk, &lv), &mine, (&o, &l), &ldo)?;
+                let (gq, gk, gv) = ring.attention_backward(local, (&lq, &lk, &lv), &mine, (&o, &l), &ldo)?;
                 close(&gq, &rows(&dq).to_vec(), &format!("{split:?} cp={n} dq"));
                 close(&gk, &rows(&dk).to_vec(), &format!("{split:?} cp={n} dk"));
                 close(&gv, &rows(&dv).to_vec(), &format!("{split:?} cp={n} dv"));

@@ -2,9 +2,10 @@
 //! for bit whatever the bucket size, accumulation keeps the global batch and communicates once per
 //! step, replicas stay identical, and the trace shows all-reduce starting during backward.
 
+use ferrotron::comm::trace::{Lane, Trace};
+use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
-use ferrotron::converge::{self, parse_variants};
-use ferrotron::trace::{Lane, Trace};
+use ferrotron::parallel::data_parallel::gradient_all_reduce;
 use ferrotron::train::{self, train_all, Options, Summary};
 
 mod common;
@@ -90,12 +91,13 @@ fn trace_shows_one_sync_per_step_overlapping_backward() {
     train::train(&cfg, Options { trace: Some(&trace), quiet: true, ..Default::default() }).unwrap();
     let spans = trace.spans();
     for rank in 0..2 {
-        let of = |lane: Lane, name: &str| -> Vec<_> {
-            spans.iter().filter(|s| s.rank == rank && s.lane == lane && s.name.starts_with(name)).cloned().collect()
+        let of = |lane: Lane, keep: &dyn Fn(&str) -> bool| -> Vec<_> {
+            spans.iter().filter(|s| s.rank == rank && s.lane == lane && keep(&s.name)).cloned().collect()
         };
-        let (backward, buckets) = (of(Lane::Compute, "backward"), of(Lane::Comm, "all-reduce bucket"));
+        let backward = of(Lane::Compute, &|n| n.starts_with("backward"));
+        let buckets = of(Lane::Comm, &gradient_all_reduce);
         assert_eq!(backward.len(), 9, "3 steps × 3 micro-batches");
-        assert_eq!(of(Lane::Compute, "optimizer").len(), 3);
+        assert_eq!(of(Lane::Compute, &|n| n == "optimizer").len(), 3);
         let per_step = buckets.len() / 3;
         assert!(
             per_step >= 3 && buckets.len() == 3 * per_step,

@@ -1,6 +1,6 @@
 //! Bad input gets one clear line naming the field or file, never a panic.
 
-use ferrotron::checkpoint;
+use ferrotron::checkpoint::hf as checkpoint;
 use ferrotron::config::Config;
 use std::path::Path;
 use std::process::Command;
@@ -65,7 +65,7 @@ fn bad_values_are_named() {
 
 #[test]
 fn a_cuda_run_without_a_gpu_says_so() {
-    if ferrotron::gpu::device_count().is_ok_and(|n| n > 0) {
+    if ferrotron::cuda::runtime::device_count().is_ok_and(|n| n > 0) {
         return; // there is a GPU: tests/training_gpu.rs trains on it
     }
     let cfg = Config::load(None, &["device.kind=\"cuda\"".to_string()]).unwrap();

@@ -3,9 +3,9 @@
 //! written here exactly as cuBLAS defines it, on the row-major buffers the backend hands over,
 //! and must give the CPU op layer's linear, input gradient and weight gradient.
 
-use ferrotron::cuda_ops::Gemm;
+use ferrotron::cuda::ops::Gemm;
 use ferrotron::ops;
-use ferrotron::tensor::Tensor;
+use ferrotron::ops::tensor::Tensor;
 
 /// cuBLAS's GEMM: c[i + j·ldc] = Σ_l op(a)(i, l) · op(b)(l, j) (+ c), column-major, where a
 /// stored matrix x has x(i, j) = x[i + j·ld] and op transposes it when asked.
@@ -22,7 +22,7 @@ fn cublas_reference(g: Gemm, a: &[f32], b: &[f32], c: &mut [f32], accumulate: bo
 }
 
 fn rand(seed: u64, shape: &[usize]) -> Tensor {
-    ferrotron::init::normal(seed, "gemm layout", shape, 1.0)
+    ferrotron::model::init::normal(seed, "gemm layout", shape, 1.0)
 }
 
 fn close(got: &[f32], want: &[f32]) {

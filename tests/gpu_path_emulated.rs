@@ -22,7 +22,7 @@ mod emulator;
 fn fake_driver() -> Option<&'static Path> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let built = DIR.get_or_init(|| {
-        ferrotron::kernels::nvrtc_ready().map_err(|e| format!("{e:#}"))?;
+        ferrotron::cuda::nvrtc::nvrtc_ready().map_err(|e| format!("{e:#}"))?;
         let lib = emulator::build("fake_cuda", "libcuda.so", &["fake_cuda.cpp"])?;
         let dir = lib.parent().unwrap().to_path_buf();
         let cublas = dir.join("libcublas.so");

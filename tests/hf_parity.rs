@@ -2,7 +2,8 @@
 //! model loaded through the same path as `ferrotron eval` must give transformers' loss (1e-5
 //! relative), logits (1e-4) and every parameter gradient (1e-4 relative to the tensor's norm).
 
-use ferrotron::{checkpoint, eval};
+use ferrotron::checkpoint::hf as checkpoint;
+use ferrotron::commands::eval;
 use std::path::Path;
 
 fn check_case(name: &str) {

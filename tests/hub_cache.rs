@@ -42,7 +42,7 @@ fn hub_names_resolve_from_the_cache_offline() {
     // pretrained weights from the cache, and the same model through eval
     let mut cfg =
         Config::load(None, &["train.steps=1".into(), "train.seq_len=16".into(), "data.copy_lag=4".into()]).unwrap();
-    cfg.model = ferrotron::checkpoint::read_hf_config(&gqa.join("config.json")).unwrap();
+    cfg.model = ferrotron::checkpoint::hf::read_hf_config(&gqa.join("config.json")).unwrap();
     cfg.model.init_from = "hub:ferrotron/tiny-gqa".into();
     let quiet = Options { quiet: true, ..Default::default() };
     let from_hub = train(&cfg, quiet).unwrap().losses[0];

@@ -1,5 +1,5 @@
 //! Every `kernels/*.cu` compiles with NVRTC for sm_80 (A100) and sm_90 (H100/H200), and its PTX
-//! exports every kernel the CUDA backend launches (`launches::catalogue`). Then `ptxas`, the
+//! exports every kernel the CUDA backend launches (`launch_table::catalogue`). Then `ptxas`, the
 //! assembler the driver runs when it loads PTX, turns it into machine code, and its report is
 //! checked: every kernel fits the 48 KiB of static shared memory a block may have, and the
 //! tensor-core attention keeps its accumulators in registers (no spills, no stack) and declares
@@ -8,7 +8,7 @@
 //! FERROTRON_REQUIRE_NVRTC=1 (CI sets it, after installing the nvidia-cuda-nvrtc-cu12,
 //! nvidia-cuda-runtime-cu12 and nvidia-cuda-nvcc-cu12 wheels).
 
-use ferrotron::kernels::{compile, include_dirs, nvrtc_ready, SOURCES};
+use ferrotron::cuda::nvrtc::{compile, include_dirs, nvrtc_ready, SOURCES};
 use std::path::PathBuf;
 use std::process::Command;
 
@@ -28,7 +28,7 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
         assert!(!required(), "FERROTRON_REQUIRE_NVRTC=1 but no ptxas: pip install nvidia-cuda-nvcc-cu12");
         eprintln!("ptxas not found: the PTX is not assembled (pip install nvidia-cuda-nvcc-cu12)");
     }
-    let launches = ferrotron::launches::catalogue();
+    let launches = ferrotron::cuda::launch_table::catalogue();
     let mut assembled = 0;
     for (name, _) in SOURCES {
         for arch in ["sm_80", "sm_90"] {

@@ -7,10 +7,10 @@
 //! or cannot build the emulator, unless FERROTRON_REQUIRE_EMULATOR=1 (as in CI). The emulator's
 //! grid and shared memory are process-wide: the launches run one at a time, from this one test.
 
-use ferrotron::cuda::DType;
-use ferrotron::launches::{self, Addr, Arg, Launch};
+use ferrotron::cuda::launch_table::{self, Addr, Arg, Launch};
+use ferrotron::ops::tensor::Tensor;
+use ferrotron::ops::DType;
 use ferrotron::ops::{self, AdamW, Attn};
-use ferrotron::tensor::Tensor;
 use half::bf16;
 use std::ffi::{c_char, c_void, CString};
 use std::io::Write;
@@ -52,7 +52,7 @@ impl Emulator {
                     Arg::I64(v) => std::ptr::write(p as *mut i64, v),
                     Arg::F32(v) => std::ptr::write(p as *mut f32, v),
                     Arg::F64(v) => std::ptr::write(p as *mut f64, v),
-                    Arg::Shape(s) => std::ptr::write(p as *mut launches::Shape, s),
+                    Arg::Shape(s) => std::ptr::write(p as *mut launch_table::Shape, s),
                 }
             }
         }
@@ -106,7 +106,7 @@ impl Check {
     /// Fresh N(0, 1) numbers, representable in the dtype (so CPU and kernel see the same inputs).
     fn rand(&mut self, shape: &[usize]) -> Tensor {
         self.seed += 1;
-        let t = ferrotron::init::normal(self.seed, "emulated kernels", shape, 1.0).to_vec();
+        let t = ferrotron::model::init::normal(self.seed, "emulated kernels", shape, 1.0).to_vec();
         Tensor::from_vec(shape, t.into_iter().map(|v| self.round(v)).collect())
     }
     fn round(&self, v: f32) -> f32 {
@@ -202,15 +202,15 @@ fn rowwise(c: &mut Check, rows: usize, dim: usize) {
     let (y, rstd) = ops::rmsnorm(&x, &w, 1e-5);
     let (mut bx, mut bw, mut by, mut brstd) =
         (c.buf(&x), c.buf(&w), Buf::zeros(rows * dim, dt), Buf::zeros(rows, DType::F32));
-    c.run(&launches::rmsnorm(dt, bx.addr(), bw.addr(), 1e-5, (rows, dim), by.addr(), brstd.addr()));
+    c.run(&launch_table::rmsnorm(dt, bx.addr(), bw.addr(), 1e-5, (rows, dim), by.addr(), brstd.addr()));
     c.same("rmsnorm", &by, &y);
     c.same("rmsnorm 1/rms", &brstd, &rstd);
     let mut want_dw = dw.clone();
     let dx = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw);
     let (mut bdy, mut bdx, mut bdw, mut brstd) = (c.buf(&dy), Buf::zeros(rows * dim, dt), c.f32(&dw), c.f32(&rstd));
-    let mut partial = Buf::zeros(launches::rmsnorm_partial_len((rows, dim)), DType::F32);
+    let mut partial = Buf::zeros(launch_table::rmsnorm_partial_len((rows, dim)), DType::F32);
     let inputs = (bdy.addr(), bx.addr(), bw.addr(), brstd.addr());
-    for l in launches::rmsnorm_backward(dt, inputs, (rows, dim), bdx.addr(), (bdw.addr(), partial.addr())) {
+    for l in launch_table::rmsnorm_backward(dt, inputs, (rows, dim), bdx.addr(), (bdw.addr(), partial.addr())) {
         c.run(&l);
     }
     c.same("rmsnorm backward dx", &bdx, &dx);
@@ -219,24 +219,24 @@ fn rowwise(c: &mut Check, rows: usize, dim: usize) {
     let n = rows * dim;
     let (g, u, dh) = (c.rand(&[n]), c.rand(&[n]), c.rand(&[n]));
     let (mut bg, mut bu, mut bh, mut bdh) = (c.buf(&g), c.buf(&u), Buf::zeros(n, dt), c.buf(&dh));
-    c.run(&launches::swiglu(dt, (bg.addr(), bu.addr()), bh.addr(), n));
+    c.run(&launch_table::swiglu(dt, (bg.addr(), bu.addr()), bh.addr(), n));
     c.same("swiglu", &bh, &ops::swiglu(&g, &u));
     let (dg, du) = ops::swiglu_backward(&dh, &g, &u);
     let (mut bdg, mut bdu) = (Buf::zeros(n, dt), Buf::zeros(n, dt));
-    c.run(&launches::swiglu_backward(dt, (bdh.addr(), bg.addr(), bu.addr()), (bdg.addr(), bdu.addr()), n));
+    c.run(&launch_table::swiglu_backward(dt, (bdh.addr(), bg.addr(), bu.addr()), (bdg.addr(), bdu.addr()), n));
     c.same("swiglu backward dgate", &bdg, &dg);
     c.same("swiglu backward dup", &bdu, &du);
     // add, scale, and (f32) the sum of squares and the casts
     let (mut a, b) = (c.rand(&[n]), c.rand(&[n]));
     let (mut ba, mut bb) = (c.buf(&a), c.buf(&b));
-    c.run(&launches::add_assign(dt, ba.addr(), bb.addr(), n));
-    c.run(&launches::scale(dt, ba.addr(), 0.75, n));
+    c.run(&launch_table::add_assign(dt, ba.addr(), bb.addr(), n));
+    c.run(&launch_table::scale(dt, ba.addr(), 0.75, n));
     ops::add_assign(&mut a, &b);
     ops::scale(&mut a, 0.75);
     c.same("add and scale", &ba, &a);
-    let mut partial = Buf::zeros(launches::NORM_BLOCKS, DType::F32);
+    let mut partial = Buf::zeros(launch_table::NORM_BLOCKS, DType::F32);
     let mut bgrad = c.f32(&g);
-    c.run(&launches::sum_squares(bgrad.addr(), n, partial.addr()));
+    c.run(&launch_table::sum_squares(bgrad.addr(), n, partial.addr()));
     let total: f64 = partial.values().iter().map(|&v| v as f64).sum();
     c.same(
         "sum of squares",
@@ -244,9 +244,9 @@ fn rowwise(c: &mut Check, rows: usize, dim: usize) {
         &Tensor::from_vec(&[1], vec![ops::sum_squares(&[&g])[0] as f32]),
     );
     let (mut f, mut h) = (c.f32(&a), Buf::zeros(n, DType::Bf16));
-    c.run(&launches::cast_f32_to_bf16(f.addr(), h.addr(), n));
+    c.run(&launch_table::cast_f32_to_bf16(f.addr(), h.addr(), n));
     let mut back = Buf::zeros(n, DType::F32);
-    c.run(&launches::cast_bf16_to_f32(h.addr(), back.addr(), n));
+    c.run(&launch_table::cast_bf16_to_f32(h.addr(), back.addr(), n));
     let rounded = Tensor::from_vec(&[n], a.to_vec().iter().map(|&v| bf16::from_f32(v).to_f32()).collect());
     let exact = std::mem::replace(&mut c.dt, DType::F32); // the round trip is exact: compare as f32
     c.same("casts f32 → bf16 → f32", &back, &rounded);
@@ -262,18 +262,18 @@ fn cross_entropy(c: &mut Check, rows: usize, vocab: usize) {
     let mut bl = c.buf(&logits);
     let stat = || Buf::zeros(rows, DType::F32);
     let (mut bmax, mut bsum, mut blse, mut bz) = (stat(), stat(), stat(), stat());
-    c.run(&launches::row_max(dt, bl.addr(), (rows, vocab), bmax.addr()));
+    c.run(&launch_table::row_max(dt, bl.addr(), (rows, vocab), bmax.addr()));
     c.same("row max", &bmax, &max);
-    c.run(&launches::row_sum_exp(dt, bl.addr(), (rows, vocab), bmax.addr(), bsum.addr()));
+    c.run(&launch_table::row_sum_exp(dt, bl.addr(), (rows, vocab), bmax.addr(), bsum.addr()));
     c.same("row sum of exponentials", &bsum, &sum);
-    c.run(&launches::log_sum_exp(bmax.addr(), bsum.addr(), blse.addr(), rows));
+    c.run(&launch_table::log_sum_exp(bmax.addr(), bsum.addr(), blse.addr(), rows));
     c.same("log-sum-exp", &blse, &lse);
     let mut bt: Vec<u32> = targets.iter().map(|&t| t as u32).collect();
     let t = bt.as_mut_ptr() as Addr;
-    c.run(&launches::target_logit(dt, bl.addr(), (rows, vocab), t, 5, bz.addr()));
+    c.run(&launch_table::target_logit(dt, bl.addr(), (rows, vocab), t, 5, bz.addr()));
     c.same("target logits (slice from 5)", &bz, &ops::target_logits(&logits, &targets, 5));
     let mut bd = Buf::zeros(rows * vocab, dt);
-    c.run(&launches::cross_entropy_backward(dt, (bl.addr(), t), 5, (blse.addr(), 0.25), (rows, vocab), bd.addr()));
+    c.run(&launch_table::cross_entropy_backward(dt, (bl.addr(), t), 5, (blse.addr(), 0.25), (rows, vocab), bd.addr()));
     c.same("cross-entropy backward", &bd, &ops::cross_entropy_backward(&logits, &targets, 5, &lse, 0.25));
 }
 
@@ -283,12 +283,12 @@ fn embedding(c: &mut Check, rows: usize, dim: usize, vocab: usize) {
     let mut tokens: Vec<u32> = (0..rows).map(|i| ((i * 7) % (vocab + 5)) as u32).collect(); // repeats, and ids past the slice
     let ids = tokens.as_mut_ptr() as Addr;
     let (mut bt, mut out) = (c.buf(&table), Buf::zeros(rows * dim, dt));
-    c.run(&launches::embedding(dt, (bt.addr(), vocab), (ids, rows), 3, dim, out.addr()));
+    c.run(&launch_table::embedding(dt, (bt.addr(), vocab), (ids, rows), 3, dim, out.addr()));
     c.same("embedding (slice from 3)", &out, &ops::embedding(&table, &tokens, 3));
     let (mut bdout, mut bdtable) = (c.buf(&dout), c.f32(&dtable));
-    let mut grouped = launches::tokens_by_id(&tokens, 3, vocab);
+    let mut grouped = launch_table::tokens_by_id(&tokens, 3, vocab);
     let at = (grouped.packed.as_mut_ptr() as Addr, grouped.distinct);
-    c.run(&launches::embedding_backward(dt, bdout.addr(), at, dim, bdtable.addr()));
+    c.run(&launch_table::embedding_backward(dt, bdout.addr(), at, dim, bdtable.addr()));
     let mut want = dtable.clone();
     ops::embedding_backward(&dout, &tokens, 3, &mut want);
     c.same("embedding backward (+=)", &bdtable, &want);
@@ -301,10 +301,10 @@ fn rope(c: &mut Check, a: Attn) {
     let mut x = c.rand(&[n, a.heads * a.head_dim]);
     let mut bx = c.buf(&x);
     let pos = positions.as_mut_ptr() as Addr;
-    c.run(&launches::rope(dt, bx.addr(), pos, (n, a.heads, a.head_dim), 10000.0, false));
+    c.run(&launch_table::rope(dt, bx.addr(), pos, (n, a.heads, a.head_dim), 10000.0, false));
     ops::rope(&mut x, &positions, a.head_dim, 10000.0);
     c.same("rope", &bx, &x);
-    c.run(&launches::rope(dt, bx.addr(), pos, (n, a.heads, a.head_dim), 10000.0, true));
+    c.run(&launch_table::rope(dt, bx.addr(), pos, (n, a.heads, a.head_dim), 10000.0, true));
     ops::rope_backward(&mut x, &positions, a.head_dim, 10000.0);
     c.same("rope backward", &bx, &x);
 }
@@ -322,7 +322,7 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
     let (mut bq, mut bk, mut bv) = (c.buf(&q), c.buf(&k), c.buf(&v));
     let (mut bout, mut blse) = (Buf::zeros(out.numel(), dt), Buf::zeros(lse.numel(), DType::F32));
     let qkv = (bq.addr(), bk.addr(), bv.addr());
-    c.run(&launches::attention(dt, a, qkv, positions, bout.addr(), blse.addr()));
+    c.run(&launch_table::attention(dt, a, qkv, positions, bout.addr(), blse.addr()));
     let what = format!("attention q{} k{} h{}/{} d{}", a.seq, a.kv_seq, a.heads, a.kv_heads, a.head_dim);
     c.same(&what, &bout, &out);
     c.same(&format!("{what} lse"), &blse, &lse);
@@ -336,7 +336,7 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
         (Buf::zeros(dq.numel(), dt), Buf::zeros(dk.numel(), dt), Buf::zeros(dv.numel(), dt));
     let saved = (bout.addr(), blse.addr(), bdout.addr());
     let grads = (bdq.addr(), bdk.addr(), bdv.addr());
-    for l in launches::attention_backward(dt, a, qkv, positions, saved, delta.addr(), grads) {
+    for l in launch_table::attention_backward(dt, a, qkv, positions, saved, delta.addr(), grads) {
         c.run(&l);
     }
     c.same(&format!("{what} dq"), &bdq, &dq);
@@ -355,7 +355,7 @@ fn merge(c: &mut Check, a: Attn) {
     bl.iter_mut().step_by(7).for_each(|x| *x = f32::NEG_INFINITY);
     let (mut lse, block_lse) = (Tensor::from_vec(&lse_shape, l), Tensor::from_vec(&lse_shape, bl));
     let (mut bout, mut blse, mut bbo, mut bbl) = (c.buf(&out), c.f32(&lse), c.buf(&block_out), c.f32(&block_lse));
-    c.run(&launches::attention_merge(dt, a, (bout.addr(), blse.addr()), (bbo.addr(), bbl.addr())));
+    c.run(&launch_table::attention_merge(dt, a, (bout.addr(), blse.addr()), (bbo.addr(), bbl.addr())));
     ops::attention_merge(a, (&mut out, &mut lse), &block_out, &block_lse);
     c.same("attention merge", &bout, &out);
     c.same("attention merge lse", &blse, &lse);
@@ -368,7 +368,7 @@ fn adamw(c: &mut Check, n: usize) {
     let (mut bp, mut bg, mut bm, mut bv) = (c.f32(&p), c.f32(&g), c.f32(&m), c.f32(&v));
     let mut copy = Buf::zeros(n, DType::Bf16);
     let mixed = (c.dt == DType::Bf16).then(|| copy.addr());
-    c.run(&launches::adamw(&o, (bp.addr(), bg.addr(), bm.addr(), bv.addr()), n, mixed));
+    c.run(&launch_table::adamw(&o, (bp.addr(), bg.addr(), bm.addr(), bv.addr()), n, mixed));
     ops::adamw(&o, &mut p, &g, &mut m, &mut v);
     let exact = std::mem::replace(&mut c.dt, DType::F32); // AdamW is f32 in both modes
     c.same("adamw weight", &bp, &p);

@@ -10,8 +10,8 @@ fn kernels_match_the_cpu_reference_on_a_gpu() {
         eprintln!("skipped: {why}");
         return;
     }
-    let gpu = ferrotron::gpu::Gpu::open(0).unwrap();
-    let report = ferrotron::cuda_check::self_test(&gpu).unwrap_or_else(|e| panic!("{e:#}"));
+    let gpu = ferrotron::cuda::runtime::Gpu::open(0).unwrap();
+    let report = ferrotron::cuda::self_check::self_test(&gpu).unwrap_or_else(|e| panic!("{e:#}"));
     assert!(report.len() > 50, "every op is checked in both dtypes");
     for line in report {
         eprintln!("{line}");

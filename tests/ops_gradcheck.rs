@@ -4,9 +4,9 @@
 //! op's backward applied to dy = R. We perturb sampled coordinates of each input by ±ε and compare
 //! (L(x+ε) − L(x−ε)) / 2ε with that gradient, relative to the gradient's largest entry.
 
+use ferrotron::model::{TensorSplit, Whole};
+use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::{self, Attn};
-use ferrotron::tensor::Tensor;
-use ferrotron::tensor_parallel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -148,12 +148,12 @@ fn cross_entropy_with_ignored_rows() {
     let targets = [2i32, 6, -1, 0, 3];
     let logits = randn(&mut rng, rows * vocab, 3.0);
     // the scalar here is the loss itself: R = [1]
-    let ce = |x: &Tensor| tensor_parallel::cross_entropy(None, x, &targets, 0).unwrap();
+    let ce = |x: &Tensor| Whole.cross_entropy(x, &targets, 0).unwrap();
     let f = |xs: &[Vec<f32>]| vec![ce(&t(&[rows, vocab], &xs[0])).0 as f32];
     let lt = t(&[rows, vocab], &logits);
     let (_, count, lse) = ce(&lt);
     assert_eq!(count, 4, "the ignored row is not counted");
-    let d = tensor_parallel::cross_entropy_backward(&lt, &targets, 0, &lse, 1.0).to_vec();
+    let d = ops::cross_entropy_backward(&lt, &targets, 0, &lse, 1.0).to_vec();
     assert!(d[2 * vocab..3 * vocab].iter().all(|&x| x == 0.0), "an ignored row has no gradient");
     check("cross_entropy", &[logits], &[1.0], f, &[d]);
 }

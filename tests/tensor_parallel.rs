@@ -4,16 +4,17 @@
 
 mod common;
 
+use ferrotron::comm::launcher::launch;
 use ferrotron::comm::ReduceOp;
+use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
-use ferrotron::converge::{self, parse_variants};
-use ferrotron::launch::launch;
+use ferrotron::model::Stage;
+use ferrotron::model::{shard, Split, TensorSplit, Whole};
 use ferrotron::model::{Llama, Param};
 use ferrotron::ops;
-use ferrotron::pipeline_parallel::Stage;
-use ferrotron::process_grid::{Axis, Grid};
-use ferrotron::tensor::Tensor;
-use ferrotron::tensor_parallel::{self as tp, shard, Split};
+use ferrotron::ops::tensor::Tensor;
+use ferrotron::parallel::process_grid::{Axis, Grid};
+use ferrotron::parallel::tensor_parallel::TensorParallel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use std::time::Duration;
@@ -42,25 +43,36 @@ fn tp_grid(n: usize) -> Grid {
 fn column_and_row_parallel_linear_match_dense() {
     let (m, k, n) = (5, 8, 12);
     let (x, w, dy) = (randn(1, &[m, k]), randn(2, &[n, k]), randn(3, &[m, n]));
-    // the dense twin
+    let (w2, dy2) = (randn(7, &[n, k]), randn(8, &[m, n])); // a second layer reading the same x
+                                                            // the dense twins
     let y = ops::linear(&x, &w);
-    let mut dw = Tensor::zeros(&[n, k]);
+    let (mut dw, mut dw2) = (Tensor::zeros(&[n, k]), Tensor::zeros(&[n, k]));
     let dx = ops::linear_backward(&dy, &x, &w, &mut dw);
+    let mut dx_both = ops::linear_backward(&dy2, &x, &w2, &mut dw2);
+    ops::add_assign(&mut dx_both, &dx);
+    let mut dense = [param(w.clone()), param(w2.clone())];
+    let [a, b] = &mut dense;
+    let got = Whole.column_backward(&x, &mut [(&dy, a), (&dy2, b)]).unwrap();
+    close(&got, &dx_both, "dense column dx of two layers");
+    close(&dense[1].grad, &dw2, "dense column dW");
     // the row-parallel twin works on [m, k] → [m, n] with the weight cut by columns
     for size in [1, 2, 4] {
         launch(tp_grid(size), Duration::from_secs(30), |me| {
-            let (g, i) = (me.group(Axis::Tp), me.group(Axis::Tp).index());
-            // column parallel: output features split
-            let mut wc = param(shard(&w, Split::Rows, i, size));
-            close(&tp::column_forward(&x, &wc), &shard(&y, Split::Cols, i, size), "column y");
-            let dx_col = tp::column_backward(Some(g), &shard(&dy, Split::Cols, i, size), &x, &mut wc)?;
-            close(&dx_col, &dx, "column dx (all-reduced)");
+            let (tp, i) = (TensorParallel::new(me.group(Axis::Tp)), me.group(Axis::Tp).index());
+            // column parallel: output features split; two layers share one all-reduce of dx (f)
+            let (mut wc, mut wc2) = (param(shard(&w, Split::Rows, i, size)), param(shard(&w2, Split::Rows, i, size)));
+            close(&ops::linear(&x, &wc.value), &shard(&y, Split::Cols, i, size), "column y");
+            let (dy_i, dy2_i) = (shard(&dy, Split::Cols, i, size), shard(&dy2, Split::Cols, i, size));
+            let dx_col = tp.column_backward(&x, &mut [(&dy_i, &mut wc), (&dy2_i, &mut wc2)])?;
+            close(&dx_col, &dx_both, "column dx (summed over layers, all-reduced)");
             close(&wc.grad, &shard(&dw, Split::Rows, i, size), "column dW");
+            close(&wc2.grad, &shard(&dw2, Split::Rows, i, size), "column dW of the second layer");
             // row parallel: input features split, output summed
             let mut wr = param(shard(&w, Split::Cols, i, size));
             let x_part = shard(&x, Split::Cols, i, size);
-            close(&tp::row_forward(Some(g), &x_part, &wr)?, &y, "row y (all-reduced)");
-            close(&tp::row_backward(&dy, &x_part, &mut wr), &shard(&dx, Split::Cols, i, size), "row dx");
+            close(&tp.row_forward(&x_part, &wr)?, &y, "row y (all-reduced)");
+            let row_dx = ops::linear_backward(&dy, &x_part, &wr.value, &mut wr.grad); // local
+            close(&row_dx, &shard(&dx, Split::Cols, i, size), "row dx");
             close(&wr.grad, &shard(&dw, Split::Cols, i, size), "row dW");
             Ok(())
         })
@@ -79,21 +91,21 @@ fn vocab_parallel_embedding_and_cross_entropy_match_dense() {
     let x = ops::embedding(&table, &tokens, 0);
     let mut dtable = Tensor::zeros(&[vocab, dim]);
     ops::embedding_backward(&dout, &tokens, 0, &mut dtable);
-    let (sum, count, lse) = tp::cross_entropy(None, &logits, &targets, 0).unwrap();
-    let dlogits = tp::cross_entropy_backward(&logits, &targets, 0, &lse, 0.5);
+    let (sum, count, lse) = Whole.cross_entropy(&logits, &targets, 0).unwrap();
+    let dlogits = ops::cross_entropy_backward(&logits, &targets, 0, &lse, 0.5);
     for size in [1, 2, 4] {
         launch(tp_grid(size), Duration::from_secs(30), |me| {
-            let (g, i) = (me.group(Axis::Tp), me.group(Axis::Tp).index());
+            let (tp, i) = (TensorParallel::new(me.group(Axis::Tp)), me.group(Axis::Tp).index());
             let first = i * vocab / size;
             let mut t = param(shard(&table, Split::Rows, i, size));
-            close(&tp::embedding_forward(Some(g), &t, &tokens, first)?, &x, "embedding");
-            tp::embedding_backward(&dout, &tokens, first, &mut t);
+            close(&tp.embedding_forward(&t, &tokens, first)?, &x, "embedding");
+            ops::embedding_backward(&dout, &tokens, first, &mut t.grad); // local
             close(&t.grad, &shard(&dtable, Split::Rows, i, size), "embedding grad");
             let part = shard(&logits, Split::Cols, i, size);
-            let (s, c, l) = tp::cross_entropy(Some(g), &part, &targets, first)?;
+            let (s, c, l) = tp.cross_entropy(&part, &targets, first)?;
             assert!((s - sum).abs() < 1e-5 * sum && c == count, "loss {s} vs {sum}, rows {c} vs {count}");
             close(&l, &lse, "log-sum-exp");
-            let d = tp::cross_entropy_backward(&part, &targets, first, &l, 0.5);
+            let d = ops::cross_entropy_backward(&part, &targets, first, &l, 0.5);
             close(&d, &shard(&dlogits, Split::Cols, i, size), "dlogits");
             Ok(())
         })
@@ -107,7 +119,7 @@ fn shards_are_cut_from_the_single_rank_init() {
     let cfg = Config::load(None, &["parallel.tp=4".to_string()]).unwrap();
     let dense: Vec<Tensor> = Llama::new(&cfg.model, 7).params().iter().map(|p| p.value.clone()).collect();
     launch(tp_grid(4), Duration::from_secs(30), |me| {
-        let model = Llama::init(&cfg.model, 7, Some(me.group(Axis::Tp)), Stage::WHOLE);
+        let model = Llama::init(&cfg.model, 7, Box::new(TensorParallel::new(me.group(Axis::Tp))), Stage::WHOLE);
         for (p, full) in model.params().iter().zip(&dense) {
             let i = me.group(Axis::Tp).index();
             assert_eq!(p.value.to_vec(), shard(full, p.split, i, 4).to_vec(), "{}", p.name);

@@ -2,8 +2,8 @@
 //! end-of-text token into a cached token file; training on it; the errors.
 
 use ferrotron::config::Config;
+use ferrotron::data::text::Tokenizer;
 use ferrotron::data::Dataset;
-use ferrotron::text::Tokenizer;
 use ferrotron::train::{train, Options};
 use std::path::{Path, PathBuf};
 

@@ -3,9 +3,10 @@
 use ferrotron::config::Config;
 use ferrotron::data::{Dataset, Synthetic};
 use ferrotron::model::Llama;
+use ferrotron::model::{init, optimizer};
+use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::{self, AdamW};
-use ferrotron::tensor::Tensor;
-use ferrotron::{init, optimizer, train};
+use ferrotron::train;
 
 fn cfg(sets: &[&str]) -> Config {
     let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();

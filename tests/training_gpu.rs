@@ -72,17 +72,18 @@ fn bf16_activations_match_the_memory_formula() {
         eprintln!("skipped: {why}");
         return;
     }
-    use ferrotron::{cuda::Device, gpu::Gpu, model::Llama, tensor::Place};
+    use ferrotron::{cuda::device::Device, cuda::runtime::Gpu, model::Llama, ops::tensor::Place};
     let cfg = Config::load(None, &[]).unwrap();
-    let device = Device::new(&Gpu::open(0).unwrap(), ferrotron::cuda::DType::Bf16).unwrap();
+    let device = Device::new(&Gpu::open(0).unwrap(), ferrotron::ops::DType::Bf16).unwrap();
     let mut model = Llama::new(&cfg.model, 1);
     model.to_place(&Place::Cuda(device.clone()));
     let (batch, seq) = (2, cfg.train.seq_len);
     let tokens: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % cfg.model.vocab_size) as u32).collect();
     let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     model.forward(&tokens, batch, &targets).unwrap();
-    let whole = ferrotron::pipeline_parallel::Stage::WHOLE;
-    let want = ferrotron::bench::activation_bytes(&cfg.model, batch, seq, 1, whole, ferrotron::cuda::DType::Bf16);
+    let whole = ferrotron::model::Stage::WHOLE;
+    let want =
+        ferrotron::commands::bench::activation_bytes(&cfg.model, batch, seq, 1, whole, ferrotron::ops::DType::Bf16);
     assert_eq!(model.activation_bytes(), want);
     model.backward(1.0).unwrap();
     assert_eq!(model.activation_bytes(), 0, "backward frees what forward kept");

@@ -6,9 +6,9 @@
 mod common;
 
 use anyhow::{bail, Result};
+use ferrotron::comm::launcher::launch;
 use ferrotron::comm::ReduceOp;
-use ferrotron::launch::launch;
-use ferrotron::process_grid::{Axis, Grid};
+use ferrotron::parallel::process_grid::{Axis, Grid};
 use std::time::Duration;
 
 fn run(_tiny: bool) -> Result<()> {

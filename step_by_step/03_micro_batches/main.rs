@@ -7,8 +7,8 @@ mod common;
 
 use anyhow::Result;
 use ferrotron::data::Dataset;
+use ferrotron::model::optimizer::{self, Optimizer};
 use ferrotron::model::Llama;
-use ferrotron::optimizer::{self, Optimizer};
 
 fn run(tiny: bool) -> Result<()> {
     // the global batch of step 01 (16 sequences), cut into 4 micro-batches of 4

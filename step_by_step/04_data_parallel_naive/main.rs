@@ -6,12 +6,12 @@
 mod common;
 
 use anyhow::Result;
+use ferrotron::comm::launcher::launch;
 use ferrotron::comm::ReduceOp;
 use ferrotron::data::Dataset;
-use ferrotron::launch::launch;
+use ferrotron::model::optimizer::{self, Optimizer};
 use ferrotron::model::Llama;
-use ferrotron::optimizer::{self, Optimizer};
-use ferrotron::process_grid::{Axis, Grid};
+use ferrotron::parallel::process_grid::{Axis, Grid};
 use std::time::Duration;
 
 fn run(tiny: bool) -> Result<()> {

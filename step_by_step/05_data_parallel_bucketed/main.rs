@@ -6,7 +6,8 @@
 mod common;
 
 use anyhow::Result;
-use ferrotron::trace::Trace;
+use ferrotron::comm::trace::Trace;
+use ferrotron::parallel::data_parallel::gradient_all_reduce;
 use ferrotron::train::{train, Options};
 
 fn run(tiny: bool) -> Result<()> {
@@ -20,11 +21,11 @@ fn run(tiny: bool) -> Result<()> {
     let b = train(&bucketed, Options { trace: Some(&trace), ..quiet })?.losses;
     let path = std::path::Path::new(if tiny { "target/step05_trace.json" } else { "step05_trace.json" });
     trace.write(path)?;
-    let buckets = trace.spans().iter().filter(|s| s.rank == 0 && s.name.starts_with("all-reduce bucket")).count();
+    let buckets = trace.spans().iter().filter(|s| s.rank == 0 && gradient_all_reduce(&s.name)).count();
     println!(
         "bucketed: {} bucket all-reduces per step, {:.0}% of their time ran during backward; trace: {}",
         buckets / bucketed.train.steps,
-        100.0 * trace.hidden_fraction("backward"),
+        100.0 * trace.hidden_fraction(gradient_all_reduce, "backward"),
         path.display()
     );
     common::verdict("bucketed and naive give the same losses, bit for bit", &b, &a, 0.0)?;

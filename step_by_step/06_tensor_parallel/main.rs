@@ -6,17 +6,17 @@
 mod common;
 
 use anyhow::Result;
-use ferrotron::launch::launch;
-use ferrotron::model::Param;
+use ferrotron::comm::launcher::launch;
+use ferrotron::model::{shard, Param, Split, TensorSplit};
 use ferrotron::ops;
-use ferrotron::process_grid::{Axis, Grid};
-use ferrotron::tensor::Tensor;
-use ferrotron::tensor_parallel::{self as tp, shard, Split};
+use ferrotron::ops::tensor::Tensor;
+use ferrotron::parallel::process_grid::{Axis, Grid};
+use ferrotron::parallel::tensor_parallel::TensorParallel;
 use ferrotron::train::{train, Options};
 use std::time::Duration;
 
 fn random(seed: u64, shape: &[usize]) -> Tensor {
-    ferrotron::init::normal(seed, "step06", shape, 1.0)
+    ferrotron::model::init::normal(seed, "step06", shape, 1.0)
 }
 
 fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
@@ -28,12 +28,12 @@ fn run(tiny: bool) -> Result<()> {
     let (x, w1, w2) = (random(1, &[6, 16]), random(2, &[32, 16]), random(3, &[16, 32]));
     let dense = ops::linear(&ops::linear(&x, &w1), &w2);
     let diffs = launch(Grid::new(1, 1, 1, 2)?, Duration::from_secs(30), |me| {
-        let (g, i) = (me.group(Axis::Tp), me.group(Axis::Tp).index());
+        let (tp, i) = (TensorParallel::new(me.group(Axis::Tp)), me.group(Axis::Tp).index());
         let param = |value| Param { grad: Tensor::zeros(&[0]), name: "w".into(), value, split: Split::Replicated };
         let column = param(shard(&w1, Split::Rows, i, 2)); // my 16 of the 32 hidden features
         let row = param(shard(&w2, Split::Cols, i, 2)); // the matching 16 input columns
-        let h = tp::column_forward(&x, &column); // f: identity forward, no communication
-        let y = tp::row_forward(Some(g), &h, &row)?; // g: the partial products all-reduced
+        let h = ops::linear(&x, &column.value); // column parallel: f is the identity forward
+        let y = tp.row_forward(&h, &row)?; // row parallel: g all-reduces the partial products
         Ok(max_diff(&y, &dense))
     })?;
     println!("column → row parallel pair on 2 ranks vs the dense pair: max |Δy| {:.1e}", diffs[0]);

@@ -6,8 +6,8 @@
 mod common;
 
 use anyhow::Result;
+use ferrotron::commands::schedule;
 use ferrotron::config::PpSchedule;
-use ferrotron::schedule;
 use ferrotron::train::{train_all, Options};
 
 fn run(tiny: bool) -> Result<()> {

@@ -6,8 +6,8 @@
 mod common;
 
 use anyhow::Result;
+use ferrotron::commands::schedule;
 use ferrotron::config::PpSchedule;
-use ferrotron::schedule;
 use ferrotron::train::{train_all, Options};
 
 fn run(tiny: bool) -> Result<()> {
@@ -19,7 +19,7 @@ fn run(tiny: bool) -> Result<()> {
         println!("{}: bubble {:.1}%, activations held per stage {:?}", t.name, 100.0 * t.bubble(), t.peak_activations);
     }
     let path = if tiny { "target/step08_schedule.svg" } else { "step08_schedule.svg" };
-    ferrotron::metrics::write_atomically(std::path::Path::new(path), schedule::svg(&timelines).as_bytes())?;
+    ferrotron::files::write_atomically(std::path::Path::new(path), schedule::svg(&timelines).as_bytes())?;
     println!("picture: {path}");
     let ranks = train_all(&cfg, Options { quiet: true, ..Default::default() })?;
     let held: Vec<usize> = ranks.iter().map(|r| r.peak_activations).collect();

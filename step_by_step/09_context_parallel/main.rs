@@ -6,7 +6,7 @@
 mod common;
 
 use anyhow::Result;
-use ferrotron::context_parallel::positions;
+use ferrotron::parallel::context_parallel::positions;
 use ferrotron::train::{train_all, Options};
 
 fn run(tiny: bool) -> Result<()> {

@@ -6,7 +6,7 @@
 mod common;
 
 use anyhow::{bail, Result};
-use ferrotron::converge::{self, parse_variants};
+use ferrotron::commands::converge::{self, parse_variants};
 
 fn run(tiny: bool) -> Result<()> {
     let steps = if tiny { 3 } else { 20 };

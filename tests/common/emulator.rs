@@ -1,11 +1,11 @@
 //! Builds the CUDA kernels as C++ for the CPU emulator (`tests/emulator/`): every
 //! `kernels/*.cu` file as NVRTC would see it, plus a glue file that calls each kernel of
-//! `launches::catalogue()` by name from an array of argument pointers (`emu_launch`, the layout
+//! `launch_table::catalogue()` by name from an array of argument pointers (`emu_launch`, the layout
 //! of cuLaunchKernel's parameters) and says which names exist (`emu_has`). Shared by
 //! `tests/kernels_emulated.rs` (launches on host buffers) and `tests/gpu_path_emulated.rs` (the
 //! same library behind a fake CUDA driver).
 
-use ferrotron::launches::{self, Arg};
+use ferrotron::cuda::launch_table::{self, Arg};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -18,9 +18,9 @@ pub fn build(dir: &str, lib: &str, extra: &[&str]) -> Result<PathBuf, String> {
     let include = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/emulator");
     let mut files = vec![dir.join("glue.cpp")];
     std::fs::write(&files[0], glue()).map_err(|e| e.to_string())?;
-    for (name, _) in ferrotron::kernels::SOURCES {
+    for (name, _) in ferrotron::cuda::nvrtc::SOURCES {
         let path = dir.join(format!("{name}.cpp"));
-        std::fs::write(&path, ferrotron::kernels::full_source(name).unwrap()).map_err(|e| e.to_string())?;
+        std::fs::write(&path, ferrotron::cuda::nvrtc::full_source(name).unwrap()).map_err(|e| e.to_string())?;
         files.push(path);
     }
     files.extend(extra.iter().map(|f| include.join(f)));
@@ -41,7 +41,7 @@ pub fn build(dir: &str, lib: &str, extra: &[&str]) -> Result<PathBuf, String> {
 
 /// C++ that declares each kernel with its argument types and calls it from an argument array.
 fn glue() -> String {
-    let kernels: BTreeMap<String, Vec<&str>> = launches::catalogue()
+    let kernels: BTreeMap<String, Vec<&str>> = launch_table::catalogue()
         .into_iter()
         .map(|l| {
             let types = l.args.iter().map(|a| match a {

@@ -16,9 +16,9 @@ pub const SMALL: &[&str] = &[
 /// no cuBLAS.
 #[allow(dead_code)] // used by the GPU test files only
 pub fn no_gpu() -> Option<String> {
-    let ready = ferrotron::gpu::device_count()
+    let ready = ferrotron::cuda::runtime::device_count()
         .and_then(|n| if n > 0 { Ok(()) } else { anyhow::bail!("the driver sees no GPU") })
-        .and_then(|_| ferrotron::kernels::nvrtc_ready().map(drop))
-        .and_then(|_| ferrotron::gpu::require("cuBLAS"));
+        .and_then(|_| ferrotron::cuda::nvrtc::nvrtc_ready().map(drop))
+        .and_then(|_| ferrotron::cuda::runtime::require("cuBLAS"));
     ready.err().map(|e| format!("{e:#}"))
 }

@@ -1,0 +1,176 @@
+//! # Checkpoints: reading a Hugging Face Llama
+//!
+//! A Hugging Face checkpoint is a folder with `config.json` (the architecture) and the weights in
+//! `model.safetensors`, or split over several files listed in `model.safetensors.index.json`.
+//! Because our parameter names are Hugging Face's, loading is a lookup by name with a shape check.
+//! Weights stored in bf16 or f16 are widened to f32. A missing `lm_head.weight` means the output
+//! layer is tied to the embedding.
+
+use crate::config::ModelConfig;
+use crate::model::{Llama, Stage, TensorSplit, Whole};
+use crate::ops::tensor::Tensor;
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::collections::{BTreeSet, HashMap};
+use std::path::Path;
+
+/// Loads a Hugging Face Llama folder into a model ready for `forward`.
+pub fn load_hf(dir: &Path) -> Result<Llama<'static>> {
+    let mut cfg = read_hf_config(&dir.join("config.json"))?;
+    let mut tensors = read_hf_weights(dir)?;
+    if !tensors.contains_key("lm_head.weight") {
+        cfg.tie_word_embeddings = true;
+    }
+    if cfg.tie_word_embeddings {
+        tensors.remove("lm_head.weight");
+    }
+    let model = Llama::build(&cfg, Box::new(Whole), Stage::WHOLE, |name, shape, _| {
+        let t = tensors.remove(name).with_context(|| format!("{}: tensor {name} is missing", dir.display()))?;
+        if t.shape() != shape {
+            bail!("{}: tensor {name} has shape {:?}, but config.json implies {shape:?}", dir.display(), t.shape());
+        }
+        Ok(t)
+    })?;
+    tensors.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
+    if let Some(name) = tensors.keys().min() {
+        bail!(
+            "{}: tensor {name} is not part of a Llama model (biases and other architectures are not supported)",
+            dir.display()
+        );
+    }
+    Ok(model)
+}
+
+/// Reads the architecture from a Hugging Face `config.json`.
+pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("cannot read {}: a Hugging Face model folder needs config.json", path.display()))?;
+    let j: Value =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
+    let file = path.display();
+    let model_type = j["model_type"].as_str().unwrap_or("llama");
+    if model_type != "llama" {
+        bail!("{file}: model_type is \"{model_type}\"; only Llama models are supported");
+    }
+    for flag in ["attention_bias", "mlp_bias"] {
+        if j[flag].as_bool() == Some(true) {
+            bail!("{file}: {flag} = true is not supported (ferrotron's Llama has no biases)");
+        }
+    }
+    if let Some(act) = j["hidden_act"].as_str().filter(|a| *a != "silu") {
+        bail!("{file}: hidden_act = \"{act}\" is not supported; Llama uses \"silu\"");
+    }
+    let rope = &j["rope_parameters"];
+    let rope_type =
+        rope["rope_type"].as_str().or(j["rope_scaling"]["rope_type"].as_str()).or(j["rope_scaling"]["type"].as_str());
+    if let Some(kind) = rope_type.filter(|k| *k != "default") {
+        bail!("{file}: rope scaling \"{kind}\" is not supported; only plain RoPE is");
+    }
+    let size = |key: &str| -> Result<usize> {
+        j[key].as_u64().map(|v| v as usize).with_context(|| format!("{file}: {key} is missing or not a whole number"))
+    };
+    let heads = size("num_attention_heads")?;
+    let cfg = ModelConfig {
+        vocab_size: size("vocab_size")?,
+        hidden_size: size("hidden_size")?,
+        intermediate_size: size("intermediate_size")?,
+        num_hidden_layers: size("num_hidden_layers")?,
+        num_attention_heads: heads,
+        num_key_value_heads: j["num_key_value_heads"].as_u64().map_or(heads, |v| v as usize),
+        head_dim: j["head_dim"].as_u64().map(|v| v as usize),
+        rope_theta: j["rope_theta"].as_f64().or(rope["rope_theta"].as_f64()).unwrap_or(10000.0),
+        rms_norm_eps: j["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
+        tie_word_embeddings: j["tie_word_embeddings"].as_bool().unwrap_or(false),
+        initializer_range: j["initializer_range"].as_f64().unwrap_or(0.02) as f32,
+        init_from: String::new(),
+    };
+    cfg.validate(&format!("{file}: "))?;
+    Ok(cfg)
+}
+
+/// All tensors of a checkpoint folder, from one safetensors file or a sharded set.
+pub fn read_hf_weights(dir: &Path) -> Result<HashMap<String, Tensor>> {
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        return read_safetensors(&dir.join("model.safetensors"));
+    }
+    let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
+    let j: Value =
+        serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", index.display()))?;
+    let Some(map) = j["weight_map"].as_object() else {
+        bail!("{}: no weight_map object", index.display());
+    };
+    let files: BTreeSet<&str> = map.values().filter_map(Value::as_str).collect();
+    let mut all = HashMap::new();
+    for f in files {
+        all.extend(read_safetensors(&dir.join(f))?);
+    }
+    Ok(all)
+}
+
+/// Every tensor of a safetensors file, widened to f32.
+pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
+    use safetensors::Dtype;
+    let bytes =
+        std::fs::read(path).with_context(|| format!("cannot read {}: check that the file exists", path.display()))?;
+    let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
+        anyhow::anyhow!("{}: not a valid safetensors file ({e:?}); re-download or re-export it", path.display())
+    })?;
+    let mut out = HashMap::new();
+    for (name, view) in st.tensors() {
+        let raw = view.data();
+        let data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => raw.chunks_exact(4).map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])).collect(),
+            Dtype::BF16 => raw.chunks_exact(2).map(|b| half::bf16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            Dtype::F16 => raw.chunks_exact(2).map(|b| half::f16::from_le_bytes([b[0], b[1]]).to_f32()).collect(),
+            other => bail!("{}: tensor {name} has dtype {other:?}; expected F32, BF16 or F16", path.display()),
+        };
+        out.insert(name, Tensor::from_vec(view.shape(), data));
+    }
+    Ok(out)
+}
+
+/// This rank's part (tp slice, pipeline stage) of a model whose full tensors are `weights`;
+/// `source` names them in errors.
+pub fn build_from<'g>(
+    weights: &HashMap<String, Tensor>,
+    cfg: &ModelConfig,
+    tp: Box<dyn TensorSplit + 'g>,
+    stage: Stage,
+    source: &str,
+) -> Result<Llama<'g>> {
+    Llama::build(cfg, tp, stage, |name, shape, _| full_tensor(weights, name, shape, source))
+}
+
+/// The tensor `name`, checked against the shape the config needs.
+pub fn full_tensor(tensors: &HashMap<String, Tensor>, name: &str, shape: &[usize], source: &str) -> Result<Tensor> {
+    let t = tensors.get(name).with_context(|| format!("{source}: tensor {name} is missing"))?;
+    if t.shape() != shape {
+        bail!("{source}: tensor {name} has shape {:?}, but the config needs {shape:?}", t.shape());
+    }
+    Ok(t.clone())
+}
+
+/// The weights of `model.init_from`, after checking that its config.json is the configured
+/// architecture.
+pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
+    let dir = match cfg.init_from.strip_prefix("hub:") {
+        Some(id) => crate::data::hf_hub::model_dir(id)?,
+        None => std::path::PathBuf::from(&cfg.init_from),
+    };
+    let dir = dir.as_path();
+    let theirs = read_hf_config(&dir.join("config.json"))?;
+    let (a, b) = (toml::Table::try_from(cfg)?, toml::Table::try_from(&theirs)?);
+    for (key, mine) in a.iter().filter(|(k, _)| !["initializer_range", "init_from"].contains(&k.as_str())) {
+        let other = b.get(key);
+        let same = match (mine, other) {
+            (toml::Value::Float(x), Some(toml::Value::Float(y))) => (x - y).abs() <= 1e-6 * x.abs().max(1e-30),
+            _ => Some(mine) == other,
+        };
+        if !same {
+            let other = other.map_or("absent".to_string(), |v| v.to_string());
+            bail!("model.init_from = {}: its config.json has {key} = {other}, but model.{key} = {mine}; set the [model] keys to the checkpoint's", dir.display());
+        }
+    }
+    read_hf_weights(dir)
+}

@@ -1,0 +1,194 @@
+//! # The rank launcher: one program, `world_size` threads
+//!
+//! ```text
+//! launch(grid, f) ──┬── thread rank 0: f(&Rank { coords, tp, cp, pp, dp, dp×cp, world groups })
+//!                   ├── thread rank 1: f(&Rank { … })
+//!                   └── …                 each with its own communication thread
+//! ```
+//! SPMD: every rank runs the same function; only its `Rank` differs. Ranks share nothing but the
+//! communication hub. On GPUs, rank r opens GPU r (modulo the GPUs there are) with its compute
+//! and communication streams, and on the `nccl` backend every group also gets its communicator. If one rank fails (an error or a panic), the launcher aborts the hub, so
+//! every other rank's pending collective returns at once, and the run ends with the first
+//! failure's message. Nobody hangs.
+
+use crate::comm::local::Hub;
+use crate::comm::trace::Trace;
+use crate::comm::{Group, Stream};
+use crate::config::{CommBackend, Config, DeviceKind};
+use crate::cuda::nccl::DeviceGroup;
+use crate::cuda::runtime::Gpu;
+use crate::parallel::process_grid::{Axis, Coords, Grid};
+use anyhow::{anyhow, bail, Result};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What a rank function receives: who it is and its process groups.
+pub struct Rank {
+    pub rank: usize,
+    pub coords: Coords,
+    pub grid: Grid,
+    /// This rank's GPU, when the run is on CUDA.
+    pub gpu: Option<Gpu>,
+    groups: Vec<(Axis, Arc<Group>)>,
+    /// On a GPU: the same groups for collectives on GPU buffers (NCCL or staged).
+    device_groups: Vec<(Axis, DeviceGroup)>,
+}
+
+/// How the GPU collectives of a run travel (host collectives always use the hub).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Backend {
+    Local,
+    Nccl,
+}
+
+/// Where the ranks of a run compute and how they talk.
+#[derive(Clone, Copy, Debug)]
+pub struct Setup {
+    /// The longest any rank waits for the others.
+    pub timeout: Duration,
+    /// Each rank opens a GPU.
+    pub cuda: bool,
+    pub backend: Backend,
+}
+
+impl Setup {
+    pub fn cpu(timeout: Duration) -> Setup {
+        Setup { timeout, cuda: false, backend: Backend::Local }
+    }
+
+    /// The setup a config asks for, checked against the GPUs this machine has.
+    pub fn from_config(cfg: &Config) -> Result<Setup> {
+        let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s);
+        let cuda = cfg.device.kind == DeviceKind::Cuda;
+        let gpus = if cuda { crate::cuda::runtime::device_count()? } else { 0 };
+        let backend = choose_backend(cfg.parallel.backend, cuda, cfg.parallel.world_size(), gpus)?;
+        Ok(Setup { timeout, cuda, backend })
+    }
+}
+
+/// `auto` picks NCCL when every rank has a GPU of its own, else the local hub.
+pub fn choose_backend(choice: CommBackend, cuda: bool, world: usize, gpus: usize) -> Result<Backend> {
+    match (choice, cuda) {
+        (CommBackend::Nccl, false) => bail!(
+            "parallel.backend = \"nccl\" needs device.kind = \"cuda\" (NCCL moves GPU buffers); use \"local\" or \"auto\""
+        ),
+        (_, true) if gpus == 0 => bail!("device.kind = \"cuda\" but the driver sees no GPU; use device.kind = \"cpu\""),
+        (CommBackend::Nccl, true) if gpus < world => bail!(
+            "parallel.backend = \"nccl\" needs one GPU per rank: {world} ranks, {gpus} GPU(s); use \"local\" to share GPUs, or fewer ranks"
+        ),
+        (CommBackend::Nccl, true) => Ok(Backend::Nccl),
+        (CommBackend::Auto, true) if world > 1 && gpus >= world => Ok(Backend::Nccl), // one rank: no one to talk to
+        _ => Ok(Backend::Local),
+    }
+}
+
+impl Rank {
+    /// This rank's group along `axis`.
+    pub fn group(&self, axis: Axis) -> &Group {
+        &self.groups.iter().find(|(a, _)| *a == axis).expect("every axis has a group").1
+    }
+
+    /// This rank's group along `axis` for collectives on GPU buffers (`None` on the CPU).
+    pub fn device_group(&self, axis: Axis) -> Option<&DeviceGroup> {
+        self.device_groups.iter().find(|(a, _)| *a == axis).map(|(_, g)| g)
+    }
+
+    /// Records every collective and message of this rank's groups on its comm lane of `trace`.
+    pub fn trace_to(&self, trace: &Trace) {
+        self.groups.iter().for_each(|(_, g)| g.trace_to(trace, self.rank));
+    }
+}
+
+/// Runs `f` on every rank of `grid`, each in its own thread, on the CPU; returns the results in
+/// rank order, or the first failure. `timeout` bounds every wait for other ranks.
+pub fn launch<R: Send>(grid: Grid, timeout: Duration, f: impl Fn(&Rank) -> Result<R> + Sync) -> Result<Vec<R>> {
+    launch_on(grid, Setup::cpu(timeout), f)
+}
+
+/// `launch` on the devices and backend of `setup`.
+pub fn launch_on<R: Send>(grid: Grid, setup: Setup, f: impl Fn(&Rank) -> Result<R> + Sync) -> Result<Vec<R>> {
+    let hub = Arc::new(Hub::new(setup.timeout));
+    let results: Vec<Option<R>> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..grid.world_size())
+            .map(|rank| {
+                let (hub, f) = (hub.clone(), &f);
+                s.spawn(move || run_rank(grid, setup, rank, hub, f))
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().ok().flatten()).collect()
+    });
+    if let Some(reason) = hub.aborted() {
+        bail!("{reason}");
+    }
+    results.into_iter().enumerate().map(|(r, x)| x.ok_or_else(|| anyhow!("rank {r} stopped"))).collect()
+}
+
+/// One rank's thread: its groups, its communication thread, and `f`, with failures reported to
+/// the hub. Returns `None` when it failed.
+fn run_rank<R>(
+    grid: Grid,
+    setup: Setup,
+    rank: usize,
+    hub: Arc<Hub>,
+    f: &(impl Fn(&Rank) -> Result<R> + Sync),
+) -> Option<R> {
+    let (stream, comm_thread) = Stream::start();
+    let groups = Axis::ALL
+        .iter()
+        .map(|&axis| {
+            let members = grid.group(rank, axis);
+            let list: Vec<String> = members.iter().map(|r| r.to_string()).collect();
+            let name = format!("{}[{}]", axis.name(), list.join(","));
+            (axis, Arc::new(Group::new(name, members, rank, hub.clone(), stream.clone())))
+        })
+        .collect();
+    drop(stream);
+    let mut me = Rank { rank, coords: grid.coords(rank), grid, gpu: None, groups, device_groups: Vec::new() };
+    let result = catch_unwind(AssertUnwindSafe(|| {
+        open_devices(&mut me, setup)?;
+        f(&me)
+    }))
+    .unwrap_or_else(|panic| {
+        let msg =
+            panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+        Err(anyhow!("panicked: {}", msg.unwrap_or_default()))
+    });
+    if let Err(e) = &result {
+        hub.abort(format!("rank {rank} failed: {e:#}")); // only the first failure's reason is kept
+    }
+    drop(me); // closes this rank's stream: the communication thread drains its queue and ends
+    let _ = comm_thread.join();
+    hub.finish(rank);
+    result.ok()
+}
+
+/// Opens the rank's GPU and, on NCCL, connects every group, all ranks in the same group order.
+fn open_devices(me: &mut Rank, setup: Setup) -> Result<()> {
+    if !setup.cuda {
+        return Ok(());
+    }
+    let gpu = Gpu::open(me.rank % crate::cuda::runtime::device_count()?)?;
+    for (axis, group) in &me.groups {
+        let device_group = DeviceGroup::new(group.clone(), &gpu, setup.backend == Backend::Nccl)?;
+        me.device_groups.push((*axis, device_group));
+    }
+    me.gpu = Some(gpu);
+    Ok(())
+}
+
+/// Each rank all-gathers its rank number over each of its groups and checks that it gets the
+/// members `process_grid` says: the grid and the collectives agree. Used by `ferrotron grid`.
+pub fn check_groups(grid: Grid) -> Result<()> {
+    launch(grid, Duration::from_secs(30), |me| {
+        for axis in Axis::ALL {
+            let got = me.group(axis).all_gather(&[me.rank as f32])?;
+            let want: Vec<f32> = grid.group(me.rank, axis).iter().map(|&r| r as f32).collect();
+            if got != want {
+                bail!("rank {}: {} group gathered {got:?}, expected {want:?}", me.rank, axis.name());
+            }
+        }
+        Ok(())
+    })
+    .map(|_| ())
+}

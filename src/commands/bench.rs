@@ -1,0 +1,257 @@
+//! # Benchmarking: tokens per second, MFU and memory against a formula
+//!
+//! `ferrotron bench` trains a config for a few warm-up steps and then some measured steps, and
+//! reports the step time, the tokens per second, and the model FLOPs utilisation:
+//!
+//! ```text
+//! FLOPs per token = 6·N + 12·L·(H·d_head)·S      (PaLM, appendix B; also picotron and nanotron)
+//!   N: the weights that take part in a matrix product (every weight except an untied input
+//!      embedding, which is a lookup); 6 = 2 (multiply + add) × 3 (forward, and backward twice)
+//!   12·L·(H·d_head)·S: the attention scores and their use, Q·Kᵀ and P·V, forward and backward,
+//!      over the whole S × S square (the causal half that is skipped still counts, by convention)
+//! MFU = FLOPs per token × tokens per second / (peak FLOP/s of one GPU × GPUs)
+//! ```
+//! The peak is the GPU's dense bf16 tensor-core rate in mixed precision, or its f32 CUDA-core
+//! rate in f32 mode (cuBLAS runs without TF32 there), from the table below by GPU name;
+//! `--peak-tflops` gives it for other hardware (a CPU too).
+//!
+//! Memory: the peak the GPU's tensors reached in a step, next to what the formula expects (bytes
+//! per weight for weights, gradients and AdamW, plus the activations one micro-batch keeps for its
+//! backward, `activation_bytes`), and the largest micro-batch that the GPU's memory would hold.
+
+use crate::config::{Config, ModelConfig, PpSchedule};
+use crate::model::Stage;
+use crate::ops::DType;
+use crate::train::{self, Options};
+use anyhow::{bail, Result};
+use serde::Serialize;
+
+/// Dense peak TFLOP/s (bf16 tensor cores, f32 CUDA cores) by a part of the GPU's name; the first
+/// match wins.
+const PEAKS: [(&str, f64, f64); 9] = [
+    ("H100 PCIe", 756.5, 51.2),
+    ("H100 NVL", 835.5, 60.0),
+    ("H100", 989.4, 66.9), // SXM (its name reads "H100 80GB HBM3")
+    ("H200", 989.4, 66.9), // and GH200
+    ("A100", 312.0, 19.5),
+    ("L40S", 362.1, 91.6),
+    ("L40", 181.0, 90.5), // before "L4", which its name contains
+    ("RTX 4090", 165.2, 82.6),
+    ("L4", 121.0, 30.3),
+];
+
+/// The peak of a GPU named `name` computing in `dtype`, in TFLOP/s, when the table knows it.
+pub fn peak_tflops(name: &str, dtype: DType) -> Option<f64> {
+    let (_, bf16, f32) = PEAKS.iter().find(|(part, _, _)| name.contains(part))?;
+    Some(if dtype == DType::Bf16 { *bf16 } else { *f32 })
+}
+
+/// FLOPs per trained token (forward and backward), by the formula above.
+pub fn flops_per_token(m: &ModelConfig, seq_len: usize) -> f64 {
+    let lookup_only = if m.tie_word_embeddings { 0 } else { m.vocab_size * m.hidden_size };
+    let n = (m.parameter_count() - lookup_only) as f64;
+    let attention = 12.0 * (m.num_hidden_layers * m.num_attention_heads * m.head_dim() * seq_len) as f64;
+    6.0 * n + attention
+}
+
+/// Bytes per weight kept for training: in mixed precision an fp32 master, its bf16 copy, an fp32
+/// gradient and two fp32 AdamW moments (18); in f32 the weight, its gradient and the moments (16).
+pub fn bytes_per_weight(dtype: DType) -> usize {
+    match dtype {
+        DType::Bf16 => 4 + 2 + 4 + 8,
+        DType::F32 => 4 + 4 + 8,
+    }
+}
+
+/// Bytes of the activations one micro-batch of `batch` sequences of `seq` tokens keeps for its
+/// backward on one rank of pipeline `stage` in a tp group of `tp` (what `block.rs`'s `BlockCache`
+/// and the model's head cache hold): per layer the block input, two norms' outputs, q, k, v, the
+/// attention output, the residual, gate, up and their product in the compute dtype, and the two
+/// 1/rms rows and the attention lse in f32; on the last stage also the final norm's input and
+/// output and the logits.
+pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, tp: usize, stage: Stage, dtype: DType) -> usize {
+    let e = if dtype == DType::Bf16 { 2 } else { 4 };
+    let rows = batch * seq;
+    let (d, hd) = (m.hidden_size, m.head_dim());
+    let (q, kv, f) = (m.num_attention_heads * hd / tp, m.num_key_value_heads * hd / tp, m.intermediate_size / tp);
+    let layer = rows * (4 * d + 2 * q + 2 * kv + 3 * f) * e + (2 * rows + batch * m.num_attention_heads / tp * seq) * 4;
+    let head = if stage.is_last() { rows * (2 * d + m.vocab_size / tp) * e + 2 * rows * 4 } else { 0 };
+    stage.layers(m.num_hidden_layers).len() * layer + head
+}
+
+/// The most activation bytes a rank holds at once for micro-batches of `batch` sequences: a
+/// pipeline stage keeps those of every micro-batch it has in flight (all of a step's with AFAB,
+/// at most pp − stage with 1F1B); the busiest stage counts.
+pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> usize {
+    let (t, p) = (&cfg.train, &cfg.parallel);
+    let in_flight = |s: usize| match p.pp_schedule {
+        PpSchedule::Afab => t.grad_accum_steps,
+        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps),
+    };
+    (0..p.pp)
+        .map(|s| {
+            let stage = Stage { index: s, count: p.pp };
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, p.tp, stage, dtype) * in_flight(s)
+        })
+        .max()
+        .unwrap_or(0)
+}
+
+#[derive(Serialize, Debug)]
+pub struct Report {
+    pub device: String,
+    pub dtype: String,
+    pub ranks: usize,
+    pub parameters: usize,
+    pub seq_len: usize,
+    pub tokens_per_step: usize,
+    pub warmup_steps: usize,
+    pub measured_steps: usize,
+    pub step_ms: f64,
+    pub tokens_per_s: f64,
+    pub flops_per_token: f64,
+    pub achieved_tflops: f64,
+    pub peak_tflops: Option<f64>,
+    pub mfu: Option<f64>,
+    pub gpu_peak_mib: Option<f64>,
+    pub formula_static_mib: f64,
+    /// The activations the busiest rank holds at once (`activations_held`).
+    pub formula_activations_mib: f64,
+    /// The largest micro-batch (sequences) the GPU's memory holds by the formula, at 90% use.
+    pub max_micro_batch: Option<usize>,
+    /// With `--profile`: GPU time by kernel over the measured steps, longest first.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub profile: Vec<crate::cuda::profile::Row>,
+}
+
+/// Trains `warmup + steps` steps of `cfg` and measures the last `steps`; with `profile`, times
+/// every GPU kernel of the measured steps (`profile.rs`).
+pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f64>, profile: bool) -> Result<Report> {
+    if steps == 0 {
+        bail!("--steps 0: measure at least one step");
+    }
+    if profile && cfg.device.kind != crate::config::DeviceKind::Cuda {
+        bail!("--profile times GPU kernels: set device.kind = \"cuda\" (on the CPU, `train --trace` shows where the time goes)");
+    }
+    let mut cfg = cfg.clone();
+    cfg.train.steps = warmup + steps;
+    cfg.checkpoint.every = 0;
+    let (t, p, m) = (&cfg.train, &cfg.parallel, &cfg.model);
+    let dtype = cfg.device.compute_dtype();
+    let (name, gpu_mem) = match cfg.device.kind {
+        crate::config::DeviceKind::Cuda => gpu_name_and_memory()?,
+        crate::config::DeviceKind::Cpu => ("cpu".to_string(), None),
+    };
+    let profile_from_step = profile.then_some(warmup);
+    let s = train::train(&cfg, Options { quiet: true, profile_from_step, ..Default::default() })?;
+    let profile = if profile { crate::cuda::profile::finish()? } else { Vec::new() };
+    let measured = &s.step_s[warmup..];
+    let step_s = measured.iter().sum::<f64>() / measured.len() as f64;
+    let tokens_per_step = t.micro_batch_size * t.grad_accum_steps * p.dp * t.seq_len;
+    let tokens_per_s = tokens_per_step as f64 / step_s;
+    let flops = flops_per_token(m, t.seq_len);
+    let achieved_tflops = flops * tokens_per_s / 1e12;
+    let ranks = p.world_size();
+    let peak = peak_override.or_else(|| peak_tflops(&name, dtype));
+    let static_bytes = bytes_per_weight(dtype) * m.parameter_count() / (p.tp * p.pp);
+    let held = activations_held(&cfg, t.micro_batch_size, dtype);
+    let per_sequence = activations_held(&cfg, 1, dtype);
+    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    Ok(Report {
+        device: name,
+        dtype: format!("{dtype:?}").to_lowercase(),
+        ranks,
+        parameters: m.parameter_count(),
+        seq_len: t.seq_len,
+        tokens_per_step,
+        warmup_steps: warmup,
+        measured_steps: steps,
+        step_ms: step_s * 1e3,
+        tokens_per_s,
+        flops_per_token: flops,
+        achieved_tflops,
+        peak_tflops: peak,
+        mfu: peak.map(|pk| achieved_tflops / (pk * ranks as f64)),
+        gpu_peak_mib: s.gpu_peak_mib,
+        formula_static_mib: mib(static_bytes),
+        formula_activations_mib: mib(held),
+        profile,
+        max_micro_batch: gpu_mem
+            .map(|total| ((total as f64 * 0.9) as usize).saturating_sub(static_bytes) / per_sequence),
+    })
+}
+
+fn gpu_name_and_memory() -> Result<(String, Option<usize>)> {
+    crate::cuda::runtime::device_count()?;
+    let ctx = cudarc::driver::CudaContext::new(0).map_err(crate::cuda::runtime::cuda_err)?;
+    Ok((
+        ctx.name().map_err(crate::cuda::runtime::cuda_err)?,
+        Some(ctx.total_mem().map_err(crate::cuda::runtime::cuda_err)?),
+    ))
+}
+
+/// Another run's report, for a ratio: what `benches/torch_reference.py --json` writes.
+#[derive(serde::Deserialize, Debug)]
+pub struct Other {
+    #[serde(default)]
+    pub framework: Option<String>,
+    pub device: String,
+    pub tokens_per_s: f64,
+    pub tokens_per_step: usize,
+}
+
+impl Other {
+    pub fn read(path: &std::path::Path) -> Result<Other> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--against {}: cannot read it: {e}", path.display()))?;
+        serde_json::from_str(&text).map_err(|e| {
+            anyhow::anyhow!(
+                "--against {}: not a bench JSON (tokens_per_s, tokens_per_step, device): {e}",
+                path.display()
+            )
+        })
+    }
+
+    /// One line: our tokens/s as a multiple of the other run's.
+    pub fn compare(&self, r: &Report) -> String {
+        let who = self.framework.clone().unwrap_or_else(|| "ferrotron".into());
+        let mut line = format!(
+            "against {who} on {}: {:.2}× its tokens/s ({:.0} vs {:.0})",
+            self.device,
+            r.tokens_per_s / self.tokens_per_s,
+            r.tokens_per_s,
+            self.tokens_per_s
+        );
+        if self.tokens_per_step != r.tokens_per_step || self.device != r.device {
+            line += " — not the same batch or device: compare with care";
+        }
+        line
+    }
+}
+
+/// The report as the table `ferrotron bench` prints.
+pub fn table(r: &Report) -> String {
+    let opt = |v: Option<f64>, f: &dyn Fn(f64) -> String| v.map_or("n/a".to_string(), f);
+    let rows = [
+        ("device", format!("{} ({}, {} rank{})", r.device, r.dtype, r.ranks, if r.ranks == 1 { "" } else { "s" })),
+        ("parameters", format!("{:.1}M", r.parameters as f64 / 1e6)),
+        ("tokens per step", format!("{} (sequence {})", r.tokens_per_step, r.seq_len)),
+        (
+            "step time",
+            format!("{:.1} ms (mean of {} steps after {} warm-up)", r.step_ms, r.measured_steps, r.warmup_steps),
+        ),
+        ("tokens/s", format!("{:.0}", r.tokens_per_s)),
+        ("model TFLOP/s", format!("{:.2} ({:.3} GFLOP per token)", r.achieved_tflops, r.flops_per_token / 1e9)),
+        ("MFU", opt(r.mfu, &|m| format!("{:.1}% of {:.1} TFLOP/s per rank", 100.0 * m, r.peak_tflops.unwrap_or(0.0)))),
+        ("peak memory", opt(r.gpu_peak_mib, &|m| format!("{m:.0} MiB (GPU tensors, rank 0)"))),
+        (
+            "formula",
+            format!(
+                "{:.0} MiB weights+grads+AdamW, {:.0} MiB activations held at once",
+                r.formula_static_mib, r.formula_activations_mib
+            ),
+        ),
+        ("largest micro-batch", r.max_micro_batch.map_or("n/a".to_string(), |b| format!("{b} sequences"))),
+    ];
+    rows.iter().map(|(k, v)| format!("{k:<20} {v}\n")).collect()
+}

@@ -1,0 +1,193 @@
+//! # The pipeline schedule as a picture: where the bubble is
+//!
+//! `ferrotron schedule --pp 4 --microbatches 8` plays the schedules of `pipeline_parallel.rs`
+//! on an idealised clock (a forward takes 1 unit, a backward 2, sending is free): each stage
+//! runs its actions in order, a forward waits for the previous stage's forward of the same
+//! micro-batch, a backward for the next stage's backward. The idle time left over is the bubble,
+//! (p − 1)/(m + p − 1) of the step for both AFAB and 1F1B; what differs is how many micro-batches'
+//! activations each stage holds at once.
+
+use crate::config::PpSchedule;
+use crate::parallel::pipeline_parallel::{schedule, Action};
+use anyhow::{bail, Result};
+use std::fmt::Write;
+
+/// One action placed on the clock.
+pub struct Slot {
+    pub stage: usize,
+    pub action: Action,
+    pub start: f64,
+    pub end: f64,
+}
+
+pub struct Timeline {
+    /// What is drawn: "AFAB", "1F1B", or the trace file it came from.
+    pub name: String,
+    /// Rows: pipeline stages (or, from a trace, ranks).
+    pub stages: usize,
+    pub micro_batches: usize,
+    pub slots: Vec<Slot>,
+    pub makespan: f64,
+    /// The most micro-batches whose activations each stage held at once.
+    pub peak_activations: Vec<usize>,
+}
+
+impl Timeline {
+    /// Idle share of stages × makespan.
+    pub fn bubble(&self) -> f64 {
+        let busy: f64 = self.slots.iter().map(|s| s.end - s.start).sum();
+        1.0 - busy / (self.stages as f64 * self.makespan)
+    }
+
+    /// The textbook bubble, (p − 1)/(m + p − 1).
+    pub fn bubble_formula(&self) -> f64 {
+        let p = self.stages as f64;
+        (p - 1.0) / (self.micro_batches as f64 + p - 1.0)
+    }
+}
+
+/// Plays `kind` for `stages` stages and `m` micro-batches.
+pub fn simulate(kind: PpSchedule, stages: usize, m: usize) -> Result<Timeline> {
+    if stages == 0 || m == 0 {
+        bail!("schedule: --pp and --microbatches must be at least 1");
+    }
+    let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m)).collect();
+    let mut done = vec![vec![[None::<f64>; 2]; m]; stages]; // [stage][micro][forward, backward] end times
+    let (mut next, mut free) = (vec![0; stages], vec![0.0f64; stages]);
+    let mut slots = Vec::new();
+    while slots.len() < stages * 2 * m {
+        let before = slots.len();
+        for s in 0..stages {
+            let Some(&action) = plans[s].get(next[s]) else { continue };
+            let (dep, duration, k, i) = match action {
+                Action::Forward(i) => (if s == 0 { Some(0.0) } else { done[s - 1][i][0] }, 1.0, 0, i),
+                Action::Backward(i) if s + 1 == stages => (done[s][i][0], 2.0, 1, i),
+                Action::Backward(i) => (done[s + 1][i][1], 2.0, 1, i),
+            };
+            if let Some(ready) = dep {
+                let start = free[s].max(ready);
+                free[s] = start + duration;
+                done[s][i][k] = Some(free[s]);
+                slots.push(Slot { stage: s, action, start, end: free[s] });
+                next[s] += 1;
+            }
+        }
+        if slots.len() == before {
+            bail!("schedule: {kind:?} deadlocks for {stages} stages and {m} micro-batches");
+        }
+    }
+    let makespan = free.iter().cloned().fold(0.0, f64::max);
+    let name = if kind == PpSchedule::Afab { "AFAB" } else { "1F1B" }.to_string();
+    Ok(Timeline { name, stages, micro_batches: m, slots, makespan, peak_activations: peaks(&plans) })
+}
+
+/// The most micro-batches held at once along each row's sequence of actions.
+fn peaks(plans: &[Vec<Action>]) -> Vec<usize> {
+    let held = |plan: &Vec<Action>| {
+        let mut n = 0i64;
+        plan.iter()
+            .map(|a| {
+                n += if matches!(a, Action::Forward(_)) { 1 } else { -1 };
+                n
+            })
+            .max()
+            .unwrap_or(0) as usize
+    };
+    plans.iter().map(held).collect()
+}
+
+/// The last step of a real run, from the `forward i` / `backward i` spans of `train --trace`: a
+/// row per rank, time in units of the mean forward span.
+pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
+    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let json: serde_json::Value = serde_json::from_str(&text)
+        .map_err(|e| anyhow::anyhow!("{}: not a trace-event JSON file: {e}", path.display()))?;
+    let mut spans = Vec::new(); // (rank, action, start µs, end µs)
+    for e in json["traceEvents"].as_array().into_iter().flatten().filter(|e| e["ph"] == "X") {
+        let (Some(name), Some(rank), Some(ts), Some(dur)) =
+            (e["name"].as_str(), e["pid"].as_u64(), e["ts"].as_f64(), e["dur"].as_f64())
+        else {
+            continue;
+        };
+        let action = match name.split_once(' ') {
+            Some(("forward", i)) => i.parse().ok().map(Action::Forward),
+            Some(("backward", i)) => i.parse().ok().map(Action::Backward),
+            _ => None,
+        };
+        spans.extend(action.map(|a| (rank as usize, a, ts, ts + dur)));
+    }
+    // the last step starts at the earliest of the ranks' last `forward 0`
+    let mut last_start: Vec<(usize, f64)> = Vec::new();
+    for &(rank, _, ts, _) in spans.iter().filter(|s| s.1 == Action::Forward(0)) {
+        match last_start.iter_mut().find(|(r, _)| *r == rank) {
+            Some(entry) => entry.1 = entry.1.max(ts),
+            None => last_start.push((rank, ts)),
+        }
+    }
+    let Some(t0) = last_start.iter().map(|&(_, ts)| ts).reduce(f64::min) else {
+        bail!("{}: no `forward 0` spans; write one with `ferrotron train --trace`", path.display());
+    };
+    let step: Vec<_> = spans.into_iter().filter(|s| s.2 >= t0).collect();
+    let ranks = step.iter().map(|s| s.0 + 1).max().unwrap_or(1);
+    let forwards: Vec<f64> = step.iter().filter(|s| matches!(s.1, Action::Forward(_))).map(|s| s.3 - s.2).collect();
+    let unit = (forwards.iter().sum::<f64>() / forwards.len().max(1) as f64).max(1e-9);
+    let slots: Vec<Slot> = step
+        .iter()
+        .map(|s| Slot { stage: s.0, action: s.1, start: (s.2 - t0) / unit, end: (s.3 - t0) / unit })
+        .collect();
+    let makespan = slots.iter().map(|s| s.end).fold(0.0, f64::max);
+    let micro_batches = forwards.len() / ranks;
+    let plans: Vec<Vec<Action>> = (0..ranks).map(|r| step.iter().filter(|s| s.0 == r).map(|s| s.1).collect()).collect();
+    Ok(Timeline {
+        name: format!("{} (last step)", path.display()),
+        stages: ranks,
+        micro_batches,
+        slots,
+        makespan,
+        peak_activations: peaks(&plans),
+    })
+}
+
+/// The timelines one above the other, a row per stage, F boxes light and B boxes dark.
+pub fn svg(timelines: &[Timeline]) -> String {
+    let (unit, row, left) = (18.0, 26.0, 150.0);
+    let width = left + timelines.iter().map(|t| t.makespan).fold(0.0, f64::max) * unit + 20.0;
+    let height: f64 = timelines.iter().map(|t| (t.stages as f64 + 2.5) * row).sum::<f64>() + 10.0;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    );
+    let mut top = 20.0;
+    for t in timelines {
+        let title = format!(
+            "{} — bubble {:.1}% (formula (p−1)/(m+p−1): {:.1}%), peak activations per stage {:?}",
+            t.name,
+            100.0 * t.bubble(),
+            100.0 * t.bubble_formula(),
+            t.peak_activations
+        );
+        let _ = writeln!(s, "<text x=\"10\" y=\"{top}\" font-size=\"13\">{title}</text>");
+        for stage in 0..t.stages {
+            let y = top + 10.0 + stage as f64 * row;
+            let _ = writeln!(s, "<text x=\"10\" y=\"{}\">stage {stage}</text>", y + 16.0);
+            let _ = writeln!(
+                s,
+                "<rect x=\"{left}\" y=\"{y}\" width=\"{}\" height=\"22\" fill=\"#eee\"/>",
+                t.makespan * unit
+            );
+        }
+        for slot in &t.slots {
+            let (label, fill) = match slot.action {
+                Action::Forward(i) => (format!("F{i}"), "#9ecae1"),
+                Action::Backward(i) => (format!("B{i}"), "#3182bd"),
+            };
+            let (x, y, w) =
+                (left + slot.start * unit, top + 10.0 + slot.stage as f64 * row, (slot.end - slot.start) * unit);
+            let _ =
+                writeln!(s, "<rect x=\"{x}\" y=\"{y}\" width=\"{w}\" height=\"22\" fill=\"{fill}\" stroke=\"white\"/>");
+            let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{label}</text>", x + w / 2.0, y + 15.0);
+        }
+        top += (t.stages as f64 + 2.5) * row;
+    }
+    s.push_str("</svg>\n");
+    s
+}

@@ -1,0 +1,382 @@
+//! # The CUDA backend: a rank's GPU and the buffers tensors keep on it
+//!
+//! A `Device` is one rank's GPU as the op layer sees it: the kernels of `kernels/*.cu` (compiled
+//! by NVRTC for this GPU's architecture, once per process, see `kernels.rs`), a cuBLAS handle, and
+//! the dtype the model computes in. The ops themselves are in `cuda_ops.rs`. Every launch goes on
+//! the compute stream and none waits for the GPU: the host only queues work, and a `to_vec` (the
+//! loss, once per micro-batch; the gradient norm, once per step) is where it waits.
+//!
+//! Mixed precision (`DType::Bf16`), the picture of one linear layer:
+//! ```text
+//!   master W (fp32) ──AdamW──▶ W' (fp32) ──written by the same kernel──▶ copy W (bf16)
+//!   x (bf16) ─┬─ GEMM, bf16 in, fp32 accumulate ─▶ y (bf16)
+//!   dy (bf16)─┴─ GEMM, bf16 in, fp32 accumulate ─▶ dW += … (fp32, straight into the gradient)
+//! ```
+//! Activations and their gradients are bf16; weights, gradients, AdamW moments and all softmax
+//! and normalisation statistics are fp32. `DType::F32` is the same code in f32 throughout with
+//! cuBLAS's pedantic f32 GEMM (no TF32), so a GPU run can be compared step by step with the CPU.
+//!
+//! Peak memory: every buffer adds its bytes to its device's count when made and takes them back
+//! when dropped; the training loop reads the highest count of each step.
+
+use crate::cuda::launch_table::{self, Addr, Arg, Launch};
+use crate::cuda::runtime::{cuda_err, Gpu};
+use crate::ops::types::DType;
+use anyhow::{anyhow, bail, Result};
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use half::bf16;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+/// A failed CUDA call inside an op stops the rank with this message (the launcher reports it and
+/// stops the other ranks): a GPU error leaves nothing to recover.
+pub(crate) fn fatal<T>(what: &str, r: Result<T>) -> T {
+    r.unwrap_or_else(|e| panic!("CUDA {what}: {e:#}"))
+}
+
+/// A GPU buffer: f32, bf16, or a mixed-precision weight (fp32 master + bf16 compute copy).
+pub struct Buf {
+    pub(crate) data: Data,
+    dev: Arc<Device>,
+}
+
+pub(crate) enum Data {
+    F32(CudaSlice<f32>),
+    Bf16(CudaSlice<bf16>),
+    Mixed { master: CudaSlice<f32>, copy: CudaSlice<bf16> },
+}
+
+impl Data {
+    fn bytes(&self) -> usize {
+        match self {
+            Data::F32(s) => s.num_bytes(),
+            Data::Bf16(s) => s.num_bytes(),
+            Data::Mixed { master, copy } => master.num_bytes() + copy.num_bytes(),
+        }
+    }
+}
+
+impl Buf {
+    fn new(dev: &Arc<Device>, data: Data) -> Buf {
+        let held = dev.held.fetch_add(data.bytes(), Ordering::Relaxed) + data.bytes();
+        dev.peak.fetch_max(held, Ordering::Relaxed);
+        Buf { data, dev: dev.clone() }
+    }
+
+    pub fn device(&self) -> &Arc<Device> {
+        &self.dev
+    }
+
+    /// The dtype the kernels read: a mixed-precision weight reads as bf16.
+    pub fn dtype(&self) -> DType {
+        match self.data {
+            Data::F32(_) => DType::F32,
+            Data::Bf16(_) | Data::Mixed { .. } => DType::Bf16,
+        }
+    }
+
+    /// The address the kernels read and write (a mixed weight's bf16 copy).
+    pub(crate) fn addr(&self) -> Addr {
+        let s = &self.dev.gpu.compute;
+        match &self.data {
+            Data::F32(x) => x.device_ptr(s).0,
+            Data::Bf16(x) | Data::Mixed { copy: x, .. } => x.device_ptr(s).0,
+        }
+    }
+
+    /// The fp32 numbers: an f32 buffer, or a mixed weight's master.
+    pub(crate) fn f32_addr(&self) -> Addr {
+        let s = &self.dev.gpu.compute;
+        match &self.data {
+            Data::F32(x) | Data::Mixed { master: x, .. } => x.device_ptr(s).0,
+            Data::Bf16(_) => panic!("an f32 GPU buffer was expected, this one is bf16"),
+        }
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.data.bytes()
+    }
+
+    fn len(&self) -> usize {
+        match &self.data {
+            Data::F32(x) | Data::Mixed { master: x, .. } => x.len(),
+            Data::Bf16(x) => x.len(),
+        }
+    }
+
+    /// A host copy as f32 (a mixed weight gives its master); waits for the compute stream.
+    pub fn to_vec(&self) -> Vec<f32> {
+        let d = &self.dev;
+        fatal(
+            "download",
+            (|| match &self.data {
+                Data::F32(x) | Data::Mixed { master: x, .. } => d.gpu.download(x),
+                Data::Bf16(x) => {
+                    let f32s = d.gpu.zeros::<f32>(x.len())?;
+                    let s = &d.gpu.compute;
+                    d.run(&launch_table::cast_bf16_to_f32(x.device_ptr(s).0, f32s.device_ptr(s).0, x.len()))?;
+                    d.gpu.download(&f32s)
+                }
+            })(),
+        )
+    }
+
+    /// Overwrites the buffer with host f32 data (a mixed weight: the master and its copy).
+    pub fn write(&mut self, data: &[f32]) {
+        let dev = self.dev.clone();
+        fatal(
+            "upload",
+            (|| match &mut self.data {
+                Data::F32(x) => dev.gpu.write(data, x),
+                Data::Bf16(x) => dev.gpu.write(&data.iter().map(|&v| bf16::from_f32(v)).collect::<Vec<_>>(), x),
+                Data::Mixed { master, copy } => {
+                    dev.gpu.write(data, master)?;
+                    dev.cast(master, copy)
+                }
+            })(),
+        )
+    }
+}
+
+impl Clone for Buf {
+    fn clone(&self) -> Buf {
+        let s = &self.dev.gpu.compute;
+        let data = fatal(
+            "copy",
+            (|| -> Result<Data> {
+                Ok(match &self.data {
+                    Data::F32(x) => Data::F32(s.clone_dtod(x).map_err(cuda_err)?),
+                    Data::Bf16(x) => Data::Bf16(s.clone_dtod(x).map_err(cuda_err)?),
+                    Data::Mixed { master, copy } => Data::Mixed {
+                        master: s.clone_dtod(master).map_err(cuda_err)?,
+                        copy: s.clone_dtod(copy).map_err(cuda_err)?,
+                    },
+                })
+            })(),
+        );
+        Buf::new(&self.dev, data)
+    }
+}
+
+impl Drop for Buf {
+    fn drop(&mut self) {
+        self.dev.held.fetch_sub(self.data.bytes(), Ordering::Relaxed);
+    }
+}
+
+impl std::fmt::Debug for Buf {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        write!(f, "GPU {:?} buffer of {}", self.dtype(), self.len())
+    }
+}
+
+/// An index array and its device copy.
+type Indices = (Vec<u32>, Arc<CudaSlice<u32>>);
+
+/// One rank's GPU as the op layer sees it.
+pub struct Device {
+    pub gpu: Gpu,
+    /// The dtype activations are computed in.
+    pub dtype: DType,
+    arch: &'static str,
+    /// Each kernel file's module, loaded once, and the kernels looked up in them.
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+    pub(crate) blas: CudaBlas,
+    /// Recently uploaded token, target and position arrays, by content: each micro-batch's are
+    /// uploaded once and reused by every layer.
+    indices: Mutex<VecDeque<Indices>>,
+    held: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+/// Buffers are allocated in stream order (`cuMemAllocAsync`) from the device's default memory pool,
+/// which by default hands freed memory back to the driver at every synchronisation (each loss
+/// and gradient-norm read); the next step would then map it again. A release threshold of "all"
+/// keeps it in the pool for reuse, as PyTorch's caching allocator does.
+fn keep_freed_memory(gpu: &Gpu) -> Result<()> {
+    use cudarc::driver::{result, sys};
+    gpu.ctx.bind_to_thread().map_err(cuda_err)?;
+    let mut threshold = u64::MAX;
+    // SAFETY: the default pool of this context's device; the attribute's value is a cuuint64_t.
+    unsafe {
+        let pool = result::device::get_default_mem_pool(gpu.ctx.cu_device()).map_err(cuda_err)?;
+        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+        result::mem_pool::set_attribute(pool, attr, &mut threshold as *mut u64 as *mut std::ffi::c_void)
+            .map_err(cuda_err)
+    }
+}
+
+impl Device {
+    /// The op layer on `gpu`, computing in `dtype`. Every kernel file is compiled here, before
+    /// training starts, so a missing NVRTC or header shows up now and not in the first step.
+    pub fn new(gpu: &Gpu, dtype: DType) -> Result<Arc<Device>> {
+        crate::cuda::runtime::require("cuBLAS")?;
+        let (major, minor) = gpu.ctx.compute_capability().map_err(cuda_err)?;
+        if major < 8 {
+            bail!("GPU compute capability {major}.{minor}: the kernels need bf16, so sm_80 (Ampere) or newer");
+        }
+        if gpu.ctx.has_async_alloc() {
+            keep_freed_memory(gpu)?;
+        }
+        let arch = crate::cuda::nvrtc::arch_name(major, minor);
+        for (file, _) in crate::cuda::nvrtc::SOURCES {
+            crate::cuda::nvrtc::ptx(file, arch)?;
+        }
+        let blas = CudaBlas::new(gpu.compute.clone()).map_err(|e| anyhow!("cuBLAS cannot start: {e:?}"))?;
+        Ok(Arc::new(Device {
+            gpu: gpu.clone(),
+            dtype,
+            arch,
+            modules: Mutex::default(),
+            functions: Mutex::default(),
+            blas,
+            indices: Mutex::default(),
+            held: AtomicUsize::new(0),
+            peak: AtomicUsize::new(0),
+        }))
+    }
+
+    /// The most bytes tensors held at once since the last call; starts the next period.
+    pub fn take_peak_bytes(&self) -> usize {
+        self.peak.swap(self.held.load(Ordering::Relaxed), Ordering::Relaxed)
+    }
+
+    fn function(&self, file: &'static str, name: &str) -> Result<CudaFunction> {
+        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let module = {
+            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match modules.get(file) {
+                Some(m) => m.clone(),
+                None => {
+                    let ptx = crate::cuda::nvrtc::ptx(file, self.arch)?;
+                    let m = self.gpu.ctx.load_module((*ptx).clone()).map_err(|e| load_error(file, e))?;
+                    modules.insert(file, m.clone());
+                    m
+                }
+            }
+        };
+        let f = module.load_function(name).map_err(|e| anyhow!("kernels/{file}.cu has no kernel {name}: {e:?}"))?;
+        functions.insert(name.to_string(), f.clone());
+        Ok(f)
+    }
+
+    /// Queues a kernel launch (`launches.rs`) on the compute stream.
+    pub(crate) fn run(&self, l: &Launch) -> Result<()> {
+        if l.grid.0 == 0 || l.grid.1 == 0 || l.grid.2 == 0 {
+            return Ok(()); // nothing to compute (an empty tensor)
+        }
+        let f = self.function(l.file, &l.kernel)?;
+        let mut b = self.gpu.compute.launch_builder(&f);
+        for a in &l.args {
+            match a {
+                Arg::Ptr(v) => b.arg(v),
+                Arg::I32(v) => b.arg(v),
+                Arg::I64(v) => b.arg(v),
+                Arg::F32(v) => b.arg(v),
+                Arg::F64(v) => b.arg(v),
+                Arg::Shape(v) => b.arg(v),
+            };
+        }
+        let config = LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        crate::cuda::profile::timed(
+            || l.kernel.clone(),
+            &self.gpu.compute,
+            // SAFETY: `launches.rs` passes the argument list each kernel declares, and the op
+            // layer checked that the buffers hold what the launch shape reaches.
+            || unsafe { b.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {}: {e:?}", l.kernel)),
+        )
+    }
+
+    /// A zero-filled buffer of `n` numbers.
+    pub fn zeros(self: &Arc<Self>, n: usize, dtype: DType) -> Buf {
+        let s = &self.gpu.compute;
+        let data = fatal(
+            "alloc",
+            match dtype {
+                DType::F32 => s.alloc_zeros(n).map(Data::F32),
+                DType::Bf16 => s.alloc_zeros(n).map(Data::Bf16),
+            }
+            .map_err(|e| anyhow!("cannot allocate {n} numbers on the GPU: {e:?}")),
+        );
+        Buf::new(self, data)
+    }
+
+    /// Host f32 data on the GPU as `dtype` (bf16: converted on the GPU by `cast_f32_to_bf16`).
+    pub fn upload(self: &Arc<Self>, data: &[f32], dtype: DType) -> Buf {
+        let f32s = fatal("upload", self.gpu.upload(data));
+        let data = match dtype {
+            DType::F32 => Data::F32(f32s),
+            DType::Bf16 => Data::Bf16(fatal("cast", self.to_bf16(&f32s))), // f32s is freed in stream order
+        };
+        Buf::new(self, data)
+    }
+
+    /// A weight on the GPU: f32, or in mixed precision an fp32 master with its bf16 copy.
+    pub fn upload_param(self: &Arc<Self>, data: &[f32]) -> Buf {
+        let master = fatal("upload", self.gpu.upload(data));
+        let data = match self.dtype {
+            DType::F32 => Data::F32(master),
+            DType::Bf16 => Data::Mixed { copy: fatal("cast", self.to_bf16(&master)), master },
+        };
+        Buf::new(self, data)
+    }
+
+    fn to_bf16(&self, from: &CudaSlice<f32>) -> Result<CudaSlice<bf16>> {
+        let to = self.gpu.zeros::<bf16>(from.len())?;
+        self.cast(from, &to)?;
+        Ok(to)
+    }
+
+    /// to ← bf16(from), on the GPU.
+    fn cast(&self, from: &CudaSlice<f32>, to: &CudaSlice<bf16>) -> Result<()> {
+        let s = &self.gpu.compute;
+        self.run(&launch_table::cast_f32_to_bf16(from.device_ptr(s).0, to.device_ptr(s).0, from.len()))
+    }
+
+    /// The device copy of an index array (tokens, targets as their bits, positions).
+    fn indices(&self, v: &[u32]) -> Result<Arc<CudaSlice<u32>>> {
+        let mut cache = self.indices.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((_, d)) = cache.iter().find(|(k, _)| k.as_slice() == v) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(self.gpu.upload(v)?);
+        if cache.len() == 16 {
+            cache.pop_front();
+        }
+        cache.push_back((v.to_vec(), d.clone()));
+        Ok(d)
+    }
+
+    /// The address of an index array's device copy, and the copy (keep it until the launch is
+    /// queued).
+    pub(crate) fn index_addr(&self, v: &[u32]) -> Result<(Addr, Arc<CudaSlice<u32>>)> {
+        let d = self.indices(v)?;
+        let addr = d.device_ptr(&self.gpu.compute).0;
+        Ok((addr, d))
+    }
+}
+
+/// A module that does not load: most often PTX newer than the driver can read.
+fn load_error(file: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+    let mut nvrtc = (0, 0);
+    // SAFETY: NVRTC is loaded (the kernels were just compiled with it); two valid out-pointers.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nvrtc.0, &mut nvrtc.1) };
+    let mut driver = 0;
+    // SAFETY: the driver is loaded (a context exists); a valid out-pointer.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+    anyhow!(
+        "kernels/{file}.cu compiled but the GPU driver cannot load it ({e:?}); NVRTC is CUDA {}.{}, the driver \
+         supports CUDA {}.{}: use an NVRTC no newer than the driver (FERROTRON_CUDA_INCLUDE and LD_LIBRARY_PATH \
+         pick it) or update the driver",
+        nvrtc.0,
+        nvrtc.1,
+        driver / 1000,
+        driver % 1000 / 10
+    )
+}

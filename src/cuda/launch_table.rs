@@ -1,0 +1,409 @@
+//! # Kernel launches: which kernel each op runs, on what grid, with which arguments
+//!
+//! Every CUDA kernel launch of the op layer is written here once, as a `Launch` value built from
+//! buffer addresses and shapes: the kernel's name (`name_f32` or `name_bf16` by the compute
+//! dtype), its grid and block, and its arguments in the order its `extern "C"` signature declares
+//! them (`long` is i64, `int` i32, pointers are addresses). `cuda_ops.rs` queues them on a GPU;
+//! `tests/kernels_emulated.rs` runs the very same launches on the CPU through a thread-per-CUDA-
+//! thread emulator, so the kernels and these argument lists are tested where there is no GPU.
+//!
+//! Launch shapes follow the kernels' header comments: one block of 256 threads per row for
+//! row-wise ops (per distinct token for the embedding gradient), one thread per element (or per
+//! column, for the last sum of RMSNorm's weight gradient) otherwise, BQ = 64 query rows per block for attention and its dq, BK = 32 key rows for dk/dv
+//! (on tensor cores: 32 rows and 2 warps per block for all three).
+
+use crate::ops::types::{AdamW, Attn, DType};
+
+/// A device address (on the CPU emulator, a host address).
+pub type Addr = u64;
+
+/// One kernel argument, as the kernel declares it.
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    Ptr(Addr),
+    I32(i32),
+    I64(i64),
+    F32(f32),
+    F64(f64),
+    Shape(Shape),
+}
+
+/// The attention shape as `kernels/attention.cu` reads it (a `struct Shape` of six ints).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Shape {
+    batch: i32,
+    seq: i32,
+    kv_seq: i32,
+    heads: i32,
+    kv_heads: i32,
+    head_dim: i32,
+}
+// SAFETY: six i32 in C layout, as the kernel declares them.
+unsafe impl cudarc::driver::DeviceRepr for Shape {}
+
+impl From<Attn> for Shape {
+    fn from(a: Attn) -> Shape {
+        let i = |v: usize| v as i32;
+        Shape {
+            batch: i(a.batch),
+            seq: i(a.seq),
+            kv_seq: i(a.kv_seq),
+            heads: i(a.heads),
+            kv_heads: i(a.kv_heads),
+            head_dim: i(a.head_dim),
+        }
+    }
+}
+
+/// One launch of kernel `kernel` of `kernels/{file}.cu`.
+#[derive(Clone, Debug)]
+pub struct Launch {
+    pub file: &'static str,
+    pub kernel: String,
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub args: Vec<Arg>,
+}
+
+pub const THREADS: u32 = 256;
+/// Blocks of the sum-of-squares kernel, each writing one partial sum.
+pub const NORM_BLOCKS: usize = 256;
+
+fn launch(file: &'static str, kernel: String, (grid, block): ((u32, u32, u32), u32), args: Vec<Arg>) -> Launch {
+    Launch { file, kernel, grid, block, args }
+}
+
+/// `name_f32` or `name_bf16`.
+fn typed(name: &str, dt: DType) -> String {
+    format!("{name}_{}", dt.suffix())
+}
+
+/// One block per row.
+fn rows(n: usize) -> ((u32, u32, u32), u32) {
+    ((n as u32, 1, 1), THREADS)
+}
+
+/// One thread per item.
+fn each(n: usize) -> ((u32, u32, u32), u32) {
+    ((n.div_ceil(THREADS as usize).max(1) as u32, 1, 1), THREADS)
+}
+
+use Arg::{Ptr, F32, F64, I32, I64};
+
+fn long(v: usize) -> Arg {
+    I64(v as i64)
+}
+
+fn int(v: usize) -> Arg {
+    I32(v as i32)
+}
+
+pub fn cast_f32_to_bf16(from: Addr, to: Addr, n: usize) -> Launch {
+    launch("elementwise", "cast_f32_to_bf16".into(), each(n), vec![Ptr(from), Ptr(to), long(n)])
+}
+
+pub fn cast_bf16_to_f32(from: Addr, to: Addr, n: usize) -> Launch {
+    launch("elementwise", "cast_bf16_to_f32".into(), each(n), vec![Ptr(from), Ptr(to), long(n)])
+}
+
+/// out[tokens, dim] from a table of `table_rows` ids starting at `first`.
+pub fn embedding(
+    dt: DType,
+    (table, table_rows): (Addr, usize),
+    (ids, tokens): (Addr, usize),
+    first: usize,
+    dim: usize,
+    out: Addr,
+) -> Launch {
+    let args = vec![Ptr(table), Ptr(ids), long(first), long(table_rows), int(dim), Ptr(out)];
+    launch("embedding", typed("embedding_forward", dt), rows(tokens), args)
+}
+
+/// The tokens of a table slice (ids `first..first + rows`) grouped by id, packed in one index
+/// array for the embedding backward: the distinct table rows (id − first, ascending), then where
+/// each one's tokens start in `order` (and where the last ends), then `order`, the token indices
+/// id by id, ascending within an id.
+pub struct TokensById {
+    pub packed: Vec<u32>,
+    pub distinct: usize,
+}
+
+pub fn tokens_by_id(tokens: &[u32], first: usize, rows: usize) -> TokensById {
+    let row = |t: u32| (tokens[t as usize] as usize).wrapping_sub(first);
+    let mut order: Vec<u32> = (0..tokens.len() as u32).filter(|&t| row(t) < rows).collect();
+    order.sort_by_key(|&t| row(t)); // stable: token order within an id
+    let (mut distinct, mut starts) = (Vec::new(), Vec::new());
+    for (e, &t) in order.iter().enumerate() {
+        if distinct.last() != Some(&(row(t) as u32)) {
+            distinct.push(row(t) as u32);
+            starts.push(e as u32);
+        }
+    }
+    starts.push(order.len() as u32);
+    TokensById { distinct: distinct.len(), packed: [distinct, starts, order].concat() }
+}
+
+/// dtable[row] += the rows of dout of its tokens, one block per distinct id; `grouped` is the
+/// device address of `tokens_by_id(..).packed`.
+pub fn embedding_backward(
+    dt: DType,
+    dout: Addr,
+    (grouped, distinct): (Addr, usize),
+    dim: usize,
+    dtable: Addr,
+) -> Launch {
+    let (starts, order) = (grouped + 4 * distinct as Addr, grouped + 4 * (2 * distinct + 1) as Addr);
+    let args = vec![Ptr(dout), Ptr(grouped), Ptr(starts), Ptr(order), int(dim), Ptr(dtable)];
+    launch("embedding", typed("embedding_backward", dt), rows(distinct), args)
+}
+
+pub fn rmsnorm(dt: DType, x: Addr, w: Addr, eps: f32, (n, dim): (usize, usize), y: Addr, rstd: Addr) -> Launch {
+    launch(
+        "rmsnorm",
+        typed("rmsnorm_forward", dt),
+        rows(n),
+        vec![Ptr(x), Ptr(w), F32(eps), int(dim), Ptr(y), Ptr(rstd)],
+    )
+}
+
+/// Rows per chunk of RMSNorm's weight gradient: each chunk is summed by its own blocks.
+pub const NORM_CHUNK_ROWS: usize = 64;
+
+/// The f32 scratch `rmsnorm_backward` needs for `n` rows of `dim` features: a partial dw per chunk.
+pub fn rmsnorm_partial_len((n, dim): (usize, usize)) -> usize {
+    n.div_ceil(NORM_CHUNK_ROWS).max(1) * dim
+}
+
+/// dx (one block per row); the partial dw of each chunk of rows (blocks over columns × chunks);
+/// then dw += their sum (f32, one thread per feature column, chunks in order).
+pub fn rmsnorm_backward(
+    dt: DType,
+    (dy, x, w, rstd): (Addr, Addr, Addr, Addr),
+    (n, dim): (usize, usize),
+    dx: Addr,
+    (dw, partial): (Addr, Addr),
+) -> [Launch; 3] {
+    let chunks = n.div_ceil(NORM_CHUNK_ROWS).max(1);
+    let chunk_grid = ((dim.div_ceil(THREADS as usize) as u32, chunks as u32, 1), THREADS);
+    [
+        launch(
+            "rmsnorm",
+            typed("rmsnorm_backward_dx", dt),
+            rows(n),
+            vec![Ptr(dy), Ptr(x), Ptr(w), Ptr(rstd), int(dim), Ptr(dx)],
+        ),
+        launch(
+            "rmsnorm",
+            typed("rmsnorm_backward_dw_partial", dt),
+            chunk_grid,
+            vec![Ptr(dy), Ptr(x), Ptr(rstd), long(n), int(dim), int(NORM_CHUNK_ROWS), Ptr(partial)],
+        ),
+        launch(
+            "rmsnorm",
+            "rmsnorm_backward_dw_sum".into(),
+            each(dim),
+            vec![Ptr(partial), int(chunks), int(dim), Ptr(dw)],
+        ),
+    ]
+}
+
+/// Rotates x[n, heads·head_dim] in place (by −angle when `inverse`).
+pub fn rope(
+    dt: DType,
+    x: Addr,
+    positions: Addr,
+    (n, heads, head_dim): (usize, usize, usize),
+    theta: f64,
+    inverse: bool,
+) -> Launch {
+    let args = vec![Ptr(x), Ptr(positions), long(n), int(heads), int(head_dim), F64(theta), I32(inverse as i32)];
+    launch("rope", typed("rope", dt), each(n * heads * head_dim / 2), args)
+}
+
+fn query_blocks(a: Attn) -> ((u32, u32, u32), u32) {
+    ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 64)
+}
+
+/// The head sizes `kernels/attention_tc.cu` is instantiated for.
+pub const TENSOR_CORE_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Mixed precision with a head size it is built for runs attention on tensor cores
+/// (`attention_tc.cu`: blocks of 32 rows, 2 warps); f32 mode and other sizes run `attention.cu`.
+fn tensor_cores(dt: DType, a: Attn) -> bool {
+    dt == DType::Bf16 && TENSOR_CORE_HEAD_DIMS.contains(&a.head_dim)
+}
+
+/// Kernel `name` of `attention_tc.cu` on blocks of 32 rows of `rows` (per head of `heads`).
+fn tensor_core_launch(name: &str, a: Attn, (rows, heads): (usize, usize), args: Vec<Arg>) -> Launch {
+    let grid = ((rows.div_ceil(32) as u32, heads as u32, a.batch as u32), 64);
+    launch("attention_tc", format!("attention_tc_{name}_d{}", a.head_dim), grid, args)
+}
+
+/// (out, lse) of queries q at q_pos against keys and values at k_pos.
+pub fn attention(
+    dt: DType,
+    a: Attn,
+    (q, k, v): (Addr, Addr, Addr),
+    (q_pos, k_pos): (Addr, Addr),
+    out: Addr,
+    lse: Addr,
+) -> Launch {
+    let args = vec![Arg::Shape(a.into()), Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(out), Ptr(lse)];
+    if tensor_cores(dt, a) {
+        return tensor_core_launch("forward", a, (a.seq, a.heads), args);
+    }
+    launch("attention", typed("attention_forward", dt), query_blocks(a), args)
+}
+
+/// The backward in three launches: delta (f32, `[batch, heads, seq]` like lse), dq, then dk and dv.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    dt: DType,
+    a: Attn,
+    (q, k, v): (Addr, Addr, Addr),
+    (q_pos, k_pos): (Addr, Addr),
+    (out, lse, dout): (Addr, Addr, Addr),
+    delta: Addr,
+    (dq, dk, dv): (Addr, Addr, Addr),
+) -> [Launch; 3] {
+    let shape = Arg::Shape(a.into());
+    let inputs = vec![shape, Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(lse), Ptr(delta), Ptr(dout)];
+    let delta_launch = launch(
+        "attention",
+        typed("attention_delta", dt),
+        each(a.batch * a.heads * a.seq),
+        vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
+    );
+    let (dq_args, dkdv_args) = ([&inputs[..], &[Ptr(dq)]].concat(), [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat());
+    if tensor_cores(dt, a) {
+        return [
+            delta_launch,
+            tensor_core_launch("dq", a, (a.seq, a.heads), dq_args),
+            tensor_core_launch("dkdv", a, (a.kv_seq, a.kv_heads), dkdv_args),
+        ];
+    }
+    let key_blocks = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);
+    [
+        delta_launch,
+        launch("attention", typed("attention_dq", dt), query_blocks(a), dq_args),
+        launch("attention", typed("attention_dkdv", dt), key_blocks, dkdv_args),
+    ]
+}
+
+/// Folds a block's (out, lse) into the running (out, lse), one thread per query row.
+pub fn attention_merge(dt: DType, a: Attn, (out, lse): (Addr, Addr), (block_out, block_lse): (Addr, Addr)) -> Launch {
+    let args = vec![Arg::Shape(a.into()), Ptr(out), Ptr(lse), Ptr(block_out), Ptr(block_lse)];
+    launch("attention", typed("attention_merge", dt), each(a.batch * a.heads * a.seq), args)
+}
+
+pub fn swiglu(dt: DType, (gate, up): (Addr, Addr), h: Addr, n: usize) -> Launch {
+    launch("swiglu", typed("swiglu_forward", dt), each(n), vec![Ptr(gate), Ptr(up), Ptr(h), long(n)])
+}
+
+pub fn swiglu_backward(dt: DType, (dh, gate, up): (Addr, Addr, Addr), (dgate, dup): (Addr, Addr), n: usize) -> Launch {
+    let args = vec![Ptr(dh), Ptr(gate), Ptr(up), Ptr(dgate), Ptr(dup), long(n)];
+    launch("swiglu", typed("swiglu_backward", dt), each(n), args)
+}
+
+pub fn row_max(dt: DType, logits: Addr, (n, vocab): (usize, usize), max: Addr) -> Launch {
+    launch("cross_entropy", typed("row_max", dt), rows(n), vec![Ptr(logits), int(vocab), Ptr(max)])
+}
+
+pub fn row_sum_exp(dt: DType, logits: Addr, (n, vocab): (usize, usize), max: Addr, sum: Addr) -> Launch {
+    launch("cross_entropy", typed("row_sum_exp", dt), rows(n), vec![Ptr(logits), int(vocab), Ptr(max), Ptr(sum)])
+}
+
+pub fn log_sum_exp(max: Addr, sum: Addr, lse: Addr, n: usize) -> Launch {
+    launch("cross_entropy", "log_sum_exp".into(), each(n), vec![Ptr(max), Ptr(sum), Ptr(lse), long(n)])
+}
+
+/// z[row] = the target's logit where it lies in this vocabulary slice, one thread per row.
+pub fn target_logit(
+    dt: DType,
+    logits: Addr,
+    (n, vocab): (usize, usize),
+    targets: Addr,
+    first: usize,
+    z: Addr,
+) -> Launch {
+    let args = vec![Ptr(logits), int(vocab), Ptr(targets), long(first), long(n), Ptr(z)];
+    launch("cross_entropy", typed("target_logit", dt), each(n), args)
+}
+
+/// d(scale · loss)/d logits, with `lse` the rows' log-sum-exp over the whole vocabulary.
+pub fn cross_entropy_backward(
+    dt: DType,
+    (logits, targets): (Addr, Addr),
+    first: usize,
+    (lse, scale): (Addr, f32),
+    (n, vocab): (usize, usize),
+    d: Addr,
+) -> Launch {
+    let args = vec![Ptr(logits), Ptr(targets), long(first), Ptr(lse), F32(scale), int(vocab), Ptr(d)];
+    launch("cross_entropy", typed("cross_entropy_backward", dt), rows(n), args)
+}
+
+pub fn add_assign(dt: DType, a: Addr, b: Addr, n: usize) -> Launch {
+    launch("elementwise", typed("add_assign", dt), each(n), vec![Ptr(a), Ptr(b), long(n)])
+}
+
+pub fn scale(dt: DType, a: Addr, s: f32, n: usize) -> Launch {
+    launch("elementwise", typed("scale", dt), each(n), vec![Ptr(a), F32(s), long(n)])
+}
+
+/// Partial sums of x² (f32) into partial[0..blocks]: NORM_BLOCKS blocks, or one per THREADS
+/// numbers for a small tensor (the rest of its NORM_BLOCKS slots stay as they are, zeros).
+pub fn sum_squares(x: Addr, n: usize, partial: Addr) -> Launch {
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS) as u32;
+    launch("elementwise", "sum_squares_f32".into(), ((blocks, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
+}
+
+/// AdamW on f32 p, g, m, v; `copy`: the bf16 compute copy to rewrite (mixed precision).
+pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: Option<Addr>) -> Launch {
+    let mut args = vec![Ptr(p), Ptr(g), Ptr(m), Ptr(v), long(n)];
+    args.extend([F32(o.lr), F32(o.beta1), F32(o.beta2), F32(o.eps), F32(o.weight_decay), I32(o.step as i32)]);
+    args.extend(copy.map(Ptr));
+    launch("adamw", if copy.is_some() { "adamw_bf16" } else { "adamw_f32" }.into(), each(n), args)
+}
+
+/// One launch of every kind the op layer makes, in both dtypes, with placeholder addresses and
+/// sizes: the kernels the backend needs and their argument types (`tests/kernels_compile.rs`
+/// checks that the PTX exports each; the CPU emulator's glue calls them).
+pub fn catalogue() -> Vec<Launch> {
+    let a = Attn { batch: 1, seq: 1, kv_seq: 1, heads: 1, kv_heads: 1, head_dim: 2 };
+    let o = AdamW { lr: 0.0, beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0, step: 1 };
+    let mut all = vec![
+        cast_f32_to_bf16(0, 0, 1),
+        cast_bf16_to_f32(0, 0, 1),
+        log_sum_exp(0, 0, 0, 1),
+        sum_squares(0, 1, 0),
+        adamw(&o, (0, 0, 0, 0), 1, None),
+        adamw(&o, (0, 0, 0, 0), 1, Some(0)),
+    ];
+    for dt in [DType::F32, DType::Bf16] {
+        all.push(embedding(dt, (0, 1), (0, 1), 0, 1, 0));
+        all.push(embedding_backward(dt, 0, (0, 1), 1, 0));
+        all.push(rmsnorm(dt, 0, 0, 0.0, (1, 1), 0, 0));
+        all.extend(rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), 0, (0, 0)));
+        all.push(rope(dt, 0, 0, (1, 1, 2), 1.0, false));
+        all.push(attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
+        all.extend(attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
+        all.push(attention_merge(dt, a, (0, 0), (0, 0)));
+        all.push(swiglu(dt, (0, 0), 0, 1));
+        all.push(swiglu_backward(dt, (0, 0, 0), (0, 0), 1));
+        all.push(row_max(dt, 0, (1, 1), 0));
+        all.push(row_sum_exp(dt, 0, (1, 1), 0, 0));
+        all.push(target_logit(dt, 0, (1, 1), 0, 0, 0));
+        all.push(cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
+        all.push(add_assign(dt, 0, 0, 1));
+        all.push(scale(dt, 0, 1.0, 1));
+    }
+    // the tensor-core attention: bf16, each head size it is built for
+    for head_dim in TENSOR_CORE_HEAD_DIMS {
+        let a = Attn { head_dim, ..a };
+        all.push(attention(DType::Bf16, a, (0, 0, 0), (0, 0), 0, 0));
+        all.extend(attention_backward(DType::Bf16, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
+    }
+    all
+}

@@ -1,0 +1,265 @@
+//! # The CUDA kernels against the CPU reference
+//!
+//! Every op of the op layer, forward and backward, runs twice on the same fresh random inputs
+//! (never zeros): once on the CPU (`cpu.rs`, the reference) and once on the GPU (`cuda_ops.rs`), in
+//! f32 and in mixed precision, for several shapes including odd ones. In bf16 the inputs are
+//! rounded to bf16 first, so the CPU sees exactly what the GPU sees and the comparison measures
+//! the kernel, not the input rounding. Errors are relative to the largest reference value:
+//! about 1e-5 in f32, about 1e-2 in bf16 (outputs are stored in bf16, 8 bits of mantissa).
+//! `ferrotron doctor` and `tests/kernels_gpu.rs` run it where there is a GPU.
+
+use crate::cuda::device::Device;
+use crate::cuda::runtime::Gpu;
+use crate::ops::tensor::{Place, Tensor};
+use crate::ops::{self, AdamW, Attn, DType};
+use anyhow::{bail, Result};
+use half::bf16;
+
+/// Runs every check in f32 and bf16; one line per check, or the first failure.
+pub fn self_test(gpu: &Gpu) -> Result<Vec<String>> {
+    let mut report = Vec::new();
+    for dtype in [DType::F32, DType::Bf16] {
+        let mut c = Check { place: Place::Cuda(Device::new(gpu, dtype)?), dtype, seed: 0, report: &mut report };
+        for (rows, dim, vocab) in [(7, 100, 53), (130, 64, 1000)] {
+            c.linear(rows, dim, vocab)?;
+            c.embedding(rows, dim, vocab)?;
+            c.rmsnorm(rows, dim)?;
+            c.swiglu(rows, dim)?;
+            c.cross_entropy(rows, vocab)?;
+            c.elementwise(rows, dim)?;
+        }
+        c.rope(Attn { batch: 2, seq: 37, kv_seq: 37, heads: 4, kv_heads: 2, head_dim: 16 })?;
+        for a in [
+            Attn { batch: 2, seq: 37, kv_seq: 37, heads: 4, kv_heads: 2, head_dim: 16 },
+            Attn { batch: 1, seq: 70, kv_seq: 70, heads: 3, kv_heads: 1, head_dim: 32 },
+            Attn { batch: 1, seq: 65, kv_seq: 65, heads: 2, kv_heads: 2, head_dim: 128 },
+            Attn { batch: 1, seq: 33, kv_seq: 33, heads: 2, kv_heads: 1, head_dim: 24 }, // no tensor-core kernel
+        ] {
+            let pos: Vec<u32> = (0..a.seq as u32).collect();
+            c.attention(a, (&pos, &pos))?;
+        }
+        // zigzag's two chunks per rank: tiles skipped by position, not by index
+        let zigzag = Attn { batch: 1, seq: 64, kv_seq: 64, heads: 2, kv_heads: 1, head_dim: 64 };
+        let pos: Vec<u32> = (0..32).chain(96..128).collect();
+        c.attention(zigzag, (&pos, &pos))?;
+        // one block of ring attention: 20 queries at positions 40.., 33 keys of which some lie after them
+        let ring = Attn { batch: 2, seq: 20, kv_seq: 33, heads: 4, kv_heads: 2, head_dim: 16 };
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((40..60).collect(), (30..63).collect());
+        c.attention(ring, (&q_pos, &k_pos))?;
+        // a block whose keys all lie after its first queries: those rows see nothing (out 0, lse −∞)
+        let early = Attn { batch: 1, seq: 20, kv_seq: 33, heads: 2, kv_heads: 1, head_dim: 16 };
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((0..20).collect(), (10..43).collect());
+        c.attention(early, (&q_pos, &k_pos))?;
+        c.attention_merge(ring)?;
+        c.adamw(1000)?;
+    }
+    Ok(report)
+}
+
+struct Check<'a> {
+    place: Place,
+    dtype: DType,
+    seed: u64,
+    report: &'a mut Vec<String>,
+}
+
+impl Check<'_> {
+    /// Fresh N(0, 1) numbers, representable in the compute dtype.
+    fn rand(&mut self, shape: &[usize]) -> Tensor {
+        self.seed += 1;
+        let t = crate::model::init::normal(self.seed, "kernel self-test", shape, 1.0);
+        Tensor::from_vec(shape, t.to_vec().into_iter().map(|v| self.round(v)).collect())
+    }
+
+    fn round(&self, v: f32) -> f32 {
+        match self.dtype {
+            DType::F32 => v,
+            DType::Bf16 => bf16::from_f32(v).to_f32(),
+        }
+    }
+
+    /// An activation on the GPU, in the compute dtype.
+    fn gpu(&self, t: &Tensor) -> Tensor {
+        t.to(&self.place)
+    }
+
+    /// A weight on the GPU (in bf16 mode, an fp32 master with its bf16 copy).
+    fn param(&self, t: &Tensor) -> Tensor {
+        t.to_param(&self.place)
+    }
+
+    /// A gradient or statistic on the GPU: f32 in every mode.
+    fn f32(&self, t: &Tensor) -> Tensor {
+        t.to_dtype(&self.place, DType::F32)
+    }
+
+    fn same(&mut self, what: &str, got: &Tensor, want: &Tensor) -> Result<()> {
+        let (got, want) = (got.to_vec(), want.to_vec());
+        let scale = want.iter().fold(1e-6f32, |m, v| if v.is_finite() { m.max(v.abs()) } else { m });
+        let err = got.iter().zip(&want).fold(0.0f32, |e, (g, w)| match (g.is_finite(), w.is_finite()) {
+            (true, true) => e.max((g - w).abs() / scale),
+            _ if g == w => e, // the same infinity (a row that sees no key has lse −∞)
+            _ => f32::INFINITY,
+        });
+        let tol = if self.dtype == DType::F32 { 2e-5 } else { 2e-2 };
+        let line = format!("{:?} {what}: max error {err:.1e} of the largest value (tolerance {tol:.0e})", self.dtype);
+        if got.len() != want.len() || err > tol {
+            bail!("kernel self-test failed: {line}");
+        }
+        self.report.push(line);
+        Ok(())
+    }
+
+    fn linear(&mut self, m: usize, k: usize, n: usize) -> Result<()> {
+        let (x, w, dy, dw) = (self.rand(&[m, k]), self.rand(&[n, k]), self.rand(&[m, n]), self.rand(&[n, k]));
+        let (gx, gw, gdy) = (self.gpu(&x), self.param(&w), self.gpu(&dy));
+        self.same(&format!("linear {m}×{k}→{n}"), &ops::linear(&gx, &gw), &ops::linear(&x, &w))?;
+        let want = ops::linear_input_grad(&dy, &w);
+        self.same("linear input gradient", &ops::linear_input_grad(&gdy, &gw), &want)?;
+        let (mut want, mut got) = (dw.clone(), self.f32(&dw)); // accumulates into what is there
+        ops::linear_weight_grad(&dy, &x, &mut want);
+        ops::linear_weight_grad(&gdy, &gx, &mut got);
+        self.same("linear weight gradient (+=, f32)", &got, &want)
+    }
+
+    fn embedding(&mut self, rows: usize, dim: usize, vocab: usize) -> Result<()> {
+        let table = self.rand(&[vocab, dim]);
+        // a vocabulary slice starting at 3: ids below it and past it get zero rows; ids repeat
+        let tokens: Vec<u32> = (0..rows).map(|i| ((i * 7) % (vocab + 5)) as u32).collect();
+        let got = ops::embedding(&self.param(&table), &tokens, 3);
+        self.same("embedding", &got, &ops::embedding(&table, &tokens, 3))?;
+        let (dout, dtable) = (self.rand(&[rows, dim]), self.rand(&[vocab, dim]));
+        let (mut want, mut got) = (dtable.clone(), self.f32(&dtable));
+        ops::embedding_backward(&dout, &tokens, 3, &mut want);
+        ops::embedding_backward(&self.gpu(&dout), &tokens, 3, &mut got);
+        self.same("embedding backward (+=, f32)", &got, &want)
+    }
+
+    fn rmsnorm(&mut self, rows: usize, dim: usize) -> Result<()> {
+        let (x, w, dy, dw) = (self.rand(&[rows, dim]), self.rand(&[dim]), self.rand(&[rows, dim]), self.rand(&[dim]));
+        let (gx, gw) = (self.gpu(&x), self.param(&w));
+        let (y, rstd) = ops::rmsnorm(&x, &w, 1e-5);
+        let (gy, grstd) = ops::rmsnorm(&gx, &gw, 1e-5);
+        self.same("rmsnorm", &gy, &y)?;
+        self.same("rmsnorm 1/rms", &grstd, &rstd)?;
+        let (mut want_dw, mut got_dw) = (dw.clone(), self.f32(&dw));
+        let want = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw);
+        let got = ops::rmsnorm_backward(&self.gpu(&dy), &gx, &gw, &self.f32(&rstd), &mut got_dw);
+        self.same("rmsnorm backward dx", &got, &want)?;
+        self.same("rmsnorm backward dw (+=, f32)", &got_dw, &want_dw)
+    }
+
+    fn rope(&mut self, a: Attn) -> Result<()> {
+        let rows = a.batch * a.seq;
+        let positions: Vec<u32> = (0..rows).map(|r| (r % a.seq) as u32 * 97).collect(); // large angles too
+        let mut x = self.rand(&[rows, a.heads * a.head_dim]);
+        let mut gx = self.gpu(&x);
+        ops::rope(&mut x, &positions, a.head_dim, 10000.0);
+        ops::rope(&mut gx, &positions, a.head_dim, 10000.0);
+        self.same("rope", &gx, &x)?;
+        ops::rope_backward(&mut x, &positions, a.head_dim, 10000.0);
+        ops::rope_backward(&mut gx, &positions, a.head_dim, 10000.0);
+        self.same("rope backward (inverse rotation)", &gx, &x)
+    }
+
+    fn attention(&mut self, a: Attn, pos: (&[u32], &[u32])) -> Result<()> {
+        let q = self.rand(&[a.batch * a.seq, a.heads * a.head_dim]);
+        let (k, v) = (
+            self.rand(&[a.batch * a.kv_seq, a.kv_heads * a.head_dim]),
+            self.rand(&[a.batch * a.kv_seq, a.kv_heads * a.head_dim]),
+        );
+        let (gq, gk, gv) = (self.gpu(&q), self.gpu(&k), self.gpu(&v));
+        let what =
+            format!("attention b{} q{} k{} h{}/{} d{}", a.batch, a.seq, a.kv_seq, a.heads, a.kv_heads, a.head_dim);
+        let (out, lse) = ops::attention(a, &q, &k, &v, pos);
+        let (gout, glse) = ops::attention(a, &gq, &gk, &gv, pos);
+        self.same(&what, &gout, &out)?;
+        self.same(&format!("{what} lse"), &glse, &lse)?;
+        // backward from the reference forward (rounded to the compute dtype), so it is tested alone
+        let out = Tensor::from_vec(out.shape(), out.to_vec().into_iter().map(|v| self.round(v)).collect());
+        let dout = self.rand(out.shape());
+        let want = ops::attention_backward(a, (&q, &k, &v), pos, (&out, &lse), &dout);
+        let got =
+            ops::attention_backward(a, (&gq, &gk, &gv), pos, (&self.gpu(&out), &self.f32(&lse)), &self.gpu(&dout));
+        self.same(&format!("{what} backward dq"), &got.0, &want.0)?;
+        self.same(&format!("{what} backward dk"), &got.1, &want.1)?;
+        self.same(&format!("{what} backward dv"), &got.2, &want.2)
+    }
+
+    fn attention_merge(&mut self, a: Attn) -> Result<()> {
+        let (out, block_out) =
+            (self.rand(&[a.batch * a.seq, a.heads * a.head_dim]), self.rand(&[a.batch * a.seq, a.heads * a.head_dim]));
+        let lse_shape = [a.batch, a.heads, a.seq];
+        // some rows have seen nothing yet (−∞), some blocks add nothing (−∞)
+        let mut lse = self.rand(&lse_shape).to_vec();
+        let mut block_lse = self.rand(&lse_shape).to_vec();
+        lse.iter_mut().step_by(5).for_each(|l| *l = f32::NEG_INFINITY);
+        block_lse.iter_mut().step_by(7).for_each(|l| *l = f32::NEG_INFINITY);
+        let (mut out, mut lse, block_lse) =
+            (out, Tensor::from_vec(&lse_shape, lse), Tensor::from_vec(&lse_shape, block_lse));
+        let (mut gout, mut glse) = (self.gpu(&out), self.f32(&lse));
+        ops::attention_merge(a, (&mut out, &mut lse), &block_out, &block_lse);
+        ops::attention_merge(a, (&mut gout, &mut glse), &self.gpu(&block_out), &self.f32(&block_lse));
+        self.same("attention merge", &gout, &out)?;
+        self.same("attention merge lse", &glse, &lse)
+    }
+
+    fn swiglu(&mut self, rows: usize, dim: usize) -> Result<()> {
+        let (g, u, dh) = (self.rand(&[rows, dim]), self.rand(&[rows, dim]), self.rand(&[rows, dim]));
+        let (gg, gu) = (self.gpu(&g), self.gpu(&u));
+        self.same("swiglu", &ops::swiglu(&gg, &gu), &ops::swiglu(&g, &u))?;
+        let want = ops::swiglu_backward(&dh, &g, &u);
+        let got = ops::swiglu_backward(&self.gpu(&dh), &gg, &gu);
+        self.same("swiglu backward dgate", &got.0, &want.0)?;
+        self.same("swiglu backward dup", &got.1, &want.1)
+    }
+
+    fn cross_entropy(&mut self, rows: usize, vocab: usize) -> Result<()> {
+        let logits = self.rand(&[rows, vocab]);
+        let gl = self.gpu(&logits);
+        // a vocabulary slice starting at 5: targets below it, in it, past it, and ignored (−1)
+        let targets: Vec<i32> =
+            (0..rows).map(|i| if i % 4 == 3 { -1 } else { ((i * 13) % (vocab + 9)) as i32 }).collect();
+        let (max, gmax) = (ops::row_max(&logits), ops::row_max(&gl));
+        self.same("row max", &gmax, &max)?;
+        let (sum, gsum) = (ops::row_sum_exp(&logits, &max), ops::row_sum_exp(&gl, &gmax));
+        self.same("row sum of exponentials", &gsum, &sum)?;
+        let (lse, glse) = (ops::log_sum_exp(&max, &sum), ops::log_sum_exp(&gmax, &gsum));
+        self.same("log-sum-exp", &glse, &lse)?;
+        self.same("target logits", &ops::target_logits(&gl, &targets, 5), &ops::target_logits(&logits, &targets, 5))?;
+        let want = ops::cross_entropy_backward(&logits, &targets, 5, &lse, 0.25);
+        self.same("cross-entropy backward", &ops::cross_entropy_backward(&gl, &targets, 5, &glse, 0.25), &want)
+    }
+
+    fn elementwise(&mut self, rows: usize, dim: usize) -> Result<()> {
+        let (mut a, b) = (self.rand(&[rows, dim]), self.rand(&[rows, dim]));
+        let mut ga = self.gpu(&a);
+        ops::add_assign(&mut a, &b);
+        ops::add_assign(&mut ga, &self.gpu(&b));
+        ops::scale(&mut a, 0.75);
+        ops::scale(&mut ga, 0.75);
+        self.same("add and scale", &ga, &a)?;
+        let (g1, g2) = (self.rand(&[rows, dim]), self.rand(&[dim]));
+        let want = ops::sum_squares(&[&g1, &g2]);
+        let got = ops::sum_squares(&[&self.f32(&g1), &self.f32(&g2)]);
+        let to_tensor = |v: Vec<f64>| Tensor::from_vec(&[2], v.into_iter().map(|x| x as f32).collect());
+        self.same("sum of squares (f32)", &to_tensor(got), &to_tensor(want))
+    }
+
+    fn adamw(&mut self, n: usize) -> Result<()> {
+        let (p, g, m) = (self.rand(&[n, 3]), self.rand(&[n, 3]), self.rand(&[n, 3]));
+        let v = Tensor::from_vec(&[n, 3], self.rand(&[n, 3]).to_vec().iter().map(|x| x * x).collect());
+        let o = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3 };
+        let (mut gp, mut gm, mut gv) = (self.param(&p), self.f32(&m), self.f32(&v));
+        let (mut p, mut m, mut v) = (p, m, v);
+        ops::adamw(&o, &mut p, &g, &mut m, &mut v);
+        ops::adamw(&o, &mut gp, &self.f32(&g), &mut gm, &mut gv);
+        self.same("adamw weight (fp32 master)", &gp, &p)?;
+        self.same("adamw first moment", &gm, &m)?;
+        self.same("adamw second moment", &gv, &v)?;
+        // the copy the kernels compute with is the master rounded: read it through an embedding
+        let rows: Vec<u32> = (0..n as u32).collect();
+        let want = Tensor::from_vec(p.shape(), p.to_vec().into_iter().map(|x| self.round(x)).collect());
+        self.same("adamw compute copy", &ops::embedding(&gp, &rows, 0), &want)
+    }
+}

@@ -1,0 +1,167 @@
+//! # Real text: a tokenizer, documents, and a token file read in place
+//!
+//! `data.source = "text:PATH"` trains on a UTF-8 file (one document) or, for `.jsonl`, on the
+//! `"text"` field of each line (one document each). `data.tokenizer` turns text into ids:
+//! `"bytes"` (each byte is a token, vocab 256) or a Hugging Face `tokenizer.json`, run by the
+//! `tokenizers` crate exactly as transformers' fast tokenizers run it. Documents are joined with
+//! the tokenizer's end-of-text token between them.
+//!
+//! Tokenising is done once: the ids go to `PATH.<fingerprint>.tokens` next to the source (the
+//! fingerprint covers the tokenizer and the source's size and time), and later runs map that
+//! file into memory and read windows of it without loading it.
+//!
+//! ```text
+//! PATH.<fp>.tokens:  "FTOK" | version u32 | count u64 | count × u32 token ids (little endian)
+//! ```
+
+use anyhow::{bail, Context, Result};
+use memmap2::Mmap;
+use std::path::{Path, PathBuf};
+
+pub enum Tokenizer {
+    Bytes,
+    /// A Hugging Face tokenizer and the `tokenizer.json` it came from.
+    Bpe(Box<tokenizers::Tokenizer>, PathBuf),
+}
+
+/// End-of-text tokens used by common tokenizers, looked up in this order.
+const EOS_NAMES: [&str; 5] = ["<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>", "<|im_end|>"];
+
+impl Tokenizer {
+    /// `"bytes"`, a path to a `tokenizer.json`, or `"hub:ORG/NAME"` (that model's tokenizer.json).
+    pub fn load(spec: &str) -> Result<Tokenizer> {
+        if spec == "bytes" {
+            return Ok(Tokenizer::Bytes);
+        }
+        let path = match spec.strip_prefix("hub:") {
+            Some(id) => crate::data::hf_hub::tokenizer_file(id)?,
+            None => PathBuf::from(spec),
+        };
+        let t = tokenizers::Tokenizer::from_file(&path)
+            .map_err(|e| anyhow::anyhow!("data.tokenizer: cannot load {} as a tokenizer.json: {e}", path.display()))?;
+        Ok(Tokenizer::Bpe(Box::new(t), path))
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        match self {
+            Tokenizer::Bytes => 256,
+            Tokenizer::Bpe(t, _) => t.get_vocab_size(true),
+        }
+    }
+
+    /// The token that separates documents, if the tokenizer has one.
+    pub fn eos(&self) -> Option<u32> {
+        match self {
+            Tokenizer::Bytes => None,
+            Tokenizer::Bpe(t, _) => EOS_NAMES.iter().find_map(|n| t.token_to_id(n)),
+        }
+    }
+
+    /// The ids of `text`, without special tokens added.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
+        match self {
+            Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
+            Tokenizer::Bpe(t, _) => {
+                Ok(t.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?.get_ids().to_vec())
+            }
+        }
+    }
+}
+
+/// A tokenised source, mapped from its token file.
+pub struct Tokens {
+    map: Mmap,
+}
+
+const HEADER: usize = 16;
+
+impl Tokens {
+    /// Maps the token file of `source` for `tokenizer`, writing it first if needed.
+    pub fn open(source: &Path, tokenizer: &Tokenizer) -> Result<Tokens> {
+        let cache = cache_path(source, tokenizer)?;
+        if !cache.exists() {
+            write_tokens(source, tokenizer, &cache)?;
+        }
+        let file =
+            std::fs::File::open(&cache).with_context(|| format!("cannot open token file {}", cache.display()))?;
+        // SAFETY: the file is written once, atomically, and never modified afterwards.
+        let map = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", cache.display()))?;
+        let count = map.get(8..16).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
+        if &map[..4.min(map.len())] != b"FTOK" || count.map(|c| HEADER + 4 * c) != Some(map.len()) {
+            bail!("{}: not a complete token file; delete it and it will be rebuilt", cache.display());
+        }
+        Ok(Tokens { map })
+    }
+
+    pub fn len(&self) -> usize {
+        (self.map.len() - HEADER) / 4
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Tokens `start..start + len`.
+    pub fn window(&self, start: usize, len: usize) -> Vec<u32> {
+        let bytes = &self.map[HEADER + 4 * start..HEADER + 4 * (start + len)];
+        bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect()
+    }
+}
+
+/// `PATH.<fingerprint>.tokens`: the fingerprint covers the tokenizer (its file's bytes) and the
+/// source's size and modification time.
+fn cache_path(source: &Path, tokenizer: &Tokenizer) -> Result<PathBuf> {
+    let meta = std::fs::metadata(source)
+        .with_context(|| format!("data.source: cannot read {}: check the path", source.display()))?;
+    let mut key = format!("{}|{:?}|", meta.len(), meta.modified().ok()).into_bytes();
+    match tokenizer {
+        Tokenizer::Bytes => key.extend(b"bytes"),
+        Tokenizer::Bpe(_, path) => {
+            key.extend(std::fs::read(path).with_context(|| format!("data.tokenizer: cannot read {}", path.display()))?)
+        }
+    }
+    let fp = key.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3));
+    let mut name = source.as_os_str().to_owned();
+    name.push(format!(".{fp:016x}.tokens"));
+    Ok(PathBuf::from(name))
+}
+
+/// The documents of a source: the whole file, or the `"text"` of each JSON line.
+fn documents(source: &Path) -> Result<Vec<String>> {
+    let text = std::fs::read_to_string(source)
+        .with_context(|| format!("data.source: cannot read {} as UTF-8 text", source.display()))?;
+    if source.extension().is_none_or(|e| e != "jsonl") {
+        return Ok(vec![text]);
+    }
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let j: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}: not valid JSON", source.display(), i + 1))?;
+        let Some(t) = j["text"].as_str() else {
+            bail!("{} line {}: no \"text\" string field", source.display(), i + 1);
+        };
+        docs.push(t.to_string());
+    }
+    Ok(docs)
+}
+
+fn write_tokens(source: &Path, tokenizer: &Tokenizer, cache: &Path) -> Result<()> {
+    let docs = documents(source)?;
+    let bar = indicatif::ProgressBar::new(docs.len() as u64).with_message(format!("tokenising {}", source.display()));
+    let mut ids: Vec<u32> = Vec::new();
+    for (i, doc) in docs.iter().enumerate() {
+        if i > 0 {
+            ids.extend(tokenizer.eos());
+        }
+        ids.extend(tokenizer.encode(doc)?);
+        bar.inc(1);
+    }
+    bar.finish_and_clear();
+    let mut bytes = Vec::with_capacity(HEADER + 4 * ids.len());
+    bytes.extend(b"FTOK");
+    bytes.extend(1u32.to_le_bytes());
+    bytes.extend((ids.len() as u64).to_le_bytes());
+    bytes.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
+    crate::files::write_atomically(cache, &bytes)
+        .with_context(|| format!("cannot write token file {}", cache.display()))
+}

@@ -1,0 +1,187 @@
+//! # One transformer block, forward and backward
+//!
+//! ```text
+//! x ─┬─ rmsnorm ─ q,k,v ─ rope ─ attention ─ o ─(+)─ h ─┬─ rmsnorm ─ gate,up ─ swiglu ─ down ─(+)─ out
+//!    └──────────────────────────────────────────────┘   └─────────────────────────────────────┘
+//! ```
+//! `forward` keeps what `backward` needs (the `BlockCache`); `backward` walks the picture right to
+//! left, returning dx and adding into each parameter's gradient. The linear layers are cut as
+//! Megatron cuts them: q, k, v, gate and up column parallel (each rank its heads and MLP
+//! features), o and down row parallel. Where the ranks must talk, the block asks its
+//! `TensorSplit` (2 sums forward: after o and after down; 2 backward: the input gradients of
+//! q|k|v and of gate|up) and its `SequenceSplit` (attention over the whole sequence). On one rank
+//! (`Whole`) every one of those calls is local and this is the plain dense block.
+
+use crate::config::ModelConfig;
+use crate::model::param::{Param, ParamKind, Split};
+use crate::model::split::{SequenceSplit, TensorSplit};
+use crate::ops::tensor::Tensor;
+use crate::ops::{self, Attn};
+use anyhow::Result;
+
+pub(crate) struct Block {
+    q_proj: Param,
+    k_proj: Param,
+    v_proj: Param,
+    o_proj: Param,
+    gate_proj: Param,
+    up_proj: Param,
+    down_proj: Param,
+    input_layernorm: Param,
+    post_attention_layernorm: Param,
+}
+
+/// The activations one block's backward needs.
+pub(crate) struct BlockCache {
+    x: Tensor,
+    xn1: Tensor,
+    rstd1: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn: Tensor,
+    lse: Tensor,
+    h: Tensor,
+    xn2: Tensor,
+    rstd2: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    act: Tensor,
+}
+
+impl BlockCache {
+    /// The bytes these activations occupy.
+    pub(crate) fn bytes(&self) -> usize {
+        let all = [&self.x, &self.xn1, &self.rstd1, &self.q, &self.k, &self.v, &self.attn, &self.lse];
+        let more = [&self.h, &self.xn2, &self.rstd2, &self.gate, &self.up, &self.act];
+        all.iter().chain(&more).map(|t| t.bytes()).sum()
+    }
+}
+
+/// Who a block talks to: the other tensor-parallel ranks, and the rest of the sequence.
+#[derive(Clone, Copy)]
+pub(crate) struct Splits<'a> {
+    pub tp: &'a dyn TensorSplit,
+    pub seq: &'a dyn SequenceSplit,
+}
+
+impl Block {
+    /// Layer `i`'s parameters in Hugging Face order, each asked of `param(name, full shape,
+    /// kind, split)` (which keeps this rank's slice).
+    pub(crate) fn build(
+        i: usize,
+        cfg: &ModelConfig,
+        param: &mut impl FnMut(String, &[usize], ParamKind, Split) -> Result<Param>,
+    ) -> Result<Block> {
+        use Split::{Cols, Replicated, Rows};
+        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+        let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        let p = |s: &str| format!("model.layers.{i}.{s}.weight");
+        Ok(Block {
+            q_proj: param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix, Rows)?,
+            k_proj: param(p("self_attn.k_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
+            v_proj: param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
+            o_proj: param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix, Cols)?,
+            gate_proj: param(p("mlp.gate_proj"), &[f, d], ParamKind::Matrix, Rows)?,
+            up_proj: param(p("mlp.up_proj"), &[f, d], ParamKind::Matrix, Rows)?,
+            down_proj: param(p("mlp.down_proj"), &[d, f], ParamKind::Matrix, Cols)?,
+            input_layernorm: param(p("input_layernorm"), &[d], ParamKind::Norm, Replicated)?,
+            post_attention_layernorm: param(p("post_attention_layernorm"), &[d], ParamKind::Norm, Replicated)?,
+        })
+    }
+
+    pub(crate) fn params(&self) -> [&Param; 9] {
+        [
+            &self.q_proj,
+            &self.k_proj,
+            &self.v_proj,
+            &self.o_proj,
+            &self.gate_proj,
+            &self.up_proj,
+            &self.down_proj,
+            &self.input_layernorm,
+            &self.post_attention_layernorm,
+        ]
+    }
+
+    pub(crate) fn params_mut(&mut self) -> [&mut Param; 9] {
+        [
+            &mut self.q_proj,
+            &mut self.k_proj,
+            &mut self.v_proj,
+            &mut self.o_proj,
+            &mut self.gate_proj,
+            &mut self.up_proj,
+            &mut self.down_proj,
+            &mut self.input_layernorm,
+            &mut self.post_attention_layernorm,
+        ]
+    }
+
+    /// Returns the output, the cache and the attention work.
+    pub(crate) fn forward(
+        &self,
+        split: Splits,
+        x: Tensor,
+        cfg: &ModelConfig,
+        attn: Attn,
+        positions: &[u32],
+    ) -> Result<(Tensor, BlockCache, u64)> {
+        let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, split.tp);
+        // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
+        let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
+        let mut q = ops::linear(&xn1, &self.q_proj.value);
+        let mut k = ops::linear(&xn1, &self.k_proj.value);
+        let v = ops::linear(&xn1, &self.v_proj.value);
+        ops::rope(&mut q, positions, hd, theta);
+        ops::rope(&mut k, positions, hd, theta);
+        let (attn_out, lse, work) = split.seq.attention(attn, &q, &k, &v, &positions[..attn.seq])?;
+        let mut h = tp.row_forward(&attn_out, &self.o_proj)?; // g: Σ over the tp ranks
+        ops::add_assign(&mut h, &x);
+        // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
+        let (xn2, rstd2) = ops::rmsnorm(&h, &self.post_attention_layernorm.value, eps);
+        let gate = ops::linear(&xn2, &self.gate_proj.value);
+        let up = ops::linear(&xn2, &self.up_proj.value);
+        let act = ops::swiglu(&gate, &up);
+        let mut out = tp.row_forward(&act, &self.down_proj)?; // g
+        ops::add_assign(&mut out, &h);
+        let cache = BlockCache { x, xn1, rstd1, q, k, v, attn: attn_out, lse, h, xn2, rstd2, gate, up, act };
+        Ok((out, cache, work))
+    }
+
+    pub(crate) fn backward(
+        &mut self,
+        split: Splits,
+        dout: Tensor,
+        c: &BlockCache,
+        cfg: &ModelConfig,
+        attn: Attn,
+        positions: &[u32],
+    ) -> Result<Tensor> {
+        let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
+        // MLP sub-block, right to left; down is row parallel: its backward is local
+        let down = &mut self.down_proj;
+        let dact = ops::linear_backward(&dout, &c.act, &down.value, &mut down.grad);
+        let (dgate, dup) = ops::swiglu_backward(&dact, &c.gate, &c.up);
+        // f: one sum over the tp ranks for gate and up together
+        let dxn2 = tp.column_backward(&c.xn2, &mut [(&dgate, &mut self.gate_proj), (&dup, &mut self.up_proj)])?;
+        let ln2 = &mut self.post_attention_layernorm;
+        let mut dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad);
+        ops::add_assign(&mut dh, &dout); // the residual carries dout straight through
+                                         // attention sub-block, right to left; o is row parallel: local
+        let o = &mut self.o_proj;
+        let dattn = ops::linear_backward(&dh, &c.attn, &o.value, &mut o.grad);
+        let qkv = (&c.q, &c.k, &c.v);
+        let (mut dq, mut dk, dv) =
+            split.seq.attention_backward(attn, qkv, &positions[..attn.seq], (&c.attn, &c.lse), &dattn)?;
+        ops::rope_backward(&mut dq, positions, hd, theta);
+        ops::rope_backward(&mut dk, positions, hd, theta);
+        // f: one sum over the tp ranks for q, k and v together
+        let layers = &mut [(&dq, &mut self.q_proj), (&dk, &mut self.k_proj), (&dv, &mut self.v_proj)];
+        let dxn1 = tp.column_backward(&c.xn1, layers)?;
+        let ln1 = &mut self.input_layernorm;
+        let mut dx = ops::rmsnorm_backward(&dxn1, &c.x, &ln1.value, &c.rstd1, &mut ln1.grad);
+        ops::add_assign(&mut dx, &dh);
+        Ok(dx)
+    }
+}

@@ -1,0 +1,344 @@
+//! # The Llama model, forward and backward by hand
+//!
+//! ```text
+//! tokens ─ embed ─ block 0 ─ … ─ block L-1 ─ norm ─ lm_head ─ cross-entropy ─ loss
+//! ```
+//! (A block, its attention and its MLP, is in `block.rs`.)
+//! There is no autograd: `forward` keeps what the backward will need (the `Cache`), and
+//! `backward` walks the same picture right to left, returning each input gradient and
+//! accumulating each parameter gradient (`Param::grad`). Every line is one op-layer call, so the
+//! model runs on whatever device the op layer supports. Parameter names are Hugging Face's, so a
+//! transformers checkpoint loads by name and a gradient can be compared tensor by tensor.
+//!
+//! The model is also the unit of every parallelism: it may hold one pipeline stage's layers
+//! (`forward_stage`/`backward_stage`, one cache per micro-batch in flight), a tp slice of every
+//! matrix (the output layer column parallel, the embedding vocab parallel, the blocks' layers in
+//! `block.rs`), and its rank's part of each sequence. Where those parts must talk it asks the
+//! `TensorSplit` and `SequenceSplit` it was given (`split.rs`); on a single rank they are `Whole`
+//! and this is the plain dense model.
+
+use crate::config::ModelConfig;
+use crate::model::block::{Block, BlockCache, Splits};
+use crate::model::init;
+use crate::model::param::{shard, Param, ParamKind, Split};
+use crate::model::split::{SequenceSplit, TensorSplit, Whole};
+use crate::model::stage::Stage;
+use crate::ops::tensor::{Place, Tensor};
+use crate::ops::{self, Attn, DType};
+use anyhow::{anyhow, bail, Result};
+use std::collections::VecDeque;
+
+/// Everything one micro-batch's `forward` keeps for its `backward`.
+struct Cache {
+    /// The input tokens, on the first pipeline stage.
+    tokens: Option<Vec<u32>>,
+    positions: Vec<u32>,
+    attn: Attn,
+    blocks: Vec<BlockCache>,
+    /// The output end, on the last pipeline stage.
+    head: Option<HeadCache>,
+}
+
+struct HeadCache {
+    targets: Vec<i32>,
+    x_final: Tensor,
+    xn: Tensor,
+    rstd: Tensor,
+    logits: Tensor,
+    lse: Tensor,
+    count: usize,
+}
+
+/// The final norm and the output layer, on the last pipeline stage.
+struct Head {
+    norm: Param,
+    /// `None` when the output layer is tied to the embedding.
+    lm_head: Option<Param>,
+}
+
+/// What a pipeline stage receives: tokens (first stage) or the previous stage's activations.
+pub enum StageInput<'a> {
+    Tokens(&'a [u32]),
+    Hidden(Tensor),
+}
+
+/// What a stage produces: the mean loss (last stage) or activations for the next stage.
+pub enum StageOutput {
+    Loss(f32),
+    Hidden(Tensor),
+}
+
+/// Where a stage's backward starts: the loss, scaled (last stage), or the next stage's gradient.
+pub enum StageGrad {
+    Loss(f32),
+    Hidden(Tensor),
+}
+
+pub struct Llama<'g> {
+    pub cfg: ModelConfig,
+    /// How this rank's matrices relate to the other tensor-parallel ranks' (`Whole` alone).
+    tp: Box<dyn TensorSplit + 'g>,
+    /// How this rank's tokens relate to the rest of each sequence (`Whole` unless cp splits it).
+    seq: Box<dyn SequenceSplit + 'g>,
+    /// The first vocabulary id of this rank's slice.
+    vocab_first: usize,
+    /// On the first pipeline stage.
+    embed_tokens: Option<Param>,
+    /// This stage's layers.
+    layers: Vec<Block>,
+    /// On the last pipeline stage.
+    head: Option<Head>,
+    /// One per micro-batch whose forward is done and backward is not (the activation memory).
+    caches: VecDeque<Cache>,
+    /// Attention score entries computed since the last `take_attention_work`.
+    attention_work: u64,
+}
+
+impl<'g> Llama<'g> {
+    /// A fresh model on one rank: every parameter from its own (seed, name) stream (`init.rs`).
+    pub fn new(cfg: &ModelConfig, seed: u64) -> Llama<'static> {
+        Llama::init(cfg, seed, Box::new(Whole), Stage::WHOLE)
+    }
+
+    /// This rank's part of the same model: the layers of pipeline `stage`, each tensor split over
+    /// the tensor-parallel ranks as `tp` says. Parts are cut from the full initialised tensors, so every layout starts
+    /// from the single-rank model.
+    pub fn init(cfg: &ModelConfig, seed: u64, tp: Box<dyn TensorSplit + 'g>, stage: Stage) -> Llama<'g> {
+        let std = cfg.initializer_range;
+        Llama::build(cfg, tp, stage, |name, shape, kind| {
+            Ok(match kind {
+                ParamKind::Matrix => init::normal(seed, name, shape, std),
+                ParamKind::Norm => init::ones(shape),
+            })
+        })
+        .expect("init cannot fail")
+    }
+
+    /// Builds the model, asking `make(name, full shape, kind)` for each parameter in Hugging Face
+    /// order, and keeping this tp rank's part of it.
+    pub fn build(
+        cfg: &ModelConfig,
+        tp: Box<dyn TensorSplit + 'g>,
+        stage: Stage,
+        mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
+    ) -> Result<Llama<'g>> {
+        let d = cfg.hidden_size;
+        let (index, count) = tp.part();
+        let mut param = |name: String, shape: &[usize], kind, split| -> Result<Param> {
+            let value = shard(&make(&name, shape, kind)?, split, index, count);
+            Ok(Param { grad: Tensor::zeros(value.shape()), name, value, split })
+        };
+        use Split::{Replicated, Rows};
+        let embed_name = "model.embed_tokens.weight".to_string();
+        let embed_tokens = match stage.is_first() {
+            true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+            false => None,
+        };
+        let mut layers = Vec::new();
+        for i in stage.layers(cfg.num_hidden_layers) {
+            layers.push(Block::build(i, cfg, &mut param)?);
+        }
+        let head = match stage.is_last() {
+            true => Some(Head {
+                norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, Replicated)?,
+                lm_head: match cfg.tie_word_embeddings {
+                    true => None,
+                    false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+                },
+            }),
+            false => None,
+        };
+        let vocab_first = index * cfg.vocab_size / count;
+        let caches = VecDeque::new();
+        Ok(Llama {
+            cfg: cfg.clone(),
+            tp,
+            seq: Box::new(Whole),
+            vocab_first,
+            embed_tokens,
+            layers,
+            head,
+            caches,
+            attention_work: 0,
+        })
+    }
+
+    /// Splits every sequence as `seq` says: forward then takes this rank's tokens of each
+    /// sequence, and attention reaches the others' (`parallel/context_parallel.rs`).
+    pub fn with_sequence_split(mut self, seq: Box<dyn SequenceSplit + 'g>) -> Llama<'g> {
+        self.seq = seq;
+        self
+    }
+
+    /// Every parameter, in Hugging Face order.
+    pub fn params(&self) -> Vec<&Param> {
+        let mut v: Vec<&Param> = self.embed_tokens.iter().collect();
+        for b in &self.layers {
+            v.extend(b.params());
+        }
+        if let Some(h) = &self.head {
+            v.push(&h.norm);
+            v.extend(h.lm_head.as_ref());
+        }
+        v
+    }
+
+    pub fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v: Vec<&mut Param> = self.embed_tokens.iter_mut().collect();
+        for b in &mut self.layers {
+            v.extend(b.params_mut());
+        }
+        if let Some(h) = &mut self.head {
+            v.push(&mut h.norm);
+            v.extend(h.lm_head.as_mut());
+        }
+        v
+    }
+
+    /// The device the model lives on.
+    pub fn place(&self) -> Place {
+        self.params()[0].value.place()
+    }
+
+    /// Moves every weight and gradient to `place`: on a GPU in mixed precision each weight
+    /// becomes an fp32 master with its bf16 copy, and gradients stay fp32.
+    pub fn to_place(&mut self, place: &Place) {
+        if self.place().is(place) {
+            return;
+        }
+        for p in self.params_mut() {
+            p.value = p.value.to_param(place);
+            p.grad = p.grad.to_dtype(place, DType::F32);
+        }
+    }
+
+    /// Micro-batches whose activations this rank holds now (forward done, backward not yet).
+    pub fn activations_held(&self) -> usize {
+        self.caches.len()
+    }
+
+    /// The bytes of the activations held for backward (all micro-batches in flight).
+    pub fn activation_bytes(&self) -> usize {
+        let head = |h: &HeadCache| [&h.x_final, &h.xn, &h.rstd, &h.logits, &h.lse].iter().map(|t| t.bytes()).sum();
+        let cache = |c: &Cache| c.blocks.iter().map(BlockCache::bytes).sum::<usize>() + c.head.as_ref().map_or(0, head);
+        self.caches.iter().map(cache).sum()
+    }
+
+    /// Attention score entries (query × key pairs, all heads) computed since the last call.
+    pub fn take_attention_work(&mut self) -> u64 {
+        std::mem::take(&mut self.attention_work)
+    }
+
+    pub fn zero_grads(&mut self) {
+        for p in self.params_mut() {
+            ops::scale(&mut p.grad, 0.0);
+        }
+    }
+
+    /// Runs `batch` sequences of `tokens.len() / batch` tokens through the whole model; returns
+    /// the mean cross-entropy over the rows whose target is not negative. Keeps the activations
+    /// for `backward`, dropping those of earlier forwards that had none (as in evaluation).
+    pub fn forward(&mut self, tokens: &[u32], batch: usize, targets: &[i32]) -> Result<f32> {
+        self.caches.clear();
+        match self.forward_stage(StageInput::Tokens(tokens), batch, targets)? {
+            StageOutput::Loss(loss) => Ok(loss),
+            StageOutput::Hidden(_) => bail!("forward: this model is one pipeline stage, not the whole model"),
+        }
+    }
+
+    /// One micro-batch of `batch` sequences through this stage's part of the model; `targets`
+    /// are used on the last stage. The activations stay until this micro-batch's backward.
+    pub fn forward_stage(&mut self, input: StageInput, batch: usize, targets: &[i32]) -> Result<StageOutput> {
+        let (cfg, tp) = (&self.cfg, &*self.tp);
+        let (mut x, tokens) = match (input, &self.embed_tokens) {
+            (StageInput::Tokens(t), Some(embed)) => {
+                (tp.embedding_forward(embed, t, self.vocab_first)?, Some(t.to_vec()))
+            }
+            (StageInput::Hidden(x), _) => (x, None),
+            (StageInput::Tokens(_), None) => bail!("forward: tokens given to a pipeline stage without the embedding"),
+        };
+        let seq = x.rows() / batch; // this rank's tokens of each sequence
+        let ranks = tp.part().1;
+        let attn = Attn {
+            batch,
+            seq,
+            kv_seq: seq,
+            heads: cfg.num_attention_heads / ranks, // this rank's heads
+            kv_heads: cfg.num_key_value_heads / ranks,
+            head_dim: cfg.head_dim(),
+        };
+        let seq_positions = self.seq.positions(seq);
+        let positions: Vec<u32> = (0..x.rows()).map(|r| seq_positions[r % seq]).collect();
+        let split = Splits { tp, seq: &*self.seq };
+        let mut blocks = Vec::with_capacity(self.layers.len());
+        for layer in &self.layers {
+            let (out, cache, work) = layer.forward(split, x, cfg, attn, &positions)?;
+            self.attention_work += work;
+            blocks.push(cache);
+            x = out;
+        }
+        let Some(h) = &self.head else {
+            self.caches.push_back(Cache { tokens, positions, attn, blocks, head: None });
+            return Ok(StageOutput::Hidden(x));
+        };
+        let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, cfg.rms_norm_eps);
+        let out_layer = h.lm_head.as_ref().or(self.embed_tokens.as_ref()).expect("a tied head has the embedding");
+        let logits = ops::linear(&xn, &out_layer.value); // column parallel: this rank's vocabulary slice
+        let (sum, count, lse) = tp.cross_entropy(&logits, targets, self.vocab_first)?;
+        let head = HeadCache { targets: targets.to_vec(), x_final: x, xn, rstd, logits, lse, count };
+        self.caches.push_back(Cache { tokens, positions, attn, blocks, head: Some(head) });
+        Ok(StageOutput::Loss((sum / count.max(1) as f64) as f32))
+    }
+
+    /// The logits of the last `forward`, `[rows, vocab]` (this rank's vocabulary slice).
+    pub fn logits(&self) -> Option<&Tensor> {
+        self.caches.back().and_then(|c| c.head.as_ref()).map(|h| &h.logits)
+    }
+
+    /// Accumulates into every `Param::grad` the gradient of `scale × loss` of the last forward.
+    pub fn backward(&mut self, scale: f32) -> Result<()> {
+        self.backward_with(scale, &mut |_| {})
+    }
+
+    /// `backward` that calls `ready(param)` as soon as a parameter's gradient is complete, so
+    /// that data parallelism can start reducing it while the rest of backward runs.
+    pub fn backward_with(&mut self, scale: f32, ready: &mut dyn FnMut(&Param)) -> Result<()> {
+        self.backward_stage(StageGrad::Loss(scale), ready).map(drop)
+    }
+
+    /// The backward of the oldest micro-batch whose forward is done. Returns the gradient of the
+    /// stage's input activations (`None` on the first stage, whose input is tokens).
+    pub fn backward_stage(&mut self, grad: StageGrad, ready: &mut dyn FnMut(&Param)) -> Result<Option<Tensor>> {
+        let c = self.caches.pop_front().ok_or_else(|| anyhow!("backward: no forward is waiting for its backward"))?;
+        let (tp, first) = (&*self.tp, self.vocab_first);
+        let mut dx = match (grad, &c.head, &mut self.head) {
+            (StageGrad::Loss(scale), Some(hc), Some(h)) => {
+                let scale = scale / hc.count.max(1) as f32;
+                // softmax − one-hot on this rank's vocabulary slice: local, the lse is global
+                let dlogits = ops::cross_entropy_backward(&hc.logits, &hc.targets, first, &hc.lse, scale);
+                let out_layer =
+                    h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
+                let dxn = tp.column_backward(&hc.xn, &mut [(&dlogits, out_layer)])?;
+                h.lm_head.iter().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
+                let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad);
+                ready(&h.norm);
+                dx
+            }
+            (StageGrad::Hidden(dx), None, _) => dx,
+            _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
+        };
+        let split = Splits { tp, seq: &*self.seq };
+        for (layer, cache) in self.layers.iter_mut().zip(&c.blocks).rev() {
+            dx = layer.backward(split, dx, cache, &self.cfg, c.attn, &c.positions)?;
+            layer.params().into_iter().for_each(&mut *ready);
+        }
+        match (&c.tokens, &mut self.embed_tokens) {
+            (Some(tokens), Some(embed)) => {
+                ops::embedding_backward(&dx, tokens, first, &mut embed.grad); // local: this rank's ids
+                ready(embed);
+                Ok(None)
+            }
+            _ => Ok(Some(dx)),
+        }
+    }
+}

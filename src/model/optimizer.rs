@@ -1,0 +1,130 @@
+//! # The optimizer: AdamW, global gradient-norm clipping, warmup + cosine schedule
+//!
+//! ```text
+//! lr │   ╱‾‾‾‾‾‾╲_
+//!    │  ╱          ‾╲_
+//!    │ ╱               ‾‾‾──── min_lr
+//!    └─────────────────────────── step
+//!     warmup     cosine decay
+//! ```
+//! One step: measure the global gradient norm (the √ of Σ over *all* parameters of Σ g²; with
+//! sharded parameters the sum of squares is all-reduced before the square root), scale every
+//! gradient down if the norm exceeds `grad_clip`, then update each parameter with AdamW. Weight
+//! decay is decoupled (applied to the weight, not added to the gradient) and skips norm weights.
+
+use crate::comm::{Group, ReduceOp};
+use crate::config::TrainConfig;
+use crate::model::Param;
+use crate::model::Split;
+use crate::ops::tensor::{Place, Tensor};
+use crate::ops::DType;
+use crate::ops::{self, AdamW};
+use anyhow::Result;
+
+/// Learning rate at `step` (0-based): linear warmup to `lr`, then cosine down to `min_lr` at the
+/// last step.
+pub fn lr_at(t: &TrainConfig, step: usize) -> f32 {
+    if step < t.warmup_steps {
+        return t.lr * (step + 1) as f32 / t.warmup_steps as f32;
+    }
+    let decay_steps = t.steps.saturating_sub(t.warmup_steps).saturating_sub(1).max(1);
+    let progress = ((step - t.warmup_steps) as f32 / decay_steps as f32).min(1.0);
+    t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f32::consts::PI * progress).cos())
+}
+
+/// Σ g² over the given gradients.
+pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
+    let grads: Vec<&Tensor> = params.iter().map(|p| &p.grad).collect();
+    ops::sum_squares(&grads).iter().sum()
+}
+
+/// The norm of the whole model's gradient when it is cut across the tp group and the pp stages:
+/// each rank's Σ g² over its shards summed over the tp group, plus the tp-replicated parameters
+/// counted once, then summed over the stages.
+pub fn global_grad_norm(params: &[&mut Param], tp: &Group, pp: &Group) -> Result<f64> {
+    let (mut sharded, mut replicated) = (0.0, 0.0);
+    let grads: Vec<&Tensor> = params.iter().map(|p| &p.grad).collect();
+    for (p, s) in params.iter().zip(ops::sum_squares(&grads)) {
+        if p.split == Split::Replicated {
+            replicated += s;
+        } else {
+            sharded += s;
+        }
+    }
+    if tp.size() > 1 {
+        let mut total = [sharded as f32];
+        tp.all_reduce(&mut total, ReduceOp::Sum)?;
+        sharded = total[0] as f64;
+    }
+    let mut total = sharded + replicated;
+    if pp.size() > 1 {
+        let mut stages = [total as f32];
+        pp.all_reduce(&mut stages, ReduceOp::Sum)?;
+        total = stages[0] as f64;
+    }
+    Ok(total.sqrt())
+}
+
+/// Scales the gradients so that their global norm is at most `max_norm`; returns the factor.
+pub fn clip(params: &mut [&mut Param], norm: f64, max_norm: f32) -> f32 {
+    if max_norm <= 0.0 || norm <= max_norm as f64 {
+        return 1.0;
+    }
+    let factor = (max_norm as f64 / (norm + 1e-6)) as f32;
+    for p in params.iter_mut() {
+        ops::scale(&mut p.grad, factor);
+    }
+    factor
+}
+
+/// AdamW with fp32 moments, one pair per parameter.
+pub struct Optimizer {
+    moments: Vec<(Tensor, Tensor)>,
+    step: u32,
+}
+
+impl Optimizer {
+    pub fn new(params: &[&mut Param]) -> Optimizer {
+        let moments = params.iter().map(|p| (Tensor::zeros_like(&p.grad), Tensor::zeros_like(&p.grad))).collect();
+        Optimizer { moments, step: 0 }
+    }
+
+    /// An optimizer resumed at AdamW step `step` with the given moments (one pair per parameter,
+    /// in parameter order).
+    pub fn restore(moments: Vec<(Tensor, Tensor)>, step: u32) -> Optimizer {
+        Optimizer { moments, step }
+    }
+
+    /// Moves the moments to `place` (fp32 on every device), next to their parameters.
+    pub fn to_place(&mut self, place: &Place) {
+        for (m, v) in &mut self.moments {
+            (*m, *v) = (m.to_dtype(place, DType::F32), v.to_dtype(place, DType::F32));
+        }
+    }
+
+    /// The first and second moments, one pair per parameter.
+    pub fn moments(&self) -> &[(Tensor, Tensor)] {
+        &self.moments
+    }
+
+    /// AdamW steps taken (the bias corrections depend on it).
+    pub fn steps_taken(&self) -> u32 {
+        self.step
+    }
+
+    pub fn step(&mut self, params: &mut [&mut Param], t: &TrainConfig, lr: f32) {
+        self.step += 1;
+        for (p, (m, v)) in params.iter_mut().zip(&mut self.moments) {
+            let decays = p.value.shape().len() >= 2;
+            let o = AdamW {
+                lr,
+                beta1: t.beta1,
+                beta2: t.beta2,
+                eps: t.adam_eps,
+                weight_decay: if decays { t.weight_decay } else { 0.0 },
+                step: self.step,
+            };
+            ops::adamw(&o, &mut p.value, &p.grad, m, v);
+        }
+    }
+}

@@ -1,0 +1,138 @@
+//! # Where a model cut across ranks must talk
+//!
+//! The model is written once, for one rank. When its matrices are cut across tensor-parallel
+//! ranks or its sequences across context-parallel ranks, a few of its steps need the other ranks;
+//! those steps are the methods below. The model calls them and knows nothing else of parallelism:
+//! `Whole` (this rank holds every matrix and every token) answers them locally, and the lessons
+//! `parallel/tensor_parallel.rs` and `parallel/context_parallel.rs` answer them with collectives.
+//! (picotron swaps its model's layers for parallel ones; we hand the model the object that talks.)
+//!
+//! ```text
+//! TensorSplit (Megatron's f and g)                SequenceSplit (the cp ring)
+//!   row_forward       o, down: Σ partial products    positions  which tokens of each sequence
+//!   column_backward   q|k|v, gate|up: Σ dx           attention  every earlier key, wherever it is
+//!   embedding_forward Σ vocabulary slices            attention_backward
+//!   cross_entropy     3 row statistics, all-reduced
+//! ```
+//! The other halves need no one: a column-parallel forward is `ops::linear` on this rank's
+//! rows of W, a row-parallel backward `ops::linear_backward` on its columns.
+
+use crate::model::param::Param;
+use crate::ops::tensor::Tensor;
+use crate::ops::{self, Attn};
+use anyhow::Result;
+
+/// How this rank's linear layers and vocabulary relate to the other tensor-parallel ranks'.
+pub trait TensorSplit {
+    /// This rank's place among the ranks that share each matrix: (index, count).
+    fn part(&self) -> (usize, usize);
+
+    /// A row-parallel layer: y = x · Wᵀ from this rank's input features, summed over the ranks.
+    fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor>;
+
+    /// The backward of column-parallel layers that read the same input `x` (q, k, v; gate, up),
+    /// each `(dy, W)`: accumulates every dW += dyᵀ · x and returns dx = Σ dy · W over the layers
+    /// and the ranks.
+    fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor>;
+
+    /// The rows of `tokens` from a table holding vocabulary ids `first..`, summed over the ranks.
+    fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor>;
+
+    /// Cross-entropy of logits holding vocabulary ids `first..`: (sum of row losses, counted rows,
+    /// per-row log-sum-exp over the whole vocabulary). Rows with a negative target are ignored.
+    fn cross_entropy(&self, logits: &Tensor, targets: &[i32], first: usize) -> Result<(f64, usize, Tensor)>;
+}
+
+/// How this rank's tokens relate to the rest of each sequence.
+pub trait SequenceSplit {
+    /// The positions, in the whole sequence, of the `seq` tokens of each sequence this rank holds.
+    fn positions(&self, seq: usize) -> Vec<u32>;
+
+    /// Causal attention of this rank's queries (at `pos`) to every earlier key of the sequence.
+    /// Returns (out, lse, work): work counts the query × key score entries computed.
+    fn attention(&self, a: Attn, q: &Tensor, k: &Tensor, v: &Tensor, pos: &[u32]) -> Result<(Tensor, Tensor, u64)>;
+
+    /// The backward of `attention`, from its `out` and `lse`: (dq, dk, dv) of this rank's tokens.
+    fn attention_backward(
+        &self,
+        a: Attn,
+        qkv: (&Tensor, &Tensor, &Tensor),
+        pos: &[u32],
+        out_lse: (&Tensor, &Tensor),
+        dout: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)>;
+}
+
+/// One rank holds every matrix whole and every sequence whole: nothing to talk about.
+pub struct Whole;
+
+impl TensorSplit for Whole {
+    fn part(&self) -> (usize, usize) {
+        (0, 1)
+    }
+    fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
+        Ok(ops::linear(x, &w.value))
+    }
+    fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor> {
+        let dx = input_grad(layers);
+        weight_grads(x, layers);
+        Ok(dx)
+    }
+    fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor> {
+        Ok(ops::embedding(&table.value, tokens, first))
+    }
+    fn cross_entropy(&self, logits: &Tensor, targets: &[i32], first: usize) -> Result<(f64, usize, Tensor)> {
+        let max = ops::row_max(logits);
+        let lse = ops::log_sum_exp(&max, &ops::row_sum_exp(logits, &max));
+        Ok(row_losses(targets, lse, &ops::target_logits(logits, targets, first)))
+    }
+}
+
+impl SequenceSplit for Whole {
+    fn positions(&self, seq: usize) -> Vec<u32> {
+        (0..seq as u32).collect()
+    }
+    fn attention(&self, a: Attn, q: &Tensor, k: &Tensor, v: &Tensor, pos: &[u32]) -> Result<(Tensor, Tensor, u64)> {
+        let (out, lse) = ops::attention(a, q, k, v, (pos, pos));
+        Ok((out, lse, (a.batch * a.heads * a.seq * a.kv_seq) as u64))
+    }
+    fn attention_backward(
+        &self,
+        a: Attn,
+        qkv: (&Tensor, &Tensor, &Tensor),
+        pos: &[u32],
+        out_lse: (&Tensor, &Tensor),
+        dout: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        Ok(ops::attention_backward(a, qkv, (pos, pos), out_lse, dout))
+    }
+}
+
+/// dx = Σ dy · W over layers that read the same input: this rank's part of the input gradient.
+pub fn input_grad(layers: &[(&Tensor, &mut Param)]) -> Tensor {
+    let (first, rest) = layers.split_first().expect("at least one layer");
+    let mut dx = ops::linear_input_grad(first.0, &first.1.value);
+    for (dy, w) in rest {
+        ops::add_assign(&mut dx, &ops::linear_input_grad(dy, &w.value));
+    }
+    dx
+}
+
+/// dW += dyᵀ · x for each layer: the weight gradients, local to every rank.
+pub fn weight_grads(x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) {
+    for (dy, w) in layers.iter_mut() {
+        ops::linear_weight_grad(dy, x, &mut w.grad);
+    }
+}
+
+/// (Σ lse − target logit over the rows with a target, their count, lse).
+pub fn row_losses(targets: &[i32], lse: Tensor, target: &Tensor) -> (f64, usize, Tensor) {
+    let (mut sum, mut count) = (0.0f64, 0);
+    for ((&t, l), z) in targets.iter().zip(lse.to_vec()).zip(target.to_vec()) {
+        if t >= 0 {
+            sum += (l - z) as f64;
+            count += 1;
+        }
+    }
+    (sum, count, lse)
+}

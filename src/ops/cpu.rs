@@ -1,0 +1,431 @@
+//! # CPU kernels: the f32 reference math
+//!
+//! Every op of the model, forward and backward side by side, on plain slices. This is the
+//! reference that the CUDA kernels are tested against, so it favours clarity: one loop per
+//! formula, rows in parallel with rayon, and sums that touch shared parameter gradients done in a
+//! fixed order so that every run gives the same bits. Matrix products go through `matrixmultiply`,
+//! a blocked, multithreaded SIMD GEMM.
+//!
+//! Layouts: activations are `[rows, features]` with `rows = batch * seq`; attention inputs keep
+//! the Hugging Face layout `[rows, heads * head_dim]` (head-major inside a row).
+
+use crate::ops::types::{AdamW, Attn};
+use rayon::prelude::*;
+
+/// A matrix view over a slice: element `(i, j)` is `data[i * row_stride + j * col_stride]`.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    pub data: &'a [f32],
+    pub row_stride: usize,
+    pub col_stride: usize,
+}
+
+impl<'a> View<'a> {
+    /// A row-major `[rows, cols]` matrix.
+    pub fn rows(data: &'a [f32], cols: usize) -> View<'a> {
+        View { data, row_stride: cols, col_stride: 1 }
+    }
+    /// The transpose of a row-major `[rows, cols]` matrix, seen as `[cols, rows]`.
+    pub fn transposed(data: &'a [f32], cols: usize) -> View<'a> {
+        View { data, row_stride: 1, col_stride: cols }
+    }
+    fn check(&self, rows: usize, cols: usize) {
+        if rows > 0 && cols > 0 {
+            let last = (rows - 1) * self.row_stride + (cols - 1) * self.col_stride;
+            assert!(last < self.data.len(), "matrix view out of bounds");
+        }
+    }
+}
+
+/// `c[m, n] = a[m, k] · b[k, n]`, or `c += a · b` when `accumulate`. `c` is row-major.
+pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accumulate: bool) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    a.check(m, k);
+    b.check(k, n);
+    assert!(c.len() >= m * n, "gemm output too small");
+    let beta = if accumulate { 1.0 } else { 0.0 };
+    // SAFETY: the views were bounds-checked above for the m×k and k×n shapes, c holds m×n.
+    unsafe {
+        matrixmultiply::sgemm(
+            m,
+            k,
+            n,
+            1.0,
+            a.data.as_ptr(),
+            a.row_stride as isize,
+            a.col_stride as isize,
+            b.data.as_ptr(),
+            b.row_stride as isize,
+            b.col_stride as isize,
+            beta,
+            c.as_mut_ptr(),
+            n as isize,
+            1,
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Embedding: out[r] = table[token[r]]; backward scatters rows back, in row order.
+
+/// The table holds ids `first..first + rows`; other tokens get zero rows.
+pub fn embedding(table: &[f32], tokens: &[u32], first: usize, dim: usize, out: &mut [f32]) {
+    let rows = table.len() / dim;
+    out.par_chunks_mut(dim).zip(tokens.par_iter()).for_each(|(row, &t)| match (t as usize).checked_sub(first) {
+        Some(t) if t < rows => row.copy_from_slice(&table[t * dim..(t + 1) * dim]),
+        _ => row.fill(0.0),
+    });
+}
+
+pub fn embedding_backward(dout: &[f32], tokens: &[u32], first: usize, dim: usize, dtable: &mut [f32]) {
+    let rows = dtable.len() / dim;
+    for (row, &t) in dout.chunks(dim).zip(tokens) {
+        let Some(t) = (t as usize).checked_sub(first).filter(|&t| t < rows) else { continue };
+        for (g, d) in dtable[t * dim..(t + 1) * dim].iter_mut().zip(row) {
+            *g += d;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: y = x * rstd * w with rstd = 1 / sqrt(mean(x²) + eps).
+
+pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]) {
+    let dim = w.len();
+    y.par_chunks_mut(dim).zip(x.par_chunks(dim)).zip(rstd.par_iter_mut()).for_each(|((y, x), rstd)| {
+        let ms = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        *rstd = 1.0 / (ms + eps).sqrt();
+        for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
+            *y = x * *rstd * w;
+        }
+    });
+}
+
+/// With x̂ = x·rstd: dw += Σ_rows dy·x̂ and dx = rstd · (dy·w − x̂ · mean(dy·w·x̂)).
+pub fn rmsnorm_backward(dy: &[f32], x: &[f32], w: &[f32], rstd: &[f32], dx: &mut [f32], dw: &mut [f32]) {
+    let dim = w.len();
+    dx.par_chunks_mut(dim).zip(dy.par_chunks(dim)).zip(x.par_chunks(dim)).zip(rstd.par_iter()).for_each(
+        |(((dx, dy), x), &r)| {
+            let dot = dy.iter().zip(x).zip(w).map(|((g, x), w)| g * w * x * r).sum::<f32>() / dim as f32;
+            for (((dx, g), x), w) in dx.iter_mut().zip(dy).zip(x).zip(w) {
+                *dx = r * (g * w - x * r * dot);
+            }
+        },
+    );
+    for ((dy, x), &r) in dy.chunks(dim).zip(x.chunks(dim)).zip(rstd) {
+        for ((dw, g), x) in dw.iter_mut().zip(dy).zip(x) {
+            *dw += g * x * r;
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// RoPE, Hugging Face convention: the head vector is split in halves (x1, x2) and rotated as
+// (x1·cos − x2·sin, x2·cos + x1·sin) with angle pos · theta^(−2i/head_dim), i < head_dim/2.
+// The backward is the rotation by −angle.
+
+pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, theta: f64, inverse: bool) {
+    let half = head_dim / 2;
+    let inv_freq: Vec<f64> = (0..half).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
+    let sign = if inverse { -1.0 } else { 1.0 };
+    x.par_chunks_mut(heads * head_dim).zip(positions.par_iter()).for_each(|(row, &pos)| {
+        let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq
+            .iter()
+            .map(|f| {
+                let (s, c) = (pos as f64 * f).sin_cos();
+                (sign * s as f32, c as f32)
+            })
+            .unzip();
+        for head in row.chunks_mut(head_dim) {
+            let (x1, x2) = head.split_at_mut(half);
+            for i in 0..half {
+                let (a, b) = (x1[i], x2[i]);
+                x1[i] = a * cos[i] - b * sin[i];
+                x2[i] = b * cos[i] + a * sin[i];
+            }
+        }
+    });
+}
+
+// ---------------------------------------------------------------------------------------------
+// Causal attention with grouped-query attention. Query head h reads KV head h / (heads / kv_heads).
+// Per (sequence, head): S = Q Kᵀ · scale, masked where the key's position is after the query's,
+// P = softmax(S), O = P V. The forward keeps only the log-sum-exp of each row (lse); the backward
+// rebuilds P = exp(S − lse), as flash attention does, so no T×T matrix is kept between forward
+// and backward. Queries and keys carry their positions in the sequence, so the same kernels
+// compute one block of ring attention (a query chunk against another rank's key chunk): a row
+// that sees no key of the block gets output 0 and lse −∞, and the backward takes the lse and
+// output of the whole row, merged over all blocks.
+
+/// The strided views and scale that the attention kernels use.
+impl Attn {
+    fn q_view<'a>(&self, q: &'a [f32], b: usize, h: usize) -> View<'a> {
+        let stride = self.heads * self.head_dim;
+        View { data: &q[b * self.seq * stride + h * self.head_dim..], row_stride: stride, col_stride: 1 }
+    }
+    fn kv_view<'a>(&self, kv: &'a [f32], b: usize, g: usize) -> View<'a> {
+        let stride = self.kv_heads * self.head_dim;
+        View { data: &kv[b * self.kv_seq * stride + g * self.head_dim..], row_stride: stride, col_stride: 1 }
+    }
+    fn kv_view_t<'a>(&self, kv: &'a [f32], b: usize, g: usize) -> View<'a> {
+        let v = self.kv_view(kv, b, g);
+        View { data: v.data, row_stride: 1, col_stride: v.row_stride }
+    }
+    fn scale(&self) -> f32 {
+        1.0 / (self.head_dim as f32).sqrt()
+    }
+    /// Causal scores `[seq, kv_seq]` of one (sequence, head) pair, scaled, −∞ where the key
+    /// comes after the query.
+    fn scores(&self, q: &[f32], k: &[f32], (b, h): (usize, usize), (q_pos, k_pos): (&[u32], &[u32])) -> Vec<f32> {
+        let (t, tk, g) = (self.seq, self.kv_seq, h / (self.heads / self.kv_heads));
+        let mut s = vec![0.0; t * tk];
+        gemm(t, self.head_dim, tk, self.q_view(q, b, h), self.kv_view_t(k, b, g), &mut s, false);
+        for (row, &qp) in s.chunks_mut(tk).zip(q_pos) {
+            for (v, &kp) in row.iter_mut().zip(k_pos) {
+                *v = if kp <= qp { *v * self.scale() } else { f32::NEG_INFINITY };
+            }
+        }
+        s
+    }
+}
+
+/// Writes `out` `[batch*seq, heads*head_dim]` and `lse` `[batch, heads, seq]`; `pos` holds the
+/// positions of the queries and of the keys within a sequence.
+pub fn attention(
+    sh: &Attn,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    pos: (&[u32], &[u32]),
+    out: &mut [f32],
+    lse: &mut [f32],
+) {
+    let (t, tk, hd) = (sh.seq, sh.kv_seq, sh.head_dim);
+    let groups = sh.heads / sh.kv_heads;
+    let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..sh.batch * sh.heads)
+        .into_par_iter()
+        .map(|bh| {
+            let (b, h) = (bh / sh.heads, bh % sh.heads);
+            let mut p = sh.scores(q, k, (b, h), pos);
+            let mut row_lse = vec![0.0; t];
+            for (row, l) in p.chunks_mut(tk).zip(row_lse.iter_mut()) {
+                let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                if max == f32::NEG_INFINITY {
+                    row.fill(0.0); // no key of this block is visible to this query
+                    *l = f32::NEG_INFINITY;
+                    continue;
+                }
+                let sum: f32 = row
+                    .iter_mut()
+                    .map(|x| {
+                        *x = (*x - max).exp();
+                        *x
+                    })
+                    .sum();
+                row.iter_mut().for_each(|x| *x /= sum);
+                *l = max + sum.ln();
+            }
+            let mut o = vec![0.0; t * hd];
+            gemm(t, tk, hd, View::rows(&p, tk), sh.kv_view(v, b, h / groups), &mut o, false);
+            (o, row_lse)
+        })
+        .collect();
+    for (bh, (o, l)) in blocks.into_iter().enumerate() {
+        let (b, h) = (bh / sh.heads, bh % sh.heads);
+        for (i, orow) in o.chunks(hd).enumerate() {
+            let at = (b * t + i) * sh.heads * hd + h * hd;
+            out[at..at + hd].copy_from_slice(orow);
+        }
+        lse[bh * t..(bh + 1) * t].copy_from_slice(&l);
+    }
+}
+
+/// Gradients of attention. Per (sequence, KV head): for each query head of its group,
+/// P = exp(S − lse), dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K · scale,
+/// dK += dSᵀ Q · scale, dV += Pᵀ dO. `out` and `lse` are the whole row's (over all blocks).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_backward(
+    sh: &Attn,
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    pos: (&[u32], &[u32]),
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    dq: &mut [f32],
+    dk: &mut [f32],
+    dv: &mut [f32],
+) {
+    let (t, tk, hd) = (sh.seq, sh.kv_seq, sh.head_dim);
+    let groups = sh.heads / sh.kv_heads;
+    let blocks: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..sh.batch * sh.kv_heads)
+        .into_par_iter()
+        .map(|bg| {
+            let (b, g) = (bg / sh.kv_heads, bg % sh.kv_heads);
+            let (mut dq_g, mut dk_g, mut dv_g) = (vec![0.0; groups * t * hd], vec![0.0; tk * hd], vec![0.0; tk * hd]);
+            for (j, dq_h) in dq_g.chunks_mut(t * hd).enumerate() {
+                let h = g * groups + j;
+                let mut p = sh.scores(q, k, (b, h), pos);
+                let row_lse = &lse[(b * sh.heads + h) * t..][..t];
+                for (row, l) in p.chunks_mut(tk).zip(row_lse) {
+                    // a masked score is −∞ and its probability 0, also in a row that sees no key (lse −∞)
+                    row.iter_mut().for_each(|x| *x = if *x == f32::NEG_INFINITY { 0.0 } else { (*x - l).exp() });
+                }
+                let (d_o, o) = (sh.q_view(dout, b, h), sh.q_view(out, b, h));
+                let mut ds = vec![0.0; t * tk];
+                gemm(t, hd, tk, d_o, sh.kv_view_t(v, b, g), &mut ds, false);
+                for (i, (ds_row, p_row)) in ds.chunks_mut(tk).zip(p.chunks(tk)).enumerate() {
+                    let delta: f32 =
+                        (0..hd).map(|d| d_o.data[i * d_o.row_stride + d] * o.data[i * o.row_stride + d]).sum();
+                    for (x, p) in ds_row.iter_mut().zip(p_row) {
+                        *x = p * (*x - delta) * sh.scale();
+                    }
+                }
+                gemm(t, tk, hd, View::rows(&ds, tk), sh.kv_view(k, b, g), dq_h, false);
+                gemm(tk, t, hd, View::transposed(&ds, tk), sh.q_view(q, b, h), &mut dk_g, true);
+                gemm(tk, t, hd, View::transposed(&p, tk), d_o, &mut dv_g, true);
+            }
+            (dq_g, dk_g, dv_g)
+        })
+        .collect();
+    for (bg, (dq_g, dk_g, dv_g)) in blocks.into_iter().enumerate() {
+        let (b, g) = (bg / sh.kv_heads, bg % sh.kv_heads);
+        for i in 0..tk {
+            let kv_at = (b * tk + i) * sh.kv_heads * hd + g * hd;
+            dk[kv_at..kv_at + hd].copy_from_slice(&dk_g[i * hd..(i + 1) * hd]);
+            dv[kv_at..kv_at + hd].copy_from_slice(&dv_g[i * hd..(i + 1) * hd]);
+        }
+        for i in 0..t {
+            for j in 0..groups {
+                let q_at = (b * t + i) * sh.heads * hd + (g * groups + j) * hd;
+                dq[q_at..q_at + hd].copy_from_slice(&dq_g[(j * t + i) * hd..][..hd]);
+            }
+        }
+    }
+}
+
+/// The log-sum-exp merge of two partial attentions of the same queries (see `ops::attention_merge`).
+pub fn attention_merge(sh: &Attn, out: &mut [f32], lse: &mut [f32], block_out: &[f32], block_lse: &[f32]) {
+    let (t, hd) = (sh.seq, sh.head_dim);
+    for (bh, (l, &bl)) in lse.iter_mut().zip(block_lse).enumerate() {
+        if bl == f32::NEG_INFINITY {
+            continue; // the block adds nothing to this row
+        }
+        let (b, h, i) = (bh / (sh.heads * t), bh / t % sh.heads, bh % t);
+        let merged = if *l == f32::NEG_INFINITY { bl } else { l.max(bl) + (-(*l - bl).abs()).exp().ln_1p() };
+        let (keep, add) = ((*l - merged).exp(), (bl - merged).exp());
+        let at = (b * t + i) * sh.heads * hd + h * hd;
+        for (o, &x) in out[at..at + hd].iter_mut().zip(&block_out[at..at + hd]) {
+            *o = *o * keep + x * add;
+        }
+        *l = merged;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// SwiGLU: h = silu(gate) · up, silu(g) = g·σ(g), silu'(g) = σ(g)·(1 + g·(1 − σ(g))).
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+pub fn swiglu(gate: &[f32], up: &[f32], h: &mut [f32]) {
+    h.par_iter_mut().zip(gate.par_iter().zip(up.par_iter())).for_each(|(h, (&g, &u))| *h = g * sigmoid(g) * u);
+}
+
+pub fn swiglu_backward(dh: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
+    dgate.par_iter_mut().zip(dup.par_iter_mut()).zip(dh.par_iter().zip(gate.par_iter().zip(up.par_iter()))).for_each(
+        |((dg, du), (&d, (&g, &u)))| {
+            let s = sigmoid(g);
+            *du = d * g * s;
+            *dg = d * u * s * (1.0 + g * (1.0 - s));
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Cross-entropy over the vocabulary: loss_r = lse(logits_r) − logits_r[target_r]; rows whose target
+// is negative are ignored. The gradient is (softmax − onehot) · scale, rebuilt from the saved lse.
+
+/// Writes each row's log-sum-exp; returns (sum of losses, number of counted rows).
+pub fn row_max(logits: &[f32], vocab: usize, max: &mut [f32]) {
+    max.par_iter_mut().zip(logits.par_chunks(vocab)).for_each(|(m, row)| {
+        *m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+    });
+}
+
+pub fn row_sum_exp(logits: &[f32], vocab: usize, max: &[f32], sum: &mut [f32]) {
+    sum.par_iter_mut().zip(logits.par_chunks(vocab)).zip(max.par_iter()).for_each(|((s, row), &m)| {
+        *s = row.iter().map(|x| (x - m).exp()).sum::<f32>();
+    });
+}
+
+pub fn log_sum_exp(max: &[f32], sum_exp: &[f32], lse: &mut [f32]) {
+    for ((l, m), s) in lse.iter_mut().zip(max).zip(sum_exp) {
+        *l = m + s.ln();
+    }
+}
+
+/// The logit of each row's target when it lies in this slice of the vocabulary, else 0.
+pub fn target_logits(logits: &[f32], vocab: usize, targets: &[i32], first: usize, z: &mut [f32]) {
+    for ((z, row), &t) in z.iter_mut().zip(logits.chunks(vocab)).zip(targets) {
+        *z = local_target(t, first, vocab).map_or(0.0, |t| row[t]);
+    }
+}
+
+/// Column of target `t` in a slice of `vocab` ids starting at `first`, if it is there.
+fn local_target(t: i32, first: usize, vocab: usize) -> Option<usize> {
+    usize::try_from(t).ok()?.checked_sub(first).filter(|&c| c < vocab)
+}
+
+pub fn cross_entropy_backward(
+    logits: &[f32],
+    targets: &[i32],
+    first: usize,
+    lse: &[f32],
+    scale: f32,
+    dlogits: &mut [f32],
+) {
+    let vocab = logits.len() / targets.len();
+    dlogits.par_chunks_mut(vocab).zip(logits.par_chunks(vocab)).zip(targets.par_iter().zip(lse.par_iter())).for_each(
+        |((d, row), (&t, &l))| {
+            if t < 0 {
+                d.fill(0.0);
+                return;
+            }
+            for (d, x) in d.iter_mut().zip(row) {
+                *d = (x - l).exp() * scale;
+            }
+            if let Some(c) = local_target(t, first, vocab) {
+                d[c] -= scale;
+            }
+        },
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small elementwise ops and the AdamW update.
+
+pub fn add_assign(a: &mut [f32], b: &[f32]) {
+    a.par_iter_mut().zip(b.par_iter()).for_each(|(a, b)| *a += b);
+}
+
+pub fn scale(a: &mut [f32], s: f32) {
+    a.par_iter_mut().for_each(|a| *a *= s);
+}
+
+/// Σ x², accumulated in f64 in a fixed order.
+pub fn sum_squares(a: &[f32]) -> f64 {
+    a.chunks(4096).map(|c| c.iter().map(|&x| x as f64 * x as f64).sum::<f64>()).sum()
+}
+
+/// p ← p − lr·wd·p (decoupled decay), then p ← p − lr · m̂ / (√v̂ + eps).
+pub fn adamw(o: &AdamW, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+    let c1 = 1.0 - o.beta1.powi(o.step as i32);
+    let c2 = 1.0 - o.beta2.powi(o.step as i32);
+    p.par_iter_mut().zip(g.par_iter()).zip(m.par_iter_mut().zip(v.par_iter_mut())).for_each(|((p, &g), (m, v))| {
+        *m = o.beta1 * *m + (1.0 - o.beta1) * g;
+        *v = o.beta2 * *v + (1.0 - o.beta2) * g * g;
+        *p -= o.lr * o.weight_decay * *p;
+        *p -= o.lr * (*m / c1) / ((*v / c2).sqrt() + o.eps);
+    });
+}

@@ -1,0 +1,297 @@
+//! # The op layer: what the model may ask of a device
+//!
+//! Each op takes and returns `Tensor`s and has its backward next to it. The model (`model.rs`)
+//! is written only in these calls, so it never knows which device it runs on: this file looks at
+//! where the tensors live and calls that device's kernels, one arm per op: the GPU's launches
+//! (`cuda_ops.rs`, results stay on the GPU) or the CPU reference (`cpu.rs`). Shapes are checked
+//! here, once, for every backend.
+//!
+//! Conventions: a linear weight is `[out, in]` as in PyTorch, so `y = x · Wᵀ`; activations are
+//! `[rows, features]`; parameter gradients are *accumulated* (`+=`), activation gradients are
+//! returned fresh.
+
+pub mod cpu;
+pub mod tensor;
+pub mod types;
+
+pub use types::{AdamW, Attn, DType};
+
+use crate::cuda::device::{fatal, Device};
+use cpu::View;
+use std::sync::Arc;
+use tensor::Tensor;
+
+/// The GPU that every tensor of `op` lives on, or `None` when they are all on the CPU.
+fn gpu<'a>(op: &str, ts: &[&'a Tensor]) -> Option<&'a Arc<Device>> {
+    let dev = ts[0].gpu().map(|b| b.device());
+    let same = ts.iter().all(|t| t.gpu().map(|b| Arc::as_ptr(b.device())) == dev.map(Arc::as_ptr));
+    assert!(same, "{op}: its tensors are on different devices");
+    dev
+}
+
+/// y[m, n] = x[m, k] · w[n, k]ᵀ.
+pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
+    let (m, k, n) = (x.rows(), x.cols(), w.shape()[0]);
+    assert_eq!(w.cols(), k, "linear: input has {k} features, weight expects {}", w.cols());
+    if let Some(d) = gpu("linear", &[x, w]) {
+        return fatal("linear", d.linear(x, w));
+    }
+    let mut y = Tensor::zeros(&[m, n]);
+    cpu::gemm(m, k, n, View::rows(x.host(), k), View::transposed(w.host(), k), y.host_mut(), false);
+    y
+}
+
+/// Returns dx = dy · w and accumulates dw += dyᵀ · x.
+pub fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor, dw: &mut Tensor) -> Tensor {
+    let dx = linear_input_grad(dy, w);
+    linear_weight_grad(dy, x, dw);
+    dx
+}
+
+/// The input half of `linear_backward`: dx = dy · w.
+pub fn linear_input_grad(dy: &Tensor, w: &Tensor) -> Tensor {
+    let (m, n, k) = (dy.rows(), w.shape()[0], w.cols());
+    assert_eq!(dy.cols(), n, "linear backward: output gradient has {} features, weight has {n} rows", dy.cols());
+    if let Some(d) = gpu("linear backward", &[dy, w]) {
+        return fatal("linear backward", d.linear_input_grad(dy, w));
+    }
+    let mut dx = Tensor::zeros(&[m, k]);
+    cpu::gemm(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k), dx.host_mut(), false);
+    dx
+}
+
+/// The weight half of `linear_backward`: dw += dyᵀ · x (dw is f32 on every device).
+pub fn linear_weight_grad(dy: &Tensor, x: &Tensor, dw: &mut Tensor) {
+    let (m, k, n) = (x.rows(), x.cols(), dw.shape()[0]);
+    assert_eq!((dy.rows(), dy.cols(), dw.cols()), (m, n, k), "linear weight gradient: shapes");
+    if let Some(d) = gpu("linear weight gradient", &[dy, x, dw]) {
+        return fatal("linear weight gradient", d.linear_weight_grad(dy, x, dw));
+    }
+    cpu::gemm(n, m, k, View::transposed(dy.host(), n), View::rows(x.host(), k), dw.host_mut(), true);
+}
+
+/// Rows of `table` picked by token id. The table may be a slice of the vocabulary starting at
+/// id `first`: tokens outside it get zero rows (vocab-parallel embedding).
+pub fn embedding(table: &Tensor, tokens: &[u32], first: usize) -> Tensor {
+    if let Some(d) = gpu("embedding", &[table]) {
+        return fatal("embedding", d.embedding(table, tokens, first));
+    }
+    let dim = table.cols();
+    let mut out = Tensor::zeros(&[tokens.len(), dim]);
+    cpu::embedding(table.host(), tokens, first, dim, out.host_mut());
+    out
+}
+
+/// Accumulates the rows of `dout` into the table rows of their tokens (those in the slice).
+pub fn embedding_backward(dout: &Tensor, tokens: &[u32], first: usize, dtable: &mut Tensor) {
+    assert_eq!((dout.rows(), dout.cols()), (tokens.len(), dtable.cols()), "embedding backward: shapes");
+    if let Some(d) = gpu("embedding backward", &[dout, dtable]) {
+        return fatal("embedding backward", d.embedding_backward(dout, tokens, first, dtable));
+    }
+    let dim = dtable.cols();
+    cpu::embedding_backward(dout.host(), tokens, first, dim, dtable.host_mut());
+}
+
+/// Returns (y, rstd): the normalised rows and the per-row 1/rms the backward needs.
+pub fn rmsnorm(x: &Tensor, w: &Tensor, eps: f32) -> (Tensor, Tensor) {
+    assert_eq!(x.cols(), w.numel(), "rmsnorm: {} features, weight of {}", x.cols(), w.numel());
+    if let Some(d) = gpu("rmsnorm", &[x, w]) {
+        return fatal("rmsnorm", d.rmsnorm(x, w, eps));
+    }
+    let mut y = Tensor::zeros(x.shape());
+    let mut rstd = Tensor::zeros(&[x.rows()]);
+    cpu::rmsnorm(x.host(), w.host(), eps, y.host_mut(), rstd.host_mut());
+    (y, rstd)
+}
+
+pub fn rmsnorm_backward(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, dw: &mut Tensor) -> Tensor {
+    if let Some(d) = gpu("rmsnorm backward", &[dy, x, w, rstd, dw]) {
+        return fatal("rmsnorm backward", d.rmsnorm_backward(dy, x, w, rstd, dw));
+    }
+    let mut dx = Tensor::zeros(x.shape());
+    cpu::rmsnorm_backward(dy.host(), x.host(), w.host(), rstd.host(), dx.host_mut(), dw.host_mut());
+    dx
+}
+
+/// Rotates each head of `x` `[rows, heads*head_dim]` in place by its row's position.
+pub fn rope(x: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64) {
+    rotate(x, positions, head_dim, theta, false);
+}
+
+/// The backward of a rotation is the inverse rotation, applied to the gradient in place.
+pub fn rope_backward(dx: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64) {
+    rotate(dx, positions, head_dim, theta, true);
+}
+
+fn rotate(x: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64, inverse: bool) {
+    assert_eq!(positions.len(), x.rows(), "rope: one position per row");
+    if let Some(d) = gpu("rope", &[x]) {
+        return fatal("rope", d.rope(x, positions, head_dim, theta, inverse));
+    }
+    let heads = x.cols() / head_dim;
+    cpu::rope(x.host_mut(), positions, heads, head_dim, theta, inverse);
+}
+/// Causal grouped-query attention of queries at positions `pos.0` against keys at positions
+/// `pos.1` (positions within a sequence, the same for every sequence of the batch; a key is seen
+/// by the queries at or after it). Returns (out, lse) with lse `[batch, heads, seq]`; a row that
+/// sees no key gets out 0 and lse −∞.
+pub fn attention(a: Attn, q: &Tensor, k: &Tensor, v: &Tensor, pos: (&[u32], &[u32])) -> (Tensor, Tensor) {
+    assert_eq!(q.shape(), [a.batch * a.seq, a.heads * a.head_dim], "attention: q shape");
+    assert_eq!(k.shape(), [a.batch * a.kv_seq, a.kv_heads * a.head_dim], "attention: k shape");
+    assert!(a.heads.is_multiple_of(a.kv_heads), "attention: heads must be a multiple of kv_heads");
+    assert_eq!((pos.0.len(), pos.1.len()), (a.seq, a.kv_seq), "attention: one position per query and per key");
+    if let Some(d) = gpu("attention", &[q, k, v]) {
+        return fatal("attention", d.attention(a, (q, k, v), pos));
+    }
+    let mut out = Tensor::zeros(q.shape());
+    let mut lse = Tensor::zeros(&[a.batch, a.heads, a.seq]);
+    cpu::attention(&a, (q.host(), k.host(), v.host()), pos, out.host_mut(), lse.host_mut());
+    (out, lse)
+}
+
+/// Returns (dq, dk, dv), recomputing the probabilities from `lse`. `out` and `lse` are the whole
+/// attention's, also when (q, k, v) is one block of it.
+pub fn attention_backward(
+    a: Attn,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    pos: (&[u32], &[u32]),
+    (out, lse): (&Tensor, &Tensor),
+    dout: &Tensor,
+) -> (Tensor, Tensor, Tensor) {
+    if let Some(d) = gpu("attention backward", &[q, k, v, out, lse, dout]) {
+        return fatal("attention backward", d.attention_backward(a, (q, k, v), pos, (out, lse), dout));
+    }
+    let (mut dq, mut dk, mut dv) = (Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()));
+    cpu::attention_backward(
+        &a,
+        (q.host(), k.host(), v.host()),
+        pos,
+        out.host(),
+        lse.host(),
+        dout.host(),
+        dq.host_mut(),
+        dk.host_mut(),
+        dv.host_mut(),
+    );
+    (dq, dk, dv)
+}
+
+/// Folds one block's attention (`block_out`, `block_lse`) into the running (`out`, `lse`):
+/// lse = log(e^lse + e^block_lse), out = e^(lse_old − lse)·out + e^(block_lse − lse)·block_out.
+pub fn attention_merge(a: Attn, (out, lse): (&mut Tensor, &mut Tensor), block_out: &Tensor, block_lse: &Tensor) {
+    if let Some(d) = gpu("attention merge", &[out, lse, block_out, block_lse]) {
+        return fatal("attention merge", d.attention_merge(a, (out, lse), (block_out, block_lse)));
+    }
+    cpu::attention_merge(&a, out.host_mut(), lse.host_mut(), block_out.host(), block_lse.host());
+}
+
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {
+    assert_eq!(gate.shape(), up.shape(), "swiglu: gate and up shapes differ");
+    if let Some(d) = gpu("swiglu", &[gate, up]) {
+        return fatal("swiglu", d.swiglu(gate, up));
+    }
+    let mut h = Tensor::zeros(gate.shape());
+    cpu::swiglu(gate.host(), up.host(), h.host_mut());
+    h
+}
+
+/// Returns (dgate, dup).
+pub fn swiglu_backward(dh: &Tensor, gate: &Tensor, up: &Tensor) -> (Tensor, Tensor) {
+    if let Some(d) = gpu("swiglu backward", &[dh, gate, up]) {
+        return fatal("swiglu backward", d.swiglu_backward(dh, gate, up));
+    }
+    let (mut dg, mut du) = (Tensor::zeros(gate.shape()), Tensor::zeros(up.shape()));
+    cpu::swiglu_backward(dh.host(), gate.host(), up.host(), dg.host_mut(), du.host_mut());
+    (dg, du)
+}
+
+/// Per-row maximum of `logits`, `[rows]`: the first statistic of a (vocab-parallel) softmax.
+pub fn row_max(logits: &Tensor) -> Tensor {
+    if let Some(d) = gpu("row max", &[logits]) {
+        return fatal("row max", d.row_max(logits));
+    }
+    let mut m = Tensor::zeros(&[logits.rows()]);
+    cpu::row_max(logits.host(), logits.cols(), m.host_mut());
+    m
+}
+
+/// Per-row Σ exp(logit − max), `[rows]`.
+pub fn row_sum_exp(logits: &Tensor, max: &Tensor) -> Tensor {
+    if let Some(d) = gpu("row sum of exponentials", &[logits, max]) {
+        return fatal("row sum of exponentials", d.row_sum_exp(logits, max));
+    }
+    let mut s = Tensor::zeros(&[logits.rows()]);
+    cpu::row_sum_exp(logits.host(), logits.cols(), max.host(), s.host_mut());
+    s
+}
+
+/// Per-row logit of the target, for targets in this vocabulary slice (ids `first..`); 0 otherwise.
+pub fn target_logits(logits: &Tensor, targets: &[i32], first: usize) -> Tensor {
+    assert_eq!(logits.rows(), targets.len(), "cross-entropy: one target per row");
+    if let Some(d) = gpu("target logits", &[logits]) {
+        return fatal("target logits", d.target_logits(logits, targets, first));
+    }
+    let mut z = Tensor::zeros(&[targets.len()]);
+    cpu::target_logits(logits.host(), logits.cols(), targets, first, z.host_mut());
+    z
+}
+
+/// d(scale · Σ row losses)/d logits for a vocabulary slice starting at id `first`:
+/// softmax − one-hot(target), with softmax = exp(logit − lse); zero rows where the target is
+/// negative (ignored).
+pub fn cross_entropy_backward(logits: &Tensor, targets: &[i32], first: usize, lse: &Tensor, scale: f32) -> Tensor {
+    assert_eq!(logits.rows(), targets.len(), "cross-entropy backward: one target per row");
+    if let Some(d) = gpu("cross-entropy backward", &[logits, lse]) {
+        return fatal("cross-entropy backward", d.cross_entropy_backward(logits, targets, first, lse, scale));
+    }
+    let mut d = Tensor::zeros(logits.shape());
+    cpu::cross_entropy_backward(logits.host(), targets, first, lse.host(), scale, d.host_mut());
+    d
+}
+
+/// Elementwise max, then logarithm of the exponential sum: lse = max + ln(sum), `[rows]`.
+pub fn log_sum_exp(max: &Tensor, sum_exp: &Tensor) -> Tensor {
+    if let Some(d) = gpu("log-sum-exp", &[max, sum_exp]) {
+        return fatal("log-sum-exp", d.log_sum_exp(max, sum_exp));
+    }
+    let mut lse = Tensor::zeros(max.shape());
+    cpu::log_sum_exp(max.host(), sum_exp.host(), lse.host_mut());
+    lse
+}
+
+pub fn add_assign(a: &mut Tensor, b: &Tensor) {
+    assert_eq!(a.shape(), b.shape(), "add_assign: shapes differ");
+    if let Some(d) = gpu("add", &[a, b]) {
+        return fatal("add", d.add_assign(a, b));
+    }
+    cpu::add_assign(a.host_mut(), b.host());
+}
+
+pub fn scale(a: &mut Tensor, s: f32) {
+    if let Some(d) = gpu("scale", &[a]) {
+        return fatal("scale", d.scale(a, s));
+    }
+    cpu::scale(a.host_mut(), s);
+}
+
+/// Σ x² of each tensor (f32 tensors: gradients), accumulated in f64. On a GPU, one read-back
+/// for all of them.
+pub fn sum_squares(ts: &[&Tensor]) -> Vec<f64> {
+    if ts.is_empty() {
+        return Vec::new();
+    }
+    if let Some(d) = gpu("sum of squares", ts) {
+        return fatal("sum of squares", d.sum_squares(ts));
+    }
+    ts.iter().map(|t| cpu::sum_squares(t.host())).collect()
+}
+
+/// One AdamW step on a parameter, with its gradient and moments (a mixed-precision weight:
+/// on its fp32 master, rewriting the bf16 copy).
+pub fn adamw(o: &AdamW, p: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor) {
+    assert!(p.numel() == g.numel() && g.numel() == m.numel() && m.numel() == v.numel(), "adamw: sizes differ");
+    if let Some(d) = gpu("adamw", &[p, g, m, v]) {
+        return fatal("adamw", d.adamw(o, p, g, m, v));
+    }
+    cpu::adamw(o, p.host_mut(), g.host(), m.host_mut(), v.host_mut());
+}

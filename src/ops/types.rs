@@ -1,0 +1,53 @@
+//! # The plain values every backend agrees on
+//!
+//! The dtype numbers are computed in, the shape of an attention call, AdamW's settings and how a
+//! collective reduces: the op layer (`ops/mod.rs`), its CPU kernels (`cpu.rs`), the GPU's launch
+//! table (`cuda/launch_table.rs`) and both collective backends (`comm/local.rs`, `cuda/nccl.rs`)
+//! read them, so they live below all of those and import nothing.
+
+/// What the kernels compute with.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum DType {
+    F32,
+    Bf16,
+}
+
+impl DType {
+    /// The suffix of the kernels instantiated for this dtype (`name_f32`, `name_bf16`).
+    pub fn suffix(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::Bf16 => "bf16",
+        }
+    }
+}
+
+/// The shape of one attention call: `seq` queries and `kv_seq` keys per sequence.
+#[derive(Clone, Copy, Debug)]
+pub struct Attn {
+    pub batch: usize,
+    pub seq: usize,
+    pub kv_seq: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+}
+
+/// AdamW's settings for one step.
+pub struct AdamW {
+    pub lr: f32,
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub weight_decay: f32,
+    /// 1-based step, for the bias corrections.
+    pub step: u32,
+}
+
+/// How a collective combines the members' numbers.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum ReduceOp {
+    Sum,
+    Avg,
+    Max,
+}

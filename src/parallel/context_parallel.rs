@@ -1,0 +1,163 @@
+//! # Context parallelism: the sequence split across ranks, attention as a ring
+//!
+//! Everything in a Llama block but attention works token by token, so each of the `cp` ranks can
+//! hold a slice of every sequence. Attention needs every earlier key, so the key/value blocks
+//! travel around the ring of cp ranks while each rank attends its queries to the block it holds:
+//!
+//! ```text
+//! step 0: rank r attends to its own K,V      ──send K,V to r+1, receive from r−1──▶
+//! step 1: rank r attends to rank r−1's K,V   ──pass it on──▶   …   (cp steps in all)
+//! ```
+//! Each block gives a partial softmax; partial results merge exactly through their
+//! log-sum-exp (`ops::attention_merge`), in fp32. The transfer of the next block overlaps the
+//! attention of the current one, and a block the causal mask hides entirely is skipped. The
+//! backward recomputes each block from the saved, merged log-sum-exp: dQ stays with the queries,
+//! dK and dV travel on around the ring with their block and arrive home after cp hops.
+//!
+//! **Split.** Cut contiguously, rank r holds positions `[r·T/cp, (r+1)·T/cp)` and its queries see
+//! r + 1 of the cp blocks: the last rank does cp times the work of the first. Zigzag cuts the
+//! sequence into 2·cp chunks and gives rank r chunks r and 2·cp − 1 − r, one early and one late,
+//! so every rank attends to every block with the same amount of work. RoPE and the causal mask
+//! use the global positions either way.
+//!
+//! This is the model's `SequenceSplit` (`model/split.rs`): the block's attention calls it.
+
+use crate::comm::Group;
+use crate::config::CpSplit;
+use crate::model::SequenceSplit;
+use crate::ops::tensor::{Place, Tensor};
+use crate::ops::{self, Attn, DType};
+use anyhow::Result;
+
+/// A rank's place in the cp ring and how the sequence is cut.
+#[derive(Clone, Copy)]
+pub struct Ring<'g> {
+    pub group: &'g Group,
+    pub split: CpSplit,
+}
+
+/// Positions of a sequence of `seq` tokens that rank `index` of `count` holds, in order.
+pub fn positions(split: CpSplit, count: usize, index: usize, seq: usize) -> Vec<u32> {
+    match split {
+        CpSplit::Contiguous => {
+            let n = seq / count;
+            (index * n..(index + 1) * n).map(|p| p as u32).collect()
+        }
+        CpSplit::Zigzag => {
+            let c = seq / (2 * count);
+            let chunk = |i: usize| (i * c..(i + 1) * c).map(|p| p as u32);
+            chunk(index).chain(chunk(2 * count - 1 - index)).collect()
+        }
+    }
+}
+
+/// This rank's rows of a micro-batch laid out `[batch × seq]`: positions `pos` of every sequence.
+pub fn local_rows<T: Copy>(data: &[T], seq: usize, pos: &[u32]) -> Vec<T> {
+    data.chunks(seq).flat_map(|s| pos.iter().map(|&p| s[p as usize])).collect()
+}
+
+impl Ring<'_> {
+    fn size(&self) -> usize {
+        self.group.size()
+    }
+    /// The positions held by the owner of the block a rank holds at ring step `step`.
+    fn block_positions(&self, step: usize, seq: usize) -> Vec<u32> {
+        let (n, r) = (self.size(), self.group.index());
+        positions(self.split, n, (r + n - step) % n, seq * n)
+    }
+    fn next_prev(&self) -> (usize, usize) {
+        let (n, r) = (self.size(), self.group.index());
+        ((r + 1) % n, (r + n - 1) % n)
+    }
+}
+
+/// Can any query at `q_pos` see any key at `k_pos`?
+fn visible(q_pos: &[u32], k_pos: &[u32]) -> bool {
+    k_pos.iter().min() <= q_pos.iter().max()
+}
+
+impl SequenceSplit for Ring<'_> {
+    fn positions(&self, seq: usize) -> Vec<u32> {
+        positions(self.split, self.size(), self.group.index(), seq * self.size())
+    }
+
+    /// Attention to every block of keys as it passes by, merged through the log-sum-exp.
+    fn attention(&self, a: Attn, q: &Tensor, k: &Tensor, v: &Tensor, pos: &[u32]) -> Result<(Tensor, Tensor, u64)> {
+        let work = (a.batch * a.heads * a.seq * a.kv_seq) as u64;
+        let mut out = Tensor::zeros_like(q);
+        let no_key = vec![f32::NEG_INFINITY; a.batch * a.heads * a.seq];
+        let mut lse = Tensor::from_vec(&[a.batch, a.heads, a.seq], no_key).to_dtype(&q.place(), DType::F32);
+        let mut done = 0;
+        walk(self, a, (k, v), |k_blk, v_blk, k_pos| {
+            if visible(pos, k_pos) {
+                let (o, l) = ops::attention(a, q, k_blk, v_blk, (pos, k_pos));
+                ops::attention_merge(a, (&mut out, &mut lse), &o, &l);
+                done += work;
+            }
+            Ok(())
+        })?;
+        Ok((out, lse, done))
+    }
+
+    /// The backward from the merged `out` and `lse`: dq stays, dk and dv travel with their block.
+    fn attention_backward(
+        &self,
+        a: Attn,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        pos: &[u32],
+        (out, lse): (&Tensor, &Tensor),
+        dout: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (next, prev) = self.next_prev();
+        let mut dq = Tensor::zeros_like(q);
+        let (mut dk_blk, mut dv_blk) = (Tensor::zeros_like(k), Tensor::zeros_like(v));
+        walk(self, a, (k, v), |k_blk, v_blk, k_pos| {
+            if visible(pos, k_pos) {
+                let (dq_i, dk_i, dv_i) = ops::attention_backward(a, (q, k_blk, v_blk), (pos, k_pos), (out, lse), dout);
+                ops::add_assign(&mut dq, &dq_i);
+                ops::add_assign(&mut dk_blk, &dk_i);
+                ops::add_assign(&mut dv_blk, &dv_i);
+            }
+            // the block's gradient follows the block; after the last hop it is back with its owner
+            let grads = self.group.send_recv(&pack(&[&dk_blk, &dv_blk]), next, 2 * k.numel(), prev)?;
+            [dk_blk, dv_blk] = unpack(grads, k.shape(), &q.place());
+            Ok(())
+        })?;
+        Ok((dq, dk_blk, dv_blk))
+    }
+}
+
+/// Walks the ring: at step s this rank holds the K/V block of the rank s places before it (its
+/// own at step 0), and `visit(k, v, key positions)` runs on it while the block already travels
+/// on to the next rank (an async `send_recv`).
+fn walk(
+    ring: &Ring,
+    a: Attn,
+    (k, v): (&Tensor, &Tensor),
+    mut visit: impl FnMut(&Tensor, &Tensor, &[u32]) -> Result<()>,
+) -> Result<()> {
+    let (next, prev) = ring.next_prev();
+    let mut received: Option<[Tensor; 2]> = None; // the block in hand, after our own
+    for step in 0..ring.size() {
+        let (k_blk, v_blk) = received.as_ref().map_or((k, v), |[k, v]| (k, v));
+        let pending = (step + 1 < ring.size())
+            .then(|| ring.group.send_recv_async(&pack(&[k_blk, v_blk]), next, 2 * k.numel(), prev));
+        visit(k_blk, v_blk, &ring.block_positions(step, a.seq))?;
+        if let Some(handle) = pending {
+            received = Some(unpack(handle.wait()?, k.shape(), &k.place()));
+        }
+    }
+    Ok(())
+}
+
+fn pack(parts: &[&Tensor]) -> Vec<f32> {
+    let mut flat = Vec::with_capacity(parts.iter().map(|t| t.numel()).sum());
+    parts.iter().for_each(|t| flat.extend_from_slice(&t.host_view()));
+    flat
+}
+
+/// The two tensors of a received block, on this rank's device.
+fn unpack(mut data: Vec<f32>, shape: &[usize], place: &Place) -> [Tensor; 2] {
+    let second = data.split_off(data.len() / 2);
+    [Tensor::from_host(shape, data, place), Tensor::from_host(shape, second, place)]
+}

@@ -1,0 +1,306 @@
+//! # The bookkeeping around the training loop
+//!
+//! What `train.rs` keeps out of the loop's way: starting a run (the grid, the data, where the
+//! weights come from, the printout), each rank's model and optimizer on its device, the metrics,
+//! the trace spans, timing and memory of every step, checkpoints, and the summary a run returns.
+
+use crate::checkpoint::hf;
+use crate::checkpoint::save::{self, Resumed};
+use crate::comm::launcher::{Rank, Setup};
+use crate::comm::trace::{Lane, Trace};
+use crate::comm::Group;
+use crate::config::Config;
+use crate::data::Dataset;
+use crate::model::optimizer::Optimizer;
+use crate::model::{Llama, Param, Stage};
+use crate::ops::tensor::{Place, Tensor};
+use crate::parallel::context_parallel::Ring;
+use crate::parallel::process_grid::{Axis, Grid};
+use crate::parallel::tensor_parallel::TensorParallel;
+use crate::train::metrics::{Metrics, StepLog};
+use anyhow::Result;
+use std::collections::HashMap;
+use std::path::Path;
+use std::time::Instant;
+
+/// What a run prints and records besides training.
+#[derive(Clone, Copy, Default)]
+pub struct Options<'a> {
+    /// One JSON object per step (written by rank 0).
+    pub metrics: Option<&'a Path>,
+    /// Collects every rank's compute spans (forward, backward, optimizer) and every collective
+    /// and message of its groups (tp, cp, pp, dp) on its comm lane.
+    pub trace: Option<&'a Trace>,
+    /// No header, no progress.
+    pub quiet: bool,
+    /// Continue from this checkpoint folder (or `latest` in `checkpoint.dir`).
+    pub resume: Option<&'a Path>,
+    /// Time every GPU kernel from this step on (`cuda/profile.rs`; `bench --profile`).
+    pub profile_from_step: Option<usize>,
+}
+
+/// One rank's view of a finished run.
+pub struct Summary {
+    /// The loss of every step, averaged over the global batch.
+    pub losses: Vec<f32>,
+    pub floor: Option<f64>,
+    pub wall_s: f64,
+    /// A hash of the bits of every weight: replicas that agree have equal checksums.
+    pub checksum: u64,
+    /// The most micro-batch activations this rank held at once.
+    pub peak_activations: usize,
+    /// Attention score entries this rank computed per step (the context-parallel balance).
+    pub attention_work: u64,
+    /// The wall time of every step, in seconds.
+    pub step_s: Vec<f64>,
+    /// On a GPU: the most memory this rank's tensors held in any step, in MiB.
+    pub gpu_peak_mib: Option<f64>,
+}
+
+impl Summary {
+    /// Mean loss of the last tenth of the run (at least one step): less noisy than the last step.
+    pub fn final_loss(&self) -> f32 {
+        let n = self.losses.len().div_ceil(10).max(1);
+        self.losses[self.losses.len() - n..].iter().sum::<f32>() / n as f32
+    }
+}
+
+/// A run being started: its grid and devices, its data, and where its weights come from.
+pub(super) struct Run {
+    pub grid: Grid,
+    pub setup: Setup,
+    pub data: Dataset,
+    floor: Option<f64>,
+    resumed: Option<Resumed>,
+    pretrained: Option<HashMap<String, Tensor>>,
+}
+
+impl Run {
+    /// Checks the layout and the devices, opens the data and the checkpoint or pretrained
+    /// weights, and prints what will run (unless quiet).
+    pub(super) fn prepare(cfg: &Config, opts: Options) -> Result<Run> {
+        let (t, p) = (&cfg.train, &cfg.parallel);
+        let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?;
+        let setup = Setup::from_config(cfg)?;
+        let data = Dataset::open(&cfg.data, &cfg.model)?;
+        let floor = data.entropy_floor(t.seq_len);
+        if !opts.quiet {
+            println!(
+                "model: {:.2}M parameters | global batch {} × {} × {} dp × {} tokens | {} steps on {} in {} ({} rank{})",
+                cfg.model.parameter_count() as f64 / 1e6,
+                t.micro_batch_size,
+                t.grad_accum_steps,
+                p.dp,
+                t.seq_len,
+                t.steps,
+                format!("{:?}", cfg.device.kind).to_lowercase(),
+                format!("{:?}", cfg.device.compute_dtype()).to_lowercase(),
+                grid.world_size(),
+                if grid.world_size() == 1 { "" } else { "s" },
+            );
+            match floor {
+                Some(f) => println!("data: {} | entropy floor {f:.4} nats/token", cfg.data.source),
+                None => println!("data: {} | entropy floor unknown", cfg.data.source),
+            }
+        }
+        let resumed = match opts.resume {
+            Some(arg) => {
+                let dir = save::resolve(arg, cfg)?;
+                let r = save::load(&dir)?;
+                if !opts.quiet {
+                    println!("resuming from {} (step {} of {})", dir.display(), r.step, t.steps);
+                }
+                Some(r)
+            }
+            None => None,
+        };
+        let pretrained = match cfg.model.init_from.is_empty() || resumed.is_some() {
+            true => None,
+            false => Some(hf::pretrained(&cfg.model)?),
+        };
+        Ok(Run { grid, setup, data, floor, resumed, pretrained })
+    }
+
+    pub(super) fn start(&self) -> Start<'_> {
+        Start { resumed: self.resumed.as_ref(), pretrained: self.pretrained.as_ref() }
+    }
+
+    /// The ranks' summaries, with the data's floor; prints the cp balance.
+    pub(super) fn finish(&self, cfg: &Config, opts: Options, mut summaries: Vec<Summary>) -> Vec<Summary> {
+        summaries.iter_mut().for_each(|s| s.floor = self.floor);
+        if cfg.parallel.cp > 1 && !opts.quiet {
+            let work: Vec<String> =
+                summaries.iter().map(|s| format!("{:.2}M", s.attention_work as f64 / 1e6)).collect();
+            println!(
+                "attention work per rank and step ({:?} split, score entries): {}",
+                cfg.parallel.cp_split,
+                work.join(" ")
+            );
+        }
+        summaries
+    }
+}
+
+/// Where the weights come from: a checkpoint to resume, pretrained weights, or (neither) the init.
+#[derive(Clone, Copy)]
+pub(super) struct Start<'a> {
+    resumed: Option<&'a Resumed>,
+    pretrained: Option<&'a HashMap<String, Tensor>>,
+}
+
+impl Start<'_> {
+    /// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens), moved
+    /// to its device once, and the step to start from.
+    pub(super) fn model<'g>(&self, me: &'g Rank, cfg: &Config) -> Result<(Llama<'g>, usize)> {
+        let stage = Stage { index: me.coords.pp, count: cfg.parallel.pp };
+        let tp = Box::new(TensorParallel::new(me.group(Axis::Tp)));
+        let (mut model, first_step) = match (self.resumed, self.pretrained) {
+            (Some(r), _) => (r.model(&cfg.model, tp, stage)?, r.step),
+            (None, Some(w)) => (hf::build_from(w, &cfg.model, tp, stage, &cfg.model.init_from)?, 0),
+            (None, None) => (Llama::init(&cfg.model, cfg.train.seed, tp, stage), 0),
+        };
+        let cp = me.group(Axis::Cp);
+        if cp.size() > 1 {
+            model = model.with_sequence_split(Box::new(Ring { group: cp, split: cfg.parallel.cp_split }));
+        }
+        // on a GPU, the weights move there once; the training step is the same code
+        model.to_place(&Place::for_rank(me.gpu.as_ref(), cfg.device.compute_dtype())?);
+        Ok((model, first_step))
+    }
+
+    /// AdamW over the model's parameters: fresh, or the checkpoint's moments of this tp slice.
+    pub(super) fn optimizer(&self, model: &mut Llama, tp: &Group) -> Result<Optimizer> {
+        Ok(match self.resumed {
+            Some(r) => {
+                let mut o = r.optimizer(&model.params(), (tp.index(), tp.size()))?;
+                o.to_place(&model.place()); // the moments were read into host memory
+                o
+            }
+            None => Optimizer::new(&model.params_mut()), // moments made next to the gradients
+        })
+    }
+}
+
+/// What the loop reports at the end of a step.
+pub(super) struct StepEnd {
+    pub step: usize,
+    pub loss: f32,
+    pub lr: f32,
+    pub grad_norm: f64,
+    /// The most micro-batch activations held at once in the step.
+    pub activations_held: usize,
+}
+
+/// A rank's watch over its run: metrics, trace spans, step times, peaks.
+pub(super) struct Watch<'a> {
+    rank: usize,
+    trace: Option<&'a Trace>,
+    profile_from_step: Option<usize>,
+    metrics: Metrics,
+    place: Option<Place>,
+    tokens_per_step: f64,
+    run_start: Instant,
+    step_start: Instant,
+    summary: Summary,
+}
+
+impl<'a> Watch<'a> {
+    pub(super) fn new(me: &Rank, cfg: &Config, opts: Options<'a>) -> Result<Watch<'a>> {
+        let (t, rank) = (&cfg.train, me.rank);
+        if let Some(trace) = opts.trace {
+            me.trace_to(trace); // every collective and message of this rank's groups
+        }
+        let metrics = Metrics::new(t.steps, opts.metrics.filter(|_| rank == 0), opts.quiet || rank != 0)?;
+        let summary = Summary {
+            losses: Vec::with_capacity(t.steps),
+            floor: None,
+            wall_s: 0.0,
+            checksum: 0,
+            peak_activations: 0,
+            attention_work: 0,
+            step_s: Vec::with_capacity(t.steps),
+            gpu_peak_mib: None,
+        };
+        let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
+        let (trace, profile_from_step, now) = (opts.trace, opts.profile_from_step, Instant::now());
+        let (run_start, step_start) = (now, now);
+        Ok(Watch {
+            rank,
+            trace,
+            profile_from_step,
+            metrics,
+            place: None,
+            tokens_per_step,
+            run_start,
+            step_start,
+            summary,
+        })
+    }
+
+    pub(super) fn step_starts(&mut self, step: usize) {
+        if self.profile_from_step == Some(step) {
+            crate::cuda::profile::start();
+        }
+        self.step_start = Instant::now();
+    }
+
+    /// Records a compute span from `start` to now (with `--trace`).
+    pub(super) fn span(&self, name: String, start: Instant) {
+        if let Some(trace) = self.trace {
+            trace.record(self.rank, Lane::Compute, name, start, Instant::now());
+        }
+    }
+
+    pub(super) fn step_ends(&mut self, end: &StepEnd, model: &mut Llama) -> Result<()> {
+        let s = &mut self.summary;
+        s.losses.push(end.loss);
+        s.peak_activations = s.peak_activations.max(end.activations_held);
+        s.attention_work += model.take_attention_work();
+        let place = self.place.get_or_insert_with(|| model.place());
+        let step_peak = place.take_peak_bytes().map(|b| b as f64 / (1 << 20) as f64);
+        s.gpu_peak_mib = step_peak.map(|p| p.max(s.gpu_peak_mib.unwrap_or(0.0)));
+        let seconds = self.step_start.elapsed().as_secs_f64();
+        s.step_s.push(seconds);
+        self.metrics.log(&StepLog {
+            step: end.step,
+            activations: end.activations_held,
+            loss: end.loss,
+            lr: end.lr,
+            grad_norm: end.grad_norm as f32,
+            gpu_peak_mib: step_peak,
+            tokens_per_s: self.tokens_per_step / seconds,
+            elapsed_s: self.run_start.elapsed().as_secs_f64(),
+        })
+    }
+
+    pub(super) fn finish(mut self, model: &Llama) -> Result<Summary> {
+        self.metrics.finish()?;
+        let s = &mut self.summary;
+        s.checksum = checksum(&model.params());
+        s.attention_work /= s.losses.len().max(1) as u64;
+        s.wall_s = self.run_start.elapsed().as_secs_f64();
+        Ok(self.summary)
+    }
+}
+
+/// Saves a checkpoint after `step` when `checkpoint.every` says so (and after the last step).
+pub(super) fn checkpoint_if_due(me: &Rank, cfg: &Config, step: usize, model: &Llama, opt: &Optimizer) -> Result<()> {
+    let (every, last) = (cfg.checkpoint.every, step + 1 == cfg.train.steps);
+    if every > 0 && ((step + 1) % every == 0 || last) {
+        if let Some(state) = save::gather(me, cfg, model, opt)? {
+            save::save(Path::new(&cfg.checkpoint.dir), step + 1, &state, cfg, opt.steps_taken())?;
+        }
+    }
+    Ok(())
+}
+
+/// FNV-1a over the bits of every weight, in model order.
+fn checksum(params: &[&Param]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for x in params.iter().flat_map(|p| p.value.to_vec()) {
+        for b in x.to_bits().to_le_bytes() {
+            h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+        }
+    }
+    h
+}

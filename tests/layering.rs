@@ -1,0 +1,233 @@
+//! The architecture stays what `src/lib.rs` says: imports run one way, from the bottom layer up
+//! (values → GPU runtime → tensors → ops → comm → model → data → parallel → checkpoint → train →
+//! commands), no module imports a module that imports it back, the CPU lessons (`model/`,
+//! `parallel/`, `train.rs`) never name CUDA, and the collective API knows no NCCL. The check
+//! reads every `crate::…` path (in `use` lines and inline), every `super::…` path and every use
+//! of a child module, in every file of `src/`. It is also run on a planted cycle and a planted
+//! upward import, and must catch both.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::Path;
+
+/// The layers, lowest first. A module may use modules of its own layer (without a cycle) and of
+/// the layers below, never above. Every file of `src/` (but `lib.rs` and `main.rs`) is listed.
+const LAYERS: &[(&str, &[&str])] = &[
+    ("values", &["files", "config", "ops::types", "parallel::process_grid"]),
+    ("GPU runtime", &["cuda", "cuda::runtime", "cuda::nvrtc", "cuda::profile", "cuda::launch_table", "cuda::device"]),
+    ("tensors", &["ops::tensor"]),
+    ("ops", &["ops::cpu", "cuda::ops", "ops"]),
+    ("comm", &["comm::trace", "comm::local", "comm", "cuda::nccl", "comm::launcher"]),
+    (
+        "model",
+        &[
+            "model::param",
+            "model::init",
+            "model::stage",
+            "model::split",
+            "model::block",
+            "model::llama",
+            "model::optimizer",
+            "model",
+        ],
+    ),
+    ("data", &["data::hf_hub", "data::text", "data"]),
+    (
+        "parallel",
+        &[
+            "parallel::data_parallel",
+            "parallel::tensor_parallel",
+            "parallel::pipeline_parallel",
+            "parallel::context_parallel",
+            "parallel",
+        ],
+    ),
+    ("checkpoint", &["checkpoint::hf", "checkpoint::save", "checkpoint"]),
+    ("train", &["train::metrics", "train::run", "train"]),
+    (
+        "commands",
+        &[
+            "commands::plot",
+            "commands::schedule",
+            "commands::eval",
+            "commands::converge",
+            "cuda::self_check",
+            "commands::doctor",
+            "commands::bench",
+            "commands",
+        ],
+    ),
+];
+
+/// Modules that must not name CUDA (`crate::cuda`, `cudarc`): the CPU lessons and the
+/// collective API. `x::` means the folder x and everything in it.
+const NO_CUDA: &[&str] = &["model::", "parallel::", "train", "comm", "comm::local", "comm::trace"];
+
+/// Every module of `src/` (path like `model::block`) with its source.
+fn sources() -> BTreeMap<String, String> {
+    fn walk(dir: &Path, prefix: &str, out: &mut BTreeMap<String, String>) {
+        for entry in std::fs::read_dir(dir).unwrap() {
+            let path = entry.unwrap().path();
+            let name = path.file_stem().unwrap().to_str().unwrap().to_string();
+            if path.is_dir() {
+                walk(&path, &join(prefix, &name), out);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let module = match name.as_str() {
+                    "mod" => prefix.to_string(),
+                    _ => join(prefix, &name),
+                };
+                out.insert(module, std::fs::read_to_string(&path).unwrap());
+            }
+        }
+    }
+    let mut out = BTreeMap::new();
+    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), "", &mut out);
+    out.remove("lib"); // the crate root only declares the folders
+    out.remove("main"); // the binary sits on top of everything
+    out
+}
+
+fn join(prefix: &str, name: &str) -> String {
+    if prefix.is_empty() {
+        name.to_string()
+    } else {
+        format!("{prefix}::{name}")
+    }
+}
+
+/// The source without comments (line comments and doc comments; the tree has no block comments).
+fn code(text: &str) -> String {
+    text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n")
+}
+
+/// The paths a module's code names, as module paths relative to the crate (`ops::tensor::Tensor`).
+fn referenced(module: &str, text: &str) -> Vec<String> {
+    let code = code(text);
+    let parent = module.rsplit_once("::").map_or("", |(p, _)| p);
+    let children: Vec<&str> = code
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub mod ").or_else(|| l.trim().strip_prefix("mod ")))
+        .map(|l| l.trim_end_matches(';').trim())
+        .collect();
+    let mut out = Vec::new();
+    let bytes = code.as_bytes();
+    let word = |i: usize| -> String {
+        code[i..].chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':').collect()
+    };
+    for (i, _) in code.match_indices("crate::") {
+        if i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_') {
+            out.push(word(i + "crate::".len()));
+        }
+    }
+    for (i, _) in code.match_indices("super::") {
+        out.push(join(parent, &word(i + "super::".len())));
+    }
+    for line in code.lines() {
+        let line = line.trim().trim_start_matches("pub ");
+        if let Some(rest) = line.strip_prefix("use ") {
+            let first = rest.split("::").next().unwrap_or("");
+            if children.contains(&first) {
+                out.push(join(module, rest.trim_end_matches(';')));
+            }
+        }
+    }
+    out
+}
+
+/// The module a path points into: the longest known module that prefixes it.
+fn target<'a>(path: &str, modules: &'a BTreeSet<String>) -> Option<&'a String> {
+    let parts: Vec<&str> = path.split("::").filter(|p| !p.is_empty() && !p.starts_with('{')).collect();
+    (1..=parts.len()).rev().find_map(|n| modules.get(&parts[..n].join("::")))
+}
+
+/// Every violation of the layering in `sources`, as sentences; empty when all is well.
+fn check(sources: &BTreeMap<String, String>) -> Vec<String> {
+    let layer_of: BTreeMap<&str, usize> =
+        LAYERS.iter().enumerate().flat_map(|(i, (_, ms))| ms.iter().map(move |m| (*m, i))).collect();
+    let modules: BTreeSet<String> = sources.keys().cloned().collect();
+    let mut problems = Vec::new();
+    for m in &modules {
+        if !layer_of.contains_key(m.as_str()) {
+            problems.push(format!("{m} is in no layer: add it to LAYERS in tests/layering.rs"));
+        }
+    }
+    for m in layer_of.keys().filter(|m| !modules.contains(**m)) {
+        problems.push(format!("LAYERS lists {m}, which is not a file of src/"));
+    }
+    let mut edges: BTreeMap<&String, BTreeSet<&String>> = BTreeMap::new();
+    for (m, text) in sources {
+        for path in referenced(m, text) {
+            let Some(t) = target(&path, &modules) else { continue };
+            if t == m {
+                continue;
+            }
+            edges.entry(m).or_default().insert(t);
+            if let (Some(&a), Some(&b)) = (layer_of.get(m.as_str()), layer_of.get(t.as_str())) {
+                if b > a {
+                    problems.push(format!(
+                        "{m} ({} layer) uses {t} ({} layer): imports must run from lower layers up",
+                        LAYERS[a].0, LAYERS[b].0
+                    ));
+                }
+            }
+        }
+        let lesson = NO_CUDA.iter().any(|p| match p.strip_suffix("::") {
+            Some(folder) => m == folder || m.starts_with(p),
+            None => m == p,
+        });
+        if lesson && (code(text).contains("crate::cuda") || code(text).contains("cudarc")) {
+            problems.push(format!("{m} names CUDA: the CPU lessons and the collective API must not"));
+        }
+    }
+    // cycles: a depth-first search that reports the first path back to a module on the stack
+    fn visit<'a>(
+        m: &'a String,
+        edges: &BTreeMap<&'a String, BTreeSet<&'a String>>,
+        stack: &mut Vec<&'a String>,
+        done: &mut BTreeSet<&'a String>,
+        problems: &mut Vec<String>,
+    ) {
+        if let Some(at) = stack.iter().position(|s| *s == m) {
+            let cycle: Vec<&str> = stack[at..].iter().map(|s| s.as_str()).chain([m.as_str()]).collect();
+            problems.push(format!("import cycle: {}", cycle.join(" → ")));
+            return;
+        }
+        if !done.insert(m) {
+            return;
+        }
+        stack.push(m);
+        for t in edges.get(m).into_iter().flatten() {
+            visit(t, edges, stack, done, problems);
+        }
+        stack.pop();
+    }
+    let mut done = BTreeSet::new();
+    for m in &modules {
+        visit(m, &edges, &mut Vec::new(), &mut done, &mut problems);
+    }
+    problems
+}
+
+#[test]
+fn imports_run_one_way_without_cycles() {
+    let problems = check(&sources());
+    assert!(problems.is_empty(), "the layering is broken:\n{}", problems.join("\n"));
+}
+
+#[test]
+fn the_check_catches_a_planted_cycle() {
+    // model::param is below model::llama in the same layer; llama already uses param
+    let mut planted = sources();
+    planted.get_mut("model::param").unwrap().push_str("\nuse crate::model::llama::Llama;\n");
+    let problems = check(&planted);
+    assert!(problems.iter().any(|p| p.contains("import cycle") && p.contains("model::llama")), "{problems:?}");
+}
+
+#[test]
+fn the_check_catches_an_upward_import_and_cuda_in_a_lesson() {
+    let mut planted = sources();
+    planted.get_mut("ops::tensor").unwrap().push_str("\nfn f(_: crate::model::Param) {}\n");
+    planted.get_mut("parallel::data_parallel").unwrap().push_str("\nuse crate::cuda::runtime::Gpu;\n");
+    let problems = check(&planted);
+    assert!(problems.iter().any(|p| p.contains("ops::tensor (tensors layer) uses model")), "{problems:?}");
+    assert!(problems.iter().any(|p| p.contains("parallel::data_parallel names CUDA")), "{problems:?}");
+}
