@@ -21,7 +21,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 
 # Dense peak TFLOP/s (bf16 tensor cores, f32 CUDA cores) by a part of the GPU's name, as in
-# src/bench.rs; the first match wins.
+# src/commands/bench.rs; the first match wins.
 PEAKS = [
     ("H100 PCIe", 756.5, 51.2),
     ("H100 NVL", 835.5, 60.0),
@@ -72,7 +72,7 @@ def parameter_count(m):
 
 
 def flops_per_token(m, seq):
-    """6·N + 12·L·(H·d_head)·S, N without an untied input embedding (a lookup): as src/bench.rs."""
+    """6·N + 12·L·(H·d_head)·S, N without an untied input embedding (a lookup): as src/commands/bench.rs."""
     hd = m.get("head_dim", m["hidden_size"] // m["num_attention_heads"])
     lookup = 0 if m["tie_word_embeddings"] else m["vocab_size"] * m["hidden_size"]
     return 6 * (parameter_count(m) - lookup) + 12 * m["num_hidden_layers"] * m["num_attention_heads"] * hd * seq

@@ -1,4 +1,4 @@
-// common.cuh — prepended to every kernel file before NVRTC compiles it (src/kernels.rs).
+// common.cuh — prepended to every kernel file before NVRTC compiles it (src/cuda/nvrtc.rs).
 //
 // Storage types: activations and weights used for compute are `float` (f32 mode) or
 // `__nv_bfloat16` (mixed precision); every kernel computes in float. `load`/`store` convert.

@@ -5,7 +5,7 @@
 // dlogits = (exp(x − lse) − onehot(target)) · scale, zero where target < 0 (ignored rows).
 // Vocab-parallel: each rank holds columns first..first+vocab of the logits; the row statistics
 // (row_max, row_sum_exp, target_logit) are computed per slice and all-reduced between the calls,
-// exactly as `src/tensor_parallel.rs` does on the CPU. One block per row, threads over the vocab
+// exactly as `src/parallel/tensor_parallel.rs` does around the op-layer calls. One block per row, threads over the vocab
 // (target_logit and log_sum_exp: one thread per row).
 
 template <typename T>

@@ -4,7 +4,7 @@
 // else 0 (vocab-parallel embedding); backward: dtable[id − first, :] += dout[t, :].
 // Forward: one block per token, threads over the features.
 // Backward, deterministic: a token id can appear many times, so instead of atomics the host
-// groups the token positions by id (`launches::tokens_by_id`), and one block per distinct id, its
+// groups the token positions by id (`launch_table::tokens_by_id`), and one block per distinct id, its
 // threads over the features, adds that id's rows of dout in token order: the same summation
 // order as the CPU reference, every run, with as many blocks as the batch has distinct tokens.
 

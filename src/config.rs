@@ -82,8 +82,8 @@ pub struct ParallelConfig {
     pub dp_mode: DpMode,
     /// Size of a gradient bucket, in MiB of f32 gradients.
     pub bucket_mb: f64,
-    /// How GPU buffers travel between ranks: `auto` (NCCL when each rank has its own GPU),
-    /// `local` (through host memory) or `nccl`.
+    /// How GPU buffers travel between ranks: `auto` (NCCL when each rank has its own GPU), `local`
+    /// (through host memory) or `nccl`; so far for `doctor`'s self-test only (the step uses the host).
     pub backend: CommBackend,
     /// Seconds a rank waits for the others before the run stops with the names of the missing.
     pub timeout_s: f64,
@@ -146,7 +146,7 @@ pub struct DataConfig {
     pub tokenizer: String,
 }
 
-/// Saving the run as it trains (see `save.rs`).
+/// Saving the run as it trains (see `checkpoint/save.rs`).
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct CheckpointConfig {
@@ -198,7 +198,7 @@ impl ModelConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    /// The number of weights, from the shapes alone (`block.rs` and `model.rs` make them).
+    /// The number of weights, from the shapes alone (`model/block.rs` and `model/llama.rs` make them).
     pub fn parameter_count(&self) -> usize {
         let (d, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim());
         let (q, kv) = (self.num_attention_heads * hd, self.num_key_value_heads * hd);

@@ -81,6 +81,15 @@ pub fn verdict(claim: &str, got: &[f32], want: &[f32], tol: f32) -> Result<()> {
     Ok(())
 }
 
+/// Prints PASS or FAIL for `claim`: two replicas' weight hashes must be equal.
+pub fn same_weights(claim: &str, a: u64, b: u64) -> Result<()> {
+    println!("verdict: {} — {claim}: weight hashes {a:016x} and {b:016x}", if a == b { "PASS" } else { "FAIL" });
+    if a != b {
+        bail!("the claim does not hold");
+    }
+    Ok(())
+}
+
 /// Gives a step its `main` (run at the lesson's size) and a test that runs it with `--tiny`.
 macro_rules! step {
     ($run:ident) => {

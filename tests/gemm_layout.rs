@@ -1,5 +1,5 @@
 //! The cuBLAS calls of the CUDA backend, checked without a GPU: each `Gemm` shape of
-//! `src/cuda_ops.rs` (transposes, m/n/k, leading dimensions) is run through a column-major GEMM
+//! `src/cuda/ops.rs` (transposes, m/n/k, leading dimensions) is run through a column-major GEMM
 //! written here exactly as cuBLAS defines it, on the row-major buffers the backend hands over,
 //! and must give the CPU op layer's linear, input gradient and weight gradient.
 

@@ -5,8 +5,8 @@
 //! plain column-major GEMM. The real binary then opens its "GPU" through cudarc, compiles its
 //! kernels with the real NVRTC, moves the model, launches every kernel, stages collectives
 //! through host memory and reads results back, as on a GPU. So every line of the host-side GPU
-//! code (`cuda.rs`, `cuda_ops.rs`, `cuda_check.rs`, `profile.rs`, the moves in `tensor.rs` and
-//! `train.rs`) runs in CI; what it cannot show is anything about a real GPU's timing, its
+//! code (`src/cuda/`: `runtime.rs`, `device.rs`, `ops.rs`, `self_check.rs`, `profile.rs`; the moves in
+//! `src/ops/tensor.rs` and `src/train/run.rs`) runs in CI; what it cannot show is anything about a real GPU's timing, its
 //! asynchrony, or its driver. Needs g++ and NVRTC; skipped with a printed reason without them,
 //! unless FERROTRON_REQUIRE_EMULATOR=1 and FERROTRON_REQUIRE_NVRTC=1 (as in CI).
 

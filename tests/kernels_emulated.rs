@@ -1,6 +1,6 @@
 //! The CUDA kernels, run on the CPU: every `kernels/*.cu` file is compiled as C++ with a small
 //! CUDA emulator (`tests/emulator/cuda_bf16.h`: a fiber per CUDA thread, barriers for
-//! `__syncthreads`, `__syncwarp` and warp shuffles), and the launches of `src/launches.rs` (kernel names, grids,
+//! `__syncthreads`, `__syncwarp` and warp shuffles), and the launches of `src/cuda/launch_table.rs` (kernel names, grids,
 //! argument lists) run on host memory against the CPU reference of the op layer, in f32 and bf16.
 //! So a kernel's indexing, masking and reductions, and every launch's argument order, are checked
 //! on machines without a GPU. Needs g++ (C++20); skipped with a printed reason when g++ is missing

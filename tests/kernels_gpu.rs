@@ -1,5 +1,5 @@
 //! The CUDA kernels on a GPU against the CPU reference: every op forward and backward, f32 and
-//! bf16, random inputs, odd sizes (`src/cuda_check.rs`). Skipped with a printed reason where there
+//! bf16, random inputs, odd sizes (`src/cuda/self_check.rs`). Skipped with a printed reason where there
 //! is no GPU, no NVRTC or no cuBLAS.
 
 mod common;

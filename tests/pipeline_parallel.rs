@@ -115,3 +115,18 @@ fn a_real_runs_trace_draws_its_schedule() {
     // ranks 0 and 2 are stage 0 (two dp replicas), ranks 1 and 3 stage 1
     assert_eq!(t.peak_activations, vec![2, 1, 2, 1]);
 }
+
+#[test]
+fn the_trace_shows_every_axis_talking() {
+    let sets = ["parallel.tp=2", "parallel.pp=2", "parallel.cp=2", "train.steps=1", "train.grad_accum_steps=2"];
+    let cfg = Config::load(None, &sets.map(String::from)).unwrap();
+    let trace = Trace::default();
+    train(&cfg, Options { trace: Some(&trace), quiet: true, ..Default::default() }).unwrap();
+    for (axis, call) in [("tp[", "all_reduce(sum)"), ("cp[", "send_recv"), ("pp[", "send"), ("pp[", "recv")] {
+        let spans = trace.comm_spans(|n| n.contains(axis) && n.starts_with(call));
+        assert!(!spans.is_empty(), "no {call} on a {axis}…] group in the trace");
+        assert!(spans.iter().all(|s| s.end_us >= s.start_us));
+    }
+    // the loss is broadcast from the last stage and averaged over dp×cp
+    assert!(!trace.comm_spans(|n| n.starts_with("broadcast") && n.contains("pp[")).is_empty());
+}

@@ -5,6 +5,7 @@
 mod common;
 
 use ferrotron::comm::launcher::launch;
+use ferrotron::comm::trace::Trace;
 use ferrotron::comm::ReduceOp;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
@@ -157,4 +158,34 @@ fn tp_and_dp_tp_follow_the_single_rank_curve() {
         tied_tp.iter().map(|o| o.max_diff).collect::<Vec<_>>()
     );
     assert!(tied[19] < tied[0] - 0.5);
+}
+
+#[test]
+fn a_block_talks_twice_forward_and_twice_backward() {
+    // Megatron's picture: g after o and after down; f once for q|k|v and once for gate|up
+    let count = |layers: usize| -> (usize, usize) {
+        let sets = [format!("model.num_hidden_layers={layers}"), "parallel.tp=2".into()];
+        let cfg = Config::load(None, &sets).unwrap();
+        let (seq, batch) = (16, 2);
+        let tokens: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % cfg.model.vocab_size) as u32).collect();
+        let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+        let counts = launch(tp_grid(2), Duration::from_secs(30), |me| {
+            let trace = Trace::default();
+            me.trace_to(&trace);
+            let tp = Box::new(TensorParallel::new(me.group(Axis::Tp)));
+            let mut model = Llama::init(&cfg.model, 3, tp, Stage::WHOLE);
+            let tp_calls = || trace.comm_spans(|n| n.starts_with("all_reduce") && n.ends_with("tp[0,1]")).len();
+            model.forward(&tokens, batch, &targets)?;
+            let forward = tp_calls();
+            model.backward(1.0)?;
+            Ok((forward, tp_calls() - forward))
+        })
+        .unwrap();
+        counts[0]
+    };
+    let ((f1, b1), (f3, b3)) = (count(1), count(3));
+    assert_eq!(((f3 - f1) / 2, (b3 - b1) / 2), (2, 2), "all-reduces per block (forward, backward)");
+    // outside the blocks: the embedding's g and the cross-entropy's three statistics; the output
+    // layer's f in backward
+    assert_eq!((f1, b1), (4 + 2, 1 + 2));
 }

@@ -16,10 +16,10 @@
 //! `wait()` collects the result. This is the overlap that bucketed data parallelism and the
 //! tensor-parallel input-gradient all-reduce rely on.
 //!
-//! These host forms always run on the `local` backend (ranks as threads, meeting in `hub.rs`):
+//! These host forms always run on the `local` backend (ranks as threads, meeting in `comm/local.rs`):
 //! results are deterministic, and failures (timeouts, mismatched calls, a failing rank) are
-//! errors, never hangs. Collectives on GPU buffers (`comm_gpu.rs`) use the group's NCCL
-//! communicator when the run has one, and the hub otherwise.
+//! errors, never hangs. A `Group` knows no NCCL: collectives on GPU buffers are `cuda/nccl.rs`'s
+//! `DeviceGroup`, which wraps a `Group` and uses NCCL on the `nccl` backend, this hub otherwise.
 
 pub mod launcher;
 pub mod local;
@@ -32,9 +32,9 @@ use local::{reduce, GroupInfo, Hub, Op};
 /// How a collective combines the members' numbers (defined with the other plain values in
 /// `ops/types.rs`, so that every backend reaches it).
 pub use crate::ops::types::ReduceOp;
-use std::cell::OnceCell;
+
 use std::collections::HashMap;
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::Instant;
 use trace::{Lane, Trace};
 
@@ -97,7 +97,7 @@ pub struct Group {
     /// Message counters per (direction, peer): the n-th send to j meets j's n-th recv from us.
     messages: Mutex<HashMap<(Direction, usize), u64>>,
     /// Where this member records each call's span, when the run is traced (`trace_to`).
-    trace: OnceCell<(Trace, usize)>,
+    trace: OnceLock<(Trace, usize)>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -125,7 +125,7 @@ impl Group {
         let index = ranks.iter().position(|&r| r == rank).expect("a rank belongs to its own groups");
         let info = Arc::new(GroupInfo { name, ranks, index });
         let (calls, messages) = (Mutex::new(0), Mutex::new(HashMap::new()));
-        Group { info, hub, stream, calls, messages, trace: OnceCell::new() }
+        Group { info, hub, stream, calls, messages, trace: OnceLock::new() }
     }
 
     /// Records every later call of this member (collective or message) as a span on global

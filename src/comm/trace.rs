@@ -1,14 +1,14 @@
 //! # Traces: what every rank did, and when
 //!
-//! `train --trace OUT.json` records spans (forward, backward, each gradient bucket's all-reduce,
-//! the optimizer) and writes them in Chrome's trace-event format: open the file in
-//! <https://ui.perfetto.dev> or chrome://tracing. Each rank is a process with two lanes:
-//!
+//! `train --trace OUT.json` writes Chrome trace events (open the file in <https://ui.perfetto.dev>
+//! or chrome://tracing). Each rank is a process with two lanes: compute (the loop's spans) and
+//! comm, where every call of every group of the rank, collective or message, is a span named by
+//! the call, its size and its group ("all_reduce(sum) of 4096 values tp[0,1]", "send of … pp[0,2]"):
 //! ```text
-//! rank 0  compute │ forward ││ backward ─────────────────────││ optimizer │
-//!         comm    │                 [bucket 0] [bucket 1] [bucket 2]
+//! rank 0  compute │ forward 0 ─────││ backward 0 ─────────────────────────││ wait for gradients ││ optimizer │
+//!         comm    │ [g tp] [send pp] [recv pp] [f tp] [bucket 0 dp×cp] [f tp] [bucket 1 dp×cp]
 //! ```
-//! A bucket drawn under the backward span is communication hidden behind computation.
+//! A comm span drawn under a compute span is communication hidden behind computation.
 
 use anyhow::{Context, Result};
 use std::path::Path;

@@ -64,7 +64,7 @@ pub fn bytes_per_weight(dtype: DType) -> usize {
 }
 
 /// Bytes of the activations one micro-batch of `batch` sequences of `seq` tokens keeps for its
-/// backward on one rank of pipeline `stage` in a tp group of `tp` (what `block.rs`'s `BlockCache`
+/// backward on one rank of pipeline `stage` in a tp group of `tp` (what `model/block.rs`'s `BlockCache`
 /// and the model's head cache hold): per layer the block input, two norms' outputs, q, k, v, the
 /// attention output, the residual, gate, up and their product in the compute dtype, and the two
 /// 1/rms rows and the attention lse in f32; on the last stage also the final norm's input and
@@ -125,7 +125,7 @@ pub struct Report {
 }
 
 /// Trains `warmup + steps` steps of `cfg` and measures the last `steps`; with `profile`, times
-/// every GPU kernel of the measured steps (`profile.rs`).
+/// every GPU kernel of the measured steps (`cuda/profile.rs`).
 pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f64>, profile: bool) -> Result<Report> {
     if steps == 0 {
         bail!("--steps 0: measure at least one step");

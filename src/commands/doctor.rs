@@ -2,8 +2,8 @@
 //!
 //! It lists the CUDA libraries (found or not, and the file that was loaded), compiles every kernel
 //! with NVRTC when it can, shows the driver and its CUDA version and every GPU with its memory,
-//! and then runs self-tests on GPU 0: every op of `cuda_ops.rs`, forward and backward, in f32 and bf16,
-//! against the CPU reference (`cuda_check.rs`),
+//! and then runs self-tests on GPU 0: every op of `cuda/ops.rs`, forward and backward, in f32 and bf16,
+//! against the CPU reference (`cuda/self_check.rs`),
 //! and the collectives on GPU buffers, over NCCL and over the local hub, against answers computed
 //! on the host.
 //! Without a GPU it says so and fails, so scripts can tell.

@@ -1,6 +1,6 @@
 //! # The pipeline schedule as a picture: where the bubble is
 //!
-//! `ferrotron schedule --pp 4 --microbatches 8` plays the schedules of `pipeline_parallel.rs`
+//! `ferrotron schedule --pp 4 --microbatches 8` plays the schedules of `parallel/pipeline_parallel.rs`
 //! on an idealised clock (a forward takes 1 unit, a backward 2, sending is free): each stage
 //! runs its actions in order, a forward waits for the previous stage's forward of the same
 //! micro-batch, a backward for the next stage's backward. The idle time left over is the bubble,

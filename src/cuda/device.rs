@@ -1,8 +1,8 @@
 //! # The CUDA backend: a rank's GPU and the buffers tensors keep on it
 //!
 //! A `Device` is one rank's GPU as the op layer sees it: the kernels of `kernels/*.cu` (compiled
-//! by NVRTC for this GPU's architecture, once per process, see `kernels.rs`), a cuBLAS handle, and
-//! the dtype the model computes in. The ops themselves are in `cuda_ops.rs`. Every launch goes on
+//! by NVRTC for this GPU's architecture, once per process, see `cuda/nvrtc.rs`), a cuBLAS handle, and
+//! the dtype the model computes in. The ops themselves are in `cuda/ops.rs`. Every launch goes on
 //! the compute stream and none waits for the GPU: the host only queues work, and a `to_vec` (the
 //! loss, once per micro-batch; the gradient norm, once per step) is where it waits.
 //!
@@ -266,7 +266,7 @@ impl Device {
         Ok(f)
     }
 
-    /// Queues a kernel launch (`launches.rs`) on the compute stream.
+    /// Queues a kernel launch (`cuda/launch_table.rs`) on the compute stream.
     pub(crate) fn run(&self, l: &Launch) -> Result<()> {
         if l.grid.0 == 0 || l.grid.1 == 0 || l.grid.2 == 0 {
             return Ok(()); // nothing to compute (an empty tensor)
@@ -287,7 +287,7 @@ impl Device {
         crate::cuda::profile::timed(
             || l.kernel.clone(),
             &self.gpu.compute,
-            // SAFETY: `launches.rs` passes the argument list each kernel declares, and the op
+            // SAFETY: `cuda/launch_table.rs` passes the argument list each kernel declares, and the op
             // layer checked that the buffers hold what the launch shape reaches.
             || unsafe { b.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {}: {e:?}", l.kernel)),
         )

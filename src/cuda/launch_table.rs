@@ -3,7 +3,7 @@
 //! Every CUDA kernel launch of the op layer is written here once, as a `Launch` value built from
 //! buffer addresses and shapes: the kernel's name (`name_f32` or `name_bf16` by the compute
 //! dtype), its grid and block, and its arguments in the order its `extern "C"` signature declares
-//! them (`long` is i64, `int` i32, pointers are addresses). `cuda_ops.rs` queues them on a GPU;
+//! them (`long` is i64, `int` i32, pointers are addresses). `cuda/ops.rs` queues them on a GPU;
 //! `tests/kernels_emulated.rs` runs the very same launches on the CPU through a thread-per-CUDA-
 //! thread emulator, so the kernels and these argument lists are tested where there is no GPU.
 //!

@@ -1,6 +1,6 @@
 //! # Collectives on GPU buffers: NCCL, or the local hub through host memory
 //!
-//! The same `Group` carries collectives on GPU buffers in two ways:
+//! A `DeviceGroup` wraps a rank's `Group` and carries collectives on GPU buffers in two ways:
 //!
 //! ```text
 //! nccl   (one GPU per rank):   compute ─record ev─▶ comm stream: wait ev, ncclAllReduce, record done
@@ -10,10 +10,10 @@
 //! NCCL needs one *communicator* per process group. Member 0 of the group asks NCCL for a unique
 //! id (128 bytes) and broadcasts it over the local hub, which every run has; then each member
 //! joins with its place in the group. `nccl::safe::Comm` must stay on its rank's thread, so a
-//! `Group` holding one stays there too.
+//! `DeviceGroup` holding one stays there too.
 //!
-//! The local path is for several ranks on one GPU (tests, tutorials): it is exact and
-//! deterministic like the CPU backend, and pays two copies per collective.
+//! The local path is for several ranks on one GPU: exact and deterministic like the CPU backend,
+//! two copies per collective. So far only `doctor`'s self-test uses either path, not the step.
 
 use crate::comm::{Element, Group, Handle, ReduceOp};
 use crate::cuda::runtime::{cuda_err, Gpu};

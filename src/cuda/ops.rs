@@ -1,7 +1,7 @@
 //! # The ops on a GPU: kernel launches and cuBLAS GEMMs
 //!
-//! One method of `Device` per op of `ops.rs`, with the same arguments. Each allocates its outputs
-//! on the GPU, takes the buffers' device addresses, and queues the launches `launches.rs`
+//! One method of `Device` per op of `ops/mod.rs`, with the same arguments. Each allocates its outputs
+//! on the GPU, takes the buffers' device addresses, and queues the launches `cuda/launch_table.rs`
 //! describes (kernel, grid, arguments), or, for the three matrix products of a linear layer, one
 //! cuBLAS `GemmEx` call: bf16 inputs with fp32 accumulation in mixed precision (the weight
 //! gradient written straight into its fp32 buffer), f32 without TF32 in f32 mode. Nothing here
@@ -134,7 +134,7 @@ impl Device {
     }
 
     // -----------------------------------------------------------------------------------------
-    // Kernels, one method per op of `ops.rs`, same arguments; the launches are in `launches.rs`.
+    // Kernels, one method per op of `ops/mod.rs`, same arguments; the launches are in `launch_table.rs`.
 
     pub fn embedding(self: &Arc<Self>, table: &Tensor, tokens: &[u32], first: usize) -> Result<Tensor> {
         let (dt, dim) = (table.dtype(), table.cols());

@@ -1,16 +1,16 @@
 //! # The GPU runtime: a device, its two streams, and the libraries we load
 //!
 //! A CUDA *stream* is a queue of work on the GPU; work in one stream runs in order, work in two
-//! streams may overlap. Each rank owns one GPU and two streams:
-//!
+//! streams may overlap. Each rank owns one GPU and two streams, `compute` and `comm` (for NCCL):
 //! ```text
-//! compute: ─[fwd]─[bwd layer 3]─[bwd layer 2]─[bwd layer 1]─…─(wait ev)─[optimizer]
-//!                              │ record ev₁              ▲
-//! comm:                        └─(wait ev₁)─[all-reduce bucket 1]─(record ev)
+//! compute: ─[kernel]─(record ev)───────────────────────────────(wait done)─[next kernel]
+//!                         │                                         ▲
+//! comm:                   └─(wait ev)─[ncclAllReduce]─(record done)─┘
 //! ```
 //! An *event* marks a point in a stream; another stream can wait for it without stopping the host.
-//! That is how a gradient bucket's all-reduce starts once backward has written it, and how the
-//! optimizer waits for the all-reduce, with no host synchronisation in the step.
+//! The training step uses neither NCCL nor the comm stream yet: its collectives and messages go
+//! through host memory and the local hub (`comm/local.rs`) on every backend. NCCL communicators
+//! are made at start-up on the `nccl` backend, and only `ferrotron doctor`'s self-test uses them.
 //!
 //! cudarc loads the CUDA libraries when they are first used and panics when one is missing, so we
 //! look for each library first (`libraries`) and turn "not found" into a sentence.

@@ -16,7 +16,7 @@
 //! that a perfect model reaches. A model that learns the Markov table but not to copy stays well
 //! above it.
 //!
-//! The other source is real text, tokenised by `text.rs`; sequence `i` is a window of its tokens
+//! The other source is real text, tokenised by `data/text.rs`; sequence `i` is a window of its tokens
 //! at a place drawn from (data seed, i). Either way, sequence `i` of the run depends only on
 //! (data seed, i), so the tokens of a step never depend on the topology.
 

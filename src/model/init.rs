@@ -4,7 +4,7 @@
 //! *full* shape in row-major order. A sharded run (tensor or pipeline parallel) draws the full
 //! tensor the same way and keeps its slice, so every topology starts from bit-identical weights:
 //! torchtitan's "seed checkpoint", without the checkpoint. The same keyed streams give the data
-//! its randomness (`data.rs`), so no stream depends on how many were drawn before it.
+//! its randomness (`data/mod.rs`), so no stream depends on how many were drawn before it.
 
 use crate::ops::tensor::Tensor;
 use rand::{Rng, SeedableRng};

@@ -212,6 +212,18 @@ impl<'g> Llama<'g> {
         }
     }
 
+    /// FNV-1a over the bits of every weight, in model order: replicas that agree have equal
+    /// checksums.
+    pub fn checksum(&self) -> u64 {
+        let mut h: u64 = 0xcbf29ce484222325;
+        for x in self.params().iter().flat_map(|p| p.value.to_vec()) {
+            for b in x.to_bits().to_le_bytes() {
+                h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+            }
+        }
+        h
+    }
+
     /// Micro-batches whose activations this rank holds now (forward done, backward not yet).
     pub fn activations_held(&self) -> usize {
         self.caches.len()

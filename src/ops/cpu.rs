@@ -346,7 +346,7 @@ pub fn swiglu_backward(dh: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], 
 // Cross-entropy over the vocabulary: loss_r = lse(logits_r) − logits_r[target_r]; rows whose target
 // is negative are ignored. The gradient is (softmax − onehot) · scale, rebuilt from the saved lse.
 
-/// Writes each row's log-sum-exp; returns (sum of losses, number of counted rows).
+/// Writes each row's largest logit (of this slice of the vocabulary).
 pub fn row_max(logits: &[f32], vocab: usize, max: &mut [f32]) {
     max.par_iter_mut().zip(logits.par_chunks(vocab)).for_each(|(m, row)| {
         *m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);

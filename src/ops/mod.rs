@@ -1,9 +1,9 @@
 //! # The op layer: what the model may ask of a device
 //!
-//! Each op takes and returns `Tensor`s and has its backward next to it. The model (`model.rs`)
+//! Each op takes and returns `Tensor`s and has its backward next to it. The model (`model/`)
 //! is written only in these calls, so it never knows which device it runs on: this file looks at
 //! where the tensors live and calls that device's kernels, one arm per op: the GPU's launches
-//! (`cuda_ops.rs`, results stay on the GPU) or the CPU reference (`cpu.rs`). Shapes are checked
+//! (`cuda/ops.rs`, results stay on the GPU) or the CPU reference (`ops/cpu.rs`). Shapes are checked
 //! here, once, for every backend.
 //!
 //! Conventions: a linear weight is `[out, in]` as in PyTorch, so `y = x · Wᵀ`; activations are

@@ -1,11 +1,11 @@
 //! # Tensors: a shape and its storage on a device
 //!
 //! A `Tensor` is a row-major array with a shape. Its storage lives on a device: `Storage::Cpu`
-//! holds `f32` in host memory; `Storage::Cuda` holds a GPU buffer (`cuda::Buf`) in one of three
+//! holds `f32` in host memory; `Storage::Cuda` holds a GPU buffer (`cuda::device::Buf`) in one of three
 //! forms: f32, bf16, or — for a *parameter* in mixed precision — an fp32 master copy together
 //! with the bf16 copy that the kernels compute with (the optimizer updates the first and rewrites
 //! the second). Model code never looks inside the storage: it hands tensors to the op layer
-//! (`ops.rs`), which picks the kernels for the device the tensor lives on. Host copies
+//! (`ops/mod.rs`), which picks the kernels for the device the tensor lives on. Host copies
 //! (`to_vec`, `from_vec`, `write`) are how data enters and leaves: batches, checkpoints, tests;
 //! the collectives of the local hub read and write through `host_view` and `update_host`, in place
 //! on the CPU and through a host copy on a GPU.

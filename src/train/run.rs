@@ -12,7 +12,7 @@ use crate::comm::Group;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
-use crate::model::{Llama, Param, Stage};
+use crate::model::{Llama, Stage};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::process_grid::{Axis, Grid};
@@ -276,7 +276,7 @@ impl<'a> Watch<'a> {
     pub(super) fn finish(mut self, model: &Llama) -> Result<Summary> {
         self.metrics.finish()?;
         let s = &mut self.summary;
-        s.checksum = checksum(&model.params());
+        s.checksum = model.checksum();
         s.attention_work /= s.losses.len().max(1) as u64;
         s.wall_s = self.run_start.elapsed().as_secs_f64();
         Ok(self.summary)
@@ -286,21 +286,10 @@ impl<'a> Watch<'a> {
 /// Saves a checkpoint after `step` when `checkpoint.every` says so (and after the last step).
 pub(super) fn checkpoint_if_due(me: &Rank, cfg: &Config, step: usize, model: &Llama, opt: &Optimizer) -> Result<()> {
     let (every, last) = (cfg.checkpoint.every, step + 1 == cfg.train.steps);
-    if every > 0 && ((step + 1) % every == 0 || last) {
+    if every > 0 && ((step + 1).is_multiple_of(every) || last) {
         if let Some(state) = save::gather(me, cfg, model, opt)? {
             save::save(Path::new(&cfg.checkpoint.dir), step + 1, &state, cfg, opt.steps_taken())?;
         }
     }
     Ok(())
-}
-
-/// FNV-1a over the bits of every weight, in model order.
-fn checksum(params: &[&Param]) -> u64 {
-    let mut h: u64 = 0xcbf29ce484222325;
-    for x in params.iter().flat_map(|p| p.value.to_vec()) {
-        for b in x.to_bits().to_le_bytes() {
-            h = (h ^ b as u64).wrapping_mul(0x100000001b3);
-        }
-    }
-    h
 }

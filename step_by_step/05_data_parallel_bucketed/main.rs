@@ -6,7 +6,7 @@
 mod common;
 
 use anyhow::Result;
-use ferrotron::comm::trace::Trace;
+use ferrotron::comm::trace::{Lane, Span, Trace};
 use ferrotron::parallel::data_parallel::gradient_all_reduce;
 use ferrotron::train::{train, Options};
 
@@ -14,20 +14,33 @@ fn run(tiny: bool) -> Result<()> {
     let naive = common::config(tiny, &["parallel.dp=2", "train.micro_batch_size=8", "parallel.dp_mode=\"naive\""])?;
     let mut bucketed = naive.clone();
     bucketed.parallel.dp_mode = ferrotron::config::DpMode::Bucketed;
-    bucketed.parallel.bucket_mb = 0.25; // small buckets: several per backward, even for this small model
+    // small buckets: several per backward, even for this small model (and for --tiny's smaller one)
+    bucketed.parallel.bucket_mb = if tiny { 0.03 } else { 0.25 };
     let trace = Trace::default();
     let quiet = Options { quiet: true, ..Default::default() };
     let a = train(&naive, quiet)?.losses;
     let b = train(&bucketed, Options { trace: Some(&trace), ..quiet })?.losses;
     let path = std::path::Path::new(if tiny { "target/step05_trace.json" } else { "step05_trace.json" });
     trace.write(path)?;
-    let buckets = trace.spans().iter().filter(|s| s.rank == 0 && gradient_all_reduce(&s.name)).count();
+    let rank0 = |lane, keep: &dyn Fn(&str) -> bool| -> Vec<_> {
+        trace.spans().into_iter().filter(|s| s.rank == 0 && s.lane == lane && keep(&s.name)).collect()
+    };
+    let buckets = rank0(Lane::Comm, &gradient_all_reduce);
+    let backwards = rank0(Lane::Compute, &|n| n.starts_with("backward"));
+    // a bucket's all-reduce that starts while a backward is still running overlaps it
+    let started_during_backward = |b: &Span| backwards.iter().any(|w| w.start_us < b.start_us && b.start_us < w.end_us);
+    let overlapped = buckets.iter().filter(|b| started_during_backward(b)).count();
+    let per_step = buckets.len() / bucketed.train.steps;
     println!(
-        "bucketed: {} bucket all-reduces per step, {:.0}% of their time ran during backward; trace: {}",
-        buckets / bucketed.train.steps,
+        "bucketed: {per_step} bucket all-reduces per step, {overlapped} of {} started during backward, {:.0}% of their \
+         time ran during backward; trace: {}",
+        buckets.len(),
         100.0 * trace.hidden_fraction(gradient_all_reduce, "backward"),
         path.display()
     );
+    if per_step < 2 || overlapped == 0 {
+        anyhow::bail!("expected several buckets per step, some started during backward");
+    }
     common::verdict("bucketed and naive give the same losses, bit for bit", &b, &a, 0.0)?;
     common::verdict("bucketed dp = 2 follows step 01", &b, &common::reference(&bucketed)?, 1e-5)
 }
