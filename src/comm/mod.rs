@@ -151,20 +151,22 @@ impl Group {
         self.info.index
     }
 
-    /// Queues `job` (the call `what`) on the communication thread; the handle yields its result.
+    /// Queues `job` on the communication thread; the handle yields its result. `what` names the
+    /// call in the trace, and is only made when the run is traced.
     fn submit<R: Send + 'static>(
         &self,
-        what: String,
+        what: impl FnOnce() -> String,
         job: impl FnOnce(&Hub, &GroupInfo) -> Result<R> + Send + 'static,
     ) -> Handle<R> {
         let (tx, rx) = mpsc::channel();
-        let (hub, info, trace) = (self.hub.clone(), self.info.clone(), self.trace.get().cloned());
+        let trace = self.trace.get().map(|(trace, rank)| (trace.clone(), *rank, what()));
+        let (hub, info) = (self.hub.clone(), self.info.clone());
         // if the thread is gone, the handle's wait reports it
         let _ = self.stream.jobs.send(Box::new(move || {
             let start = Instant::now();
             let result = job(&hub, &info);
             let end = Instant::now();
-            if let Some((trace, rank)) = trace {
+            if let Some((trace, rank, what)) = trace {
                 trace.record(rank, Lane::Comm, format!("{what} {}", info.name), start, end);
             }
             let _ = tx.send(result);
@@ -197,8 +199,11 @@ impl Group {
         data: Vec<f32>,
         finish: impl FnOnce(Vec<Arc<Vec<f32>>>, &GroupInfo) -> Result<Vec<f32>> + Send + 'static,
     ) -> Handle<Vec<T>> {
-        let (seq, what) = (self.next_call(), format!("{} of {}", op.name(), values(data.len())));
-        self.submit(what, move |hub, g| Ok(narrow(&finish(hub.exchange(g, seq, op, data)?, g)?)))
+        let (seq, n) = (self.next_call(), data.len());
+        self.submit(
+            || format!("{} of {}", op.name(), values(n)),
+            move |hub, g| Ok(narrow(&finish(hub.exchange(g, seq, op, data)?, g)?)),
+        )
     }
 
     pub fn all_reduce_async<T: Element>(&self, data: &[T], op: ReduceOp) -> Handle<Vec<T>> {
@@ -234,26 +239,31 @@ impl Group {
 
     pub fn barrier_async(&self) -> Handle<()> {
         let seq = self.next_call();
-        self.submit(Op::Barrier.name(), move |hub, g| hub.exchange(g, seq, Op::Barrier, Vec::new()).map(|_| ()))
+        self.submit(|| Op::Barrier.name(), move |hub, g| hub.exchange(g, seq, Op::Barrier, Vec::new()).map(|_| ()))
     }
 
     /// Sends `data` to member `to` (a place in the group). Buffered: it does not wait for the recv.
     pub fn send_async<T: Element>(&self, data: &[T], to: usize) -> Handle<()> {
         let key = self.mail_key(Direction::Out, to);
         let data = widen(data);
-        self.submit(format!("send of {} to {to}", values(data.len())), move |hub, g| {
-            g.member(to, "send")?;
-            hub.post(key, data);
-            Ok(())
-        })
+        let n = data.len();
+        self.submit(
+            || format!("send of {} to {to}", values(n)),
+            move |hub, g| {
+                g.member(to, "send")?;
+                hub.post(key, data);
+                Ok(())
+            },
+        )
     }
 
     /// Receives `len` elements from member `from`.
     pub fn recv_async<T: Element>(&self, len: usize, from: usize) -> Handle<Vec<T>> {
         let key = self.mail_key(Direction::In, from);
-        self.submit(format!("recv of {} from {from}", values(len)), move |hub, g| {
-            Ok(narrow(&hub.take(key, len, g.member(from, "recv")?)?))
-        })
+        self.submit(
+            || format!("recv of {} from {from}", values(len)),
+            move |hub, g| Ok(narrow(&hub.take(key, len, g.member(from, "recv")?)?)),
+        )
     }
 
     /// Sends `data` to `to` and receives `len` elements from `from` in one step, as a pipeline
@@ -261,7 +271,8 @@ impl Group {
     pub fn send_recv_async<T: Element>(&self, data: &[T], to: usize, len: usize, from: usize) -> Handle<Vec<T>> {
         let (out, inbound) = (self.mail_key(Direction::Out, to), self.mail_key(Direction::In, from));
         let data = widen(data);
-        let what = format!("send_recv of {} to {to}, {} from {from}", values(data.len()), values(len));
+        let n = data.len();
+        let what = || format!("send_recv of {} to {to}, {} from {from}", values(n), values(len));
         self.submit(what, move |hub, g| {
             let sender = g.member(from, "send_recv")?;
             g.member(to, "send_recv")?;

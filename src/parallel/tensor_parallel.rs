@@ -36,8 +36,8 @@
 use crate::comm::{Group, ReduceOp};
 use crate::model::split::{input_grad, row_losses, weight_grads};
 use crate::model::{Param, TensorSplit};
+use crate::ops;
 use crate::ops::tensor::Tensor;
-use crate::ops::{self};
 use anyhow::Result;
 
 /// This rank's part of tensor parallelism: the tp group its layers talk over.
