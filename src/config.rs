@@ -10,6 +10,9 @@ use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
+/// The longest a rank may be configured to wait for the others (`parallel.timeout_s`): a week.
+pub const MAX_TIMEOUT_S: f64 = 604800.0;
+
 /// The built-in default run, `configs/tiny.toml`.
 pub const TINY: &str = include_str!("../configs/tiny.toml");
 
@@ -112,8 +115,9 @@ pub enum CommBackend {
 }
 
 impl ParallelConfig {
+    /// dp × tp × pp × cp (saturating: `Grid::new` refuses a world that large).
     pub fn world_size(&self) -> usize {
-        self.dp * self.tp * self.pp * self.cp
+        [self.tp, self.pp, self.cp].iter().fold(self.dp, |w, &d| w.saturating_mul(d))
     }
 }
 
@@ -198,13 +202,23 @@ impl ModelConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
-    /// The number of weights, from the shapes alone (`model/block.rs` and `model/llama.rs` make them).
-    pub fn parameter_count(&self) -> usize {
-        let (d, f, hd) = (self.hidden_size, self.intermediate_size, self.head_dim());
-        let (q, kv) = (self.num_attention_heads * hd, self.num_key_value_heads * hd);
-        let layer = 2 * q * d + 2 * kv * d + 3 * f * d + 2 * d; // q, o, k, v, MLP, two norms
-        let embeddings = if self.tie_word_embeddings { 1 } else { 2 } * self.vocab_size * d;
-        embeddings + self.num_hidden_layers * layer + d
+    /// The number of weights, from the shapes alone (`model/block.rs` and `model/llama.rs` make
+    /// them); in f64, so that no config can overflow it.
+    pub fn parameter_count(&self) -> f64 {
+        let [d, f, hd, v, l, h, kvh] = [
+            self.hidden_size,
+            self.intermediate_size,
+            self.head_dim(),
+            self.vocab_size,
+            self.num_hidden_layers,
+            self.num_attention_heads,
+            self.num_key_value_heads,
+        ]
+        .map(|x| x as f64);
+        let (q, kv) = (h * hd, kvh * hd);
+        let layer = 2.0 * q * d + 2.0 * kv * d + 3.0 * f * d + 2.0 * d; // q, o, k, v, MLP, two norms
+        let embeddings = if self.tie_word_embeddings { 1.0 } else { 2.0 } * v * d;
+        embeddings + l * layer + d
     }
 
     /// The checks every model needs, whether it comes from a TOML file or a `config.json`.
@@ -232,8 +246,14 @@ impl ModelConfig {
         if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             bail!("{prefix}head_dim = {} must be even and positive: RoPE rotates pairs of features", self.head_dim());
         }
-        if self.rope_theta <= 0.0 || self.rms_norm_eps <= 0.0 {
-            bail!("{prefix}rope_theta and {prefix}rms_norm_eps must be positive");
+        for (key, v) in [
+            ("rope_theta", self.rope_theta),
+            ("rms_norm_eps", self.rms_norm_eps as f64),
+            ("initializer_range", self.initializer_range as f64),
+        ] {
+            if !(v > 0.0 && v.is_finite()) {
+                bail!("{prefix}{key} = {v}: it must be a positive finite number");
+            }
         }
         Ok(())
     }
@@ -267,6 +287,10 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<()> {
+        let table = toml::Value::try_from(self).context("the config does not serialise")?;
+        if let Some((key, v)) = first_non_finite(&table, "") {
+            bail!("{key} = {v}: it must be a finite number");
+        }
         self.model.validate("model.")?;
         let (t, p) = (&self.train, &self.parallel);
         for (key, v) in [
@@ -288,6 +312,14 @@ impl Config {
         }
         if !(0.0..1.0).contains(&t.beta1) || !(0.0..1.0).contains(&t.beta2) {
             bail!("train.beta1 and train.beta2 must lie in [0, 1)");
+        }
+        if t.adam_eps <= 0.0 {
+            bail!("train.adam_eps = {}: it must be positive (it keeps AdamW from dividing by zero)", t.adam_eps);
+        }
+        for (key, v) in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)] {
+            if v < 0.0 {
+                bail!("{key} = {v}: it must be 0 (off) or positive");
+            }
         }
         let chunks = if p.cp_split == CpSplit::Zigzag { 2 * p.cp } else { p.cp };
         if p.cp > 1 && !t.seq_len.is_multiple_of(chunks) {
@@ -314,11 +346,17 @@ impl Config {
                 bail!("parallel.tp = {} does not divide model.{key} = {v}: tensor parallelism gives each rank whole attention heads, whole KV heads, and equal slices of the MLP and the vocabulary; choose a tp that divides all four", p.tp);
             }
         }
-        if !(p.bucket_mb > 0.0 && p.bucket_mb.is_finite()) {
-            bail!("parallel.bucket_mb = {}: it must be a positive number of MiB", p.bucket_mb);
+        if !(p.bucket_mb > 0.0 && p.bucket_mb <= 1e6) {
+            bail!("parallel.bucket_mb = {}: it must be a positive number of MiB, at most 1e6", p.bucket_mb);
         }
-        if !(p.timeout_s > 0.0 && p.timeout_s.is_finite()) {
-            bail!("parallel.timeout_s = {}: it must be a positive number of seconds", p.timeout_s);
+        if !(p.timeout_s > 0.0 && p.timeout_s <= MAX_TIMEOUT_S) {
+            bail!(
+                "parallel.timeout_s = {}: it must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a week)",
+                p.timeout_s
+            );
+        }
+        if self.checkpoint.dir.trim().is_empty() {
+            bail!("checkpoint.dir is empty: name the folder checkpoints go to (a run also saves there when stopped by a signal)");
         }
         if self.device.kind == DeviceKind::Cpu && self.device.dtype == DeviceDtype::Bf16 {
             bail!("device.dtype = \"bf16\" with device.kind = \"cpu\": the CPU backend computes in f32; set device.dtype = \"auto\" or \"f32\", or device.kind = \"cuda\"");
@@ -362,6 +400,17 @@ fn validate_data(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> 
         bail!("data.copy_len and data.copy_lag must be at least 1, and data.copy_lag below train.seq_len = {seq_len}");
     }
     Ok(())
+}
+
+/// The first float of `v` (a config as TOML) that is NaN or infinite, with its key.
+fn first_non_finite(v: &toml::Value, key: &str) -> Option<(String, f64)> {
+    match v {
+        toml::Value::Float(x) if !x.is_finite() => Some((key.to_string(), *x)),
+        toml::Value::Table(t) => t
+            .iter()
+            .find_map(|(k, v)| first_non_finite(v, &if key.is_empty() { k.clone() } else { format!("{key}.{k}") })),
+        _ => None,
+    }
 }
 
 /// Recursively lays `over` on top of `base`: tables merge, other values replace.

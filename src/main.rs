@@ -1,7 +1,7 @@
 //! The `ferrotron` command line: `train`, `converge`, `grid`, `schedule`, `eval`, `doctor` and
 //! `bench`.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use ferrotron::checkpoint::hf;
 use ferrotron::comm::launcher;
@@ -10,7 +10,9 @@ use ferrotron::commands::{bench, converge, doctor, eval, schedule};
 use ferrotron::config::PpSchedule;
 use ferrotron::parallel::data_parallel::gradient_all_reduce;
 use ferrotron::parallel::process_grid::Grid;
+use ferrotron::say;
 use ferrotron::{config::Config, train};
+use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -41,6 +43,10 @@ enum Command {
         /// Continue a run from a checkpoint folder, or `latest` (the newest in checkpoint.dir).
         #[arg(long, value_name = "DIR|latest")]
         resume: Option<PathBuf>,
+        /// With --resume: continue although lr, schedule, batch or data differ from the
+        /// checkpoint's run (they are named either way).
+        #[arg(long, requires = "resume")]
+        allow_changes: bool,
     },
     /// Run the single-rank baseline and parallel variants with the same seed and global batch;
     /// compare their loss curves.
@@ -129,19 +135,28 @@ enum Command {
     },
 }
 
-fn run(cli: Cli) -> Result<()> {
+fn run(cli: Cli) -> Result<Exit> {
     match cli.command {
-        Command::Train { config, sets, metrics, trace, resume } => {
+        Command::Train { config, sets, metrics, trace, resume, allow_changes } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
+            if let Some(path) = &trace {
+                ferrotron::files::check_writable(path).context("--trace")?; // before, not after, training
+            }
             let spans = trace.as_ref().map(|_| Trace::default());
+            ferrotron::train::stop::install(); // Ctrl-C and SIGTERM: finish the step, save, stop
             let opts = train::Options {
                 metrics: metrics.as_deref(),
                 trace: spans.as_ref(),
-                quiet: false,
                 resume: resume.as_deref(),
-                profile_from_step: None,
+                allow_changes,
+                stop_on_signal: true,
+                ..Default::default()
             };
             let s = train::train(&cfg, opts)?;
+            if s.losses.is_empty() && s.stopped.is_none() {
+                say!("nothing to train: the run already finished at step {} of train.steps = {} (raise train.steps to train further)", s.first_step, cfg.train.steps);
+                return Ok(Exit::Done);
+            }
             if let (Some(path), Some(spans)) = (&trace, &spans) {
                 spans.write(path)?;
                 let overlap = match !spans.comm_spans(gradient_all_reduce).is_empty() {
@@ -151,13 +166,19 @@ fn run(cli: Cli) -> Result<()> {
                     ),
                     false => "no data-parallel all-reduce in this run".into(),
                 };
-                println!("trace: {} ({overlap})", path.display());
+                say!("trace: {} ({overlap})", path.display());
+            }
+            if let Some(stopped) = &s.stopped {
+                let step = s.first_step + s.losses.len();
+                let (signal, at) = (ferrotron::train::stop::name(stopped.signal), stopped.checkpoint.display());
+                say!("stopped by {signal} after step {step}: checkpoint {at}; resume with the same command and --resume latest (or --resume {at})");
+                return Ok(Exit::Signal(stopped.signal));
             }
             let floor = match s.floor {
                 Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),
                 None => "unknown".into(),
             };
-            println!(
+            say!(
                 "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth) | entropy floor {floor}",
                 s.losses.len(),
                 s.wall_s,
@@ -166,11 +187,12 @@ fn run(cli: Cli) -> Result<()> {
         }
         Command::Converge { config, mut sets, variants, steps, tol, out } => {
             let variants = converge::parse_variants(&variants)?;
+            ferrotron::files::check_folder_writable(&out).context("--out")?;
             sets.extend(steps.map(|n| format!("train.steps={n}")));
             let (baseline, outcomes) = converge::converge(config.as_deref(), &sets, &variants, tol)?;
             converge::write_outputs(&out, &baseline, &outcomes)?;
-            print!("{}", converge::table(&outcomes, tol));
-            println!("curves: {0}/losses.csv, plot: {0}/losses.svg", out.display());
+            say!("{}", converge::table(&outcomes, tol).trim_end());
+            say!("curves: {0}/losses.csv, plot: {0}/losses.svg", out.display());
             let failed = outcomes.iter().filter(|o| !o.pass).count();
             if failed > 0 {
                 anyhow::bail!("{failed} variant(s) left the single-rank loss curve by more than {tol:e}");
@@ -183,6 +205,7 @@ fn run(cli: Cli) -> Result<()> {
                 "both" => vec![PpSchedule::Afab, PpSchedule::OneFOneB],
                 other => anyhow::bail!("--schedule {other}: expected afab, 1f1b or both"),
             };
+            ferrotron::files::check_writable(&out).context("--out")?;
             let timelines = match &trace {
                 Some(path) => vec![schedule::from_trace(path)?],
                 None => {
@@ -190,7 +213,7 @@ fn run(cli: Cli) -> Result<()> {
                 }
             };
             for t in &timelines {
-                println!(
+                say!(
                     "{}: {} rows, m={}: bubble {:.1}% of the step (formula (p-1)/(m+p-1) = {:.1}%), peak micro-batch activations per row {:?}",
                     t.name,
                     t.stages,
@@ -200,15 +223,14 @@ fn run(cli: Cli) -> Result<()> {
                     t.peak_activations
                 );
             }
-            ferrotron::files::write_atomically(&out, schedule::svg(&timelines).as_bytes())
-                .map_err(|e| anyhow::anyhow!("cannot write {}: {e}", out.display()))?;
-            println!("picture: {}", out.display());
+            ferrotron::files::write_atomically(&out, schedule::svg(&timelines).as_bytes()).context("--out")?;
+            say!("picture: {}", out.display());
         }
         Command::Grid { dp, pp, cp, tp } => {
             let grid = Grid::new(dp, pp, cp, tp)?;
-            print!("{}", grid.table());
+            say!("{}", grid.table().trim_end());
             launcher::check_groups(grid)?;
-            println!(
+            say!(
                 "checked: {} rank threads each all-gathered their rank number over each of their groups and got the members above",
                 grid.world_size()
             );
@@ -216,44 +238,52 @@ fn run(cli: Cli) -> Result<()> {
         Command::Eval { model, tokens } => {
             let mut m = hf::load_hf(&model)?;
             let seqs = eval::read_tokens(&tokens, m.cfg.vocab_size)?;
-            println!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
+            say!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
         }
         Command::Doctor => doctor::doctor()?,
         Command::Bench { config, sets, steps, warmup, peak_tflops, json, against, profile } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
             let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
+            if let Some(path) = &json {
+                ferrotron::files::check_writable(path).context("--json")?;
+            }
             let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;
-            print!("{}", bench::table(&report));
+            say!("{}", bench::table(&report).trim_end());
             if profile {
                 // every rank's kernels are timed: per step of one rank, on average
-                print!("\n{}", ferrotron::cuda::profile::table(&report.profile, steps * report.ranks, report.step_ms));
+                say!(
+                    "\n{}",
+                    ferrotron::cuda::profile::table(&report.profile, steps * report.ranks, report.step_ms).trim_end()
+                );
             }
             if let Some(other) = other {
-                println!("{}", other.compare(&report));
+                say!("{}", other.compare(&report));
             }
             let text = serde_json::to_string(&report)?;
-            println!("json: {text}");
+            say!("json: {text}");
             if let Some(path) = json {
-                ferrotron::files::write_atomically(&path, text.as_bytes())
-                    .map_err(|e| anyhow::anyhow!("--json: cannot write {}: {e}", path.display()))?;
+                ferrotron::files::write_atomically(&path, text.as_bytes()).context("--json")?;
             }
         }
     }
-    Ok(())
+    Ok(Exit::Done)
+}
+
+/// How a command ended, besides an error.
+enum Exit {
+    Done,
+    /// A signal stopped training after a checkpoint: exit 128 + its number, as shells expect.
+    Signal(i32),
 }
 
 fn main() -> ExitCode {
-    // Like other command-line tools, stop quietly when the reader of our output goes away
-    // (`ferrotron train | head`); Rust's runtime ignores SIGPIPE and would panic on the next print.
-    #[cfg(unix)]
-    // SAFETY: restoring the default action of a signal before any thread starts.
-    unsafe {
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-    }
+    // Output goes through `say!`, which ignores a closed or full stdout: a reader that goes away
+    // (`ferrotron train | head`) costs the output, never the run or its checkpoints.
     match run(Cli::parse()) {
-        Ok(()) => ExitCode::SUCCESS,
+        Ok(Exit::Done) => ExitCode::SUCCESS,
+        Ok(Exit::Signal(sig)) => ExitCode::from((128 + sig) as u8),
         Err(e) => {
-            eprintln!("error: {e:#}");
+            let _ = writeln!(std::io::stderr(), "error: {e:#}");
             ExitCode::FAILURE
         }
     }

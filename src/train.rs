@@ -21,10 +21,12 @@
 //! over all of the batch's tokens, whatever way it is cut into ranks and micro-batches.
 //! Starting, logging, timing and checkpoints are bookkeeping, in `train/run.rs`.
 
+pub mod memory;
 pub mod metrics;
 mod run;
+pub mod stop;
 
-pub use run::{Options, Summary};
+pub use run::{Options, Stopped, Summary};
 
 use crate::comm::launcher::{launch_on, Rank};
 use crate::comm::ReduceOp;
@@ -35,7 +37,7 @@ use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::DataParallel;
 use crate::parallel::pipeline_parallel::{self, StepPlan};
 use crate::parallel::process_grid::Axis;
-use anyhow::{bail, Result};
+use anyhow::Result;
 use run::{Run, Start, StepEnd, Watch};
 use std::time::Instant;
 
@@ -48,7 +50,10 @@ pub fn train(cfg: &Config, opts: Options) -> Result<Summary> {
 /// `train_rank` (`comm/launcher.rs`).
 pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
     let run = Run::prepare(cfg, opts)?; // the grid, the data, where the weights come from
-    let summaries = launch_on(run.grid, run.setup, |me| train_rank(me, cfg, &run.data, opts, run.start()))?;
+    if run.finished {
+        return Ok(run.nothing_to_train(cfg)); // the checkpoint is the run's last step
+    }
+    let summaries = launch_on(run.grid, run.setup.clone(), |me| train_rank(me, cfg, &run.data, opts, run.start()))?;
     Ok(run.finish(cfg, opts, summaries))
 }
 
@@ -59,7 +64,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
     let mut dp_sync = DataParallel::new(dp, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
     let mut optimizer = start.optimizer(&mut model, tp)?;
-    let mut watch = Watch::new(me, cfg, opts)?; // metrics, trace, timing, memory
+    let mut watch = Watch::new(me, cfg, opts, first_step)?; // metrics, trace, timing, memory
     let cp = me.group(Axis::Cp);
     let positions = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
     let m = t.grad_accum_steps;
@@ -104,7 +109,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         dp.all_reduce(&mut loss, ReduceOp::Avg)?;
         let loss = loss[0];
         if !loss.is_finite() {
-            bail!("the loss became {loss} at step {step}: lower train.lr or set train.grad_clip");
+            return Err(run::not_finite(cfg, loss, step, first_step));
         }
         let span = Instant::now();
         let mut params = model.params_mut();
@@ -116,7 +121,13 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         watch.span("optimizer".into(), span);
         let end = StepEnd { step, loss, lr, grad_norm, activations_held: held };
         watch.step_ends(&end, &mut model)?;
-        run::checkpoint_if_due(me, cfg, step, &model, &optimizer)?;
+        // a signal stops every rank after the same step: they agree on it in one collective
+        let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };
+        let saved = start.checkpoints.save_if_due(me, cfg, step, (&model, &optimizer), signal.is_some())?;
+        if let Some(signal) = signal {
+            watch.stopped(signal, saved);
+            break;
+        }
     }
     watch.finish(&model)
 }

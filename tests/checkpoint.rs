@@ -104,11 +104,11 @@ fn only_the_newest_complete_checkpoints_are_kept() {
     let mut names: Vec<String> =
         std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
     names.sort();
-    assert_eq!(names, ["step_000004", "step_000005"]);
+    assert_eq!(names, [".lock", "step_000004", "step_000005"]);
     // a folder left by a run killed while writing is never taken for the latest
     std::fs::create_dir(dir.join("step_000009.tmp")).unwrap();
     let cfg = Config::load(None, &sets(&dir, &[])).unwrap();
-    assert_eq!(ferrotron::checkpoint::save::resolve(Path::new("latest"), &cfg).unwrap(), dir.join("step_000005"));
+    assert_eq!(ferrotron::checkpoint::folder::resolve(Path::new("latest"), &cfg).unwrap(), dir.join("step_000005"));
 }
 
 #[test]
@@ -168,7 +168,7 @@ fn a_diverging_run_stops_and_keeps_its_last_good_checkpoint() {
     .unwrap();
     let err = format!("{:#}", train(&cfg, Options { quiet: true, ..Default::default() }).err().unwrap());
     assert!(err.contains("the loss became") && err.contains("lower train.lr"), "{err}");
-    let latest = ferrotron::checkpoint::save::resolve(Path::new("latest"), &cfg).unwrap();
+    let latest = ferrotron::checkpoint::folder::resolve(Path::new("latest"), &cfg).unwrap();
     let state = ferrotron::checkpoint::save::load(&latest).unwrap();
     assert!(state.step < 50, "stopped early, at step {}", state.step);
 }

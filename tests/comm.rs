@@ -231,3 +231,23 @@ fn one_failing_rank_stops_the_run_at_once() {
     });
     assert!(e.contains("rank 1 failed: panicked: a bug on purpose"), "{e}");
 }
+
+#[test]
+fn work_one_rank_does_alone_does_not_count_against_the_others_timeout() {
+    // rank 0 writes a "checkpoint" for three timeouts' worth; the others wait in the next barrier
+    let slow_write = |hold: bool| {
+        launch(world(3), Duration::from_millis(200), move |me| {
+            if me.rank == 0 {
+                let write = || std::thread::sleep(Duration::from_millis(600));
+                match hold {
+                    true => me.group(Axis::World).while_others_wait(write),
+                    false => write(),
+                }
+            }
+            me.group(Axis::World).barrier()
+        })
+    };
+    slow_write(true).expect("the others wait as long as the write takes");
+    let e = format!("{:#}", slow_write(false).expect_err("without it, the wait times out"));
+    assert!(e.contains("timed out after 0.2s waiting for rank(s) [0]"), "{e}");
+}

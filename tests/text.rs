@@ -102,3 +102,37 @@ fn text_errors_are_named() {
         format!("{:#}", Tokenizer::load("/nowhere/tokenizer.json").err().unwrap()).contains("/nowhere/tokenizer.json")
     );
 }
+
+#[test]
+fn runs_tokenising_one_new_source_at_once_both_succeed_and_ids_are_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("story.txt");
+    std::fs::write(&source, "Once upon a time, two runs read the same story at once. ".repeat(400)).unwrap();
+    let cfg = text_config(&source, &[]);
+    let opened: Vec<bool> = std::thread::scope(|s| {
+        let both: Vec<_> = (0..2).map(|_| s.spawn(|| Dataset::open(&cfg.data, &cfg.model).is_ok())).collect();
+        both.into_iter().map(|t| t.join().unwrap()).collect()
+    });
+    assert_eq!(opened, [true, true]);
+    let names = |d: &Path| -> Vec<String> {
+        std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect()
+    };
+    assert_eq!(names(dir.path()).iter().filter(|n| n.ends_with(".tokens")).count(), 1, "{:?}", names(dir.path()));
+    assert!(!names(dir.path()).iter().any(|n| n.ends_with(".tmp")), "no temporary file left");
+    // a token file whose ids do not fit the model's vocabulary is refused, naming it
+    let small = text_config(&source, &["model.vocab_size=320"]);
+    let mut narrower = small.clone();
+    narrower.model.vocab_size = 256;
+    narrower.data.tokenizer = "bytes".into();
+    let cache = dir.path().join(names(dir.path()).into_iter().find(|n| n.ends_with(".tokens")).unwrap());
+    let bytes_cache = {
+        Dataset::open(&narrower.data, &narrower.model).unwrap();
+        let all = names(dir.path());
+        dir.path().join(all.into_iter().find(|n| n.ends_with(".tokens") && dir.path().join(n) != cache).unwrap())
+    };
+    let mut b = std::fs::read(&bytes_cache).unwrap();
+    b[16..20].copy_from_slice(&300u32.to_le_bytes()); // an id past the byte vocabulary
+    std::fs::write(&bytes_cache, b).unwrap();
+    let e = format!("{:#}", Dataset::open(&narrower.data, &narrower.model).err().unwrap());
+    assert!(e.contains("holds token id 300, but model.vocab_size = 256") && e.contains(".tokens"), "{e}");
+}

@@ -11,7 +11,7 @@ use crate::model::{Llama, Stage, TensorSplit, Whole};
 use crate::ops::tensor::Tensor;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::path::Path;
 
 /// Loads a Hugging Face Llama folder into a model ready for `forward`.
@@ -21,24 +21,61 @@ pub fn load_hf(dir: &Path) -> Result<Llama<'static>> {
     if !tensors.contains_key("lm_head.weight") {
         cfg.tie_word_embeddings = true;
     }
-    if cfg.tie_word_embeddings {
-        tensors.remove("lm_head.weight");
-    }
-    let model = Llama::build(&cfg, Box::new(Whole), Stage::WHOLE, |name, shape, _| {
-        let t = tensors.remove(name).with_context(|| format!("{}: tensor {name} is missing", dir.display()))?;
-        if t.shape() != shape {
-            bail!("{}: tensor {name} has shape {:?}, but config.json implies {shape:?}", dir.display(), t.shape());
-        }
-        Ok(t)
-    })?;
+    drop_tied_head(&mut tensors, &cfg, dir)?;
+    check_tensors(&tensors, &Llama::tensor_shapes(&cfg, Stage::WHOLE), dir, &cfg)?;
+    build_from(&tensors, &cfg, Box::new(Whole), Stage::WHOLE, &dir.display().to_string())
+}
+
+/// Hugging Face folders may store what is not a weight (old RoPE buffers), and a tied model may
+/// also store its output layer, a copy of the embedding that transformers ignores: both go.
+fn drop_tied_head(tensors: &mut HashMap<String, Tensor>, cfg: &ModelConfig, dir: &Path) -> Result<()> {
     tensors.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
-    if let Some(name) = tensors.keys().min() {
-        bail!(
-            "{}: tensor {name} is not part of a Llama model (biases and other architectures are not supported)",
-            dir.display()
-        );
+    if cfg.tie_word_embeddings {
+        if let Some(head) = tensors.remove("lm_head.weight") {
+            let embed = tensors.get("model.embed_tokens.weight");
+            if embed.is_some_and(|e| e.host_view() != head.host_view()) {
+                bail!("{}: lm_head.weight differs from model.embed_tokens.weight, but tie_word_embeddings = true: the output layer would be dropped; set model.tie_word_embeddings = false", dir.display());
+            }
+        }
     }
-    Ok(model)
+    Ok(())
+}
+
+/// Checks that `tensors` are exactly the model's (`expected`: name, full shape): none missing,
+/// none left over, the same shapes, every value finite. `source` names them in errors.
+pub fn check_tensors(
+    tensors: &HashMap<String, Tensor>,
+    expected: &[(String, Vec<usize>)],
+    source: &Path,
+    cfg: &ModelConfig,
+) -> Result<()> {
+    let file = source.display();
+    for (name, shape) in expected {
+        let t = tensors.get(name).with_context(|| format!("{file}: tensor {name} is missing"))?;
+        if t.shape() != shape {
+            bail!("{file}: tensor {name} has shape {:?}, but the config needs {shape:?}", t.shape());
+        }
+        if t.host_view().iter().any(|x| !x.is_finite()) {
+            bail!("{file}: tensor {name} holds NaN or infinite values: the checkpoint is damaged or diverged; use an earlier one");
+        }
+    }
+    let known: HashSet<&str> = expected.iter().map(|(n, _)| n.as_str()).collect();
+    let mut left: Vec<&String> = tensors.keys().filter(|n| !known.contains(n.as_str())).collect();
+    left.sort();
+    if let Some(name) = left.first() {
+        let layer = name.split('.').nth(2).and_then(|i| i.parse::<usize>().ok());
+        let why = match layer {
+            Some(i) if i >= cfg.num_hidden_layers => {
+                format!("the checkpoint has more layers than model.num_hidden_layers = {}", cfg.num_hidden_layers)
+            }
+            _ if name.ends_with("lm_head.weight") && cfg.tie_word_embeddings => {
+                "the checkpoint has an output layer of its own, but model.tie_word_embeddings = true".into()
+            }
+            _ => "it is not part of the configured Llama".into(),
+        };
+        bail!("{file}: tensor {name} would be left unused: {why}; set the [model] keys to the checkpoint's");
+    }
+    Ok(())
 }
 
 /// Reads the architecture from a Hugging Face `config.json`.
@@ -172,5 +209,8 @@ pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
             bail!("model.init_from = {}: its config.json has {key} = {other}, but model.{key} = {mine}; set the [model] keys to the checkpoint's", dir.display());
         }
     }
-    read_hf_weights(dir)
+    let mut tensors = read_hf_weights(dir)?;
+    drop_tied_head(&mut tensors, cfg, dir)?;
+    check_tensors(&tensors, &Llama::tensor_shapes(cfg, Stage::WHOLE), dir, cfg)?;
+    Ok(tensors)
 }

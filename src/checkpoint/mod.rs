@@ -4,5 +4,6 @@
 //! `save` writes a run's checkpoint in the same format (plus the optimizer state and the step)
 //! and resumes it, in any layout.
 
+pub mod folder;
 pub mod hf;
 pub mod save;

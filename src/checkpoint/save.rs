@@ -15,18 +15,25 @@
 //! repeats the uninterrupted run's losses exactly.
 //!
 //! Writing is atomic: files go into `step_NNNNNN.tmp/`, are flushed to disk, and the folder is
-//! renamed when complete; only then are checkpoints beyond the newest `keep` deleted. A run
-//! killed while saving leaves the previous checkpoint as the latest complete one.
+//! renamed when complete; only then are this run's checkpoints beyond the newest `keep` deleted
+//! (`folder.rs`: a run owns its folder). A run killed while saving leaves the previous checkpoint
+//! as the latest complete one.
+//!
+//! Resuming checks before anything is built: the step is within `train.steps`, every tensor of
+//! the checkpoint is finite and is one the configured model has (no more, no fewer, same
+//! shapes), and the settings that change the run's curve (learning rate and schedule, global
+//! batch, data) are the ones the checkpoint recorded, or the differences are named.
 
-use crate::checkpoint::hf::{build_from, full_tensor, read_safetensors};
+use crate::checkpoint::folder::Folder;
+use crate::checkpoint::hf::{build_from, check_tensors, full_tensor, read_safetensors};
 use crate::comm::launcher::Rank;
 use crate::config::{Config, ModelConfig};
 use crate::model::optimizer::Optimizer;
-use crate::model::{shard, unshard, Llama, Param, Split, Stage, TensorSplit, Whole};
+use crate::model::{shard, unshard, Llama, Param, Split, Stage, TensorSplit};
 use crate::ops::tensor::Tensor;
 use crate::parallel::process_grid::Axis;
 use anyhow::{bail, Context, Result};
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -64,12 +71,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
         return Ok(None);
     }
     for stage in 1..pp.size() {
-        let skeleton =
-            Llama::build(&cfg.model, Box::new(Whole), Stage { index: stage, count: pp.size() }, |_, shape, _| {
-                Ok(Tensor::zeros(shape))
-            })?;
-        let shapes: Vec<(String, Vec<usize>)> =
-            skeleton.params().iter().map(|p| (p.name.clone(), p.value.shape().to_vec())).collect();
+        let shapes = Llama::tensor_shapes(&cfg.model, Stage { index: stage, count: pp.size() });
         let total: usize = shapes.iter().map(|(_, s)| 3 * s.iter().product::<usize>()).sum();
         let flat = pp.recv(total, stage)?;
         let mut at = 0;
@@ -92,11 +94,14 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
     Ok(Some(state))
 }
 
-/// Writes checkpoint `step` (steps done) into `dir`, atomically; keeps the newest `keep`.
-pub fn save(dir: &Path, step: usize, state: &State, cfg: &Config, adam_steps: u32) -> Result<PathBuf> {
-    let final_dir = dir.join(format!("step_{step:06}"));
-    let tmp = dir.join(format!("step_{step:06}.tmp"));
-    let _ = std::fs::remove_dir_all(&tmp); // a previous run killed while writing
+/// Writes checkpoint `step` (steps done) into `folder`, atomically; keeps this run's newest `keep`.
+pub fn save(folder: &Folder, step: usize, state: &State, cfg: &Config, adam_steps: u32) -> Result<PathBuf> {
+    let final_dir = folder.dir.join(format!("step_{step:06}"));
+    if final_dir.exists() {
+        bail!("{} already exists: a checkpoint is never overwritten", final_dir.display());
+    }
+    let tmp = folder.dir.join(format!("step_{step:06}.tmp"));
+    let _ = std::fs::remove_dir_all(&tmp); // a previous attempt that failed
     std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create checkpoint folder {}", tmp.display()))?;
     write_file(&tmp.join("config.json"), hf_config(&cfg.model).as_bytes())?;
     write_file(&tmp.join("model.safetensors"), &safetensors_bytes(&state.weights)?)?;
@@ -104,51 +109,26 @@ pub fn save(dir: &Path, step: usize, state: &State, cfg: &Config, adam_steps: u3
     let meta = serde_json::json!({
         "step": step,
         "adam_steps": adam_steps,
+        "run_id": folder.run_id,
         "config": toml::to_string(cfg).context("the config does not serialise")?,
     });
     write_file(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
-    if final_dir.exists() {
-        std::fs::remove_dir_all(&final_dir).with_context(|| format!("cannot replace {}", final_dir.display()))?;
-    }
     std::fs::rename(&tmp, &final_dir).with_context(|| format!("cannot rename {} into place", tmp.display()))?;
-    let mut all = complete_checkpoints(dir)?;
-    while all.len() > cfg.checkpoint.keep.max(1) {
-        let (_, old) = all.remove(0);
-        std::fs::remove_dir_all(&old).with_context(|| format!("cannot delete old checkpoint {}", old.display()))?;
+    if let Ok(d) = std::fs::File::open(&folder.dir) {
+        let _ = d.sync_all(); // the rename itself reaches the disk
     }
+    folder.prune(cfg.checkpoint.keep)?;
     Ok(final_dir)
 }
 
-/// Complete checkpoints in `dir`, oldest first.
-fn complete_checkpoints(dir: &Path) -> Result<Vec<(usize, PathBuf)>> {
-    let entries = std::fs::read_dir(dir).with_context(|| format!("cannot list checkpoint folder {}", dir.display()))?;
-    let mut found: Vec<(usize, PathBuf)> = entries
-        .filter_map(|e| e.ok())
-        .filter_map(|e| {
-            let name = e.file_name().into_string().ok()?;
-            Some((name.strip_prefix("step_")?.parse().ok()?, e.path())) // `.tmp` folders do not parse
-        })
-        .collect();
-    found.sort();
-    Ok(found)
-}
-
-/// `latest` → the newest complete checkpoint in `checkpoint.dir`; anything else is a folder.
-pub fn resolve(arg: &Path, cfg: &Config) -> Result<PathBuf> {
-    if arg.as_os_str() != "latest" {
-        return Ok(arg.to_path_buf());
-    }
-    let dir = Path::new(&cfg.checkpoint.dir);
-    match complete_checkpoints(dir)?.pop() {
-        Some((_, path)) => Ok(path),
-        None => bail!("--resume latest: no complete checkpoint in {} (checkpoint.dir)", dir.display()),
-    }
-}
-
-/// A checkpoint read back, ready to be sliced for this rank.
+/// A checkpoint read back, ready to be checked and sliced for this rank.
 pub struct Resumed {
     pub step: usize,
     pub adam_steps: u32,
+    /// The run the checkpoint belongs to; the resumed run carries it on.
+    pub run_id: String,
+    /// The config the checkpoint's run trained with.
+    recorded: Config,
     weights: HashMap<String, Tensor>,
     moments: HashMap<String, Tensor>,
 }
@@ -162,12 +142,56 @@ pub fn load(dir: &Path) -> Result<Resumed> {
     let (Some(step), Some(adam_steps)) = (meta["step"].as_u64(), meta["adam_steps"].as_u64()) else {
         bail!("{}: step or adam_steps is missing", meta_path.display());
     };
+    let Some(run_id) = meta["run_id"].as_str().map(str::to_string) else {
+        bail!("{}: no run_id (written by an older ferrotron): start a new run", meta_path.display());
+    };
+    let recorded: Config = meta["config"]
+        .as_str()
+        .and_then(|c| toml::from_str(c).ok())
+        .with_context(|| format!("{}: its \"config\" is missing or unreadable", meta_path.display()))?;
+    let (step, adam_steps) = (usize::try_from(step)?, u32::try_from(adam_steps)?);
     let weights = read_safetensors(&dir.join("model.safetensors"))?;
     let moments = read_safetensors(&dir.join("optimizer.safetensors"))?;
-    Ok(Resumed { step: step as usize, adam_steps: adam_steps as u32, weights, moments })
+    Ok(Resumed { step, adam_steps, run_id, recorded, weights, moments })
 }
 
 impl Resumed {
+    /// Checks the checkpoint against the configured run before anything is built; returns notes
+    /// to print. `allow_changes` turns differences in the run's settings into notes.
+    pub fn check(&self, cfg: &Config, dir: &Path, allow_changes: bool) -> Result<Vec<String>> {
+        let t = &cfg.train;
+        if self.step > t.steps {
+            bail!(
+                "{} is at step {}, past train.steps = {}: raise train.steps to continue from it (--set train.steps=N)",
+                dir.display(),
+                self.step,
+                t.steps
+            );
+        }
+        let expected = Llama::tensor_shapes(&cfg.model, Stage::WHOLE);
+        check_tensors(&self.weights, &expected, &dir.join("model.safetensors"), &cfg.model)?;
+        let moments: Vec<(String, Vec<usize>)> = ["exp_avg", "exp_avg_sq"]
+            .iter()
+            .flat_map(|kind| expected.iter().map(move |(n, s)| (format!("{kind}.{n}"), s.clone())))
+            .collect();
+        check_tensors(&self.moments, &moments, &dir.join("optimizer.safetensors"), &cfg.model)?;
+        let differences = run_differences(&self.recorded, cfg);
+        let mut notes = Vec::new();
+        if !differences.is_empty() && !allow_changes {
+            bail!("resuming {} with settings that change the run: {}; set them back (--set), or add --allow-changes to continue with the new values", dir.display(), differences.join(", "));
+        }
+        if !differences.is_empty() {
+            notes.push(format!("continuing with changed settings: {}", differences.join(", ")));
+        }
+        if self.recorded.train.steps != t.steps {
+            notes.push(format!(
+                "train.steps = {} (the checkpoint's run had {}): the learning-rate decay is stretched to the new end",
+                t.steps, self.recorded.train.steps
+            ));
+        }
+        Ok(notes)
+    }
+
     /// This rank's model: the checkpoint's tensors, sliced for `tp` and `stage`.
     pub fn model<'g>(&self, cfg: &ModelConfig, tp: Box<dyn TensorSplit + 'g>, stage: Stage) -> Result<Llama<'g>> {
         build_from(&self.weights, cfg, tp, stage, "model.safetensors")
@@ -237,4 +261,44 @@ fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
 fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = std::fs::File::create(path).with_context(|| format!("cannot create {}", path.display()))?;
     f.write_all(bytes).and_then(|_| f.sync_all()).with_context(|| format!("cannot write {}", path.display()))
+}
+
+/// The settings that shape the loss curve and differ between `then` and `now`, named with both
+/// values. The layout (tp, pp, cp, how the global batch is cut), the device and the checkpointing
+/// may change: a checkpoint moves between them.
+fn run_differences(then: &Config, now: &Config) -> Vec<String> {
+    let settings = |c: &Config| -> BTreeMap<String, String> {
+        let mut keys = BTreeMap::new();
+        let sections = [
+            ("model", toml::Value::try_from(&c.model), &["init_from", "initializer_range"][..]),
+            ("train", toml::Value::try_from(&c.train), &["steps", "seed", "micro_batch_size", "grad_accum_steps"]),
+            ("data", toml::Value::try_from(&c.data), &[]),
+        ];
+        for (name, table, skip) in sections {
+            let table = table.expect("a config serialises");
+            for (k, v) in table.as_table().into_iter().flatten().filter(|(k, _)| !skip.contains(&k.as_str())) {
+                let shown = match v {
+                    toml::Value::Float(x) if (*x as f32) as f64 == *x => (*x as f32).to_string(), // an f32 key
+                    v => v.to_string(),
+                };
+                keys.insert(format!("{name}.{k}"), shown);
+            }
+        }
+        let global = c.train.micro_batch_size * c.train.grad_accum_steps * c.parallel.dp;
+        keys.insert("the global batch (micro_batch_size × grad_accum_steps × dp)".into(), global.to_string());
+        keys
+    };
+    let (a, b) = (settings(then), settings(now));
+    let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    let absent = || "absent".to_string();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| {
+            format!(
+                "{k} = {} (checkpoint: {})",
+                b.get(k).cloned().unwrap_or_else(absent),
+                a.get(k).cloned().unwrap_or_else(absent)
+            )
+        })
+        .collect()
 }

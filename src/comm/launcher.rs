@@ -43,27 +43,62 @@ pub enum Backend {
 }
 
 /// Where the ranks of a run compute and how they talk.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub struct Setup {
     /// The longest any rank waits for the others.
     pub timeout: Duration,
     /// Each rank opens a GPU.
     pub cuda: bool,
     pub backend: Backend,
+    /// The memory the ranks keep their tensors in.
+    pub capacity: Capacity,
+}
+
+/// The memory a run's ranks keep their tensors in, and how much of it is free.
+#[derive(Clone, Debug)]
+pub struct Capacity {
+    /// Free bytes of the memory the ranks share (host RAM, or the fullest GPU).
+    pub bytes: f64,
+    /// How many ranks share it.
+    pub ranks: usize,
+    /// What it is, for messages: "available memory of this machine", "free memory of GPU 0".
+    pub what: String,
 }
 
 impl Setup {
     pub fn cpu(timeout: Duration) -> Setup {
-        Setup { timeout, cuda: false, backend: Backend::Local }
+        Setup { timeout, cuda: false, backend: Backend::Local, capacity: Capacity::host(1) }
     }
 
     /// The setup a config asks for, checked against the GPUs this machine has.
     pub fn from_config(cfg: &Config) -> Result<Setup> {
-        let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s);
+        let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s.min(crate::config::MAX_TIMEOUT_S));
         let cuda = cfg.device.kind == DeviceKind::Cuda;
+        let world = cfg.parallel.world_size();
         let gpus = if cuda { crate::cuda::runtime::device_count()? } else { 0 };
-        let backend = choose_backend(cfg.parallel.backend, cuda, cfg.parallel.world_size(), gpus)?;
-        Ok(Setup { timeout, cuda, backend })
+        let backend = choose_backend(cfg.parallel.backend, cuda, world, gpus)?;
+        let capacity = match cuda {
+            // ranks share GPUs round-robin: GPU 0 holds the most
+            true => Capacity {
+                bytes: crate::cuda::runtime::free_memory(0)? as f64,
+                ranks: world.div_ceil(gpus),
+                what: "free memory of GPU 0".into(),
+            },
+            false => Capacity::host(world),
+        };
+        Ok(Setup { timeout, cuda, backend, capacity })
+    }
+}
+
+impl Capacity {
+    /// This machine's available memory (`MemAvailable` of /proc/meminfo), shared by `ranks`
+    /// rank threads; unlimited where it cannot be read.
+    fn host(ranks: usize) -> Capacity {
+        let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?.to_string();
+            line.split_whitespace().nth(1)?.parse::<f64>().ok().map(|kib| kib * 1024.0)
+        });
+        Capacity { bytes: available.unwrap_or(f64::INFINITY), ranks, what: "available memory of this machine".into() }
     }
 }
 
@@ -112,7 +147,7 @@ pub fn launch_on<R: Send>(grid: Grid, setup: Setup, f: impl Fn(&Rank) -> Result<
     let results: Vec<Option<R>> = std::thread::scope(|s| {
         let threads: Vec<_> = (0..grid.world_size())
             .map(|rank| {
-                let (hub, f) = (hub.clone(), &f);
+                let (hub, f, setup) = (hub.clone(), &f, &setup);
                 s.spawn(move || run_rank(grid, setup, rank, hub, f))
             })
             .collect();
@@ -128,7 +163,7 @@ pub fn launch_on<R: Send>(grid: Grid, setup: Setup, f: impl Fn(&Rank) -> Result<
 /// the hub. Returns `None` when it failed.
 fn run_rank<R>(
     grid: Grid,
-    setup: Setup,
+    setup: &Setup,
     rank: usize,
     hub: Arc<Hub>,
     f: &(impl Fn(&Rank) -> Result<R> + Sync),
@@ -164,7 +199,7 @@ fn run_rank<R>(
 }
 
 /// Opens the rank's GPU and, on NCCL, connects every group, all ranks in the same group order.
-fn open_devices(me: &mut Rank, setup: Setup) -> Result<()> {
+fn open_devices(me: &mut Rank, setup: &Setup) -> Result<()> {
     if !setup.cuda {
         return Ok(());
     }

@@ -10,7 +10,8 @@
 //! Waiting never hangs. A wait gives up after the hub's timeout, naming the group, the
 //! collective and the ranks that did not come; it fails at once when a rank it waits for has
 //! already returned; and when any rank fails, the launcher calls `abort`, which wakes every
-//! waiting rank with `Aborted`.
+//! waiting rank with `Aborted`. While a rank holds the hub (`hold`: work only it does, such as
+//! writing a checkpoint) the clock stops: every wait's timeout starts again when it is released.
 
 use crate::ops::types::ReduceOp;
 use anyhow::{bail, Result};
@@ -45,6 +46,18 @@ struct HubState {
     finished: Vec<usize>,
     /// Set once, by the first rank that fails.
     aborted: Option<String>,
+    /// Ranks doing work alone right now (`hold`): nobody is late while one is.
+    holding: usize,
+}
+
+/// While alive, waits on the hub do not time out (`Hub::hold`).
+pub(crate) struct Held<'a>(&'a Hub);
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.0.lock().holding -= 1;
+        self.0.changed.notify_all(); // every wait restarts its clock
+    }
 }
 
 struct Slot {
@@ -83,6 +96,12 @@ impl Hub {
         self.lock().aborted.clone()
     }
 
+    /// Stops the timeout clock of every wait until the returned guard is dropped.
+    pub(crate) fn hold(&self) -> Held<'_> {
+        self.lock().holding += 1;
+        Held(self)
+    }
+
     pub fn finish(&self, rank: usize) {
         self.lock().finished.push(rank);
         self.changed.notify_all();
@@ -97,7 +116,7 @@ impl Hub {
         ready: impl Fn(&HubState) -> bool,
         missing: impl Fn(&HubState) -> Vec<usize>,
     ) -> Result<MutexGuard<'a, HubState>> {
-        let deadline = Instant::now() + self.timeout;
+        let (mut deadline, mut was_held) = (Instant::now() + self.timeout, false);
         loop {
             if let Some(reason) = &st.aborted {
                 return Err(Aborted(reason.clone()).into());
@@ -111,6 +130,10 @@ impl Hub {
                 bail!("{what}: rank(s) {gone:?} returned without taking part");
             }
             let now = Instant::now();
+            if st.holding > 0 || was_held {
+                deadline = now + self.timeout; // a rank worked alone: the clock starts again
+                was_held = st.holding > 0;
+            }
             if now >= deadline {
                 bail!("{what}: timed out after {:.1}s waiting for rank(s) {absent:?}", self.timeout.as_secs_f64());
             }

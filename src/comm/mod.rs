@@ -309,4 +309,11 @@ impl Group {
     pub fn send_recv<T: Element>(&self, data: &[T], to: usize, len: usize, from: usize) -> Result<Vec<T>> {
         self.send_recv_async(data, to, len, from).wait()
     }
+
+    /// Runs `work`, which only this rank does (rank 0 writing a checkpoint): while it runs, the
+    /// other ranks' waits do not count towards their timeout, since nobody is late.
+    pub fn while_others_wait<R>(&self, work: impl FnOnce() -> R) -> R {
+        let _held = self.hub.hold();
+        work()
+    }
 }

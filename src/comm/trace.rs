@@ -104,7 +104,6 @@ impl Trace {
             }));
         }
         let text = serde_json::to_string(&serde_json::json!({ "traceEvents": events }))?;
-        crate::files::write_atomically(path, text.as_bytes())
-            .with_context(|| format!("cannot write the trace to {}", path.display()))
+        crate::files::write_atomically(path, text.as_bytes()).context("the trace")
     }
 }

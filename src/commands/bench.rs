@@ -17,11 +17,11 @@
 //!
 //! Memory: the peak the GPU's tensors reached in a step, next to what the formula expects (bytes
 //! per weight for weights, gradients and AdamW, plus the activations one micro-batch keeps for its
-//! backward, `activation_bytes`), and the largest micro-batch that the GPU's memory would hold.
+//! backward, `train/memory.rs`), and the largest micro-batch that the GPU's memory would hold.
 
-use crate::config::{Config, ModelConfig, PpSchedule};
-use crate::model::Stage;
+use crate::config::{Config, ModelConfig};
 use crate::ops::DType;
+use crate::train::memory::{activations_held, bytes_per_weight, weights_per_rank};
 use crate::train::{self, Options};
 use anyhow::{bail, Result};
 use serde::Serialize;
@@ -48,53 +48,10 @@ pub fn peak_tflops(name: &str, dtype: DType) -> Option<f64> {
 
 /// FLOPs per trained token (forward and backward), by the formula above.
 pub fn flops_per_token(m: &ModelConfig, seq_len: usize) -> f64 {
-    let lookup_only = if m.tie_word_embeddings { 0 } else { m.vocab_size * m.hidden_size };
-    let n = (m.parameter_count() - lookup_only) as f64;
+    let lookup_only = if m.tie_word_embeddings { 0.0 } else { m.vocab_size as f64 * m.hidden_size as f64 };
+    let n = m.parameter_count() - lookup_only;
     let attention = 12.0 * (m.num_hidden_layers * m.num_attention_heads * m.head_dim() * seq_len) as f64;
     6.0 * n + attention
-}
-
-/// Bytes per weight kept for training: in mixed precision an fp32 master, its bf16 copy, an fp32
-/// gradient and two fp32 AdamW moments (18); in f32 the weight, its gradient and the moments (16).
-pub fn bytes_per_weight(dtype: DType) -> usize {
-    match dtype {
-        DType::Bf16 => 4 + 2 + 4 + 8,
-        DType::F32 => 4 + 4 + 8,
-    }
-}
-
-/// Bytes of the activations one micro-batch of `batch` sequences of `seq` tokens keeps for its
-/// backward on one rank of pipeline `stage` in a tp group of `tp` (what `model/block.rs`'s `BlockCache`
-/// and the model's head cache hold): per layer the block input, two norms' outputs, q, k, v, the
-/// attention output, the residual, gate, up and their product in the compute dtype, and the two
-/// 1/rms rows and the attention lse in f32; on the last stage also the final norm's input and
-/// output and the logits.
-pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, tp: usize, stage: Stage, dtype: DType) -> usize {
-    let e = if dtype == DType::Bf16 { 2 } else { 4 };
-    let rows = batch * seq;
-    let (d, hd) = (m.hidden_size, m.head_dim());
-    let (q, kv, f) = (m.num_attention_heads * hd / tp, m.num_key_value_heads * hd / tp, m.intermediate_size / tp);
-    let layer = rows * (4 * d + 2 * q + 2 * kv + 3 * f) * e + (2 * rows + batch * m.num_attention_heads / tp * seq) * 4;
-    let head = if stage.is_last() { rows * (2 * d + m.vocab_size / tp) * e + 2 * rows * 4 } else { 0 };
-    stage.layers(m.num_hidden_layers).len() * layer + head
-}
-
-/// The most activation bytes a rank holds at once for micro-batches of `batch` sequences: a
-/// pipeline stage keeps those of every micro-batch it has in flight (all of a step's with AFAB,
-/// at most pp − stage with 1F1B); the busiest stage counts.
-pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> usize {
-    let (t, p) = (&cfg.train, &cfg.parallel);
-    let in_flight = |s: usize| match p.pp_schedule {
-        PpSchedule::Afab => t.grad_accum_steps,
-        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps),
-    };
-    (0..p.pp)
-        .map(|s| {
-            let stage = Stage { index: s, count: p.pp };
-            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, p.tp, stage, dtype) * in_flight(s)
-        })
-        .max()
-        .unwrap_or(0)
 }
 
 #[derive(Serialize, Debug)]
@@ -134,7 +91,10 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
         bail!("--profile times GPU kernels: set device.kind = \"cuda\" (on the CPU, `train --trace` shows where the time goes)");
     }
     let mut cfg = cfg.clone();
-    cfg.train.steps = warmup + steps;
+    let Some(total) = warmup.checked_add(steps) else {
+        bail!("--warmup {warmup} + --steps {steps} is too many steps");
+    };
+    cfg.train.steps = total;
     cfg.checkpoint.every = 0;
     let (t, p, m) = (&cfg.train, &cfg.parallel, &cfg.model);
     let dtype = cfg.device.compute_dtype();
@@ -153,15 +113,15 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
     let achieved_tflops = flops * tokens_per_s / 1e12;
     let ranks = p.world_size();
     let peak = peak_override.or_else(|| peak_tflops(&name, dtype));
-    let static_bytes = bytes_per_weight(dtype) * m.parameter_count() / (p.tp * p.pp);
+    let static_bytes = bytes_per_weight(dtype) * weights_per_rank(m, p.tp, p.pp);
     let held = activations_held(&cfg, t.micro_batch_size, dtype);
     let per_sequence = activations_held(&cfg, 1, dtype);
-    let mib = |b: usize| b as f64 / (1 << 20) as f64;
+    let mib = |b: f64| b / (1 << 20) as f64;
     Ok(Report {
         device: name,
         dtype: format!("{dtype:?}").to_lowercase(),
         ranks,
-        parameters: m.parameter_count(),
+        parameters: m.parameter_count() as usize,
         seq_len: t.seq_len,
         tokens_per_step,
         warmup_steps: warmup,
@@ -176,8 +136,7 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
         formula_static_mib: mib(static_bytes),
         formula_activations_mib: mib(held),
         profile,
-        max_micro_batch: gpu_mem
-            .map(|total| ((total as f64 * 0.9) as usize).saturating_sub(static_bytes) / per_sequence),
+        max_micro_batch: gpu_mem.map(|total| ((total as f64 * 0.9 - static_bytes) / per_sequence).max(0.0) as usize),
     })
 }
 

@@ -84,7 +84,7 @@ pub fn converge(
         if g != global {
             bail!("variant `{label}`: global batch {g} sequences, but the baseline has {global}; set micro_batch_size so that micro_batch_size × grad_accum_steps × dp = {global}");
         }
-        println!(
+        crate::say!(
             "running {label} ({} rank{})",
             cfg.parallel.world_size(),
             if cfg.parallel.world_size() == 1 { "" } else { "s" }
@@ -144,7 +144,7 @@ pub fn write_outputs(dir: &Path, baseline: &[f32], outcomes: &[Outcome]) -> Resu
     let svg = crate::commands::plot::loss_chart("loss per step: parallel variants against one rank", &curves);
     for (name, bytes) in [("losses.csv", csv.as_bytes()), ("losses.svg", svg.as_bytes())] {
         let path = dir.join(name);
-        crate::files::write_atomically(&path, bytes).with_context(|| format!("cannot write {}", path.display()))?;
+        crate::files::write_atomically(&path, bytes)?;
     }
     Ok(())
 }

@@ -20,29 +20,29 @@ use std::time::Duration;
 /// Prints the report; an error when there is no usable GPU or a self-test fails.
 pub fn doctor() -> Result<()> {
     let libs = runtime::libraries();
-    println!("libraries:");
+    crate::say!("libraries:");
     for lib in &libs {
         let at = if lib.found { loaded_from(lib.name).unwrap_or_else(|| "found".into()) } else { "NOT FOUND".into() };
-        println!("  {:<24} {at}", lib.name);
+        crate::say!("  {:<24} {at}", lib.name);
     }
     match crate::cuda::nvrtc::nvrtc_ready() {
         Ok(include) => {
             for (name, _) in crate::cuda::nvrtc::SOURCES {
                 crate::cuda::nvrtc::compile(name, "sm_90")?;
             }
-            println!(
+            crate::say!(
                 "kernels: all {} kernel files compile with NVRTC for sm_90 (headers: {})",
                 crate::cuda::nvrtc::SOURCES.len(),
                 std::env::join_paths(&include).unwrap_or_default().to_string_lossy()
             );
         }
-        Err(e) => println!("kernels: not compiled: {e:#}"),
+        Err(e) => crate::say!("kernels: not compiled: {e:#}"),
     }
     let count = runtime::device_count().map_err(|e| anyhow!("{e:#}\nno GPU here: device.kind = \"cpu\" works"))?;
     let mut version = 0;
     // SAFETY: the driver library is present (device_count checked it) and the pointer is valid.
     unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut version) };
-    println!("driver: CUDA {}.{}", version / 1000, version % 1000 / 10);
+    crate::say!("driver: CUDA {}.{}", version / 1000, version % 1000 / 10);
     if count == 0 {
         bail!("the CUDA driver sees no GPU: device.kind = \"cpu\" works");
     }
@@ -51,21 +51,21 @@ pub fn doctor() -> Result<()> {
         let (major, minor) = ctx.compute_capability().map_err(cuda_err)?;
         let name = ctx.name().map_err(cuda_err)?;
         let mem = ctx.total_mem().map_err(cuda_err)? as f64 / (1u64 << 30) as f64;
-        println!("GPU {ordinal}: {name}, sm_{major}{minor}, {mem:.1} GiB");
+        crate::say!("GPU {ordinal}: {name}, sm_{major}{minor}, {mem:.1} GiB");
     }
     if crate::cuda::nvrtc::nvrtc_ready().is_ok() {
         let report = crate::cuda::self_check::self_test(&Gpu::open(0)?)?;
         for line in &report {
-            println!("self-test: kernel {line}");
+            crate::say!("self-test: kernel {line}");
         }
-        println!("self-test: all {} kernel checks passed (f32 and bf16 against the CPU reference)", report.len());
+        crate::say!("self-test: all {} kernel checks passed (f32 and bf16 against the CPU reference)", report.len());
     }
     if libs.iter().any(|l| l.name.starts_with("NCCL") && l.found) {
         comm_self_test(Grid::new(1, 1, 1, 1)?, Backend::Nccl)?;
-        println!("self-test: NCCL collectives on GPU buffers (1 rank): ok");
+        crate::say!("self-test: NCCL collectives on GPU buffers (1 rank): ok");
     }
     comm_self_test(Grid::new(3, 1, 1, 1)?, Backend::Local)?;
-    println!("self-test: local collectives on GPU buffers (3 ranks sharing GPU 0): ok");
+    crate::say!("self-test: local collectives on GPU buffers (3 ranks sharing GPU 0): ok");
     Ok(())
 }
 
@@ -87,7 +87,7 @@ fn loaded_from(name: &str) -> Option<String> {
 
 /// Every GPU collective of every rank of `grid` on GPU 0, against host arithmetic; f32 and bf16.
 pub fn comm_self_test(grid: Grid, backend: Backend) -> Result<()> {
-    let setup = Setup { timeout: Duration::from_secs(60), cuda: true, backend };
+    let setup = Setup { cuda: true, backend, ..Setup::cpu(Duration::from_secs(60)) };
     launch_on(grid, setup, |me| {
         check_rank::<f32>(me)?;
         check_rank::<bf16>(me)

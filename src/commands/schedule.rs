@@ -51,6 +51,9 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize) -> Result<Timeline> {
     if stages == 0 || m == 0 {
         bail!("schedule: --pp and --microbatches must be at least 1");
     }
+    if stages > 256 || m > 4096 {
+        bail!("schedule: --pp {stages} --microbatches {m}: at most 256 stages and 4096 micro-batches fit in a picture");
+    }
     let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m)).collect();
     let mut done = vec![vec![[None::<f64>; 2]; m]; stages]; // [stage][micro][forward, backward] end times
     let (mut next, mut free) = (vec![0; stages], vec![0.0f64; stages]);

@@ -61,6 +61,12 @@ pub fn device_count() -> Result<usize> {
     Ok(n.max(0) as usize)
 }
 
+/// The free memory of GPU `ordinal`, in bytes (the primary context is opened, as a rank would).
+pub fn free_memory(ordinal: usize) -> Result<usize> {
+    let ctx = CudaContext::new(ordinal).map_err(cuda_err)?;
+    Ok(ctx.mem_get_info().map_err(cuda_err)?.0)
+}
+
 /// One rank's GPU: its context, the compute stream and the communication stream.
 #[derive(Clone)]
 pub struct Gpu {

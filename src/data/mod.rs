@@ -69,7 +69,7 @@ impl Dataset {
                     m.vocab_size
                 );
             }
-            let tokens = crate::data::text::Tokens::open(&path, &tokenizer)?;
+            let tokens = crate::data::text::Tokens::open(&path, &tokenizer, m.vocab_size)?;
             return Ok(Dataset::Text { tokens, seed: d.seed });
         }
         Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size)))

@@ -8,7 +8,9 @@
 //!
 //! Tokenising is done once: the ids go to `PATH.<fingerprint>.tokens` next to the source (the
 //! fingerprint covers the tokenizer and the source's size and time), and later runs map that
-//! file into memory and read windows of it without loading it.
+//! file into memory and read windows of it without loading it. Runs tokenising the same source at
+//! once each write a whole file and rename it into place; opening checks the ids against the
+//! vocabulary.
 //!
 //! ```text
 //! PATH.<fp>.tokens:  "FTOK" | version u32 | count u64 | count × u32 token ids (little endian)
@@ -76,8 +78,9 @@ pub struct Tokens {
 const HEADER: usize = 16;
 
 impl Tokens {
-    /// Maps the token file of `source` for `tokenizer`, writing it first if needed.
-    pub fn open(source: &Path, tokenizer: &Tokenizer) -> Result<Tokens> {
+    /// Maps the token file of `source` for `tokenizer`, writing it first if needed, and checks
+    /// that every id is below `vocab` (a stale or foreign file would index past the embedding).
+    pub fn open(source: &Path, tokenizer: &Tokenizer, vocab: usize) -> Result<Tokens> {
         let cache = cache_path(source, tokenizer)?;
         if !cache.exists() {
             write_tokens(source, tokenizer, &cache)?;
@@ -89,6 +92,10 @@ impl Tokens {
         let count = map.get(8..16).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
         if &map[..4.min(map.len())] != b"FTOK" || count.map(|c| HEADER + 4 * c) != Some(map.len()) {
             bail!("{}: not a complete token file; delete it and it will be rebuilt", cache.display());
+        }
+        let ids = map[HEADER..].chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
+        if let Some(max) = ids.max().filter(|&m| m as usize >= vocab) {
+            bail!("{}: holds token id {max}, but model.vocab_size = {vocab}; delete the file to rebuild it, or raise model.vocab_size", cache.display());
         }
         Ok(Tokens { map })
     }
@@ -162,6 +169,5 @@ fn write_tokens(source: &Path, tokenizer: &Tokenizer, cache: &Path) -> Result<()
     bytes.extend(1u32.to_le_bytes());
     bytes.extend((ids.len() as u64).to_le_bytes());
     bytes.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
-    crate::files::write_atomically(cache, &bytes)
-        .with_context(|| format!("cannot write token file {}", cache.display()))
+    crate::files::write_atomically(cache, &bytes).context("the token file")
 }

@@ -122,32 +122,11 @@ impl<'g> Llama<'g> {
         stage: Stage,
         mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
     ) -> Result<Llama<'g>> {
-        let d = cfg.hidden_size;
         let (index, count) = tp.part();
-        let mut param = |name: String, shape: &[usize], kind, split| -> Result<Param> {
+        let (embed_tokens, layers, head) = Llama::parts(cfg, stage, &mut |name, shape, kind, split| {
             let value = shard(&make(&name, shape, kind)?, split, index, count);
             Ok(Param { grad: Tensor::zeros(value.shape()), name, value, split })
-        };
-        use Split::{Replicated, Rows};
-        let embed_name = "model.embed_tokens.weight".to_string();
-        let embed_tokens = match stage.is_first() {
-            true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
-            false => None,
-        };
-        let mut layers = Vec::new();
-        for i in stage.layers(cfg.num_hidden_layers) {
-            layers.push(Block::build(i, cfg, &mut param)?);
-        }
-        let head = match stage.is_last() {
-            true => Some(Head {
-                norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, Replicated)?,
-                lm_head: match cfg.tie_word_embeddings {
-                    true => None,
-                    false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
-                },
-            }),
-            false => None,
-        };
+        })?;
         let vocab_first = index * cfg.vocab_size / count;
         let caches = VecDeque::new();
         Ok(Llama {
@@ -161,6 +140,49 @@ impl<'g> Llama<'g> {
             caches,
             attention_work: 0,
         })
+    }
+
+    /// The name and full shape of every tensor of pipeline `stage`, in Hugging Face order, from
+    /// the config alone (nothing allocated): what a checkpoint of this model must hold.
+    pub fn tensor_shapes(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>)> {
+        let mut shapes = Vec::new();
+        let listed = Llama::parts(cfg, stage, &mut |name, shape, _, split| {
+            shapes.push((name.clone(), shape.to_vec()));
+            Ok(Param { grad: Tensor::zeros(&[0]), value: Tensor::zeros(&[0]), name, split })
+        });
+        listed.expect("listing cannot fail");
+        shapes
+    }
+
+    /// The parameters of `stage`, each made by `param(name, full shape, kind, split)`.
+    #[allow(clippy::type_complexity)]
+    fn parts(
+        cfg: &ModelConfig,
+        stage: Stage,
+        param: &mut impl FnMut(String, &[usize], ParamKind, Split) -> Result<Param>,
+    ) -> Result<(Option<Param>, Vec<Block>, Option<Head>)> {
+        let d = cfg.hidden_size;
+        use Split::{Replicated, Rows};
+        let embed_name = "model.embed_tokens.weight".to_string();
+        let embed_tokens = match stage.is_first() {
+            true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+            false => None,
+        };
+        let mut layers = Vec::new();
+        for i in stage.layers(cfg.num_hidden_layers) {
+            layers.push(Block::build(i, cfg, param)?);
+        }
+        let head = match stage.is_last() {
+            true => Some(Head {
+                norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, Replicated)?,
+                lm_head: match cfg.tie_word_embeddings {
+                    true => None,
+                    false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+                },
+            }),
+            false => None,
+        };
+        Ok((embed_tokens, layers, head))
     }
 
     /// Splits every sequence as `seq` says: forward then takes this rank's tokens of each

@@ -35,6 +35,9 @@ pub struct Coords {
     pub tp: usize,
 }
 
+/// The most ranks one run may have: each is a thread (and a communication thread) of one process.
+pub const MAX_RANKS: usize = 1024;
+
 /// The process groups every rank belongs to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Axis {
@@ -70,7 +73,13 @@ impl Grid {
                 bail!("parallel.{name} = 0: every parallel degree must be at least 1");
             }
         }
-        Ok(Grid { dp, pp, cp, tp })
+        let world = [dp, pp, cp].iter().try_fold(tp, |w, &d| w.checked_mul(d));
+        match world {
+            Some(w) if w <= MAX_RANKS => Ok(Grid { dp, pp, cp, tp }),
+            _ => bail!(
+                "dp × pp × cp × tp = {dp} × {pp} × {cp} × {tp} ranks: every rank runs as a thread of this process, at most {MAX_RANKS}; choose smaller degrees"
+            ),
+        }
     }
 
     pub fn world_size(&self) -> usize {

@@ -2,12 +2,14 @@
 //!
 //! Every step produces one `StepLog`: shown on a progress bar (or as a plain line every tenth of
 //! the run when the output is not a terminal, as in CI logs) and, with `--metrics FILE`, written
-//! as one JSON object per line, so that curves can be plotted and compared across runs.
+//! as one JSON object per line, so that curves can be plotted and compared across runs. Each line
+//! is written as its step ends, so a killed run's file holds every step it finished; a resumed
+//! run keeps the lines before its first step and appends after them.
 
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
-use std::io::{BufWriter, Write};
+use std::io::Write;
 use std::path::Path;
 
 #[derive(Serialize, Clone, Debug)]
@@ -27,29 +29,28 @@ pub struct StepLog {
 }
 
 pub struct Metrics {
-    file: Option<BufWriter<std::fs::File>>,
+    file: Option<std::fs::File>,
     bar: ProgressBar,
     every: usize,
 }
 
 impl Metrics {
-    pub fn new(steps: usize, jsonl: Option<&Path>, quiet: bool) -> Result<Metrics> {
-        let file = match jsonl {
-            Some(p) => Some(BufWriter::new(
-                std::fs::File::create(p).with_context(|| format!("--metrics: cannot create {}", p.display()))?,
-            )),
-            None => None,
-        };
+    /// Metrics for steps `first..steps`; `jsonl` keeps its lines of steps before `first`.
+    pub fn new((first, steps): (usize, usize), jsonl: Option<&Path>, quiet: bool) -> Result<Metrics> {
+        let file =
+            jsonl.map(|p| open_history(p, first).with_context(|| format!("--metrics: cannot write {}", p.display())));
         let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(steps as u64) };
+        bar.set_position(first as u64);
         bar.set_style(
             ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise}]").expect("valid template"),
         );
-        Ok(Metrics { file, bar, every: if quiet { 0 } else { steps.div_ceil(10) } })
+        Ok(Metrics { file: file.transpose()?, bar, every: if quiet { 0 } else { steps.div_ceil(10) } })
     }
 
     pub fn log(&mut self, s: &StepLog) -> Result<()> {
         if let Some(f) = &mut self.file {
-            writeln!(f, "{}", serde_json::to_string(s)?).context("--metrics: write failed")?;
+            let line = serde_json::to_string(s)? + "\n";
+            f.write_all(line.as_bytes()).context("--metrics: write failed")?; // one write per step
         }
         let mut msg = format!("loss {:.4} | lr {:.2e} | {:.0} tok/s", s.loss, s.lr, s.tokens_per_s);
         if let Some(mib) = s.gpu_peak_mib {
@@ -57,7 +58,7 @@ impl Metrics {
         }
         if self.bar.is_hidden() {
             if self.every > 0 && (s.step + 1).is_multiple_of(self.every) {
-                println!("step {:>5} | {msg}", s.step + 1);
+                crate::say!("step {:>5} | {msg}", s.step + 1);
             }
         } else {
             self.bar.set_message(msg);
@@ -69,8 +70,28 @@ impl Metrics {
     pub fn finish(mut self) -> Result<()> {
         self.bar.finish_and_clear();
         if let Some(f) = &mut self.file {
-            f.flush().context("--metrics: write failed")?;
+            f.sync_data().context("--metrics: write failed")?;
         }
         Ok(())
     }
+}
+
+/// The metrics file, rewritten whole with its lines of steps before `first` (none for a new run),
+/// and opened to append.
+fn open_history(path: &Path, first: usize) -> Result<std::fs::File> {
+    let kept: String = match first {
+        0 => String::new(),
+        _ => std::fs::read_to_string(path)
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| {
+                let step = serde_json::from_str::<serde_json::Value>(l).ok().and_then(|j| j["step"].as_u64());
+                step.is_some_and(|s| (s as usize) < first)
+            })
+            .map(|l| format!("{l}\n"))
+            .collect(),
+    };
+    crate::files::write_atomically(path, kept.as_bytes())?;
+    let target = crate::files::output_target(path)?;
+    Ok(std::fs::OpenOptions::new().append(true).open(target)?)
 }

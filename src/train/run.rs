@@ -4,6 +4,7 @@
 //! weights come from, the printout), each rank's model and optimizer on its device, the metrics,
 //! the trace spans, timing and memory of every step, checkpoints, and the summary a run returns.
 
+use crate::checkpoint::folder::{self, Folder};
 use crate::checkpoint::hf;
 use crate::checkpoint::save::{self, Resumed};
 use crate::comm::launcher::{Rank, Setup};
@@ -17,10 +18,12 @@ use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::process_grid::{Axis, Grid};
 use crate::parallel::tensor_parallel::TensorParallel;
+use crate::train::memory;
 use crate::train::metrics::{Metrics, StepLog};
-use anyhow::Result;
+use anyhow::{Context, Result};
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::Instant;
 
 /// What a run prints and records besides training.
@@ -37,11 +40,27 @@ pub struct Options<'a> {
     pub resume: Option<&'a Path>,
     /// Time every GPU kernel from this step on (`cuda/profile.rs`; `bench --profile`).
     pub profile_from_step: Option<usize>,
+    /// Resume even where the run's settings (lr, schedule, batch, data) differ from the
+    /// checkpoint's; they are named either way.
+    pub allow_changes: bool,
+    /// Stop after the step in which SIGINT or SIGTERM arrived, with a checkpoint (`train/stop.rs`;
+    /// the handler is the binary's to install).
+    pub stop_on_signal: bool,
+}
+
+/// How a run that a signal stopped ended.
+#[derive(Clone, Debug)]
+pub struct Stopped {
+    pub signal: i32,
+    /// The checkpoint written after the last step, to resume from.
+    pub checkpoint: PathBuf,
 }
 
 /// One rank's view of a finished run.
 pub struct Summary {
-    /// The loss of every step, averaged over the global batch.
+    /// The step the run started at: 0, or the resumed checkpoint's.
+    pub first_step: usize,
+    /// The loss of every step trained, averaged over the global batch.
     pub losses: Vec<f32>,
     pub floor: Option<f64>,
     pub wall_s: f64,
@@ -55,17 +74,41 @@ pub struct Summary {
     pub step_s: Vec<f64>,
     /// On a GPU: the most memory this rank's tensors held in any step, in MiB.
     pub gpu_peak_mib: Option<f64>,
+    /// Set when a signal stopped the run early (rank 0's summary says where it saved).
+    pub stopped: Option<Stopped>,
 }
 
 impl Summary {
-    /// Mean loss of the last tenth of the run (at least one step): less noisy than the last step.
+    fn new(first_step: usize) -> Summary {
+        let (losses, step_s, floor, gpu_peak_mib, stopped) = (Vec::new(), Vec::new(), None, None, None);
+        let (wall_s, checksum, peak_activations, attention_work) = (0.0, 0, 0, 0);
+        Summary {
+            first_step,
+            losses,
+            floor,
+            wall_s,
+            checksum,
+            peak_activations,
+            attention_work,
+            step_s,
+            gpu_peak_mib,
+            stopped,
+        }
+    }
+
+    /// Mean loss of the last tenth of the run (at least one step): less noisy than the last
+    /// step. NaN when no step was trained.
     pub fn final_loss(&self) -> f32 {
+        if self.losses.is_empty() {
+            return f32::NAN;
+        }
         let n = self.losses.len().div_ceil(10).max(1);
         self.losses[self.losses.len() - n..].iter().sum::<f32>() / n as f32
     }
 }
 
-/// A run being started: its grid and devices, its data, and where its weights come from.
+/// A run being started: its grid and devices, its data, where its weights come from, and the
+/// folder its checkpoints go to.
 pub(super) struct Run {
     pub grid: Grid,
     pub setup: Setup,
@@ -73,21 +116,50 @@ pub(super) struct Run {
     floor: Option<f64>,
     resumed: Option<Resumed>,
     pretrained: Option<HashMap<String, Tensor>>,
+    checkpoints: Checkpoints,
+    /// The checkpoint is at `train.steps` already: nothing to train.
+    pub finished: bool,
 }
 
 impl Run {
-    /// Checks the layout and the devices, opens the data and the checkpoint or pretrained
-    /// weights, and prints what will run (unless quiet).
+    /// Checks the layout, the memory the ranks will need, the checkpoint or pretrained weights
+    /// and every output before anything big is built; opens the data; prints what will run.
     pub(super) fn prepare(cfg: &Config, opts: Options) -> Result<Run> {
         let (t, p) = (&cfg.train, &cfg.parallel);
         let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?;
         let setup = Setup::from_config(cfg)?;
+        let full_weights = memory::weights_per_rank(&cfg.model, 1, 1) * 4.0;
+        let loaded = match (opts.resume, cfg.model.init_from.is_empty()) {
+            (Some(_), _) => 3.0 * full_weights, // weights and two AdamW moments, whole, in f32
+            (None, false) => full_weights,
+            (None, true) => 0.0,
+        };
+        let need = memory::check(cfg, &setup.capacity, loaded)?; // before anything is allocated
+        if let Some(path) = opts.metrics {
+            crate::files::check_writable(path).context("--metrics")?;
+        }
+        let (resumed, notes) = match opts.resume {
+            Some(arg) => {
+                let dir = folder::resolve(arg, cfg)?;
+                let r = save::load(&dir)?;
+                let notes = r.check(cfg, &dir, opts.allow_changes)?;
+                (Some((r, dir)), notes)
+            }
+            None => (None, Vec::new()),
+        };
+        let run_id = resumed.as_ref().map_or_else(folder::new_run_id, |(r, _)| r.run_id.clone());
+        let resumed_step = resumed.as_ref().map(|(r, _)| r.step);
+        let finished = resumed_step == Some(t.steps);
+        let checkpoints = Checkpoints { folder: Mutex::new(None), run_id, resumed_step };
+        if cfg.checkpoint.every > 0 && !finished {
+            checkpoints.take(cfg)?; // this run owns checkpoint.dir from now on
+        }
         let data = Dataset::open(&cfg.data, &cfg.model)?;
         let floor = data.entropy_floor(t.seq_len);
         if !opts.quiet {
-            println!(
+            crate::say!(
                 "model: {:.2}M parameters | global batch {} × {} × {} dp × {} tokens | {} steps on {} in {} ({} rank{})",
-                cfg.model.parameter_count() as f64 / 1e6,
+                cfg.model.parameter_count() / 1e6,
                 t.micro_batch_size,
                 t.grad_accum_steps,
                 p.dp,
@@ -98,31 +170,37 @@ impl Run {
                 grid.world_size(),
                 if grid.world_size() == 1 { "" } else { "s" },
             );
+            let gib = |b: f64| b / (1u64 << 30) as f64;
+            crate::say!(
+                "memory: about {:.2} GiB of the {:.2} GiB {}",
+                gib(need),
+                gib(setup.capacity.bytes),
+                setup.capacity.what
+            );
             match floor {
-                Some(f) => println!("data: {} | entropy floor {f:.4} nats/token", cfg.data.source),
-                None => println!("data: {} | entropy floor unknown", cfg.data.source),
+                Some(f) => crate::say!("data: {} | entropy floor {f:.4} nats/token", cfg.data.source),
+                None => crate::say!("data: {} | entropy floor unknown", cfg.data.source),
             }
+            if let Some((r, dir)) = &resumed {
+                crate::say!("resuming from {} (step {} of {})", dir.display(), r.step, t.steps);
+            }
+            notes.iter().for_each(|n| crate::say!("note: {n}"));
         }
-        let resumed = match opts.resume {
-            Some(arg) => {
-                let dir = save::resolve(arg, cfg)?;
-                let r = save::load(&dir)?;
-                if !opts.quiet {
-                    println!("resuming from {} (step {} of {})", dir.display(), r.step, t.steps);
-                }
-                Some(r)
-            }
-            None => None,
-        };
         let pretrained = match cfg.model.init_from.is_empty() || resumed.is_some() {
             true => None,
             false => Some(hf::pretrained(&cfg.model)?),
         };
-        Ok(Run { grid, setup, data, floor, resumed, pretrained })
+        let resumed = resumed.map(|(r, _)| r);
+        Ok(Run { grid, setup, data, floor, resumed, pretrained, checkpoints, finished })
     }
 
     pub(super) fn start(&self) -> Start<'_> {
-        Start { resumed: self.resumed.as_ref(), pretrained: self.pretrained.as_ref() }
+        Start { resumed: self.resumed.as_ref(), pretrained: self.pretrained.as_ref(), checkpoints: &self.checkpoints }
+    }
+
+    /// The summary of a run that had nothing left to train.
+    pub(super) fn nothing_to_train(&self, cfg: &Config) -> Vec<Summary> {
+        vec![Summary::new(cfg.train.steps)]
     }
 
     /// The ranks' summaries, with the data's floor; prints the cp balance.
@@ -131,7 +209,7 @@ impl Run {
         if cfg.parallel.cp > 1 && !opts.quiet {
             let work: Vec<String> =
                 summaries.iter().map(|s| format!("{:.2}M", s.attention_work as f64 / 1e6)).collect();
-            println!(
+            crate::say!(
                 "attention work per rank and step ({:?} split, score entries): {}",
                 cfg.parallel.cp_split,
                 work.join(" ")
@@ -141,11 +219,56 @@ impl Run {
     }
 }
 
+/// The run's checkpoint folder: taken at the start when the run saves every few steps, or when a
+/// signal first asks for a checkpoint.
+pub(super) struct Checkpoints {
+    folder: Mutex<Option<Folder>>,
+    run_id: String,
+    resumed_step: Option<usize>,
+}
+
+impl Checkpoints {
+    fn take(&self, cfg: &Config) -> Result<()> {
+        let mut folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
+        if folder.is_none() {
+            *folder = Some(Folder::take(Path::new(&cfg.checkpoint.dir), &self.run_id, self.resumed_step)?);
+        }
+        Ok(())
+    }
+
+    /// Saves the model and optimizer after `step` (0-based) when `checkpoint.every` says so, after
+    /// the last step, or when `now`; every rank calls it, rank 0 writes (while the others' waits
+    /// do not time out). Returns where it wrote, on rank 0.
+    pub(super) fn save_if_due(
+        &self,
+        me: &Rank,
+        cfg: &Config,
+        step: usize,
+        (model, opt): (&Llama, &Optimizer),
+        now: bool,
+    ) -> Result<Option<PathBuf>> {
+        let (every, last) = (cfg.checkpoint.every, step + 1 == cfg.train.steps);
+        if !(now || every > 0 && ((step + 1).is_multiple_of(every) || last)) {
+            return Ok(None);
+        }
+        let Some(state) = save::gather(me, cfg, model, opt)? else {
+            return Ok(None);
+        };
+        me.group(Axis::World).while_others_wait(|| {
+            self.take(cfg)?;
+            let folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
+            let folder = folder.as_ref().expect("taken above");
+            save::save(folder, step + 1, &state, cfg, opt.steps_taken()).map(Some)
+        })
+    }
+}
+
 /// Where the weights come from: a checkpoint to resume, pretrained weights, or (neither) the init.
 #[derive(Clone, Copy)]
 pub(super) struct Start<'a> {
     resumed: Option<&'a Resumed>,
     pretrained: Option<&'a HashMap<String, Tensor>>,
+    pub checkpoints: &'a Checkpoints,
 }
 
 impl Start<'_> {
@@ -205,22 +328,16 @@ pub(super) struct Watch<'a> {
 }
 
 impl<'a> Watch<'a> {
-    pub(super) fn new(me: &Rank, cfg: &Config, opts: Options<'a>) -> Result<Watch<'a>> {
+    /// Watches a run that starts at `first_step`; the metrics file keeps the lines of the steps
+    /// before it (a resumed run continues its history).
+    pub(super) fn new(me: &Rank, cfg: &Config, opts: Options<'a>, first_step: usize) -> Result<Watch<'a>> {
         let (t, rank) = (&cfg.train, me.rank);
         if let Some(trace) = opts.trace {
             me.trace_to(trace); // every collective and message of this rank's groups
         }
-        let metrics = Metrics::new(t.steps, opts.metrics.filter(|_| rank == 0), opts.quiet || rank != 0)?;
-        let summary = Summary {
-            losses: Vec::with_capacity(t.steps),
-            floor: None,
-            wall_s: 0.0,
-            checksum: 0,
-            peak_activations: 0,
-            attention_work: 0,
-            step_s: Vec::with_capacity(t.steps),
-            gpu_peak_mib: None,
-        };
+        let jsonl = opts.metrics.filter(|_| rank == 0);
+        let metrics = Metrics::new((first_step, t.steps), jsonl, opts.quiet || rank != 0)?;
+        let summary = Summary::new(first_step);
         let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
         let (trace, profile_from_step, now) = (opts.trace, opts.profile_from_step, Instant::now());
         let (run_start, step_start) = (now, now);
@@ -273,6 +390,11 @@ impl<'a> Watch<'a> {
         })
     }
 
+    /// Notes that a signal stopped the run after a checkpoint at `checkpoint` (rank 0).
+    pub(super) fn stopped(&mut self, signal: i32, checkpoint: Option<PathBuf>) {
+        self.summary.stopped = checkpoint.map(|checkpoint| Stopped { signal, checkpoint });
+    }
+
     pub(super) fn finish(mut self, model: &Llama) -> Result<Summary> {
         self.metrics.finish()?;
         let s = &mut self.summary;
@@ -283,13 +405,14 @@ impl<'a> Watch<'a> {
     }
 }
 
-/// Saves a checkpoint after `step` when `checkpoint.every` says so (and after the last step).
-pub(super) fn checkpoint_if_due(me: &Rank, cfg: &Config, step: usize, model: &Llama, opt: &Optimizer) -> Result<()> {
-    let (every, last) = (cfg.checkpoint.every, step + 1 == cfg.train.steps);
-    if every > 0 && ((step + 1).is_multiple_of(every) || last) {
-        if let Some(state) = save::gather(me, cfg, model, opt)? {
-            save::save(Path::new(&cfg.checkpoint.dir), step + 1, &state, cfg, opt.steps_taken())?;
-        }
-    }
-    Ok(())
+/// The error for a loss that is no longer a number, saying what most likely caused it.
+pub(super) fn not_finite(cfg: &Config, loss: f32, step: usize, first_step: usize) -> anyhow::Error {
+    let (t, m) = (&cfg.train, &cfg.model);
+    let why = match (step == first_step, first_step) {
+        (true, 0) if !m.init_from.is_empty() => format!("before any update: the weights of {} overflow the forward pass in {:?}", m.init_from, cfg.device.compute_dtype()),
+        (true, 0) => format!("before any update: the initial weights overflow the forward pass; check model.initializer_range = {} and model.rms_norm_eps = {}", m.initializer_range, m.rms_norm_eps),
+        (true, _) => "on the first step after resuming: the checkpoint's weights overflow the forward pass; resume an earlier checkpoint".into(),
+        (false, _) => format!("training diverged; lower train.lr (now {}) or set train.grad_clip (now {}, 0 is off)", t.lr, t.grad_clip),
+    };
+    anyhow::anyhow!("the loss became {loss} at step {step}: {why}")
 }

@@ -1,0 +1,157 @@
+//! # A run owns its checkpoint folder
+//!
+//! Checkpoints are only worth something if the newest one in `checkpoint.dir` really is this
+//! run's latest state. Three rules make sure of it:
+//!
+//! ```text
+//! dir/.lock              an advisory lock held for the whole run: a second run writing the same
+//!                        folder at the same time is refused, with the holder's pid and start
+//! trainer_state.json     every checkpoint carries its run's id (`run_id`); a resumed run keeps
+//!   "run_id": "…"        the id of the checkpoint it continues
+//! taking the folder      a new run refuses a folder that holds checkpoints; a resumed run
+//!                        refuses another run's, and its own newer than the step it resumes
+//! ```
+//! Pruning (`checkpoint.keep`) then only ever deletes this run's older checkpoints. The lock is
+//! the operating system's (`flock`): it goes away with the process, even after `kill -9`.
+
+use crate::config::Config;
+use anyhow::{bail, Context, Result};
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// A checkpoint folder taken by one run: locked, and holding no other run's checkpoints.
+pub struct Folder {
+    pub dir: PathBuf,
+    pub run_id: String,
+    _lock: File,
+}
+
+/// A complete checkpoint found in a folder.
+pub struct Listed {
+    pub step: usize,
+    pub path: PathBuf,
+    /// `None` when its `trainer_state.json` is missing or unreadable: nobody's checkpoint.
+    pub run_id: Option<String>,
+}
+
+/// A fresh run id: the start time and process, unique enough to tell runs apart.
+pub fn new_run_id() -> String {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    format!("{:x}-{:x}", now.as_nanos(), std::process::id())
+}
+
+impl Folder {
+    /// Takes `dir` for run `run_id`, which starts fresh (`resumed_step = None`) or continues from
+    /// a checkpoint at `resumed_step`: creates and locks the folder, clears what killed runs left
+    /// half-written, and refuses it if it holds checkpoints this run must not replace or prune.
+    pub fn take(dir: &Path, run_id: &str, resumed_step: Option<usize>) -> Result<Folder> {
+        crate::files::check_folder_writable(dir).context("checkpoint.dir")?;
+        let lock_path = dir.join(".lock");
+        let lock = File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&lock_path)
+            .with_context(|| format!("checkpoint.dir: cannot open {}", lock_path.display()))?;
+        if lock.try_lock().is_err() {
+            let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
+            bail!(
+                "checkpoint.dir = {} is in use by another run ({}): wait for it to end, or choose another checkpoint.dir",
+                dir.display(),
+                if holder.trim().is_empty() { "holder unknown" } else { holder.trim() }
+            );
+        }
+        let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+        let holder = format!("pid {}, run {run_id}, started at unix time {}", std::process::id(), started.as_secs());
+        lock.set_len(0).and_then(|_| (&lock).write_all(holder.as_bytes())).ok(); // informative only
+        remove_half_written(dir)?;
+        let all = list(dir)?;
+        let name = |l: &Listed| l.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        if let Some(other) = all.iter().find(|l| l.run_id.as_deref() != Some(run_id)) {
+            let whose = match &other.run_id {
+                Some(id) => format!("run {id}"),
+                None => "no run (its trainer_state.json is missing or unreadable)".into(),
+            };
+            let fix = match resumed_step {
+                None => "to continue that run, add --resume latest; otherwise choose another checkpoint.dir or move them away",
+                Some(_) => "choose another checkpoint.dir for this run, or move them away",
+            };
+            bail!(
+                "checkpoint.dir = {} holds checkpoints of another run ({} is from {whose}): {fix}",
+                dir.display(),
+                name(other)
+            );
+        }
+        if let (Some(step), Some(newer)) = (resumed_step, all.iter().rev().find(|l| Some(l.step) > resumed_step)) {
+            bail!(
+                "checkpoint.dir = {} holds a newer checkpoint of this run ({}) than the step resumed ({step}): continuing would replace it; resume with --resume latest, or move it away",
+                dir.display(),
+                name(newer)
+            );
+        }
+        Ok(Folder { dir: dir.to_path_buf(), run_id: run_id.to_string(), _lock: lock })
+    }
+
+    /// Deletes this run's checkpoints beyond the newest `keep` (at least one is kept).
+    pub fn prune(&self, keep: usize) -> Result<()> {
+        let mine: Vec<Listed> =
+            list(&self.dir)?.into_iter().filter(|l| l.run_id.as_deref() == Some(&self.run_id)).collect();
+        for old in &mine[..mine.len().saturating_sub(keep.max(1))] {
+            std::fs::remove_dir_all(&old.path)
+                .with_context(|| format!("cannot delete old checkpoint {}", old.path.display()))?;
+        }
+        Ok(())
+    }
+}
+
+/// Complete checkpoints (`step_NNNNNN/`) in `dir`, oldest first; none when `dir` does not exist.
+pub fn list(dir: &Path) -> Result<Vec<Listed>> {
+    if !dir.exists() {
+        return Ok(Vec::new());
+    }
+    let entries = std::fs::read_dir(dir).with_context(|| format!("cannot list checkpoint folder {}", dir.display()))?;
+    let mut found: Vec<Listed> = entries
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let step = name.strip_prefix("step_")?.parse().ok()?; // `.tmp` folders do not parse
+            Some(Listed { step, run_id: run_id_of(&e.path()), path: e.path() })
+        })
+        .collect();
+    found.sort_by_key(|l| l.step);
+    Ok(found)
+}
+
+/// The run id recorded in a checkpoint folder, if it has a readable one.
+pub fn run_id_of(checkpoint: &Path) -> Option<String> {
+    let text = std::fs::read_to_string(checkpoint.join("trainer_state.json")).ok()?;
+    let meta: serde_json::Value = serde_json::from_str(&text).ok()?;
+    meta["run_id"].as_str().map(str::to_string)
+}
+
+/// Folders and files a killed run left half-written (`step_NNNNNN.tmp/`, `.NAME.tmp`); only
+/// called with the lock held, so nobody is writing them.
+fn remove_half_written(dir: &Path) -> Result<()> {
+    for e in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?.flatten() {
+        if e.file_name().to_string_lossy().ends_with(".tmp") {
+            let p = e.path();
+            let removed = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
+            removed.with_context(|| format!("cannot remove the half-written {}", p.display()))?;
+        }
+    }
+    Ok(())
+}
+
+/// `latest` → the newest complete checkpoint in `checkpoint.dir`; anything else is a folder.
+pub fn resolve(arg: &Path, cfg: &Config) -> Result<PathBuf> {
+    if arg.as_os_str() != "latest" {
+        return Ok(arg.to_path_buf());
+    }
+    let dir = Path::new(&cfg.checkpoint.dir);
+    match list(dir)?.pop() {
+        Some(l) => Ok(l.path),
+        None => bail!("--resume latest: no complete checkpoint in {} (checkpoint.dir)", dir.display()),
+    }
+}

@@ -1,0 +1,128 @@
+//! # Memory: what a rank holds, estimated before anything is allocated
+//!
+//! A config that cannot fit should fail in a second with numbers, not after minutes with an
+//! allocator abort. Before a run builds anything, it adds up what its busiest rank will hold:
+//!
+//! ```text
+//! weights   Σ over the stage's tensors: matrices / tp (split), norms whole (replicated)
+//!           × bytes per weight: value, gradient, two AdamW moments (+ the bf16 copy on a GPU)
+//! activations  what one micro-batch keeps for backward × the micro-batches a stage holds at once
+//! attention    on the CPU, one row block of scores (seq/cp × seq) per core, while it computes
+//! loaded       a checkpoint or pretrained weights, kept in host memory for the ranks to slice
+//! ```
+//! and compares it with what the machine has (`MemAvailable` for CPU ranks, which share one
+//! process; the free memory of a GPU for the ranks sharing it). Everything is computed in f64:
+//! absurd sizes give absurd numbers, never an overflow.
+
+use crate::comm::launcher::Capacity;
+use crate::config::{Config, ModelConfig, PpSchedule};
+use crate::model::{Llama, Stage};
+use crate::ops::DType;
+use anyhow::{bail, Result};
+
+/// Bytes per weight kept for training: in mixed precision an fp32 master, its bf16 copy, an fp32
+/// gradient and two fp32 AdamW moments (18); in f32 the weight, its gradient and the moments (16).
+pub fn bytes_per_weight(dtype: DType) -> f64 {
+    match dtype {
+        DType::Bf16 => 4.0 + 2.0 + 4.0 + 8.0,
+        DType::F32 => 4.0 + 4.0 + 8.0,
+    }
+}
+
+/// Bytes of the activations one micro-batch of `batch` sequences of `seq` tokens keeps for its
+/// backward on one rank of pipeline `stage` in a tp group of `tp` (what `model/block.rs`'s `BlockCache`
+/// and the model's head cache hold): per layer the block input, two norms' outputs, q, k, v, the
+/// attention output, the residual, gate, up and their product in the compute dtype, and the two
+/// 1/rms rows and the attention lse in f32; on the last stage also the final norm's input and
+/// output and the logits.
+pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, tp: usize, stage: Stage, dtype: DType) -> f64 {
+    let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 };
+    let (batch, seq) = (batch as f64, seq as f64);
+    let rows = batch * seq;
+    let (d, hd, heads) = (m.hidden_size as f64, m.head_dim() as f64, (m.num_attention_heads / tp) as f64);
+    let (q, kv, f) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd, (m.intermediate_size / tp) as f64);
+    let layer = rows * (4.0 * d + 2.0 * q + 2.0 * kv + 3.0 * f) * e + (2.0 * rows + batch * heads * seq) * 4.0;
+    let vocab = (m.vocab_size / tp) as f64;
+    let head = if stage.is_last() { rows * (2.0 * d + vocab) * e + 2.0 * rows * 4.0 } else { 0.0 };
+    stage.layers(m.num_hidden_layers).len() as f64 * layer + head
+}
+
+/// The most activation bytes a rank holds at once for micro-batches of `batch` sequences: a
+/// pipeline stage keeps those of every micro-batch it has in flight (all of a step's with AFAB,
+/// at most pp − stage with 1F1B); the busiest stage counts.
+pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
+    let (t, p) = (&cfg.train, &cfg.parallel);
+    let in_flight = |s: usize| match p.pp_schedule {
+        PpSchedule::Afab => t.grad_accum_steps,
+        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps),
+    };
+    (0..p.pp)
+        .map(|s| {
+            let stage = Stage { index: s, count: p.pp };
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, p.tp, stage, dtype) * in_flight(s) as f64
+        })
+        .fold(0.0, f64::max)
+}
+
+/// Weights of the busiest stage on one tp rank: matrices are split over tp, norms are whole.
+/// Counted from one layer's tensors times the stage's layers, so any depth costs nothing.
+pub fn weights_per_rank(m: &ModelConfig, tp: usize, pp: usize) -> f64 {
+    let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
+    let on_rank =
+        |s: &[usize]| s.iter().map(|&x| x as f64).product::<f64>() / if s.len() == 2 { tp as f64 } else { 1.0 };
+    let (mut layer, mut first, mut last) = (0.0, 0.0, 0.0);
+    for (name, shape) in Llama::tensor_shapes(&one_layer, Stage::WHOLE) {
+        let part = match name.as_str() {
+            n if n.starts_with("model.layers.") => &mut layer,
+            "model.embed_tokens.weight" => &mut first,
+            _ => &mut last, // the final norm and the output layer
+        };
+        *part += on_rank(&shape);
+    }
+    (0..pp)
+        .map(|index| {
+            let stage = Stage { index, count: pp };
+            let ends = if stage.is_first() { first } else { 0.0 } + if stage.is_last() { last } else { 0.0 };
+            stage.layers(m.num_hidden_layers).len() as f64 * layer + ends
+        })
+        .fold(0.0, f64::max)
+}
+
+/// What the busiest rank of `cfg` will hold, in bytes: (total, one line saying of what).
+pub fn estimate(cfg: &Config) -> (f64, String) {
+    let (t, p, dtype) = (&cfg.train, &cfg.parallel, cfg.device.compute_dtype());
+    let weights = weights_per_rank(&cfg.model, p.tp, p.pp) * bytes_per_weight(dtype);
+    let activations = activations_held(cfg, t.micro_batch_size, dtype);
+    let on_cpu = cfg.device.kind == crate::config::DeviceKind::Cpu;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let scores = if on_cpu { cores * (t.seq_len / p.cp) as f64 * t.seq_len as f64 * 4.0 } else { 0.0 };
+    let gib = |b: f64| b / (1u64 << 30) as f64;
+    let what = format!(
+        "{:.2} GiB weights, gradients and AdamW state + {:.2} GiB activations + {:.2} GiB attention scores",
+        gib(weights),
+        gib(activations),
+        gib(scores)
+    );
+    (weights + activations + scores, what)
+}
+
+/// Refuses `cfg` when its ranks cannot fit in `capacity`, with the numbers. `loaded` counts
+/// weights read from a checkpoint or a pretrained model and kept in host memory.
+pub fn check(cfg: &Config, capacity: &Capacity, loaded: f64) -> Result<f64> {
+    let (per_rank, what) = estimate(cfg);
+    let on_cpu = cfg.device.kind == crate::config::DeviceKind::Cpu;
+    let need = per_rank * capacity.ranks as f64 + if on_cpu { loaded } else { 0.0 };
+    if need > capacity.bytes || need.is_nan() {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        let loaded_note =
+            if on_cpu && loaded > 0.0 { format!(" + {:.2} GiB loaded weights", gib(loaded)) } else { String::new() };
+        bail!(
+            "this run needs about {:.2} GiB but the {} is {:.2} GiB: per rank {what}, × {} rank(s){loaded_note}; make the model, micro_batch_size or seq_len smaller, or spread it over more tp/pp/cp ranks",
+            gib(need),
+            capacity.what,
+            gib(capacity.bytes),
+            capacity.ranks
+        );
+    }
+    Ok(need)
+}

@@ -1,0 +1,403 @@
+//! Faults, signals and absurd input, tried on the real binary as a hostile user would: each case
+//! asserts the exit code, the one-line message, and that no existing checkpoint was lost or
+//! changed. Small sizes: the whole file runs in well under a minute on two cores.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_ferrotron");
+
+/// `train` on the small model with checkpoints in `dir`, plus `extra` arguments.
+fn train_args(dir: &Path, extra: &[&str]) -> Vec<String> {
+    let mut args = vec!["train".to_string()];
+    let run = ["train.warmup_steps=5".to_string(), format!("checkpoint.dir=\"{}\"", dir.display())];
+    for s in common::SMALL.iter().map(|s| s.to_string()).chain(run) {
+        args.extend(["--set".into(), s]);
+    }
+    args.extend(extra.iter().map(|s| s.to_string()));
+    args
+}
+
+fn run(args: &[String]) -> Output {
+    Command::new(BIN).args(args).output().unwrap()
+}
+
+fn spawn(args: &[String]) -> Child {
+    Command::new(BIN).args(args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap()
+}
+
+/// The error line of a failed run: exit code 1, exactly one line on stderr, containing `want`.
+fn fails_with(out: &Output, want: &[&str]) -> String {
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert_eq!(out.status.code(), Some(1), "expected a failure; stderr: {err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(!err.contains("panicked"), "{err}");
+    for w in want {
+        assert!(err.contains(w), "expected `{w}` in: {err}");
+    }
+    err
+}
+
+fn ok(out: &Output) -> String {
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// Every file under `dir` with its bytes: to show that nothing was lost or changed.
+fn snapshot(dir: &Path) -> BTreeMap<PathBuf, Vec<u8>> {
+    let mut all = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap().flatten() {
+        let p = e.path();
+        if p.is_dir() {
+            all.extend(snapshot(&p));
+        } else if !p.ends_with(".lock") {
+            all.insert(p.clone(), std::fs::read(&p).unwrap());
+        }
+    }
+    all
+}
+
+/// (step, loss) of every line of a metrics file.
+fn curve(jsonl: &Path) -> Vec<(u64, f64)> {
+    let text = std::fs::read_to_string(jsonl).unwrap();
+    let line = |l: &str| {
+        let j: serde_json::Value = serde_json::from_str(l).unwrap();
+        (j["step"].as_u64().unwrap(), j["loss"].as_f64().unwrap())
+    };
+    text.lines().map(line).collect()
+}
+
+fn wait_for_lines(jsonl: &Path, n: usize) {
+    let start = Instant::now();
+    while std::fs::read_to_string(jsonl).map_or(0, |t| t.lines().count()) < n {
+        assert!(start.elapsed() < Duration::from_secs(60), "the run did not get going");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: sending a signal to our own child process.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
+}
+
+#[test]
+fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, steps) = (tmp.path().join("ck"), "train.steps=120");
+    let reference = tmp.path().join("reference.jsonl");
+    ok(&run(&train_args(&tmp.path().join("other"), &["--set", steps, "--metrics", reference.to_str().unwrap()])));
+    // every step saves, so a good share of the kills land inside a checkpoint write
+    let metrics = tmp.path().join("m.jsonl");
+    let args =
+        train_args(&dir, &["--set", steps, "--set", "checkpoint.every=1", "--metrics", metrics.to_str().unwrap()]);
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    for _ in 0..6 {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let resume = ferrotron::checkpoint::folder::list(&dir).unwrap().last().is_some();
+        let mut a = args.clone();
+        if resume {
+            a.extend(["--resume".into(), "latest".into()]);
+        }
+        let mut child = spawn(&a);
+        std::thread::sleep(Duration::from_millis(60 + (seed >> 33) % 250));
+        child.kill().unwrap(); // SIGKILL: no chance to clean up
+        child.wait().unwrap();
+        for l in ferrotron::checkpoint::folder::list(&dir).unwrap() {
+            ferrotron::checkpoint::save::load(&l.path).expect("every complete checkpoint loads");
+        }
+    }
+    let mut a = args.clone();
+    if ferrotron::checkpoint::folder::list(&dir).unwrap().last().is_some() {
+        a.extend(["--resume".into(), "latest".into()]);
+    }
+    ok(&run(&a));
+    // one line per step, each the uninterrupted run's loss exactly: nothing lost, nothing mixed
+    assert_eq!(curve(&metrics), curve(&reference));
+}
+
+#[test]
+fn sigterm_and_sigint_save_then_resume_repeats_the_curve() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, steps) = (tmp.path().join("ck"), "train.steps=400");
+    let reference = tmp.path().join("reference.jsonl");
+    ok(&run(&train_args(&tmp.path().join("other"), &["--set", steps, "--metrics", reference.to_str().unwrap()])));
+    let metrics = tmp.path().join("m.jsonl");
+    let args =
+        train_args(&dir, &["--set", steps, "--set", "checkpoint.every=1000", "--metrics", metrics.to_str().unwrap()]);
+    for (sig, code, resume) in [(libc::SIGTERM, 143, false), (libc::SIGINT, 130, true)] {
+        let mut a = args.clone();
+        if resume {
+            a.extend(["--resume".into(), "latest".into()]);
+        }
+        let lines = std::fs::read_to_string(&metrics).map_or(0, |t| t.lines().count());
+        let child = spawn(&a);
+        wait_for_lines(&metrics, lines + 20);
+        signal(&child, sig);
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(code), "{stdout}");
+        let done = curve(&metrics).len();
+        let saved = dir.join(format!("step_{done:06}"));
+        assert!(stdout.contains(&format!("checkpoint {}", saved.display())), "{stdout}");
+        assert!(stdout.contains("--resume latest"), "{stdout}");
+        assert!(done < 400, "stopped early");
+    }
+    ok(&run(&[args, vec!["--resume".into(), "latest".into()]].concat()));
+    assert_eq!(curve(&metrics), curve(&reference), "the stopped and resumed run is the uninterrupted run");
+}
+
+#[test]
+fn a_second_signal_stops_at_once_and_the_last_checkpoint_stays() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let metrics = tmp.path().join("m.jsonl");
+    let args = train_args(&dir, &["--set", "train.steps=100000", "--set", "checkpoint.every=10"]);
+    let child = spawn(&[args, vec!["--metrics".into(), metrics.to_str().unwrap().into()]].concat());
+    wait_for_lines(&metrics, 25);
+    // the second signal arrives inside the step the first one let finish
+    signal(&child, libc::SIGINT);
+    signal(&child, libc::SIGINT);
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130));
+    let listed = ferrotron::checkpoint::folder::list(&dir).unwrap();
+    assert!(!listed.is_empty());
+    listed.iter().for_each(|l| drop(ferrotron::checkpoint::save::load(&l.path).unwrap()));
+}
+
+#[test]
+fn a_reused_folder_is_refused_and_nothing_in_it_changes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let first = train_args(&dir, &["--set", "train.steps=6", "--set", "checkpoint.every=2"]);
+    ok(&run(&first));
+    let before = snapshot(&dir);
+    // a new run in the same folder: refused, not pruning the old run's checkpoints
+    fails_with(&run(&first), &["holds checkpoints of another run", "--resume latest"]);
+    fails_with(&run(&train_args(&dir, &["--set", "train.steps=9", "--set", "checkpoint.every=1"])), &["another run"]);
+    // resuming an older checkpoint of the run would replace the newer one
+    let older = dir.join("step_000004");
+    fails_with(
+        &run(&[
+            first.clone(),
+            vec!["--set".into(), "train.steps=8".into(), "--resume".into(), older.to_str().unwrap().into()],
+        ]
+        .concat()),
+        &["newer checkpoint of this run (step_000006)"],
+    );
+    // another run's checkpoint resumed into this folder
+    let other = tmp.path().join("other");
+    ok(&run(&train_args(&other, &["--set", "train.steps=2", "--set", "checkpoint.every=2"])));
+    let foreign = other.join("step_000002");
+    fails_with(
+        &run(&[first.clone(), vec!["--resume".into(), foreign.to_str().unwrap().into()]].concat()),
+        &["holds checkpoints of another run"],
+    );
+    assert_eq!(snapshot(&dir), before, "the folder's checkpoints are untouched");
+    // a finished run says so; a checkpoint past train.steps is an error
+    let out = ok(&run(&[first.clone(), vec!["--resume".into(), "latest".into()]].concat()));
+    assert!(out.contains("nothing to train: the run already finished at step 6"), "{out}");
+    let shorter = [first.clone(), vec!["--set".into(), "train.steps=4".into(), "--resume".into(), "latest".into()]];
+    fails_with(&run(&shorter.concat()), &["step_000006 is at step 6, past train.steps = 4"]);
+    // settings that change the curve are named; --allow-changes continues anyway
+    let lr =
+        [first.clone(), vec!["--set".into(), "train.lr=0.001".into(), "--set".into(), "data.seed=7".into()]].concat();
+    let resume = vec!["--set".into(), "train.steps=8".into(), "--resume".into(), "latest".into()];
+    fails_with(
+        &run(&[lr.clone(), resume.clone()].concat()),
+        &["train.lr = 0.001 (checkpoint: 0.006)", "data.seed = 7 (checkpoint: 42)", "--allow-changes"],
+    );
+    assert_eq!(snapshot(&dir), before);
+    let out = ok(&run(&[lr, resume, vec!["--allow-changes".into()]].concat()));
+    assert!(out.contains("continuing with changed settings: data.seed = 7"), "{out}");
+}
+
+#[test]
+fn two_runs_cannot_write_one_folder_at_once() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let metrics = tmp.path().join("m.jsonl");
+    let long = train_args(&dir, &["--set", "train.steps=100000", "--set", "checkpoint.every=5"]);
+    let mut first = spawn(&[long.clone(), vec!["--metrics".into(), metrics.to_str().unwrap().into()]].concat());
+    wait_for_lines(&metrics, 12);
+    let err = fails_with(
+        &run(&train_args(&dir, &["--set", "train.steps=3", "--set", "checkpoint.every=1"])),
+        &["is in use by another run"],
+    );
+    assert!(err.contains(&format!("pid {}", first.id())), "names the holder: {err}");
+    // the resumed form is refused as well, while the first run holds the folder
+    fails_with(&run(&[long, vec!["--resume".into(), "latest".into()]].concat()), &["in use by another run"]);
+    first.kill().unwrap();
+    first.wait().unwrap();
+    for l in ferrotron::checkpoint::folder::list(&dir).unwrap() {
+        assert!(l.run_id.is_some(), "only the first run's checkpoints");
+        ferrotron::checkpoint::save::load(&l.path).unwrap();
+    }
+}
+
+#[test]
+fn damaged_and_foreign_checkpoints_are_named_and_left_alone() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let args = train_args(&dir, &["--set", "train.steps=2", "--set", "checkpoint.every=2"]);
+    ok(&run(&args));
+    let step = dir.join("step_000002");
+    let resume = |extra: &[&str], ck: &Path| {
+        let more = ["--set", "train.steps=4", "--resume", ck.to_str().unwrap()];
+        run(&train_args(
+            &tmp.path().join("new"),
+            &[&args[1..].iter().map(|s| s.as_str()).collect::<Vec<_>>()[..], extra, &more].concat(),
+        ))
+    };
+    // each damage in a copy of the checkpoint: the original stays as it was
+    let damaged = |name: &str, damage: &dyn Fn(&Path)| {
+        let copy = tmp.path().join(name);
+        std::fs::create_dir_all(&copy).unwrap();
+        for f in std::fs::read_dir(&step).unwrap().flatten() {
+            std::fs::copy(f.path(), copy.join(f.file_name())).unwrap();
+        }
+        damage(&copy);
+        copy
+    };
+    let before = snapshot(&dir);
+    let truncated = damaged("truncated", &|c| {
+        let f = c.join("model.safetensors");
+        let b = std::fs::read(&f).unwrap();
+        std::fs::write(&f, &b[..b.len() / 3]).unwrap();
+    });
+    fails_with(&resume(&[], &truncated), &["model.safetensors", "not a valid safetensors file"]);
+    let nan = damaged("nan", &|c| {
+        let f = c.join("model.safetensors");
+        let mut b = std::fs::read(&f).unwrap();
+        let n = b.len();
+        b[n - 4..].copy_from_slice(&f32::NAN.to_le_bytes()); // the last weight of the last tensor
+        std::fs::write(&f, b).unwrap();
+    });
+    fails_with(&resume(&[], &nan), &["holds NaN or infinite values"]);
+    let foreign = damaged("foreign", &|c| {
+        let f = c.join("trainer_state.json");
+        let text = std::fs::read_to_string(&f).unwrap().replace("\"run_id\"", "\"someone\"");
+        std::fs::write(&f, text).unwrap();
+    });
+    fails_with(&resume(&[], &foreign), &["no run_id"]);
+    fails_with(&resume(&[], &tmp.path().join("nowhere")), &["trainer_state.json", "not a ferrotron checkpoint"]);
+    // a model smaller than the checkpoint: its extra layer would be dropped
+    fails_with(
+        &resume(&["--set", "model.num_hidden_layers=1"], &step),
+        &["model.layers.1", "more layers than model.num_hidden_layers = 1"],
+    );
+    // a tied model from an untied checkpoint: its output layer would be dropped
+    fails_with(
+        &resume(&["--set", "model.tie_word_embeddings=true"], &step),
+        &["lm_head.weight", "tie_word_embeddings = true"],
+    );
+    assert_eq!(snapshot(&dir), before);
+}
+
+#[test]
+fn outputs_are_written_whole_through_symlinks_and_checked_before_training() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let target = tmp.path().join("real.jsonl");
+    std::fs::write(&target, "old\n").unwrap();
+    let link = tmp.path().join("link.jsonl");
+    std::os::unix::fs::symlink(&target, &link).unwrap();
+    ok(&run(&train_args(&dir, &["--set", "train.steps=3", "--metrics", link.to_str().unwrap()])));
+    assert!(std::fs::symlink_metadata(&link).unwrap().file_type().is_symlink(), "the link stays a link");
+    assert_eq!(curve(&target).len(), 3, "its target holds the metrics");
+    // a folder, a FIFO, a device, a path under a file, an empty checkpoint.dir: refused at once
+    let fifo = tmp.path().join("fifo");
+    assert!(Command::new("mkfifo").arg(&fifo).status().unwrap().success());
+    let file = tmp.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let under_file = file.join("m.jsonl");
+    let long = ["--set", "train.steps=100000", "--set", "checkpoint.every=1"];
+    for (flag, path, want) in [
+        ("--metrics", tmp.path().to_path_buf(), "is a folder"),
+        ("--metrics", fifo.clone(), "not a regular file"),
+        ("--metrics", PathBuf::from("/dev/null"), "not a regular file"),
+        ("--trace", fifo.clone(), "not a regular file"),
+        ("--metrics", under_file.clone(), "cannot create folder"),
+    ] {
+        let start = Instant::now();
+        let a = train_args(&tmp.path().join("never"), &[&long[..], &[flag, path.to_str().unwrap()]].concat());
+        fails_with(&run(&a), &[flag, want]);
+        assert!(start.elapsed() < Duration::from_secs(20), "refused before training");
+        assert!(!tmp.path().join("never").join("step_000001").exists(), "nothing was trained");
+    }
+    fails_with(&run(&train_args(&dir, &["--set", "checkpoint.dir=\"\""])), &["checkpoint.dir is empty"]);
+    let svg = ["schedule", "--out", fifo.to_str().unwrap()].map(String::from);
+    fails_with(&run(&svg), &["--out", "not a regular file"]);
+    let json = ["bench", "--steps", "1", "--warmup", "0", "--json", tmp.path().to_str().unwrap()].map(String::from);
+    fails_with(&run(&json), &["--json", "is a folder"]);
+    let conv = ["converge", "--variants", "dp=2", "--out", file.to_str().unwrap()].map(String::from);
+    fails_with(&run(&conv), &["--out"]);
+}
+
+#[test]
+fn a_closed_or_full_stdout_never_panics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let args = train_args(&tmp.path().join("ck"), &["--set", "train.steps=20", "--set", "checkpoint.every=10"]);
+    let full = std::fs::File::options().write(true).open("/dev/full").unwrap();
+    let out = Command::new(BIN).args(&args).stdout(full).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // a reader that goes away at once: training goes on and saves
+    let args = train_args(&tmp.path().join("ck2"), &["--set", "train.steps=20", "--set", "checkpoint.every=10"]);
+    let mut child = Command::new(BIN).args(&args).stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().unwrap();
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(tmp.path().join("ck2/step_000020").exists());
+    let out = Command::new(BIN)
+        .args(["grid", "--dp", "2"])
+        .stdout(std::fs::File::options().write(true).open("/dev/full").unwrap())
+        .output()
+        .unwrap();
+    assert!(out.status.success() && out.stderr.is_empty(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn absurd_sizes_and_non_finite_floats_are_refused_in_a_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    for (set, want) in [
+        ("model.vocab_size=1000000000000", "model.vocab_size = 1000000000000"),
+        ("model.intermediate_size=1000000000000", "this run needs about"),
+        ("model.num_hidden_layers=1000000000", "this run needs about"),
+        ("model.hidden_size=4611686018427387904", "this run needs about"),
+        ("train.seq_len=100000000", "this run needs about"),
+        ("train.micro_batch_size=1000000000000", "this run needs about"),
+        ("parallel.dp=100000", "at most 1024"),
+        ("parallel.dp=4294967296", "at most 1024"),
+        ("parallel.timeout_s=1e300", "parallel.timeout_s"),
+        ("train.lr=nan", "train.lr = NaN"),
+        ("train.lr=inf", "train.lr = inf"),
+        ("model.rope_theta=-inf", "model.rope_theta"),
+        ("model.rms_norm_eps=0", "model.rms_norm_eps = 0"),
+        ("model.initializer_range=0", "model.initializer_range = 0"),
+        ("train.adam_eps=0", "train.adam_eps = 0"),
+        ("train.weight_decay=-0.1", "train.weight_decay = -0.1"),
+        ("train.grad_clip=-1", "train.grad_clip = -1"),
+        ("parallel.bucket_mb=1e300", "parallel.bucket_mb"),
+        ("data.copy_prob=nan", "data.copy_prob"),
+    ] {
+        let start = Instant::now();
+        fails_with(&run(&train_args(&dir, &["--set", set])), &[want]);
+        assert!(start.elapsed() < Duration::from_secs(20), "{set}: refused at once");
+        assert!(!dir.exists(), "{set}: nothing written");
+    }
+    let grid = ["grid", "--dp", "100000"].map(String::from);
+    fails_with(&run(&grid), &["at most 1024"]);
+    let grid = ["grid", "--dp", "4294967296", "--tp", "4294967296"].map(String::from);
+    fails_with(&run(&grid), &["at most 1024"]);
+    fails_with(&run(&["schedule", "--pp", "100000"].map(String::from)), &["at most 256 stages"]);
+    fails_with(&run(&["bench", "--steps", "0"].map(String::from)), &["--steps 0"]);
+    let warm = ["bench", "--warmup", "18446744073709551615", "--steps", "1"].map(String::from);
+    fails_with(&run(&warm), &["too many steps"]);
+    let conv =
+        ["converge", "--variants", "dp=100000", "--out", tmp.path().join("c").to_str().unwrap()].map(String::from);
+    fails_with(&run(&conv), &["variant `dp=100000`"]);
+}
