@@ -106,7 +106,7 @@ fn checkpoint_shape_mismatch_is_named() {
     .unwrap();
     std::fs::copy(fixture("gqa/model.safetensors"), dir.path().join("model.safetensors")).unwrap();
     let e = err(checkpoint::load_hf(dir.path()));
-    assert!(e.contains("gate_proj.weight has shape [40, 32], but config.json implies [44, 32]"), "{e}");
+    assert!(e.contains("gate_proj.weight has shape [40, 32], but the config needs [44, 32]"), "{e}");
 }
 
 /// The binary prints exactly one `error:` line and exits with status 1.

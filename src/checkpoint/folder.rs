@@ -99,7 +99,12 @@ impl Folder {
         let mine: Vec<Listed> =
             list(&self.dir)?.into_iter().filter(|l| l.run_id.as_deref() == Some(&self.run_id)).collect();
         for old in &mine[..mine.len().saturating_sub(keep.max(1))] {
-            std::fs::remove_dir_all(&old.path)
+            // renamed first: a run killed while deleting leaves a `.tmp` folder, not a checkpoint
+            // with files missing that would pass for complete
+            let mut doomed = old.path.clone().into_os_string();
+            doomed.push(".deleted.tmp");
+            std::fs::rename(&old.path, &doomed)
+                .and_then(|_| std::fs::remove_dir_all(&doomed))
                 .with_context(|| format!("cannot delete old checkpoint {}", old.path.display()))?;
         }
         Ok(())
