@@ -94,7 +94,7 @@ fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve(
     let metrics = tmp.path().join("m.jsonl");
     let args =
         train_args(&dir, &["--set", steps, "--set", "checkpoint.every=1", "--metrics", metrics.to_str().unwrap()]);
-    let mut seed = 0x9e3779b97f4a7c15u64;
+    let (mut seed, mut latest) = (0x9e3779b97f4a7c15u64, Vec::new());
     for _ in 0..6 {
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         let resume = ferrotron::checkpoint::folder::list(&dir).unwrap().last().is_some();
@@ -109,7 +109,10 @@ fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve(
         for l in ferrotron::checkpoint::folder::list(&dir).unwrap() {
             ferrotron::checkpoint::save::load(&l.path).expect("every complete checkpoint loads");
         }
+        latest.push(ferrotron::checkpoint::folder::list(&dir).unwrap().last().map_or(0, |l| l.step));
     }
+    // the kills landed in the middle of the run, at several places
+    assert!(latest.iter().all(|&s| s < 120) && latest.windows(2).filter(|w| w[0] != w[1]).count() >= 2, "{latest:?}");
     let mut a = args.clone();
     if ferrotron::checkpoint::folder::list(&dir).unwrap().last().is_some() {
         a.extend(["--resume".into(), "latest".into()]);
