@@ -19,7 +19,8 @@
 //! Each rank reads its slice of the step's global batch of `micro_batch_size × grad_accum_steps
 //! × dp` sequences: its dp share, and of each sequence its cp positions. The loss is the mean
 //! over all of the batch's tokens, whatever way it is cut into ranks and micro-batches.
-//! Starting, logging, timing and checkpoints are bookkeeping, in `train/run.rs`.
+//! Starting, logging, timing and checkpoints are bookkeeping, in `train/run.rs`; the memory check
+//! before a run in `train/memory.rs`; stopping cleanly on a signal in `train/stop.rs`.
 
 pub mod memory;
 pub mod metrics;
