@@ -79,6 +79,13 @@ fn wait_for_lines(jsonl: &Path, n: usize) {
     }
 }
 
+/// The metrics of the run without any fault, trained with `steps` in a folder of its own.
+fn uninterrupted(tmp: &Path, steps: &str) -> PathBuf {
+    let reference = tmp.join("reference.jsonl");
+    ok(&run(&train_args(&tmp.join("reference"), &["--set", steps, "--metrics", reference.to_str().unwrap()])));
+    reference
+}
+
 fn signal(child: &Child, sig: i32) {
     // SAFETY: sending a signal to our own child process.
     assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
@@ -88,8 +95,7 @@ fn signal(child: &Child, sig: i32) {
 fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve() {
     let tmp = tempfile::tempdir().unwrap();
     let (dir, steps) = (tmp.path().join("ck"), "train.steps=120");
-    let reference = tmp.path().join("reference.jsonl");
-    ok(&run(&train_args(&tmp.path().join("other"), &["--set", steps, "--metrics", reference.to_str().unwrap()])));
+    let reference = uninterrupted(tmp.path(), steps);
     // every step saves, so a good share of the kills land inside a checkpoint write
     let metrics = tmp.path().join("m.jsonl");
     let args =
@@ -126,8 +132,7 @@ fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve(
 fn sigterm_and_sigint_save_then_resume_repeats_the_curve() {
     let tmp = tempfile::tempdir().unwrap();
     let (dir, steps) = (tmp.path().join("ck"), "train.steps=400");
-    let reference = tmp.path().join("reference.jsonl");
-    ok(&run(&train_args(&tmp.path().join("other"), &["--set", steps, "--metrics", reference.to_str().unwrap()])));
+    let reference = uninterrupted(tmp.path(), steps);
     let metrics = tmp.path().join("m.jsonl");
     let args =
         train_args(&dir, &["--set", steps, "--set", "checkpoint.every=1000", "--metrics", metrics.to_str().unwrap()]);

@@ -21,14 +21,14 @@ pub fn load_hf(dir: &Path) -> Result<Llama<'static>> {
     if !tensors.contains_key("lm_head.weight") {
         cfg.tie_word_embeddings = true;
     }
-    drop_tied_head(&mut tensors, &cfg, dir)?;
+    drop_non_weights(&mut tensors, &cfg, dir)?;
     check_tensors(&tensors, &Llama::tensor_shapes(&cfg, Stage::WHOLE), dir, &cfg)?;
     build_from(&tensors, &cfg, Box::new(Whole), Stage::WHOLE, &dir.display().to_string())
 }
 
 /// Hugging Face folders may store what is not a weight (old RoPE buffers), and a tied model may
 /// also store its output layer, a copy of the embedding that transformers ignores: both go.
-fn drop_tied_head(tensors: &mut HashMap<String, Tensor>, cfg: &ModelConfig, dir: &Path) -> Result<()> {
+fn drop_non_weights(tensors: &mut HashMap<String, Tensor>, cfg: &ModelConfig, dir: &Path) -> Result<()> {
     tensors.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
     if cfg.tie_word_embeddings {
         if let Some(head) = tensors.remove("lm_head.weight") {
@@ -210,7 +210,7 @@ pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
         }
     }
     let mut tensors = read_hf_weights(dir)?;
-    drop_tied_head(&mut tensors, cfg, dir)?;
+    drop_non_weights(&mut tensors, cfg, dir)?;
     check_tensors(&tensors, &Llama::tensor_shapes(cfg, Stage::WHOLE), dir, cfg)?;
     Ok(tensors)
 }

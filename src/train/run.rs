@@ -80,19 +80,17 @@ pub struct Summary {
 
 impl Summary {
     fn new(first_step: usize) -> Summary {
-        let (losses, step_s, floor, gpu_peak_mib, stopped) = (Vec::new(), Vec::new(), None, None, None);
-        let (wall_s, checksum, peak_activations, attention_work) = (0.0, 0, 0, 0);
         Summary {
             first_step,
-            losses,
-            floor,
-            wall_s,
-            checksum,
-            peak_activations,
-            attention_work,
-            step_s,
-            gpu_peak_mib,
-            stopped,
+            losses: Vec::new(),
+            floor: None,
+            wall_s: 0.0,
+            checksum: 0,
+            peak_activations: 0,
+            attention_work: 0,
+            step_s: Vec::new(),
+            gpu_peak_mib: None,
+            stopped: None,
         }
     }
 

@@ -63,8 +63,8 @@ pub fn agreed(world: &Group) -> Result<Option<i32>> {
 /// The signal's name, for messages.
 pub fn name(sig: i32) -> &'static str {
     match sig {
-        2 => "SIGINT",
-        15 => "SIGTERM",
+        libc::SIGINT => "SIGINT",
+        libc::SIGTERM => "SIGTERM",
         _ => "a signal",
     }
 }

@@ -1,0 +1,56 @@
+//! # The config as a TOML table: layering files and `--set`, before the typed checks
+//!
+//! `configs/tiny.toml`, then the user's file, then each `--set section.key=value` are laid on one
+//! TOML table, which is then read into `Config` (`config.rs`). Checks that are easier on the
+//! untyped table (every float finite, whatever its key) live here too.
+
+use anyhow::{bail, Result};
+
+/// The first float of `v` (a config as TOML) that is NaN or infinite, with its key.
+pub(super) fn first_non_finite(v: &toml::Value, key: &str) -> Option<(String, f64)> {
+    match v {
+        toml::Value::Float(x) if !x.is_finite() => Some((key.to_string(), *x)),
+        toml::Value::Table(t) => t
+            .iter()
+            .find_map(|(k, v)| first_non_finite(v, &if key.is_empty() { k.clone() } else { format!("{key}.{k}") })),
+        _ => None,
+    }
+}
+
+/// Recursively lays `over` on top of `base`: tables merge, other values replace.
+pub(super) fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (key, value) in over {
+        match (base.get_mut(&key), value) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, value) => {
+                base.insert(key, value);
+            }
+        }
+    }
+}
+
+/// `section.key=value`; the value is read as TOML (`3`, `1e-3`, `true`, `"x"`), else as a string.
+pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
+    let Some((path, raw)) = set.split_once('=') else {
+        bail!("--set {set}: expected section.key=value, for example --set train.steps=100");
+    };
+    let path: Vec<&str> = path.trim().split('.').collect();
+    if path.len() != 2 || path.iter().any(|p| p.is_empty()) {
+        bail!("--set {set}: the key must be section.key, for example train.lr");
+    }
+    let value = format!("v = {}", raw.trim())
+        .parse::<toml::Table>()
+        .ok()
+        .and_then(|mut t| t.remove("v"))
+        .unwrap_or_else(|| toml::Value::String(raw.trim().to_string()));
+    let section = table.entry(path[0]).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+    let Some(section) = section.as_table_mut() else {
+        bail!("--set {set}: `{}` is not a section", path[0]);
+    };
+    section.insert(path[1].to_string(), value);
+    Ok(())
+}
+
+pub(super) fn one_line(s: &str) -> String {
+    s.split_whitespace().collect::<Vec<_>>().join(" ")
+}
