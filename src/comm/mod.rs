@@ -161,13 +161,14 @@ impl Group {
         let (tx, rx) = mpsc::channel();
         let trace = self.trace.get().map(|(trace, rank)| (trace.clone(), *rank, what()));
         let (hub, info) = (self.hub.clone(), self.info.clone());
+        let issued = Instant::now();
         // if the thread is gone, the handle's wait reports it
         let _ = self.stream.jobs.send(Box::new(move || {
             let start = Instant::now();
             let result = job(&hub, &info);
             let end = Instant::now();
             if let Some((trace, rank, what)) = trace {
-                trace.record(rank, Lane::Comm, format!("{what} {}", info.name), start, end);
+                trace.record(rank, Lane::Comm, format!("{what} {}", info.name), issued, start, end);
             }
             let _ = tx.send(result);
         }));

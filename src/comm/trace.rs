@@ -27,6 +27,10 @@ pub struct Span {
     pub rank: usize,
     pub lane: Lane,
     pub name: String,
+    /// When the call was made: for a communication span, when the computing thread handed it to
+    /// the communication thread (it starts once that thread is free and the peers have arrived);
+    /// for a compute span, its start.
+    pub issued_us: f64,
     pub start_us: f64,
     pub end_us: f64,
 }
@@ -46,9 +50,18 @@ impl Default for Trace {
 }
 
 impl Trace {
-    pub fn record(&self, rank: usize, lane: Lane, name: impl Into<String>, start: Instant, end: Instant) {
+    /// Records a span of `lane` issued at `issued` that ran from `start` to `end`.
+    pub fn record(
+        &self,
+        rank: usize,
+        lane: Lane,
+        name: impl Into<String>,
+        issued: Instant,
+        start: Instant,
+        end: Instant,
+    ) {
         let us = |t: Instant| t.saturating_duration_since(self.origin).as_secs_f64() * 1e6;
-        let span = Span { rank, lane, name: name.into(), start_us: us(start), end_us: us(end) };
+        let span = Span { rank, lane, name: name.into(), issued_us: us(issued), start_us: us(start), end_us: us(end) };
         self.spans.lock().unwrap_or_else(|e| e.into_inner()).push(span);
     }
 
@@ -100,7 +113,8 @@ impl Trace {
         for s in spans {
             let tid = if s.lane == Lane::Compute { 0 } else { 1 };
             events.push(serde_json::json!({
-                "ph": "X", "name": s.name, "pid": s.rank, "tid": tid, "ts": s.start_us, "dur": s.end_us - s.start_us
+                "ph": "X", "name": s.name, "pid": s.rank, "tid": tid, "ts": s.start_us, "dur": s.end_us - s.start_us,
+                "args": {"issued_us": s.issued_us}
             }));
         }
         let text = serde_json::to_string(&serde_json::json!({ "traceEvents": events }))?;

@@ -362,7 +362,7 @@ impl<'a> Watch<'a> {
     /// Records a compute span from `start` to now (with `--trace`).
     pub(super) fn span(&self, name: String, start: Instant) {
         if let Some(trace) = self.trace {
-            trace.record(self.rank, Lane::Compute, name, start, Instant::now());
+            trace.record(self.rank, Lane::Compute, name, start, start, Instant::now());
         }
     }
 
