@@ -88,8 +88,8 @@ pub struct ParallelConfig {
     pub dp_mode: DpMode,
     /// Size of a gradient bucket, in MiB of f32 gradients.
     pub bucket_mb: f64,
-    /// How GPU buffers travel between ranks: `auto` (NCCL when each rank has its own GPU), `local`
-    /// (through host memory) or `nccl`; so far for `doctor`'s self-test only (the step uses the host).
+    /// How GPU tensors travel between ranks: `auto` (NCCL when each rank has its own GPU), `local`
+    /// (through host memory) or `nccl` (on the device, `comm/tensors.rs`).
     pub backend: CommBackend,
     /// Seconds a rank waits for the others before the run stops with the names of the missing.
     pub timeout_s: f64,

@@ -1,4 +1,4 @@
-//! Collectives on GPU buffers (NCCL and the local hub through host memory) and the choice of
+//! Tensor collectives on GPU tensors (NCCL and the local hub through host memory) and the choice of
 //! backend. The GPU tests run where a CUDA driver and a GPU are found, and are skipped with a
 //! printed reason elsewhere; the backend choice is checked everywhere.
 
@@ -23,15 +23,13 @@ fn gpus() -> Option<usize> {
 }
 
 #[test]
-fn nccl_collectives_on_one_gpu() {
-    if gpus().is_none() {
-        return;
-    }
+fn nccl_collectives_one_rank_per_gpu() {
+    let Some(gpus) = gpus() else { return };
     if let Err(e) = ferrotron::cuda::runtime::require("NCCL") {
         eprintln!("skipped: {e:#}");
         return;
     }
-    comm_self_test(Grid::new(1, 1, 1, 1).unwrap(), Backend::Nccl).unwrap();
+    comm_self_test(Grid::new(gpus.min(8), 1, 1, 1).unwrap(), Backend::Nccl).unwrap();
 }
 
 #[test]

@@ -23,11 +23,12 @@ fn fake_driver() -> Option<&'static Path> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let built = DIR.get_or_init(|| {
         ferrotron::cuda::nvrtc::nvrtc_ready().map_err(|e| format!("{e:#}"))?;
-        let lib = emulator::build("fake_cuda", "libcuda.so", &["fake_cuda.cpp"])?;
+        let lib = emulator::build("fake_cuda", "libcuda.so", &["fake_cuda.cpp", "fake_nccl.cpp"])?;
         let dir = lib.parent().unwrap().to_path_buf();
-        let cublas = dir.join("libcublas.so");
-        let _ = std::fs::remove_file(&cublas);
-        std::os::unix::fs::symlink(&lib, &cublas).map_err(|e| e.to_string())?;
+        for name in ["libcublas.so", "libnccl.so"] {
+            let _ = std::fs::remove_file(dir.join(name));
+            std::os::unix::fs::symlink(&lib, dir.join(name)).map_err(|e| e.to_string())?;
+        }
         Ok(dir)
     });
     match built {
@@ -40,12 +41,18 @@ fn fake_driver() -> Option<&'static Path> {
     }
 }
 
-/// `ferrotron ARGS` with the fake driver first on the library path.
+/// `ferrotron ARGS` with the fake driver first on the library path, offering one GPU.
 fn ferrotron(dir: &Path, args: &[&str]) -> Output {
+    ferrotron_on(dir, 1, args)
+}
+
+/// `ferrotron ARGS` on `gpus` fake GPUs.
+fn ferrotron_on(dir: &Path, gpus: usize, args: &[&str]) -> Output {
     let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
         .args(args)
         .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
+        .env("FERROTRON_FAKE_GPUS", gpus.to_string())
         .output()
         .unwrap();
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
@@ -77,11 +84,12 @@ fn max_diff(a: &[f64], b: &[f64]) -> f64 {
 #[test]
 fn doctor_finds_the_fake_gpu_and_every_kernel_passes_its_self_test() {
     let Some(dir) = fake_driver() else { return };
-    let out = ferrotron(dir, &["doctor"]);
+    let out = ferrotron_on(dir, 3, &["doctor"]);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("GPU 0: Fake CUDA device (CPU emulator), sm_90"), "{text}");
+    assert!(text.contains("GPU 2: Fake CUDA device (CPU emulator), sm_90"), "{text}");
     assert!(text.contains("kernel checks passed (f32 and bf16 against the CPU reference)"), "{text}");
-    assert!(text.contains("local collectives on GPU buffers (3 ranks sharing GPU 0): ok"), "{text}");
+    assert!(text.contains("NCCL collectives on GPU tensors (3 rank(s), one GPU each): ok"), "{text}");
+    assert!(text.contains("local collectives on GPU tensors (3 ranks sharing GPU 0): ok"), "{text}");
 }
 
 #[test]
@@ -114,6 +122,32 @@ fn every_parallelism_on_the_gpu_path_follows_one_rank() {
     }
     let text = String::from_utf8_lossy(&ferrotron(dir, &args).stdout).to_string();
     for variant in ["dp=2", "tp=2", "pp=2", "cp=2"] {
+        let line = text.lines().find(|l| l.starts_with(variant)).unwrap_or_else(|| panic!("no {variant}:\n{text}"));
+        assert!(line.ends_with("pass"), "{line}\n{text}");
+    }
+}
+
+#[test]
+fn every_parallelism_over_nccl_follows_one_rank() {
+    let Some(dir) = fake_driver() else { return };
+    // one fake GPU per rank, so every tensor collective of the step goes through the (fake) NCCL
+    // on device buffers; f32, so the single-rank tolerance holds
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_converge_nccl");
+    let variants = "dp=2;tp=2;pp=2;cp=2;dp=2,tp=2,pp=2";
+    let mut args = vec!["converge", "--variants", variants, "--steps", "3", "--out", out.to_str().unwrap()];
+    let sets = [
+        "device.kind=cuda",
+        "device.dtype=f32",
+        "parallel.backend=\"nccl\"",
+        "parallel.bucket_mb=0.01", // several buckets, each all-reduced as it fills
+        "model.hidden_size=64",
+        "train.micro_batch_size=2",
+    ];
+    for s in common::SMALL.iter().chain(&sets) {
+        args.extend(["--set", s]);
+    }
+    let text = String::from_utf8_lossy(&ferrotron_on(dir, 8, &args).stdout).to_string();
+    for variant in variants.split(';') {
         let line = text.lines().find(|l| l.starts_with(variant)).unwrap_or_else(|| panic!("no {variant}:\n{text}"));
         assert!(line.ends_with("pass"), "{line}\n{text}");
     }

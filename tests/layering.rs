@@ -16,7 +16,10 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("GPU runtime", &["cuda", "cuda::runtime", "cuda::nvrtc", "cuda::profile", "cuda::launch_table", "cuda::device"]),
     ("tensors", &["ops::tensor"]),
     ("ops", &["ops::cpu", "cuda::ops", "ops"]),
-    ("comm", &["comm::trace", "comm::local", "comm", "cuda::nccl", "comm::launcher"]),
+    (
+        "comm",
+        &["comm::trace", "comm::local", "comm::device_link", "comm", "comm::tensors", "cuda::nccl", "comm::launcher"],
+    ),
     (
         "model",
         &[
@@ -60,7 +63,8 @@ const LAYERS: &[(&str, &[&str])] = &[
 
 /// Modules that must not name CUDA (`crate::cuda`, `cudarc`): the CPU lessons and the
 /// collective API. `x::` means the folder x and everything in it.
-const NO_CUDA: &[&str] = &["model::", "parallel::", "train", "comm", "comm::local", "comm::trace"];
+const NO_CUDA: &[&str] =
+    &["model::", "parallel::", "train", "comm", "comm::local", "comm::trace", "comm::device_link", "comm::tensors"];
 
 /// Every module of `src/` (path like `model::block`) with its source.
 fn sources() -> BTreeMap<String, String> {

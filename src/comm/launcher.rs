@@ -7,15 +7,16 @@
 //! ```
 //! SPMD: every rank runs the same function; only its `Rank` differs. Ranks share nothing but the
 //! communication hub. On GPUs, rank r opens GPU r (modulo the GPUs there are) with its compute
-//! and communication streams, and on the `nccl` backend every group also gets its communicator. If one rank fails (an error or a panic), the launcher aborts the hub, so
-//! every other rank's pending collective returns at once, and the run ends with the first
-//! failure's message. Nobody hangs.
+//! and communication streams, and on the `nccl` backend every group also gets its NCCL
+//! communicator. If one rank fails (an error or a panic), the launcher aborts the hub, so every
+//! other rank's pending collective returns at once, and the run ends with the first failure's
+//! message. Nobody hangs.
 
 use crate::comm::local::Hub;
 use crate::comm::trace::Trace;
 use crate::comm::{Group, Stream};
 use crate::config::{CommBackend, Config, DeviceKind};
-use crate::cuda::nccl::DeviceGroup;
+use crate::cuda::nccl::Nccl;
 use crate::cuda::runtime::Gpu;
 use crate::parallel::process_grid::{Axis, Coords, Grid};
 use anyhow::{anyhow, bail, Result};
@@ -30,12 +31,10 @@ pub struct Rank {
     pub grid: Grid,
     /// This rank's GPU, when the run is on CUDA.
     pub gpu: Option<Gpu>,
-    groups: Vec<(Axis, Arc<Group>)>,
-    /// On a GPU: the same groups for collectives on GPU buffers (NCCL or staged).
-    device_groups: Vec<(Axis, DeviceGroup)>,
+    groups: Vec<(Axis, Group)>,
 }
 
-/// How the GPU collectives of a run travel (host collectives always use the hub).
+/// How GPU tensors travel between ranks (host numbers always go through the hub).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Backend {
     Local,
@@ -124,11 +123,6 @@ impl Rank {
         &self.groups.iter().find(|(a, _)| *a == axis).expect("every axis has a group").1
     }
 
-    /// This rank's group along `axis` for collectives on GPU buffers (`None` on the CPU).
-    pub fn device_group(&self, axis: Axis) -> Option<&DeviceGroup> {
-        self.device_groups.iter().find(|(a, _)| *a == axis).map(|(_, g)| g)
-    }
-
     /// Records every collective and message of this rank's groups on its comm lane of `trace`.
     pub fn trace_to(&self, trace: &Trace) {
         self.groups.iter().for_each(|(_, g)| g.trace_to(trace, self.rank));
@@ -175,11 +169,11 @@ fn run_rank<R>(
             let members = grid.group(rank, axis);
             let list: Vec<String> = members.iter().map(|r| r.to_string()).collect();
             let name = format!("{}[{}]", axis.name(), list.join(","));
-            (axis, Arc::new(Group::new(name, members, rank, hub.clone(), stream.clone())))
+            (axis, Group::new(name, members, rank, hub.clone(), stream.clone()))
         })
         .collect();
     drop(stream);
-    let mut me = Rank { rank, coords: grid.coords(rank), grid, gpu: None, groups, device_groups: Vec::new() };
+    let mut me = Rank { rank, coords: grid.coords(rank), grid, gpu: None, groups };
     let result = catch_unwind(AssertUnwindSafe(|| {
         open_devices(&mut me, setup)?;
         f(&me)
@@ -198,15 +192,17 @@ fn run_rank<R>(
     result.ok()
 }
 
-/// Opens the rank's GPU and, on NCCL, connects every group, all ranks in the same group order.
+/// Opens the rank's GPU and, on NCCL, connects every group (all ranks in the same group
+/// order): from then on the group's tensor collectives move GPU tensors through NCCL.
 fn open_devices(me: &mut Rank, setup: &Setup) -> Result<()> {
     if !setup.cuda {
         return Ok(());
     }
     let gpu = Gpu::open(me.rank % crate::cuda::runtime::device_count()?)?;
-    for (axis, group) in &me.groups {
-        let device_group = DeviceGroup::new(group.clone(), &gpu, setup.backend == Backend::Nccl)?;
-        me.device_groups.push((*axis, device_group));
+    if setup.backend == Backend::Nccl {
+        for (_, group) in &me.groups {
+            group.attach_device_link(Box::new(Nccl::connect(group, &gpu)?));
+        }
     }
     me.gpu = Some(gpu);
     Ok(())

@@ -16,13 +16,16 @@
 //! `wait()` collects the result. This is the overlap that bucketed data parallelism and the
 //! tensor-parallel input-gradient all-reduce rely on.
 //!
-//! These host forms always run on the `local` backend (ranks as threads, meeting in `comm/local.rs`):
-//! results are deterministic, and failures (timeouts, mismatched calls, a failing rank) are
-//! errors, never hangs. A `Group` knows no NCCL: collectives on GPU buffers are `cuda/nccl.rs`'s
-//! `DeviceGroup`, which wraps a `Group` and uses NCCL on the `nccl` backend, this hub otherwise.
+//! These forms carry host numbers and always run on the `local` backend (ranks as threads,
+//! meeting in `comm/local.rs`): results are deterministic, and failures (timeouts, mismatched
+//! calls, a failing rank) are errors, never hangs. The training step moves *tensors* with the
+//! `_tensor` forms of `comm/tensors.rs`, which take the same road for CPU tensors and, for GPU
+//! tensors on the `nccl` backend, stay on the GPU through the group's NCCL link.
 
+pub mod device_link;
 pub mod launcher;
 pub mod local;
+pub mod tensors;
 pub mod trace;
 
 use anyhow::{anyhow, bail, Result};
@@ -33,6 +36,8 @@ use local::{reduce, GroupInfo, Hub, Op};
 /// `ops/types.rs`, so that every backend reaches it).
 pub use crate::ops::types::ReduceOp;
 
+use device_link::DeviceLink;
+use std::cell::OnceCell;
 use std::collections::HashMap;
 use std::sync::{mpsc, Arc, Mutex, OnceLock};
 use std::time::Instant;
@@ -98,6 +103,8 @@ pub struct Group {
     messages: Mutex<HashMap<(Direction, usize), u64>>,
     /// Where this member records each call's span, when the run is traced (`trace_to`).
     trace: OnceLock<(Trace, usize)>,
+    /// How GPU tensors travel without the host, on the `nccl` backend (`comm/tensors.rs`).
+    device: OnceCell<Box<dyn DeviceLink>>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -125,7 +132,7 @@ impl Group {
         let index = ranks.iter().position(|&r| r == rank).expect("a rank belongs to its own groups");
         let info = Arc::new(GroupInfo { name, ranks, index });
         let (calls, messages) = (Mutex::new(0), Mutex::new(HashMap::new()));
-        Group { info, hub, stream, calls, messages, trace: OnceLock::new() }
+        Group { info, hub, stream, calls, messages, trace: OnceLock::new(), device: OnceCell::new() }
     }
 
     /// Records every later call of this member (collective or message) as a span on global

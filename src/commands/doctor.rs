@@ -4,17 +4,17 @@
 //! with NVRTC when it can, shows the driver and its CUDA version and every GPU with its memory,
 //! and then runs self-tests on GPU 0: every op of `cuda/ops.rs`, forward and backward, in f32 and bf16,
 //! against the CPU reference (`cuda/self_check.rs`),
-//! and the collectives on GPU buffers, over NCCL and over the local hub, against answers computed
-//! on the host.
+//! and the tensor collectives on GPU tensors, over NCCL (a rank per GPU) and over the local hub
+//! (three ranks sharing GPU 0), against answers computed on the host.
 //! Without a GPU it says so and fails, so scripts can tell.
 
 use crate::comm::launcher::{launch_on, Backend, Rank, Setup};
 use crate::comm::ReduceOp;
-use crate::cuda::nccl::DeviceElement;
 use crate::cuda::runtime::{self, cuda_err, Gpu};
+use crate::ops::tensor::{Place, Tensor};
+use crate::ops::DType;
 use crate::parallel::process_grid::{Axis, Grid};
 use anyhow::{anyhow, bail, Result};
-use half::bf16;
 use std::time::Duration;
 
 /// Prints the report; an error when there is no usable GPU or a self-test fails.
@@ -61,11 +61,12 @@ pub fn doctor() -> Result<()> {
         crate::say!("self-test: all {} kernel checks passed (f32 and bf16 against the CPU reference)", report.len());
     }
     if libs.iter().any(|l| l.name.starts_with("NCCL") && l.found) {
-        comm_self_test(Grid::new(1, 1, 1, 1)?, Backend::Nccl)?;
-        crate::say!("self-test: NCCL collectives on GPU buffers (1 rank): ok");
+        let gpus = runtime::device_count()?.min(8);
+        comm_self_test(Grid::new(gpus, 1, 1, 1)?, Backend::Nccl)?;
+        crate::say!("self-test: NCCL collectives on GPU tensors ({gpus} rank(s), one GPU each): ok");
     }
     comm_self_test(Grid::new(3, 1, 1, 1)?, Backend::Local)?;
-    crate::say!("self-test: local collectives on GPU buffers (3 ranks sharing GPU 0): ok");
+    crate::say!("self-test: local collectives on GPU tensors (3 ranks sharing GPU 0): ok");
     Ok(())
 }
 
@@ -85,58 +86,51 @@ fn loaded_from(name: &str) -> Option<String> {
     maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.contains(stem)).map(str::to_string)
 }
 
-/// Every GPU collective of every rank of `grid` on GPU 0, against host arithmetic; f32 and bf16.
+/// Every tensor collective of every rank of `grid` on GPU tensors, against answers computed on
+/// the host; f32 and bf16. On `Nccl` they go through NCCL, on `Local` through host memory.
 pub fn comm_self_test(grid: Grid, backend: Backend) -> Result<()> {
     let setup = Setup { cuda: true, backend, ..Setup::cpu(Duration::from_secs(60)) };
     launch_on(grid, setup, |me| {
-        check_rank::<f32>(me)?;
-        check_rank::<bf16>(me)
+        check_rank(me, DType::F32)?;
+        check_rank(me, DType::Bf16)
     })
     .map(drop)
 }
 
-fn check_rank<T: DeviceElement>(me: &Rank) -> Result<()> {
-    let gpu = me.gpu.as_ref().ok_or_else(|| anyhow!("a CUDA run gave rank {} no GPU", me.rank))?;
-    let g = me.device_group(Axis::World).ok_or_else(|| anyhow!("a CUDA run gave rank {} no GPU groups", me.rank))?;
-    let (n, r, k) = (g.group().size(), g.group().index(), 6);
+fn check_rank(me: &Rank, dtype: DType) -> Result<()> {
+    let place = Place::for_rank(me.gpu.as_ref(), dtype)?;
+    let g = me.group(Axis::World);
+    let (n, r, k) = (g.size(), g.index(), 6);
     // small integers and halves: exact in bf16 and f32, so every sum is exact whatever the order
     let part = |rank: usize, len: usize| -> Vec<f32> { (0..len).map(|i| (rank * 10 + i) as f32 * 0.5 + 1.0).collect() };
+    let on_gpu = |data: Vec<f32>| Tensor::from_host(&[data.len()], data, &place);
     let sum: Vec<f32> = (0..n * k).map(|i| (0..n).map(|q| part(q, n * k)[i]).sum()).collect();
     let max: Vec<f32> = part(n - 1, n * k);
 
     for (op, want) in [(ReduceOp::Sum, sum.clone()), (ReduceOp::Max, max)] {
-        let mut buf = upload::<T>(gpu, &part(r, n * k))?;
-        g.all_reduce(&mut buf, op)?.wait()?;
-        compare(gpu, &buf, &want, &format!("all_reduce {op:?}"))?;
+        let mut t = on_gpu(part(r, n * k));
+        g.all_reduce_tensor(&mut t, op)?;
+        compare(&t, &want, &format!("all_reduce {op:?}"), dtype)?;
     }
-    let mine = upload::<T>(gpu, &part(r, k))?;
-    let mut gathered = gpu.zeros::<T>(n * k)?;
-    g.all_gather(&mine, &mut gathered)?.wait()?;
-    compare(gpu, &gathered, &(0..n).flat_map(|q| part(q, k)).collect::<Vec<_>>(), "all_gather")?;
-
-    let full = upload::<T>(gpu, &part(r, n * k))?;
-    let mut chunk = gpu.zeros::<T>(k)?;
-    g.reduce_scatter(&full, &mut chunk, ReduceOp::Sum)?.wait()?;
-    compare(gpu, &chunk, &sum[r * k..(r + 1) * k], "reduce_scatter")?;
-
-    let mut buf = upload::<T>(gpu, &part(r, k))?;
-    g.broadcast(&mut buf, n - 1)?.wait()?;
-    compare(gpu, &buf, &part(n - 1, k), "broadcast")?;
-
+    let mine = on_gpu(part(r, k));
+    let gathered = g.all_gather_tensor(&mine)?;
+    compare(&gathered, &(0..n).flat_map(|q| part(q, k)).collect::<Vec<_>>(), "all_gather", dtype)?;
+    let chunk = g.reduce_scatter_tensor(&on_gpu(part(r, n * k)), ReduceOp::Sum)?;
+    compare(&chunk, &sum[r * k..(r + 1) * k], "reduce_scatter", dtype)?;
+    let mut t = on_gpu(part(r, k));
+    g.broadcast_tensor(&mut t, n - 1)?;
+    compare(&t, &part(n - 1, k), "broadcast", dtype)?;
     let (next, prev) = ((r + 1) % n, (r + n - 1) % n);
-    let mut got = gpu.zeros::<T>(k)?;
-    g.send_recv(&mine, next, &mut got, prev)?.wait()?;
-    compare(gpu, &got, &part(prev, k), "send_recv")
+    let got = g.send_recv_tensor(&mine, next, &[k], prev)?;
+    compare(&got, &part(prev, k), "send_recv", dtype)?;
+    let got = g.send_recv_tensor_async(on_gpu(part(r, k)), next, &[k], prev)?.wait()?;
+    compare(&got, &part(prev, k), "send_recv (async)", dtype)
 }
 
-fn upload<T: DeviceElement>(gpu: &Gpu, data: &[f32]) -> Result<cudarc::driver::CudaSlice<T>> {
-    gpu.upload(&data.iter().map(|&x| T::from_f32(x)).collect::<Vec<T>>())
-}
-
-fn compare<T: DeviceElement>(gpu: &Gpu, buf: &cudarc::driver::CudaSlice<T>, want: &[f32], what: &str) -> Result<()> {
-    let got: Vec<f32> = gpu.download(buf)?.into_iter().map(T::to_f32).collect();
-    if got != want {
-        bail!("{what} on GPU buffers gave {got:?}, expected {want:?}");
+fn compare(t: &Tensor, want: &[f32], what: &str, dtype: DType) -> Result<()> {
+    let got = t.to_vec();
+    if got != want || t.dtype() != dtype {
+        bail!("{what} on {dtype:?} GPU tensors gave {got:?} ({:?}), expected {want:?}", t.dtype());
     }
     Ok(())
 }

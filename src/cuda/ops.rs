@@ -309,6 +309,18 @@ impl Device {
         self.run(&launch_table::add_assign(a.dtype(), addr(a), addr(b), a.numel()))
     }
 
+    /// dst[to..to + n] = src[from..from + n]: a device-to-device copy on the compute stream.
+    pub fn copy(&self, src: &Tensor, from: usize, dst: &Tensor, to: usize, n: usize) -> Result<()> {
+        if src.dtype() != dst.dtype() || matches!(buf(dst).data, Data::Mixed { .. }) {
+            bail!("copying {:?} values into a {:?} tensor", src.dtype(), dst.dtype());
+        }
+        let size = if src.dtype() == DType::F32 { 4 } else { 2 };
+        let (s, d) = (addr(src) + (from * size) as Addr, addr(dst) + (to * size) as Addr);
+        // SAFETY: both ranges lie inside live buffers (the op layer checked the bounds).
+        unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, n * size, self.gpu.compute.cu_stream()) }
+            .map_err(cuda_err)
+    }
+
     pub fn scale(&self, a: &Tensor, s: f32) -> Result<()> {
         self.run(&launch_table::scale(a.dtype(), addr(a), s, a.numel()))
     }

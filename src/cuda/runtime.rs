@@ -8,9 +8,8 @@
 //! comm:                   └─(wait ev)─[ncclAllReduce]─(record done)─┘
 //! ```
 //! An *event* marks a point in a stream; another stream can wait for it without stopping the host.
-//! The training step uses neither NCCL nor the comm stream yet: its collectives and messages go
-//! through host memory and the local hub (`comm/local.rs`) on every backend. NCCL communicators
-//! are made at start-up on the `nccl` backend, and only `ferrotron doctor`'s self-test uses them.
+//! On the `nccl` backend every tensor collective of the step runs this way (`cuda/nccl.rs`); ranks
+//! sharing a GPU go through host memory and the local hub (`comm/local.rs`) instead.
 //!
 //! cudarc loads the CUDA libraries when they are first used and panics when one is missing, so we
 //! look for each library first (`libraries`) and turn "not found" into a sentence.

@@ -267,6 +267,35 @@ pub fn add_assign(a: &mut Tensor, b: &Tensor) {
     cpu::add_assign(a.host_mut(), b.host());
 }
 
+/// dst[to..to + n] = src[from..from + n], over the flat row-major values (same dtype).
+pub fn copy(src: &Tensor, from: usize, dst: &mut Tensor, to: usize, n: usize) {
+    assert!(from + n <= src.numel() && to + n <= dst.numel(), "copy: {n} values out of bounds");
+    if let Some(d) = gpu("copy", &[src, dst]) {
+        return fatal("copy", d.copy(src, from, dst, to, n));
+    }
+    dst.host_mut()[to..to + n].copy_from_slice(&src.host()[from..from + n]);
+}
+
+/// `parts`, one after another, as one flat tensor (to send them in one message).
+pub fn concat(parts: &[&Tensor]) -> Tensor {
+    let total = parts.iter().map(|t| t.numel()).sum();
+    let mut flat = Tensor::zeros_as(&[total], parts[0]);
+    let mut at = 0;
+    for t in parts {
+        copy(t, 0, &mut flat, at, t.numel());
+        at += t.numel();
+    }
+    flat
+}
+
+/// The values of `t` from `offset` on, as a tensor of `shape` (a copy).
+pub fn slice(t: &Tensor, offset: usize, shape: &[usize]) -> Tensor {
+    let mut part = Tensor::zeros_as(shape, t);
+    let n = part.numel();
+    copy(t, offset, &mut part, 0, n);
+    part
+}
+
 pub fn scale(a: &mut Tensor, s: f32) {
     if let Some(d) = gpu("scale", &[a]) {
         return fatal("scale", d.scale(a, s));

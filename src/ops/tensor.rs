@@ -48,6 +48,14 @@ impl Place {
         }
     }
 
+    /// The dtype activations are computed in here.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Place::Cpu => DType::F32,
+            Place::Cuda(dev) => dev.dtype,
+        }
+    }
+
     /// The same device (the CPU, or the same rank's GPU).
     pub fn is(&self, other: &Place) -> bool {
         match (self, other) {
@@ -91,9 +99,22 @@ impl Tensor {
     /// Zeros of `t`'s shape and dtype on `t`'s device (of a mixed-precision weight: a plain bf16
     /// buffer, like its compute copy; gradients and moments are made from the f32 gradient).
     pub fn zeros_like(t: &Tensor) -> Tensor {
-        match &t.storage {
-            Storage::Cpu(_) => Tensor::zeros(&t.shape),
-            Storage::Cuda(b) => Tensor::from_buf(&t.shape, b.device().zeros(t.numel(), b.dtype())),
+        Tensor::zeros_as(&t.shape, t)
+    }
+
+    /// Zeros of `shape` on `place`, in its compute dtype.
+    pub fn zeros_on(shape: &[usize], place: &Place) -> Tensor {
+        match place {
+            Place::Cpu => Tensor::zeros(shape),
+            Place::Cuda(dev) => Tensor::from_buf(shape, dev.zeros(shape.iter().product(), dev.dtype)),
+        }
+    }
+
+    /// Zeros of `shape` on `like`'s device, in `like`'s dtype (see `zeros_like`).
+    pub fn zeros_as(shape: &[usize], like: &Tensor) -> Tensor {
+        match &like.storage {
+            Storage::Cpu(_) => Tensor::zeros(shape),
+            Storage::Cuda(b) => Tensor::from_buf(shape, b.device().zeros(shape.iter().product(), b.dtype())),
         }
     }
 

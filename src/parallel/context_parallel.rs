@@ -25,7 +25,7 @@
 use crate::comm::Group;
 use crate::config::CpSplit;
 use crate::model::SequenceSplit;
-use crate::ops::tensor::{Place, Tensor};
+use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn, DType};
 use anyhow::Result;
 
@@ -119,8 +119,8 @@ impl SequenceSplit for Ring<'_> {
                 ops::add_assign(&mut dv_blk, &dv_i);
             }
             // the block's gradient follows the block; after the last hop it is back with its owner
-            let grads = self.group.send_recv(&pack(&[&dk_blk, &dv_blk]), next, 2 * k.numel(), prev)?;
-            [dk_blk, dv_blk] = unpack(grads, k.shape(), &q.place());
+            let grads = self.group.send_recv_tensor(&ops::concat(&[&dk_blk, &dv_blk]), next, &[2 * k.numel()], prev)?;
+            [dk_blk, dv_blk] = unpack(&grads, k.shape());
             Ok(())
         })?;
         Ok((dq, dk_blk, dv_blk))
@@ -141,23 +141,18 @@ fn walk(
     for step in 0..ring.size() {
         let (k_blk, v_blk) = received.as_ref().map_or((k, v), |[k, v]| (k, v));
         let pending = (step + 1 < ring.size())
-            .then(|| ring.group.send_recv_async(&pack(&[k_blk, v_blk]), next, 2 * k.numel(), prev));
+            .then(|| ring.group.send_recv_tensor_async(ops::concat(&[k_blk, v_blk]), next, &[2 * k.numel()], prev))
+            .transpose()?;
         visit(k_blk, v_blk, &ring.block_positions(step, a.seq))?;
-        if let Some(handle) = pending {
-            received = Some(unpack(handle.wait()?, k.shape(), &k.place()));
+        if let Some(pending) = pending {
+            received = Some(unpack(&pending.wait()?, k.shape()));
         }
     }
     Ok(())
 }
 
-fn pack(parts: &[&Tensor]) -> Vec<f32> {
-    let mut flat = Vec::with_capacity(parts.iter().map(|t| t.numel()).sum());
-    parts.iter().for_each(|t| flat.extend_from_slice(&t.host_view()));
-    flat
-}
-
-/// The two tensors of a received block, on this rank's device.
-fn unpack(mut data: Vec<f32>, shape: &[usize], place: &Place) -> [Tensor; 2] {
-    let second = data.split_off(data.len() / 2);
-    [Tensor::from_host(shape, data, place), Tensor::from_host(shape, second, place)]
+/// The two tensors of a received block (K and V, or their gradients), each of `shape`.
+fn unpack(block: &Tensor, shape: &[usize]) -> [Tensor; 2] {
+    let half = block.numel() / 2;
+    [ops::slice(block, 0, shape), ops::slice(block, half, shape)]
 }

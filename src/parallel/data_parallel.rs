@@ -21,9 +21,12 @@
 //! ones just add into the gradients. The reduction is over the dp×cp group (every rank holding the
 //! same weights; a rank of a context-parallel group saw other tokens of the same sequences).
 
-use crate::comm::{Group, Handle, ReduceOp};
+use crate::comm::tensors::Pending;
+use crate::comm::{Group, ReduceOp};
 use crate::config::DpMode;
 use crate::model::Param;
+use crate::ops;
+use crate::ops::tensor::Tensor;
 use anyhow::Result;
 use std::collections::HashMap;
 
@@ -37,9 +40,10 @@ pub fn gradient_all_reduce(name: &str) -> bool {
 struct Bucket {
     /// Each member's place in the model's parameter list, and its offset in `flat`.
     members: Vec<(usize, usize)>,
-    flat: Vec<f32>,
+    /// The members' gradients side by side, on their device (None while its all-reduce runs).
+    flat: Option<Tensor>,
     waiting: usize,
-    in_flight: Option<Handle<Vec<f32>>>,
+    in_flight: Option<Result<Pending>>,
 }
 
 pub struct DataParallel<'g> {
@@ -51,45 +55,50 @@ pub struct DataParallel<'g> {
 }
 
 impl<'g> DataParallel<'g> {
-    /// Plans the buckets for `params` (in model order) over `group`.
+    /// Plans the buckets for `params` (in model order) over `group`; each bucket's buffer lives
+    /// where the gradients do (on a GPU, the all-reduce never leaves it with NCCL).
     pub fn new(group: &'g Group, params: &[&Param], mode: DpMode, bucket_mb: f64) -> DataParallel<'g> {
         let capacity = ((bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize; // f32 gradients
-        let mut buckets: Vec<Bucket> = Vec::new();
+        let mut plans: Vec<(Vec<(usize, usize)>, usize)> = Vec::new(); // members, length
         let mut place = HashMap::new();
         for (i, p) in params.iter().enumerate().rev() {
             let n = p.grad.numel();
-            let fits = buckets.last().is_some_and(|b| b.flat.len() + n <= capacity);
-            if !fits {
-                buckets.push(Bucket { members: Vec::new(), flat: Vec::new(), waiting: 0, in_flight: None });
+            if plans.last().is_none_or(|(_, len)| len + n > capacity) {
+                plans.push((Vec::new(), 0));
             }
-            let index = buckets.len() - 1;
-            let b = &mut buckets[index];
-            place.insert(p.name.clone(), (index, b.flat.len()));
-            b.members.push((i, b.flat.len()));
-            b.flat.resize(b.flat.len() + n, 0.0);
+            let index = plans.len() - 1;
+            let (members, len) = &mut plans[index];
+            place.insert(p.name.clone(), (index, *len));
+            members.push((i, *len));
+            *len += n;
         }
-        for b in &mut buckets {
-            b.waiting = b.members.len();
-        }
+        let buckets = match (mode, group.size()) {
+            (DpMode::Bucketed, 2..) => plans
+                .into_iter()
+                .map(|(members, len)| {
+                    let flat = Some(Tensor::zeros_as(&[len], &params[members[0].0].grad));
+                    Bucket { waiting: members.len(), members, flat, in_flight: None }
+                })
+                .collect(),
+            _ => Vec::new(), // nothing to pack: naive mode, or alone
+        };
         DataParallel { group, mode, buckets, place }
-    }
-
-    pub fn bucket_count(&self) -> usize {
-        self.buckets.len()
     }
 
     /// Backward calls this when `p`'s gradient for the step is complete (last micro-batch only).
     /// Bucketed mode copies it into its bucket and starts the bucket's all-reduce once full.
     pub fn grad_ready(&mut self, p: &Param) {
-        if self.mode != DpMode::Bucketed || self.group.size() == 1 {
+        if self.buckets.is_empty() {
             return;
         }
         let (b, offset) = self.place[&p.name];
         let bucket = &mut self.buckets[b];
-        bucket.flat[offset..offset + p.grad.numel()].copy_from_slice(&p.grad.host_view());
+        let flat = bucket.flat.as_mut().expect("a bucket fills once per step");
+        ops::copy(&p.grad, 0, flat, offset, p.grad.numel());
         bucket.waiting -= 1;
         if bucket.waiting == 0 {
-            bucket.in_flight = Some(self.group.all_reduce_async(&bucket.flat, ReduceOp::Avg));
+            let flat = bucket.flat.take().expect("a bucket fills once per step");
+            bucket.in_flight = Some(self.group.all_reduce_tensor_async(flat, ReduceOp::Avg));
         }
     }
 
@@ -101,18 +110,19 @@ impl<'g> DataParallel<'g> {
         }
         if self.mode == DpMode::Naive {
             for p in params.iter_mut() {
-                p.grad.update_host(|g| self.group.all_reduce(g, ReduceOp::Avg))?;
+                self.group.all_reduce_tensor(&mut p.grad, ReduceOp::Avg)?;
             }
             return Ok(());
         }
         for bucket in &mut self.buckets {
-            let handle = bucket.in_flight.take().expect("backward reported every gradient of the bucket");
-            let reduced = handle.wait()?;
+            let pending = bucket.in_flight.take().expect("backward reported every gradient of the bucket");
+            let reduced = pending?.wait()?;
             for &(member, offset) in &bucket.members {
                 let grad = &mut params[member].grad;
                 let n = grad.numel();
-                grad.write(&reduced[offset..offset + n]);
+                ops::copy(&reduced, offset, grad, 0, n);
             }
+            bucket.flat = Some(reduced);
             bucket.waiting = bucket.members.len();
         }
         Ok(())

@@ -196,31 +196,26 @@ struct Messages<'a> {
 }
 
 impl Messages<'_> {
-    fn len(&self) -> usize {
-        self.shape[0] * self.shape[1]
-    }
     fn prev(&self) -> Option<usize> {
         (!self.stage.is_first()).then(|| self.stage.index - 1)
     }
     fn next(&self) -> Option<usize> {
         (!self.stage.is_last()).then(|| self.stage.index + 1)
     }
-    fn tensor(&self, data: Vec<f32>) -> Tensor {
-        Tensor::from_host(&self.shape, data, &self.place) // lands on this rank's device
-    }
+    /// A message lands on this rank's device (on GPUs with NCCL it never touches the host).
     fn recv(&self, from: Option<usize>) -> Result<Option<Tensor>> {
-        from.map(|f| Ok(self.tensor(self.pp.recv(self.len(), f)?))).transpose()
+        from.map(|f| self.pp.recv_tensor(&self.shape, &self.place, f)).transpose()
     }
     fn send(&self, t: Option<Tensor>, to: Option<usize>) -> Result<()> {
         match (t, to) {
-            (Some(t), Some(to)) => self.pp.send(&t.host_view(), to),
+            (Some(t), Some(to)) => self.pp.send_tensor(&t, to),
             _ => Ok(()),
         }
     }
     /// Sends `t` to `peer` and receives from the same `peer` in one step.
     fn exchange(&self, t: Option<Tensor>, peer: Option<usize>) -> Result<Option<Tensor>> {
         match (t, peer) {
-            (Some(t), Some(p)) => Ok(Some(self.tensor(self.pp.send_recv(&t.host_view(), p, self.len(), p)?))),
+            (Some(t), Some(p)) => Ok(Some(self.pp.send_recv_tensor(&t, p, &self.shape, p)?)),
             _ => self.recv(peer), // nothing to send: a stage end (first or last)
         }
     }

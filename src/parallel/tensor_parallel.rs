@@ -50,12 +50,10 @@ impl<'g> TensorParallel<'g> {
         TensorParallel { group }
     }
 
-    /// In-place all-reduce over the tp group (nothing to do alone).
+    /// In-place all-reduce over the tp group (the same call on the CPU and on GPUs, where NCCL
+    /// does it on the device: `comm/tensors.rs`).
     fn all_reduce(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
-        match self.group.size() {
-            1 => Ok(()),
-            _ => t.update_host(|v| self.group.all_reduce(v, op)),
-        }
+        self.group.all_reduce_tensor(t, op)
     }
 }
 
@@ -74,13 +72,9 @@ impl TensorSplit for TensorParallel<'_> {
     /// Column parallel backward of the layers reading `x`: this rank's dx = Σ dy·W, then `f`
     /// all-reduces it, asynchronously, while the weight-gradient GEMMs run.
     fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor> {
-        let mut dx = input_grad(layers);
-        let pending = (self.group.size() > 1).then(|| self.group.all_reduce_async(&dx.host_view(), ReduceOp::Sum));
-        weight_grads(x, layers); // overlaps the all-reduce (f)
-        if let Some(handle) = pending {
-            dx.write(&handle.wait()?);
-        }
-        Ok(dx)
+        let pending = self.group.all_reduce_tensor_async(input_grad(layers), ReduceOp::Sum)?; // f, started
+        weight_grads(x, layers); // overlaps the all-reduce
+        pending.wait()
     }
 
     /// Vocab-parallel embedding: the table holds ids `first..`; the others contribute zeros.

@@ -33,9 +33,7 @@ fn replicas(cfg: &Config, average: bool) -> Result<Vec<(Vec<f32>, u64)>> {
             model.backward(1.0)?;
             for p in model.params_mut().into_iter().filter(|_| average) {
                 // the whole lesson: average every gradient over the replicas
-                let mut g = p.grad.to_vec();
-                group.all_reduce(&mut g, ReduceOp::Avg)?;
-                p.grad.write(&g);
+                group.all_reduce_tensor(&mut p.grad, ReduceOp::Avg)?;
             }
             group.all_reduce(&mut loss, ReduceOp::Avg)?; // the loss of the global batch
             let mut params = model.params_mut();

@@ -1,6 +1,7 @@
 // A fake CUDA driver and cuBLAS for tests/gpu_path_emulated.rs: just the calls ferrotron makes
 // through cudarc, so that the real binary runs its whole GPU path on a CPU. One "GPU" (compute
-// capability 9.0); device memory is host memory (a device pointer is a host address); every call
+// capability 9.0), or FERROTRON_FAKE_GPUS of them (for the fake NCCL, fake_nccl.cpp, one per
+// rank), each with its own context and all sharing the host's memory; device memory is host memory (a device pointer is a host address); every call
 // is synchronous, so streams and events only record times; a module is the emulated kernels of
 // this library (tests/emulator/cuda_bf16.h, linked in with the glue), found by name at
 // cuModuleGetFunction and run by cuLaunchKernel, one launch at a time; cublasGemmEx is a plain
@@ -21,7 +22,15 @@ extern "C" int emu_has(const char* name);
 namespace {
 typedef int CUresult;
 const CUresult OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, NOT_FOUND = 500;
-int context_token, pool_token, handle_token;
+const int MAX_GPUS = 64;
+int contexts[MAX_GPUS], pool_token, handle_token; // a context is the address of its ordinal's slot
+thread_local void* current = &contexts[0];
+
+int gpu_count() {
+    const char* n = getenv("FERROTRON_FAKE_GPUS");
+    int count = n ? atoi(n) : 1;
+    return count < 1 ? 1 : count > MAX_GPUS ? MAX_GPUS : count;
+}
 std::mutex launches; // the emulator runs one launch at a time
 
 double now_ms() {
@@ -33,8 +42,8 @@ double now_ms() {
 extern "C" {
 CUresult cuInit(unsigned) { return OK; }
 CUresult cuDriverGetVersion(int* v) { *v = 12080; return OK; }
-CUresult cuDeviceGetCount(int* n) { *n = 1; return OK; }
-CUresult cuDeviceGet(int* d, int ordinal) { return ordinal == 0 ? (*d = 0, OK) : INVALID_DEVICE; }
+CUresult cuDeviceGetCount(int* n) { *n = gpu_count(); return OK; }
+CUresult cuDeviceGet(int* d, int ordinal) { return ordinal >= 0 && ordinal < gpu_count() ? (*d = ordinal, OK) : INVALID_DEVICE; }
 CUresult cuDeviceGetName(char* name, int len, int) {
     snprintf(name, len, "Fake CUDA device (CPU emulator)");
     return OK;
@@ -54,11 +63,11 @@ CUresult cuDeviceGetAttribute(int* v, int attribute, int) {
     }
     return OK;
 }
-CUresult cuDevicePrimaryCtxRetain(void** ctx, int) { *ctx = &context_token; return OK; }
+CUresult cuDevicePrimaryCtxRetain(void** ctx, int d) { *ctx = &contexts[d]; return OK; }
 CUresult cuDevicePrimaryCtxRelease_v2(int) { return OK; }
-CUresult cuCtxSetCurrent(void*) { return OK; }
-CUresult cuCtxGetCurrent(void** ctx) { *ctx = &context_token; return OK; }
-CUresult cuCtxGetDevice(int* d) { *d = 0; return OK; }
+CUresult cuCtxSetCurrent(void* ctx) { current = ctx; return OK; }
+CUresult cuCtxGetCurrent(void** ctx) { *ctx = current; return OK; }
+CUresult cuCtxGetDevice(int* d) { *d = (int*)current - contexts; return OK; }
 CUresult cuCtxSynchronize() { return OK; }
 CUresult cuGetErrorString(CUresult, const char** s) { *s = "fake CUDA driver error"; return OK; }
 CUresult cuGetErrorName(CUresult, const char** s) { *s = "CUDA_ERROR_FAKE"; return OK; }

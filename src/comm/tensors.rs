@@ -1,0 +1,176 @@
+//! # Collectives on tensors: one call, whatever the device and the backend
+//!
+//! The lessons (`parallel/`, `model/optimizer.rs`, `train.rs`) move tensors with these calls:
+//! `tp.all_reduce_tensor(&mut y, Sum)`, `pp.send_recv_tensor(&y, next, shape, next)`, … Where the
+//! tensors live decides how they travel, not the lesson:
+//!
+//! ```text
+//! CPU tensor                         host memory ──── hub (comm/local.rs) ──── host memory
+//! GPU tensor, ranks sharing a GPU    GPU ─copy─▶ host ──── hub ──── host ─copy─▶ GPU
+//! GPU tensor, one GPU per rank       GPU ════ NCCL on the rank's comm stream ════ GPU
+//!   (the `nccl` backend)             no host copy, and the host never waits: the call is queued
+//!                                    after the compute stream's work so far, and `wait` makes the
+//!                                    compute stream (not the host) wait for it
+//! ```
+//! The third way is a `DeviceLink` that the launcher plugs into each group on the `nccl` backend
+//! (`cuda/nccl.rs`); this file knows it only as a trait (`comm/device_link.rs`), so the
+//! collective API names no CUDA. The hub sums in rank order (the same bits every run); NCCL sums in its own order, equal
+//! up to rounding, and a bf16 tensor is summed in bf16 by NCCL and in f32 by the hub.
+//!
+//! The asynchronous forms take their tensor *by value* and give it back from `wait`: a buffer
+//! NCCL reads or writes on the comm stream cannot be dropped (and its memory reused by the
+//! compute stream) while the call is in flight.
+
+use super::device_link::{DeviceLink, Fence};
+use super::{Group, Handle, ReduceOp};
+use crate::ops::tensor::{Place, Tensor};
+use anyhow::{bail, Result};
+
+/// A collective on a tensor in flight; `wait` gives the tensor back, holding the result.
+pub struct Pending {
+    tensor: Tensor,
+    how: How,
+    /// A tensor a queued send still reads: kept alive until the call is over.
+    _sent: Option<Tensor>,
+}
+
+enum How {
+    Device(Fence),
+    Host(Handle<Vec<f32>>),
+    Done,
+}
+
+impl Pending {
+    pub fn wait(self) -> Result<Tensor> {
+        let mut tensor = self.tensor;
+        match self.how {
+            How::Device(fence) => (fence.0)()?,
+            How::Host(handle) => {
+                let values = handle.wait()?;
+                if values.len() != tensor.numel() {
+                    bail!("a collective returned {} values for a tensor of {}", values.len(), tensor.numel());
+                }
+                tensor.write(&values);
+            }
+            How::Done => {}
+        }
+        Ok(tensor)
+    }
+}
+
+impl Group {
+    /// Plugs in how this group moves GPU tensors without the host (the launcher, on `nccl`).
+    pub fn attach_device_link(&self, link: Box<dyn DeviceLink>) {
+        let _ = self.device.set(link); // a group gets its link once, when its rank opens its GPU
+    }
+
+    /// The device link, for tensors on `place` when it is a GPU and the group has one.
+    fn link_on(&self, place: &Place) -> Option<&dyn DeviceLink> {
+        matches!(place, Place::Cuda(_)).then(|| self.device.get().map(|l| l.as_ref())).flatten()
+    }
+
+    fn link_for(&self, t: &Tensor) -> Option<&dyn DeviceLink> {
+        self.link_on(&t.place())
+    }
+
+    /// Starts an in-place all-reduce of `t` over the group.
+    pub fn all_reduce_tensor_async(&self, mut t: Tensor, op: ReduceOp) -> Result<Pending> {
+        let how = match self.link_for(&t) {
+            _ if self.size() == 1 => How::Done,
+            Some(link) => How::Device(link.all_reduce(&mut t, op)?),
+            None => How::Host(self.all_reduce_async(&t.host_view(), op)),
+        };
+        Ok(Pending { tensor: t, how, _sent: None })
+    }
+
+    /// `t` becomes the reduction of every member's `t`.
+    pub fn all_reduce_tensor(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        let taken = std::mem::replace(t, Tensor::zeros(&[0]));
+        *t = self.all_reduce_tensor_async(taken, op)?.wait()?;
+        Ok(())
+    }
+
+    /// Every member's `t`, concatenated in rank order along the first dimension.
+    pub fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        let mut shape = t.shape().to_vec();
+        shape[0] *= self.size();
+        let mut into = Tensor::zeros_as(&shape, t);
+        match self.link_for(t) {
+            Some(link) => (link.all_gather(t, &mut into)?.0)()?,
+            None => into.write(&self.all_gather(&t.host_view())?),
+        }
+        Ok(into)
+    }
+
+    /// This member's chunk (along the first dimension) of the reduction of every member's `t`.
+    pub fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let (mut shape, n) = (t.shape().to_vec(), self.size());
+        if shape[0] % n != 0 {
+            bail!("reduce_scatter on group {}: {} rows do not split into {n} equal chunks", self.name(), shape[0]);
+        }
+        shape[0] /= n;
+        let mut into = Tensor::zeros_as(&shape, t);
+        match self.link_for(t) {
+            Some(link) => (link.reduce_scatter(t, &mut into, op)?.0)()?,
+            None => into.write(&self.reduce_scatter(&t.host_view(), op)?),
+        }
+        Ok(into)
+    }
+
+    /// Every member's `t` becomes member `root`'s.
+    pub fn broadcast_tensor(&self, t: &mut Tensor, root: usize) -> Result<()> {
+        match self.link_for(t) {
+            Some(link) => (link.broadcast(t, root)?.0)(),
+            None => {
+                let values = self.broadcast_async(&t.host_view(), root).wait()?;
+                t.write(&values);
+                Ok(())
+            }
+        }
+    }
+
+    /// Sends `t` to member `to`.
+    pub fn send_tensor(&self, t: &Tensor, to: usize) -> Result<()> {
+        match self.link_for(t) {
+            Some(link) => (link.send_recv(Some((t, to)), None)?.0)(),
+            None => self.send(&t.host_view(), to),
+        }
+    }
+
+    /// Receives a tensor of `shape` from member `from`, onto `place` (in its compute dtype).
+    pub fn recv_tensor(&self, shape: &[usize], place: &Place, from: usize) -> Result<Tensor> {
+        let Some(link) = self.link_on(place) else {
+            return Ok(Tensor::from_host(shape, self.recv(shape.iter().product(), from)?, place));
+        };
+        let mut t = Tensor::zeros_on(shape, place);
+        (link.send_recv(None, Some((&mut t, from)))?.0)()?;
+        Ok(t)
+    }
+
+    /// Starts sending `send` to member `to` while receiving a tensor of `shape` from member
+    /// `from` (onto the same place, in its compute dtype), as a pipeline stage or a ring member
+    /// does.
+    pub fn send_recv_tensor_async(&self, send: Tensor, to: usize, shape: &[usize], from: usize) -> Result<Pending> {
+        let place = send.place();
+        let Some(link) = self.link_on(&place) else {
+            let values = self.send_recv_async(&send.host_view(), to, shape.iter().product(), from);
+            let landing = Tensor::zeros_on(shape, &place);
+            return Ok(Pending { tensor: landing, how: How::Host(values), _sent: None });
+        };
+        let mut recv = Tensor::zeros_on(shape, &place);
+        let fence = link.send_recv(Some((&send, to)), Some((&mut recv, from)))?;
+        Ok(Pending { tensor: recv, how: How::Device(fence), _sent: Some(send) })
+    }
+
+    /// `send_recv_tensor_async`, waited for.
+    pub fn send_recv_tensor(&self, send: &Tensor, to: usize, shape: &[usize], from: usize) -> Result<Tensor> {
+        let place = send.place();
+        let Some(link) = self.link_on(&place) else {
+            let values = self.send_recv(&send.host_view(), to, shape.iter().product(), from)?;
+            return Ok(Tensor::from_host(shape, values, &place));
+        };
+        let mut recv = Tensor::zeros_on(shape, &place);
+        (link.send_recv(Some((send, to)), Some((&mut recv, from)))?.0)()?;
+        Ok(recv)
+    }
+}
