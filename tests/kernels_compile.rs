@@ -4,16 +4,33 @@
 //! checked: every kernel fits the 48 KiB of static shared memory a block may have, and the
 //! tensor-core attention keeps its accumulators in registers (no spills, no stack) and declares
 //! its shared tiles 32-byte aligned, as WMMA requires.
+//! NVRTC also gives each file's cubin (what the GPU loads, so an NVRTC newer than the driver still
+//! works), and a GPU newer than this NVRTC knows gets PTX for the newest architecture it does.
 //! Where NVRTC, the CUDA headers or ptxas are missing the test prints why and passes, unless
 //! FERROTRON_REQUIRE_NVRTC=1 (CI sets it, after installing the nvidia-cuda-nvrtc-cu12,
 //! nvidia-cuda-runtime-cu12 and nvidia-cuda-nvcc-cu12 wheels).
 
-use ferrotron::cuda::nvrtc::{compile, include_dirs, nvrtc_ready, SOURCES};
+use ferrotron::cuda::nvrtc::{compile, include_dirs, nvrtc_ready, target, SOURCES};
 use std::path::PathBuf;
 use std::process::Command;
 
 fn required() -> bool {
     std::env::var_os("FERROTRON_REQUIRE_NVRTC").is_some_and(|v| v == "1")
+}
+
+#[test]
+fn a_gpu_nvrtc_does_not_know_gets_ptx_for_the_newest_architecture_it_does() {
+    if let Err(e) = nvrtc_ready() {
+        assert!(!required(), "FERROTRON_REQUIRE_NVRTC=1 but NVRTC cannot run: {e:#}");
+        return;
+    }
+    assert_eq!(target(9, 0).unwrap(), "sm_90");
+    let newer = target(9, 9).unwrap(); // no such GPU: the newest architecture below it
+    assert!(newer.starts_with("compute_"), "{newer}");
+    let compiled = compile("elementwise", newer).unwrap();
+    assert!(compiled.cubin.is_none() && compiled.ptx.contains(".target sm_"), "PTX only, for the driver");
+    let err = format!("{:#}", target(1, 0).unwrap_err());
+    assert!(err.contains("cannot compile for sm_10"), "{err}");
 }
 
 #[test]
@@ -32,7 +49,9 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
     let mut assembled = 0;
     for (name, _) in SOURCES {
         for arch in ["sm_80", "sm_90"] {
-            let ptx = compile(name, arch).unwrap_or_else(|e| panic!("{e:#}")).to_src();
+            let compiled = compile(name, arch).unwrap_or_else(|e| panic!("{e:#}"));
+            assert!(compiled.cubin.as_ref().is_some_and(|c| c.starts_with(b"\x7fELF")), "{name}: no cubin for {arch}");
+            let ptx = compiled.ptx;
             assert!(ptx.contains(&format!(".target {arch}")), "{name}: PTX for the wrong target");
             for l in launches.iter().filter(|l| l.file == name) {
                 let entry = &l.kernel;

@@ -25,6 +25,7 @@ use crate::ops::types::DType;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
+use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -180,10 +181,9 @@ pub struct Device {
     pub gpu: Gpu,
     /// The dtype activations are computed in.
     pub dtype: DType,
-    arch: &'static str,
-    /// Each kernel file's module, loaded once, and the kernels looked up in them.
-    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Every kernel of every file, looked up once when the device opens (modules stay loaded
+    /// while a function of theirs lives).
+    functions: HashMap<String, CudaFunction>,
     pub(crate) blas: CudaBlas,
     /// Recently uploaded token, target and position arrays, by content: each micro-batch's are
     /// uploaded once and reused by every layer.
@@ -221,17 +221,12 @@ impl Device {
         if gpu.ctx.has_async_alloc() {
             keep_freed_memory(gpu)?;
         }
-        let arch = crate::cuda::nvrtc::arch_name(major, minor);
-        for (file, _) in crate::cuda::nvrtc::SOURCES {
-            crate::cuda::nvrtc::ptx(file, arch)?;
-        }
+        let functions = load_kernels(gpu, crate::cuda::nvrtc::target(major, minor)?)?;
         let blas = CudaBlas::new(gpu.compute.clone()).map_err(|e| anyhow!("cuBLAS cannot start: {e:?}"))?;
         Ok(Arc::new(Device {
             gpu: gpu.clone(),
             dtype,
-            arch,
-            modules: Mutex::default(),
-            functions: Mutex::default(),
+            functions,
             blas,
             indices: Mutex::default(),
             held: AtomicUsize::new(0),
@@ -244,35 +239,13 @@ impl Device {
         self.peak.swap(self.held.load(Ordering::Relaxed), Ordering::Relaxed)
     }
 
-    fn function(&self, file: &'static str, name: &str) -> Result<CudaFunction> {
-        let mut functions = self.functions.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(f) = functions.get(name) {
-            return Ok(f.clone());
-        }
-        let module = {
-            let mut modules = self.modules.lock().unwrap_or_else(|e| e.into_inner());
-            match modules.get(file) {
-                Some(m) => m.clone(),
-                None => {
-                    let ptx = crate::cuda::nvrtc::ptx(file, self.arch)?;
-                    let m = self.gpu.ctx.load_module((*ptx).clone()).map_err(|e| load_error(file, e))?;
-                    modules.insert(file, m.clone());
-                    m
-                }
-            }
-        };
-        let f = module.load_function(name).map_err(|e| anyhow!("kernels/{file}.cu has no kernel {name}: {e:?}"))?;
-        functions.insert(name.to_string(), f.clone());
-        Ok(f)
-    }
-
     /// Queues a kernel launch (`cuda/launch_table.rs`) on the compute stream.
     pub(crate) fn run(&self, l: &Launch) -> Result<()> {
         if l.grid.0 == 0 || l.grid.1 == 0 || l.grid.2 == 0 {
             return Ok(()); // nothing to compute (an empty tensor)
         }
-        let f = self.function(l.file, &l.kernel)?;
-        let mut b = self.gpu.compute.launch_builder(&f);
+        let f = self.functions.get(&l.kernel).ok_or_else(|| anyhow!("kernels/{}.cu has no kernel {}", l.file, l.kernel))?;
+        let mut b = self.gpu.compute.launch_builder(f);
         for a in &l.args {
             match a {
                 Arg::Ptr(v) => b.arg(v),
@@ -362,8 +335,31 @@ impl Device {
     }
 }
 
-/// A module that does not load: most often PTX newer than the driver can read.
-fn load_error(file: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+/// Compiles every kernel file for `target` (`cuda/nvrtc.rs`), loads it into `gpu`'s context
+/// (the cubin, or the PTX for the driver to compile) and looks up every kernel the launch table
+/// uses: whatever cannot load fails now, before training, with the versions involved.
+fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<HashMap<String, CudaFunction>> {
+    let mut modules: HashMap<&str, Arc<CudaModule>> = HashMap::new();
+    for (file, _) in crate::cuda::nvrtc::SOURCES {
+        let compiled = crate::cuda::nvrtc::compiled(file, target)?;
+        let image = match &compiled.cubin {
+            Some(cubin) => Ptx::from_binary(cubin.clone()),
+            None => Ptx::from_src(compiled.ptx.clone()),
+        };
+        modules.insert(file, gpu.ctx.load_module(image).map_err(|e| load_error(file, target, e))?);
+    }
+    let mut functions = HashMap::new();
+    for l in launch_table::catalogue() {
+        if !functions.contains_key(&l.kernel) {
+            let f = modules[l.file].load_function(&l.kernel);
+            functions.insert(l.kernel.clone(), f.map_err(|e| anyhow!("kernels/{}.cu has no kernel {}: {e:?}", l.file, l.kernel))?);
+        }
+    }
+    Ok(functions)
+}
+
+/// A module that does not load: most often code newer than the driver can read.
+fn load_error(file: &str, target: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
     let mut nvrtc = (0, 0);
     // SAFETY: NVRTC is loaded (the kernels were just compiled with it); two valid out-pointers.
     unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nvrtc.0, &mut nvrtc.1) };
@@ -371,7 +367,7 @@ fn load_error(file: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
     // SAFETY: the driver is loaded (a context exists); a valid out-pointer.
     unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
     anyhow!(
-        "kernels/{file}.cu compiled but the GPU driver cannot load it ({e:?}); NVRTC is CUDA {}.{}, the driver \
+        "kernels/{file}.cu compiled for {target} but the GPU driver cannot load it ({e:?}); NVRTC is CUDA {}.{}, the driver \
          supports CUDA {}.{}: use an NVRTC no newer than the driver (FERROTRON_CUDA_INCLUDE and LD_LIBRARY_PATH \
          pick it) or update the driver",
         nvrtc.0,

@@ -1,8 +1,12 @@
 //! # The CUDA kernels, compiled at run time by NVRTC
 //!
 //! `kernels/*.cu` are compiled into the binary as text. On a GPU each file is compiled once per
-//! process for the GPU's own architecture (`sm_90` on an H100) and the PTX is cached here; the
-//! CUDA backend loads it into its context. Each file is preceded by `kernels/common.cuh` (the
+//! process for the GPU's own architecture (`sm_90` on an H100) and cached here; the CUDA backend
+//! loads every file into its context when the device opens. NVRTC gives PTX (the portable
+//! assembly) *and* the cubin (machine code for that architecture), and the cubin is what is
+//! loaded: the driver would have to JIT-compile PTX, and refuses PTX from an NVRTC newer than
+//! itself. Only for an architecture this NVRTC does not know is PTX loaded, made for the newest
+//! architecture it knows (`target`), for the driver to compile. Each file is preceded by `kernels/common.cuh` (the
 //! f32/bf16 load and store helpers and the block reductions) before it is compiled, so NVRTC needs
 //! no include path of ours, only the CUDA headers (`cuda_bf16.h`, and `mma.h` for tensor cores).
 //!
@@ -11,8 +15,9 @@
 //! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-runtime-cu12` (see `.ci/run`).
 
 use anyhow::{anyhow, bail, Result};
-use cudarc::nvrtc::{CompileOptions, Ptx};
+use cudarc::nvrtc::{result, sys};
 use std::collections::HashMap;
+use std::ffi::{CStr, CString};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -67,18 +72,52 @@ pub fn nvrtc_ready() -> Result<Vec<PathBuf>> {
     include_dirs()
 }
 
-/// The PTX of kernel file `name` for `arch` (e.g. "sm_90"), compiled on first use.
-pub fn ptx(name: &str, arch: &'static str) -> Result<Arc<Ptx>> {
-    type Compiled = HashMap<(String, &'static str), Arc<Ptx>>;
-    static CACHE: OnceLock<Mutex<Compiled>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    let key = (name.to_string(), arch);
-    if let Some(p) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
-        return Ok(p.clone());
+/// A kernel file compiled for one target: its PTX, and its cubin when the target is a real
+/// architecture (`sm_90`; a virtual one, `compute_90`, has only PTX).
+pub struct Compiled {
+    pub ptx: String,
+    pub cubin: Option<Vec<u8>>,
+}
+
+/// What to compile for a GPU of compute capability `major.minor`: its own architecture (`sm_90`)
+/// when this NVRTC knows it, else PTX for the newest architecture it knows below it
+/// (`compute_90`), which the driver compiles when it loads it.
+pub fn target(major: i32, minor: i32) -> Result<&'static str> {
+    let want = major * 10 + minor;
+    let mut n = 0;
+    // SAFETY: NVRTC is loaded (`nvrtc_ready`); a valid out-pointer, then a buffer of n ints.
+    let known = unsafe {
+        nvrtc_ready()?;
+        sys::nvrtcGetNumSupportedArchs(&mut n).result().map_err(nvrtc_err)?;
+        let mut archs = vec![0; n.max(0) as usize];
+        sys::nvrtcGetSupportedArchs(archs.as_mut_ptr()).result().map_err(nvrtc_err)?;
+        archs
+    };
+    if known.contains(&want) {
+        return Ok(arch_name(major, minor));
     }
-    let compiled = Arc::new(compile(name, arch)?);
-    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, compiled.clone());
-    Ok(compiled)
+    let Some(&best) = known.iter().filter(|&&a| a < want).max() else {
+        bail!("this NVRTC cannot compile for sm_{want} or anything older it could run: use a newer NVRTC");
+    };
+    Ok(format!("compute_{best}").leak())
+}
+
+fn nvrtc_err(e: cudarc::nvrtc::result::NvrtcError) -> anyhow::Error {
+    anyhow!("NVRTC: {e:?}")
+}
+
+/// Kernel file `name` compiled for `target` (e.g. "sm_90"), on first use; then from the cache.
+pub fn compiled(name: &str, target: &'static str) -> Result<Arc<Compiled>> {
+    type Cache = HashMap<(String, &'static str), Arc<Compiled>>;
+    static CACHE: OnceLock<Mutex<Cache>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = (name.to_string(), target);
+    if let Some(c) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(c.clone());
+    }
+    let made = Arc::new(compile(name, target)?);
+    cache.lock().unwrap_or_else(|e| e.into_inner()).insert(key, made.clone());
+    Ok(made)
 }
 
 /// Kernel file `name` as it is compiled: `common.cuh`, then the file (its lines numbered as in
@@ -90,16 +129,41 @@ pub fn full_source(name: &str) -> Result<String> {
     Ok(format!("{COMMON}\n#line 1 \"{name}.cu\"\n{source}"))
 }
 
-/// Compiles kernel file `name` for `arch`; the error carries NVRTC's log.
-pub fn compile(name: &str, arch: &'static str) -> Result<Ptx> {
-    let text = full_source(name)?;
-    let include_paths = nvrtc_ready()?.iter().map(|d| d.display().to_string()).collect();
-    let options =
-        CompileOptions { arch: Some(arch), include_paths, options: vec!["--std=c++17".into()], ..Default::default() };
-    cudarc::nvrtc::compile_ptx_with_opts(text, options).map_err(|e| match e {
-        cudarc::nvrtc::CompileError::CompileError { log, .. } => {
-            anyhow!("kernels/{name}.cu does not compile for {arch}:\n{}", log.to_string_lossy())
+/// Compiles kernel file `name` for `target` (a real `sm_XY` or a virtual `compute_XY`
+/// architecture); the error carries NVRTC's log.
+pub fn compile(name: &str, target: &'static str) -> Result<Compiled> {
+    let text = CString::new(full_source(name)?)?;
+    let mut options = vec![format!("--gpu-architecture={target}"), "--std=c++17".to_string()];
+    options.extend(nvrtc_ready()?.iter().map(|d| format!("--include-path={}", d.display())));
+    let program = Program(result::create_program(&text, None).map_err(nvrtc_err)?);
+    // SAFETY: a program just created, freed only by `Program`'s drop; buffers sized by NVRTC.
+    unsafe {
+        if result::compile_program(program.0, &options).is_err() {
+            let log = result::get_program_log(program.0).map_err(nvrtc_err)?;
+            let log = CStr::from_ptr(log.as_ptr()).to_string_lossy();
+            bail!("kernels/{name}.cu does not compile for {target}:\n{log}");
         }
-        other => anyhow!("kernels/{name}.cu for {arch}: NVRTC failed: {other:?}"),
-    })
+        let ptx = result::get_ptx(program.0).map_err(nvrtc_err)?;
+        let ptx = CStr::from_ptr(ptx.as_ptr()).to_string_lossy().into_owned();
+        let mut size = 0;
+        let cubin = match target.starts_with("sm_") && sys::nvrtcGetCUBINSize(program.0, &mut size).result().is_ok() {
+            true if size > 0 => {
+                let mut bytes = vec![0u8; size];
+                sys::nvrtcGetCUBIN(program.0, bytes.as_mut_ptr().cast()).result().map_err(nvrtc_err)?;
+                Some(bytes)
+            }
+            _ => None,
+        };
+        Ok(Compiled { ptx, cubin })
+    }
+}
+
+/// An NVRTC program, destroyed when dropped.
+struct Program(sys::nvrtcProgram);
+
+impl Drop for Program {
+    fn drop(&mut self) {
+        // SAFETY: made by create_program and destroyed only here.
+        let _ = unsafe { result::destroy_program(self.0) };
+    }
 }
