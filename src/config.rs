@@ -173,6 +173,9 @@ pub struct DeviceConfig {
     /// the weights, fp32 master weights, gradients and AdamW moments), `f32` (f32 throughout, no
     /// TF32: step-by-step comparable with the CPU), or `auto` (bf16 on a GPU, f32 on the CPU).
     pub dtype: DeviceDtype,
+    /// Wait for every kernel and GEMM and check it (for debugging: an asynchronous GPU error is
+    /// then reported by the op that caused it; slow).
+    pub sync_launches: bool,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]

@@ -277,6 +277,16 @@ enum Exit {
 }
 
 fn main() -> ExitCode {
+    // A GPU error inside an op unwinds its rank to the launcher, which ends the run with it as the
+    // one error line; the default hook would print it first, with a backtrace note. Any other
+    // panic is a bug, and keeps the default report (where it happened).
+    let default_hook = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        let message = info.payload().downcast_ref::<String>().map(String::as_str).unwrap_or("");
+        if !message.starts_with(ferrotron::cuda::device::GPU_ERROR) {
+            default_hook(info);
+        }
+    }));
     // Output goes through `say!`, which ignores a closed or full stdout: a reader that goes away
     // (`ferrotron train | head`) costs the output, never the run or its checkpoints.
     match run(Cli::parse()) {

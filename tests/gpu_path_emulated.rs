@@ -46,18 +46,23 @@ fn ferrotron(dir: &Path, args: &[&str]) -> Output {
     ferrotron_on(dir, 1, args)
 }
 
-/// `ferrotron ARGS` on `gpus` fake GPUs.
+/// `ferrotron ARGS` on `gpus` fake GPUs, which must succeed.
 fn ferrotron_on(dir: &Path, gpus: usize, args: &[&str]) -> Output {
-    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(args)
-        .env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()))
-        .env("FERROTRON_FAKE_GPUS", gpus.to_string())
-        .output()
-        .unwrap();
+    let out = run(dir, &[("FERROTRON_FAKE_GPUS", &gpus.to_string())], args);
     let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
     assert!(out.status.success(), "ferrotron {}:\n{text}", args.join(" "));
     out
+}
+
+/// `ferrotron ARGS` with the fake driver first on the library path and `env` set.
+fn run(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
+    let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
+    let mut command = Command::new(env!("CARGO_BIN_EXE_ferrotron"));
+    command.args(args).env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()));
+    for (k, v) in env {
+        command.env(k, v);
+    }
+    command.output().unwrap()
 }
 
 /// The loss of every step of `ferrotron train` with these settings (from its --metrics).
@@ -150,6 +155,29 @@ fn every_parallelism_over_nccl_follows_one_rank() {
     for variant in variants.split(';') {
         let line = text.lines().find(|l| l.starts_with(variant)).unwrap_or_else(|| panic!("no {variant}:\n{text}"));
         assert!(line.ends_with("pass"), "{line}\n{text}");
+    }
+}
+
+#[test]
+fn a_gpu_fault_ends_the_run_with_one_message_and_sync_launches_names_the_kernel() {
+    let Some(dir) = fake_driver() else { return };
+    // the 40th launch faults like a kernel reading an illegal address: asynchronously
+    for sync in ["false", "true"] {
+        let set = format!("device.sync_launches={sync}");
+        let mut args = vec!["train"];
+        for s in common::SMALL.iter().chain(&["device.kind=cuda", "train.steps=2", "train.micro_batch_size=1", &set]) {
+            args.extend(["--set", s]);
+        }
+        let out = run(dir, &[("FERROTRON_FAKE_CUDA_FAIL_LAUNCH", "40")], &args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        // a clean exit with status 1 and one error line (no second panic, no abort)
+        assert_eq!(out.status.code(), Some(1), "sync_launches={sync}: {:?}\n{err}", out.status);
+        assert_eq!(err.matches("error:").count(), 1, "{err}");
+        assert!(!err.contains("panicked at"), "reported once, by the launcher: {err}");
+        assert!(err.contains("ILLEGAL_ADDRESS"), "{err}");
+        if sync == "true" {
+            assert!(err.contains("kernel ") && err.contains("(device.sync_launches)"), "the faulting kernel: {err}");
+        }
     }
 }
 

@@ -16,6 +16,7 @@ use crate::comm::local::Hub;
 use crate::comm::trace::Trace;
 use crate::comm::{Group, Stream};
 use crate::config::{CommBackend, Config, DeviceKind};
+use crate::cuda::device::GPU_ERROR;
 use crate::cuda::nccl::Nccl;
 use crate::cuda::runtime::Gpu;
 use crate::parallel::process_grid::{Axis, Coords, Grid};
@@ -48,6 +49,8 @@ pub struct Setup {
     pub timeout: Duration,
     /// Each rank opens a GPU.
     pub cuda: bool,
+    /// Every GPU launch is waited for and checked (`device.sync_launches`).
+    pub sync_launches: bool,
     pub backend: Backend,
     /// The memory the ranks keep their tensors in.
     pub capacity: Capacity,
@@ -66,7 +69,7 @@ pub struct Capacity {
 
 impl Setup {
     pub fn cpu(timeout: Duration) -> Setup {
-        Setup { timeout, cuda: false, backend: Backend::Local, capacity: Capacity::host(1) }
+        Setup { timeout, cuda: false, sync_launches: false, backend: Backend::Local, capacity: Capacity::host(1) }
     }
 
     /// The setup a config asks for, checked against the GPUs this machine has.
@@ -85,7 +88,7 @@ impl Setup {
             },
             false => Capacity::host(world),
         };
-        Ok(Setup { timeout, cuda, backend, capacity })
+        Ok(Setup { timeout, cuda, sync_launches: cfg.device.sync_launches, backend, capacity })
     }
 }
 
@@ -181,7 +184,10 @@ fn run_rank<R>(
     .unwrap_or_else(|panic| {
         let msg =
             panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-        Err(anyhow!("panicked: {}", msg.unwrap_or_default()))
+        match msg.unwrap_or_default() {
+            gpu_error if gpu_error.starts_with(GPU_ERROR) => Err(anyhow!("{gpu_error}")), // an op's GPU failure
+            msg => Err(anyhow!("panicked: {msg}")),
+        }
     });
     if let Err(e) = &result {
         hub.abort(format!("rank {rank} failed: {e:#}")); // only the first failure's reason is kept
@@ -198,7 +204,8 @@ fn open_devices(me: &mut Rank, setup: &Setup) -> Result<()> {
     if !setup.cuda {
         return Ok(());
     }
-    let gpu = Gpu::open(me.rank % crate::cuda::runtime::device_count()?)?;
+    let mut gpu = Gpu::open(me.rank % crate::cuda::runtime::device_count()?)?;
+    gpu.sync_launches = setup.sync_launches;
     if setup.backend == Backend::Nccl {
         for (_, group) in &me.groups {
             group.attach_device_link(Box::new(Nccl::connect(group, &gpu)?));

@@ -28,14 +28,19 @@ use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfi
 use cudarc::nvrtc::Ptx;
 use half::bf16;
 use std::collections::{HashMap, VecDeque};
+use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// A failed CUDA call inside an op stops the rank with this message (the launcher reports it and
 /// stops the other ranks): a GPU error leaves nothing to recover.
 pub(crate) fn fatal<T>(what: &str, r: Result<T>) -> T {
-    r.unwrap_or_else(|e| panic!("CUDA {what}: {e:#}"))
+    r.unwrap_or_else(|e| panic!("{GPU_ERROR}{what}: {e:#}"))
 }
+
+/// How the message of a `fatal` GPU error starts (the binary's panic hook leaves these to the
+/// launcher, which reports them as the run's one error line).
+pub const GPU_ERROR: &str = "CUDA ";
 
 /// A GPU buffer: f32, bf16, or a mixed-precision weight (fp32 master + bf16 compute copy).
 pub struct Buf {
@@ -184,7 +189,7 @@ pub struct Device {
     /// Every kernel of every file, looked up once when the device opens (modules stay loaded
     /// while a function of theirs lives).
     functions: HashMap<String, CudaFunction>,
-    pub(crate) blas: CudaBlas,
+    pub(crate) blas: ManuallyDrop<CudaBlas>,
     /// Recently uploaded token, target and position arrays, by content: each micro-batch's are
     /// uploaded once and reused by every layer.
     indices: Mutex<VecDeque<Indices>>,
@@ -223,6 +228,7 @@ impl Device {
         }
         let functions = load_kernels(gpu, crate::cuda::nvrtc::target(major, minor)?)?;
         let blas = CudaBlas::new(gpu.compute.clone()).map_err(|e| anyhow!("cuBLAS cannot start: {e:?}"))?;
+        let blas = ManuallyDrop::new(blas);
         Ok(Arc::new(Device {
             gpu: gpu.clone(),
             dtype,
@@ -244,7 +250,8 @@ impl Device {
         if l.grid.0 == 0 || l.grid.1 == 0 || l.grid.2 == 0 {
             return Ok(()); // nothing to compute (an empty tensor)
         }
-        let f = self.functions.get(&l.kernel).ok_or_else(|| anyhow!("kernels/{}.cu has no kernel {}", l.file, l.kernel))?;
+        let f =
+            self.functions.get(&l.kernel).ok_or_else(|| anyhow!("kernels/{}.cu has no kernel {}", l.file, l.kernel))?;
         let mut b = self.gpu.compute.launch_builder(f);
         for a in &l.args {
             match a {
@@ -263,7 +270,8 @@ impl Device {
             // SAFETY: `cuda/launch_table.rs` passes the argument list each kernel declares, and the op
             // layer checked that the buffers hold what the launch shape reaches.
             || unsafe { b.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {}: {e:?}", l.kernel)),
-        )
+        )?;
+        self.gpu.checked(|| format!("kernel {}", l.kernel))
     }
 
     /// A zero-filled buffer of `n` numbers.
@@ -335,6 +343,25 @@ impl Device {
     }
 }
 
+impl Drop for Device {
+    /// cudarc's cuBLAS handle panics when destroying it fails, as it does after a GPU error; on
+    /// top of the error being reported, that would abort the process. After an error we destroy
+    /// the handle ourselves, let a failure pass (nothing is left to do about it), and leave the
+    /// rest of the handle's struct (a stream reference) to the process's end.
+    fn drop(&mut self) {
+        let healthy = self.gpu.compute.synchronize().is_ok();
+        // SAFETY: `blas` is taken once, here, and not used again.
+        let blas = unsafe { ManuallyDrop::take(&mut self.blas) };
+        if healthy {
+            return drop(blas);
+        }
+        let handle = *blas.handle();
+        std::mem::forget(blas);
+        // SAFETY: the handle of a forgotten CudaBlas, destroyed only here.
+        let _ = unsafe { cudarc::cublas::result::destroy_handle(handle) };
+    }
+}
+
 /// Compiles every kernel file for `target` (`cuda/nvrtc.rs`), loads it into `gpu`'s context
 /// (the cubin, or the PTX for the driver to compile) and looks up every kernel the launch table
 /// uses: whatever cannot load fails now, before training, with the versions involved.
@@ -352,7 +379,10 @@ fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<HashMap<String, CudaF
     for l in launch_table::catalogue() {
         if !functions.contains_key(&l.kernel) {
             let f = modules[l.file].load_function(&l.kernel);
-            functions.insert(l.kernel.clone(), f.map_err(|e| anyhow!("kernels/{}.cu has no kernel {}: {e:?}", l.file, l.kernel))?);
+            functions.insert(
+                l.kernel.clone(),
+                f.map_err(|e| anyhow!("kernels/{}.cu has no kernel {}: {e:?}", l.file, l.kernel))?,
+            );
         }
     }
     Ok(functions)

@@ -111,7 +111,8 @@ impl Device {
                 blas_sys::cublasGemmAlgo_t::CUBLAS_GEMM_DFALT,
             )
             .map_err(|e| anyhow!("cuBLAS GEMM {}×{}×{}: {e:?}", g.m, g.n, g.k))
-        })
+        })?;
+        self.gpu.checked(|| format!("cuBLAS GEMM {}×{}×{}", g.m, g.n, g.k))
     }
 
     /// y[m, n] = x[m, k] · w[n, k]ᵀ.

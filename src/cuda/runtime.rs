@@ -72,6 +72,9 @@ pub struct Gpu {
     pub ctx: Arc<CudaContext>,
     pub compute: Arc<CudaStream>,
     pub comm: Arc<CudaStream>,
+    /// Wait for every launch and GEMM to finish and check it (`device.sync_launches`): slow, but
+    /// an error is reported by the op that caused it instead of at the next read-back.
+    pub sync_launches: bool,
 }
 
 impl Gpu {
@@ -88,7 +91,7 @@ impl Gpu {
         unsafe { ctx.disable_event_tracking() };
         let compute = ctx.new_stream().map_err(|e| anyhow!("GPU {ordinal}: cannot create a stream: {e:?}"))?;
         let comm = ctx.new_stream().map_err(|e| anyhow!("GPU {ordinal}: cannot create a stream: {e:?}"))?;
-        Ok(Gpu { ctx, compute, comm })
+        Ok(Gpu { ctx, compute, comm, sync_launches: false })
     }
 
     /// An event marking all work queued so far on `stream`.
@@ -116,6 +119,16 @@ impl Gpu {
     /// Overwrites a device buffer with host data (on the compute stream).
     pub fn write<T: DeviceRepr>(&self, data: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
         self.compute.memcpy_htod(data, dst).map_err(cuda_err)
+    }
+}
+
+impl Gpu {
+    /// With `sync_launches`: waits for the compute stream and names `what` if it failed.
+    pub fn checked(&self, what: impl FnOnce() -> String) -> Result<()> {
+        if self.sync_launches {
+            self.compute.synchronize().map_err(|e| anyhow!("{}: {e:?} (device.sync_launches)", what()))?;
+        }
+        Ok(())
     }
 }
 

@@ -7,6 +7,11 @@
 // cuModuleGetFunction and run by cuLaunchKernel, one launch at a time; cublasGemmEx is a plain
 // column-major GEMM with float accumulation, as cuBLAS defines it. Built as libcuda.so and
 // linked as libcublas.so too.
+//
+// Fault injection: FERROTRON_FAKE_CUDA_FAIL_LAUNCH=N makes the N-th kernel launch fault the way a
+// real kernel does, asynchronously: the launch itself succeeds, and from then on the context is
+// broken (CUDA_ERROR_ILLEGAL_ADDRESS, 700) for every synchronisation, copy and launch, and
+// destroying a cuBLAS handle fails.
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -21,7 +26,9 @@ extern "C" int emu_has(const char* name);
 
 namespace {
 typedef int CUresult;
-const CUresult OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, NOT_FOUND = 500;
+const CUresult OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, NOT_FOUND = 500, ILLEGAL_ADDRESS = 700;
+CUresult sticky = OK; // the error a faulted kernel left behind
+long launches_so_far = 0;
 const int MAX_GPUS = 64;
 int contexts[MAX_GPUS], pool_token, handle_token; // a context is the address of its ordinal's slot
 thread_local void* current = &contexts[0];
@@ -68,14 +75,20 @@ CUresult cuDevicePrimaryCtxRelease_v2(int) { return OK; }
 CUresult cuCtxSetCurrent(void* ctx) { current = ctx; return OK; }
 CUresult cuCtxGetCurrent(void** ctx) { *ctx = current; return OK; }
 CUresult cuCtxGetDevice(int* d) { *d = (int*)current - contexts; return OK; }
-CUresult cuCtxSynchronize() { return OK; }
-CUresult cuGetErrorString(CUresult, const char** s) { *s = "fake CUDA driver error"; return OK; }
-CUresult cuGetErrorName(CUresult, const char** s) { *s = "CUDA_ERROR_FAKE"; return OK; }
+CUresult cuCtxSynchronize() { return sticky; }
+CUresult cuGetErrorString(CUresult r, const char** s) {
+    *s = r == ILLEGAL_ADDRESS ? "an illegal memory access was encountered" : "fake CUDA driver error";
+    return OK;
+}
+CUresult cuGetErrorName(CUresult r, const char** s) {
+    *s = r == ILLEGAL_ADDRESS ? "CUDA_ERROR_ILLEGAL_ADDRESS" : "CUDA_ERROR_FAKE";
+    return OK;
+}
 
 CUresult cuStreamCreate(void** s, unsigned) { *s = malloc(1); return OK; }
 CUresult cuStreamCreateWithPriority(void** s, unsigned, int) { *s = malloc(1); return OK; }
 CUresult cuStreamDestroy_v2(void* s) { free(s); return OK; }
-CUresult cuStreamSynchronize(void*) { return OK; }
+CUresult cuStreamSynchronize(void*) { return sticky; }
 CUresult cuStreamQuery(void*) { return OK; }
 CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
 
@@ -83,7 +96,7 @@ CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
 CUresult cuEventCreate(void** e, unsigned) { *e = new double(0.0); return OK; }
 CUresult cuEventDestroy_v2(void* e) { delete (double*)e; return OK; }
 CUresult cuEventRecord(void* e, void*) { *(double*)e = now_ms(); return OK; }
-CUresult cuEventSynchronize(void*) { return OK; }
+CUresult cuEventSynchronize(void*) { return sticky; }
 CUresult cuEventQuery(void*) { return OK; }
 CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
     *ms = (float)(*(double*)end - *(double*)start);
@@ -101,10 +114,10 @@ CUresult cuMemAllocAsync(uint64_t* p, size_t bytes, void*) { return cuMemAlloc_v
 CUresult cuMemFree_v2(uint64_t p) { free((void*)p); return OK; }
 CUresult cuMemFreeAsync(uint64_t p, void*) { return cuMemFree_v2(p); }
 CUresult cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t n, void*) { memcpy((void*)dst, src, n); return OK; }
-CUresult cuMemcpyDtoHAsync_v2(void* dst, uint64_t src, size_t n, void*) { memcpy(dst, (void*)src, n); return OK; }
+CUresult cuMemcpyDtoHAsync_v2(void* dst, uint64_t src, size_t n, void*) { memcpy(dst, (void*)src, n); return sticky; }
 CUresult cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t n, void*) { memmove((void*)dst, (void*)src, n); return OK; }
 CUresult cuMemcpyHtoD_v2(uint64_t dst, const void* src, size_t n) { memcpy((void*)dst, src, n); return OK; }
-CUresult cuMemcpyDtoH_v2(void* dst, uint64_t src, size_t n) { memcpy(dst, (void*)src, n); return OK; }
+CUresult cuMemcpyDtoH_v2(void* dst, uint64_t src, size_t n) { memcpy(dst, (void*)src, n); return sticky; }
 CUresult cuMemsetD8Async(uint64_t p, unsigned char v, size_t n, void*) { memset((void*)p, v, n); return OK; }
 CUresult cuMemsetD8_v2(uint64_t p, unsigned char v, size_t n) { memset((void*)p, v, n); return OK; }
 CUresult cuDeviceGetDefaultMemPool(void** pool, int) { *pool = &pool_token; return OK; }
@@ -122,12 +135,18 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
                         unsigned shared_bytes, void*, void** params, void** extra) {
     if (by != 1 || bz != 1 || bx % 32 != 0 || shared_bytes != 0 || extra) return INVALID_VALUE;
     std::lock_guard<std::mutex> one_at_a_time(launches);
+    if (sticky != OK) return sticky;
+    const char* fail = getenv("FERROTRON_FAKE_CUDA_FAIL_LAUNCH");
+    if (fail && ++launches_so_far == atol(fail)) {
+        sticky = ILLEGAL_ADDRESS; // this kernel "faults": the error shows at the next sync
+        return OK;
+    }
     return emu_launch((const char*)f, gx, gy, gz, bx, params) == 0 ? OK : NOT_FOUND;
 }
 
 // cuBLAS: C = alpha·op(A)·op(B) + beta·C, column-major, f32 or bf16 matrices, float arithmetic.
 int cublasCreate_v2(void** h) { *h = &handle_token; return 0; }
-int cublasDestroy_v2(void*) { return 0; }
+int cublasDestroy_v2(void*) { return sticky == OK ? 0 : 14; } // CUBLAS_STATUS_INTERNAL_ERROR
 int cublasSetStream_v2(void*, void*) { return 0; }
 int cublasGemmEx(void*, int ta, int tb, int m, int n, int k, const void* alpha, const void* a, int atype, int lda,
                  const void* b, int btype, int ldb, const void* beta, void* c, int ctype, int ldc, int, int) {
