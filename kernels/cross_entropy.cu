@@ -6,7 +6,7 @@
 // Vocab-parallel: each rank holds columns first..first+vocab of the logits; the row statistics
 // (row_max, row_sum_exp, target_logit) are computed per slice and all-reduced between the calls,
 // exactly as `src/parallel/tensor_parallel.rs` does around the op-layer calls. One block per row, threads over the vocab
-// (target_logit and log_sum_exp: one thread per row).
+// (target_logit and log_sum_exp: one thread per row; add_loss: one block for all rows).
 
 template <typename T>
 __device__ void row_max(const T* logits, int vocab, float* max) {
@@ -47,6 +47,19 @@ __device__ void cross_entropy_backward(const T* logits, const int* targets, long
         if (t >= 0) d = (expf(load(logits, row * vocab + j) - lse[row]) - (j == c ? 1.0f : 0.0f)) * scale;
         store(dlogits, row * vocab + j, d);
     }
+}
+
+// The loss stays on the GPU: loss[0] += scale · Σ (lse − z) over the rows with a target, so the
+// training loop adds up its micro-batches here and reads the step's loss once. One block; its
+// threads stride over the rows, then one block sum.
+extern "C" __global__ void add_loss(const float* lse, const float* z, const int* targets, long rows, float scale,
+                                    float* loss) {
+    __shared__ float scratch[32];
+    float s = 0.0f;
+    for (long r = threadIdx.x; r < rows; r += blockDim.x)
+        if (targets[r] >= 0) s += lse[r] - z[r];
+    s = block_sum(s, scratch);
+    if (threadIdx.x == 0) loss[0] += s * scale;
 }
 
 // lse = max + log(sum) per row, after the statistics were all-reduced. One thread per row.

@@ -1,9 +1,11 @@
 // elementwise.cu — casts, residual adds, scaling, and the sum of squares for the gradient norm.
 //
-// Math: y = bf16(x) and back; a += b; a *= s; partial[b] = Σ x² over block b's elements.
+// Math: y = bf16(x) and back; a += b; a *= s; partial[b] = Σ x² over block b's elements;
+// out[r] = Σ_j x[r, j].
 // Decomposition: one thread per element, grid-stride loops. The sum of squares is deterministic:
-// each block reduces a fixed range in a fixed order into partial[blockIdx.x], and the host adds
-// the partials in order (no atomics).
+// each block reduces a fixed range in a fixed order into partial[blockIdx.x], then `sum_rows`
+// (one block per tensor) adds each tensor's partials in a fixed order (no atomics), so the host
+// reads one number per tensor.
 
 extern "C" __global__ void cast_f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
@@ -36,6 +38,15 @@ extern "C" __global__ void sum_squares_f32(const float* x, long n, float* partia
     for (long i = start + threadIdx.x; i < end; i += blockDim.x) acc += x[i] * x[i];
     acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+extern "C" __global__ void sum_rows_f32(const float* x, int cols, float* out) {
+    __shared__ float scratch[32];
+    long row = blockIdx.x;
+    float acc = 0.0f;
+    for (int j = threadIdx.x; j < cols; j += blockDim.x) acc += x[row * cols + j];
+    acc = block_sum(acc, scratch);
+    if (threadIdx.x == 0) out[row] = acc;
 }
 
 #define EXPORT(T, suffix)                                                                             \

@@ -34,6 +34,7 @@ use crate::comm::ReduceOp;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer;
+use crate::ops::{self, tensor::Tensor, DType};
 use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::DataParallel;
 use crate::parallel::pipeline_parallel::{self, StepPlan};
@@ -78,12 +79,12 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let (seq, pos) = (t.seq_len, &positions);
             Ok((context_parallel::local_rows(&tokens, seq, pos), context_parallel::local_rows(&targets, seq, pos)))
         };
-        let (loss, held) = if pp.size() == 1 {
-            let mut loss = 0.0;
+        let (mut loss, held) = if pp.size() == 1 {
+            let mut loss = Tensor::zeros_on(&[1], &model.place(), DType::F32); // on the device: no wait
             for micro in 0..m {
                 let (tokens, targets) = batch(micro)?;
                 let span = Instant::now();
-                loss += model.forward(&tokens, t.micro_batch_size, &targets)? / m as f32;
+                ops::add_scaled(&mut loss, model.forward_loss(&tokens, t.micro_batch_size, &targets)?, 1.0 / m as f32);
                 watch.span(format!("forward {micro}"), span);
                 let (span, last) = (Instant::now(), micro + 1 == m);
                 model.backward_with(1.0 / m as f32, &mut |p| {
@@ -105,10 +106,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         dp_sync.finish(&mut model.params_mut())?; // every gradient is now the dp average
         watch.span("wait for gradients".into(), span);
         // the last stage knows the loss; every rank logs the mean over the global batch
-        let mut loss = [loss];
-        pp.broadcast(&mut loss, pp.size() - 1)?;
-        dp.all_reduce(&mut loss, ReduceOp::Avg)?;
-        let loss = loss[0];
+        pp.broadcast_tensor(&mut loss, pp.size() - 1)?;
+        dp.all_reduce_tensor(&mut loss, ReduceOp::Avg)?;
+        let loss = loss.to_vec()[0]; // a CPU–GPU sync point: the step's loss, read once
         if !loss.is_finite() {
             return Err(run::not_finite(cfg, loss, step, first_step));
         }

@@ -181,6 +181,42 @@ fn a_gpu_fault_ends_the_run_with_one_message_and_sync_launches_names_the_kernel(
     }
 }
 
+/// The fake driver's counts of one training step (two micro-batches, one GPU): the difference
+/// between a 4-step and a 2-step run, halved.
+fn calls_per_step(dir: &Path, sets: &[&str]) -> serde_json::Map<String, serde_json::Value> {
+    let counts = |steps: usize| {
+        let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu_path_counts_{steps}.json"));
+        let steps = format!("train.steps={steps}");
+        let mut args = vec!["train"];
+        let run_sets = ["device.kind=cuda", "train.micro_batch_size=1", "train.grad_accum_steps=2", &steps];
+        for s in common::SMALL.iter().chain(&run_sets).chain(sets) {
+            args.extend(["--set", s]);
+        }
+        let out = run(dir, &[("FERROTRON_FAKE_CUDA_COUNTS", file.to_str().unwrap())], &args);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        let text = std::fs::read_to_string(&file).unwrap();
+        serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&text).unwrap()
+    };
+    let (two, four) = (counts(2), counts(4));
+    let per_step = |k: &String| (four[k].as_i64().unwrap() - two[k].as_i64().unwrap()) as f64 / 2.0;
+    two.keys().map(|k| (k.clone(), per_step(k).into())).collect()
+}
+
+#[test]
+fn the_step_keeps_its_budget_of_syncs_copies_and_memsets() {
+    let Some(dir) = fake_driver() else { return };
+    let step = calls_per_step(dir, &[]);
+    let n = |k: &str| step[k].as_f64().unwrap();
+    eprintln!("one step, 2 micro-batches, bf16, 1 GPU: {step:?}; {} launches per micro-batch", n("launches") / 2.0);
+    // the loss and the gradient norm (one number per tensor): the step's only waits for the GPU
+    // and its only read-backs
+    assert!(n("syncs") <= 2.0, "host synchronisations per step: {step:?}");
+    assert!(n("dtoh") <= 2.0 && n("dtoh_bytes") <= 4.0 * 64.0, "device→host copies per step: {step:?}");
+    // only what must start at zero: the step's loss, each micro-batch's, the norm's partial sums
+    assert!(n("memsets") <= 4.0, "memsets per step: {step:?}");
+    assert!(n("launches") > 0.0 && n("gemms") > 0.0, "{step:?}");
+}
+
 #[test]
 fn bench_profiles_the_gpu_path() {
     let Some(dir) = fake_driver() else { return };

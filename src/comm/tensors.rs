@@ -119,6 +119,9 @@ impl Group {
 
     /// Every member's `t` becomes member `root`'s.
     pub fn broadcast_tensor(&self, t: &mut Tensor, root: usize) -> Result<()> {
+        if self.size() == 1 {
+            return Ok(()); // alone: nothing to move (and on a GPU, no wait for it)
+        }
         match self.link_for(t) {
             Some(link) => (link.broadcast(t, root)?.0)(),
             None => {
@@ -142,7 +145,7 @@ impl Group {
         let Some(link) = self.link_on(place) else {
             return Ok(Tensor::from_host(shape, self.recv(shape.iter().product(), from)?, place));
         };
-        let mut t = Tensor::zeros_on(shape, place);
+        let mut t = Tensor::zeros_on(shape, place, place.dtype());
         (link.send_recv(None, Some((&mut t, from)))?.0)()?;
         Ok(t)
     }
@@ -154,10 +157,10 @@ impl Group {
         let place = send.place();
         let Some(link) = self.link_on(&place) else {
             let values = self.send_recv_async(&send.host_view(), to, shape.iter().product(), from);
-            let landing = Tensor::zeros_on(shape, &place);
+            let landing = Tensor::zeros_on(shape, &place, place.dtype());
             return Ok(Pending { tensor: landing, how: How::Host(values), _sent: None });
         };
-        let mut recv = Tensor::zeros_on(shape, &place);
+        let mut recv = Tensor::zeros_on(shape, &place, place.dtype());
         let fence = link.send_recv(Some((&send, to)), Some((&mut recv, from)))?;
         Ok(Pending { tensor: recv, how: How::Device(fence), _sent: Some(send) })
     }
@@ -169,7 +172,7 @@ impl Group {
             let values = self.send_recv(&send.host_view(), to, shape.iter().product(), from)?;
             return Ok(Tensor::from_host(shape, values, &place));
         };
-        let mut recv = Tensor::zeros_on(shape, &place);
+        let mut recv = Tensor::zeros_on(shape, &place, place.dtype());
         (link.send_recv(Some((send, to)), Some((&mut recv, from)))?.0)()?;
         Ok(recv)
     }

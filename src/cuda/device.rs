@@ -288,6 +288,24 @@ impl Device {
         Buf::new(self, data)
     }
 
+    /// A buffer of `n` numbers whose contents are whatever the memory held: for outputs their
+    /// kernel writes whole.
+    pub fn uninit(self: &Arc<Self>, n: usize, dtype: DType) -> Buf {
+        let s = &self.gpu.compute;
+        // SAFETY: the caller's kernel writes every element before anything reads one.
+        let data = fatal(
+            "alloc",
+            unsafe {
+                match dtype {
+                    DType::F32 => s.alloc(n).map(Data::F32),
+                    DType::Bf16 => s.alloc(n).map(Data::Bf16),
+                }
+            }
+            .map_err(|e| anyhow!("cannot allocate {n} numbers on the GPU: {e:?}")),
+        );
+        Buf::new(self, data)
+    }
+
     /// Host f32 data on the GPU as `dtype` (bf16: converted on the GPU by `cast_f32_to_bf16`).
     pub fn upload(self: &Arc<Self>, data: &[f32], dtype: DType) -> Buf {
         let f32s = fatal("upload", self.gpu.upload(data));

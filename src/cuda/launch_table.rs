@@ -331,6 +331,12 @@ pub fn target_logit(
     launch("cross_entropy", typed("target_logit", dt), each(n), args)
 }
 
+/// loss[0] += scale · Σ (lse − z) over the rows with a target: one block.
+pub fn add_loss((lse, z, targets): (Addr, Addr, Addr), n: usize, scale: f32, loss: Addr) -> Launch {
+    let args = vec![Ptr(lse), Ptr(z), Ptr(targets), long(n), F32(scale), Ptr(loss)];
+    launch("cross_entropy", "add_loss".into(), ((1, 1, 1), THREADS), args)
+}
+
 /// d(scale · loss)/d logits, with `lse` the rows' log-sum-exp over the whole vocabulary.
 pub fn cross_entropy_backward(
     dt: DType,
@@ -359,6 +365,11 @@ pub fn sum_squares(x: Addr, n: usize, partial: Addr) -> Launch {
     launch("elementwise", "sum_squares_f32".into(), ((blocks, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
 }
 
+/// out[r] = Σ of row r of x `[rows, cols]`: one block per row.
+pub fn sum_rows(x: Addr, (n, cols): (usize, usize), out: Addr) -> Launch {
+    launch("elementwise", "sum_rows_f32".into(), rows(n), vec![Ptr(x), int(cols), Ptr(out)])
+}
+
 /// AdamW on f32 p, g, m, v; `copy`: the bf16 compute copy to rewrite (mixed precision).
 pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: Option<Addr>) -> Launch {
     let mut args = vec![Ptr(p), Ptr(g), Ptr(m), Ptr(v), long(n)];
@@ -377,7 +388,9 @@ pub fn catalogue() -> Vec<Launch> {
         cast_f32_to_bf16(0, 0, 1),
         cast_bf16_to_f32(0, 0, 1),
         log_sum_exp(0, 0, 0, 1),
+        add_loss((0, 0, 0), 1, 1.0, 0),
         sum_squares(0, 1, 0),
+        sum_rows(0, (1, 1), 0),
         adamw(&o, (0, 0, 0, 0), 1, None),
         adamw(&o, (0, 0, 0, 0), 1, Some(0)),
     ];

@@ -54,9 +54,11 @@ impl Gemm {
 }
 
 impl Device {
-    /// A zeroed tensor of `shape` on this GPU.
+    /// An op's output of `shape` on this GPU, *not* zeroed: every op here writes each element of
+    /// the outputs it makes (a memset per output would be wasted work, and the fake driver fills
+    /// new memory with NaN so that a missed element shows in the tests).
     pub(crate) fn tensor(self: &Arc<Self>, shape: &[usize], dtype: DType) -> Tensor {
-        Tensor::from_buf(shape, self.zeros(shape.iter().product(), dtype))
+        Tensor::from_buf(shape, self.uninit(shape.iter().product(), dtype))
     }
 
     // GEMMs: the three products of a linear layer, each one cuBLAS call (shapes in `Gemm`).
@@ -78,8 +80,19 @@ impl Device {
                 b.dtype()
             );
         }
-        if g.m == 0 || g.n == 0 || (g.k == 0 && !accumulate) {
-            return Ok(()); // an empty product (k = 0: zeros, which the output already holds)
+        if g.m == 0 || g.n == 0 {
+            return Ok(()); // an empty product
+        }
+        if g.k == 0 {
+            // a sum of nothing: zeros (or, accumulating, nothing to add)
+            return match accumulate {
+                true => Ok(()),
+                // SAFETY: c is a live buffer of c.bytes() bytes, written in compute-stream order.
+                false => unsafe {
+                    cudarc::driver::result::memset_d8_async(c.addr(), 0, c.bytes(), self.gpu.compute.cu_stream())
+                }
+                .map_err(cuda_err),
+            };
         }
         let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
         self.gpu.ctx.bind_to_thread().map_err(cuda_err)?; // cuBLAS runs in the thread's current context
@@ -281,6 +294,11 @@ impl Device {
         Ok(z)
     }
 
+    pub fn add_loss(&self, loss: &Tensor, (lse, z): (&Tensor, &Tensor), targets: &[i32], scale: f32) -> Result<()> {
+        let (t, _keep) = self.index_addr(&target_bits(targets))?;
+        self.run(&launch_table::add_loss((f32_addr(lse), f32_addr(z), t), targets.len(), scale, f32_addr(loss)))
+    }
+
     pub fn cross_entropy_backward(
         self: &Arc<Self>,
         logits: &Tensor,
@@ -326,16 +344,18 @@ impl Device {
         self.run(&launch_table::scale(a.dtype(), addr(a), s, a.numel()))
     }
 
-    /// Σ x² of each f32 tensor: every tensor's partial sums land in one buffer, which is read
-    /// back once (one wait for the GPU for the whole gradient norm).
+    /// Σ x² of each f32 tensor: every tensor's partial sums land in one buffer, each tensor's row
+    /// is summed on the GPU, and the one number per tensor is read back at once (one wait for the
+    /// GPU for the whole gradient norm).
     pub fn sum_squares(self: &Arc<Self>, ts: &[&Tensor]) -> Result<Vec<f64>> {
-        let partial = self.zeros(ts.len() * NORM_BLOCKS, DType::F32);
+        let partial = self.zeros(ts.len() * NORM_BLOCKS, DType::F32); // blocks a small tensor leaves idle add 0
         for (i, t) in ts.iter().enumerate() {
             let at = partial.f32_addr() + (i * NORM_BLOCKS * 4) as u64;
             self.run(&launch_table::sum_squares(f32_addr(t), t.numel(), at))?;
         }
-        let sums = partial.to_vec();
-        Ok(sums.chunks(NORM_BLOCKS).map(|c| c.iter().map(|&x| x as f64).sum()).collect())
+        let sums = self.uninit(ts.len(), DType::F32);
+        self.run(&launch_table::sum_rows(partial.f32_addr(), (ts.len(), NORM_BLOCKS), sums.f32_addr()))?;
+        Ok(sums.to_vec().into_iter().map(|x| x as f64).collect())
     }
 
     /// One AdamW step on the fp32 master weight; in mixed precision the same kernel writes the

@@ -62,9 +62,10 @@ pub enum StageInput<'a> {
     Hidden(Tensor),
 }
 
-/// What a stage produces: the mean loss (last stage) or activations for the next stage.
+/// What a stage produces: the mean loss (last stage; a one-number f32 tensor on the stage's
+/// device) or activations for the next stage.
 pub enum StageOutput {
-    Loss(f32),
+    Loss(Tensor),
     Hidden(Tensor),
 }
 
@@ -273,6 +274,12 @@ impl<'g> Llama<'g> {
     /// the mean cross-entropy over the rows whose target is not negative. Keeps the activations
     /// for `backward`, dropping those of earlier forwards that had none (as in evaluation).
     pub fn forward(&mut self, tokens: &[u32], batch: usize, targets: &[i32]) -> Result<f32> {
+        Ok(self.forward_loss(tokens, batch, targets)?.to_vec()[0]) // on a GPU, a wait for it
+    }
+
+    /// `forward`, with the loss left where it was computed: a one-number tensor (on a GPU, the
+    /// training loop adds the micro-batches' losses there and reads the step's once).
+    pub fn forward_loss(&mut self, tokens: &[u32], batch: usize, targets: &[i32]) -> Result<Tensor> {
         self.caches.clear();
         match self.forward_stage(StageInput::Tokens(tokens), batch, targets)? {
             StageOutput::Loss(loss) => Ok(loss),
@@ -318,10 +325,10 @@ impl<'g> Llama<'g> {
         let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, cfg.rms_norm_eps);
         let out_layer = h.lm_head.as_ref().or(self.embed_tokens.as_ref()).expect("a tied head has the embedding");
         let logits = ops::linear(&xn, &out_layer.value); // column parallel: this rank's vocabulary slice
-        let (sum, count, lse) = tp.cross_entropy(&logits, targets, self.vocab_first)?;
+        let (loss, count, lse) = tp.cross_entropy(&logits, targets, self.vocab_first)?;
         let head = HeadCache { targets: targets.to_vec(), x_final: x, xn, rstd, logits, lse, count };
         self.caches.push_back(Cache { tokens, positions, attn, blocks, head: Some(head) });
-        Ok(StageOutput::Loss((sum / count.max(1) as f64) as f32))
+        Ok(StageOutput::Loss(loss))
     }
 
     /// The logits of the last `forward`, `[rows, vocab]` (this rank's vocabulary slice).

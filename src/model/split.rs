@@ -38,9 +38,10 @@ pub trait TensorSplit {
     /// The rows of `tokens` from a table holding vocabulary ids `first..`, summed over the ranks.
     fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor>;
 
-    /// Cross-entropy of logits holding vocabulary ids `first..`: (sum of row losses, counted rows,
-    /// per-row log-sum-exp over the whole vocabulary). Rows with a negative target are ignored.
-    fn cross_entropy(&self, logits: &Tensor, targets: &[i32], first: usize) -> Result<(f64, usize, Tensor)>;
+    /// Cross-entropy of logits holding vocabulary ids `first..`: (mean row loss, a one-number
+    /// tensor on the logits' device; counted rows; per-row log-sum-exp over the whole vocabulary).
+    /// Rows with a negative target are ignored.
+    fn cross_entropy(&self, logits: &Tensor, targets: &[i32], first: usize) -> Result<(Tensor, usize, Tensor)>;
 }
 
 /// How this rank's tokens relate to the rest of each sequence.
@@ -81,7 +82,7 @@ impl TensorSplit for Whole {
     fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor> {
         Ok(ops::embedding(&table.value, tokens, first))
     }
-    fn cross_entropy(&self, logits: &Tensor, targets: &[i32], first: usize) -> Result<(f64, usize, Tensor)> {
+    fn cross_entropy(&self, logits: &Tensor, targets: &[i32], first: usize) -> Result<(Tensor, usize, Tensor)> {
         let max = ops::row_max(logits);
         let lse = ops::log_sum_exp(&max, &ops::row_sum_exp(logits, &max));
         Ok(row_losses(targets, lse, &ops::target_logits(logits, targets, first)))
@@ -125,14 +126,11 @@ pub fn weight_grads(x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) {
     }
 }
 
-/// (Σ lse − target logit over the rows with a target, their count, lse).
-pub fn row_losses(targets: &[i32], lse: Tensor, target: &Tensor) -> (f64, usize, Tensor) {
-    let (mut sum, mut count) = (0.0f64, 0);
-    for ((&t, l), z) in targets.iter().zip(lse.to_vec()).zip(target.to_vec()) {
-        if t >= 0 {
-            sum += (l - z) as f64;
-            count += 1;
-        }
-    }
-    (sum, count, lse)
+/// (the mean of lse − target logit over the rows with a target, as a one-number tensor where
+/// the logits are: on a GPU nobody waits for it here; their count; lse).
+pub fn row_losses(targets: &[i32], lse: Tensor, target: &Tensor) -> (Tensor, usize, Tensor) {
+    let count = targets.iter().filter(|&&t| t >= 0).count();
+    let mut loss = Tensor::zeros_as(&[1], &lse); // f32, like the row statistics
+    ops::add_loss(&mut loss, (&lse, target), targets, 1.0 / count.max(1) as f32);
+    (loss, count, lse)
 }

@@ -365,6 +365,12 @@ pub fn log_sum_exp(max: &[f32], sum_exp: &[f32], lse: &mut [f32]) {
     }
 }
 
+/// Σ (lse − z) over the rows whose target is not negative, accumulated in f64.
+pub fn row_loss_sum(lse: &[f32], z: &[f32], targets: &[i32]) -> f32 {
+    let rows = lse.iter().zip(z).zip(targets).filter(|(_, &t)| t >= 0);
+    rows.map(|((&l, &z), _)| (l - z) as f64).sum::<f64>() as f32
+}
+
 /// The logit of each row's target when it lies in this slice of the vocabulary, else 0.
 pub fn target_logits(logits: &[f32], vocab: usize, targets: &[i32], first: usize, z: &mut [f32]) {
     for ((z, row), &t) in z.iter_mut().zip(logits.chunks(vocab)).zip(targets) {

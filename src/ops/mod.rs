@@ -236,6 +236,16 @@ pub fn target_logits(logits: &Tensor, targets: &[i32], first: usize) -> Tensor {
     z
 }
 
+/// loss[0] += scale · Σ (lse − z) over the rows whose target is not negative: the loss summed
+/// where it was computed (on a GPU, no wait for it; f32 tensors).
+pub fn add_loss(loss: &mut Tensor, (lse, z): (&Tensor, &Tensor), targets: &[i32], scale: f32) {
+    assert!(lse.numel() == targets.len() && z.numel() == targets.len() && loss.numel() == 1, "add_loss: sizes");
+    if let Some(d) = gpu("add loss", &[loss, lse, z]) {
+        return fatal("add loss", d.add_loss(loss, (lse, z), targets, scale));
+    }
+    loss.host_mut()[0] += scale * cpu::row_loss_sum(lse.host(), z.host(), targets);
+}
+
 /// d(scale · Σ row losses)/d logits for a vocabulary slice starting at id `first`:
 /// softmax − one-hot(target), with softmax = exp(logit − lse); zero rows where the target is
 /// negative (ignored).
@@ -294,6 +304,12 @@ pub fn slice(t: &Tensor, offset: usize, shape: &[usize]) -> Tensor {
     let n = part.numel();
     copy(t, offset, &mut part, 0, n);
     part
+}
+
+/// a += s · b (b is scaled in place first).
+pub fn add_scaled(a: &mut Tensor, mut b: Tensor, s: f32) {
+    scale(&mut b, s);
+    add_assign(a, &b);
 }
 
 pub fn scale(a: &mut Tensor, s: f32) {

@@ -102,11 +102,11 @@ impl Tensor {
         Tensor::zeros_as(&t.shape, t)
     }
 
-    /// Zeros of `shape` on `place`, in its compute dtype.
-    pub fn zeros_on(shape: &[usize], place: &Place) -> Tensor {
+    /// Zeros of `shape` on `place`, in `dtype` (f32 on the CPU).
+    pub fn zeros_on(shape: &[usize], place: &Place, dtype: DType) -> Tensor {
         match place {
             Place::Cpu => Tensor::zeros(shape),
-            Place::Cuda(dev) => Tensor::from_buf(shape, dev.zeros(shape.iter().product(), dev.dtype)),
+            Place::Cuda(dev) => Tensor::from_buf(shape, dev.zeros(shape.iter().product(), dtype)),
         }
     }
 

@@ -32,6 +32,7 @@ use crate::comm::Group;
 use crate::config::PpSchedule;
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::{Place, Tensor};
+use crate::ops::{self, DType};
 use anyhow::Result;
 use std::time::Instant;
 
@@ -73,9 +74,10 @@ pub struct StepPlan<'a> {
 }
 
 /// What a step left: this stage's share of the loss (the mean over micro-batches on the last
-/// stage, 0 elsewhere) and the most micro-batch activations it held at once.
+/// stage, 0 elsewhere; a one-number f32 tensor on the stage's device) and the most micro-batch
+/// activations it held at once.
 pub struct StepStats {
-    pub loss: f32,
+    pub loss: Tensor,
     pub peak_activations: usize,
 }
 
@@ -84,7 +86,8 @@ pub struct StepStats {
 pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn FnMut(&Param)) -> Result<StepStats> {
     let stage = Stage { index: pp.index(), count: pp.size() };
     let msg = Messages { pp, stage, shape: plan.hidden, place: model.place() };
-    let mut run = Runner { model, plan, stage, ready, stats: StepStats { loss: 0.0, peak_activations: 0 } };
+    let loss = Tensor::zeros_on(&[1], &model.place(), DType::F32);
+    let mut run = Runner { model, plan, stage, ready, stats: StepStats { loss, peak_activations: 0 } };
     let m = plan.micro_batches;
     match plan.kind {
         PpSchedule::Afab => {
@@ -158,7 +161,7 @@ impl Runner<'_, '_, '_> {
         (self.plan.record)(format!("forward {i}"), start);
         Ok(match out {
             StageOutput::Loss(loss) => {
-                self.stats.loss += loss / self.plan.micro_batches as f32;
+                ops::add_scaled(&mut self.stats.loss, loss, 1.0 / self.plan.micro_batches as f32);
                 None
             }
             StageOutput::Hidden(y) => Some(y),

@@ -85,7 +85,7 @@ impl TensorSplit for TensorParallel<'_> {
     }
 
     /// Cross-entropy over logits split by vocabulary: three statistics per row, all-reduced.
-    fn cross_entropy(&self, logits: &Tensor, targets: &[i32], first: usize) -> Result<(f64, usize, Tensor)> {
+    fn cross_entropy(&self, logits: &Tensor, targets: &[i32], first: usize) -> Result<(Tensor, usize, Tensor)> {
         let mut max = ops::row_max(logits);
         self.all_reduce(&mut max, ReduceOp::Max)?;
         let mut sum_exp = ops::row_sum_exp(logits, &max);

@@ -12,6 +12,12 @@
 // real kernel does, asynchronously: the launch itself succeeds, and from then on the context is
 // broken (CUDA_ERROR_ILLEGAL_ADDRESS, 700) for every synchronisation, copy and launch, and
 // destroying a cuBLAS handle fails.
+//
+// Budgets: every call that costs the host or the GPU is counted (host synchronisations, copies
+// each way with their bytes, memsets, allocations, launches, GEMMs), and with
+// FERROTRON_FAKE_CUDA_COUNTS=FILE the totals are written to FILE as JSON when the process ends;
+// tests/gpu_path_emulated.rs takes two runs' difference to get one training step's calls.
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -29,6 +35,23 @@ typedef int CUresult;
 const CUresult OK = 0, INVALID_VALUE = 1, INVALID_DEVICE = 101, NOT_FOUND = 500, ILLEGAL_ADDRESS = 700;
 CUresult sticky = OK; // the error a faulted kernel left behind
 long launches_so_far = 0;
+
+struct Counts {
+    std::atomic<long> syncs{0}, dtoh{0}, dtoh_bytes{0}, htod{0}, htod_bytes{0}, dtod{0}, memsets{0}, allocs{0},
+        launches{0}, gemms{0};
+    ~Counts() {
+        const char* path = getenv("FERROTRON_FAKE_CUDA_COUNTS");
+        FILE* f = path ? fopen(path, "w") : nullptr;
+        if (!f) return;
+        fprintf(f,
+                "{\"syncs\": %ld, \"dtoh\": %ld, \"dtoh_bytes\": %ld, \"htod\": %ld, \"htod_bytes\": %ld, "
+                "\"dtod\": %ld, \"memsets\": %ld, \"allocs\": %ld, \"launches\": %ld, \"gemms\": %ld}\n",
+                syncs.load(), dtoh.load(), dtoh_bytes.load(), htod.load(), htod_bytes.load(), dtod.load(),
+                memsets.load(), allocs.load(), launches.load(), gemms.load());
+        fclose(f);
+    }
+} counts;
+CUresult synced() { counts.syncs++; return sticky; }
 const int MAX_GPUS = 64;
 int contexts[MAX_GPUS], pool_token, handle_token; // a context is the address of its ordinal's slot
 thread_local void* current = &contexts[0];
@@ -75,7 +98,7 @@ CUresult cuDevicePrimaryCtxRelease_v2(int) { return OK; }
 CUresult cuCtxSetCurrent(void* ctx) { current = ctx; return OK; }
 CUresult cuCtxGetCurrent(void** ctx) { *ctx = current; return OK; }
 CUresult cuCtxGetDevice(int* d) { *d = (int*)current - contexts; return OK; }
-CUresult cuCtxSynchronize() { return sticky; }
+CUresult cuCtxSynchronize() { return synced(); }
 CUresult cuGetErrorString(CUresult r, const char** s) {
     *s = r == ILLEGAL_ADDRESS ? "an illegal memory access was encountered" : "fake CUDA driver error";
     return OK;
@@ -88,7 +111,7 @@ CUresult cuGetErrorName(CUresult r, const char** s) {
 CUresult cuStreamCreate(void** s, unsigned) { *s = malloc(1); return OK; }
 CUresult cuStreamCreateWithPriority(void** s, unsigned, int) { *s = malloc(1); return OK; }
 CUresult cuStreamDestroy_v2(void* s) { free(s); return OK; }
-CUresult cuStreamSynchronize(void*) { return sticky; }
+CUresult cuStreamSynchronize(void*) { return synced(); }
 CUresult cuStreamQuery(void*) { return OK; }
 CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
 
@@ -96,7 +119,7 @@ CUresult cuStreamWaitEvent(void*, void*, unsigned) { return OK; }
 CUresult cuEventCreate(void** e, unsigned) { *e = new double(0.0); return OK; }
 CUresult cuEventDestroy_v2(void* e) { delete (double*)e; return OK; }
 CUresult cuEventRecord(void* e, void*) { *(double*)e = now_ms(); return OK; }
-CUresult cuEventSynchronize(void*) { return sticky; }
+CUresult cuEventSynchronize(void*) { return synced(); }
 CUresult cuEventQuery(void*) { return OK; }
 CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
     *ms = (float)(*(double*)end - *(double*)start);
@@ -105,21 +128,52 @@ CUresult cuEventElapsedTime(float* ms, void* start, void* end) {
 CUresult cuEventElapsedTime_v2(float* ms, void* start, void* end) { return cuEventElapsedTime(ms, start, end); }
 
 CUresult cuMemAlloc_v2(uint64_t* p, size_t bytes) {
-    void* m = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
-    if (!m) return 2; // out of memory
+    counts.allocs++;
+    size_t size = (bytes + 255) / 256 * 256 + 256;
+    void* m = aligned_alloc(256, size);
+    if (!m) return 2;   // out of memory
+    memset(m, 0xff, size); // NaN in f32 and bf16: a kernel that skips an element of its output shows
     *p = (uint64_t)m;
     return OK;
 }
 CUresult cuMemAllocAsync(uint64_t* p, size_t bytes, void*) { return cuMemAlloc_v2(p, bytes); }
 CUresult cuMemFree_v2(uint64_t p) { free((void*)p); return OK; }
 CUresult cuMemFreeAsync(uint64_t p, void*) { return cuMemFree_v2(p); }
-CUresult cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t n, void*) { memcpy((void*)dst, src, n); return OK; }
-CUresult cuMemcpyDtoHAsync_v2(void* dst, uint64_t src, size_t n, void*) { memcpy(dst, (void*)src, n); return sticky; }
-CUresult cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t n, void*) { memmove((void*)dst, (void*)src, n); return OK; }
-CUresult cuMemcpyHtoD_v2(uint64_t dst, const void* src, size_t n) { memcpy((void*)dst, src, n); return OK; }
-CUresult cuMemcpyDtoH_v2(void* dst, uint64_t src, size_t n) { memcpy(dst, (void*)src, n); return sticky; }
-CUresult cuMemsetD8Async(uint64_t p, unsigned char v, size_t n, void*) { memset((void*)p, v, n); return OK; }
-CUresult cuMemsetD8_v2(uint64_t p, unsigned char v, size_t n) { memset((void*)p, v, n); return OK; }
+CUresult cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t n, void*) {
+    counts.htod++, counts.htod_bytes += n;
+    memcpy((void*)dst, src, n);
+    return OK;
+}
+CUresult cuMemcpyDtoHAsync_v2(void* dst, uint64_t src, size_t n, void*) {
+    counts.dtoh++, counts.dtoh_bytes += n;
+    memcpy(dst, (void*)src, n);
+    return sticky;
+}
+CUresult cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t n, void*) {
+    counts.dtod++;
+    memmove((void*)dst, (void*)src, n);
+    return OK;
+}
+CUresult cuMemcpyHtoD_v2(uint64_t dst, const void* src, size_t n) {
+    counts.htod++, counts.htod_bytes += n;
+    memcpy((void*)dst, src, n);
+    return OK;
+}
+CUresult cuMemcpyDtoH_v2(void* dst, uint64_t src, size_t n) {
+    counts.dtoh++, counts.dtoh_bytes += n, counts.syncs++; // a synchronous copy waits for the GPU
+    memcpy(dst, (void*)src, n);
+    return sticky;
+}
+CUresult cuMemsetD8Async(uint64_t p, unsigned char v, size_t n, void*) {
+    counts.memsets++;
+    memset((void*)p, v, n);
+    return OK;
+}
+CUresult cuMemsetD8_v2(uint64_t p, unsigned char v, size_t n) {
+    counts.memsets++;
+    memset((void*)p, v, n);
+    return OK;
+}
 CUresult cuDeviceGetDefaultMemPool(void** pool, int) { *pool = &pool_token; return OK; }
 CUresult cuMemPoolSetAttribute(void* pool, int, void* value) { return pool == &pool_token && value ? OK : INVALID_VALUE; }
 
@@ -135,6 +189,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
                         unsigned shared_bytes, void*, void** params, void** extra) {
     if (by != 1 || bz != 1 || bx % 32 != 0 || shared_bytes != 0 || extra) return INVALID_VALUE;
     std::lock_guard<std::mutex> one_at_a_time(launches);
+    counts.launches++;
     if (sticky != OK) return sticky;
     const char* fail = getenv("FERROTRON_FAKE_CUDA_FAIL_LAUNCH");
     if (fail && ++launches_so_far == atol(fail)) {
@@ -153,6 +208,7 @@ int cublasGemmEx(void*, int ta, int tb, int m, int n, int k, const void* alpha, 
     auto at = [](const void* p, int type, long i) {
         return type == 0 ? ((const float*)p)[i] : __bfloat162float(((const __nv_bfloat16*)p)[i]);
     };
+    counts.gemms++;
     float al = *(const float*)alpha, be = *(const float*)beta;
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
