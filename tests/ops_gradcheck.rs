@@ -147,9 +147,10 @@ fn cross_entropy_with_ignored_rows() {
     let (rows, vocab) = (5, 7);
     let targets = [2i32, 6, -1, 0, 3];
     let logits = randn(&mut rng, rows * vocab, 3.0);
-    // the scalar here is the loss itself: R = [1]
+    // the scalar here is the summed loss (the mean times the counted rows): R = [1]
     let ce = |x: &Tensor| Whole.cross_entropy(x, &targets, 0).unwrap();
-    let f = |xs: &[Vec<f32>]| vec![ce(&t(&[rows, vocab], &xs[0])).0 as f32];
+    let sum = |(mean, count, _): (Tensor, usize, Tensor)| mean.to_vec()[0] * count as f32;
+    let f = |xs: &[Vec<f32>]| vec![sum(ce(&t(&[rows, vocab], &xs[0])))];
     let lt = t(&[rows, vocab], &logits);
     let (_, count, lse) = ce(&lt);
     assert_eq!(count, 4, "the ignored row is not counted");
