@@ -3,19 +3,33 @@
 // Math: for each head and i < half = head_dim/2, with angle = pos · theta^(−2i/head_dim):
 //   (x[i], x[i+half]) ← (x[i]·cos − x[i+half]·sin, x[i+half]·cos + x[i]·sin).
 // The backward of a rotation is the rotation by −angle, applied to the gradient in place
-// (`inverse` = 1). One thread per (row, head, i) pair; the angle is computed in double for the
-// large positions of long sequences, as the CPU reference does.
+// (`inverse` = 1). The angles depend only on the positions, so `rope_table` computes cos and sin
+// once per micro-batch, [rows, half] each: in double (the large positions of long sequences need
+// it, as in the CPU reference), rounded to float; every layer's q and k, forward and backward,
+// then read the table instead of calling pow, cos and sin in double.
+// Decomposition: one thread per (row, i) entry of the table; one thread per (row, head, i) pair
+// of the rotation.
+
+extern "C" __global__ void rope_table(const unsigned* positions, long rows, int head_dim, double theta, float* cos_t,
+                                      float* sin_t) {
+    int half = head_dim / 2;
+    for (long k = blockIdx.x * (long)blockDim.x + threadIdx.x; k < rows * half; k += (long)gridDim.x * blockDim.x) {
+        int i = k % half;
+        double angle = (double)positions[k / half] * pow(theta, -2.0 * i / head_dim);
+        cos_t[k] = (float)cos(angle);
+        sin_t[k] = (float)sin(angle);
+    }
+}
 
 template <typename T>
-__device__ void rope(T* x, const unsigned* positions, long rows, int heads, int head_dim, double theta, int inverse) {
+__device__ void rope(T* x, const float* cos_t, const float* sin_t, long rows, int heads, int head_dim, int inverse) {
     int half = head_dim / 2;
     long n = rows * heads * half;
     for (long k = blockIdx.x * (long)blockDim.x + threadIdx.x; k < n; k += (long)gridDim.x * blockDim.x) {
         int i = k % half;
         long rh = k / half; // row * heads + head
-        long row = rh / heads;
-        double angle = (double)positions[row] * pow(theta, -2.0 * i / head_dim);
-        float c = (float)cos(angle), s = (float)(inverse ? -sin(angle) : sin(angle));
+        long at = rh / heads * half + i;
+        float c = cos_t[at], s = inverse ? -sin_t[at] : sin_t[at];
         long base = rh * head_dim;
         float a = load(x, base + i), b = load(x, base + i + half);
         store(x, base + i, a * c - b * s);
@@ -23,10 +37,10 @@ __device__ void rope(T* x, const unsigned* positions, long rows, int heads, int 
     }
 }
 
-#define EXPORT(T, suffix)                                                                                        \
-    extern "C" __global__ void rope_##suffix(T* x, const unsigned* positions, long rows, int heads, int head_dim, \
-                                             double theta, int inverse) {                                        \
-        rope(x, positions, rows, heads, head_dim, theta, inverse);                                               \
+#define EXPORT(T, suffix)                                                                                         \
+    extern "C" __global__ void rope_##suffix(T* x, const float* cos_t, const float* sin_t, long rows, int heads,   \
+                                             int head_dim, int inverse) {                                         \
+        rope(x, cos_t, sin_t, rows, heads, head_dim, inverse);                                                    \
     }
 EXPORT(float, f32)
 EXPORT(__nv_bfloat16, bf16)

@@ -301,10 +301,13 @@ fn rope(c: &mut Check, a: Attn) {
     let mut x = c.rand(&[n, a.heads * a.head_dim]);
     let mut bx = c.buf(&x);
     let pos = positions.as_mut_ptr() as Addr;
-    c.run(&launch_table::rope(dt, bx.addr(), pos, (n, a.heads, a.head_dim), 10000.0, false));
+    let (mut cos, mut sin) = (Buf::zeros(n * a.head_dim / 2, DType::F32), Buf::zeros(n * a.head_dim / 2, DType::F32));
+    let table = (cos.addr(), sin.addr());
+    c.run(&launch_table::rope_table(pos, (n, a.head_dim), 10000.0, table));
+    c.run(&launch_table::rope(dt, bx.addr(), table, (n, a.heads, a.head_dim), false));
     ops::rope(&mut x, &positions, a.head_dim, 10000.0);
     c.same("rope", &bx, &x);
-    c.run(&launch_table::rope(dt, bx.addr(), pos, (n, a.heads, a.head_dim), 10000.0, true));
+    c.run(&launch_table::rope(dt, bx.addr(), table, (n, a.heads, a.head_dim), true));
     ops::rope_backward(&mut x, &positions, a.head_dim, 10000.0);
     c.same("rope backward", &bx, &x);
 }

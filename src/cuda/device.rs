@@ -181,6 +181,15 @@ impl std::fmt::Debug for Buf {
 /// An index array and its device copy.
 type Indices = (Vec<u32>, Arc<CudaSlice<u32>>);
 
+/// The cos and sin of one micro-batch's RoPE angles (`kernels/rope.cu`), `[rows, head_dim / 2]`.
+pub(crate) struct RopeTable {
+    pub cos: Buf,
+    pub sin: Buf,
+}
+
+/// The table's key: the positions, the head size and θ's bits.
+type RopeKey = (Vec<u32>, usize, u64);
+
 /// One rank's GPU as the op layer sees it.
 pub struct Device {
     pub gpu: Gpu,
@@ -193,6 +202,8 @@ pub struct Device {
     /// Recently uploaded token, target and position arrays, by content: each micro-batch's are
     /// uploaded once and reused by every layer.
     indices: Mutex<VecDeque<Indices>>,
+    /// The RoPE tables of the latest micro-batches: made by the first layer, read by the others.
+    rope_tables: Mutex<VecDeque<(RopeKey, Arc<RopeTable>)>>,
     held: AtomicUsize,
     peak: AtomicUsize,
 }
@@ -235,6 +246,7 @@ impl Device {
             functions,
             blas,
             indices: Mutex::default(),
+            rope_tables: Mutex::default(),
             held: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
         }))
@@ -350,6 +362,32 @@ impl Device {
         }
         cache.push_back((v.to_vec(), d.clone()));
         Ok(d)
+    }
+
+    /// The RoPE cos/sin table of `positions` (computed on the GPU on first use, then reused by
+    /// every layer of the micro-batch, forward and backward).
+    pub(crate) fn rope_table(
+        self: &Arc<Self>,
+        positions: &[u32],
+        head_dim: usize,
+        theta: f64,
+    ) -> Result<Arc<RopeTable>> {
+        let key = (positions.to_vec(), head_dim, theta.to_bits());
+        if let Some((_, t)) = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(k, _)| *k == key)
+        {
+            return Ok(t.clone());
+        }
+        let n = positions.len() * head_dim / 2;
+        let table = Arc::new(RopeTable { cos: self.uninit(n, DType::F32), sin: self.uninit(n, DType::F32) });
+        let (pos, _keep) = self.index_addr(positions)?;
+        let out = (table.cos.f32_addr(), table.sin.f32_addr());
+        self.run(&launch_table::rope_table(pos, (positions.len(), head_dim), theta, out))?;
+        let mut tables = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner());
+        if tables.len() == 4 {
+            tables.pop_front();
+        }
+        tables.push_back((key, table.clone()));
+        Ok(table)
     }
 
     /// The address of an index array's device copy, and the copy (keep it until the launch is

@@ -208,16 +208,21 @@ pub fn rmsnorm_backward(
     ]
 }
 
-/// Rotates x[n, heads·head_dim] in place (by −angle when `inverse`).
+/// cos and sin `[n, head_dim / 2]` (f32) of the rotation angles of n positions.
+pub fn rope_table(positions: Addr, (n, head_dim): (usize, usize), theta: f64, (cos, sin): (Addr, Addr)) -> Launch {
+    let args = vec![Ptr(positions), long(n), int(head_dim), F64(theta), Ptr(cos), Ptr(sin)];
+    launch("rope", "rope_table".into(), each(n * head_dim / 2), args)
+}
+
+/// Rotates x[n, heads·head_dim] in place by the angles of `rope_table` (by −angle when `inverse`).
 pub fn rope(
     dt: DType,
     x: Addr,
-    positions: Addr,
+    (cos, sin): (Addr, Addr),
     (n, heads, head_dim): (usize, usize, usize),
-    theta: f64,
     inverse: bool,
 ) -> Launch {
-    let args = vec![Ptr(x), Ptr(positions), long(n), int(heads), int(head_dim), F64(theta), I32(inverse as i32)];
+    let args = vec![Ptr(x), Ptr(cos), Ptr(sin), long(n), int(heads), int(head_dim), I32(inverse as i32)];
     launch("rope", typed("rope", dt), each(n * heads * head_dim / 2), args)
 }
 
@@ -391,6 +396,7 @@ pub fn catalogue() -> Vec<Launch> {
         add_loss((0, 0, 0), 1, 1.0, 0),
         sum_squares(0, 1, 0),
         sum_rows(0, (1, 1), 0),
+        rope_table(0, (1, 2), 1.0, (0, 0)),
         adamw(&o, (0, 0, 0, 0), 1, None),
         adamw(&o, (0, 0, 0, 0), 1, Some(0)),
     ];
@@ -399,7 +405,7 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(embedding_backward(dt, 0, (0, 1), 1, 0));
         all.push(rmsnorm(dt, 0, 0, 0.0, (1, 1), 0, 0));
         all.extend(rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), 0, (0, 0)));
-        all.push(rope(dt, 0, 0, (1, 1, 2), 1.0, false));
+        all.push(rope(dt, 0, (0, 0), (1, 1, 2), false));
         all.push(attention(dt, a, (0, 0, 0), (0, 0), 0, 0));
         all.extend(attention_backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
         all.push(attention_merge(dt, a, (0, 0), (0, 0)));

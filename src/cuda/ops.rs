@@ -209,10 +209,17 @@ impl Device {
         Ok(dx)
     }
 
-    pub fn rope(&self, x: &Tensor, positions: &[u32], head_dim: usize, theta: f64, inverse: bool) -> Result<()> {
-        let (pos, _keep) = self.index_addr(positions)?;
+    pub fn rope(
+        self: &Arc<Self>,
+        x: &Tensor,
+        positions: &[u32],
+        head_dim: usize,
+        theta: f64,
+        inverse: bool,
+    ) -> Result<()> {
+        let table = self.rope_table(positions, head_dim, theta)?;
         let shape = (x.rows(), x.cols() / head_dim, head_dim);
-        self.run(&launch_table::rope(x.dtype(), addr(x), pos, shape, theta, inverse))
+        self.run(&launch_table::rope(x.dtype(), addr(x), (table.cos.f32_addr(), table.sin.f32_addr()), shape, inverse))
     }
 
     pub fn attention(
