@@ -108,14 +108,16 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         // the last stage knows the loss; every rank logs the mean over the global batch
         pp.broadcast_tensor(&mut loss, pp.size() - 1)?;
         dp.all_reduce_tensor(&mut loss, ReduceOp::Avg)?;
-        let loss = loss.to_vec()[0]; // a CPU–GPU sync point: the step's loss, read once
-        if !loss.is_finite() {
-            return Err(run::not_finite(cfg, loss, step, first_step));
-        }
         let span = Instant::now();
         let mut params = model.params_mut();
         // dp replicas hold the same gradients now; tp shards and pp stages add up their parts
-        let grad_norm = optimizer::global_grad_norm(&params, tp, pp)?;
+        let grad_sq = optimizer::global_grad_sum_squares(&params, tp, pp)?;
+        // the step's one CPU–GPU sync point: the loss and the gradient norm, read together
+        let read = ops::concat(&[&loss, &grad_sq]).to_vec();
+        let (loss, grad_norm) = (read[0], (read[1] as f64).sqrt());
+        if !loss.is_finite() {
+            return Err(run::not_finite(cfg, loss, step, first_step));
+        }
         optimizer::clip(&mut params, grad_norm, t.grad_clip);
         let lr = optimizer::lr_at(t, step);
         optimizer.step(&mut params, t, lr);

@@ -208,12 +208,13 @@ fn the_step_keeps_its_budget_of_syncs_copies_and_memsets() {
     let step = calls_per_step(dir, &[]);
     let n = |k: &str| step[k].as_f64().unwrap();
     eprintln!("one step, 2 micro-batches, bf16, 1 GPU: {step:?}; {} launches per micro-batch", n("launches") / 2.0);
-    // the loss and the gradient norm (one number per tensor): the step's only waits for the GPU
-    // and its only read-backs
-    assert!(n("syncs") <= 2.0, "host synchronisations per step: {step:?}");
-    assert!(n("dtoh") <= 2.0 && n("dtoh_bytes") <= 4.0 * 64.0, "device→host copies per step: {step:?}");
-    // only what must start at zero: the step's loss, each micro-batch's, the norm's partial sums
-    assert!(n("memsets") <= 4.0, "memsets per step: {step:?}");
+    // the loss and the gradient's Σg², read together: the step's one wait for the GPU and its
+    // one read-back, of two numbers
+    assert!(n("syncs") <= 1.0, "host synchronisations per step: {step:?}");
+    assert!(n("dtoh") <= 1.0 && n("dtoh_bytes") <= 8.0, "device→host copies per step: {step:?}");
+    // only what must start at zero: the step's loss, each micro-batch's, the norm's two sets of
+    // partial sums (tp-split and replicated weights)
+    assert!(n("memsets") <= 5.0, "memsets per step: {step:?}");
     assert!(n("launches") > 0.0 && n("gemms") > 0.0, "{step:?}");
 }
 

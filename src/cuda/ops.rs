@@ -365,6 +365,20 @@ impl Device {
         Ok(sums.to_vec().into_iter().map(|x| x as f64).collect())
     }
 
+    /// Σ x² over all the f32 tensors, left on the GPU as a one-number tensor: the partial sums
+    /// of every tensor, then one block adds them all up in a fixed order.
+    pub fn sum_squares_total(self: &Arc<Self>, ts: &[&Tensor]) -> Result<Tensor> {
+        let partial = self.zeros(ts.len().max(1) * NORM_BLOCKS, DType::F32); // idle blocks add 0
+        for (i, t) in ts.iter().enumerate() {
+            let at = partial.f32_addr() + (i * NORM_BLOCKS * 4) as u64;
+            self.run(&launch_table::sum_squares(f32_addr(t), t.numel(), at))?;
+        }
+        let total = self.tensor(&[1], DType::F32);
+        let cols = ts.len().max(1) * NORM_BLOCKS;
+        self.run(&launch_table::sum_rows(partial.f32_addr(), (1, cols), f32_addr(&total)))?;
+        Ok(total)
+    }
+
     /// One AdamW step on the fp32 master weight; in mixed precision the same kernel writes the
     /// new bf16 copy.
     pub fn adamw(&self, o: &AdamW, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {

@@ -38,31 +38,20 @@ pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
     ops::sum_squares(&grads).iter().sum()
 }
 
-/// The norm of the whole model's gradient when it is cut across the tp group and the pp stages:
-/// each rank's Σ g² over its shards summed over the tp group, plus the tp-replicated parameters
-/// counted once, then summed over the stages.
-pub fn global_grad_norm(params: &[&mut Param], tp: &Group, pp: &Group) -> Result<f64> {
-    let (mut sharded, mut replicated) = (0.0, 0.0);
-    let grads: Vec<&Tensor> = params.iter().map(|p| &p.grad).collect();
-    for (p, s) in params.iter().zip(ops::sum_squares(&grads)) {
-        if p.split == Split::Replicated {
-            replicated += s;
-        } else {
-            sharded += s;
-        }
-    }
-    if tp.size() > 1 {
-        let mut total = [sharded as f32];
-        tp.all_reduce(&mut total, ReduceOp::Sum)?;
-        sharded = total[0] as f64;
-    }
-    let mut total = sharded + replicated;
-    if pp.size() > 1 {
-        let mut stages = [total as f32];
-        pp.all_reduce(&mut stages, ReduceOp::Sum)?;
-        total = stages[0] as f64;
-    }
-    Ok(total.sqrt())
+/// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: each
+/// rank's Σ g² over its shards summed over the tp group, plus the tp-replicated parameters
+/// counted once, then summed over the stages. A one-number tensor on the rank's device: on GPUs
+/// the sums stay there (NCCL), and the training loop reads it together with the loss.
+pub fn global_grad_sum_squares(params: &[&mut Param], tp: &Group, pp: &Group) -> Result<Tensor> {
+    let place = params.first().map_or(Place::Cpu, |p| p.grad.place());
+    let of = |replicated: bool| -> Vec<&Tensor> {
+        params.iter().filter(|p| (p.split == Split::Replicated) == replicated).map(|p| &p.grad).collect()
+    };
+    let mut total = ops::sum_squares_total(&of(false), &place);
+    tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
+    ops::add_assign(&mut total, &ops::sum_squares_total(&of(true), &place));
+    pp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
+    Ok(total)
 }
 
 /// Scales the gradients so that their global norm is at most `max_norm`; returns the factor.

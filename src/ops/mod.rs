@@ -19,7 +19,7 @@ pub use types::{AdamW, Attn, DType};
 use crate::cuda::device::{fatal, Device};
 use cpu::View;
 use std::sync::Arc;
-use tensor::Tensor;
+use tensor::{Place, Tensor};
 
 /// The GPU that every tensor of `op` lives on, or `None` when they are all on the CPU.
 fn gpu<'a>(op: &str, ts: &[&'a Tensor]) -> Option<&'a Arc<Device>> {
@@ -289,7 +289,7 @@ pub fn copy(src: &Tensor, from: usize, dst: &mut Tensor, to: usize, n: usize) {
 /// `parts`, one after another, as one flat tensor (to send them in one message).
 pub fn concat(parts: &[&Tensor]) -> Tensor {
     let total = parts.iter().map(|t| t.numel()).sum();
-    let mut flat = Tensor::zeros_as(&[total], parts[0]);
+    let mut flat = Tensor::empty_as(&[total], parts[0]); // every value is copied in
     let mut at = 0;
     for t in parts {
         copy(t, 0, &mut flat, at, t.numel());
@@ -300,7 +300,7 @@ pub fn concat(parts: &[&Tensor]) -> Tensor {
 
 /// The values of `t` from `offset` on, as a tensor of `shape` (a copy).
 pub fn slice(t: &Tensor, offset: usize, shape: &[usize]) -> Tensor {
-    let mut part = Tensor::zeros_as(shape, t);
+    let mut part = Tensor::empty_as(shape, t);
     let n = part.numel();
     copy(t, offset, &mut part, 0, n);
     part
@@ -329,6 +329,16 @@ pub fn sum_squares(ts: &[&Tensor]) -> Vec<f64> {
         return fatal("sum of squares", d.sum_squares(ts));
     }
     ts.iter().map(|t| cpu::sum_squares(t.host())).collect()
+}
+
+/// Σ x² over all of `ts` (f32 tensors: gradients) as a one-number f32 tensor on `place`, where
+/// they live: on a GPU nobody waits for it here.
+pub fn sum_squares_total(ts: &[&Tensor], place: &Place) -> Tensor {
+    if let Place::Cuda(d) = place {
+        return fatal("sum of squares", d.sum_squares_total(ts));
+    }
+    let total: f64 = ts.iter().map(|t| cpu::sum_squares(t.host())).sum();
+    Tensor::from_vec(&[1], vec![total as f32])
 }
 
 /// One AdamW step on a parameter, with its gradient and moments (a mixed-precision weight:

@@ -118,6 +118,15 @@ impl Tensor {
         }
     }
 
+    /// A tensor of `shape` on `like`'s device, in `like`'s dtype, whose values are whatever the
+    /// memory held (zeros on the CPU): for an output that is then written whole.
+    pub fn empty_as(shape: &[usize], like: &Tensor) -> Tensor {
+        match &like.storage {
+            Storage::Cpu(_) => Tensor::zeros(shape),
+            Storage::Cuda(b) => Tensor::from_buf(shape, b.device().uninit(shape.iter().product(), b.dtype())),
+        }
+    }
+
     /// A copy of this tensor on `place`: an activation or statistic keeps its values in the
     /// place's compute dtype (f32 on the CPU); see `to_param` for weights.
     pub fn to(&self, place: &Place) -> Tensor {
