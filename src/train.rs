@@ -11,6 +11,8 @@
 //! data parallel: wait until every gradient is the average over the dp ranks
 //! global gradient norm → clip → learning rate for this step → AdamW
 //! ```
+//! On a GPU the loss stays on the device until the step reads it with the gradient norm: the
+//! step's one wait for the GPU.
 //! That is the loop below, written out for one pipeline stage. With pp > 1 the same forwards and
 //! backwards run in the pipeline schedule's order, with activations travelling between stages
 //! (`parallel/pipeline_parallel.rs`). Tensor and context parallelism are inside the model (its

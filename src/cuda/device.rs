@@ -4,7 +4,7 @@
 //! by NVRTC for this GPU's architecture, once per process, see `cuda/nvrtc.rs`), a cuBLAS handle, and
 //! the dtype the model computes in. The ops themselves are in `cuda/ops.rs`. Every launch goes on
 //! the compute stream and none waits for the GPU: the host only queues work, and a `to_vec` (the
-//! loss, once per micro-batch; the gradient norm, once per step) is where it waits.
+//! loss and the gradient norm, read together once per step) is where it waits.
 //!
 //! Mixed precision (`DType::Bf16`), the picture of one linear layer:
 //! ```text
@@ -209,8 +209,8 @@ pub struct Device {
 }
 
 /// Buffers are allocated in stream order (`cuMemAllocAsync`) from the device's default memory pool,
-/// which by default hands freed memory back to the driver at every synchronisation (each loss
-/// and gradient-norm read); the next step would then map it again. A release threshold of "all"
+/// which by default hands freed memory back to the driver at every synchronisation (the step's
+/// read of its loss and gradient norm); the next step would then map it again. A release threshold of "all"
 /// keeps it in the pool for reuse, as PyTorch's caching allocator does.
 fn keep_freed_memory(gpu: &Gpu) -> Result<()> {
     use cudarc::driver::{result, sys};
