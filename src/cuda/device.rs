@@ -197,7 +197,7 @@ pub struct Device {
     pub dtype: DType,
     /// Every kernel of every file, looked up once when the device opens (modules stay loaded
     /// while a function of theirs lives).
-    functions: HashMap<String, CudaFunction>,
+    functions: HashMap<&'static str, CudaFunction>,
     pub(crate) blas: ManuallyDrop<CudaBlas>,
     /// Recently uploaded token, target and position arrays, by content: each micro-batch's are
     /// uploaded once and reused by every layer.
@@ -263,7 +263,7 @@ impl Device {
             return Ok(()); // nothing to compute (an empty tensor)
         }
         let f =
-            self.functions.get(&l.kernel).ok_or_else(|| anyhow!("kernels/{}.cu has no kernel {}", l.file, l.kernel))?;
+            self.functions.get(l.kernel).ok_or_else(|| anyhow!("kernels/{}.cu has no kernel {}", l.file, l.kernel))?;
         let mut b = self.gpu.compute.launch_builder(f);
         for a in &l.args {
             match a {
@@ -277,7 +277,7 @@ impl Device {
         }
         let config = LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
         crate::cuda::profile::timed(
-            || l.kernel.clone(),
+            || l.kernel.to_string(),
             &self.gpu.compute,
             // SAFETY: `cuda/launch_table.rs` passes the argument list each kernel declares, and the op
             // layer checked that the buffers hold what the launch shape reaches.
@@ -421,7 +421,7 @@ impl Drop for Device {
 /// Compiles every kernel file for `target` (`cuda/nvrtc.rs`), loads it into `gpu`'s context
 /// (the cubin, or the PTX for the driver to compile) and looks up every kernel the launch table
 /// uses: whatever cannot load fails now, before training, with the versions involved.
-fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<HashMap<String, CudaFunction>> {
+fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<HashMap<&'static str, CudaFunction>> {
     let mut modules: HashMap<&str, Arc<CudaModule>> = HashMap::new();
     for (file, _) in crate::cuda::nvrtc::SOURCES {
         let compiled = crate::cuda::nvrtc::compiled(file, target)?;
@@ -433,12 +433,10 @@ fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<HashMap<String, CudaF
     }
     let mut functions = HashMap::new();
     for l in launch_table::catalogue() {
-        if !functions.contains_key(&l.kernel) {
-            let f = modules[l.file].load_function(&l.kernel);
-            functions.insert(
-                l.kernel.clone(),
-                f.map_err(|e| anyhow!("kernels/{}.cu has no kernel {}: {e:?}", l.file, l.kernel))?,
-            );
+        if !functions.contains_key(l.kernel) {
+            let f = modules[l.file].load_function(l.kernel);
+            functions
+                .insert(l.kernel, f.map_err(|e| anyhow!("kernels/{}.cu has no kernel {}: {e:?}", l.file, l.kernel))?);
         }
     }
     Ok(functions)

@@ -12,16 +12,6 @@ pub enum DType {
     Bf16,
 }
 
-impl DType {
-    /// The suffix of the kernels instantiated for this dtype (`name_f32`, `name_bf16`).
-    pub fn suffix(self) -> &'static str {
-        match self {
-            DType::F32 => "f32",
-            DType::Bf16 => "bf16",
-        }
-    }
-}
-
 /// The shape of one attention call: `seq` queries and `kv_seq` keys per sequence.
 #[derive(Clone, Copy, Debug)]
 pub struct Attn {
