@@ -24,8 +24,7 @@ use crate::cuda::runtime::{cuda_err, Gpu};
 use crate::ops::types::DType;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::CudaBlas;
-use cudarc::driver::{CudaFunction, CudaModule, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
-use cudarc::nvrtc::Ptx;
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
 use std::collections::{HashMap, VecDeque};
 use std::mem::ManuallyDrop;
@@ -208,23 +207,6 @@ pub struct Device {
     peak: AtomicUsize,
 }
 
-/// Buffers are allocated in stream order (`cuMemAllocAsync`) from the device's default memory pool,
-/// which by default hands freed memory back to the driver at every synchronisation (the step's
-/// read of its loss and gradient norm); the next step would then map it again. A release threshold of "all"
-/// keeps it in the pool for reuse, as PyTorch's caching allocator does.
-fn keep_freed_memory(gpu: &Gpu) -> Result<()> {
-    use cudarc::driver::{result, sys};
-    gpu.ctx.bind_to_thread().map_err(cuda_err)?;
-    let mut threshold = u64::MAX;
-    // SAFETY: the default pool of this context's device; the attribute's value is a cuuint64_t.
-    unsafe {
-        let pool = result::device::get_default_mem_pool(gpu.ctx.cu_device()).map_err(cuda_err)?;
-        let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
-        result::mem_pool::set_attribute(pool, attr, &mut threshold as *mut u64 as *mut std::ffi::c_void)
-            .map_err(cuda_err)
-    }
-}
-
 impl Device {
     /// The op layer on `gpu`, computing in `dtype`. Every kernel file is compiled here, before
     /// training starts, so a missing NVRTC or header shows up now and not in the first step.
@@ -235,9 +217,9 @@ impl Device {
             bail!("GPU compute capability {major}.{minor}: the kernels need bf16, so sm_80 (Ampere) or newer");
         }
         if gpu.ctx.has_async_alloc() {
-            keep_freed_memory(gpu)?;
+            gpu.keep_freed_memory()?;
         }
-        let functions = load_kernels(gpu, crate::cuda::nvrtc::target(major, minor)?)?;
+        let functions = crate::cuda::nvrtc::load_kernels(gpu, crate::cuda::nvrtc::target(major, minor)?)?;
         let blas = CudaBlas::new(gpu.compute.clone()).map_err(|e| anyhow!("cuBLAS cannot start: {e:?}"))?;
         let blas = ManuallyDrop::new(blas);
         Ok(Arc::new(Device {
@@ -416,47 +398,4 @@ impl Drop for Device {
         // SAFETY: the handle of a forgotten CudaBlas, destroyed only here.
         let _ = unsafe { cudarc::cublas::result::destroy_handle(handle) };
     }
-}
-
-/// Compiles every kernel file for `target` (`cuda/nvrtc.rs`), loads it into `gpu`'s context
-/// (the cubin, or the PTX for the driver to compile) and looks up every kernel the launch table
-/// uses: whatever cannot load fails now, before training, with the versions involved.
-fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<HashMap<&'static str, CudaFunction>> {
-    let mut modules: HashMap<&str, Arc<CudaModule>> = HashMap::new();
-    for (file, _) in crate::cuda::nvrtc::SOURCES {
-        let compiled = crate::cuda::nvrtc::compiled(file, target)?;
-        let image = match &compiled.cubin {
-            Some(cubin) => Ptx::from_binary(cubin.clone()),
-            None => Ptx::from_src(compiled.ptx.clone()),
-        };
-        modules.insert(file, gpu.ctx.load_module(image).map_err(|e| load_error(file, target, e))?);
-    }
-    let mut functions = HashMap::new();
-    for l in launch_table::catalogue() {
-        if !functions.contains_key(l.kernel) {
-            let f = modules[l.file].load_function(l.kernel);
-            functions
-                .insert(l.kernel, f.map_err(|e| anyhow!("kernels/{}.cu has no kernel {}: {e:?}", l.file, l.kernel))?);
-        }
-    }
-    Ok(functions)
-}
-
-/// A module that does not load: most often code newer than the driver can read.
-fn load_error(file: &str, target: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
-    let mut nvrtc = (0, 0);
-    // SAFETY: NVRTC is loaded (the kernels were just compiled with it); two valid out-pointers.
-    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nvrtc.0, &mut nvrtc.1) };
-    let mut driver = 0;
-    // SAFETY: the driver is loaded (a context exists); a valid out-pointer.
-    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
-    anyhow!(
-        "kernels/{file}.cu compiled for {target} but the GPU driver cannot load it ({e:?}); NVRTC is CUDA {}.{}, the driver \
-         supports CUDA {}.{}: use an NVRTC no newer than the driver (FERROTRON_CUDA_INCLUDE and LD_LIBRARY_PATH \
-         pick it) or update the driver",
-        nvrtc.0,
-        nvrtc.1,
-        driver / 1000,
-        driver % 1000 / 10
-    )
 }

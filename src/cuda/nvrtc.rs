@@ -1,8 +1,8 @@
 //! # The CUDA kernels, compiled at run time by NVRTC
 //!
 //! `kernels/*.cu` are compiled into the binary as text. On a GPU each file is compiled once per
-//! process for the GPU's own architecture (`sm_90` on an H100) and cached here; the CUDA backend
-//! loads every file into its context when the device opens. NVRTC gives PTX (the portable
+//! process for the GPU's own architecture (`sm_90` on an H100) and cached here; `load_kernels`
+//! loads every file into a GPU's context when its device opens. NVRTC gives PTX (the portable
 //! assembly) *and* the cubin (machine code for that architecture), and the cubin is what is
 //! loaded: the driver would have to JIT-compile PTX, and refuses PTX from an NVRTC newer than
 //! itself. Only for an architecture this NVRTC does not know is PTX loaded, made for the newest
@@ -14,8 +14,11 @@
 //! catches a kernel that does not compile: NVRTC and the headers come from the Python wheels
 //! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-runtime-cu12` (see `.ci/run`).
 
+use crate::cuda::launch_table;
+use crate::cuda::runtime::Gpu;
 use anyhow::{anyhow, bail, Result};
-use cudarc::nvrtc::{result, sys};
+use cudarc::driver::{CudaFunction, CudaModule};
+use cudarc::nvrtc::{result, sys, Ptx};
 use std::collections::HashMap;
 use std::ffi::{CStr, CString};
 use std::path::PathBuf;
@@ -166,4 +169,47 @@ impl Drop for Program {
         // SAFETY: made by create_program and destroyed only here.
         let _ = unsafe { result::destroy_program(self.0) };
     }
+}
+
+/// Compiles every kernel file for `target` (`cuda/nvrtc.rs`), loads it into `gpu`'s context
+/// (the cubin, or the PTX for the driver to compile) and looks up every kernel the launch table
+/// uses: whatever cannot load fails now, before training, with the versions involved.
+pub fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<HashMap<&'static str, CudaFunction>> {
+    let mut modules: HashMap<&str, Arc<CudaModule>> = HashMap::new();
+    for (file, _) in crate::cuda::nvrtc::SOURCES {
+        let compiled = crate::cuda::nvrtc::compiled(file, target)?;
+        let image = match &compiled.cubin {
+            Some(cubin) => Ptx::from_binary(cubin.clone()),
+            None => Ptx::from_src(compiled.ptx.clone()),
+        };
+        modules.insert(file, gpu.ctx.load_module(image).map_err(|e| load_error(file, target, e))?);
+    }
+    let mut functions = HashMap::new();
+    for l in launch_table::catalogue() {
+        if !functions.contains_key(l.kernel) {
+            let f = modules[l.file].load_function(l.kernel);
+            functions
+                .insert(l.kernel, f.map_err(|e| anyhow!("kernels/{}.cu has no kernel {}: {e:?}", l.file, l.kernel))?);
+        }
+    }
+    Ok(functions)
+}
+
+/// A module that does not load: most often code newer than the driver can read.
+fn load_error(file: &str, target: &str, e: cudarc::driver::DriverError) -> anyhow::Error {
+    let mut nvrtc = (0, 0);
+    // SAFETY: NVRTC is loaded (the kernels were just compiled with it); two valid out-pointers.
+    unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut nvrtc.0, &mut nvrtc.1) };
+    let mut driver = 0;
+    // SAFETY: the driver is loaded (a context exists); a valid out-pointer.
+    unsafe { cudarc::driver::sys::cuDriverGetVersion(&mut driver) };
+    anyhow!(
+        "kernels/{file}.cu compiled for {target} but the GPU driver cannot load it ({e:?}); NVRTC is CUDA {}.{}, the driver \
+         supports CUDA {}.{}: use an NVRTC no newer than the driver (FERROTRON_CUDA_INCLUDE and LD_LIBRARY_PATH \
+         pick it) or update the driver",
+        nvrtc.0,
+        nvrtc.1,
+        driver / 1000,
+        driver % 1000 / 10
+    )
 }

@@ -123,6 +123,23 @@ impl Gpu {
 }
 
 impl Gpu {
+    /// Buffers are allocated in stream order (`cuMemAllocAsync`) from the device's default memory pool,
+    /// which by default hands freed memory back to the driver at every synchronisation (the step's
+    /// read of its loss and gradient norm); the next step would then map it again. A release threshold of "all"
+    /// keeps it in the pool for reuse, as PyTorch's caching allocator does.
+    pub fn keep_freed_memory(&self) -> Result<()> {
+        use cudarc::driver::{result, sys};
+        self.ctx.bind_to_thread().map_err(cuda_err)?;
+        let mut threshold = u64::MAX;
+        // SAFETY: the default pool of this context's device; the attribute's value is a cuuint64_t.
+        unsafe {
+            let pool = result::device::get_default_mem_pool(self.ctx.cu_device()).map_err(cuda_err)?;
+            let attr = sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD;
+            result::mem_pool::set_attribute(pool, attr, &mut threshold as *mut u64 as *mut std::ffi::c_void)
+                .map_err(cuda_err)
+        }
+    }
+
     /// With `sync_launches`: waits for the compute stream and names `what` if it failed.
     pub fn checked(&self, what: impl FnOnce() -> String) -> Result<()> {
         if self.sync_launches {
