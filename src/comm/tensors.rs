@@ -94,7 +94,7 @@ impl Group {
     pub fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
         let mut shape = t.shape().to_vec();
         shape[0] *= self.size();
-        let mut into = Tensor::zeros_as(&shape, t);
+        let mut into = Tensor::empty_as(&shape, t); // written whole
         match self.link_for(t) {
             Some(link) => (link.all_gather(t, &mut into)?.0)()?,
             None => into.write(&self.all_gather(&t.host_view())?),
@@ -109,7 +109,7 @@ impl Group {
             bail!("reduce_scatter on group {}: {} rows do not split into {n} equal chunks", self.name(), shape[0]);
         }
         shape[0] /= n;
-        let mut into = Tensor::zeros_as(&shape, t);
+        let mut into = Tensor::empty_as(&shape, t); // written whole
         match self.link_for(t) {
             Some(link) => (link.reduce_scatter(t, &mut into, op)?.0)()?,
             None => into.write(&self.reduce_scatter(&t.host_view(), op)?),
@@ -145,7 +145,7 @@ impl Group {
         let Some(link) = self.link_on(place) else {
             return Ok(Tensor::from_host(shape, self.recv(shape.iter().product(), from)?, place));
         };
-        let mut t = Tensor::zeros_on(shape, place, place.dtype());
+        let mut t = Tensor::empty_on(shape, place, place.dtype());
         (link.send_recv(None, Some((&mut t, from)))?.0)()?;
         Ok(t)
     }
@@ -157,10 +157,10 @@ impl Group {
         let place = send.place();
         let Some(link) = self.link_on(&place) else {
             let values = self.send_recv_async(&send.host_view(), to, shape.iter().product(), from);
-            let landing = Tensor::zeros_on(shape, &place, place.dtype());
+            let landing = Tensor::empty_on(shape, &place, place.dtype());
             return Ok(Pending { tensor: landing, how: How::Host(values), _sent: None });
         };
-        let mut recv = Tensor::zeros_on(shape, &place, place.dtype());
+        let mut recv = Tensor::empty_on(shape, &place, place.dtype());
         let fence = link.send_recv(Some((&send, to)), Some((&mut recv, from)))?;
         Ok(Pending { tensor: recv, how: How::Device(fence), _sent: Some(send) })
     }
@@ -172,7 +172,7 @@ impl Group {
             let values = self.send_recv(&send.host_view(), to, shape.iter().product(), from)?;
             return Ok(Tensor::from_host(shape, values, &place));
         };
-        let mut recv = Tensor::zeros_on(shape, &place, place.dtype());
+        let mut recv = Tensor::empty_on(shape, &place, place.dtype());
         (link.send_recv(Some((send, to)), Some((&mut recv, from)))?.0)()?;
         Ok(recv)
     }

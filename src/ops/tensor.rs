@@ -112,19 +112,21 @@ impl Tensor {
 
     /// Zeros of `shape` on `like`'s device, in `like`'s dtype (see `zeros_like`).
     pub fn zeros_as(shape: &[usize], like: &Tensor) -> Tensor {
-        match &like.storage {
-            Storage::Cpu(_) => Tensor::zeros(shape),
-            Storage::Cuda(b) => Tensor::from_buf(shape, b.device().zeros(shape.iter().product(), b.dtype())),
+        Tensor::zeros_on(shape, &like.place(), like.dtype())
+    }
+
+    /// A tensor of `shape` on `place`, in `dtype`, whose values are whatever the memory held
+    /// (zeros on the CPU): for an output that is then written whole.
+    pub fn empty_on(shape: &[usize], place: &Place, dtype: DType) -> Tensor {
+        match place {
+            Place::Cpu => Tensor::zeros(shape),
+            Place::Cuda(dev) => Tensor::from_buf(shape, dev.uninit(shape.iter().product(), dtype)),
         }
     }
 
-    /// A tensor of `shape` on `like`'s device, in `like`'s dtype, whose values are whatever the
-    /// memory held (zeros on the CPU): for an output that is then written whole.
+    /// `empty_on` `like`'s device, in `like`'s dtype.
     pub fn empty_as(shape: &[usize], like: &Tensor) -> Tensor {
-        match &like.storage {
-            Storage::Cpu(_) => Tensor::zeros(shape),
-            Storage::Cuda(b) => Tensor::from_buf(shape, b.device().uninit(shape.iter().product(), b.dtype())),
-        }
+        Tensor::empty_on(shape, &like.place(), like.dtype())
     }
 
     /// A copy of this tensor on `place`: an activation or statistic keeps its values in the
