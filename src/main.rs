@@ -277,7 +277,7 @@ enum Exit {
 }
 
 fn main() -> ExitCode {
-    ferrotron::ops::cpu::keep_freed_memory();
+    ferrotron::train::memory::keep_freed_memory();
     // A GPU error inside an op unwinds its rank to the launcher, which ends the run with it as the
     // one error line; the default hook would print it first, with a backtrace note. Any other
     // panic is a bug, and keeps the default report (where it happened).

@@ -106,7 +106,7 @@ macro_rules! step {
 
 /// `main` of every step: run it, print an error in one line and exit 1 on failure.
 pub fn main(run: fn(bool) -> Result<()>) -> std::process::ExitCode {
-    ferrotron::ops::cpu::keep_freed_memory(); // as the ferrotron binary does: no page faults per op
+    ferrotron::train::memory::keep_freed_memory(); // as the ferrotron binary does: no page faults per op
     match run(tiny()) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {

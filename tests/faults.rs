@@ -91,6 +91,15 @@ fn signal(child: &Child, sig: i32) {
     assert_eq!(unsafe { libc::kill(child.id() as i32, sig) }, 0);
 }
 
+/// `args`, with `--resume latest` when `dir` holds a checkpoint.
+fn resuming(args: &[String], dir: &Path) -> Vec<String> {
+    let mut a = args.to_vec();
+    if ferrotron::checkpoint::folder::list(dir).unwrap().last().is_some() {
+        a.extend(["--resume".into(), "latest".into()]);
+    }
+    a
+}
+
 #[test]
 fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve() {
     let tmp = tempfile::tempdir().unwrap();
@@ -103,12 +112,7 @@ fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve(
     let (mut seed, mut latest) = (0x9e3779b97f4a7c15u64, Vec::new());
     for _ in 0..6 {
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
-        let resume = ferrotron::checkpoint::folder::list(&dir).unwrap().last().is_some();
-        let mut a = args.clone();
-        if resume {
-            a.extend(["--resume".into(), "latest".into()]);
-        }
-        let mut child = spawn(&a);
+        let mut child = spawn(&resuming(&args, &dir));
         std::thread::sleep(Duration::from_millis(60 + (seed >> 33) % 250));
         child.kill().unwrap(); // SIGKILL: no chance to clean up
         child.wait().unwrap();
@@ -119,11 +123,7 @@ fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve(
     }
     // the kills landed in the middle of the run, at several places
     assert!(latest.iter().all(|&s| s < 120) && latest.windows(2).filter(|w| w[0] != w[1]).count() >= 2, "{latest:?}");
-    let mut a = args.clone();
-    if ferrotron::checkpoint::folder::list(&dir).unwrap().last().is_some() {
-        a.extend(["--resume".into(), "latest".into()]);
-    }
-    ok(&run(&a));
+    ok(&run(&resuming(&args, &dir)));
     // one line per step, each the uninterrupted run's loss exactly: nothing lost, nothing mixed
     assert_eq!(curve(&metrics), curve(&reference));
 }

@@ -85,9 +85,11 @@ impl Group {
 
     /// `t` becomes the reduction of every member's `t`.
     pub fn all_reduce_tensor(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
-        let taken = std::mem::replace(t, Tensor::zeros(&[0]));
-        *t = self.all_reduce_tensor_async(taken, op)?.wait()?;
-        Ok(())
+        match self.link_for(t) {
+            _ if self.size() == 1 => Ok(()),
+            Some(link) => (link.all_reduce(t, op)?.0)(),
+            None => t.update_host(|v| self.all_reduce(v, op)), // in place on the CPU
+        }
     }
 
     /// Every member's `t`, concatenated in rank order along the first dimension.

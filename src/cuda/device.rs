@@ -354,10 +354,9 @@ impl Device {
         head_dim: usize,
         theta: f64,
     ) -> Result<Arc<RopeTable>> {
-        let key = (positions.to_vec(), head_dim, theta.to_bits());
-        if let Some((_, t)) = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(k, _)| *k == key)
-        {
-            return Ok(t.clone());
+        let same = |(p, d, t): &RopeKey| p.as_slice() == positions && *d == head_dim && *t == theta.to_bits();
+        if let Some((_, t)) = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(k, _)| same(k)) {
+            return Ok(t.clone()); // every layer after the first: no allocation, no launch
         }
         let n = positions.len() * head_dim / 2;
         let table = Arc::new(RopeTable { cos: self.uninit(n, DType::F32), sin: self.uninit(n, DType::F32) });
@@ -368,7 +367,7 @@ impl Device {
         if tables.len() == 4 {
             tables.pop_front();
         }
-        tables.push_back((key, table.clone()));
+        tables.push_back(((positions.to_vec(), head_dim, theta.to_bits()), table.clone()));
         Ok(table)
     }
 

@@ -155,13 +155,12 @@ impl DeviceLink for Nccl {
         // one NCCL group the send and the receive progress together, so neither blocks the other.
         self.ordered("send/recv", |s| unsafe {
             result::group_start()?;
-            if let Some(((p, n, ty), to)) = send {
-                result::send(p, n, ty, to as i32, self.comm, s)?;
-            }
-            if let Some(((q, n, ty), from)) = recv {
-                result::recv(q, n, ty, from as i32, self.comm, s)?;
-            }
-            result::group_end().map(drop)
+            let sent =
+                send.map_or(Ok(()), |((p, n, ty), to)| result::send(p, n, ty, to as i32, self.comm, s).map(drop));
+            let received =
+                recv.map_or(Ok(()), |((q, n, ty), from)| result::recv(q, n, ty, from as i32, self.comm, s).map(drop));
+            let ended = result::group_end().map(drop); // the group is closed even when a call failed
+            sent.and(received).and(ended)
         })
     }
 }

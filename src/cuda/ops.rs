@@ -351,30 +351,17 @@ impl Device {
         self.run(&launch_table::scale(a.dtype(), addr(a), s, a.numel()))
     }
 
-    /// Σ x² of each f32 tensor: every tensor's partial sums land in one buffer, each tensor's row
-    /// is summed on the GPU, and the one number per tensor is read back at once (one wait for the
-    /// GPU for the whole gradient norm).
-    pub fn sum_squares(self: &Arc<Self>, ts: &[&Tensor]) -> Result<Vec<f64>> {
-        let partial = self.zeros(ts.len() * NORM_BLOCKS, DType::F32); // blocks a small tensor leaves idle add 0
-        for (i, t) in ts.iter().enumerate() {
-            let at = partial.f32_addr() + (i * NORM_BLOCKS * 4) as u64;
-            self.run(&launch_table::sum_squares(f32_addr(t), t.numel(), at))?;
-        }
-        let sums = self.uninit(ts.len(), DType::F32);
-        self.run(&launch_table::sum_rows(partial.f32_addr(), (ts.len(), NORM_BLOCKS), sums.f32_addr()))?;
-        Ok(sums.to_vec().into_iter().map(|x| x as f64).collect())
-    }
-
-    /// Σ x² over all the f32 tensors, left on the GPU as a one-number tensor: the partial sums
-    /// of every tensor, then one block adds them all up in a fixed order.
+    /// Σ x² over all the f32 tensors, left on the GPU as a one-number tensor: each tensor's
+    /// partial sums land in one buffer (blocks a small tensor leaves idle add 0), then one block
+    /// adds them all up in a fixed order.
     pub fn sum_squares_total(self: &Arc<Self>, ts: &[&Tensor]) -> Result<Tensor> {
-        let partial = self.zeros(ts.len().max(1) * NORM_BLOCKS, DType::F32); // idle blocks add 0
+        let cols = ts.len().max(1) * NORM_BLOCKS;
+        let partial = self.zeros(cols, DType::F32);
         for (i, t) in ts.iter().enumerate() {
             let at = partial.f32_addr() + (i * NORM_BLOCKS * 4) as u64;
             self.run(&launch_table::sum_squares(f32_addr(t), t.numel(), at))?;
         }
         let total = self.tensor(&[1], DType::F32);
-        let cols = ts.len().max(1) * NORM_BLOCKS;
         self.run(&launch_table::sum_rows(partial.f32_addr(), (1, cols), f32_addr(&total)))?;
         Ok(total)
     }

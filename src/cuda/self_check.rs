@@ -240,10 +240,9 @@ impl Check<'_> {
         ops::scale(&mut ga, 0.75);
         self.same("add and scale", &ga, &a)?;
         let (g1, g2) = (self.rand(&[rows, dim]), self.rand(&[dim]));
-        let want = ops::sum_squares(&[&g1, &g2]);
-        let got = ops::sum_squares(&[&self.f32(&g1), &self.f32(&g2)]);
-        let to_tensor = |v: Vec<f64>| Tensor::from_vec(&[2], v.into_iter().map(|x| x as f32).collect());
-        self.same("sum of squares (f32)", &to_tensor(got), &to_tensor(want))
+        let want = ops::sum_squares_total(&[&g1, &g2], &Place::Cpu);
+        let got = ops::sum_squares_total(&[&self.f32(&g1), &self.f32(&g2)], &self.place);
+        self.same("sum of squares (f32)", &got, &want)
     }
 
     fn adamw(&mut self, n: usize) -> Result<()> {

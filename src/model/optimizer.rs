@@ -32,10 +32,11 @@ pub fn lr_at(t: &TrainConfig, step: usize) -> f32 {
     t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f32::consts::PI * progress).cos())
 }
 
-/// Σ g² over the given gradients.
+/// Σ g² over the given gradients (on a GPU, a wait for it).
 pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
     let grads: Vec<&Tensor> = params.iter().map(|p| &p.grad).collect();
-    ops::sum_squares(&grads).iter().sum()
+    let place = params.first().map_or(Place::Cpu, |p| p.grad.place());
+    ops::sum_squares_total(&grads, &place).to_vec()[0] as f64
 }
 
 /// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: each

@@ -12,19 +12,6 @@
 use crate::ops::types::{AdamW, Attn};
 use rayon::prelude::*;
 
-/// glibc hands large freed blocks back to the kernel, and the next allocation maps fresh pages
-/// that the kernel zero-fills one page fault at a time: every op output of a training step paid
-/// that (about a quarter of the step on the tiny config). Freed memory is kept for reuse instead,
-/// as PyTorch's CPU allocator does. The binary and the tutorial steps call this once at start.
-pub fn keep_freed_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets two of glibc's allocator thresholds.
-    unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20); // blocks up to 32 MiB (glibc's maximum) from the heap
-        libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX); // and the heap never shrinks
-    }
-}
-
 /// A matrix view over a slice: element `(i, j)` is `data[i * row_stride + j * col_stride]`.
 #[derive(Clone, Copy)]
 pub struct View<'a> {

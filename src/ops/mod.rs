@@ -319,18 +319,6 @@ pub fn scale(a: &mut Tensor, s: f32) {
     cpu::scale(a.host_mut(), s);
 }
 
-/// Σ x² of each tensor (f32 tensors: gradients), accumulated in f64. On a GPU, one read-back
-/// for all of them.
-pub fn sum_squares(ts: &[&Tensor]) -> Vec<f64> {
-    if ts.is_empty() {
-        return Vec::new();
-    }
-    if let Some(d) = gpu("sum of squares", ts) {
-        return fatal("sum of squares", d.sum_squares(ts));
-    }
-    ts.iter().map(|t| cpu::sum_squares(t.host())).collect()
-}
-
 /// Σ x² over all of `ts` (f32 tensors: gradients) as a one-number f32 tensor on `place`, where
 /// they live: on a GPU nobody waits for it here.
 pub fn sum_squares_total(ts: &[&Tensor], place: &Place) -> Tensor {

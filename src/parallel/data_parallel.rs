@@ -9,8 +9,9 @@
 //!
 //! **bucketed** (the default): backward produces gradients from the last layer to the first, so
 //! the gradients are packed, in that order, into buckets of about `bucket_mb` megabytes. When the
-//! last gradient of a bucket is written, its all-reduce starts on the communication thread and
-//! runs *while backward goes on* with the earlier layers; the optimizer only waits for what is
+//! last gradient of a bucket is written, its all-reduce starts on the communication thread (on
+//! GPUs with NCCL, the communication stream) and runs *while backward goes on* with the earlier
+//! layers; the optimizer only waits for what is
 //! still in flight:
 //!
 //! ```text
