@@ -38,6 +38,13 @@ impl<'a> View<'a> {
 }
 
 /// `c[m, n] = a[m, k] · b[k, n]`, or `c += a · b` when `accumulate`. `c` is row-major.
+///
+/// A large product is cut into one block of `c` per rayon thread, each a single-threaded
+/// `matrixmultiply` call, so the whole CPU backend runs on one thread pool (GEMM threads and row
+/// loops would otherwise take turns on the same cores). Each block packs its own copy of one
+/// operand, so the cut goes across the other: blocks of rows of `c` share (and re-pack) `b`,
+/// blocks of columns share `a`; the smaller one is re-packed. Every element is computed exactly
+/// as the whole product would (same order over k), so the bits do not depend on the cut.
 pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accumulate: bool) {
     if m == 0 || n == 0 {
         return;
@@ -45,8 +52,47 @@ pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accum
     a.check(m, k);
     b.check(k, n);
     assert!(c.len() >= m * n, "gemm output too small");
+    let threads = rayon::current_num_threads();
+    let by_rows = m * k >= k * n;
+    let long = if by_rows { m } else { n };
+    // below ~2 M multiply-adds (or 16 rows/columns a thread) a task costs more than it saves
+    if threads == 1 || m * k * n < 2_000_000 || long < 16 * threads {
+        return gemm_block(m, k, n, a, b, Out { c: c.as_mut_ptr(), row_stride: n }, accumulate);
+    }
+    let band = long.div_ceil(threads).next_multiple_of(8); // whole 8-wide kernel tiles
+    let out = Out { c: c.as_mut_ptr(), row_stride: n };
+    (0..long.div_ceil(band)).into_par_iter().for_each(|i| {
+        let (first, len) = (i * band, band.min(long - i * band));
+        if by_rows {
+            let a = View { data: &a.data[first * a.row_stride..], ..a };
+            gemm_block(len, k, n, a, b, out.at(first, 0), accumulate);
+        } else {
+            let b = View { data: &b.data[first * b.col_stride..], ..b };
+            gemm_block(m, k, len, a, b, out.at(0, first), accumulate);
+        }
+    });
+}
+
+/// Where a block of `c` starts, and `c`'s row stride.
+#[derive(Clone, Copy)]
+struct Out {
+    c: *mut f32,
+    row_stride: usize,
+}
+// SAFETY: the blocks that `gemm` hands to its tasks cover disjoint elements of `c`.
+unsafe impl Send for Out {}
+unsafe impl Sync for Out {}
+
+impl Out {
+    fn at(self, row: usize, col: usize) -> Out {
+        // SAFETY: `gemm` asks only for blocks inside the m×n output.
+        Out { c: unsafe { self.c.add(row * self.row_stride + col) }, ..self }
+    }
+}
+
+fn gemm_block(m: usize, k: usize, n: usize, a: View, b: View, c: Out, accumulate: bool) {
     let beta = if accumulate { 1.0 } else { 0.0 };
-    // SAFETY: the views were bounds-checked above for the m×k and k×n shapes, c holds m×n.
+    // SAFETY: the views were bounds-checked for the whole product, and this block lies inside it.
     unsafe {
         matrixmultiply::sgemm(
             m,
@@ -60,10 +106,33 @@ pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accum
             b.row_stride as isize,
             b.col_stride as isize,
             beta,
-            c.as_mut_ptr(),
-            n as isize,
+            c.c,
+            c.row_stride as isize,
             1,
         );
+    }
+}
+
+/// e^x in f32, written so that a loop over a slice compiles to SIMD (glibc's `expf` is a call per
+/// element, and the softmaxes, the cross-entropy and SiLU take ~10% of a CPU step in it).
+/// x = n·ln2 + r with n an integer and |r| ≤ ln2/2, so e^x = 2ⁿ · e^r: e^r is its Taylor series to
+/// r⁶/720 (relative error below 2·10⁻⁷, about one f32 ulp) and 2ⁿ is put straight into the
+/// exponent bits. Below −87 the result is 0 (e^−87 is at the edge of normal f32), above 88 it
+/// saturates at e^88; −∞ gives 0 as the softmaxes need.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    const SHIFTER: f32 = 12_582_912.0; // 1.5·2²³: adding it rounds to an integer in the low bits
+    let xc = x.clamp(-87.0, 88.0);
+    let t = xc * std::f32::consts::LOG2_E + SHIFTER;
+    let n = t - SHIFTER;
+    // ln2 in two parts, so that n·ln2 is exact enough: r = x − n·ln2 loses no bits
+    let r = xc - n * 0.693_145_75 - n * 1.428_606_8e-6;
+    let p = 1.0 + r * (1.0 + r * (0.5 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0))))));
+    let two_n = f32::from_bits((t.to_bits().wrapping_sub(SHIFTER.to_bits()).wrapping_add(127) << 23) as u32);
+    if x < -87.0 {
+        0.0
+    } else {
+        p * two_n
     }
 }
 
@@ -158,12 +227,19 @@ pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, the
 // compute one block of ring attention (a query chunk against another rank's key chunk): a row
 // that sees no key of the block gets output 0 and lse −∞, and the backward takes the lse and
 // output of the whole row, merged over all blocks.
+//
+// The queries go in tiles of QUERY_TILE rows, and a tile stops at the last key that one of its
+// queries can see: in causal attention the keys past the diagonal are skipped, which saves
+// nearly half of the products and exponentials (PyTorch's CPU flash attention does the same).
+
+const QUERY_TILE: usize = 64;
 
 /// The strided views and scale that the attention kernels use.
 impl Attn {
-    fn q_view<'a>(&self, q: &'a [f32], b: usize, h: usize) -> View<'a> {
+    /// Head `h` of sequence `b` from query row `i` on (queries, outputs and their gradients).
+    fn q_view<'a>(&self, q: &'a [f32], b: usize, h: usize, i: usize) -> View<'a> {
         let stride = self.heads * self.head_dim;
-        View { data: &q[b * self.seq * stride + h * self.head_dim..], row_stride: stride, col_stride: 1 }
+        View { data: &q[(b * self.seq + i) * stride + h * self.head_dim..], row_stride: stride, col_stride: 1 }
     }
     fn kv_view<'a>(&self, kv: &'a [f32], b: usize, g: usize) -> View<'a> {
         let stride = self.kv_heads * self.head_dim;
@@ -176,14 +252,24 @@ impl Attn {
     fn scale(&self) -> f32 {
         1.0 / (self.head_dim as f32).sqrt()
     }
-    /// Causal scores `[seq, kv_seq]` of one (sequence, head) pair, scaled, −∞ where the key
-    /// comes after the query.
-    fn scores(&self, q: &[f32], k: &[f32], (b, h): (usize, usize), (q_pos, k_pos): (&[u32], &[u32])) -> Vec<f32> {
-        let (t, tk, g) = (self.seq, self.kv_seq, h / (self.heads / self.kv_heads));
-        let mut s = vec![0.0; t * tk];
-        gemm(t, self.head_dim, tk, self.q_view(q, b, h), self.kv_view_t(k, b, g), &mut s, false);
-        for (row, &qp) in s.chunks_mut(tk).zip(q_pos) {
-            for (v, &kp) in row.iter_mut().zip(k_pos) {
+    /// The query tiles: (first row, rows, keys the tile sees), the keys being a prefix that ends
+    /// at the last key whose position is at most the tile's largest query position.
+    fn tiles(&self, (q_pos, k_pos): (&[u32], &[u32])) -> Vec<(usize, usize, usize)> {
+        let tile = |i: usize| {
+            let rows = QUERY_TILE.min(self.seq - i);
+            let last = q_pos[i..i + rows].iter().max().copied().unwrap_or(0);
+            (i, rows, k_pos.iter().rposition(|&kp| kp <= last).map_or(0, |j| j + 1))
+        };
+        (0..self.seq).step_by(QUERY_TILE).map(tile).collect()
+    }
+    /// Scores `[rows, keys]` of one query tile against the first `keys` keys, for one (sequence,
+    /// head) pair: scaled, −∞ where the key comes after the query.
+    fn scores(&self, q: &[f32], k: &[f32], (b, h): (usize, usize), (i, rows, keys): (usize, usize, usize), pos: (&[u32], &[u32])) -> Vec<f32> {
+        let g = h / (self.heads / self.kv_heads);
+        let mut s = vec![0.0; rows * keys];
+        gemm(rows, self.head_dim, keys, self.q_view(q, b, h, i), self.kv_view_t(k, b, g), &mut s, false);
+        for (row, &qp) in s.chunks_mut(keys.max(1)).zip(&pos.0[i..i + rows]) {
+            for (v, &kp) in row.iter_mut().zip(pos.1) {
                 *v = if kp <= qp { *v * self.scale() } else { f32::NEG_INFINITY };
             }
         }
@@ -200,34 +286,30 @@ pub fn attention(
     out: &mut [f32],
     lse: &mut [f32],
 ) {
-    let (t, tk, hd) = (sh.seq, sh.kv_seq, sh.head_dim);
+    let (t, hd) = (sh.seq, sh.head_dim);
     let groups = sh.heads / sh.kv_heads;
+    let tiles = sh.tiles(pos);
     let blocks: Vec<(Vec<f32>, Vec<f32>)> = (0..sh.batch * sh.heads)
         .into_par_iter()
         .map(|bh| {
             let (b, h) = (bh / sh.heads, bh % sh.heads);
-            let mut p = sh.scores(q, k, (b, h), pos);
-            let mut row_lse = vec![0.0; t];
-            for (row, l) in p.chunks_mut(tk).zip(row_lse.iter_mut()) {
-                let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
-                if max == f32::NEG_INFINITY {
-                    row.fill(0.0); // no key of this block is visible to this query
-                    *l = f32::NEG_INFINITY;
-                    continue;
+            let (mut o, mut row_lse) = (vec![0.0; t * hd], vec![f32::NEG_INFINITY; t]);
+            for &(i, rows, keys) in &tiles {
+                let mut p = sh.scores(q, k, (b, h), (i, rows, keys), pos);
+                for (row, l) in p.chunks_mut(keys.max(1)).zip(&mut row_lse[i..i + rows]) {
+                    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    if max == f32::NEG_INFINITY {
+                        row.fill(0.0); // no key of this block is visible to this query: lse stays −∞
+                        continue;
+                    }
+                    row.iter_mut().for_each(|x| *x = exp(*x - max)); // a masked score (−∞) gets 0
+                    let sum: f32 = row.iter().sum();
+                    row.iter_mut().for_each(|x| *x /= sum);
+                    *l = max + sum.ln();
                 }
-                let sum: f32 = row
-                    .iter_mut()
-                    .map(|x| {
-                        // a masked score (half of causal attention) has probability 0: no exp
-                        *x = if *x == f32::NEG_INFINITY { 0.0 } else { (*x - max).exp() };
-                        *x
-                    })
-                    .sum();
-                row.iter_mut().for_each(|x| *x /= sum);
-                *l = max + sum.ln();
+                let o_tile = &mut o[i * hd..(i + rows) * hd];
+                gemm(rows, keys, hd, View::rows(&p, keys), sh.kv_view(v, b, h / groups), o_tile, false);
             }
-            let mut o = vec![0.0; t * hd];
-            gemm(t, tk, hd, View::rows(&p, tk), sh.kv_view(v, b, h / groups), &mut o, false);
             (o, row_lse)
         })
         .collect();
@@ -241,8 +323,8 @@ pub fn attention(
     }
 }
 
-/// Gradients of attention. Per (sequence, KV head): for each query head of its group,
-/// P = exp(S − lse), dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K · scale,
+/// Gradients of attention. Per (sequence, KV head): for each query head of its group and each
+/// query tile, P = exp(S − lse), dP = dO Vᵀ, dS = P ∘ (dP − rowsum(dO ∘ O)), dQ = dS K · scale,
 /// dK += dSᵀ Q · scale, dV += Pᵀ dO. `out` and `lse` are the whole row's (over all blocks).
 #[allow(clippy::too_many_arguments)]
 pub fn attention_backward(
@@ -258,6 +340,8 @@ pub fn attention_backward(
 ) {
     let (t, tk, hd) = (sh.seq, sh.kv_seq, sh.head_dim);
     let groups = sh.heads / sh.kv_heads;
+    let tiles = sh.tiles(pos);
+    let row = sh.heads * hd; // the row stride of q, out, dout
     let blocks: Vec<(Vec<f32>, Vec<f32>, Vec<f32>)> = (0..sh.batch * sh.kv_heads)
         .into_par_iter()
         .map(|bg| {
@@ -265,25 +349,26 @@ pub fn attention_backward(
             let (mut dq_g, mut dk_g, mut dv_g) = (vec![0.0; groups * t * hd], vec![0.0; tk * hd], vec![0.0; tk * hd]);
             for (j, dq_h) in dq_g.chunks_mut(t * hd).enumerate() {
                 let h = g * groups + j;
-                let mut p = sh.scores(q, k, (b, h), pos);
-                let row_lse = &lse[(b * sh.heads + h) * t..][..t];
-                for (row, l) in p.chunks_mut(tk).zip(row_lse) {
-                    // a masked score is −∞ and its probability 0, also in a row that sees no key (lse −∞)
-                    row.iter_mut().for_each(|x| *x = if *x == f32::NEG_INFINITY { 0.0 } else { (*x - l).exp() });
-                }
-                let (d_o, o) = (sh.q_view(dout, b, h), sh.q_view(out, b, h));
-                let mut ds = vec![0.0; t * tk];
-                gemm(t, hd, tk, d_o, sh.kv_view_t(v, b, g), &mut ds, false);
-                for (i, (ds_row, p_row)) in ds.chunks_mut(tk).zip(p.chunks(tk)).enumerate() {
-                    let delta: f32 =
-                        (0..hd).map(|d| d_o.data[i * d_o.row_stride + d] * o.data[i * o.row_stride + d]).sum();
-                    for (x, p) in ds_row.iter_mut().zip(p_row) {
-                        *x = p * (*x - delta) * sh.scale();
+                for &(i, rows, keys) in &tiles {
+                    let mut p = sh.scores(q, k, (b, h), (i, rows, keys), pos);
+                    let row_lse = &lse[(b * sh.heads + h) * t + i..][..rows];
+                    for (p_row, l) in p.chunks_mut(keys.max(1)).zip(row_lse) {
+                        // a masked score is −∞ and its probability 0, also in a row that sees no key (lse −∞)
+                        p_row.iter_mut().for_each(|x| *x = if *x == f32::NEG_INFINITY { 0.0 } else { exp(*x - l) });
                     }
+                    let (d_o, o, q_tile) = (sh.q_view(dout, b, h, i), sh.q_view(out, b, h, i), sh.q_view(q, b, h, i));
+                    let mut ds = vec![0.0; rows * keys];
+                    gemm(rows, hd, keys, d_o, sh.kv_view_t(v, b, g), &mut ds, false);
+                    for (r, (ds_row, p_row)) in ds.chunks_mut(keys.max(1)).zip(p.chunks(keys.max(1))).enumerate() {
+                        let delta: f32 = (0..hd).map(|d| d_o.data[r * row + d] * o.data[r * row + d]).sum();
+                        for (x, p) in ds_row.iter_mut().zip(p_row) {
+                            *x = p * (*x - delta) * sh.scale();
+                        }
+                    }
+                    gemm(rows, keys, hd, View::rows(&ds, keys), sh.kv_view(k, b, g), &mut dq_h[i * hd..], false);
+                    gemm(keys, rows, hd, View::transposed(&ds, keys), q_tile, &mut dk_g, true);
+                    gemm(keys, rows, hd, View::transposed(&p, keys), d_o, &mut dv_g, true);
                 }
-                gemm(t, tk, hd, View::rows(&ds, tk), sh.kv_view(k, b, g), dq_h, false);
-                gemm(tk, t, hd, View::transposed(&ds, tk), sh.q_view(q, b, h), &mut dk_g, true);
-                gemm(tk, t, hd, View::transposed(&p, tk), d_o, &mut dv_g, true);
             }
             (dq_g, dk_g, dv_g)
         })
@@ -322,25 +407,34 @@ pub fn attention_merge(sh: &Attn, out: &mut [f32], lse: &mut [f32], block_out: &
     }
 }
 
+/// Elementwise ops go over chunks of this many elements, a rayon task each: the plain loop inside
+/// a chunk compiles to SIMD, where a task per element would cost more than its arithmetic.
+const CHUNK: usize = 8 * 1024;
+
 // ---------------------------------------------------------------------------------------------
 // SwiGLU: h = silu(gate) · up, silu(g) = g·σ(g), silu'(g) = σ(g)·(1 + g·(1 − σ(g))).
 
 fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + exp(-x))
 }
 
 pub fn swiglu(gate: &[f32], up: &[f32], h: &mut [f32]) {
-    h.par_iter_mut().zip(gate.par_iter().zip(up.par_iter())).for_each(|(h, (&g, &u))| *h = g * sigmoid(g) * u);
+    h.par_chunks_mut(CHUNK).zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK))).for_each(|(h, (gate, up))| {
+        for ((h, &g), &u) in h.iter_mut().zip(gate).zip(up) {
+            *h = g * sigmoid(g) * u;
+        }
+    });
 }
 
 pub fn swiglu_backward(dh: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], dup: &mut [f32]) {
-    dgate.par_iter_mut().zip(dup.par_iter_mut()).zip(dh.par_iter().zip(gate.par_iter().zip(up.par_iter()))).for_each(
-        |((dg, du), (&d, (&g, &u)))| {
+    let inputs = dh.par_chunks(CHUNK).zip(gate.par_chunks(CHUNK).zip(up.par_chunks(CHUNK)));
+    dgate.par_chunks_mut(CHUNK).zip(dup.par_chunks_mut(CHUNK)).zip(inputs).for_each(|((dgate, dup), (dh, (gate, up)))| {
+        for (((dg, du), &d), (&g, &u)) in dgate.iter_mut().zip(dup).zip(dh).zip(gate.iter().zip(up)) {
             let s = sigmoid(g);
             *du = d * g * s;
             *dg = d * u * s * (1.0 + g * (1.0 - s));
-        },
-    );
+        }
+    });
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -356,7 +450,7 @@ pub fn row_max(logits: &[f32], vocab: usize, max: &mut [f32]) {
 
 pub fn row_sum_exp(logits: &[f32], vocab: usize, max: &[f32], sum: &mut [f32]) {
     sum.par_iter_mut().zip(logits.par_chunks(vocab)).zip(max.par_iter()).for_each(|((s, row), &m)| {
-        *s = row.iter().map(|x| (x - m).exp()).sum::<f32>();
+        *s = row.iter().map(|x| exp(x - m)).sum::<f32>();
     });
 }
 
@@ -400,7 +494,7 @@ pub fn cross_entropy_backward(
                 return;
             }
             for (d, x) in d.iter_mut().zip(row) {
-                *d = (x - l).exp() * scale;
+                *d = exp(x - l) * scale;
             }
             if let Some(c) = local_target(t, first, vocab) {
                 d[c] -= scale;
@@ -413,11 +507,11 @@ pub fn cross_entropy_backward(
 // Small elementwise ops and the AdamW update.
 
 pub fn add_assign(a: &mut [f32], b: &[f32]) {
-    a.par_iter_mut().zip(b.par_iter()).for_each(|(a, b)| *a += b);
+    a.par_chunks_mut(CHUNK).zip(b.par_chunks(CHUNK)).for_each(|(a, b)| a.iter_mut().zip(b).for_each(|(a, b)| *a += b));
 }
 
 pub fn scale(a: &mut [f32], s: f32) {
-    a.par_iter_mut().for_each(|a| *a *= s);
+    a.par_chunks_mut(CHUNK).for_each(|a| a.iter_mut().for_each(|a| *a *= s));
 }
 
 /// Σ x², accumulated in f64 in a fixed order.
@@ -429,10 +523,13 @@ pub fn sum_squares(a: &[f32]) -> f64 {
 pub fn adamw(o: &AdamW, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     let c1 = 1.0 - o.beta1.powi(o.step as i32);
     let c2 = 1.0 - o.beta2.powi(o.step as i32);
-    p.par_iter_mut().zip(g.par_iter()).zip(m.par_iter_mut().zip(v.par_iter_mut())).for_each(|((p, &g), (m, v))| {
-        *m = o.beta1 * *m + (1.0 - o.beta1) * g;
-        *v = o.beta2 * *v + (1.0 - o.beta2) * g * g;
-        *p -= o.lr * o.weight_decay * *p;
-        *p -= o.lr * (*m / c1) / ((*v / c2).sqrt() + o.eps);
+    let state = m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK));
+    p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(state).for_each(|((p, g), (m, v))| {
+        for ((p, &g), (m, v)) in p.iter_mut().zip(g).zip(m.iter_mut().zip(v)) {
+            *m = o.beta1 * *m + (1.0 - o.beta1) * g;
+            *v = o.beta2 * *v + (1.0 - o.beta2) * g * g;
+            *p -= o.lr * o.weight_decay * *p;
+            *p -= o.lr * (*m / c1) / ((*v / c2).sqrt() + o.eps);
+        }
     });
 }
