@@ -25,9 +25,9 @@ fn a_gemm_cut_across_threads_gives_the_bits_of_one_thread() {
     let det = |seed: u64, n: usize| -> Vec<f32> {
         (0..n).map(|i| ((i as u64 * 2_654_435_761 + seed) % 1000) as f32 / 500.0 - 1.0).collect()
     };
-    // tall (cut by rows), wide (cut by columns), transposed operands, accumulation
+    // tall (cut by rows), wide (cut by columns), a long sum (cut along k), transposed, accumulating
     for (m, k, n, transposed, accumulate) in
-        [(300, 100, 120, false, false), (40, 200, 700, true, false), (256, 64, 257, false, true)]
+        [(300, 100, 120, false, false), (40, 200, 700, true, false), (256, 64, 257, false, true), (72, 1500, 40, true, true)]
     {
         let (a, b, c0) = (det(1, m * k), det(2, k * n), det(3, m * n));
         let run = |threads: usize| {

@@ -39,12 +39,15 @@ impl<'a> View<'a> {
 
 /// `c[m, n] = a[m, k] · b[k, n]`, or `c += a · b` when `accumulate`. `c` is row-major.
 ///
-/// A large product is cut into one block of `c` per rayon thread, each a single-threaded
+/// A large product is cut into blocks for the rayon threads, each a single-threaded
 /// `matrixmultiply` call, so the whole CPU backend runs on one thread pool (GEMM threads and row
-/// loops would otherwise take turns on the same cores). Each block packs its own copy of one
-/// operand, so the cut goes across the other: blocks of rows of `c` share (and re-pack) `b`,
-/// blocks of columns share `a`; the smaller one is re-packed. Every element is computed exactly
-/// as the whole product would (same order over k), so the bits do not depend on the cut.
+/// loops would otherwise take turns on the same cores). Each block packs its own copy of what it
+/// reads, so the cut goes where the least is packed twice:
+/// - a long sum (k larger than both sides of c, the weight gradients' sum over every token) is
+///   cut along k into parts of `K_PART`, each into a buffer of its own, then added up in order;
+/// - otherwise blocks of rows of c share (and re-pack) b, or blocks of columns share a,
+///   whichever is smaller.
+/// The cut depends on the shapes only, never on the number of threads, so neither do the bits.
 pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accumulate: bool) {
     if m == 0 || n == 0 {
         return;
@@ -52,8 +55,11 @@ pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accum
     a.check(m, k);
     b.check(k, n);
     assert!(c.len() >= m * n, "gemm output too small");
+    if k > m.max(n) && k >= 2 * K_PART {
+        return gemm_long_sum(m, k, n, a, b, &mut c[..m * n], accumulate);
+    }
     let threads = rayon::current_num_threads();
-    let by_rows = m * k >= k * n;
+    let by_rows = m >= n; // re-packing b (k×n) costs less than re-packing a (m×k)
     let long = if by_rows { m } else { n };
     // below ~2 M multiply-adds (or 16 rows/columns a thread) a task costs more than it saves
     if threads == 1 || m * k * n < 2_000_000 || long < 16 * threads {
@@ -71,6 +77,26 @@ pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accum
             gemm_block(m, k, len, a, b, out.at(0, first), accumulate);
         }
     });
+}
+
+/// The length of the parts of a long sum (see `gemm`).
+const K_PART: usize = 512;
+
+/// `gemm` for a sum much longer than the output is wide: c (+)= Σ_parts a[:, part] · b[part, :].
+fn gemm_long_sum(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accumulate: bool) {
+    let mut partial = vec![0.0; k.div_ceil(K_PART) * m * n];
+    partial.par_chunks_mut(m * n).enumerate().for_each(|(p, part)| {
+        let (first, len) = (p * K_PART, K_PART.min(k - p * K_PART));
+        let a = View { data: &a.data[first * a.col_stride..], ..a };
+        let b = View { data: &b.data[first * b.row_stride..], ..b };
+        gemm_block(m, len, n, a, b, Out { c: part.as_mut_ptr(), row_stride: n }, false);
+    });
+    if !accumulate {
+        c.fill(0.0);
+    }
+    for part in partial.chunks(m * n) {
+        add_assign(c, part); // in the order of the parts: the same bits on any number of threads
+    }
 }
 
 /// Where a block of `c` starts, and `c`'s row stride.
@@ -199,20 +225,22 @@ pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, the
     let half = head_dim / 2;
     let inv_freq: Vec<f64> = (0..half).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
     let sign = if inverse { -1.0 } else { 1.0 };
-    x.par_chunks_mut(heads * head_dim).zip(positions.par_iter()).for_each(|(row, &pos)| {
-        let (sin, cos): (Vec<f32>, Vec<f32>) = inv_freq
-            .iter()
-            .map(|f| {
-                let (s, c) = (pos as f64 * f).sin_cos();
-                (sign * s as f32, c as f32)
-            })
-            .unzip();
+    // (sin, cos) once per distinct position: every sequence of a batch repeats the same ones
+    let mut distinct = positions.to_vec();
+    distinct.sort_unstable();
+    distinct.dedup();
+    let table: Vec<(f32, f32)> = distinct
+        .iter()
+        .flat_map(|&pos| inv_freq.iter().map(move |f| (pos as f64 * f).sin_cos()))
+        .map(|(s, c)| (sign * s as f32, c as f32))
+        .collect();
+    x.par_chunks_mut(heads * head_dim).zip(positions.par_iter()).for_each(|(row, pos)| {
+        let at = distinct.binary_search(pos).expect("every position is in the table") * half;
+        let angles = &table[at..at + half];
         for head in row.chunks_mut(head_dim) {
             let (x1, x2) = head.split_at_mut(half);
-            for i in 0..half {
-                let (a, b) = (x1[i], x2[i]);
-                x1[i] = a * cos[i] - b * sin[i];
-                x2[i] = b * cos[i] + a * sin[i];
+            for ((a, b), &(sin, cos)) in x1.iter_mut().zip(x2).zip(angles) {
+                (*a, *b) = (*a * cos - *b * sin, *b * cos + *a * sin);
             }
         }
     });
@@ -232,7 +260,7 @@ pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, the
 // queries can see: in causal attention the keys past the diagonal are skipped, which saves
 // nearly half of the products and exponentials (PyTorch's CPU flash attention does the same).
 
-const QUERY_TILE: usize = 64;
+const QUERY_TILE: usize = 32;
 
 /// The strided views and scale that the attention kernels use.
 impl Attn {
