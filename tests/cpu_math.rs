@@ -47,3 +47,22 @@ fn a_gemm_cut_across_threads_gives_the_bits_of_one_thread() {
         assert!((one[i * n + j] - want).abs() < 1e-3, "{m}x{k}x{n}: c[{i},{j}] = {} not {want}", one[i * n + j]);
     }
 }
+
+#[test]
+fn the_eight_lane_reductions_see_every_element() {
+    use ferrotron::ops::cpu::{dot8, max8, sum8};
+    assert_eq!(max8(&[]), f32::NEG_INFINITY);
+    for n in 0..40usize {
+        let x: Vec<f32> = (0..n).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();
+        let y: Vec<f32> = (0..n).map(|i| ((i * 13) % 7) as f32 * 0.5).collect();
+        let want_sum: f32 = x.iter().sum();
+        let want_dot: f32 = x.iter().zip(&y).map(|(a, b)| a * b).sum();
+        assert_eq!(sum8(&x), want_sum, "sum8 of {n}"); // small integers: exact in any order
+        assert_eq!(dot8(&x, &y), want_dot, "dot8 of {n}");
+        for at in 0..n {
+            let mut z = x.clone();
+            z[at] = 100.0; // the largest, in a lane or in the tail
+            assert_eq!(max8(&z), 100.0, "max8 of {n} with the largest at {at}");
+        }
+    }
+}

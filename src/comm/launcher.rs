@@ -145,7 +145,18 @@ pub fn launch_on<R: Send>(grid: Grid, setup: Setup, f: impl Fn(&Rank) -> Result<
         let threads: Vec<_> = (0..grid.world_size())
             .map(|rank| {
                 let (hub, f, setup) = (hub.clone(), &f, &setup);
-                s.spawn(move || run_rank(grid, setup, rank, hub, f))
+                s.spawn(move || {
+                    // One rank runs on a rayon worker, so that its ops' parallel loops start where
+                    // they are called instead of waking a worker and sleeping until it is done
+                    // (a third of the context switches of a tiny step). Several ranks must not:
+                    // a worker waiting inside one rank's loop may pick up another rank's whole
+                    // run, which then waits in a collective for the first: a deadlock.
+                    if grid.world_size() == 1 {
+                        rayon::scope(|_| run_rank(grid, setup, rank, hub, f))
+                    } else {
+                        run_rank(grid, setup, rank, hub, f)
+                    }
+                })
             })
             .collect();
         threads.into_iter().map(|t| t.join().ok().flatten()).collect()

@@ -162,6 +162,47 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
+/// Σ x over a row in eight interleaved partial sums, added together at the end. One running sum
+/// is a chain of dependent additions that the compiler may not reorder (that would change the
+/// rounding); eight lanes are one SIMD register and a few cycles per eight elements.
+pub fn sum8(x: &[f32]) -> f32 {
+    sum8_of(x, |v| v)
+}
+
+/// Σ f(x) over a row, in eight lanes as `sum8`.
+#[inline(always)]
+pub fn sum8_of(x: &[f32], f: impl Fn(f32) -> f32) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let chunks = x.chunks_exact(8);
+    let tail: f32 = chunks.remainder().iter().map(|&v| f(v)).sum();
+    for c in chunks {
+        lanes.iter_mut().zip(c).for_each(|(l, &v)| *l += f(v));
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// Σ a·b, in eight lanes as `sum8`.
+pub fn dot8(a: &[f32], b: &[f32]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(a, b)| a * b).sum();
+    for (a, b) in ca.zip(cb) {
+        lanes.iter_mut().zip(a.iter().zip(b)).for_each(|(l, (a, b))| *l += a * b);
+    }
+    lanes.iter().sum::<f32>() + tail
+}
+
+/// The largest element (−∞ for an empty row), in eight lanes as `sum8`.
+pub fn max8(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let chunks = x.chunks_exact(8);
+    let tail = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    for c in chunks {
+        lanes.iter_mut().zip(c).for_each(|(l, &v)| *l = if v > *l { v } else { *l });
+    }
+    lanes.iter().fold(tail, |m, &v| if v > m { v } else { m })
+}
+
 // ---------------------------------------------------------------------------------------------
 // Embedding: out[r] = table[token[r]]; backward scatters rows back, in row order.
 
@@ -190,7 +231,7 @@ pub fn embedding_backward(dout: &[f32], tokens: &[u32], first: usize, dim: usize
 pub fn rmsnorm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32], rstd: &mut [f32]) {
     let dim = w.len();
     y.par_chunks_mut(dim).zip(x.par_chunks(dim)).zip(rstd.par_iter_mut()).for_each(|((y, x), rstd)| {
-        let ms = x.iter().map(|v| v * v).sum::<f32>() / dim as f32;
+        let ms = dot8(x, x) / dim as f32;
         *rstd = 1.0 / (ms + eps).sqrt();
         for ((y, x), w) in y.iter_mut().zip(x).zip(w) {
             *y = x * *rstd * w;
@@ -203,10 +244,9 @@ pub fn rmsnorm_backward(dy: &[f32], x: &[f32], w: &[f32], rstd: &[f32], dx: &mut
     let dim = w.len();
     dx.par_chunks_mut(dim).zip(dy.par_chunks(dim)).zip(x.par_chunks(dim)).zip(rstd.par_iter()).for_each(
         |(((dx, dy), x), &r)| {
-            let dot = dy.iter().zip(x).zip(w).map(|((g, x), w)| g * w * x * r).sum::<f32>() / dim as f32;
-            for (((dx, g), x), w) in dx.iter_mut().zip(dy).zip(x).zip(w) {
-                *dx = r * (g * w - x * r * dot);
-            }
+            dx.iter_mut().zip(dy).zip(w).for_each(|((dx, g), w)| *dx = g * w); // dy·w, then
+            let dot = dot8(dx, x) * r / dim as f32; // mean(dy·w·x̂)
+            dx.iter_mut().zip(x).for_each(|(dx, x)| *dx = r * (*dx - x * r * dot));
         },
     );
     for ((dy, x), &r) in dy.chunks(dim).zip(x.chunks(dim)).zip(rstd) {
@@ -325,13 +365,13 @@ pub fn attention(
             for &(i, rows, keys) in &tiles {
                 let mut p = sh.scores(q, k, (b, h), (i, rows, keys), pos);
                 for (row, l) in p.chunks_mut(keys.max(1)).zip(&mut row_lse[i..i + rows]) {
-                    let max = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+                    let max = max8(row);
                     if max == f32::NEG_INFINITY {
                         row.fill(0.0); // no key of this block is visible to this query: lse stays −∞
                         continue;
                     }
                     row.iter_mut().for_each(|x| *x = exp(*x - max)); // a masked score (−∞) gets 0
-                    let sum: f32 = row.iter().sum();
+                    let sum = sum8(row);
                     row.iter_mut().for_each(|x| *x /= sum);
                     *l = max + sum.ln();
                 }
@@ -380,15 +420,20 @@ pub fn attention_backward(
                 for &(i, rows, keys) in &tiles {
                     let mut p = sh.scores(q, k, (b, h), (i, rows, keys), pos);
                     let row_lse = &lse[(b * sh.heads + h) * t + i..][..rows];
-                    for (p_row, l) in p.chunks_mut(keys.max(1)).zip(row_lse) {
-                        // a masked score is −∞ and its probability 0, also in a row that sees no key (lse −∞)
-                        p_row.iter_mut().for_each(|x| *x = if *x == f32::NEG_INFINITY { 0.0 } else { exp(*x - l) });
+                    for (p_row, &l) in p.chunks_mut(keys.max(1)).zip(row_lse) {
+                        // a masked score is −∞ and its probability 0, also in a row that sees no key
+                        // (lse −∞, where x − lse is NaN): exp first, then the choice, so that the
+                        // loop has no branch and compiles to SIMD
+                        p_row.iter_mut().for_each(|x| {
+                            let e = exp(*x - l);
+                            *x = if *x == f32::NEG_INFINITY { 0.0 } else { e };
+                        });
                     }
                     let (d_o, o, q_tile) = (sh.q_view(dout, b, h, i), sh.q_view(out, b, h, i), sh.q_view(q, b, h, i));
                     let mut ds = vec![0.0; rows * keys];
                     gemm(rows, hd, keys, d_o, sh.kv_view_t(v, b, g), &mut ds, false);
                     for (r, (ds_row, p_row)) in ds.chunks_mut(keys.max(1)).zip(p.chunks(keys.max(1))).enumerate() {
-                        let delta: f32 = (0..hd).map(|d| d_o.data[r * row + d] * o.data[r * row + d]).sum();
+                        let delta = dot8(&d_o.data[r * row..][..hd], &o.data[r * row..][..hd]);
                         for (x, p) in ds_row.iter_mut().zip(p_row) {
                             *x = p * (*x - delta) * sh.scale();
                         }
@@ -472,13 +517,13 @@ pub fn swiglu_backward(dh: &[f32], gate: &[f32], up: &[f32], dgate: &mut [f32], 
 /// Writes each row's largest logit (of this slice of the vocabulary).
 pub fn row_max(logits: &[f32], vocab: usize, max: &mut [f32]) {
     max.par_iter_mut().zip(logits.par_chunks(vocab)).for_each(|(m, row)| {
-        *m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max);
+        *m = max8(row);
     });
 }
 
 pub fn row_sum_exp(logits: &[f32], vocab: usize, max: &[f32], sum: &mut [f32]) {
     sum.par_iter_mut().zip(logits.par_chunks(vocab)).zip(max.par_iter()).for_each(|((s, row), &m)| {
-        *s = row.iter().map(|x| exp(x - m)).sum::<f32>();
+        *s = sum8_of(row, |x| exp(x - m));
     });
 }
 

@@ -131,12 +131,16 @@ pub fn check(cfg: &Config, capacity: &Capacity, loaded: f64) -> Result<f64> {
 /// glibc hands large freed blocks back to the kernel, and the next allocation maps fresh pages
 /// that the kernel zero-fills one page fault at a time: every op output of a training step paid
 /// that (about a quarter of the step on the tiny config). Freed memory is kept for reuse instead,
-/// as PyTorch's CPU allocator does. The binary and the tutorial steps call this once at start.
+/// as PyTorch's CPU allocator does. Every thread allocates from the main heap (one arena): the
+/// rank threads and rayon's workers would otherwise each get a heap of their own, which glibc
+/// unmaps whole when it empties, trim threshold or not (37 MB of fresh pages a tiny step).
+/// The binary and the tutorial steps call this once at start.
 pub fn keep_freed_memory() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: mallopt only sets two of glibc's allocator thresholds.
+    // SAFETY: mallopt only sets three of glibc's allocator parameters.
     unsafe {
         libc::mallopt(libc::M_MMAP_THRESHOLD, 32 << 20); // blocks up to 32 MiB (glibc's maximum) from the heap
         libc::mallopt(libc::M_TRIM_THRESHOLD, i32::MAX); // and the heap never shrinks
+        libc::mallopt(libc::M_ARENA_MAX, 1); // one heap for every thread
     }
 }
