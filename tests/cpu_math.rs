@@ -2,7 +2,7 @@
 //! obvious code: its vectorisable `exp` against f64's, and its GEMM, cut into one block per
 //! thread, against the same product on one thread (the bits must not depend on the cut).
 
-use ferrotron::ops::cpu::{exp, gemm, View};
+use ferrotron::ops::cpu_math::{exp, gemm, View};
 
 #[test]
 fn exp_is_within_two_ulp_and_zero_below_the_normal_range() {
@@ -26,9 +26,12 @@ fn a_gemm_cut_across_threads_gives_the_bits_of_one_thread() {
         (0..n).map(|i| ((i as u64 * 2_654_435_761 + seed) % 1000) as f32 / 500.0 - 1.0).collect()
     };
     // tall (cut by rows), wide (cut by columns), a long sum (cut along k), transposed, accumulating
-    for (m, k, n, transposed, accumulate) in
-        [(300, 100, 120, false, false), (40, 200, 700, true, false), (256, 64, 257, false, true), (72, 1500, 40, true, true)]
-    {
+    for (m, k, n, transposed, accumulate) in [
+        (300, 100, 120, false, false),
+        (40, 200, 700, true, false),
+        (256, 64, 257, false, true),
+        (72, 1500, 40, true, true),
+    ] {
         let (a, b, c0) = (det(1, m * k), det(2, k * n), det(3, m * n));
         let run = |threads: usize| {
             let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
@@ -43,14 +46,15 @@ fn a_gemm_cut_across_threads_gives_the_bits_of_one_thread() {
         // and it is the product: one element by hand
         let (i, j) = (m - 1, n / 2);
         let at = |i: usize, l: usize| if transposed { a[l * m + i] } else { a[i * k + l] };
-        let want: f32 = (0..k).map(|l| at(i, l) * b[l * n + j]).sum::<f32>() + if accumulate { c0[i * n + j] } else { 0.0 };
+        let want: f32 =
+            (0..k).map(|l| at(i, l) * b[l * n + j]).sum::<f32>() + if accumulate { c0[i * n + j] } else { 0.0 };
         assert!((one[i * n + j] - want).abs() < 1e-3, "{m}x{k}x{n}: c[{i},{j}] = {} not {want}", one[i * n + j]);
     }
 }
 
 #[test]
 fn the_eight_lane_reductions_see_every_element() {
-    use ferrotron::ops::cpu::{dot8, max8, sum8};
+    use ferrotron::ops::cpu_math::{dot8, max8, sum8};
     assert_eq!(max8(&[]), f32::NEG_INFINITY);
     for n in 0..40usize {
         let x: Vec<f32> = (0..n).map(|i| ((i * 37) % 11) as f32 - 5.0).collect();

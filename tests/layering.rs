@@ -15,7 +15,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("values", &["files", "config::table", "config", "ops::types", "parallel::process_grid"]),
     ("GPU runtime", &["cuda", "cuda::runtime", "cuda::nvrtc", "cuda::profile", "cuda::launch_table", "cuda::device"]),
     ("tensors", &["ops::tensor"]),
-    ("ops", &["ops::cpu", "cuda::ops", "ops"]),
+    ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "cuda::ops", "ops"]),
     (
         "comm",
         &["comm::trace", "comm::local", "comm::device_link", "comm", "comm::tensors", "cuda::nccl", "comm::launcher"],

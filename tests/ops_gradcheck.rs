@@ -119,7 +119,10 @@ fn attention_grouped_query() {
 #[allow(clippy::type_complexity)]
 fn dense_attention(a: Attn, (q, k, v): (&[f32], &[f32], &[f32]), pos: (&[u32], &[u32]), r: &[f32]) -> [Vec<f64>; 5] {
     let (t, tk, hd, groups) = (a.seq, a.kv_seq, a.head_dim, a.heads / a.kv_heads);
-    let (qi, ki) = (|b: usize, i: usize, h: usize| ((b * t + i) * a.heads + h) * hd, |b: usize, j: usize, g: usize| ((b * tk + j) * a.kv_heads + g) * hd);
+    let (qi, ki) = (
+        |b: usize, i: usize, h: usize| ((b * t + i) * a.heads + h) * hd,
+        |b: usize, j: usize, g: usize| ((b * tk + j) * a.kv_heads + g) * hd,
+    );
     let (mut out, mut lse) = (vec![0.0; q.len()], vec![0.0; a.batch * a.heads * t]);
     let (mut dq, mut dk, mut dv) = (vec![0.0; q.len()], vec![0.0; k.len()], vec![0.0; v.len()]);
     let scale = 1.0 / (hd as f64).sqrt();
@@ -130,7 +133,9 @@ fn dense_attention(a: Attn, (q, k, v): (&[f32], &[f32], &[f32]), pos: (&[u32], &
                 let seen: Vec<usize> = (0..tk).filter(|&j| pos.1[j] <= pos.0[i]).collect();
                 let s: Vec<f64> = seen
                     .iter()
-                    .map(|&j| (0..hd).map(|d| q[qi(b, i, h) + d] as f64 * k[ki(b, j, g) + d] as f64).sum::<f64>() * scale)
+                    .map(|&j| {
+                        (0..hd).map(|d| q[qi(b, i, h) + d] as f64 * k[ki(b, j, g) + d] as f64).sum::<f64>() * scale
+                    })
                     .collect();
                 let max = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
                 let l = max + s.iter().map(|x| (x - max).exp()).sum::<f64>().ln();
@@ -142,7 +147,10 @@ fn dense_attention(a: Attn, (q, k, v): (&[f32], &[f32], &[f32]), pos: (&[u32], &
                     }
                 }
                 // dP_j = r·v_j, dS_j = P_j (dP_j − Σ P dP), then the three products
-                let dp: Vec<f64> = seen.iter().map(|&j| (0..hd).map(|d| r[qi(b, i, h) + d] as f64 * v[ki(b, j, g) + d] as f64).sum()).collect();
+                let dp: Vec<f64> = seen
+                    .iter()
+                    .map(|&j| (0..hd).map(|d| r[qi(b, i, h) + d] as f64 * v[ki(b, j, g) + d] as f64).sum())
+                    .collect();
                 let delta: f64 = p.iter().zip(&dp).map(|(p, d)| p * d).sum();
                 for ((&j, &pj), &dpj) in seen.iter().zip(&p).zip(&dp) {
                     let ds = pj * (dpj - delta) * scale;
@@ -169,14 +177,21 @@ fn attention_in_query_tiles_matches_the_dense_formula() {
     let k_pos: Vec<u32> = (40..90).chain(250..300).map(|p| p + 1).collect();
     let (rows, kv_rows) = (a.batch * a.seq, a.batch * a.kv_seq);
     let (qw, kw) = (a.heads * a.head_dim, a.kv_heads * a.head_dim);
-    let (q, k, v) = (randn(&mut rng, rows * qw, 1.0), randn(&mut rng, kv_rows * kw, 1.0), randn(&mut rng, kv_rows * kw, 1.0));
+    let (q, k, v) =
+        (randn(&mut rng, rows * qw, 1.0), randn(&mut rng, kv_rows * kw, 1.0), randn(&mut rng, kv_rows * kw, 1.0));
     let r = randn(&mut rng, rows * qw, 1.0);
     let (qt, kt, vt) = (t(&[rows, qw], &q), t(&[kv_rows, kw], &k), t(&[kv_rows, kw], &v));
     let pos = (&q_pos[..], &k_pos[..]);
     let (out, lse) = ops::attention(a, &qt, &kt, &vt, pos);
     let (dq, dk, dv) = ops::attention_backward(a, (&qt, &kt, &vt), pos, (&out, &lse), &t(&[rows, qw], &r));
     let want = dense_attention(a, (&q, &k, &v), pos, &r);
-    for (name, got, want) in [("out", out, &want[0]), ("lse", lse, &want[1]), ("dq", dq, &want[2]), ("dk", dk, &want[3]), ("dv", dv, &want[4])] {
+    for (name, got, want) in [
+        ("out", out, &want[0]),
+        ("lse", lse, &want[1]),
+        ("dq", dq, &want[2]),
+        ("dk", dk, &want[3]),
+        ("dv", dv, &want[4]),
+    ] {
         for (i, (g, w)) in got.to_vec().iter().zip(want).enumerate() {
             let ok = if w.is_infinite() { *g as f64 == *w } else { (*g as f64 - w).abs() <= 1e-4 * (1.0 + w.abs()) };
             assert!(ok, "attention {name}[{i}]: {g} against the dense {w}");

@@ -11,13 +11,15 @@
 //! returned fresh.
 
 pub mod cpu;
+pub mod cpu_attention;
+pub mod cpu_math;
 pub mod tensor;
 pub mod types;
 
 pub use types::{AdamW, Attn, DType};
 
 use crate::cuda::device::{fatal, Device};
-use cpu::View;
+use cpu_math::View;
 use std::sync::Arc;
 use tensor::{Place, Tensor};
 
@@ -37,7 +39,7 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
         return fatal("linear", d.linear(x, w));
     }
     let mut y = Tensor::zeros(&[m, n]);
-    cpu::gemm(m, k, n, View::rows(x.host(), k), View::transposed(w.host(), k), y.host_mut(), false);
+    cpu_math::gemm(m, k, n, View::rows(x.host(), k), View::transposed(w.host(), k), y.host_mut(), false);
     y
 }
 
@@ -56,7 +58,7 @@ pub fn linear_input_grad(dy: &Tensor, w: &Tensor) -> Tensor {
         return fatal("linear backward", d.linear_input_grad(dy, w));
     }
     let mut dx = Tensor::zeros(&[m, k]);
-    cpu::gemm(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k), dx.host_mut(), false);
+    cpu_math::gemm(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k), dx.host_mut(), false);
     dx
 }
 
@@ -67,7 +69,7 @@ pub fn linear_weight_grad(dy: &Tensor, x: &Tensor, dw: &mut Tensor) {
     if let Some(d) = gpu("linear weight gradient", &[dy, x, dw]) {
         return fatal("linear weight gradient", d.linear_weight_grad(dy, x, dw));
     }
-    cpu::gemm(n, m, k, View::transposed(dy.host(), n), View::rows(x.host(), k), dw.host_mut(), true);
+    cpu_math::gemm(n, m, k, View::transposed(dy.host(), n), View::rows(x.host(), k), dw.host_mut(), true);
 }
 
 /// Rows of `table` picked by token id. The table may be a slice of the vocabulary starting at
@@ -145,7 +147,7 @@ pub fn attention(a: Attn, q: &Tensor, k: &Tensor, v: &Tensor, pos: (&[u32], &[u3
     }
     let mut out = Tensor::zeros(q.shape());
     let mut lse = Tensor::zeros(&[a.batch, a.heads, a.seq]);
-    cpu::attention(&a, (q.host(), k.host(), v.host()), pos, out.host_mut(), lse.host_mut());
+    cpu_attention::attention(&a, (q.host(), k.host(), v.host()), pos, out.host_mut(), lse.host_mut());
     (out, lse)
 }
 
@@ -162,7 +164,7 @@ pub fn attention_backward(
         return fatal("attention backward", d.attention_backward(a, (q, k, v), pos, (out, lse), dout));
     }
     let (mut dq, mut dk, mut dv) = (Tensor::zeros(q.shape()), Tensor::zeros(k.shape()), Tensor::zeros(v.shape()));
-    cpu::attention_backward(
+    cpu_attention::attention_backward(
         &a,
         (q.host(), k.host(), v.host()),
         pos,
@@ -182,7 +184,7 @@ pub fn attention_merge(a: Attn, (out, lse): (&mut Tensor, &mut Tensor), block_ou
     if let Some(d) = gpu("attention merge", &[out, lse, block_out, block_lse]) {
         return fatal("attention merge", d.attention_merge(a, (out, lse), (block_out, block_lse)));
     }
-    cpu::attention_merge(&a, out.host_mut(), lse.host_mut(), block_out.host(), block_lse.host());
+    cpu_attention::attention_merge(&a, out.host_mut(), lse.host_mut(), block_out.host(), block_lse.host());
 }
 
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {

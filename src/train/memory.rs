@@ -7,7 +7,7 @@
 //! weights   Σ over the stage's tensors: matrices / tp (split), norms whole (replicated)
 //!           × bytes per weight: value, gradient, two AdamW moments (+ the bf16 copy on a GPU)
 //! activations  what one micro-batch keeps for backward × the micro-batches a stage holds at once
-//! attention    on the CPU, one row block of scores (seq/cp × seq) per core, while it computes
+//! attention    on the CPU, per core one query tile's scores and their gradient (2 × 32 × seq/cp)
 //! loaded       a checkpoint or pretrained weights, kept in host memory for the ranks to slice
 //! ```
 //! and compares it with what the machine has (`MemAvailable` for CPU ranks, which share one
@@ -18,6 +18,7 @@
 use crate::comm::launcher::Capacity;
 use crate::config::{Config, ModelConfig, PpSchedule};
 use crate::model::{Llama, Stage};
+use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
 use anyhow::{bail, Result};
 
@@ -96,7 +97,9 @@ pub fn estimate(cfg: &Config) -> (f64, String) {
     let activations = activations_held(cfg, t.micro_batch_size, dtype);
     let on_cpu = cfg.device.kind == crate::config::DeviceKind::Cpu;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    let scores = if on_cpu { cores * (t.seq_len / p.cp) as f64 * t.seq_len as f64 * 4.0 } else { 0.0 };
+    // each core's attention task holds one query tile's probabilities and their gradient
+    let (rows, keys) = (QUERY_TILE.min(t.seq_len / p.cp) as f64, (t.seq_len / p.cp) as f64);
+    let scores = if on_cpu { cores * 2.0 * rows * keys * 4.0 } else { 0.0 };
     let gib = |b: f64| b / (1u64 << 30) as f64;
     let what = format!(
         "{:.2} GiB weights, gradients and AdamW state + {:.2} GiB activations + {:.2} GiB attention scores",
