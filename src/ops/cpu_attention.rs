@@ -3,23 +3,23 @@
 //! The f32 reference that the GPU's attention kernels are tested against, and that ring attention
 //! (context parallelism) calls once per block of keys. Layouts as in `ops/cpu.rs`: q, k, v and
 //! the output are `[batch*seq, heads*head_dim]` (head-major inside a row), lse `[batch, heads, seq]`.
+//!
+//! Grouped-query attention: query head h reads KV head h / (heads / kv_heads). Per (sequence,
+//! head): S = Q Kᵀ · scale, masked where the key's position is after the query's, P = softmax(S),
+//! O = P V. The forward keeps only the log-sum-exp of each row (lse); the backward rebuilds
+//! P = exp(S − lse), as flash attention does, so no T×T matrix is kept between forward and
+//! backward. Queries and keys carry their positions in the sequence, so the same kernels compute
+//! one block of ring attention (a query chunk against another rank's key chunk): a row that sees
+//! no key of the block gets output 0 and lse −∞, and the backward takes the lse and output of the
+//! whole row, merged over all blocks.
+//!
+//! The queries go in tiles of `QUERY_TILE` rows, and a tile stops at the last key that one of its
+//! queries can see: in causal attention the keys past the diagonal are skipped, which saves
+//! nearly half of the products and exponentials (PyTorch's CPU flash attention does the same).
 
 use crate::ops::cpu_math::{dot8, exp, gemm, max8, sum8, View};
 use crate::ops::types::Attn;
 use rayon::prelude::*;
-
-// Causal attention with grouped-query attention. Query head h reads KV head h / (heads / kv_heads).
-// Per (sequence, head): S = Q Kᵀ · scale, masked where the key's position is after the query's,
-// P = softmax(S), O = P V. The forward keeps only the log-sum-exp of each row (lse); the backward
-// rebuilds P = exp(S − lse), as flash attention does, so no T×T matrix is kept between forward
-// and backward. Queries and keys carry their positions in the sequence, so the same kernels
-// compute one block of ring attention (a query chunk against another rank's key chunk): a row
-// that sees no key of the block gets output 0 and lse −∞, and the backward takes the lse and
-// output of the whole row, merged over all blocks.
-//
-// The queries go in tiles of QUERY_TILE rows, and a tile stops at the last key that one of its
-// queries can see: in causal attention the keys past the diagonal are skipped, which saves
-// nearly half of the products and exponentials (PyTorch's CPU flash attention does the same).
 
 /// Query rows computed together; each tile reads the keys up to its last query.
 pub const QUERY_TILE: usize = 32;

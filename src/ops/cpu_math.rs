@@ -45,7 +45,8 @@ impl<'a> View<'a> {
 /// - otherwise blocks of rows of c share (and re-pack) b, or blocks of columns share a,
 ///   whichever is smaller.
 ///
-/// The cut depends on the shapes only, never on the number of threads, so neither do the bits.
+/// Neither cut changes a bit: a block of rows or columns sums each element over k exactly as the
+/// whole product would, and the parts of a long sum are fixed by the shapes, not by the threads.
 pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accumulate: bool) {
     if m == 0 || n == 0 {
         return;
@@ -60,11 +61,11 @@ pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accum
     let by_rows = m >= n; // re-packing b (k×n) costs less than re-packing a (m×k)
     let long = if by_rows { m } else { n };
     // below ~2 M multiply-adds (or 16 rows/columns a thread) a task costs more than it saves
+    let out = Out { c: c.as_mut_ptr(), row_stride: n };
     if threads == 1 || m * k * n < 2_000_000 || long < 16 * threads {
-        return gemm_block(m, k, n, a, b, Out { c: c.as_mut_ptr(), row_stride: n }, accumulate);
+        return gemm_block(m, k, n, a, b, out, accumulate);
     }
     let band = long.div_ceil(threads).next_multiple_of(8); // whole 8-wide kernel tiles
-    let out = Out { c: c.as_mut_ptr(), row_stride: n };
     (0..long.div_ceil(band)).into_par_iter().for_each(|i| {
         let (first, len) = (i * band, band.min(long - i * band));
         if by_rows {
@@ -141,7 +142,7 @@ fn gemm_block(m: usize, k: usize, n: usize, a: View, b: View, c: Out, accumulate
 }
 
 /// e^x in f32, written so that a loop over a slice compiles to SIMD (glibc's `expf` is a call per
-/// element, and the softmaxes, the cross-entropy and SiLU take ~10% of a CPU step in it).
+/// element: the softmaxes, the cross-entropy and SiLU spent ~10% of a CPU step in it).
 /// x = n·ln2 + r with n an integer and |r| ≤ ln2/2, so e^x = 2ⁿ · e^r: e^r is its Taylor series to
 /// r⁶/720 (relative error below 2·10⁻⁷, about one f32 ulp) and 2ⁿ is put straight into the
 /// exponent bits. Below −87 the result is 0 (e^−87 is at the edge of normal f32), above 88 it
