@@ -212,6 +212,8 @@ fn the_step_keeps_its_budget_of_syncs_copies_and_memsets() {
     // one read-back, of two numbers
     assert!(n("syncs") <= 1.0, "host synchronisations per step: {step:?}");
     assert!(n("dtoh") <= 1.0 && n("dtoh_bytes") <= 8.0, "device→host copies per step: {step:?}");
+    // tokens, targets and positions go up from pinned memory: queued, the host never waits
+    assert!(n("htod") > 0.0 && n("htod_pageable") == 0.0, "uploads from pageable memory per step: {step:?}");
     // only what must start at zero: the step's loss, each micro-batch's, the norm's two sets of
     // partial sums (tp-split and replicated weights)
     assert!(n("memsets") <= 5.0, "memsets per step: {step:?}");

@@ -10,6 +10,7 @@
 //! FERROTRON_REQUIRE_NVRTC=1 (CI sets it, after installing the nvidia-cuda-nvrtc-cu12,
 //! nvidia-cuda-runtime-cu12 and nvidia-cuda-nvcc-cu12 wheels).
 
+use ferrotron::cuda::kernels::KERNELS;
 use ferrotron::cuda::nvrtc::{compile, include_dirs, nvrtc_ready, target, SOURCES};
 use std::path::PathBuf;
 use std::process::Command;
@@ -53,8 +54,7 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
             assert!(compiled.cubin.as_ref().is_some_and(|c| c.starts_with(b"\x7fELF")), "{name}: no cubin for {arch}");
             let ptx = compiled.ptx;
             assert!(ptx.contains(&format!(".target {arch}")), "{name}: PTX for the wrong target");
-            for l in launches.iter().filter(|l| l.file == name) {
-                let entry = &l.kernel;
+            for (_, entry) in KERNELS.iter().filter(|(file, _)| *file == name) {
                 assert!(ptx.contains(&format!(".entry {entry}(")), "{name}.cu for {arch} does not export {entry}");
             }
             if name == "attention_tc" {
@@ -79,10 +79,23 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
             }
         }
     }
-    assert!(SOURCES.iter().all(|(name, _)| launches.iter().any(|l| l.file == *name)), "every file is launched");
+    assert!(SOURCES.iter().all(|(name, _)| KERNELS.iter().any(|(file, _)| file == name)), "every file is launched");
     if ptxas.is_some() {
         eprintln!("{assembled} kernels assembled by ptxas for sm_80 and sm_90");
         assert!(assembled >= launches.len(), "ptxas reported fewer kernels than are launched");
+    }
+}
+
+/// The table of kernels (`cuda/kernels.rs`) against the launches (`cuda/launch_table.rs`).
+#[test]
+fn each_kernel_is_in_the_table_once_and_the_catalogue_launches_it() {
+    let launches = ferrotron::cuda::launch_table::catalogue();
+    // a name twice in the table would give its second function a number no launch gets
+    let names: std::collections::BTreeSet<_> = KERNELS.iter().map(|(_, n)| n).collect();
+    assert_eq!(names.len(), KERNELS.len(), "a kernel name twice in cuda::kernels::KERNELS");
+    // the catalogue (argument types for the emulator) launches every kernel of the table
+    for (index, (_, name)) in KERNELS.iter().enumerate() {
+        assert!(launches.iter().any(|l| l.kernel.index() == index), "no launch of {name} in the catalogue");
     }
 }
 

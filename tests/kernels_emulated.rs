@@ -57,11 +57,11 @@ impl Emulator {
             }
         }
         let ptrs: Vec<*mut c_void> = slots.iter_mut().map(|s| s.as_mut_ptr() as *mut c_void).collect();
-        let name = CString::new(l.kernel).unwrap();
+        let name = CString::new(l.kernel.name()).unwrap();
         let (x, y, z) = l.grid;
         // SAFETY: the glue calls the kernel with these argument slots, typed as the launch says.
         let rc = unsafe { (self.launch)(name.as_ptr(), x, y, z, l.block, ptrs.as_ptr()) };
-        assert_eq!(rc, 0, "the emulator has no kernel {}", l.kernel);
+        assert_eq!(rc, 0, "the emulator has no kernel {}", l.kernel.name());
     }
 }
 

@@ -13,7 +13,18 @@ use std::path::Path;
 /// the layers below, never above. Every file of `src/` (but `lib.rs` and `main.rs`) is listed.
 const LAYERS: &[(&str, &[&str])] = &[
     ("values", &["files", "config::table", "config", "ops::types", "parallel::process_grid"]),
-    ("GPU runtime", &["cuda", "cuda::runtime", "cuda::nvrtc", "cuda::profile", "cuda::launch_table", "cuda::device"]),
+    (
+        "GPU runtime",
+        &[
+            "cuda",
+            "cuda::runtime",
+            "cuda::kernels",
+            "cuda::nvrtc",
+            "cuda::profile",
+            "cuda::launch_table",
+            "cuda::device",
+        ],
+    ),
     ("tensors", &["ops::tensor"]),
     ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "cuda::ops", "ops"]),
     (

@@ -20,13 +20,13 @@
 //! when dropped; the training loop reads the highest count of each step.
 
 use crate::cuda::launch_table::{self, Addr, Arg, Launch};
-use crate::cuda::runtime::{cuda_err, Gpu};
+use crate::cuda::runtime::{cuda_err, Gpu, Staging};
 use crate::ops::types::DType;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -194,13 +194,15 @@ pub struct Device {
     pub gpu: Gpu,
     /// The dtype activations are computed in.
     pub dtype: DType,
-    /// Every kernel of every file, looked up once when the device opens (modules stay loaded
-    /// while a function of theirs lives).
-    functions: HashMap<&'static str, CudaFunction>,
+    /// Every kernel of the table (`cuda/kernels.rs`), in its order, looked up once when the
+    /// device opens (modules stay loaded while a function of theirs lives).
+    functions: Vec<CudaFunction>,
     pub(crate) blas: ManuallyDrop<CudaBlas>,
     /// Recently uploaded token, target and position arrays, by content: each micro-batch's are
-    /// uploaded once and reused by every layer.
+    /// uploaded once (from pinned memory, without stopping the host) and reused by every layer.
     indices: Mutex<VecDeque<Indices>>,
+    /// The pinned host buffers those uploads go through.
+    staging: Mutex<Staging>,
     /// The RoPE tables of the latest micro-batches: made by the first layer, read by the others.
     rope_tables: Mutex<VecDeque<(RopeKey, Arc<RopeTable>)>>,
     held: AtomicUsize,
@@ -228,6 +230,7 @@ impl Device {
             functions,
             blas,
             indices: Mutex::default(),
+            staging: Mutex::default(),
             rope_tables: Mutex::default(),
             held: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
@@ -244,8 +247,7 @@ impl Device {
         if l.grid.0 == 0 || l.grid.1 == 0 || l.grid.2 == 0 {
             return Ok(()); // nothing to compute (an empty tensor)
         }
-        let f =
-            self.functions.get(l.kernel).ok_or_else(|| anyhow!("kernels/{}.cu has no kernel {}", l.file, l.kernel))?;
+        let (f, name) = (&self.functions[l.kernel.index()], l.kernel.name()); // no lookup: the table's place
         let mut b = self.gpu.compute.launch_builder(f);
         for a in &l.args {
             match a {
@@ -259,13 +261,13 @@ impl Device {
         }
         let config = LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
         crate::cuda::profile::timed(
-            || l.kernel.to_string(),
+            || name.to_string(),
             &self.gpu.compute,
             // SAFETY: `cuda/launch_table.rs` passes the argument list each kernel declares, and the op
             // layer checked that the buffers hold what the launch shape reaches.
-            || unsafe { b.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {}: {e:?}", l.kernel)),
+            || unsafe { b.launch(config) }.map(drop).map_err(|e| anyhow!("kernel {name}: {e:?}")),
         )?;
-        self.gpu.checked(|| format!("kernel {}", l.kernel))
+        self.gpu.checked(|| format!("kernel {name}"))
     }
 
     /// A zero-filled buffer of `n` numbers.
@@ -338,7 +340,7 @@ impl Device {
         if let Some((_, d)) = cache.iter().find(|(k, _)| k.as_slice() == v) {
             return Ok(d.clone());
         }
-        let d = Arc::new(self.gpu.upload(v)?);
+        let d = Arc::new(self.staging.lock().unwrap_or_else(|e| e.into_inner()).upload(&self.gpu, v)?);
         if cache.len() == 16 {
             cache.pop_front();
         }

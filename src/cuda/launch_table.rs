@@ -1,8 +1,8 @@
 //! # Kernel launches: which kernel each op runs, on what grid, with which arguments
 //!
 //! Every CUDA kernel launch of the op layer is written here once, as a `Launch` value built from
-//! buffer addresses and shapes: the kernel's name (`name_f32` or `name_bf16` by the compute
-//! dtype), its grid and block, and its arguments in the order its `extern "C"` signature declares
+//! buffer addresses and shapes: the kernel (`name_f32` or `name_bf16` by the compute dtype, a
+//! number in the table of `cuda/kernels.rs`), its grid and block, and its arguments in the order its `extern "C"` signature declares
 //! them (`long` is i64, `int` i32, pointers are addresses). `cuda/ops.rs` queues them on a GPU;
 //! `tests/kernels_emulated.rs` runs the very same launches on the CPU through a thread-per-CUDA-
 //! thread emulator, so the kernels and these argument lists are tested where there is no GPU.
@@ -12,6 +12,7 @@
 //! column, for the last sum of RMSNorm's weight gradient) otherwise, BQ = 64 query rows per block for attention and its dq, BK = 32 key rows for dk/dv
 //! (on tensor cores: 32 rows and 2 warps per block for all three).
 
+use crate::cuda::kernels::{kernel, Kernel};
 use crate::ops::types::{AdamW, Attn, DType};
 
 /// A device address (on the CPU emulator, a host address).
@@ -56,13 +57,11 @@ impl From<Attn> for Shape {
     }
 }
 
-/// One launch of kernel `kernel` of `kernels/{file}.cu`. Kernel names are static strings, made
-/// by `typed!` and `tensor_core!` without formatting, and the device looks each one up in the
-/// table of functions it resolved when it opened (`cuda/device.rs`).
+/// One launch of `kernel`. `typed!` and `tensor_core!` pick it while compiling (a `match` of
+/// constants), and the device indexes the functions it resolved when it opened with it.
 #[derive(Clone, Debug)]
 pub struct Launch {
-    pub file: &'static str,
-    pub kernel: &'static str,
+    pub kernel: Kernel,
     pub grid: (u32, u32, u32),
     pub block: u32,
     pub args: Vec<Arg>,
@@ -72,28 +71,28 @@ pub const THREADS: u32 = 256;
 /// Blocks of the sum-of-squares kernel, each writing one partial sum.
 pub const NORM_BLOCKS: usize = 256;
 
-fn launch(file: &'static str, kernel: &'static str, (grid, block): ((u32, u32, u32), u32), args: Vec<Arg>) -> Launch {
-    Launch { file, kernel, grid, block, args }
+fn launch(kernel: Kernel, (grid, block): ((u32, u32, u32), u32), args: Vec<Arg>) -> Launch {
+    Launch { kernel, grid, block, args }
 }
 
-/// `name_f32` or `name_bf16` by the dtype, a static name.
+/// The kernel `name_f32` or `name_bf16` by the dtype.
 macro_rules! typed {
     ($name:literal, $dt:expr) => {
         match $dt {
-            DType::F32 => concat!($name, "_f32"),
-            DType::Bf16 => concat!($name, "_bf16"),
+            DType::F32 => kernel!(concat!($name, "_f32")),
+            DType::Bf16 => kernel!(concat!($name, "_bf16")),
         }
     };
 }
 
-/// `attention_tc_{name}_d{head_dim}` for each head size of `TENSOR_CORE_HEAD_DIMS`.
+/// The kernel `attention_tc_{name}_d{head_dim}`, for each head size of `TENSOR_CORE_HEAD_DIMS`.
 macro_rules! tensor_core {
     ($name:literal, $head_dim:expr) => {
         match $head_dim {
-            16 => concat!("attention_tc_", $name, "_d16"),
-            32 => concat!("attention_tc_", $name, "_d32"),
-            64 => concat!("attention_tc_", $name, "_d64"),
-            128 => concat!("attention_tc_", $name, "_d128"),
+            16 => kernel!(concat!("attention_tc_", $name, "_d16")),
+            32 => kernel!(concat!("attention_tc_", $name, "_d32")),
+            64 => kernel!(concat!("attention_tc_", $name, "_d64")),
+            128 => kernel!(concat!("attention_tc_", $name, "_d128")),
             d => unreachable!("no tensor-core attention for head size {d}"),
         }
     };
@@ -120,11 +119,11 @@ fn int(v: usize) -> Arg {
 }
 
 pub fn cast_f32_to_bf16(from: Addr, to: Addr, n: usize) -> Launch {
-    launch("elementwise", "cast_f32_to_bf16", each(n), vec![Ptr(from), Ptr(to), long(n)])
+    launch(kernel!("cast_f32_to_bf16"), each(n), vec![Ptr(from), Ptr(to), long(n)])
 }
 
 pub fn cast_bf16_to_f32(from: Addr, to: Addr, n: usize) -> Launch {
-    launch("elementwise", "cast_bf16_to_f32", each(n), vec![Ptr(from), Ptr(to), long(n)])
+    launch(kernel!("cast_bf16_to_f32"), each(n), vec![Ptr(from), Ptr(to), long(n)])
 }
 
 /// out[tokens, dim] from a table of `table_rows` ids starting at `first`.
@@ -137,7 +136,7 @@ pub fn embedding(
     out: Addr,
 ) -> Launch {
     let args = vec![Ptr(table), Ptr(ids), long(first), long(table_rows), int(dim), Ptr(out)];
-    launch("embedding", typed!("embedding_forward", dt), rows(tokens), args)
+    launch(typed!("embedding_forward", dt), rows(tokens), args)
 }
 
 /// The tokens of a table slice (ids `first..first + rows`) grouped by id, packed in one index
@@ -175,16 +174,11 @@ pub fn embedding_backward(
 ) -> Launch {
     let (starts, order) = (grouped + 4 * distinct as Addr, grouped + 4 * (2 * distinct + 1) as Addr);
     let args = vec![Ptr(dout), Ptr(grouped), Ptr(starts), Ptr(order), int(dim), Ptr(dtable)];
-    launch("embedding", typed!("embedding_backward", dt), rows(distinct), args)
+    launch(typed!("embedding_backward", dt), rows(distinct), args)
 }
 
 pub fn rmsnorm(dt: DType, x: Addr, w: Addr, eps: f32, (n, dim): (usize, usize), y: Addr, rstd: Addr) -> Launch {
-    launch(
-        "rmsnorm",
-        typed!("rmsnorm_forward", dt),
-        rows(n),
-        vec![Ptr(x), Ptr(w), F32(eps), int(dim), Ptr(y), Ptr(rstd)],
-    )
+    launch(typed!("rmsnorm_forward", dt), rows(n), vec![Ptr(x), Ptr(w), F32(eps), int(dim), Ptr(y), Ptr(rstd)])
 }
 
 /// Rows per chunk of RMSNorm's weight gradient: each chunk is summed by its own blocks.
@@ -207,26 +201,20 @@ pub fn rmsnorm_backward(
     let chunks = n.div_ceil(NORM_CHUNK_ROWS).max(1);
     let chunk_grid = ((dim.div_ceil(THREADS as usize) as u32, chunks as u32, 1), THREADS);
     [
+        launch(typed!("rmsnorm_backward_dx", dt), rows(n), vec![Ptr(dy), Ptr(x), Ptr(w), Ptr(rstd), int(dim), Ptr(dx)]),
         launch(
-            "rmsnorm",
-            typed!("rmsnorm_backward_dx", dt),
-            rows(n),
-            vec![Ptr(dy), Ptr(x), Ptr(w), Ptr(rstd), int(dim), Ptr(dx)],
-        ),
-        launch(
-            "rmsnorm",
             typed!("rmsnorm_backward_dw_partial", dt),
             chunk_grid,
             vec![Ptr(dy), Ptr(x), Ptr(rstd), long(n), int(dim), int(NORM_CHUNK_ROWS), Ptr(partial)],
         ),
-        launch("rmsnorm", "rmsnorm_backward_dw_sum", each(dim), vec![Ptr(partial), int(chunks), int(dim), Ptr(dw)]),
+        launch(kernel!("rmsnorm_backward_dw_sum"), each(dim), vec![Ptr(partial), int(chunks), int(dim), Ptr(dw)]),
     ]
 }
 
 /// cos and sin `[n, head_dim / 2]` (f32) of the rotation angles of n positions.
 pub fn rope_table(positions: Addr, (n, head_dim): (usize, usize), theta: f64, (cos, sin): (Addr, Addr)) -> Launch {
     let args = vec![Ptr(positions), long(n), int(head_dim), F64(theta), Ptr(cos), Ptr(sin)];
-    launch("rope", "rope_table", each(n * head_dim / 2), args)
+    launch(kernel!("rope_table"), each(n * head_dim / 2), args)
 }
 
 /// Rotates x[n, heads·head_dim] in place by the angles of `rope_table` (by −angle when `inverse`).
@@ -238,7 +226,7 @@ pub fn rope(
     inverse: bool,
 ) -> Launch {
     let args = vec![Ptr(x), Ptr(cos), Ptr(sin), long(n), int(heads), int(head_dim), I32(inverse as i32)];
-    launch("rope", typed!("rope", dt), each(n * heads * head_dim / 2), args)
+    launch(typed!("rope", dt), each(n * heads * head_dim / 2), args)
 }
 
 fn query_blocks(a: Attn) -> ((u32, u32, u32), u32) {
@@ -255,9 +243,9 @@ fn tensor_cores(dt: DType, a: Attn) -> bool {
 }
 
 /// Kernel `kernel` of `attention_tc.cu` on blocks of 32 rows of `rows` (per head of `heads`).
-fn tensor_core_launch(kernel: &'static str, a: Attn, (rows, heads): (usize, usize), args: Vec<Arg>) -> Launch {
+fn tensor_core_launch(kernel: Kernel, a: Attn, (rows, heads): (usize, usize), args: Vec<Arg>) -> Launch {
     let grid = ((rows.div_ceil(32) as u32, heads as u32, a.batch as u32), 64);
-    launch("attention_tc", kernel, grid, args)
+    launch(kernel, grid, args)
 }
 
 /// (out, lse) of queries q at q_pos against keys and values at k_pos.
@@ -273,7 +261,7 @@ pub fn attention(
     if tensor_cores(dt, a) {
         return tensor_core_launch(tensor_core!("forward", a.head_dim), a, (a.seq, a.heads), args);
     }
-    launch("attention", typed!("attention_forward", dt), query_blocks(a), args)
+    launch(typed!("attention_forward", dt), query_blocks(a), args)
 }
 
 /// The backward in three launches: delta (f32, `[batch, heads, seq]` like lse), dq, then dk and dv.
@@ -290,7 +278,6 @@ pub fn attention_backward(
     let shape = Arg::Shape(a.into());
     let inputs = vec![shape, Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(lse), Ptr(delta), Ptr(dout)];
     let delta_launch = launch(
-        "attention",
         typed!("attention_delta", dt),
         each(a.batch * a.heads * a.seq),
         vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
@@ -306,36 +293,36 @@ pub fn attention_backward(
     let key_blocks = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);
     [
         delta_launch,
-        launch("attention", typed!("attention_dq", dt), query_blocks(a), dq_args),
-        launch("attention", typed!("attention_dkdv", dt), key_blocks, dkdv_args),
+        launch(typed!("attention_dq", dt), query_blocks(a), dq_args),
+        launch(typed!("attention_dkdv", dt), key_blocks, dkdv_args),
     ]
 }
 
 /// Folds a block's (out, lse) into the running (out, lse), one thread per query row.
 pub fn attention_merge(dt: DType, a: Attn, (out, lse): (Addr, Addr), (block_out, block_lse): (Addr, Addr)) -> Launch {
     let args = vec![Arg::Shape(a.into()), Ptr(out), Ptr(lse), Ptr(block_out), Ptr(block_lse)];
-    launch("attention", typed!("attention_merge", dt), each(a.batch * a.heads * a.seq), args)
+    launch(typed!("attention_merge", dt), each(a.batch * a.heads * a.seq), args)
 }
 
 pub fn swiglu(dt: DType, (gate, up): (Addr, Addr), h: Addr, n: usize) -> Launch {
-    launch("swiglu", typed!("swiglu_forward", dt), each(n), vec![Ptr(gate), Ptr(up), Ptr(h), long(n)])
+    launch(typed!("swiglu_forward", dt), each(n), vec![Ptr(gate), Ptr(up), Ptr(h), long(n)])
 }
 
 pub fn swiglu_backward(dt: DType, (dh, gate, up): (Addr, Addr, Addr), (dgate, dup): (Addr, Addr), n: usize) -> Launch {
     let args = vec![Ptr(dh), Ptr(gate), Ptr(up), Ptr(dgate), Ptr(dup), long(n)];
-    launch("swiglu", typed!("swiglu_backward", dt), each(n), args)
+    launch(typed!("swiglu_backward", dt), each(n), args)
 }
 
 pub fn row_max(dt: DType, logits: Addr, (n, vocab): (usize, usize), max: Addr) -> Launch {
-    launch("cross_entropy", typed!("row_max", dt), rows(n), vec![Ptr(logits), int(vocab), Ptr(max)])
+    launch(typed!("row_max", dt), rows(n), vec![Ptr(logits), int(vocab), Ptr(max)])
 }
 
 pub fn row_sum_exp(dt: DType, logits: Addr, (n, vocab): (usize, usize), max: Addr, sum: Addr) -> Launch {
-    launch("cross_entropy", typed!("row_sum_exp", dt), rows(n), vec![Ptr(logits), int(vocab), Ptr(max), Ptr(sum)])
+    launch(typed!("row_sum_exp", dt), rows(n), vec![Ptr(logits), int(vocab), Ptr(max), Ptr(sum)])
 }
 
 pub fn log_sum_exp(max: Addr, sum: Addr, lse: Addr, n: usize) -> Launch {
-    launch("cross_entropy", "log_sum_exp", each(n), vec![Ptr(max), Ptr(sum), Ptr(lse), long(n)])
+    launch(kernel!("log_sum_exp"), each(n), vec![Ptr(max), Ptr(sum), Ptr(lse), long(n)])
 }
 
 /// z[row] = the target's logit where it lies in this vocabulary slice, one thread per row.
@@ -348,13 +335,13 @@ pub fn target_logit(
     z: Addr,
 ) -> Launch {
     let args = vec![Ptr(logits), int(vocab), Ptr(targets), long(first), long(n), Ptr(z)];
-    launch("cross_entropy", typed!("target_logit", dt), each(n), args)
+    launch(typed!("target_logit", dt), each(n), args)
 }
 
 /// loss[0] += scale · Σ (lse − z) over the rows with a target: one block.
 pub fn add_loss((lse, z, targets): (Addr, Addr, Addr), n: usize, scale: f32, loss: Addr) -> Launch {
     let args = vec![Ptr(lse), Ptr(z), Ptr(targets), long(n), F32(scale), Ptr(loss)];
-    launch("cross_entropy", "add_loss", ((1, 1, 1), THREADS), args)
+    launch(kernel!("add_loss"), ((1, 1, 1), THREADS), args)
 }
 
 /// d(scale · loss)/d logits, with `lse` the rows' log-sum-exp over the whole vocabulary.
@@ -367,27 +354,27 @@ pub fn cross_entropy_backward(
     d: Addr,
 ) -> Launch {
     let args = vec![Ptr(logits), Ptr(targets), long(first), Ptr(lse), F32(scale), int(vocab), Ptr(d)];
-    launch("cross_entropy", typed!("cross_entropy_backward", dt), rows(n), args)
+    launch(typed!("cross_entropy_backward", dt), rows(n), args)
 }
 
 pub fn add_assign(dt: DType, a: Addr, b: Addr, n: usize) -> Launch {
-    launch("elementwise", typed!("add_assign", dt), each(n), vec![Ptr(a), Ptr(b), long(n)])
+    launch(typed!("add_assign", dt), each(n), vec![Ptr(a), Ptr(b), long(n)])
 }
 
 pub fn scale(dt: DType, a: Addr, s: f32, n: usize) -> Launch {
-    launch("elementwise", typed!("scale", dt), each(n), vec![Ptr(a), F32(s), long(n)])
+    launch(typed!("scale", dt), each(n), vec![Ptr(a), F32(s), long(n)])
 }
 
 /// Partial sums of x² (f32) into partial[0..blocks]: NORM_BLOCKS blocks, or one per THREADS
 /// numbers for a small tensor (the rest of its NORM_BLOCKS slots stay as they are, zeros).
 pub fn sum_squares(x: Addr, n: usize, partial: Addr) -> Launch {
     let blocks = n.div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS) as u32;
-    launch("elementwise", "sum_squares_f32", ((blocks, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
+    launch(kernel!("sum_squares_f32"), ((blocks, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
 }
 
 /// out[r] = Σ of row r of x `[rows, cols]`: one block per row.
 pub fn sum_rows(x: Addr, (n, cols): (usize, usize), out: Addr) -> Launch {
-    launch("elementwise", "sum_rows_f32", rows(n), vec![Ptr(x), int(cols), Ptr(out)])
+    launch(kernel!("sum_rows_f32"), rows(n), vec![Ptr(x), int(cols), Ptr(out)])
 }
 
 /// AdamW on f32 p, g, m, v; `copy`: the bf16 compute copy to rewrite (mixed precision).
@@ -395,7 +382,7 @@ pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: 
     let mut args = vec![Ptr(p), Ptr(g), Ptr(m), Ptr(v), long(n)];
     args.extend([F32(o.lr), F32(o.beta1), F32(o.beta2), F32(o.eps), F32(o.weight_decay), I32(o.step as i32)]);
     args.extend(copy.map(Ptr));
-    launch("adamw", if copy.is_some() { "adamw_bf16" } else { "adamw_f32" }, each(n), args)
+    launch(if copy.is_some() { kernel!("adamw_bf16") } else { kernel!("adamw_f32") }, each(n), args)
 }
 
 /// One launch of every kind the op layer makes, in both dtypes, with placeholder addresses and

@@ -14,7 +14,7 @@
 //! catches a kernel that does not compile: NVRTC and the headers come from the Python wheels
 //! `nvidia-cuda-nvrtc-cu12` and `nvidia-cuda-runtime-cu12` (see `.ci/run`).
 
-use crate::cuda::launch_table;
+use crate::cuda::kernels::KERNELS;
 use crate::cuda::runtime::Gpu;
 use anyhow::{anyhow, bail, Result};
 use cudarc::driver::{CudaFunction, CudaModule};
@@ -172,27 +172,24 @@ impl Drop for Program {
 }
 
 /// Compiles every kernel file for `target` (`cuda/nvrtc.rs`), loads it into `gpu`'s context
-/// (the cubin, or the PTX for the driver to compile) and looks up every kernel the launch table
-/// uses: whatever cannot load fails now, before training, with the versions involved.
-pub fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<HashMap<&'static str, CudaFunction>> {
+/// (the cubin, or the PTX for the driver to compile) and looks up every kernel of the table
+/// (`cuda/kernels.rs`), in its order: whatever cannot load fails now, before training, with the
+/// versions involved.
+pub fn load_kernels(gpu: &Gpu, target: &'static str) -> Result<Vec<CudaFunction>> {
     let mut modules: HashMap<&str, Arc<CudaModule>> = HashMap::new();
-    for (file, _) in crate::cuda::nvrtc::SOURCES {
-        let compiled = crate::cuda::nvrtc::compiled(file, target)?;
+    for (file, _) in SOURCES {
+        let compiled = compiled(file, target)?;
         let image = match &compiled.cubin {
             Some(cubin) => Ptx::from_binary(cubin.clone()),
             None => Ptx::from_src(compiled.ptx.clone()),
         };
         modules.insert(file, gpu.ctx.load_module(image).map_err(|e| load_error(file, target, e))?);
     }
-    let mut functions = HashMap::new();
-    for l in launch_table::catalogue() {
-        if !functions.contains_key(l.kernel) {
-            let f = modules[l.file].load_function(l.kernel);
-            functions
-                .insert(l.kernel, f.map_err(|e| anyhow!("kernels/{}.cu has no kernel {}: {e:?}", l.file, l.kernel))?);
-        }
-    }
-    Ok(functions)
+    let function = |(file, name): &(&str, &str)| {
+        let module = modules.get(file).ok_or_else(|| anyhow!("kernel {name}: no file kernels/{file}.cu"))?;
+        module.load_function(name).map_err(|e| anyhow!("kernels/{file}.cu has no kernel {name}: {e:?}"))
+    };
+    KERNELS.iter().map(function).collect()
 }
 
 /// A module that does not load: most often code newer than the driver can read.

@@ -152,3 +152,81 @@ impl Gpu {
 pub fn cuda_err(e: cudarc::driver::DriverError) -> anyhow::Error {
     anyhow!("CUDA error: {e:?}")
 }
+
+/// Page-locked ("pinned") host buffers that small uploads go through, used in turn.
+///
+/// A copy from ordinary (pageable) memory cannot be a plain DMA: the driver first copies the
+/// numbers into a pinned buffer of its own, and may make the host wait for that. From pinned
+/// memory the copy is queued like a kernel and the host goes on at once. The price is that the
+/// host must not overwrite a buffer until the GPU has copied out of it: each buffer keeps the event
+/// its copy recorded, and is written again only `STAGING` uploads later, after that event (by
+/// then long reached; the host waits only if it is that far ahead of the GPU).
+#[derive(Default)]
+pub struct Staging {
+    slots: Vec<Pinned>,
+    next: usize,
+}
+
+/// Uploads in flight at once before the host waits for the oldest.
+const STAGING: usize = 8;
+/// The smallest buffer, in u32: a micro-batch of 16K tokens, without growing.
+const MIN_STAGING: usize = 1 << 14;
+
+struct Pinned {
+    ptr: *mut u32,
+    len: usize,
+    copied: Option<CudaEvent>,
+}
+
+// SAFETY: the buffer is only touched under the `Staging` owner's lock.
+unsafe impl Send for Pinned {}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        if let Some(e) = self.copied.as_ref().filter(|e| !e.is_complete()) {
+            let _ = e.synchronize(); // the GPU is still reading it
+        }
+        // SAFETY: allocated by `malloc_host` in `Staging::upload`, freed only here. A failure
+        // leaves nothing to do.
+        let _ = unsafe { cudarc::driver::result::free_host(self.ptr as *mut std::ffi::c_void) };
+    }
+}
+
+impl Staging {
+    /// A new device copy of `data`, queued on `gpu`'s compute stream from pinned memory.
+    pub fn upload(&mut self, gpu: &Gpu, data: &[u32]) -> Result<CudaSlice<u32>> {
+        use cudarc::driver::{result, DevicePtrMut};
+        if data.is_empty() {
+            return gpu.upload(data); // nothing to copy (and no buffer to point at)
+        }
+        if self.slots.len() < STAGING {
+            self.slots.push(Pinned { ptr: std::ptr::null_mut(), len: 0, copied: None });
+        }
+        let slot = &mut self.slots[self.next];
+        self.next = (self.next + 1) % STAGING;
+        if let Some(e) = &slot.copied {
+            if !e.is_complete() {
+                e.synchronize().map_err(cuda_err)?; // the host is STAGING uploads ahead of the GPU
+            }
+        }
+        if slot.len < data.len() {
+            let len = data.len().next_power_of_two().max(MIN_STAGING); // pinning is slow: rarely
+            gpu.ctx.bind_to_thread().map_err(cuda_err)?;
+            // SAFETY: a fresh allocation of `len` u32; its old buffer is freed by the replaced slot's drop.
+            let ptr = unsafe { result::malloc_host(4 * len, 0) }.map_err(cuda_err)?;
+            *slot = Pinned { ptr: ptr as *mut u32, len, copied: None };
+        }
+        // SAFETY: the slot holds at least data.len() u32 and no copy reads it any more.
+        let host = unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), slot.ptr, data.len());
+            std::slice::from_raw_parts(slot.ptr, data.len())
+        };
+        let s = &gpu.compute;
+        // SAFETY: written whole by the copy below, before any kernel of this stream reads it.
+        let mut dst = unsafe { s.alloc::<u32>(data.len()) }.map_err(cuda_err)?;
+        // SAFETY: `host` is pinned and stays untouched until `copied` is reached; `dst` holds as many u32.
+        unsafe { result::memcpy_htod_async(dst.device_ptr_mut(s).0, host, s.cu_stream()) }.map_err(cuda_err)?;
+        slot.copied = Some(gpu.mark(s)?);
+        Ok(dst)
+    }
+}

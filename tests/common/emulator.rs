@@ -52,7 +52,7 @@ fn glue() -> String {
                 Arg::F64(_) => "double",
                 Arg::Shape(_) => "Shape",
             });
-            (l.kernel.to_string(), types.collect())
+            (l.kernel.name().to_string(), types.collect())
         })
         .collect();
     let mut c = String::from("#include \"cuda_bf16.h\"\n#include <cstring>\nstruct Shape { int v[6]; };\n");

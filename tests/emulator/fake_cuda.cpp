@@ -14,7 +14,7 @@
 // destroying a cuBLAS handle fails.
 //
 // Budgets: every call that costs the host or the GPU is counted (host synchronisations, copies
-// each way with their bytes, memsets, allocations, launches, GEMMs), and with
+// each way with their bytes, uploads not from page-locked memory (cuMemHostAlloc), memsets, allocations, launches, GEMMs), and with
 // FERROTRON_FAKE_CUDA_COUNTS=FILE the totals are written to FILE as JSON when the process ends;
 // tests/gpu_path_emulated.rs takes two runs' difference to get one training step's calls.
 #include <atomic>
@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 
 #include "cuda_bf16.h"
@@ -37,21 +38,32 @@ CUresult sticky = OK; // the error a faulted kernel left behind
 long launches_so_far = 0;
 
 struct Counts {
-    std::atomic<long> syncs{0}, dtoh{0}, dtoh_bytes{0}, htod{0}, htod_bytes{0}, dtod{0}, memsets{0}, allocs{0},
-        launches{0}, gemms{0};
+    std::atomic<long> syncs{0}, dtoh{0}, dtoh_bytes{0}, htod{0}, htod_bytes{0}, htod_pageable{0}, dtod{0}, memsets{0},
+        allocs{0}, launches{0}, gemms{0};
     ~Counts() {
         const char* path = getenv("FERROTRON_FAKE_CUDA_COUNTS");
         FILE* f = path ? fopen(path, "w") : nullptr;
         if (!f) return;
         fprintf(f,
                 "{\"syncs\": %ld, \"dtoh\": %ld, \"dtoh_bytes\": %ld, \"htod\": %ld, \"htod_bytes\": %ld, "
-                "\"dtod\": %ld, \"memsets\": %ld, \"allocs\": %ld, \"launches\": %ld, \"gemms\": %ld}\n",
-                syncs.load(), dtoh.load(), dtoh_bytes.load(), htod.load(), htod_bytes.load(), dtod.load(),
-                memsets.load(), allocs.load(), launches.load(), gemms.load());
+                "\"htod_pageable\": %ld, \"dtod\": %ld, \"memsets\": %ld, \"allocs\": %ld, \"launches\": %ld, "
+                "\"gemms\": %ld}\n",
+                syncs.load(), dtoh.load(), dtoh_bytes.load(), htod.load(), htod_bytes.load(), htod_pageable.load(),
+                dtod.load(), memsets.load(), allocs.load(), launches.load(), gemms.load());
         fclose(f);
     }
 } counts;
 CUresult synced() { counts.syncs++; return sticky; }
+// page-locked host buffers (cuMemHostAlloc), start → bytes: a copy from anywhere else is "pageable"
+std::map<uintptr_t, size_t> pinned;
+std::mutex pinned_lock;
+void count_upload(const void* src, size_t n) {
+    counts.htod++, counts.htod_bytes += n;
+    std::lock_guard<std::mutex> g(pinned_lock);
+    auto at = pinned.upper_bound((uintptr_t)src);
+    bool inside = at != pinned.begin() && (uintptr_t)src + n <= std::prev(at)->first + std::prev(at)->second;
+    if (!inside) counts.htod_pageable++;
+}
 const int MAX_GPUS = 64;
 int contexts[MAX_GPUS], pool_token, handle_token; // a context is the address of its ordinal's slot
 thread_local void* current = &contexts[0];
@@ -139,8 +151,20 @@ CUresult cuMemAlloc_v2(uint64_t* p, size_t bytes) {
 CUresult cuMemAllocAsync(uint64_t* p, size_t bytes, void*) { return cuMemAlloc_v2(p, bytes); }
 CUresult cuMemFree_v2(uint64_t p) { free((void*)p); return OK; }
 CUresult cuMemFreeAsync(uint64_t p, void*) { return cuMemFree_v2(p); }
+CUresult cuMemHostAlloc(void** p, size_t bytes, unsigned) {
+    *p = malloc(bytes ? bytes : 1);
+    std::lock_guard<std::mutex> g(pinned_lock);
+    pinned[(uintptr_t)*p] = bytes;
+    return *p ? OK : 2;
+}
+CUresult cuMemFreeHost(void* p) {
+    std::lock_guard<std::mutex> g(pinned_lock);
+    pinned.erase((uintptr_t)p);
+    free(p);
+    return OK;
+}
 CUresult cuMemcpyHtoDAsync_v2(uint64_t dst, const void* src, size_t n, void*) {
-    counts.htod++, counts.htod_bytes += n;
+    count_upload(src, n);
     memcpy((void*)dst, src, n);
     return OK;
 }
@@ -155,7 +179,7 @@ CUresult cuMemcpyDtoDAsync_v2(uint64_t dst, uint64_t src, size_t n, void*) {
     return OK;
 }
 CUresult cuMemcpyHtoD_v2(uint64_t dst, const void* src, size_t n) {
-    counts.htod++, counts.htod_bytes += n;
+    count_upload(src, n);
     memcpy((void*)dst, src, n);
     return OK;
 }
