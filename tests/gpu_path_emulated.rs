@@ -158,6 +158,62 @@ fn every_parallelism_over_nccl_follows_one_rank() {
     }
 }
 
+/// Every tensor of a checkpoint's safetensors file, as f32.
+fn tensors(file: &Path) -> Vec<(String, Vec<f32>)> {
+    let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut all: Vec<(String, Vec<f32>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(name, t)| (name, t.data().chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()))
+        .collect();
+    all.sort_by(|a, b| a.0.cmp(&b.0));
+    all
+}
+
+#[test]
+fn a_checkpoint_gathered_over_nccl_is_the_one_rank_checkpoint() {
+    let Some(dir) = fake_driver() else { return };
+    // one step, then saved: on four fake GPUs (tp2·pp2: the shards all-gathered and the stages
+    // sent to rank 0 over the fake NCCL), and on one rank of the CPU. The learning
+    // rate is far below a weight's last bit, so every layout saves the very weights it started
+    // from (a step of AdamW moves a weight by ±lr whatever its gradient's size, and rounding
+    // decides the sign of the tiny ones), and the moments, sums of gradients, agree to rounding.
+    let tmp = tempfile::tempdir().unwrap();
+    let saved = |name: &str, gpus: usize, extra: &[&str]| {
+        let ck = format!("checkpoint.dir=\"{}\"", tmp.path().join(name).display());
+        let mut args = vec!["train"];
+        let sets = ["train.micro_batch_size=1", "train.steps=1", "checkpoint.every=1"];
+        let frozen = ["train.lr=1e-30", "train.min_lr=1e-30", &ck];
+        for s in common::SMALL.iter().chain(&sets).chain(&frozen).chain(extra) {
+            args.extend(["--set", s]);
+        }
+        let out = ferrotron_on(dir, gpus, &args);
+        assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
+        let step = tmp.path().join(name).join("step_000001");
+        (tensors(&step.join("model.safetensors")), tensors(&step.join("optimizer.safetensors")))
+    };
+    // each tensor's largest difference, as a fraction of its largest value
+    let compare = |what: &str, got: &[(String, Vec<f32>)], want: &[(String, Vec<f32>)], tolerance: f32| {
+        let names = |t: &[(String, Vec<f32>)]| t.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+        assert_eq!(names(got), names(want), "{what}: the tensors saved");
+        for ((name, a), (_, b)) in got.iter().zip(want) {
+            let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+            let size = b.iter().map(|y| y.abs()).fold(f32::MIN_POSITIVE, f32::max);
+            assert!(a.len() == b.len() && diff <= tolerance * size, "{what}: {name} differs by {diff} (of {size})");
+        }
+    };
+    let (weights, moments) = saved("cpu", 1, &[]);
+    let nccl = ["device.kind=cuda", "parallel.backend=\"nccl\"", "parallel.tp=2", "parallel.pp=2"];
+    let (w, m) = saved("nccl_f32", 4, &[&nccl[..], &["device.dtype=f32"]].concat());
+    compare("f32 over NCCL", &w, &weights, 0.0);
+    compare("f32 over NCCL", &m, &moments, 1e-3);
+    // mixed precision: each weight travels as its fp32 master (NCCL cannot move both copies at once)
+    let (w, m) = saved("nccl_bf16", 4, &[&nccl[..], &["device.dtype=bf16"]].concat());
+    compare("bf16 over NCCL", &w, &weights, 0.0);
+    compare("bf16 over NCCL", &m, &moments, 0.1);
+}
+
 #[test]
 fn a_gpu_fault_ends_the_run_with_one_message_and_sync_launches_names_the_kernel() {
     let Some(dir) = fake_driver() else { return };

@@ -9,7 +9,8 @@
 //! trainer_state.json   the step, AdamW's step count, the run's config
 //! ```
 //! Tensors are saved whole, whatever the topology: tensor-parallel shards are all-gathered, the
-//! pipeline stages send theirs to rank 0, which writes. Loading slices them again for the new
+//! pipeline stages send theirs to rank 0, which writes (with the lessons' collective calls: over
+//! NCCL between GPUs, and only rank 0 copies to the host). Loading slices them again for the new
 //! topology (`Llama::build`), so a checkpoint moves between layouts. Data order and the learning
 //! rate depend only on the step, and there is no other randomness in a step, so a resumed run
 //! repeats the uninterrupted run's losses exactly.
@@ -30,7 +31,8 @@ use crate::comm::launcher::Rank;
 use crate::config::{Config, ModelConfig};
 use crate::model::optimizer::Optimizer;
 use crate::model::{shard, unshard, Llama, Param, Split, Stage, TensorSplit};
-use crate::ops::tensor::Tensor;
+use crate::ops::tensor::{Place, Tensor};
+use crate::ops::types::DType;
 use crate::parallel::process_grid::Axis;
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -38,60 +40,79 @@ use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// Full tensors by name: the weights and the optimizer moments.
+#[derive(Default)]
 pub struct State {
     pub weights: Vec<(String, Tensor)>,
     pub moments: Vec<(String, Tensor)>,
 }
 
+impl State {
+    /// A weight or moment (`which` 0, 1, 2) of `name`, full size on the host.
+    fn push(&mut self, name: &str, which: usize, full: Tensor) {
+        match which {
+            0 => self.weights.push((name.to_string(), full)),
+            1 => self.moments.push((format!("exp_avg.{name}"), full)),
+            _ => self.moments.push((format!("exp_avg_sq.{name}"), full)),
+        }
+    }
+}
+
 /// Gathers the whole model and optimizer onto rank 0 (`Some` there, `None` elsewhere). Every rank
 /// calls it; only the ranks of the first dp and cp replica take part.
+///
+/// One tensor at a time, with the collective calls of the lessons, so on GPUs with NCCL nothing
+/// but rank 0's final copy touches the host: the tp shards of a weight (or of its moments) are
+/// all-gathered side by side along the first dimension, the tp-rank 0 of every other pipeline
+/// stage sends the result to rank 0, and rank 0 takes it to the host and puts the shards back
+/// together (`unshard`). A mixed-precision weight travels as its fp32 master.
 pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> Result<Option<State>> {
     if me.coords.dp != 0 || me.coords.cp != 0 {
         return Ok(None);
     }
-    let (tp_group, pp) = (me.group(Axis::Tp), me.group(Axis::Pp));
-    let whole = |t: &Tensor, split: Split| -> Result<Tensor> {
-        if split == Split::Replicated || tp_group.size() == 1 {
-            return Ok(Tensor::from_vec(t.shape(), t.to_vec())); // a host copy, also of a GPU tensor
-        }
-        let all = tp_group.all_gather(&t.host_view())?;
-        let parts: Vec<Tensor> = all.chunks(t.numel()).map(|c| Tensor::from_vec(t.shape(), c.to_vec())).collect();
-        Ok(unshard(&parts, split))
-    };
-    let mut mine = Vec::new(); // (name, weight, exp_avg, exp_avg_sq) of this stage, full size
+    let (tp, pp) = (me.group(Axis::Tp), me.group(Axis::Pp));
+    let mut state = (me.coords.tp == 0 && me.coords.pp == 0).then(State::default);
     for (p, (m, v)) in model.params().iter().zip(optimizer.moments()) {
-        mine.push((p.name.clone(), whole(&p.value, p.split)?, whole(m, p.split)?, whole(v, p.split)?));
-    }
-    if me.coords.tp != 0 {
-        return Ok(None);
-    }
-    if me.coords.pp != 0 {
-        let flat: Vec<f32> = mine.iter().flat_map(|(_, w, m, v)| [w, m, v]).flat_map(|t| t.to_vec()).collect();
-        pp.send(&flat, 0)?;
-        return Ok(None);
-    }
-    for stage in 1..pp.size() {
-        let shapes = Llama::tensor_shapes(&cfg.model, Stage { index: stage, count: pp.size() });
-        let total: usize = shapes.iter().map(|(_, s)| 3 * s.iter().product::<usize>()).sum();
-        let flat = pp.recv(total, stage)?;
-        let mut at = 0;
-        let mut take = |shape: &[usize]| {
-            let n: usize = shape.iter().product();
-            at += n;
-            Tensor::from_vec(shape, flat[at - n..at].to_vec())
-        };
-        for (name, shape) in shapes {
-            let (w, m, v) = (take(&shape), take(&shape), take(&shape));
-            mine.push((name, w, m, v));
+        for (which, t) in [&p.value, m, v].into_iter().enumerate() {
+            let master = t.master_copy();
+            let t = master.as_ref().unwrap_or(t);
+            let gathered = (p.split != Split::Replicated && tp.size() > 1).then(|| tp.all_gather_tensor(t));
+            let gathered = gathered.transpose()?;
+            let side_by_side = gathered.as_ref().unwrap_or(t);
+            match (&mut state, me.coords.tp, me.coords.pp) {
+                (Some(state), _, _) => state.push(&p.name, which, whole(side_by_side, p.split, tp.size())),
+                (None, 0, _) => pp.send_tensor(side_by_side, 0)?,
+                (None, _, _) => {} // tp-rank 0 of the stage speaks for it
+            }
         }
     }
-    let mut state = State { weights: Vec::new(), moments: Vec::new() };
-    for (name, w, m, v) in mine {
-        state.moments.push((format!("exp_avg.{name}"), m));
-        state.moments.push((format!("exp_avg_sq.{name}"), v));
-        state.weights.push((name, w));
+    let Some(mut state) = state else { return Ok(None) };
+    let place = model.params().first().map(|p| p.value.place()).unwrap_or(Place::Cpu);
+    for stage in 1..pp.size() {
+        for (name, shape, split) in Llama::tensor_splits(&cfg.model, Stage { index: stage, count: pp.size() }) {
+            let n = tp.size();
+            let arrives = match split {
+                Split::Cols if n > 1 => vec![shape[0] * n, shape[1] / n], // the column shards, one under the other
+                _ => shape,
+            };
+            for which in 0..3 {
+                let mut side_by_side = Tensor::empty_on(&arrives, &place, DType::F32); // written whole
+                pp.recv_tensor_into(&mut side_by_side, stage)?;
+                state.push(&name, which, whole(&side_by_side, split, n));
+            }
+        }
     }
     Ok(Some(state))
+}
+
+/// The full tensor on the host from `n` tp shards laid one under the other (the first dimension).
+fn whole(side_by_side: &Tensor, split: Split, n: usize) -> Tensor {
+    let data = side_by_side.to_vec(); // rank 0's one copy to the host
+    if split == Split::Replicated || n == 1 {
+        return Tensor::from_vec(side_by_side.shape(), data);
+    }
+    let shard = [side_by_side.rows() / n, side_by_side.cols()];
+    let parts: Vec<Tensor> = data.chunks(data.len() / n).map(|c| Tensor::from_vec(&shard, c.to_vec())).collect();
+    unshard(&parts, split)
 }
 
 /// Writes checkpoint `step` (steps done) into `folder`, atomically; keeps this run's newest `keep`.

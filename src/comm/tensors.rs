@@ -144,12 +144,20 @@ impl Group {
 
     /// Receives a tensor of `shape` from member `from`, onto `place` (in its compute dtype).
     pub fn recv_tensor(&self, shape: &[usize], place: &Place, from: usize) -> Result<Tensor> {
-        let Some(link) = self.link_on(place) else {
-            return Ok(Tensor::from_host(shape, self.recv(shape.iter().product(), from)?, place));
-        };
         let mut t = Tensor::empty_on(shape, place, place.dtype());
-        (link.send_recv(None, Some((&mut t, from)))?.0)()?;
+        self.recv_tensor_into(&mut t, from)?;
         Ok(t)
+    }
+
+    /// Receives member `from`'s tensor into `t` (its shape, place and dtype are the sender's).
+    pub fn recv_tensor_into(&self, t: &mut Tensor, from: usize) -> Result<()> {
+        match self.link_for(t) {
+            Some(link) => (link.send_recv(None, Some((t, from)))?.0)(),
+            None => {
+                t.write(&self.recv(t.numel(), from)?);
+                Ok(())
+            }
+        }
     }
 
     /// Starts sending `send` to member `to` while receiving a tensor of `shape` from member

@@ -111,6 +111,13 @@ impl Buf {
         }
     }
 
+    /// A mixed weight's master, copied on the GPU into a buffer of its own; `None` for the others.
+    pub fn master_copy(&self) -> Option<Buf> {
+        let Data::Mixed { master, .. } = &self.data else { return None };
+        let copy = self.dev.gpu.compute.clone_dtod(master).map_err(cuda_err);
+        Some(Buf::new(&self.dev, Data::F32(fatal("copy", copy))))
+    }
+
     /// A host copy as f32 (a mixed weight gives its master); waits for the compute stream.
     pub fn to_vec(&self) -> Vec<f32> {
         let d = &self.dev;

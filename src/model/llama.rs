@@ -146,13 +146,18 @@ impl<'g> Llama<'g> {
     /// The name and full shape of every tensor of pipeline `stage`, in Hugging Face order, from
     /// the config alone (nothing allocated): what a checkpoint of this model must hold.
     pub fn tensor_shapes(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>)> {
-        let mut shapes = Vec::new();
-        let listed = Llama::parts(cfg, stage, &mut |name, shape, _, split| {
-            shapes.push((name.clone(), shape.to_vec()));
+        Llama::tensor_splits(cfg, stage).into_iter().map(|(name, shape, _)| (name, shape)).collect()
+    }
+
+    /// `tensor_shapes`, with how tensor parallelism splits each.
+    pub fn tensor_splits(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, Split)> {
+        let mut listed = Vec::new();
+        let made = Llama::parts(cfg, stage, &mut |name, shape, _, split| {
+            listed.push((name.clone(), shape.to_vec(), split));
             Ok(Param { grad: Tensor::zeros(&[0]), value: Tensor::zeros(&[0]), name, split })
         });
-        listed.expect("listing cannot fail");
-        shapes
+        made.expect("listing cannot fail");
+        listed
     }
 
     /// The parameters of `stage`, each made by `param(name, full shape, kind, split)`.

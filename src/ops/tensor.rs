@@ -197,6 +197,15 @@ impl Tensor {
         }
     }
 
+    /// For a mixed-precision weight, a copy of its fp32 master alone on its GPU (what a collective
+    /// can move); `None` for any other tensor, which is one array already.
+    pub fn master_copy(&self) -> Option<Tensor> {
+        match &self.storage {
+            Storage::Cuda(b) => b.master_copy().map(|m| Tensor::from_buf(&self.shape, m)),
+            Storage::Cpu(_) => None,
+        }
+    }
+
     /// A host copy of the data, row-major, as f32 (a mixed-precision weight gives its master).
     pub fn to_vec(&self) -> Vec<f32> {
         match &self.storage {
