@@ -2,7 +2,7 @@
 //! obvious code: its vectorisable `exp` against f64's, and its GEMM, cut into one block per
 //! thread, against the same product on one thread (the bits must not depend on the cut).
 
-use ferrotron::ops::cpu_math::{exp, gemm, View};
+use ferrotron::ops::cpu_math::{exp, gemm, product, View};
 
 #[test]
 fn exp_is_within_two_ulp_and_zero_below_the_normal_range() {
@@ -31,6 +31,7 @@ fn a_gemm_cut_across_threads_gives_the_bits_of_one_thread() {
         (40, 200, 700, true, false),
         (256, 64, 257, false, true),
         (72, 1500, 40, true, true),
+        (48, 2100, 64, false, false),
     ] {
         let (a, b, c0) = (det(1, m * k), det(2, k * n), det(3, m * n));
         let run = |threads: usize| {
@@ -43,13 +44,21 @@ fn a_gemm_cut_across_threads_gives_the_bits_of_one_thread() {
         let one = run(1);
         assert_eq!(one, run(2), "{m}x{k}x{n}: two threads changed the bits");
         assert_eq!(one, run(3), "{m}x{k}x{n}: three threads changed the bits");
-        // and it is the product: one element by hand
-        let (i, j) = (m - 1, n / 2);
+        // and it is the product, every element (against f64)
         let at = |i: usize, l: usize| if transposed { a[l * m + i] } else { a[i * k + l] };
-        let want: f32 =
-            (0..k).map(|l| at(i, l) * b[l * n + j]).sum::<f32>() + if accumulate { c0[i * n + j] } else { 0.0 };
-        assert!((one[i * n + j] - want).abs() < 1e-3, "{m}x{k}x{n}: c[{i},{j}] = {} not {want}", one[i * n + j]);
+        for (i, j) in (0..m).flat_map(|i| (0..n).map(move |j| (i, j))) {
+            let sum: f64 = (0..k).map(|l| at(i, l) as f64 * b[l * n + j] as f64).sum();
+            let want = sum + if accumulate { c0[i * n + j] as f64 } else { 0.0 };
+            let got = one[i * n + j] as f64;
+            assert!((got - want).abs() < 1e-4 * (1.0 + want.abs()), "{m}x{k}x{n}: c[{i},{j}] = {got} not {want}");
+        }
+        // `product` (into memory it does not zero first) is the same computation
+        if !accumulate {
+            let av = if transposed { View::transposed(&a, m) } else { View::rows(&a, k) };
+            assert_eq!(product(m, k, n, av, View::rows(&b, n)), one, "{m}x{k}x{n}: product differs from gemm");
+        }
     }
+    assert_eq!(product(3, 0, 2, View::rows(&[], 0), View::rows(&[], 2)), vec![0.0; 6], "an empty sum is 0");
 }
 
 #[test]

@@ -17,7 +17,7 @@
 //! queries can see: in causal attention the keys past the diagonal are skipped, which saves
 //! nearly half of the products and exponentials (PyTorch's CPU flash attention does the same).
 
-use crate::ops::cpu_math::{dot8, exp, gemm, max8, sum8, View};
+use crate::ops::cpu_math::{dot8, exp, gemm, max8, product, sum8, View};
 use crate::ops::types::Attn;
 use rayon::prelude::*;
 
@@ -63,8 +63,7 @@ impl Attn {
         pos: (&[u32], &[u32]),
     ) -> Vec<f32> {
         let g = h / (self.heads / self.kv_heads);
-        let mut s = vec![0.0; rows * keys];
-        gemm(rows, self.head_dim, keys, self.q_view(q, b, h, i), self.kv_view_t(k, b, g), &mut s, false);
+        let mut s = product(rows, self.head_dim, keys, self.q_view(q, b, h, i), self.kv_view_t(k, b, g));
         for (row, &qp) in s.chunks_mut(keys.max(1)).zip(&pos.0[i..i + rows]) {
             for (v, &kp) in row.iter_mut().zip(pos.1) {
                 *v = if kp <= qp { *v * self.scale() } else { f32::NEG_INFINITY };
@@ -159,8 +158,7 @@ pub fn attention_backward(
                         });
                     }
                     let (d_o, o, q_tile) = (sh.q_view(dout, b, h, i), sh.q_view(out, b, h, i), sh.q_view(q, b, h, i));
-                    let mut ds = vec![0.0; rows * keys];
-                    gemm(rows, hd, keys, d_o, sh.kv_view_t(v, b, g), &mut ds, false);
+                    let mut ds = product(rows, hd, keys, d_o, sh.kv_view_t(v, b, g));
                     for (r, (ds_row, p_row)) in ds.chunks_mut(keys.max(1)).zip(p.chunks(keys.max(1))).enumerate() {
                         let delta = dot8(&d_o.data[r * row..][..hd], &o.data[r * row..][..hd]);
                         for (x, p) in ds_row.iter_mut().zip(p_row) {

@@ -41,27 +41,44 @@ impl<'a> View<'a> {
 /// loops would otherwise take turns on the same cores). Each block packs its own copy of what it
 /// reads, so the cut goes where the least is packed twice:
 /// - a long sum (k larger than both sides of c, the weight gradients' sum over every token) is
-///   cut along k into parts of `K_PART`, each into a buffer of its own, then added up in order;
+///   cut along k into parts of `K_PART`: the first into c, each other into a buffer of its own,
+///   then added to c in order;
 /// - otherwise blocks of rows of c share (and re-pack) b, or blocks of columns share a,
 ///   whichever is smaller.
 ///
 /// Neither cut changes a bit: a block of rows or columns sums each element over k exactly as the
 /// whole product would, and the parts of a long sum are fixed by the shapes, not by the threads.
 pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accumulate: bool) {
+    assert!(c.len() >= m * n, "gemm output too small");
+    gemm_out(m, k, n, a, b, Out { c: c.as_mut_ptr(), row_stride: n }, accumulate);
+}
+
+/// `a[m, k] · b[k, n]` in a new row-major buffer. The buffer is not zeroed first: with nothing
+/// to add to, the product writes every element without reading any (a memset of the output
+/// was ~3% of a step).
+pub fn product(m: usize, k: usize, n: usize, a: View, b: View) -> Vec<f32> {
+    let mut c = Vec::with_capacity(m * n);
+    gemm_out(m, k, n, a, b, Out { c: c.spare_capacity_mut().as_mut_ptr().cast(), row_stride: n }, false);
+    // SAFETY: not accumulating, `gemm_out` wrote all m·n elements (matrixmultiply with β = 0
+    // writes C without reading it, zeros when k = 0).
+    unsafe { c.set_len(m * n) };
+    c
+}
+
+/// `gemm` into `out`, m×n, which holds numbers if `accumulate` and may be uninitialised if not.
+fn gemm_out(m: usize, k: usize, n: usize, a: View, b: View, out: Out, accumulate: bool) {
     if m == 0 || n == 0 {
         return;
     }
     a.check(m, k);
     b.check(k, n);
-    assert!(c.len() >= m * n, "gemm output too small");
     if k > m.max(n) && k >= 2 * K_PART {
-        return gemm_long_sum(m, k, n, a, b, &mut c[..m * n], accumulate);
+        return gemm_long_sum(m, k, n, a, b, out, accumulate);
     }
     let threads = rayon::current_num_threads();
     let by_rows = m >= n; // re-packing b (k×n) costs less than re-packing a (m×k)
     let long = if by_rows { m } else { n };
     // below ~2 M multiply-adds (or 16 rows/columns a thread) a task costs more than it saves
-    let out = Out { c: c.as_mut_ptr(), row_stride: n };
     if threads == 1 || m * k * n < 2_000_000 || long < 16 * threads {
         return gemm_block(m, k, n, a, b, out, accumulate);
     }
@@ -82,20 +99,29 @@ pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accum
 const K_PART: usize = 512;
 
 /// `gemm` for a sum much longer than the output is wide: c (+)= Σ_parts a[:, part] · b[part, :].
-fn gemm_long_sum(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accumulate: bool) {
-    let mut partial = vec![0.0; k.div_ceil(K_PART) * m * n];
-    partial.par_chunks_mut(m * n).enumerate().for_each(|(p, part)| {
+/// The first part goes straight into c, the others into buffers of their own (all at once, one
+/// task each), which are then added to c in order.
+fn gemm_long_sum(m: usize, k: usize, n: usize, a: View, b: View, c: Out, accumulate: bool) {
+    let parts = k.div_ceil(K_PART);
+    let mut rest: Vec<f32> = Vec::with_capacity((parts - 1) * m * n);
+    let rest_out = Out { c: rest.spare_capacity_mut().as_mut_ptr().cast(), row_stride: n };
+    (0..parts).into_par_iter().for_each(|p| {
         let (first, len) = (p * K_PART, K_PART.min(k - p * K_PART));
         let a = View { data: &a.data[first * a.col_stride..], ..a };
         let b = View { data: &b.data[first * b.row_stride..], ..b };
-        gemm_block(m, len, n, a, b, Out { c: part.as_mut_ptr(), row_stride: n }, false);
+        match p {
+            0 => gemm_block(m, len, n, a, b, c, accumulate),
+            _ => gemm_block(m, len, n, a, b, rest_out.at((p - 1) * m, 0), false),
+        }
     });
-    if !accumulate {
-        c.fill(0.0);
-    }
+    // SAFETY: each part after the first wrote its m·n numbers (β = 0), and the first wrote c's.
+    let c = unsafe {
+        rest.set_len((parts - 1) * m * n);
+        std::slice::from_raw_parts_mut(c.c, m * n)
+    };
     // the parts in order, whatever thread computed them: the same bits on any number of threads
     c.par_chunks_mut(4096).enumerate().for_each(|(i, c)| {
-        for part in partial.chunks(m * n) {
+        for part in rest.chunks(m * n) {
             c.iter_mut().zip(&part[i * 4096..]).for_each(|(c, p)| *c += p);
         }
     });

@@ -38,9 +38,7 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
     if let Some(d) = gpu("linear", &[x, w]) {
         return fatal("linear", d.linear(x, w));
     }
-    let mut y = Tensor::zeros(&[m, n]);
-    cpu_math::gemm(m, k, n, View::rows(x.host(), k), View::transposed(w.host(), k), y.host_mut(), false);
-    y
+    Tensor::from_vec(&[m, n], cpu_math::product(m, k, n, View::rows(x.host(), k), View::transposed(w.host(), k)))
 }
 
 /// Returns dx = dy · w and accumulates dw += dyᵀ · x.
@@ -57,9 +55,7 @@ pub fn linear_input_grad(dy: &Tensor, w: &Tensor) -> Tensor {
     if let Some(d) = gpu("linear backward", &[dy, w]) {
         return fatal("linear backward", d.linear_input_grad(dy, w));
     }
-    let mut dx = Tensor::zeros(&[m, k]);
-    cpu_math::gemm(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k), dx.host_mut(), false);
-    dx
+    Tensor::from_vec(&[m, k], cpu_math::product(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k)))
 }
 
 /// The weight half of `linear_backward`: dw += dyᵀ · x (dw is f32 on every device).
