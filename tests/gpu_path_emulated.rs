@@ -215,6 +215,48 @@ fn a_checkpoint_gathered_over_nccl_is_the_one_rank_checkpoint() {
 }
 
 #[test]
+fn a_traced_nccl_run_draws_each_call_on_the_comm_lane_when_the_gpu_ran_it() {
+    let Some(dir) = fake_driver() else { return };
+    let trace = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_nccl_trace.json");
+    let mut args = vec!["train", "--trace", trace.to_str().unwrap()];
+    let sets = ["device.kind=cuda", "device.dtype=f32", "parallel.backend=\"nccl\"", "parallel.tp=2", "parallel.pp=2"];
+    for s in common::SMALL.iter().chain(&sets).chain(&["train.steps=2", "train.micro_batch_size=1"]) {
+        args.extend(["--set", s]);
+    }
+    let out = ferrotron_on(dir, 4, &args);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&trace).unwrap()).unwrap();
+    let spans: Vec<(String, u64, f64, f64)> = json["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .map(|e| {
+            (
+                e["name"].as_str().unwrap().to_string(),
+                e["tid"].as_u64().unwrap(),
+                e["ts"].as_f64().unwrap(),
+                e["dur"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    let compute: Vec<_> = spans.iter().filter(|s| s.1 == 0).collect();
+    let first = compute.iter().map(|s| s.2).fold(f64::MAX, f64::min);
+    let last = compute.iter().map(|s| s.2 + s.3).fold(0.0, f64::max);
+    let nccl: Vec<_> = spans.iter().filter(|s| s.1 == 1 && s.0.ends_with("(NCCL)")).collect();
+    for (kind, group) in [("all_reduce(sum) of", "tp["), ("send", "pp[")] {
+        assert!(
+            nccl.iter().any(|s| s.0.starts_with(kind) && s.0.contains(group)),
+            "no {kind} … {group} (NCCL) span on the comm lane: {nccl:?}"
+        );
+    }
+    // on the GPU's clock mapped to the host's: inside the run's compute spans (1 ms of slack)
+    for s in &nccl {
+        assert!(s.3 >= 0.0 && s.2 >= first - 1e3 && s.2 + s.3 <= last + 1e3, "{s:?} outside {first}..{last} µs");
+    }
+}
+
+#[test]
 fn a_gpu_fault_ends_the_run_with_one_message_and_sync_launches_names_the_kernel() {
     let Some(dir) = fake_driver() else { return };
     // the 40th launch faults like a kernel reading an illegal address: asynchronously

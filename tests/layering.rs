@@ -29,7 +29,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "cuda::ops", "ops"]),
     (
         "comm",
-        &["comm::trace", "comm::local", "comm::device_link", "comm", "comm::tensors", "cuda::nccl", "comm::launcher"],
+        &["comm::device_link", "comm::trace", "comm::local", "comm", "comm::tensors", "cuda::nccl", "comm::launcher"],
     ),
     (
         "model",

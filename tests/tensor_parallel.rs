@@ -173,7 +173,7 @@ fn a_block_talks_twice_forward_and_twice_backward() {
         let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
         let counts = launch(tp_grid(2), Duration::from_secs(30), |me| {
             let trace = Trace::default();
-            me.trace_to(&trace);
+            me.trace_to(&trace).unwrap();
             let tp = Box::new(TensorParallel::new(me.group(Axis::Tp)));
             let mut model = Llama::init(&cfg.model, 3, tp, Stage::WHOLE);
             let tp_calls = || trace.comm_spans(|n| n.starts_with("all_reduce") && n.ends_with("tp[0,1]")).len();

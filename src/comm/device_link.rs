@@ -6,10 +6,16 @@
 use crate::ops::tensor::Tensor;
 use crate::ops::types::ReduceOp;
 use anyhow::Result;
+use std::time::Instant;
 
-/// The end of a call queued on a GPU: running it makes the rank's compute stream wait for the
-/// call; dropping it unrun does the same (so nothing the call uses is freed too early).
-pub struct Fence(pub Box<dyn FnOnce() -> Result<()>>);
+/// The end of a call queued on a GPU: running the first part makes the rank's compute stream
+/// wait for the call; dropping it unrun does the same (so nothing the call uses is freed too
+/// early). The second, when the link times its calls, says when the GPU ran it.
+pub struct Fence(pub Box<dyn FnOnce() -> Result<()>>, pub Option<Ran>);
+
+/// When a call ran on the GPU, on the host's clock: asked for once the run is over (it waits for
+/// the GPU to get there); `None` if the GPU cannot say.
+pub type Ran = Box<dyn FnOnce() -> Option<(Instant, Instant)> + Send>;
 
 /// Collectives on GPU tensors without the host (NCCL). Every call is queued and returns at once;
 /// places (`root`, `to`, `from`) are places in the group.
@@ -23,4 +29,6 @@ pub trait DeviceLink {
     /// A send and a receive as one call, so that two members sending to each other never wait
     /// on each other; either may be absent.
     fn send_recv(&self, send: Option<(&Tensor, usize)>, recv: Option<(&mut Tensor, usize)>) -> Result<Fence>;
+    /// From now on, time every call on the GPU (a traced run draws them on the comm lane).
+    fn time_calls(&self) -> Result<()>;
 }

@@ -127,8 +127,8 @@ impl Rank {
     }
 
     /// Records every collective and message of this rank's groups on its comm lane of `trace`.
-    pub fn trace_to(&self, trace: &Trace) {
-        self.groups.iter().for_each(|(_, g)| g.trace_to(trace, self.rank));
+    pub fn trace_to(&self, trace: &Trace) -> Result<()> {
+        self.groups.iter().try_for_each(|(_, g)| g.trace_to(trace, self.rank))
     }
 }
 

@@ -138,9 +138,10 @@ impl Group {
     /// Records every later call of this member (collective or message) as a span on global
     /// rank `rank`'s comm lane of `trace`, named by the call, its size and the group
     /// ("all_reduce(sum) of 4096 values tp[0,1]"), from when the communication thread starts it
-    /// to when it ends.
-    pub fn trace_to(&self, trace: &Trace, rank: usize) {
+    /// to when it ends (a call on the GPU, `comm/tensors.rs`: when the GPU ran it).
+    pub fn trace_to(&self, trace: &Trace, rank: usize) -> Result<()> {
         let _ = self.trace.set((trace.clone(), rank)); // a group is traced once, by one run
+        self.device.get().map_or(Ok(()), |link| link.time_calls())
     }
 
     pub fn name(&self) -> &str {

@@ -22,9 +22,11 @@
 //! compute stream) while the call is in flight.
 
 use super::device_link::{DeviceLink, Fence};
-use super::{Group, Handle, ReduceOp};
+use super::local::Op;
+use super::{values, Group, Handle, ReduceOp};
 use crate::ops::tensor::{Place, Tensor};
 use anyhow::{bail, Result};
+use std::time::Instant;
 
 /// A collective on a tensor in flight; `wait` gives the tensor back, holding the result.
 pub struct Pending {
@@ -34,8 +36,11 @@ pub struct Pending {
     _sent: Option<Tensor>,
 }
 
+/// The compute stream's wait for a call queued on the GPU (`Fence`).
+type Wait = Box<dyn FnOnce() -> Result<()>>;
+
 enum How {
-    Device(Fence),
+    Device(Wait),
     Host(Handle<Vec<f32>>),
     Done,
 }
@@ -44,7 +49,7 @@ impl Pending {
     pub fn wait(self) -> Result<Tensor> {
         let mut tensor = self.tensor;
         match self.how {
-            How::Device(fence) => (fence.0)()?,
+            How::Device(wait) => wait()?,
             How::Host(handle) => {
                 let values = handle.wait()?;
                 if values.len() != tensor.numel() {
@@ -73,11 +78,24 @@ impl Group {
         self.link_on(&t.place())
     }
 
+    /// The fence's wait. In a traced run the call also goes on the comm lane, named like the
+    /// hub's calls and "(NCCL)", with the times the GPU ran it.
+    fn traced(&self, what: impl FnOnce() -> String, fence: Fence) -> Wait {
+        if let (Some((trace, rank)), Some(ran)) = (self.trace.get(), fence.1) {
+            trace.record_later(*rank, format!("{} {} (NCCL)", what(), self.name()), Instant::now(), ran);
+        }
+        fence.0
+    }
+
     /// Starts an in-place all-reduce of `t` over the group.
     pub fn all_reduce_tensor_async(&self, mut t: Tensor, op: ReduceOp) -> Result<Pending> {
         let how = match self.link_for(&t) {
             _ if self.size() == 1 => How::Done,
-            Some(link) => How::Device(link.all_reduce(&mut t, op)?),
+            Some(link) => {
+                let n = t.numel();
+                let what = || format!("{} of {}", Op::AllReduce(op).name(), values(n));
+                How::Device(self.traced(what, link.all_reduce(&mut t, op)?))
+            }
             None => How::Host(self.all_reduce_async(&t.host_view(), op)),
         };
         Ok(Pending { tensor: t, how, _sent: None })
@@ -87,7 +105,11 @@ impl Group {
     pub fn all_reduce_tensor(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
         match self.link_for(t) {
             _ if self.size() == 1 => Ok(()),
-            Some(link) => (link.all_reduce(t, op)?.0)(),
+            Some(link) => {
+                let n = t.numel();
+                let what = || format!("{} of {}", Op::AllReduce(op).name(), values(n));
+                self.traced(what, link.all_reduce(t, op)?)()
+            }
             None => t.update_host(|v| self.all_reduce(v, op)), // in place on the CPU
         }
     }
@@ -98,7 +120,9 @@ impl Group {
         shape[0] *= self.size();
         let mut into = Tensor::empty_as(&shape, t); // written whole
         match self.link_for(t) {
-            Some(link) => (link.all_gather(t, &mut into)?.0)()?,
+            Some(link) => {
+                self.traced(|| format!("all_gather of {}", values(t.numel())), link.all_gather(t, &mut into)?)()?
+            }
             None => into.write(&self.all_gather(&t.host_view())?),
         }
         Ok(into)
@@ -113,7 +137,10 @@ impl Group {
         shape[0] /= n;
         let mut into = Tensor::empty_as(&shape, t); // written whole
         match self.link_for(t) {
-            Some(link) => (link.reduce_scatter(t, &mut into, op)?.0)()?,
+            Some(link) => {
+                let what = || format!("{} of {}", Op::ReduceScatter(op).name(), values(t.numel()));
+                self.traced(what, link.reduce_scatter(t, &mut into, op)?)()?
+            }
             None => into.write(&self.reduce_scatter(&t.host_view(), op)?),
         }
         Ok(into)
@@ -125,7 +152,11 @@ impl Group {
             return Ok(()); // alone: nothing to move (and on a GPU, no wait for it)
         }
         match self.link_for(t) {
-            Some(link) => (link.broadcast(t, root)?.0)(),
+            Some(link) => {
+                let n = t.numel();
+                let what = || format!("{} of {}", Op::Broadcast { root }.name(), values(n));
+                self.traced(what, link.broadcast(t, root)?)()
+            }
             None => {
                 let values = self.broadcast_async(&t.host_view(), root).wait()?;
                 t.write(&values);
@@ -137,7 +168,10 @@ impl Group {
     /// Sends `t` to member `to`.
     pub fn send_tensor(&self, t: &Tensor, to: usize) -> Result<()> {
         match self.link_for(t) {
-            Some(link) => (link.send_recv(Some((t, to)), None)?.0)(),
+            Some(link) => {
+                let what = || format!("send of {} to {to}", values(t.numel()));
+                self.traced(what, link.send_recv(Some((t, to)), None)?)()
+            }
             None => self.send(&t.host_view(), to),
         }
     }
@@ -152,7 +186,10 @@ impl Group {
     /// Receives member `from`'s tensor into `t` (its shape, place and dtype are the sender's).
     pub fn recv_tensor_into(&self, t: &mut Tensor, from: usize) -> Result<()> {
         match self.link_for(t) {
-            Some(link) => (link.send_recv(None, Some((t, from)))?.0)(),
+            Some(link) => {
+                let what = format!("recv of {} from {from}", values(t.numel()));
+                self.traced(|| what, link.send_recv(None, Some((t, from)))?)()
+            }
             None => {
                 t.write(&self.recv(t.numel(), from)?);
                 Ok(())
@@ -171,8 +208,9 @@ impl Group {
             return Ok(Pending { tensor: landing, how: How::Host(values), _sent: None });
         };
         let mut recv = Tensor::empty_on(shape, &place, place.dtype());
-        let fence = link.send_recv(Some((&send, to)), Some((&mut recv, from)))?;
-        Ok(Pending { tensor: recv, how: How::Device(fence), _sent: Some(send) })
+        let what = format!("send_recv of {} to {to}, {} from {from}", values(send.numel()), values(recv.numel()));
+        let wait = self.traced(|| what, link.send_recv(Some((&send, to)), Some((&mut recv, from)))?);
+        Ok(Pending { tensor: recv, how: How::Device(wait), _sent: Some(send) })
     }
 
     /// `send_recv_tensor_async`, waited for.
@@ -183,7 +221,8 @@ impl Group {
             return Ok(Tensor::from_host(shape, values, &place));
         };
         let mut recv = Tensor::empty_on(shape, &place, place.dtype());
-        (link.send_recv(Some((send, to)), Some((&mut recv, from)))?.0)()?;
+        let what = format!("send_recv of {} to {to}, {} from {from}", values(send.numel()), values(recv.numel()));
+        self.traced(|| what, link.send_recv(Some((send, to)), Some((&mut recv, from)))?)()?;
         Ok(recv)
     }
 }

@@ -10,6 +10,7 @@
 //! ```
 //! A comm span drawn under a compute span is communication hidden behind computation.
 
+use super::device_link::Ran;
 use anyhow::{Context, Result};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -35,17 +36,22 @@ pub struct Span {
     pub end_us: f64,
 }
 
+/// A GPU call's span before its times are known: rank, name, when it was issued, when it ran.
+type Later = (usize, String, Instant, Ran);
+
 /// Spans from every rank of a run, on one clock. Clones are handles on the same record (each
 /// group of a traced run keeps one, to record its calls).
 #[derive(Clone)]
 pub struct Trace {
     origin: Instant,
     spans: Arc<Mutex<Vec<Span>>>,
+    /// Spans of calls queued on a GPU, whose times the GPU gives later.
+    later: Arc<Mutex<Vec<Later>>>,
 }
 
 impl Default for Trace {
     fn default() -> Trace {
-        Trace { origin: Instant::now(), spans: Arc::new(Mutex::new(Vec::new())) }
+        Trace { origin: Instant::now(), spans: Arc::default(), later: Arc::default() }
     }
 }
 
@@ -65,7 +71,20 @@ impl Trace {
         self.spans.lock().unwrap_or_else(|e| e.into_inner()).push(span);
     }
 
+    /// Records a communication span of rank `rank` issued at `issued` and run on a GPU: `ran`
+    /// gives its times when the spans are read.
+    pub fn record_later(&self, rank: usize, name: String, issued: Instant, ran: Ran) {
+        self.later.lock().unwrap_or_else(|e| e.into_inner()).push((rank, name, issued, ran));
+    }
+
+    /// Every span so far (a call still queued on a GPU is waited for).
     pub fn spans(&self) -> Vec<Span> {
+        let later = std::mem::take(&mut *self.later.lock().unwrap_or_else(|e| e.into_inner()));
+        for (rank, name, issued, ran) in later {
+            if let Some((start, end)) = ran() {
+                self.record(rank, Lane::Comm, name, issued, start, end);
+            }
+        }
         self.spans.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 

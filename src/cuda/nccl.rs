@@ -20,15 +20,17 @@
 //! Errors come back as NCCL's own sentence naming the call and the group; dropping a
 //! communicator never panics (a run that failed must still end cleanly).
 
-use crate::comm::device_link::{DeviceLink, Fence};
+use crate::comm::device_link::{DeviceLink, Fence, Ran};
 use crate::comm::{Group, ReduceOp};
 use crate::cuda::device::Data;
 use crate::cuda::runtime::{cuda_err, Gpu};
 use crate::ops::tensor::Tensor;
 use anyhow::{anyhow, bail, Result};
-use cudarc::driver::{CudaStream, DevicePtr};
+use cudarc::driver::{sys::CUevent_flags, CudaEvent, CudaStream, DevicePtr};
 use cudarc::nccl::{result, sys};
 use std::ffi::c_void;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 /// A group's NCCL communicator, bound to its rank's GPU and communication stream.
 pub struct Nccl {
@@ -36,6 +38,24 @@ pub struct Nccl {
     gpu: Gpu,
     group: String,
     size: usize,
+    /// Set when the run is traced: every call is timed (`time_calls`).
+    clock: OnceLock<Arc<Clock>>,
+}
+
+/// The GPU's clock read against the host's: an event the GPU passed at host time `host`. A call
+/// timed by two events ran from `host` + (its first event − `event`) to `host` + (its second − `event`).
+struct Clock {
+    host: Instant,
+    event: CudaEvent,
+}
+
+impl Clock {
+    /// When the GPU reached `event`, on the host's clock (waits until it has).
+    fn at(&self, event: &CudaEvent) -> Option<Instant> {
+        event.synchronize().ok()?;
+        let ms = self.event.elapsed_ms(event).ok()?;
+        Some(self.host + Duration::from_secs_f64(ms.max(0.0) as f64 / 1e3))
+    }
 }
 
 impl Drop for Nccl {
@@ -93,11 +113,12 @@ impl Nccl {
                 .map_err(|e| nccl_error("communicator init", &name, e))?;
             comm.assume_init()
         };
-        Ok(Nccl { comm, gpu: gpu.clone(), group: name, size: group.size() })
+        Ok(Nccl { comm, gpu: gpu.clone(), group: name, size: group.size(), clock: OnceLock::new() })
     }
 
     /// Queues `issue` on the communication stream after everything queued so far on the compute
-    /// stream; the fence orders the compute stream after it.
+    /// stream; the fence orders the compute stream after it. When timing, two timing events
+    /// around the call say when it ran.
     fn ordered(
         &self,
         what: &str,
@@ -106,10 +127,21 @@ impl Nccl {
         let (gpu, comm) = (&self.gpu, &self.gpu.comm);
         let ready = gpu.mark(&gpu.compute)?;
         comm.wait(&ready).map_err(cuda_err)?;
+        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
+        let timed = |clock: &Arc<Clock>| comm.record_event(timing).map(|e| (clock.clone(), e)).map_err(cuda_err);
+        let begin = self.clock.get().map(timed).transpose()?;
         issue(comm.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_error(what, &self.group, e))?;
+        let ran = match begin {
+            Some((clock, begin)) => {
+                let end = comm.record_event(timing).map_err(cuda_err)?;
+                let ran: Ran = Box::new(move || Some((clock.at(&begin)?, clock.at(&end)?)));
+                Some(ran)
+            }
+            None => None,
+        };
         let done = gpu.mark(comm)?;
         let compute = gpu.compute.clone();
-        Ok(Fence(Box::new(move || compute.wait(&done).map_err(cuda_err))))
+        Ok(Fence(Box::new(move || compute.wait(&done).map_err(cuda_err)), ran))
     }
 
     fn check_len(&self, what: &str, got: usize, want: usize) -> Result<()> {
@@ -162,5 +194,16 @@ impl DeviceLink for Nccl {
             let ended = result::group_end().map(drop); // the group is closed even when a call failed
             sent.and(received).and(ended)
         })
+    }
+
+    fn time_calls(&self) -> Result<()> {
+        if self.clock.get().is_some() {
+            return Ok(());
+        }
+        // an event on the comm stream, waited for: the GPU passed it just before the host's now
+        let event = self.gpu.comm.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err)?;
+        event.synchronize().map_err(cuda_err)?;
+        let _ = self.clock.set(Arc::new(Clock { host: Instant::now(), event }));
+        Ok(())
     }
 }

@@ -331,7 +331,7 @@ impl<'a> Watch<'a> {
     pub(super) fn new(me: &Rank, cfg: &Config, opts: Options<'a>, first_step: usize) -> Result<Watch<'a>> {
         let (t, rank) = (&cfg.train, me.rank);
         if let Some(trace) = opts.trace {
-            me.trace_to(trace); // every collective and message of this rank's groups
+            me.trace_to(trace)?; // every collective and message of this rank's groups
         }
         let jsonl = opts.metrics.filter(|_| rank == 0);
         let metrics = Metrics::new((first_step, t.steps), jsonl, opts.quiet || rank != 0)?;
