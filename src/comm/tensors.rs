@@ -187,8 +187,8 @@ impl Group {
     pub fn recv_tensor_into(&self, t: &mut Tensor, from: usize) -> Result<()> {
         match self.link_for(t) {
             Some(link) => {
-                let what = format!("recv of {} from {from}", values(t.numel()));
-                self.traced(|| what, link.send_recv(None, Some((t, from)))?)()
+                let n = t.numel();
+                self.traced(|| format!("recv of {} from {from}", values(n)), link.send_recv(None, Some((t, from)))?)()
             }
             None => {
                 t.write(&self.recv(t.numel(), from)?);
@@ -208,8 +208,8 @@ impl Group {
             return Ok(Pending { tensor: landing, how: How::Host(values), _sent: None });
         };
         let mut recv = Tensor::empty_on(shape, &place, place.dtype());
-        let what = format!("send_recv of {} to {to}, {} from {from}", values(send.numel()), values(recv.numel()));
-        let wait = self.traced(|| what, link.send_recv(Some((&send, to)), Some((&mut recv, from)))?);
+        let what = send_recv_name((send.numel(), to), (recv.numel(), from));
+        let wait = self.traced(what, link.send_recv(Some((&send, to)), Some((&mut recv, from)))?);
         Ok(Pending { tensor: recv, how: How::Device(wait), _sent: Some(send) })
     }
 
@@ -221,8 +221,13 @@ impl Group {
             return Ok(Tensor::from_host(shape, values, &place));
         };
         let mut recv = Tensor::empty_on(shape, &place, place.dtype());
-        let what = format!("send_recv of {} to {to}, {} from {from}", values(send.numel()), values(recv.numel()));
-        self.traced(|| what, link.send_recv(Some((send, to)), Some((&mut recv, from)))?)()?;
+        let what = send_recv_name((send.numel(), to), (recv.numel(), from));
+        self.traced(what, link.send_recv(Some((send, to)), Some((&mut recv, from)))?)()?;
         Ok(recv)
     }
+}
+
+/// A traced send_recv's name, made only when the run is traced.
+fn send_recv_name((sent, to): (usize, usize), (received, from): (usize, usize)) -> impl FnOnce() -> String {
+    move || format!("send_recv of {} to {to}, {} from {from}", values(sent), values(received))
 }

@@ -1,7 +1,7 @@
 //! # The kernel table: every kernel the op layer launches, by number
 //!
-//! A launch used to look its kernel up by name in a hash map, hundreds of times a step. Here
-//! each kernel is a place in one table, `KERNELS`, and a `Kernel` is that place: `kernel!("name")`
+//! A step makes hundreds of launches, so finding a launch's kernel must cost nothing. Each
+//! kernel is a place in one table, `KERNELS`, and a `Kernel` is that place: `kernel!("name")`
 //! finds it while *compiling* (a misspelt or missing name does not build), the device resolves
 //! the whole table into CUDA functions once, when it opens (`cuda/nvrtc.rs`), and a launch
 //! indexes that list (`cuda/device.rs`). Nothing is formatted, hashed or searched per launch.
@@ -97,11 +97,6 @@ impl Kernel {
 
     pub fn name(self) -> &'static str {
         KERNELS[self.0].1
-    }
-
-    /// The file of `kernels/` (without `.cu`) it is compiled from.
-    pub fn file(self) -> &'static str {
-        KERNELS[self.0].0
     }
 }
 

@@ -2,15 +2,17 @@
 //!
 //! Every CUDA kernel launch of the op layer is written here once, as a `Launch` value built from
 //! buffer addresses and shapes: the kernel (`name_f32` or `name_bf16` by the compute dtype, a
-//! number in the table of `cuda/kernels.rs`), its grid and block, and its arguments in the order its `extern "C"` signature declares
-//! them (`long` is i64, `int` i32, pointers are addresses). `cuda/ops.rs` queues them on a GPU;
-//! `tests/kernels_emulated.rs` runs the very same launches on the CPU through a thread-per-CUDA-
-//! thread emulator, so the kernels and these argument lists are tested where there is no GPU.
+//! number in the table of `cuda/kernels.rs`), its grid and block, and its arguments in the order
+//! its `extern "C"` signature declares them (`long` is i64, `int` i32, pointers are addresses).
+//! `cuda/ops.rs` queues them on a GPU; `tests/kernels_emulated.rs` runs the very same launches on
+//! the CPU through a thread-per-CUDA-thread emulator, so the kernels and these argument lists are
+//! tested where there is no GPU.
 //!
 //! Launch shapes follow the kernels' header comments: one block of 256 threads per row for
 //! row-wise ops (per distinct token for the embedding gradient), one thread per element (or per
-//! column, for the last sum of RMSNorm's weight gradient) otherwise, BQ = 64 query rows per block for attention and its dq, BK = 32 key rows for dk/dv
-//! (on tensor cores: 32 rows and 2 warps per block for all three).
+//! column, for the last sum of RMSNorm's weight gradient) otherwise, BQ = 64 query rows per block
+//! for attention and its dq, BK = 32 key rows for dk/dv (on tensor cores: 32 rows and 2 warps per
+//! block for all three).
 
 use crate::cuda::kernels::{kernel, Kernel};
 use crate::ops::types::{AdamW, Attn, DType};

@@ -127,18 +127,14 @@ impl Nccl {
         let (gpu, comm) = (&self.gpu, &self.gpu.comm);
         let ready = gpu.mark(&gpu.compute)?;
         comm.wait(&ready).map_err(cuda_err)?;
-        let timing = Some(CUevent_flags::CU_EVENT_DEFAULT);
-        let timed = |clock: &Arc<Clock>| comm.record_event(timing).map(|e| (clock.clone(), e)).map_err(cuda_err);
-        let begin = self.clock.get().map(timed).transpose()?;
+        let mark = || comm.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err); // timed
+        let begin = self.clock.get().map(|clock| mark().map(|begin| (clock.clone(), begin))).transpose()?;
         issue(comm.cu_stream() as sys::cudaStream_t).map_err(|e| nccl_error(what, &self.group, e))?;
-        let ran = match begin {
-            Some((clock, begin)) => {
-                let end = comm.record_event(timing).map_err(cuda_err)?;
-                let ran: Ran = Box::new(move || Some((clock.at(&begin)?, clock.at(&end)?)));
-                Some(ran)
-            }
-            None => None,
-        };
+        let mut ran: Option<Ran> = None;
+        if let Some((clock, begin)) = begin {
+            let end = mark()?;
+            ran = Some(Box::new(move || Some((clock.at(&begin)?, clock.at(&end)?))));
+        }
         let done = gpu.mark(comm)?;
         let compute = gpu.compute.clone();
         Ok(Fence(Box::new(move || compute.wait(&done).map_err(cuda_err)), ran))
@@ -201,7 +197,7 @@ impl DeviceLink for Nccl {
             return Ok(());
         }
         // an event on the comm stream, waited for: the GPU passed it just before the host's now
-        let event = self.gpu.comm.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err)?;
+        let event = self.gpu.comm.record_event(Some(CUevent_flags::CU_EVENT_DEFAULT)).map_err(cuda_err)?; // timed
         event.synchronize().map_err(cuda_err)?;
         let _ = self.clock.set(Arc::new(Clock { host: Instant::now(), event }));
         Ok(())

@@ -183,6 +183,9 @@ unsafe impl Send for Pinned {}
 
 impl Drop for Pinned {
     fn drop(&mut self) {
+        if self.ptr.is_null() {
+            return; // a slot never used
+        }
         if let Some(e) = self.copied.as_ref().filter(|e| !e.is_complete()) {
             let _ = e.synchronize(); // the GPU is still reading it
         }
