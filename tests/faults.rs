@@ -75,7 +75,7 @@ fn wait_for_lines(jsonl: &Path, n: usize) {
     let start = Instant::now();
     while std::fs::read_to_string(jsonl).map_or(0, |t| t.lines().count()) < n {
         assert!(start.elapsed() < Duration::from_secs(60), "the run did not get going");
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -112,8 +112,12 @@ fn kill_9_anywhere_even_inside_a_checkpoint_write_then_resume_repeats_the_curve(
     let (mut seed, mut latest) = (0x9e3779b97f4a7c15u64, Vec::new());
     for _ in 0..6 {
         seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let from = ferrotron::checkpoint::folder::list(&dir).unwrap().last().map_or(0, |l| l.step) as usize;
         let mut child = spawn(&resuming(&args, &dir));
-        std::thread::sleep(Duration::from_millis(60 + (seed >> 33) % 250));
+        // kill by progress, not by the clock (a faster machine must not finish the run first):
+        // 3–14 steps past the checkpoint we resumed from, then 0–4 ms into the next step
+        wait_for_lines(&metrics, from + 3 + (seed >> 33) as usize % 12);
+        std::thread::sleep(Duration::from_micros((seed >> 20) % 4000));
         child.kill().unwrap(); // SIGKILL: no chance to clean up
         child.wait().unwrap();
         for l in ferrotron::checkpoint::folder::list(&dir).unwrap() {
