@@ -88,6 +88,9 @@ pub struct ParallelConfig {
     pub dp_mode: DpMode,
     /// Size of a gradient bucket, in MiB of f32 gradients.
     pub bucket_mb: f64,
+    /// What the dp×cp ranks shard instead of replicating (`parallel/zero.rs`): 0 nothing, 1 the
+    /// optimizer state, 2 also the gradients, 3 also the weights (FSDP).
+    pub zero_stage: usize,
     /// How GPU tensors travel between ranks: `auto` (NCCL when each rank has its own GPU), `local`
     /// (through host memory) or `nccl` (on the device, `comm/tensors.rs`).
     pub backend: CommBackend,
@@ -354,6 +357,12 @@ impl Config {
         }
         if !(p.bucket_mb > 0.0 && p.bucket_mb <= 1e6) {
             bail!("parallel.bucket_mb = {}: it must be a positive number of MiB, at most 1e6", p.bucket_mb);
+        }
+        if p.zero_stage > 3 {
+            bail!("parallel.zero_stage = {}: it must be 0 (replicas), 1 (optimizer state sharded), 2 (and gradients) or 3 (and weights: FSDP)", p.zero_stage);
+        }
+        if p.zero_stage > 0 && p.dp_mode == DpMode::Naive {
+            bail!("parallel.dp_mode = \"naive\" with parallel.zero_stage = {}: ZeRO reduce-scatters gradients in buckets; set dp_mode = \"bucketed\" or zero_stage = 0", p.zero_stage);
         }
         if !(p.timeout_s > 0.0 && p.timeout_s <= MAX_TIMEOUT_S) {
             bail!(

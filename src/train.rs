@@ -38,9 +38,10 @@ use crate::data::Dataset;
 use crate::model::optimizer;
 use crate::ops::{self, tensor::Tensor, DType};
 use crate::parallel::context_parallel;
-use crate::parallel::data_parallel::DataParallel;
+use crate::parallel::data_parallel::{bucket_values, DataParallel};
 use crate::parallel::pipeline_parallel::{self, StepPlan};
 use crate::parallel::process_grid::Axis;
+use crate::parallel::zero;
 use anyhow::Result;
 use run::{Run, Start, StepEnd, Watch};
 use std::time::Instant;
@@ -66,8 +67,14 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     let t = &cfg.train;
     let (dp, pp, tp) = (me.group(Axis::DpCp), me.group(Axis::Pp), me.group(Axis::Tp));
     let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
-    let mut dp_sync = DataParallel::new(dp, &model.params(), cfg.parallel.dp_mode, cfg.parallel.bucket_mb);
     let mut optimizer = start.optimizer(&mut model, tp)?;
+    // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of the weights (3)
+    let stage = if dp.size() > 1 { cfg.parallel.zero_stage } else { 0 };
+    if stage > 0 {
+        model = zero::shard(model, &mut optimizer, dp, stage);
+    }
+    let p = &cfg.parallel;
+    let mut dp_sync = DataParallel::new(dp, &model.params(), p.dp_mode, p.bucket_mb, stage);
     let mut watch = Watch::new(me, cfg, opts, first_step)?; // metrics, trace, timing, memory
     let cp = me.group(Axis::Cp);
     let positions = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
@@ -89,11 +96,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
                 ops::add_scaled(&mut loss, model.forward_loss(&tokens, t.micro_batch_size, &targets)?, 1.0 / m as f32);
                 watch.span(format!("forward {micro}"), span);
                 let (span, last) = (Instant::now(), micro + 1 == m);
-                model.backward_with(1.0 / m as f32, &mut |p| {
-                    if last {
-                        dp_sync.grad_ready(p); // bucketed: a full bucket's all-reduce starts now
-                    }
-                })?;
+                // bucketed: a full bucket's all-reduce (ZeRO: reduce-scatter) starts now
+                model.backward_with(1.0 / m as f32, &mut |p| dp_sync.grad_ready(p, last))?;
                 watch.span(format!("backward {micro}"), span);
             }
             (loss, 1) // one micro-batch's activations held at a time
@@ -101,11 +105,11 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let hidden = [t.micro_batch_size * t.seq_len / cfg.parallel.cp, cfg.model.hidden_size];
             let (kind, record) = (cfg.parallel.pp_schedule, &|name, span| watch.span(name, span));
             let plan = StepPlan { kind, micro_batches: m, batch: t.micro_batch_size, hidden, data: &batch, record };
-            let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p| dp_sync.grad_ready(p))?;
+            let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p, last| dp_sync.grad_ready(p, last))?;
             (stats.loss, stats.peak_activations)
         };
         let span = Instant::now();
-        dp_sync.finish(&mut model.params_mut())?; // every gradient is now the dp average
+        dp_sync.finish(&mut model.params_mut())?; // every gradient (ZeRO: chunk) is now the dp average
         watch.span("wait for gradients".into(), span);
         // the last stage knows the loss; every rank logs the mean over the global batch
         pp.broadcast_tensor(&mut loss, pp.size() - 1)?;
@@ -113,7 +117,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         let span = Instant::now();
         let mut params = model.params_mut();
         // dp replicas hold the same gradients now; tp shards and pp stages add up their parts
-        let grad_sq = optimizer::global_grad_sum_squares(&params, tp, pp)?;
+        let grad_sq = optimizer::global_grad_sum_squares(&params, tp, pp, (stage > 0).then_some(dp))?;
         // the step's one CPU–GPU sync point: the loss and the gradient norm, read together
         let read = ops::concat(&[&loss, &grad_sq]).to_vec();
         let (loss, grad_norm) = (read[0], (read[1] as f64).sqrt());
@@ -123,6 +127,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         optimizer::clip(&mut params, grad_norm, t.grad_clip);
         let lr = optimizer::lr_at(t, step);
         optimizer.step(&mut params, t, lr);
+        if stage == 1 || stage == 2 {
+            zero::gather_weights(dp, &mut params, bucket_values(p.bucket_mb))?; // the updated chunks, to every rank
+        }
         watch.span("optimizer".into(), span);
         let end = StepEnd { step, loss, lr, grad_norm, activations_held: held };
         watch.step_ends(&end, &mut model)?;

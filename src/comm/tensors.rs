@@ -116,34 +116,59 @@ impl Group {
 
     /// Every member's `t`, concatenated in rank order along the first dimension.
     pub fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
+        let (into, how) = self.start_all_gather(t)?;
+        Pending { tensor: into, how, _sent: None }.wait() // `t` outlives the wait
+    }
+
+    /// Starts `all_gather_tensor` (FSDP gathers the next unit's weights with it while the
+    /// current one computes).
+    pub fn all_gather_tensor_async(&self, t: Tensor) -> Result<Pending> {
+        let (into, how) = self.start_all_gather(&t)?;
+        Ok(Pending { tensor: into, how, _sent: Some(t) })
+    }
+
+    fn start_all_gather(&self, t: &Tensor) -> Result<(Tensor, How)> {
         let mut shape = t.shape().to_vec();
         shape[0] *= self.size();
         let mut into = Tensor::empty_as(&shape, t); // written whole
-        match self.link_for(t) {
+        let how = match self.link_for(t) {
             Some(link) => {
-                self.traced(|| format!("all_gather of {}", values(t.numel())), link.all_gather(t, &mut into)?)()?
+                let what = || format!("all_gather of {}", values(t.numel()));
+                How::Device(self.traced(what, link.all_gather(t, &mut into)?))
             }
-            None => into.write(&self.all_gather(&t.host_view())?),
-        }
-        Ok(into)
+            None => How::Host(self.all_gather_async(&t.host_view())),
+        };
+        Ok((into, how))
     }
 
     /// This member's chunk (along the first dimension) of the reduction of every member's `t`.
     pub fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
+        let (into, how) = self.start_reduce_scatter(t, op)?;
+        Pending { tensor: into, how, _sent: None }.wait() // `t` outlives the wait
+    }
+
+    /// Starts `reduce_scatter_tensor` (ZeRO reduce-scatters a bucket of gradients with it while
+    /// backward goes on).
+    pub fn reduce_scatter_tensor_async(&self, t: Tensor, op: ReduceOp) -> Result<Pending> {
+        let (into, how) = self.start_reduce_scatter(&t, op)?;
+        Ok(Pending { tensor: into, how, _sent: Some(t) })
+    }
+
+    fn start_reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<(Tensor, How)> {
         let (mut shape, n) = (t.shape().to_vec(), self.size());
         if shape[0] % n != 0 {
             bail!("reduce_scatter on group {}: {} rows do not split into {n} equal chunks", self.name(), shape[0]);
         }
         shape[0] /= n;
         let mut into = Tensor::empty_as(&shape, t); // written whole
-        match self.link_for(t) {
+        let how = match self.link_for(t) {
             Some(link) => {
                 let what = || format!("{} of {}", Op::ReduceScatter(op).name(), values(t.numel()));
-                self.traced(what, link.reduce_scatter(t, &mut into, op)?)()?
+                How::Device(self.traced(what, link.reduce_scatter(t, &mut into, op)?))
             }
-            None => into.write(&self.reduce_scatter(&t.host_view(), op)?),
-        }
-        Ok(into)
+            None => How::Host(self.reduce_scatter_async(&t.host_view(), op)),
+        };
+        Ok((into, how))
     }
 
     /// Every member's `t` becomes member `root`'s.

@@ -341,9 +341,31 @@ impl Device {
             bail!("copying {:?} values into a {:?} tensor", src.dtype(), dst.dtype());
         }
         let size = if src.dtype() == DType::F32 { 4 } else { 2 };
-        let (s, d) = (addr(src) + (from * size) as Addr, addr(dst) + (to * size) as Addr);
-        // SAFETY: both ranges lie inside live buffers (the op layer checked the bounds).
-        unsafe { cudarc::driver::result::memcpy_dtod_async(d, s, n * size, self.gpu.compute.cu_stream()) }
+        // both ranges lie inside live buffers: the op layer checked the bounds
+        self.copy_bytes(addr(src) + (from * size) as Addr, addr(dst) + (to * size) as Addr, n * size)
+    }
+
+    /// `t` as a plain `dtype` tensor (from a mixed weight's master), converted on the GPU.
+    pub fn convert(self: &Arc<Self>, t: &Tensor, dtype: DType) -> Result<Tensor> {
+        let out = self.tensor(t.shape(), dtype);
+        let n = t.numel();
+        match (t.dtype(), dtype) {
+            (DType::Bf16, DType::F32) if !matches!(buf(t).data, Data::Mixed { .. }) => {
+                self.run(&launch_table::cast_bf16_to_f32(addr(t), addr(&out), n))?
+            }
+            (_, DType::Bf16) if !matches!(buf(t).data, Data::Bf16(_)) => {
+                self.run(&launch_table::cast_f32_to_bf16(f32_addr(t), addr(&out), n))?
+            }
+            (_, DType::F32) => self.copy_bytes(f32_addr(t), addr(&out), 4 * n)?,
+            (_, DType::Bf16) => self.copy_bytes(addr(t), addr(&out), 2 * n)?,
+        }
+        Ok(out)
+    }
+
+    /// `bytes` from `src` to `dst`, on the compute stream.
+    fn copy_bytes(&self, src: Addr, dst: Addr, bytes: usize) -> Result<()> {
+        // SAFETY: the callers pass ranges inside live buffers.
+        unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.compute.cu_stream()) }
             .map_err(cuda_err)
     }
 

@@ -21,12 +21,13 @@ use crate::config::ModelConfig;
 use crate::model::block::{Block, BlockCache, Splits};
 use crate::model::init;
 use crate::model::param::{shard, Param, ParamKind, Split};
-use crate::model::split::{SequenceSplit, TensorSplit, Whole};
+use crate::model::split::{SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::stage::Stage;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, Attn, DType};
 use anyhow::{anyhow, bail, Result};
 use std::collections::VecDeque;
+use std::rc::Rc;
 
 /// Everything one micro-batch's `forward` keeps for its `backward`.
 struct Cache {
@@ -47,6 +48,14 @@ struct HeadCache {
     logits: Tensor,
     lse: Tensor,
     count: usize,
+}
+
+/// What FSDP gathers at once: the embedding, one block, or the head.
+#[derive(Clone, Copy)]
+enum Unit {
+    Embedding,
+    Layer(usize),
+    Head,
 }
 
 /// The final norm and the output layer, on the last pipeline stage.
@@ -81,6 +90,8 @@ pub struct Llama<'g> {
     tp: Box<dyn TensorSplit + 'g>,
     /// How this rank's tokens relate to the rest of each sequence (`Whole` unless cp splits it).
     seq: Box<dyn SequenceSplit + 'g>,
+    /// Where the weights are between uses (`Whole` unless FSDP shards them over the dp ranks).
+    weights: Rc<dyn WeightSplit + 'g>,
     /// The first vocabulary id of this rank's slice.
     vocab_first: usize,
     /// On the first pipeline stage.
@@ -126,7 +137,7 @@ impl<'g> Llama<'g> {
         let (index, count) = tp.part();
         let (embed_tokens, layers, head) = Llama::parts(cfg, stage, &mut |name, shape, kind, split| {
             let value = shard(&make(&name, shape, kind)?, split, index, count);
-            Ok(Param { grad: Tensor::zeros(value.shape()), name, value, split })
+            Ok(Param::new(name, value, split))
         })?;
         let vocab_first = index * cfg.vocab_size / count;
         let caches = VecDeque::new();
@@ -134,6 +145,7 @@ impl<'g> Llama<'g> {
             cfg: cfg.clone(),
             tp,
             seq: Box::new(Whole),
+            weights: Rc::new(Whole),
             vocab_first,
             embed_tokens,
             layers,
@@ -154,7 +166,7 @@ impl<'g> Llama<'g> {
         let mut listed = Vec::new();
         let made = Llama::parts(cfg, stage, &mut |name, shape, _, split| {
             listed.push((name.clone(), shape.to_vec(), split));
-            Ok(Param { grad: Tensor::zeros(&[0]), value: Tensor::zeros(&[0]), name, split })
+            Ok(Param::new(name, Tensor::zeros(&[0]), split))
         });
         made.expect("listing cannot fail");
         listed
@@ -198,6 +210,13 @@ impl<'g> Llama<'g> {
         self
     }
 
+    /// Keeps 1/dp of every weight here and gathers each unit's whole weights only while it
+    /// computes with them (FSDP, `parallel/zero.rs`).
+    pub fn with_weight_split(mut self, weights: Rc<dyn WeightSplit + 'g>) -> Llama<'g> {
+        self.weights = weights;
+        self
+    }
+
     /// Every parameter, in Hugging Face order.
     pub fn params(&self) -> Vec<&Param> {
         let mut v: Vec<&Param> = self.embed_tokens.iter().collect();
@@ -225,7 +244,7 @@ impl<'g> Llama<'g> {
 
     /// The device the model lives on.
     pub fn place(&self) -> Place {
-        self.params()[0].value.place()
+        self.params()[0].place()
     }
 
     /// Moves every weight and gradient to `place`: on a GPU in mixed precision each weight
@@ -269,10 +288,73 @@ impl<'g> Llama<'g> {
         std::mem::take(&mut self.attention_work)
     }
 
+    /// Zeroes every gradient (a sharded parameter's too; one that ZeRO-2/3 freed stays freed).
     pub fn zero_grads(&mut self) {
         for p in self.params_mut() {
-            ops::scale(&mut p.grad, 0.0);
+            if p.grad.numel() > 0 {
+                ops::scale(&mut p.grad, 0.0);
+            }
+            if let Some(s) = &mut p.shard {
+                ops::scale(&mut s.grad, 0.0);
+            }
         }
+    }
+
+    // FSDP's units: the pieces whose weights are gathered together, one at a time.
+
+    /// A unit's parameters: the embedding; a block's; the head's (the final norm and the output
+    /// layer, which is the embedding when they are tied).
+    fn unit(&self, u: Unit) -> Vec<&Param> {
+        match u {
+            Unit::Embedding => self.embed_tokens.iter().collect(),
+            Unit::Layer(i) => self.layers[i].params().into(),
+            Unit::Head => self.head.iter().flat_map(|h| [Some(&h.norm), h.lm_head.as_ref().or(self.embed_tokens.as_ref())]).flatten().collect(),
+        }
+    }
+
+    fn unit_mut(&mut self, u: Unit) -> Vec<&mut Param> {
+        match u {
+            Unit::Embedding => self.embed_tokens.iter_mut().collect(),
+            Unit::Layer(i) => self.layers[i].params_mut().into(),
+            Unit::Head => {
+                let Some(h) = &mut self.head else { return Vec::new() };
+                vec![Some(&mut h.norm), h.lm_head.as_mut().or(self.embed_tokens.as_mut())].into_iter().flatten().collect()
+            }
+        }
+    }
+
+    /// The unit computed after `u` in a forward (`forward` true) or a backward of this stage.
+    /// A backward never gathers the embedding: its gradient needs only the tokens.
+    fn after(&self, u: Unit, forward: bool) -> Option<Unit> {
+        let (layers, head) = (self.layers.len(), self.head.is_some());
+        match (u, forward) {
+            (Unit::Embedding, true) => Some(Unit::Layer(0)),
+            (Unit::Layer(i), true) if i + 1 < layers => Some(Unit::Layer(i + 1)),
+            (Unit::Layer(_), true) => head.then_some(Unit::Head),
+            (Unit::Head, false) => Some(Unit::Layer(layers - 1)),
+            (Unit::Layer(i), false) => i.checked_sub(1).map(Unit::Layer),
+            _ => None,
+        }
+    }
+
+    /// `u`'s whole weights, here before it computes (and, for a backward, its gradients to add
+    /// into); the gather of the unit after it starts now.
+    fn fetch(&mut self, u: Unit, forward: bool) -> Result<()> {
+        let weights = self.weights.clone();
+        weights.gather(&mut self.unit_mut(u))?;
+        if !forward {
+            self.unit_mut(u).into_iter().for_each(Param::ensure_grad);
+        }
+        match self.after(u, forward) {
+            Some(next) => weights.prefetch(&self.unit(next)),
+            None => Ok(()),
+        }
+    }
+
+    /// After `u` computed: its whole weights may go.
+    fn free(&mut self, u: Unit) {
+        let weights = self.weights.clone();
+        weights.release(&mut self.unit_mut(u));
     }
 
     /// Runs `batch` sequences of `tokens.len() / batch` tokens through the whole model; returns
@@ -295,16 +377,22 @@ impl<'g> Llama<'g> {
     /// One micro-batch of `batch` sequences through this stage's part of the model; `targets`
     /// are used on the last stage. The activations stay until this micro-batch's backward.
     pub fn forward_stage(&mut self, input: StageInput, batch: usize, targets: &[i32]) -> Result<StageOutput> {
-        let (cfg, tp) = (&self.cfg, &*self.tp);
-        let (mut x, tokens) = match (input, &self.embed_tokens) {
-            (StageInput::Tokens(t), Some(embed)) => {
-                (tp.embedding_forward(embed, t, self.vocab_first)?, Some(t.to_vec()))
+        let (mut x, tokens) = match input {
+            StageInput::Tokens(t) => {
+                if self.embed_tokens.is_none() {
+                    bail!("forward: tokens given to a pipeline stage without the embedding");
+                }
+                self.fetch(Unit::Embedding, true)?;
+                let embed = self.embed_tokens.as_ref().expect("checked above");
+                let x = self.tp.embedding_forward(embed, t, self.vocab_first)?;
+                self.free(Unit::Embedding);
+                (x, Some(t.to_vec()))
             }
-            (StageInput::Hidden(x), _) => (x, None),
-            (StageInput::Tokens(_), None) => bail!("forward: tokens given to a pipeline stage without the embedding"),
+            StageInput::Hidden(x) => (x, None),
         };
         let seq = x.rows() / batch; // this rank's tokens of each sequence
-        let ranks = tp.part().1;
+        let ranks = self.tp.part().1;
+        let cfg = self.cfg.clone();
         let attn = Attn {
             batch,
             seq,
@@ -315,22 +403,27 @@ impl<'g> Llama<'g> {
         };
         let seq_positions = self.seq.positions(seq);
         let positions: Vec<u32> = (0..x.rows()).map(|r| seq_positions[r % seq]).collect();
-        let split = Splits { tp, seq: &*self.seq };
         let mut blocks = Vec::with_capacity(self.layers.len());
-        for layer in &self.layers {
-            let (out, cache, work) = layer.forward(split, x, cfg, attn, &positions)?;
+        for i in 0..self.layers.len() {
+            self.fetch(Unit::Layer(i), true)?;
+            let split = Splits { tp: &*self.tp, seq: &*self.seq };
+            let (out, cache, work) = self.layers[i].forward(split, x, &cfg, attn, &positions)?;
+            self.free(Unit::Layer(i));
             self.attention_work += work;
             blocks.push(cache);
             x = out;
         }
-        let Some(h) = &self.head else {
+        if self.head.is_none() {
             self.caches.push_back(Cache { tokens, positions, attn, blocks, head: None });
             return Ok(StageOutput::Hidden(x));
-        };
+        }
+        self.fetch(Unit::Head, true)?;
+        let h = self.head.as_ref().expect("checked above");
         let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, cfg.rms_norm_eps);
         let out_layer = h.lm_head.as_ref().or(self.embed_tokens.as_ref()).expect("a tied head has the embedding");
         let logits = ops::linear(&xn, &out_layer.value); // column parallel: this rank's vocabulary slice
-        let (loss, count, lse) = tp.cross_entropy(&logits, targets, self.vocab_first)?;
+        self.free(Unit::Head);
+        let (loss, count, lse) = self.tp.cross_entropy(&logits, targets, self.vocab_first)?;
         let head = HeadCache { targets: targets.to_vec(), x_final: x, xn, rstd, logits, lse, count };
         self.caches.push_back(Cache { tokens, positions, attn, blocks, head: Some(head) });
         Ok(StageOutput::Loss(loss))
@@ -348,38 +441,44 @@ impl<'g> Llama<'g> {
 
     /// `backward` that calls `ready(param)` as soon as a parameter's gradient is complete, so
     /// that data parallelism can start reducing it while the rest of backward runs.
-    pub fn backward_with(&mut self, scale: f32, ready: &mut dyn FnMut(&Param)) -> Result<()> {
+    pub fn backward_with(&mut self, scale: f32, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
         self.backward_stage(StageGrad::Loss(scale), ready).map(drop)
     }
 
     /// The backward of the oldest micro-batch whose forward is done. Returns the gradient of the
     /// stage's input activations (`None` on the first stage, whose input is tokens).
-    pub fn backward_stage(&mut self, grad: StageGrad, ready: &mut dyn FnMut(&Param)) -> Result<Option<Tensor>> {
+    pub fn backward_stage(&mut self, grad: StageGrad, ready: &mut dyn FnMut(&mut Param)) -> Result<Option<Tensor>> {
         let c = self.caches.pop_front().ok_or_else(|| anyhow!("backward: no forward is waiting for its backward"))?;
-        let (tp, first) = (&*self.tp, self.vocab_first);
-        let mut dx = match (grad, &c.head, &mut self.head) {
-            (StageGrad::Loss(scale), Some(hc), Some(h)) => {
+        let first = self.vocab_first;
+        let mut dx = match (grad, &c.head, self.head.is_some()) {
+            (StageGrad::Loss(scale), Some(hc), true) => {
+                self.fetch(Unit::Head, false)?;
+                let h = self.head.as_mut().expect("checked above");
                 let scale = scale / hc.count.max(1) as f32;
                 // softmax − one-hot on this rank's vocabulary slice: local, the lse is global
                 let dlogits = ops::cross_entropy_backward(&hc.logits, &hc.targets, first, &hc.lse, scale);
                 let out_layer =
                     h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
-                let dxn = tp.column_backward(&hc.xn, &mut [(&dlogits, out_layer)])?;
-                h.lm_head.iter().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
+                let dxn = self.tp.column_backward(&hc.xn, &mut [(&dlogits, out_layer)])?;
+                h.lm_head.iter_mut().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
                 let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad);
-                ready(&h.norm);
+                ready(&mut h.norm);
+                self.free(Unit::Head);
                 dx
             }
             (StageGrad::Hidden(dx), None, _) => dx,
             _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
         };
-        let split = Splits { tp, seq: &*self.seq };
-        for (layer, cache) in self.layers.iter_mut().zip(&c.blocks).rev() {
-            dx = layer.backward(split, dx, cache, &self.cfg, c.attn, &c.positions)?;
-            layer.params().into_iter().for_each(&mut *ready);
+        for i in (0..self.layers.len()).rev() {
+            self.fetch(Unit::Layer(i), false)?;
+            let split = Splits { tp: &*self.tp, seq: &*self.seq };
+            dx = self.layers[i].backward(split, dx, &c.blocks[i], &self.cfg, c.attn, &c.positions)?;
+            self.layers[i].params_mut().into_iter().for_each(&mut *ready);
+            self.free(Unit::Layer(i));
         }
         match (&c.tokens, &mut self.embed_tokens) {
             (Some(tokens), Some(embed)) => {
+                embed.ensure_grad(); // the embedding's backward reads no weight: nothing to gather
                 ops::embedding_backward(&dx, tokens, first, &mut embed.grad); // local: this rank's ids
                 ready(embed);
                 Ok(None)

@@ -15,5 +15,5 @@ pub mod stage;
 
 pub use llama::{Llama, StageGrad, StageInput, StageOutput};
 pub use param::{shard, unshard, Param, ParamKind, Split};
-pub use split::{SequenceSplit, TensorSplit, Whole};
+pub use split::{SequenceSplit, TensorSplit, WeightSplit, Whole};
 pub use stage::Stage;

@@ -11,6 +11,8 @@
 //! sharded parameters the sum of squares is all-reduced before the square root), scale every
 //! gradient down if the norm exceeds `grad_clip`, then update each parameter with AdamW. Weight
 //! decay is decoupled (applied to the weight, not added to the gradient) and skips norm weights.
+//! Under ZeRO (`parallel/zero.rs`) all of this runs on this rank's chunk of each parameter
+//! (`Param::trained`): its master values, its averaged gradient, its moments.
 
 use crate::comm::{Group, ReduceOp};
 use crate::config::TrainConfig;
@@ -34,23 +36,31 @@ pub fn lr_at(t: &TrainConfig, step: usize) -> f32 {
 
 /// Σ g² over the given gradients (on a GPU, a wait for it).
 pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
-    let grads: Vec<&Tensor> = params.iter().map(|p| &p.grad).collect();
-    let place = params.first().map_or(Place::Cpu, |p| p.grad.place());
+    let grads: Vec<&Tensor> = params.iter().map(|p| p.trained_grad()).collect();
+    let place = params.first().map_or(Place::Cpu, |p| p.place());
     ops::sum_squares_total(&grads, &place).to_vec()[0] as f64
 }
 
 /// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: each
 /// rank's Σ g² over its shards summed over the tp group, plus the tp-replicated parameters
-/// counted once, then summed over the stages. A one-number tensor on the rank's device: on GPUs
-/// the sums stay there (NCCL), and the training loop reads it together with the loss.
-pub fn global_grad_sum_squares(params: &[&mut Param], tp: &Group, pp: &Group) -> Result<Tensor> {
-    let place = params.first().map_or(Place::Cpu, |p| p.grad.place());
-    let of = |replicated: bool| -> Vec<&Tensor> {
-        params.iter().filter(|p| (p.split == Split::Replicated) == replicated).map(|p| &p.grad).collect()
+/// counted once, then summed over the stages. Under ZeRO each rank holds a chunk of every
+/// gradient: its sums are first added up over `zero` (the dp×cp group). A one-number tensor on
+/// the rank's device: on GPUs the sums stay there (NCCL), and the training loop reads it together
+/// with the loss.
+pub fn global_grad_sum_squares(params: &[&mut Param], tp: &Group, pp: &Group, zero: Option<&Group>) -> Result<Tensor> {
+    let place = params.first().map_or(Place::Cpu, |p| p.place());
+    let sum = |replicated: bool| -> Result<Tensor> {
+        let grads: Vec<&Tensor> =
+            params.iter().filter(|p| (p.split == Split::Replicated) == replicated).map(|p| p.trained_grad()).collect();
+        let mut sum = ops::sum_squares_total(&grads, &place);
+        if let Some(dp) = zero {
+            dp.all_reduce_tensor(&mut sum, ReduceOp::Sum)?; // the chunks of the other dp ranks
+        }
+        Ok(sum)
     };
-    let mut total = ops::sum_squares_total(&of(false), &place);
+    let mut total = sum(false)?;
     tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
-    ops::add_assign(&mut total, &ops::sum_squares_total(&of(true), &place));
+    ops::add_assign(&mut total, &sum(true)?);
     pp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
     Ok(total)
 }
@@ -62,7 +72,7 @@ pub fn clip(params: &mut [&mut Param], norm: f64, max_norm: f32) -> f32 {
     }
     let factor = (max_norm as f64 / (norm + 1e-6)) as f32;
     for p in params.iter_mut() {
-        ops::scale(&mut p.grad, factor);
+        ops::scale(p.trained().1, factor);
     }
     factor
 }
@@ -75,7 +85,8 @@ pub struct Optimizer {
 
 impl Optimizer {
     pub fn new(params: &[&mut Param]) -> Optimizer {
-        let moments = params.iter().map(|p| (Tensor::zeros_like(&p.grad), Tensor::zeros_like(&p.grad))).collect();
+        let moments =
+            params.iter().map(|p| (Tensor::zeros_like(p.trained_grad()), Tensor::zeros_like(p.trained_grad()))).collect();
         Optimizer { moments, step: 0 }
     }
 
@@ -105,7 +116,7 @@ impl Optimizer {
     pub fn step(&mut self, params: &mut [&mut Param], t: &TrainConfig, lr: f32) {
         self.step += 1;
         for (p, (m, v)) in params.iter_mut().zip(&mut self.moments) {
-            let decays = p.value.shape().len() >= 2;
+            let decays = p.decays();
             let o = AdamW {
                 lr,
                 beta1: t.beta1,
@@ -114,7 +125,8 @@ impl Optimizer {
                 weight_decay: if decays { t.weight_decay } else { 0.0 },
                 step: self.step,
             };
-            ops::adamw(&o, &mut p.value, &p.grad, m, v);
+            let (weight, grad) = p.trained();
+            ops::adamw(&o, weight, grad, m, v);
         }
     }
 }

@@ -10,7 +10,8 @@
 //! Replicated: every rank the whole   Rows: rank r rows [r·n/tp, (r+1)·n/tp)   Cols: rank r columns
 //! ```
 
-use crate::ops::tensor::Tensor;
+use crate::ops::tensor::{Place, Tensor};
+use crate::ops::DType;
 
 /// A named weight and its gradient (same shape, accumulated by backward).
 pub struct Param {
@@ -19,6 +20,65 @@ pub struct Param {
     pub grad: Tensor,
     /// How it is cut across the tp ranks (`value` is this rank's part).
     pub split: Split,
+    /// With ZeRO (`parallel/zero.rs`): this rank's 1/dp of the parameter, which the optimizer
+    /// updates; `value` is then a compute copy of the whole (ZeRO-1, 2), or empty except while
+    /// gathered for a forward or backward (ZeRO-3), and `grad` is freed once handed over (2, 3).
+    pub shard: Option<Shard>,
+}
+
+/// This rank's chunk of a parameter sharded over the data-parallel ranks: the flat values
+/// `[index · len, (index + 1) · len)` of the (zero-padded) tensor.
+pub struct Shard {
+    /// The fp32 master values of the chunk: what AdamW updates.
+    pub master: Tensor,
+    /// Their gradient, averaged over the data-parallel ranks (reduce-scattered).
+    pub grad: Tensor,
+    /// The shape of the whole parameter (this tp rank's part of it).
+    pub shape: Vec<usize>,
+}
+
+impl Param {
+    /// A parameter holding `value`, its gradient zero.
+    pub fn new(name: String, value: Tensor, split: Split) -> Param {
+        Param { grad: Tensor::zeros(value.shape()), name, value, split, shard: None }
+    }
+
+    /// The shape of the whole parameter (this tp rank's part), sharded or not.
+    pub fn shape(&self) -> &[usize] {
+        self.shard.as_ref().map_or(self.value.shape(), |s| &s.shape)
+    }
+
+    /// Where it lives (the CPU, or the rank's GPU), sharded or not.
+    pub fn place(&self) -> Place {
+        self.shard.as_ref().map_or(self.value.place(), |s| s.master.place())
+    }
+
+    /// Weight decay applies to matrices, not to norm weights.
+    pub fn decays(&self) -> bool {
+        self.shape().len() >= 2
+    }
+
+    /// What the optimizer updates, and with which gradient: the shard's master and gradient under
+    /// ZeRO, else the weight itself (a mixed-precision weight: its fp32 master) and its gradient.
+    pub fn trained(&mut self) -> (&mut Tensor, &mut Tensor) {
+        match &mut self.shard {
+            Some(s) => (&mut s.master, &mut s.grad),
+            None => (&mut self.value, &mut self.grad),
+        }
+    }
+
+    /// The gradient the optimizer reads (see `trained`).
+    pub fn trained_grad(&self) -> &Tensor {
+        self.shard.as_ref().map_or(&self.grad, |s| &s.grad)
+    }
+
+    /// Makes the gradient again, zero, where ZeRO-2/3 freed it after handing it over: before a
+    /// backward that adds into it.
+    pub fn ensure_grad(&mut self) {
+        if self.grad.numel() == 0 {
+            self.grad = Tensor::zeros_on(&self.shape().to_vec(), &self.place(), DType::F32);
+        }
+    }
 }
 
 /// What a parameter is, which decides its init: matrices are N(0, std²), norm weights ones.

@@ -7,6 +7,8 @@
 //! `parallel/tensor_parallel.rs` and `parallel/context_parallel.rs` answer them with collectives.
 //! (picotron swaps its model's layers for parallel ones; we hand the model the object that talks.)
 //!
+//! (A third, `WeightSplit`, says where the weights are between uses: ZeRO-3 gathers them.)
+//!
 //! ```text
 //! TensorSplit (Megatron's f and g)                SequenceSplit (the cp ring)
 //!   row_forward       o, down: Σ partial products    positions  which tokens of each sequence
@@ -64,8 +66,31 @@ pub trait SequenceSplit {
     ) -> Result<(Tensor, Tensor, Tensor)>;
 }
 
+/// Where this rank's weights are between uses. `Whole`: here, always (replicas, ZeRO-1 and 2).
+/// FSDP (ZeRO-3, `parallel/zero.rs`): each rank keeps 1/dp of every weight, and the model asks
+/// for a unit's (a block's, the embedding's, the head's) whole weights just before it computes
+/// with them and frees them right after.
+pub trait WeightSplit {
+    /// Before a unit's forward or backward: its weights whole.
+    fn gather(&self, unit: &mut [&mut Param]) -> Result<()>;
+    /// The unit the model will compute with next: its gather may start now, while this one computes.
+    fn prefetch(&self, next: &[&Param]) -> Result<()>;
+    /// After the unit's forward or backward: its whole weights are freed again.
+    fn release(&self, unit: &mut [&mut Param]);
+}
+
 /// One rank holds every matrix whole and every sequence whole: nothing to talk about.
 pub struct Whole;
+
+impl WeightSplit for Whole {
+    fn gather(&self, _: &mut [&mut Param]) -> Result<()> {
+        Ok(())
+    }
+    fn prefetch(&self, _: &[&Param]) -> Result<()> {
+        Ok(())
+    }
+    fn release(&self, _: &mut [&mut Param]) {}
+}
 
 impl TensorSplit for Whole {
     fn part(&self) -> (usize, usize) {

@@ -284,6 +284,15 @@ pub fn copy(src: &Tensor, from: usize, dst: &mut Tensor, to: usize, n: usize) {
     dst.host_mut()[to..to + n].copy_from_slice(&src.host()[from..from + n]);
 }
 
+/// `t` as a plain tensor of `dtype` on its device, written on the device (a mixed-precision
+/// weight converts from its fp32 master). On the CPU every tensor is f32: a copy.
+pub fn convert(t: &Tensor, dtype: DType) -> Tensor {
+    if let Some(d) = gpu("convert", &[t]) {
+        return fatal("convert", d.convert(t, dtype));
+    }
+    Tensor::from_vec(t.shape(), t.host().to_vec())
+}
+
 /// `parts`, one after another, as one flat tensor (to send them in one message).
 pub fn concat(parts: &[&Tensor]) -> Tensor {
     let total = parts.iter().map(|t| t.numel()).sum();

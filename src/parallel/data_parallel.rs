@@ -21,6 +21,12 @@
 //! With gradient accumulation only the last micro-batch of a step communicates: the earlier
 //! ones just add into the gradients. The reduction is over the dp×cp group (every rank holding the
 //! same weights; a rank of a context-parallel group saw other tokens of the same sequences).
+//!
+//! Under ZeRO (`zero.rs`) the same buckets are **reduce-scattered** instead: each rank gets the
+//! average of its own chunk of every gradient in the bucket. So that one reduce-scatter hands
+//! each rank whole chunks, a bucket is packed rank-major: rank 0's chunk of every member, then
+//! rank 1's, … . Stage 1 does this once per step; stage 2 and 3 on every micro-batch, freeing
+//! each full gradient as soon as it is packed, and add each result into the bucket's chunk sums.
 
 use crate::comm::tensors::Pending;
 use crate::comm::{Group, ReduceOp};
@@ -28,6 +34,8 @@ use crate::config::DpMode;
 use crate::model::Param;
 use crate::ops;
 use crate::ops::tensor::Tensor;
+use crate::ops::DType;
+use crate::parallel::zero::{chunk, real};
 use anyhow::Result;
 use std::collections::HashMap;
 
@@ -37,34 +45,54 @@ pub fn gradient_all_reduce(name: &str) -> bool {
     name.starts_with("all_reduce(avg) of ") && name.contains(" dp×cp[") && !name.contains(" of 1 value ")
 }
 
-/// A run of consecutive gradients (in backward order) reduced by one all-reduce.
+/// How many f32 values a bucket of `bucket_mb` MiB holds.
+pub fn bucket_values(bucket_mb: f64) -> usize {
+    ((bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize
+}
+
+/// A run of consecutive gradients (in backward order) reduced by one collective.
 struct Bucket {
-    /// Each member's place in the model's parameter list, and its offset in `flat`.
+    /// Each member's place in the model's parameter list, and its offset in `flat` (ZeRO: in
+    /// each rank's part of `flat`, and in `sums`).
     members: Vec<(usize, usize)>,
-    /// The members' gradients side by side, on their device (None while its all-reduce runs).
+    /// The members' gradients side by side, on their device (None while its collective runs;
+    /// under ZeRO, made when the bucket starts filling and freed when its reduce-scatter is done).
     flat: Option<Tensor>,
     waiting: usize,
     in_flight: Option<Result<Pending>>,
+    /// ZeRO: this rank's chunks of the members' averaged gradients, summed over micro-batches.
+    sums: Option<Tensor>,
 }
 
 pub struct DataParallel<'g> {
     group: &'g Group,
     mode: DpMode,
+    /// ZeRO stage: 0 all-reduces, 1–3 reduce-scatter (2 and 3 on every micro-batch).
+    stage: usize,
     buckets: Vec<Bucket>,
     /// Parameter name → (bucket, offset in the bucket).
     place: HashMap<String, (usize, usize)>,
+    /// A collective that failed while backward ran, reported by `finish`.
+    failed: Option<anyhow::Error>,
 }
 
 impl<'g> DataParallel<'g> {
     /// Plans the buckets for `params` (in model order) over `group`; each bucket's buffer lives
-    /// where the gradients do (on a GPU, the all-reduce never leaves it with NCCL).
-    pub fn new(group: &'g Group, params: &[&Param], mode: DpMode, bucket_mb: f64) -> DataParallel<'g> {
-        let capacity = ((bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize; // f32 gradients
-        let mut plans: Vec<(Vec<(usize, usize)>, usize)> = Vec::new(); // members, length
+    /// where the gradients do (on a GPU, the collective never leaves it with NCCL).
+    pub fn new(group: &'g Group, params: &[&Param], mode: DpMode, bucket_mb: f64, stage: usize) -> DataParallel<'g> {
+        let capacity = bucket_values(bucket_mb);
+        let ranks = group.size();
+        // a member takes its whole gradient in a plain bucket, one chunk per rank under ZeRO
+        let width = |p: &Param| match stage {
+            0 => p.shape().iter().product(),
+            _ => chunk(p.shape().iter().product(), ranks),
+        };
+        let room = if stage == 0 { capacity } else { (capacity / ranks).max(1) }; // ZeRO: × ranks in `flat`
+        let mut plans: Vec<(Vec<(usize, usize)>, usize)> = Vec::new(); // members, width
         let mut place = HashMap::new();
         for (i, p) in params.iter().enumerate().rev() {
-            let n = p.grad.numel();
-            if plans.last().is_none_or(|(_, len)| len + n > capacity) {
+            let n = width(p);
+            if plans.last().is_none_or(|(_, len)| len + n > room) {
                 plans.push((Vec::new(), 0));
             }
             let index = plans.len() - 1;
@@ -73,39 +101,71 @@ impl<'g> DataParallel<'g> {
             members.push((i, *len));
             *len += n;
         }
-        let buckets = match (mode, group.size()) {
+        let buckets = match (mode, ranks) {
             (DpMode::Bucketed, 2..) => plans
                 .into_iter()
                 .map(|(members, len)| {
-                    let flat = Some(Tensor::zeros_as(&[len], &params[members[0].0].grad));
-                    Bucket { waiting: members.len(), members, flat, in_flight: None }
+                    let like = &params[members[0].0];
+                    let (flat, sums) = match stage {
+                        0 => (Some(Tensor::zeros_on(&[len], &like.place(), DType::F32)), None),
+                        _ => (None, Some(Tensor::zeros_on(&[len], &like.place(), DType::F32))),
+                    };
+                    Bucket { waiting: members.len(), members, flat, in_flight: None, sums }
                 })
                 .collect(),
             _ => Vec::new(), // nothing to pack: naive mode, or alone
         };
-        DataParallel { group, mode, buckets, place }
+        DataParallel { group, mode, stage, buckets, place, failed: None }
     }
 
-    /// Backward calls this when `p`'s gradient for the step is complete (last micro-batch only).
-    /// Bucketed mode copies it into its bucket and starts the bucket's all-reduce once full.
-    pub fn grad_ready(&mut self, p: &Param) {
-        if self.buckets.is_empty() {
+    /// Backward calls this when `p`'s gradient for the micro-batch is complete (`last`: of the
+    /// step's last micro-batch). The gradient goes into its bucket, whose collective starts once
+    /// it is full: at the last micro-batch, or at every one under ZeRO-2/3 (which then frees it).
+    pub fn grad_ready(&mut self, p: &mut Param, last: bool) {
+        if self.buckets.is_empty() || (self.stage < 2 && !last) {
             return;
         }
         let (b, offset) = self.place[&p.name];
+        let (group, stage) = (self.group, self.stage);
         let bucket = &mut self.buckets[b];
-        let flat = bucket.flat.as_mut().expect("a bucket fills once per step");
-        ops::copy(&p.grad, 0, flat, offset, p.grad.numel());
-        bucket.waiting -= 1;
-        if bucket.waiting == 0 {
-            let flat = bucket.flat.take().expect("a bucket fills once per step");
-            bucket.in_flight = Some(self.group.all_reduce_tensor_async(flat, ReduceOp::Avg));
+        if stage == 0 {
+            let flat = bucket.flat.as_mut().expect("a bucket fills once per step");
+            ops::copy(&p.grad, 0, flat, offset, p.grad.numel());
+        } else {
+            let width = bucket.sums.as_ref().expect("a ZeRO bucket").numel();
+            let flat = bucket.flat.get_or_insert_with(|| Tensor::zeros_as(&[width * group.size()], &p.grad));
+            let (n, c) = (p.grad.numel(), chunk(p.grad.numel(), group.size()));
+            for r in 0..group.size() {
+                ops::copy(&p.grad, r * c, flat, r * width + offset, real(n, c, r)); // rank-major
+            }
+            if stage >= 2 {
+                p.grad = Tensor::zeros(&[0]); // handed over: the full gradient is not kept
+            }
         }
+        bucket.waiting -= 1;
+        if bucket.waiting > 0 {
+            return;
+        }
+        let flat = bucket.flat.take().expect("a bucket fills once per micro-batch");
+        if stage == 0 {
+            bucket.in_flight = Some(group.all_reduce_tensor_async(flat, ReduceOp::Avg));
+            return;
+        }
+        // the previous micro-batch's reduce-scatter of this bucket must land before this one goes
+        if let Err(e) = settle(bucket) {
+            self.failed.get_or_insert(e);
+        }
+        bucket.in_flight = Some(group.reduce_scatter_tensor_async(flat, ReduceOp::Avg));
+        bucket.waiting = bucket.members.len();
     }
 
-    /// After the last backward of the step: every gradient becomes the average over the group.
-    /// `params` are the model's, in the order given to `new`.
+    /// After the last backward of the step: every gradient becomes the average over the group
+    /// (ZeRO: every shard's gradient, this rank's chunk of the average). `params` are the
+    /// model's, in the order given to `new`.
     pub fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
+        }
         if self.group.size() == 1 {
             return Ok(());
         }
@@ -116,6 +176,17 @@ impl<'g> DataParallel<'g> {
             return Ok(());
         }
         for bucket in &mut self.buckets {
+            if self.stage > 0 {
+                settle(bucket)?;
+                let sums = bucket.sums.as_mut().expect("a ZeRO bucket");
+                for &(member, offset) in &bucket.members {
+                    let shard = params[member].shard.as_mut().expect("ZeRO shards every parameter");
+                    let c = shard.grad.numel();
+                    ops::copy(sums, offset, &mut shard.grad, 0, c);
+                }
+                ops::scale(sums, 0.0); // for the next step
+                continue;
+            }
             let pending = bucket.in_flight.take().expect("backward reported every gradient of the bucket");
             let reduced = pending?.wait()?;
             for &(member, offset) in &bucket.members {
@@ -128,4 +199,14 @@ impl<'g> DataParallel<'g> {
         }
         Ok(())
     }
+}
+
+/// Waits for a ZeRO bucket's reduce-scatter in flight, if any, and adds its result (this rank's
+/// chunks) into the bucket's sums.
+fn settle(bucket: &mut Bucket) -> Result<()> {
+    if let Some(pending) = bucket.in_flight.take() {
+        let mine = pending?.wait()?;
+        ops::add_assign(bucket.sums.as_mut().expect("a ZeRO bucket"), &mine);
+    }
+    Ok(())
 }

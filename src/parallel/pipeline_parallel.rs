@@ -81,9 +81,14 @@ pub struct StepStats {
     pub peak_activations: usize,
 }
 
-/// Runs the schedule over the pp group `pp`. `ready` sees each parameter whose gradient is
-/// complete for the step (during the last micro-batch's backward), for data parallelism.
-pub fn run_step(model: &mut Llama, pp: &Group, plan: &StepPlan, ready: &mut dyn FnMut(&Param)) -> Result<StepStats> {
+/// Runs the schedule over the pp group `pp`. `ready(p, last)` sees each parameter whose gradient
+/// is complete for a micro-batch (`last`: for the step), for data parallelism.
+pub fn run_step(
+    model: &mut Llama,
+    pp: &Group,
+    plan: &StepPlan,
+    ready: &mut dyn FnMut(&mut Param, bool),
+) -> Result<StepStats> {
     let stage = Stage { index: pp.index(), count: pp.size() };
     let msg = Messages { pp, stage, shape: plan.hidden, place: model.place() };
     let loss = Tensor::zeros_on(&[1], &model.place(), DType::F32);
@@ -138,7 +143,7 @@ struct Runner<'a, 'm, 'g> {
     model: &'m mut Llama<'g>,
     plan: &'a StepPlan<'a>,
     stage: Stage,
-    ready: &'a mut dyn FnMut(&Param),
+    ready: &'a mut dyn FnMut(&mut Param, bool),
     stats: StepStats,
 }
 
@@ -179,11 +184,7 @@ impl Runner<'_, '_, '_> {
         // gradients are complete for the step in the last micro-batch's backward
         let last = i + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
-        let dx = self.model.backward_stage(grad, &mut |p| {
-            if last {
-                ready(p)
-            }
-        })?;
+        let dx = self.model.backward_stage(grad, &mut |p| ready(p, last))?;
         (self.plan.record)(format!("backward {i}"), start);
         Ok(dx)
     }

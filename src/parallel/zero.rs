@@ -1,0 +1,197 @@
+//! # ZeRO and FSDP: data parallelism that shards what it used to replicate
+//!
+//! Plain data parallelism keeps a full copy of everything on every dp rank: per parameter 4 B of
+//! weight, 4 B of gradient and 8 B of AdamW moments (on a GPU in mixed precision, 2 B of bf16
+//! weight more, next to the fp32 master). But each rank only *needs* all of it for a moment:
+//! AdamW is elementwise, so rank r can update just its 1/dp of every parameter, if it has the
+//! averaged gradient of that 1/dp. ZeRO (DeepSpeed) stops replicating, stage by stage:
+//!
+//! ```text
+//!              weights (compute copy)   master + AdamW moments   gradients          per rank
+//! stage 0      whole                    whole                    whole              16 B (18 on a GPU)
+//! stage 1      whole                    1/dp                     whole              8 + 12/dp
+//! stage 2      whole                    1/dp                     1/dp (+ a layer)   4 + 16/dp
+//! stage 3      1/dp (+ a unit)          1/dp                     1/dp (+ a layer)   20/dp
+//! ```
+//! (f32 compute; a GPU in bf16 keeps a 2 B compute copy instead of 4.)
+//!
+//! The averaging all-reduce of plain DP becomes its two halves: a **reduce-scatter** gives each
+//! rank the average of its own chunk of every gradient, each rank updates its chunk, and an
+//! **all-gather** brings every rank the updated weights. Same bytes on the wire as one all-reduce.
+//!
+//! ```text
+//! one step, rank r of dp            stage 1–2                           stage 3 (FSDP)
+//! forward, unit by unit      use the whole weights            all-gather the unit → compute → free
+//!                                                             (the next unit's gather already started)
+//! backward, unit by unit     grads into buckets; when full:   all-gather → compute → free, and the
+//!                            reduce-scatter (stage 2: every   grads' reduce-scatter as in stage 2
+//!                            micro-batch, the full grad freed)
+//! optimizer                  AdamW on chunk r (master, m, v)  AdamW on chunk r
+//!                            → all-gather the new weights     (nothing: the next forward gathers)
+//! ```
+//! (`data_parallel.rs` keeps the buckets; stage 1 reduce-scatters once per step as stage 0
+//! all-reduces, stage 2 and 3 on every micro-batch, since the full gradient is not kept.)
+//!
+//! **How a parameter is cut.** Each parameter on its own, by its flat values: rank r keeps
+//! `[r·c, (r+1)·c)` with c = ⌈n / dp⌉, the last chunk padded with zeros. For a matrix whose rows
+//! divide by dp this is FSDP2's `Shard(0)`: a block of whole rows. We chose per-parameter chunks
+//! over FSDP1's one flat buffer per unit because everything that works per parameter keeps
+//! working unchanged: AdamW with its weight-decay rule (matrices, not norms), clipping, the
+//! checkpoint's tensors by name, resuming into any layout. The price is a copy in and out of a
+//! flat buffer around each collective (`pack`, `unpack`), as FSDP2 pays.
+//!
+//! **Precision.** Gradients are reduce-scattered in fp32 (a sum of dp parts loses little there,
+//! much in bf16); weights are all-gathered in the compute dtype (bf16 on a GPU: half the bytes,
+//! and what the kernels read anyway), from the fp32 master chunks.
+
+use crate::comm::tensors::Pending;
+use crate::comm::Group;
+use crate::model::optimizer::Optimizer;
+use crate::model::param::Shard;
+use crate::model::{Llama, Param, WeightSplit};
+use crate::ops::tensor::Tensor;
+use crate::ops::{self, DType};
+use anyhow::Result;
+use std::cell::RefCell;
+use std::rc::Rc;
+
+/// The values of a parameter of `n` values that each of `ranks` ranks keeps: ⌈n / ranks⌉.
+pub fn chunk(n: usize, ranks: usize) -> usize {
+    n.div_ceil(ranks)
+}
+
+/// Of chunk `r` (of `c` values) of a parameter of `n` values, how many are real, not padding.
+pub fn real(n: usize, c: usize, r: usize) -> usize {
+    n.saturating_sub(r * c).min(c)
+}
+
+/// Shards the model's parameters and the optimizer's moments over `group` (the dp×cp ranks) for
+/// ZeRO `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
+/// moments. Stage 2 and 3 free the full gradients (backward makes each again, briefly); stage 3
+/// frees the whole weights too and gives the model the FSDP gatherer.
+pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, group: &'g Group, stage: usize) -> Llama<'g> {
+    let (r, ranks) = (group.index(), group.size());
+    let place = model.place();
+    let mut moments = Vec::new();
+    for (p, (m, v)) in model.params_mut().into_iter().zip(optimizer.moments()) {
+        let n = p.value.numel();
+        let c = chunk(n, ranks);
+        let master = p.value.master_copy().unwrap_or_else(|| p.value.clone()); // fp32, whole
+        let mine = |t: &Tensor| {
+            let mut part = Tensor::zeros_on(&[c], &place, DType::F32); // the padding stays zero
+            ops::copy(t, r * c, &mut part, 0, real(n, c, r));
+            part
+        };
+        moments.push((mine(m), mine(v)));
+        let grad = Tensor::zeros_on(&[c], &place, DType::F32);
+        p.shard = Some(Shard { master: mine(&master), grad, shape: p.value.shape().to_vec() });
+        p.value = match stage {
+            3 => Tensor::zeros(&[0]),                    // gathered before each use
+            _ => ops::convert(&p.value, place.dtype()), // the compute copy alone (no master)
+        };
+        if stage >= 2 {
+            p.grad = Tensor::zeros(&[0]); // made by backward, handed to a bucket, freed
+        }
+    }
+    *optimizer = Optimizer::restore(moments, optimizer.steps_taken());
+    match stage {
+        3 => model.with_weight_split(Rc::new(Fsdp { group, prefetched: RefCell::new(None) })),
+        _ => model,
+    }
+}
+
+/// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
+/// rank packs its chunks side by side, in the compute dtype.
+fn start_gather(group: &Group, params: &[&Param]) -> Result<Pending> {
+    let masters: Vec<&Tensor> = params.iter().map(|p| &p.shard.as_ref().expect("a sharded parameter").master).collect();
+    let packed = ops::concat(&masters); // fp32, this rank's chunks one after another
+    let place = masters[0].place();
+    group.all_gather_tensor_async(ops::convert(&packed, place.dtype()))
+}
+
+/// Puts the whole weights of `params` together from a gather: rank after rank, each rank's chunks
+/// of every parameter side by side.
+fn unpack(gathered: &Tensor, params: &mut [&mut Param], ranks: usize) {
+    let width = gathered.numel() / ranks; // one rank's chunks
+    let mut at = 0;
+    for p in params.iter_mut() {
+        let shape = p.shape().to_vec();
+        let (n, c) = (shape.iter().product(), p.shard.as_ref().expect("a sharded parameter").master.numel());
+        let mut whole = Tensor::empty_as(&shape, gathered); // written whole, rank by rank
+        for r in 0..ranks {
+            ops::copy(gathered, r * width + at, &mut whole, r * c, real(n, c, r));
+        }
+        p.value = whole;
+        at += c;
+    }
+}
+
+/// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights, in
+/// groups of about `bucket` values (one all-gather each, the next one started before the
+/// current one is unpacked).
+pub fn gather_weights(group: &Group, params: &mut [&mut Param], bucket: usize) -> Result<()> {
+    let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut size = 0;
+    for (i, p) in params.iter().enumerate() {
+        let c = p.shard.as_ref().expect("a sharded parameter").master.numel();
+        match groups.last_mut() {
+            Some(g) if size + c <= bucket => g.end = i + 1,
+            _ => {
+                groups.push(i..i + 1);
+                size = 0;
+            }
+        }
+        size += c;
+    }
+    let start = |params: &[&mut Param], g: &std::ops::Range<usize>| {
+        start_gather(group, &params[g.clone()].iter().map(|p| &**p).collect::<Vec<_>>())
+    };
+    let mut next = groups.first().map(|g| start(params, g)).transpose()?;
+    for (i, g) in groups.iter().enumerate() {
+        let current = next.take().expect("started one group ahead").wait()?;
+        next = groups.get(i + 1).map(|g| start(params, g)).transpose()?;
+        unpack(&current, &mut params[g.clone()], group.size());
+    }
+    Ok(())
+}
+
+/// Stage 3: gathers a unit's whole weights before it computes (the next unit's gather already
+/// in flight while it does) and frees them after.
+struct Fsdp<'g> {
+    group: &'g Group,
+    /// The gather started for the unit whose first parameter is named so.
+    prefetched: RefCell<Option<(String, Pending)>>,
+}
+
+impl WeightSplit for Fsdp<'_> {
+    fn gather(&self, unit: &mut [&mut Param]) -> Result<()> {
+        let Some(first) = unit.first() else { return Ok(()) };
+        let pending = match self.prefetched.borrow_mut().take() {
+            Some((name, pending)) if name == first.name => pending,
+            other => {
+                // nothing prefetched for this unit (the schedule turned from forward to backward):
+                // finish what was started, in the same order on every rank, and gather now
+                other.map(|(_, pending)| pending.wait()).transpose()?;
+                start_gather(self.group, &unit.iter().map(|p| &**p).collect::<Vec<_>>())?
+            }
+        };
+        unpack(&pending.wait()?, unit, self.group.size());
+        Ok(())
+    }
+
+    fn prefetch(&self, next: &[&Param]) -> Result<()> {
+        let Some(first) = next.first() else { return Ok(()) };
+        let mut prefetched = self.prefetched.borrow_mut();
+        if let Some((_, earlier)) = prefetched.take() {
+            earlier.wait()?; // not used: a gather is only ever one unit ahead
+        }
+        *prefetched = Some((first.name.clone(), start_gather(self.group, next)?));
+        Ok(())
+    }
+
+    fn release(&self, unit: &mut [&mut Param]) {
+        for p in unit.iter_mut() {
+            p.value = Tensor::zeros(&[0]); // only the chunk in `shard` stays
+        }
+    }
+}
