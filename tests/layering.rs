@@ -52,6 +52,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::tensor_parallel",
             "parallel::pipeline_parallel",
             "parallel::context_parallel",
+            "parallel::zero",
             "parallel",
         ],
     ),

@@ -26,7 +26,7 @@ fn randn(seed: u64, shape: &[usize]) -> Tensor {
 }
 
 fn param(value: Tensor) -> Param {
-    Param { grad: Tensor::zeros(value.shape()), name: "w".into(), value, split: Split::Replicated }
+    Param::new("w".into(), value, Split::Replicated)
 }
 
 fn close(got: &Tensor, want: &Tensor, what: &str) {

@@ -31,9 +31,10 @@ use crate::comm::launcher::Rank;
 use crate::config::{Config, ModelConfig};
 use crate::model::optimizer::Optimizer;
 use crate::model::{shard, unshard, Llama, Param, Split, Stage, TensorSplit};
-use crate::ops::tensor::{Place, Tensor};
+use crate::ops::tensor::Tensor;
 use crate::ops::types::DType;
 use crate::parallel::process_grid::Axis;
+use crate::parallel::zero;
 use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::io::Write;
@@ -58,7 +59,8 @@ impl State {
 }
 
 /// Gathers the whole model and optimizer onto rank 0 (`Some` there, `None` elsewhere). Every rank
-/// calls it; only the ranks of the first dp and cp replica take part.
+/// calls it; past the ZeRO chunks (all-gathered over dp×cp first), only the ranks of the first
+/// dp and cp replica take part.
 ///
 /// One tensor at a time, with the collective calls of the lessons, so on GPUs with NCCL nothing
 /// but rank 0's final copy touches the host: the tp shards of a weight (or of its moments) are
@@ -66,15 +68,19 @@ impl State {
 /// stage sends the result to rank 0, and rank 0 takes it to the host and puts the shards back
 /// together (`unshard`). A mixed-precision weight travels as its fp32 master.
 pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> Result<Option<State>> {
-    if me.coords.dp != 0 || me.coords.cp != 0 {
-        return Ok(None);
-    }
-    let (tp, pp) = (me.group(Axis::Tp), me.group(Axis::Pp));
-    let mut state = (me.coords.tp == 0 && me.coords.pp == 0).then(State::default);
+    let (tp, pp, dp) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(Axis::DpCp));
+    let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
+    let mut state = (first_replica && me.coords.tp == 0 && me.coords.pp == 0).then(State::default);
     for (p, (m, v)) in model.params().iter().zip(optimizer.moments()) {
-        for (which, t) in [&p.value, m, v].into_iter().enumerate() {
-            let master = t.master_copy();
-            let t = master.as_ref().unwrap_or(t);
+        let value = p.shard.as_ref().map_or(&p.value, |s| &s.master);
+        for (which, t) in [value, m, v].into_iter().enumerate() {
+            // under ZeRO every dp×cp rank holds a chunk: the chunks are put together first
+            let unsharded = zero::whole(dp, p, t)?;
+            if !first_replica {
+                continue;
+            }
+            let master = unsharded.is_none().then(|| t.master_copy()).flatten();
+            let t = unsharded.as_ref().or(master.as_ref()).unwrap_or(t);
             let gathered = (p.split != Split::Replicated && tp.size() > 1).then(|| tp.all_gather_tensor(t));
             let gathered = gathered.transpose()?;
             let side_by_side = gathered.as_ref().unwrap_or(t);
@@ -86,7 +92,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
         }
     }
     let Some(mut state) = state else { return Ok(None) };
-    let place = model.params().first().map(|p| p.value.place()).unwrap_or(Place::Cpu);
+    let place = model.place();
     for stage in 1..pp.size() {
         for (name, shape, split) in Llama::tensor_splits(&cfg.model, Stage { index: stage, count: pp.size() }) {
             let n = tp.size();

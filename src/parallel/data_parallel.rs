@@ -35,7 +35,6 @@ use crate::model::Param;
 use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::ops::DType;
-use crate::parallel::zero::{chunk, real};
 use anyhow::Result;
 use std::collections::HashMap;
 
@@ -43,6 +42,17 @@ use std::collections::HashMap;
 /// average over the dp×cp group of more than the one number of the loss)?
 pub fn gradient_all_reduce(name: &str) -> bool {
     name.starts_with("all_reduce(avg) of ") && name.contains(" dp×cp[") && !name.contains(" of 1 value ")
+}
+
+/// The values of a parameter of `n` values that each of `ranks` ranks keeps under ZeRO:
+/// ⌈n / ranks⌉ (`zero.rs`).
+pub fn chunk(n: usize, ranks: usize) -> usize {
+    n.div_ceil(ranks)
+}
+
+/// Of chunk `r` (of `c` values) of a parameter of `n` values, how many are real, not padding.
+pub fn real(n: usize, c: usize, r: usize) -> usize {
+    n.saturating_sub(r * c).min(c)
 }
 
 /// How many f32 values a bucket of `bucket_mb` MiB holds.

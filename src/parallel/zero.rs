@@ -48,22 +48,13 @@ use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::model::optimizer::Optimizer;
 use crate::model::param::Shard;
+use crate::parallel::data_parallel::{chunk, real};
 use crate::model::{Llama, Param, WeightSplit};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use anyhow::Result;
 use std::cell::RefCell;
 use std::rc::Rc;
-
-/// The values of a parameter of `n` values that each of `ranks` ranks keeps: ⌈n / ranks⌉.
-pub fn chunk(n: usize, ranks: usize) -> usize {
-    n.div_ceil(ranks)
-}
-
-/// Of chunk `r` (of `c` values) of a parameter of `n` values, how many are real, not padding.
-pub fn real(n: usize, c: usize, r: usize) -> usize {
-    n.saturating_sub(r * c).min(c)
-}
 
 /// Shards the model's parameters and the optimizer's moments over `group` (the dp×cp ranks) for
 /// ZeRO `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
@@ -194,4 +185,12 @@ impl WeightSplit for Fsdp<'_> {
             p.value = Tensor::zeros(&[0]); // only the chunk in `shard` stays
         }
     }
+}
+
+/// A sharded parameter's tensor `t` (its master or a moment chunk) whole again, from every
+/// rank's chunk (for a checkpoint); `None` for a parameter that is not sharded.
+pub fn whole(group: &Group, p: &Param, t: &Tensor) -> Result<Option<Tensor>> {
+    let Some(shard) = &p.shard else { return Ok(None) };
+    let gathered = group.all_gather_tensor(t)?; // [ranks · c]: the chunks in rank order
+    Ok(Some(ops::slice(&gathered, 0, &shard.shape))) // without the padding
 }

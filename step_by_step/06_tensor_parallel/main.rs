@@ -29,7 +29,7 @@ fn run(tiny: bool) -> Result<()> {
     let dense = ops::linear(&ops::linear(&x, &w1), &w2);
     let diffs = launch(Grid::new(1, 1, 1, 2)?, Duration::from_secs(30), |me| {
         let (tp, i) = (TensorParallel::new(me.group(Axis::Tp)), me.group(Axis::Tp).index());
-        let param = |value| Param { grad: Tensor::zeros(&[0]), name: "w".into(), value, split: Split::Replicated };
+        let param = |value| Param::new("w".into(), value, Split::Replicated);
         let column = param(shard(&w1, Split::Rows, i, 2)); // my 16 of the 32 hidden features
         let row = param(shard(&w2, Split::Cols, i, 2)); // the matching 16 input columns
         let h = ops::linear(&x, &column.value); // column parallel: f is the identity forward
