@@ -159,6 +159,38 @@ fn every_parallelism_over_nccl_follows_one_rank() {
 }
 
 /// Every tensor of a checkpoint's safetensors file, as f32.
+#[test]
+fn zero_stages_over_nccl_follow_one_rank() {
+    let Some(dir) = fake_driver() else { return };
+    // bf16, two ranks sharing the GPU (the host path): FSDP's chunks are fp32 masters, its
+    // gathered weights bf16 copies like the replicas' — the same curve to bf16 rounding
+    let bf16 = ["device.kind=cuda", "device.dtype=bf16", "parallel.dp=2", "train.steps=3", "train.micro_batch_size=1"];
+    let replicas = losses(dir, "zero0_bf16", &bf16);
+    let fsdp = losses(dir, "zero3_bf16", &[&bf16[..], &["parallel.zero_stage=3"]].concat());
+    assert!(max_diff(&replicas, &fsdp) <= 1e-3, "bf16 FSDP {fsdp:?}, replicas {replicas:?}");
+    // one fake GPU per rank: gradients reduce-scattered and weights all-gathered by the (fake)
+    // NCCL on device buffers, from each rank's chunks; f32 for the single-rank tolerance
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_converge_zero");
+    let variants = "dp=2,zero_stage=1;dp=2,zero_stage=2;dp=2,zero_stage=3,pp=2";
+    let mut args = vec!["converge", "--variants", variants, "--steps", "3", "--out", out.to_str().unwrap()];
+    let sets = [
+        "device.kind=cuda",
+        "device.dtype=f32",
+        "parallel.backend=\"nccl\"",
+        "parallel.bucket_mb=0.01",
+        "model.hidden_size=64",
+        "train.micro_batch_size=2",
+    ];
+    for s in common::SMALL.iter().chain(&sets) {
+        args.extend(["--set", s]);
+    }
+    let text = String::from_utf8_lossy(&ferrotron_on(dir, 4, &args).stdout).to_string();
+    for variant in variants.split(';') {
+        let line = text.lines().find(|l| l.starts_with(variant)).unwrap_or_else(|| panic!("no {variant}:\n{text}"));
+        assert!(line.ends_with("pass"), "{line}\n{text}");
+    }
+}
+
 fn tensors(file: &Path) -> Vec<(String, Vec<f32>)> {
     let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
