@@ -1,12 +1,12 @@
-//! The `ferrotron` command line: `train`, `converge`, `grid`, `schedule`, `eval`, `doctor` and
-//! `bench`.
+//! The `ferrotron` command line: `train`, `converge`, `grid`, `schedule`, `memory`, `eval`,
+//! `doctor` and `bench`.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use ferrotron::checkpoint::hf;
 use ferrotron::comm::launcher;
 use ferrotron::comm::trace::Trace;
-use ferrotron::commands::{bench, converge, doctor, eval, schedule};
+use ferrotron::commands::{bench, converge, doctor, eval, memory, schedule};
 use ferrotron::config::PpSchedule;
 use ferrotron::parallel::data_parallel::gradient_all_reduce;
 use ferrotron::parallel::process_grid::Grid;
@@ -93,6 +93,20 @@ enum Command {
         trace: Option<PathBuf>,
         #[arg(long, default_value = "schedule.svg")]
         out: PathBuf,
+    },
+    /// Every rank's bytes of weights, gradients, optimizer state, activations and communication
+    /// buffers for a layout (estimated from the shapes; --measure also trains two steps).
+    Memory {
+        #[arg(long)]
+        config: Option<PathBuf>,
+        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+        sets: Vec<String>,
+        /// Train two steps and add each rank's measured peak of live tensor bytes.
+        #[arg(long)]
+        measure: bool,
+        /// Also write {"ranks": [...]} to this file.
+        #[arg(long, value_name = "OUT.json")]
+        json: Option<PathBuf>,
     },
     /// Mean next-token loss of a Hugging Face Llama checkpoint on a token file.
     Eval {
@@ -239,6 +253,17 @@ fn run(cli: Cli) -> Result<Exit> {
             let mut m = hf::load_hf(&model)?;
             let seqs = eval::read_tokens(&tokens, m.cfg.vocab_size)?;
             say!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
+        }
+        Command::Memory { config, sets, measure, json } => {
+            let cfg = Config::load(config.as_deref(), &sets)?;
+            if let Some(path) = &json {
+                ferrotron::files::check_writable(path).context("--json")?;
+            }
+            let ranks = memory::memory(&cfg, measure)?;
+            say!("{}", memory::table(&cfg, &ranks).trim_end());
+            if let Some(path) = &json {
+                ferrotron::files::write_atomically(path, memory::json(&ranks)?.as_bytes()).context("--json")?;
+            }
         }
         Command::Doctor => doctor::doctor()?,
         Command::Bench { config, sets, steps, warmup, peak_tflops, json, against, profile } => {

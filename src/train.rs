@@ -75,7 +75,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     }
     let p = &cfg.parallel;
     let mut dp_sync = DataParallel::new(dp, &model.params(), p.dp_mode, p.bucket_mb, stage);
-    let mut watch = Watch::new(me, cfg, opts, first_step)?; // metrics, trace, timing, memory
+    let mut watch = Watch::new(me, cfg, opts, (first_step, model.place()))?; // metrics, trace, timing, memory
     let cp = me.group(Axis::Cp);
     let positions = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
     let m = t.grad_accum_steps;

@@ -62,7 +62,10 @@ fn a_checkpoint_resumes_across_stages_and_layouts() {
     for (label, layout) in [
         ("one rank", &["train.micro_batch_size=12"][..]),
         ("ZeRO-1 at dp 4", &["parallel.dp=4", "parallel.zero_stage=1", "train.micro_batch_size=3"]),
-        ("ZeRO-2 at dp 2 × tp 2", &["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2", "train.micro_batch_size=6"]),
+        (
+            "ZeRO-2 at dp 2 × tp 2",
+            &["parallel.dp=2", "parallel.tp=2", "parallel.zero_stage=2", "train.micro_batch_size=6"],
+        ),
         ("plain dp 3", &["parallel.dp=3", "train.micro_batch_size=4"]),
     ] {
         let resumed = run(&tmp.path().join(label.replace(' ', "_")), layout, Some(&step4));

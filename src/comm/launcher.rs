@@ -176,6 +176,7 @@ fn run_rank<R>(
     hub: Arc<Hub>,
     f: &(impl Fn(&Rank) -> Result<R> + Sync),
 ) -> Option<R> {
+    crate::ops::tensor::start_meter(); // this rank's CPU tensors count in a meter of their own
     let (stream, comm_thread) = Stream::start();
     let groups = Axis::ALL
         .iter()

@@ -1,7 +1,8 @@
 //! # The commands around training
 //!
 //! `converge` (does a layout reproduce the one-rank loss curve?), `bench` (tokens/s, MFU,
-//! memory), `doctor` (is this machine ready?), `eval` (a Hugging Face model's loss), `schedule`
+//! memory), `memory` (what every rank holds, estimated and measured), `doctor` (is this machine
+//! ready?), `eval` (a Hugging Face model's loss), `schedule`
 //! (the pipeline picture) and `plot` (the SVG charts they draw). `main.rs` parses the CLI and
 //! calls these; the training loop itself is `train.rs`.
 
@@ -9,5 +10,6 @@ pub mod bench;
 pub mod converge;
 pub mod doctor;
 pub mod eval;
+pub mod memory;
 pub mod plot;
 pub mod schedule;

@@ -288,14 +288,15 @@ impl<'g> Llama<'g> {
         std::mem::take(&mut self.attention_work)
     }
 
-    /// Zeroes every gradient (a sharded parameter's too; one that ZeRO-2/3 freed stays freed).
+    /// Zeroes every gradient (one that ZeRO-2/3 freed stays freed; a shard's averaged chunk is
+    /// freed: the step's reduce-scatters make it again).
     pub fn zero_grads(&mut self) {
         for p in self.params_mut() {
             if p.grad.numel() > 0 {
                 ops::scale(&mut p.grad, 0.0);
             }
             if let Some(s) = &mut p.shard {
-                ops::scale(&mut s.grad, 0.0);
+                s.grad = Tensor::zeros(&[0]);
             }
         }
     }
@@ -308,7 +309,12 @@ impl<'g> Llama<'g> {
         match u {
             Unit::Embedding => self.embed_tokens.iter().collect(),
             Unit::Layer(i) => self.layers[i].params().into(),
-            Unit::Head => self.head.iter().flat_map(|h| [Some(&h.norm), h.lm_head.as_ref().or(self.embed_tokens.as_ref())]).flatten().collect(),
+            Unit::Head => self
+                .head
+                .iter()
+                .flat_map(|h| [Some(&h.norm), h.lm_head.as_ref().or(self.embed_tokens.as_ref())])
+                .flatten()
+                .collect(),
         }
     }
 
@@ -318,7 +324,10 @@ impl<'g> Llama<'g> {
             Unit::Layer(i) => self.layers[i].params_mut().into(),
             Unit::Head => {
                 let Some(h) = &mut self.head else { return Vec::new() };
-                vec![Some(&mut h.norm), h.lm_head.as_mut().or(self.embed_tokens.as_mut())].into_iter().flatten().collect()
+                vec![Some(&mut h.norm), h.lm_head.as_mut().or(self.embed_tokens.as_mut())]
+                    .into_iter()
+                    .flatten()
+                    .collect()
             }
         }
     }
@@ -448,9 +457,12 @@ impl<'g> Llama<'g> {
     /// The backward of the oldest micro-batch whose forward is done. Returns the gradient of the
     /// stage's input activations (`None` on the first stage, whose input is tokens).
     pub fn backward_stage(&mut self, grad: StageGrad, ready: &mut dyn FnMut(&mut Param)) -> Result<Option<Tensor>> {
-        let c = self.caches.pop_front().ok_or_else(|| anyhow!("backward: no forward is waiting for its backward"))?;
+        let mut c =
+            self.caches.pop_front().ok_or_else(|| anyhow!("backward: no forward is waiting for its backward"))?;
         let first = self.vocab_first;
-        let mut dx = match (grad, &c.head, self.head.is_some()) {
+        // each part of the cache is dropped as soon as its backward is done: the activations
+        // held shrink while the gradients grow
+        let mut dx = match (grad, c.head.take(), self.head.is_some()) {
             (StageGrad::Loss(scale), Some(hc), true) => {
                 self.fetch(Unit::Head, false)?;
                 let h = self.head.as_mut().expect("checked above");
@@ -472,7 +484,8 @@ impl<'g> Llama<'g> {
         for i in (0..self.layers.len()).rev() {
             self.fetch(Unit::Layer(i), false)?;
             let split = Splits { tp: &*self.tp, seq: &*self.seq };
-            dx = self.layers[i].backward(split, dx, &c.blocks[i], &self.cfg, c.attn, &c.positions)?;
+            let cache = c.blocks.pop().expect("one cache per layer");
+            dx = self.layers[i].backward(split, dx, &cache, &self.cfg, c.attn, &c.positions)?;
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }

@@ -85,8 +85,10 @@ pub struct Optimizer {
 
 impl Optimizer {
     pub fn new(params: &[&mut Param]) -> Optimizer {
-        let moments =
-            params.iter().map(|p| (Tensor::zeros_like(p.trained_grad()), Tensor::zeros_like(p.trained_grad()))).collect();
+        let moments = params
+            .iter()
+            .map(|p| (Tensor::zeros_like(p.trained_grad()), Tensor::zeros_like(p.trained_grad())))
+            .collect();
         Optimizer { moments, step: 0 }
     }
 

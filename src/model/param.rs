@@ -31,7 +31,8 @@ pub struct Param {
 pub struct Shard {
     /// The fp32 master values of the chunk: what AdamW updates.
     pub master: Tensor,
-    /// Their gradient, averaged over the data-parallel ranks (reduce-scattered).
+    /// Their gradient, averaged over the data-parallel ranks (reduce-scattered); present from the
+    /// end of backward to the next step's `zero_grads`.
     pub grad: Tensor,
     /// The shape of the whole parameter (this tp rank's part of it).
     pub shape: Vec<usize>,
@@ -76,7 +77,7 @@ impl Param {
     /// backward that adds into it.
     pub fn ensure_grad(&mut self) {
         if self.grad.numel() == 0 {
-            self.grad = Tensor::zeros_on(&self.shape().to_vec(), &self.place(), DType::F32);
+            self.grad = Tensor::zeros_on(self.shape(), &self.place(), DType::F32);
         }
     }
 }

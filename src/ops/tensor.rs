@@ -14,13 +14,79 @@ use crate::cuda::device::{Buf, Device};
 use crate::cuda::runtime::Gpu;
 use crate::ops::types::DType;
 use std::borrow::Cow;
+use std::cell::RefCell;
+use std::ops::{Deref, DerefMut};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Where a tensor's numbers live.
 #[derive(Clone, Debug)]
 pub enum Storage {
-    Cpu(Vec<f32>),
+    Cpu(HostBuf),
     Cuda(Buf),
+}
+
+/// What one rank's CPU tensors hold: the bytes now, and the most at once since the last look
+/// (`ferrotron memory --measure`; on a GPU the device's pool counts the same way).
+#[derive(Default, Debug)]
+pub struct Meter {
+    held: AtomicUsize,
+    peak: AtomicUsize,
+}
+
+thread_local! {
+    static METER: RefCell<Option<Arc<Meter>>> = const { RefCell::new(None) };
+}
+
+/// From now on the CPU tensors made on this thread count in a fresh meter (the launcher starts
+/// one on each rank's thread). A tensor remembers its meter, so it counts out wherever it is freed.
+pub fn start_meter() {
+    METER.with(|m| *m.borrow_mut() = Some(Arc::new(Meter::default())));
+}
+
+/// The host memory of a CPU tensor, counted in the meter of the thread that made it.
+#[derive(Debug)]
+pub struct HostBuf {
+    data: Vec<f32>,
+    meter: Option<Arc<Meter>>,
+}
+
+impl HostBuf {
+    fn new(data: Vec<f32>) -> HostBuf {
+        let meter = METER.with(|m| m.borrow().clone());
+        if let Some(m) = &meter {
+            let held = m.held.fetch_add(4 * data.len(), Ordering::Relaxed) + 4 * data.len();
+            m.peak.fetch_max(held, Ordering::Relaxed);
+        }
+        HostBuf { data, meter }
+    }
+}
+
+impl Clone for HostBuf {
+    fn clone(&self) -> HostBuf {
+        HostBuf::new(self.data.clone())
+    }
+}
+
+impl Drop for HostBuf {
+    fn drop(&mut self) {
+        if let Some(m) = &self.meter {
+            m.held.fetch_sub(4 * self.data.len(), Ordering::Relaxed);
+        }
+    }
+}
+
+impl Deref for HostBuf {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        &self.data
+    }
+}
+
+impl DerefMut for HostBuf {
+    fn deref_mut(&mut self) -> &mut [f32] {
+        &mut self.data
+    }
 }
 
 /// A device tensors can be placed on.
@@ -40,11 +106,14 @@ impl Place {
         })
     }
 
-    /// On a GPU, the most bytes its tensors held at once since the last call; `None` on the CPU.
-    pub fn take_peak_bytes(&self) -> Option<usize> {
+    /// The most bytes this rank's tensors here held at once since the last call: the GPU's, or
+    /// on the CPU those counted in this thread's meter (0 without one).
+    pub fn take_peak_bytes(&self) -> usize {
         match self {
-            Place::Cpu => None,
-            Place::Cuda(dev) => Some(dev.take_peak_bytes()),
+            Place::Cpu => METER.with(|m| {
+                m.borrow().as_ref().map_or(0, |m| m.peak.swap(m.held.load(Ordering::Relaxed), Ordering::Relaxed))
+            }),
+            Place::Cuda(dev) => dev.take_peak_bytes(),
         }
     }
 
@@ -80,7 +149,7 @@ impl Tensor {
     /// A tensor holding `data` (row-major). The length must match the shape.
     pub fn from_vec(shape: &[usize], data: Vec<f32>) -> Tensor {
         assert_eq!(shape.iter().product::<usize>(), data.len(), "tensor data does not match shape {shape:?}");
-        Tensor { shape: shape.to_vec(), storage: Storage::Cpu(data) }
+        Tensor { shape: shape.to_vec(), storage: Storage::Cpu(HostBuf::new(data)) }
     }
 
     /// Host data as a tensor on `place` (on a GPU, in its compute dtype).
@@ -209,7 +278,7 @@ impl Tensor {
     /// A host copy of the data, row-major, as f32 (a mixed-precision weight gives its master).
     pub fn to_vec(&self) -> Vec<f32> {
         match &self.storage {
-            Storage::Cpu(v) => v.clone(),
+            Storage::Cpu(v) => v.to_vec(),
             Storage::Cuda(b) => b.to_vec(),
         }
     }

@@ -26,7 +26,8 @@
 //! average of its own chunk of every gradient in the bucket. So that one reduce-scatter hands
 //! each rank whole chunks, a bucket is packed rank-major: rank 0's chunk of every member, then
 //! rank 1's, … . Stage 1 does this once per step; stage 2 and 3 on every micro-batch, freeing
-//! each full gradient as soon as it is packed, and add each result into the bucket's chunk sums.
+//! each full gradient as soon as it is packed, and add each result into the bucket's chunk sums,
+//! which `finish` hands to the parameters' shards.
 
 use crate::comm::tensors::Pending;
 use crate::comm::{Group, ReduceOp};
@@ -36,7 +37,7 @@ use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::ops::DType;
 use anyhow::Result;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 /// Is the traced call `name` (`comm/trace.rs`) a gradient all-reduce of data parallelism (an
 /// average over the dp×cp group of more than the one number of the loss)?
@@ -70,7 +71,10 @@ struct Bucket {
     flat: Option<Tensor>,
     waiting: usize,
     in_flight: Option<Result<Pending>>,
-    /// ZeRO: this rank's chunks of the members' averaged gradients, summed over micro-batches.
+    /// ZeRO: the values of this rank's chunks of the members, side by side.
+    width: usize,
+    /// ZeRO: this rank's chunks of the members' averaged gradients, summed over the step's
+    /// micro-batches (made by the first reduce-scatter to land, handed over by `finish`).
     sums: Option<Tensor>,
 }
 
@@ -82,9 +86,15 @@ pub struct DataParallel<'g> {
     buckets: Vec<Bucket>,
     /// Parameter name → (bucket, offset in the bucket).
     place: HashMap<String, (usize, usize)>,
+    /// ZeRO: the buckets whose reduce-scatter is in flight, oldest first.
+    in_flight: VecDeque<usize>,
     /// A collective that failed while backward ran, reported by `finish`.
     failed: Option<anyhow::Error>,
 }
+
+/// ZeRO keeps at most this many reduce-scatters in flight: each holds its bucket's full-size
+/// gradients until it lands, and stage 2 must not keep them all.
+const IN_FLIGHT: usize = 2;
 
 impl<'g> DataParallel<'g> {
     /// Plans the buckets for `params` (in model order) over `group`; each bucket's buffer lives
@@ -116,16 +126,14 @@ impl<'g> DataParallel<'g> {
                 .into_iter()
                 .map(|(members, len)| {
                     let like = &params[members[0].0];
-                    let (flat, sums) = match stage {
-                        0 => (Some(Tensor::zeros_on(&[len], &like.place(), DType::F32)), None),
-                        _ => (None, Some(Tensor::zeros_on(&[len], &like.place(), DType::F32))),
-                    };
-                    Bucket { waiting: members.len(), members, flat, in_flight: None, sums }
+                    // stage 0 keeps its bucket for every step; ZeRO makes one as it starts filling
+                    let flat = (stage == 0).then(|| Tensor::zeros_on(&[len], &like.place(), DType::F32));
+                    Bucket { waiting: members.len(), members, flat, in_flight: None, width: len, sums: None }
                 })
                 .collect(),
             _ => Vec::new(), // nothing to pack: naive mode, or alone
         };
-        DataParallel { group, mode, stage, buckets, place, failed: None }
+        DataParallel { group, mode, stage, buckets, place, in_flight: VecDeque::new(), failed: None }
     }
 
     /// Backward calls this when `p`'s gradient for the micro-batch is complete (`last`: of the
@@ -142,11 +150,12 @@ impl<'g> DataParallel<'g> {
             let flat = bucket.flat.as_mut().expect("a bucket fills once per step");
             ops::copy(&p.grad, 0, flat, offset, p.grad.numel());
         } else {
-            let width = bucket.sums.as_ref().expect("a ZeRO bucket").numel();
+            let width = bucket.width;
             let flat = bucket.flat.get_or_insert_with(|| Tensor::zeros_as(&[width * group.size()], &p.grad));
             let (n, c) = (p.grad.numel(), chunk(p.grad.numel(), group.size()));
             for r in 0..group.size() {
-                ops::copy(&p.grad, r * c, flat, r * width + offset, real(n, c, r)); // rank-major
+                ops::copy(&p.grad, r * c, flat, r * width + offset, real(n, c, r));
+                // rank-major
             }
             if stage >= 2 {
                 p.grad = Tensor::zeros(&[0]); // handed over: the full gradient is not kept
@@ -161,12 +170,18 @@ impl<'g> DataParallel<'g> {
             bucket.in_flight = Some(group.all_reduce_tensor_async(flat, ReduceOp::Avg));
             return;
         }
-        // the previous micro-batch's reduce-scatter of this bucket must land before this one goes
-        if let Err(e) = settle(bucket) {
-            self.failed.get_or_insert(e);
-        }
         bucket.in_flight = Some(group.reduce_scatter_tensor_async(flat, ReduceOp::Avg));
         bucket.waiting = bucket.members.len();
+        self.in_flight.push_back(b);
+        // the last bucket of the backward: every reduce-scatter of this micro-batch lands now, so
+        // that no full-size bucket outlives its backward (with a pipeline, forwards come next)
+        let keep = if b + 1 == self.buckets.len() { 0 } else { IN_FLIGHT };
+        while self.in_flight.len() > keep {
+            let oldest = self.in_flight.pop_front().expect("more than kept");
+            if let Err(e) = settle(&mut self.buckets[oldest]) {
+                self.failed.get_or_insert(e);
+            }
+        }
     }
 
     /// After the last backward of the step: every gradient becomes the average over the group
@@ -185,16 +200,16 @@ impl<'g> DataParallel<'g> {
             }
             return Ok(());
         }
+        self.in_flight.clear(); // every bucket is settled below
         for bucket in &mut self.buckets {
             if self.stage > 0 {
                 settle(bucket)?;
-                let sums = bucket.sums.as_mut().expect("a ZeRO bucket");
+                let sums = bucket.sums.take().expect("every bucket was reduce-scattered in the step");
                 for &(member, offset) in &bucket.members {
                     let shard = params[member].shard.as_mut().expect("ZeRO shards every parameter");
-                    let c = shard.grad.numel();
-                    ops::copy(sums, offset, &mut shard.grad, 0, c);
+                    let c = shard.master.numel();
+                    shard.grad = ops::slice(&sums, offset, &[c]); // freed again by `zero_grads`
                 }
-                ops::scale(sums, 0.0); // for the next step
                 continue;
             }
             let pending = bucket.in_flight.take().expect("backward reported every gradient of the bucket");
@@ -216,7 +231,10 @@ impl<'g> DataParallel<'g> {
 fn settle(bucket: &mut Bucket) -> Result<()> {
     if let Some(pending) = bucket.in_flight.take() {
         let mine = pending?.wait()?;
-        ops::add_assign(bucket.sums.as_mut().expect("a ZeRO bucket"), &mine);
+        match &mut bucket.sums {
+            Some(sums) => ops::add_assign(sums, &mine),
+            None => bucket.sums = Some(mine),
+        }
     }
     Ok(())
 }

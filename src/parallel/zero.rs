@@ -48,10 +48,10 @@ use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::model::optimizer::Optimizer;
 use crate::model::param::Shard;
-use crate::parallel::data_parallel::{chunk, real};
 use crate::model::{Llama, Param, WeightSplit};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
+use crate::parallel::data_parallel::{chunk, real};
 use anyhow::Result;
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -74,10 +74,10 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, group: &'g Gro
             part
         };
         moments.push((mine(m), mine(v)));
-        let grad = Tensor::zeros_on(&[c], &place, DType::F32);
+        let grad = Tensor::zeros(&[0]); // the averaged chunk, made by each step's reduce-scatters
         p.shard = Some(Shard { master: mine(&master), grad, shape: p.value.shape().to_vec() });
         p.value = match stage {
-            3 => Tensor::zeros(&[0]),                    // gathered before each use
+            3 => Tensor::zeros(&[0]),                   // gathered before each use
             _ => ops::convert(&p.value, place.dtype()), // the compute copy alone (no master)
         };
         if stage >= 2 {
@@ -96,8 +96,8 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, group: &'g Gro
 fn start_gather(group: &Group, params: &[&Param]) -> Result<Pending> {
     let masters: Vec<&Tensor> = params.iter().map(|p| &p.shard.as_ref().expect("a sharded parameter").master).collect();
     let packed = ops::concat(&masters); // fp32, this rank's chunks one after another
-    let place = masters[0].place();
-    group.all_gather_tensor_async(ops::convert(&packed, place.dtype()))
+    let compute = masters[0].place().dtype();
+    group.all_gather_tensor_async(if compute == DType::F32 { packed } else { ops::convert(&packed, compute) })
 }
 
 /// Puts the whole weights of `params` together from a gather: rank after rank, each rank's chunks
@@ -121,6 +121,10 @@ fn unpack(gathered: &Tensor, params: &mut [&mut Param], ranks: usize) {
 /// groups of about `bucket` values (one all-gather each, the next one started before the
 /// current one is unpacked).
 pub fn gather_weights(group: &Group, params: &mut [&mut Param], bucket: usize) -> Result<()> {
+    for p in params.iter_mut() {
+        p.shard.as_mut().expect("a sharded parameter").grad = Tensor::zeros(&[0]);
+        // used up by the step
+    }
     let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
     let mut size = 0;
     for (i, p) in params.iter().enumerate() {

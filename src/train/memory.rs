@@ -16,10 +16,12 @@
 //! host memory it frees (`keep_freed_memory`).
 
 use crate::comm::launcher::Capacity;
-use crate::config::{Config, ModelConfig, PpSchedule};
-use crate::model::{Llama, Stage};
+use crate::config::{Config, DpMode, ModelConfig, PpSchedule};
+use crate::model::{Llama, Split, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
+use crate::parallel::data_parallel::{bucket_values, chunk};
+use crate::parallel::process_grid::Grid;
 use anyhow::{bail, Result};
 
 /// Bytes per weight kept for training: in mixed precision an fp32 master, its bf16 copy, an fp32
@@ -54,14 +56,10 @@ pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, tp: usize, st
 /// at most pp − stage with 1F1B); the busiest stage counts.
 pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
-    let in_flight = |s: usize| match p.pp_schedule {
-        PpSchedule::Afab => t.grad_accum_steps,
-        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps),
-    };
     (0..p.pp)
         .map(|s| {
             let stage = Stage { index: s, count: p.pp };
-            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, p.tp, stage, dtype) * in_flight(s) as f64
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, p.tp, stage, dtype) * in_flight(cfg, s) as f64
         })
         .fold(0.0, f64::max)
 }
@@ -88,6 +86,155 @@ pub fn weights_per_rank(m: &ModelConfig, tp: usize, pp: usize) -> f64 {
             stage.layers(m.num_hidden_layers).len() as f64 * layer + ends
         })
         .fold(0.0, f64::max)
+}
+
+/// One rank's memory by what holds it, in bytes (`ferrotron memory`).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct RankMemory {
+    pub rank: usize,
+    /// What the forward reads (the compute copies, whole or a gathered unit) and the fp32 masters.
+    pub weights_bytes: f64,
+    /// Full gradients, and under ZeRO the averaged chunks.
+    pub grads_bytes: f64,
+    /// AdamW's two moments.
+    pub optimizer_bytes: f64,
+    /// What the schedule keeps for backward at its peak, and the head's gradients then.
+    pub activations_bytes: f64,
+    /// Gradient buckets and their reduce-scatter sums, FSDP's gather buffers.
+    pub comm_bytes: f64,
+    pub total_bytes: f64,
+    /// `--measure`: the most bytes the rank's tensors held at once in a training step.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub measured_peak_bytes: Option<f64>,
+}
+
+/// Every rank's memory for `cfg`, estimated from the shapes (nothing is allocated), at the
+/// busiest moment of a step: the first block backward of the last micro-batch (every activation
+/// still held), or under ZeRO-1/2 the all-gather of the updated weights after the optimizer,
+/// whichever holds more. Ranks that differ only in dp, cp or tp index hold the same; the
+/// pipeline stage decides.
+pub fn per_rank(cfg: &Config) -> Vec<RankMemory> {
+    let p = &cfg.parallel;
+    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp).expect("a validated layout");
+    let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp })).collect();
+    (0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect()
+}
+
+/// Values of a rank of `stage`: (whole, in ZeRO chunks over `z` ranks, the largest FSDP unit a
+/// block backward may hold beside every activation (not the embedding), the largest unit).
+fn sizes(cfg: &Config, stage: Stage, z: usize) -> (f64, f64, f64, f64) {
+    let layers = stage.layers(cfg.model.num_hidden_layers);
+    let mut units = vec![0.0; layers.len() + 2]; // the embedding, each block, the head
+    let (mut whole, mut chunks) = (0.0, 0.0);
+    for (name, shape, split) in Llama::tensor_splits(&cfg.model, stage) {
+        let n = shape.iter().product::<usize>() / if split == Split::Replicated { 1 } else { cfg.parallel.tp };
+        whole += n as f64;
+        chunks += chunk(n, z) as f64;
+        let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()?.parse::<usize>().ok());
+        let unit = match (layer, name.as_str()) {
+            (Some(i), _) => 1 + i - layers.start,
+            (None, "model.embed_tokens.weight") => 0,
+            (None, _) => units.len() - 1,
+        };
+        units[unit] += n as f64;
+    }
+    if cfg.model.tie_word_embeddings && stage.is_last() {
+        let last = units.len() - 1;
+        units[last] += units[0]; // the head gathers the embedding it shares
+    }
+    // the embedding's gradient comes last, when the activations are gone
+    let largest = |u: &[f64]| u.iter().copied().fold(0.0, f64::max);
+    (whole, chunks, largest(&units[1..]), largest(&units))
+}
+
+fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
+    let (t, p, dtype) = (&cfg.train, &cfg.parallel, cfg.device.compute_dtype());
+    let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 }; // bytes of a compute copy
+    let z = p.dp * p.cp; // the ranks that share the replicated state
+    let zero = if z > 1 { p.zero_stage } else { 0 };
+    let (whole, chunks, unit, any_unit) = sizes(cfg, stage, z);
+    let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks); // values of one bucket
+                                                                             // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW moments,
+                                                                             // the compute copies between uses (none under FSDP)
+    let (master, optimizer) = match zero {
+        0 => (if dtype == DType::Bf16 { 4.0 * whole } else { 0.0 }, 8.0 * whole),
+        _ => (4.0 * chunks, 8.0 * chunks),
+    };
+    let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
+                                                                // backward: what the schedule keeps, and the first block backward's gradients on top of it
+                                                                // (measured: rows × (3 MLP widths + 8 hidden widths): dact, dgate, dup, then the attention's);
+                                                                // the gradients being written, and the bucket filling (stage 0 keeps a bucket per gradient);
+                                                                // FSDP: the unit's gather being unpacked, and the next unit's in flight
+    let rows = (t.micro_batch_size * t.seq_len / p.cp) as f64;
+    let (d, f, v) = (
+        cfg.model.hidden_size as f64,
+        (cfg.model.intermediate_size / p.tp) as f64,
+        (cfg.model.vocab_size / p.tp) as f64,
+    );
+    let one = activation_bytes(&cfg.model, t.micro_batch_size, t.seq_len / p.cp, p.tp, stage, dtype);
+    // the backward of the micro-batch at hand frees its cache part by part: its peak is in the
+    // head's backward (the logits' gradient beside the logits) or in the first block's, after
+    // the head's cache went (what `activation_bytes` counts for the head)
+    let head = if stage.is_last() { rows * (2.0 * d + v) * e + 2.0 * rows * 4.0 } else { 0.0 };
+    let now = (one + rows * v * e).max(one - head + rows * (3.0 * f + 8.0 * d) * e);
+    let activations = one * (in_flight(cfg, stage.index) - 1) as f64 + now;
+    // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
+    let sums = if zero >= 2 && t.grad_accum_steps > 1 { 4.0 * chunks } else { 0.0 };
+    let grads = sums + if zero >= 2 { 4.0 * unit } else { 4.0 * whole };
+    // (ZeRO makes a bucket when its first gradient arrives: by then, on the last stage, the head's)
+    let filling = if stage.is_last() { 4.0 * bucket } else { 0.0 };
+    let comm = match (p.dp_mode == DpMode::Bucketed && z > 1, zero) {
+        (false, _) => 0.0,
+        (true, 0) => 4.0 * whole,
+        (true, 3) => filling + 2.0 * e * unit + 4.0 * unit / z as f64, // a gather unpacked, the next in flight
+        (true, _) => filling,
+    };
+    let backward = RankMemory {
+        weights_bytes: master + compute,
+        grads_bytes: grads,
+        optimizer_bytes: optimizer,
+        activations_bytes: activations,
+        comm_bytes: comm,
+        ..Default::default()
+    };
+    // ZeRO-1/2 after the optimizer: stage 1's full gradients, and two groups of updated chunks
+    // being gathered (packed in fp32, then in the compute dtype from every rank)
+    let group = (bucket / z as f64).min(chunks);
+    let groups_in_flight = if group < chunks { 2.0 } else { 1.0 };
+    let gather = RankMemory {
+        weights_bytes: master + compute,
+        grads_bytes: if zero == 1 { 4.0 * whole } else { 0.0 },
+        optimizer_bytes: optimizer,
+        comm_bytes: groups_in_flight * group * (4.0 + e * z as f64),
+        ..Default::default()
+    };
+    let total =
+        |m: &RankMemory| m.weights_bytes + m.grads_bytes + m.optimizer_bytes + m.activations_bytes + m.comm_bytes;
+    // ZeRO at the end of backward: the activations gone, the last unit's gradients (the
+    // embedding's on the first stage), the buckets still in flight and the chunk sums
+    let end = RankMemory {
+        weights_bytes: master + compute,
+        grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * chunks,
+        optimizer_bytes: optimizer,
+        comm_bytes: 4.0 * (3.0 * bucket).min(z as f64 * chunks),
+        ..Default::default()
+    };
+    let candidates = match zero {
+        0 => vec![backward],
+        3 => vec![backward, end],
+        _ => vec![backward, end, gather],
+    };
+    let busiest = candidates.into_iter().max_by(|a, b| total(a).total_cmp(&total(b))).expect("one moment at least");
+    RankMemory { total_bytes: total(&busiest), ..busiest }
+}
+
+/// Micro-batches pipeline stage `s` holds activations for at once.
+fn in_flight(cfg: &Config, s: usize) -> usize {
+    let (t, p) = (&cfg.train, &cfg.parallel);
+    match p.pp_schedule {
+        PpSchedule::Afab => t.grad_accum_steps,
+        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps),
+    }
 }
 
 /// What the busiest rank of `cfg` will hold, in bytes: (total, one line saying of what).

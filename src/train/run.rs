@@ -74,6 +74,8 @@ pub struct Summary {
     pub step_s: Vec<f64>,
     /// On a GPU: the most memory this rank's tensors held in any step, in MiB.
     pub gpu_peak_mib: Option<f64>,
+    /// The most bytes this rank's tensors held at once in any step (GPU pool or CPU meter).
+    pub peak_bytes: usize,
     /// Set when a signal stopped the run early (rank 0's summary says where it saved).
     pub stopped: Option<Stopped>,
 }
@@ -90,6 +92,7 @@ impl Summary {
             attention_work: 0,
             step_s: Vec::new(),
             gpu_peak_mib: None,
+            peak_bytes: 0,
             stopped: None,
         }
     }
@@ -318,7 +321,7 @@ pub(super) struct Watch<'a> {
     trace: Option<&'a Trace>,
     profile_from_step: Option<usize>,
     metrics: Metrics,
-    place: Option<Place>,
+    place: Place,
     tokens_per_step: f64,
     run_start: Instant,
     step_start: Instant,
@@ -328,8 +331,14 @@ pub(super) struct Watch<'a> {
 impl<'a> Watch<'a> {
     /// Watches a run that starts at `first_step`; the metrics file keeps the lines of the steps
     /// before it (a resumed run continues its history).
-    pub(super) fn new(me: &Rank, cfg: &Config, opts: Options<'a>, first_step: usize) -> Result<Watch<'a>> {
+    pub(super) fn new(
+        me: &Rank,
+        cfg: &Config,
+        opts: Options<'a>,
+        (first_step, place): (usize, Place),
+    ) -> Result<Watch<'a>> {
         let (t, rank) = (&cfg.train, me.rank);
+        place.take_peak_bytes(); // the steps' peaks count from here, after the model was built
         if let Some(trace) = opts.trace {
             me.trace_to(trace)?; // every collective and message of this rank's groups
         }
@@ -339,17 +348,7 @@ impl<'a> Watch<'a> {
         let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
         let (trace, profile_from_step, now) = (opts.trace, opts.profile_from_step, Instant::now());
         let (run_start, step_start) = (now, now);
-        Ok(Watch {
-            rank,
-            trace,
-            profile_from_step,
-            metrics,
-            place: None,
-            tokens_per_step,
-            run_start,
-            step_start,
-            summary,
-        })
+        Ok(Watch { rank, trace, profile_from_step, metrics, place, tokens_per_step, run_start, step_start, summary })
     }
 
     pub(super) fn step_starts(&mut self, step: usize) {
@@ -371,8 +370,10 @@ impl<'a> Watch<'a> {
         s.losses.push(end.loss);
         s.peak_activations = s.peak_activations.max(end.activations_held);
         s.attention_work += model.take_attention_work();
-        let place = self.place.get_or_insert_with(|| model.place());
-        let step_peak = place.take_peak_bytes().map(|b| b as f64 / (1 << 20) as f64);
+        let place = &self.place;
+        let peak = place.take_peak_bytes();
+        s.peak_bytes = s.peak_bytes.max(peak);
+        let step_peak = matches!(place, Place::Cuda(_)).then(|| peak as f64 / (1 << 20) as f64);
         s.gpu_peak_mib = step_peak.map(|p| p.max(s.gpu_peak_mib.unwrap_or(0.0)));
         let seconds = self.step_start.elapsed().as_secs_f64();
         s.step_s.push(seconds);
