@@ -88,7 +88,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let (seq, pos) = (t.seq_len, &positions);
             Ok((context_parallel::local_rows(&tokens, seq, pos), context_parallel::local_rows(&targets, seq, pos)))
         };
-        let (mut loss, held) = if pp.size() == 1 {
+        let (mut loss, activations_held) = if pp.size() == 1 {
             let mut loss = Tensor::zeros_on(&[1], &model.place(), DType::F32); // on the device: no wait
             for micro in 0..m {
                 let (tokens, targets) = batch(micro)?;
@@ -110,6 +110,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         };
         let span = Instant::now();
         dp_sync.finish(&mut model.params_mut())?; // every gradient (ZeRO: chunk) is now the dp average
+        let held = memory::held(&model, &optimizer); // what weights, gradients and AdamW hold now
         watch.span("wait for gradients".into(), span);
         // the last stage knows the loss; every rank logs the mean over the global batch
         pp.broadcast_tensor(&mut loss, pp.size() - 1)?;
@@ -131,7 +132,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             zero::gather_weights(dp, &mut params, bucket_values(p.bucket_mb))?; // the updated chunks, to every rank
         }
         watch.span("optimizer".into(), span);
-        let end = StepEnd { step, loss, lr, grad_norm, activations_held: held };
+        let end = StepEnd { step, loss, lr, grad_norm, activations_held, held };
         watch.step_ends(&end, &mut model)?;
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };

@@ -17,6 +17,7 @@
 
 use crate::comm::launcher::Capacity;
 use crate::config::{Config, DpMode, ModelConfig, PpSchedule};
+use crate::model::optimizer::Optimizer;
 use crate::model::{Llama, Split, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
@@ -226,6 +227,29 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     };
     let busiest = candidates.into_iter().max_by(|a, b| total(a).total_cmp(&total(b))).expect("one moment at least");
     RankMemory { total_bytes: total(&busiest), ..busiest }
+}
+
+/// What a rank's model and optimizer hold, counted from their tensors (`measured`, not estimated).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Held {
+    /// Compute copies (whole or gathered) and fp32 masters (whole or ZeRO chunks).
+    pub weights: usize,
+    /// Full gradients and ZeRO's averaged chunks.
+    pub grads: usize,
+    /// AdamW's moments.
+    pub optimizer: usize,
+}
+
+/// The bytes `model` and `optimizer` hold now.
+pub fn held(model: &Llama, optimizer: &Optimizer) -> Held {
+    let params = model.params();
+    let shards = params.iter().filter_map(|p| p.shard.as_ref());
+    Held {
+        weights: params.iter().map(|p| p.value.bytes()).sum::<usize>()
+            + shards.clone().map(|s| s.master.bytes()).sum::<usize>(),
+        grads: params.iter().map(|p| p.grad.bytes()).sum::<usize>() + shards.map(|s| s.grad.bytes()).sum::<usize>(),
+        optimizer: optimizer.moments().iter().map(|(m, v)| m.bytes() + v.bytes()).sum(),
+    }
 }
 
 /// Micro-batches pipeline stage `s` holds activations for at once.

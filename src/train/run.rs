@@ -18,7 +18,7 @@ use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::process_grid::{Axis, Grid};
 use crate::parallel::tensor_parallel::TensorParallel;
-use crate::train::memory;
+use crate::train::memory::{self, Held};
 use crate::train::metrics::{Metrics, StepLog};
 use anyhow::{Context, Result};
 use std::collections::HashMap;
@@ -76,6 +76,8 @@ pub struct Summary {
     pub gpu_peak_mib: Option<f64>,
     /// The most bytes this rank's tensors held at once in any step (GPU pool or CPU meter).
     pub peak_bytes: usize,
+    /// What the model and optimizer held when the last step's gradients were complete.
+    pub held: Held,
     /// Set when a signal stopped the run early (rank 0's summary says where it saved).
     pub stopped: Option<Stopped>,
 }
@@ -93,6 +95,7 @@ impl Summary {
             step_s: Vec::new(),
             gpu_peak_mib: None,
             peak_bytes: 0,
+            held: Held::default(),
             stopped: None,
         }
     }
@@ -313,6 +316,8 @@ pub(super) struct StepEnd {
     pub grad_norm: f64,
     /// The most micro-batch activations held at once in the step.
     pub activations_held: usize,
+    /// What the model and optimizer held when the gradients were complete.
+    pub held: Held,
 }
 
 /// A rank's watch over its run: metrics, trace spans, step times, peaks.
@@ -369,6 +374,7 @@ impl<'a> Watch<'a> {
         let s = &mut self.summary;
         s.losses.push(end.loss);
         s.peak_activations = s.peak_activations.max(end.activations_held);
+        s.held = end.held;
         s.attention_work += model.take_attention_work();
         let place = &self.place;
         let peak = place.take_peak_bytes();
