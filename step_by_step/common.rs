@@ -81,6 +81,21 @@ pub fn verdict(claim: &str, got: &[f32], want: &[f32], tol: f32) -> Result<()> {
     Ok(())
 }
 
+/// Prints PASS or FAIL for `claim`: `got` bytes must be `share` of `of` bytes, to 1% (ZeRO's
+/// chunks are padded to whole values per rank).
+pub fn share(claim: &str, got: usize, of: usize, share: f64) -> Result<()> {
+    let ratio = got as f64 / of.max(1) as f64;
+    let pass = (ratio / share - 1.0).abs() <= 0.01;
+    println!(
+        "verdict: {} — {claim}: {got} of {of} bytes ({ratio:.3}, expected {share})",
+        if pass { "PASS" } else { "FAIL" }
+    );
+    if !pass {
+        bail!("the claim does not hold");
+    }
+    Ok(())
+}
+
 /// Prints PASS or FAIL for `claim`: two replicas' weight hashes must be equal.
 pub fn same_weights(claim: &str, a: u64, b: u64) -> Result<()> {
     println!("verdict: {} — {claim}: weight hashes {a:016x} and {b:016x}", if a == b { "PASS" } else { "FAIL" });
