@@ -72,6 +72,24 @@ pub struct TrainConfig {
     pub adam_eps: f32,
     /// Global gradient-norm clipping threshold; 0 turns clipping off.
     pub grad_clip: f32,
+    /// What AdamW keeps its moments in: `f32`, or `bf16` (half the optimizer's memory).
+    pub optimizer_dtype: MomentsDtype,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum MomentsDtype {
+    F32,
+    Bf16,
+}
+
+impl MomentsDtype {
+    pub fn dtype(self) -> crate::ops::types::DType {
+        match self {
+            MomentsDtype::F32 => crate::ops::types::DType::F32,
+            MomentsDtype::Bf16 => crate::ops::types::DType::Bf16,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -293,6 +311,14 @@ impl Config {
         })?;
         config.validate()?;
         Ok(config)
+    }
+
+    /// A config recorded as TOML (a checkpoint's), over the built-in defaults: a key added since
+    /// it was written takes its default.
+    pub fn from_recorded(text: &str) -> Option<Config> {
+        let mut table: toml::Table = TINY.parse().expect("configs/tiny.toml is valid TOML");
+        merge(&mut table, text.parse().ok()?);
+        toml::Value::Table(table).try_into().ok()
     }
 
     pub fn validate(&self) -> Result<()> {

@@ -67,7 +67,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     let t = &cfg.train;
     let (dp, pp, tp) = (me.group(Axis::DpCp), me.group(Axis::Pp), me.group(Axis::Tp));
     let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
-    let mut optimizer = start.optimizer(&mut model, tp)?;
+    let mut optimizer = start.optimizer(&mut model, tp, cfg)?;
     // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of the weights (3)
     let stage = if dp.size() > 1 { cfg.parallel.zero_stage } else { 0 };
     if stage > 0 {

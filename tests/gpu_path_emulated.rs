@@ -162,9 +162,17 @@ fn every_parallelism_over_nccl_follows_one_rank() {
 #[test]
 fn zero_stages_over_nccl_follow_one_rank() {
     let Some(dir) = fake_driver() else { return };
-    // bf16, two ranks sharing the GPU (the host path): FSDP's chunks are fp32 masters, its
-    // gathered weights bf16 copies like the replicas' — the same curve to bf16 rounding
-    let bf16 = ["device.kind=cuda", "device.dtype=bf16", "parallel.dp=2", "train.steps=3", "train.micro_batch_size=1"];
+    // bf16 with bf16 AdamW moments, two ranks sharing the GPU (the host path): FSDP's chunks are
+    // fp32 masters and bf16 moment chunks, its gathered weights bf16 copies like the replicas' —
+    // the same curve to bf16 rounding
+    let bf16 = [
+        "device.kind=cuda",
+        "device.dtype=bf16",
+        "train.optimizer_dtype=\"bf16\"",
+        "parallel.dp=2",
+        "train.steps=3",
+        "train.micro_batch_size=1",
+    ];
     let replicas = losses(dir, "zero0_bf16", &bf16);
     let fsdp = losses(dir, "zero3_bf16", &[&bf16[..], &["parallel.zero_stage=3"]].concat());
     assert!(max_diff(&replicas, &fsdp) <= 1e-3, "bf16 FSDP {fsdp:?}, replicas {replicas:?}");

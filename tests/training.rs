@@ -5,7 +5,7 @@ use ferrotron::data::{Dataset, Synthetic};
 use ferrotron::model::Llama;
 use ferrotron::model::{init, optimizer};
 use ferrotron::ops::tensor::Tensor;
-use ferrotron::ops::{self, AdamW};
+use ferrotron::ops::{self, AdamW, DType};
 use ferrotron::train;
 
 fn cfg(sets: &[&str]) -> Config {
@@ -111,7 +111,7 @@ fn lr_schedule_warms_up_then_decays_to_the_floor() {
 
 #[test]
 fn adamw_step_matches_the_formula() {
-    let o = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.5, step: 1 };
+    let o = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.5, step: 1, moments: DType::F32 };
     let mut p = Tensor::from_vec(&[2], vec![1.0, -2.0]);
     let g = Tensor::from_vec(&[2], vec![0.5, 0.25]);
     let (mut m, mut v) = (Tensor::zeros(&[2]), Tensor::zeros(&[2]));

@@ -31,6 +31,7 @@ use crate::comm::launcher::Rank;
 use crate::config::{Config, ModelConfig};
 use crate::model::optimizer::Optimizer;
 use crate::model::{shard, unshard, Llama, Param, Split, Stage, TensorSplit};
+use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::DType;
 use crate::parallel::process_grid::Axis;
@@ -66,7 +67,8 @@ impl State {
 /// but rank 0's final copy touches the host: the tp shards of a weight (or of its moments) are
 /// all-gathered side by side along the first dimension, the tp-rank 0 of every other pipeline
 /// stage sends the result to rank 0, and rank 0 takes it to the host and puts the shards back
-/// together (`unshard`). A mixed-precision weight travels as its fp32 master.
+/// together (`unshard`). Everything travels in fp32: a mixed-precision weight as its master, a
+/// bf16 moment converted.
 pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> Result<Option<State>> {
     let (tp, pp, dp) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(Axis::DpCp));
     let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
@@ -79,8 +81,9 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
             if !first_replica {
                 continue;
             }
-            let master = unsharded.is_none().then(|| t.master_copy()).flatten();
-            let t = unsharded.as_ref().or(master.as_ref()).unwrap_or(t);
+            let t = unsharded.as_ref().unwrap_or(t);
+            // in fp32: a mixed-precision weight's master, a bf16 moment converted
+            let t = &t.master_copy().unwrap_or_else(|| ops::convert(t, DType::F32));
             let gathered = (p.split != Split::Replicated && tp.size() > 1).then(|| tp.all_gather_tensor(t));
             let gathered = gathered.transpose()?;
             let side_by_side = gathered.as_ref().unwrap_or(t);
@@ -174,7 +177,7 @@ pub fn load(dir: &Path) -> Result<Resumed> {
     };
     let recorded: Config = meta["config"]
         .as_str()
-        .and_then(|c| toml::from_str(c).ok())
+        .and_then(Config::from_recorded)
         .with_context(|| format!("{}: its \"config\" is missing or unreadable", meta_path.display()))?;
     let (step, adam_steps) = (usize::try_from(step)?, u32::try_from(adam_steps)?);
     let weights = read_safetensors(&dir.join("model.safetensors"))?;

@@ -12,7 +12,7 @@ use anyhow::Result;
 
 /// The estimate for every rank of `cfg`, measured too when `measure`.
 pub fn memory(cfg: &Config, measure: bool) -> Result<Vec<RankMemory>> {
-    let mut ranks = per_rank(cfg);
+    let mut ranks = per_rank(cfg)?;
     if measure {
         let mut two = cfg.clone();
         (two.train.steps, two.train.warmup_steps, two.checkpoint.every) = (2, 1, 0);

@@ -70,6 +70,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("cross_entropy", "cross_entropy_backward_bf16"),
     ("adamw", "adamw_f32"),
     ("adamw", "adamw_bf16"),
+    ("adamw", "adamw_f32_m16"),
+    ("adamw", "adamw_bf16_m16"),
 ];
 
 /// A kernel of `KERNELS`, by its place there.

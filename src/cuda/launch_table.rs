@@ -384,7 +384,13 @@ pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: 
     let mut args = vec![Ptr(p), Ptr(g), Ptr(m), Ptr(v), long(n)];
     args.extend([F32(o.lr), F32(o.beta1), F32(o.beta2), F32(o.eps), F32(o.weight_decay), I32(o.step as i32)]);
     args.extend(copy.map(Ptr));
-    launch(if copy.is_some() { kernel!("adamw_bf16") } else { kernel!("adamw_f32") }, each(n), args)
+    let kernel = match (copy.is_some(), o.moments) {
+        (false, DType::F32) => kernel!("adamw_f32"),
+        (true, DType::F32) => kernel!("adamw_bf16"),
+        (false, DType::Bf16) => kernel!("adamw_f32_m16"),
+        (true, DType::Bf16) => kernel!("adamw_bf16_m16"),
+    };
+    launch(kernel, each(n), args)
 }
 
 /// One launch of every kind the op layer makes, in both dtypes, with placeholder addresses and
@@ -392,7 +398,7 @@ pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: 
 /// checks that the PTX exports each; the CPU emulator's glue calls them).
 pub fn catalogue() -> Vec<Launch> {
     let a = Attn { batch: 1, seq: 1, kv_seq: 1, heads: 1, kv_heads: 1, head_dim: 2 };
-    let o = AdamW { lr: 0.0, beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0, step: 1 };
+    let o = AdamW { lr: 0.0, beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0, step: 1, moments: DType::F32 };
     let mut all = vec![
         cast_f32_to_bf16(0, 0, 1),
         cast_bf16_to_f32(0, 0, 1),
@@ -403,6 +409,8 @@ pub fn catalogue() -> Vec<Launch> {
         rope_table(0, (1, 2), 1.0, (0, 0)),
         adamw(&o, (0, 0, 0, 0), 1, None),
         adamw(&o, (0, 0, 0, 0), 1, Some(0)),
+        adamw(&AdamW { moments: DType::Bf16, ..o }, (0, 0, 0, 0), 1, None),
+        adamw(&AdamW { moments: DType::Bf16, ..o }, (0, 0, 0, 0), 1, Some(0)),
     ];
     for dt in [DType::F32, DType::Bf16] {
         all.push(embedding(dt, (0, 1), (0, 1), 0, 1, 0));

@@ -392,8 +392,11 @@ impl Device {
     /// new bf16 copy.
     pub fn adamw(&self, o: &AdamW, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
         let copy = matches!(buf(p).data, Data::Mixed { .. }).then(|| addr(p));
-        let f32s = (f32_addr(p), f32_addr(g), f32_addr(m), f32_addr(v));
-        self.run(&launch_table::adamw(o, f32s, p.numel(), copy))
+        if m.dtype() != o.moments || v.dtype() != o.moments {
+            bail!("AdamW's moments are {:?} and {:?}, the optimizer keeps {:?}", m.dtype(), v.dtype(), o.moments);
+        }
+        let addrs = (f32_addr(p), f32_addr(g), addr(m), addr(v));
+        self.run(&launch_table::adamw(o, addrs, p.numel(), copy))
     }
 }
 

@@ -51,7 +51,10 @@ pub fn self_test(gpu: &Gpu) -> Result<Vec<String>> {
         let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((0..20).collect(), (10..43).collect());
         c.attention(early, (&q_pos, &k_pos))?;
         c.attention_merge(ring)?;
-        c.adamw(1000)?;
+        c.adamw(1000, DType::F32)?;
+        if dtype == DType::Bf16 {
+            c.adamw(1000, DType::Bf16)?; // bf16 moments (`train.optimizer_dtype`), with mixed precision
+        }
     }
     Ok(report)
 }
@@ -245,11 +248,12 @@ impl Check<'_> {
         self.same("sum of squares (f32)", &got, &want)
     }
 
-    fn adamw(&mut self, n: usize) -> Result<()> {
+    fn adamw(&mut self, n: usize, moments: DType) -> Result<()> {
         let (p, g, m) = (self.rand(&[n, 3]), self.rand(&[n, 3]), self.rand(&[n, 3]));
-        let v = Tensor::from_vec(&[n, 3], self.rand(&[n, 3]).to_vec().iter().map(|x| x * x).collect());
-        let o = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3 };
-        let (mut gp, mut gm, mut gv) = (self.param(&p), self.f32(&m), self.f32(&v));
+        let v = Tensor::from_vec(&[n, 3], self.rand(&[n, 3]).to_vec().iter().map(|x| self.round(x * x)).collect());
+        let o = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3, moments };
+        let (mut gp, mut gm, mut gv) =
+            (self.param(&p), m.to_dtype(&self.place, moments), v.to_dtype(&self.place, moments));
         let (mut p, mut m, mut v) = (p, m, v);
         ops::adamw(&o, &mut p, &g, &mut m, &mut v);
         ops::adamw(&o, &mut gp, &self.f32(&g), &mut gm, &mut gv);

@@ -77,10 +77,12 @@ pub fn clip(params: &mut [&mut Param], norm: f64, max_norm: f32) -> f32 {
     factor
 }
 
-/// AdamW with fp32 moments, one pair per parameter.
+/// AdamW, one pair of moments per parameter: fp32, or bf16 (`keep_moments_in`).
 pub struct Optimizer {
     moments: Vec<(Tensor, Tensor)>,
     step: u32,
+    /// What the moments are kept in (on the CPU: f32 holding bf16 values).
+    dtype: DType,
 }
 
 impl Optimizer {
@@ -89,20 +91,34 @@ impl Optimizer {
             .iter()
             .map(|p| (Tensor::zeros_like(p.trained_grad()), Tensor::zeros_like(p.trained_grad())))
             .collect();
-        Optimizer { moments, step: 0 }
+        Optimizer { moments, step: 0, dtype: DType::F32 }
     }
 
     /// An optimizer resumed at AdamW step `step` with the given moments (one pair per parameter,
     /// in parameter order).
     pub fn restore(moments: Vec<(Tensor, Tensor)>, step: u32) -> Optimizer {
-        Optimizer { moments, step }
+        Optimizer { moments, step, dtype: DType::F32 }
     }
 
-    /// Moves the moments to `place` (fp32 on every device), next to their parameters.
+    /// Moves the moments to `place`, next to their parameters.
     pub fn to_place(&mut self, place: &Place) {
         for (m, v) in &mut self.moments {
-            (*m, *v) = (m.to_dtype(place, DType::F32), v.to_dtype(place, DType::F32));
+            (*m, *v) = (m.to_dtype(place, self.dtype), v.to_dtype(place, self.dtype));
         }
+    }
+
+    /// Keeps the moments in `dtype` from now on: bf16 halves the optimizer's memory (on a GPU;
+    /// the CPU keeps bf16 values in f32), at the cost of rounding them after every update.
+    pub fn keep_moments_in(&mut self, dtype: DType) {
+        self.dtype = dtype;
+        for (m, v) in &mut self.moments {
+            (*m, *v) = (ops::convert(m, dtype), ops::convert(v, dtype));
+        }
+    }
+
+    /// The moments become `moments` (ZeRO keeps each rank's chunks), in the same dtype.
+    pub fn replace_moments(&mut self, moments: Vec<(Tensor, Tensor)>) {
+        self.moments = moments;
     }
 
     /// The first and second moments, one pair per parameter.
@@ -126,6 +142,7 @@ impl Optimizer {
                 eps: t.adam_eps,
                 weight_decay: if decays { t.weight_decay } else { 0.0 },
                 step: self.step,
+                moments: self.dtype,
             };
             let (weight, grad) = p.trained();
             ops::adamw(&o, weight, grad, m, v);

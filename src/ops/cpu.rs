@@ -11,7 +11,8 @@
 //! the Hugging Face layout `[rows, heads * head_dim]` (head-major inside a row).
 
 use crate::ops::cpu_math::{dot8, exp, max8, sum8_of};
-use crate::ops::types::AdamW;
+use crate::ops::types::{AdamW, DType};
+use half::bf16;
 use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------------
@@ -222,6 +223,10 @@ pub fn adamw(o: &AdamW, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) 
             *v = o.beta2 * *v + (1.0 - o.beta2) * g * g;
             *p -= o.lr * o.weight_decay * *p;
             *p -= o.lr * (*m / c1) / ((*v / c2).sqrt() + o.eps);
+            if o.moments == DType::Bf16 {
+                // kept as bf16 would keep them (round to nearest even), after the update used them
+                (*m, *v) = (bf16::from_f32(*m).to_f32(), bf16::from_f32(*v).to_f32());
+            }
         }
     });
 }

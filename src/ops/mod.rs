@@ -285,12 +285,14 @@ pub fn copy(src: &Tensor, from: usize, dst: &mut Tensor, to: usize, n: usize) {
 }
 
 /// `t` as a plain tensor of `dtype` on its device, written on the device (a mixed-precision
-/// weight converts from its fp32 master). On the CPU every tensor is f32: a copy.
+/// weight converts from its fp32 master). On the CPU every tensor is f32: a copy, whose values
+/// are rounded to bf16 for `DType::Bf16`.
 pub fn convert(t: &Tensor, dtype: DType) -> Tensor {
     if let Some(d) = gpu("convert", &[t]) {
         return fatal("convert", d.convert(t, dtype));
     }
-    Tensor::from_vec(t.shape(), t.host().to_vec())
+    let round = |x: f32| if dtype == DType::Bf16 { half::bf16::from_f32(x).to_f32() } else { x };
+    Tensor::from_vec(t.shape(), t.host().iter().map(|&x| round(x)).collect())
 }
 
 /// `parts`, one after another, as one flat tensor (to send them in one message).

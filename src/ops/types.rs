@@ -32,6 +32,9 @@ pub struct AdamW {
     pub weight_decay: f32,
     /// 1-based step, for the bias corrections.
     pub step: u32,
+    /// The dtype the moments are kept in (`train.optimizer_dtype`): f32, or bf16 (on the CPU
+    /// stored in f32 but rounded to bf16 after each update: the same numbers).
+    pub moments: DType,
 }
 
 /// How a collective combines the members' numbers.

@@ -69,7 +69,7 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, group: &'g Gro
         let c = chunk(n, ranks);
         let master = p.value.master_copy().unwrap_or_else(|| p.value.clone()); // fp32, whole
         let mine = |t: &Tensor| {
-            let mut part = Tensor::zeros_on(&[c], &place, DType::F32); // the padding stays zero
+            let mut part = Tensor::zeros_on(&[c], &place, t.dtype()); // the padding stays zero
             ops::copy(t, r * c, &mut part, 0, real(n, c, r));
             part
         };
@@ -84,7 +84,7 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, group: &'g Gro
             p.grad = Tensor::zeros(&[0]); // made by backward, handed to a bucket, freed
         }
     }
-    *optimizer = Optimizer::restore(moments, optimizer.steps_taken());
+    optimizer.replace_moments(moments);
     match stage {
         3 => model.with_weight_split(Rc::new(Fsdp { group, prefetched: RefCell::new(None) })),
         _ => model,

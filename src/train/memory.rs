@@ -21,7 +21,7 @@ use crate::model::optimizer::Optimizer;
 use crate::model::{Llama, Split, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
-use crate::parallel::data_parallel::{bucket_values, chunk};
+use crate::parallel::data_parallel::bucket_values;
 use crate::parallel::process_grid::Grid;
 use anyhow::{bail, Result};
 
@@ -114,38 +114,39 @@ pub struct RankMemory {
 /// still held), or under ZeRO-1/2 the all-gather of the updated weights after the optimizer,
 /// whichever holds more. Ranks that differ only in dp, cp or tp index hold the same; the
 /// pipeline stage decides.
-pub fn per_rank(cfg: &Config) -> Vec<RankMemory> {
+pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
-    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp).expect("a validated layout");
+    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?;
     let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp })).collect();
-    (0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect()
+    Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
 }
 
 /// Values of a rank of `stage`: (whole, in ZeRO chunks over `z` ranks, the largest FSDP unit a
 /// block backward may hold beside every activation (not the embedding), the largest unit).
+/// Counted from one layer's tensors times the stage's layers, in f64: any depth and any absurd
+/// size cost nothing and never overflow.
 fn sizes(cfg: &Config, stage: Stage, z: usize) -> (f64, f64, f64, f64) {
-    let layers = stage.layers(cfg.model.num_hidden_layers);
-    let mut units = vec![0.0; layers.len() + 2]; // the embedding, each block, the head
-    let (mut whole, mut chunks) = (0.0, 0.0);
-    for (name, shape, split) in Llama::tensor_splits(&cfg.model, stage) {
-        let n = shape.iter().product::<usize>() / if split == Split::Replicated { 1 } else { cfg.parallel.tp };
-        whole += n as f64;
-        chunks += chunk(n, z) as f64;
-        let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()?.parse::<usize>().ok());
-        let unit = match (layer, name.as_str()) {
-            (Some(i), _) => 1 + i - layers.start,
-            (None, "model.embed_tokens.weight") => 0,
-            (None, _) => units.len() - 1,
+    let one_layer = ModelConfig { num_hidden_layers: 1, ..cfg.model.clone() };
+    // (values, values in chunks) of the embedding, of one block, of the head
+    let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
+    for (name, shape, split) in Llama::tensor_splits(&one_layer, Stage::WHOLE) {
+        let n = shape.iter().map(|&x| x as f64).product::<f64>()
+            / if split == Split::Replicated { 1.0 } else { cfg.parallel.tp as f64 };
+        let part = match name.as_str() {
+            n if n.starts_with("model.layers.") => &mut layer,
+            "model.embed_tokens.weight" => &mut embed,
+            _ => &mut head, // the final norm and the output layer
         };
-        units[unit] += n as f64;
+        *part = (part.0 + n, part.1 + (n / z as f64).ceil());
     }
-    if cfg.model.tie_word_embeddings && stage.is_last() {
-        let last = units.len() - 1;
-        units[last] += units[0]; // the head gathers the embedding it shares
-    }
-    // the embedding's gradient comes last, when the activations are gone
-    let largest = |u: &[f64]| u.iter().copied().fold(0.0, f64::max);
-    (whole, chunks, largest(&units[1..]), largest(&units))
+    let layers = stage.layers(cfg.model.num_hidden_layers).len() as f64;
+    let (first, last) = (stage.is_first() as u8 as f64, stage.is_last() as u8 as f64);
+    let whole = layers * layer.0 + first * embed.0 + last * head.0;
+    let chunks = layers * layer.1 + first * embed.1 + last * head.1;
+    // the head gathers the embedding it shares when they are tied
+    let head_unit = last * (head.0 + if cfg.model.tie_word_embeddings { embed.0 } else { 0.0 });
+    let unit = layer.0.max(head_unit);
+    (whole, chunks, unit, unit.max(first * embed.0))
 }
 
 fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
@@ -157,9 +158,12 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks); // values of one bucket
                                                                              // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW moments,
                                                                              // the compute copies between uses (none under FSDP)
+                                                                             // two moments of 4 B, or of 2 B in bf16 on a GPU (the CPU keeps bf16 values in f32)
+    let on_gpu = cfg.device.kind == crate::config::DeviceKind::Cuda;
+    let moments = if on_gpu && t.optimizer_dtype.dtype() == DType::Bf16 { 4.0 } else { 8.0 };
     let (master, optimizer) = match zero {
-        0 => (if dtype == DType::Bf16 { 4.0 * whole } else { 0.0 }, 8.0 * whole),
-        _ => (4.0 * chunks, 8.0 * chunks),
+        0 => (if dtype == DType::Bf16 { 4.0 * whole } else { 0.0 }, moments * whole),
+        _ => (4.0 * chunks, moments * chunks),
     };
     let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
                                                                 // backward: what the schedule keeps, and the first block backward's gradients on top of it
@@ -262,29 +266,31 @@ fn in_flight(cfg: &Config, s: usize) -> usize {
 }
 
 /// What the busiest rank of `cfg` will hold, in bytes: (total, one line saying of what).
-pub fn estimate(cfg: &Config) -> (f64, String) {
-    let (t, p, dtype) = (&cfg.train, &cfg.parallel, cfg.device.compute_dtype());
-    let weights = weights_per_rank(&cfg.model, p.tp, p.pp) * bytes_per_weight(dtype);
-    let activations = activations_held(cfg, t.micro_batch_size, dtype);
+pub fn estimate(cfg: &Config) -> Result<(f64, String)> {
+    let (t, p) = (&cfg.train, &cfg.parallel);
+    let ranks = per_rank(cfg)?;
+    let busiest = ranks.iter().max_by(|a, b| a.total_bytes.total_cmp(&b.total_bytes)).expect("a rank at least");
     let on_cpu = cfg.device.kind == crate::config::DeviceKind::Cpu;
     let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
     // each core's attention task holds one query tile's probabilities and their gradient
     let (rows, keys) = (QUERY_TILE.min(t.seq_len / p.cp) as f64, (t.seq_len / p.cp) as f64);
     let scores = if on_cpu { cores * 2.0 * rows * keys * 4.0 } else { 0.0 };
     let gib = |b: f64| b / (1u64 << 30) as f64;
+    let b = busiest;
     let what = format!(
-        "{:.2} GiB weights, gradients and AdamW state + {:.2} GiB activations + {:.2} GiB attention scores",
-        gib(weights),
-        gib(activations),
+        "{:.2} GiB weights, gradients and AdamW state + {:.2} GiB activations + {:.2} GiB buffers + {:.2} GiB attention scores",
+        gib(b.weights_bytes + b.grads_bytes + b.optimizer_bytes),
+        gib(b.activations_bytes),
+        gib(b.comm_bytes),
         gib(scores)
     );
-    (weights + activations + scores, what)
+    Ok((b.total_bytes + scores, what))
 }
 
 /// Refuses `cfg` when its ranks cannot fit in `capacity`, with the numbers. `loaded` counts
 /// weights read from a checkpoint or a pretrained model and kept in host memory.
 pub fn check(cfg: &Config, capacity: &Capacity, loaded: f64) -> Result<f64> {
-    let (per_rank, what) = estimate(cfg);
+    let (per_rank, what) = estimate(cfg)?;
     let on_cpu = cfg.device.kind == crate::config::DeviceKind::Cpu;
     let need = per_rank * capacity.ranks as f64 + if on_cpu { loaded } else { 0.0 };
     if need > capacity.bytes || need.is_nan() {

@@ -296,15 +296,17 @@ impl Start<'_> {
     }
 
     /// AdamW over the model's parameters: fresh, or the checkpoint's moments of this tp slice.
-    pub(super) fn optimizer(&self, model: &mut Llama, tp: &Group) -> Result<Optimizer> {
-        Ok(match self.resumed {
+    pub(super) fn optimizer(&self, model: &mut Llama, tp: &Group, cfg: &Config) -> Result<Optimizer> {
+        let mut o = match self.resumed {
             Some(r) => {
                 let mut o = r.optimizer(&model.params(), (tp.index(), tp.size()))?;
                 o.to_place(&model.place()); // the moments were read into host memory
                 o
             }
             None => Optimizer::new(&model.params_mut()), // moments made next to the gradients
-        })
+        };
+        o.keep_moments_in(cfg.train.optimizer_dtype.dtype());
+        Ok(o)
     }
 }
 
