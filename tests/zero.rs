@@ -6,6 +6,7 @@
 
 mod common;
 
+use ferrotron::comm::trace::{Lane, Span, Trace};
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::memory;
 use ferrotron::config::Config;
@@ -195,4 +196,61 @@ fn bf16_adamw_moments_change_the_curve_a_little_and_shard_like_fp32_ones() {
     let fsdp = run(&[bf16, "parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=6"]);
     let diff = fsdp.iter().zip(&rounded).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
     assert!(diff <= 1e-4, "FSDP with bf16 moments: max |Δloss| {diff:e}");
+}
+
+#[test]
+fn fsdp_gathers_the_next_unit_while_this_one_computes_in_the_trace() {
+    let cfg =
+        Config::load(None, &sets(&["parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=6"])).unwrap();
+    let trace = Trace::default();
+    train(&cfg, Options { quiet: true, trace: Some(&trace), ..Default::default() }).unwrap();
+    let spans: Vec<Span> = trace.spans().into_iter().filter(|s| s.rank == 0).collect();
+    let units: Vec<&Span> = spans.iter().filter(|s| s.name.ends_with("(FSDP unit)")).collect();
+    let gathers: Vec<&Span> =
+        spans.iter().filter(|s| s.lane == Lane::Comm && s.name.starts_with("all_gather")).collect();
+    // per step: the embedding, 2 blocks and the head forward, the head and 2 blocks backward
+    assert_eq!(units.len(), 7 * 12, "{:?}", units.iter().take(8).map(|u| &u.name).collect::<Vec<_>>());
+    assert_eq!(gathers.len(), 7 * 12);
+    // every gather but the first of each pass (forward: the embedding's; backward: the head's) is
+    // issued while the unit before it computes, and runs at least partly during that compute
+    let during = |g: &Span| units.iter().any(|u| u.start_us <= g.issued_us && g.issued_us <= u.end_us);
+    let prefetched: Vec<&&Span> = gathers.iter().filter(|g| during(g)).collect();
+    assert_eq!(prefetched.len(), 5 * 12, "prefetched gathers per step: {}", prefetched.len() as f64 / 12.0);
+    let overlap: f64 = prefetched
+        .iter()
+        .map(|g| units.iter().map(|u| (g.end_us.min(u.end_us) - g.start_us.max(u.start_us)).max(0.0)).sum::<f64>())
+        .sum();
+    assert!(overlap > 0.0, "no gather ran while a unit computed");
+}
+
+#[test]
+fn ferrotron_memory_writes_every_rank_as_json() {
+    let tmp = tempfile::tempdir().unwrap();
+    let json = tmp.path().join("memory.json");
+    let mut args = vec!["memory", "--measure", "--json", json.to_str().unwrap()];
+    let sets = sets(&[
+        "parallel.dp=2",
+        "parallel.pp=2",
+        "parallel.zero_stage=3",
+        "train.micro_batch_size=6",
+        "train.grad_accum_steps=2",
+    ]);
+    for s in &sets {
+        args.extend(["--set", s]);
+    }
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(&args).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(text.contains("What shrinks each column") && text.contains("zero_stage 3 keeps 1/(dp·cp)"), "{text}");
+    let v: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 4);
+    for (i, r) in ranks.iter().enumerate() {
+        assert_eq!(r["rank"].as_u64(), Some(i as u64));
+        let parts = ["weights_bytes", "grads_bytes", "optimizer_bytes", "activations_bytes", "comm_bytes"];
+        let sum: f64 = parts.iter().map(|k| r[k].as_f64().unwrap()).sum();
+        assert!((sum - r["total_bytes"].as_f64().unwrap()).abs() < 1.0, "{r}");
+        let measured = r["measured_peak_bytes"].as_f64().unwrap();
+        assert!((sum / measured - 1.0).abs() <= 0.1, "rank {i}: estimated {sum}, measured {measured}");
+    }
 }

@@ -53,8 +53,9 @@ use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use crate::parallel::data_parallel::{chunk, real};
 use anyhow::Result;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::rc::Rc;
+use std::time::Instant;
 
 /// Shards the model's parameters and the optimizer's moments over `group` (the dp×cp ranks) for
 /// ZeRO `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
@@ -86,7 +87,9 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, group: &'g Gro
     }
     optimizer.replace_moments(moments);
     match stage {
-        3 => model.with_weight_split(Rc::new(Fsdp { group, prefetched: RefCell::new(None) })),
+        3 => {
+            model.with_weight_split(Rc::new(Fsdp { group, prefetched: RefCell::new(None), computing: Cell::new(None) }))
+        }
         _ => model,
     }
 }
@@ -156,6 +159,8 @@ struct Fsdp<'g> {
     group: &'g Group,
     /// The gather started for the unit whose first parameter is named so.
     prefetched: RefCell<Option<(String, Pending)>>,
+    /// When the unit now gathered got its weights (a traced run draws its compute from there).
+    computing: Cell<Option<Instant>>,
 }
 
 impl WeightSplit for Fsdp<'_> {
@@ -171,6 +176,7 @@ impl WeightSplit for Fsdp<'_> {
             }
         };
         unpack(&pending.wait()?, unit, self.group.size());
+        self.computing.set(Some(Instant::now())); // the prefetch of the next unit is issued from here on
         Ok(())
     }
 
@@ -185,10 +191,23 @@ impl WeightSplit for Fsdp<'_> {
     }
 
     fn release(&self, unit: &mut [&mut Param]) {
+        if let (Some(start), Some(first)) = (self.computing.take(), unit.first()) {
+            self.group.trace_compute(|| unit_name(&first.name), start);
+        }
         for p in unit.iter_mut() {
             p.value = Tensor::zeros(&[0]); // only the chunk in `shard` stays
         }
     }
+}
+
+/// How the trace names a unit's compute, from its first parameter: "layer 3 (FSDP unit)", …
+fn unit_name(first: &str) -> String {
+    let unit = match first.strip_prefix("model.layers.").and_then(|r| r.split('.').next()) {
+        Some(i) => format!("layer {i}"),
+        None if first.starts_with("model.embed_tokens") => "embedding".into(),
+        None => "head".into(),
+    };
+    format!("{unit} (FSDP unit)")
 }
 
 /// A sharded parameter's tensor `t` (its master or a moment chunk) whole again, from every

@@ -184,14 +184,19 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let now = (one + rows * v * e).max(one - head + rows * (3.0 * f + 8.0 * d) * e);
     let activations = one * (in_flight(cfg, stage.index) - 1) as f64 + now;
     // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
-    let sums = if zero >= 2 && t.grad_accum_steps > 1 { 4.0 * chunks } else { 0.0 };
+    // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
+    let sums = if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage.index) == 1 { 4.0 * chunks } else { 0.0 };
     let grads = sums + if zero >= 2 { 4.0 * unit } else { 4.0 * whole };
     // (ZeRO makes a bucket when its first gradient arrives: by then, on the last stage, the head's)
     let filling = if stage.is_last() { 4.0 * bucket } else { 0.0 };
+    // FSDP: while the first unit of the backward computes, the next one's gather is in flight
+    // (packed in fp32, arriving in the compute dtype), unless that unit is the stage's only one
+    let has_next = stage.is_last() || stage.layers(cfg.model.num_hidden_layers).len() > 1;
+    let prefetch = if has_next { e * unit + 4.0 * unit / z as f64 } else { 0.0 };
     let comm = match (p.dp_mode == DpMode::Bucketed && z > 1, zero) {
         (false, _) => 0.0,
         (true, 0) => 4.0 * whole,
-        (true, 3) => filling + 2.0 * e * unit + 4.0 * unit / z as f64, // a gather unpacked, the next in flight
+        (true, 3) => filling + prefetch,
         (true, _) => filling,
     };
     let backward = RankMemory {
@@ -201,6 +206,14 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
         activations_bytes: activations,
         comm_bytes: comm,
         ..Default::default()
+    };
+    // ZeRO, a stage without the head: its second block backward has one block's cache less, but
+    // the bucket its first block's gradients went into
+    let layers = stage.layers(cfg.model.num_hidden_layers).len() as f64;
+    let second = RankMemory {
+        activations_bytes: activations - (one - head) / layers,
+        comm_bytes: comm + if stage.is_last() { 0.0 } else { 4.0 * bucket },
+        ..backward.clone()
     };
     // ZeRO-1/2 after the optimizer: stage 1's full gradients, and two groups of updated chunks
     // being gathered (packed in fp32, then in the compute dtype from every rank)
@@ -215,19 +228,21 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     };
     let total =
         |m: &RankMemory| m.weights_bytes + m.grads_bytes + m.optimizer_bytes + m.activations_bytes + m.comm_bytes;
-    // ZeRO at the end of backward: the activations gone, the last unit's gradients (the
-    // embedding's on the first stage), the buckets still in flight and the chunk sums
+    // ZeRO at the end of a backward: its activations gone (a pipeline stage still holds its other
+    // micro-batches'), the last unit's gradients (the embedding's on the first stage), the chunk
+    // sums and the buckets still in flight
     let end = RankMemory {
         weights_bytes: master + compute,
         grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * chunks,
         optimizer_bytes: optimizer,
+        activations_bytes: one * (in_flight(cfg, stage.index) - 1) as f64,
         comm_bytes: 4.0 * (3.0 * bucket).min(z as f64 * chunks),
         ..Default::default()
     };
     let candidates = match zero {
         0 => vec![backward],
-        3 => vec![backward, end],
-        _ => vec![backward, end, gather],
+        3 => vec![backward, second, end],
+        _ => vec![backward, second, end, gather],
     };
     let busiest = candidates.into_iter().max_by(|a, b| total(a).total_cmp(&total(b))).expect("one moment at least");
     RankMemory { total_bytes: total(&busiest), ..busiest }
