@@ -65,6 +65,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "commands::schedule",
             "commands::eval",
             "commands::converge",
+            "commands::memory",
             "cuda::self_check",
             "commands::doctor",
             "commands::bench",
