@@ -137,28 +137,32 @@ fn every_parallelism_over_nccl_follows_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // one fake GPU per rank, so every tensor collective of the step goes through the (fake) NCCL
     // on device buffers; f32, so the single-rank tolerance holds
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_converge_nccl");
-    let variants = "dp=2;tp=2;pp=2;cp=2;dp=2,tp=2,pp=2";
+    converge_over_nccl(dir, "nccl", "dp=2;tp=2;pp=2;cp=2;dp=2,tp=2,pp=2", 8);
+}
+
+/// `converge` of `variants` (3 steps, f32) on `gpus` fake GPUs with `backend = "nccl"`, several
+/// gradient buckets each collected as it fills; every variant must pass.
+fn converge_over_nccl(dir: &Path, name: &str, variants: &str, gpus: usize) {
+    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu_path_converge_{name}"));
     let mut args = vec!["converge", "--variants", variants, "--steps", "3", "--out", out.to_str().unwrap()];
     let sets = [
         "device.kind=cuda",
         "device.dtype=f32",
         "parallel.backend=\"nccl\"",
-        "parallel.bucket_mb=0.01", // several buckets, each all-reduced as it fills
+        "parallel.bucket_mb=0.01",
         "model.hidden_size=64",
         "train.micro_batch_size=2",
     ];
     for s in common::SMALL.iter().chain(&sets) {
         args.extend(["--set", s]);
     }
-    let text = String::from_utf8_lossy(&ferrotron_on(dir, 8, &args).stdout).to_string();
+    let text = String::from_utf8_lossy(&ferrotron_on(dir, gpus, &args).stdout).to_string();
     for variant in variants.split(';') {
         let line = text.lines().find(|l| l.starts_with(variant)).unwrap_or_else(|| panic!("no {variant}:\n{text}"));
         assert!(line.ends_with("pass"), "{line}\n{text}");
     }
 }
 
-/// Every tensor of a checkpoint's safetensors file, as f32.
 #[test]
 fn zero_stages_over_nccl_follow_one_rank() {
     let Some(dir) = fake_driver() else { return };
@@ -178,27 +182,10 @@ fn zero_stages_over_nccl_follow_one_rank() {
     assert!(max_diff(&replicas, &fsdp) <= 1e-3, "bf16 FSDP {fsdp:?}, replicas {replicas:?}");
     // one fake GPU per rank: gradients reduce-scattered and weights all-gathered by the (fake)
     // NCCL on device buffers, from each rank's chunks; f32 for the single-rank tolerance
-    let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_converge_zero");
-    let variants = "dp=2,zero_stage=1;dp=2,zero_stage=2;dp=2,zero_stage=3,pp=2";
-    let mut args = vec!["converge", "--variants", variants, "--steps", "3", "--out", out.to_str().unwrap()];
-    let sets = [
-        "device.kind=cuda",
-        "device.dtype=f32",
-        "parallel.backend=\"nccl\"",
-        "parallel.bucket_mb=0.01",
-        "model.hidden_size=64",
-        "train.micro_batch_size=2",
-    ];
-    for s in common::SMALL.iter().chain(&sets) {
-        args.extend(["--set", s]);
-    }
-    let text = String::from_utf8_lossy(&ferrotron_on(dir, 4, &args).stdout).to_string();
-    for variant in variants.split(';') {
-        let line = text.lines().find(|l| l.starts_with(variant)).unwrap_or_else(|| panic!("no {variant}:\n{text}"));
-        assert!(line.ends_with("pass"), "{line}\n{text}");
-    }
+    converge_over_nccl(dir, "zero", "dp=2,zero_stage=1;dp=2,zero_stage=2;dp=2,zero_stage=3,pp=2", 4);
 }
 
+/// Every tensor of a checkpoint's safetensors file, as f32.
 fn tensors(file: &Path) -> Vec<(String, Vec<f32>)> {
     let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -280,9 +267,7 @@ fn a_traced_nccl_run_draws_each_call_on_the_comm_lane_when_the_gpu_ran_it() {
             )
         })
         .collect();
-    let compute: Vec<_> = spans.iter().filter(|s| s.1 == 0).collect();
-    let first = compute.iter().map(|s| s.2).fold(f64::MAX, f64::min);
-    let last = compute.iter().map(|s| s.2 + s.3).fold(0.0, f64::max);
+    let last = spans.iter().filter(|s| s.1 == 0).map(|s| s.2 + s.3).fold(0.0, f64::max);
     let nccl: Vec<_> = spans.iter().filter(|s| s.1 == 1 && s.0.ends_with("(NCCL)")).collect();
     for (kind, group) in [("all_reduce(sum) of", "tp["), ("send", "pp[")] {
         assert!(
@@ -290,9 +275,12 @@ fn a_traced_nccl_run_draws_each_call_on_the_comm_lane_when_the_gpu_ran_it() {
             "no {kind} … {group} (NCCL) span on the comm lane: {nccl:?}"
         );
     }
-    // on the GPU's clock mapped to the host's: inside the run's compute spans (1 ms of slack)
+    // on the GPU's clock mapped to the host's: after the trace began (a time at or before its
+    // origin is drawn at 0: the run's setup came first) and over before the run's last compute
+    // span ends (1 ms of slack). Not bounded by the first compute span: a pipeline stage posts
+    // its first receive before any rank computes, and the fake NCCL's calls block the host
     for s in &nccl {
-        assert!(s.3 >= 0.0 && s.2 >= first - 1e3 && s.2 + s.3 <= last + 1e3, "{s:?} outside {first}..{last} µs");
+        assert!(s.3 >= 0.0 && s.2 > 0.0 && s.2 + s.3 <= last + 1e3, "{s:?} outside 0..{last} µs");
     }
 }
 

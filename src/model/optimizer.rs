@@ -110,6 +110,9 @@ impl Optimizer {
     /// Keeps the moments in `dtype` from now on: bf16 halves the optimizer's memory (on a GPU;
     /// the CPU keeps bf16 values in f32), at the cost of rounding them after every update.
     pub fn keep_moments_in(&mut self, dtype: DType) {
+        if dtype == self.dtype {
+            return; // they are already
+        }
         self.dtype = dtype;
         for (m, v) in &mut self.moments {
             (*m, *v) = (ops::convert(m, dtype), ops::convert(v, dtype));

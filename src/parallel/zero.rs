@@ -121,17 +121,16 @@ fn unpack(gathered: &Tensor, params: &mut [&mut Param], ranks: usize) {
 }
 
 /// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights, in
-/// groups of about `bucket` values (one all-gather each, the next one started before the
-/// current one is unpacked).
+/// groups that gather about `bucket` values (one all-gather each, the next one started before
+/// the current one is unpacked). The averaged gradient chunks are used up: freed first.
 pub fn gather_weights(group: &Group, params: &mut [&mut Param], bucket: usize) -> Result<()> {
     for p in params.iter_mut() {
         p.shard.as_mut().expect("a sharded parameter").grad = Tensor::zeros(&[0]);
-        // used up by the step
     }
     let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
     let mut size = 0;
     for (i, p) in params.iter().enumerate() {
-        let c = p.shard.as_ref().expect("a sharded parameter").master.numel();
+        let c = p.shard.as_ref().expect("a sharded parameter").master.numel() * group.size(); // gathered
         match groups.last_mut() {
             Some(g) if size + c <= bucket => g.end = i + 1,
             _ => {
