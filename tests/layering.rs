@@ -40,6 +40,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "model::split",
             "model::block",
             "model::llama",
+            "model::llama::units",
             "model::optimizer",
             "model",
         ],

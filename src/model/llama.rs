@@ -29,6 +29,8 @@ use anyhow::{anyhow, bail, Result};
 use std::collections::VecDeque;
 use std::rc::Rc;
 
+mod units; // FSDP's units: fetch and free around each piece of the forward and backward
+
 /// Everything one micro-batch's `forward` keeps for its `backward`.
 struct Cache {
     /// The input tokens, on the first pipeline stage.
@@ -299,71 +301,6 @@ impl<'g> Llama<'g> {
                 s.grad = Tensor::zeros(&[0]);
             }
         }
-    }
-
-    // FSDP's units: the pieces whose weights are gathered together, one at a time.
-
-    /// A unit's parameters: the embedding; a block's; the head's (the final norm and the output
-    /// layer, which is the embedding when they are tied).
-    fn unit(&self, u: Unit) -> Vec<&Param> {
-        match u {
-            Unit::Embedding => self.embed_tokens.iter().collect(),
-            Unit::Layer(i) => self.layers[i].params().into(),
-            Unit::Head => self
-                .head
-                .iter()
-                .flat_map(|h| [Some(&h.norm), h.lm_head.as_ref().or(self.embed_tokens.as_ref())])
-                .flatten()
-                .collect(),
-        }
-    }
-
-    fn unit_mut(&mut self, u: Unit) -> Vec<&mut Param> {
-        match u {
-            Unit::Embedding => self.embed_tokens.iter_mut().collect(),
-            Unit::Layer(i) => self.layers[i].params_mut().into(),
-            Unit::Head => {
-                let Some(h) = &mut self.head else { return Vec::new() };
-                vec![Some(&mut h.norm), h.lm_head.as_mut().or(self.embed_tokens.as_mut())]
-                    .into_iter()
-                    .flatten()
-                    .collect()
-            }
-        }
-    }
-
-    /// The unit computed after `u` in a forward (`forward` true) or a backward of this stage.
-    /// A backward never gathers the embedding: its gradient needs only the tokens.
-    fn after(&self, u: Unit, forward: bool) -> Option<Unit> {
-        let (layers, head) = (self.layers.len(), self.head.is_some());
-        match (u, forward) {
-            (Unit::Embedding, true) => Some(Unit::Layer(0)),
-            (Unit::Layer(i), true) if i + 1 < layers => Some(Unit::Layer(i + 1)),
-            (Unit::Layer(_), true) => head.then_some(Unit::Head),
-            (Unit::Head, false) => Some(Unit::Layer(layers - 1)),
-            (Unit::Layer(i), false) => i.checked_sub(1).map(Unit::Layer),
-            _ => None,
-        }
-    }
-
-    /// `u`'s whole weights, here before it computes (and, for a backward, its gradients to add
-    /// into); the gather of the unit after it starts now.
-    fn fetch(&mut self, u: Unit, forward: bool) -> Result<()> {
-        let weights = self.weights.clone();
-        weights.gather(&mut self.unit_mut(u))?;
-        if !forward {
-            self.unit_mut(u).into_iter().for_each(Param::ensure_grad);
-        }
-        match self.after(u, forward) {
-            Some(next) => weights.prefetch(&self.unit(next)),
-            None => Ok(()),
-        }
-    }
-
-    /// After `u` computed: its whole weights may go.
-    fn free(&mut self, u: Unit) {
-        let weights = self.weights.clone();
-        weights.release(&mut self.unit_mut(u));
     }
 
     /// Runs `batch` sequences of `tokens.len() / batch` tokens through the whole model; returns
