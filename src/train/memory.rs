@@ -167,9 +167,9 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     };
     let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
                                                                 // backward: what the schedule keeps, and the first block backward's gradients on top of it
-                                                                // (measured: rows × (3 MLP widths + 8 hidden widths): dact, dgate, dup, then the attention's);
-                                                                // the gradients being written, and the bucket filling (stage 0 keeps a bucket per gradient);
-                                                                // FSDP: the unit's gather being unpacked, and the next unit's in flight
+                                                                // (measured: rows × (3 MLP widths + 3 attention widths per tp rank + 5 hidden widths): dact,
+                                                                // dgate, dup, then the attention's); the gradients being written, and the bucket filling
+                                                                // (stage 0 keeps a bucket per gradient); FSDP: the next unit's gather in flight
     let rows = (t.micro_batch_size * t.seq_len / p.cp) as f64;
     let (d, f, v) = (
         cfg.model.hidden_size as f64,
@@ -181,7 +181,8 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     // head's backward (the logits' gradient beside the logits) or in the first block's, after
     // the head's cache went (what `activation_bytes` counts for the head)
     let head = if stage.is_last() { rows * (2.0 * d + v) * e + 2.0 * rows * 4.0 } else { 0.0 };
-    let now = (one + rows * v * e).max(one - head + rows * (3.0 * f + 8.0 * d) * e);
+    let block = rows * (3.0 * f + 3.0 * d / p.tp as f64 + 5.0 * d) * e;
+    let now = (one + rows * v * e).max(one - head + block);
     let activations = one * (in_flight(cfg, stage.index) - 1) as f64 + now;
     // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
