@@ -11,9 +11,10 @@
 //! stage 0      whole                    whole                    whole              16 B (18 on a GPU)
 //! stage 1      whole                    1/dp                     whole              8 + 12/dp
 //! stage 2      whole                    1/dp                     1/dp (+ a layer)   4 + 16/dp
-//! stage 3      1/dp (+ a unit)          1/dp                     1/dp (+ a layer)   20/dp
+//! stage 3      a unit while it computes 1/dp                     1/dp (+ a layer)   16/dp
 //! ```
-//! (f32 compute; a GPU in bf16 keeps a 2 B compute copy instead of 4.)
+//! (f32 compute, bytes per parameter; a GPU in bf16 keeps a 2 B compute copy instead of 4, and
+//! at stage 0 a 4 B master beside it. At stage 3 the unit is gathered from the master chunks.)
 //!
 //! The averaging all-reduce of plain DP becomes its two halves: a **reduce-scatter** gives each
 //! rank the average of its own chunk of every gradient, each rank updates its chunk, and an
