@@ -262,10 +262,14 @@ impl<'g> Llama<'g> {
     }
 
     /// FNV-1a over the bits of every weight, in model order: replicas that agree have equal
-    /// checksums.
+    /// checksums. Under FSDP, whose weights are not kept whole, over this rank's master chunks.
     pub fn checksum(&self) -> u64 {
         let mut h: u64 = 0xcbf29ce484222325;
-        for x in self.params().iter().flat_map(|p| p.value.to_vec()) {
+        let held = |p: &&Param| match (&p.shard, p.value.numel()) {
+            (Some(s), 0) => s.master.to_vec(),
+            _ => p.value.to_vec(),
+        };
+        for x in self.params().iter().flat_map(held) {
             for b in x.to_bits().to_le_bytes() {
                 h = (h ^ b as u64).wrapping_mul(0x100000001b3);
             }
