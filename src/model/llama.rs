@@ -342,7 +342,7 @@ impl<'g> Llama<'g> {
         };
         let seq = x.rows() / batch; // this rank's tokens of each sequence
         let ranks = self.tp.part().1;
-        let cfg = self.cfg.clone();
+        let cfg = &self.cfg;
         let attn = Attn {
             batch,
             seq,
@@ -357,7 +357,7 @@ impl<'g> Llama<'g> {
         for i in 0..self.layers.len() {
             self.fetch(Unit::Layer(i), true)?;
             let split = Splits { tp: &*self.tp, seq: &*self.seq };
-            let (out, cache, work) = self.layers[i].forward(split, x, &cfg, attn, &positions)?;
+            let (out, cache, work) = self.layers[i].forward(split, x, &self.cfg, attn, &positions)?;
             self.free(Unit::Layer(i));
             self.attention_work += work;
             blocks.push(cache);
@@ -369,7 +369,7 @@ impl<'g> Llama<'g> {
         }
         self.fetch(Unit::Head, true)?;
         let h = self.head.as_ref().expect("checked above");
-        let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, cfg.rms_norm_eps);
+        let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, self.cfg.rms_norm_eps);
         let out_layer = h.lm_head.as_ref().or(self.embed_tokens.as_ref()).expect("a tied head has the embedding");
         let logits = ops::linear(&xn, &out_layer.value); // column parallel: this rank's vocabulary slice
         self.free(Unit::Head);

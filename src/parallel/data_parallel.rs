@@ -73,6 +73,8 @@ struct Bucket {
     in_flight: Option<Result<Pending>>,
     /// ZeRO: the values of this rank's chunks of the members, side by side.
     width: usize,
+    /// ZeRO: some member's values do not split evenly over the ranks (its last chunk is padded).
+    padded: bool,
     /// ZeRO: this rank's chunks of the members' averaged gradients, summed over the step's
     /// micro-batches (made by the first reduce-scatter to land, handed over by `finish`).
     sums: Option<Tensor>,
@@ -128,7 +130,8 @@ impl<'g> DataParallel<'g> {
                     let like = &params[members[0].0];
                     // stage 0 keeps its bucket for every step; ZeRO makes one as it starts filling
                     let flat = (stage == 0).then(|| Tensor::zeros_on(&[len], &like.place(), DType::F32));
-                    Bucket { waiting: members.len(), members, flat, in_flight: None, width: len, sums: None }
+                    let padded = members.iter().any(|&(i, _)| params[i].shape().iter().product::<usize>() % ranks != 0);
+                    Bucket { waiting: members.len(), members, flat, in_flight: None, width: len, padded, sums: None }
                 })
                 .collect(),
             _ => Vec::new(), // nothing to pack: naive mode, or alone
@@ -151,11 +154,20 @@ impl<'g> DataParallel<'g> {
             ops::copy(&p.grad, 0, flat, offset, p.grad.numel());
         } else {
             let width = bucket.width;
-            let flat = bucket.flat.get_or_insert_with(|| Tensor::zeros_as(&[width * group.size()], &p.grad));
+            let (ranks, padded) = (group.size(), bucket.padded);
+            // written whole, unless a member's last chunk is padded: then zeros under the padding
+            let make = |like| {
+                if padded {
+                    Tensor::zeros_as(&[width * ranks], like)
+                } else {
+                    Tensor::empty_as(&[width * ranks], like)
+                }
+            };
+            let flat = bucket.flat.get_or_insert_with(|| make(&p.grad));
             let (n, c) = (p.grad.numel(), chunk(p.grad.numel(), group.size()));
+            // rank-major: rank r's chunk of every member side by side, then rank r + 1's
             for r in 0..group.size() {
                 ops::copy(&p.grad, r * c, flat, r * width + offset, real(n, c, r));
-                // rank-major
             }
             if stage >= 2 {
                 p.grad = Tensor::zeros(&[0]); // handed over: the full gradient is not kept

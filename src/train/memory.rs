@@ -68,25 +68,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
 /// Weights of the busiest stage on one tp rank: matrices are split over tp, norms are whole.
 /// Counted from one layer's tensors times the stage's layers, so any depth costs nothing.
 pub fn weights_per_rank(m: &ModelConfig, tp: usize, pp: usize) -> f64 {
-    let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
-    let on_rank =
-        |s: &[usize]| s.iter().map(|&x| x as f64).product::<f64>() / if s.len() == 2 { tp as f64 } else { 1.0 };
-    let (mut layer, mut first, mut last) = (0.0, 0.0, 0.0);
-    for (name, shape) in Llama::tensor_shapes(&one_layer, Stage::WHOLE) {
-        let part = match name.as_str() {
-            n if n.starts_with("model.layers.") => &mut layer,
-            "model.embed_tokens.weight" => &mut first,
-            _ => &mut last, // the final norm and the output layer
-        };
-        *part += on_rank(&shape);
-    }
-    (0..pp)
-        .map(|index| {
-            let stage = Stage { index, count: pp };
-            let ends = if stage.is_first() { first } else { 0.0 } + if stage.is_last() { last } else { 0.0 };
-            stage.layers(m.num_hidden_layers).len() as f64 * layer + ends
-        })
-        .fold(0.0, f64::max)
+    (0..pp).map(|index| sizes(m, tp, Stage { index, count: pp }, 1).0).fold(0.0, f64::max)
 }
 
 /// One rank's memory by what holds it, in bytes (`ferrotron memory`).
@@ -95,13 +77,13 @@ pub struct RankMemory {
     pub rank: usize,
     /// What the forward reads (the compute copies, whole or a gathered unit) and the fp32 masters.
     pub weights_bytes: f64,
-    /// Full gradients, and under ZeRO the averaged chunks.
+    /// Full gradients (under ZeRO-2/3 a unit's), and under ZeRO the averaged chunks' sums.
     pub grads_bytes: f64,
     /// AdamW's two moments.
     pub optimizer_bytes: f64,
     /// What the schedule keeps for backward at its peak, and the head's gradients then.
     pub activations_bytes: f64,
-    /// Gradient buckets and their reduce-scatter sums, FSDP's gather buffers.
+    /// Gradient buckets being filled or reduced, weight gathers in flight.
     pub comm_bytes: f64,
     pub total_bytes: f64,
     /// `--measure`: the most bytes the rank's tensors held at once in a training step.
@@ -110,9 +92,10 @@ pub struct RankMemory {
 }
 
 /// Every rank's memory for `cfg`, estimated from the shapes (nothing is allocated), at the
-/// busiest moment of a step: the first block backward of the last micro-batch (every activation
-/// still held), or under ZeRO-1/2 the all-gather of the updated weights after the optimizer,
-/// whichever holds more. Ranks that differ only in dp, cp or tp index hold the same; the
+/// busiest moment of a step: the first block backward (every activation still held); under ZeRO
+/// also the second block backward (with the bucket the first filled), the end of a backward (the
+/// chunk sums and the buckets in flight) and, at stages 1–2, the all-gather of the updated
+/// weights after the optimizer — whichever holds most. Ranks that differ only in dp, cp or tp index hold the same; the
 /// pipeline stage decides.
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
@@ -121,17 +104,17 @@ pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
 }
 
-/// Values of a rank of `stage`: (whole, in ZeRO chunks over `z` ranks, the largest FSDP unit a
-/// block backward may hold beside every activation (not the embedding), the largest unit).
-/// Counted from one layer's tensors times the stage's layers, in f64: any depth and any absurd
-/// size cost nothing and never overflow.
-fn sizes(cfg: &Config, stage: Stage, z: usize) -> (f64, f64, f64, f64) {
-    let one_layer = ModelConfig { num_hidden_layers: 1, ..cfg.model.clone() };
+/// Values of a rank of `stage` with `tp` tensor-parallel ranks: (whole, in ZeRO chunks over `z`
+/// ranks, the largest FSDP unit a block backward may hold beside every activation (not the
+/// embedding), the largest unit). Counted from one layer's tensors times the stage's layers, in
+/// f64: any depth and any absurd size cost nothing and never overflow.
+fn sizes(m: &ModelConfig, tp: usize, stage: Stage, z: usize) -> (f64, f64, f64, f64) {
+    let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
     // (values, values in chunks) of the embedding, of one block, of the head
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
     for (name, shape, split) in Llama::tensor_splits(&one_layer, Stage::WHOLE) {
-        let n = shape.iter().map(|&x| x as f64).product::<f64>()
-            / if split == Split::Replicated { 1.0 } else { cfg.parallel.tp as f64 };
+        let n =
+            shape.iter().map(|&x| x as f64).product::<f64>() / if split == Split::Replicated { 1.0 } else { tp as f64 };
         let part = match name.as_str() {
             n if n.starts_with("model.layers.") => &mut layer,
             "model.embed_tokens.weight" => &mut embed,
@@ -139,12 +122,12 @@ fn sizes(cfg: &Config, stage: Stage, z: usize) -> (f64, f64, f64, f64) {
         };
         *part = (part.0 + n, part.1 + (n / z as f64).ceil());
     }
-    let layers = stage.layers(cfg.model.num_hidden_layers).len() as f64;
+    let layers = stage.layers(m.num_hidden_layers).len() as f64;
     let (first, last) = (stage.is_first() as u8 as f64, stage.is_last() as u8 as f64);
     let whole = layers * layer.0 + first * embed.0 + last * head.0;
     let chunks = layers * layer.1 + first * embed.1 + last * head.1;
     // the head gathers the embedding it shares when they are tied
-    let head_unit = last * (head.0 + if cfg.model.tie_word_embeddings { embed.0 } else { 0.0 });
+    let head_unit = last * (head.0 + if m.tie_word_embeddings { embed.0 } else { 0.0 });
     let unit = layer.0.max(head_unit);
     (whole, chunks, unit, unit.max(first * embed.0))
 }
@@ -154,11 +137,11 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 }; // bytes of a compute copy
     let z = p.dp * p.cp; // the ranks that share the replicated state
     let zero = if z > 1 { p.zero_stage } else { 0 };
-    let (whole, chunks, unit, any_unit) = sizes(cfg, stage, z);
+    let (whole, chunks, unit, any_unit) = sizes(&cfg.model, p.tp, stage, z);
     let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks); // values of one bucket
-                                                                             // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW moments,
-                                                                             // the compute copies between uses (none under FSDP)
-                                                                             // two moments of 4 B, or of 2 B in bf16 on a GPU (the CPU keeps bf16 values in f32)
+                                                                             // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW's two
+                                                                             // moments (of 4 B, or 2 B in bf16 on a GPU: the CPU keeps bf16 values in f32), the compute
+                                                                             // copies between uses (none under FSDP)
     let on_gpu = cfg.device.kind == crate::config::DeviceKind::Cuda;
     let moments = if on_gpu && t.optimizer_dtype.dtype() == DType::Bf16 { 4.0 } else { 8.0 };
     let (master, optimizer) = match zero {
