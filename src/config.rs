@@ -74,6 +74,18 @@ pub struct TrainConfig {
     pub grad_clip: f32,
     /// What AdamW keeps its moments in: `f32`, or `bf16` (half the optimizer's memory).
     pub optimizer_dtype: MomentsDtype,
+    /// What each block keeps for backward (`model/block.rs`): `none` (everything), `selective`
+    /// (not the attention core's output: recomputed from q, k, v), `full` (its input only:
+    /// backward runs the block's forward again).
+    pub recompute: Recompute,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    None,
+    Selective,
+    Full,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
@@ -99,6 +111,9 @@ pub struct ParallelConfig {
     pub tp: usize,
     pub pp: usize,
     pub cp: usize,
+    /// With tp > 1: the norms and residuals between the tp layers hold 1/tp of the rows, an
+    /// all-gather and a reduce-scatter replacing each all-reduce (`parallel/sequence_parallel.rs`).
+    pub sequence_parallel: bool,
     pub pp_schedule: PpSchedule,
     /// How context parallelism cuts each sequence: `zigzag` (balanced) or `contiguous`.
     pub cp_split: CpSplit,
@@ -379,6 +394,15 @@ impl Config {
         ] {
             if !v.is_multiple_of(p.tp) {
                 bail!("parallel.tp = {} does not divide model.{key} = {v}: tensor parallelism gives each rank whole attention heads, whole KV heads, and equal slices of the MLP and the vocabulary; choose a tp that divides all four", p.tp);
+            }
+        }
+        if p.sequence_parallel {
+            if p.tp == 1 {
+                bail!("parallel.sequence_parallel = true with parallel.tp = 1: sequence parallelism splits the rows between the tensor-parallel layers over the tp ranks; set parallel.tp > 1 or sequence_parallel = false");
+            }
+            let rows = t.micro_batch_size * t.seq_len / p.cp;
+            if !rows.is_multiple_of(p.tp) {
+                bail!("parallel.sequence_parallel = true: a micro-batch's {rows} rows per rank (train.micro_batch_size × train.seq_len / parallel.cp) do not split into parallel.tp = {} equal parts; choose sizes whose product divides by tp", p.tp);
             }
         }
         if !(p.bucket_mb > 0.0 && p.bucket_mb <= 1e6) {

@@ -4,6 +4,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use ferrotron::checkpoint::hf;
+use ferrotron::comm::cost::Link;
 use ferrotron::comm::launcher;
 use ferrotron::comm::trace::Trace;
 use ferrotron::commands::{bench, converge, doctor, eval, memory, schedule};
@@ -47,6 +48,14 @@ enum Command {
         /// checkpoint's run (they are named either way).
         #[arg(long, requires = "resume")]
         allow_changes: bool,
+        /// After training, print each axis's calls, bytes and time per step, next to what the
+        /// α–β model predicts on --link.
+        #[arg(long)]
+        comm_report: bool,
+        /// The link the comm report's model assumes: nvlink (450 GB/s, 3 µs), pcie (25 GB/s,
+        /// 10 µs) or ib (50 GB/s, 5 µs).
+        #[arg(long, default_value = "nvlink", value_parser = ["nvlink", "pcie", "ib"], requires = "comm_report")]
+        link: String,
     },
     /// Run the single-rank baseline and parallel variants with the same seed and global batch;
     /// compare their loss curves.
@@ -151,7 +160,7 @@ enum Command {
 
 fn run(cli: Cli) -> Result<Exit> {
     match cli.command {
-        Command::Train { config, sets, metrics, trace, resume, allow_changes } => {
+        Command::Train { config, sets, metrics, trace, resume, allow_changes, comm_report, link } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
             if let Some(path) = &trace {
                 ferrotron::files::check_writable(path).context("--trace")?; // before, not after, training
@@ -164,6 +173,7 @@ fn run(cli: Cli) -> Result<Exit> {
                 resume: resume.as_deref(),
                 allow_changes,
                 stop_on_signal: true,
+                comm_report: comm_report.then(|| Link::parse(&link)).flatten(),
                 ..Default::default()
             };
             let s = train::train(&cfg, opts)?;

@@ -41,6 +41,7 @@ use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::{bucket_values, DataParallel};
 use crate::parallel::pipeline_parallel::{self, StepPlan};
 use crate::parallel::process_grid::Axis;
+use crate::parallel::sequence_parallel;
 use crate::parallel::zero;
 use anyhow::Result;
 use run::{Run, Start, StepEnd, Watch};
@@ -102,7 +103,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             }
             (loss, 1) // one micro-batch's activations held at a time
         } else {
-            let hidden = [t.micro_batch_size * t.seq_len / cfg.parallel.cp, cfg.model.hidden_size];
+            // what travels between stages: this rank's rows (of them, 1/tp with sequence parallelism)
+            let rows = t.micro_batch_size * t.seq_len / cfg.parallel.cp / if p.sequence_parallel { p.tp } else { 1 };
+            let hidden = [rows, cfg.model.hidden_size];
             let (kind, record) = (cfg.parallel.pp_schedule, &|name, span| watch.span(name, span));
             let plan = StepPlan { kind, micro_batches: m, batch: t.micro_batch_size, hidden, data: &batch, record };
             let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p, last| dp_sync.grad_ready(p, last))?;
@@ -110,6 +113,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         };
         let span = Instant::now();
         dp_sync.finish(&mut model.params_mut())?; // every gradient (ZeRO: chunk) is now the dp average
+        if p.sequence_parallel {
+            sequence_parallel::sum_replicated_grads(&mut model.params_mut(), tp)?; // the norms saw 1/tp of the rows
+        }
         let held = memory::held(&model, &optimizer); // what weights, gradients and AdamW hold now
         watch.span("wait for gradients".into(), span);
         // the last stage knows the loss; every rank logs the mean over the global batch
@@ -142,5 +148,5 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             break;
         }
     }
-    watch.finish(&model)
+    watch.finish(me, &model)
 }

@@ -29,7 +29,16 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "cuda::ops", "ops"]),
     (
         "comm",
-        &["comm::device_link", "comm::trace", "comm::local", "comm", "comm::tensors", "cuda::nccl", "comm::launcher"],
+        &[
+            "comm::device_link",
+            "comm::cost",
+            "comm::trace",
+            "comm::local",
+            "comm",
+            "comm::tensors",
+            "cuda::nccl",
+            "comm::launcher",
+        ],
     ),
     (
         "model",
@@ -51,6 +60,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         &[
             "parallel::data_parallel",
             "parallel::tensor_parallel",
+            "parallel::sequence_parallel",
             "parallel::pipeline_parallel",
             "parallel::context_parallel",
             "parallel::zero",
@@ -78,7 +88,7 @@ const LAYERS: &[(&str, &[&str])] = &[
 /// Modules that must not name CUDA (`crate::cuda`, `cudarc`): the CPU lessons and the
 /// collective API. `x::` means the folder x and everything in it.
 const NO_CUDA: &[&str] =
-    &["model::", "parallel::", "train", "comm", "comm::local", "comm::trace", "comm::device_link", "comm::tensors"];
+    &["model::", "parallel::", "train", "comm", "comm::local", "comm::trace", "comm::device_link", "comm::tensors", "comm::cost"];
 
 /// Every module of `src/` (path like `model::block`) with its source.
 fn sources() -> BTreeMap<String, String> {

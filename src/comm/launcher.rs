@@ -13,6 +13,7 @@
 //! message. Nobody hangs.
 
 use crate::comm::local::Hub;
+use crate::comm::cost::{AxisTally, Call};
 use crate::comm::trace::Trace;
 use crate::comm::{Group, Stream};
 use crate::config::{CommBackend, Config, DeviceKind};
@@ -129,6 +130,26 @@ impl Rank {
     /// Records every collective and message of this rank's groups on its comm lane of `trace`.
     pub fn trace_to(&self, trace: &Trace) -> Result<()> {
         self.groups.iter().try_for_each(|(_, g)| g.trace_to(trace, self.rank))
+    }
+
+    /// Times this rank's GPU calls from now on (the comm report).
+    pub fn time_calls(&self) -> Result<()> {
+        self.groups.iter().try_for_each(|(_, g)| g.time_calls())
+    }
+
+    /// What this rank's groups counted since the last call, per axis and kind of call.
+    pub fn comm_tallies(&self) -> Vec<AxisTally> {
+        let mut all = Vec::new();
+        for (axis, g) in &self.groups {
+            let tallies = g.ledger().take();
+            for call in Call::ALL {
+                let tally = tallies[call as usize];
+                if tally.calls > 0 {
+                    all.push(AxisTally { axis: axis.name(), ranks: g.size(), call, tally });
+                }
+            }
+        }
+        all
     }
 }
 

@@ -196,6 +196,18 @@ impl Hub {
 }
 
 impl Op {
+    /// Its row of the cost table (`comm/cost.rs`); a barrier moves no data.
+    pub(crate) fn call(&self) -> Option<super::cost::Call> {
+        use super::cost::Call;
+        match self {
+            Op::AllReduce(_) => Some(Call::AllReduce),
+            Op::AllGather => Some(Call::AllGather),
+            Op::ReduceScatter(_) => Some(Call::ReduceScatter),
+            Op::Broadcast { .. } => Some(Call::Broadcast),
+            Op::Barrier => None,
+        }
+    }
+
     pub(crate) fn name(&self) -> String {
         match self {
             Op::AllReduce(r) => format!("all_reduce({r:?})").to_lowercase(),

@@ -22,6 +22,7 @@
 //! `_tensor` forms of `comm/tensors.rs`, which take the same road for CPU tensors and, for GPU
 //! tensors on the `nccl` backend, stay on the GPU through the group's NCCL link.
 
+pub mod cost;
 pub mod device_link;
 pub mod launcher;
 pub mod local;
@@ -36,6 +37,7 @@ use local::{reduce, GroupInfo, Hub, Op};
 /// `ops/types.rs`, so that every backend reaches it).
 pub use crate::ops::types::ReduceOp;
 
+use cost::{Call, Ledger};
 use device_link::DeviceLink;
 use std::cell::OnceCell;
 use std::collections::HashMap;
@@ -105,6 +107,8 @@ pub struct Group {
     trace: OnceLock<(Trace, usize)>,
     /// How GPU tensors travel without the host, on the `nccl` backend (`comm/tensors.rs`).
     device: OnceCell<Box<dyn DeviceLink>>,
+    /// This member's calls, bytes and their time, per kind of call (`comm/cost.rs`).
+    ledger: Arc<Ledger>,
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
@@ -132,7 +136,8 @@ impl Group {
         let index = ranks.iter().position(|&r| r == rank).expect("a rank belongs to its own groups");
         let info = Arc::new(GroupInfo { name, ranks, index });
         let (calls, messages) = (Mutex::new(0), Mutex::new(HashMap::new()));
-        Group { info, hub, stream, calls, messages, trace: OnceLock::new(), device: OnceCell::new() }
+        let (trace, device, ledger) = (OnceLock::new(), OnceCell::new(), Arc::default());
+        Group { info, hub, stream, calls, messages, trace, device, ledger }
     }
 
     /// Records every later call of this member (collective or message) as a span on global
@@ -152,6 +157,16 @@ impl Group {
         self.device.get().map_or(Ok(()), |link| link.time_calls())
     }
 
+    /// From now on, GPU calls are timed too (for the comm report; a traced run times them anyway).
+    pub fn time_calls(&self) -> Result<()> {
+        self.device.get().map_or(Ok(()), |link| link.time_calls())
+    }
+
+    /// What this member's calls have cost so far (`comm/cost.rs`).
+    pub fn ledger(&self) -> &Ledger {
+        &self.ledger
+    }
+
     pub fn name(&self) -> &str {
         &self.info.name
     }
@@ -168,21 +183,26 @@ impl Group {
     }
 
     /// Queues `job` on the communication thread; the handle yields its result. `what` names the
-    /// call in the trace, and is only made when the run is traced.
+    /// call in the trace, and is only made when the run is traced; the time the job takes goes
+    /// to the ledger under `call`.
     fn submit<R: Send + 'static>(
         &self,
+        call: Option<Call>,
         what: impl FnOnce() -> String,
         job: impl FnOnce(&Hub, &GroupInfo) -> Result<R> + Send + 'static,
     ) -> Handle<R> {
         let (tx, rx) = mpsc::channel();
         let trace = self.trace.get().map(|(trace, rank)| (trace.clone(), *rank, what()));
-        let (hub, info) = (self.hub.clone(), self.info.clone());
+        let (hub, info, ledger) = (self.hub.clone(), self.info.clone(), self.ledger.clone());
         let issued = Instant::now();
         // if the thread is gone, the handle's wait reports it
         let _ = self.stream.jobs.send(Box::new(move || {
             let start = Instant::now();
             let result = job(&hub, &info);
             let end = Instant::now();
+            if let Some(call) = call {
+                ledger.took(call, (end - start).as_secs_f64());
+            }
             if let Some((trace, rank, what)) = trace {
                 trace.record(rank, Lane::Comm, format!("{what} {}", info.name), issued, start, end);
             }
@@ -218,6 +238,7 @@ impl Group {
     ) -> Handle<Vec<T>> {
         let (seq, n) = (self.next_call(), data.len());
         self.submit(
+            op.call(),
             || format!("{} of {}", op.name(), values(n)),
             move |hub, g| Ok(narrow(&finish(hub.exchange(g, seq, op, data)?, g)?)),
         )
@@ -256,7 +277,7 @@ impl Group {
 
     pub fn barrier_async(&self) -> Handle<()> {
         let seq = self.next_call();
-        self.submit(|| Op::Barrier.name(), move |hub, g| hub.exchange(g, seq, Op::Barrier, Vec::new()).map(|_| ()))
+        self.submit(None, || Op::Barrier.name(), move |hub, g| hub.exchange(g, seq, Op::Barrier, Vec::new()).map(|_| ()))
     }
 
     /// Sends `data` to member `to` (a place in the group). Buffered: it does not wait for the recv.
@@ -265,6 +286,7 @@ impl Group {
         let data = widen(data);
         let n = data.len();
         self.submit(
+            Some(Call::P2p),
             || format!("send of {} to {to}", values(n)),
             move |hub, g| {
                 g.member(to, "send")?;
@@ -278,6 +300,7 @@ impl Group {
     pub fn recv_async<T: Element>(&self, len: usize, from: usize) -> Handle<Vec<T>> {
         let key = self.mail_key(Direction::In, from);
         self.submit(
+            Some(Call::P2p),
             || format!("recv of {} from {from}", values(len)),
             move |hub, g| Ok(narrow(&hub.take(key, len, g.member(from, "recv")?)?)),
         )
@@ -290,7 +313,7 @@ impl Group {
         let data = widen(data);
         let n = data.len();
         let what = || format!("send_recv of {} to {to}, {} from {from}", values(n), values(len));
-        self.submit(what, move |hub, g| {
+        self.submit(Some(Call::P2p), what, move |hub, g| {
             let sender = g.member(from, "send_recv")?;
             g.member(to, "send_recv")?;
             hub.post(out, data);

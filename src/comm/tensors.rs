@@ -21,6 +21,7 @@
 //! NCCL reads or writes on the comm stream cannot be dropped (and its memory reused by the
 //! compute stream) while the call is in flight.
 
+use super::cost::{self, Call};
 use super::device_link::{DeviceLink, Fence};
 use super::local::Op;
 use super::{values, Group, Handle, ReduceOp};
@@ -79,22 +80,36 @@ impl Group {
     }
 
     /// The fence's wait. In a traced run the call also goes on the comm lane, named like the
-    /// hub's calls and "(NCCL)", with the times the GPU ran it.
-    fn traced(&self, what: impl FnOnce() -> String, fence: Fence) -> Wait {
-        if let (Some((trace, rank)), Some(ran)) = (self.trace.get(), fence.1) {
-            trace.record_later(*rank, format!("{} {} (NCCL)", what(), self.name()), Instant::now(), ran);
+    /// hub's calls and "(NCCL)", with the times the GPU ran it; when the link times its calls,
+    /// that time also goes to the ledger.
+    fn traced(&self, call: Call, what: impl FnOnce() -> String, fence: Fence) -> Wait {
+        if let Some(ran) = fence.1 {
+            let ran = cost::shared(ran);
+            if let Some((trace, rank)) = self.trace.get() {
+                let ran = ran.clone();
+                trace.record_later(*rank, format!("{} {} (NCCL)", what(), self.name()), Instant::now(), Box::new(ran));
+            }
+            self.ledger.took_later(call, Box::new(ran));
         }
         fence.0
     }
 
+    /// Counts a call of `bytes` (B in `comm/cost.rs`) in the ledger; a group of one moves nothing.
+    fn count(&self, call: Call, bytes: usize) {
+        if self.size() > 1 {
+            self.ledger.count(call, bytes);
+        }
+    }
+
     /// Starts an in-place all-reduce of `t` over the group.
     pub fn all_reduce_tensor_async(&self, mut t: Tensor, op: ReduceOp) -> Result<Pending> {
+        self.count(Call::AllReduce, sent(&t));
         let how = match self.link_for(&t) {
             _ if self.size() == 1 => How::Done,
             Some(link) => {
                 let n = t.numel();
                 let what = || format!("{} of {}", Op::AllReduce(op).name(), values(n));
-                How::Device(self.traced(what, link.all_reduce(&mut t, op)?))
+                How::Device(self.traced(Call::AllReduce, what, link.all_reduce(&mut t, op)?))
             }
             None => How::Host(self.all_reduce_async(&t.host_view(), op)),
         };
@@ -103,12 +118,13 @@ impl Group {
 
     /// `t` becomes the reduction of every member's `t`.
     pub fn all_reduce_tensor(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        self.count(Call::AllReduce, sent(t));
         match self.link_for(t) {
             _ if self.size() == 1 => Ok(()),
             Some(link) => {
                 let n = t.numel();
                 let what = || format!("{} of {}", Op::AllReduce(op).name(), values(n));
-                self.traced(what, link.all_reduce(t, op)?)()
+                self.traced(Call::AllReduce, what, link.all_reduce(t, op)?)()
             }
             None => t.update_host(|v| self.all_reduce(v, op)), // in place on the CPU
         }
@@ -131,10 +147,11 @@ impl Group {
         let mut shape = t.shape().to_vec();
         shape[0] *= self.size();
         let mut into = Tensor::empty_as(&shape, t); // written whole
+        self.count(Call::AllGather, sent(&into));
         let how = match self.link_for(t) {
             Some(link) => {
                 let what = || format!("all_gather of {}", values(t.numel()));
-                How::Device(self.traced(what, link.all_gather(t, &mut into)?))
+                How::Device(self.traced(Call::AllGather, what, link.all_gather(t, &mut into)?))
             }
             None => How::Host(self.all_gather_async(&t.host_view())),
         };
@@ -161,10 +178,11 @@ impl Group {
         }
         shape[0] /= n;
         let mut into = Tensor::empty_as(&shape, t); // written whole
+        self.count(Call::ReduceScatter, sent(t));
         let how = match self.link_for(t) {
             Some(link) => {
                 let what = || format!("{} of {}", Op::ReduceScatter(op).name(), values(t.numel()));
-                How::Device(self.traced(what, link.reduce_scatter(t, &mut into, op)?))
+                How::Device(self.traced(Call::ReduceScatter, what, link.reduce_scatter(t, &mut into, op)?))
             }
             None => How::Host(self.reduce_scatter_async(&t.host_view(), op)),
         };
@@ -176,11 +194,12 @@ impl Group {
         if self.size() == 1 {
             return Ok(()); // alone: nothing to move (and on a GPU, no wait for it)
         }
+        self.count(Call::Broadcast, sent(t));
         match self.link_for(t) {
             Some(link) => {
                 let n = t.numel();
                 let what = || format!("{} of {}", Op::Broadcast { root }.name(), values(n));
-                self.traced(what, link.broadcast(t, root)?)()
+                self.traced(Call::Broadcast, what, link.broadcast(t, root)?)()
             }
             None => {
                 let values = self.broadcast_async(&t.host_view(), root).wait()?;
@@ -192,10 +211,11 @@ impl Group {
 
     /// Sends `t` to member `to`.
     pub fn send_tensor(&self, t: &Tensor, to: usize) -> Result<()> {
+        self.count(Call::P2p, sent(t));
         match self.link_for(t) {
             Some(link) => {
                 let what = || format!("send of {} to {to}", values(t.numel()));
-                self.traced(what, link.send_recv(Some((t, to)), None)?)()
+                self.traced(Call::P2p, what, link.send_recv(Some((t, to)), None)?)()
             }
             None => self.send(&t.host_view(), to),
         }
@@ -210,10 +230,11 @@ impl Group {
 
     /// Receives member `from`'s tensor into `t` (its shape, place and dtype are the sender's).
     pub fn recv_tensor_into(&self, t: &mut Tensor, from: usize) -> Result<()> {
+        self.count(Call::P2p, sent(t));
         match self.link_for(t) {
             Some(link) => {
                 let n = t.numel();
-                self.traced(|| format!("recv of {} from {from}", values(n)), link.send_recv(None, Some((t, from)))?)()
+                self.traced(Call::P2p, || format!("recv of {} from {from}", values(n)), link.send_recv(None, Some((t, from)))?)()
             }
             None => {
                 t.write(&self.recv(t.numel(), from)?);
@@ -227,6 +248,7 @@ impl Group {
     /// does.
     pub fn send_recv_tensor_async(&self, send: Tensor, to: usize, shape: &[usize], from: usize) -> Result<Pending> {
         let place = send.place();
+        self.count_send_recv(&send, shape);
         let Some(link) = self.link_on(&place) else {
             let values = self.send_recv_async(&send.host_view(), to, shape.iter().product(), from);
             let landing = Tensor::empty_on(shape, &place, place.dtype());
@@ -234,22 +256,34 @@ impl Group {
         };
         let mut recv = Tensor::empty_on(shape, &place, place.dtype());
         let what = send_recv_name((send.numel(), to), (recv.numel(), from));
-        let wait = self.traced(what, link.send_recv(Some((&send, to)), Some((&mut recv, from)))?);
+        let wait = self.traced(Call::P2p, what, link.send_recv(Some((&send, to)), Some((&mut recv, from)))?);
         Ok(Pending { tensor: recv, how: How::Device(wait), _sent: Some(send) })
     }
 
     /// `send_recv_tensor_async`, waited for.
     pub fn send_recv_tensor(&self, send: &Tensor, to: usize, shape: &[usize], from: usize) -> Result<Tensor> {
         let place = send.place();
+        self.count_send_recv(send, shape);
         let Some(link) = self.link_on(&place) else {
             let values = self.send_recv(&send.host_view(), to, shape.iter().product(), from)?;
             return Ok(Tensor::from_host(shape, values, &place));
         };
         let mut recv = Tensor::empty_on(shape, &place, place.dtype());
         let what = send_recv_name((send.numel(), to), (recv.numel(), from));
-        self.traced(what, link.send_recv(Some((send, to)), Some((&mut recv, from)))?)()?;
+        self.traced(Call::P2p, what, link.send_recv(Some((send, to)), Some((&mut recv, from)))?)()?;
         Ok(recv)
     }
+
+    /// A send_recv moves both ways at once: its B is the larger direction (in the sent dtype).
+    fn count_send_recv(&self, send: &Tensor, shape: &[usize]) {
+        let received = shape.iter().product::<usize>() * send.place().dtype().size();
+        self.count(Call::P2p, sent(send).max(received));
+    }
+}
+
+/// The bytes a tensor is as a message: its numbers in the dtype the kernels read.
+fn sent(t: &Tensor) -> usize {
+    t.numel() * t.dtype().size()
 }
 
 /// A traced send_recv's name, made only when the run is traced.

@@ -37,11 +37,11 @@ pub fn parse_variants(spec: &str) -> Result<Vec<Variant>> {
             let key = key.trim();
             let full = match key {
                 _ if key.contains('.') => key.to_string(),
-                "dp" | "tp" | "pp" | "cp" | "pp_schedule" | "cp_split" | "dp_mode" | "bucket_mb" | "zero_stage" | "backend" => {
+                "dp" | "tp" | "pp" | "cp" | "sequence_parallel" | "pp_schedule" | "cp_split" | "dp_mode" | "bucket_mb" | "zero_stage" | "backend" => {
                     format!("parallel.{key}")
                 }
                 "grad_accum_steps" | "micro_batch_size" => format!("train.{key}"),
-                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, pp_schedule, cp_split, dp_mode, bucket_mb, zero_stage, backend, grad_accum_steps, micro_batch_size"),
+                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, sequence_parallel, pp_schedule, cp_split, dp_mode, bucket_mb, zero_stage, backend, grad_accum_steps, micro_batch_size"),
             };
             sets.push(format!("{full}={}", value.trim()));
         }

@@ -5,14 +5,18 @@
 //!    └──────────────────────────────────────────────┘   └─────────────────────────────────────┘
 //! ```
 //! `forward` keeps what `backward` needs (the `BlockCache`); `backward` walks the picture right to
-//! left, returning dx and adding into each parameter's gradient. The linear layers are cut as
+//! left, returning dx and adding into each parameter's gradient. How much is kept is
+//! `train.recompute` (`Kept`): everything; everything but the attention core's output, which
+//! backward computes again from q, k and v (selective, as Megatron does); or only the block's
+//! input, from which backward runs the whole forward again (full). Memory for compute: the
+//! activations kept per block fall from ~(6d + 2·kv + 3f)·rows to d·rows, for one more forward. The linear layers are cut as
 //! Megatron cuts them: q, k, v, gate and up column parallel (each rank its heads and MLP
 //! features), o and down row parallel. Where the ranks must talk, the block asks its
 //! `TensorSplit` (2 sums forward: after o and after down; 2 backward: the input gradients of
 //! q|k|v and of gate|up) and its `SequenceSplit` (attention over the whole sequence). On one rank
 //! (`Whole`) every one of those calls is local and this is the plain dense block.
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, Recompute};
 use crate::model::param::{Param, ParamKind, Split};
 use crate::model::split::{SequenceSplit, TensorSplit};
 use crate::ops::tensor::Tensor;
@@ -39,8 +43,8 @@ pub(crate) struct BlockCache {
     q: Tensor,
     k: Tensor,
     v: Tensor,
-    attn: Tensor,
-    lse: Tensor,
+    /// The attention's output and log-sum-exp; `None` when backward computes them again.
+    core: Option<(Tensor, Tensor)>,
     h: Tensor,
     xn2: Tensor,
     rstd2: Tensor,
@@ -51,10 +55,28 @@ pub(crate) struct BlockCache {
 
 impl BlockCache {
     /// The bytes these activations occupy.
-    pub(crate) fn bytes(&self) -> usize {
-        let all = [&self.x, &self.xn1, &self.rstd1, &self.q, &self.k, &self.v, &self.attn, &self.lse];
+    fn bytes(&self) -> usize {
+        let all = [&self.x, &self.xn1, &self.rstd1, &self.q, &self.k, &self.v];
         let more = [&self.h, &self.xn2, &self.rstd2, &self.gate, &self.up, &self.act];
-        all.iter().chain(&more).map(|t| t.bytes()).sum()
+        let core = self.core.as_ref().map_or(0, |(o, l)| o.bytes() + l.bytes());
+        all.iter().chain(&more).map(|t| t.bytes()).sum::<usize>() + core
+    }
+}
+
+/// What a block keeps from its forward for its backward.
+pub(crate) enum Kept {
+    /// Every activation backward reads (`none`), or all but the attention core's (`selective`).
+    Cache(BlockCache),
+    /// The block's input alone (`full`): backward runs the forward again first.
+    Input(Tensor),
+}
+
+impl Kept {
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Kept::Cache(c) => c.bytes(),
+            Kept::Input(x) => x.bytes(),
+        }
     }
 }
 
@@ -118,8 +140,29 @@ impl Block {
         ]
     }
 
-    /// Returns the output, the cache and the attention work.
+    /// Returns the output, what `recompute` says to keep for backward, and the attention work.
     pub(crate) fn forward(
+        &self,
+        split: Splits,
+        x: Tensor,
+        (cfg, recompute): (&ModelConfig, Recompute),
+        attn: Attn,
+        positions: &[u32],
+    ) -> Result<(Tensor, Kept, u64)> {
+        let (out, mut cache, work) = self.run(split, x, cfg, attn, positions)?;
+        let kept = match recompute {
+            Recompute::None => Kept::Cache(cache),
+            Recompute::Selective => {
+                cache.core = None; // scores and softmax again in backward; the GEMM outputs stay
+                Kept::Cache(cache)
+            }
+            Recompute::Full => Kept::Input(cache.x), // the rest is dropped here
+        };
+        Ok((out, kept, work))
+    }
+
+    /// The forward itself, keeping everything.
+    fn run(
         &self,
         split: Splits,
         x: Tensor,
@@ -130,9 +173,11 @@ impl Block {
         let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, split.tp);
         // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
         let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
-        let mut q = ops::linear(&xn1, &self.q_proj.value);
-        let mut k = ops::linear(&xn1, &self.k_proj.value);
-        let v = ops::linear(&xn1, &self.v_proj.value);
+        let xin = tp.gather_rows(&xn1)?; // sequence parallel: every row (else xn1 itself)
+        let mut q = ops::linear(&xin, &self.q_proj.value);
+        let mut k = ops::linear(&xin, &self.k_proj.value);
+        let v = ops::linear(&xin, &self.v_proj.value);
+        drop(xin);
         ops::rope(&mut q, positions, hd, theta);
         ops::rope(&mut k, positions, hd, theta);
         let (attn_out, lse, work) = split.seq.attention(attn, &q, &k, &v, &positions[..attn.seq])?;
@@ -140,12 +185,15 @@ impl Block {
         ops::add_assign(&mut h, &x);
         // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
         let (xn2, rstd2) = ops::rmsnorm(&h, &self.post_attention_layernorm.value, eps);
-        let gate = ops::linear(&xn2, &self.gate_proj.value);
-        let up = ops::linear(&xn2, &self.up_proj.value);
+        let xin = tp.gather_rows(&xn2)?;
+        let gate = ops::linear(&xin, &self.gate_proj.value);
+        let up = ops::linear(&xin, &self.up_proj.value);
+        drop(xin);
         let act = ops::swiglu(&gate, &up);
         let mut out = tp.row_forward(&act, &self.down_proj)?; // g
         ops::add_assign(&mut out, &h);
-        let cache = BlockCache { x, xn1, rstd1, q, k, v, attn: attn_out, lse, h, xn2, rstd2, gate, up, act };
+        let core = Some((attn_out, lse));
+        let cache = BlockCache { x, xn1, rstd1, q, k, v, core, h, xn2, rstd2, gate, up, act };
         Ok((out, cache, work))
     }
 
@@ -153,27 +201,35 @@ impl Block {
         &mut self,
         split: Splits,
         dout: Tensor,
-        c: &BlockCache,
+        kept: Kept,
         cfg: &ModelConfig,
         attn: Attn,
         positions: &[u32],
     ) -> Result<Tensor> {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
-        // MLP sub-block, right to left; down is row parallel: its backward is local
+        let c = match kept {
+            Kept::Cache(c) => c,
+            Kept::Input(x) => self.run(split, x, cfg, attn, positions)?.1, // full recomputation
+        };
+        // MLP sub-block, right to left; down is row parallel: its backward is local (on every
+        // row: sequence parallelism gathers them)
         let down = &mut self.down_proj;
-        let dact = ops::linear_backward(&dout, &c.act, &down.value, &mut down.grad);
+        let dact = ops::linear_backward(&*tp.gather_rows(&dout)?, &c.act, &down.value, &mut down.grad);
         let (dgate, dup) = ops::swiglu_backward(&dact, &c.gate, &c.up);
         // f: one sum over the tp ranks for gate and up together
         let dxn2 = tp.column_backward(&c.xn2, &mut [(&dgate, &mut self.gate_proj), (&dup, &mut self.up_proj)])?;
         let ln2 = &mut self.post_attention_layernorm;
         let mut dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad);
         ops::add_assign(&mut dh, &dout); // the residual carries dout straight through
-                                         // attention sub-block, right to left; o is row parallel: local
+        // attention sub-block, right to left; o is row parallel: local
+        let (qkv, pos) = ((&c.q, &c.k, &c.v), &positions[..attn.seq]);
+        let (out, lse) = match c.core {
+            Some(core) => core,
+            None => split.seq.attention(attn, qkv.0, qkv.1, qkv.2, pos).map(|(o, l, _)| (o, l))?, // selective
+        };
         let o = &mut self.o_proj;
-        let dattn = ops::linear_backward(&dh, &c.attn, &o.value, &mut o.grad);
-        let qkv = (&c.q, &c.k, &c.v);
-        let (mut dq, mut dk, dv) =
-            split.seq.attention_backward(attn, qkv, &positions[..attn.seq], (&c.attn, &c.lse), &dattn)?;
+        let dattn = ops::linear_backward(&*tp.gather_rows(&dh)?, &out, &o.value, &mut o.grad);
+        let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, qkv, pos, (&out, &lse), &dattn)?;
         ops::rope_backward(&mut dq, positions, hd, theta);
         ops::rope_backward(&mut dk, positions, hd, theta);
         // f: one sum over the tp ranks for q, k and v together

@@ -17,8 +17,8 @@
 //! `TensorSplit` and `SequenceSplit` it was given (`split.rs`); on a single rank they are `Whole`
 //! and this is the plain dense model.
 
-use crate::config::ModelConfig;
-use crate::model::block::{Block, BlockCache, Splits};
+use crate::config::{ModelConfig, Recompute};
+use crate::model::block::{Block, Kept, Splits};
 use crate::model::init;
 use crate::model::param::{shard, Param, ParamKind, Split};
 use crate::model::split::{SequenceSplit, TensorSplit, WeightSplit, Whole};
@@ -37,7 +37,7 @@ struct Cache {
     tokens: Option<Vec<u32>>,
     positions: Vec<u32>,
     attn: Attn,
-    blocks: Vec<BlockCache>,
+    blocks: Vec<Kept>,
     /// The output end, on the last pipeline stage.
     head: Option<HeadCache>,
 }
@@ -106,6 +106,8 @@ pub struct Llama<'g> {
     caches: VecDeque<Cache>,
     /// Attention score entries computed since the last `take_attention_work`.
     attention_work: u64,
+    /// What each block keeps for its backward (`train.recompute`).
+    recompute: Recompute,
 }
 
 impl<'g> Llama<'g> {
@@ -154,6 +156,7 @@ impl<'g> Llama<'g> {
             head,
             caches,
             attention_work: 0,
+            recompute: Recompute::None,
         })
     }
 
@@ -216,6 +219,12 @@ impl<'g> Llama<'g> {
     /// computes with them (FSDP, `parallel/zero.rs`).
     pub fn with_weight_split(mut self, weights: Rc<dyn WeightSplit + 'g>) -> Llama<'g> {
         self.weights = weights;
+        self
+    }
+
+    /// Keeps less for backward and computes it again there (`model/block.rs`).
+    pub fn with_recompute(mut self, recompute: Recompute) -> Llama<'g> {
+        self.recompute = recompute;
         self
     }
 
@@ -285,7 +294,7 @@ impl<'g> Llama<'g> {
     /// The bytes of the activations held for backward (all micro-batches in flight).
     pub fn activation_bytes(&self) -> usize {
         let head = |h: &HeadCache| [&h.x_final, &h.xn, &h.rstd, &h.logits, &h.lse].iter().map(|t| t.bytes()).sum();
-        let cache = |c: &Cache| c.blocks.iter().map(BlockCache::bytes).sum::<usize>() + c.head.as_ref().map_or(0, head);
+        let cache = |c: &Cache| c.blocks.iter().map(Kept::bytes).sum::<usize>() + c.head.as_ref().map_or(0, head);
         self.caches.iter().map(cache).sum()
     }
 
@@ -340,7 +349,7 @@ impl<'g> Llama<'g> {
             }
             StageInput::Hidden(x) => (x, None),
         };
-        let seq = x.rows() / batch; // this rank's tokens of each sequence
+        let seq = x.rows() * self.tp.row_share() / batch; // this rank's tokens of each sequence
         let ranks = self.tp.part().1;
         let cfg = &self.cfg;
         let attn = Attn {
@@ -352,12 +361,13 @@ impl<'g> Llama<'g> {
             head_dim: cfg.head_dim(),
         };
         let seq_positions = self.seq.positions(seq);
-        let positions: Vec<u32> = (0..x.rows()).map(|r| seq_positions[r % seq]).collect();
+        let positions: Vec<u32> = (0..batch * seq).map(|r| seq_positions[r % seq]).collect();
         let mut blocks = Vec::with_capacity(self.layers.len());
         for i in 0..self.layers.len() {
             self.fetch(Unit::Layer(i), true)?;
             let split = Splits { tp: &*self.tp, seq: &*self.seq };
-            let (out, cache, work) = self.layers[i].forward(split, x, &self.cfg, attn, &positions)?;
+            let keep = (&self.cfg, self.recompute);
+            let (out, cache, work) = self.layers[i].forward(split, x, keep, attn, &positions)?;
             self.free(Unit::Layer(i));
             self.attention_work += work;
             blocks.push(cache);
@@ -371,7 +381,7 @@ impl<'g> Llama<'g> {
         let h = self.head.as_ref().expect("checked above");
         let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, self.cfg.rms_norm_eps);
         let out_layer = h.lm_head.as_ref().or(self.embed_tokens.as_ref()).expect("a tied head has the embedding");
-        let logits = ops::linear(&xn, &out_layer.value); // column parallel: this rank's vocabulary slice
+        let logits = ops::linear(&*self.tp.gather_rows(&xn)?, &out_layer.value); // column parallel: this rank's vocabulary slice
         self.free(Unit::Head);
         let (loss, count, lse) = self.tp.cross_entropy(&logits, targets, self.vocab_first)?;
         let head = HeadCache { targets: targets.to_vec(), x_final: x, xn, rstd, logits, lse, count };
@@ -426,13 +436,14 @@ impl<'g> Llama<'g> {
             self.fetch(Unit::Layer(i), false)?;
             let split = Splits { tp: &*self.tp, seq: &*self.seq };
             let cache = c.blocks.pop().expect("one cache per layer");
-            dx = self.layers[i].backward(split, dx, &cache, &self.cfg, c.attn, &c.positions)?;
+            dx = self.layers[i].backward(split, dx, cache, &self.cfg, c.attn, &c.positions)?;
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }
         match (&c.tokens, &mut self.embed_tokens) {
             (Some(tokens), Some(embed)) => {
                 embed.ensure_grad(); // the embedding's backward reads no weight: nothing to gather
+                let dx = self.tp.gather_rows(&dx)?; // sequence parallel: every row's gradient
                 ops::embedding_backward(&dx, tokens, first, &mut embed.grad); // local: this rank's ids
                 ready(embed);
                 Ok(None)

@@ -15,6 +15,7 @@
 //!   column_backward   q|k|v, gate|up: Σ dx           attention  every earlier key, wherever it is
 //!   embedding_forward Σ vocabulary slices            attention_backward
 //!   cross_entropy     3 row statistics, all-reduced
+//!   gather_rows       sequence parallelism: the rows between the layers are split too
 //! ```
 //! The other halves need no one: a column-parallel forward is `ops::linear` on this rank's
 //! rows of W, a row-parallel backward `ops::linear_backward` on its columns.
@@ -23,18 +24,33 @@ use crate::model::param::Param;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::Result;
+use std::borrow::Cow;
 
 /// How this rank's linear layers and vocabulary relate to the other tensor-parallel ranks'.
 pub trait TensorSplit {
     /// This rank's place among the ranks that share each matrix: (index, count).
     fn part(&self) -> (usize, usize);
 
-    /// A row-parallel layer: y = x · Wᵀ from this rank's input features, summed over the ranks.
+    /// How many ranks share the rows of the regions between the linear layers (norms,
+    /// residuals, the block's input and output): 1, or tp with sequence parallelism.
+    fn row_share(&self) -> usize {
+        1
+    }
+
+    /// Every row of `x`, where this rank holds 1/`row_share` of them: before a column-parallel
+    /// layer, and for the output gradient of a row-parallel one (sequence parallelism
+    /// all-gathers; otherwise `x` is already whole).
+    fn gather_rows<'t>(&self, x: &'t Tensor) -> Result<Cow<'t, Tensor>> {
+        Ok(Cow::Borrowed(x))
+    }
+
+    /// A row-parallel layer: y = x · Wᵀ from this rank's input features, summed over the ranks
+    /// (this rank's rows of the sum, with sequence parallelism).
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor>;
 
     /// The backward of column-parallel layers that read the same input `x` (q, k, v; gate, up),
     /// each `(dy, W)`: accumulates every dW += dyᵀ · x and returns dx = Σ dy · W over the layers
-    /// and the ranks.
+    /// and the ranks. `x` and dx have this rank's rows (all of them without sequence parallelism).
     fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor>;
 
     /// The rows of `tokens` from a table holding vocabulary ids `first..`, summed over the ranks.

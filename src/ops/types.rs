@@ -12,6 +12,16 @@ pub enum DType {
     Bf16,
 }
 
+impl DType {
+    /// Bytes per number.
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::Bf16 => 2,
+        }
+    }
+}
+
 /// The shape of one attention call: `seq` queries and `kv_seq` keys per sequence.
 #[derive(Clone, Copy, Debug)]
 pub struct Attn {

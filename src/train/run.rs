@@ -7,16 +7,18 @@
 use crate::checkpoint::folder::{self, Folder};
 use crate::checkpoint::hf;
 use crate::checkpoint::save::{self, Resumed};
+use crate::comm::cost::{self, AxisTally, Link};
 use crate::comm::launcher::{Rank, Setup};
 use crate::comm::trace::{Lane, Trace};
 use crate::comm::Group;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
-use crate::model::{Llama, Stage};
+use crate::model::{Llama, Stage, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::process_grid::{Axis, Grid};
+use crate::parallel::sequence_parallel::SequenceParallel;
 use crate::parallel::tensor_parallel::TensorParallel;
 use crate::train::memory::{self, Held};
 use crate::train::metrics::{Metrics, StepLog};
@@ -46,6 +48,9 @@ pub struct Options<'a> {
     /// Stop after the step in which SIGINT or SIGTERM arrived, with a checkpoint (`train/stop.rs`;
     /// the handler is the binary's to install).
     pub stop_on_signal: bool,
+    /// Print what every axis's communication cost per step, next to the α–β model's time on
+    /// this link (`comm/cost.rs`).
+    pub comm_report: Option<Link>,
 }
 
 /// How a run that a signal stopped ended.
@@ -78,6 +83,8 @@ pub struct Summary {
     pub peak_bytes: usize,
     /// What the model and optimizer held when the last step's gradients were complete.
     pub held: Held,
+    /// This rank's communication over the run's steps, per axis and kind of call.
+    pub comm: Vec<AxisTally>,
     /// Set when a signal stopped the run early (rank 0's summary says where it saved).
     pub stopped: Option<Stopped>,
 }
@@ -96,6 +103,7 @@ impl Summary {
             gpu_peak_mib: None,
             peak_bytes: 0,
             held: Held::default(),
+            comm: Vec::new(),
             stopped: None,
         }
     }
@@ -210,6 +218,11 @@ impl Run {
     /// The ranks' summaries, with the data's floor; prints the cp balance.
     pub(super) fn finish(&self, cfg: &Config, opts: Options, mut summaries: Vec<Summary>) -> Vec<Summary> {
         summaries.iter_mut().for_each(|s| s.floor = self.floor);
+        if let Some(link) = opts.comm_report {
+            let steps = summaries[0].losses.len();
+            let ranks: Vec<Vec<AxisTally>> = summaries.iter().map(|s| s.comm.clone()).collect();
+            crate::say!("{}", cost::report(&ranks, steps, link).trim_end());
+        }
         if cfg.parallel.cp > 1 && !opts.quiet {
             let work: Vec<String> =
                 summaries.iter().map(|s| format!("{:.2}M", s.attention_work as f64 / 1e6)).collect();
@@ -280,12 +293,16 @@ impl Start<'_> {
     /// to its device once, and the step to start from.
     pub(super) fn model<'g>(&self, me: &'g Rank, cfg: &Config) -> Result<(Llama<'g>, usize)> {
         let stage = Stage { index: me.coords.pp, count: cfg.parallel.pp };
-        let tp = Box::new(TensorParallel::new(me.group(Axis::Tp)));
+        let tp: Box<dyn TensorSplit> = match cfg.parallel.sequence_parallel {
+            true => Box::new(SequenceParallel::new(me.group(Axis::Tp))),
+            false => Box::new(TensorParallel::new(me.group(Axis::Tp))),
+        };
         let (mut model, first_step) = match (self.resumed, self.pretrained) {
             (Some(r), _) => (r.model(&cfg.model, tp, stage)?, r.step),
             (None, Some(w)) => (hf::build_from(w, &cfg.model, tp, stage, &cfg.model.init_from)?, 0),
             (None, None) => (Llama::init(&cfg.model, cfg.train.seed, tp, stage), 0),
         };
+        model = model.with_recompute(cfg.train.recompute);
         let cp = me.group(Axis::Cp);
         if cp.size() > 1 {
             model = model.with_sequence_split(Box::new(Ring { group: cp, split: cfg.parallel.cp_split }));
@@ -349,6 +366,10 @@ impl<'a> Watch<'a> {
         if let Some(trace) = opts.trace {
             me.trace_to(trace)?; // every collective and message of this rank's groups
         }
+        if opts.comm_report.is_some() {
+            me.time_calls()?; // GPU calls timed with events, as in a traced run
+        }
+        me.comm_tallies(); // the count starts with the first step, not with setting up
         let jsonl = opts.metrics.filter(|_| rank == 0);
         let metrics = Metrics::new((first_step, t.steps), jsonl, opts.quiet || rank != 0)?;
         let summary = Summary::new(first_step);
@@ -402,9 +423,10 @@ impl<'a> Watch<'a> {
         self.summary.stopped = checkpoint.map(|checkpoint| Stopped { signal, checkpoint });
     }
 
-    pub(super) fn finish(mut self, model: &Llama) -> Result<Summary> {
+    pub(super) fn finish(mut self, me: &Rank, model: &Llama) -> Result<Summary> {
         self.metrics.finish()?;
         let s = &mut self.summary;
+        s.comm = me.comm_tallies();
         s.checksum = model.checksum();
         s.attention_work /= s.losses.len().max(1) as u64;
         s.wall_s = self.run_start.elapsed().as_secs_f64();

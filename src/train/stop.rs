@@ -14,6 +14,7 @@
 //! ```
 
 use crate::comm::{Group, ReduceOp};
+use crate::ops::tensor::Tensor;
 use anyhow::Result;
 use std::sync::atomic::{AtomicI32, Ordering};
 
@@ -55,9 +56,9 @@ pub fn received() -> Option<i32> {
 
 /// Whether any rank of `world` has seen a signal, and which: every rank gets the same answer.
 pub fn agreed(world: &Group) -> Result<Option<i32>> {
-    let mut seen = [received().unwrap_or(0) as f32];
-    world.all_reduce(&mut seen, ReduceOp::Max)?;
-    Ok(Some(seen[0] as i32).filter(|&s| s != 0))
+    let mut seen = Tensor::from_vec(&[1], vec![received().unwrap_or(0) as f32]); // on the host: no GPU wait
+    world.all_reduce_tensor(&mut seen, ReduceOp::Max)?;
+    Ok(Some(seen.to_vec()[0] as i32).filter(|&s| s != 0))
 }
 
 /// The signal's name, for messages.
