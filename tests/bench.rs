@@ -1,13 +1,13 @@
 //! `ferrotron bench`: the FLOP formula, the memory formula against the activations the model
-//! really keeps, the peak table, and the command's table and JSON.
+//! really keeps (with each recompute mode), the peak table, and the command's table and JSON.
 
 use ferrotron::commands::bench::{self, flops_per_token, peak_tflops};
-use ferrotron::config::Config;
+use ferrotron::config::{Config, Recompute};
 use ferrotron::model::Stage;
 use ferrotron::model::{Llama, StageInput};
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::DType;
-use ferrotron::train::memory::{activation_bytes, activations_held};
+use ferrotron::train::memory::{activation_bytes, activations_held, Keep};
 use std::process::Command;
 
 mod common;
@@ -30,14 +30,17 @@ fn flops_follow_the_palm_formula() {
 #[test]
 fn activation_formula_matches_what_the_model_keeps() {
     for extra in [&[][..], &["model.tie_word_embeddings=true", "model.head_dim=12"], common::SMALL] {
-        let c = cfg(extra);
-        let (batch, seq) = (3, c.train.seq_len);
-        let mut model = Llama::new(&c.model, 1);
-        let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % c.model.vocab_size) as u32).collect();
-        let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
-        model.forward(&tokens, batch, &targets).unwrap();
-        let want = activation_bytes(&c.model, batch, seq, 1, Stage::WHOLE, DType::F32);
-        assert_eq!(model.activation_bytes() as f64, want, "{extra:?}");
+        for recompute in [Recompute::None, Recompute::Selective, Recompute::Full] {
+            let c = cfg(extra);
+            let (batch, seq) = (3, c.train.seq_len);
+            let mut model = Llama::new(&c.model, 1).with_recompute(recompute);
+            let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % c.model.vocab_size) as u32).collect();
+            let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
+            model.forward(&tokens, batch, &targets).unwrap();
+            let keep = Keep { recompute, ..Keep::WHOLE };
+            let want = activation_bytes(&c.model, batch, seq, keep, Stage::WHOLE, DType::F32);
+            assert_eq!(model.activation_bytes() as f64, want, "{extra:?} {recompute:?}");
+        }
     }
     // pipeline stages: 5 layers on 2 stages, the embedding on the first, the head on the last
     let c = cfg(&[common::SMALL, &["model.num_hidden_layers=5"]].concat());
@@ -50,11 +53,11 @@ fn activation_formula_matches_what_the_model_keeps() {
         let hidden = Tensor::zeros(&[batch * seq, c.model.hidden_size]);
         let input = if index == 0 { StageInput::Tokens(&tokens) } else { StageInput::Hidden(hidden) };
         model.forward_stage(input, batch, &targets).unwrap();
-        assert_eq!(model.activation_bytes() as f64, activation_bytes(&c.model, batch, seq, 1, stage, DType::F32));
+        assert_eq!(model.activation_bytes() as f64, activation_bytes(&c.model, batch, seq, Keep::WHOLE, stage, DType::F32));
     }
     // held at once with 1F1B on 2 stages and 4 micro-batches: two on the first stage, one on the last
     let c = cfg(&[common::SMALL, &["parallel.pp=2", "train.grad_accum_steps=4"]].concat());
-    let per = |index| activation_bytes(&c.model, 16, 32, 1, Stage { index, count: 2 }, DType::F32);
+    let per = |index| activation_bytes(&c.model, 16, 32, Keep::WHOLE, Stage { index, count: 2 }, DType::F32);
     assert_eq!(activations_held(&c, 16, DType::F32), (2.0 * per(0)).max(per(1)));
 }
 

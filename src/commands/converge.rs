@@ -40,8 +40,8 @@ pub fn parse_variants(spec: &str) -> Result<Vec<Variant>> {
                 "dp" | "tp" | "pp" | "cp" | "sequence_parallel" | "pp_schedule" | "cp_split" | "dp_mode" | "bucket_mb" | "zero_stage" | "backend" => {
                     format!("parallel.{key}")
                 }
-                "grad_accum_steps" | "micro_batch_size" => format!("train.{key}"),
-                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, sequence_parallel, pp_schedule, cp_split, dp_mode, bucket_mb, zero_stage, backend, grad_accum_steps, micro_batch_size"),
+                "grad_accum_steps" | "micro_batch_size" | "recompute" => format!("train.{key}"),
+                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, sequence_parallel, pp_schedule, cp_split, dp_mode, bucket_mb, zero_stage, backend, grad_accum_steps, micro_batch_size, recompute"),
             };
             sets.push(format!("{full}={}", value.trim()));
         }

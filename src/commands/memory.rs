@@ -57,13 +57,20 @@ pub fn table(cfg: &Config, ranks: &[RankMemory]) -> String {
     }
     let p = &cfg.parallel;
     s += &format!(
-        "MiB per rank, dp {} × pp {} × cp {} × tp {}, ZeRO stage {}. What shrinks each column:\n",
-        p.dp, p.pp, p.cp, p.tp, p.zero_stage
+        "MiB per rank, dp {} × pp {} × cp {} × tp {}{}, ZeRO stage {}, recompute {:?}. What shrinks each column:\n",
+        p.dp,
+        p.pp,
+        p.cp,
+        p.tp,
+        if p.sequence_parallel { " (sequence parallel)" } else { "" },
+        p.zero_stage,
+        cfg.train.recompute
     );
     s += "  weights      tp and pp split them; zero_stage 3 keeps 1/(dp·cp) plus the unit in use\n";
     s += "  grads        tp and pp split them; zero_stage 2 keeps 1/(dp·cp) plus the layer in backward\n";
     s += "  optimizer    tp and pp split it; zero_stage 1 keeps 1/(dp·cp)\n";
-    s += "  activations  smaller micro_batch_size; cp and tp split them; 1f1b holds fewer micro-batches than afab\n";
+    s += "  activations  smaller micro_batch_size; cp and tp split them, sequence_parallel also the norms and residuals;\n";
+    s += "               recompute selective or full keeps less; 1f1b holds fewer micro-batches than afab\n";
     s += "  comm         smaller bucket_mb (stage 0 keeps a bucket for every gradient; ZeRO a few at a time)\n";
     s
 }

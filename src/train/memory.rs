@@ -16,7 +16,7 @@
 //! host memory it frees (`keep_freed_memory`).
 
 use crate::comm::launcher::Capacity;
-use crate::config::{Config, DpMode, ModelConfig, PpSchedule};
+use crate::config::{Config, DpMode, ModelConfig, PpSchedule, Recompute};
 use crate::model::optimizer::Optimizer;
 use crate::model::{Llama, Split, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
@@ -34,22 +34,57 @@ pub fn bytes_per_weight(dtype: DType) -> f64 {
     }
 }
 
+/// How a rank cuts and keeps its activations: its tp ranks, whether sequence parallelism splits
+/// the rows between the tp layers over them too, and what backward recomputes.
+#[derive(Clone, Copy, Debug)]
+pub struct Keep {
+    pub tp: usize,
+    pub sequence_parallel: bool,
+    pub recompute: Recompute,
+}
+
+impl Keep {
+    /// One rank, everything kept.
+    pub const WHOLE: Keep = Keep { tp: 1, sequence_parallel: false, recompute: Recompute::None };
+
+    pub fn of(cfg: &Config) -> Keep {
+        let p = &cfg.parallel;
+        Keep { tp: p.tp, sequence_parallel: p.sequence_parallel, recompute: cfg.train.recompute }
+    }
+}
+
+/// Bytes one block keeps for backward from a micro-batch of `batch` sequences of `seq` tokens,
+/// as `keep` says, and (second) what its backward computes again on top of that. Everything:
+/// the block input, two norms' outputs and the residual (`4d` per row: split by tp under
+/// sequence parallelism, like the two 1/rms rows in f32), q, k, v, the attention output, gate,
+/// up and their product in the compute dtype, and the attention's lse in f32. Selective keeps
+/// all but the attention output and lse; full keeps the input alone.
+fn layer_bytes(m: &ModelConfig, batch: f64, seq: f64, keep: Keep, e: f64) -> (f64, f64) {
+    let tp = keep.tp;
+    let (rows, split) = (batch * seq, batch * seq / if keep.sequence_parallel { tp as f64 } else { 1.0 });
+    let (d, hd, heads) = (m.hidden_size as f64, m.head_dim() as f64, (m.num_attention_heads / tp) as f64);
+    let (q, kv, f) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd, (m.intermediate_size / tp) as f64);
+    let core = rows * q * e + batch * heads * seq * 4.0; // the attention output and lse
+    let all = split * 4.0 * d * e + rows * (q + 2.0 * kv + 3.0 * f) * e + 2.0 * split * 4.0 + core;
+    match keep.recompute {
+        Recompute::None => (all, 0.0),
+        Recompute::Selective => (all - core, core),
+        Recompute::Full => (split * d * e, all - split * d * e),
+    }
+}
+
 /// Bytes of the activations one micro-batch of `batch` sequences of `seq` tokens keeps for its
-/// backward on one rank of pipeline `stage` in a tp group of `tp` (what `model/block.rs`'s `BlockCache`
-/// and the model's head cache hold): per layer the block input, two norms' outputs, q, k, v, the
-/// attention output, the residual, gate, up and their product in the compute dtype, and the two
-/// 1/rms rows and the attention lse in f32; on the last stage also the final norm's input and
-/// output and the logits.
-pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, tp: usize, stage: Stage, dtype: DType) -> f64 {
+/// backward on one rank of pipeline `stage` (what `model/block.rs`'s `Kept` and the model's
+/// head cache hold): per layer `layer_bytes`; on the last stage also the final norm's input and
+/// output (split like the residual), its 1/rms, the logits and their lse.
+pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, keep: Keep, stage: Stage, dtype: DType) -> f64 {
     let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 };
     let (batch, seq) = (batch as f64, seq as f64);
     let rows = batch * seq;
-    let (d, hd, heads) = (m.hidden_size as f64, m.head_dim() as f64, (m.num_attention_heads / tp) as f64);
-    let (q, kv, f) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd, (m.intermediate_size / tp) as f64);
-    let layer = rows * (4.0 * d + 2.0 * q + 2.0 * kv + 3.0 * f) * e + (2.0 * rows + batch * heads * seq) * 4.0;
-    let vocab = (m.vocab_size / tp) as f64;
-    let head = if stage.is_last() { rows * (2.0 * d + vocab) * e + 2.0 * rows * 4.0 } else { 0.0 };
-    stage.layers(m.num_hidden_layers).len() as f64 * layer + head
+    let split = rows / if keep.sequence_parallel { keep.tp as f64 } else { 1.0 };
+    let (d, vocab) = (m.hidden_size as f64, (m.vocab_size / keep.tp) as f64);
+    let head = if stage.is_last() { split * 2.0 * d * e + rows * vocab * e + (split + rows) * 4.0 } else { 0.0 };
+    stage.layers(m.num_hidden_layers).len() as f64 * layer_bytes(m, batch, seq, keep, e).0 + head
 }
 
 /// The most activation bytes a rank holds at once for micro-batches of `batch` sequences: a
@@ -60,7 +95,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     (0..p.pp)
         .map(|s| {
             let stage = Stage { index: s, count: p.pp };
-            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, p.tp, stage, dtype) * in_flight(cfg, s) as f64
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype) * in_flight(cfg, s) as f64
         })
         .fold(0.0, f64::max)
 }
@@ -139,9 +174,9 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let zero = if z > 1 { p.zero_stage } else { 0 };
     let (whole, chunks, unit, any_unit) = sizes(&cfg.model, p.tp, stage, z);
     let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks); // values of one bucket
-                                                                             // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW's two
-                                                                             // moments (of 4 B, or 2 B in bf16 on a GPU: the CPU keeps bf16 values in f32), the compute
-                                                                             // copies between uses (none under FSDP)
+    // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW's two
+    // moments (of 4 B, or 2 B in bf16 on a GPU: the CPU keeps bf16 values in f32), the compute
+    // copies between uses (none under FSDP)
     let on_gpu = cfg.device.kind == crate::config::DeviceKind::Cuda;
     let moments = if on_gpu && t.optimizer_dtype.dtype() == DType::Bf16 { 4.0 } else { 8.0 };
     let (master, optimizer) = match zero {
@@ -149,22 +184,26 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
         _ => (4.0 * chunks, moments * chunks),
     };
     let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
-                                                                // backward: what the schedule keeps, and the first block backward's gradients on top of it
-                                                                // (measured: rows × (3 MLP widths + 3 attention widths per tp rank + 5 hidden widths): dact,
-                                                                // dgate, dup, then the attention's); the gradients being written, and the bucket filling
-                                                                // (stage 0 keeps a bucket per gradient); FSDP: the next unit's gather in flight
+    // backward: what the schedule keeps, and the first block backward's gradients on top of it
+    // (measured: rows × (3 MLP widths + 3 attention widths per tp rank + 5 hidden widths): dact,
+    // dgate, dup, then the attention's) with what that block recomputes; the gradients being
+    // written, and the bucket filling (stage 0 keeps a bucket per gradient); FSDP: the next
+    // unit's gather in flight
     let rows = (t.micro_batch_size * t.seq_len / p.cp) as f64;
     let (d, f, v) = (
         cfg.model.hidden_size as f64,
         (cfg.model.intermediate_size / p.tp) as f64,
         (cfg.model.vocab_size / p.tp) as f64,
     );
-    let one = activation_bytes(&cfg.model, t.micro_batch_size, t.seq_len / p.cp, p.tp, stage, dtype);
+    let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
+    let one = activation_bytes(&cfg.model, batch, seq, keep, stage, dtype);
+    let layers = stage.layers(cfg.model.num_hidden_layers).len() as f64;
+    let (layer_kept, layer_again) = layer_bytes(&cfg.model, batch as f64, seq as f64, keep, e);
     // the backward of the micro-batch at hand frees its cache part by part: its peak is in the
     // head's backward (the logits' gradient beside the logits) or in the first block's, after
     // the head's cache went (what `activation_bytes` counts for the head)
-    let head = if stage.is_last() { rows * (2.0 * d + v) * e + 2.0 * rows * 4.0 } else { 0.0 };
-    let block = rows * (3.0 * f + 3.0 * d / p.tp as f64 + 5.0 * d) * e;
+    let head = one - layers * layer_kept;
+    let block = rows * (3.0 * f + 3.0 * d / p.tp as f64 + 5.0 * d) * e + layer_again;
     let now = (one + rows * v * e).max(one - head + block);
     let activations = one * (in_flight(cfg, stage.index) - 1) as f64 + now;
     // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
@@ -193,7 +232,6 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     };
     // ZeRO, a stage without the head: its second block backward has one block's cache less, but
     // the bucket its first block's gradients went into
-    let layers = stage.layers(cfg.model.num_hidden_layers).len() as f64;
     let second = RankMemory {
         activations_bytes: activations - (one - head) / layers,
         comm_bytes: comm + if stage.is_last() { 0.0 } else { 4.0 * bucket },
