@@ -110,10 +110,16 @@ pub struct Tally {
 }
 
 impl Tally {
+    /// The bytes these calls send through each rank's link over `n` ranks (the table's fourth
+    /// column): what the bandwidth term counts.
+    pub fn moved_bytes(&self, call: Call, n: usize) -> f64 {
+        call.factors(n).1 * self.bytes as f64
+    }
+
     /// What the α–β model predicts for these calls over `n` ranks on `link`.
     pub fn predicted_seconds(&self, call: Call, n: usize, link: Link) -> f64 {
-        let ((hops, moved), (alpha, beta)) = (call.factors(n), link.alpha_beta());
-        self.calls as f64 * hops * alpha + moved * self.bytes as f64 / beta
+        let (alpha, beta) = link.alpha_beta();
+        self.calls as f64 * call.factors(n).0 * alpha + self.moved_bytes(call, n) / beta
     }
 }
 
@@ -182,7 +188,8 @@ pub struct AxisTally {
 }
 
 /// The comm report: per axis and kind of call, per step and per rank (the mean over the run's
-/// `ranks`, each a list of `AxisTally`), calls, MB, measured ms and the model's ms on `link`.
+/// `ranks`, each a list of `AxisTally`), calls, MB (B of the table), MB through the rank's link,
+/// measured ms (on the host backend, waiting for late peers included) and the model's ms on `link`.
 pub fn report(ranks: &[Vec<AxisTally>], steps: usize, link: Link) -> String {
     let mut rows: Vec<(&'static str, usize, Call, Tally)> = Vec::new();
     for t in ranks.iter().flatten() {
@@ -199,16 +206,18 @@ pub fn report(ranks: &[Vec<AxisTally>], steps: usize, link: Link) -> String {
     let mut s = format!("communication per step and per rank (mean over {} ranks, {steps} steps)\n", ranks.len());
     s += &format!("α–β model on {}\n", link.describe());
     s += &format!(
-        "{:<7} {:>5}  {:<14} {:>9} {:>12} {:>12} {:>12}\n",
-        "axis", "ranks", "call", "calls", "MB", "measured ms", "model ms"
+        "{:<7} {:>5}  {:<14} {:>9} {:>10} {:>10} {:>12} {:>10}\n",
+        "axis", "ranks", "call", "calls", "MB", "moved MB", "measured ms", "model ms"
     );
-    let mut total = (0.0, 0.0, 0.0);
+    let mut total = [0.0; 4];
     for (axis, n, call, t) in rows.iter().filter(|r| r.3.calls > 0) {
-        let (calls, mb) = (t.calls as f64 / per, t.bytes as f64 / per / 1e6);
+        let (calls, mb, moved) = (t.calls as f64 / per, t.bytes as f64 / per / 1e6, t.moved_bytes(*call, *n) / per / 1e6);
         let (measured, model) = (t.seconds / per * 1e3, t.predicted_seconds(*call, *n, link) / per * 1e3);
-        total = (total.0 + mb, total.1 + measured, total.2 + model);
-        s += &format!("{axis:<7} {n:>5}  {:<14} {calls:>9.1} {mb:>12.3} {measured:>12.3} {model:>12.3}\n", call.name());
+        total = [total[0] + mb, total[1] + moved, total[2] + measured, total[3] + model];
+        let name = call.name();
+        s += &format!("{axis:<7} {n:>5}  {name:<14} {calls:>9.1} {mb:>10.3} {moved:>10.3} {measured:>12.3} {model:>10.3}\n");
     }
-    s += &format!("{:<38} {:>12.3} {:>12.3} {:>12.3}\n", "total", total.0, total.1, total.2);
+    let [mb, moved, measured, model] = total;
+    s += &format!("{:<38} {mb:>10.3} {moved:>10.3} {measured:>12.3} {model:>10.3}\n", "total");
     s
 }
