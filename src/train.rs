@@ -114,7 +114,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         let span = Instant::now();
         dp_sync.finish(&mut model.params_mut())?; // every gradient (ZeRO: chunk) is now the dp average
         if p.sequence_parallel {
-            sequence_parallel::sum_replicated_grads(&mut model.params_mut(), tp)?; // the norms saw 1/tp of the rows
+            sequence_parallel::sum_replicated_grads(&mut model.params_mut(), tp)?;
+            // the norms saw 1/tp of the rows
         }
         let held = memory::held(&model, &optimizer); // what weights, gradients and AdamW hold now
         watch.span("wait for gradients".into(), span);

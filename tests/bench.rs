@@ -53,7 +53,10 @@ fn activation_formula_matches_what_the_model_keeps() {
         let hidden = Tensor::zeros(&[batch * seq, c.model.hidden_size]);
         let input = if index == 0 { StageInput::Tokens(&tokens) } else { StageInput::Hidden(hidden) };
         model.forward_stage(input, batch, &targets).unwrap();
-        assert_eq!(model.activation_bytes() as f64, activation_bytes(&c.model, batch, seq, Keep::WHOLE, stage, DType::F32));
+        assert_eq!(
+            model.activation_bytes() as f64,
+            activation_bytes(&c.model, batch, seq, Keep::WHOLE, stage, DType::F32)
+        );
     }
     // held at once with 1F1B on 2 stages and 4 micro-batches: two on the first stage, one on the last
     let c = cfg(&[common::SMALL, &["parallel.pp=2", "train.grad_accum_steps=4"]].concat());

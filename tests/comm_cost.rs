@@ -84,7 +84,9 @@ fn the_alpha_beta_model_adds_hops_and_bytes() {
     // InfiniBand; ten small ones (latency-bound) only ~3× over NVLink
     let large = Tally { calls: 1, bytes: 400_000_000, seconds: 0.0 };
     let on = |t: &Tally, link| t.predicted_seconds(Call::AllReduce, 8, link);
-    assert!(on(&large, Link::Pcie) > 15.0 * on(&large, Link::Nvlink) && on(&large, Link::Pcie) > 1.9 * on(&large, Link::Ib));
+    assert!(
+        on(&large, Link::Pcie) > 15.0 * on(&large, Link::Nvlink) && on(&large, Link::Pcie) > 1.9 * on(&large, Link::Ib)
+    );
     assert!(on(&t, Link::Pcie) < 5.0 * on(&t, Link::Nvlink), "400 kB a call: the hops' latency dominates");
     // the report: per step and per rank, means over ranks
     let rank = vec![AxisTally { axis: "tp", ranks: 4, call: Call::AllReduce, tally: t }];
@@ -108,6 +110,9 @@ fn train_comm_report_prints_every_axis() {
     for row in ["tp ", "dp×cp ", "world "] {
         assert!(text.lines().any(|l| l.starts_with(row) && l.contains("all_reduce")), "{row}: {text}");
     }
-    let bad = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(["train", "--comm-report", "--link", "wifi"]).output().unwrap();
+    let bad = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .args(["train", "--comm-report", "--link", "wifi"])
+        .output()
+        .unwrap();
     assert!(!bad.status.success() && String::from_utf8_lossy(&bad.stderr).contains("nvlink"));
 }

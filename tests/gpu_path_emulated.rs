@@ -185,6 +185,30 @@ fn zero_stages_over_nccl_follow_one_rank() {
     converge_over_nccl(dir, "zero", "dp=2,zero_stage=1;dp=2,zero_stage=2;dp=2,zero_stage=3,pp=2", 4);
 }
 
+#[test]
+fn sequence_parallelism_and_recomputation_over_nccl_follow_one_rank_and_are_counted() {
+    let Some(dir) = fake_driver() else { return };
+    // the all-gathers and reduce-scatters of sequence parallelism, and the recomputed forwards
+    // (with their tp all-reduces), on device buffers through the (fake) NCCL
+    let variants = "tp=2,sequence_parallel=true;tp=2,recompute=full;tp=2,sequence_parallel=true,recompute=selective";
+    converge_over_nccl(dir, "sp", variants, 2);
+    // the comm report of a run on NCCL: every call counted, and timed by the GPU's events
+    let mut args = vec!["train", "--comm-report", "--link", "pcie"];
+    let sets = ["device.kind=cuda", "parallel.backend=\"nccl\"", "parallel.tp=2", "parallel.sequence_parallel=true"];
+    let more = ["train.steps=2", "train.micro_batch_size=1", "checkpoint.every=0"];
+    for s in common::SMALL.iter().chain(&sets).chain(&more) {
+        args.extend(["--set", s]);
+    }
+    let out = ferrotron_on(dir, 2, &args);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let row = |call: &str| text.lines().find(|l| l.starts_with("tp ") && l.contains(call)).map(str::to_string);
+    for call in ["all_gather", "reduce_scatter", "all_reduce"] {
+        let line = row(call).unwrap_or_else(|| panic!("no tp {call} row:\n{text}"));
+        let measured: f64 = line.split_whitespace().nth(6).unwrap().parse().unwrap();
+        assert!(measured > 0.0, "{call}: the GPU's time of the calls: {line}");
+    }
+}
+
 /// Every tensor of a checkpoint's safetensors file, as f32.
 fn tensors(file: &Path) -> Vec<(String, Vec<f32>)> {
     let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));

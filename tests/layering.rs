@@ -87,8 +87,17 @@ const LAYERS: &[(&str, &[&str])] = &[
 
 /// Modules that must not name CUDA (`crate::cuda`, `cudarc`): the CPU lessons and the
 /// collective API. `x::` means the folder x and everything in it.
-const NO_CUDA: &[&str] =
-    &["model::", "parallel::", "train", "comm", "comm::local", "comm::trace", "comm::device_link", "comm::tensors", "comm::cost"];
+const NO_CUDA: &[&str] = &[
+    "model::",
+    "parallel::",
+    "train",
+    "comm",
+    "comm::local",
+    "comm::trace",
+    "comm::device_link",
+    "comm::tensors",
+    "comm::cost",
+];
 
 /// Every module of `src/` (path like `model::block`) with its source.
 fn sources() -> BTreeMap<String, String> {

@@ -65,7 +65,10 @@ fn sequence_parallelism_cuts_the_norm_and_residual_activations_by_tp() {
     let cfg = Config::load(None, &sets(&[])).unwrap();
     let (batch, seq, m) = (4, cfg.train.seq_len, &cfg.model);
     for tp in [2, 4] {
-        let (plain, sp) = (Keep { sequence_parallel: false, ..Keep::of(&cfg) }, Keep { tp, sequence_parallel: true, ..Keep::of(&cfg) });
+        let (plain, sp) = (
+            Keep { sequence_parallel: false, ..Keep::of(&cfg) },
+            Keep { tp, sequence_parallel: true, ..Keep::of(&cfg) },
+        );
         let plain = activation_bytes(m, batch, seq, Keep { tp, ..plain }, Stage::WHOLE, DType::F32);
         let sp = activation_bytes(m, batch, seq, sp, Stage::WHOLE, DType::F32);
         // per block: the input, two norms' outputs, the residual and two 1/rms rows; the head:
@@ -112,15 +115,21 @@ fn recomputation_leaves_the_curve_as_it_is_with_every_parallelism() {
 fn the_measured_peak_falls_with_sequence_parallelism_and_recomputation() {
     // 4 layers of 64 wide, so that activations dominate what a rank holds
     let peak = |extra: &[&str]| {
-        let more = [&["model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=128"], extra].concat();
+        let more =
+            [&["model.num_hidden_layers=4", "model.hidden_size=64", "model.intermediate_size=128"], extra].concat();
         let cfg = Config::load(None, &sets(&more)).unwrap();
         let ranks = memory::memory(&cfg, true).unwrap();
         let r = &ranks[0];
         let measured = r.measured_peak_bytes.unwrap();
-        assert!((r.total_bytes / measured - 1.0).abs() <= 0.1, "{extra:?}: estimated {}, measured {measured}", r.total_bytes);
+        assert!(
+            (r.total_bytes / measured - 1.0).abs() <= 0.1,
+            "{extra:?}: estimated {}, measured {measured}",
+            r.total_bytes
+        );
         measured
     };
-    let (none, selective, full) = (peak(&[]), peak(&["train.recompute=\"selective\""]), peak(&["train.recompute=\"full\""]));
+    let (none, selective, full) =
+        (peak(&[]), peak(&["train.recompute=\"selective\""]), peak(&["train.recompute=\"full\""]));
     assert!(selective < none && full < selective, "recompute: none {none}, selective {selective}, full {full}");
     let (tp, sp) = (peak(&["parallel.tp=2"]), peak(&["parallel.tp=2", "parallel.sequence_parallel=true"]));
     assert!(sp < tp, "tp 2: {tp} B, with sequence parallelism {sp} B");

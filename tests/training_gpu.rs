@@ -82,8 +82,14 @@ fn bf16_activations_match_the_memory_formula() {
     let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     model.forward(&tokens, batch, &targets).unwrap();
     let whole = ferrotron::model::Stage::WHOLE;
-    let want =
-        ferrotron::train::memory::activation_bytes(&cfg.model, batch, seq, ferrotron::train::memory::Keep::WHOLE, whole, ferrotron::ops::DType::Bf16);
+    let want = ferrotron::train::memory::activation_bytes(
+        &cfg.model,
+        batch,
+        seq,
+        ferrotron::train::memory::Keep::WHOLE,
+        whole,
+        ferrotron::ops::DType::Bf16,
+    );
     assert_eq!(model.activation_bytes() as f64, want);
     model.backward(1.0).unwrap();
     assert_eq!(model.activation_bytes(), 0, "backward frees what forward kept");

@@ -211,11 +211,14 @@ pub fn report(ranks: &[Vec<AxisTally>], steps: usize, link: Link) -> String {
     );
     let mut total = [0.0; 4];
     for (axis, n, call, t) in rows.iter().filter(|r| r.3.calls > 0) {
-        let (calls, mb, moved) = (t.calls as f64 / per, t.bytes as f64 / per / 1e6, t.moved_bytes(*call, *n) / per / 1e6);
+        let (calls, mb, moved) =
+            (t.calls as f64 / per, t.bytes as f64 / per / 1e6, t.moved_bytes(*call, *n) / per / 1e6);
         let (measured, model) = (t.seconds / per * 1e3, t.predicted_seconds(*call, *n, link) / per * 1e3);
         total = [total[0] + mb, total[1] + moved, total[2] + measured, total[3] + model];
         let name = call.name();
-        s += &format!("{axis:<7} {n:>5}  {name:<14} {calls:>9.1} {mb:>10.3} {moved:>10.3} {measured:>12.3} {model:>10.3}\n");
+        s += &format!(
+            "{axis:<7} {n:>5}  {name:<14} {calls:>9.1} {mb:>10.3} {moved:>10.3} {measured:>12.3} {model:>10.3}\n"
+        );
     }
     let [mb, moved, measured, model] = total;
     s += &format!("{:<38} {mb:>10.3} {moved:>10.3} {measured:>12.3} {model:>10.3}\n", "total");

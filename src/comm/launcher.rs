@@ -12,8 +12,8 @@
 //! other rank's pending collective returns at once, and the run ends with the first failure's
 //! message. Nobody hangs.
 
-use crate::comm::local::Hub;
 use crate::comm::cost::{AxisTally, Call};
+use crate::comm::local::Hub;
 use crate::comm::trace::Trace;
 use crate::comm::{Group, Stream};
 use crate::config::{CommBackend, Config, DeviceKind};

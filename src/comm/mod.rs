@@ -277,7 +277,11 @@ impl Group {
 
     pub fn barrier_async(&self) -> Handle<()> {
         let seq = self.next_call();
-        self.submit(None, || Op::Barrier.name(), move |hub, g| hub.exchange(g, seq, Op::Barrier, Vec::new()).map(|_| ()))
+        self.submit(
+            None,
+            || Op::Barrier.name(),
+            move |hub, g| hub.exchange(g, seq, Op::Barrier, Vec::new()).map(|_| ()),
+        )
     }
 
     /// Sends `data` to member `to` (a place in the group). Buffered: it does not wait for the recv.

@@ -234,7 +234,11 @@ impl Group {
         match self.link_for(t) {
             Some(link) => {
                 let n = t.numel();
-                self.traced(Call::P2p, || format!("recv of {} from {from}", values(n)), link.send_recv(None, Some((t, from)))?)()
+                self.traced(
+                    Call::P2p,
+                    || format!("recv of {} from {from}", values(n)),
+                    link.send_recv(None, Some((t, from)))?,
+                )()
             }
             None => {
                 t.write(&self.recv(t.numel(), from)?);

@@ -5,16 +5,20 @@
 //!    └──────────────────────────────────────────────┘   └─────────────────────────────────────┘
 //! ```
 //! `forward` keeps what `backward` needs (the `BlockCache`); `backward` walks the picture right to
-//! left, returning dx and adding into each parameter's gradient. How much is kept is
-//! `train.recompute` (`Kept`): everything; everything but the attention core's output, which
-//! backward computes again from q, k and v (selective, as Megatron does); or only the block's
-//! input, from which backward runs the whole forward again (full). Memory for compute: the
-//! activations kept per block fall from ~(6d + 2·kv + 3f)·rows to d·rows, for one more forward. The linear layers are cut as
+//! left, returning dx and adding into each parameter's gradient. The linear layers are cut as
 //! Megatron cuts them: q, k, v, gate and up column parallel (each rank its heads and MLP
 //! features), o and down row parallel. Where the ranks must talk, the block asks its
 //! `TensorSplit` (2 sums forward: after o and after down; 2 backward: the input gradients of
-//! q|k|v and of gate|up) and its `SequenceSplit` (attention over the whole sequence). On one rank
-//! (`Whole`) every one of those calls is local and this is the plain dense block.
+//! q|k|v and of gate|up; with sequence parallelism also `gather_rows`, the rows of the norms
+//! and residuals that other ranks hold) and its `SequenceSplit` (attention over the whole
+//! sequence). On one rank (`Whole`) every one of those calls is local and this is the plain
+//! dense block.
+//!
+//! How much is kept is `train.recompute` (`Kept`): everything; everything but the attention
+//! core's output, which backward computes again from q, k and v (selective, as Megatron does);
+//! or only the block's input, from which backward runs the whole forward again (full). Memory
+//! for compute: what a block keeps falls from about (6d + 2·kv + 3f) numbers per row to d, for
+//! one more forward.
 
 use crate::config::{ModelConfig, Recompute};
 use crate::model::param::{Param, ParamKind, Split};
@@ -221,6 +225,7 @@ impl Block {
         let ln2 = &mut self.post_attention_layernorm;
         let mut dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad);
         ops::add_assign(&mut dh, &dout); // the residual carries dout straight through
+
         // attention sub-block, right to left; o is row parallel: local
         let (qkv, pos) = ((&c.q, &c.k, &c.v), &positions[..attn.seq]);
         let (out, lse) = match c.core {

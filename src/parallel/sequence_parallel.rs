@@ -76,6 +76,7 @@ impl TensorSplit for SequenceParallel<'_> {
     /// gradient is summed over the ranks and scattered back to rows (started before the
     /// weight-gradient GEMMs, so it travels while they compute).
     fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor> {
+        // (an asynchronous call owns what it sends: a copy of this rank's rows, 1/tp of what arrives)
         let gathering = self.group.all_gather_tensor_async(x.clone())?;
         let scattering = self.group.reduce_scatter_tensor_async(input_grad(layers), ReduceOp::Sum)?;
         weight_grads(&gathering.wait()?, layers); // overlaps the reduce-scatter
@@ -97,7 +98,8 @@ impl TensorSplit for SequenceParallel<'_> {
 /// of them packed together, after data parallelism has averaged them (both are sums, so the
 /// order does not matter) and before the gradient norm reads them.
 pub fn sum_replicated_grads(params: &mut [&mut Param], tp: &Group) -> Result<()> {
-    let mut norms: Vec<&mut Param> = params.iter_mut().filter(|p| p.split == Split::Replicated).map(|p| &mut **p).collect();
+    let mut norms: Vec<&mut Param> =
+        params.iter_mut().filter(|p| p.split == Split::Replicated).map(|p| &mut **p).collect();
     if norms.is_empty() || tp.size() == 1 {
         return Ok(());
     }

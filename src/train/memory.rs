@@ -95,7 +95,8 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     (0..p.pp)
         .map(|s| {
             let stage = Stage { index: s, count: p.pp };
-            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype) * in_flight(cfg, s) as f64
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype)
+                * in_flight(cfg, s) as f64
         })
         .fold(0.0, f64::max)
 }
@@ -173,7 +174,8 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let z = p.dp * p.cp; // the ranks that share the replicated state
     let zero = if z > 1 { p.zero_stage } else { 0 };
     let (whole, chunks, unit, any_unit) = sizes(&cfg.model, p.tp, stage, z);
-    let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks); // values of one bucket
+    // the values of one bucket
+    let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks);
     // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW's two
     // moments (of 4 B, or 2 B in bf16 on a GPU: the CPU keeps bf16 values in f32), the compute
     // copies between uses (none under FSDP)
@@ -184,6 +186,7 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
         _ => (4.0 * chunks, moments * chunks),
     };
     let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
+
     // backward: what the schedule keeps, and the first block backward's gradients on top of it
     // (measured: rows × (3 MLP widths + 3 attention widths per tp rank + 5 hidden widths): dact,
     // dgate, dup, then the attention's) with what that block recomputes; the gradients being
