@@ -115,6 +115,9 @@ pub struct ParallelConfig {
     /// all-gather and a reduce-scatter replacing each all-reduce (`parallel/sequence_parallel.rs`).
     pub sequence_parallel: bool,
     pub pp_schedule: PpSchedule,
+    /// With `pp_schedule = "interleaved"`: the model chunks (V ≥ 2) each pipeline rank holds
+    /// (`model/stage.rs`); 1 otherwise.
+    pub pp_virtual_stages: usize,
     /// How context parallelism cuts each sequence: `zigzag` (balanced) or `contiguous`.
     pub cp_split: CpSplit,
     /// How data-parallel ranks average gradients: `bucketed` (overlapped with backward) or `naive`.
@@ -166,6 +169,8 @@ pub enum PpSchedule {
     Afab,
     #[serde(rename = "1f1b")]
     OneFOneB,
+    /// Interleaved 1F1B (Megatron): each rank holds `pp_virtual_stages` chunks of layers.
+    Interleaved,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -381,6 +386,28 @@ impl Config {
                 p.pp,
                 self.model.num_hidden_layers
             );
+        }
+        let v = p.pp_virtual_stages;
+        match (p.pp_schedule, v) {
+            (_, 0) => bail!("parallel.pp_virtual_stages = 0: it must be at least 1"),
+            (PpSchedule::Interleaved, 1) => bail!("parallel.pp_schedule = \"interleaved\" with parallel.pp_virtual_stages = 1: give each rank at least 2 model chunks (or use \"1f1b\")"),
+            (PpSchedule::Afab | PpSchedule::OneFOneB, v) if v > 1 => bail!("parallel.pp_virtual_stages = {v} needs parallel.pp_schedule = \"interleaved\""),
+            _ => {}
+        }
+        if p.pp_schedule == PpSchedule::Interleaved {
+            let (layers, m) = (self.model.num_hidden_layers, t.grad_accum_steps);
+            if p.pp < 2 {
+                bail!("parallel.pp_schedule = \"interleaved\" with parallel.pp = {}: the interleaved schedule needs at least 2 pipeline stages", p.pp);
+            }
+            if p.pp.saturating_mul(v) > layers {
+                bail!("parallel.pp × parallel.pp_virtual_stages = {} × {v} exceeds model.num_hidden_layers = {layers}: every model chunk needs at least one layer", p.pp);
+            }
+            if !m.is_multiple_of(p.pp) {
+                bail!("parallel.pp_schedule = \"interleaved\": train.grad_accum_steps = {m} micro-batches must be a multiple of parallel.pp = {} (they go through the pipeline in groups of pp)", p.pp);
+            }
+            if p.backend == CommBackend::Nccl {
+                bail!("parallel.pp_schedule = \"interleaved\" with parallel.backend = \"nccl\": its messages are not yet paired for NCCL (a large NCCL send waits for its receive); use backend \"local\" or \"auto\", or pp_schedule \"1f1b\"");
+            }
         }
         if p.pp > 1 && self.model.tie_word_embeddings {
             bail!("model.tie_word_embeddings = true with parallel.pp = {}: the embedding (first stage) and the output layer (last stage) would need a shared gradient; untie them or set parallel.pp = 1", p.pp);

@@ -88,15 +88,18 @@ enum Command {
         #[arg(long, default_value_t = 1)]
         tp: usize,
     },
-    /// Draw the pipeline schedules (AFAB and 1F1B) as an SVG timeline and print their bubbles.
+    /// Draw the pipeline schedules (AFAB, 1F1B, interleaved) as an SVG timeline and print their bubbles.
     Schedule {
         #[arg(long, default_value_t = 4)]
         pp: usize,
         #[arg(long, default_value_t = 8)]
         microbatches: usize,
-        /// afab, 1f1b or both.
+        /// afab, 1f1b, interleaved, both (afab and 1f1b) or all.
         #[arg(long, default_value = "both")]
         schedule: String,
+        /// Model chunks per stage for the interleaved schedule.
+        #[arg(long = "virtual", default_value_t = 2)]
+        r#virtual: usize,
         /// Draw the last step of a real run instead, from its `train --trace` file.
         #[arg(long, value_name = "TRACE.json")]
         trace: Option<PathBuf>,
@@ -222,29 +225,33 @@ fn run(cli: Cli) -> Result<Exit> {
                 anyhow::bail!("{failed} variant(s) left the single-rank loss curve by more than {tol:e}");
             }
         }
-        Command::Schedule { pp, microbatches, schedule: which, trace, out } => {
+        Command::Schedule { pp, microbatches, schedule: which, r#virtual, trace, out } => {
+            use PpSchedule::{Afab, Interleaved, OneFOneB};
             let kinds = match which.as_str() {
-                "afab" => vec![PpSchedule::Afab],
-                "1f1b" => vec![PpSchedule::OneFOneB],
-                "both" => vec![PpSchedule::Afab, PpSchedule::OneFOneB],
-                other => anyhow::bail!("--schedule {other}: expected afab, 1f1b or both"),
+                "afab" => vec![Afab],
+                "1f1b" => vec![OneFOneB],
+                "interleaved" => vec![Interleaved],
+                "both" => vec![Afab, OneFOneB],
+                "all" => vec![Afab, OneFOneB, Interleaved],
+                other => anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, both (afab and 1f1b) or all"),
             };
             ferrotron::files::check_writable(&out).context("--out")?;
             let timelines = match &trace {
                 Some(path) => vec![schedule::from_trace(path)?],
                 None => {
-                    kinds.into_iter().map(|k| schedule::simulate(k, pp, microbatches)).collect::<Result<Vec<_>>>()?
+                    let play = |k| schedule::simulate(k, pp, microbatches, r#virtual);
+                    kinds.into_iter().map(play).collect::<Result<Vec<_>>>()?
                 }
             };
             for t in &timelines {
                 say!(
-                    "{}: {} rows, m={}: bubble {:.1}% of the step (formula (p-1)/(m+p-1) = {:.1}%), peak micro-batch activations per row {:?}",
+                    "{}: {} rows, m={}: bubble {:.1}% of the step (formula (p-1)/(V·m+p-1) = {:.1}%), peak micro-batch activations per row {}",
                     t.name,
                     t.stages,
                     t.micro_batches,
                     100.0 * t.bubble(),
                     100.0 * t.bubble_formula(),
-                    t.peak_activations
+                    t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(" ")
                 );
             }
             ferrotron::files::write_atomically(&out, schedule::svg(&timelines).as_bytes()).context("--out")?;

@@ -75,7 +75,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         model = zero::shard(model, &mut optimizer, dp, stage);
     }
     let p = &cfg.parallel;
-    let mut dp_sync = DataParallel::new(dp, &model.params(), p.dp_mode, p.bucket_mb, stage);
+    let params = (&model.params()[..], &model.param_chunks()[..]);
+    let mut dp_sync = DataParallel::new(dp, params, p.dp_mode, p.bucket_mb, stage);
     let mut watch = Watch::new(me, cfg, opts, (first_step, model.place()))?; // metrics, trace, timing, memory
     let cp = me.group(Axis::Cp);
     let positions = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
@@ -107,7 +108,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let rows = t.micro_batch_size * t.seq_len / cfg.parallel.cp / if p.sequence_parallel { p.tp } else { 1 };
             let hidden = [rows, cfg.model.hidden_size];
             let (kind, record) = (cfg.parallel.pp_schedule, &|name, span| watch.span(name, span));
-            let plan = StepPlan { kind, micro_batches: m, batch: t.micro_batch_size, hidden, data: &batch, record };
+            let (batch_size, chunks) = (t.micro_batch_size, p.pp_virtual_stages);
+            let plan = StepPlan { kind, micro_batches: m, batch: batch_size, chunks, hidden, data: &batch, record };
             let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p, last| dp_sync.grad_ready(p, last))?;
             (stats.loss, stats.peak_activations)
         };

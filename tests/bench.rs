@@ -48,7 +48,7 @@ fn activation_formula_matches_what_the_model_keeps() {
     let tokens: Vec<u32> = (0..batch * seq).map(|i| (i % c.model.vocab_size) as u32).collect();
     let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     for index in 0..2 {
-        let stage = Stage { index, count: 2 };
+        let stage = Stage::new(index, 2);
         let mut model = Llama::init(&c.model, 1, Box::new(ferrotron::model::Whole), stage);
         let hidden = Tensor::zeros(&[batch * seq, c.model.hidden_size]);
         let input = if index == 0 { StageInput::Tokens(&tokens) } else { StageInput::Hidden(hidden) };
@@ -60,7 +60,7 @@ fn activation_formula_matches_what_the_model_keeps() {
     }
     // held at once with 1F1B on 2 stages and 4 micro-batches: two on the first stage, one on the last
     let c = cfg(&[common::SMALL, &["parallel.pp=2", "train.grad_accum_steps=4"]].concat());
-    let per = |index| activation_bytes(&c.model, 16, 32, Keep::WHOLE, Stage { index, count: 2 }, DType::F32);
+    let per = |index| activation_bytes(&c.model, 16, 32, Keep::WHOLE, Stage::new(index, 2), DType::F32);
     assert_eq!(activations_held(&c, 16, DType::F32), (2.0 * per(0)).max(per(1)));
 }
 

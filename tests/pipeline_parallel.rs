@@ -41,9 +41,13 @@ fn uneven_layer_splits_follow_the_curve_too() {
         converge::converge(None, &sets(&["model.num_hidden_layers=5"]), &parse_variants(spec).unwrap(), 1e-4).unwrap();
     assert!(outcomes.iter().all(|o| o.pass));
     // 5 layers on 3 stages: the remainder goes to the first stages
-    let split: Vec<_> = (0..3).map(|i| Stage { index: i, count: 3 }.layers(5)).collect();
-    assert_eq!(split, vec![0..2, 2..4, 4..5]);
-    assert_eq!(Stage { index: 1, count: 4 }.layers(4), 1..2);
+    let split: Vec<_> = (0..3).map(|i| Stage::new(i, 3).layers(5)).collect();
+    assert_eq!(split, vec![vec![0, 1], vec![2, 3], vec![4]]);
+    assert_eq!(Stage::new(1, 4).layers(4), vec![1]);
+    // interleaved: 2 ranks of 2 chunks over 8 layers, and 3 × 2 over 7 (the remainder first)
+    assert_eq!(Stage { index: 0, count: 2, chunks: 2 }.layers(8), vec![0, 1, 4, 5]);
+    assert_eq!(Stage { index: 1, count: 2, chunks: 2 }.chunk_layers(8), vec![2..4, 6..8]);
+    assert_eq!(Stage { index: 0, count: 3, chunks: 2 }.chunk_layers(7), vec![0..2, 3..4]);
 }
 
 #[test]

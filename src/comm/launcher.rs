@@ -16,7 +16,7 @@ use crate::comm::cost::{AxisTally, Call};
 use crate::comm::local::Hub;
 use crate::comm::trace::Trace;
 use crate::comm::{Group, Stream};
-use crate::config::{CommBackend, Config, DeviceKind};
+use crate::config::{CommBackend, Config, DeviceKind, PpSchedule};
 use crate::cuda::device::GPU_ERROR;
 use crate::cuda::nccl::Nccl;
 use crate::cuda::runtime::Gpu;
@@ -79,7 +79,12 @@ impl Setup {
         let cuda = cfg.device.kind == DeviceKind::Cuda;
         let world = cfg.parallel.world_size();
         let gpus = if cuda { crate::cuda::runtime::device_count()? } else { 0 };
-        let backend = choose_backend(cfg.parallel.backend, cuda, world, gpus)?;
+        // the interleaved pipeline's messages are not paired for NCCL yet: `auto` stays local
+        let choice = match cfg.parallel.pp_schedule {
+            PpSchedule::Interleaved if cfg.parallel.backend == CommBackend::Auto => CommBackend::Local,
+            _ => cfg.parallel.backend,
+        };
+        let backend = choose_backend(choice, cuda, world, gpus)?;
         let capacity = match cuda {
             // ranks share GPUs round-robin: GPU 0 holds the most
             true => Capacity {

@@ -5,10 +5,11 @@
 //! runs its actions in order, a forward waits for the previous stage's forward of the same
 //! micro-batch, a backward for the next stage's backward. The idle time left over is the bubble,
 //! (p − 1)/(m + p − 1) of the step for both AFAB and 1F1B; what differs is how many micro-batches'
-//! activations each stage holds at once.
+//! activations each stage holds at once. The interleaved schedule's V chunks per rank each take
+//! 1/V of that time, and its bubble is (p − 1)/(V·m + p − 1).
 
 use crate::config::PpSchedule;
-use crate::parallel::pipeline_parallel::{schedule, Action};
+use crate::parallel::pipeline_parallel::{schedule, Action, Work};
 use anyhow::{bail, Result};
 use std::fmt::Write;
 
@@ -26,10 +27,12 @@ pub struct Timeline {
     /// Rows: pipeline stages (or, from a trace, ranks).
     pub stages: usize,
     pub micro_batches: usize,
+    /// Model chunks per stage (1 but for the interleaved schedule).
+    pub chunks: usize,
     pub slots: Vec<Slot>,
     pub makespan: f64,
-    /// The most micro-batches whose activations each stage held at once.
-    pub peak_activations: Vec<usize>,
+    /// The most micro-batches whose activations each stage held at once (a chunk's count 1/V).
+    pub peak_activations: Vec<f64>,
 }
 
 impl Timeline {
@@ -39,38 +42,50 @@ impl Timeline {
         1.0 - busy / (self.stages as f64 * self.makespan)
     }
 
-    /// The textbook bubble, (p − 1)/(m + p − 1).
+    /// The textbook bubble, (p − 1)/(V·m + p − 1) (V = 1 but for the interleaved schedule).
     pub fn bubble_formula(&self) -> f64 {
         let p = self.stages as f64;
-        (p - 1.0) / (self.micro_batches as f64 + p - 1.0)
+        (p - 1.0) / (self.chunks as f64 * self.micro_batches as f64 + p - 1.0)
     }
 }
 
-/// Plays `kind` for `stages` stages and `m` micro-batches.
-pub fn simulate(kind: PpSchedule, stages: usize, m: usize) -> Result<Timeline> {
-    if stages == 0 || m == 0 {
-        bail!("schedule: --pp and --microbatches must be at least 1");
+/// Plays `kind` for `stages` stages, `m` micro-batches and `chunks` model chunks per stage.
+pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Result<Timeline> {
+    if stages == 0 || m == 0 || chunks == 0 {
+        bail!("schedule: --pp, --microbatches and --virtual must be at least 1");
     }
-    if stages > 256 || m > 4096 {
-        bail!("schedule: --pp {stages} --microbatches {m}: at most 256 stages and 4096 micro-batches fit in a picture");
+    if stages > 256 || m > 4096 || chunks > 16 {
+        bail!("schedule: --pp {stages} --microbatches {m} --virtual {chunks}: at most 256 stages, 4096 micro-batches and 16 chunks fit in a picture");
     }
-    let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m)).collect();
-    let mut done = vec![vec![[None::<f64>; 2]; m]; stages]; // [stage][micro][forward, backward] end times
+    if kind == PpSchedule::Interleaved && (chunks < 2 || stages < 2 || m % stages != 0) {
+        bail!("schedule: the interleaved schedule needs --pp ≥ 2, --virtual ≥ 2 and --microbatches a multiple of --pp");
+    }
+    let chunks = if kind == PpSchedule::Interleaved { chunks } else { 1 };
+    let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m, chunks)).collect();
+    // the virtual stages: chunk c of stage s is virtual stage c·p + s, and each takes 1/V
+    let last = stages * chunks - 1;
+    let mut done = vec![vec![[None::<f64>; 2]; m]; last + 1]; // [virtual stage][micro][forward, backward] end times
     let (mut next, mut free) = (vec![0; stages], vec![0.0f64; stages]);
     let mut slots = Vec::new();
-    while slots.len() < stages * 2 * m {
+    while slots.len() < stages * 2 * m * chunks {
         let before = slots.len();
         for s in 0..stages {
             let Some(&action) = plans[s].get(next[s]) else { continue };
-            let (dep, duration, k, i) = match action {
-                Action::Forward(i) => (if s == 0 { Some(0.0) } else { done[s - 1][i][0] }, 1.0, 0, i),
-                Action::Backward(i) if s + 1 == stages => (done[s][i][0], 2.0, 1, i),
-                Action::Backward(i) => (done[s + 1][i][1], 2.0, 1, i),
+            let (w, forward) = match action {
+                Action::Forward(w) => (w, true),
+                Action::Backward(w) => (w, false),
+            };
+            let (u, i) = (w.chunk * stages + s, w.micro);
+            let dep = match forward {
+                true if u == 0 => Some(0.0),
+                true => done[u - 1][i][0],
+                false if u == last => done[u][i][0],
+                false => done[u + 1][i][1],
             };
             if let Some(ready) = dep {
                 let start = free[s].max(ready);
-                free[s] = start + duration;
-                done[s][i][k] = Some(free[s]);
+                free[s] = start + if forward { 1.0 } else { 2.0 } / chunks as f64;
+                done[u][i][usize::from(!forward)] = Some(free[s]);
                 slots.push(Slot { stage: s, action, start, end: free[s] });
                 next[s] += 1;
             }
@@ -80,12 +95,16 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize) -> Result<Timeline> {
         }
     }
     let makespan = free.iter().cloned().fold(0.0, f64::max);
-    let name = if kind == PpSchedule::Afab { "AFAB" } else { "1F1B" }.to_string();
-    Ok(Timeline { name, stages, micro_batches: m, slots, makespan, peak_activations: peaks(&plans) })
+    let name = match kind {
+        PpSchedule::Afab => "AFAB".to_string(),
+        PpSchedule::OneFOneB => "1F1B".to_string(),
+        PpSchedule::Interleaved => format!("interleaved 1F1B, V = {chunks}"),
+    };
+    Ok(Timeline { name, stages, micro_batches: m, chunks, slots, makespan, peak_activations: peaks(&plans, chunks) })
 }
 
-/// The most micro-batches held at once along each row's sequence of actions.
-fn peaks(plans: &[Vec<Action>]) -> Vec<usize> {
+/// The most micro-batches held at once along each row's sequence of actions (a chunk's 1/V).
+fn peaks(plans: &[Vec<Action>], chunks: usize) -> Vec<f64> {
     let held = |plan: &Vec<Action>| {
         let mut n = 0i64;
         plan.iter()
@@ -94,7 +113,8 @@ fn peaks(plans: &[Vec<Action>]) -> Vec<usize> {
                 n
             })
             .max()
-            .unwrap_or(0) as usize
+            .unwrap_or(0) as f64
+            / chunks as f64
     };
     plans.iter().map(held).collect()
 }
@@ -112,16 +132,21 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
         else {
             continue;
         };
+        // "forward 3", or "forward 3.1" for micro-batch 3 through model chunk 1
+        let work = |w: &str| {
+            let (micro, chunk) = w.split_once('.').unwrap_or((w, "0"));
+            Some(Work { micro: micro.parse().ok()?, chunk: chunk.parse().ok()? })
+        };
         let action = match name.split_once(' ') {
-            Some(("forward", i)) => i.parse().ok().map(Action::Forward),
-            Some(("backward", i)) => i.parse().ok().map(Action::Backward),
+            Some(("forward", w)) => work(w).map(Action::Forward),
+            Some(("backward", w)) => work(w).map(Action::Backward),
             _ => None,
         };
         spans.extend(action.map(|a| (rank as usize, a, ts, ts + dur)));
     }
     // the last step starts at the earliest of the ranks' last `forward 0`
     let mut last_start: Vec<(usize, f64)> = Vec::new();
-    for &(rank, _, ts, _) in spans.iter().filter(|s| s.1 == Action::Forward(0)) {
+    for &(rank, _, ts, _) in spans.iter().filter(|s| s.1 == Action::Forward(Work { micro: 0, chunk: 0 })) {
         match last_start.iter_mut().find(|(r, _)| *r == rank) {
             Some(entry) => entry.1 = entry.1.max(ts),
             None => last_start.push((rank, ts)),
@@ -139,15 +164,17 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
         .map(|s| Slot { stage: s.0, action: s.1, start: (s.2 - t0) / unit, end: (s.3 - t0) / unit })
         .collect();
     let makespan = slots.iter().map(|s| s.end).fold(0.0, f64::max);
-    let micro_batches = forwards.len() / ranks;
+    let chunks = step.iter().map(|s| 1 + if let Action::Forward(w) = s.1 { w.chunk } else { 0 }).max().unwrap_or(1);
+    let micro_batches = forwards.len() / ranks / chunks;
     let plans: Vec<Vec<Action>> = (0..ranks).map(|r| step.iter().filter(|s| s.0 == r).map(|s| s.1).collect()).collect();
     Ok(Timeline {
         name: format!("{} (last step)", path.display()),
         stages: ranks,
         micro_batches,
+        chunks,
         slots,
         makespan,
-        peak_activations: peaks(&plans),
+        peak_activations: peaks(&plans, chunks),
     })
 }
 
@@ -162,11 +189,11 @@ pub fn svg(timelines: &[Timeline]) -> String {
     let mut top = 20.0;
     for t in timelines {
         let title = format!(
-            "{} — bubble {:.1}% (formula (p−1)/(m+p−1): {:.1}%), peak activations per stage {:?}",
+            "{} — bubble {:.1}% (formula (p−1)/(V·m+p−1): {:.1}%), peak activations per stage {:?}",
             t.name,
             100.0 * t.bubble(),
             100.0 * t.bubble_formula(),
-            t.peak_activations
+            t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>()
         );
         let _ = writeln!(s, "<text x=\"10\" y=\"{top}\" font-size=\"13\">{title}</text>");
         for stage in 0..t.stages {
@@ -179,9 +206,10 @@ pub fn svg(timelines: &[Timeline]) -> String {
             );
         }
         for slot in &t.slots {
+            let label = |w: Work| if t.chunks > 1 { format!("{}.{}", w.micro, w.chunk) } else { w.micro.to_string() };
             let (label, fill) = match slot.action {
-                Action::Forward(i) => (format!("F{i}"), "#9ecae1"),
-                Action::Backward(i) => (format!("B{i}"), "#3182bd"),
+                Action::Forward(w) => (format!("F{}", label(w)), ["#9ecae1", "#c6dbef"][w.chunk % 2]),
+                Action::Backward(w) => (format!("B{}", label(w)), ["#3182bd", "#08519c"][w.chunk % 2]),
             };
             let (x, y, w) =
                 (left + slot.start * unit, top + 10.0 + slot.stage as f64 * row, (slot.end - slot.start) * unit);

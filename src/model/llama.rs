@@ -27,12 +27,15 @@ use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, Attn, DType};
 use anyhow::{anyhow, bail, Result};
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::rc::Rc;
 
 mod units; // FSDP's units: fetch and free around each piece of the forward and backward
 
 /// Everything one micro-batch's `forward` keeps for its `backward`.
 struct Cache {
+    /// The model chunk it went through (0 unless the pipeline is interleaved).
+    chunk: usize,
     /// The input tokens, on the first pipeline stage.
     tokens: Option<Vec<u32>>,
     positions: Vec<u32>,
@@ -100,6 +103,8 @@ pub struct Llama<'g> {
     embed_tokens: Option<Param>,
     /// This stage's layers.
     layers: Vec<Block>,
+    /// Which of `layers` each model chunk holds (one chunk unless the pipeline is interleaved).
+    chunks: Vec<Range<usize>>,
     /// On the last pipeline stage.
     head: Option<Head>,
     /// One per micro-batch whose forward is done and backward is not (the activation memory).
@@ -145,6 +150,13 @@ impl<'g> Llama<'g> {
         })?;
         let vocab_first = index * cfg.vocab_size / count;
         let caches = VecDeque::new();
+        let mut at = 0; // chunk c holds the next `len` of this stage's layers
+        let chunks = (stage.chunk_layers(cfg.num_hidden_layers).iter())
+            .map(|r| {
+                at += r.len();
+                at - r.len()..at
+            })
+            .collect();
         Ok(Llama {
             cfg: cfg.clone(),
             tp,
@@ -153,6 +165,7 @@ impl<'g> Llama<'g> {
             vocab_first,
             embed_tokens,
             layers,
+            chunks,
             head,
             caches,
             attention_work: 0,
@@ -237,6 +250,21 @@ impl<'g> Llama<'g> {
         if let Some(h) = &self.head {
             v.push(&h.norm);
             v.extend(h.lm_head.as_ref());
+        }
+        v
+    }
+
+    /// The model chunk of each of `params()` (all 0 unless the pipeline is interleaved): the
+    /// embedding's is the first, the head's the last.
+    pub fn param_chunks(&self) -> Vec<usize> {
+        let last = self.chunks.len() - 1;
+        let mut v: Vec<usize> = self.embed_tokens.iter().map(|_| 0).collect();
+        for (c, range) in self.chunks.iter().enumerate() {
+            v.extend(range.clone().flat_map(|i| self.layers[i].params().map(|_| c)));
+        }
+        if let Some(h) = &self.head {
+            v.push(last);
+            v.extend(h.lm_head.iter().map(|_| last));
         }
         v
     }
@@ -336,10 +364,17 @@ impl<'g> Llama<'g> {
     /// One micro-batch of `batch` sequences through this stage's part of the model; `targets`
     /// are used on the last stage. The activations stay until this micro-batch's backward.
     pub fn forward_stage(&mut self, input: StageInput, batch: usize, targets: &[i32]) -> Result<StageOutput> {
+        self.forward_chunk(0, input, batch, targets)
+    }
+
+    /// `forward_stage` through model chunk `chunk` of this stage (the interleaved pipeline's
+    /// unit of work): the embedding before chunk 0 of the first stage, the head after the last
+    /// chunk of the last stage.
+    pub fn forward_chunk(&mut self, chunk: usize, input: StageInput, batch: usize, targets: &[i32]) -> Result<StageOutput> {
         let (mut x, tokens) = match input {
             StageInput::Tokens(t) => {
-                if self.embed_tokens.is_none() {
-                    bail!("forward: tokens given to a pipeline stage without the embedding");
+                if self.embed_tokens.is_none() || chunk != 0 {
+                    bail!("forward: tokens given to a model chunk without the embedding");
                 }
                 self.fetch(Unit::Embedding, true)?;
                 let embed = self.embed_tokens.as_ref().expect("checked above");
@@ -363,7 +398,7 @@ impl<'g> Llama<'g> {
         let seq_positions = self.seq.positions(seq);
         let positions: Vec<u32> = (0..batch * seq).map(|r| seq_positions[r % seq]).collect();
         let mut blocks = Vec::with_capacity(self.layers.len());
-        for i in 0..self.layers.len() {
+        for i in self.chunks[chunk].clone() {
             self.fetch(Unit::Layer(i), true)?;
             let split = Splits { tp: &*self.tp, seq: &*self.seq };
             let keep = (&self.cfg, self.recompute);
@@ -373,8 +408,8 @@ impl<'g> Llama<'g> {
             blocks.push(cache);
             x = out;
         }
-        if self.head.is_none() {
-            self.caches.push_back(Cache { tokens, positions, attn, blocks, head: None });
+        if self.head.is_none() || chunk + 1 < self.chunks.len() {
+            self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: None });
             return Ok(StageOutput::Hidden(x));
         }
         self.fetch(Unit::Head, true)?;
@@ -385,7 +420,7 @@ impl<'g> Llama<'g> {
         self.free(Unit::Head);
         let (loss, count, lse) = self.tp.cross_entropy(&logits, targets, self.vocab_first)?;
         let head = HeadCache { targets: targets.to_vec(), x_final: x, xn, rstd, logits, lse, count };
-        self.caches.push_back(Cache { tokens, positions, attn, blocks, head: Some(head) });
+        self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head) });
         Ok(StageOutput::Loss(loss))
     }
 
@@ -408,8 +443,20 @@ impl<'g> Llama<'g> {
     /// The backward of the oldest micro-batch whose forward is done. Returns the gradient of the
     /// stage's input activations (`None` on the first stage, whose input is tokens).
     pub fn backward_stage(&mut self, grad: StageGrad, ready: &mut dyn FnMut(&mut Param)) -> Result<Option<Tensor>> {
-        let mut c =
-            self.caches.pop_front().ok_or_else(|| anyhow!("backward: no forward is waiting for its backward"))?;
+        self.backward_chunk(0, grad, ready)
+    }
+
+    /// `backward_stage` of the oldest micro-batch whose forward through model chunk `chunk` is done.
+    pub fn backward_chunk(
+        &mut self,
+        chunk: usize,
+        grad: StageGrad,
+        ready: &mut dyn FnMut(&mut Param),
+    ) -> Result<Option<Tensor>> {
+        let oldest = self.caches.iter().position(|c| c.chunk == chunk);
+        let mut c = oldest
+            .and_then(|at| self.caches.remove(at))
+            .ok_or_else(|| anyhow!("backward: no forward through chunk {chunk} is waiting for its backward"))?;
         let first = self.vocab_first;
         // each part of the cache is dropped as soon as its backward is done: the activations
         // held shrink while the gradients grow
@@ -432,7 +479,7 @@ impl<'g> Llama<'g> {
             (StageGrad::Hidden(dx), None, _) => dx,
             _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
         };
-        for i in (0..self.layers.len()).rev() {
+        for i in self.chunks[chunk].clone().rev() {
             self.fetch(Unit::Layer(i), false)?;
             let split = Splits { tp: &*self.tp, seq: &*self.seq };
             let cache = c.blocks.pop().expect("one cache per layer");

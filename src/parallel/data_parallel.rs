@@ -78,6 +78,9 @@ struct Bucket {
     /// ZeRO: this rank's chunks of the members' averaged gradients, summed over the step's
     /// micro-batches (made by the first reduce-scatter to land, handed over by `finish`).
     sums: Option<Tensor>,
+    /// The last bucket of a backward pass (of the model, or of one model chunk when the pipeline
+    /// is interleaved).
+    closes: bool,
 }
 
 pub struct DataParallel<'g> {
@@ -100,8 +103,16 @@ const IN_FLIGHT: usize = 2;
 
 impl<'g> DataParallel<'g> {
     /// Plans the buckets for `params` (in model order) over `group`; each bucket's buffer lives
-    /// where the gradients do (on a GPU, the collective never leaves it with NCCL).
-    pub fn new(group: &'g Group, params: &[&Param], mode: DpMode, bucket_mb: f64, stage: usize) -> DataParallel<'g> {
+    /// where the gradients do (on a GPU, the collective never leaves it with NCCL). `chunk` gives
+    /// each parameter's model chunk (all 0 but with the interleaved pipeline, whose chunks run
+    /// their backwards apart): a bucket holds one chunk's gradients.
+    pub fn new(
+        group: &'g Group,
+        (params, chunk_of): (&[&Param], &[usize]),
+        mode: DpMode,
+        bucket_mb: f64,
+        stage: usize,
+    ) -> DataParallel<'g> {
         let capacity = bucket_values(bucket_mb);
         let ranks = group.size();
         // a member takes its whole gradient in a plain bucket, one chunk per rank under ZeRO
@@ -114,7 +125,8 @@ impl<'g> DataParallel<'g> {
         let mut place = HashMap::new();
         for (i, p) in params.iter().enumerate().rev() {
             let n = width(p);
-            if plans.last().is_none_or(|(_, len)| len + n > room) {
+            let other_chunk = |members: &Vec<(usize, usize)>| chunk_of[members[0].0] != chunk_of[i];
+            if plans.last().is_none_or(|(members, len)| len + n > room || other_chunk(members)) {
                 plans.push((Vec::new(), 0));
             }
             let index = plans.len() - 1;
@@ -123,15 +135,19 @@ impl<'g> DataParallel<'g> {
             members.push((i, *len));
             *len += n;
         }
+        let chunk_of_plan = |b: usize| plans.get(b).map(|(members, _)| chunk_of[members[0].0]);
+        let closes: Vec<bool> = (0..plans.len()).map(|b| chunk_of_plan(b + 1) != chunk_of_plan(b)).collect();
         let buckets = match (mode, ranks) {
             (DpMode::Bucketed, 2..) => plans
                 .into_iter()
-                .map(|(members, len)| {
+                .zip(closes)
+                .map(|((members, len), closes)| {
                     let like = &params[members[0].0];
                     // stage 0 keeps its bucket for every step; ZeRO makes one as it starts filling
                     let flat = (stage == 0).then(|| Tensor::zeros_on(&[len], &like.place(), DType::F32));
                     let padded = members.iter().any(|&(i, _)| params[i].shape().iter().product::<usize>() % ranks != 0);
-                    Bucket { waiting: members.len(), members, flat, in_flight: None, width: len, padded, sums: None }
+                    let (waiting, width) = (members.len(), len);
+                    Bucket { waiting, members, flat, in_flight: None, width, padded, sums: None, closes }
                 })
                 .collect(),
             _ => Vec::new(), // nothing to pack: naive mode, or alone
@@ -187,7 +203,7 @@ impl<'g> DataParallel<'g> {
         self.in_flight.push_back(b);
         // the last bucket of the backward: every reduce-scatter of this micro-batch lands now, so
         // that no full-size bucket outlives its backward (with a pipeline, forwards come next)
-        let keep = if b + 1 == self.buckets.len() { 0 } else { IN_FLIGHT };
+        let keep = if bucket.closes { 0 } else { IN_FLIGHT };
         while self.in_flight.len() > keep {
             let oldest = self.in_flight.pop_front().expect("more than kept");
             if let Err(e) = settle(&mut self.buckets[oldest]) {

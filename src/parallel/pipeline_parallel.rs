@@ -14,7 +14,20 @@
 //! ```
 //! Both leave the same idle "bubble", (p − 1)/(m + p − 1) of the step, but AFAB keeps the
 //! activations of all m micro-batches until the backwards start, while 1F1B starts backward as
-//! soon as it can: stage s holds at most p − s micro-batches. `ferrotron schedule` draws both.
+//! soon as it can: stage s holds at most p − s micro-batches. `ferrotron schedule` draws them.
+//!
+//! **Interleaved 1F1B** (Megatron-LM, Narayanan et al. 2021) gives each rank V chunks of layers
+//! instead of one run (`model/stage.rs`): a micro-batch goes through the ranks V times, each pass
+//! 1/V of the work. The pipeline fills and drains in units of a chunk, so the bubble shrinks V
+//! times, to (p − 1)/(V·m + p − 1) of the step, for V times more messages. Each rank runs the
+//! forwards in groups of p micro-batches per chunk (chunk 0 of micro-batches 0..p, chunk 1 of the
+//! same, …), the backwards in the same order with the chunks reversed:
+//!
+//! ```text
+//! p = 2, V = 2, m = 4 (Fᶜᵢ: forward of micro-batch i through chunk c)
+//! rank 0  F⁰₀F⁰₁F¹₀F¹₁ ·  F⁰₂B¹₀F⁰₃B¹₁F¹₂B⁰₀F¹₃B⁰₁ ·  B¹₂ ·  B¹₃B⁰₂B⁰₃
+//! rank 1    F⁰₀F⁰₁F¹₀F¹₁B¹₀B¹₁F⁰₂B⁰₀F⁰₃B⁰₁F¹₂B¹₂F¹₃B¹₃B⁰₂B⁰₃
+//! ```
 //!
 //! Messages between neighbours have the names they have in Megatron and picotron:
 //!
@@ -33,30 +46,57 @@ use crate::config::PpSchedule;
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType};
-use anyhow::Result;
+use anyhow::{bail, Result};
+use std::collections::{HashMap, VecDeque};
 use std::time::Instant;
 
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub enum Action {
-    Forward(usize),
-    Backward(usize),
+/// Micro-batch `micro` through model chunk `chunk` (always 0 but in the interleaved schedule).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Work {
+    pub micro: usize,
+    pub chunk: usize,
 }
 
-/// The order of stage `stage`'s forwards and backwards of `m` micro-batches.
-pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize) -> Vec<Action> {
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Action {
+    Forward(Work),
+    Backward(Work),
+}
+
+/// The order of stage `stage`'s forwards and backwards of `m` micro-batches, each rank holding
+/// `chunks` model chunks (1 but for `Interleaved`).
+pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> Vec<Action> {
     use Action::{Backward, Forward};
+    let one = |micro| Work { micro, chunk: 0 };
     match kind {
-        PpSchedule::Afab => (0..m).map(Forward).chain((0..m).map(Backward)).collect(),
-        PpSchedule::OneFOneB => {
-            let warmup = (stages - stage - 1).min(m);
-            let mut actions: Vec<Action> = (0..warmup).map(Forward).collect();
-            for i in 0..m - warmup {
-                actions.extend([Forward(warmup + i), Backward(i)]); // steady state
-            }
-            actions.extend((m - warmup..m).map(Backward)); // cool-down
-            actions
+        PpSchedule::Afab => (0..m).map(|i| Forward(one(i))).chain((0..m).map(|i| Backward(one(i)))).collect(),
+        PpSchedule::OneFOneB => one_f_one_b(m, (stages - stage - 1).min(m), |k, _| one(k)),
+        PpSchedule::Interleaved => {
+            // the k-th forward (or backward) of the rank: groups of `stages` micro-batches per
+            // chunk, chunks in order forward and reversed backward
+            let per = stages * chunks;
+            let work = |k: usize, forward: bool| {
+                let chunk = k % per / stages;
+                let chunk = if forward { chunk } else { chunks - 1 - chunk };
+                Work { micro: k / per * stages + k % stages, chunk }
+            };
+            // before its first backward a rank runs the forwards below it in the pipeline, twice
+            // over (they come back through chunk 1, …), plus a group per further chunk
+            let warmup = ((stages - stage - 1) * 2 + (chunks - 1) * stages).min(m * chunks);
+            one_f_one_b(m * chunks, warmup, work)
         }
     }
+}
+
+/// `n` forwards and `n` backwards (the k-th of each being `work(k, forward)`): `warmup` forwards,
+/// then one forward and one backward at a time, then the backwards still owed.
+fn one_f_one_b(n: usize, warmup: usize, work: impl Fn(usize, bool) -> Work) -> Vec<Action> {
+    let mut actions: Vec<Action> = (0..warmup).map(|k| Action::Forward(work(k, true))).collect();
+    for k in 0..n - warmup {
+        actions.extend([Action::Forward(work(warmup + k, true)), Action::Backward(work(k, false))]); // steady state
+    }
+    actions.extend((n - warmup..n).map(|k| Action::Backward(work(k, false)))); // cool-down
+    actions
 }
 
 /// One training step's forwards and backwards on this stage.
@@ -65,6 +105,8 @@ pub struct StepPlan<'a> {
     pub micro_batches: usize,
     /// Sequences per micro-batch.
     pub batch: usize,
+    /// Model chunks per rank (`parallel.pp_virtual_stages`; 1 but for the interleaved schedule).
+    pub chunks: usize,
     /// The shape of the activations between stages, `[batch × seq, hidden]`.
     pub hidden: [usize; 2],
     /// Micro-batch i's (tokens, targets).
@@ -89,7 +131,7 @@ pub fn run_step(
     plan: &StepPlan,
     ready: &mut dyn FnMut(&mut Param, bool),
 ) -> Result<StepStats> {
-    let stage = Stage { index: pp.index(), count: pp.size() };
+    let stage = Stage { index: pp.index(), count: pp.size(), chunks: plan.chunks };
     let msg = Messages { pp, stage, shape: plan.hidden, place: model.place() };
     let loss = Tensor::zeros_on(&[1], &model.place(), DType::F32);
     let mut run = Runner { model, plan, stage, ready, stats: StepStats { loss, peak_activations: 0 } };
@@ -134,6 +176,23 @@ pub fn run_step(
                 msg.send_backward(dx)?;
             }
         }
+        PpSchedule::Interleaved => {
+            let mut mail = Mailbox::new(&msg, m);
+            for action in schedule(plan.kind, stage.count, stage.index, m, stage.chunks) {
+                match action {
+                    Action::Forward(w) => {
+                        let x = mail.take(Carries::Activations, w)?;
+                        let y = run.forward_chunk(w, x)?;
+                        mail.send(Carries::Activations, w, y)?;
+                    }
+                    Action::Backward(w) => {
+                        let dy = mail.take(Carries::Gradient, w)?;
+                        let dx = run.backward_chunk(w, dy)?;
+                        mail.send(Carries::Gradient, w, dx)?;
+                    }
+                }
+            }
+        }
     }
     Ok(run.stats)
 }
@@ -151,7 +210,12 @@ impl Runner<'_, '_, '_> {
     /// Micro-batch i through this stage: from tokens (first stage) or `x`; returns the
     /// activations for the next stage, or `None` on the last (which adds up the loss).
     fn forward(&mut self, i: usize, x: Option<Tensor>) -> Result<Option<Tensor>> {
-        let start = Instant::now();
+        self.forward_chunk(Work { micro: i, chunk: 0 }, x)
+    }
+
+    /// `forward` of micro-batch `w.micro` through model chunk `w.chunk`.
+    fn forward_chunk(&mut self, w: Work, x: Option<Tensor>) -> Result<Option<Tensor>> {
+        let (start, i) = (Instant::now(), w.micro);
         // tokens feed the first stage, targets the last; the stages between need neither
         let (tokens, targets) = match self.stage.is_first() || self.stage.is_last() {
             true => (self.plan.data)(i)?,
@@ -161,9 +225,9 @@ impl Runner<'_, '_, '_> {
             Some(x) => StageInput::Hidden(x),
             None => StageInput::Tokens(&tokens),
         };
-        let out = self.model.forward_stage(input, self.plan.batch, &targets)?;
+        let out = self.model.forward_chunk(w.chunk, input, self.plan.batch, &targets)?;
         self.stats.peak_activations = self.stats.peak_activations.max(self.model.activations_held());
-        (self.plan.record)(format!("forward {i}"), start);
+        (self.plan.record)(name("forward", w, self.stage), start);
         Ok(match out {
             StageOutput::Loss(loss) => {
                 ops::add_scaled(&mut self.stats.loss, loss, 1.0 / self.plan.micro_batches as f32);
@@ -176,17 +240,30 @@ impl Runner<'_, '_, '_> {
     /// The backward of micro-batch i (the oldest held): from the loss (last stage) or `dy`;
     /// returns the gradient for the previous stage, or `None` on the first.
     fn backward(&mut self, i: usize, dy: Option<Tensor>) -> Result<Option<Tensor>> {
+        self.backward_chunk(Work { micro: i, chunk: 0 }, dy)
+    }
+
+    /// `backward` of micro-batch `w.micro` through model chunk `w.chunk`.
+    fn backward_chunk(&mut self, w: Work, dy: Option<Tensor>) -> Result<Option<Tensor>> {
         let start = Instant::now();
         let grad = match dy {
             Some(dy) => StageGrad::Hidden(dy),
             None => StageGrad::Loss(1.0 / self.plan.micro_batches as f32),
         };
-        // gradients are complete for the step in the last micro-batch's backward
-        let last = i + 1 == self.plan.micro_batches;
+        // a chunk's gradients are complete for the step in its last micro-batch's backward
+        let last = w.micro + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
-        let dx = self.model.backward_stage(grad, &mut |p| ready(p, last))?;
-        (self.plan.record)(format!("backward {i}"), start);
+        let dx = self.model.backward_chunk(w.chunk, grad, &mut |p| ready(p, last))?;
+        (self.plan.record)(name("backward", w, self.stage), start);
         Ok(dx)
+    }
+}
+
+/// A span's name: "forward 3", or with model chunks "forward 3.1" (micro-batch 3, chunk 1).
+fn name(what: &str, w: Work, stage: Stage) -> String {
+    match stage.chunks {
+        1 => format!("{what} {}", w.micro),
+        _ => format!("{what} {}.{}", w.micro, w.chunk),
     }
 }
 
@@ -241,5 +318,85 @@ impl Messages<'_> {
     }
     fn send_backward_recv_forward(&self, dx: Option<Tensor>) -> Result<Option<Tensor>> {
         self.exchange(dx, self.prev())
+    }
+}
+
+/// What a message of the interleaved schedule carries: the activations a forward made, or the
+/// gradient a backward made, of the sender's `Work`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Carries {
+    Activations,
+    Gradient,
+}
+
+/// The interleaved schedule's messages. Activations always go to the next rank and gradients to
+/// the previous one, around the ring (rank p − 1's chunk c feeds rank 0's chunk c + 1), and with
+/// p = 2 both kinds travel between the same two ranks. Messages between two ranks arrive in the
+/// order they were sent, so each rank replays its neighbours' schedules to know that order: a
+/// message that arrives before it is needed waits in the stash.
+struct Mailbox<'a> {
+    msg: &'a Messages<'a>,
+    /// Per member of the pp group: what it will send us, in its order.
+    expected: Vec<VecDeque<(Carries, Work)>>,
+    stash: HashMap<(Carries, Work), Tensor>,
+}
+
+impl<'a> Mailbox<'a> {
+    fn new(msg: &'a Messages<'a>, m: usize) -> Mailbox<'a> {
+        let (p, me) = (msg.stage.count, msg.stage.index);
+        let expected = (0..p)
+            .map(|from| {
+                let plan = schedule(PpSchedule::Interleaved, p, from, m, msg.stage.chunks);
+                let sends = plan.into_iter().filter_map(|a| Mailbox::sent(msg.stage, from, a));
+                sends.filter(|&(to, _)| to == me).map(|(_, what)| what).collect()
+            })
+            .collect();
+        Mailbox { msg, expected, stash: HashMap::new() }
+    }
+
+    /// Where rank `from`'s `action` sends its result, and what it is (`None`: the loss, or the
+    /// first chunk's input gradient, which go nowhere).
+    fn sent(stage: Stage, from: usize, action: Action) -> Option<(usize, (Carries, Work))> {
+        let (p, v) = (stage.count, stage.chunks);
+        match action {
+            Action::Forward(w) if !(from == p - 1 && w.chunk == v - 1) => {
+                Some(((from + 1) % p, (Carries::Activations, w)))
+            }
+            Action::Backward(w) if !(from == 0 && w.chunk == 0) => Some(((from + p - 1) % p, (Carries::Gradient, w))),
+            _ => None,
+        }
+    }
+
+    /// The input of this rank's `what` of `w`, if it has one: the previous virtual stage's
+    /// activations (forward) or the next one's gradient (backward), received now or earlier.
+    fn take(&mut self, what: Carries, w: Work) -> Result<Option<Tensor>> {
+        let (p, v, me) = (self.msg.stage.count, self.msg.stage.chunks, self.msg.stage.index);
+        let (from, theirs) = match what {
+            Carries::Activations if me == 0 && w.chunk == 0 => return Ok(None), // tokens
+            Carries::Gradient if me == p - 1 && w.chunk == v - 1 => return Ok(None), // the loss
+            Carries::Activations => ((me + p - 1) % p, Work { chunk: w.chunk - usize::from(me == 0), ..w }),
+            Carries::Gradient => ((me + 1) % p, Work { chunk: w.chunk + usize::from(me == p - 1), ..w }),
+        };
+        let key = (what, theirs);
+        while !self.stash.contains_key(&key) {
+            let Some(next) = self.expected[from].pop_front() else {
+                bail!("interleaved pipeline: rank {me} waits for {what:?} of {theirs:?} that rank {from} never sends");
+            };
+            let t = self.msg.recv(Some(from))?.expect("a sender was given");
+            self.stash.insert(next, t);
+        }
+        Ok(self.stash.remove(&key))
+    }
+
+    /// Sends the result of this rank's `what` of `w` where the next step of its micro-batch runs.
+    fn send(&self, what: Carries, w: Work, t: Option<Tensor>) -> Result<()> {
+        let action = match what {
+            Carries::Activations => Action::Forward(w),
+            Carries::Gradient => Action::Backward(w),
+        };
+        match Mailbox::sent(self.msg.stage, self.msg.stage.index, action) {
+            Some((to, _)) => self.msg.send(t, Some(to)),
+            None => Ok(()),
+        }
     }
 }

@@ -94,9 +94,9 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
     (0..p.pp)
         .map(|s| {
-            let stage = Stage { index: s, count: p.pp };
+            let stage = Stage { index: s, count: p.pp, chunks: p.pp_virtual_stages };
             activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype)
-                * in_flight(cfg, s) as f64
+                * in_flight(cfg, s)
         })
         .fold(0.0, f64::max)
 }
@@ -104,7 +104,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
 /// Weights of the busiest stage on one tp rank: matrices are split over tp, norms are whole.
 /// Counted from one layer's tensors times the stage's layers, so any depth costs nothing.
 pub fn weights_per_rank(m: &ModelConfig, tp: usize, pp: usize) -> f64 {
-    (0..pp).map(|index| sizes(m, tp, Stage { index, count: pp }, 1).0).fold(0.0, f64::max)
+    (0..pp).map(|index| sizes(m, tp, Stage::new(index, pp), 1).0).fold(0.0, f64::max)
 }
 
 /// One rank's memory by what holds it, in bytes (`ferrotron memory`).
@@ -136,7 +136,7 @@ pub struct RankMemory {
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
     let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?;
-    let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp })).collect();
+    let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp, chunks: p.pp_virtual_stages })).collect();
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
 }
 
@@ -208,10 +208,10 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let head = one - layers * layer_kept;
     let block = rows * (3.0 * f + 3.0 * d / p.tp as f64 + 5.0 * d) * e + layer_again;
     let now = (one + rows * v * e).max(one - head + block);
-    let activations = one * (in_flight(cfg, stage.index) - 1) as f64 + now;
+    let activations = one * (in_flight(cfg, stage.index) - 1.0) + now;
     // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
-    let sums = if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage.index) == 1 { 4.0 * chunks } else { 0.0 };
+    let sums = if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage.index) == 1.0 { 4.0 * chunks } else { 0.0 };
     let grads = sums + if zero >= 2 { 4.0 * unit } else { 4.0 * whole };
     // (ZeRO makes a bucket when its first gradient arrives: by then, on the last stage, the head's)
     let filling = if stage.is_last() { 4.0 * bucket } else { 0.0 };
@@ -260,7 +260,7 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
         weights_bytes: master + compute,
         grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * chunks,
         optimizer_bytes: optimizer,
-        activations_bytes: one * (in_flight(cfg, stage.index) - 1) as f64,
+        activations_bytes: one * (in_flight(cfg, stage.index) - 1.0),
         comm_bytes: 4.0 * (3.0 * bucket).min(z as f64 * chunks),
         ..Default::default()
     };
@@ -296,12 +296,19 @@ pub fn held(model: &Llama, optimizer: &Optimizer) -> Held {
     }
 }
 
-/// Micro-batches pipeline stage `s` holds activations for at once.
-fn in_flight(cfg: &Config, s: usize) -> usize {
+/// Micro-batches pipeline stage `s` holds activations for at once (with the interleaved
+/// schedule, in chunks of 1/V of a micro-batch's: the forwards before its first backward, and
+/// the one that backward needs).
+fn in_flight(cfg: &Config, s: usize) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
     match p.pp_schedule {
-        PpSchedule::Afab => t.grad_accum_steps,
-        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps),
+        PpSchedule::Afab => t.grad_accum_steps as f64,
+        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps) as f64,
+        PpSchedule::Interleaved => {
+            let v = p.pp_virtual_stages;
+            let chunks = ((p.pp - s - 1) * 2 + (v - 1) * p.pp + 1).min(t.grad_accum_steps * v);
+            chunks as f64 / v as f64
+        }
     }
 }
 

@@ -48,14 +48,17 @@ impl Llama<'_> {
 
     /// The unit computed after `u` in a forward (`forward` true) or a backward of this stage.
     /// A backward never gathers the embedding: its gradient needs only the tokens.
+    /// (With the interleaved pipeline, within the model chunk of `u`: the next chunk's turn
+    /// comes later.)
     fn after(&self, u: Unit, forward: bool) -> Option<Unit> {
         let (layers, head) = (self.layers.len(), self.head.is_some());
+        let chunk = |i: usize| self.chunks.iter().find(|c| c.contains(&i)).cloned().unwrap_or(0..layers);
         match (u, forward) {
             (Unit::Embedding, true) => Some(Unit::Layer(0)),
-            (Unit::Layer(i), true) if i + 1 < layers => Some(Unit::Layer(i + 1)),
-            (Unit::Layer(_), true) => head.then_some(Unit::Head),
+            (Unit::Layer(i), true) if i + 1 < chunk(i).end => Some(Unit::Layer(i + 1)),
+            (Unit::Layer(i), true) => (head && chunk(i).end == layers).then_some(Unit::Head),
             (Unit::Head, false) => Some(Unit::Layer(layers - 1)),
-            (Unit::Layer(i), false) => i.checked_sub(1).map(Unit::Layer),
+            (Unit::Layer(i), false) => (i > chunk(i).start).then(|| Unit::Layer(i - 1)),
             _ => None,
         }
     }
