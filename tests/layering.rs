@@ -49,6 +49,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "model::split",
             "model::block",
             "model::llama",
+            "model::llama::parts",
             "model::llama::units",
             "model::optimizer",
             "model",

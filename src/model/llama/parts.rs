@@ -1,0 +1,248 @@
+//! # The model's parameters: building them, listing them, moving them
+//!
+//! Everything about a `Llama` but its forward and backward (`llama.rs`): building a rank's part
+//! of the model from the config (its pipeline stage and chunks, its tp slice of every tensor),
+//! the parameters in Hugging Face order, their device, and what the model holds.
+
+use super::{Cache, Head, HeadCache, Llama};
+use crate::config::{ModelConfig, Recompute};
+use crate::model::block::{Block, Kept};
+use crate::model::init;
+use crate::model::param::{shard, Param, ParamKind, Split};
+use crate::model::split::{SequenceSplit, TensorSplit, WeightSplit, Whole};
+use crate::model::stage::Stage;
+use crate::ops::tensor::{Place, Tensor};
+use crate::ops::{self, DType};
+use anyhow::Result;
+use std::collections::VecDeque;
+use std::rc::Rc;
+
+impl<'g> Llama<'g> {
+    /// A fresh model on one rank: every parameter from its own (seed, name) stream (`init.rs`).
+    pub fn new(cfg: &ModelConfig, seed: u64) -> Llama<'static> {
+        Llama::init(cfg, seed, Box::new(Whole), Stage::WHOLE)
+    }
+
+    /// This rank's part of the same model: the layers of pipeline `stage`, each tensor split over
+    /// the tensor-parallel ranks as `tp` says. Parts are cut from the full initialised tensors, so every layout starts
+    /// from the single-rank model.
+    pub fn init(cfg: &ModelConfig, seed: u64, tp: Box<dyn TensorSplit + 'g>, stage: Stage) -> Llama<'g> {
+        let std = cfg.initializer_range;
+        Llama::build(cfg, tp, stage, |name, shape, kind| {
+            Ok(match kind {
+                ParamKind::Matrix => init::normal(seed, name, shape, std),
+                ParamKind::Norm => init::ones(shape),
+            })
+        })
+        .expect("init cannot fail")
+    }
+
+    /// Builds the model, asking `make(name, full shape, kind)` for each parameter in Hugging Face
+    /// order, and keeping this tp rank's part of it.
+    pub fn build(
+        cfg: &ModelConfig,
+        tp: Box<dyn TensorSplit + 'g>,
+        stage: Stage,
+        mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
+    ) -> Result<Llama<'g>> {
+        let (index, count) = tp.part();
+        let (embed_tokens, layers, head) = Llama::parts(cfg, stage, &mut |name, shape, kind, split| {
+            let value = shard(&make(&name, shape, kind)?, split, index, count);
+            Ok(Param::new(name, value, split))
+        })?;
+        let vocab_first = index * cfg.vocab_size / count;
+        let caches = VecDeque::new();
+        let mut at = 0; // chunk c holds the next `len` of this stage's layers
+        let chunks = (stage.chunk_layers(cfg.num_hidden_layers).iter())
+            .map(|r| {
+                at += r.len();
+                at - r.len()..at
+            })
+            .collect();
+        Ok(Llama {
+            cfg: cfg.clone(),
+            tp,
+            seq: Box::new(Whole),
+            weights: Rc::new(Whole),
+            vocab_first,
+            embed_tokens,
+            layers,
+            chunks,
+            head,
+            caches,
+            attention_work: 0,
+            recompute: Recompute::None,
+        })
+    }
+
+    /// The name and full shape of every tensor of pipeline `stage`, in Hugging Face order, from
+    /// the config alone (nothing allocated): what a checkpoint of this model must hold.
+    pub fn tensor_shapes(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>)> {
+        Llama::tensor_splits(cfg, stage).into_iter().map(|(name, shape, _)| (name, shape)).collect()
+    }
+
+    /// `tensor_shapes`, with how tensor parallelism splits each.
+    pub fn tensor_splits(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, Split)> {
+        let mut listed = Vec::new();
+        let made = Llama::parts(cfg, stage, &mut |name, shape, _, split| {
+            listed.push((name.clone(), shape.to_vec(), split));
+            Ok(Param::new(name, Tensor::zeros(&[0]), split))
+        });
+        made.expect("listing cannot fail");
+        listed
+    }
+
+    /// The parameters of `stage`, each made by `param(name, full shape, kind, split)`.
+    #[allow(clippy::type_complexity)]
+    fn parts(
+        cfg: &ModelConfig,
+        stage: Stage,
+        param: &mut impl FnMut(String, &[usize], ParamKind, Split) -> Result<Param>,
+    ) -> Result<(Option<Param>, Vec<Block>, Option<Head>)> {
+        let d = cfg.hidden_size;
+        use Split::{Replicated, Rows};
+        let embed_name = "model.embed_tokens.weight".to_string();
+        let embed_tokens = match stage.is_first() {
+            true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+            false => None,
+        };
+        let mut layers = Vec::new();
+        for i in stage.layers(cfg.num_hidden_layers) {
+            layers.push(Block::build(i, cfg, param)?);
+        }
+        let head = match stage.is_last() {
+            true => Some(Head {
+                norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, Replicated)?,
+                lm_head: match cfg.tie_word_embeddings {
+                    true => None,
+                    false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+                },
+            }),
+            false => None,
+        };
+        Ok((embed_tokens, layers, head))
+    }
+
+    /// Splits every sequence as `seq` says: forward then takes this rank's tokens of each
+    /// sequence, and attention reaches the others' (`parallel/context_parallel.rs`).
+    pub fn with_sequence_split(mut self, seq: Box<dyn SequenceSplit + 'g>) -> Llama<'g> {
+        self.seq = seq;
+        self
+    }
+
+    /// Keeps 1/dp of every weight here and gathers each unit's whole weights only while it
+    /// computes with them (FSDP, `parallel/zero.rs`).
+    pub fn with_weight_split(mut self, weights: Rc<dyn WeightSplit + 'g>) -> Llama<'g> {
+        self.weights = weights;
+        self
+    }
+
+    /// Keeps less for backward and computes it again there (`model/block.rs`).
+    pub fn with_recompute(mut self, recompute: Recompute) -> Llama<'g> {
+        self.recompute = recompute;
+        self
+    }
+
+    /// Every parameter, in Hugging Face order.
+    pub fn params(&self) -> Vec<&Param> {
+        let mut v: Vec<&Param> = self.embed_tokens.iter().collect();
+        for b in &self.layers {
+            v.extend(b.params());
+        }
+        if let Some(h) = &self.head {
+            v.push(&h.norm);
+            v.extend(h.lm_head.as_ref());
+        }
+        v
+    }
+
+    /// The model chunk of each of `params()` (all 0 unless the pipeline is interleaved): the
+    /// embedding's is the first, the head's the last.
+    pub fn param_chunks(&self) -> Vec<usize> {
+        let last = self.chunks.len() - 1;
+        let mut v: Vec<usize> = self.embed_tokens.iter().map(|_| 0).collect();
+        for (c, range) in self.chunks.iter().enumerate() {
+            v.extend(range.clone().flat_map(|i| self.layers[i].params().map(|_| c)));
+        }
+        if let Some(h) = &self.head {
+            v.push(last);
+            v.extend(h.lm_head.iter().map(|_| last));
+        }
+        v
+    }
+
+    pub fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v: Vec<&mut Param> = self.embed_tokens.iter_mut().collect();
+        for b in &mut self.layers {
+            v.extend(b.params_mut());
+        }
+        if let Some(h) = &mut self.head {
+            v.push(&mut h.norm);
+            v.extend(h.lm_head.as_mut());
+        }
+        v
+    }
+
+    /// The device the model lives on.
+    pub fn place(&self) -> Place {
+        self.params()[0].place()
+    }
+
+    /// Moves every weight and gradient to `place`: on a GPU in mixed precision each weight
+    /// becomes an fp32 master with its bf16 copy, and gradients stay fp32.
+    pub fn to_place(&mut self, place: &Place) {
+        if self.place().is(place) {
+            return;
+        }
+        for p in self.params_mut() {
+            p.value = p.value.to_param(place);
+            p.grad = p.grad.to_dtype(place, DType::F32);
+        }
+    }
+
+    /// FNV-1a over the bits of every weight, in model order: replicas that agree have equal
+    /// checksums. Under FSDP, whose weights are not kept whole, over this rank's master chunks.
+    pub fn checksum(&self) -> u64 {
+        let mut h: u64 = 0xcbf29ce484222325;
+        let held = |p: &&Param| match (&p.shard, p.value.numel()) {
+            (Some(s), 0) => s.master.to_vec(),
+            _ => p.value.to_vec(),
+        };
+        for x in self.params().iter().flat_map(held) {
+            for b in x.to_bits().to_le_bytes() {
+                h = (h ^ b as u64).wrapping_mul(0x100000001b3);
+            }
+        }
+        h
+    }
+
+    /// Micro-batches whose activations this rank holds now (forward done, backward not yet).
+    pub fn activations_held(&self) -> usize {
+        self.caches.len()
+    }
+
+    /// The bytes of the activations held for backward (all micro-batches in flight).
+    pub fn activation_bytes(&self) -> usize {
+        let head = |h: &HeadCache| [&h.x_final, &h.xn, &h.rstd, &h.logits, &h.lse].iter().map(|t| t.bytes()).sum();
+        let cache = |c: &Cache| c.blocks.iter().map(Kept::bytes).sum::<usize>() + c.head.as_ref().map_or(0, head);
+        self.caches.iter().map(cache).sum()
+    }
+
+    /// Attention score entries (query × key pairs, all heads) computed since the last call.
+    pub fn take_attention_work(&mut self) -> u64 {
+        std::mem::take(&mut self.attention_work)
+    }
+
+    /// Zeroes every gradient (one that ZeRO-2/3 freed stays freed; a shard's averaged chunk is
+    /// freed: the step's reduce-scatters make it again).
+    pub fn zero_grads(&mut self) {
+        for p in self.params_mut() {
+            if p.grad.numel() > 0 {
+                ops::scale(&mut p.grad, 0.0);
+            }
+            if let Some(s) = &mut p.shard {
+                s.grad = Tensor::zeros(&[0]);
+            }
+        }
+    }
+}
