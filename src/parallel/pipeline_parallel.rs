@@ -24,10 +24,11 @@
 //! same, …), the backwards in the same order with the chunks reversed:
 //!
 //! ```text
-//! p = 2, V = 2, m = 4 (Fᶜᵢ: forward of micro-batch i through chunk c)
-//! rank 0  F⁰₀F⁰₁F¹₀F¹₁ ·  F⁰₂B¹₀F⁰₃B¹₁F¹₂B⁰₀F¹₃B⁰₁ ·  B¹₂ ·  B¹₃B⁰₂B⁰₃
-//! rank 1    F⁰₀F⁰₁F¹₀F¹₁B¹₀B¹₁F⁰₂B⁰₀F⁰₃B⁰₁F¹₂B¹₂F¹₃B¹₃B⁰₂B⁰₃
+//! p = 2, V = 2, m = 4 (Fᶜᵢ: micro-batch i through chunk c; a backward takes twice a forward)
+//! rank 0  F⁰₀F⁰₁F¹₀F¹₁F⁰₂   B¹₀···F⁰₃B¹₁···F¹₂B⁰₀···F¹₃B⁰₁···   B¹₂···   B¹₃···B⁰₂···B⁰₃···
+//! rank 1     F⁰₀F⁰₁F¹₀B¹₀···F¹₁B¹₁···F⁰₂B⁰₀···F⁰₃B⁰₁···F¹₂B¹₂···F¹₃B¹₃···B⁰₂···B⁰₃···
 //! ```
+//! (`ferrotron schedule --schedule all --virtual 2` draws it beside AFAB and 1F1B.)
 //!
 //! Messages between neighbours have the names they have in Megatron and picotron:
 //!
