@@ -16,7 +16,7 @@ fn run(tiny: bool) -> Result<()> {
         tiny,
         &["parallel.pp=2", "parallel.pp_schedule=\"afab\"", "train.grad_accum_steps=4", "train.micro_batch_size=4"],
     )?;
-    let timeline = schedule::simulate(PpSchedule::Afab, 2, 4)?;
+    let timeline = schedule::simulate(PpSchedule::Afab, 2, 4, 1)?;
     for stage in 0..2 {
         let row: Vec<String> =
             timeline.slots.iter().filter(|s| s.stage == stage).map(|s| format!("{:?}", s.action)).collect();
