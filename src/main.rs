@@ -233,7 +233,9 @@ fn run(cli: Cli) -> Result<Exit> {
                 "interleaved" => vec![Interleaved],
                 "both" => vec![Afab, OneFOneB],
                 "all" => vec![Afab, OneFOneB, Interleaved],
-                other => anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, both (afab and 1f1b) or all"),
+                other => {
+                    anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, both (afab and 1f1b) or all")
+                }
             };
             ferrotron::files::check_writable(&out).context("--out")?;
             let timelines = match &trace {

@@ -76,8 +76,11 @@ fn one_f_one_b_holds_at_most_pp_minus_stage_micro_batches() {
     }
 }
 
-/// The forwards and the backwards of `plan`, as (micro-batch, chunk), each sorted.
-fn works(plan: &[Action]) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
+/// (micro-batch, chunk) pairs.
+type Works = Vec<(usize, usize)>;
+
+/// The forwards and the backwards of `plan`, each sorted.
+fn works(plan: &[Action]) -> (Works, Works) {
     let (mut f, mut b) = (Vec::new(), Vec::new());
     for a in plan {
         match a {
@@ -92,7 +95,9 @@ fn works(plan: &[Action]) -> (Vec<(usize, usize)>, Vec<(usize, usize)>) {
 
 #[test]
 fn schedules_run_every_micro_batch_once_and_show_the_bubble() {
-    for (kind, v) in [(PpSchedule::Afab, 1), (PpSchedule::OneFOneB, 1), (PpSchedule::Interleaved, 2), (PpSchedule::Interleaved, 3)] {
+    for (kind, v) in
+        [(PpSchedule::Afab, 1), (PpSchedule::OneFOneB, 1), (PpSchedule::Interleaved, 2), (PpSchedule::Interleaved, 3)]
+    {
         let sizes: &[(usize, usize)] = match kind {
             PpSchedule::Interleaved => &[(2, 2), (2, 4), (4, 4), (4, 8), (3, 6)], // m a multiple of p
             _ => &[(1, 3), (2, 1), (4, 8), (3, 5)],
@@ -112,7 +117,8 @@ fn schedules_run_every_micro_batch_once_and_show_the_bubble() {
     assert_eq!(simulate(PpSchedule::OneFOneB, 4, 8, 1).unwrap().peak_activations, vec![4.0, 3.0, 2.0, 1.0]);
     assert_eq!(simulate(PpSchedule::Afab, 4, 8, 1).unwrap().peak_activations, vec![8.0; 4]);
     // interleaving shrinks the bubble V times over, for a little more activation memory
-    let (plain, twice) = (simulate(PpSchedule::OneFOneB, 4, 8, 1).unwrap(), simulate(PpSchedule::Interleaved, 4, 8, 2).unwrap());
+    let (plain, twice) =
+        (simulate(PpSchedule::OneFOneB, 4, 8, 1).unwrap(), simulate(PpSchedule::Interleaved, 4, 8, 2).unwrap());
     assert!((plain.bubble() - 3.0 / 11.0).abs() < 1e-9 && (twice.bubble() - 3.0 / 19.0).abs() < 1e-9);
     assert_eq!(twice.peak_activations, vec![5.5, 4.5, 3.5, 2.5]);
 }
@@ -134,7 +140,14 @@ fn interleaved_1f1b_follows_the_single_rank_curve() {
         assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);
     }
     // what a rank holds, measured, against `ferrotron memory`'s estimate
-    let cfg = Config::load(None, &sets(&[&extra[..], &["parallel.pp=2", "parallel.pp_schedule=\"interleaved\"", "parallel.pp_virtual_stages=2"]].concat())).unwrap();
+    let cfg = Config::load(
+        None,
+        &sets(
+            &[&extra[..], &["parallel.pp=2", "parallel.pp_schedule=\"interleaved\"", "parallel.pp_virtual_stages=2"]]
+                .concat(),
+        ),
+    )
+    .unwrap();
     for r in ferrotron::commands::memory::memory(&cfg, true).unwrap() {
         let m = r.measured_peak_bytes.unwrap();
         assert!((r.total_bytes / m - 1.0).abs() <= 0.1, "rank {}: estimated {}, measured {m}", r.rank, r.total_bytes);

@@ -97,7 +97,10 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
     let Some(mut state) = state else { return Ok(None) };
     let place = model.place();
     for stage in 1..pp.size() {
-        for (name, shape, split) in Llama::tensor_splits(&cfg.model, Stage { index: stage, count: pp.size(), chunks: cfg.parallel.pp_virtual_stages }) {
+        for (name, shape, split) in Llama::tensor_splits(
+            &cfg.model,
+            Stage { index: stage, count: pp.size(), chunks: cfg.parallel.pp_virtual_stages },
+        ) {
             let n = tp.size();
             let arrives = match split {
                 Split::Cols if n > 1 => vec![shape[0] * n, shape[1] / n], // the column shards, one under the other

@@ -57,7 +57,7 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
     if stages > 256 || m > 4096 || chunks > 16 {
         bail!("schedule: --pp {stages} --microbatches {m} --virtual {chunks}: at most 256 stages, 4096 micro-batches and 16 chunks fit in a picture");
     }
-    if kind == PpSchedule::Interleaved && (chunks < 2 || stages < 2 || m % stages != 0) {
+    if kind == PpSchedule::Interleaved && (chunks < 2 || stages < 2 || !m.is_multiple_of(stages)) {
         bail!("schedule: the interleaved schedule needs --pp ≥ 2, --virtual ≥ 2 and --microbatches a multiple of --pp");
     }
     let chunks = if kind == PpSchedule::Interleaved { chunks } else { 1 };

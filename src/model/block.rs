@@ -70,7 +70,7 @@ impl BlockCache {
 /// What a block keeps from its forward for its backward.
 pub(crate) enum Kept {
     /// Every activation backward reads (`none`), or all but the attention core's (`selective`).
-    Cache(BlockCache),
+    Cache(Box<BlockCache>),
     /// The block's input alone (`full`): backward runs the forward again first.
     Input(Tensor),
 }
@@ -155,10 +155,10 @@ impl Block {
     ) -> Result<(Tensor, Kept, u64)> {
         let (out, mut cache, work) = self.run(split, x, cfg, attn, positions)?;
         let kept = match recompute {
-            Recompute::None => Kept::Cache(cache),
+            Recompute::None => Kept::Cache(Box::new(cache)),
             Recompute::Selective => {
                 cache.core = None; // scores and softmax again in backward; the GEMM outputs stay
-                Kept::Cache(cache)
+                Kept::Cache(Box::new(cache))
             }
             Recompute::Full => Kept::Input(cache.x), // the rest is dropped here
         };
@@ -212,7 +212,7 @@ impl Block {
     ) -> Result<Tensor> {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
         let c = match kept {
-            Kept::Cache(c) => c,
+            Kept::Cache(c) => *c,
             Kept::Input(x) => self.run(split, x, cfg, attn, positions)?.1, // full recomputation
         };
         // MLP sub-block, right to left; down is row parallel: its backward is local (on every

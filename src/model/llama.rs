@@ -142,7 +142,13 @@ impl<'g> Llama<'g> {
     /// `forward_stage` through model chunk `chunk` of this stage (the interleaved pipeline's
     /// unit of work): the embedding before chunk 0 of the first stage, the head after the last
     /// chunk of the last stage.
-    pub fn forward_chunk(&mut self, chunk: usize, input: StageInput, batch: usize, targets: &[i32]) -> Result<StageOutput> {
+    pub fn forward_chunk(
+        &mut self,
+        chunk: usize,
+        input: StageInput,
+        batch: usize,
+        targets: &[i32],
+    ) -> Result<StageOutput> {
         let (mut x, tokens) = match input {
             StageInput::Tokens(t) => {
                 if self.embed_tokens.is_none() || chunk != 0 {

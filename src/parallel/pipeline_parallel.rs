@@ -94,7 +94,8 @@ pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks:
 fn one_f_one_b(n: usize, warmup: usize, work: impl Fn(usize, bool) -> Work) -> Vec<Action> {
     let mut actions: Vec<Action> = (0..warmup).map(|k| Action::Forward(work(k, true))).collect();
     for k in 0..n - warmup {
-        actions.extend([Action::Forward(work(warmup + k, true)), Action::Backward(work(k, false))]); // steady state
+        actions.extend([Action::Forward(work(warmup + k, true)), Action::Backward(work(k, false))]);
+        // steady state
     }
     actions.extend((n - warmup..n).map(|k| Action::Backward(work(k, false)))); // cool-down
     actions

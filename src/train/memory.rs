@@ -95,8 +95,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     (0..p.pp)
         .map(|s| {
             let stage = Stage { index: s, count: p.pp, chunks: p.pp_virtual_stages };
-            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype)
-                * in_flight(cfg, s)
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype) * in_flight(cfg, s)
         })
         .fold(0.0, f64::max)
 }
@@ -136,7 +135,8 @@ pub struct RankMemory {
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
     let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?;
-    let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp, chunks: p.pp_virtual_stages })).collect();
+    let stages: Vec<RankMemory> =
+        (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp, chunks: p.pp_virtual_stages })).collect();
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
 }
 
@@ -211,7 +211,8 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let activations = one * (in_flight(cfg, stage.index) - 1.0) + now;
     // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
-    let sums = if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage.index) == 1.0 { 4.0 * chunks } else { 0.0 };
+    let sums =
+        if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage.index) == 1.0 { 4.0 * chunks } else { 0.0 };
     let grads = sums + if zero >= 2 { 4.0 * unit } else { 4.0 * whole };
     // (ZeRO makes a bucket when its first gradient arrives: by then, on the last stage, the head's)
     let filling = if stage.is_last() { 4.0 * bucket } else { 0.0 };

@@ -14,7 +14,8 @@ fn run(tiny: bool) -> Result<()> {
     // 4 stages of one layer; 8 micro-batches of 2
     let sets = ["parallel.pp=4", "train.grad_accum_steps=8", "train.micro_batch_size=2"];
     let cfg = common::config(tiny, &sets)?;
-    let timelines = [schedule::simulate(PpSchedule::Afab, 4, 8, 1)?, schedule::simulate(PpSchedule::OneFOneB, 4, 8, 1)?];
+    let timelines =
+        [schedule::simulate(PpSchedule::Afab, 4, 8, 1)?, schedule::simulate(PpSchedule::OneFOneB, 4, 8, 1)?];
     for t in &timelines {
         let held: Vec<usize> = t.peak_activations.iter().map(|&a| a as usize).collect(); // whole micro-batches
         println!("{}: bubble {:.1}%, activations held per stage {held:?}", t.name, 100.0 * t.bubble());

@@ -15,10 +15,18 @@ fn run(tiny: bool) -> Result<()> {
     // the bubble on an idealised clock: 4 stages, 8 micro-batches, 1F1B against V = 2 chunks
     let (plain, twice) = (simulate(PpSchedule::OneFOneB, 4, 8, 1)?, simulate(PpSchedule::Interleaved, 4, 8, 2)?);
     for t in [&plain, &twice] {
-        println!("{}: bubble {:.1}% of the step (formula {:.1}%)", t.name, 100.0 * t.bubble(), 100.0 * t.bubble_formula());
+        println!(
+            "{}: bubble {:.1}% of the step (formula {:.1}%)",
+            t.name,
+            100.0 * t.bubble(),
+            100.0 * t.bubble_formula()
+        );
     }
     let pass = (twice.bubble() - twice.bubble_formula()).abs() < 1e-9 && twice.bubble() < plain.bubble();
-    println!("verdict: {} — interleaving with V = 2 shrinks the bubble to (p−1)/(V·m+p−1)", if pass { "PASS" } else { "FAIL" });
+    println!(
+        "verdict: {} — interleaving with V = 2 shrinks the bubble to (p−1)/(V·m+p−1)",
+        if pass { "PASS" } else { "FAIL" }
+    );
     if !pass {
         bail!("the claim does not hold");
     }
@@ -29,7 +37,8 @@ fn run(tiny: bool) -> Result<()> {
     let quiet = Options { quiet: true, ..Default::default() };
     let ranks = train_all(&cfg, quiet)?;
     common::verdict("interleaved 1F1B (pp 2, V 2) follows step 01", &ranks[0].losses, &common::reference(&cfg)?, 1e-5)?;
-    let three_d = [&base[..], &["parallel.dp=2", "parallel.tp=2", "train.grad_accum_steps=2", "train.steps=4"]].concat();
+    let three_d =
+        [&base[..], &["parallel.dp=2", "parallel.tp=2", "train.grad_accum_steps=2", "train.steps=4"]].concat();
     let cfg = common::config(tiny, &three_d)?;
     let ranks = train_all(&cfg, quiet)?;
     // the cost table: what each axis moves per step and per rank, and what the α–β model says
