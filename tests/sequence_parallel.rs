@@ -99,6 +99,24 @@ fn sequence_parallelism_follows_the_single_rank_curve_with_dp_pp_cp_and_zero() {
     );
 }
 
+/// Every rank's losses of a run of `extra`.
+fn losses(extra: &[&str]) -> Vec<f32> {
+    let cfg = Config::load(None, &sets(extra)).unwrap();
+    ferrotron::train::train(&cfg, ferrotron::train::Options { quiet: true, ..Default::default() }).unwrap().losses
+}
+
+#[test]
+fn recomputation_gives_the_same_losses_as_keeping_everything_in_each_layout() {
+    for layout in [&["parallel.tp=2"][..], &["parallel.cp=2"], &["parallel.pp=2", "train.grad_accum_steps=2"]] {
+        let none = losses(layout);
+        for mode in ["train.recompute=\"selective\"", "train.recompute=\"full\""] {
+            let again = losses(&[layout, &[mode]].concat());
+            let diff = none.iter().zip(&again).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+            assert!(diff <= 1e-6, "{layout:?} {mode}: {diff:e}");
+        }
+    }
+}
+
 #[test]
 fn recomputation_leaves_the_curve_as_it_is_with_every_parallelism() {
     // one rank: the same ops on the same numbers, so the same bits

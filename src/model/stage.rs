@@ -53,6 +53,11 @@ impl Stage {
         self.chunk_layers(n).into_iter().flatten().collect()
     }
 
+    /// How many layers this stage holds, out of `n` (without listing them: `n` may be absurd).
+    pub fn layer_count(&self, n: usize) -> usize {
+        self.chunk_layers(n).iter().map(|r| r.len()).sum()
+    }
+
     /// One chunk's layers out of `n`: `n / count` each, and one more on each of the first
     /// `n % count` stages (the last stage also carries the output layer and the loss).
     fn contiguous(&self, n: usize) -> Range<usize> {

@@ -84,7 +84,7 @@ pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, keep: Keep, s
     let split = rows / if keep.sequence_parallel { keep.tp as f64 } else { 1.0 };
     let (d, vocab) = (m.hidden_size as f64, (m.vocab_size / keep.tp) as f64);
     let head = if stage.is_last() { split * 2.0 * d * e + rows * vocab * e + (split + rows) * 4.0 } else { 0.0 };
-    stage.layers(m.num_hidden_layers).len() as f64 * layer_bytes(m, batch, seq, keep, e).0 + head
+    stage.layer_count(m.num_hidden_layers) as f64 * layer_bytes(m, batch, seq, keep, e).0 + head
 }
 
 /// The most activation bytes a rank holds at once for micro-batches of `batch` sequences: a
@@ -158,7 +158,7 @@ fn sizes(m: &ModelConfig, tp: usize, stage: Stage, z: usize) -> (f64, f64, f64, 
         };
         *part = (part.0 + n, part.1 + (n / z as f64).ceil());
     }
-    let layers = stage.layers(m.num_hidden_layers).len() as f64;
+    let layers = stage.layer_count(m.num_hidden_layers) as f64;
     let (first, last) = (stage.is_first() as u8 as f64, stage.is_last() as u8 as f64);
     let whole = layers * layer.0 + first * embed.0 + last * head.0;
     let chunks = layers * layer.1 + first * embed.1 + last * head.1;
@@ -200,7 +200,7 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     );
     let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
     let one = activation_bytes(&cfg.model, batch, seq, keep, stage, dtype);
-    let layers = stage.layers(cfg.model.num_hidden_layers).len() as f64;
+    let layers = stage.layer_count(cfg.model.num_hidden_layers) as f64;
     let (layer_kept, layer_again) = layer_bytes(&cfg.model, batch as f64, seq as f64, keep, e);
     // the backward of the micro-batch at hand frees its cache part by part: its peak is in the
     // head's backward (the logits' gradient beside the logits) or in the first block's, after
@@ -218,7 +218,7 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let filling = if stage.is_last() { 4.0 * bucket } else { 0.0 };
     // FSDP: while the first unit of the backward computes, the next one's gather is in flight
     // (packed in fp32, arriving in the compute dtype), unless that unit is the stage's only one
-    let has_next = stage.is_last() || stage.layers(cfg.model.num_hidden_layers).len() > 1;
+    let has_next = stage.is_last() || stage.layer_count(cfg.model.num_hidden_layers) > 1;
     let prefetch = if has_next { e * unit + 4.0 * unit / z as f64 } else { 0.0 };
     let comm = match (p.dp_mode == DpMode::Bucketed && z > 1, zero) {
         (false, _) => 0.0,
