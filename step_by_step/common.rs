@@ -99,6 +99,15 @@ pub fn share(claim: &str, got: usize, of: usize, share: f64) -> Result<()> {
     Ok(())
 }
 
+/// Prints PASS or FAIL for `claim` with what was measured (`detail`); a FAIL is an error.
+pub fn claim(claim: &str, pass: bool, detail: &str) -> Result<()> {
+    println!("verdict: {} — {claim}: {detail}", if pass { "PASS" } else { "FAIL" });
+    if !pass {
+        bail!("the claim does not hold");
+    }
+    Ok(())
+}
+
 /// Prints PASS or FAIL for `claim`: two replicas' weight hashes must be equal.
 pub fn same_weights(claim: &str, a: u64, b: u64) -> Result<()> {
     println!("verdict: {} — {claim}: weight hashes {a:016x} and {b:016x}", if a == b { "PASS" } else { "FAIL" });

@@ -57,14 +57,14 @@ pub fn table(cfg: &Config, ranks: &[RankMemory]) -> String {
     }
     let p = &cfg.parallel;
     s += &format!(
-        "MiB per rank, dp {} × pp {} × cp {} × tp {}{}, ZeRO stage {}, recompute {:?}. What shrinks each column:\n",
+        "MiB per rank, dp {} × pp {} × cp {} × tp {}{}, ZeRO stage {}, recompute \"{}\". What shrinks each column:\n",
         p.dp,
         p.pp,
         p.cp,
         p.tp,
         if p.sequence_parallel { " (sequence parallel)" } else { "" },
         p.zero_stage,
-        cfg.train.recompute
+        format!("{:?}", cfg.train.recompute).to_lowercase()
     );
     s += "  weights      tp and pp split them; zero_stage 3 keeps 1/(dp·cp) plus the unit in use\n";
     s += "  grads        tp and pp split them; zero_stage 2 keeps 1/(dp·cp) plus the layer in backward\n";

@@ -31,17 +31,8 @@ fn run(tiny: bool) -> Result<()> {
     let peak = |cfg| -> Result<f64> { Ok(memory(cfg, true)?[0].measured_peak_bytes.unwrap_or(0.0)) };
     let (a, b) = (peak(&tp)?, peak(&sp)?);
     let mib = |b: f64| b / (1 << 20) as f64;
-    let pass = b < a;
-    println!(
-        "verdict: {} — sequence parallelism lowers a rank's measured peak: {:.2} MiB with, {:.2} MiB without",
-        if pass { "PASS" } else { "FAIL" },
-        mib(b),
-        mib(a)
-    );
-    if !pass {
-        anyhow::bail!("the claim does not hold");
-    }
-    Ok(())
+    let detail = format!("{:.2} MiB with, {:.2} MiB without", mib(b), mib(a));
+    common::claim("sequence parallelism lowers a rank's measured peak", b < a, &detail)
 }
 
 step!(run);

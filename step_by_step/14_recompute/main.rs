@@ -28,17 +28,8 @@ fn run(tiny: bool) -> Result<()> {
     common::verdict("selective recomputation changes no loss", &selective.losses, &none.losses, 0.0)?;
     common::verdict("full recomputation changes no loss", &full.losses, &none.losses, 0.0)?;
     let pass = full.peak_bytes < selective.peak_bytes && selective.peak_bytes < none.peak_bytes;
-    println!(
-        "verdict: {} — each mode keeps less: peaks {} > {} > {} bytes",
-        if pass { "PASS" } else { "FAIL" },
-        none.peak_bytes,
-        selective.peak_bytes,
-        full.peak_bytes
-    );
-    if !pass {
-        anyhow::bail!("the claim does not hold");
-    }
-    Ok(())
+    let detail = format!("peaks {} > {} > {} bytes", none.peak_bytes, selective.peak_bytes, full.peak_bytes);
+    common::claim("each mode keeps less", pass, &detail)
 }
 
 step!(run);
