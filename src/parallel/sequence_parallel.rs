@@ -20,7 +20,7 @@
 //! reduce-scatter forward and an all-gather backward, and its `f` (identity forward, an
 //! all-reduce of the input gradient of q|k|v and gate|up backward) becomes an all-gather forward
 //! and a reduce-scatter backward. An all-reduce *is* a reduce-scatter then an all-gather, so the
-//! bytes on the wire stay the same (`comm/cost.rs`), while the norm and residual activations
+//! bytes on the wire hardly change (`comm/cost.rs`), while the norm and residual activations
 //! each rank keeps fall by tp. To keep that saving, a column layer's input is kept as this
 //! rank's rows and all-gathered again in backward (as Megatron does), started before the
 //! input-gradient GEMMs so that it runs while they compute.
