@@ -216,7 +216,8 @@ impl<'g> Llama<'g> {
         h
     }
 
-    /// Micro-batches whose activations this rank holds now (forward done, backward not yet).
+    /// Micro-batches whose activations this rank holds now (forward done, backward not yet; with
+    /// the interleaved pipeline, micro-batch chunks, each 1/V of a micro-batch's).
     pub fn activations_held(&self) -> usize {
         self.caches.len()
     }
