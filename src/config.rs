@@ -3,15 +3,16 @@
 //! A run is described by `[model]`, `[train]`, `[parallel]`, `[data]`, `[device]` and
 //! `[checkpoint]`. Every key has the value written in `configs/tiny.toml` (compiled into the
 //! binary) unless your file or a `--set section.key=value` says otherwise, in that order.
-//! Unknown keys and wrong types are errors that name the key; `validate` then checks that the
-//! values make sense together.
+//! Unknown keys and wrong types are errors that name the key; `validate` (`config/checks.rs`)
+//! then checks that the values make sense together.
 
+mod checks;
 mod table;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use table::{apply_set, first_non_finite, merge, one_line};
+use table::{apply_set, merge, one_line};
 
 /// The longest a rank may be configured to wait for the others (`parallel.timeout_s`): a week.
 pub const MAX_TIMEOUT_S: f64 = 604800.0;
@@ -267,43 +268,6 @@ impl ModelConfig {
         let embeddings = if self.tie_word_embeddings { 1.0 } else { 2.0 } * v * d;
         embeddings + l * layer + d
     }
-
-    /// The checks every model needs, whether it comes from a TOML file or a `config.json`.
-    pub fn validate(&self, prefix: &str) -> Result<()> {
-        let positive = [
-            ("vocab_size", self.vocab_size),
-            ("hidden_size", self.hidden_size),
-            ("intermediate_size", self.intermediate_size),
-            ("num_hidden_layers", self.num_hidden_layers),
-            ("num_attention_heads", self.num_attention_heads),
-            ("num_key_value_heads", self.num_key_value_heads),
-        ];
-        for (key, v) in positive {
-            if v == 0 {
-                bail!("{prefix}{key} = 0: it must be at least 1");
-            }
-        }
-        let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
-        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(h) {
-            bail!("{prefix}hidden_size = {} is not divisible by {prefix}num_attention_heads = {h}: change one, or set {prefix}head_dim", self.hidden_size);
-        }
-        if !h.is_multiple_of(kv) {
-            bail!("{prefix}num_attention_heads = {h} is not a multiple of {prefix}num_key_value_heads = {kv}: grouped-query attention shares each KV head among a whole number of query heads");
-        }
-        if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
-            bail!("{prefix}head_dim = {} must be even and positive: RoPE rotates pairs of features", self.head_dim());
-        }
-        for (key, v) in [
-            ("rope_theta", self.rope_theta),
-            ("rms_norm_eps", self.rms_norm_eps as f64),
-            ("initializer_range", self.initializer_range as f64),
-        ] {
-            if !(v > 0.0 && v.is_finite()) {
-                bail!("{prefix}{key} = {v}: it must be a positive finite number");
-            }
-        }
-        Ok(())
-    }
 }
 
 impl Config {
@@ -340,156 +304,4 @@ impl Config {
         merge(&mut table, text.parse().ok()?);
         toml::Value::Table(table).try_into().ok()
     }
-
-    pub fn validate(&self) -> Result<()> {
-        let table = toml::Value::try_from(self).context("the config does not serialise")?;
-        if let Some((key, v)) = first_non_finite(&table, "") {
-            bail!("{key} = {v}: it must be a finite number");
-        }
-        self.model.validate("model.")?;
-        let (t, p) = (&self.train, &self.parallel);
-        for (key, v) in [
-            ("train.steps", t.steps),
-            ("train.micro_batch_size", t.micro_batch_size),
-            ("train.grad_accum_steps", t.grad_accum_steps),
-            ("train.seq_len", t.seq_len),
-            ("parallel.dp", p.dp),
-            ("parallel.tp", p.tp),
-            ("parallel.pp", p.pp),
-            ("parallel.cp", p.cp),
-        ] {
-            if v == 0 {
-                bail!("{key} = 0: it must be at least 1");
-            }
-        }
-        if !(t.lr > 0.0 && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
-            bail!("train.lr = {} and train.min_lr = {}: need 0 <= min_lr <= lr and lr > 0", t.lr, t.min_lr);
-        }
-        if !(0.0..1.0).contains(&t.beta1) || !(0.0..1.0).contains(&t.beta2) {
-            bail!("train.beta1 and train.beta2 must lie in [0, 1)");
-        }
-        if t.adam_eps <= 0.0 {
-            bail!("train.adam_eps = {}: it must be positive (it keeps AdamW from dividing by zero)", t.adam_eps);
-        }
-        for (key, v) in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)] {
-            if v < 0.0 {
-                bail!("{key} = {v}: it must be 0 (off) or positive");
-            }
-        }
-        let chunks = if p.cp_split == CpSplit::Zigzag { 2 * p.cp } else { p.cp };
-        if p.cp > 1 && !t.seq_len.is_multiple_of(chunks) {
-            bail!("train.seq_len = {} does not split into {chunks} equal chunks for parallel.cp = {} (the {:?} split cuts {chunks} chunks): choose a seq_len divisible by {chunks}", t.seq_len, p.cp, p.cp_split);
-        }
-        if p.pp > self.model.num_hidden_layers {
-            bail!(
-                "parallel.pp = {} exceeds model.num_hidden_layers = {}: every pipeline stage needs at least one layer",
-                p.pp,
-                self.model.num_hidden_layers
-            );
-        }
-        let v = p.pp_virtual_stages;
-        match (p.pp_schedule, v) {
-            (_, 0) => bail!("parallel.pp_virtual_stages = 0: it must be at least 1"),
-            (PpSchedule::Interleaved, 1) => bail!("parallel.pp_schedule = \"interleaved\" with parallel.pp_virtual_stages = 1: give each rank at least 2 model chunks (or use \"1f1b\")"),
-            (PpSchedule::Afab | PpSchedule::OneFOneB, v) if v > 1 => bail!("parallel.pp_virtual_stages = {v} needs parallel.pp_schedule = \"interleaved\""),
-            _ => {}
-        }
-        if p.pp_schedule == PpSchedule::Interleaved {
-            let (layers, m) = (self.model.num_hidden_layers, t.grad_accum_steps);
-            if p.pp < 2 {
-                bail!("parallel.pp_schedule = \"interleaved\" with parallel.pp = {}: the interleaved schedule needs at least 2 pipeline stages", p.pp);
-            }
-            if p.pp.saturating_mul(v) > layers {
-                bail!("parallel.pp × parallel.pp_virtual_stages = {} × {v} exceeds model.num_hidden_layers = {layers}: every model chunk needs at least one layer", p.pp);
-            }
-            if !m.is_multiple_of(p.pp) {
-                bail!("parallel.pp_schedule = \"interleaved\": train.grad_accum_steps = {m} micro-batches must be a multiple of parallel.pp = {} (they go through the pipeline in groups of pp)", p.pp);
-            }
-            if p.backend == CommBackend::Nccl {
-                bail!("parallel.pp_schedule = \"interleaved\" with parallel.backend = \"nccl\": its messages are not yet paired for NCCL (a large NCCL send waits for its receive); use backend \"local\" or \"auto\", or pp_schedule \"1f1b\"");
-            }
-        }
-        if p.pp > 1 && self.model.tie_word_embeddings {
-            bail!("model.tie_word_embeddings = true with parallel.pp = {}: the embedding (first stage) and the output layer (last stage) would need a shared gradient; untie them or set parallel.pp = 1", p.pp);
-        }
-        let m = &self.model;
-        for (key, v) in [
-            ("num_attention_heads", m.num_attention_heads),
-            ("num_key_value_heads", m.num_key_value_heads),
-            ("intermediate_size", m.intermediate_size),
-            ("vocab_size", m.vocab_size),
-        ] {
-            if !v.is_multiple_of(p.tp) {
-                bail!("parallel.tp = {} does not divide model.{key} = {v}: tensor parallelism gives each rank whole attention heads, whole KV heads, and equal slices of the MLP and the vocabulary; choose a tp that divides all four", p.tp);
-            }
-        }
-        if p.sequence_parallel {
-            if p.tp == 1 {
-                bail!("parallel.sequence_parallel = true with parallel.tp = 1: sequence parallelism splits the rows between the tensor-parallel layers over the tp ranks; set parallel.tp > 1 or sequence_parallel = false");
-            }
-            let rows = t.micro_batch_size * t.seq_len / p.cp;
-            if !rows.is_multiple_of(p.tp) {
-                bail!("parallel.sequence_parallel = true: a micro-batch's {rows} rows per rank (train.micro_batch_size × train.seq_len / parallel.cp) do not split into parallel.tp = {} equal parts; choose sizes whose product divides by tp", p.tp);
-            }
-        }
-        if !(p.bucket_mb > 0.0 && p.bucket_mb <= 1e6) {
-            bail!("parallel.bucket_mb = {}: it must be a positive number of MiB, at most 1e6", p.bucket_mb);
-        }
-        if p.zero_stage > 3 {
-            bail!("parallel.zero_stage = {}: it must be 0 (replicas), 1 (optimizer state sharded), 2 (and gradients) or 3 (and weights: FSDP)", p.zero_stage);
-        }
-        if p.zero_stage > 0 && p.dp_mode == DpMode::Naive {
-            bail!("parallel.dp_mode = \"naive\" with parallel.zero_stage = {}: ZeRO reduce-scatters gradients in buckets; set dp_mode = \"bucketed\" or zero_stage = 0", p.zero_stage);
-        }
-        if !(p.timeout_s > 0.0 && p.timeout_s <= MAX_TIMEOUT_S) {
-            bail!(
-                "parallel.timeout_s = {}: it must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a week)",
-                p.timeout_s
-            );
-        }
-        if self.checkpoint.dir.trim().is_empty() {
-            bail!("checkpoint.dir is empty: name the folder checkpoints go to (a run also saves there when stopped by a signal)");
-        }
-        if self.device.kind == DeviceKind::Cpu && self.device.dtype == DeviceDtype::Bf16 {
-            bail!("device.dtype = \"bf16\" with device.kind = \"cpu\": the CPU backend computes in f32; set device.dtype = \"auto\" or \"f32\", or device.kind = \"cuda\"");
-        }
-        if self.device.kind == DeviceKind::Cuda && self.model.head_dim() > 128 {
-            bail!("model.head_dim = {}: the CUDA attention kernel supports head_dim up to 128; use device.kind = \"cpu\" or a smaller head_dim", self.model.head_dim());
-        }
-        validate_data(&self.data, &self.model, t.seq_len)
-    }
-}
-
-/// Checks `[data]` against the model, before anything is read.
-fn validate_data(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
-    if d.source.starts_with("text:") || d.source.starts_with("hub:") {
-        if d.tokenizer == "bytes" && m.vocab_size < 256 {
-            bail!(
-                "data.source = \"{}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})",
-                d.source,
-                m.vocab_size
-            );
-        }
-        return Ok(());
-    }
-    if d.source != "synthetic" {
-        bail!("data.source = \"{}\": use \"synthetic\", \"text:PATH\" or \"hub:ORG/NAME/FILE\"", d.source);
-    }
-    if d.branching == 0 || d.branching + 2 > m.vocab_size {
-        bail!(
-            "data.branching = {}: it must be at least 1 and at most model.vocab_size - 2 = {}",
-            d.branching,
-            m.vocab_size.saturating_sub(2)
-        );
-    }
-    if (m.vocab_size as f64 + 1.0).powi(d.markov_order as i32) > (1 << 22) as f64 {
-        bail!("data.markov_order = {} with model.vocab_size = {}: the successor table would be too large; lower the order", d.markov_order, m.vocab_size);
-    }
-    if !(0.0..1.0).contains(&d.copy_prob) {
-        bail!("data.copy_prob = {}: it must lie in [0, 1)", d.copy_prob);
-    }
-    if d.copy_prob > 0.0 && (d.copy_len == 0 || d.copy_lag == 0 || d.copy_lag >= seq_len) {
-        bail!("data.copy_len and data.copy_lag must be at least 1, and data.copy_lag below train.seq_len = {seq_len}");
-    }
-    Ok(())
 }

@@ -12,7 +12,7 @@ use std::path::Path;
 /// The layers, lowest first. A module may use modules of its own layer (without a cycle) and of
 /// the layers below, never above. Every file of `src/` (but `lib.rs` and `main.rs`) is listed.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("values", &["files", "config::table", "config", "ops::types", "parallel::process_grid"]),
+    ("values", &["files", "config::table", "config", "config::checks", "ops::types", "parallel::process_grid"]),
     (
         "GPU runtime",
         &[
