@@ -151,5 +151,5 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             break;
         }
     }
-    watch.finish(me, &model)
+    watch.finish(&model)
 }

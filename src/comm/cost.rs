@@ -187,21 +187,26 @@ pub struct AxisTally {
     pub tally: Tally,
 }
 
+/// Adds `more` into `into`, a row per axis and kind of call.
+pub fn merge(into: &mut Vec<AxisTally>, more: Vec<AxisTally>) {
+    for t in more {
+        match into.iter_mut().find(|r| r.axis == t.axis && r.call == t.call) {
+            Some(r) => {
+                r.tally.calls += t.tally.calls;
+                r.tally.bytes += t.tally.bytes;
+                r.tally.seconds += t.tally.seconds;
+            }
+            None => into.push(t),
+        }
+    }
+}
+
 /// The comm report: per axis and kind of call, per step and per rank (the mean over the run's
 /// `ranks`, each a list of `AxisTally`), calls, MB (B of the table), MB through the rank's link,
 /// measured ms (on the host backend, waiting for late peers included) and the model's ms on `link`.
 pub fn report(ranks: &[Vec<AxisTally>], steps: usize, link: Link) -> String {
-    let mut rows: Vec<(&'static str, usize, Call, Tally)> = Vec::new();
-    for t in ranks.iter().flatten() {
-        match rows.iter_mut().find(|r| r.0 == t.axis && r.2 == t.call) {
-            Some(r) => {
-                r.3.calls += t.tally.calls;
-                r.3.bytes += t.tally.bytes;
-                r.3.seconds += t.tally.seconds;
-            }
-            None => rows.push((t.axis, t.ranks, t.call, t.tally)),
-        }
-    }
+    let mut rows: Vec<AxisTally> = Vec::new();
+    ranks.iter().for_each(|r| merge(&mut rows, r.clone()));
     let per = (steps.max(1) * ranks.len().max(1)) as f64; // per step, per rank
     let mut s = format!("communication per step and per rank (mean over {} ranks, {steps} steps)\n", ranks.len());
     s += &format!("α–β model on {}\n", link.describe());
@@ -210,7 +215,7 @@ pub fn report(ranks: &[Vec<AxisTally>], steps: usize, link: Link) -> String {
         "axis", "ranks", "call", "calls", "MB", "moved MB", "measured ms", "model ms"
     );
     let mut total = [0.0; 4];
-    for (axis, n, call, t) in rows.iter().filter(|r| r.3.calls > 0) {
+    for AxisTally { axis, ranks: n, call, tally: t } in rows.iter().filter(|r| r.tally.calls > 0) {
         let (calls, mb, moved) =
             (t.calls as f64 / per, t.bytes as f64 / per / 1e6, t.moved_bytes(*call, *n) / per / 1e6);
         let (measured, model) = (t.seconds / per * 1e3, t.predicted_seconds(*call, *n, link) / per * 1e3);

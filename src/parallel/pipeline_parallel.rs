@@ -71,7 +71,7 @@ pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks:
     let one = |micro| Work { micro, chunk: 0 };
     match kind {
         PpSchedule::Afab => (0..m).map(|i| Forward(one(i))).chain((0..m).map(|i| Backward(one(i)))).collect(),
-        PpSchedule::OneFOneB => one_f_one_b(m, (stages - stage - 1).min(m), |k, _| one(k)),
+        PpSchedule::OneFOneB => one_f_one_b(m, warmup(kind, stages, stage, m, 1), |k, _| one(k)),
         PpSchedule::Interleaved => {
             // the k-th forward (or backward) of the rank: groups of `stages` micro-batches per
             // chunk, chunks in order forward and reversed backward
@@ -81,11 +81,19 @@ pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks:
                 let chunk = if forward { chunk } else { chunks - 1 - chunk };
                 Work { micro: k / per * stages + k % stages, chunk }
             };
-            // before its first backward a rank runs the forwards below it in the pipeline, twice
-            // over (they come back through chunk 1, …), plus a group per further chunk
-            let warmup = ((stages - stage - 1) * 2 + (chunks - 1) * stages).min(m * chunks);
-            one_f_one_b(m * chunks, warmup, work)
+            one_f_one_b(m * chunks, warmup(kind, stages, stage, m, chunks), work)
         }
+    }
+}
+
+/// The forwards (of a chunk each) stage `stage` runs before its first backward: all of them
+/// (AFAB); one per stage below it (1F1B); with interleaving, those twice over (they come back
+/// through chunk 1, …) plus a group of `stages` per further chunk.
+pub fn warmup(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> usize {
+    match kind {
+        PpSchedule::Afab => m,
+        PpSchedule::OneFOneB => (stages - stage - 1).min(m),
+        PpSchedule::Interleaved => ((stages - stage - 1) * 2 + (chunks - 1) * stages).min(m * chunks),
     }
 }
 
@@ -153,7 +161,7 @@ pub fn run_step(
         }
         PpSchedule::OneFOneB => {
             // warm-up: the forwards that fill the pipeline below this stage
-            let warmup = (stage.count - stage.index - 1).min(m);
+            let warmup = warmup(plan.kind, stage.count, stage.index, m, 1);
             for i in 0..warmup {
                 let x = msg.recv_forward()?;
                 let y = run.forward(i, x)?;

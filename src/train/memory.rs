@@ -16,12 +16,13 @@
 //! host memory it frees (`keep_freed_memory`).
 
 use crate::comm::launcher::Capacity;
-use crate::config::{Config, DpMode, ModelConfig, PpSchedule, Recompute};
+use crate::config::{Config, DpMode, ModelConfig, Recompute};
 use crate::model::optimizer::Optimizer;
 use crate::model::{Llama, Split, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
 use crate::parallel::data_parallel::bucket_values;
+use crate::parallel::pipeline_parallel;
 use crate::parallel::process_grid::Grid;
 use anyhow::{bail, Result};
 
@@ -298,19 +299,17 @@ pub fn held(model: &Llama, optimizer: &Optimizer) -> Held {
 }
 
 /// Micro-batches pipeline stage `s` holds activations for at once (with the interleaved
-/// schedule, in chunks of 1/V of a micro-batch's: the forwards before its first backward, and
-/// the one that backward needs).
+/// schedule, in chunks of 1/V of a micro-batch's): the forwards before its first backward, and
+/// the one that backward needs. Without a pipeline, each micro-batch's backward follows its
+/// forward: one.
 fn in_flight(cfg: &Config, s: usize) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
-    match p.pp_schedule {
-        PpSchedule::Afab => t.grad_accum_steps as f64,
-        PpSchedule::OneFOneB => (p.pp - s).min(t.grad_accum_steps) as f64,
-        PpSchedule::Interleaved => {
-            let v = p.pp_virtual_stages;
-            let chunks = ((p.pp - s - 1) * 2 + (v - 1) * p.pp + 1).min(t.grad_accum_steps * v);
-            chunks as f64 / v as f64
-        }
+    if p.pp == 1 {
+        return 1.0;
     }
+    let (m, v) = (t.grad_accum_steps, p.pp_virtual_stages);
+    let chunks = (pipeline_parallel::warmup(p.pp_schedule, p.pp, s, m, v) + 1).min(m * v);
+    chunks as f64 / v as f64
 }
 
 /// What the busiest rank of `cfg` will hold, in bytes: (total, one line saying of what).

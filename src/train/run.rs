@@ -342,6 +342,8 @@ pub(super) struct StepEnd {
 /// A rank's watch over its run: metrics, trace spans, step times, peaks.
 pub(super) struct Watch<'a> {
     rank: usize,
+    /// Its groups, whose communication is counted step by step.
+    me: &'a Rank,
     trace: Option<&'a Trace>,
     profile_from_step: Option<usize>,
     metrics: Metrics,
@@ -356,7 +358,7 @@ impl<'a> Watch<'a> {
     /// Watches a run that starts at `first_step`; the metrics file keeps the lines of the steps
     /// before it (a resumed run continues its history).
     pub(super) fn new(
-        me: &Rank,
+        me: &'a Rank,
         cfg: &Config,
         opts: Options<'a>,
         (first_step, place): (usize, Place),
@@ -376,7 +378,18 @@ impl<'a> Watch<'a> {
         let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
         let (trace, profile_from_step, now) = (opts.trace, opts.profile_from_step, Instant::now());
         let (run_start, step_start) = (now, now);
-        Ok(Watch { rank, trace, profile_from_step, metrics, place, tokens_per_step, run_start, step_start, summary })
+        Ok(Watch {
+            rank,
+            me,
+            trace,
+            profile_from_step,
+            metrics,
+            place,
+            tokens_per_step,
+            run_start,
+            step_start,
+            summary,
+        })
     }
 
     pub(super) fn step_starts(&mut self, step: usize) {
@@ -406,6 +419,9 @@ impl<'a> Watch<'a> {
         s.gpu_peak_mib = step_peak.map(|p| p.max(s.gpu_peak_mib.unwrap_or(0.0)));
         let seconds = self.step_start.elapsed().as_secs_f64();
         s.step_s.push(seconds);
+        // this step's calls, added up (on a GPU their timing events are read and let go here,
+        // not kept for the whole run)
+        cost::merge(&mut s.comm, self.me.comm_tallies());
         self.metrics.log(&StepLog {
             step: end.step,
             activations: end.activations_held,
@@ -423,10 +439,10 @@ impl<'a> Watch<'a> {
         self.summary.stopped = checkpoint.map(|checkpoint| Stopped { signal, checkpoint });
     }
 
-    pub(super) fn finish(mut self, me: &Rank, model: &Llama) -> Result<Summary> {
+    pub(super) fn finish(mut self, model: &Llama) -> Result<Summary> {
         self.metrics.finish()?;
         let s = &mut self.summary;
-        s.comm = me.comm_tallies();
+        cost::merge(&mut s.comm, self.me.comm_tallies()); // the last step's signal check and checkpoint
         s.checksum = model.checksum();
         s.attention_work /= s.losses.len().max(1) as u64;
         s.wall_s = self.run_start.elapsed().as_secs_f64();
