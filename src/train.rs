@@ -21,13 +21,15 @@
 //! Each rank reads its slice of the step's global batch of `micro_batch_size × grad_accum_steps
 //! × dp` sequences: its dp share, and of each sequence its cp positions. The loss is the mean
 //! over all of the batch's tokens, whatever way it is cut into ranks and micro-batches.
-//! Starting, logging, timing and checkpoints are bookkeeping, in `train/run.rs`; the memory check
-//! before a run in `train/memory.rs`; stopping cleanly on a signal in `train/stop.rs`.
+//! Starting and checkpoints are bookkeeping, in `train/run.rs`; logging and timing each step in
+//! `train/watch.rs`; the memory check before a run in `train/memory.rs`; stopping cleanly on a
+//! signal in `train/stop.rs`.
 
 pub mod memory;
 pub mod metrics;
 mod run;
 pub mod stop;
+mod watch;
 
 pub use run::{Options, Stopped, Summary};
 
@@ -44,8 +46,9 @@ use crate::parallel::process_grid::Axis;
 use crate::parallel::sequence_parallel;
 use crate::parallel::zero;
 use anyhow::Result;
-use run::{Run, Start, StepEnd, Watch};
+use run::{Run, Start};
 use std::time::Instant;
+use watch::{StepEnd, Watch};
 
 /// Trains on every rank of the configured grid; returns rank 0's summary.
 pub fn train(cfg: &Config, opts: Options) -> Result<Summary> {

@@ -69,7 +69,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("checkpoint", &["checkpoint::folder", "checkpoint::hf", "checkpoint::save", "checkpoint"]),
-    ("train", &["train::memory", "train::metrics", "train::stop", "train::run", "train"]),
+    ("train", &["train::memory", "train::metrics", "train::stop", "train::run", "train::watch", "train"]),
     (
         "commands",
         &[

@@ -65,12 +65,11 @@ fn sequence_parallelism_cuts_the_norm_and_residual_activations_by_tp() {
     let cfg = Config::load(None, &sets(&[])).unwrap();
     let (batch, seq, m) = (4, cfg.train.seq_len, &cfg.model);
     for tp in [2, 4] {
-        let (plain, sp) = (
-            Keep { sequence_parallel: false, ..Keep::of(&cfg) },
-            Keep { tp, sequence_parallel: true, ..Keep::of(&cfg) },
-        );
-        let plain = activation_bytes(m, batch, seq, Keep { tp, ..plain }, Stage::WHOLE, DType::F32);
-        let sp = activation_bytes(m, batch, seq, sp, Stage::WHOLE, DType::F32);
+        let bytes = |sequence_parallel| {
+            let keep = Keep { tp, sequence_parallel, ..Keep::WHOLE };
+            activation_bytes(m, batch, seq, keep, Stage::WHOLE, DType::F32)
+        };
+        let (plain, sp) = (bytes(false), bytes(true));
         // per block: the input, two norms' outputs, the residual and two 1/rms rows; the head:
         // the final norm's input, output and 1/rms. Each falls to 1/tp, nothing else moves.
         let (rows, d, l) = ((batch * seq) as f64, m.hidden_size as f64, m.num_hidden_layers as f64);

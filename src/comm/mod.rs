@@ -140,10 +140,6 @@ impl Group {
         Group { info, hub, stream, calls, messages, trace, device, ledger }
     }
 
-    /// Records every later call of this member (collective or message) as a span on global
-    /// rank `rank`'s comm lane of `trace`, named by the call, its size and the group
-    /// ("all_reduce(sum) of 4096 values tp[0,1]"), from when the communication thread starts it
-    /// to when it ends (a call on the GPU, `comm/tensors.rs`: when the GPU ran it).
     /// Records a span of this member's compute lane from `start` to now, when the run is traced
     /// (FSDP draws each unit's compute with it).
     pub fn trace_compute(&self, name: impl FnOnce() -> String, start: Instant) {
@@ -152,9 +148,13 @@ impl Group {
         }
     }
 
+    /// Records every later call of this member (collective or message) as a span on global
+    /// rank `rank`'s comm lane of `trace`, named by the call, its size and the group
+    /// ("all_reduce(sum) of 4096 values tp[0,1]"), from when the communication thread starts it
+    /// to when it ends (a call on the GPU, `comm/tensors.rs`: when the GPU ran it).
     pub fn trace_to(&self, trace: &Trace, rank: usize) -> Result<()> {
         let _ = self.trace.set((trace.clone(), rank)); // a group is traced once, by one run
-        self.device.get().map_or(Ok(()), |link| link.time_calls())
+        self.time_calls()
     }
 
     /// From now on, GPU calls are timed too (for the comm report; a traced run times them anyway).

@@ -1,0 +1,142 @@
+//! # Watching a rank's run: what each step printed, took, held and sent
+//!
+//! The loop (`train.rs`) tells its `Watch` when a step starts, each compute span, and what the
+//! step ended with; the watch writes the metrics line, records trace spans, times the step,
+//! reads the memory peak and adds up the step's communication, and hands the rank's `Summary`
+//! back at the end.
+
+use super::memory::Held;
+use super::metrics::{Metrics, StepLog};
+use super::run::{Options, Stopped, Summary};
+use crate::comm::cost;
+use crate::comm::launcher::Rank;
+use crate::comm::trace::{Lane, Trace};
+use crate::config::Config;
+use crate::model::Llama;
+use crate::ops::tensor::Place;
+use anyhow::Result;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// What the loop reports at the end of a step.
+pub(super) struct StepEnd {
+    pub step: usize,
+    pub loss: f32,
+    pub lr: f32,
+    pub grad_norm: f64,
+    /// The most micro-batch activations held at once in the step.
+    pub activations_held: usize,
+    /// What the model and optimizer held when the gradients were complete.
+    pub held: Held,
+}
+
+/// A rank's watch over its run: metrics, trace spans, step times, peaks.
+pub(super) struct Watch<'a> {
+    rank: usize,
+    /// Its groups, whose communication is counted step by step.
+    me: &'a Rank,
+    trace: Option<&'a Trace>,
+    profile_from_step: Option<usize>,
+    metrics: Metrics,
+    place: Place,
+    tokens_per_step: f64,
+    run_start: Instant,
+    step_start: Instant,
+    summary: Summary,
+}
+
+impl<'a> Watch<'a> {
+    /// Watches a run that starts at `first_step`; the metrics file keeps the lines of the steps
+    /// before it (a resumed run continues its history).
+    pub(super) fn new(
+        me: &'a Rank,
+        cfg: &Config,
+        opts: Options<'a>,
+        (first_step, place): (usize, Place),
+    ) -> Result<Watch<'a>> {
+        let (t, rank) = (&cfg.train, me.rank);
+        place.take_peak_bytes(); // the steps' peaks count from here, after the model was built
+        if let Some(trace) = opts.trace {
+            me.trace_to(trace)?; // every collective and message of this rank's groups
+        }
+        if opts.comm_report.is_some() {
+            me.time_calls()?; // GPU calls timed with events, as in a traced run
+        }
+        me.comm_tallies(); // the count starts with the first step, not with setting up
+        let jsonl = opts.metrics.filter(|_| rank == 0);
+        let metrics = Metrics::new((first_step, t.steps), jsonl, opts.quiet || rank != 0)?;
+        let summary = Summary::new(first_step);
+        let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
+        let (trace, profile_from_step, now) = (opts.trace, opts.profile_from_step, Instant::now());
+        let (run_start, step_start) = (now, now);
+        Ok(Watch {
+            rank,
+            me,
+            trace,
+            profile_from_step,
+            metrics,
+            place,
+            tokens_per_step,
+            run_start,
+            step_start,
+            summary,
+        })
+    }
+
+    pub(super) fn step_starts(&mut self, step: usize) {
+        if self.profile_from_step == Some(step) {
+            crate::cuda::profile::start();
+        }
+        self.step_start = Instant::now();
+    }
+
+    /// Records a compute span from `start` to now (with `--trace`).
+    pub(super) fn span(&self, name: String, start: Instant) {
+        if let Some(trace) = self.trace {
+            trace.record(self.rank, Lane::Compute, name, start, start, Instant::now());
+        }
+    }
+
+    pub(super) fn step_ends(&mut self, end: &StepEnd, model: &mut Llama) -> Result<()> {
+        let s = &mut self.summary;
+        s.losses.push(end.loss);
+        s.peak_activations = s.peak_activations.max(end.activations_held);
+        s.held = end.held;
+        s.attention_work += model.take_attention_work();
+        let place = &self.place;
+        let peak = place.take_peak_bytes();
+        s.peak_bytes = s.peak_bytes.max(peak);
+        let step_peak = matches!(place, Place::Cuda(_)).then(|| peak as f64 / (1 << 20) as f64);
+        s.gpu_peak_mib = step_peak.map(|p| p.max(s.gpu_peak_mib.unwrap_or(0.0)));
+        let seconds = self.step_start.elapsed().as_secs_f64();
+        s.step_s.push(seconds);
+        // this step's calls, added up (on a GPU their timing events are read and let go here,
+        // not kept for the whole run)
+        cost::merge(&mut s.comm, self.me.comm_tallies());
+        self.metrics.log(&StepLog {
+            step: end.step,
+            activations: end.activations_held,
+            loss: end.loss,
+            lr: end.lr,
+            grad_norm: end.grad_norm as f32,
+            gpu_peak_mib: step_peak,
+            tokens_per_s: self.tokens_per_step / seconds,
+            elapsed_s: self.run_start.elapsed().as_secs_f64(),
+        })
+    }
+
+    /// Notes that a signal stopped the run after a checkpoint at `checkpoint` (rank 0).
+    pub(super) fn stopped(&mut self, signal: i32, checkpoint: Option<PathBuf>) {
+        self.summary.stopped = checkpoint.map(|checkpoint| Stopped { signal, checkpoint });
+    }
+
+    pub(super) fn finish(mut self, model: &Llama) -> Result<Summary> {
+        self.metrics.finish()?;
+        let s = &mut self.summary;
+        cost::merge(&mut s.comm, self.me.comm_tallies()); // the last step's signal check and checkpoint
+        s.checksum = model.checksum();
+        s.attention_work /= s.losses.len().max(1) as u64;
+        s.wall_s = self.run_start.elapsed().as_secs_f64();
+        Ok(self.summary)
+    }
+}
