@@ -48,6 +48,14 @@ pub struct ModelConfig {
     pub tie_word_embeddings: bool,
     /// Standard deviation of the normal init of every matrix.
     pub initializer_range: f32,
+    /// Experts in each block's MLP (a Mixtral mixture of experts, `model/moe.rs`); 0: the dense
+    /// Llama MLP.
+    pub num_local_experts: usize,
+    /// Experts each token goes to (top-k of the router), with `num_local_experts` > 0.
+    pub num_experts_per_tok: usize,
+    /// Weight of the Switch load-balancing loss added to the cross-entropy; 0: off (as in
+    /// transformers' default training path).
+    pub router_aux_loss_coef: f32,
     /// Start from these weights instead of a random init: a Hugging Face Llama folder whose
     /// config.json matches the keys above. Empty: random init.
     pub init_from: String,
@@ -112,6 +120,9 @@ pub struct ParallelConfig {
     pub tp: usize,
     pub pp: usize,
     pub cp: usize,
+    /// Expert-parallel ranks: the experts are divided among `ep` ranks of the dp×cp group, and
+    /// tokens travel to their experts' rank with an all-to-all (`parallel/expert_parallel.rs`).
+    pub ep: usize,
     /// With tp > 1: the norms and residuals between the tp layers hold 1/tp of the rows, an
     /// all-gather and a reduce-scatter replacing each all-reduce (`parallel/sequence_parallel.rs`).
     pub sequence_parallel: bool,
@@ -264,7 +275,11 @@ impl ModelConfig {
         ]
         .map(|x| x as f64);
         let (q, kv) = (h * hd, kvh * hd);
-        let layer = 2.0 * q * d + 2.0 * kv * d + 3.0 * f * d + 2.0 * d; // q, o, k, v, MLP, two norms
+        let mlp = match self.num_local_experts as f64 {
+            0.0 => 3.0 * f * d,
+            e => e * 3.0 * f * d + e * d, // the experts and the router
+        };
+        let layer = 2.0 * q * d + 2.0 * kv * d + mlp + 2.0 * d; // q, o, k, v, MLP, two norms
         let embeddings = if self.tie_word_embeddings { 1.0 } else { 2.0 } * v * d;
         embeddings + l * layer + d
     }

@@ -1,5 +1,7 @@
-//! # Checkpoints: reading a Hugging Face Llama
+//! # Checkpoints: reading a Hugging Face Llama (or Mixtral)
 //!
+//! A Mixtral folder (`model_type = "mixtral"`) is a Llama whose MLPs are mixtures of experts:
+//! `block_sparse_moe.gate` and `block_sparse_moe.experts.N.w1/w2/w3`, as transformers saves them.
 //! A Hugging Face checkpoint is a folder with `config.json` (the architecture) and the weights in
 //! `model.safetensors`, or split over several files listed in `model.safetensors.index.json`.
 //! Because our parameter names are Hugging Face's, loading is a lookup by name with a shape check.
@@ -86,8 +88,16 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
     let file = path.display();
     let model_type = j["model_type"].as_str().unwrap_or("llama");
-    if model_type != "llama" {
-        bail!("{file}: model_type is \"{model_type}\"; only Llama models are supported");
+    let mixtral = match model_type {
+        "llama" => false,
+        "mixtral" => true,
+        _ => bail!("{file}: model_type is \"{model_type}\"; only Llama and Mixtral models are supported"),
+    };
+    if mixtral && j["router_jitter_noise"].as_f64().is_some_and(|x| x != 0.0) {
+        bail!(
+            "{file}: router_jitter_noise = {} is not supported (ferrotron's router has no noise); set it to 0",
+            j["router_jitter_noise"]
+        );
     }
     for flag in ["attention_bias", "mlp_bias"] {
         if j[flag].as_bool() == Some(true) {
@@ -119,6 +129,13 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         rms_norm_eps: j["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
         tie_word_embeddings: j["tie_word_embeddings"].as_bool().unwrap_or(false),
         initializer_range: j["initializer_range"].as_f64().unwrap_or(0.02) as f32,
+        num_local_experts: if mixtral { size("num_local_experts")? } else { 0 },
+        num_experts_per_tok: if mixtral { size("num_experts_per_tok")? } else { 0 },
+        // transformers adds the balance loss only when the router logits are asked for
+        router_aux_loss_coef: match j["output_router_logits"].as_bool() {
+            Some(true) => j["router_aux_loss_coef"].as_f64().unwrap_or(0.001) as f32,
+            _ => 0.0,
+        },
         init_from: String::new(),
     };
     cfg.validate(&format!("{file}: "))?;
@@ -198,7 +215,9 @@ pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
     let dir = dir.as_path();
     let theirs = read_hf_config(&dir.join("config.json"))?;
     let (a, b) = (toml::Table::try_from(cfg)?, toml::Table::try_from(&theirs)?);
-    for (key, mine) in a.iter().filter(|(k, _)| !["initializer_range", "init_from"].contains(&k.as_str())) {
+    for (key, mine) in
+        a.iter().filter(|(k, _)| !["initializer_range", "init_from", "router_aux_loss_coef"].contains(&k.as_str()))
+    {
         let other = b.get(key);
         let same = match (mine, other) {
             (toml::Value::Float(x), Some(toml::Value::Float(y))) => (x - y).abs() <= 1e-6 * x.abs().max(1e-30),

@@ -252,7 +252,7 @@ impl Resumed {
 
 /// The architecture as a Hugging Face `config.json`.
 pub fn hf_config(m: &ModelConfig) -> String {
-    let j = serde_json::json!({
+    let mut j = serde_json::json!({
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
         "vocab_size": m.vocab_size,
@@ -272,6 +272,24 @@ pub fn hf_config(m: &ModelConfig) -> String {
         "max_position_embeddings": 4096,
         "torch_dtype": "float32",
     });
+    if m.num_local_experts > 0 {
+        // a Mixtral: its experts replace the MLP; the balance loss counts when training asks
+        // for the router logits
+        let moe = serde_json::json!({
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": m.num_local_experts,
+            "num_experts_per_tok": m.num_experts_per_tok,
+            "router_aux_loss_coef": m.router_aux_loss_coef,
+            "output_router_logits": m.router_aux_loss_coef > 0.0,
+            "router_jitter_noise": 0.0,
+            "sliding_window": null,
+        });
+        if let (Some(all), Some(more)) = (j.as_object_mut(), moe.as_object()) {
+            all.extend(more.clone());
+            all.remove("mlp_bias");
+        }
+    }
     serde_json::to_string_pretty(&j).expect("JSON")
 }
 

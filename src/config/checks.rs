@@ -34,6 +34,17 @@ impl ModelConfig {
         if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             bail!("{prefix}head_dim = {} must be even and positive: RoPE rotates pairs of features", self.head_dim());
         }
+        let (e, k) = (self.num_local_experts, self.num_experts_per_tok);
+        match (e, k) {
+            (0, 0) => {}
+            (0, k) => bail!("{prefix}num_experts_per_tok = {k} with {prefix}num_local_experts = 0: a dense model routes to no expert; set num_local_experts > 0 or num_experts_per_tok = 0"),
+            (e, k) if k == 0 || k > e => bail!("{prefix}num_experts_per_tok = {k}: each token goes to between 1 and {prefix}num_local_experts = {e} experts"),
+            _ => {}
+        }
+        let coef = self.router_aux_loss_coef;
+        if !(coef >= 0.0 && coef.is_finite()) {
+            bail!("{prefix}router_aux_loss_coef = {coef}: it must be 0 (off) or a positive finite number");
+        }
         for (key, v) in [
             ("rope_theta", self.rope_theta),
             ("rms_norm_eps", self.rms_norm_eps as f64),
@@ -140,6 +151,7 @@ impl Config {
                 bail!("parallel.sequence_parallel = true: a micro-batch's {rows} rows per rank (train.micro_batch_size × train.seq_len / parallel.cp) do not split into parallel.tp = {} equal parts; choose sizes whose product divides by tp", p.tp);
             }
         }
+        validate_experts(self)?;
         if !(p.bucket_mb > 0.0 && p.bucket_mb <= 1e6) {
             bail!("parallel.bucket_mb = {}: it must be a positive number of MiB, at most 1e6", p.bucket_mb);
         }
@@ -166,6 +178,31 @@ impl Config {
         }
         validate_data(&self.data, &self.model, t.seq_len)
     }
+}
+
+/// Checks the mixture of experts against the layout.
+fn validate_experts(c: &Config) -> Result<()> {
+    let (m, p) = (&c.model, &c.parallel);
+    let e = m.num_local_experts;
+    if p.ep == 0 {
+        bail!("parallel.ep = 0: it must be at least 1");
+    }
+    if p.ep > 1 && e == 0 {
+        bail!("parallel.ep = {} with model.num_local_experts = 0: expert parallelism divides the experts of a mixture of experts; set num_local_experts or ep = 1", p.ep);
+    }
+    if !(p.dp * p.cp).is_multiple_of(p.ep) {
+        bail!("parallel.ep = {} does not divide parallel.dp × parallel.cp = {}: the expert-parallel ranks are carved out of the dp×cp ranks", p.ep, p.dp * p.cp);
+    }
+    if e > 0 && !e.is_multiple_of(p.ep) {
+        bail!("parallel.ep = {} does not divide model.num_local_experts = {e}: each expert-parallel rank holds an equal share of the experts", p.ep);
+    }
+    if e > 0 && m.router_aux_loss_coef > 0.0 && (p.pp > 1 || p.cp > 1 || p.sequence_parallel) {
+        bail!("model.router_aux_loss_coef > 0 with pp, cp or sequence parallelism: the balance loss counts every layer's routing over whole sequences, which those layouts hold apart; set router_aux_loss_coef = 0 or pp = cp = 1 and sequence_parallel = false");
+    }
+    if e > 0 && c.device.kind == DeviceKind::Cuda {
+        bail!("model.num_local_experts = {e} with device.kind = \"cuda\": the routing ops of a mixture of experts have no GPU kernels yet; use device.kind = \"cpu\"");
+    }
+    Ok(())
 }
 
 /// Checks `[data]` against the model, before anything is read.

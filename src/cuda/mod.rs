@@ -10,6 +10,7 @@
 pub mod device;
 pub mod kernels;
 pub mod launch_table;
+pub mod moe;
 pub mod nccl;
 pub mod nvrtc;
 pub mod ops;

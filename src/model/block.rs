@@ -14,6 +14,11 @@
 //! sequence). On one rank (`Whole`) every one of those calls is local and this is the plain
 //! dense block.
 //!
+//! In a Mixtral block (`model.num_local_experts` > 0) the MLP is a mixture of experts
+//! (`moe.rs`): a router and E SwiGLU experts instead of gate, up and down. Its experts may be on
+//! other ranks (`Splits::ep`); it needs no tensor-parallel calls (every tp rank routes its rows
+//! itself).
+//!
 //! How much is kept is `train.recompute` (`Kept`): everything; everything but the attention
 //! core's output, which backward computes again from q, k and v (selective, as Megatron does);
 //! or only the block's input, from which backward runs the whole forward again (full). Memory
@@ -21,8 +26,9 @@
 //! one more forward.
 
 use crate::config::{ModelConfig, Recompute};
+use crate::model::moe::{Load, Moe, MoeCache};
 use crate::model::param::{Param, ParamKind, Split};
-use crate::model::split::{SequenceSplit, TensorSplit};
+use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::Result;
@@ -32,11 +38,21 @@ pub(crate) struct Block {
     k_proj: Param,
     v_proj: Param,
     o_proj: Param,
-    gate_proj: Param,
-    up_proj: Param,
-    down_proj: Param,
+    mlp: Mlp,
     input_layernorm: Param,
     post_attention_layernorm: Param,
+}
+
+/// The block's MLP: Llama's dense SwiGLU, or Mixtral's mixture of experts.
+enum Mlp {
+    Dense { gate_proj: Param, up_proj: Param, down_proj: Param },
+    Moe(Moe),
+}
+
+/// What the MLP's backward needs.
+enum MlpCache {
+    Dense { gate: Tensor, up: Tensor, act: Tensor },
+    Moe(MoeCache),
 }
 
 /// The activations one block's backward needs.
@@ -52,18 +68,20 @@ pub(crate) struct BlockCache {
     h: Tensor,
     xn2: Tensor,
     rstd2: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    act: Tensor,
+    mlp: MlpCache,
 }
 
 impl BlockCache {
     /// The bytes these activations occupy.
     fn bytes(&self) -> usize {
         let all = [&self.x, &self.xn1, &self.rstd1, &self.q, &self.k, &self.v];
-        let more = [&self.h, &self.xn2, &self.rstd2, &self.gate, &self.up, &self.act];
+        let more = [&self.h, &self.xn2, &self.rstd2];
         let core = self.core.as_ref().map_or(0, |(o, l)| o.bytes() + l.bytes());
-        all.iter().chain(&more).map(|t| t.bytes()).sum::<usize>() + core
+        let mlp = match &self.mlp {
+            MlpCache::Dense { gate, up, act } => gate.bytes() + up.bytes() + act.bytes(),
+            MlpCache::Moe(c) => c.bytes(),
+        };
+        all.iter().chain(&more).map(|t| t.bytes()).sum::<usize>() + core + mlp
     }
 }
 
@@ -84,67 +102,89 @@ impl Kept {
     }
 }
 
-/// Who a block talks to: the other tensor-parallel ranks, and the rest of the sequence.
+/// Who a block talks to: the other tensor-parallel ranks, the rest of the sequence, and the
+/// ranks holding the other experts.
 #[derive(Clone, Copy)]
 pub(crate) struct Splits<'a> {
     pub tp: &'a dyn TensorSplit,
     pub seq: &'a dyn SequenceSplit,
+    pub ep: &'a dyn ExpertSplit,
+}
+
+/// What a block's forward did besides its output: attention score entries computed, and the
+/// MoE layer's routing (a dense block has none).
+pub(crate) struct Work {
+    pub attention: u64,
+    pub load: Option<Load>,
 }
 
 impl Block {
     /// Layer `i`'s parameters in Hugging Face order, each asked of `param(name, full shape,
-    /// kind, split)` (which keeps this rank's slice).
+    /// kind, split)` (which keeps this rank's slice); of a mixture of experts, the experts `held`.
     pub(crate) fn build(
         i: usize,
         cfg: &ModelConfig,
+        held: std::ops::Range<usize>,
         param: &mut impl FnMut(String, &[usize], ParamKind, Split) -> Result<Param>,
     ) -> Result<Block> {
         use Split::{Cols, Replicated, Rows};
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let p = |s: &str| format!("model.layers.{i}.{s}.weight");
+        let (q_proj, k_proj, v_proj, o_proj) = (
+            param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix, Rows)?,
+            param(p("self_attn.k_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
+            param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
+            param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix, Cols)?,
+        );
+        let mlp = match cfg.num_local_experts {
+            0 => Mlp::Dense {
+                gate_proj: param(p("mlp.gate_proj"), &[f, d], ParamKind::Matrix, Rows)?,
+                up_proj: param(p("mlp.up_proj"), &[f, d], ParamKind::Matrix, Rows)?,
+                down_proj: param(p("mlp.down_proj"), &[d, f], ParamKind::Matrix, Cols)?,
+            },
+            _ => Mlp::Moe(Moe::build(i, cfg, held, param)?),
+        };
         Ok(Block {
-            q_proj: param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix, Rows)?,
-            k_proj: param(p("self_attn.k_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
-            v_proj: param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
-            o_proj: param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix, Cols)?,
-            gate_proj: param(p("mlp.gate_proj"), &[f, d], ParamKind::Matrix, Rows)?,
-            up_proj: param(p("mlp.up_proj"), &[f, d], ParamKind::Matrix, Rows)?,
-            down_proj: param(p("mlp.down_proj"), &[d, f], ParamKind::Matrix, Cols)?,
+            q_proj,
+            k_proj,
+            v_proj,
+            o_proj,
+            mlp,
             input_layernorm: param(p("input_layernorm"), &[d], ParamKind::Norm, Replicated)?,
             post_attention_layernorm: param(p("post_attention_layernorm"), &[d], ParamKind::Norm, Replicated)?,
         })
     }
 
-    pub(crate) fn params(&self) -> [&Param; 9] {
-        [
-            &self.q_proj,
-            &self.k_proj,
-            &self.v_proj,
-            &self.o_proj,
-            &self.gate_proj,
-            &self.up_proj,
-            &self.down_proj,
-            &self.input_layernorm,
-            &self.post_attention_layernorm,
-        ]
+    /// Of a mixture of experts, keeps only the experts `held` (expert parallelism).
+    pub(crate) fn keep_experts(&mut self, held: std::ops::Range<usize>) {
+        if let Mlp::Moe(m) = &mut self.mlp {
+            m.keep(held);
+        }
     }
 
-    pub(crate) fn params_mut(&mut self) -> [&mut Param; 9] {
-        [
-            &mut self.q_proj,
-            &mut self.k_proj,
-            &mut self.v_proj,
-            &mut self.o_proj,
-            &mut self.gate_proj,
-            &mut self.up_proj,
-            &mut self.down_proj,
-            &mut self.input_layernorm,
-            &mut self.post_attention_layernorm,
-        ]
+    /// In Hugging Face order (a Mixtral block: the router, then each expert's w1, w2, w3).
+    pub(crate) fn params(&self) -> Vec<&Param> {
+        let mut v = vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
+        match &self.mlp {
+            Mlp::Dense { gate_proj, up_proj, down_proj } => v.extend([gate_proj, up_proj, down_proj]),
+            Mlp::Moe(m) => v.extend(m.params()),
+        }
+        v.extend([&self.input_layernorm, &self.post_attention_layernorm]);
+        v
     }
 
-    /// Returns the output, what `recompute` says to keep for backward, and the attention work.
+    pub(crate) fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v = vec![&mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.o_proj];
+        match &mut self.mlp {
+            Mlp::Dense { gate_proj, up_proj, down_proj } => v.extend([gate_proj, up_proj, down_proj]),
+            Mlp::Moe(m) => v.extend(m.params_mut()),
+        }
+        v.extend([&mut self.input_layernorm, &mut self.post_attention_layernorm]);
+        v
+    }
+
+    /// Returns the output, what `recompute` says to keep for backward, and the work done.
     pub(crate) fn forward(
         &self,
         split: Splits,
@@ -152,7 +192,7 @@ impl Block {
         (cfg, recompute): (&ModelConfig, Recompute),
         attn: Attn,
         positions: &[u32],
-    ) -> Result<(Tensor, Kept, u64)> {
+    ) -> Result<(Tensor, Kept, Work)> {
         let (out, mut cache, work) = self.run(split, x, cfg, attn, positions)?;
         let kept = match recompute {
             Recompute::None => Kept::Cache(Box::new(cache)),
@@ -173,7 +213,7 @@ impl Block {
         cfg: &ModelConfig,
         attn: Attn,
         positions: &[u32],
-    ) -> Result<(Tensor, BlockCache, u64)> {
+    ) -> Result<(Tensor, BlockCache, Work)> {
         let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, split.tp);
         // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
         let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
@@ -187,26 +227,39 @@ impl Block {
         let (attn_out, lse, work) = split.seq.attention(attn, &q, &k, &v, &positions[..attn.seq])?;
         let mut h = tp.row_forward(&attn_out, &self.o_proj)?; // g: Σ over the tp ranks
         ops::add_assign(&mut h, &x);
-        // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
         let (xn2, rstd2) = ops::rmsnorm(&h, &self.post_attention_layernorm.value, eps);
-        let xin = tp.gather_rows(&xn2)?;
-        let gate = ops::linear(&xin, &self.gate_proj.value);
-        let up = ops::linear(&xin, &self.up_proj.value);
-        drop(xin);
-        let act = ops::swiglu(&gate, &up);
-        let mut out = tp.row_forward(&act, &self.down_proj)?; // g
+        let (mut out, mlp, load) = match &self.mlp {
+            // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
+            Mlp::Dense { gate_proj, up_proj, down_proj } => {
+                let xin = tp.gather_rows(&xn2)?;
+                let gate = ops::linear(&xin, &gate_proj.value);
+                let up = ops::linear(&xin, &up_proj.value);
+                drop(xin);
+                let act = ops::swiglu(&gate, &up);
+                let out = tp.row_forward(&act, down_proj)?; // g
+                (out, MlpCache::Dense { gate, up, act }, None)
+            }
+            // mixture of experts: on this rank's rows, whole (no tp call)
+            Mlp::Moe(moe) => {
+                let (out, cache, load) = moe.forward(split.ep, &xn2, cfg.router_aux_loss_coef > 0.0)?;
+                (out, MlpCache::Moe(cache), Some(load))
+            }
+        };
         ops::add_assign(&mut out, &h);
         let core = Some((attn_out, lse));
-        let cache = BlockCache { x, xn1, rstd1, q, k, v, core, h, xn2, rstd2, gate, up, act };
-        Ok((out, cache, work))
+        let cache = BlockCache { x, xn1, rstd1, q, k, v, core, h, xn2, rstd2, mlp };
+        Ok((out, cache, Work { attention: work, load }))
     }
 
+    /// `balance`: the load-balancing loss's gradient on each expert's router probability (a
+    /// mixture of experts with `router_aux_loss_coef` > 0; else empty).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn backward(
         &mut self,
         split: Splits,
         dout: Tensor,
         kept: Kept,
-        cfg: &ModelConfig,
+        (cfg, balance): (&ModelConfig, &[f32]),
         attn: Attn,
         positions: &[u32],
     ) -> Result<Tensor> {
@@ -215,13 +268,18 @@ impl Block {
             Kept::Cache(c) => *c,
             Kept::Input(x) => self.run(split, x, cfg, attn, positions)?.1, // full recomputation
         };
-        // MLP sub-block, right to left; down is row parallel: its backward is local (on every
-        // row: sequence parallelism gathers them)
-        let down = &mut self.down_proj;
-        let dact = ops::linear_backward(&*tp.gather_rows(&dout)?, &c.act, &down.value, &mut down.grad);
-        let (dgate, dup) = ops::swiglu_backward(&dact, &c.gate, &c.up);
-        // f: one sum over the tp ranks for gate and up together
-        let dxn2 = tp.column_backward(&c.xn2, &mut [(&dgate, &mut self.gate_proj), (&dup, &mut self.up_proj)])?;
+        let dxn2 = match (&mut self.mlp, c.mlp) {
+            // MLP sub-block, right to left; down is row parallel: its backward is local (on every
+            // row: sequence parallelism gathers them)
+            (Mlp::Dense { gate_proj, up_proj, down_proj }, MlpCache::Dense { gate, up, act }) => {
+                let dact = ops::linear_backward(&*tp.gather_rows(&dout)?, &act, &down_proj.value, &mut down_proj.grad);
+                let (dgate, dup) = ops::swiglu_backward(&dact, &gate, &up);
+                // f: one sum over the tp ranks for gate and up together
+                tp.column_backward(&c.xn2, &mut [(&dgate, gate_proj), (&dup, up_proj)])?
+            }
+            (Mlp::Moe(moe), MlpCache::Moe(cache)) => moe.backward(split.ep, &dout, &c.xn2, cache, balance)?,
+            _ => anyhow::bail!("backward: a block was given the cache of another kind of MLP"),
+        };
         let ln2 = &mut self.post_attention_layernorm;
         let mut dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad);
         ops::add_assign(&mut dh, &dout); // the residual carries dout straight through

@@ -20,8 +20,9 @@
 
 use crate::config::{ModelConfig, Recompute};
 use crate::model::block::{Block, Kept, Splits};
+use crate::model::moe::{self, Load};
 use crate::model::param::Param;
-use crate::model::split::{SequenceSplit, TensorSplit, WeightSplit};
+use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::{anyhow, bail, Result};
@@ -43,6 +44,9 @@ struct Cache {
     blocks: Vec<Kept>,
     /// The output end, on the last pipeline stage.
     head: Option<HeadCache>,
+    /// The load-balancing loss's gradient on each expert's router probability, per unit of
+    /// loss scale (empty unless `router_aux_loss_coef` > 0).
+    balance: Vec<f32>,
 }
 
 struct HeadCache {
@@ -97,6 +101,8 @@ pub struct Llama<'g> {
     seq: Box<dyn SequenceSplit + 'g>,
     /// Where the weights are between uses (`Whole` unless FSDP shards them over the dp ranks).
     weights: Rc<dyn WeightSplit + 'g>,
+    /// Where a mixture of experts' experts are (`Whole` unless expert parallelism divides them).
+    experts: Box<dyn ExpertSplit + 'g>,
     /// The first vocabulary id of this rank's slice.
     vocab_first: usize,
     /// On the first pipeline stage.
@@ -111,6 +117,8 @@ pub struct Llama<'g> {
     caches: VecDeque<Cache>,
     /// Attention score entries computed since the last `take_attention_work`.
     attention_work: u64,
+    /// Routed rows per expert of each MoE layer of this stage since the last `take_expert_load`.
+    expert_load: Vec<Vec<usize>>,
     /// What each block keeps for its backward (`train.recompute`).
     recompute: Recompute,
 }
@@ -176,18 +184,27 @@ impl<'g> Llama<'g> {
         let seq_positions = self.seq.positions(seq);
         let positions: Vec<u32> = (0..batch * seq).map(|r| seq_positions[r % seq]).collect();
         let mut blocks = Vec::with_capacity(self.layers.len());
+        let mut loads: Vec<Load> = Vec::new();
         for i in self.chunks[chunk].clone() {
             self.fetch(Unit::Layer(i), true)?;
-            let split = Splits { tp: &*self.tp, seq: &*self.seq };
+            let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
             let keep = (&self.cfg, self.recompute);
             let (out, cache, work) = self.layers[i].forward(split, x, keep, attn, &positions)?;
             self.free(Unit::Layer(i));
-            self.attention_work += work;
+            self.attention_work += work.attention;
+            if let Some(load) = work.load {
+                self.expert_load.resize_with(self.layers.len(), Vec::new);
+                let seen = &mut self.expert_load[i];
+                seen.resize(load.counts.len(), 0);
+                seen.iter_mut().zip(&load.counts).for_each(|(s, c)| *s += c);
+                loads.push(load);
+            }
             blocks.push(cache);
             x = out;
         }
         if self.head.is_none() || chunk + 1 < self.chunks.len() {
-            self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: None });
+            let balance = Vec::new(); // the balance loss needs every layer: refused with pp > 1
+            self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: None, balance });
             return Ok(StageOutput::Hidden(x));
         }
         self.fetch(Unit::Head, true)?;
@@ -196,9 +213,19 @@ impl<'g> Llama<'g> {
         let out_layer = h.lm_head.as_ref().or(self.embed_tokens.as_ref()).expect("a tied head has the embedding");
         let logits = ops::linear(&*self.tp.gather_rows(&xn)?, &out_layer.value); // column parallel: this rank's vocabulary slice
         self.free(Unit::Head);
-        let (loss, count, lse) = self.tp.cross_entropy(&logits, targets, self.vocab_first)?;
+        let (mut loss, count, lse) = self.tp.cross_entropy(&logits, targets, self.vocab_first)?;
+        let coef = self.cfg.router_aux_loss_coef;
+        let mut balance = Vec::new();
+        if coef > 0.0 && !loads.is_empty() {
+            // + coef · E · Σ_e f_e · P_e over all layers (`model/moe.rs`)
+            let (experts, k) = (self.cfg.num_local_experts, self.cfg.num_experts_per_tok);
+            let (aux, grad) = moe::balance_loss(&loads.iter().collect::<Vec<_>>(), experts, k);
+            let aux = Tensor::from_host(&[1], vec![coef * aux], &loss.place());
+            ops::add_assign(&mut loss, &aux);
+            balance = grad.iter().map(|g| coef * g).collect();
+        }
         let head = HeadCache { targets: targets.to_vec(), x_final: x, xn, rstd, logits, lse, count };
-        self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head) });
+        self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head), balance });
         Ok(StageOutput::Loss(loss))
     }
 
@@ -236,6 +263,10 @@ impl<'g> Llama<'g> {
             .and_then(|at| self.caches.remove(at))
             .ok_or_else(|| anyhow!("backward: no forward through chunk {chunk} is waiting for its backward"))?;
         let first = self.vocab_first;
+        let balance: Vec<f32> = match &grad {
+            StageGrad::Loss(scale) => c.balance.iter().map(|g| g * scale).collect(),
+            StageGrad::Hidden(_) => Vec::new(),
+        };
         // each part of the cache is dropped as soon as its backward is done: the activations
         // held shrink while the gradients grow
         let mut dx = match (grad, c.head.take(), self.head.is_some()) {
@@ -259,9 +290,9 @@ impl<'g> Llama<'g> {
         };
         for i in self.chunks[chunk].clone().rev() {
             self.fetch(Unit::Layer(i), false)?;
-            let split = Splits { tp: &*self.tp, seq: &*self.seq };
+            let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
             let cache = c.blocks.pop().expect("one cache per layer");
-            dx = self.layers[i].backward(split, dx, cache, &self.cfg, c.attn, &c.positions)?;
+            dx = self.layers[i].backward(split, dx, cache, (&self.cfg, &balance), c.attn, &c.positions)?;
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }

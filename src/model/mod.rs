@@ -1,13 +1,14 @@
 //! # The model: a Llama, forward and backward by hand
 //!
 //! Read in this order: `param` (a weight, its gradient, how ranks share it) → `init` (every
-//! weight from its own random stream) → `block` (one transformer block) → `llama` (the whole
+//! weight from its own random stream) → `block` (one transformer block; `moe`, its mixture of experts) → `llama` (the whole
 //! model, or one pipeline `stage` of it) → `split` (the few points where a model cut across
 //! ranks must talk) → `optimizer` (AdamW, clipping, the schedule).
 
 pub mod block;
 pub mod init;
 pub mod llama;
+pub mod moe;
 pub mod optimizer;
 pub mod param;
 pub mod split;
@@ -15,5 +16,5 @@ pub mod stage;
 
 pub use llama::{Llama, StageGrad, StageInput, StageOutput};
 pub use param::{shard, unshard, Param, ParamKind, Split};
-pub use split::{SequenceSplit, TensorSplit, WeightSplit, Whole};
+pub use split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 pub use stage::Stage;

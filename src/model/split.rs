@@ -7,7 +7,9 @@
 //! `parallel/tensor_parallel.rs` and `parallel/context_parallel.rs` answer them with collectives.
 //! (picotron swaps its model's layers for parallel ones; we hand the model the object that talks.)
 //!
-//! (A third, `WeightSplit`, says where the weights are between uses: ZeRO-3 gathers them.)
+//! (A third, `WeightSplit`, says where the weights are between uses: ZeRO-3 gathers them. A
+//! fourth, `ExpertSplit`, says where a mixture of experts' experts are: expert parallelism sends
+//! each token's rows to its experts' rank and back.)
 //!
 //! ```text
 //! TensorSplit (Megatron's f and g)                SequenceSplit (the cp ring)
@@ -25,6 +27,7 @@ use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::Result;
 use std::borrow::Cow;
+use std::ops::Range;
 
 /// How this rank's linear layers and vocabulary relate to the other tensor-parallel ranks'.
 pub trait TensorSplit {
@@ -93,6 +96,37 @@ pub trait WeightSplit {
     fn prefetch(&self, next: &[&Param]) -> Result<()>;
     /// After the unit's forward or backward: its whole weights are freed again.
     fn release(&self, unit: &mut [&mut Param]);
+}
+
+/// Where the experts of each MoE layer are (`model/moe.rs`). `Whole`: all of them here.
+/// Expert parallelism (`parallel/expert_parallel.rs`) gives each of the ep ranks E/ep of them
+/// and moves the routed rows with all-to-alls. Rows always go sorted by expert, all E of them.
+pub trait ExpertSplit {
+    /// The experts (of `total`) this rank holds.
+    fn held(&self, total: usize) -> Range<usize>;
+    /// Sends routed rows (sorted by expert, `counts` per expert of all E) to the ranks holding
+    /// their experts. Returns the rows this rank's experts compute, expert after expert (each
+    /// expert's rows by sender), and how many of them came from each sender for each of them.
+    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Vec<Vec<usize>>)>;
+    /// The same journey for other rows of the same layout (backward's output gradients).
+    fn dispatch_again(&self, rows: Tensor, received: &[Vec<usize>]) -> Result<Tensor>;
+    /// The way back: rows computed here return to their senders, in the order they were sent.
+    fn combine(&self, rows: Tensor, received: &[Vec<usize>]) -> Result<Tensor>;
+}
+
+impl ExpertSplit for Whole {
+    fn held(&self, total: usize) -> Range<usize> {
+        0..total
+    }
+    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Vec<Vec<usize>>)> {
+        Ok((rows, vec![counts.to_vec()]))
+    }
+    fn dispatch_again(&self, rows: Tensor, _: &[Vec<usize>]) -> Result<Tensor> {
+        Ok(rows)
+    }
+    fn combine(&self, rows: Tensor, _: &[Vec<usize>]) -> Result<Tensor> {
+        Ok(rows)
+    }
 }
 
 /// One rank holds every matrix whole and every sequence whole: nothing to talk about.

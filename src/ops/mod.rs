@@ -13,6 +13,7 @@
 pub mod cpu;
 pub mod cpu_attention;
 pub mod cpu_math;
+pub mod moe;
 pub mod tensor;
 pub mod types;
 

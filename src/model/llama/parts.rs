@@ -9,7 +9,7 @@ use crate::config::{ModelConfig, Recompute};
 use crate::model::block::{Block, Kept};
 use crate::model::init;
 use crate::model::param::{shard, Param, ParamKind, Split};
-use crate::model::split::{SequenceSplit, TensorSplit, WeightSplit, Whole};
+use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::stage::Stage;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType};
@@ -70,7 +70,9 @@ impl<'g> Llama<'g> {
             chunks,
             head,
             caches,
+            experts: Box::new(Whole),
             attention_work: 0,
+            expert_load: Vec::new(),
             recompute: Recompute::None,
         })
     }
@@ -108,7 +110,7 @@ impl<'g> Llama<'g> {
         };
         let mut layers = Vec::new();
         for i in stage.layers(cfg.num_hidden_layers) {
-            layers.push(Block::build(i, cfg, param)?);
+            layers.push(Block::build(i, cfg, 0..cfg.num_local_experts, param)?);
         }
         let head = match stage.is_last() {
             true => Some(Head {
@@ -137,6 +139,16 @@ impl<'g> Llama<'g> {
         self
     }
 
+    /// Keeps only the experts `ep` says this rank holds, and sends each MoE layer's routed rows
+    /// to the ranks holding theirs (expert parallelism, `parallel/expert_parallel.rs`). The
+    /// others were made (or read) with the model and are dropped here.
+    pub fn with_expert_split(mut self, ep: Box<dyn ExpertSplit + 'g>) -> Llama<'g> {
+        let held = ep.held(self.cfg.num_local_experts);
+        self.layers.iter_mut().for_each(|b| b.keep_experts(held.clone()));
+        self.experts = ep;
+        self
+    }
+
     /// Keeps less for backward and computes it again there (`model/block.rs`).
     pub fn with_recompute(mut self, recompute: Recompute) -> Llama<'g> {
         self.recompute = recompute;
@@ -162,7 +174,7 @@ impl<'g> Llama<'g> {
         let last = self.chunks.len() - 1;
         let mut v: Vec<usize> = self.embed_tokens.iter().map(|_| 0).collect();
         for (c, range) in self.chunks.iter().enumerate() {
-            v.extend(range.clone().flat_map(|i| self.layers[i].params().map(|_| c)));
+            v.extend(range.clone().flat_map(|i| self.layers[i].params().into_iter().map(move |_| c)));
         }
         if let Some(h) = &self.head {
             v.push(last);
@@ -232,6 +244,12 @@ impl<'g> Llama<'g> {
     /// Attention score entries (query × key pairs, all heads) computed since the last call.
     pub fn take_attention_work(&mut self) -> u64 {
         std::mem::take(&mut self.attention_work)
+    }
+
+    /// Rows routed to each expert, per MoE layer of this stage, by this rank's forwards since
+    /// the last call (empty for a dense model).
+    pub fn take_expert_load(&mut self) -> Vec<Vec<usize>> {
+        std::mem::take(&mut self.expert_load)
     }
 
     /// Zeroes every gradient (one that ZeRO-2/3 freed stays freed; a shard's averaged chunk is

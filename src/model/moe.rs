@@ -1,0 +1,244 @@
+//! # A mixture of experts: the MLP of a Mixtral block, forward and backward
+//!
+//! A dense block sends every token through one MLP. A mixture of experts holds E MLPs (the
+//! experts, each a SwiGLU like the dense one) and a router that picks k of them per token; the
+//! token's output is the weighted sum of its k experts' outputs. Parameters grow E-fold, the
+//! compute per token only k-fold.
+//!
+//! ```text
+//! x [T, d] ─ router: logits = x·Wgᵀ ─ softmax ─ top-k ─ weights [T, k] (renormalised to sum 1)
+//!    │                                            │ experts [T·k]
+//!    └─ gather_rows: each token once per chosen expert, sorted by expert ─ xs [T·k, d]
+//!         ─ dispatch (expert parallel: the all-to-all to the experts' ranks) ─ xe
+//!         ─ expert e on its rows: w2 · (silu(w1·x) ⊙ w3·x) ─ ye
+//!         ─ combine back (the all-to-all home) ─ ys ─ y[t] = Σ_j weight[t,j] · ys[t's j-th row]
+//! ```
+//! Backward walks it right to left: the weights' gradient is dy · (each expert's output) and goes
+//! back through the top-k renormalisation and the softmax into the router (`ops::route_backward`);
+//! the experts' rows travel the same road as in forward. Where the experts are is the
+//! `ExpertSplit`'s business (`split.rs`): `Whole` holds them all, `parallel/expert_parallel.rs`
+//! divides them among the ep ranks.
+//!
+//! The router sees every token; an expert only the tokens sent to it, so how many each gets (the
+//! load) is a number worth watching: the metrics print it, and the Switch load-balancing loss
+//! (`model.router_aux_loss_coef`) pushes it towards even: E · Σ_e f_e · P_e, with f_e the share of
+//! routed rows that chose e and P_e the mean router probability of e, over all layers (as
+//! transformers computes it). Its gradient reaches the router through P only.
+
+use crate::config::ModelConfig;
+use crate::model::param::{Param, ParamKind, Split};
+use crate::model::split::ExpertSplit;
+use crate::ops;
+use crate::ops::moe::{self as route, Routing};
+use crate::ops::tensor::Tensor;
+use anyhow::Result;
+
+/// One expert: a SwiGLU MLP (w1 the gate, w3 the up projection, w2 the down projection).
+pub(crate) struct Expert {
+    w1: Param,
+    w2: Param,
+    w3: Param,
+}
+
+pub(crate) struct Moe {
+    /// The router, `[E, d]`.
+    gate: Param,
+    /// The experts this rank holds (`first..first + experts.len()` of E).
+    experts: Vec<Expert>,
+    top_k: usize,
+    total: usize,
+}
+
+/// How the routed rows are laid out (host): sorted by expert, each expert's rows in token order.
+struct Plan {
+    /// Routed rows per expert (all E).
+    counts: Vec<usize>,
+    /// Routed row i is token `order[i]`.
+    order: Vec<u32>,
+    /// Token t's j-th expert is routed row `slot[t·k + j]`.
+    slot: Vec<u32>,
+}
+
+impl Plan {
+    /// A stable counting sort of the `T·k` choices by expert.
+    fn new(experts: &[u32], total: usize, k: usize) -> Plan {
+        let mut counts = vec![0; total];
+        experts.iter().for_each(|&e| counts[e as usize] += 1);
+        let mut next: Vec<usize> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
+        let (mut order, mut slot) = (vec![0; experts.len()], vec![0; experts.len()]);
+        for (i, &e) in experts.iter().enumerate() {
+            let at = &mut next[e as usize];
+            (order[*at], slot[i]) = ((i / k) as u32, *at as u32);
+            *at += 1;
+        }
+        Plan { counts, order, slot }
+    }
+}
+
+/// What a MoE layer keeps for its backward.
+pub(crate) struct MoeCache {
+    routing: Routing,
+    plan: Plan,
+    /// Rows per expert held here, by sender (the all-to-all's counts; one sender without ep).
+    received: Vec<Vec<usize>>,
+    /// The rows each expert of this rank got, expert after expert, and their SwiGLU's gate, up
+    /// and activation.
+    xe: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    act: Tensor,
+    /// The experts' outputs back home, in routed-row order.
+    ys: Tensor,
+}
+
+/// A layer's routing, for the load-balancing loss and the metrics (host numbers).
+#[derive(Clone, Debug, Default)]
+pub struct Load {
+    /// Routed rows per expert (this rank's tokens).
+    pub counts: Vec<usize>,
+    /// Σ over this rank's tokens of each expert's router probability (empty when nobody asked).
+    pub prob_sums: Vec<f32>,
+}
+
+impl MoeCache {
+    pub(crate) fn bytes(&self) -> usize {
+        let r = &self.routing;
+        [&r.probs, &r.weights, &self.xe, &self.gate, &self.up, &self.act, &self.ys].iter().map(|t| t.bytes()).sum()
+    }
+}
+
+impl Moe {
+    /// Layer `i`'s router and this rank's experts (`held` of E), in Hugging Face order.
+    pub(crate) fn build(
+        i: usize,
+        cfg: &ModelConfig,
+        held: std::ops::Range<usize>,
+        param: &mut impl FnMut(String, &[usize], ParamKind, Split) -> Result<Param>,
+    ) -> Result<Moe> {
+        let (d, f, total) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts);
+        let p = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
+        // replicated over tp: every tp rank routes and computes the same rows (its own with
+        // sequence parallelism), so the router and the experts are whole on each
+        let gate = param(p("gate"), &[total, d], ParamKind::Matrix, Split::Replicated)?;
+        let mut experts = Vec::new();
+        for e in held {
+            let w = |n: &str| p(&format!("experts.{e}.{n}"));
+            experts.push(Expert {
+                w1: param(w("w1"), &[f, d], ParamKind::Matrix, Split::Replicated)?,
+                w2: param(w("w2"), &[d, f], ParamKind::Matrix, Split::Replicated)?,
+                w3: param(w("w3"), &[f, d], ParamKind::Matrix, Split::Replicated)?,
+            });
+        }
+        Ok(Moe { gate, experts, top_k: cfg.num_experts_per_tok, total })
+    }
+
+    /// Drops every expert but `held` (of all E, which this layer must still hold).
+    pub(crate) fn keep(&mut self, held: std::ops::Range<usize>) {
+        assert_eq!(self.experts.len(), self.total, "experts are divided once");
+        self.experts = self.experts.drain(held).collect();
+    }
+
+    pub(crate) fn params(&self) -> Vec<&Param> {
+        let experts = self.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]);
+        std::iter::once(&self.gate).chain(experts).collect()
+    }
+
+    pub(crate) fn params_mut(&mut self) -> Vec<&mut Param> {
+        let experts = self.experts.iter_mut().flat_map(|e| [&mut e.w1, &mut e.w2, &mut e.w3]);
+        std::iter::once(&mut self.gate).chain(experts).collect()
+    }
+
+    /// y `[T, d]` from x `[T, d]` (the normalised rows); `probs`: also sum the router
+    /// probabilities per expert (for the load-balancing loss).
+    pub(crate) fn forward(&self, ep: &dyn ExpertSplit, x: &Tensor, probs: bool) -> Result<(Tensor, MoeCache, Load)> {
+        let routing = route::route(&ops::linear(x, &self.gate.value), self.top_k); // a sync point on a GPU
+        let plan = Plan::new(&routing.experts, self.total, self.top_k);
+        let xs = route::gather_rows(x, &plan.order);
+        let (xe, received) = ep.dispatch(xs, &plan.counts)?;
+        let local = held_counts(&received);
+        let f = self.experts.first().map_or(0, |e| e.w1.value.rows());
+        let (mut gate, mut up) = (Tensor::empty_as(&[xe.rows(), f], &xe), Tensor::empty_as(&[xe.rows(), f], &xe));
+        let mut act = Tensor::empty_as(&[xe.rows(), f], &xe);
+        let mut ye = Tensor::empty_as(xe.shape(), &xe);
+        let d = xe.cols();
+        let mut at = 0;
+        for (expert, &n) in self.experts.iter().zip(&local) {
+            if n > 0 {
+                let x_e = ops::slice(&xe, at * d, &[n, d]);
+                let (g, u) = (ops::linear(&x_e, &expert.w1.value), ops::linear(&x_e, &expert.w3.value));
+                let a = ops::swiglu(&g, &u);
+                ops::copy(&ops::linear(&a, &expert.w2.value), 0, &mut ye, at * d, n * d);
+                for (from, to) in [(&g, &mut gate), (&u, &mut up), (&a, &mut act)] {
+                    ops::copy(from, 0, to, at * f, n * f);
+                }
+            }
+            at += n;
+        }
+        let ys = ep.combine(ye, &received)?;
+        let y = route::combine(&ys, &plan.slot, Some(&routing.weights), x.rows());
+        let prob_sums = if probs { column_sums(&routing.probs) } else { Vec::new() };
+        let load = Load { counts: plan.counts.clone(), prob_sums };
+        Ok((y, MoeCache { routing, plan, received, xe, gate, up, act, ys }, load))
+    }
+
+    /// dx from dy, both `[T, d]` (x: the forward's input); accumulates every weight gradient.
+    /// `balance`: the load-balancing loss's gradient on each expert's probability (or empty).
+    pub(crate) fn backward(
+        &mut self,
+        ep: &dyn ExpertSplit,
+        dy: &Tensor,
+        x: &Tensor,
+        c: MoeCache,
+        balance: &[f32],
+    ) -> Result<Tensor> {
+        let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.plan.slot, &c.routing.weights);
+        drop(c.ys);
+        let dye = ep.dispatch_again(dys, &c.received)?;
+        let (d, f) = (c.xe.cols(), c.gate.cols());
+        let mut dxe = Tensor::empty_as(c.xe.shape(), &c.xe);
+        let mut at = 0;
+        for (expert, &n) in self.experts.iter_mut().zip(&held_counts(&c.received)) {
+            if n > 0 {
+                let part = |t: &Tensor, w| ops::slice(t, at * w, &[n, w]);
+                let (dy_e, x_e) = (part(&dye, d), part(&c.xe, d));
+                let dact = ops::linear_backward(&dy_e, &part(&c.act, f), &expert.w2.value, &mut expert.w2.grad);
+                let (dg, du) = ops::swiglu_backward(&dact, &part(&c.gate, f), &part(&c.up, f));
+                let mut dx_e = ops::linear_backward(&dg, &x_e, &expert.w1.value, &mut expert.w1.grad);
+                ops::add_assign(&mut dx_e, &ops::linear_backward(&du, &x_e, &expert.w3.value, &mut expert.w3.grad));
+                ops::copy(&dx_e, 0, &mut dxe, at * d, n * d);
+            }
+            at += n;
+        }
+        let dxs = ep.combine(dxe, &c.received)?;
+        let mut dx = route::combine(&dxs, &c.plan.slot, None, x.rows()); // each token: the sum of its k copies
+        let dlogits = route::route_backward(&dweights, &c.routing, balance);
+        let gate = &mut self.gate;
+        ops::add_assign(&mut dx, &ops::linear_backward(&dlogits, x, &gate.value, &mut gate.grad));
+        Ok(dx)
+    }
+}
+
+/// Rows per expert held here, summed over the senders.
+fn held_counts(received: &[Vec<usize>]) -> Vec<usize> {
+    (0..received[0].len()).map(|e| received.iter().map(|r| r[e]).sum()).collect()
+}
+
+/// Σ over rows of each column of an f32 `[T, E]` tensor, on the host (on a GPU, a read back).
+fn column_sums(p: &Tensor) -> Vec<f32> {
+    let (e, values) = (p.cols(), p.to_vec());
+    let mut sums = vec![0.0f64; e];
+    values.chunks(e).for_each(|row| row.iter().zip(&mut sums).for_each(|(x, s)| *s += *x as f64));
+    sums.into_iter().map(|s| s as f32).collect()
+}
+
+/// The load-balancing loss over every layer's `Load` (E · Σ_e f_e · P_e, transformers'
+/// `load_balancing_loss_func`), and its gradient on each expert's probability in every row,
+/// which is the same for every layer: E · f_e / N (N = rows × layers).
+pub fn balance_loss(loads: &[&Load], experts: usize, k: usize) -> (f32, Vec<f32>) {
+    let rows: usize = loads.iter().map(|l| l.counts.iter().sum::<usize>() / k).sum();
+    let n = rows.max(1) as f64;
+    let f: Vec<f64> = (0..experts).map(|e| loads.iter().map(|l| l.counts[e]).sum::<usize>() as f64 / n).collect();
+    let p: Vec<f64> = (0..experts).map(|e| loads.iter().map(|l| l.prob_sums[e] as f64).sum::<f64>() / n).collect();
+    let loss = experts as f64 * f.iter().zip(&p).map(|(a, b)| a * b).sum::<f64>();
+    (loss as f32, f.iter().map(|fe| (experts as f64 * fe / n) as f32).collect())
+}

@@ -1,0 +1,161 @@
+//! # The routing ops of a mixture of experts, each beside its backward
+//!
+//! ```text
+//! shapes: T rows (tokens), E experts, k experts per token, d features, n = T·k routed rows
+//!
+//! route           logits [T, E] → probs = softmax(logits) [T, E]; the k largest per row;
+//!                 weights [T, k] = those probs / their sum; experts (host, T·k ids)
+//! gather_rows     x [T, d], order [n] → xs [n, d], xs[i] = x[order[i]]   (tokens sorted by expert)
+//! combine         ys [n, d], slot [T·k], w [T, k] → y [T, d], y[t] = Σ_j w[t,j] · ys[slot[t·k+j]]
+//! ```
+//! The expert each token goes to is decided on the host: how many rows each expert gets sets the
+//! sizes of its GEMMs (and, with expert parallelism, of the all-to-all), so the ids are read back
+//! once per layer (on a GPU, a CPU–GPU sync point, as in every MoE trainer that sizes its
+//! all-to-all). Ties in the top-k go to the lower expert id.
+//!
+//! Backward: `combine_backward` hands each routed row its share w · dy and each weight its
+//! dy · ys; `route_backward` takes the weights' gradient back through the renormalisation and the
+//! softmax (and adds the load-balancing loss's gradient on the probabilities); the backward of
+//! `gather_rows` is `combine` with unit weights (each token sums the gradients of its k copies).
+
+use super::tensor::Tensor;
+use super::{fatal, gpu};
+
+/// What the router decided for each row.
+pub struct Routing {
+    /// softmax(logits), `[T, E]` (f32): the backward and the load-balancing loss read it.
+    pub probs: Tensor,
+    /// The chosen experts' probabilities renormalised to sum 1, `[T, k]` (f32).
+    pub weights: Tensor,
+    /// The chosen experts, row after row, largest probability first (host: `T·k` ids).
+    pub experts: Vec<u32>,
+}
+
+/// The router's decision from its logits `[T, E]`: softmax over the experts, the `k` largest,
+/// renormalised.
+pub fn route(logits: &Tensor, k: usize) -> Routing {
+    let (t, e) = (logits.rows(), logits.cols());
+    assert!(k >= 1 && k <= e, "route: top-{k} of {e} experts");
+    if let Some(d) = gpu("route", &[logits]) {
+        return fatal("route", d.route(logits, k));
+    }
+    let (mut probs, mut weights, mut experts) = (vec![0.0; t * e], vec![0.0; t * k], vec![0u32; t * k]);
+    for r in 0..t {
+        route_row(
+            &logits.host()[r * e..(r + 1) * e],
+            &mut probs[r * e..(r + 1) * e],
+            &mut weights[r * k..(r + 1) * k],
+            &mut experts[r * k..(r + 1) * k],
+        );
+    }
+    Routing { probs: Tensor::from_vec(&[t, e], probs), weights: Tensor::from_vec(&[t, k], weights), experts }
+}
+
+/// One row of `route`: softmax, top-k (ties to the lower id), renormalised weights.
+fn route_row(logits: &[f32], probs: &mut [f32], weights: &mut [f32], experts: &mut [u32]) {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for (p, &z) in probs.iter_mut().zip(logits) {
+        *p = (z - max).exp();
+        sum += *p;
+    }
+    probs.iter_mut().for_each(|p| *p /= sum);
+    let mut taken = 0.0;
+    for j in 0..weights.len() {
+        let mut best: Option<usize> = None;
+        for (i, &p) in probs.iter().enumerate() {
+            let free = !experts[..j].contains(&(i as u32));
+            if free && best.is_none_or(|b| p > probs[b]) {
+                best = Some(i);
+            }
+        }
+        let b = best.expect("k <= E");
+        experts[j] = b as u32;
+        weights[j] = probs[b];
+        taken += probs[b];
+    }
+    weights.iter_mut().for_each(|w| *w /= taken);
+}
+
+/// d logits from the gradient of the weights `[T, k]`, through the renormalisation and the
+/// softmax; `balance` (one number per expert, or empty) is added to every row's d probs: the
+/// load-balancing loss's gradient.
+pub fn route_backward(dweights: &Tensor, routing: &Routing, balance: &[f32]) -> Tensor {
+    let (t, e, k) = (routing.probs.rows(), routing.probs.cols(), routing.weights.cols());
+    assert!(balance.is_empty() || balance.len() == e, "route backward: one balance term per expert");
+    if let Some(d) = gpu("route backward", &[dweights, &routing.probs, &routing.weights]) {
+        return fatal("route backward", d.route_backward(dweights, routing, balance));
+    }
+    let (p, w, dw) = (routing.probs.host(), routing.weights.host(), dweights.host());
+    let mut dlogits = vec![0.0; t * e];
+    let mut dp = vec![0.0f32; e];
+    for r in 0..t {
+        let (p, w, dw, ids) = (
+            &p[r * e..(r + 1) * e],
+            &w[r * k..(r + 1) * k],
+            &dw[r * k..(r + 1) * k],
+            &routing.experts[r * k..(r + 1) * k],
+        );
+        // w_j = p_j / S with S = Σ_chosen p: dp_j = (dw_j − Σ_i dw_i·w_i) / S
+        let taken: f32 = ids.iter().map(|&i| p[i as usize]).sum();
+        let through: f32 = dw.iter().zip(w).map(|(a, b)| a * b).sum();
+        dp.iter_mut().enumerate().for_each(|(i, v)| *v = balance.get(i).copied().unwrap_or(0.0));
+        for (j, &i) in ids.iter().enumerate() {
+            dp[i as usize] += (dw[j] - through) / taken;
+        }
+        // softmax: dz = p ⊙ (dp − Σ p·dp)
+        let mean: f32 = p.iter().zip(&dp).map(|(a, b)| a * b).sum();
+        for i in 0..e {
+            dlogits[r * e + i] = p[i] * (dp[i] - mean);
+        }
+    }
+    Tensor::from_vec(&[t, e], dlogits)
+}
+
+/// The rows of `x` in `order`: `[order.len(), d]`.
+pub fn gather_rows(x: &Tensor, order: &[u32]) -> Tensor {
+    let d = x.cols();
+    if let Some(dev) = gpu("gather rows", &[x]) {
+        return fatal("gather rows", dev.gather_rows(x, order));
+    }
+    let src = x.host();
+    let mut out = Vec::with_capacity(order.len() * d);
+    for &r in order {
+        out.extend_from_slice(&src[r as usize * d..(r as usize + 1) * d]);
+    }
+    Tensor::from_vec(&[order.len(), d], out)
+}
+
+/// y[t] = Σ_j w[t, j] · ys[slot[t·k + j]] for `rows` rows (`weights` `[rows, k]`, or unit weights).
+pub fn combine(ys: &Tensor, slot: &[u32], weights: Option<&Tensor>, rows: usize) -> Tensor {
+    let (d, k) = (ys.cols(), slot.len() / rows.max(1));
+    assert_eq!(slot.len(), rows * k, "combine: k slots per row");
+    if let Some(dev) = gpu("combine", &[ys]) {
+        return fatal("combine", dev.combine(ys, slot, weights, rows));
+    }
+    let (src, w) = (ys.host(), weights.map(|w| w.host()));
+    let mut y = vec![0.0; rows * d];
+    for (i, &s) in slot.iter().enumerate() {
+        let scale = w.map_or(1.0, |w| w[i]);
+        let (out, row) = (&mut y[i / k * d..(i / k + 1) * d], &src[s as usize * d..(s as usize + 1) * d]);
+        out.iter_mut().zip(row).for_each(|(o, x)| *o += scale * x);
+    }
+    Tensor::from_vec(&[rows, d], y)
+}
+
+/// The backward of `combine` with weights: (d ys `[n, d]`, d weights `[rows, k]`).
+pub fn combine_backward(dy: &Tensor, ys: &Tensor, slot: &[u32], weights: &Tensor) -> (Tensor, Tensor) {
+    let (rows, d, k) = (dy.rows(), dy.cols(), weights.cols());
+    assert_eq!(slot.len(), rows * k, "combine backward: k slots per row");
+    if let Some(dev) = gpu("combine backward", &[dy, ys, weights]) {
+        return fatal("combine backward", dev.combine_backward(dy, ys, slot, weights));
+    }
+    let (g, src, w) = (dy.host(), ys.host(), weights.host());
+    let (mut dys, mut dw) = (vec![0.0; ys.numel()], vec![0.0; rows * k]);
+    for (i, &s) in slot.iter().enumerate() {
+        let (s, grad) = (s as usize, &g[i / k * d..(i / k + 1) * d]);
+        dys[s * d..(s + 1) * d].iter_mut().zip(grad).for_each(|(o, x)| *o = w[i] * x);
+        dw[i] = grad.iter().zip(&src[s * d..(s + 1) * d]).map(|(a, b)| a * b).sum();
+    }
+    (Tensor::from_vec(ys.shape(), dys), Tensor::from_vec(&[rows, k], dw))
+}
