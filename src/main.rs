@@ -77,7 +77,7 @@ enum Command {
         #[arg(long, default_value = "converge_out")]
         out: PathBuf,
     },
-    /// Print every rank's coordinates and process groups for a dp × pp × cp × tp layout.
+    /// Print every rank's coordinates and process groups for a dp × pp × cp × tp layout (and ep).
     Grid {
         #[arg(long, default_value_t = 1)]
         dp: usize,
@@ -87,6 +87,9 @@ enum Command {
         cp: usize,
         #[arg(long, default_value_t = 1)]
         tp: usize,
+        /// Expert-parallel ranks, carved out of the dp×cp ranks.
+        #[arg(long, default_value_t = 1)]
+        ep: usize,
     },
     /// Draw the pipeline schedules (AFAB, 1F1B, interleaved) as an SVG timeline and print their bubbles.
     Schedule {
@@ -259,8 +262,8 @@ fn run(cli: Cli) -> Result<Exit> {
             ferrotron::files::write_atomically(&out, schedule::svg(&timelines).as_bytes()).context("--out")?;
             say!("picture: {}", out.display());
         }
-        Command::Grid { dp, pp, cp, tp } => {
-            let grid = Grid::new(dp, pp, cp, tp)?;
+        Command::Grid { dp, pp, cp, tp, ep } => {
+            let grid = Grid::new(dp, pp, cp, tp)?.with_ep(ep)?;
             say!("{}", grid.table().trim_end());
             launcher::check_groups(grid)?;
             say!(

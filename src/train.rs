@@ -15,8 +15,9 @@
 //! step's one wait for the GPU.
 //! That is the loop below, written out for one pipeline stage. With pp > 1 the same forwards and
 //! backwards run in the pipeline schedule's order, with activations travelling between stages
-//! (`parallel/pipeline_parallel.rs`). Tensor and context parallelism are inside the model (its
-//! `TensorSplit` and `SequenceSplit`); data parallelism is the two calls `grad_ready`/`finish`.
+//! (`parallel/pipeline_parallel.rs`). Tensor, context and expert parallelism are inside the model
+//! (its `TensorSplit`, `SequenceSplit` and `ExpertSplit`); data parallelism is the two calls
+//! `grad_ready`/`finish` (for a mixture of experts, the experts averaged over their own group).
 //!
 //! Each rank reads its slice of the step's global batch of `micro_batch_size × grad_accum_steps
 //! × dp` sequences: its dp share, and of each sequence its cp positions. The loss is the mean
@@ -37,10 +38,11 @@ use crate::comm::launcher::{launch_on, Rank};
 use crate::comm::ReduceOp;
 use crate::config::Config;
 use crate::data::Dataset;
-use crate::model::optimizer;
+use crate::model::optimizer::{self, NormGroups};
 use crate::ops::{self, tensor::Tensor, DType};
 use crate::parallel::context_parallel;
-use crate::parallel::data_parallel::{bucket_values, DataParallel};
+use crate::parallel::data_parallel::bucket_values;
+use crate::parallel::expert_parallel::GradSync;
 use crate::parallel::pipeline_parallel::{self, StepPlan};
 use crate::parallel::process_grid::Axis;
 use crate::parallel::sequence_parallel;
@@ -70,16 +72,19 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
 fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Start) -> Result<Summary> {
     let t = &cfg.train;
     let (dp, pp, tp) = (me.group(Axis::DpCp), me.group(Axis::Pp), me.group(Axis::Tp));
+    let (ep, edp) = (me.group(Axis::Ep), me.group(Axis::ExpertDp)); // experts: 1 and dp×cp without ep
     let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
     let mut optimizer = start.optimizer(&mut model, tp, cfg)?;
-    // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of the weights (3)
-    let stage = if dp.size() > 1 { cfg.parallel.zero_stage } else { 0 };
-    if stage > 0 {
-        model = zero::shard(model, &mut optimizer, dp, stage);
-    }
+    // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of the
+    // weights (3); an expert, 1/(its expert-data ranks)
     let p = &cfg.parallel;
+    let (stage, sharding) = (p.zero_stage, zero::Sharding::new(p.zero_stage, dp, edp));
+    if sharding.any() {
+        model = zero::shard(model, &mut optimizer, sharding, stage);
+    }
     let params = (&model.params()[..], &model.param_chunks()[..]);
-    let mut dp_sync = DataParallel::new(dp, params, p.dp_mode, p.bucket_mb, stage);
+    let stages = (sharding.dense.map_or(0, |_| stage), sharding.experts.map_or(0, |_| stage));
+    let mut dp_sync = GradSync::new((dp, edp, ep), params, (p.dp_mode, p.bucket_mb), stages);
     let mut watch = Watch::new(me, cfg, opts, (first_step, model.place()))?; // metrics, trace, timing, memory
     let cp = me.group(Axis::Cp);
     let positions = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
@@ -130,7 +135,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         let span = Instant::now();
         let mut params = model.params_mut();
         // dp replicas hold the same gradients now; tp shards and pp stages add up their parts
-        let grad_sq = optimizer::global_grad_sum_squares(&params, tp, pp, (stage > 0).then_some(dp))?;
+        let groups = NormGroups { tp, pp, ep, zero: sharding.dense, expert_zero: sharding.experts };
+        let grad_sq = optimizer::global_grad_sum_squares(&params, &groups)?;
         // the step's one CPU–GPU sync point: the loss and the gradient norm, read together
         let read = ops::concat(&[&loss, &grad_sq]).to_vec();
         let (loss, grad_norm) = (read[0], (read[1] as f64).sqrt());
@@ -141,7 +147,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         let lr = optimizer::lr_at(t, step);
         optimizer.step(&mut params, t, lr);
         if stage == 1 || stage == 2 {
-            zero::gather_weights(dp, &mut params, bucket_values(p.bucket_mb))?; // the updated chunks, to every rank
+            zero::gather_weights(&sharding, &mut params, bucket_values(p.bucket_mb))?;
+            // the updated chunks, to every rank
         }
         watch.span("optimizer".into(), span);
         let end = StepEnd { step, loss, lr, grad_norm, activations_held, held };

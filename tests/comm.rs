@@ -251,3 +251,45 @@ fn work_one_rank_does_alone_does_not_count_against_the_others_timeout() {
     let e = format!("{:#}", slow_write(false).expect_err("without it, the wait times out"));
     assert!(e.contains("timed out after 0.2s waiting for rank(s) [0]"), "{e}");
 }
+
+/// What member `from` sends member `to` in the all-to-all tests: a piece of `(from + 2·to) % 4`
+/// values (some empty), each naming its sender, receiver and place.
+fn piece(from: usize, to: usize) -> Vec<f32> {
+    (0..(from + 2 * to) % 4).map(|i| (100 * from + 10 * to + i) as f32).collect()
+}
+
+#[test]
+fn all_to_all_with_uneven_and_empty_pieces_on_1_to_5_ranks() {
+    for n in 1..=5 {
+        launch(world(n), LONG, |me: &Rank| {
+            let (g, r) = (me.group(Axis::World), me.rank);
+            let data: Vec<f32> = (0..n).flat_map(|to| piece(r, to)).collect();
+            let send: Vec<usize> = (0..n).map(|to| piece(r, to).len()).collect();
+            let recv: Vec<usize> = (0..n).map(|from| piece(from, r).len()).collect();
+            let want: Vec<f32> = (0..n).flat_map(|from| piece(from, r)).collect();
+            assert_eq!(g.all_to_all(&data, &send, &recv)?, want, "host values, {n} ranks, rank {r}");
+            // the tensor form moves rows: each value a row of 2
+            let rows: Vec<f32> = data.iter().flat_map(|&x| [x, -x]).collect();
+            let t = ferrotron::ops::tensor::Tensor::from_vec(&[data.len(), 2], rows);
+            let got = g.all_to_all_tensor(&t, &send, &recv)?;
+            let want_rows: Vec<f32> = want.iter().flat_map(|&x| [x, -x]).collect();
+            assert_eq!((got.shape(), got.to_vec()), (&[want.len(), 2][..], want_rows), "rows, {n} ranks, rank {r}");
+            Ok(())
+        })
+        .unwrap();
+    }
+}
+
+#[test]
+fn all_to_all_counts_that_disagree_are_errors() {
+    let (e, _) = failure(world(2), LONG, |me| {
+        let g = me.group(Axis::World);
+        // rank 1 expects 3 values from rank 0, which sends 2
+        let recv = if me.rank == 1 { [3, 1] } else { [1, 1] };
+        g.all_to_all(&[1.0f32, 2.0, 3.0], &[1, 2], &recv).map(|_| ())
+    });
+    assert!(e.contains("recv on group world[0,1] from rank 0: expected 3 elements, the sender sent 2"), "{e}");
+    let (e, _) =
+        failure(world(2), LONG, |me| me.group(Axis::World).all_to_all(&[1.0f32; 3], &[1, 1], &[1, 1]).map(|_| ()));
+    assert!(e.contains("give one send and one receive count per member"), "{e}");
+}

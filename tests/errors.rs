@@ -64,6 +64,28 @@ fn bad_values_are_named() {
 }
 
 #[test]
+fn bad_mixtures_of_experts_are_named() {
+    let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2"];
+    let with = |more: &[&str]| config_error(&moe.iter().chain(more).copied().collect::<Vec<_>>());
+    assert!(config_error(&["model.num_experts_per_tok=2"]).contains("with model.num_local_experts = 0"));
+    assert!(config_error(&["model.num_local_experts=4", "model.num_experts_per_tok=5"])
+        .contains("between 1 and model.num_local_experts = 4"));
+    assert!(config_error(&["model.num_local_experts=4"]).contains("model.num_experts_per_tok = 0"));
+    assert!(
+        config_error(&["parallel.ep=2", "parallel.dp=2"]).contains("parallel.ep = 2 with model.num_local_experts = 0")
+    );
+    assert!(with(&["parallel.ep=2"]).contains("parallel.ep = 2 does not divide parallel.dp × parallel.cp = 1"));
+    assert!(with(&["parallel.ep=3", "parallel.dp=3"]).contains("does not divide model.num_local_experts = 4"));
+    assert!(with(&["parallel.ep=0"]).contains("parallel.ep = 0"));
+    assert!(with(&["model.router_aux_loss_coef=-1.0"]).contains("model.router_aux_loss_coef = -1"));
+    assert!(
+        with(&["model.router_aux_loss_coef=0.01", "parallel.pp=2"]).contains("router_aux_loss_coef > 0 with pp, cp")
+    );
+    assert!(with(&["parallel.ep=2", "parallel.dp=2", "checkpoint.every=5"])
+        .contains("checkpoint.every = 5 with parallel.ep = 2"));
+}
+
+#[test]
 fn a_cuda_run_without_a_gpu_says_so() {
     if ferrotron::cuda::runtime::device_count().is_ok_and(|n| n > 0) {
         return; // there is a GPU: tests/training_gpu.rs trains on it

@@ -26,7 +26,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("tensors", &["ops::tensor"]),
-    ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "cuda::ops", "ops"]),
+    ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "cuda::ops", "ops::moe", "cuda::moe", "ops"]),
     (
         "comm",
         &[
@@ -47,6 +47,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "model::init",
             "model::stage",
             "model::split",
+            "model::moe",
             "model::block",
             "model::llama",
             "model::llama::parts",
@@ -65,6 +66,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::pipeline_parallel",
             "parallel::context_parallel",
             "parallel::zero",
+            "parallel::expert_parallel",
             "parallel",
         ],
     ),

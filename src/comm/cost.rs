@@ -12,6 +12,7 @@
 //! reduce_scatter (B = its input)        n−1           (n−1)/n · B                (n−1)·α + (n−1)/n · B/β
 //! broadcast (pipelined ring)            n−1           B                          (n−1)·α + B/β
 //! send / recv / send_recv (P2P)         1             B (the larger direction)   α + B/β
+//! all_to_all (B = what this rank sends) n−1           (n−1)/n · B (balanced)     (n−1)·α + (n−1)/n · B/β
 //! ```
 //! So an all-reduce costs twice a reduce-scatter (it *is* a reduce-scatter then an all-gather:
 //! that is why sequence parallelism and ZeRO can trade one for the other at no extra bytes), and
@@ -36,10 +37,12 @@ pub enum Call {
     ReduceScatter,
     Broadcast,
     P2p,
+    AllToAll,
 }
 
 impl Call {
-    pub const ALL: [Call; 5] = [Call::AllReduce, Call::AllGather, Call::ReduceScatter, Call::Broadcast, Call::P2p];
+    pub const ALL: [Call; 6] =
+        [Call::AllReduce, Call::AllGather, Call::ReduceScatter, Call::Broadcast, Call::P2p, Call::AllToAll];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -48,6 +51,7 @@ impl Call {
             Call::ReduceScatter => "reduce_scatter",
             Call::Broadcast => "broadcast",
             Call::P2p => "send/recv",
+            Call::AllToAll => "all_to_all",
         }
     }
 
@@ -56,7 +60,7 @@ impl Call {
         let n = n as f64;
         match self {
             Call::AllReduce => (2.0 * (n - 1.0), 2.0 * (n - 1.0) / n),
-            Call::AllGather | Call::ReduceScatter => (n - 1.0, (n - 1.0) / n),
+            Call::AllGather | Call::ReduceScatter | Call::AllToAll => (n - 1.0, (n - 1.0) / n),
             Call::Broadcast => (n - 1.0, 1.0),
             Call::P2p => (1.0, 1.0),
         }
@@ -141,7 +145,7 @@ type Timed = Box<dyn Fn() -> Option<(Instant, Instant)> + Send>;
 /// locks) and read by the comm report.
 #[derive(Default)]
 pub struct Ledger {
-    tallies: Mutex<[Tally; 5]>,
+    tallies: Mutex<[Tally; 6]>,
     /// Calls queued on a GPU: their time is known once the GPU ran them.
     later: Mutex<Vec<(Call, Timed)>>,
 }
@@ -166,7 +170,7 @@ impl Ledger {
 
     /// Everything counted since the last `take`, and a fresh count from now (calls still queued
     /// on a GPU are waited for).
-    pub fn take(&self) -> [Tally; 5] {
+    pub fn take(&self) -> [Tally; 6] {
         let later = std::mem::take(&mut *self.later.lock().unwrap_or_else(|e| e.into_inner()));
         for (call, ran) in later {
             if let Some((start, end)) = ran() {

@@ -29,6 +29,9 @@ pub trait DeviceLink {
     /// A send and a receive as one call, so that two members sending to each other never wait
     /// on each other; either may be absent.
     fn send_recv(&self, send: Option<(&Tensor, usize)>, recv: Option<(&mut Tensor, usize)>) -> Result<Fence>;
+    /// Member j gets the `send[j]` elements of `t` after those for the members before it; `into`
+    /// gets `recv[i]` elements from each member i, in member order (grouped sends and receives).
+    fn all_to_all(&self, t: &Tensor, send: &[usize], into: &mut Tensor, recv: &[usize]) -> Result<Fence>;
     /// From now on, time every call on the GPU (a traced run draws them on the comm lane).
     fn time_calls(&self) -> Result<()>;
 }

@@ -9,6 +9,8 @@
 //! all_gather      [a] [b] [c]   →  [a b c] [a b c] [a b c]
 //! reduce_scatter  [a₀ a₁ a₂] …  →  [Σ·₀]   [Σ·₁]   [Σ·₂]          (each keeps one reduced chunk)
 //! broadcast       [a] [·] [·]   →  [a]     [a]     [a]
+//! all_to_all      [a₀ a₁ a₂] [b₀ b₁ b₂] [c₀ c₁ c₂]  →  [a₀ b₀ c₀] [a₁ b₁ c₁] [a₂ b₂ c₂]
+//!                 (member j gets every member's j-th piece; pieces may differ in size)
 //! send/recv       rank i ──[x]──▶ rank j
 //! ```
 //! Every collective also has an `_async` form that returns a `Handle`: the call runs on the rank's
@@ -325,7 +327,49 @@ impl Group {
         })
     }
 
+    /// Member j gets the `send[j]` values of `data` that follow those for members before it;
+    /// returns what every member sent this one, `recv[i]` values from member i, in member order.
+    /// Each member must know what it will receive (the expert-parallel dispatch all-gathers its
+    /// counts first).
+    pub fn all_to_all_async<T: Element>(&self, data: &[T], send: &[usize], recv: &[usize]) -> Handle<Vec<T>> {
+        let (n, me) = (self.size(), self.index());
+        let (send, recv) = (send.to_vec(), recv.to_vec());
+        let sizes_ok = send.len() == n && recv.len() == n && send.iter().sum::<usize>() == data.len();
+        let outbound: Vec<_> = (0..n).map(|j| (j != me).then(|| self.mail_key(Direction::Out, j))).collect();
+        let inbound: Vec<_> = (0..n).map(|i| (i != me).then(|| self.mail_key(Direction::In, i))).collect();
+        let data = widen(data);
+        let what = format!("all_to_all of {}", values(data.len()));
+        self.submit(Some(Call::AllToAll), || what, move |hub, g| {
+            if !sizes_ok {
+                bail!("all_to_all on group {}: give one send and one receive count per member (the sends summing to the data's {} values)", g.name, data.len());
+            }
+            let mut at = 0;
+            let mut mine = Vec::new();
+            for (j, key) in outbound.into_iter().enumerate() {
+                let piece = data[at..at + send[j]].to_vec();
+                at += send[j];
+                match key {
+                    Some(key) => hub.post(key, piece), // buffered: every send first, no member waits on another
+                    None => mine = piece,
+                }
+            }
+            let mut out = Vec::with_capacity(recv.iter().sum());
+            for (i, key) in inbound.into_iter().enumerate() {
+                match key {
+                    Some(key) => out.extend(hub.take(key, recv[i], g.member(i, "all_to_all")?)?),
+                    None if mine.len() == recv[i] => out.append(&mut mine),
+                    None => bail!("all_to_all on group {}: member {i} sends itself {} values but expects {}", g.name, mine.len(), recv[i]),
+                }
+            }
+            Ok(narrow(&out))
+        })
+    }
+
     // Blocking forms: issue, then wait.
+
+    pub fn all_to_all<T: Element>(&self, data: &[T], send: &[usize], recv: &[usize]) -> Result<Vec<T>> {
+        self.all_to_all_async(data, send, recv).wait()
+    }
 
     pub fn all_reduce<T: Element>(&self, data: &mut [T], op: ReduceOp) -> Result<()> {
         data.copy_from_slice(&self.all_reduce_async(data, op).wait()?);

@@ -278,6 +278,35 @@ impl Group {
         Ok(recv)
     }
 
+    /// The rows of `t` `[rows, cols]` to the members: `send[j]` rows to member j, in member
+    /// order; returns the rows received, `recv[i]` from member i, in member order (the expert
+    /// parallel dispatch and its way back).
+    pub fn all_to_all_tensor(&self, t: &Tensor, send: &[usize], recv: &[usize]) -> Result<Tensor> {
+        let (cols, place) = (t.cols(), t.place());
+        let shape = [recv.iter().sum::<usize>(), cols];
+        if send.iter().sum::<usize>() != t.rows() || send.len() != self.size() || recv.len() != self.size() {
+            bail!(
+                "all_to_all on group {}: {} rows with send counts {send:?} and receive counts {recv:?} for {} members",
+                self.name(),
+                t.rows(),
+                self.size()
+            );
+        }
+        self.count(Call::AllToAll, sent(t));
+        if self.size() == 1 {
+            return Ok(t.clone());
+        }
+        let values = |rows: &[usize]| rows.iter().map(|r| r * cols).collect::<Vec<_>>();
+        let Some(link) = self.link_on(&place) else {
+            let got = self.all_to_all(&t.host_view(), &values(send), &values(recv))?;
+            return Ok(Tensor::from_host(&shape, got, &place));
+        };
+        let mut into = Tensor::empty_on(&shape, &place, t.dtype());
+        let what = || format!("all_to_all of {}", super::values(t.numel()));
+        self.traced(Call::AllToAll, what, link.all_to_all(t, &values(send), &mut into, &values(recv))?)()?;
+        Ok(into)
+    }
+
     /// A send_recv moves both ways at once: its B is the larger direction (in the sent dtype).
     fn count_send_recv(&self, send: &Tensor, shape: &[usize]) {
         let received = shape.iter().product::<usize>() * send.place().dtype().size();

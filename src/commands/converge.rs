@@ -37,11 +37,11 @@ pub fn parse_variants(spec: &str) -> Result<Vec<Variant>> {
             let key = key.trim();
             let full = match key {
                 _ if key.contains('.') => key.to_string(),
-                "dp" | "tp" | "pp" | "cp" | "sequence_parallel" | "pp_schedule" | "pp_virtual_stages" | "cp_split" | "dp_mode" | "bucket_mb" | "zero_stage" | "backend" => {
+                "dp" | "tp" | "pp" | "cp" | "ep" | "sequence_parallel" | "pp_schedule" | "pp_virtual_stages" | "cp_split" | "dp_mode" | "bucket_mb" | "zero_stage" | "backend" => {
                     format!("parallel.{key}")
                 }
                 "grad_accum_steps" | "micro_batch_size" | "recompute" => format!("train.{key}"),
-                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, sequence_parallel, pp_schedule, pp_virtual_stages, cp_split, dp_mode, bucket_mb, zero_stage, backend, grad_accum_steps, micro_batch_size, recompute"),
+                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, ep, sequence_parallel, pp_schedule, pp_virtual_stages, cp_split, dp_mode, bucket_mb, zero_stage, backend, grad_accum_steps, micro_batch_size, recompute"),
             };
             sets.push(format!("{full}={}", value.trim()));
         }

@@ -192,6 +192,36 @@ impl DeviceLink for Nccl {
         })
     }
 
+    fn all_to_all(&self, t: &Tensor, send: &[usize], into: &mut Tensor, recv: &[usize]) -> Result<Fence> {
+        let ((p, n, ty), (q, m, _)) = (buffer(t, &self.gpu.comm)?, buffer(into, &self.gpu.comm)?);
+        self.check_len("all_to_all", n, send.iter().sum())?;
+        self.check_len("all_to_all", m, recv.iter().sum())?;
+        let size = t.dtype().size();
+        let starts =
+            |counts: &[usize]| counts.iter().scan(0, |at, c| Some(std::mem::replace(at, *at + c))).collect::<Vec<_>>();
+        let (from, to) = (starts(send), starts(recv));
+        // SAFETY: every piece lies inside its live buffer (offsets from the counts checked above);
+        // inside one NCCL group every send and receive progresses together (NCCL has no
+        // all-to-all of its own: this is how it is done with NCCL). Empty pieces are skipped on
+        // both sides, which agree on the counts.
+        self.ordered("all_to_all", |s| unsafe {
+            result::group_start()?;
+            let mut first = Ok(());
+            for peer in 0..self.size {
+                if send[peer] > 0 {
+                    let at = (p as *mut u8).add(from[peer] * size) as *mut c_void;
+                    first = first.and(result::send(at, send[peer], ty, peer as i32, self.comm, s).map(drop));
+                }
+                if recv[peer] > 0 {
+                    let at = (q as *mut u8).add(to[peer] * size) as *mut c_void;
+                    first = first.and(result::recv(at, recv[peer], ty, peer as i32, self.comm, s).map(drop));
+                }
+            }
+            let ended = result::group_end().map(drop); // closed even when a call failed
+            first.and(ended)
+        })
+    }
+
     fn time_calls(&self) -> Result<()> {
         if self.clock.get().is_some() {
             return Ok(());

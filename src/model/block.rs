@@ -44,12 +44,14 @@ pub(crate) struct Block {
 }
 
 /// The block's MLP: Llama's dense SwiGLU, or Mixtral's mixture of experts.
+#[allow(clippy::large_enum_variant)] // one per block
 enum Mlp {
     Dense { gate_proj: Param, up_proj: Param, down_proj: Param },
     Moe(Moe),
 }
 
 /// What the MLP's backward needs.
+#[allow(clippy::large_enum_variant)] // one per block and micro-batch in flight
 enum MlpCache {
     Dense { gate: Tensor, up: Tensor, act: Tensor },
     Moe(MoeCache),

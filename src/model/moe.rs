@@ -27,7 +27,7 @@
 
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind, Split};
-use crate::model::split::ExpertSplit;
+use crate::model::split::{ExpertSplit, Routed};
 use crate::ops;
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
@@ -79,8 +79,8 @@ impl Plan {
 pub(crate) struct MoeCache {
     routing: Routing,
     plan: Plan,
-    /// Rows per expert held here, by sender (the all-to-all's counts; one sender without ep).
-    received: Vec<Vec<usize>>,
+    /// Who sent how many rows to which expert (the all-to-all's counts; one sender without ep).
+    routed: Routed,
     /// The rows each expert of this rank got, expert after expert, and their SwiGLU's gate, up
     /// and activation.
     xe: Tensor,
@@ -154,8 +154,8 @@ impl Moe {
         let routing = route::route(&ops::linear(x, &self.gate.value), self.top_k); // a sync point on a GPU
         let plan = Plan::new(&routing.experts, self.total, self.top_k);
         let xs = route::gather_rows(x, &plan.order);
-        let (xe, received) = ep.dispatch(xs, &plan.counts)?;
-        let local = held_counts(&received);
+        let (xe, routed) = ep.dispatch(xs, &plan.counts)?;
+        let local = routed.held_counts();
         let f = self.experts.first().map_or(0, |e| e.w1.value.rows());
         let (mut gate, mut up) = (Tensor::empty_as(&[xe.rows(), f], &xe), Tensor::empty_as(&[xe.rows(), f], &xe));
         let mut act = Tensor::empty_as(&[xe.rows(), f], &xe);
@@ -174,11 +174,11 @@ impl Moe {
             }
             at += n;
         }
-        let ys = ep.combine(ye, &received)?;
+        let ys = ep.combine(ye, &routed)?;
         let y = route::combine(&ys, &plan.slot, Some(&routing.weights), x.rows());
         let prob_sums = if probs { column_sums(&routing.probs) } else { Vec::new() };
         let load = Load { counts: plan.counts.clone(), prob_sums };
-        Ok((y, MoeCache { routing, plan, received, xe, gate, up, act, ys }, load))
+        Ok((y, MoeCache { routing, plan, routed, xe, gate, up, act, ys }, load))
     }
 
     /// dx from dy, both `[T, d]` (x: the forward's input); accumulates every weight gradient.
@@ -193,11 +193,11 @@ impl Moe {
     ) -> Result<Tensor> {
         let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.plan.slot, &c.routing.weights);
         drop(c.ys);
-        let dye = ep.dispatch_again(dys, &c.received)?;
+        let dye = ep.dispatch_again(dys, &c.routed)?;
         let (d, f) = (c.xe.cols(), c.gate.cols());
         let mut dxe = Tensor::empty_as(c.xe.shape(), &c.xe);
         let mut at = 0;
-        for (expert, &n) in self.experts.iter_mut().zip(&held_counts(&c.received)) {
+        for (expert, &n) in self.experts.iter_mut().zip(&c.routed.held_counts()) {
             if n > 0 {
                 let part = |t: &Tensor, w| ops::slice(t, at * w, &[n, w]);
                 let (dy_e, x_e) = (part(&dye, d), part(&c.xe, d));
@@ -209,18 +209,13 @@ impl Moe {
             }
             at += n;
         }
-        let dxs = ep.combine(dxe, &c.received)?;
+        let dxs = ep.combine(dxe, &c.routed)?;
         let mut dx = route::combine(&dxs, &c.plan.slot, None, x.rows()); // each token: the sum of its k copies
         let dlogits = route::route_backward(&dweights, &c.routing, balance);
         let gate = &mut self.gate;
         ops::add_assign(&mut dx, &ops::linear_backward(&dlogits, x, &gate.value, &mut gate.grad));
         Ok(dx)
     }
-}
-
-/// Rows per expert held here, summed over the senders.
-fn held_counts(received: &[Vec<usize>]) -> Vec<usize> {
-    (0..received[0].len()).map(|e| received.iter().map(|r| r[e]).sum()).collect()
 }
 
 /// Σ over rows of each column of an f32 `[T, E]` tensor, on the host (on a GPU, a read back).

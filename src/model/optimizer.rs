@@ -44,25 +44,41 @@ pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
 /// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: each
 /// rank's Σ g² over its shards summed over the tp group, plus the tp-replicated parameters
 /// counted once, then summed over the stages. Under ZeRO each rank holds a chunk of every
-/// gradient: its sums are first added up over `zero` (the dp×cp group). A one-number tensor on
-/// the rank's device: on GPUs the sums stay there (NCCL), and the training loop reads it together
-/// with the loss.
-pub fn global_grad_sum_squares(params: &[&mut Param], tp: &Group, pp: &Group, zero: Option<&Group>) -> Result<Tensor> {
+/// gradient: its sums are first added up over the group sharding it (`zero`, `expert_zero`). With
+/// expert parallelism each ep rank holds other experts: their sums are added up over `groups.ep`.
+/// A one-number tensor on the rank's device: on GPUs the sums stay there (NCCL), and the training
+/// loop reads it together with the loss.
+pub fn global_grad_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<Tensor> {
     let place = params.first().map_or(Place::Cpu, |p| p.place());
-    let sum = |replicated: bool| -> Result<Tensor> {
-        let grads: Vec<&Tensor> =
-            params.iter().filter(|p| (p.split == Split::Replicated) == replicated).map(|p| p.trained_grad()).collect();
+    let sum = |keep: &dyn Fn(&Param) -> bool, zero: Option<&Group>| -> Result<Tensor> {
+        let grads: Vec<&Tensor> = params.iter().filter(|p| keep(p)).map(|p| p.trained_grad()).collect();
         let mut sum = ops::sum_squares_total(&grads, &place);
-        if let Some(dp) = zero {
-            dp.all_reduce_tensor(&mut sum, ReduceOp::Sum)?; // the chunks of the other dp ranks
+        if let Some(group) = zero {
+            group.all_reduce_tensor(&mut sum, ReduceOp::Sum)?; // the chunks of the other ranks
         }
         Ok(sum)
     };
-    let mut total = sum(false)?;
-    tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
-    ops::add_assign(&mut total, &sum(true)?);
-    pp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
+    let dense = groups.zero;
+    let mut total = sum(&|p| p.split != Split::Replicated, dense)?;
+    groups.tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
+    ops::add_assign(&mut total, &sum(&|p| p.split == Split::Replicated && !p.is_expert(), dense)?);
+    if params.iter().any(|p| p.is_expert()) {
+        let mut experts = sum(&|p| p.is_expert(), groups.expert_zero)?;
+        groups.ep.all_reduce_tensor(&mut experts, ReduceOp::Sum)?; // the other ranks' experts
+        ops::add_assign(&mut total, &experts);
+    }
+    groups.pp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
     Ok(total)
+}
+
+/// The groups the gradient norm adds its parts over.
+pub struct NormGroups<'g> {
+    pub tp: &'g Group,
+    pub pp: &'g Group,
+    pub ep: &'g Group,
+    /// Under ZeRO: the ranks sharding the dense weights (dp×cp), and the experts (expert-data).
+    pub zero: Option<&'g Group>,
+    pub expert_zero: Option<&'g Group>,
 }
 
 /// Scales the gradients so that their global norm is at most `max_norm`; returns the factor.

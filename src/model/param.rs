@@ -54,6 +54,12 @@ impl Param {
         self.shard.as_ref().map_or(self.value.place(), |s| s.master.place())
     }
 
+    /// One of a mixture of experts' experts (Hugging Face's Mixtral names): expert parallelism
+    /// divides them among ranks, and their gradients are averaged over other ranks.
+    pub fn is_expert(&self) -> bool {
+        self.name.contains(".block_sparse_moe.experts.")
+    }
+
     /// Weight decay applies to matrices, not to norm weights.
     pub fn decays(&self) -> bool {
         self.shape().len() >= 2

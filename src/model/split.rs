@@ -106,25 +106,42 @@ pub trait ExpertSplit {
     fn held(&self, total: usize) -> Range<usize>;
     /// Sends routed rows (sorted by expert, `counts` per expert of all E) to the ranks holding
     /// their experts. Returns the rows this rank's experts compute, expert after expert (each
-    /// expert's rows by sender), and how many of them came from each sender for each of them.
-    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Vec<Vec<usize>>)>;
+    /// expert's rows by sender), and who sent how many (for the way back).
+    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Routed)>;
     /// The same journey for other rows of the same layout (backward's output gradients).
-    fn dispatch_again(&self, rows: Tensor, received: &[Vec<usize>]) -> Result<Tensor>;
+    fn dispatch_again(&self, rows: Tensor, routed: &Routed) -> Result<Tensor>;
     /// The way back: rows computed here return to their senders, in the order they were sent.
-    fn combine(&self, rows: Tensor, received: &[Vec<usize>]) -> Result<Tensor>;
+    fn combine(&self, rows: Tensor, routed: &Routed) -> Result<Tensor>;
+}
+
+/// Who sent how many routed rows to which expert, in one MoE layer's dispatch.
+pub struct Routed {
+    /// `counts[i][e]`: rows member i of the expert-parallel group sends to expert e (all E).
+    pub counts: Vec<Vec<usize>>,
+    /// This rank's place in that group.
+    pub me: usize,
+    /// The experts this rank holds.
+    pub held: Range<usize>,
+}
+
+impl Routed {
+    /// Rows each expert held here computes, from every sender.
+    pub fn held_counts(&self) -> Vec<usize> {
+        self.held.clone().map(|e| self.counts.iter().map(|c| c[e]).sum()).collect()
+    }
 }
 
 impl ExpertSplit for Whole {
     fn held(&self, total: usize) -> Range<usize> {
         0..total
     }
-    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Vec<Vec<usize>>)> {
-        Ok((rows, vec![counts.to_vec()]))
+    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Routed)> {
+        Ok((rows, Routed { counts: vec![counts.to_vec()], me: 0, held: 0..counts.len() }))
     }
-    fn dispatch_again(&self, rows: Tensor, _: &[Vec<usize>]) -> Result<Tensor> {
+    fn dispatch_again(&self, rows: Tensor, _: &Routed) -> Result<Tensor> {
         Ok(rows)
     }
-    fn combine(&self, rows: Tensor, _: &[Vec<usize>]) -> Result<Tensor> {
+    fn combine(&self, rows: Tensor, _: &Routed) -> Result<Tensor> {
         Ok(rows)
     }
 }

@@ -14,6 +14,16 @@
 //! Tensor-parallel neighbours are adjacent ranks (on one machine, the fastest links). A group
 //! along an axis is every rank that agrees with you on all the *other* coordinates. The dp×cp
 //! group is where gradients of parameters replicated over both data and context are averaged.
+//!
+//! Expert parallelism adds no ranks: it is carved out of the dp×cp group (as torchtitan and
+//! DeepSpeed place it). Number that group's members i = dp_i · cp + cp_i; consecutive blocks of
+//! `ep` of them divide the experts among themselves (the ep group, which all-to-alls tokens), and
+//! the members with the same i mod ep hold the same experts (the expert-data group, which
+//! averages their gradients):
+//!
+//! ```text
+//! dp=4 cp=1 ep=2:   dp×cp {0 1 2 3}   ep groups {0 1} {2 3}   expert-data groups {0 2} {1 3}
+//! ```
 
 use anyhow::{bail, Result};
 use std::fmt::Write;
@@ -24,6 +34,8 @@ pub struct Grid {
     pub pp: usize,
     pub cp: usize,
     pub tp: usize,
+    /// Expert-parallel ranks, of the dp×cp ranks (`with_ep`); 1 without.
+    pub ep: usize,
 }
 
 /// A rank's position along each axis.
@@ -47,12 +59,17 @@ pub enum Axis {
     Dp,
     /// Data and context together: the gradient all-reduce of replicated parameters.
     DpCp,
+    /// The ranks of a dp×cp group that divide the experts among them (the tokens' all-to-all).
+    Ep,
+    /// The ranks of a dp×cp group that hold the same experts: their gradients' average.
+    ExpertDp,
     /// Every rank.
     World,
 }
 
 impl Axis {
-    pub const ALL: [Axis; 6] = [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp, Axis::DpCp, Axis::World];
+    pub const ALL: [Axis; 8] =
+        [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp, Axis::DpCp, Axis::Ep, Axis::ExpertDp, Axis::World];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -61,6 +78,8 @@ impl Axis {
             Axis::Pp => "pp",
             Axis::Dp => "dp",
             Axis::DpCp => "dp×cp",
+            Axis::Ep => "ep",
+            Axis::ExpertDp => "edp",
             Axis::World => "world",
         }
     }
@@ -75,11 +94,19 @@ impl Grid {
         }
         let world = [dp, pp, cp].iter().try_fold(tp, |w, &d| w.checked_mul(d));
         match world {
-            Some(w) if w <= MAX_RANKS => Ok(Grid { dp, pp, cp, tp }),
+            Some(w) if w <= MAX_RANKS => Ok(Grid { dp, pp, cp, tp, ep: 1 }),
             _ => bail!(
                 "dp × pp × cp × tp = {dp} × {pp} × {cp} × {tp} ranks: every rank runs as a thread of this process, at most {MAX_RANKS}; choose smaller degrees"
             ),
         }
+    }
+
+    /// The same grid with `ep` expert-parallel ranks carved out of each dp×cp group.
+    pub fn with_ep(self, ep: usize) -> Result<Grid> {
+        if ep == 0 || !(self.dp * self.cp).is_multiple_of(ep) {
+            bail!("parallel.ep = {ep} does not divide dp × cp = {}: the expert-parallel ranks are carved out of the dp×cp ranks", self.dp * self.cp);
+        }
+        Ok(Grid { ep, ..self })
     }
 
     pub fn world_size(&self) -> usize {
@@ -102,12 +129,15 @@ impl Grid {
     /// The members of `rank`'s group along `axis`, in rank order.
     pub fn group(&self, rank: usize, axis: Axis) -> Vec<usize> {
         let me = self.coords(rank);
+        let expert = |c: Coords| c.dp * self.cp + c.cp; // the place in the dp×cp group
         let same = |c: Coords| match axis {
             Axis::Tp => (c.dp, c.pp, c.cp) == (me.dp, me.pp, me.cp),
             Axis::Cp => (c.dp, c.pp, c.tp) == (me.dp, me.pp, me.tp),
             Axis::Pp => (c.dp, c.cp, c.tp) == (me.dp, me.cp, me.tp),
             Axis::Dp => (c.pp, c.cp, c.tp) == (me.pp, me.cp, me.tp),
             Axis::DpCp => (c.pp, c.tp) == (me.pp, me.tp),
+            Axis::Ep => (c.pp, c.tp, expert(c) / self.ep) == (me.pp, me.tp, expert(me) / self.ep),
+            Axis::ExpertDp => (c.pp, c.tp, expert(c) % self.ep) == (me.pp, me.tp, expert(me) % self.ep),
             Axis::World => true,
         };
         (0..self.world_size()).filter(|&r| same(self.coords(r))).collect()
@@ -171,6 +201,18 @@ impl Grid {
                 list(&self.group(r, Axis::DpCp)),
                 format!("{}/{}", opt(prev), opt(next)),
             );
+        }
+        if self.ep > 1 {
+            for (axis, what) in
+                [(Axis::Ep, "ep groups (divide the experts)"), (Axis::ExpertDp, "expert-data groups (same experts)")]
+            {
+                let mut groups: Vec<Vec<usize>> = (0..self.world_size()).map(|r| self.group(r, axis)).collect();
+                groups.dedup();
+                groups.sort();
+                groups.dedup();
+                let listed: Vec<String> = groups.iter().map(|g| format!("{{{}}}", list(g))).collect();
+                let _ = writeln!(out, "ep={}: {what}: {}", self.ep, listed.join(" "));
+            }
         }
         out
     }

@@ -41,6 +41,10 @@
 //! checkpoint's tensors by name, resuming into any layout. The price is a copy in and out of a
 //! flat buffer around each collective (`pack`, `unpack`), as FSDP2 pays.
 //!
+//! **Experts.** With expert parallelism (`expert_parallel.rs`) the experts are not replicated
+//! over the dp×cp ranks but over the expert-data group (dp×cp / ep ranks): that is the group
+//! that shards them (`Sharding`); alone in it, a rank keeps its experts whole.
+//!
 //! **Precision.** Gradients are reduce-scattered in fp32 (a sum of dp parts loses little there,
 //! much in bf16); weights are all-gathered in the compute dtype (bf16 on a GPU: half the bytes,
 //! and what the kernels read anyway), from the fp32 master chunks.
@@ -58,15 +62,49 @@ use std::cell::{Cell, RefCell};
 use std::rc::Rc;
 use std::time::Instant;
 
-/// Shards the model's parameters and the optimizer's moments over `group` (the dp×cp ranks) for
-/// ZeRO `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
+/// Which ranks shard a parameter: the dp×cp group, or for an expert the expert-data group;
+/// `None`: kept whole (ZeRO off, or a group of one).
+#[derive(Clone, Copy)]
+pub struct Sharding<'g> {
+    pub dense: Option<&'g Group>,
+    pub experts: Option<&'g Group>,
+}
+
+impl<'g> Sharding<'g> {
+    /// ZeRO over `dense` (the dp×cp ranks) and `experts` (the expert-data ranks), each when it
+    /// has more than one rank and `stage` > 0.
+    pub fn new(stage: usize, dense: &'g Group, experts: &'g Group) -> Sharding<'g> {
+        let on = |g: &'g Group| (stage > 0 && g.size() > 1).then_some(g);
+        Sharding { dense: on(dense), experts: on(experts) }
+    }
+
+    /// The group sharding `p`, if any.
+    pub fn of(&self, p: &Param) -> Option<&'g Group> {
+        if p.is_expert() {
+            self.experts
+        } else {
+            self.dense
+        }
+    }
+
+    pub fn any(&self) -> bool {
+        self.dense.is_some() || self.experts.is_some()
+    }
+}
+
+/// Shards the model's parameters and the optimizer's moments as `sharding` says, for ZeRO
+/// `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
 /// moments. Stage 2 and 3 free the full gradients (backward makes each again, briefly); stage 3
 /// frees the whole weights too and gives the model the FSDP gatherer.
-pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, group: &'g Group, stage: usize) -> Llama<'g> {
-    let (r, ranks) = (group.index(), group.size());
+pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Sharding<'g>, stage: usize) -> Llama<'g> {
     let place = model.place();
     let mut moments = Vec::new();
     for (p, (m, v)) in model.params_mut().into_iter().zip(optimizer.moments()) {
+        let Some(group) = sharding.of(p) else {
+            moments.push((m.clone(), v.clone())); // kept whole
+            continue;
+        };
+        let (r, ranks) = (group.index(), group.size());
         let n = p.value.numel();
         let c = chunk(n, ranks);
         let master = p.value.master_copy().unwrap_or_else(|| p.value.clone()); // fp32, whole
@@ -88,11 +126,56 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, group: &'g Gro
     }
     optimizer.replace_moments(moments);
     match stage {
-        3 => {
-            model.with_weight_split(Rc::new(Fsdp { group, prefetched: RefCell::new(None), computing: Cell::new(None) }))
-        }
+        3 => model.with_weight_split(Rc::new(Fsdp {
+            sharding,
+            prefetched: RefCell::new(None),
+            computing: Cell::new(None),
+        })),
         _ => model,
     }
+}
+
+/// The sharded parameters of `params` by the group sharding them (dense first, then experts),
+/// as places in `params`.
+fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Group, Vec<usize>)> {
+    let mut out = Vec::new();
+    for group in [sharding.dense, sharding.experts].into_iter().flatten() {
+        let of = |p: &&Param| p.shard.is_some() && sharding.of(p).is_some_and(|g| std::ptr::eq(g, group));
+        let places: Vec<usize> = (0..params.len()).filter(|&i| of(&params[i])).collect();
+        if !places.is_empty() {
+            out.push((group, places));
+        }
+    }
+    out
+}
+
+/// A unit's gathers in flight: one per sharding group, with the places of its parameters.
+type Started = Vec<(Vec<usize>, Pending)>;
+
+/// Starts the gathers of a unit's sharded weights: one per sharding group.
+fn start_unit(sharding: &Sharding, unit: &[&Param]) -> Result<Started> {
+    let mut started = Vec::new();
+    for (group, places) in by_group(sharding, unit) {
+        let params: Vec<&Param> = places.iter().map(|&i| unit[i]).collect();
+        started.push((places, start_gather(group, &params)?));
+    }
+    Ok(started)
+}
+
+/// Waits for a unit's gathers and puts its whole weights together.
+fn finish_unit(sharding: &Sharding, started: Started, unit: &mut [&mut Param]) -> Result<()> {
+    let groups = by_group(sharding, &unit.iter().map(|p| &**p).collect::<Vec<_>>());
+    for ((places, pending), (group, _)) in started.into_iter().zip(groups) {
+        let gathered = pending.wait()?;
+        let mut members: Vec<&mut Param> = Vec::new();
+        for (i, p) in unit.iter_mut().enumerate() {
+            if places.contains(&i) {
+                members.push(&mut **p);
+            }
+        }
+        unpack(&gathered, &mut members, group.size());
+    }
+    Ok(())
 }
 
 /// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
@@ -121,10 +204,25 @@ fn unpack(gathered: &Tensor, params: &mut [&mut Param], ranks: usize) {
     }
 }
 
-/// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights, in
-/// groups that gather about `bucket` values (one all-gather each, the next one started before
-/// the current one is unpacked). The averaged gradient chunks are used up: freed first.
-pub fn gather_weights(group: &Group, params: &mut [&mut Param], bucket: usize) -> Result<()> {
+/// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights of every
+/// sharded parameter, from the ranks sharding it (`gather_group`).
+pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], bucket: usize) -> Result<()> {
+    for group in [sharding.dense, sharding.experts].into_iter().flatten() {
+        let mut mine: Vec<&mut Param> = Vec::new();
+        for p in params.iter_mut() {
+            if sharding.of(p).is_some_and(|g| std::ptr::eq(g, group)) {
+                mine.push(&mut **p);
+            }
+        }
+        gather_group(group, &mut mine, bucket)?;
+    }
+    Ok(())
+}
+
+/// The updated whole weights of `params`, all sharded over `group`, in groups that gather about
+/// `bucket` values (one all-gather each, the next one started before the current one is
+/// unpacked). The averaged gradient chunks are used up: freed first.
+fn gather_group(group: &Group, params: &mut [&mut Param], bucket: usize) -> Result<()> {
     for p in params.iter_mut() {
         p.shard.as_mut().expect("a sharded parameter").grad = Tensor::zeros(&[0]);
     }
@@ -156,9 +254,9 @@ pub fn gather_weights(group: &Group, params: &mut [&mut Param], bucket: usize) -
 /// Stage 3: gathers a unit's whole weights before it computes (the next unit's gather already
 /// in flight while it does) and frees them after.
 struct Fsdp<'g> {
-    group: &'g Group,
-    /// The gather started for the unit whose first parameter is named so.
-    prefetched: RefCell<Option<(String, Pending)>>,
+    sharding: Sharding<'g>,
+    /// The gathers started for the unit whose first parameter is named so.
+    prefetched: RefCell<Option<(String, Started)>>,
     /// When the unit now gathered got its weights (a traced run draws its compute from there).
     computing: Cell<Option<Instant>>,
 }
@@ -166,16 +264,18 @@ struct Fsdp<'g> {
 impl WeightSplit for Fsdp<'_> {
     fn gather(&self, unit: &mut [&mut Param]) -> Result<()> {
         let Some(first) = unit.first() else { return Ok(()) };
-        let pending = match self.prefetched.borrow_mut().take() {
-            Some((name, pending)) if name == first.name => pending,
+        let started = match self.prefetched.borrow_mut().take() {
+            Some((name, started)) if name == first.name => started,
             other => {
                 // nothing prefetched for this unit (the schedule turned from forward to backward):
                 // finish what was started, in the same order on every rank, and gather now
-                other.map(|(_, pending)| pending.wait()).transpose()?;
-                start_gather(self.group, &unit.iter().map(|p| &**p).collect::<Vec<_>>())?
+                for (_, pending) in other.into_iter().flat_map(|(_, started)| started) {
+                    pending.wait()?;
+                }
+                start_unit(&self.sharding, &unit.iter().map(|p| &**p).collect::<Vec<_>>())?
             }
         };
-        unpack(&pending.wait()?, unit, self.group.size());
+        finish_unit(&self.sharding, started, unit)?;
         self.computing.set(Some(Instant::now())); // the prefetch of the next unit is issued from here on
         Ok(())
     }
@@ -183,18 +283,20 @@ impl WeightSplit for Fsdp<'_> {
     fn prefetch(&self, next: &[&Param]) -> Result<()> {
         let Some(first) = next.first() else { return Ok(()) };
         let mut prefetched = self.prefetched.borrow_mut();
-        if let Some((_, earlier)) = prefetched.take() {
+        for (_, earlier) in prefetched.take().into_iter().flat_map(|(_, started)| started) {
             earlier.wait()?; // not used: a gather is only ever one unit ahead
         }
-        *prefetched = Some((first.name.clone(), start_gather(self.group, next)?));
+        *prefetched = Some((first.name.clone(), start_unit(&self.sharding, next)?));
         Ok(())
     }
 
     fn release(&self, unit: &mut [&mut Param]) {
         if let (Some(start), Some(first)) = (self.computing.take(), unit.first()) {
-            self.group.trace_compute(|| unit_name(&first.name), start);
+            if let Some(group) = self.sharding.dense.or(self.sharding.experts) {
+                group.trace_compute(|| unit_name(&first.name), start); // on this rank's trace
+            }
         }
-        for p in unit.iter_mut() {
+        for p in unit.iter_mut().filter(|p| p.shard.is_some()) {
             p.value = Tensor::zeros(&[0]); // only the chunk in `shard` stays
         }
     }

@@ -57,20 +57,46 @@ impl Keep {
 /// Bytes one block keeps for backward from a micro-batch of `batch` sequences of `seq` tokens,
 /// as `keep` says, and (second) what its backward computes again on top of that. Everything:
 /// the block input, two norms' outputs and the residual (`4d` per row: split by tp under
-/// sequence parallelism, like the two 1/rms rows in f32), q, k, v, the attention output, gate,
-/// up and their product in the compute dtype, and the attention's lse in f32. Selective keeps
+/// sequence parallelism, like the two 1/rms rows in f32), q, k, v, the attention output and the
+/// MLP's (`mlp_bytes`) in the compute dtype, and the attention's lse in f32. Selective keeps
 /// all but the attention output and lse; full keeps the input alone.
 fn layer_bytes(m: &ModelConfig, batch: f64, seq: f64, keep: Keep, e: f64) -> (f64, f64) {
     let tp = keep.tp;
     let (rows, split) = (batch * seq, batch * seq / if keep.sequence_parallel { tp as f64 } else { 1.0 });
     let (d, hd, heads) = (m.hidden_size as f64, m.head_dim() as f64, (m.num_attention_heads / tp) as f64);
-    let (q, kv, f) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd, (m.intermediate_size / tp) as f64);
+    let (q, kv) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd);
     let core = rows * q * e + batch * heads * seq * 4.0; // the attention output and lse
-    let all = split * 4.0 * d * e + rows * (q + 2.0 * kv + 3.0 * f) * e + 2.0 * split * 4.0 + core;
+    let all = split * 4.0 * d * e
+        + rows * (q + 2.0 * kv) * e
+        + mlp_bytes(m, (rows, split), keep, e).0
+        + 2.0 * split * 4.0
+        + core;
     match keep.recompute {
         Recompute::None => (all, 0.0),
         Recompute::Selective => (all - core, core),
         Recompute::Full => (split * d * e, all - split * d * e),
+    }
+}
+
+/// (What the MLP of a block keeps for backward, the most its backward adds on top) for `rows`
+/// rows (`split` of them on this rank under sequence parallelism). Dense: gate, up and their
+/// product (1/tp of the features each); backward adds their gradients and the input's. A mixture
+/// of experts routes this rank's rows (all of them without sequence parallelism: every tp rank
+/// routes the same) k times: the routed rows and the experts' outputs (d each), gate, up and
+/// product (the whole intermediate size: experts are not tp-split; with balanced experts each
+/// rank computes about k rows per row, whatever ep is), the router's probabilities (E) and
+/// weights (k) in f32; backward adds the same three gradients and three row gradients.
+fn mlp_bytes(m: &ModelConfig, (rows, split): (f64, f64), keep: Keep, e: f64) -> (f64, f64) {
+    let d = m.hidden_size as f64;
+    match (m.num_local_experts as f64, m.num_experts_per_tok as f64) {
+        (0.0, _) => {
+            let f = (m.intermediate_size / keep.tp) as f64;
+            (rows * 3.0 * f * e, rows * (3.0 * f + 2.0 * d) * e)
+        }
+        (experts, k) => {
+            let (f, routed) = (m.intermediate_size as f64, split * k);
+            (routed * (2.0 * d + 3.0 * f) * e + split * (experts + k) * 4.0, routed * (3.0 * f + 3.0 * d) * e)
+        }
     }
 }
 
@@ -104,7 +130,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
 /// Weights of the busiest stage on one tp rank: matrices are split over tp, norms are whole.
 /// Counted from one layer's tensors times the stage's layers, so any depth costs nothing.
 pub fn weights_per_rank(m: &ModelConfig, tp: usize, pp: usize) -> f64 {
-    (0..pp).map(|index| sizes(m, tp, Stage::new(index, pp), 1).0).fold(0.0, f64::max)
+    (0..pp).map(|index| sizes(m, (tp, 1), Stage::new(index, pp), 1).0).fold(0.0, f64::max)
 }
 
 /// One rank's memory by what holds it, in bytes (`ferrotron memory`).
@@ -135,7 +161,7 @@ pub struct RankMemory {
 /// pipeline stage decides.
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
-    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?;
+    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?;
     let stages: Vec<RankMemory> =
         (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp, chunks: p.pp_virtual_stages })).collect();
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
@@ -144,14 +170,17 @@ pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
 /// Values of a rank of `stage` with `tp` tensor-parallel ranks: (whole, in ZeRO chunks over `z`
 /// ranks, the largest FSDP unit a block backward may hold beside every activation (not the
 /// embedding), the largest unit). Counted from one layer's tensors times the stage's layers, in
-/// f64: any depth and any absurd size cost nothing and never overflow.
-fn sizes(m: &ModelConfig, tp: usize, stage: Stage, z: usize) -> (f64, f64, f64, f64) {
+/// f64: any depth and any absurd size cost nothing and never overflow. Experts: 1/ep of them,
+/// chunked over z/ep ranks (the expert-data group).
+fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize) -> (f64, f64, f64, f64) {
     let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
     // (values, values in chunks) of the embedding, of one block, of the head
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
     for (name, shape, split) in Llama::tensor_splits(&one_layer, Stage::WHOLE) {
         let n =
             shape.iter().map(|&x| x as f64).product::<f64>() / if split == Split::Replicated { 1.0 } else { tp as f64 };
+        let expert = name.contains(".block_sparse_moe.experts.");
+        let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {
             n if n.starts_with("model.layers.") => &mut layer,
             "model.embed_tokens.weight" => &mut embed,
@@ -174,7 +203,7 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 }; // bytes of a compute copy
     let z = p.dp * p.cp; // the ranks that share the replicated state
     let zero = if z > 1 { p.zero_stage } else { 0 };
-    let (whole, chunks, unit, any_unit) = sizes(&cfg.model, p.tp, stage, z);
+    let (whole, chunks, unit, any_unit) = sizes(&cfg.model, (p.tp, p.ep), stage, z);
     // the values of one bucket
     let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks);
     // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW's two
@@ -188,17 +217,13 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     };
     let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
 
-    // backward: what the schedule keeps, and the first block backward's gradients on top of it
-    // (measured: rows × (3 MLP widths + 3 attention widths per tp rank + 5 hidden widths): dact,
-    // dgate, dup, then the attention's) with what that block recomputes; the gradients being
-    // written, and the bucket filling (stage 0 keeps a bucket per gradient); FSDP: the next
+    // backward: what the schedule keeps, and the first block backward's gradients on top of it:
+    // the MLP's (`mlp_bytes`), or after the MLP's cache went, the attention's (measured: rows ×
+    // (3 attention widths per tp rank + 5 hidden widths)), with what that block recomputes; the
+    // gradients being written, and the bucket filling (stage 0 keeps a bucket per gradient); FSDP: the next
     // unit's gather in flight
     let rows = (t.micro_batch_size * t.seq_len / p.cp) as f64;
-    let (d, f, v) = (
-        cfg.model.hidden_size as f64,
-        (cfg.model.intermediate_size / p.tp) as f64,
-        (cfg.model.vocab_size / p.tp) as f64,
-    );
+    let (d, v) = (cfg.model.hidden_size as f64, (cfg.model.vocab_size / p.tp) as f64);
     let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
     let one = activation_bytes(&cfg.model, batch, seq, keep, stage, dtype);
     let layers = stage.layer_count(cfg.model.num_hidden_layers) as f64;
@@ -207,7 +232,9 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     // head's backward (the logits' gradient beside the logits) or in the first block's, after
     // the head's cache went (what `activation_bytes` counts for the head)
     let head = one - layers * layer_kept;
-    let block = rows * (3.0 * f + 3.0 * d / p.tp as f64 + 5.0 * d) * e + layer_again;
+    let split = rows / if p.sequence_parallel { p.tp as f64 } else { 1.0 };
+    let (mlp_kept, mlp_backward) = mlp_bytes(&cfg.model, (rows, split), keep, e);
+    let block = mlp_backward.max(rows * (3.0 * d / p.tp as f64 + 5.0 * d) * e - mlp_kept) + layer_again;
     let now = (one + rows * v * e).max(one - head + block);
     let activations = one * (in_flight(cfg, stage.index) - 1.0) + now;
     // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)

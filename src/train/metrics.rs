@@ -26,6 +26,27 @@ pub struct StepLog {
     /// gradients and optimizer state, and the activations kept for backward), in MiB.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub gpu_peak_mib: Option<f64>,
+    /// A mixture of experts: the rows rank 0 routed to each expert in the step, summed over its
+    /// MoE layers (empty for a dense model).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub expert_tokens: Vec<usize>,
+    /// A mixture of experts: the load imbalance, the busiest expert's rows over the mean, in the
+    /// most unbalanced layer (1 is perfectly even; E/k would be every token on the same experts).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub expert_imbalance: Option<f64>,
+}
+
+/// (rows per expert summed over the layers, the worst layer's max/mean) of one step's routing,
+/// per MoE layer and expert.
+pub fn expert_load(layers: &[Vec<usize>]) -> (Vec<usize>, Option<f64>) {
+    let width = layers.iter().map(Vec::len).max().unwrap_or(0);
+    let sums = (0..width).map(|e| layers.iter().map(|l| l.get(e).copied().unwrap_or(0)).sum()).collect();
+    let ratio = |l: &Vec<usize>| {
+        let mean = l.iter().sum::<usize>() as f64 / l.len().max(1) as f64;
+        l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+    };
+    let worst = layers.iter().filter(|l| !l.is_empty()).map(ratio).reduce(f64::max);
+    (sums, worst)
 }
 
 pub struct Metrics {
@@ -55,6 +76,9 @@ impl Metrics {
         let mut msg = format!("loss {:.4} | lr {:.2e} | {:.0} tok/s", s.loss, s.lr, s.tokens_per_s);
         if let Some(mib) = s.gpu_peak_mib {
             msg += &format!(" | GPU peak {mib:.0} MiB");
+        }
+        if let Some(ratio) = s.expert_imbalance {
+            msg += &format!(" | experts max/mean {ratio:.2}");
         }
         if self.bar.is_hidden() {
             if self.every > 0 && (s.step + 1).is_multiple_of(self.every) {

@@ -18,6 +18,7 @@ use crate::model::optimizer::Optimizer;
 use crate::model::{Llama, Stage, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
+use crate::parallel::expert_parallel::ExpertParallel;
 use crate::parallel::process_grid::{Axis, Grid};
 use crate::parallel::sequence_parallel::SequenceParallel;
 use crate::parallel::tensor_parallel::TensorParallel;
@@ -66,6 +67,11 @@ pub struct Summary {
     pub first_step: usize,
     /// The loss of every step trained, averaged over the global batch.
     pub losses: Vec<f32>,
+    /// The global gradient norm of every step (before clipping).
+    pub grad_norms: Vec<f64>,
+    /// A mixture of experts: the rows this rank routed to each expert over the run, summed
+    /// over its MoE layers.
+    pub expert_tokens: Vec<usize>,
     pub floor: Option<f64>,
     pub wall_s: f64,
     /// A hash of the bits of every weight: replicas that agree have equal checksums.
@@ -93,6 +99,8 @@ impl Summary {
         Summary {
             first_step,
             losses: Vec::new(),
+            grad_norms: Vec::new(),
+            expert_tokens: Vec::new(),
             floor: None,
             wall_s: 0.0,
             checksum: 0,
@@ -137,7 +145,7 @@ impl Run {
     /// and every output before anything big is built; opens the data; prints what will run.
     pub(super) fn prepare(cfg: &Config, opts: Options) -> Result<Run> {
         let (t, p) = (&cfg.train, &cfg.parallel);
-        let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?;
+        let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?;
         let setup = Setup::from_config(cfg)?;
         let full_weights = memory::weights_per_rank(&cfg.model, 1, 1) * 4.0;
         let loaded = match (opts.resume, cfg.model.init_from.is_empty()) {
@@ -267,6 +275,13 @@ impl Checkpoints {
         if !(now || every > 0 && ((step + 1).is_multiple_of(every) || last)) {
             return Ok(None);
         }
+        if cfg.parallel.ep > 1 {
+            // refused up front for checkpoint.every (config/checks.rs); a signal finds it here
+            if me.rank == 0 {
+                crate::say!("not saved: a checkpoint of an expert-parallel run (parallel.ep > 1) is not written yet");
+            }
+            return Ok(None);
+        }
         let Some(state) = save::gather(me, cfg, model, opt)? else {
             return Ok(None);
         };
@@ -302,6 +317,9 @@ impl Start<'_> {
             (None, None) => (Llama::init(&cfg.model, cfg.train.seed, tp, stage), 0),
         };
         model = model.with_recompute(cfg.train.recompute);
+        if cfg.parallel.ep > 1 {
+            model = model.with_expert_split(Box::new(ExpertParallel::new(me.group(Axis::Ep))));
+        }
         let cp = me.group(Axis::Cp);
         if cp.size() > 1 {
             model = model.with_sequence_split(Box::new(Ring { group: cp, split: cfg.parallel.cp_split }));

@@ -6,7 +6,7 @@
 //! back at the end.
 
 use super::memory::Held;
-use super::metrics::{Metrics, StepLog};
+use super::metrics::{self, Metrics, StepLog};
 use super::run::{Options, Stopped, Summary};
 use crate::comm::cost;
 use crate::comm::launcher::Rank;
@@ -100,6 +100,10 @@ impl<'a> Watch<'a> {
     pub(super) fn step_ends(&mut self, end: &StepEnd, model: &mut Llama) -> Result<()> {
         let s = &mut self.summary;
         s.losses.push(end.loss);
+        s.grad_norms.push(end.grad_norm);
+        let (expert_tokens, expert_imbalance) = metrics::expert_load(&model.take_expert_load());
+        s.expert_tokens.resize(expert_tokens.len(), 0);
+        s.expert_tokens.iter_mut().zip(&expert_tokens).for_each(|(a, b)| *a += b);
         s.peak_activations = s.peak_activations.max(end.activations_held);
         s.held = end.held;
         s.attention_work += model.take_attention_work();
@@ -120,6 +124,8 @@ impl<'a> Watch<'a> {
             lr: end.lr,
             grad_norm: end.grad_norm as f32,
             gpu_peak_mib: step_peak,
+            expert_tokens,
+            expert_imbalance,
             tokens_per_s: self.tokens_per_step / seconds,
             elapsed_s: self.run_start.elapsed().as_secs_f64(),
         })

@@ -22,7 +22,7 @@ impl Llama<'_> {
     fn unit(&self, u: Unit) -> Vec<&Param> {
         match u {
             Unit::Embedding => self.embed_tokens.iter().collect(),
-            Unit::Layer(i) => self.layers[i].params().into(),
+            Unit::Layer(i) => self.layers[i].params(),
             Unit::Head => self
                 .head
                 .iter()
@@ -35,7 +35,7 @@ impl Llama<'_> {
     fn unit_mut(&mut self, u: Unit) -> Vec<&mut Param> {
         match u {
             Unit::Embedding => self.embed_tokens.iter_mut().collect(),
-            Unit::Layer(i) => self.layers[i].params_mut().into(),
+            Unit::Layer(i) => self.layers[i].params_mut(),
             Unit::Head => {
                 let Some(h) = &mut self.head else { return Vec::new() };
                 vec![Some(&mut h.norm), h.lm_head.as_mut().or(self.embed_tokens.as_mut())]

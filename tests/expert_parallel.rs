@@ -1,0 +1,187 @@
+//! A mixture of experts and expert parallelism: a one-expert Mixtral block is the dense Llama
+//! block; ep = 2 and 4 reproduce the single-rank MoE run (loss and gradient norm of every step,
+//! 1e-4), also composed with tp, sequence parallelism, pp, cp, ZeRO-1/2/3 and recomputation, and
+//! with the load-balancing loss on; a checkpoint of an ep = 1 run resumes with ep = 2; the
+//! experts' load is reported.
+
+mod common;
+
+use ferrotron::config::Config;
+use ferrotron::model::{Llama, Stage, Whole};
+use ferrotron::ops::tensor::Tensor;
+use ferrotron::train::{train, train_all, Options, Summary};
+use std::collections::HashMap;
+
+/// A small Mixtral (4 experts, top-2) whose experts matter from the first step (a wider init),
+/// and a global batch of 12 that splits into 1, 2, 3, 4 and 6 ranks.
+const MOE: &[&str] = &[
+    "model.num_local_experts=4",
+    "model.num_experts_per_tok=2",
+    "model.initializer_range=0.2",
+    "train.micro_batch_size=12",
+    "train.steps=8",
+    "train.warmup_steps=2",
+    "train.lr=3e-3",
+];
+
+fn config(extra: &[&str]) -> Config {
+    let sets: Vec<String> = common::SMALL.iter().chain(MOE).chain(extra).map(|s| s.to_string()).collect();
+    Config::load(None, &sets).unwrap()
+}
+
+fn run(extra: &[&str]) -> Summary {
+    train(&config(extra), Options { quiet: true, ..Default::default() }).unwrap()
+}
+
+/// Each layout's loss and gradient norm at every step against one rank's, to 1e-4 (relative).
+fn follow_one_rank(base: &[&str], layouts: &[&[&str]]) {
+    let one = run(base);
+    assert!(one.losses[7] < one.losses[0] - 0.1, "the baseline learns: {:?}", one.losses);
+    for layout in layouts {
+        let all: Vec<&str> = base.iter().chain(layout.iter()).copied().collect();
+        let s = run(&all);
+        for (step, (a, b)) in s.losses.iter().zip(&one.losses).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * b.abs(), "{layout:?} step {step}: loss {a} vs {b}");
+        }
+        for (step, (a, b)) in s.grad_norms.iter().zip(&one.grad_norms).enumerate() {
+            assert!((a - b).abs() <= 1e-4 * b.abs(), "{layout:?} step {step}: gradient norm {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn ep_2_and_4_follow_the_single_rank_curve() {
+    follow_one_rank(
+        &[],
+        &[
+            &["parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=6"],
+            &["parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=3"],
+            &["parallel.dp=4", "parallel.ep=2", "train.micro_batch_size=3"],
+            &["parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=3", "train.grad_accum_steps=2"],
+        ],
+    );
+}
+
+#[test]
+fn ep_composes_with_tp_sp_pp_cp_zero_and_recomputation() {
+    follow_one_rank(
+        &[],
+        &[
+            &["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "train.micro_batch_size=6"],
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.tp=2",
+                "parallel.sequence_parallel=true",
+                "train.micro_batch_size=6",
+            ],
+            &["parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=6"],
+            &["parallel.dp=4", "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=3"],
+            &["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=6"],
+            &["parallel.dp=4", "parallel.ep=4", "parallel.zero_stage=1", "train.micro_batch_size=3"],
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.pp=2",
+                "train.micro_batch_size=3",
+                "train.grad_accum_steps=2",
+            ],
+            &["parallel.dp=2", "parallel.cp=2", "parallel.ep=4", "parallel.zero_stage=2", "train.micro_batch_size=6"],
+            &["parallel.dp=2", "parallel.ep=2", "train.recompute=full", "train.micro_batch_size=6"],
+        ],
+    );
+}
+
+#[test]
+fn the_balance_loss_under_data_and_expert_parallelism() {
+    // the balance loss is a product of two means over a micro-batch's tokens (as transformers
+    // computes it per forward): the layouts keep the micro-batches of 3 sequences
+    let balance = ["model.router_aux_loss_coef=0.05", "train.micro_batch_size=3", "train.grad_accum_steps=4"];
+    follow_one_rank(
+        &balance,
+        &[
+            &["parallel.dp=2", "parallel.ep=2", "train.grad_accum_steps=2"],
+            &["parallel.dp=4", "parallel.ep=4", "parallel.tp=2", "parallel.zero_stage=2", "train.grad_accum_steps=1"],
+        ],
+    );
+    // and it pulls the load towards even: compared with the same run without it
+    let (with, without) = (run(&balance), run(&balance[1..]));
+    let spread = |s: &Summary| {
+        let t = &s.expert_tokens;
+        *t.iter().max().unwrap() as f64 / (t.iter().sum::<usize>() as f64 / t.len() as f64)
+    };
+    assert_eq!(
+        with.expert_tokens.iter().sum::<usize>(),
+        8 * 12 * 32 * 2 * 2,
+        "8 steps × 12 × 32 tokens × 2 layers × top-2"
+    );
+    assert!(
+        spread(&with) <= spread(&without),
+        "max/mean {} with the balance loss, {} without",
+        spread(&with),
+        spread(&without)
+    );
+}
+
+#[test]
+fn a_checkpoint_of_a_replicated_moe_run_resumes_with_ep_2() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = format!("checkpoint.dir=\"{}\"", tmp.path().display());
+    let uninterrupted = run(&["parallel.dp=2", "train.micro_batch_size=6", "checkpoint.every=4", &dir]);
+    let mut cfg = config(&["parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=6"]);
+    cfg.checkpoint.dir = tmp.path().join("resumed").display().to_string();
+    let step4 = tmp.path().join("step_000004");
+    let resumed = train(&cfg, Options { quiet: true, resume: Some(&step4), ..Default::default() }).unwrap();
+    for (step, (a, b)) in resumed.losses.iter().zip(&uninterrupted.losses[4..]).enumerate() {
+        assert!((a - b).abs() < 1e-4, "step {}: {a} vs {b}", step + 4);
+    }
+}
+
+#[test]
+fn each_ep_rank_holds_its_share_of_the_experts() {
+    let cfg = config(&["parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=3", "train.steps=1"]);
+    let all = train_all(&cfg, Options { quiet: true, ..Default::default() }).unwrap();
+    let one = run(&["train.steps=1"]);
+    // an expert is 3 matrices of 64 × 32: a rank with one expert of four holds 3 fewer per layer
+    let expert = 3 * 64 * 32 * 4; // f32 bytes
+    for s in &all {
+        assert_eq!(s.held.weights + 2 * 3 * expert, one.held.weights, "weights held: {:?} vs {:?}", s.held, one.held);
+    }
+}
+
+/// A one-expert Mixtral block with top-1 routing is the dense Llama block (its weight is 1):
+/// the same logits and, expert for MLP, the same gradients.
+#[test]
+fn one_expert_is_the_dense_block() {
+    let moe_cfg = config(&["model.num_local_experts=1", "model.num_experts_per_tok=1"]).model;
+    let dense_cfg = config(&["model.num_local_experts=0", "model.num_experts_per_tok=0"]).model;
+    let mut moe = Llama::new(&moe_cfg, 3);
+    let weights: HashMap<String, Tensor> =
+        moe.params().iter().map(|p| (dense_name(&p.name), p.value.clone())).collect();
+    let mut dense =
+        Llama::build(&dense_cfg, Box::new(Whole), Stage::WHOLE, |name, _, _| Ok(weights[name].clone())).unwrap();
+    let tokens: Vec<u32> = (0..64).map(|i| (i * 7 % 64) as u32).collect();
+    let targets: Vec<i32> = tokens.iter().map(|&t| ((t + 1) % 64) as i32).collect();
+    let (a, b) = (moe.forward(&tokens, 2, &targets).unwrap(), dense.forward(&tokens, 2, &targets).unwrap());
+    assert!((a - b).abs() < 1e-6, "loss {a} vs {b}");
+    moe.backward(1.0).unwrap();
+    dense.backward(1.0).unwrap();
+    let grads: HashMap<String, Vec<f32>> = dense.params().iter().map(|p| (p.name.clone(), p.grad.to_vec())).collect();
+    for p in moe.params() {
+        let got = p.grad.to_vec();
+        if p.name.ends_with("block_sparse_moe.gate.weight") {
+            assert!(got.iter().all(|g| *g == 0.0), "one expert: the router gets no gradient");
+            continue;
+        }
+        let want = &grads[&dense_name(&p.name)];
+        let err = got.iter().zip(want).map(|(x, y)| (x - y).abs()).fold(0.0f32, f32::max);
+        assert!(err < 1e-6, "{}: gradients differ by {err}", p.name);
+    }
+}
+
+/// The dense model's name of a Mixtral parameter (expert 0's matrices are the MLP's).
+fn dense_name(name: &str) -> String {
+    name.replace("block_sparse_moe.experts.0.w1", "mlp.gate_proj")
+        .replace("block_sparse_moe.experts.0.w3", "mlp.up_proj")
+        .replace("block_sparse_moe.experts.0.w2", "mlp.down_proj")
+}
