@@ -137,12 +137,12 @@ fn every_parallelism_over_nccl_follows_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // one fake GPU per rank, so every tensor collective of the step goes through the (fake) NCCL
     // on device buffers; f32, so the single-rank tolerance holds
-    converge_over_nccl(dir, "nccl", "dp=2;tp=2;pp=2;cp=2;dp=2,tp=2,pp=2", 8);
+    converge_over_nccl(dir, ("nccl", &[]), "dp=2;tp=2;pp=2;cp=2;dp=2,tp=2,pp=2", 8);
 }
 
 /// `converge` of `variants` (3 steps, f32) on `gpus` fake GPUs with `backend = "nccl"`, several
 /// gradient buckets each collected as it fills; every variant must pass.
-fn converge_over_nccl(dir: &Path, name: &str, variants: &str, gpus: usize) {
+fn converge_over_nccl(dir: &Path, (name, extra): (&str, &[&str]), variants: &str, gpus: usize) {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu_path_converge_{name}"));
     let mut args = vec!["converge", "--variants", variants, "--steps", "3", "--out", out.to_str().unwrap()];
     let sets = [
@@ -153,7 +153,7 @@ fn converge_over_nccl(dir: &Path, name: &str, variants: &str, gpus: usize) {
         "model.hidden_size=64",
         "train.micro_batch_size=2",
     ];
-    for s in common::SMALL.iter().chain(&sets) {
+    for s in common::SMALL.iter().chain(&sets).chain(extra) {
         args.extend(["--set", s]);
     }
     let text = String::from_utf8_lossy(&ferrotron_on(dir, gpus, &args).stdout).to_string();
@@ -182,7 +182,7 @@ fn zero_stages_over_nccl_follow_one_rank() {
     assert!(max_diff(&replicas, &fsdp) <= 1e-3, "bf16 FSDP {fsdp:?}, replicas {replicas:?}");
     // one fake GPU per rank: gradients reduce-scattered and weights all-gathered by the (fake)
     // NCCL on device buffers, from each rank's chunks; f32 for the single-rank tolerance
-    converge_over_nccl(dir, "zero", "dp=2,zero_stage=1;dp=2,zero_stage=2;dp=2,zero_stage=3,pp=2", 4);
+    converge_over_nccl(dir, ("zero", &[]), "dp=2,zero_stage=1;dp=2,zero_stage=2;dp=2,zero_stage=3,pp=2", 4);
 }
 
 #[test]
@@ -191,7 +191,7 @@ fn sequence_parallelism_and_recomputation_over_nccl_follow_one_rank_and_are_coun
     // the all-gathers and reduce-scatters of sequence parallelism, and the recomputed forwards
     // (with their tp all-reduces), on device buffers through the (fake) NCCL
     let variants = "tp=2,sequence_parallel=true;tp=2,recompute=full;tp=2,sequence_parallel=true,recompute=selective";
-    converge_over_nccl(dir, "sp", variants, 2);
+    converge_over_nccl(dir, ("sp", &[]), variants, 2);
     // the comm report of a run on NCCL: every call counted, and timed by the GPU's events
     let mut args = vec!["train", "--comm-report", "--link", "pcie"];
     let sets = ["device.kind=cuda", "parallel.backend=\"nccl\"", "parallel.tp=2", "parallel.sequence_parallel=true"];
@@ -207,6 +207,27 @@ fn sequence_parallelism_and_recomputation_over_nccl_follow_one_rank_and_are_coun
         let measured: f64 = line.split_whitespace().nth(6).unwrap().parse().unwrap();
         assert!(measured > 0.0, "{call}: the GPU's time of the calls: {line}");
     }
+}
+
+#[test]
+fn experts_over_nccl_follow_one_rank() {
+    let Some(dir) = fake_driver() else { return };
+    // a Mixtral on the GPU path: the router's top-k, the rows sorted by expert and back
+    // (kernels/moe.cu), each expert's GEMMs through cuBLAS; with ep the dispatch and combine as
+    // all-to-alls of grouped NCCL sends and receives on device buffers, and ZeRO-3 gathering the
+    // experts over their own group
+    let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2", "model.initializer_range=0.2"];
+    converge_over_nccl(dir, ("moe", &moe), "dp=2,ep=2,zero_stage=3;dp=2,ep=2,tp=2", 4);
+    // in bf16 (mixed precision) with the balance loss, two ranks on one GPU: it trains
+    let mut args = vec!["train"];
+    let sets = ["device.kind=cuda", "parallel.dp=2", "parallel.ep=2", "model.router_aux_loss_coef=0.01"];
+    let more = ["train.steps=3", "train.micro_batch_size=2", "checkpoint.every=0"];
+    for s in common::SMALL.iter().chain(&moe).chain(&sets).chain(&more) {
+        args.extend(["--set", s]);
+    }
+    let out = ferrotron_on(dir, 1, &args);
+    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && text.contains("done: 3 steps"), "{text}");
 }
 
 /// Every tensor of a checkpoint's safetensors file, as f32.

@@ -188,6 +188,8 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         let pos: Vec<u32> = (0..32).chain(96..128).collect();
         attention(&mut c, zigzag, (&pos, &pos));
         attention(&mut c, Attn { head_dim: 32, ..ring }, (&q_pos, &k_pos));
+        moe(&mut c, (13, 8, 2), 40);
+        moe(&mut c, (5, 3, 3), 300); // every expert chosen, rows over one block of threads
         adamw(&mut c, 300, DType::F32);
         if c.dt == DType::Bf16 {
             adamw(&mut c, 300, DType::Bf16); // bf16 moments (train.optimizer_dtype), with mixed precision
@@ -195,7 +197,7 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert_eq!(checked, 157, "every check ran");
+    assert_eq!(checked, 157 + 2 * 2 * 8, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {
@@ -383,4 +385,58 @@ fn adamw(c: &mut Check, n: usize, moments: DType) {
         let rounded = Tensor::from_vec(&[n], p.to_vec().iter().map(|&x| bf16::from_f32(x).to_f32()).collect());
         c.same("adamw bf16 compute copy", &copy, &rounded);
     }
+}
+
+/// The routing of a mixture of experts (`kernels/moe.cu`): top-k, its backward (with a balance
+/// term), the rows sorted by expert, their weighted sum back, and that sum's backward.
+fn moe(c: &mut Check, (rows, experts, k): (usize, usize, usize), dim: usize) {
+    let dt = c.dt;
+    let logits = c.rand(&[rows, experts]);
+    let want = ferrotron::ops::moe::route(&logits, k);
+    let mut bl = c.buf(&logits);
+    let (mut probs, mut weights, mut ids) =
+        (Buf::zeros(rows * experts, DType::F32), Buf::zeros(rows * k, DType::F32), Buf::zeros(rows * k, DType::F32));
+    let outs = (probs.addr(), weights.addr(), ids.addr());
+    c.run(&launch_table::moe::route(dt, bl.addr(), (rows, experts, k), outs));
+    let got_ids: Vec<u32> = ids.values().iter().map(|&i| i as u32).collect();
+    // the inputs are the same numbers in both: the same experts, unless two are within rounding
+    assert_eq!(got_ids, want.experts, "{dt:?} route: the chosen experts");
+    c.same("route probabilities", &probs, &want.probs);
+    c.same("route weights", &weights, &want.weights);
+    let (dweights, balance) = (c.rand(&[rows, k]), c.rand(&[experts]));
+    let mut bdw = c.f32(&dweights);
+    let mut bbalance = c.f32(&balance);
+    let mut dlogits = Buf::zeros(rows * experts, dt);
+    let inputs = (bdw.addr(), probs.addr(), weights.addr(), ids.addr());
+    c.run(&launch_table::moe::route_backward(dt, inputs, bbalance.addr(), (rows, experts, k), dlogits.addr()));
+    c.same(
+        "route backward (with a balance term)",
+        &dlogits,
+        &ferrotron::ops::moe::route_backward(&dweights, &want, &balance.to_vec()),
+    );
+    // sorted by expert: each token's rows, in the order of a counting sort of the ids
+    let x = c.rand(&[rows, dim]);
+    let n = rows * k;
+    let mut order: Vec<u32> = (0..n as u32).map(|i| i / k as u32).collect();
+    order.sort_by_key(|&t| (want.experts[t as usize * k] as usize * 7 + t as usize) % n); // some permutation with repeats
+    let (mut bx, mut xs) = (c.buf(&x), Buf::zeros(n * dim, dt));
+    c.run(&launch_table::moe::gather_rows(dt, bx.addr(), (order.as_mut_ptr() as Addr, n), dim, xs.addr()));
+    c.same("gather rows", &xs, &ferrotron::ops::moe::gather_rows(&x, &order));
+    let mut slot: Vec<u32> = (0..n as u32).rev().collect(); // a permutation: each routed row once
+    let ys = c.rand(&[n, dim]);
+    let rw = Tensor::from_vec(&[rows, k], weights.values());
+    let (mut bys, mut y) = (c.buf(&ys), Buf::zeros(rows * dim, dt));
+    let at = slot.as_mut_ptr() as Addr;
+    c.run(&launch_table::moe::combine(dt, (bys.addr(), at, weights.addr()), (rows, k, dim), y.addr()));
+    c.same("combine (weighted)", &y, &ferrotron::ops::moe::combine(&ys, &slot, Some(&rw), rows));
+    let mut y1 = Buf::zeros(rows * dim, dt);
+    c.run(&launch_table::moe::combine(dt, (bys.addr(), at, 0), (rows, k, dim), y1.addr()));
+    c.same("combine (unit weights)", &y1, &ferrotron::ops::moe::combine(&ys, &slot, None, rows));
+    let dy = c.rand(&[rows, dim]);
+    let (want_dys, want_dw) = ferrotron::ops::moe::combine_backward(&dy, &ys, &slot, &rw);
+    let (mut bdy, mut dys, mut dw) = (c.buf(&dy), Buf::zeros(n * dim, dt), Buf::zeros(n, DType::F32));
+    let inputs = (bdy.addr(), bys.addr(), at, weights.addr());
+    c.run(&launch_table::moe::combine_backward(dt, inputs, (rows, k, dim), (dys.addr(), dw.addr())));
+    c.same("combine backward d rows", &dys, &want_dys);
+    c.same("combine backward d weights", &dw, &want_dw);
 }

@@ -202,9 +202,6 @@ fn validate_experts(c: &Config) -> Result<()> {
     if p.ep > 1 && c.checkpoint.every > 0 {
         bail!("checkpoint.every = {} with parallel.ep = {}: saving the experts spread over the expert-parallel ranks is not written yet; set checkpoint.every = 0 or ep = 1 (a checkpoint saved with ep = 1 resumes with any ep)", c.checkpoint.every, p.ep);
     }
-    if e > 0 && c.device.kind == DeviceKind::Cuda {
-        bail!("model.num_local_experts = {e} with device.kind = \"cuda\": the routing ops of a mixture of experts have no GPU kernels yet; use device.kind = \"cpu\"");
-    }
     Ok(())
 }
 

@@ -100,6 +100,8 @@ macro_rules! tensor_core {
     };
 }
 
+pub mod moe; // the routing of a mixture of experts
+
 /// One block per row.
 fn rows(n: usize) -> ((u32, u32, u32), u32) {
     ((n as u32, 1, 1), THREADS)
@@ -429,6 +431,7 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
         all.push(add_assign(dt, 0, 0, 1));
         all.push(scale(dt, 0, 1.0, 1));
+        all.extend(moe::catalogue(dt));
     }
     // the tensor-core attention: bf16, each head size it is built for
     for head_dim in TENSOR_CORE_HEAD_DIMS {

@@ -27,7 +27,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 const COMMON: &str = include_str!("../../kernels/common.cuh");
 
 /// Every kernel file: (name, source).
-pub const SOURCES: [(&str, &str); 9] = [
+pub const SOURCES: [(&str, &str); 10] = [
     ("elementwise", include_str!("../../kernels/elementwise.cu")),
     ("embedding", include_str!("../../kernels/embedding.cu")),
     ("rmsnorm", include_str!("../../kernels/rmsnorm.cu")),
@@ -36,6 +36,7 @@ pub const SOURCES: [(&str, &str); 9] = [
     ("attention", include_str!("../../kernels/attention.cu")),
     ("attention_tc", include_str!("../../kernels/attention_tc.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
+    ("moe", include_str!("../../kernels/moe.cu")),
     ("adamw", include_str!("../../kernels/adamw.cu")),
 ];
 

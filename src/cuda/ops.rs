@@ -406,7 +406,7 @@ fn buf(t: &Tensor) -> &Buf {
 }
 
 /// The address the kernels read and write.
-fn addr(t: &Tensor) -> Addr {
+pub(crate) fn addr(t: &Tensor) -> Addr {
     buf(t).addr()
 }
 

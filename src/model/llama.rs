@@ -220,7 +220,7 @@ impl<'g> Llama<'g> {
             // + coef · E · Σ_e f_e · P_e over all layers (`model/moe.rs`)
             let (experts, k) = (self.cfg.num_local_experts, self.cfg.num_experts_per_tok);
             let (aux, grad) = moe::balance_loss(&loads.iter().collect::<Vec<_>>(), experts, k);
-            let aux = Tensor::from_host(&[1], vec![coef * aux], &loss.place());
+            let aux = Tensor::from_host_in(&[1], vec![coef * aux], &loss.place(), loss.dtype());
             ops::add_assign(&mut loss, &aux);
             balance = grad.iter().map(|g| coef * g).collect();
         }

@@ -154,9 +154,14 @@ impl Tensor {
 
     /// Host data as a tensor on `place` (on a GPU, in its compute dtype).
     pub fn from_host(shape: &[usize], data: Vec<f32>, place: &Place) -> Tensor {
+        Tensor::from_host_in(shape, data, place, place.dtype())
+    }
+
+    /// Host data as a tensor on `place` in `dtype` (f32 on the CPU).
+    pub fn from_host_in(shape: &[usize], data: Vec<f32>, place: &Place, dtype: DType) -> Tensor {
         match place {
             Place::Cpu => Tensor::from_vec(shape, data),
-            Place::Cuda(dev) => Tensor::from_buf(shape, dev.upload(&data, dev.dtype)),
+            Place::Cuda(dev) => Tensor::from_buf(shape, dev.upload(&data, dtype)),
         }
     }
 
