@@ -62,7 +62,7 @@ pub fn reference(cfg: &Config) -> Result<Vec<f32>> {
     let mut one = cfg.clone();
     one.train.micro_batch_size *= cfg.train.grad_accum_steps * cfg.parallel.dp;
     one.train.grad_accum_steps = 1;
-    (one.parallel.dp, one.parallel.tp, one.parallel.pp, one.parallel.cp) = (1, 1, 1, 1);
+    (one.parallel.dp, one.parallel.tp, one.parallel.pp, one.parallel.cp, one.parallel.ep) = (1, 1, 1, 1, 1);
     // what only makes sense split: sequence parallelism (tp > 1), model chunks (pp > 1)
     (one.parallel.sequence_parallel, one.parallel.pp_virtual_stages) = (false, 1);
     one.parallel.pp_schedule = ferrotron::config::PpSchedule::OneFOneB;

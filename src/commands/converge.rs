@@ -75,6 +75,7 @@ pub fn converge(
         "parallel.tp=1".into(),
         "parallel.pp=1".into(),
         "parallel.cp=1".into(),
+        "parallel.ep=1".into(),
         format!("train.grad_accum_steps={}", t.grad_accum_steps * p.dp),
     ];
     let run = |label: &str, extra: &[String]| -> Result<Vec<f32>> {

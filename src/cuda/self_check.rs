@@ -27,6 +27,7 @@ pub fn self_test(gpu: &Gpu) -> Result<Vec<String>> {
             c.swiglu(rows, dim)?;
             c.cross_entropy(rows, vocab)?;
             c.elementwise(rows, dim)?;
+            c.experts((rows, 8, 2), dim)?;
         }
         c.rope(Attn { batch: 2, seq: 37, kv_seq: 37, heads: 4, kv_heads: 2, head_dim: 16 })?;
         for a in [
@@ -215,6 +216,34 @@ impl Check<'_> {
         let got = ops::swiglu_backward(&self.gpu(&dh), &gg, &gu);
         self.same("swiglu backward dgate", &got.0, &want.0)?;
         self.same("swiglu backward dup", &got.1, &want.1)
+    }
+
+    /// The routing of a mixture of experts: top-k, its backward, the rows by expert and back.
+    fn experts(&mut self, (rows, experts, k): (usize, usize, usize), dim: usize) -> Result<()> {
+        use crate::ops::moe;
+        let logits = self.rand(&[rows, experts]);
+        let (want, got) = (moe::route(&logits, k), moe::route(&self.gpu(&logits), k));
+        if got.experts != want.experts {
+            bail!("kernel self-test failed: {:?} route chose other experts than the CPU", self.dtype);
+        }
+        self.same("route probabilities", &got.probs, &want.probs)?;
+        self.same("route weights", &got.weights, &want.weights)?;
+        let (dw, balance) = (self.rand(&[rows, k]), self.rand(&[experts]).to_vec());
+        let expected = moe::route_backward(&dw, &want, &balance);
+        self.same("route backward", &moe::route_backward(&self.f32(&dw), &got, &balance), &expected)?;
+        let n = rows * k;
+        let order: Vec<u32> = (0..n).map(|i| (i * 7 % rows) as u32).collect(); // tokens, repeated
+        let x = self.rand(&[rows, dim]);
+        self.same("gather rows", &moe::gather_rows(&self.gpu(&x), &order), &moe::gather_rows(&x, &order))?;
+        let slot: Vec<u32> = (0..n as u32).rev().collect(); // each routed row once
+        let (ys, dy) = (self.rand(&[n, dim]), self.rand(&[rows, dim]));
+        let (gys, w) = (self.gpu(&ys), &want.weights);
+        let combined = moe::combine(&gys, &slot, Some(&got.weights), rows);
+        self.same("combine", &combined, &moe::combine(&ys, &slot, Some(w), rows))?;
+        let (dys, dws) = moe::combine_backward(&self.gpu(&dy), &gys, &slot, &got.weights);
+        let (want_dys, want_dws) = moe::combine_backward(&dy, &ys, &slot, w);
+        self.same("combine backward d rows", &dys, &want_dys)?;
+        self.same("combine backward d weights", &dws, &want_dws)
     }
 
     fn cross_entropy(&mut self, rows: usize, vocab: usize) -> Result<()> {
