@@ -137,6 +137,63 @@ fn a_checkpoint_of_a_replicated_moe_run_resumes_with_ep_2() {
     }
 }
 
+/// Every tensor of a checkpoint file, by name.
+fn tensors(file: &std::path::Path) -> HashMap<String, Vec<f32>> {
+    let all = ferrotron::checkpoint::hf::read_safetensors(file).unwrap();
+    all.into_iter().map(|(name, t)| (name, t.to_vec())).collect()
+}
+
+#[test]
+fn an_expert_parallel_checkpoint_is_the_replicated_one_and_resumes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let save = |name: &str, layout: &[&str]| {
+        let dir = format!("checkpoint.dir=\"{}\"", tmp.path().join(name).display());
+        let all: Vec<&str> = layout.iter().copied().chain(["checkpoint.every=4", &dir]).collect();
+        let losses = run(&all).losses;
+        (losses, tmp.path().join(name).join("step_000004"))
+    };
+    let (plain, want) = save("dp2", &["parallel.dp=2", "train.micro_batch_size=6"]);
+    let (weights, moments) = (tensors(&want.join("model.safetensors")), tensors(&want.join("optimizer.safetensors")));
+    for (label, layout) in [
+        ("ep2", &["parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=6"][..]),
+        (
+            "ep2_pp2_zero3",
+            &[
+                "parallel.dp=2",
+                "parallel.ep=2",
+                "parallel.pp=2",
+                "parallel.zero_stage=3",
+                "train.micro_batch_size=3",
+                "train.grad_accum_steps=2",
+            ],
+        ),
+        (
+            "ep4_tp2_zero1",
+            &["parallel.dp=4", "parallel.ep=4", "parallel.tp=2", "parallel.zero_stage=1", "train.micro_batch_size=3"],
+        ),
+    ] {
+        let (_, got) = save(label, layout);
+        for (file, want) in [("model.safetensors", &weights), ("optimizer.safetensors", &moments)] {
+            let got = tensors(&got.join(file));
+            assert_eq!(got.len(), want.len(), "{label} {file}: tensors");
+            for (name, w) in want.iter() {
+                let g = &got[name];
+                let scale = w.iter().fold(1e-12f32, |m, x| m.max(x.abs()));
+                let err = g.iter().zip(w).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+                assert!(err <= 1e-3 * scale, "{label} {file} {name}: off by {err} (largest {scale})");
+            }
+        }
+    }
+    // and it resumes, with ep, on the uninterrupted curve
+    let (_, step4) = save("ep2_again", &["parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=6"]);
+    let mut cfg = config(&["parallel.dp=4", "parallel.ep=2", "train.micro_batch_size=3"]);
+    cfg.checkpoint.dir = tmp.path().join("resumed").display().to_string();
+    let resumed = train(&cfg, Options { quiet: true, resume: Some(&step4), ..Default::default() }).unwrap();
+    for (step, (a, b)) in resumed.losses.iter().zip(&plain[4..]).enumerate() {
+        assert!((a - b).abs() < 1e-4, "step {}: {a} vs {b}", step + 4);
+    }
+}
+
 #[test]
 fn each_ep_rank_holds_its_share_of_the_experts() {
     let cfg = config(&["parallel.dp=4", "parallel.ep=4", "train.micro_batch_size=3", "train.steps=1"]);

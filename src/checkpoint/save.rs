@@ -68,32 +68,71 @@ impl State {
 /// all-gathered side by side along the first dimension, the tp-rank 0 of every other pipeline
 /// stage sends the result to rank 0, and rank 0 takes it to the host and puts the shards back
 /// together (`unshard`). Everything travels in fp32: a mixed-precision weight as its master, a
-/// bf16 moment converted.
+/// bf16 moment converted. With expert parallelism the first replica's ep group all-gathers each
+/// expert tensor (member j holds experts j·E/ep…), and a layer's experts go out in the
+/// checkpoint's order once the layer's last expert is in.
 pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> Result<Option<State>> {
     let (tp, pp, dp) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(Axis::DpCp));
+    let (ep, edp) = (me.group(Axis::Ep), me.group(Axis::ExpertDp));
     let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
+    // expert parallelism: the first replica's ep group holds every expert between its members
+    let first_ep_group = me.coords.dp * cfg.parallel.cp + me.coords.cp < ep.size();
     let mut state = (first_replica && me.coords.tp == 0 && me.coords.pp == 0).then(State::default);
+    let mut emit = |name: &str, which: usize, side_by_side: &Tensor, split: Split| -> Result<()> {
+        match (&mut state, me.coords.tp) {
+            (Some(state), _) => state.push(name, which, whole(side_by_side, split, tp.size())),
+            (None, 0) => pp.send_tensor(side_by_side, 0)?,
+            (None, _) => {} // tp-rank 0 of the stage speaks for it
+        }
+        Ok(())
+    };
+    // a layer's experts, gathered from the ep ranks, sent in the checkpoint's order (expert by
+    // expert) once the layer's last one is in: (expert, matrix, which, name, tensor)
+    let mut experts: Vec<(usize, String, usize, String, Tensor)> = Vec::new();
+    let flush = |experts: &mut Vec<(usize, String, usize, String, Tensor)>,
+                 emit: &mut dyn FnMut(&str, usize, &Tensor, Split) -> Result<()>| {
+        experts.sort_by(|a, b| (a.0, &a.1, a.2).cmp(&(b.0, &b.1, b.2)));
+        experts.drain(..).try_for_each(|(_, _, which, name, t)| emit(&name, which, &t, Split::Replicated))
+    };
     for (p, (m, v)) in model.params().iter().zip(optimizer.moments()) {
         let value = p.shard.as_ref().map_or(&p.value, |s| &s.master);
+        let spread = p.is_expert() && ep.size() > 1;
+        if !spread && first_replica {
+            flush(&mut experts, &mut emit)?;
+        }
         for (which, t) in [value, m, v].into_iter().enumerate() {
-            // under ZeRO every dp×cp rank holds a chunk: the chunks are put together first
-            let unsharded = zero::whole(dp, p, t)?;
-            if !first_replica {
+            // under ZeRO every dp×cp rank holds a chunk (of an expert, every expert-data rank)
+            let unsharded = zero::whole(if p.is_expert() { edp } else { dp }, p, t)?;
+            if !(first_replica || spread && first_ep_group) {
                 continue;
             }
             let t = unsharded.as_ref().unwrap_or(t);
             // in fp32: a mixed-precision weight's master, a bf16 moment converted
             let t = &t.master_copy().unwrap_or_else(|| ops::convert(t, DType::F32));
+            if spread {
+                // expert k of each member: member j's is expert j·E/ep + k
+                let stacked = ep.all_gather_tensor(t)?;
+                let (e, matrix) = expert_of(&p.name);
+                let per = cfg.model.num_local_experts / ep.size();
+                let members = if first_replica { ep.size() } else { 0 }; // the others only took part
+                for j in 0..members {
+                    let name = p.name.replace(&format!("experts.{e}."), &format!("experts.{}.", j * per + e));
+                    experts.push((
+                        j * per + e,
+                        matrix.clone(),
+                        which,
+                        name,
+                        ops::slice(&stacked, j * t.numel(), t.shape()),
+                    ));
+                }
+                continue;
+            }
             let gathered = (p.split != Split::Replicated && tp.size() > 1).then(|| tp.all_gather_tensor(t));
             let gathered = gathered.transpose()?;
-            let side_by_side = gathered.as_ref().unwrap_or(t);
-            match (&mut state, me.coords.tp, me.coords.pp) {
-                (Some(state), _, _) => state.push(&p.name, which, whole(side_by_side, p.split, tp.size())),
-                (None, 0, _) => pp.send_tensor(side_by_side, 0)?,
-                (None, _, _) => {} // tp-rank 0 of the stage speaks for it
-            }
+            emit(&p.name, which, gathered.as_ref().unwrap_or(t), p.split)?;
         }
     }
+    flush(&mut experts, &mut emit)?;
     let Some(mut state) = state else { return Ok(None) };
     let place = model.place();
     for stage in 1..pp.size() {
@@ -114,6 +153,14 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
         }
     }
     Ok(Some(state))
+}
+
+/// (expert index, matrix name) of an expert's parameter name (`…experts.E.w1.weight`).
+fn expert_of(name: &str) -> (usize, String) {
+    let rest = name.split(".experts.").nth(1).unwrap_or("");
+    let mut parts = rest.split('.');
+    let e = parts.next().and_then(|e| e.parse().ok()).unwrap_or(0);
+    (e, parts.next().unwrap_or("").to_string())
 }
 
 /// The full tensor on the host from `n` tp shards laid one under the other (the first dimension).

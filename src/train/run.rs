@@ -275,13 +275,6 @@ impl Checkpoints {
         if !(now || every > 0 && ((step + 1).is_multiple_of(every) || last)) {
             return Ok(None);
         }
-        if cfg.parallel.ep > 1 {
-            // refused up front for checkpoint.every (config/checks.rs); a signal finds it here
-            if me.rank == 0 {
-                crate::say!("not saved: a checkpoint of an expert-parallel run (parallel.ep > 1) is not written yet");
-            }
-            return Ok(None);
-        }
         let Some(state) = save::gather(me, cfg, model, opt)? else {
             return Ok(None);
         };
