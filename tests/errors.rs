@@ -81,8 +81,6 @@ fn bad_mixtures_of_experts_are_named() {
     assert!(
         with(&["model.router_aux_loss_coef=0.01", "parallel.pp=2"]).contains("router_aux_loss_coef > 0 with pp, cp")
     );
-    assert!(with(&["parallel.ep=2", "parallel.dp=2", "checkpoint.every=5"])
-        .contains("checkpoint.every = 5 with parallel.ep = 2"));
 }
 
 #[test]
