@@ -75,6 +75,8 @@ fn ep_composes_with_tp_sp_pp_cp_zero_and_recomputation() {
                 "parallel.sequence_parallel=true",
                 "train.micro_batch_size=6",
             ],
+            &["parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=6"], // experts replicated
+            &["parallel.dp=2", "parallel.zero_stage=2", "train.micro_batch_size=6"],
             &["parallel.dp=2", "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=6"],
             &["parallel.dp=4", "parallel.ep=2", "parallel.zero_stage=3", "train.micro_batch_size=3"],
             &["parallel.dp=2", "parallel.ep=2", "parallel.tp=2", "parallel.zero_stage=3", "train.micro_batch_size=6"],

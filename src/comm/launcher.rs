@@ -127,8 +127,10 @@ pub fn choose_backend(choice: CommBackend, cuda: bool, world: usize, gpus: usize
 }
 
 impl Rank {
-    /// This rank's group along `axis`.
+    /// This rank's group along `axis`. Without expert parallelism the expert-data group is the
+    /// dp×cp group itself (the same ranks: no second communicator for them).
     pub fn group(&self, axis: Axis) -> &Group {
+        let axis = if axis == Axis::ExpertDp && self.grid.ep == 1 { Axis::DpCp } else { axis };
         &self.groups.iter().find(|(a, _)| *a == axis).expect("every axis has a group").1
     }
 
@@ -206,6 +208,7 @@ fn run_rank<R>(
     let (stream, comm_thread) = Stream::start();
     let groups = Axis::ALL
         .iter()
+        .filter(|&&axis| axis != Axis::ExpertDp || grid.ep > 1) // else the dp×cp group (`Rank::group`)
         .map(|&axis| {
             let members = grid.group(rank, axis);
             let list: Vec<String> = members.iter().map(|r| r.to_string()).collect();

@@ -43,7 +43,7 @@ pub(crate) struct Expert {
 pub(crate) struct Moe {
     /// The router, `[E, d]`.
     gate: Param,
-    /// The experts this rank holds (`first..first + experts.len()` of E).
+    /// The experts this rank holds (all E, or its ep share of them).
     experts: Vec<Expert>,
     top_k: usize,
     total: usize,
@@ -81,12 +81,9 @@ pub(crate) struct MoeCache {
     plan: Plan,
     /// Who sent how many rows to which expert (the all-to-all's counts; one sender without ep).
     routed: Routed,
-    /// The rows each expert of this rank got, expert after expert, and their SwiGLU's gate, up
-    /// and activation.
-    xe: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    act: Tensor,
+    /// Per expert of this rank: the rows it got and its SwiGLU's gate, up and activation
+    /// (`None` for an expert no row chose).
+    experts: Vec<Option<[Tensor; 4]>>,
     /// The experts' outputs back home, in routed-row order.
     ys: Tensor,
 }
@@ -103,7 +100,8 @@ pub struct Load {
 impl MoeCache {
     pub(crate) fn bytes(&self) -> usize {
         let r = &self.routing;
-        [&r.probs, &r.weights, &self.xe, &self.gate, &self.up, &self.act, &self.ys].iter().map(|t| t.bytes()).sum()
+        let experts: usize = self.experts.iter().flatten().flat_map(|e| e.iter().map(Tensor::bytes)).sum();
+        [&r.probs, &r.weights, &self.ys].iter().map(|t| t.bytes()).sum::<usize>() + experts
     }
 }
 
@@ -155,30 +153,26 @@ impl Moe {
         let plan = Plan::new(&routing.experts, self.total, self.top_k);
         let xs = route::gather_rows(x, &plan.order);
         let (xe, routed) = ep.dispatch(xs, &plan.counts)?;
-        let local = routed.held_counts();
-        let f = self.experts.first().map_or(0, |e| e.w1.value.rows());
-        let (mut gate, mut up) = (Tensor::empty_as(&[xe.rows(), f], &xe), Tensor::empty_as(&[xe.rows(), f], &xe));
-        let mut act = Tensor::empty_as(&[xe.rows(), f], &xe);
-        let mut ye = Tensor::empty_as(xe.shape(), &xe);
         let d = xe.cols();
-        let mut at = 0;
-        for (expert, &n) in self.experts.iter().zip(&local) {
-            if n > 0 {
+        let mut ye = Tensor::empty_as(xe.shape(), &xe);
+        let (mut at, mut experts) = (0, Vec::with_capacity(self.experts.len()));
+        for (expert, &n) in self.experts.iter().zip(&routed.held_counts()) {
+            // one cuBLAS call per product on the expert's contiguous rows
+            experts.push((n > 0).then(|| {
                 let x_e = ops::slice(&xe, at * d, &[n, d]);
                 let (g, u) = (ops::linear(&x_e, &expert.w1.value), ops::linear(&x_e, &expert.w3.value));
                 let a = ops::swiglu(&g, &u);
                 ops::copy(&ops::linear(&a, &expert.w2.value), 0, &mut ye, at * d, n * d);
-                for (from, to) in [(&g, &mut gate), (&u, &mut up), (&a, &mut act)] {
-                    ops::copy(from, 0, to, at * f, n * f);
-                }
-            }
+                [x_e, g, u, a]
+            }));
             at += n;
         }
+        drop(xe);
         let ys = ep.combine(ye, &routed)?;
         let y = route::combine(&ys, &plan.slot, Some(&routing.weights), x.rows());
         let prob_sums = if probs { column_sums(&routing.probs) } else { Vec::new() };
         let load = Load { counts: plan.counts.clone(), prob_sums };
-        Ok((y, MoeCache { routing, plan, routed, xe, gate, up, act, ys }, load))
+        Ok((y, MoeCache { routing, plan, routed, experts, ys }, load))
     }
 
     /// dx from dy, both `[T, d]` (x: the forward's input); accumulates every weight gradient.
@@ -194,19 +188,18 @@ impl Moe {
         let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.plan.slot, &c.routing.weights);
         drop(c.ys);
         let dye = ep.dispatch_again(dys, &c.routed)?;
-        let (d, f) = (c.xe.cols(), c.gate.cols());
-        let mut dxe = Tensor::empty_as(c.xe.shape(), &c.xe);
+        let d = dye.cols();
+        let mut dxe = Tensor::empty_as(dye.shape(), &dye);
         let mut at = 0;
-        for (expert, &n) in self.experts.iter_mut().zip(&c.routed.held_counts()) {
-            if n > 0 {
-                let part = |t: &Tensor, w| ops::slice(t, at * w, &[n, w]);
-                let (dy_e, x_e) = (part(&dye, d), part(&c.xe, d));
-                let dact = ops::linear_backward(&dy_e, &part(&c.act, f), &expert.w2.value, &mut expert.w2.grad);
-                let (dg, du) = ops::swiglu_backward(&dact, &part(&c.gate, f), &part(&c.up, f));
-                let mut dx_e = ops::linear_backward(&dg, &x_e, &expert.w1.value, &mut expert.w1.grad);
-                ops::add_assign(&mut dx_e, &ops::linear_backward(&du, &x_e, &expert.w3.value, &mut expert.w3.grad));
-                ops::copy(&dx_e, 0, &mut dxe, at * d, n * d);
-            }
+        for (expert, rows) in self.experts.iter_mut().zip(c.experts) {
+            let Some([x_e, gate, up, act]) = rows else { continue }; // no row: no gradient
+            let n = x_e.rows();
+            let dy_e = ops::slice(&dye, at * d, &[n, d]);
+            let dact = ops::linear_backward(&dy_e, &act, &expert.w2.value, &mut expert.w2.grad);
+            let (dg, du) = ops::swiglu_backward(&dact, &gate, &up);
+            let mut dx_e = ops::linear_backward(&dg, &x_e, &expert.w1.value, &mut expert.w1.grad);
+            ops::add_assign(&mut dx_e, &ops::linear_backward(&du, &x_e, &expert.w3.value, &mut expert.w3.grad));
+            ops::copy(&dx_e, 0, &mut dxe, at * d, n * d);
             at += n;
         }
         let dxs = ep.combine(dxe, &c.routed)?;

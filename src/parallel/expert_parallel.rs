@@ -127,7 +127,7 @@ impl ExpertSplit for ExpertParallel<'_> {
 
 /// After the expert-data group averaged them: the expert gradients, which sum the rows of `ep`
 /// ranks' tokens, divided by `ep` into the mean over every dp×cp rank's tokens.
-pub fn average_over_tokens(params: &mut [&mut Param], ep: usize) {
+fn average_over_tokens(params: &mut [&mut Param], ep: usize) {
     if ep == 1 {
         return;
     }

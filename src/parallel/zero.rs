@@ -135,11 +135,12 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Shar
     }
 }
 
-/// The sharded parameters of `params` by the group sharding them (dense first, then experts),
-/// as places in `params`.
+/// The sharded parameters of `params` by the group sharding them (dense first, then experts;
+/// one group when they are the same, as without expert parallelism), as places in `params`.
 fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Group, Vec<usize>)> {
     let mut out = Vec::new();
-    for group in [sharding.dense, sharding.experts].into_iter().flatten() {
+    let experts = sharding.experts.filter(|e| !sharding.dense.is_some_and(|d| std::ptr::eq(d, *e)));
+    for group in [sharding.dense, experts].into_iter().flatten() {
         let of = |p: &&Param| p.shard.is_some() && sharding.of(p).is_some_and(|g| std::ptr::eq(g, group));
         let places: Vec<usize> = (0..params.len()).filter(|&i| of(&params[i])).collect();
         if !places.is_empty() {
@@ -149,31 +150,30 @@ fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Group, V
     out
 }
 
+/// Of `params`, those at `places`.
+fn select<'a>(params: &'a mut [&mut Param], places: &[usize]) -> Vec<&'a mut Param> {
+    let picked = params.iter_mut().enumerate().filter(|(i, _)| places.contains(i));
+    picked.map(|(_, p)| &mut **p).collect()
+}
+
 /// A unit's gathers in flight: one per sharding group, with the places of its parameters.
-type Started = Vec<(Vec<usize>, Pending)>;
+type Started<'g> = Vec<(&'g Group, Vec<usize>, Pending)>;
 
 /// Starts the gathers of a unit's sharded weights: one per sharding group.
-fn start_unit(sharding: &Sharding, unit: &[&Param]) -> Result<Started> {
+fn start_unit<'g>(sharding: &Sharding<'g>, unit: &[&Param]) -> Result<Started<'g>> {
     let mut started = Vec::new();
     for (group, places) in by_group(sharding, unit) {
         let params: Vec<&Param> = places.iter().map(|&i| unit[i]).collect();
-        started.push((places, start_gather(group, &params)?));
+        let pending = start_gather(group, &params)?;
+        started.push((group, places, pending));
     }
     Ok(started)
 }
 
 /// Waits for a unit's gathers and puts its whole weights together.
-fn finish_unit(sharding: &Sharding, started: Started, unit: &mut [&mut Param]) -> Result<()> {
-    let groups = by_group(sharding, &unit.iter().map(|p| &**p).collect::<Vec<_>>());
-    for ((places, pending), (group, _)) in started.into_iter().zip(groups) {
-        let gathered = pending.wait()?;
-        let mut members: Vec<&mut Param> = Vec::new();
-        for (i, p) in unit.iter_mut().enumerate() {
-            if places.contains(&i) {
-                members.push(&mut **p);
-            }
-        }
-        unpack(&gathered, &mut members, group.size());
+fn finish_unit(started: Started, unit: &mut [&mut Param]) -> Result<()> {
+    for (group, places, pending) in started {
+        unpack(&pending.wait()?, &mut select(unit, &places), group.size());
     }
     Ok(())
 }
@@ -207,14 +207,9 @@ fn unpack(gathered: &Tensor, params: &mut [&mut Param], ranks: usize) {
 /// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights of every
 /// sharded parameter, from the ranks sharding it (`gather_group`).
 pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], bucket: usize) -> Result<()> {
-    for group in [sharding.dense, sharding.experts].into_iter().flatten() {
-        let mut mine: Vec<&mut Param> = Vec::new();
-        for p in params.iter_mut() {
-            if sharding.of(p).is_some_and(|g| std::ptr::eq(g, group)) {
-                mine.push(&mut **p);
-            }
-        }
-        gather_group(group, &mut mine, bucket)?;
+    let groups = by_group(sharding, &params.iter().map(|p| &**p).collect::<Vec<_>>());
+    for (group, places) in groups {
+        gather_group(group, &mut select(params, &places), bucket)?;
     }
     Ok(())
 }
@@ -256,7 +251,7 @@ fn gather_group(group: &Group, params: &mut [&mut Param], bucket: usize) -> Resu
 struct Fsdp<'g> {
     sharding: Sharding<'g>,
     /// The gathers started for the unit whose first parameter is named so.
-    prefetched: RefCell<Option<(String, Started)>>,
+    prefetched: RefCell<Option<(String, Started<'g>)>>,
     /// When the unit now gathered got its weights (a traced run draws its compute from there).
     computing: Cell<Option<Instant>>,
 }
@@ -269,13 +264,13 @@ impl WeightSplit for Fsdp<'_> {
             other => {
                 // nothing prefetched for this unit (the schedule turned from forward to backward):
                 // finish what was started, in the same order on every rank, and gather now
-                for (_, pending) in other.into_iter().flat_map(|(_, started)| started) {
+                for (_, _, pending) in other.into_iter().flat_map(|(_, started)| started) {
                     pending.wait()?;
                 }
                 start_unit(&self.sharding, &unit.iter().map(|p| &**p).collect::<Vec<_>>())?
             }
         };
-        finish_unit(&self.sharding, started, unit)?;
+        finish_unit(started, unit)?;
         self.computing.set(Some(Instant::now())); // the prefetch of the next unit is issued from here on
         Ok(())
     }
@@ -283,7 +278,7 @@ impl WeightSplit for Fsdp<'_> {
     fn prefetch(&self, next: &[&Param]) -> Result<()> {
         let Some(first) = next.first() else { return Ok(()) };
         let mut prefetched = self.prefetched.borrow_mut();
-        for (_, earlier) in prefetched.take().into_iter().flat_map(|(_, started)| started) {
+        for (_, _, earlier) in prefetched.take().into_iter().flat_map(|(_, started)| started) {
             earlier.wait()?; // not used: a gather is only ever one unit ahead
         }
         *prefetched = Some((first.name.clone(), start_unit(&self.sharding, next)?));
