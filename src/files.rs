@@ -24,9 +24,15 @@ use std::sync::atomic::{AtomicU64, Ordering};
 macro_rules! say {
     ($($arg:tt)*) => {{
         use std::io::Write as _;
-        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+        if !$crate::files::SILENT.load(std::sync::atomic::Ordering::Relaxed) {
+            let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+        }
     }};
 }
+
+/// Set in every process but the first of a multi-process run: one process speaks for the run
+/// (`comm/processes.rs`); errors still print everywhere.
+pub static SILENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The file that writing `path` really writes: symlinks followed to their final target (which
 /// may not exist yet). A folder, FIFO, socket or device is refused, naming `path`.

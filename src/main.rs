@@ -187,7 +187,8 @@ fn run(cli: Cli) -> Result<Exit> {
                 say!("nothing to train: the run already finished at step {} of train.steps = {} (raise train.steps to train further)", s.first_step, cfg.train.steps);
                 return Ok(Exit::Done);
             }
-            if let (Some(path), Some(spans)) = (&trace, &spans) {
+            // several processes: the first writes its ranks' spans
+            if let (Some(path), Some(spans), true) = (&trace, &spans, ferrotron::comm::processes::leads()) {
                 spans.write(path)?;
                 let overlap = match !spans.comm_spans(gradient_all_reduce).is_empty() {
                     true => format!(
@@ -220,7 +221,9 @@ fn run(cli: Cli) -> Result<Exit> {
             ferrotron::files::check_folder_writable(&out).context("--out")?;
             sets.extend(steps.map(|n| format!("train.steps={n}")));
             let (baseline, outcomes) = converge::converge(config.as_deref(), &sets, &variants, tol)?;
-            converge::write_outputs(&out, &baseline, &outcomes)?;
+            if ferrotron::comm::processes::leads() {
+                converge::write_outputs(&out, &baseline, &outcomes)?; // once, by the first process
+            }
             say!("{}", converge::table(&outcomes, tol).trim_end());
             say!("curves: {0}/losses.csv, plot: {0}/losses.svg", out.display());
             let failed = outcomes.iter().filter(|o| !o.pass).count();
@@ -335,14 +338,21 @@ fn main() -> ExitCode {
             default_hook(info);
         }
     }));
+    // One of several processes (mpirun, srun, torchrun): the first one speaks for the run.
+    if !ferrotron::comm::processes::leads() {
+        ferrotron::files::SILENT.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
     // Output goes through `say!`, which ignores a closed or full stdout: a reader that goes away
     // (`ferrotron train | head`) costs the output, never the run or its checkpoints.
-    match run(Cli::parse()) {
-        Ok(Exit::Done) => ExitCode::SUCCESS,
-        Ok(Exit::Signal(sig)) => ExitCode::from((128 + sig) as u8),
+    let (code, ok) = match run(Cli::parse()) {
+        Ok(Exit::Done) => (ExitCode::SUCCESS, true),
+        Ok(Exit::Signal(sig)) => (ExitCode::from((128 + sig) as u8), true), // stopped cleanly
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "error: {e:#}");
-            ExitCode::FAILURE
+            (ExitCode::FAILURE, false)
         }
-    }
+    };
+    // the link to the other processes, if any: ended cleanly, or (MPI) the job aborted
+    ferrotron::comm::remote::end(ok);
+    code
 }

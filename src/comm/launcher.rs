@@ -11,9 +11,15 @@
 //! communicator. If one rank fails (an error or a panic), the launcher aborts the hub, so every
 //! other rank's pending collective returns at once, and the run ends with the first failure's
 //! message. Nobody hangs.
+//!
+//! Started as one of several processes (`comm/processes.rs`), the launcher runs this process's
+//! block of ranks only; their hub is joined to the other processes' (`comm/remote.rs`), and the
+//! results returned are this process's ranks'.
 
 use crate::comm::cost::{AxisTally, Call};
-use crate::comm::local::Hub;
+use crate::comm::local::{Beyond, Hub};
+use crate::comm::processes;
+use crate::comm::remote::Session;
 use crate::comm::trace::Trace;
 use crate::comm::{Group, Stream};
 use crate::config::{CommBackend, Config, DeviceKind, PpSchedule};
@@ -55,6 +61,8 @@ pub struct Setup {
     pub backend: Backend,
     /// The memory the ranks keep their tensors in.
     pub capacity: Capacity,
+    /// The ranks are spread over the processes a launcher started (`comm/processes.rs`).
+    pub spread: bool,
 }
 
 /// The memory a run's ranks keep their tensors in, and how much of it is free.
@@ -70,14 +78,22 @@ pub struct Capacity {
 
 impl Setup {
     pub fn cpu(timeout: Duration) -> Setup {
-        Setup { timeout, cuda: false, sync_launches: false, backend: Backend::Local, capacity: Capacity::host(1) }
+        let capacity = Capacity::host(1);
+        Setup { timeout, cuda: false, sync_launches: false, backend: Backend::Local, capacity, spread: false }
     }
 
-    /// The setup a config asks for, checked against the GPUs this machine has.
-    pub fn from_config(cfg: &Config) -> Result<Setup> {
+    /// The setup a config asks for, checked against the GPUs this machine has. `spread`: when
+    /// this program is one of several processes, the ranks are spread over them (else this
+    /// process runs them all, as `converge` does its one-rank baseline).
+    pub fn from_config(cfg: &Config, spread: bool) -> Result<Setup> {
         let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s.min(crate::config::MAX_TIMEOUT_S));
         let cuda = cfg.device.kind == DeviceKind::Cuda;
-        let world = cfg.parallel.world_size();
+        let processes = if spread { processes::current()? } else { None };
+        if let Some(p) = processes {
+            p.share(cfg.parallel.world_size())?;
+        }
+        // the ranks of this machine: all of them, or this node's processes' blocks
+        let world = processes.map_or(cfg.parallel.world_size(), |p| p.on_node(cfg.parallel.world_size()).0);
         let gpus = if cuda { crate::cuda::runtime::device_count()? } else { 0 };
         // the interleaved pipeline's messages are not paired for NCCL yet: `auto` stays local
         let choice = match cfg.parallel.pp_schedule {
@@ -94,7 +110,8 @@ impl Setup {
             },
             false => Capacity::host(world),
         };
-        Ok(Setup { timeout, cuda, sync_launches: cfg.device.sync_launches, backend, capacity })
+        let spread = processes.is_some();
+        Ok(Setup { timeout, cuda, sync_launches: cfg.device.sync_launches, backend, capacity, spread })
     }
 }
 
@@ -166,11 +183,23 @@ pub fn launch<R: Send>(grid: Grid, timeout: Duration, f: impl Fn(&Rank) -> Resul
     launch_on(grid, Setup::cpu(timeout), f)
 }
 
-/// `launch` on the devices and backend of `setup`.
+/// `launch` on the devices and backend of `setup`. Spread over processes, it runs and returns
+/// this process's ranks only.
 pub fn launch_on<R: Send>(grid: Grid, setup: Setup, f: impl Fn(&Rank) -> Result<R> + Sync) -> Result<Vec<R>> {
-    let hub = Arc::new(Hub::new(setup.timeout));
+    let session = match setup.spread {
+        true => Session::start(grid.world_size(), setup.timeout)?,
+        false => None,
+    };
+    let here = session.as_ref().map_or(0..grid.world_size(), Session::ranks);
+    let beyond = session.clone().map(|s| Box::new(s) as Box<dyn Beyond>);
+    let hub = Arc::new(Hub::new(setup.timeout, beyond));
+    if let Some(s) = &session {
+        s.attach(&hub); // what the other processes sent before this one got here
+    }
+    let alone = here.len() == 1;
     let results: Vec<Option<R>> = std::thread::scope(|s| {
-        let threads: Vec<_> = (0..grid.world_size())
+        let threads: Vec<_> = here
+            .clone()
             .map(|rank| {
                 let (hub, f, setup) = (hub.clone(), &f, &setup);
                 s.spawn(move || {
@@ -179,7 +208,7 @@ pub fn launch_on<R: Send>(grid: Grid, setup: Setup, f: impl Fn(&Rank) -> Result<
                     // (a third of the context switches of a tiny step). Several ranks must not:
                     // a worker waiting inside one rank's loop may pick up another rank's whole
                     // run, which then waits in a collective for the first: a deadlock.
-                    if grid.world_size() == 1 {
+                    if alone {
                         rayon::scope(|_| run_rank(grid, setup, rank, hub, f))
                     } else {
                         run_rank(grid, setup, rank, hub, f)
@@ -189,10 +218,12 @@ pub fn launch_on<R: Send>(grid: Grid, setup: Setup, f: impl Fn(&Rank) -> Result<
             .collect();
         threads.into_iter().map(|t| t.join().ok().flatten()).collect()
     });
+    let closed = session.map_or(Ok(()), |s| s.close(&hub)); // every process is done with this launch
     if let Some(reason) = hub.aborted() {
         bail!("{reason}");
     }
-    results.into_iter().enumerate().map(|(r, x)| x.ok_or_else(|| anyhow!("rank {r} stopped"))).collect()
+    closed?;
+    results.into_iter().zip(here).map(|(x, r)| x.ok_or_else(|| anyhow!("rank {r} stopped"))).collect()
 }
 
 /// One rank's thread: its groups, its communication thread, and `f`, with failures reported to
@@ -245,7 +276,12 @@ fn open_devices(me: &mut Rank, setup: &Setup) -> Result<()> {
     if !setup.cuda {
         return Ok(());
     }
-    let mut gpu = Gpu::open(me.rank % crate::cuda::runtime::device_count()?)?;
+    // a rank's GPU is its place among the ranks of its machine
+    let on_node = match processes::current()? {
+        Some(p) if setup.spread => p.on_node(me.grid.world_size()).1 + me.rank % (me.grid.world_size() / p.count),
+        _ => me.rank,
+    };
+    let mut gpu = Gpu::open(on_node % crate::cuda::runtime::device_count()?)?;
     gpu.sync_launches = setup.sync_launches;
     if setup.backend == Backend::Nccl {
         for (_, group) in &me.groups {

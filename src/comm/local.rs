@@ -12,6 +12,11 @@
 //! already returned; and when any rank fails, the launcher calls `abort`, which wakes every
 //! waiting rank with `Aborted`. While a rank holds the hub (`hold`: work only it does, such as
 //! writing a checkpoint) the clock stops: every wait's timeout starts again when it is released.
+//!
+//! When the run spans several processes, the hub holds only this process's ranks, and whatever
+//! concerns the others (a part of a collective they are in, a message to one of them, an abort, a
+//! rank that finished) is handed to `Beyond`, the bridge of `comm/remote.rs`, which brings theirs
+//! back in. The rest of this file does not change: a part is a part, wherever it came from.
 
 use crate::ops::types::ReduceOp;
 use anyhow::{bail, Result};
@@ -34,14 +39,41 @@ pub struct Hub {
     state: Mutex<HubState>,
     changed: Condvar,
     timeout: Duration,
+    /// The ranks of the other processes, when the run spans several.
+    beyond: Option<Box<dyn Beyond>>,
 }
+
+/// What the hub needs of the ranks that live in other processes (`comm/remote.rs`).
+pub(crate) trait Beyond: Send + Sync {
+    /// Whether global rank `rank` is a thread of this process.
+    fn is_here(&self, rank: usize) -> bool;
+    /// Passes `note` to the processes it concerns.
+    fn tell(&self, note: Note<'_>);
+    /// `rank` as messages name it: "3 (process 1 on host node-b)".
+    fn name(&self, rank: usize) -> String;
+}
+
+/// What one process's hub tells the others.
+pub(crate) enum Note<'a> {
+    /// This member's part of call `seq` of `group`: for every process with another member.
+    Part { group: &'a GroupInfo, seq: u64, op: Op, data: &'a [f32] },
+    /// A message to global rank `to`.
+    Mail { key: &'a MailKey, to: usize, data: &'a [f32] },
+    Abort(&'a str),
+    Finished(usize),
+    Hold,
+    Release,
+}
+
+/// A message's place in the mailbox: (group name, from, to, message number), places in the group.
+pub(crate) type MailKey = (String, usize, usize, u64);
 
 #[derive(Default)]
 struct HubState {
     /// Parts of collectives in progress, by (group name, call number).
     slots: HashMap<(String, u64), Slot>,
     /// Point-to-point messages in flight, by (group name, from, to, message number).
-    mail: HashMap<(String, usize, usize, u64), Vec<f32>>,
+    mail: HashMap<MailKey, Vec<f32>>,
     /// Ranks whose function has returned.
     finished: Vec<usize>,
     /// Set once, by the first rank that fails.
@@ -55,8 +87,8 @@ pub(crate) struct Held<'a>(&'a Hub);
 
 impl Drop for Held<'_> {
     fn drop(&mut self) {
-        self.0.lock().holding -= 1;
-        self.0.changed.notify_all(); // every wait restarts its clock
+        self.0.release();
+        self.0.tell(Note::Release);
     }
 }
 
@@ -78,16 +110,30 @@ impl std::fmt::Display for Aborted {
 impl std::error::Error for Aborted {}
 
 impl Hub {
-    pub fn new(timeout: Duration) -> Hub {
-        Hub { state: Mutex::new(HubState::default()), changed: Condvar::new(), timeout }
+    /// A hub for the ranks of this process; `beyond` reaches those of the others, if any.
+    pub(crate) fn new(timeout: Duration, beyond: Option<Box<dyn Beyond>>) -> Hub {
+        Hub { state: Mutex::new(HubState::default()), changed: Condvar::new(), timeout, beyond }
     }
 
     fn lock(&self) -> MutexGuard<'_, HubState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Stops the run: every wait, now or later, returns `Aborted(reason)`. The first reason stays.
+    fn tell(&self, note: Note<'_>) {
+        if let Some(beyond) = &self.beyond {
+            beyond.tell(note); // never under the lock: the wire may wait for the other side
+        }
+    }
+
+    /// Stops the run: every wait, now or later, returns `Aborted(reason)`. The first reason
+    /// stays. The other processes are told.
     pub fn abort(&self, reason: String) {
+        self.tell(Note::Abort(&reason));
+        self.abort_here(reason);
+    }
+
+    /// `abort`, for this process only (another process told us).
+    pub(crate) fn abort_here(&self, reason: String) {
         self.lock().aborted.get_or_insert(reason);
         self.changed.notify_all();
     }
@@ -96,15 +142,38 @@ impl Hub {
         self.lock().aborted.clone()
     }
 
-    /// Stops the timeout clock of every wait until the returned guard is dropped.
+    /// Stops the timeout clock of every wait, in every process, until the guard is dropped.
     pub(crate) fn hold(&self) -> Held<'_> {
-        self.lock().holding += 1;
+        self.tell(Note::Hold);
+        self.hold_here();
         Held(self)
     }
 
+    pub(crate) fn hold_here(&self) {
+        self.lock().holding += 1;
+    }
+
+    pub(crate) fn release(&self) {
+        self.lock().holding -= 1;
+        self.changed.notify_all(); // every wait restarts its clock
+    }
+
     pub fn finish(&self, rank: usize) {
+        self.tell(Note::Finished(rank));
+        self.finished_here(rank);
+    }
+
+    pub(crate) fn finished_here(&self, rank: usize) {
         self.lock().finished.push(rank);
         self.changed.notify_all();
+    }
+
+    /// "rank(s) [2, 3]", with each rank's process and host when the run spans processes.
+    fn who(&self, ranks: &[usize]) -> String {
+        match &self.beyond {
+            None => format!("rank(s) {ranks:?}"),
+            Some(b) => format!("rank(s) [{}]", ranks.iter().map(|&r| b.name(r)).collect::<Vec<_>>().join(", ")),
+        }
     }
 
     /// Waits until `ready` holds, failing on abort, on timeout, or when a rank we wait for has
@@ -127,7 +196,7 @@ impl Hub {
             let absent = missing(&st);
             let gone: Vec<usize> = absent.iter().copied().filter(|r| st.finished.contains(r)).collect();
             if !gone.is_empty() {
-                bail!("{what}: rank(s) {gone:?} returned without taking part");
+                bail!("{what}: {} returned without taking part", self.who(&gone));
             }
             let now = Instant::now();
             if st.holding > 0 || was_held {
@@ -135,21 +204,36 @@ impl Hub {
                 was_held = st.holding > 0;
             }
             if now >= deadline {
-                bail!("{what}: timed out after {:.1}s waiting for rank(s) {absent:?}", self.timeout.as_secs_f64());
+                bail!("{what}: timed out after {:.1}s waiting for {}", self.timeout.as_secs_f64(), self.who(&absent));
             }
             st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
         }
+    }
+
+    /// Leaves part `index` of call `seq` of the group of `ranks` (named `name`) in its slot.
+    /// The slot is read by this process's members, and removed when all of them have.
+    fn leave(&self, st: &mut HubState, (name, ranks): (&str, &[usize]), seq: u64, index: usize, part: (Op, Vec<f32>)) {
+        let here = self.beyond.as_ref().map_or(ranks.len(), |b| ranks.iter().filter(|&&r| b.is_here(r)).count());
+        let slot = st
+            .slots
+            .entry((name.to_string(), seq))
+            .or_insert_with(|| Slot { parts: vec![None; ranks.len()], unread: here });
+        slot.parts[index] = Some((part.0, Arc::new(part.1)));
+        self.changed.notify_all();
+    }
+
+    /// A part another process's member left (`comm/remote.rs`).
+    pub(crate) fn part_from_afar(&self, group: (&str, &[usize]), seq: u64, index: usize, part: (Op, Vec<f32>)) {
+        self.leave(&mut self.lock(), group, seq, index, part);
     }
 
     /// Leaves this member's part of call `seq` of group `g`, waits for all parts, returns them in
     /// rank order after checking that every member called the same collective with the same size.
     pub(crate) fn exchange(&self, g: &GroupInfo, seq: u64, op: Op, data: Vec<f32>) -> Result<Vec<Arc<Vec<f32>>>> {
         let key = (g.name.clone(), seq);
-        let n = g.ranks.len();
+        self.tell(Note::Part { group: g, seq, op, data: &data });
         let mut st = self.lock();
-        let slot = st.slots.entry(key.clone()).or_insert_with(|| Slot { parts: vec![None; n], unread: n });
-        slot.parts[g.index] = Some((op, Arc::new(data)));
-        self.changed.notify_all();
+        self.leave(&mut st, (&g.name, &g.ranks), seq, g.index, (op, data));
         let what = format!("{} on group {}", op.name(), g.name);
         let complete = |st: &HubState| st.slots[&key].parts.iter().all(Option::is_some);
         let missing = |st: &HubState| {
@@ -178,13 +262,21 @@ impl Hub {
         Ok(parts.into_iter().map(|(_, d)| d).collect())
     }
 
-    pub(crate) fn post(&self, key: (String, usize, usize, u64), data: Vec<f32>) {
+    /// Leaves message `key` for global rank `to`, here or in its process.
+    pub(crate) fn post(&self, key: MailKey, to: usize, data: Vec<f32>) {
+        match &self.beyond {
+            Some(b) if !b.is_here(to) => b.tell(Note::Mail { key: &key, to, data: &data }),
+            _ => self.mail_here(key, data),
+        }
+    }
+
+    pub(crate) fn mail_here(&self, key: MailKey, data: Vec<f32>) {
         self.lock().mail.insert(key, data);
         self.changed.notify_all();
     }
 
     /// Waits for message `key` (group, from, to, number) from global rank `sender`.
-    pub(crate) fn take(&self, key: (String, usize, usize, u64), len: usize, sender: usize) -> Result<Vec<f32>> {
+    pub(crate) fn take(&self, key: MailKey, len: usize, sender: usize) -> Result<Vec<f32>> {
         let what = format!("recv on group {} from rank {sender}", key.0);
         let mut st = self.wait_for(self.lock(), &what, |st| st.mail.contains_key(&key), |_| vec![sender])?;
         let data = st.mail.remove(&key).expect("message present");

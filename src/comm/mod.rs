@@ -28,6 +28,11 @@ pub mod cost;
 pub mod device_link;
 pub mod launcher;
 pub mod local;
+#[cfg(feature = "mpi")]
+pub mod mpi;
+pub mod processes;
+pub mod remote;
+pub mod tcp;
 pub mod tensors;
 pub mod trace;
 
@@ -295,8 +300,7 @@ impl Group {
             Some(Call::P2p),
             || format!("send of {} to {to}", values(n)),
             move |hub, g| {
-                g.member(to, "send")?;
-                hub.post(key, data);
+                hub.post(key, g.member(to, "send")?, data);
                 Ok(())
             },
         )
@@ -321,8 +325,7 @@ impl Group {
         let what = || format!("send_recv of {} to {to}, {} from {from}", values(n), values(len));
         self.submit(Some(Call::P2p), what, move |hub, g| {
             let sender = g.member(from, "send_recv")?;
-            g.member(to, "send_recv")?;
-            hub.post(out, data);
+            hub.post(out, g.member(to, "send_recv")?, data);
             Ok(narrow(&hub.take(inbound, len, sender)?))
         })
     }
@@ -349,7 +352,7 @@ impl Group {
                 let piece = data[at..at + send[j]].to_vec();
                 at += send[j];
                 match key {
-                    Some(key) => hub.post(key, piece), // buffered: every send first, no member waits on another
+                    Some(key) => hub.post(key, g.ranks[j], piece), // buffered: every send first, no member waits on another
                     None => mine = piece,
                 }
             }

@@ -78,7 +78,8 @@ pub fn converge(
         "parallel.ep=1".into(),
         format!("train.grad_accum_steps={}", t.grad_accum_steps * p.dp),
     ];
-    let run = |label: &str, extra: &[String]| -> Result<Vec<f32>> {
+    // started as several processes, each computes the baseline alone, and the variants together
+    let run = |label: &str, extra: &[String], one_process: bool| -> Result<Vec<f32>> {
         let all: Vec<String> = sets.iter().chain(extra).cloned().collect();
         let cfg = Config::load(path, &all).with_context(|| format!("variant `{label}`"))?;
         let g = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.parallel.dp;
@@ -90,7 +91,7 @@ pub fn converge(
             cfg.parallel.world_size(),
             if cfg.parallel.world_size() == 1 { "" } else { "s" }
         );
-        Ok(train::train(&cfg, Options { quiet: true, ..Default::default() })?.losses)
+        Ok(train::train(&cfg, Options { quiet: true, one_process, ..Default::default() })?.losses)
     };
     // every variant's settings are checked before anything runs
     let mut planned = Vec::new();
@@ -107,10 +108,10 @@ pub fn converge(
         }
         planned.push((v, extra));
     }
-    let baseline = run("baseline", &one_rank)?;
+    let baseline = run("baseline", &one_rank, true)?;
     let mut outcomes = Vec::new();
     for (v, extra) in planned {
-        let losses = run(&v.label, &extra)?;
+        let losses = run(&v.label, &extra, false)?;
         let max_diff = losses.iter().zip(&baseline).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
         let pass = max_diff <= tol && losses.len() == baseline.len();
         outcomes.push(Outcome { label: v.label.clone(), losses, max_diff, pass });

@@ -51,6 +51,9 @@ pub struct Options<'a> {
     /// Print what every axis's communication cost per step, next to the α–β model's time on
     /// this link (`comm/cost.rs`).
     pub comm_report: Option<Link>,
+    /// Run every rank in this process even when it is one of several a launcher started
+    /// (`converge`'s one-rank baseline, which each process computes for itself).
+    pub one_process: bool,
 }
 
 /// How a run that a signal stopped ended.
@@ -146,7 +149,7 @@ impl Run {
     pub(super) fn prepare(cfg: &Config, opts: Options) -> Result<Run> {
         let (t, p) = (&cfg.train, &cfg.parallel);
         let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?;
-        let setup = Setup::from_config(cfg)?;
+        let setup = Setup::from_config(cfg, !opts.one_process)?;
         let full_weights = memory::weights_per_rank(&cfg.model, 1, 1) * 4.0;
         let loaded = match (opts.resume, cfg.model.init_from.is_empty()) {
             (Some(_), _) => 3.0 * full_weights, // weights and two AdamW moments, whole, in f32
@@ -170,7 +173,8 @@ impl Run {
         let resumed_step = resumed.as_ref().map(|(r, _)| r.step);
         let finished = resumed_step == Some(t.steps);
         let checkpoints = Checkpoints { folder: Mutex::new(None), run_id, resumed_step };
-        if cfg.checkpoint.every > 0 && !finished {
+        let writes = setup.spread.then(crate::comm::processes::leads).unwrap_or(true); // rank 0 is here
+        if cfg.checkpoint.every > 0 && !finished && writes {
             checkpoints.take(cfg)?; // this run owns checkpoint.dir from now on
         }
         let data = Dataset::open(&cfg.data, &cfg.model)?;

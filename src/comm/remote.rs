@@ -1,0 +1,415 @@
+//! # The bridge: one run's hubs in several processes
+//!
+//! Each process has a hub (`comm/local.rs`) where its rank threads meet. When a run spans
+//! processes, each hub tells the others what concerns their ranks, over the wire (MPI or TCP),
+//! and puts what they tell it into its own state as if a thread of its own had left it:
+//!
+//! ```text
+//! a part of a collective   → every process with another member of the group; each member
+//!                            computes its result from all parts in rank order, as in one
+//!                            process: the same bits, whatever the number of processes
+//! a message (send/recv)    → the process of its receiver
+//! abort, finished, hold    → every process: a failure anywhere stops every rank, a rank that
+//!                            returned is not waited for, a checkpoint's writer stops the clocks
+//! ```
+//! So the checks of the hub hold across processes, and a wait that times out names the missing
+//! rank's process and host. A process whose link breaks (it died) aborts the run at once.
+//!
+//! Each launch is a *session*, numbered in order (every process launches the same runs in the
+//! same order). It ends when every process has said it is done, so nothing of it is in flight
+//! when the next one starts or the program ends; notes of a session not yet begun here wait.
+
+use super::local::{Beyond, Hub, MailKey, Note, Op};
+use super::processes::{self, Deliver, Processes, Wire, WireKind};
+use crate::ops::types::ReduceOp;
+use anyhow::{anyhow, bail, Result};
+use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, Weak};
+use std::time::{Duration, Instant};
+
+/// This process's link to the others: made at the first launch that spans them.
+static BRIDGE: Mutex<Option<Arc<Bridge>>> = Mutex::new(None);
+
+struct Bridge {
+    me: Processes,
+    wire: Box<dyn Wire>,
+    inbox: Arc<Inbox>,
+    sessions: AtomicU64,
+    /// Every process's host, once they have all said hello (read without the inbox's lock: the
+    /// hub asks for it under its own).
+    hosts: OnceLock<Vec<String>>,
+}
+
+/// What arrived from the other processes.
+struct Inbox {
+    state: Mutex<InboxState>,
+    changed: Condvar,
+}
+
+struct InboxState {
+    /// The session running here, and its hub.
+    hub: Option<(u64, Weak<Hub>)>,
+    /// Notes of sessions not begun here yet: (from, session, bytes).
+    early: Vec<(usize, u64, Vec<u8>)>,
+    hosts: Vec<Option<String>>,
+    /// The last session each process finished.
+    done: Vec<u64>,
+    /// Why the link to a process broke, if it did.
+    lost: Vec<Option<String>>,
+}
+
+// The kinds of notes on the wire.
+const HELLO: u8 = 0;
+const PART: u8 = 1;
+const MAIL: u8 = 2;
+const ABORT: u8 = 3;
+const FINISHED: u8 = 4;
+const HOLD: u8 = 5;
+const RELEASE: u8 = 6;
+const DONE: u8 = 7;
+
+/// One launch's ranks, spread over the processes: the hub's `Beyond`.
+#[derive(Clone)]
+pub struct Session {
+    bridge: Arc<Bridge>,
+    number: u64,
+    per_process: usize,
+    timeout: Duration,
+}
+
+impl Session {
+    /// Starts a session of a `world`-rank launch, when this program is one of several processes
+    /// (connecting them, the first time).
+    pub fn start(world: usize, timeout: Duration) -> Result<Option<Session>> {
+        let Some(me) = processes::current()? else {
+            return Ok(None);
+        };
+        let range = me.share(world)?;
+        let bridge = Bridge::get(me, timeout)?;
+        let number = bridge.sessions.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(Some(Session { bridge, number, per_process: range.len(), timeout }))
+    }
+
+    /// The ranks this process runs.
+    pub fn ranks(&self) -> Range<usize> {
+        let me = self.bridge.me.index;
+        me * self.per_process..(me + 1) * self.per_process
+    }
+
+    /// The hub of this session's ranks here: what the others sent before it existed goes in.
+    pub fn attach(&self, hub: &Arc<Hub>) {
+        let mut st = self.bridge.inbox.lock();
+        st.hub = Some((self.number, Arc::downgrade(hub)));
+        for (from, number, bytes) in std::mem::take(&mut st.early) {
+            match number == self.number {
+                true => self.bridge.inbox.apply(hub, from, &bytes),
+                false => st.early.push((from, number, bytes)),
+            }
+        }
+        if let Some((p, why)) = st.lost.iter().enumerate().find_map(|(p, w)| w.clone().map(|w| (p, w))) {
+            hub.abort_here(self.bridge.gone(p, &why));
+        }
+    }
+
+    /// Says this process is done and waits until every other one is (unless the run failed:
+    /// then the failure is the run's error).
+    pub fn close(&self, hub: &Hub) -> Result<()> {
+        self.bridge.everyone(&Message::new(DONE, self.number).0);
+        let deadline = Instant::now() + self.timeout;
+        let mut st = self.bridge.inbox.lock();
+        let result = loop {
+            let waiting: Vec<usize> =
+                (0..st.done.len()).filter(|&p| p != self.bridge.me.index && st.done[p] < self.number).collect();
+            if waiting.is_empty() || hub.aborted().is_some() {
+                break Ok(());
+            }
+            if let Some(&p) = waiting.iter().find(|&&p| st.lost[p].is_some()) {
+                break Err(anyhow!("{}", self.bridge.gone(p, st.lost[p].as_deref().unwrap_or_default())));
+            }
+            if Instant::now() >= deadline {
+                let names: Vec<String> = waiting.iter().map(|&p| self.bridge.process(p)).collect();
+                break Err(anyhow!("the run ended here, but after {:.1}s {} had not ended it", self.timeout.as_secs_f64(), names.join(", ")));
+            }
+            st = self.bridge.inbox.changed.wait_timeout(st, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
+        };
+        st.hub = None;
+        result
+    }
+
+    fn process_of(&self, rank: usize) -> usize {
+        rank / self.per_process
+    }
+}
+
+impl Beyond for Session {
+    fn is_here(&self, rank: usize) -> bool {
+        self.process_of(rank) == self.bridge.me.index
+    }
+
+    fn tell(&self, note: Note<'_>) {
+        let me = self.bridge.me.index;
+        let (bytes, to) = match note {
+            Note::Part { group, seq, op, data } => {
+                let m = Message::new(PART, self.number).text(&group.name).list(&group.ranks).int(seq).int(group.index);
+                let mut to: Vec<usize> = group.ranks.iter().map(|&r| self.process_of(r)).filter(|&p| p != me).collect();
+                to.dedup(); // a group's ranks are in order, so are their processes
+                (op_into(m, op).numbers(data).0, to)
+            }
+            Note::Mail { key, to, data } => {
+                let (name, from, at, n) = key;
+                let m = Message::new(MAIL, self.number).text(name).int(*from).int(*at).int(*n).numbers(data);
+                (m.0, vec![self.process_of(to)])
+            }
+            Note::Abort(reason) => return self.bridge.everyone(&Message::new(ABORT, self.number).text(reason).0),
+            Note::Finished(rank) => return self.bridge.everyone(&Message::new(FINISHED, self.number).int(rank).0),
+            Note::Hold => return self.bridge.everyone(&Message::new(HOLD, self.number).0),
+            Note::Release => return self.bridge.everyone(&Message::new(RELEASE, self.number).0),
+        };
+        for p in to {
+            self.bridge.wire.send(p, bytes.clone());
+        }
+    }
+
+    fn name(&self, rank: usize) -> String {
+        format!("{rank} ({})", self.bridge.process(self.process_of(rank)))
+    }
+}
+
+impl Bridge {
+    /// The bridge, connecting this process to the others the first time: every process says
+    /// which host it is on.
+    fn get(me: &Processes, timeout: Duration) -> Result<Arc<Bridge>> {
+        let mut slot = BRIDGE.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(b) = slot.as_ref() {
+            return Ok(b.clone());
+        }
+        let n = me.count;
+        let state = InboxState { hub: None, early: Vec::new(), hosts: vec![None; n], done: vec![0; n], lost: vec![None; n] };
+        let inbox = Arc::new(Inbox { state: Mutex::new(state), changed: Condvar::new() });
+        let deliver: Deliver = {
+            let inbox = inbox.clone();
+            Arc::new(move |from, got| inbox.arrived(from, got))
+        };
+        let wire: Box<dyn Wire> = match &me.wire {
+            WireKind::Tcp { addr, port } => Box::new(super::tcp::connect(me, (addr, *port), timeout, deliver)?),
+            WireKind::Mpi => mpi_wire(me, deliver)?,
+        };
+        let hosts = OnceLock::new();
+        let bridge = Arc::new(Bridge { me: me.clone(), wire, inbox, sessions: AtomicU64::new(0), hosts });
+        let host = processes::host_name();
+        bridge.everyone(&Message::new(HELLO, 0).text(&host).0);
+        let deadline = Instant::now() + timeout;
+        let mut st = bridge.inbox.lock();
+        st.hosts[me.index] = Some(host);
+        while st.hosts.iter().any(Option::is_none) {
+            if let Some((p, why)) = st.lost.iter().enumerate().find_map(|(p, w)| w.clone().map(|w| (p, w))) {
+                bail!("process {p} went away while the processes met: {why}");
+            }
+            if Instant::now() >= deadline {
+                let missing: Vec<String> = (0..n).filter(|&p| st.hosts[p].is_none()).map(|p| p.to_string()).collect();
+                bail!("process(es) {} did not say hello within parallel.timeout_s", missing.join(", "));
+            }
+            st = bridge.inbox.changed.wait_timeout(st, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
+        }
+        let _ = bridge.hosts.set(st.hosts.iter().flatten().cloned().collect());
+        drop(st);
+        *slot = Some(bridge.clone());
+        Ok(bridge)
+    }
+
+    fn everyone(&self, bytes: &[u8]) {
+        (0..self.me.count).filter(|&p| p != self.me.index).for_each(|p| self.wire.send(p, bytes.to_vec()));
+    }
+
+    /// "process 1 on host node-b".
+    fn process(&self, p: usize) -> String {
+        let host = self.hosts.get().and_then(|h| h.get(p)).map_or("unknown", String::as_str);
+        format!("process {p} on host {host}")
+    }
+
+    fn gone(&self, p: usize, why: &str) -> String {
+        format!("{} went away: {why}", self.process(p))
+    }
+}
+
+/// Ends this process's link to the others when the program ends (`Wire::end`): after a clean
+/// run, or, after a failure, so that the launcher stops every process. Nothing when there is none.
+pub fn end(ok: bool) {
+    let bridge = BRIDGE.lock().unwrap_or_else(|e| e.into_inner()).take();
+    if let Some(b) = bridge {
+        b.wire.end(ok);
+    }
+}
+
+#[cfg(feature = "mpi")]
+fn mpi_wire(me: &Processes, deliver: Deliver) -> Result<Box<dyn Wire>> {
+    Ok(Box::new(super::mpi::connect(me, deliver)?))
+}
+
+#[cfg(not(feature = "mpi"))]
+fn mpi_wire(me: &Processes, _: Deliver) -> Result<Box<dyn Wire>> {
+    bail!(
+        "{} started {} processes, but this ferrotron was built without MPI: build it with `cargo build --release --features mpi` (Open MPI: `apt install libopenmpi-dev`), or launch it torchrun-style (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT)",
+        me.launcher(),
+        me.count
+    )
+}
+
+impl Inbox {
+    fn lock(&self) -> MutexGuard<'_, InboxState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// What the wire brought from process `from`. Notes go into the hub under the inbox's lock,
+    /// so those of one process go in in the order they were sent.
+    fn arrived(&self, from: usize, got: std::result::Result<Vec<u8>, String>) {
+        let mut st = self.lock();
+        match got {
+            Err(why) => {
+                st.lost[from] = Some(why.clone());
+                if let Some((number, hub)) = &st.hub {
+                    if let (true, Some(hub)) = (st.done[from] < *number, hub.upgrade()) {
+                        let host = st.hosts[from].as_deref().unwrap_or("unknown");
+                        hub.abort_here(format!("process {from} on host {host} went away: {why}"));
+                    }
+                }
+            }
+            Ok(bytes) => {
+                let (kind, number) = (bytes.first().copied(), Message::session(&bytes));
+                match kind {
+                    Some(HELLO) => st.hosts[from] = Reader::after_header(&bytes).text().ok(),
+                    Some(DONE) => st.done[from] = st.done[from].max(number),
+                    _ => match &st.hub {
+                        Some((n, hub)) if *n == number => match hub.upgrade() {
+                            Some(hub) => self.apply(&hub, from, &bytes),
+                            None => st.early.push((from, number, bytes)),
+                        },
+                        _ => st.early.push((from, number, bytes)), // a session not begun here yet
+                    },
+                }
+            }
+        }
+        self.changed.notify_all();
+    }
+
+    /// Puts a note of process `from` into `hub`; a note that does not read aborts the run.
+    fn apply(&self, hub: &Hub, from: usize, bytes: &[u8]) {
+        let mut r = Reader::after_header(bytes);
+        let applied = (|| -> Result<()> {
+            match bytes[0] {
+                PART => {
+                    let (name, ranks, seq, index) = (r.text()?, r.list()?, r.int()?, r.int()? as usize);
+                    let op = r.op()?;
+                    hub.part_from_afar((&name, &ranks), seq, index, (op, r.numbers()?));
+                }
+                MAIL => {
+                    let key: MailKey = (r.text()?, r.int()? as usize, r.int()? as usize, r.int()?);
+                    hub.mail_here(key, r.numbers()?);
+                }
+                ABORT => hub.abort_here(r.text()?),
+                FINISHED => hub.finished_here(r.int()? as usize),
+                HOLD => hub.hold_here(),
+                RELEASE => hub.release(),
+                kind => bail!("unknown note kind {kind}"),
+            }
+            Ok(())
+        })();
+        if let Err(e) = applied {
+            hub.abort_here(format!("a note from process {from} does not read ({e}): are all processes the same ferrotron?"));
+        }
+    }
+}
+
+/// A note being written: kind, session, then its fields, little-endian.
+struct Message(Vec<u8>);
+
+impl Message {
+    fn new(kind: u8, session: u64) -> Message {
+        let mut m = Message(vec![kind]);
+        m.0.extend(session.to_le_bytes());
+        m
+    }
+    fn session(bytes: &[u8]) -> u64 {
+        bytes.get(1..9).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+    }
+    fn int(mut self, v: impl TryInto<u64>) -> Message {
+        self.0.extend(v.try_into().unwrap_or(u64::MAX).to_le_bytes());
+        self
+    }
+    fn text(self, s: &str) -> Message {
+        let mut m = self.int(s.len());
+        m.0.extend(s.as_bytes());
+        m
+    }
+    fn list(self, xs: &[usize]) -> Message {
+        xs.iter().fold(self.int(xs.len()), |m, &x| m.int(x))
+    }
+    fn numbers(self, xs: &[f32]) -> Message {
+        let mut m = self.int(xs.len());
+        m.0.reserve(4 * xs.len());
+        xs.iter().for_each(|x| m.0.extend(x.to_le_bytes()));
+        m
+    }
+}
+
+/// `op` as three integers: which collective, which reduction, which root.
+fn op_into(m: Message, op: Op) -> Message {
+    let reduce = |r: ReduceOp| r as u64;
+    match op {
+        Op::AllReduce(r) => m.int(0u64).int(reduce(r)).int(0u64),
+        Op::AllGather => m.int(1u64).int(0u64).int(0u64),
+        Op::ReduceScatter(r) => m.int(2u64).int(reduce(r)).int(0u64),
+        Op::Broadcast { root } => m.int(3u64).int(0u64).int(root),
+        Op::Barrier => m.int(4u64).int(0u64).int(0u64),
+    }
+}
+
+/// A note being read.
+struct Reader<'a> {
+    bytes: &'a [u8],
+    at: usize,
+}
+
+impl Reader<'_> {
+    fn after_header(bytes: &[u8]) -> Reader<'_> {
+        Reader { bytes, at: 9 }
+    }
+    fn take(&mut self, n: usize) -> Result<&[u8]> {
+        let got = self.bytes.get(self.at..self.at.saturating_add(n)).ok_or_else(|| anyhow!("the note ends early"))?;
+        self.at += n;
+        Ok(got)
+    }
+    fn int(&mut self) -> Result<u64> {
+        Ok(u64::from_le_bytes(self.take(8)?.try_into().expect("8 bytes")))
+    }
+    fn text(&mut self) -> Result<String> {
+        let n = self.int()? as usize;
+        Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
+    }
+    fn list(&mut self) -> Result<Vec<usize>> {
+        (0..self.int()?).map(|_| self.int().map(|x| x as usize)).collect()
+    }
+    fn numbers(&mut self) -> Result<Vec<f32>> {
+        let n = self.int()? as usize;
+        let bytes = self.take(n.checked_mul(4).ok_or_else(|| anyhow!("too many numbers"))?)?;
+        Ok(bytes.chunks_exact(4).map(|b| f32::from_le_bytes(b.try_into().expect("4 bytes"))).collect())
+    }
+    fn op(&mut self) -> Result<Op> {
+        let (kind, reduce, root) = (self.int()?, self.int()?, self.int()? as usize);
+        let reduce = match reduce {
+            0 => ReduceOp::Sum,
+            1 => ReduceOp::Avg,
+            2 => ReduceOp::Max,
+            r => bail!("unknown reduction {r}"),
+        };
+        Ok(match kind {
+            0 => Op::AllReduce(reduce),
+            1 => Op::AllGather,
+            2 => Op::ReduceScatter(reduce),
+            3 => Op::Broadcast { root },
+            4 => Op::Barrier,
+            k => bail!("unknown collective {k}"),
+        })
+    }
+}
