@@ -18,7 +18,7 @@
 use super::processes::{Deliver, Processes, Wire};
 use anyhow::{bail, Result};
 use mpi::environment::Universe;
-use mpi::point_to_point::{Destination, Source};
+use mpi::point_to_point::{Destination, MatchedReceiveVec, Source};
 use mpi::topology::{Communicator, SimpleCommunicator};
 use mpi::Threading;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -68,8 +68,8 @@ pub fn connect(me: &Processes, deliver: Deliver) -> Result<Mpi> {
         let mut idle = Duration::from_micros(5);
         while !stopping.load(Ordering::Acquire) {
             match world.any_process().immediate_matched_probe_with_tag(TAG) {
-                Some((message, status)) => {
-                    let (bytes, _) = message.matched_receive_vec::<u8>();
+                Some(probed) => {
+                    let (bytes, status) = probed.matched_receive_vec::<u8>();
                     deliver(status.source_rank() as usize, Ok(bytes));
                     idle = Duration::from_micros(5);
                 }
@@ -97,6 +97,12 @@ impl Wire for Mpi {
 
     fn end(&self, ok: bool) {
         if !ok {
+            // the launcher stops every process with SIGTERM: here it must not wait for a step's end
+            // SAFETY: restoring the default action of a signal is always allowed.
+            unsafe {
+                libc::signal(libc::SIGTERM, libc::SIG_DFL);
+                libc::signal(libc::SIGINT, libc::SIG_DFL);
+            }
             SimpleCommunicator::world().abort(1); // the launcher stops the other processes
         }
         drop(self.queue.lock().unwrap_or_else(|e| e.into_inner()).take()); // the sender drains and ends

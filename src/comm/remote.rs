@@ -36,20 +36,20 @@ struct Bridge {
     wire: Box<dyn Wire>,
     inbox: Arc<Inbox>,
     sessions: AtomicU64,
-    /// Every process's host, once they have all said hello (read without the inbox's lock: the
-    /// hub asks for it under its own).
-    hosts: OnceLock<Vec<String>>,
 }
 
 /// What arrived from the other processes.
 struct Inbox {
     state: Mutex<InboxState>,
     changed: Condvar,
+    /// Every process's host, once they have all said hello (read without the lock: the hub
+    /// asks for names under its own).
+    hosts: OnceLock<Vec<String>>,
 }
 
 struct InboxState {
-    /// The session running here, and its hub.
-    hub: Option<(u64, Weak<Hub>)>,
+    /// The session running here: its number, ranks per process, and hub.
+    hub: Option<(u64, usize, Weak<Hub>)>,
     /// Notes of sessions not begun here yet: (from, session, bytes).
     early: Vec<(usize, u64, Vec<u8>)>,
     hosts: Vec<Option<String>>,
@@ -100,7 +100,7 @@ impl Session {
     /// The hub of this session's ranks here: what the others sent before it existed goes in.
     pub fn attach(&self, hub: &Arc<Hub>) {
         let mut st = self.bridge.inbox.lock();
-        st.hub = Some((self.number, Arc::downgrade(hub)));
+        st.hub = Some((self.number, self.per_process, Arc::downgrade(hub)));
         for (from, number, bytes) in std::mem::take(&mut st.early) {
             match number == self.number {
                 true => self.bridge.inbox.apply(hub, from, &bytes),
@@ -108,7 +108,7 @@ impl Session {
             }
         }
         if let Some((p, why)) = st.lost.iter().enumerate().find_map(|(p, w)| w.clone().map(|w| (p, w))) {
-            hub.abort_here(self.bridge.gone(p, &why));
+            hub.abort_here(self.bridge.gone(p, self.per_process, &why));
         }
     }
 
@@ -125,7 +125,7 @@ impl Session {
                 break Ok(());
             }
             if let Some(&p) = waiting.iter().find(|&&p| st.lost[p].is_some()) {
-                break Err(anyhow!("{}", self.bridge.gone(p, st.lost[p].as_deref().unwrap_or_default())));
+                break Err(anyhow!("{}", self.bridge.gone(p, self.per_process, st.lost[p].as_deref().unwrap_or_default())));
             }
             if Instant::now() >= deadline {
                 let names: Vec<String> = waiting.iter().map(|&p| self.bridge.process(p)).collect();
@@ -186,7 +186,7 @@ impl Bridge {
         }
         let n = me.count;
         let state = InboxState { hub: None, early: Vec::new(), hosts: vec![None; n], done: vec![0; n], lost: vec![None; n] };
-        let inbox = Arc::new(Inbox { state: Mutex::new(state), changed: Condvar::new() });
+        let inbox = Arc::new(Inbox { state: Mutex::new(state), changed: Condvar::new(), hosts: OnceLock::new() });
         let deliver: Deliver = {
             let inbox = inbox.clone();
             Arc::new(move |from, got| inbox.arrived(from, got))
@@ -195,8 +195,7 @@ impl Bridge {
             WireKind::Tcp { addr, port } => Box::new(super::tcp::connect(me, (addr, *port), timeout, deliver)?),
             WireKind::Mpi => mpi_wire(me, deliver)?,
         };
-        let hosts = OnceLock::new();
-        let bridge = Arc::new(Bridge { me: me.clone(), wire, inbox, sessions: AtomicU64::new(0), hosts });
+        let bridge = Arc::new(Bridge { me: me.clone(), wire, inbox, sessions: AtomicU64::new(0) });
         let host = processes::host_name();
         bridge.everyone(&Message::new(HELLO, 0).text(&host).0);
         let deadline = Instant::now() + timeout;
@@ -212,7 +211,7 @@ impl Bridge {
             }
             st = bridge.inbox.changed.wait_timeout(st, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
         }
-        let _ = bridge.hosts.set(st.hosts.iter().flatten().cloned().collect());
+        let _ = bridge.inbox.hosts.set(st.hosts.iter().flatten().cloned().collect());
         drop(st);
         *slot = Some(bridge.clone());
         Ok(bridge)
@@ -222,14 +221,12 @@ impl Bridge {
         (0..self.me.count).filter(|&p| p != self.me.index).for_each(|p| self.wire.send(p, bytes.to_vec()));
     }
 
-    /// "process 1 on host node-b".
     fn process(&self, p: usize) -> String {
-        let host = self.hosts.get().and_then(|h| h.get(p)).map_or("unknown", String::as_str);
-        format!("process {p} on host {host}")
+        self.inbox.process(p)
     }
 
-    fn gone(&self, p: usize, why: &str) -> String {
-        format!("{} went away: {why}", self.process(p))
+    fn gone(&self, p: usize, per_process: usize, why: &str) -> String {
+        self.inbox.gone(p, per_process, why)
     }
 }
 
@@ -263,15 +260,26 @@ impl Inbox {
 
     /// What the wire brought from process `from`. Notes go into the hub under the inbox's lock,
     /// so those of one process go in in the order they were sent.
+    /// "process 1 on host node-b".
+    fn process(&self, p: usize) -> String {
+        let host = self.hosts.get().and_then(|h| h.get(p)).map_or("unknown", String::as_str);
+        format!("process {p} on host {host}")
+    }
+
+    /// "process 1 on host node-b, with rank(s) 2..4, went away: …".
+    fn gone(&self, p: usize, per_process: usize, why: &str) -> String {
+        let ranks = p * per_process..(p + 1) * per_process;
+        format!("{}, with rank(s) {ranks:?}, went away: {why}", self.process(p))
+    }
+
     fn arrived(&self, from: usize, got: std::result::Result<Vec<u8>, String>) {
         let mut st = self.lock();
         match got {
             Err(why) => {
                 st.lost[from] = Some(why.clone());
-                if let Some((number, hub)) = &st.hub {
+                if let Some((number, per_process, hub)) = &st.hub {
                     if let (true, Some(hub)) = (st.done[from] < *number, hub.upgrade()) {
-                        let host = st.hosts[from].as_deref().unwrap_or("unknown");
-                        hub.abort_here(format!("process {from} on host {host} went away: {why}"));
+                        hub.abort_here(self.gone(from, *per_process, &why));
                     }
                 }
             }
@@ -281,7 +289,7 @@ impl Inbox {
                     Some(HELLO) => st.hosts[from] = Reader::after_header(&bytes).text().ok(),
                     Some(DONE) => st.done[from] = st.done[from].max(number),
                     _ => match &st.hub {
-                        Some((n, hub)) if *n == number => match hub.upgrade() {
+                        Some((n, _, hub)) if *n == number => match hub.upgrade() {
                             Some(hub) => self.apply(&hub, from, &bytes),
                             None => st.early.push((from, number, bytes)),
                         },

@@ -120,7 +120,13 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
             });
             match frame {
                 Ok(bytes) => deliver(peer, Ok(bytes)),
-                Err(e) => return deliver(peer, Err(format!("its connection closed ({e})"))),
+                Err(e) => {
+                    let why = match e.downcast_ref::<std::io::Error>().map(|e| e.kind()) {
+                        Some(std::io::ErrorKind::UnexpectedEof) => "its connection closed (the process ended or died)".into(),
+                        _ => format!("its connection broke ({e})"),
+                    };
+                    return deliver(peer, Err(why));
+                }
             }
         });
         writers.push(Some(Mutex::new(stream)));

@@ -1,5 +1,8 @@
 //! Shared by the test files that train.
 
+#[allow(dead_code)] // the multi-process test files only
+pub mod processes;
+
 /// A model small enough to train in seconds (`--set` strings).
 #[allow(dead_code)] // not every test file trains
 pub const SMALL: &[&str] = &[

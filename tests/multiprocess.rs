@@ -1,0 +1,200 @@
+//! Several processes started torchrun-style (TCP between them; `tests/mpi.rs` does the same
+//! under `mpirun`): a layout spread over 2 and over 4 processes gives the one-process loss curve
+//! (`converge`), a checkpoint moves between one process and several, a killed or a stalled
+//! process ends the run with its rank and host named, and the launcher's environment is read
+//! right or refused in one line.
+
+mod common;
+
+use common::processes::{args, losses, said, torchrun, wait_all, wait_for_steps};
+use ferrotron::comm::processes::{from_env, Processes, WireKind};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const LIMIT: Duration = Duration::from_secs(240);
+
+fn small(extra: &[&str]) -> Vec<String> {
+    common::SMALL.iter().chain(extra).map(|s| s.to_string()).collect()
+}
+
+/// `converge` of `variants` over `n` processes: every variant passes, and only process 0 speaks.
+fn converge_over(n: usize, variants: &str, extra: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().to_str().unwrap();
+    let a = args(&["converge", "--variants", variants, "--steps", "4", "--out", out], &small(extra));
+    let outs = wait_all(torchrun(n, &a), LIMIT);
+    for (i, o) in outs.iter().enumerate() {
+        assert!(o.status.success(), "process {i}:\n{}", said(o));
+    }
+    let table = said(&outs[0]);
+    for v in variants.split(';') {
+        let line = table.lines().find(|l| l.starts_with(&format!("{v} "))).unwrap_or_else(|| panic!("{v}?\n{table}"));
+        assert!(line.ends_with("pass"), "{line}");
+        let diff: f32 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
+        assert!(diff <= 1e-4, "{line}");
+    }
+    assert!(outs[1..].iter().all(|o| o.stdout.is_empty()), "only process 0 prints");
+    assert!(Path::new(out).join("losses.csv").exists());
+}
+
+#[test]
+fn a_layout_over_two_processes_gives_the_one_process_curve() {
+    // one rank per process (dp, tp, pp, cp), then 4 ranks per process (3D)
+    converge_over(2, "dp=2;tp=2;pp=2;cp=2;dp=2,tp=2,pp=2", &[]);
+}
+
+#[test]
+fn a_layout_over_four_processes_gives_the_one_process_curve() {
+    let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2"];
+    converge_over(4, "dp=4;tp=2,pp=2;dp=2,cp=2,tp=2;ep=2,dp=4", &moe);
+}
+
+/// Two processes training dp=2 for long, with rank 0's metrics in `metrics`.
+fn long_run(metrics: &Path, timeout_s: &str) -> Vec<std::process::Child> {
+    let extra = ["parallel.dp=2", "train.steps=100000", "train.micro_batch_size=4", timeout_s];
+    let mut a = args(&["train"], &small(&extra));
+    a.extend(["--metrics".into(), metrics.to_str().unwrap().into()]);
+    torchrun(2, &a)
+}
+
+#[test]
+fn a_killed_process_ends_the_run_at_once_naming_its_ranks_and_host() {
+    let tmp = tempfile::tempdir().unwrap();
+    let metrics = tmp.path().join("m.jsonl");
+    let mut procs = long_run(&metrics, "parallel.timeout_s=60");
+    wait_for_steps(&metrics, 2, LIMIT);
+    procs[1].kill().unwrap(); // SIGKILL: no goodbye
+    let start = Instant::now();
+    let outs = wait_all(procs, LIMIT);
+    assert!(start.elapsed() < Duration::from_secs(30), "noticed at once, not after parallel.timeout_s = 60");
+    let first = said(&outs[0]);
+    assert!(!outs[0].status.success());
+    assert!(first.contains("process 1 on host ") && first.contains("rank(s) 1..2") && first.contains("went away"), "{first}");
+}
+
+#[test]
+fn a_stalled_process_ends_the_run_within_the_timeout_naming_its_rank_and_host() {
+    let tmp = tempfile::tempdir().unwrap();
+    let metrics = tmp.path().join("m.jsonl");
+    let mut procs = long_run(&metrics, "parallel.timeout_s=3");
+    wait_for_steps(&metrics, 2, LIMIT);
+    let stalled = procs[1].id() as i32;
+    unsafe { libc::kill(stalled, libc::SIGSTOP) }; // alive, connected, silent
+    let start = Instant::now();
+    while procs[0].try_wait().unwrap().is_none() {
+        assert!(start.elapsed() < Duration::from_secs(60), "process 0 hangs on a stalled process");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    unsafe { libc::kill(stalled, libc::SIGKILL) };
+    let outs = wait_all(procs, LIMIT);
+    let first = said(&outs[0]);
+    assert!(!outs[0].status.success());
+    assert!(first.contains("timed out after 3.0s waiting for rank(s) [1 (process 1 on host "), "{first}");
+}
+
+/// Trains dp=2 over `processes` (1: threads of one process) into checkpoint folder `dir`,
+/// from checkpoint `from` if given; rank 0's metrics go to `metrics`.
+fn train(processes: usize, dir: &Path, extra: &[&str], from: Option<&Path>, metrics: &Path) {
+    let ck = format!("checkpoint.dir=\"{}\"", dir.display());
+    let mut sets = small(&["parallel.dp=2", "train.micro_batch_size=4", "train.warmup_steps=2"]);
+    sets.extend(extra.iter().map(|s| s.to_string()).chain([ck]));
+    let mut a = args(&["train"], &sets);
+    a.extend(["--metrics".into(), metrics.to_str().unwrap().into()]);
+    a.extend(from.iter().flat_map(|f| ["--resume".to_string(), f.to_str().unwrap().to_string()]));
+    let outs = match processes {
+        1 => vec![std::process::Command::new(common::processes::BIN).args(&a).output().unwrap()],
+        n => wait_all(torchrun(n, &a), LIMIT),
+    };
+    outs.iter().for_each(|o| assert!(o.status.success(), "{}", said(o)));
+}
+
+#[test]
+fn checkpoints_move_between_one_process_and_several() {
+    let tmp = tempfile::tempdir().unwrap();
+    let p = |name: &str| tmp.path().join(name);
+    train(1, &p("one"), &["train.steps=8", "checkpoint.every=4"], None, &p("full.jsonl"));
+    let full = losses(&p("full.jsonl"));
+    // two processes save (process 0 writes); one process resumes, with the same losses
+    train(2, &p("two"), &["train.steps=8", "checkpoint.every=4"], None, &p("two.jsonl"));
+    assert_eq!(losses(&p("two.jsonl")), full, "two processes give the one-process losses, bit for bit");
+    train(1, &p("x"), &["train.steps=8"], Some(&p("two/step_000004")), &p("one_from_two.jsonl"));
+    assert_eq!(losses(&p("one_from_two.jsonl")), full[4..]);
+    // one process saved; two resume
+    train(2, &p("y"), &["train.steps=8"], Some(&p("one/step_000004")), &p("two_from_one.jsonl"));
+    assert_eq!(losses(&p("two_from_one.jsonl")), full[4..]);
+}
+
+fn env(pairs: &[(&str, &str)]) -> anyhow::Result<Option<Processes>> {
+    from_env(&|name: &str| pairs.iter().find(|(k, _)| *k == name).map(|(_, v)| v.to_string()))
+}
+
+#[test]
+fn the_launchers_environment_is_read() {
+    let torch = [("RANK", "3"), ("WORLD_SIZE", "4"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")];
+    let master = [("MASTER_ADDR", "node-a"), ("MASTER_PORT", "29500")];
+    let all: Vec<_> = torch.iter().chain(&master).copied().collect();
+    let tcp = WireKind::Tcp { addr: "node-a".into(), port: 29500 };
+    let want = Processes { index: 3, count: 4, local_index: 1, local_count: 2, wire: tcp.clone() };
+    assert_eq!(env(&all).unwrap(), Some(want));
+    let e = env(&all[..5]).unwrap_err().to_string();
+    assert!(e.contains("MASTER_PORT missing") || e.contains("MASTER_PORT") && e.contains("missing"), "{e}");
+    let bad_port: Vec<_> = torch.iter().copied().chain([("MASTER_ADDR", "a"), ("MASTER_PORT", "http")]).collect();
+    assert!(env(&bad_port).unwrap_err().to_string().contains("MASTER_PORT = \"http\""));
+    let ompi = [("OMPI_COMM_WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "0"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2")];
+    assert_eq!(env(&ompi).unwrap(), Some(Processes { index: 2, count: 4, local_index: 0, local_count: 2, wire: WireKind::Mpi }));
+    let hydra = [("PMI_SIZE", "2"), ("PMI_RANK", "1"), ("MPI_LOCALRANKID", "1"), ("MPI_LOCALNRANKS", "2")];
+    assert_eq!(env(&hydra).unwrap().unwrap().index, 1);
+    // srun: MPI, unless MASTER_ADDR/MASTER_PORT choose TCP
+    let srun = [("SLURM_PROCID", "9"), ("SLURM_NTASKS", "16"), ("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "8(x2)")];
+    let got = env(&srun).unwrap().unwrap();
+    assert_eq!((got.index, got.count, got.local_index, got.local_count, got.wire), (9, 16, 1, 8, WireKind::Mpi));
+    let srun_tcp: Vec<_> = srun.iter().chain(&master).copied().collect();
+    assert_eq!(env(&srun_tcp).unwrap().unwrap().wire, tcp);
+    // one process, or no launcher: the run of before
+    assert_eq!(env(&[]).unwrap(), None);
+    assert_eq!(env(&[("OMPI_COMM_WORLD_SIZE", "1"), ("OMPI_COMM_WORLD_RANK", "0")]).unwrap(), None);
+    let e = env(&[("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "2")]).unwrap_err().to_string();
+    assert!(e.contains("inconsistent"), "{e}");
+    // a process's share of the ranks
+    let two = Processes { index: 1, count: 2, local_index: 1, local_count: 2, wire: WireKind::Mpi };
+    assert_eq!(two.share(8).unwrap(), 4..8);
+    assert_eq!(two.on_node(8), (8, 4));
+    let e = two.share(3).unwrap_err().to_string();
+    assert!(e.contains("3 rank(s)") && e.contains("start 1, 3 processes"), "{e}");
+}
+
+#[test]
+fn a_bad_launch_is_one_clear_line() {
+    let run = |n: usize, sets: &[&str]| -> Vec<String> {
+        let outs = wait_all(torchrun(n, &args(&["train"], &small(sets))), LIMIT);
+        outs.iter().map(|o| {
+            assert!(!o.status.success());
+            String::from_utf8_lossy(&o.stderr).into_owned()
+        }).collect()
+    };
+    // 3 ranks do not split over 2 processes
+    let e = run(2, &["parallel.dp=3"]);
+    assert!(e.iter().all(|e| e.contains("3 rank(s), which do not split over the 2 processes")), "{e:?}");
+    // a process that never comes
+    let a = args(&["train"], &small(&["parallel.dp=2", "parallel.timeout_s=2"]));
+    let port = common::processes::free_port().to_string();
+    let lonely = std::process::Command::new(common::processes::BIN)
+        .args(&a)
+        .envs([("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")])
+        .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&lonely.stderr);
+    assert!(e.contains("for process(es) 1 (RANK) that never came"), "{e}");
+    // started by mpirun, built without MPI
+    #[cfg(not(feature = "mpi"))]
+    {
+        let out = std::process::Command::new(common::processes::BIN)
+            .args(args(&["train"], &small(&["parallel.dp=2"])))
+            .envs([("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "0")])
+            .output()
+            .unwrap();
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert!(e.contains("built without MPI") && e.contains("--features mpi"), "{e}");
+    }
+}
