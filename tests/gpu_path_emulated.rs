@@ -407,3 +407,35 @@ fn bench_profiles_the_gpu_path() {
         assert!(text.contains(kernel), "no {kernel} in the profile:\n{text}");
     }
 }
+
+#[test]
+fn a_run_over_two_processes_on_the_gpu_path_follows_one_process() {
+    let Some(dir) = fake_driver() else { return };
+    // two processes started torchrun-style, each with its own fake GPU: every group's NCCL
+    // communicator is made from the unique id its first rank sends over the processes' TCP links,
+    // and the fake NCCL meets the other process through files (FERROTRON_FAKE_NCCL_DIR); then two
+    // ranks per process on that one GPU, whose collectives take the host path over the links
+    use common::processes::{args, said, torchrun, wait_all};
+    let tmp = tempfile::tempdir().unwrap();
+    let (out, nccl) = (tmp.path().join("out"), tmp.path().join("nccl"));
+    let sets = ["device.kind=cuda", "device.dtype=f32", "model.hidden_size=64", "train.micro_batch_size=2"];
+    let sets: Vec<String> = common::SMALL.iter().chain(&sets).map(|s| s.to_string()).collect();
+    let variants = "dp=2,backend=nccl;tp=2,backend=nccl;pp=2,backend=nccl;dp=2,tp=2,backend=local";
+    let a = args(&["converge", "--variants", variants, "--steps", "3", "--out", out.to_str().unwrap()], &sets);
+    let path = format!("{}:{}", dir.display(), std::env::var("LD_LIBRARY_PATH").unwrap_or_default());
+    let env = [
+        ("LD_LIBRARY_PATH", path.as_str()),
+        ("FERROTRON_FAKE_GPUS", "1"),
+        ("FERROTRON_FAKE_NCCL_DIR", nccl.to_str().unwrap()),
+    ];
+    let outs = wait_all(torchrun(2, &a, &env), std::time::Duration::from_secs(600));
+    outs.iter().for_each(|o| assert!(o.status.success(), "{}", said(o)));
+    let text = said(&outs[0]);
+    for variant in variants.split(';') {
+        let line = text.lines().find(|l| l.starts_with(variant)).unwrap_or_else(|| panic!("no {variant}:\n{text}"));
+        assert!(line.ends_with("pass"), "{line}\n{text}");
+    }
+    // the NCCL calls did cross the processes: a communicator folder per group, with its calls
+    let folders = std::fs::read_dir(&nccl).unwrap().count();
+    assert!(folders >= 4, "{folders} communicators");
+}

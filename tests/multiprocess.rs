@@ -22,7 +22,7 @@ fn converge_over(n: usize, variants: &str, extra: &[&str]) {
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().to_str().unwrap();
     let a = args(&["converge", "--variants", variants, "--steps", "4", "--out", out], &small(extra));
-    let outs = wait_all(torchrun(n, &a), LIMIT);
+    let outs = wait_all(torchrun(n, &a, &[]), LIMIT);
     for (i, o) in outs.iter().enumerate() {
         assert!(o.status.success(), "process {i}:\n{}", said(o));
     }
@@ -54,7 +54,7 @@ fn long_run(metrics: &Path, timeout_s: &str) -> Vec<std::process::Child> {
     let extra = ["parallel.dp=2", "train.steps=100000", "train.micro_batch_size=4", timeout_s];
     let mut a = args(&["train"], &small(&extra));
     a.extend(["--metrics".into(), metrics.to_str().unwrap().into()]);
-    torchrun(2, &a)
+    torchrun(2, &a, &[])
 }
 
 #[test]
@@ -69,7 +69,10 @@ fn a_killed_process_ends_the_run_at_once_naming_its_ranks_and_host() {
     assert!(start.elapsed() < Duration::from_secs(30), "noticed at once, not after parallel.timeout_s = 60");
     let first = said(&outs[0]);
     assert!(!outs[0].status.success());
-    assert!(first.contains("process 1 on host ") && first.contains("rank(s) 1..2") && first.contains("went away"), "{first}");
+    assert!(
+        first.contains("process 1 on host ") && first.contains("rank(s) 1..2") && first.contains("went away"),
+        "{first}"
+    );
 }
 
 #[test]
@@ -103,7 +106,7 @@ fn train(processes: usize, dir: &Path, extra: &[&str], from: Option<&Path>, metr
     a.extend(from.iter().flat_map(|f| ["--resume".to_string(), f.to_str().unwrap().to_string()]));
     let outs = match processes {
         1 => vec![std::process::Command::new(common::processes::BIN).args(&a).output().unwrap()],
-        n => wait_all(torchrun(n, &a), LIMIT),
+        n => wait_all(torchrun(n, &a, &[]), LIMIT),
     };
     outs.iter().for_each(|o| assert!(o.status.success(), "{}", said(o)));
 }
@@ -140,12 +143,21 @@ fn the_launchers_environment_is_read() {
     assert!(e.contains("MASTER_PORT missing") || e.contains("MASTER_PORT") && e.contains("missing"), "{e}");
     let bad_port: Vec<_> = torch.iter().copied().chain([("MASTER_ADDR", "a"), ("MASTER_PORT", "http")]).collect();
     assert!(env(&bad_port).unwrap_err().to_string().contains("MASTER_PORT = \"http\""));
-    let ompi = [("OMPI_COMM_WORLD_SIZE", "4"), ("OMPI_COMM_WORLD_RANK", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "0"), ("OMPI_COMM_WORLD_LOCAL_SIZE", "2")];
-    assert_eq!(env(&ompi).unwrap(), Some(Processes { index: 2, count: 4, local_index: 0, local_count: 2, wire: WireKind::Mpi }));
+    let ompi = [
+        ("OMPI_COMM_WORLD_SIZE", "4"),
+        ("OMPI_COMM_WORLD_RANK", "2"),
+        ("OMPI_COMM_WORLD_LOCAL_RANK", "0"),
+        ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+    ];
+    assert_eq!(
+        env(&ompi).unwrap(),
+        Some(Processes { index: 2, count: 4, local_index: 0, local_count: 2, wire: WireKind::Mpi })
+    );
     let hydra = [("PMI_SIZE", "2"), ("PMI_RANK", "1"), ("MPI_LOCALRANKID", "1"), ("MPI_LOCALNRANKS", "2")];
     assert_eq!(env(&hydra).unwrap().unwrap().index, 1);
     // srun: MPI, unless MASTER_ADDR/MASTER_PORT choose TCP
-    let srun = [("SLURM_PROCID", "9"), ("SLURM_NTASKS", "16"), ("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "8(x2)")];
+    let srun =
+        [("SLURM_PROCID", "9"), ("SLURM_NTASKS", "16"), ("SLURM_LOCALID", "1"), ("SLURM_TASKS_PER_NODE", "8(x2)")];
     let got = env(&srun).unwrap().unwrap();
     assert_eq!((got.index, got.count, got.local_index, got.local_count, got.wire), (9, 16, 1, 8, WireKind::Mpi));
     let srun_tcp: Vec<_> = srun.iter().chain(&master).copied().collect();
@@ -166,11 +178,13 @@ fn the_launchers_environment_is_read() {
 #[test]
 fn a_bad_launch_is_one_clear_line() {
     let run = |n: usize, sets: &[&str]| -> Vec<String> {
-        let outs = wait_all(torchrun(n, &args(&["train"], &small(sets))), LIMIT);
-        outs.iter().map(|o| {
-            assert!(!o.status.success());
-            String::from_utf8_lossy(&o.stderr).into_owned()
-        }).collect()
+        let outs = wait_all(torchrun(n, &args(&["train"], &small(sets)), &[]), LIMIT);
+        outs.iter()
+            .map(|o| {
+                assert!(!o.status.success());
+                String::from_utf8_lossy(&o.stderr).into_owned()
+            })
+            .collect()
     };
     // 3 ranks do not split over 2 processes
     let e = run(2, &["parallel.dp=3"]);

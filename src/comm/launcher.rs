@@ -63,6 +63,8 @@ pub struct Setup {
     pub capacity: Capacity,
     /// The ranks are spread over the processes a launcher started (`comm/processes.rs`).
     pub spread: bool,
+    /// The GPU of this process's first rank; the next ranks take the next GPUs.
+    pub first_gpu: usize,
 }
 
 /// The memory a run's ranks keep their tensors in, and how much of it is free.
@@ -79,7 +81,8 @@ pub struct Capacity {
 impl Setup {
     pub fn cpu(timeout: Duration) -> Setup {
         let capacity = Capacity::host(1);
-        Setup { timeout, cuda: false, sync_launches: false, backend: Backend::Local, capacity, spread: false }
+        let (spread, first_gpu) = (false, 0);
+        Setup { timeout, cuda: false, sync_launches: false, backend: Backend::Local, capacity, spread, first_gpu }
     }
 
     /// The setup a config asks for, checked against the GPUs this machine has. `spread`: when
@@ -89,12 +92,20 @@ impl Setup {
         let timeout = Duration::from_secs_f64(cfg.parallel.timeout_s.min(crate::config::MAX_TIMEOUT_S));
         let cuda = cfg.device.kind == DeviceKind::Cuda;
         let processes = if spread { processes::current()? } else { None };
-        if let Some(p) = processes {
-            p.share(cfg.parallel.world_size())?;
-        }
-        // the ranks of this machine: all of them, or this node's processes' blocks
-        let world = processes.map_or(cfg.parallel.world_size(), |p| p.on_node(cfg.parallel.world_size()).0);
-        let gpus = if cuda { crate::cuda::runtime::device_count()? } else { 0 };
+        let (all, gpus) = (cfg.parallel.world_size(), if cuda { crate::cuda::runtime::device_count()? } else { 0 });
+        // the ranks whose GPUs this process sees: all of them in one process; spread, the node's
+        // when it sees the node's GPUs, else its own (a launcher that gives each its GPUs)
+        let (world, first_gpu) = match processes {
+            None => (all, 0),
+            Some(p) => {
+                let (mine, (node, first)) = (p.share(all)?.len(), p.on_node(all));
+                if gpus >= node {
+                    (node, first)
+                } else {
+                    (mine, 0)
+                }
+            }
+        };
         // the interleaved pipeline's messages are not paired for NCCL yet: `auto` stays local
         let choice = match cfg.parallel.pp_schedule {
             PpSchedule::Interleaved if cfg.parallel.backend == CommBackend::Auto => CommBackend::Local,
@@ -110,8 +121,8 @@ impl Setup {
             },
             false => Capacity::host(world),
         };
-        let spread = processes.is_some();
-        Ok(Setup { timeout, cuda, sync_launches: cfg.device.sync_launches, backend, capacity, spread })
+        let (sync_launches, spread) = (cfg.device.sync_launches, processes.is_some());
+        Ok(Setup { timeout, cuda, sync_launches, backend, capacity, spread, first_gpu })
     }
 }
 
@@ -276,12 +287,12 @@ fn open_devices(me: &mut Rank, setup: &Setup) -> Result<()> {
     if !setup.cuda {
         return Ok(());
     }
-    // a rank's GPU is its place among the ranks of its machine
-    let on_node = match processes::current()? {
-        Some(p) if setup.spread => p.on_node(me.grid.world_size()).1 + me.rank % (me.grid.world_size() / p.count),
-        _ => me.rank,
+    // a rank's GPU: its place among this process's ranks, after the process's first GPU
+    let per_process = match processes::current()? {
+        Some(p) if setup.spread => me.grid.world_size() / p.count,
+        _ => me.grid.world_size(),
     };
-    let mut gpu = Gpu::open(on_node % crate::cuda::runtime::device_count()?)?;
+    let mut gpu = Gpu::open((setup.first_gpu + me.rank % per_process) % crate::cuda::runtime::device_count()?)?;
     gpu.sync_launches = setup.sync_launches;
     if setup.backend == Backend::Nccl {
         for (_, group) in &me.groups {

@@ -56,9 +56,18 @@ pub(crate) trait Beyond: Send + Sync {
 /// What one process's hub tells the others.
 pub(crate) enum Note<'a> {
     /// This member's part of call `seq` of `group`: for every process with another member.
-    Part { group: &'a GroupInfo, seq: u64, op: Op, data: &'a [f32] },
+    Part {
+        group: &'a GroupInfo,
+        seq: u64,
+        op: Op,
+        data: &'a [f32],
+    },
     /// A message to global rank `to`.
-    Mail { key: &'a MailKey, to: usize, data: &'a [f32] },
+    Mail {
+        key: &'a MailKey,
+        to: usize,
+        data: &'a [f32],
+    },
     Abort(&'a str),
     Finished(usize),
     Hold,

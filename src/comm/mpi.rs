@@ -29,8 +29,11 @@ use std::time::Duration;
 /// The one tag of ferrotron's messages.
 const TAG: i32 = 17;
 
+/// What the sender thread sends: (process, bytes).
+type Outbox = mpsc::Sender<(usize, Vec<u8>)>;
+
 pub struct Mpi {
-    queue: Mutex<Option<mpsc::Sender<(usize, Vec<u8>)>>>,
+    queue: Mutex<Option<Outbox>>,
     threads: Mutex<Vec<JoinHandle<()>>>,
     stop: Arc<AtomicBool>,
     universe: Mutex<Option<Universe>>,

@@ -72,7 +72,13 @@ pub fn leads() -> bool {
 /// set them under `srun` to choose TCP.
 pub fn from_env(vars: &dyn Fn(&str) -> Option<String>) -> Result<Option<Processes>> {
     let number = |name: &str| -> Result<Option<usize>> {
-        vars(name).map(|v| v.trim().parse::<usize>().with_context(|| format!("environment variable {name} = {v:?} is not a number"))).transpose()
+        vars(name)
+            .map(|v| {
+                v.trim()
+                    .parse::<usize>()
+                    .with_context(|| format!("environment variable {name} = {v:?} is not a number"))
+            })
+            .transpose()
     };
     let torchrun = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"];
     let slurm = vars("SLURM_PROCID").is_some() && vars("SLURM_NTASKS").is_some();
@@ -82,14 +88,29 @@ pub fn from_env(vars: &dyn Fn(&str) -> Option<String>) -> Result<Option<Processe
             bail!("a torchrun-style launch sets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT; {} missing (unset them all to run as one process)", missing.join(", "));
         }
         let port = vars("MASTER_PORT").unwrap_or_default();
-        let port = port.trim().parse::<u16>().map_err(|_| anyhow!("environment variable MASTER_PORT = {port:?} is not a port number (1–65535)"))?;
+        let port = port
+            .trim()
+            .parse::<u16>()
+            .map_err(|_| anyhow!("environment variable MASTER_PORT = {port:?} is not a port number (1–65535)"))?;
         let wire = WireKind::Tcp { addr: vars("MASTER_ADDR").unwrap_or_default(), port };
         let n = |v| Ok::<_, anyhow::Error>(number(v)?.unwrap_or(0));
-        Processes { index: n("RANK")?, count: n("WORLD_SIZE")?, local_index: n("LOCAL_RANK")?, local_count: n("LOCAL_WORLD_SIZE")?, wire }
+        Processes {
+            index: n("RANK")?,
+            count: n("WORLD_SIZE")?,
+            local_index: n("LOCAL_RANK")?,
+            local_count: n("LOCAL_WORLD_SIZE")?,
+            wire,
+        }
     } else if let Some(count) = number("OMPI_COMM_WORLD_SIZE")? {
         let n = |v| Ok::<_, anyhow::Error>(number(v)?.unwrap_or(0));
         let local_count = number("OMPI_COMM_WORLD_LOCAL_SIZE")?.unwrap_or(1);
-        Processes { index: n("OMPI_COMM_WORLD_RANK")?, count, local_index: n("OMPI_COMM_WORLD_LOCAL_RANK")?, local_count, wire: WireKind::Mpi }
+        Processes {
+            index: n("OMPI_COMM_WORLD_RANK")?,
+            count,
+            local_index: n("OMPI_COMM_WORLD_LOCAL_RANK")?,
+            local_count,
+            wire: WireKind::Mpi,
+        }
     } else if let Some(count) = number("PMI_SIZE")? {
         let (index, local_index) = (number("PMI_RANK")?.unwrap_or(0), number("MPI_LOCALRANKID")?.unwrap_or(0));
         let local_count = number("MPI_LOCALNRANKS")?.unwrap_or(1);
@@ -107,7 +128,11 @@ pub fn from_env(vars: &dyn Fn(&str) -> Option<String>) -> Result<Option<Processe
     } else {
         return Ok(None);
     };
-    if found.count == 0 || found.index >= found.count || found.local_count == 0 || found.local_index >= found.local_count {
+    if found.count == 0
+        || found.index >= found.count
+        || found.local_count == 0
+        || found.local_index >= found.local_count
+    {
         bail!("the launcher's environment is inconsistent: process {} of {}, local {} of {} (each index must be below its count)", found.index, found.count, found.local_index, found.local_count);
     }
     Ok((found.count > 1).then_some(found))
@@ -117,7 +142,8 @@ impl Processes {
     /// The ranks this process runs: its contiguous block of `world / count`.
     pub fn share(&self, world: usize) -> Result<Range<usize>> {
         if world < self.count || !world.is_multiple_of(self.count) {
-            let divisors: Vec<String> = (1..=world).filter(|d| world.is_multiple_of(*d)).map(|d| d.to_string()).collect();
+            let divisors: Vec<String> =
+                (1..=world).filter(|d| world.is_multiple_of(*d)).map(|d| d.to_string()).collect();
             bail!(
                 "parallel: the layout has {world} rank(s), which do not split over the {} processes the launcher started; start {} processes (each runs world / processes ranks as threads)",
                 self.count,

@@ -125,13 +125,26 @@ impl Session {
                 break Ok(());
             }
             if let Some(&p) = waiting.iter().find(|&&p| st.lost[p].is_some()) {
-                break Err(anyhow!("{}", self.bridge.gone(p, self.per_process, st.lost[p].as_deref().unwrap_or_default())));
+                break Err(anyhow!(
+                    "{}",
+                    self.bridge.gone(p, self.per_process, st.lost[p].as_deref().unwrap_or_default())
+                ));
             }
             if Instant::now() >= deadline {
                 let names: Vec<String> = waiting.iter().map(|&p| self.bridge.process(p)).collect();
-                break Err(anyhow!("the run ended here, but after {:.1}s {} had not ended it", self.timeout.as_secs_f64(), names.join(", ")));
+                break Err(anyhow!(
+                    "the run ended here, but after {:.1}s {} had not ended it",
+                    self.timeout.as_secs_f64(),
+                    names.join(", ")
+                ));
             }
-            st = self.bridge.inbox.changed.wait_timeout(st, Duration::from_millis(50)).unwrap_or_else(|e| e.into_inner()).0;
+            st = self
+                .bridge
+                .inbox
+                .changed
+                .wait_timeout(st, Duration::from_millis(50))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         };
         st.hub = None;
         result
@@ -185,7 +198,8 @@ impl Bridge {
             return Ok(b.clone());
         }
         let n = me.count;
-        let state = InboxState { hub: None, early: Vec::new(), hosts: vec![None; n], done: vec![0; n], lost: vec![None; n] };
+        let state =
+            InboxState { hub: None, early: Vec::new(), hosts: vec![None; n], done: vec![0; n], lost: vec![None; n] };
         let inbox = Arc::new(Inbox { state: Mutex::new(state), changed: Condvar::new(), hosts: OnceLock::new() });
         let deliver: Deliver = {
             let inbox = inbox.clone();
@@ -324,7 +338,9 @@ impl Inbox {
             Ok(())
         })();
         if let Err(e) = applied {
-            hub.abort_here(format!("a note from process {from} does not read ({e}): are all processes the same ferrotron?"));
+            hub.abort_here(format!(
+                "a note from process {from} does not read ({e}): are all processes the same ferrotron?"
+            ));
         }
     }
 }

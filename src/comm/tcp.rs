@@ -48,8 +48,9 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
     let deadline = Instant::now() + timeout;
     let mut links: Vec<Option<TcpStream>> = (0..me.count).map(|_| None).collect();
     if me.index == 0 {
-        let listener = TcpListener::bind(("0.0.0.0", port))
-            .with_context(|| format!("process 0 cannot listen on MASTER_PORT = {port} (is another run using it? choose another port)"))?;
+        let listener = TcpListener::bind(("0.0.0.0", port)).with_context(|| {
+            format!("process 0 cannot listen on MASTER_PORT = {port} (is another run using it? choose another port)")
+        })?;
         let mut table = vec![(IpAddr::from([0, 0, 0, 0]), 0u16); me.count];
         for _ in 1..me.count {
             let mut s = accept_until(&listener, deadline, || {
@@ -74,7 +75,8 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
             }
         }
     } else {
-        let listener = TcpListener::bind(("0.0.0.0", 0)).context("cannot open a listening port for the other processes")?;
+        let listener =
+            TcpListener::bind(("0.0.0.0", 0)).context("cannot open a listening port for the other processes")?;
         let mut master = connect_until((addr, port), deadline, me.index)?;
         master.write_all(&(me.index as u64).to_le_bytes())?;
         master.write_all(&(listener.local_addr()?.port() as u64).to_le_bytes())?;
@@ -94,7 +96,11 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
         }
         for _ in me.index + 1..me.count {
             let mut s = accept_until(&listener, deadline, || {
-                format!("process {} waited {:.0}s for the processes after it to connect", me.index, timeout.as_secs_f64())
+                format!(
+                    "process {} waited {:.0}s for the processes after it to connect",
+                    me.index,
+                    timeout.as_secs_f64()
+                )
             })?;
             let index = read_u64(&mut s)? as usize;
             if index <= me.index || index >= me.count || links[index].is_some() {
@@ -122,7 +128,9 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
                 Ok(bytes) => deliver(peer, Ok(bytes)),
                 Err(e) => {
                     let why = match e.downcast_ref::<std::io::Error>().map(|e| e.kind()) {
-                        Some(std::io::ErrorKind::UnexpectedEof) => "its connection closed (the process ended or died)".into(),
+                        Some(std::io::ErrorKind::UnexpectedEof) => {
+                            "its connection closed (the process ended or died)".into()
+                        }
                         _ => format!("its connection broke ({e})"),
                     };
                     return deliver(peer, Err(why));
@@ -147,7 +155,9 @@ fn accept_until(listener: &TcpListener, deadline: Instant, why: impl Fn() -> Str
         match listener.accept() {
             Ok((s, _)) => {
                 s.set_nonblocking(false)?;
-                s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1))))?;
+                s.set_read_timeout(Some(
+                    deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)),
+                ))?;
                 return Ok(s);
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock && Instant::now() < deadline => {

@@ -13,8 +13,8 @@ pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// `n` processes of `ferrotron args…` with torchrun's variables, all on this host.
-pub fn torchrun(n: usize, args: &[String]) -> Vec<Child> {
+/// `n` processes of `ferrotron args…` with torchrun's variables (and `env`), all on this host.
+pub fn torchrun(n: usize, args: &[String], env: &[(&str, &str)]) -> Vec<Child> {
     let port = free_port().to_string();
     (0..n)
         .map(|r| {
@@ -23,6 +23,7 @@ pub fn torchrun(n: usize, args: &[String]) -> Vec<Child> {
                 .args(args)
                 .envs([("RANK", &rank), ("WORLD_SIZE", &n), ("LOCAL_RANK", &rank), ("LOCAL_WORLD_SIZE", &n)])
                 .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)])
+                .envs(env.iter().copied())
                 .stdout(Stdio::piped())
                 .stderr(Stdio::piped())
                 .spawn()
@@ -50,7 +51,8 @@ pub fn wait_all(children: Vec<Child>, limit: Duration) -> Vec<Output> {
     while children.iter_mut().flatten().any(|c| c.try_wait().unwrap().is_none()) {
         if start.elapsed() > limit {
             children.iter_mut().flatten().for_each(|c| drop(c.kill()));
-            let outs: Vec<String> = children.iter_mut().map(|c| said(&c.take().unwrap().wait_with_output().unwrap())).collect();
+            let outs: Vec<String> =
+                children.iter_mut().map(|c| said(&c.take().unwrap().wait_with_output().unwrap())).collect();
             panic!("the processes outlived {limit:?}:\n{}", outs.join("\n---\n"));
         }
         std::thread::sleep(Duration::from_millis(20));

@@ -12,8 +12,16 @@
 // first. A wait gives up after FERROTRON_FAKE_NCCL_TIMEOUT_S seconds (default 60), or at once
 // when a member it needs has called ncclCommAbort (a rank that failed, or one that finished and
 // will never send): no test hangs.
+//
+// Across processes (FERROTRON_FAKE_NCCL_DIR set: ranks that are processes, which cannot read each
+// other's memory), a communicator is a folder of that directory named by its unique id, and its
+// calls are files: each member writes its send buffer as c<call>.<rank> (whole: written aside,
+// then renamed), waits until every member's file is there, and computes its own result from them
+// in rank order, as above. A message is m<from>.<to>.<n>, removed by its receiver; an abort
+// leaves gone.<rank>.
 #include <chrono>
 #include <condition_variable>
+#include <cerrno>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -22,7 +30,10 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <sys/stat.h>
+#include <thread>
 #include <tuple>
+#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -52,10 +63,12 @@ struct Shared {
 };
 
 struct Comm {
-    Shared* shared;
+    Shared* shared; // null across processes: then `folder` holds the calls
     int rank;
     long calls = 0;
     std::map<int, long> sent, received;
+    std::string folder;
+    int nranks = 0;
 };
 
 std::mutex registry;
@@ -131,8 +144,107 @@ void compute(Call& c, int n) {
     c.computed = true;
 }
 
+// --- across processes: files in the communicator's folder ---
+
+bool write_whole(const std::string& path, const std::vector<char>& data) {
+    std::string aside = path + ".part";
+    FILE* f = fopen(aside.c_str(), "wb");
+    if (!f) return false;
+    bool ok = fwrite(data.data(), 1, data.size(), f) == data.size();
+    ok = fclose(f) == 0 && ok;
+    return ok && rename(aside.c_str(), path.c_str()) == 0;
+}
+
+bool read_whole(const std::string& path, std::vector<char>& out) {
+    FILE* f = fopen(path.c_str(), "rb");
+    if (!f) return false;
+    fseek(f, 0, SEEK_END);
+    out.resize((size_t)ftell(f));
+    fseek(f, 0, SEEK_SET);
+    bool ok = fread(out.data(), 1, out.size(), f) == out.size();
+    fclose(f);
+    return ok;
+}
+
+bool gone(Comm* comm, int r) { return access((comm->folder + "/gone." + std::to_string(r)).c_str(), F_OK) == 0; }
+
+// Polls `ready` until it holds; false after the timeout or once `hopeless`.
+template <class R, class H> bool poll(R ready, H hopeless, const char* what) {
+    auto end = std::chrono::steady_clock::now() + timeout();
+    while (!ready()) {
+        if (hopeless() || std::chrono::steady_clock::now() > end) {
+            fprintf(stderr, "fake NCCL: %s: %s\n", what, hopeless() ? "a member it needs aborted the communicator" : "timed out");
+            return false;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return true;
+}
+
+Result file_collective(Comm* comm, Call c, const void* send, void* recv) {
+    int n = comm->nranks;
+    size_t in = (c.kind == REDUCE_SCATTER ? c.count * n : c.count) * element_size(c.type);
+    long head[3] = {(long)c.kind, (long)c.count, (long)c.type};
+    std::vector<char> mine(sizeof head + in);
+    memcpy(mine.data(), head, sizeof head);
+    memcpy(mine.data() + sizeof head, send, in);
+    std::string base = comm->folder + "/c" + std::to_string(++comm->calls) + ".";
+    if (!write_whole(base + std::to_string(comm->rank), mine)) return SYSTEM_ERROR;
+    std::vector<std::vector<char>> parts(n);
+    auto all_there = [&] {
+        for (int r = 0; r < n; r++)
+            if (parts[r].empty() && !read_whole(base + std::to_string(r), parts[r])) return false;
+        return true;
+    };
+    auto hopeless = [&] {
+        for (int r = 0; r < n; r++)
+            if (parts[r].empty() && gone(comm, r)) return true;
+        return false;
+    };
+    if (!poll(all_there, hopeless, "collective")) return SYSTEM_ERROR;
+    for (int r = 0; r < n; r++) {
+        if (parts[r].size() != mine.size() || memcmp(parts[r].data(), head, sizeof head) != 0) {
+            fprintf(stderr, "fake NCCL: call %ld: members called different collectives or sizes\n", comm->calls);
+            return INVALID_USAGE;
+        }
+        c.sends.push_back(parts[r].data() + sizeof head);
+    }
+    compute(c, n);
+    memcpy(recv, c.results[comm->rank].data(), c.results[comm->rank].size());
+    return SUCCESS;
+}
+
+std::string message_file(Comm* comm, int from, int to, long number) {
+    return comm->folder + "/m" + std::to_string(from) + "." + std::to_string(to) + "." + std::to_string(number);
+}
+
+Result file_send(Comm* comm, const void* buf, size_t bytes, int peer) {
+    std::vector<char> data((const char*)buf, (const char*)buf + bytes);
+    return write_whole(message_file(comm, comm->rank, peer, ++comm->sent[peer]), data) ? SUCCESS : SYSTEM_ERROR;
+}
+
+Result file_recv(Comm* comm, void* buf, size_t bytes, int peer) {
+    std::string path = message_file(comm, peer, comm->rank, ++comm->received[peer]);
+    std::vector<char> data;
+    if (!poll([&] { return read_whole(path, data); }, [&] { return gone(comm, peer); }, "recv")) return SYSTEM_ERROR;
+    unlink(path.c_str());
+    if (data.size() != bytes) {
+        fprintf(stderr, "fake NCCL: recv of %zu bytes, the message has %zu\n", bytes, data.size());
+        return INVALID_USAGE;
+    }
+    memcpy(buf, data.data(), bytes);
+    return SUCCESS;
+}
+
+// --- the calls ---
+
 Result collective(Comm* comm, Kind kind, const void* send, void* recv, size_t count, int type, int op, int root) {
     if (type != FLOAT32 && type != BFLOAT16) return INVALID_ARGUMENT;
+    if (!comm->shared) {
+        Call call;
+        call.kind = kind, call.count = count, call.type = type, call.op = op, call.root = root;
+        return file_collective(comm, call, send, recv);
+    }
     Shared* s = comm->shared;
     long number = ++comm->calls;
     std::unique_lock<std::mutex> lock(s->m);
@@ -164,6 +276,7 @@ Result collective(Comm* comm, Kind kind, const void* send, void* recv, size_t co
 }
 
 Result send_now(Comm* comm, const void* buf, size_t count, int type, int peer) {
+    if (!comm->shared) return file_send(comm, buf, count * element_size(type), peer);
     Shared* s = comm->shared;
     std::vector<char> data((const char*)buf, (const char*)buf + count * element_size(type));
     std::lock_guard<std::mutex> lock(s->m);
@@ -173,6 +286,7 @@ Result send_now(Comm* comm, const void* buf, size_t count, int type, int peer) {
 }
 
 Result recv_now(Comm* comm, void* buf, size_t count, int type, int peer) {
+    if (!comm->shared) return file_recv(comm, buf, count * element_size(type), peer);
     Shared* s = comm->shared;
     std::tuple<int, int, long> key{peer, comm->rank, ++comm->received[peer]};
     std::unique_lock<std::mutex> lock(s->m);
@@ -215,12 +329,20 @@ const char* ncclGetErrorString(Result r) {
 Result ncclGetUniqueId(ncclUniqueId* id) {
     std::lock_guard<std::mutex> lock(registry);
     memset(id->internal, 0, sizeof id->internal);
-    snprintf(id->internal, sizeof id->internal, "fake-nccl-%ld", ++ids);
+    snprintf(id->internal, sizeof id->internal, "fake-nccl-%ld-%ld", (long)getpid(), ++ids); // unique across processes
     return SUCCESS;
 }
 
 Result ncclCommInitRank(Comm** comm, int nranks, ncclUniqueId id, int rank) {
     if (nranks < 1 || rank < 0 || rank >= nranks) return INVALID_ARGUMENT;
+    if (const char* dir = getenv("FERROTRON_FAKE_NCCL_DIR")) {
+        std::string folder = std::string(dir) + "/" + std::string(id.internal, strnlen(id.internal, sizeof id.internal));
+        mkdir(dir, 0700);
+        if (mkdir(folder.c_str(), 0700) != 0 && errno != EEXIST) return SYSTEM_ERROR;
+        *comm = new Comm{nullptr, rank};
+        (*comm)->folder = folder, (*comm)->nranks = nranks;
+        return SUCCESS;
+    }
     std::lock_guard<std::mutex> lock(registry);
     Shared*& s = by_id[std::string(id.internal, sizeof id.internal)];
     if (!s) {
@@ -234,6 +356,11 @@ Result ncclCommInitRank(Comm** comm, int nranks, ncclUniqueId id, int rank) {
 }
 
 Result ncclCommAbort(Comm* comm) {
+    if (!comm->shared) {
+        write_whole(comm->folder + "/gone." + std::to_string(comm->rank), {});
+        delete comm;
+        return SUCCESS;
+    }
     Shared* s = comm->shared;
     {
         std::lock_guard<std::mutex> lock(s->m);
