@@ -4,6 +4,7 @@
 
 mod common;
 
+use common::processes::losses;
 use ferrotron::checkpoint::hf as checkpoint;
 use ferrotron::config::Config;
 use ferrotron::train::{train, Options};
@@ -19,15 +20,6 @@ fn sets(dir: &Path, extra: &[&str]) -> Vec<String> {
 fn run(dir: &Path, extra: &[&str], resume: Option<&Path>) -> Vec<f32> {
     let cfg = Config::load(None, &sets(dir, extra)).unwrap();
     train(&cfg, Options { quiet: true, resume, ..Default::default() }).unwrap().losses
-}
-
-fn losses(jsonl: &Path) -> Vec<(u64, f64)> {
-    std::fs::read_to_string(jsonl)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-        .map(|j| (j["step"].as_u64().unwrap(), j["loss"].as_f64().unwrap()))
-        .collect()
 }
 
 #[test]

@@ -1,6 +1,6 @@
 //! Shared by the test files that train.
 
-#[allow(dead_code)] // the multi-process test files only
+#[allow(dead_code)] // the test files that start processes
 pub mod processes;
 
 /// A model small enough to train in seconds (`--set` strings).

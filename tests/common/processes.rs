@@ -2,7 +2,7 @@
 //! environment variables) or under `mpirun`. Every wait is bounded: a run that outlives its limit
 //! is killed, whole, and the test fails with what the processes printed.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -81,8 +81,8 @@ pub fn wait_for_steps(path: &Path, lines: usize, limit: Duration) {
     }
 }
 
-/// (step, loss) of every line of a metrics file.
-pub fn losses(path: &PathBuf) -> Vec<(u64, f64)> {
+/// (step, loss) of every line of a metrics file (`--metrics`).
+pub fn losses(path: &Path) -> Vec<(u64, f64)> {
     std::fs::read_to_string(path)
         .unwrap()
         .lines()
