@@ -252,6 +252,20 @@ fn work_one_rank_does_alone_does_not_count_against_the_others_timeout() {
     assert!(e.contains("timed out after 0.2s waiting for rank(s) [0]"), "{e}");
 }
 
+#[test]
+fn the_clock_starts_again_after_a_hold_shorter_than_the_timeout() {
+    // the others sleep through the whole hold (0.3 s of a 0.4 s timeout); rank 0 then works
+    // 0.2 s more before the barrier: 0.5 s in all, but only 0.2 s since it last worked alone
+    launch(world(2), Duration::from_millis(400), |me| {
+        if me.rank == 0 {
+            me.group(Axis::World).while_others_wait(|| std::thread::sleep(Duration::from_millis(300)));
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        me.group(Axis::World).barrier()
+    })
+    .expect("the clock restarts when a hold ends, even one the waiting rank never saw");
+}
+
 /// What member `from` sends member `to` in the all-to-all tests: a piece of `(from + 2·to) % 4`
 /// values (some empty), each naming its sender, receiver and place.
 fn piece(from: usize, to: usize) -> Vec<f32> {

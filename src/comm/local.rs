@@ -89,6 +89,37 @@ struct HubState {
     aborted: Option<String>,
     /// Ranks doing work alone right now (`hold`): nobody is late while one is.
     holding: usize,
+    /// Holds ended so far: a wait that slept through a whole hold still restarts its clock.
+    holds_ended: u64,
+}
+
+/// The timeout clock of a wait: it runs out `timeout` after it started, or after the last time
+/// a rank worked alone (`Hub::hold`); a wait checks it each time it wakes.
+pub(crate) struct Clock {
+    timeout: Duration,
+    deadline: Instant,
+    holds_ended: u64,
+}
+
+impl Clock {
+    fn new(timeout: Duration, holds_ended: u64) -> Clock {
+        Clock { timeout, deadline: Instant::now() + timeout, holds_ended }
+    }
+
+    /// Whether the wait has run out of time, given the hub's holds now (`Hub::holds`).
+    pub(crate) fn ran_out(&mut self, (holding, holds_ended): (bool, u64)) -> bool {
+        let now = Instant::now();
+        if holding || holds_ended != self.holds_ended {
+            self.deadline = now + self.timeout; // a rank worked alone: the clock starts again
+            self.holds_ended = holds_ended;
+        }
+        now >= self.deadline
+    }
+
+    /// How long the wait may sleep before looking again.
+    pub(crate) fn left(&self) -> Duration {
+        self.deadline.saturating_duration_since(Instant::now())
+    }
 }
 
 /// While alive, waits on the hub do not time out (`Hub::hold`).
@@ -163,8 +194,21 @@ impl Hub {
     }
 
     pub(crate) fn release(&self) {
-        self.lock().holding -= 1;
+        let mut st = self.lock();
+        st.holding -= 1;
+        st.holds_ended += 1;
         self.changed.notify_all(); // every wait restarts its clock
+    }
+
+    /// Whether a rank works alone now, and how many holds have ended: what a wait's `Clock` reads.
+    pub(crate) fn holds(&self) -> (bool, u64) {
+        let st = self.lock();
+        (st.holding > 0, st.holds_ended)
+    }
+
+    /// A timeout clock (`parallel.timeout_s`) started now.
+    pub(crate) fn clock(&self) -> Clock {
+        Clock::new(self.timeout, self.lock().holds_ended)
     }
 
     pub fn finish(&self, rank: usize) {
@@ -194,7 +238,7 @@ impl Hub {
         ready: impl Fn(&HubState) -> bool,
         missing: impl Fn(&HubState) -> Vec<usize>,
     ) -> Result<MutexGuard<'a, HubState>> {
-        let (mut deadline, mut was_held) = (Instant::now() + self.timeout, false);
+        let mut clock = Clock::new(self.timeout, st.holds_ended);
         loop {
             if let Some(reason) = &st.aborted {
                 return Err(Aborted(reason.clone()).into());
@@ -207,15 +251,10 @@ impl Hub {
             if !gone.is_empty() {
                 bail!("{what}: {} returned without taking part", self.who(&gone));
             }
-            let now = Instant::now();
-            if st.holding > 0 || was_held {
-                deadline = now + self.timeout; // a rank worked alone: the clock starts again
-                was_held = st.holding > 0;
-            }
-            if now >= deadline {
+            if clock.ran_out((st.holding > 0, st.holds_ended)) {
                 bail!("{what}: timed out after {:.1}s waiting for {}", self.timeout.as_secs_f64(), self.who(&absent));
             }
-            st = self.changed.wait_timeout(st, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            st = self.changed.wait_timeout(st, clock.left()).unwrap_or_else(|e| e.into_inner()).0;
         }
     }
 

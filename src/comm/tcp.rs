@@ -8,9 +8,12 @@
 //! 1 ──(index 1, port p₁)──▶ 0        0 ──(table: 1 at ip₁:p₁, 2 at ip₂:p₂ …)──▶ 1, 2, …
 //! 2 ──(index 2, port p₂)──▶ 0        2 ──(hello, I am 2)──▶ 1           a link per pair
 //! ```
+//! Every link opens with (magic, index, listening port), so a stray connection is not taken for
+//! a process; a loopback address in the table means "on process 0's host" (`reachable`).
 //! A link carries frames (length, bytes). One reader thread per link hands what arrives to the
-//! bridge (`comm/remote.rs`) and so always drains, so a sender may simply block in `write`. A
-//! link that breaks is reported: the peer died.
+//! bridge (`comm/remote.rs`) and so always drains; one writer thread per link sends what is
+//! queued, so a rank never blocks in `write` on a peer that stopped reading (its wait then times
+//! out, naming that peer). A link that breaks is reported: the peer died.
 //!
 //! On GPUs the tensors go through NCCL and this carries the small numbers (the NCCL ids, the
 //! loss); on CPUs, launch with `mpirun` for MPI, or accept these links for the numbers too.
@@ -19,29 +22,41 @@ use super::processes::{Deliver, Processes, Wire};
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
+use std::sync::mpsc::{channel, Sender};
 use std::sync::Mutex;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 pub struct Tcp {
-    /// The link to every other process (`None` at this process's own place).
-    links: Vec<Option<Mutex<TcpStream>>>,
+    /// The queue of every other process's writer thread (`None` at this process's own place).
+    queues: Mutex<Vec<Option<Sender<Vec<u8>>>>>,
+    writers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl Wire for Tcp {
+    /// Never waits: a writer thread per link does (a stalled peer stops reading, and a blocked
+    /// `write` must not keep this rank from its own timeout).
     fn send(&self, to: usize, bytes: Vec<u8>) {
-        if let Some(link) = &self.links[to] {
-            let mut s = link.lock().unwrap_or_else(|e| e.into_inner());
-            // a broken link is reported by its reader; the message is lost with the peer
-            let _ = s.write_all(&(bytes.len() as u64).to_le_bytes()).and_then(|_| s.write_all(&bytes));
+        if let Some(queue) = &self.queues.lock().unwrap_or_else(|e| e.into_inner())[to] {
+            let _ = queue.send(bytes); // a writer that stopped had a broken link: its reader says so
         }
     }
 
-    fn end(&self, _ok: bool) {
-        for link in self.links.iter().flatten() {
-            let _ = link.lock().unwrap_or_else(|e| e.into_inner()).shutdown(std::net::Shutdown::Write);
+    /// Closes the queues; the writers send what is left and close their links. Waits for them
+    /// a few seconds after a clean run, one after a failure (a peer that stopped reading is not
+    /// waited for: the run's error is already said).
+    fn end(&self, ok: bool) {
+        self.queues.lock().unwrap_or_else(|e| e.into_inner()).iter_mut().for_each(|q| drop(q.take()));
+        let deadline = Instant::now() + Duration::from_secs(if ok { 5 } else { 1 });
+        let writers = std::mem::take(&mut *self.writers.lock().unwrap_or_else(|e| e.into_inner()));
+        while writers.iter().any(|w| !w.is_finished()) && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
 }
+
+/// What a process says first at the meeting point, so that a stray connection is told apart.
+const MAGIC: u64 = u64::from_le_bytes(*b"ferrotrn");
 
 /// Connects this process to all others through the meeting point, within `timeout`.
 pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, deliver: Deliver) -> Result<Tcp> {
@@ -52,16 +67,18 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
             format!("process 0 cannot listen on MASTER_PORT = {port} (is another run using it? choose another port)")
         })?;
         let mut table = vec![(IpAddr::from([0, 0, 0, 0]), 0u16); me.count];
-        for _ in 1..me.count {
+        while links.iter().flatten().count() + 1 < me.count {
             let mut s = accept_until(&listener, deadline, || {
                 let missing: Vec<String> = (1..me.count).filter(|&i| table[i].1 == 0).map(|i| i.to_string()).collect();
                 format!("process 0 waited {:.0}s at MASTER_PORT = {port} for process(es) {} (RANK) that never came: did they start, with MASTER_ADDR pointing at this host?", timeout.as_secs_f64(), missing.join(", "))
             })?;
-            let (index, their_port) = (read_u64(&mut s)? as usize, read_u64(&mut s)? as u16);
+            let Some((index, their_port)) = hello(&mut s) else {
+                continue; // not one of ours (a port scanner, a health check): not counted
+            };
             if index == 0 || index >= me.count || links[index].is_some() {
                 bail!("process 0: a process at {} says it is RANK {index}, which is out of range or taken: check RANK and WORLD_SIZE of every process", s.peer_addr()?);
             }
-            table[index] = (s.peer_addr()?.ip(), their_port);
+            table[index] = (s.peer_addr()?.ip().to_canonical(), their_port);
             links[index] = Some(s);
         }
         for s in links.iter_mut().flatten() {
@@ -77,24 +94,24 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
     } else {
         let listener =
             TcpListener::bind(("0.0.0.0", 0)).context("cannot open a listening port for the other processes")?;
+        let my_port = listener.local_addr()?.port();
         let mut master = connect_until((addr, port), deadline, me.index)?;
-        master.write_all(&(me.index as u64).to_le_bytes())?;
-        master.write_all(&(listener.local_addr()?.port() as u64).to_le_bytes())?;
+        say_hello(&mut master, me.index, my_port)?;
+        let via = master.peer_addr()?.ip().to_canonical(); // process 0, as this process reaches it
         let mut table = Vec::with_capacity(me.count);
         for _ in 0..me.count {
             let mut octets = [0u8; 16];
             master.read_exact(&mut octets).context("process 0 closed the meeting before sending the table")?;
-            let v6 = std::net::Ipv6Addr::from(octets);
-            let ip = v6.to_ipv4_mapped().map(IpAddr::V4).unwrap_or(IpAddr::V6(v6));
-            table.push(SocketAddr::new(ip, read_u64(&mut master)? as u16));
+            let ip = std::net::Ipv6Addr::from(octets).to_canonical();
+            table.push(reachable(SocketAddr::new(ip, read_u64(&mut master)? as u16), via));
         }
         links[0] = Some(master);
         for (j, link) in links.iter_mut().enumerate().take(me.index).skip(1) {
             let mut s = connect_until(table[j], deadline, me.index)?;
-            s.write_all(&(me.index as u64).to_le_bytes())?;
+            say_hello(&mut s, me.index, my_port)?;
             *link = Some(s);
         }
-        for _ in me.index + 1..me.count {
+        while links.iter().flatten().count() < me.count - 1 {
             let mut s = accept_until(&listener, deadline, || {
                 format!(
                     "process {} waited {:.0}s for the processes after it to connect",
@@ -102,22 +119,35 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
                     timeout.as_secs_f64()
                 )
             })?;
-            let index = read_u64(&mut s)? as usize;
+            let Some((index, _)) = hello(&mut s) else {
+                continue; // not one of ours
+            };
             if index <= me.index || index >= me.count || links[index].is_some() {
                 bail!("process {}: a process says it is RANK {index}, out of range or taken", me.index);
             }
             links[index] = Some(s);
         }
     }
-    let mut writers = Vec::with_capacity(me.count);
+    let (mut queues, mut writers) = (Vec::with_capacity(me.count), Vec::new());
     for (peer, link) in links.into_iter().enumerate() {
-        let Some(stream) = link else {
-            writers.push(None);
+        let Some(mut stream) = link else {
+            queues.push(None);
             continue;
         };
         stream.set_nodelay(true)?;
         stream.set_read_timeout(None)?; // from now on silence is a quiet peer, not a lost one
         let (mut reader, deliver) = (stream.try_clone()?, deliver.clone());
+        let (queue, frames) = channel::<Vec<u8>>();
+        writers.push(std::thread::spawn(move || {
+            for bytes in frames {
+                let sent = stream.write_all(&(bytes.len() as u64).to_le_bytes()).and_then(|_| stream.write_all(&bytes));
+                if sent.is_err() {
+                    return; // the peer is gone; its reader reports why
+                }
+            }
+            let _ = stream.shutdown(std::net::Shutdown::Write); // `end`: the peer reads the end
+        }));
+        queues.push(Some(queue));
         std::thread::spawn(move || loop {
             let frame = read_u64(&mut reader).and_then(|n| {
                 let mut bytes = vec![0u8; n as usize];
@@ -137,9 +167,8 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
                 }
             }
         });
-        writers.push(Some(Mutex::new(stream)));
     }
-    Ok(Tcp { links: writers })
+    Ok(Tcp { queues: Mutex::new(queues), writers: Mutex::new(writers) })
 }
 
 fn read_u64(s: &mut TcpStream) -> Result<u64> {
@@ -169,18 +198,99 @@ fn accept_until(listener: &TcpListener, deadline: Instant, why: impl Fn() -> Str
     }
 }
 
-/// Connects to `to` before `deadline`, trying again while it is not listening yet.
+/// Connects to `to` before `deadline`, trying again while it is not listening yet. Every
+/// address the name resolves to is tried (`localhost` may be ::1 first, and process 0 listens
+/// on IPv4).
 fn connect_until(to: impl ToSocketAddrs + Copy + std::fmt::Debug, deadline: Instant, me: usize) -> Result<TcpStream> {
     loop {
-        let tried = to.to_socket_addrs().map_err(|e| anyhow!("MASTER_ADDR: cannot resolve {to:?}: {e}"))?.next();
-        let addr = tried.ok_or_else(|| anyhow!("MASTER_ADDR: {to:?} resolves to no address"))?;
-        match TcpStream::connect_timeout(&addr, Duration::from_secs(1)) {
-            Ok(s) => {
-                s.set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1))))?;
-                return Ok(s);
-            }
-            Err(_) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(50)),
-            Err(e) => bail!("process {me} could not reach {to:?} before parallel.timeout_s ran out ({e}): is process 0 (RANK=0) running, and MASTER_ADDR/MASTER_PORT right?"),
+        let addrs: Vec<SocketAddr> =
+            to.to_socket_addrs().map_err(|e| anyhow!("MASTER_ADDR: cannot resolve {to:?}: {e}"))?.collect();
+        if addrs.is_empty() {
+            bail!("MASTER_ADDR: {to:?} resolves to no address");
         }
+        let mut refused = None;
+        for addr in &addrs {
+            match TcpStream::connect_timeout(addr, Duration::from_secs(1)) {
+                Ok(s) => {
+                    s.set_read_timeout(Some(
+                        deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(1)),
+                    ))?;
+                    return Ok(s);
+                }
+                Err(e) => refused = Some(e),
+            }
+        }
+        if Instant::now() >= deadline {
+            let e = refused.map(|e| e.to_string()).unwrap_or_default();
+            bail!("process {me} could not reach {to:?} before parallel.timeout_s ran out ({e}): is process 0 (RANK=0) running, and MASTER_ADDR/MASTER_PORT right?");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// The first words on every link: who this is, and where it listens.
+fn say_hello(s: &mut TcpStream, index: usize, port: u16) -> Result<()> {
+    [MAGIC, index as u64, port as u64].iter().try_for_each(|x| s.write_all(&x.to_le_bytes()))?;
+    Ok(())
+}
+
+/// The index and listening port of a process that connected, or `None` for a connection that
+/// is not one of ours (silent for 10 s, or saying something else).
+fn hello(s: &mut TcpStream) -> Option<(usize, u16)> {
+    s.set_read_timeout(Some(Duration::from_secs(10))).ok()?;
+    let mut words = [0u64; 3];
+    for w in &mut words {
+        *w = read_u64(s).ok()?;
+    }
+    let [magic, index, port] = words;
+    (magic == MAGIC && port <= u16::MAX as u64).then_some((index as usize, port as u16))
+}
+
+/// A process's address as process 0 saw it, made reachable from this process: a loopback
+/// address (127.0.0.1, or Debian's 127.0.1.1 for the host's own name) means that process runs
+/// on process 0's host, which this process reaches at `via`.
+fn reachable(seen: SocketAddr, via: IpAddr) -> SocketAddr {
+    match seen.ip().is_loopback() {
+        true => SocketAddr::new(via, seen.port()),
+        false => seen,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_process_seen_on_loopback_is_reached_where_process_0_is() {
+        let node_a: IpAddr = "10.0.0.1".parse().unwrap();
+        let seen = |ip: &str| SocketAddr::new(ip.parse().unwrap(), 4000);
+        assert_eq!(reachable(seen("127.0.1.1"), node_a), SocketAddr::new(node_a, 4000)); // same host as 0
+        assert_eq!(reachable(seen("::1"), node_a), SocketAddr::new(node_a, 4000));
+        assert_eq!(reachable(seen("10.0.0.2"), node_a), seen("10.0.0.2")); // another host
+        let local: IpAddr = "127.0.0.1".parse().unwrap();
+        assert_eq!(reachable(seen("127.0.0.1"), local), seen("127.0.0.1")); // all on one host
+    }
+
+    #[test]
+    fn every_resolved_address_is_tried() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let closed = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap(); // dropped: refused
+        let addrs = [closed, listener.local_addr().unwrap()];
+        let deadline = Instant::now() + Duration::from_secs(2);
+        connect_until(&addrs[..], deadline, 1).expect("the second address listens");
+    }
+
+    #[test]
+    fn a_stray_connection_is_not_taken_for_a_process() {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let to = listener.local_addr().unwrap();
+        let talk = |words: Vec<u64>| {
+            let mut s = TcpStream::connect(to).unwrap();
+            words.iter().for_each(|w| s.write_all(&w.to_le_bytes()).unwrap());
+            let (mut got, _) = listener.accept().unwrap();
+            hello(&mut got)
+        };
+        assert_eq!(talk(vec![u64::from_le_bytes(*b"GET / HT"), 1, 2]), None);
+        assert_eq!(talk(vec![MAGIC, 3, 4000]), Some((3, 4000)));
     }
 }
