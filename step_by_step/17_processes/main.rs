@@ -25,7 +25,8 @@ fn run(tiny: bool) -> Result<()> {
     let torchrun = [("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")];
     let torchrun = [&torchrun[..], &[("MASTER_ADDR", "10.0.0.1"), ("MASTER_PORT", "29500")]].concat();
     let mpirun = [("OMPI_COMM_WORLD_RANK", "1"), ("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_LOCAL_RANK", "0")];
-    let srun = [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "0"), ("SLURM_TASKS_PER_NODE", "1(x2)")];
+    let srun =
+        [("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "0"), ("SLURM_TASKS_PER_NODE", "1(x2)")];
     for (name, env) in [("torchrun", &torchrun[..]), ("mpirun", &mpirun[..]), ("srun", &srun[..])] {
         let vars = |v: &str| env.iter().find(|(k, _)| *k == v).map(|(_, x)| x.to_string());
         let p = from_env(&vars)?.context("a launch of two processes")?;
@@ -99,7 +100,7 @@ fn start_two(dir: &Path, sets: &[&str]) -> Result<Vec<Child>> {
 /// Waits for both processes, at most `limit`; past it, kills them.
 fn wait(mut children: Vec<Child>, limit: Duration) -> Result<Vec<Output>> {
     let start = Instant::now();
-    while children.iter_mut().any(|c| c.try_wait().map_or(false, |s| s.is_none())) {
+    while children.iter_mut().any(|c| c.try_wait().is_ok_and(|s| s.is_none())) {
         if start.elapsed() > limit {
             children.iter_mut().for_each(|c| drop(c.kill()));
             anyhow::bail!("the processes did not end within {limit:?}");
