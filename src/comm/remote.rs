@@ -272,8 +272,6 @@ impl Inbox {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// What the wire brought from process `from`. Notes go into the hub under the inbox's lock,
-    /// so those of one process go in in the order they were sent.
     /// "process 1 on host node-b".
     fn process(&self, p: usize) -> String {
         let host = self.hosts.get().and_then(|h| h.get(p)).map_or("unknown", String::as_str);
@@ -286,6 +284,8 @@ impl Inbox {
         format!("{}, with rank(s) {ranks:?}, went away: {why}", self.process(p))
     }
 
+    /// What the wire brought from process `from`. Notes go into the hub under the inbox's lock,
+    /// so those of one process go in in the order they were sent.
     fn arrived(&self, from: usize, got: std::result::Result<Vec<u8>, String>) {
         let mut st = self.lock();
         match got {
