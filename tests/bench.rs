@@ -131,10 +131,10 @@ fn the_profile_table_sorts_longest_first_and_shares_add_up() {
     use ferrotron::cuda::profile::{longest_first, table, Row};
     let rows = longest_first(vec![
         Row { name: "rmsnorm_forward_bf16".into(), calls: 122, ms: 4.0 },
-        Row { name: "attention_tc_forward_d64".into(), calls: 60, ms: 30.0 },
+        Row { name: "flash_attention_forward_d64".into(), calls: 60, ms: 30.0 },
         Row { name: "cublas 576x16384x1536".into(), calls: 120, ms: 16.0 },
     ]);
-    assert_eq!(rows[0].name, "attention_tc_forward_d64");
+    assert_eq!(rows[0].name, "flash_attention_forward_d64");
     assert_eq!(rows[2].name, "rmsnorm_forward_bf16");
     let t = table(&rows, 2, 40.0); // 2 steps of 40 ms: 25 ms of each busy, 15 idle
     let lines: Vec<&str> = t.lines().collect();
@@ -157,7 +157,7 @@ fn bench_profile_times_the_gpu_kernels() {
     let tiny_on_gpu = Config::load(None, &["device.kind=cuda".to_string()]).unwrap(); // head_dim 16: tensor cores
     let r = bench::bench(&tiny_on_gpu, 1, 2, None, true).unwrap();
     let names: Vec<&str> = r.profile.iter().map(|row| row.name.as_str()).collect();
-    assert!(names.iter().any(|n| n.starts_with("attention_tc_forward")), "{names:?}");
+    assert!(names.iter().any(|n| n.starts_with("flash_attention_forward")), "{names:?}");
     assert!(
         names.iter().any(|n| n.starts_with("cublas gemm")) && names.iter().any(|n| n.starts_with("adamw")),
         "{names:?}"

@@ -402,7 +402,7 @@ fn bench_profiles_the_gpu_path() {
     let out = ferrotron(dir, &args);
     let text = String::from_utf8_lossy(&out.stdout);
     for kernel in
-        ["cublas gemm", "attention_tc_forward_d16", "rmsnorm_backward_dw_partial_bf16", "adamw_bf16", "(GPU idle"]
+        ["cublas gemm", "flash_attention_forward_d16", "rmsnorm_backward_dw_partial_bf16", "adamw_bf16", "(GPU idle"]
     {
         assert!(text.contains(kernel), "no {kernel} in the profile:\n{text}");
     }

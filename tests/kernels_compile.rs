@@ -2,8 +2,8 @@
 //! exports every kernel the CUDA backend launches (`launch_table::catalogue`). Then `ptxas`, the
 //! assembler the driver runs when it loads PTX, turns it into machine code, and its report is
 //! checked: every kernel fits the 48 KiB of static shared memory a block may have, and the
-//! tensor-core attention keeps its accumulators in registers (no spills, no stack) and declares
-//! its shared tiles 32-byte aligned, as WMMA requires.
+//! tensor-core attention keeps its fragments and accumulators in registers (no spills, no stack)
+//! and uses the tensor-core instructions it is written around (mma.sync, ldmatrix, cp.async).
 //! NVRTC also gives each file's cubin (what the GPU loads, so an NVRTC newer than the driver still
 //! works), and a GPU newer than this NVRTC knows gets PTX for the newest architecture it does.
 //! Where NVRTC, the CUDA headers or ptxas are missing the test prints why and passes, unless
@@ -57,8 +57,8 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
             for (_, entry) in KERNELS.iter().filter(|(file, _)| *file == name) {
                 assert!(ptx.contains(&format!(".entry {entry}(")), "{name}.cu for {arch} does not export {entry}");
             }
-            if name == "attention_tc" {
-                wmma_tiles_are_aligned(&ptx);
+            if name == "flash_attention" {
+                uses_tensor_core_instructions(&ptx);
             }
             if let Some(ptxas) = &ptxas {
                 for k in assemble(ptxas, name, arch, &ptx) {
@@ -68,7 +68,7 @@ fn every_kernel_compiles_for_sm80_and_sm90() {
                         k.name,
                         k.smem
                     );
-                    let in_registers = !k.name.starts_with("attention_tc") || k.spilled + k.stack == 0;
+                    let in_registers = !k.name.starts_with("flash_attention") || k.spilled + k.stack == 0;
                     assert!(
                         in_registers,
                         "{} for {arch}: {} bytes spilled, {} bytes of stack",
@@ -107,21 +107,19 @@ fn ptxas() -> Option<PathBuf> {
     beside_headers.chain(on_path.unwrap_or_default()).find(|p| p.is_file())
 }
 
-/// WMMA loads and stores need 32-byte aligned addresses: every shared tile of the tensor-core
-/// attention (all its shared arrays but the small position and statistics ones) must be declared
-/// so in the PTX, or a GPU faults where the emulator would not.
-fn wmma_tiles_are_aligned(ptx: &str) {
-    let mut tiles = 0;
-    for line in ptx.lines().filter(|l| l.trim_start().starts_with(".shared .align")) {
-        let words: Vec<&str> = line.split_whitespace().collect();
-        let align: usize = words[2].parse().unwrap();
-        let bytes: usize = line.rsplit('[').next().unwrap().trim_end_matches("];").parse().unwrap();
-        if bytes >= 512 {
-            assert!(align >= 32, "a WMMA tile aligned on {align} bytes only: {line}");
-            tiles += 1;
-        }
+/// The FlashAttention kernels are written around three PTX instructions; an edit that made the
+/// compiler drop one (a fragment computed in another way) would keep results right and lose the
+/// speed, so the PTX is checked for each.
+fn uses_tensor_core_instructions(ptx: &str) {
+    for instruction in [
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32",
+        "ldmatrix.sync.aligned.m8n8.x4.shared.b16",
+        "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16",
+        "cp.async.cg.shared.global",
+        "cp.async.wait_group",
+    ] {
+        assert!(ptx.contains(instruction), "flash_attention's PTX has no {instruction}");
     }
-    assert!(tiles > 0, "no shared tiles found in attention_tc's PTX");
 }
 
 /// What ptxas -v reports of one kernel.

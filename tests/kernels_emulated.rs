@@ -81,6 +81,10 @@ impl Buf {
     fn zeros(n: usize, dt: DType) -> Buf {
         Buf::new(&vec![0.0; n], dt)
     }
+    /// NaN everywhere: an output element a kernel forgets to write fails the comparison.
+    fn poisoned(n: usize, dt: DType) -> Buf {
+        Buf::new(&vec![f32::NAN; n], dt)
+    }
     fn addr(&mut self) -> Addr {
         match self {
             Buf::F32(v) => v.as_mut_ptr() as Addr,
@@ -179,8 +183,10 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((0..20).collect(), (10..43).collect());
         attention(&mut c, ring, (&q_pos, &k_pos));
         merge(&mut c, ring);
-        // in bf16 these run on tensor cores (attention_tc.cu): several tiles, tiles skipped by
-        // causal order (contiguous, and zigzag's two chunks), head_dim 128, a ring block
+        // in bf16 these run on tensor cores (flash_attention.cu): lengths that are not multiples
+        // of a tile, several tiles, tiles skipped by causal order (contiguous, and zigzag's two
+        // chunks), every head size, GQA ratios 1, 2, 3 and 8, ring blocks (queries that see no
+        // key, keys after every query), outputs poisoned with NaN beforehand
         let long = Attn { batch: 1, seq: 70, kv_seq: 70, heads: 2, kv_heads: 1, head_dim: 64 };
         let pos: Vec<u32> = (0..70).collect();
         attention(&mut c, long, (&pos, &pos));
@@ -188,6 +194,16 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         let pos: Vec<u32> = (0..32).chain(96..128).collect();
         attention(&mut c, zigzag, (&pos, &pos));
         attention(&mut c, Attn { head_dim: 32, ..ring }, (&q_pos, &k_pos));
+        let gqa3 = Attn { batch: 2, seq: 75, kv_seq: 75, heads: 6, kv_heads: 2, head_dim: 64 };
+        let pos: Vec<u32> = (0..75).collect();
+        attention(&mut c, gqa3, (&pos, &pos));
+        // a ring step of 8:1 GQA: 50 queries at 60..110 against 90 keys at 0..90 (the first tiles
+        // seen by every query, the last by some) and a later block no query sees
+        let gqa8 = Attn { batch: 1, seq: 50, kv_seq: 90, heads: 8, kv_heads: 1, head_dim: 32 };
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((60..110).collect(), (0..90).collect());
+        attention(&mut c, gqa8, (&q_pos, &k_pos));
+        let late: Vec<u32> = (200..290).collect();
+        attention(&mut c, Attn { head_dim: 128, heads: 2, ..gqa8 }, (&q_pos, &late));
         moe(&mut c, (13, 8, 2), 40);
         moe(&mut c, (5, 3, 3), 300); // every expert chosen, rows over one block of threads
         adamw(&mut c, 300, DType::F32);
@@ -197,7 +213,7 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert_eq!(checked, 157 + 2 * 2 * 8, "every check ran");
+    assert_eq!(checked, 157 + 2 * 2 * 8 + 2 * 3 * 5, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {
@@ -324,7 +340,7 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
     let (mut qp, mut kp) = (pos.0.to_vec(), pos.1.to_vec());
     let positions = (qp.as_mut_ptr() as Addr, kp.as_mut_ptr() as Addr);
     let (mut bq, mut bk, mut bv) = (c.buf(&q), c.buf(&k), c.buf(&v));
-    let (mut bout, mut blse) = (Buf::zeros(out.numel(), dt), Buf::zeros(lse.numel(), DType::F32));
+    let (mut bout, mut blse) = (Buf::poisoned(out.numel(), dt), Buf::poisoned(lse.numel(), DType::F32));
     let qkv = (bq.addr(), bk.addr(), bv.addr());
     c.run(&launch_table::attention(dt, a, qkv, positions, bout.addr(), blse.addr()));
     let what = format!("attention q{} k{} h{}/{} d{}", a.seq, a.kv_seq, a.heads, a.kv_heads, a.head_dim);
@@ -337,7 +353,7 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
     let (mut bout, mut blse, mut bdout, mut delta) =
         (c.buf(&out), c.f32(&lse), c.buf(&dout), Buf::zeros(lse.numel(), DType::F32));
     let (mut bdq, mut bdk, mut bdv) =
-        (Buf::zeros(dq.numel(), dt), Buf::zeros(dk.numel(), dt), Buf::zeros(dv.numel(), dt));
+        (Buf::poisoned(dq.numel(), dt), Buf::poisoned(dk.numel(), dt), Buf::poisoned(dv.numel(), dt));
     let saved = (bout.addr(), blse.addr(), bdout.addr());
     let grads = (bdq.addr(), bdk.addr(), bdv.addr());
     for l in launch_table::attention_backward(dt, a, qkv, positions, saved, delta.addr(), grads) {

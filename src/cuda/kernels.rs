@@ -7,7 +7,7 @@
 //! indexes that list (`cuda/device.rs`). Nothing is formatted, hashed or searched per launch.
 
 /// Every kernel: the file of `kernels/` it is in, and its `extern "C"` name. Functions with a
-/// `_f32` and a `_bf16` form are the same code in the two compute dtypes; `attention_tc_*_dN`
+/// `_f32` and a `_bf16` form are the same code in the two compute dtypes; `flash_attention_*_dN`
 /// is the tensor-core attention instantiated for head size N.
 pub const KERNELS: &[(&str, &str)] = &[
     ("elementwise", "cast_f32_to_bf16"),
@@ -42,18 +42,18 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("attention", "attention_dkdv_bf16"),
     ("attention", "attention_merge_f32"),
     ("attention", "attention_merge_bf16"),
-    ("attention_tc", "attention_tc_forward_d16"),
-    ("attention_tc", "attention_tc_forward_d32"),
-    ("attention_tc", "attention_tc_forward_d64"),
-    ("attention_tc", "attention_tc_forward_d128"),
-    ("attention_tc", "attention_tc_dq_d16"),
-    ("attention_tc", "attention_tc_dq_d32"),
-    ("attention_tc", "attention_tc_dq_d64"),
-    ("attention_tc", "attention_tc_dq_d128"),
-    ("attention_tc", "attention_tc_dkdv_d16"),
-    ("attention_tc", "attention_tc_dkdv_d32"),
-    ("attention_tc", "attention_tc_dkdv_d64"),
-    ("attention_tc", "attention_tc_dkdv_d128"),
+    ("flash_attention", "flash_attention_forward_d16"),
+    ("flash_attention", "flash_attention_forward_d32"),
+    ("flash_attention", "flash_attention_forward_d64"),
+    ("flash_attention", "flash_attention_forward_d128"),
+    ("flash_attention", "flash_attention_dq_d16"),
+    ("flash_attention", "flash_attention_dq_d32"),
+    ("flash_attention", "flash_attention_dq_d64"),
+    ("flash_attention", "flash_attention_dq_d128"),
+    ("flash_attention", "flash_attention_dkdv_d16"),
+    ("flash_attention", "flash_attention_dkdv_d32"),
+    ("flash_attention", "flash_attention_dkdv_d64"),
+    ("flash_attention", "flash_attention_dkdv_d128"),
     ("swiglu", "swiglu_forward_f32"),
     ("swiglu", "swiglu_forward_bf16"),
     ("swiglu", "swiglu_backward_f32"),

@@ -87,14 +87,14 @@ macro_rules! typed {
     };
 }
 
-/// The kernel `attention_tc_{name}_d{head_dim}`, for each head size of `TENSOR_CORE_HEAD_DIMS`.
+/// The kernel `flash_attention_{name}_d{head_dim}`, for each head size of `TENSOR_CORE_HEAD_DIMS`.
 macro_rules! tensor_core {
     ($name:literal, $head_dim:expr) => {
         match $head_dim {
-            16 => kernel!(concat!("attention_tc_", $name, "_d16")),
-            32 => kernel!(concat!("attention_tc_", $name, "_d32")),
-            64 => kernel!(concat!("attention_tc_", $name, "_d64")),
-            128 => kernel!(concat!("attention_tc_", $name, "_d128")),
+            16 => kernel!(concat!("flash_attention_", $name, "_d16")),
+            32 => kernel!(concat!("flash_attention_", $name, "_d32")),
+            64 => kernel!(concat!("flash_attention_", $name, "_d64")),
+            128 => kernel!(concat!("flash_attention_", $name, "_d128")),
             d => unreachable!("no tensor-core attention for head size {d}"),
         }
     };
@@ -237,19 +237,27 @@ fn query_blocks(a: Attn) -> ((u32, u32, u32), u32) {
     ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 64)
 }
 
-/// The head sizes `kernels/attention_tc.cu` is instantiated for.
+/// The head sizes `kernels/flash_attention.cu` is instantiated for.
 pub const TENSOR_CORE_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
 /// Mixed precision with a head size it is built for runs attention on tensor cores
-/// (`attention_tc.cu`: blocks of 32 rows, 2 warps); f32 mode and other sizes run `attention.cu`.
-fn tensor_cores(dt: DType, a: Attn) -> bool {
-    dt == DType::Bf16 && TENSOR_CORE_HEAD_DIMS.contains(&a.head_dim)
+/// (`flash_attention.cu`); f32 mode and other sizes run `attention.cu`, and so do tensors not on
+/// 16 bytes (the tensor-core kernels copy rows 16 bytes at a time; every allocation is aligned,
+/// so this is a guard, not a path taken).
+fn tensor_cores(dt: DType, a: Attn, tensors: &[Addr]) -> bool {
+    dt == DType::Bf16 && TENSOR_CORE_HEAD_DIMS.contains(&a.head_dim) && tensors.iter().all(|t| t % 16 == 0)
 }
 
-/// Kernel `kernel` of `attention_tc.cu` on blocks of 32 rows of `rows` (per head of `heads`).
-fn tensor_core_launch(kernel: Kernel, a: Attn, (rows, heads): (usize, usize), args: Vec<Arg>) -> Launch {
-    let grid = ((rows.div_ceil(32) as u32, heads as u32, a.batch as u32), 64);
-    launch(kernel, grid, args)
+/// `flash_attention.cu`'s forward and dq: a block of 4 warps per 64 query rows of one head.
+fn flash_query_blocks(kernel: Kernel, a: Attn, args: Vec<Arg>) -> Launch {
+    launch(kernel, ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 128), args)
+}
+
+/// `flash_attention.cu`'s dk/dv: a warp per 16 key rows of one KV head, 64 keys a block (32 at
+/// head size 128, where shared memory holds fewer rows; `KeyTiles` in the kernel).
+fn flash_key_blocks(kernel: Kernel, a: Attn, args: Vec<Arg>) -> Launch {
+    let keys = if a.head_dim <= 64 { 64 } else { 32 };
+    launch(kernel, ((a.kv_seq.div_ceil(keys) as u32, a.kv_heads as u32, a.batch as u32), keys as u32 * 2), args)
 }
 
 /// (out, lse) of queries q at q_pos against keys and values at k_pos.
@@ -262,8 +270,8 @@ pub fn attention(
     lse: Addr,
 ) -> Launch {
     let args = vec![Arg::Shape(a.into()), Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(out), Ptr(lse)];
-    if tensor_cores(dt, a) {
-        return tensor_core_launch(tensor_core!("forward", a.head_dim), a, (a.seq, a.heads), args);
+    if tensor_cores(dt, a, &[q, k, v, out]) {
+        return flash_query_blocks(tensor_core!("forward", a.head_dim), a, args);
     }
     launch(typed!("attention_forward", dt), query_blocks(a), args)
 }
@@ -287,11 +295,11 @@ pub fn attention_backward(
         vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
     );
     let (dq_args, dkdv_args) = ([&inputs[..], &[Ptr(dq)]].concat(), [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat());
-    if tensor_cores(dt, a) {
+    if tensor_cores(dt, a, &[q, k, v, dout, dq, dk, dv]) {
         return [
             delta_launch,
-            tensor_core_launch(tensor_core!("dq", a.head_dim), a, (a.seq, a.heads), dq_args),
-            tensor_core_launch(tensor_core!("dkdv", a.head_dim), a, (a.kv_seq, a.kv_heads), dkdv_args),
+            flash_query_blocks(tensor_core!("dq", a.head_dim), a, dq_args),
+            flash_key_blocks(tensor_core!("dkdv", a.head_dim), a, dkdv_args),
         ];
     }
     let key_blocks = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);

@@ -8,7 +8,7 @@
 //! itself. Only for an architecture this NVRTC does not know is PTX loaded, made for the newest
 //! architecture it knows (`target`), for the driver to compile. Each file is preceded by `kernels/common.cuh` (the
 //! f32/bf16 load and store helpers and the block reductions) before it is compiled, so NVRTC needs
-//! no include path of ours, only the CUDA headers (`cuda_bf16.h`, and `mma.h` for tensor cores).
+//! no include path of ours, only the CUDA headers (`cuda_bf16.h`; tensor cores are reached by inline PTX).
 //!
 //! Without a GPU the same compilation still runs, and `tests/kernels_compile.rs` uses it so CI
 //! catches a kernel that does not compile: NVRTC and the headers come from the Python wheels
@@ -34,15 +34,15 @@ pub const SOURCES: [(&str, &str); 10] = [
     ("rope", include_str!("../../kernels/rope.cu")),
     ("swiglu", include_str!("../../kernels/swiglu.cu")),
     ("attention", include_str!("../../kernels/attention.cu")),
-    ("attention_tc", include_str!("../../kernels/attention_tc.cu")),
+    ("flash_attention", include_str!("../../kernels/flash_attention.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
     ("moe", include_str!("../../kernels/moe.cu")),
     ("adamw", include_str!("../../kernels/adamw.cu")),
 ];
 
-/// The folders NVRTC searches for the CUDA headers the kernels include: `cuda_bf16.h`, and
-/// `crt/mma.h` behind `mma.h` (tensor cores). A CUDA toolkit has both in one `include/`; the PyPI
-/// wheels split them (`nvidia/cuda_runtime/include`, `nvidia/cuda_nvcc/include`). Looked for in
+/// The folders NVRTC searches for the CUDA headers the kernels include: `cuda_bf16.h`, and the
+/// `crt/` headers it includes. A CUDA toolkit has both in one `include/`; the PyPI wheels may split
+/// them (`nvidia/cuda_runtime/include`, `nvidia/cuda_nvcc/include`). Looked for in
 /// `$FERROTRON_CUDA_INCLUDE` (folders separated by ':'), `$CUDA_HOME/include`,
 /// `/usr/local/cuda/include`, and beside each of them the wheels' `../../cuda_nvcc/include`.
 pub fn include_dirs() -> Result<Vec<PathBuf>> {
@@ -56,10 +56,9 @@ pub fn include_dirs() -> Result<Vec<PathBuf>> {
     let bf16 = find("cuda_bf16.h").ok_or_else(|| {
         anyhow!("no CUDA headers (cuda_bf16.h) found: set FERROTRON_CUDA_INCLUDE or CUDA_HOME, or `pip install nvidia-cuda-runtime-cu12 nvidia-cuda-nvcc-cu12` and point FERROTRON_CUDA_INCLUDE at its nvidia/cuda_runtime/include")
     })?;
-    let mma = find("crt/mma.h").ok_or_else(|| {
-        anyhow!("no crt/mma.h (the CUDA compiler's tensor-core header) found beside {}: install the CUDA toolkit's headers, or `pip install nvidia-cuda-nvcc-cu12` and add its nvidia/cuda_nvcc/include to FERROTRON_CUDA_INCLUDE (folders separated by ':')", bf16.display())
-    })?;
-    Ok(if bf16 == mma { vec![bf16] } else { vec![bf16, mma] })
+    // cuda_bf16.h includes crt/ headers; some wheels keep them with the compiler's headers instead
+    let crt = find("crt/host_defines.h").filter(|d| *d != bf16);
+    Ok([Some(bf16), crt].into_iter().flatten().collect())
 }
 
 /// NVRTC's name of compute capability `major.minor` ("sm_90"); a `'static` string as NVRTC's

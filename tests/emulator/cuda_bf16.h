@@ -9,7 +9,10 @@
 // reached it, as on a GPU, where an exited thread stops counting. A round in which no thread
 // moves means some threads wait at a barrier others never reach: the emulator says so and stops.
 // `__shared__` variables are statics: shared by the block that runs. One launch at a time.
+// Kernels that use PTX (kernels/flash_attention.cu) test FERROTRON_EMULATOR and include
+// warp_ptx.h, which emulates those instructions lane by lane.
 #pragma once
+#define FERROTRON_EMULATOR 1
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -59,14 +62,25 @@ namespace emu {
 struct Barrier {
     unsigned expected = 0, arrived = 0, generation = 0;
 };
+// A copy of cp.async (warp_ptx.h): `bytes` of `src` land at `dst` when a wait retires its group;
+// `bytes` < 16 fills the rest with zeros.
+struct AsyncCopy {
+    void* dst;
+    const void* src;
+    unsigned bytes;
+};
 struct Fiber {
     ucontext_t context;
     std::vector<char> stack = std::vector<char>(256 << 10);
     bool done = false;
+    std::vector<AsyncCopy> issued;                 // cp.async copies not yet committed to a group
+    std::vector<std::vector<AsyncCopy>> groups;    // committed groups, oldest first, not yet retired
 };
+// What the lanes of a warp exchange at a warp-collective instruction: each lane writes its slot,
+// the warp meets at `sync`, each lane reads the slots it needs, the warp meets again.
 struct Warp {
     Barrier sync;
-    float values[32];
+    alignas(16) unsigned char slot[32][64];
 };
 inline ucontext_t scheduler;
 inline std::vector<Fiber> fibers;
@@ -125,6 +139,8 @@ inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads
                 for (unsigned t = 0; t < threads; t++) {
                     Fiber& f = fibers[t];
                     f.done = false;
+                    f.issued.clear();
+                    f.groups.clear();
                     getcontext(&f.context);
                     f.context.uc_stack = {f.stack.data(), 0, f.stack.size()};
                     f.context.uc_link = &scheduler;
@@ -151,13 +167,42 @@ inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads
 
 inline void __syncthreads() { emu::wait(emu::block_sync); }
 
-inline float __shfl_xor_sync(unsigned, float v, int offset) {
-    emu::Warp& w = emu::warp();
-    w.values[emu::lane()] = v;
-    emu::wait(w.sync);
-    float other = w.values[emu::lane() ^ offset];
-    emu::wait(w.sync);
+namespace emu {
+// Every lane gives `mine` and gets the value of lane `from(lane)`: one exchange through the slots.
+template <typename T, typename From>
+T exchange(T mine, From from) {
+    static_assert(sizeof(T) <= sizeof(Warp::slot[0]));
+    Warp& w = warp();
+    memcpy(w.slot[lane()], &mine, sizeof(T));
+    wait(w.sync);
+    T other;
+    memcpy(&other, w.slot[from(lane())], sizeof(T));
+    wait(w.sync);
     return other;
 }
+} // namespace emu
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int offset) {
+    return emu::exchange(v, [offset](int lane) { return lane ^ offset; });
+}
+
+// Whether `p` holds on any lane of the warp (every lane gets the same answer; the full mask needs
+// every lane present).
+inline int __any_sync(unsigned, int p) {
+    emu::Warp& w = emu::warp();
+    if (w.sync.expected != 32) {
+        fprintf(stderr, "emulator: __any_sync(0xffffffff) after some lanes of the warp returned\n");
+        abort();
+    }
+    w.slot[emu::lane()][0] = p != 0;
+    emu::wait(w.sync);
+    int any = 0;
+    for (int l = 0; l < 32; l++) any |= w.slot[l][0];
+    emu::wait(w.sync);
+    return any;
+}
+
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 
 inline void __syncwarp(unsigned = 0xffffffff) { emu::wait(emu::warp().sync); }
