@@ -4,6 +4,11 @@ user would (bf16 autocast over fp32 weights, SDPA flash attention, fused AdamW, 
 torch.compile), measured and reported the same way (FLOP formula, peaks, warm-up excluded).
 
     python benches/torch_reference.py --config configs/smollm-135m.toml [--compile] [--json OUT]
+    python benches/torch_reference.py --config configs/smollm-135m.toml --op attention
+
+`--op attention` times one layer's attention alone, as `ferrotron bench --op attention` does:
+F.scaled_dot_product_attention (causal, GQA) with the FlashAttention-2 backend and with cuDNN's,
+forward and forward+backward, by CUDA events over the calls after the warm-up.
 
 It reads a ferrotron TOML config (keys it leaves out take configs/tiny.toml's values, as in
 ferrotron) and needs only PyTorch. Run it and `ferrotron bench` on the same GPU, one after the
@@ -140,6 +145,48 @@ class Llama(torch.nn.Module):
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def attention_op(cfg, args):
+    """SDPA's flash and cuDNN backends on the config's attention shapes (bf16, causal, GQA)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    m, t = cfg["model"], cfg["train"]
+    b, s, h, kv = t["micro_batch_size"], t["seq_len"], m["num_attention_heads"], m["num_key_value_heads"]
+    d = m.get("head_dim", m["hidden_size"] // h)
+    flops = 4 * b * h * s * s * d / 2  # the causal half, as src/commands/bench_attention.rs
+    q = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(b, kv, s, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    dout = torch.randn(b, h, s, d, device="cuda", dtype=torch.bfloat16)
+    report = {"device": torch.cuda.get_device_name(0), "shape": [b, s, h, kv, d], "framework": f"pytorch {torch.__version__}"}
+
+    def timed(work):
+        for _ in range(args.warmup):
+            work()
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(args.steps):
+            work()
+        end.record()
+        torch.cuda.synchronize()
+        return begin.elapsed_time(end) / args.steps
+
+    for name, backend in [("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)]:
+        try:
+            with sdpa_kernel(backend):
+                sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
+                forward = timed(lambda: sdpa().detach())
+                both = timed(lambda: torch.autograd.grad(sdpa(), (q, k, v), dout))
+            report[name] = {"forward_ms": forward, "forward_tflops": flops / forward / 1e9,
+                            "forward_backward_ms": both, "forward_backward_tflops": 3.5 * flops / both / 1e9}
+            print(f"{name:<7} forward {forward:.3f} ms ({flops / forward / 1e9:.1f} TFLOP/s), "
+                  f"forward+backward {both:.3f} ms ({3.5 * flops / both / 1e9:.1f} TFLOP/s)")
+        except RuntimeError as e:  # a backend this build or GPU lacks
+            print(f"{name:<7} not available: {str(e).splitlines()[0]}")
+    text = json.dumps(report)
+    print(f"json: {text}")
+    if args.json:
+        Path(args.json).write_text(text)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", help="a ferrotron TOML config")
@@ -149,9 +196,14 @@ def main():
     ap.add_argument("--dtype", choices=["bf16", "f32"], help="default: the config's device.dtype (auto: bf16 on a GPU)")
     ap.add_argument("--peak-tflops", type=float, help="peak of one device, for the MFU (default: by GPU name)")
     ap.add_argument("--json", help="also write the JSON to this file")
+    ap.add_argument("--op", choices=["attention"], help="time one op alone (GPU, bf16) instead of a training step")
     args = ap.parse_args()
 
     cfg = load_config(args.config)
+    if args.op == "attention":
+        if not torch.cuda.is_available():
+            raise SystemExit("error: --op attention times GPU kernels and PyTorch sees no GPU")
+        return attention_op(cfg, args)
     m, t = cfg["model"], cfg["train"]
     cuda = torch.cuda.is_available()
     if cfg.get("device", {}).get("kind") == "cuda" and not cuda:

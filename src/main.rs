@@ -161,6 +161,10 @@ enum Command {
         /// goes (GPU only; events on the stream, a little slower than a plain run).
         #[arg(long)]
         profile: bool,
+        /// Measure one op alone instead of a training step: `attention` times the attention
+        /// kernels (forward, forward+backward) on the config's shapes (GPU only).
+        #[arg(long, value_name = "OP", value_parser = ["attention"])]
+        op: Option<String>,
     },
 }
 
@@ -291,7 +295,23 @@ fn run(cli: Cli) -> Result<Exit> {
             }
         }
         Command::Doctor => doctor::doctor()?,
-        Command::Bench { config, sets, steps, warmup, peak_tflops, json, against, profile } => {
+        Command::Bench { config, sets, steps, warmup, op: Some(_), json, against, profile, peak_tflops } => {
+            if profile || against.is_some() || peak_tflops.is_some() {
+                anyhow::bail!("--op attention times the attention kernels alone: leave out --profile, --against and --peak-tflops (they are for a training step)");
+            }
+            let cfg = Config::load(config.as_deref(), &sets)?;
+            if let Some(path) = &json {
+                ferrotron::files::check_writable(path).context("--json")?;
+            }
+            let report = ferrotron::commands::bench_attention::bench_attention(&cfg, warmup, steps)?;
+            say!("{}", ferrotron::commands::bench_attention::attention_table(&report).trim_end());
+            let text = serde_json::to_string(&report)?;
+            say!("json: {text}");
+            if let Some(path) = json {
+                ferrotron::files::write_atomically(&path, text.as_bytes()).context("--json")?;
+            }
+        }
+        Command::Bench { config, sets, steps, warmup, peak_tflops, json, against, profile, op: None } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
             let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
             if let Some(path) = &json {

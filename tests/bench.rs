@@ -165,3 +165,23 @@ fn bench_profile_times_the_gpu_kernels() {
     let busy: f64 = r.profile.iter().map(|row| row.ms).sum();
     assert!(busy > 0.0 && busy <= 2.0 * r.step_ms * 1.05, "kernels {busy} ms, steps {} ms", 2.0 * r.step_ms);
 }
+
+#[test]
+fn bench_op_attention_is_for_the_gpu_and_alone() {
+    let run = |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).output().unwrap();
+    for (args, named) in [
+        (&["bench", "--op", "attention"][..], "device.kind"),
+        (&["bench", "--op", "attention", "--profile", "--set", "device.kind=cuda"][..], "--profile"),
+        (&["bench", "--op", "softmax"][..], "attention"),
+    ] {
+        let out = run(args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(named), "{args:?}: {err}");
+    }
+    // the FLOPs FlashAttention's benchmarks count: the causal half of the square, 2 per multiply-add
+    let a = ferrotron::ops::Attn { batch: 8, seq: 2048, kv_seq: 2048, heads: 9, kv_heads: 3, head_dim: 64 };
+    let flops = ferrotron::commands::bench_attention::forward_flops(a);
+    assert_eq!(flops, 4.0 * 8.0 * 9.0 * 2048.0 * 2048.0 * 64.0 / 2.0);
+    // GPU_MEASURED.md: PyTorch's FA2 forward at these shapes, 0.175 ms, is 220 TFLOP/s by this count
+    assert!((flops / 0.175e-3 / 1e12 - 220.9).abs() < 1.0);
+}

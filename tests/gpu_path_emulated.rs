@@ -409,6 +409,33 @@ fn bench_profiles_the_gpu_path() {
 }
 
 #[test]
+fn bench_times_the_attention_kernels_alone() {
+    let Some(dir) = fake_driver() else { return };
+    // head size 64 (128 / 2), GQA 2:1, a sequence of two and a half tiles
+    let mut args = vec!["bench", "--op", "attention", "--steps", "2", "--warmup", "1", "--set", "device.kind=cuda"];
+    for s in ["model.hidden_size=128", "model.num_attention_heads=2", "model.num_key_value_heads=1"] {
+        args.extend(["--set", s]);
+    }
+    args.extend(["--set", "train.seq_len=150", "--set", "train.micro_batch_size=1"]);
+    let out = ferrotron(dir, &args);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    for line in ["flash_attention_forward_d64", "flash_attention_dkdv_d64", "head size 64", "forward+backward"] {
+        assert!(text.contains(line), "no {line} in:\n{text}");
+    }
+    let json: serde_json::Value =
+        serde_json::from_str(text.lines().last().unwrap().trim_start_matches("json: ")).unwrap();
+    let (fwd, both) = (json["forward_ms"].as_f64().unwrap(), json["forward_backward_ms"].as_f64().unwrap());
+    assert!(fwd > 0.0 && both > fwd, "forward {fwd} ms, with the backward {both} ms");
+    // the FLOPs of the causal half: 4·b·h·s²·d/2 over the time
+    let tflops = json["forward_tflops"].as_f64().unwrap();
+    assert!(
+        (tflops - 4.0 * 2.0 * 150.0f64.powi(2) * 64.0 / 2.0 / fwd / 1e9).abs() <= 1e-9 * tflops.max(1.0),
+        "{tflops}"
+    );
+}
+
+#[test]
 fn a_run_over_two_processes_on_the_gpu_path_follows_one_process() {
     let Some(dir) = fake_driver() else { return };
     // two processes started torchrun-style, each with its own fake GPU: every group's NCCL

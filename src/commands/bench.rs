@@ -140,7 +140,7 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
     })
 }
 
-fn gpu_name_and_memory() -> Result<(String, Option<usize>)> {
+pub(crate) fn gpu_name_and_memory() -> Result<(String, Option<usize>)> {
     crate::cuda::runtime::device_count()?;
     let ctx = cudarc::driver::CudaContext::new(0).map_err(crate::cuda::runtime::cuda_err)?;
     Ok((

@@ -34,7 +34,8 @@ pub fn self_test(gpu: &Gpu) -> Result<Vec<String>> {
             Attn { batch: 2, seq: 37, kv_seq: 37, heads: 4, kv_heads: 2, head_dim: 16 },
             Attn { batch: 1, seq: 70, kv_seq: 70, heads: 3, kv_heads: 1, head_dim: 32 },
             Attn { batch: 1, seq: 65, kv_seq: 65, heads: 2, kv_heads: 2, head_dim: 128 },
-            Attn { batch: 1, seq: 33, kv_seq: 33, heads: 2, kv_heads: 1, head_dim: 24 }, // no tensor-core kernel
+            Attn { batch: 1, seq: 130, kv_seq: 130, heads: 8, kv_heads: 1, head_dim: 64 }, // GQA 8:1, three tiles
+            Attn { batch: 1, seq: 33, kv_seq: 33, heads: 2, kv_heads: 1, head_dim: 24 },   // no tensor-core kernel
         ] {
             let pos: Vec<u32> = (0..a.seq as u32).collect();
             c.attention(a, (&pos, &pos))?;
