@@ -86,7 +86,8 @@ fn sets(extra: &[&str]) -> Vec<String> {
 #[test]
 fn cp_with_both_splits_and_with_dp_tp_pp_follow_the_single_rank_curve() {
     let spec = "cp=2;cp=4;cp=2,cp_split=contiguous;cp=4,cp_split=contiguous;dp=2,cp=2;tp=2,cp=2;cp=2,pp=2";
-    let (baseline, outcomes) = converge::converge(None, &sets(&[]), &parse_variants(spec).unwrap(), 1e-4).unwrap();
+    let converge::Report { baseline, outcomes, .. } =
+        converge::converge(None, &sets(&[]), &parse_variants(spec).unwrap(), 1e-4).unwrap();
     assert!(baseline[19] < baseline[0] - 0.5, "the baseline learns");
     for o in &outcomes {
         assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);

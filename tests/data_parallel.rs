@@ -34,7 +34,7 @@ fn run(extra: &[&str]) -> Vec<Summary> {
 #[test]
 fn dp_2_3_4_follow_the_single_rank_curve() {
     let variants = parse_variants("dp=2;dp=3;dp=4;dp=2,grad_accum_steps=3").unwrap();
-    let (baseline, outcomes) = {
+    let converge::Report { baseline, outcomes, .. } = {
         let _alone = alone();
         converge::converge(None, &sets(&[]), &variants, 1e-4).unwrap()
     };

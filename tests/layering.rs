@@ -88,6 +88,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "cuda::self_check",
             "commands::doctor",
             "commands::bench",
+            "commands::bench_attention",
             "commands",
         ],
     ),

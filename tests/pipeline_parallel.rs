@@ -28,7 +28,8 @@ fn sets(extra: &[&str]) -> Vec<String> {
 #[test]
 fn pp_with_both_schedules_and_with_dp_and_tp_follow_the_single_rank_curve() {
     let spec = "pp=2;pp=4;pp=2,pp_schedule=afab;pp=4,pp_schedule=afab;dp=2,pp=2;tp=2,pp=2";
-    let (baseline, outcomes) = converge::converge(None, &sets(&[]), &parse_variants(spec).unwrap(), 1e-4).unwrap();
+    let converge::Report { baseline, outcomes, .. } =
+        converge::converge(None, &sets(&[]), &parse_variants(spec).unwrap(), 1e-4).unwrap();
     assert!(baseline[19] < baseline[0] - 0.5, "the baseline learns");
     for o in &outcomes {
         assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);
@@ -38,7 +39,7 @@ fn pp_with_both_schedules_and_with_dp_and_tp_follow_the_single_rank_curve() {
 #[test]
 fn uneven_layer_splits_follow_the_curve_too() {
     let spec = "pp=2;pp=3,pp_schedule=afab";
-    let (_, outcomes) =
+    let converge::Report { baseline: _, outcomes, .. } =
         converge::converge(None, &sets(&["model.num_hidden_layers=5"]), &parse_variants(spec).unwrap(), 1e-4).unwrap();
     assert!(outcomes.iter().all(|o| o.pass));
     // 5 layers on 3 stages: the remainder goes to the first stages
@@ -134,7 +135,8 @@ fn interleaved_1f1b_follows_the_single_rank_curve() {
                 tp=2,pp=2,pp_schedule=interleaved,pp_virtual_stages=2,sequence_parallel=true;\
                 cp=2,pp=2,pp_schedule=interleaved,pp_virtual_stages=2,recompute=full";
     let extra = ["model.num_hidden_layers=8", "train.steps=10"];
-    let (baseline, outcomes) = converge::converge(None, &sets(&extra), &parse_variants(spec).unwrap(), 1e-4).unwrap();
+    let converge::Report { baseline, outcomes, .. } =
+        converge::converge(None, &sets(&extra), &parse_variants(spec).unwrap(), 1e-4).unwrap();
     assert!(baseline[9] < baseline[0] - 0.2, "the baseline learns");
     for o in &outcomes {
         assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);

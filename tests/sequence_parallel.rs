@@ -81,7 +81,7 @@ fn sequence_parallelism_cuts_the_norm_and_residual_activations_by_tp() {
 /// Each variant of `spec` against one rank, to `tol` on every step.
 fn follow_the_single_rank_curve(spec: &str, tol: f32) {
     let variants = parse_variants(spec).unwrap();
-    let (baseline, outcomes) = converge::converge(None, &sets(&[]), &variants, tol).unwrap();
+    let converge::Report { baseline, outcomes, .. } = converge::converge(None, &sets(&[]), &variants, tol).unwrap();
     assert!(baseline[9] < baseline[0] - 0.2, "the baseline learns: {} → {}", baseline[0], baseline[9]);
     for o in &outcomes {
         assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);

@@ -144,7 +144,7 @@ fn tp_and_dp_tp_follow_the_single_rank_curve() {
             .map(String::from),
     );
     let variants = parse_variants("tp=2;tp=4;dp=2,tp=2;tp=2,model.tie_word_embeddings=true").unwrap();
-    let (baseline, outcomes) = converge::converge(None, &sets, &variants, 1e-4).unwrap();
+    let converge::Report { baseline, outcomes, .. } = converge::converge(None, &sets, &variants, 1e-4).unwrap();
     assert!(baseline[19] < baseline[0] - 0.5, "the baseline learns");
     for o in outcomes.iter().take(3) {
         assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);
@@ -153,7 +153,8 @@ fn tp_and_dp_tp_follow_the_single_rank_curve() {
     // its own single-rank run
     assert!(outcomes[3].max_diff > 1e-3);
     sets.push("model.tie_word_embeddings=true".into());
-    let (tied, tied_tp) = converge::converge(None, &sets, &parse_variants("tp=2;dp=2,tp=2").unwrap(), 1e-4).unwrap();
+    let converge::Report { baseline: tied, outcomes: tied_tp, .. } =
+        converge::converge(None, &sets, &parse_variants("tp=2;dp=2,tp=2").unwrap(), 1e-4).unwrap();
     assert!(
         tied_tp.iter().all(|o| o.pass),
         "tied under tp: {:?}",

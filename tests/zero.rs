@@ -24,7 +24,7 @@ fn sets(extra: &[&str]) -> Vec<String> {
 /// Each variant of `spec` against one rank, to 1e-4 on every step.
 fn follow_the_single_rank_curve(spec: &str) {
     let variants = parse_variants(spec).unwrap();
-    let (baseline, outcomes) = converge::converge(None, &sets(&[]), &variants, 1e-4).unwrap();
+    let converge::Report { baseline, outcomes, .. } = converge::converge(None, &sets(&[]), &variants, 1e-4).unwrap();
     assert!(baseline[11] < baseline[0] - 0.2, "the baseline learns: {} → {}", baseline[0], baseline[11]);
     for o in &outcomes {
         assert_eq!(o.losses.len(), baseline.len(), "{}", o.label);

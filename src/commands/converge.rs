@@ -9,8 +9,26 @@
 //! variant:  the config with e.g. "dp=2,grad_accum_steps=2"; micro_batch_size is chosen so
 //!           micro_batch_size × grad_accum_steps × dp stays the global batch
 //! ```
-//! and reports, per variant, the largest per-step loss difference against a tolerance, with a
-//! CSV of all curves and an SVG plot. Keys are `section.key`, or the short names `dp`, `tp`,
+//! and reports, per variant, the largest per-step loss difference against its criterion, with a
+//! CSV of all curves and an SVG plot.
+//!
+//! Why a tolerance alone is not the criterion: training is a dynamical system that amplifies
+//! small differences. Two runs that differ only in the order of a sum (a dp all-reduce adds the
+//! replicas' gradients in another grouping, a tp row-parallel GEMM splits its inner dimension)
+//! agree to ~1e-6 for a while, and then their difference grows by orders of magnitude every few
+//! dozen steps until the curves are two samples of the same noisy descent (on the tiny config, in
+//! f32: 1e-6 up to step 110, 1e-4 at 150, 1e-2 at 200). In bf16 every step rounds far more, and the
+//! curves part at once. So the harness measures what a change that is harmless by construction
+//! does to the baseline — the same run on one rank with the global batch split into micro-batches
+//! another way (the same mathematics, another summation order) — and holds each variant to:
+//!
+//! ```text
+//! |Δloss| at step s ≤ max(tol, BAND_FACTOR × the harmless change's largest |Δloss| up to s)
+//! ```
+//! that is, the tolerance while the harmless change stays well inside it, then the band the
+//! dynamics have opened.
+//! A broken layout is wrong from the first steps, where the criterion is exact. The harmless run
+//! is made only when some variant leaves the tolerance (a passing check costs nothing more). Keys are `section.key`, or the short names `dp`, `tp`,
 //! `pp`, `cp`, `pp_schedule`, `cp_split`, `dp_mode`, `bucket_mb`, `backend` (in `[parallel]`) and
 //! `grad_accum_steps`, `micro_batch_size` (in `[train]`).
 
@@ -43,6 +61,11 @@ pub fn parse_variants(spec: &str) -> Result<Vec<Variant>> {
                 "grad_accum_steps" | "micro_batch_size" | "recompute" => format!("train.{key}"),
                 _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, ep, sequence_parallel, pp_schedule, pp_virtual_stages, cp_split, dp_mode, bucket_mb, zero_stage, backend, grad_accum_steps, micro_batch_size, recompute"),
             };
+            if let Some(twice) = sets.iter().find(|s: &&String| s.split_once('=').is_some_and(|(k, _)| k == full)) {
+                bail!(
+                    "--variants: `{label}` sets {full} twice (`{twice}` and `{set}`): give each key once per variant"
+                );
+            }
             sets.push(format!("{full}={}", value.trim()));
         }
         variants.push(Variant { label: label.to_string(), sets });
@@ -57,27 +80,107 @@ pub struct Outcome {
     pub label: String,
     pub losses: Vec<f32>,
     pub max_diff: f32,
+    /// The step where |Δloss| is furthest above what passes there (or closest below it).
+    pub worst_step: usize,
     pub pass: bool,
 }
 
-/// The baseline's losses and each variant's outcome against it.
-pub fn converge(
-    path: Option<&Path>,
-    sets: &[String],
-    variants: &[Variant],
-    tol: f32,
-) -> Result<(Vec<f32>, Vec<Outcome>)> {
+/// How far past the harmless change's running difference a variant may go: one such change is one
+/// sample of a growing noise (another layout rounds a few times more or less), and a factor of 10
+/// is a few dozen steps of its growth.
+pub const BAND_FACTOR: f32 = 10.0;
+
+/// What a variant's curve is held to, step by step.
+pub struct Criterion {
+    pub tol: f32,
+    /// The harmless change that was measured, when a variant needed it, and its largest |Δloss|.
+    pub perturbation: Option<(String, f32)>,
+    /// The largest |Δloss| that passes, per step.
+    pub allowed: Vec<f32>,
+}
+
+impl Criterion {
+    /// `tol` at every step.
+    pub fn exact(tol: f32, steps: usize) -> Criterion {
+        Criterion { tol, perturbation: None, allowed: vec![tol; steps] }
+    }
+
+    /// At each step, the larger of `tol` and BAND_FACTOR × the running max of |perturbed − baseline|.
+    pub fn banded(tol: f32, baseline: &[f32], perturbed: &[f32], what: &str) -> Criterion {
+        let mut running = 0.0f32;
+        let allowed = baseline
+            .iter()
+            .zip(perturbed)
+            .map(|(b, p)| {
+                running = running.max((b - p).abs()); // NaN (a run that blew up) opens no band
+                tol.max(BAND_FACTOR * running)
+            })
+            .collect();
+        Criterion { tol, perturbation: Some((what.to_string(), running)), allowed }
+    }
+
+    /// (pass, the largest |Δloss|, the step most over — or least under — what passes there).
+    pub fn judge(&self, losses: &[f32], baseline: &[f32]) -> (bool, f32, usize) {
+        let diffs: Vec<f32> = losses.iter().zip(baseline).map(|(a, b)| (a - b).abs()).collect();
+        let max_diff = diffs.iter().fold(0.0f32, |m, &d| if d.is_nan() || m.is_nan() { f32::NAN } else { m.max(d) });
+        let margin = |s: usize| if diffs[s].is_nan() { f32::INFINITY } else { diffs[s] / self.allowed[s] };
+        let worst = (0..diffs.len()).max_by(|&a, &b| margin(a).total_cmp(&margin(b))).unwrap_or(0);
+        let pass = losses.len() == baseline.len() && diffs.iter().zip(&self.allowed).all(|(d, a)| d <= a);
+        (pass, max_diff, worst)
+    }
+
+    /// The criterion in a sentence, with the band measured.
+    pub fn describe(&self) -> String {
+        let tol = self.tol;
+        match &self.perturbation {
+            None => format!("criterion: |Δloss| ≤ {tol:.0e} at every step"),
+            Some((what, largest)) => {
+                let exact = self.allowed.iter().take_while(|&&a| a == tol).count();
+                let band = if exact == self.allowed.len() {
+                    "the band never grew past the tolerance".to_string()
+                } else {
+                    format!(
+                        "from step {exact} on, ≤ {BAND_FACTOR} × that change's largest |Δloss| so far (the band reaches {:.1e})",
+                        self.allowed.last().copied().unwrap_or(tol)
+                    )
+                };
+                format!("criterion: |Δloss| ≤ {tol:.0e} while {BAND_FACTOR} × a harmless change of the baseline ({what}: another summation order) stays within it, up to step {exact} (the change's largest |Δloss|: {largest:.1e}); {band}")
+            }
+        }
+    }
+}
+
+/// A converge run: the baseline's curve, the criterion and each variant's outcome.
+pub struct Report {
+    pub baseline: Vec<f32>,
+    pub criterion: Criterion,
+    pub outcomes: Vec<Outcome>,
+}
+
+/// The harmless change: the same global batch on one rank, cut into micro-batches another way,
+/// (micro-batch size, accumulation steps); none for a global batch of one sequence.
+pub fn resplit(micro_batch: usize, accum: usize) -> Option<(usize, usize)> {
+    let smallest_factor = |n: usize| (2..=n).find(|d| n % d == 0);
+    match smallest_factor(micro_batch) {
+        Some(d) => Some((micro_batch / d, accum * d)),
+        None => smallest_factor(accum).map(|d| (micro_batch * d, accum / d)),
+    }
+}
+
+/// The baseline's losses, the criterion, and each variant's outcome against them.
+pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol: f32) -> Result<Report> {
+    if !(tol.is_finite() && tol > 0.0) {
+        bail!("--tol {tol}: give a positive, finite loss difference (for example 1e-4)");
+    }
     let base = Config::load(path, sets)?;
     let (t, p) = (&base.train, &base.parallel);
     let global = t.micro_batch_size * t.grad_accum_steps * p.dp;
-    let one_rank = [
-        "parallel.dp=1".to_string(),
-        "parallel.tp=1".into(),
-        "parallel.pp=1".into(),
-        "parallel.cp=1".into(),
-        "parallel.ep=1".into(),
-        format!("train.grad_accum_steps={}", t.grad_accum_steps * p.dp),
-    ];
+    let (micro_batch, accum) = (t.micro_batch_size, t.grad_accum_steps * p.dp);
+    let one_rank = |micro_batch: usize, accum: usize| {
+        let axes = ["dp", "tp", "pp", "cp", "ep"].map(|a| format!("parallel.{a}=1"));
+        let split = [format!("train.micro_batch_size={micro_batch}"), format!("train.grad_accum_steps={accum}")];
+        axes.into_iter().chain(split).collect::<Vec<String>>()
+    };
     // started as several processes, each computes the baseline alone, and the variants together
     let run = |label: &str, extra: &[String], one_process: bool| -> Result<Vec<f32>> {
         let all: Vec<String> = sets.iter().chain(extra).cloned().collect();
@@ -108,29 +211,54 @@ pub fn converge(
         }
         planned.push((v, extra));
     }
-    let baseline = run("baseline", &one_rank, true)?;
-    let mut outcomes = Vec::new();
+    let baseline = run("baseline", &one_rank(micro_batch, accum), true)?;
+    let mut curves = Vec::new();
     for (v, extra) in planned {
-        let losses = run(&v.label, &extra, false)?;
-        let max_diff = losses.iter().zip(&baseline).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-        let pass = max_diff <= tol && losses.len() == baseline.len();
-        outcomes.push(Outcome { label: v.label.clone(), losses, max_diff, pass });
+        curves.push((v.label.clone(), run(&v.label, &extra, false)?));
     }
-    Ok((baseline, outcomes))
+    let mut criterion = Criterion::exact(tol, baseline.len());
+    let within = |c: &Criterion| curves.iter().all(|(_, losses)| c.judge(losses, &baseline).0);
+    if !within(&criterion) {
+        if let Some((mb, acc)) = resplit(micro_batch, accum) {
+            let what = format!("one rank, {mb} × {acc} micro-batches instead of {micro_batch} × {accum}");
+            let perturbed = run(&format!("the harmless change ({what})"), &one_rank(mb, acc), true)?;
+            criterion = Criterion::banded(tol, &baseline, &perturbed, &what);
+        }
+    }
+    let outcomes = curves
+        .into_iter()
+        .map(|(label, losses)| {
+            let (pass, max_diff, worst_step) = criterion.judge(&losses, &baseline);
+            Outcome { label, losses, max_diff, worst_step, pass }
+        })
+        .collect();
+    Ok(Report { baseline, criterion, outcomes })
 }
 
-/// The per-variant table.
-pub fn table(outcomes: &[Outcome], tol: f32) -> String {
-    let width = outcomes.iter().map(|o| o.label.len()).max().unwrap_or(0).max(7);
-    let mut s = format!("{:<width$}  {:>14}  result (tolerance {tol:.0e})\n", "variant", "max |Δloss|");
-    for o in outcomes {
-        s += &format!("{:<width$}  {:>14.3e}  {}\n", o.label, o.max_diff, if o.pass { "pass" } else { "FAIL" });
+/// The criterion, then a line per variant: its largest |Δloss|, and at its worst step the
+/// difference against what passes there.
+pub fn table(r: &Report) -> String {
+    let width = r.outcomes.iter().map(|o| o.label.len()).max().unwrap_or(0).max(7);
+    let mut s = format!("{}\n", r.criterion.describe());
+    s += &format!("{:<width$}  {:>12}  {:>28}  result\n", "variant", "max |Δloss|", "worst step: |Δloss| / allowed");
+    for o in &r.outcomes {
+        let at = o.worst_step;
+        let there = (o.losses.get(at).zip(r.baseline.get(at))).map_or(f32::NAN, |(a, b)| (a - b).abs());
+        let worst =
+            format!("{at}: {there:.1e} / {:.1e}", r.criterion.allowed.get(at).copied().unwrap_or(r.criterion.tol));
+        s += &format!(
+            "{:<width$}  {:>12.3e}  {worst:>28}  {}\n",
+            o.label,
+            o.max_diff,
+            if o.pass { "pass" } else { "FAIL" }
+        );
     }
     s
 }
 
 /// `losses.csv` (step, baseline, one column per variant) and `losses.svg` in `dir`.
-pub fn write_outputs(dir: &Path, baseline: &[f32], outcomes: &[Outcome]) -> Result<()> {
+pub fn write_outputs(dir: &Path, r: &Report) -> Result<()> {
+    let (baseline, outcomes) = (&r.baseline, &r.outcomes);
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let mut csv = String::from("step,baseline");
     outcomes.iter().for_each(|o| csv += &format!(",\"{}\"", o.label.replace('"', "'")));

@@ -25,9 +25,9 @@ fn run(tiny: bool) -> Result<()> {
     }
     // 8 ranks in each variant; the last uses all four dimensions (16 ranks)
     let variants = parse_variants("dp=2,tp=2,pp=2;dp=2,cp=2,tp=2;tp=2,pp=2,cp=2;dp=2,tp=2,pp=2,cp=2")?;
-    let (_, outcomes) = converge::converge(None, &sets, &variants, 1e-4)?;
-    print!("{}", converge::table(&outcomes, 1e-4));
-    if outcomes.iter().any(|o| !o.pass) {
+    let report = converge::converge(None, &sets, &variants, 1e-4)?;
+    print!("{}", converge::table(&report));
+    if report.outcomes.iter().any(|o| !o.pass) {
         bail!("a variant left the single-rank curve");
     }
     println!("verdict: PASS — every 3D and 4D layout follows the single-rank loss curve within 1e-4");

@@ -1,0 +1,98 @@
+//! `converge`'s criterion (src/commands/converge.rs): exact while a harmless change of the
+//! baseline stays within the tolerance, then a band measured from that change; a layout that is
+//! wrong from the start fails however wide the band later grows.
+
+use ferrotron::commands::converge::{self, parse_variants, resplit, Criterion, BAND_FACTOR};
+
+/// A curve that descends, and copies of it that part from it as training amplifies rounding.
+fn curves() -> (Vec<f32>, Vec<f32>) {
+    let baseline: Vec<f32> = (0..300).map(|s| 4.0 * (-(s as f32) / 80.0).exp() + 1.0).collect();
+    // the harmless change: 1e-7 at first, growing tenfold every 25 steps from step 100, up to 3e-2
+    let noise = |s: usize| if s < 100 { 1e-7 } else { (1e-7 * 10f32.powf((s - 100) as f32 / 25.0)).min(3e-2) };
+    let perturbed =
+        baseline.iter().enumerate().map(|(s, b)| b + noise(s) * if s % 2 == 0 { 1.0 } else { -1.0 }).collect();
+    (baseline, perturbed)
+}
+
+#[test]
+fn the_band_opens_only_where_the_harmless_change_leaves_the_tolerance() {
+    let (baseline, perturbed) = curves();
+    let c = Criterion::banded(1e-4, &baseline, &perturbed, "one rank, 8 × 2 micro-batches instead of 16 × 1");
+    let exact = c.allowed.iter().take_while(|&&a| a == 1e-4).count();
+    assert!((145..=155).contains(&exact), "10 × the change passes 1e-4 near step 150, not {exact}");
+    assert!((c.allowed.last().unwrap() - BAND_FACTOR * 3e-2).abs() < 1e-5, "{:?}", c.allowed.last());
+    assert!(c.allowed.windows(2).all(|w| w[1] >= w[0]), "the band never narrows");
+    let said = c.describe();
+    assert!(said.contains("8 × 2 micro-batches") && said.contains(&format!("from step {exact} on")), "{said}");
+
+    // a layout that rounds differently: parts like the harmless change, a few times larger
+    let rounding: Vec<f32> = baseline.iter().zip(&perturbed).map(|(b, p)| b + 3.0 * (p - b)).collect();
+    let (pass, max_diff, _) = c.judge(&rounding, &baseline);
+    assert!(pass && max_diff > 1e-2, "{max_diff}");
+    // a broken layout: 1e-3 off from step 3, although later the band is wider than that
+    let broken: Vec<f32> = baseline.iter().enumerate().map(|(s, b)| b + if s >= 3 { 1e-3 } else { 0.0 }).collect();
+    let (pass, _, worst) = c.judge(&broken, &baseline);
+    assert!(!pass && worst < exact, "fails where the check is exact, at {worst}");
+    // a run that blew up, or stopped early
+    let mut nan = baseline.clone();
+    nan[250] = f32::NAN;
+    assert!(!c.judge(&nan, &baseline).0);
+    assert!(!c.judge(&baseline[..200], &baseline).0);
+    // the exact criterion is the tolerance everywhere
+    let exact = Criterion::exact(1e-4, baseline.len());
+    assert!(!exact.judge(&rounding, &baseline).0 && exact.judge(&baseline, &baseline).0);
+}
+
+#[test]
+fn the_harmless_change_splits_the_global_batch_another_way() {
+    assert_eq!(resplit(16, 1), Some((8, 2)));
+    assert_eq!(resplit(9, 2), Some((3, 6)));
+    assert_eq!(resplit(1, 4), Some((2, 2))); // micro-batches of one sequence: pair them
+    assert_eq!(resplit(1, 7), Some((7, 1)));
+    assert_eq!(resplit(1, 1), None); // one sequence: there is no other order
+}
+
+#[test]
+fn a_variant_off_the_curve_fails_and_the_output_names_the_criterion() {
+    let sets: Vec<String> = [
+        "train.steps=6",
+        "model.num_hidden_layers=1",
+        "model.hidden_size=32",
+        "model.intermediate_size=64",
+        "train.seq_len=32",
+        "data.copy_lag=8",
+        "train.micro_batch_size=4",
+    ]
+    .map(String::from)
+    .to_vec();
+    // dp=2 follows exactly; a learning rate 3% off is a planted bug no band may hide
+    let variants = parse_variants("dp=2;dp=2,train.lr=1.03e-3").unwrap();
+    let report = converge::converge(None, &sets, &variants, 1e-4).unwrap();
+    assert!(report.outcomes[0].pass, "dp=2: {}", report.outcomes[0].max_diff);
+    assert!(!report.outcomes[1].pass, "the wrong learning rate passed: {}", report.outcomes[1].max_diff);
+    let (what, largest) = report.criterion.perturbation.as_ref().expect("a failing variant measures the band");
+    assert!(what.contains("2 × 2 micro-batches instead of 4 × 1") && *largest < 1e-4, "{what}: {largest}");
+    let table = converge::table(&report);
+    assert!(
+        table.starts_with("criterion: |Δloss| ≤ 1e-4 while 10 × a harmless change") && table.contains("FAIL"),
+        "{table}"
+    );
+    // when every variant is within the tolerance, nothing more runs and the criterion says so
+    let report = converge::converge(None, &sets, &parse_variants("dp=2").unwrap(), 1e-4).unwrap();
+    assert!(
+        report.criterion.perturbation.is_none()
+            && converge::table(&report).starts_with("criterion: |Δloss| ≤ 1e-4 at every step")
+    );
+}
+
+#[test]
+fn converge_refuses_a_meaningless_tolerance_and_a_key_set_twice() {
+    for tol in [f32::NAN, 0.0, -1e-4, f32::INFINITY] {
+        let e = converge::converge(None, &[], &parse_variants("dp=2").unwrap(), tol).err().unwrap();
+        assert!(format!("{e:#}").contains("--tol"), "{e:#}");
+    }
+    let e = parse_variants("dp=2,dp=4").err().unwrap().to_string();
+    assert!(e.contains("parallel.dp twice") && e.contains("`dp=2,dp=4`"), "{e}");
+    let e = parse_variants("tp=2;dp=2,parallel.dp=4").err().unwrap().to_string();
+    assert!(e.contains("parallel.dp twice"), "{e}");
+}
