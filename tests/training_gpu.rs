@@ -41,13 +41,12 @@ fn ranks_sharing_a_gpu_follow_the_single_rank_curve() {
     let base: Vec<&str> =
         [common::SMALL, &["train.micro_batch_size=4", "train.steps=10", "device.kind=cuda", "device.dtype=f32"]]
             .concat();
-    let one = run(&base);
     for layout in [
         &["parallel.dp=2", "parallel.tp=2", "parallel.backend=local"][..],
         &["parallel.pp=2", "parallel.cp=2", "parallel.backend=local"],
     ] {
-        let many = run(&[&base[..], layout].concat());
-        let diff = max_diff(&one[0].losses, &many[0].losses);
+        // the same global batch as one rank (tests/converge.rs runs this comparison on the CPU)
+        let diff = common::layout_against_one_rank(&base, layout);
         eprintln!("{layout:?} on one GPU: max |Δloss| {diff:.1e}");
         assert!(diff <= 1e-4, "{layout:?} on a GPU differs from one rank by {diff:.1e}");
     }

@@ -25,3 +25,17 @@ pub fn no_gpu() -> Option<String> {
         .and_then(|_| ferrotron::cuda::runtime::require("cuBLAS"));
     ready.err().map(|e| format!("{e:#}"))
 }
+
+/// The largest per-step loss difference between one rank and `layout` (settings like
+/// "parallel.dp=2"), both on `sets`, through `converge` — which keeps the global batch: with dp
+/// ranks each takes micro_batch_size / dp sequences. (Setting parallel.dp alone on top of a
+/// micro-batch size would train on dp times as many sequences a step, and part from one rank for
+/// that reason only: a GPU test once did, and reported 3.9e-2.)
+#[allow(dead_code)] // not every test file compares layouts
+pub fn layout_against_one_rank(sets: &[&str], layout: &[&str]) -> f32 {
+    use ferrotron::commands::converge;
+    let sets: Vec<String> = sets.iter().map(|s| s.to_string()).collect();
+    let variant = converge::Variant { label: layout.join(","), sets: layout.iter().map(|s| s.to_string()).collect() };
+    let report = converge::converge(None, &sets, &[variant], 1e-4).unwrap_or_else(|e| panic!("{e:#}"));
+    report.outcomes[0].max_diff
+}
