@@ -132,21 +132,17 @@ impl Criterion {
     /// The criterion in a sentence, with the band measured.
     pub fn describe(&self) -> String {
         let tol = self.tol;
-        match &self.perturbation {
-            None => format!("criterion: |Δloss| ≤ {tol:.0e} at every step"),
-            Some((what, largest)) => {
-                let exact = self.allowed.iter().take_while(|&&a| a == tol).count();
-                let band = if exact == self.allowed.len() {
-                    "the band never grew past the tolerance".to_string()
-                } else {
-                    format!(
-                        "from step {exact} on, ≤ {BAND_FACTOR} × that change's largest |Δloss| so far (the band reaches {:.1e})",
-                        self.allowed.last().copied().unwrap_or(tol)
-                    )
-                };
-                format!("criterion: |Δloss| ≤ {tol:.0e} while {BAND_FACTOR} × a harmless change of the baseline ({what}: another summation order) stays within it, up to step {exact} (the change's largest |Δloss|: {largest:.1e}); {band}")
+        let Some((what, largest)) = &self.perturbation else {
+            return format!("criterion: |Δloss| ≤ {tol:.0e} at every step");
+        };
+        let exact = self.allowed.iter().take_while(|&&a| a == tol).count();
+        let band = match self.allowed.last() {
+            Some(&last) if exact < self.allowed.len() => {
+                format!("so the tolerance held up to step {exact} and the band reaches {last:.1e}")
             }
-        }
+            _ => "so the tolerance held throughout".to_string(),
+        };
+        format!("criterion: at each step |Δloss| ≤ max({tol:.0e}, {BAND_FACTOR} × the largest |Δloss| so far of a harmless change of the baseline: {what}, another summation order); the change reached {largest:.1e}, {band}")
     }
 }
 
