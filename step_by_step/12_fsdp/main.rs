@@ -46,7 +46,7 @@ fn run(tiny: bool) -> Result<()> {
     if gathers.len() != (2 * units - 1) * fsdp.train.steps || issued != gathers.len() {
         anyhow::bail!("expected one gather per unit in forward and per unit but the embedding in backward, each during the step's compute");
     }
-    common::verdict("FSDP at dp = 4 follows step 01", &sharded.losses, &common::reference(&fsdp)?, 1e-5)?;
+    common::follows("FSDP at dp = 4 follows step 01", &sharded.losses, &fsdp, 1e-5)?;
     common::share("FSDP keeps 1/4 of the weights between uses", sharded.held.weights, plain.held.weights, 0.25)
 }
 

@@ -31,7 +31,7 @@ fn run(tiny: bool) -> Result<()> {
     let cfg = common::config(tiny, &[&base[..], &["train.grad_accum_steps=4", "train.micro_batch_size=2"]].concat())?;
     let quiet = Options { quiet: true, ..Default::default() };
     let ranks = train_all(&cfg, quiet)?;
-    common::verdict("interleaved 1F1B (pp 2, V 2) follows step 01", &ranks[0].losses, &common::reference(&cfg)?, 1e-5)?;
+    common::follows("interleaved 1F1B (pp 2, V 2) follows step 01", &ranks[0].losses, &cfg, 1e-5)?;
     let three_d =
         [&base[..], &["parallel.dp=2", "parallel.tp=2", "train.grad_accum_steps=2", "train.steps=4"]].concat();
     let cfg = common::config(tiny, &three_d)?;
