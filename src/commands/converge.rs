@@ -19,8 +19,9 @@
 //! dozen steps until the curves are two samples of the same noisy descent (on the tiny config, in
 //! f32: 1e-6 up to step 110, 1e-4 at 150, 1e-2 at 200). In bf16 every step rounds far more, and the
 //! curves part at once. So the harness measures what a change that is harmless by construction
-//! does to the baseline — the same run on one rank with the global batch split into micro-batches
-//! another way (the same mathematics, another summation order) — and holds each variant to:
+//! does to the baseline — the same run on one rank with every initial weight moved by one unit in
+//! the last place of the compute dtype (`model::init::nudge`: a difference the size of one
+//! rounding, in f32 or in bf16) — and holds each variant to:
 //!
 //! ```text
 //! |Δloss| at step s ≤ max(tol, BAND_FACTOR × the harmless change's largest |Δloss| up to s)
@@ -137,12 +138,13 @@ impl Criterion {
         };
         let exact = self.allowed.iter().take_while(|&&a| a == tol).count();
         let band = match self.allowed.last() {
+            Some(&last) if exact == 0 => format!("so the band applies from the first step and reaches {last:.1e}"),
             Some(&last) if exact < self.allowed.len() => {
                 format!("so the tolerance held up to step {exact} and the band reaches {last:.1e}")
             }
             _ => "so the tolerance held throughout".to_string(),
         };
-        format!("criterion: at each step |Δloss| ≤ max({tol:.0e}, {BAND_FACTOR} × the largest |Δloss| so far of a harmless change of the baseline: {what}, another summation order); the change reached {largest:.1e}, {band}")
+        format!("criterion: at each step |Δloss| ≤ max({tol:.0e}, {BAND_FACTOR} × the largest |Δloss| so far of a harmless change of the baseline: {what}, a rounding's worth); the change reached {largest:.1e}, {band}")
     }
 }
 
@@ -153,16 +155,6 @@ pub struct Report {
     pub outcomes: Vec<Outcome>,
 }
 
-/// The harmless change: the same global batch on one rank, cut into micro-batches another way,
-/// (micro-batch size, accumulation steps); none for a global batch of one sequence.
-pub fn resplit(micro_batch: usize, accum: usize) -> Option<(usize, usize)> {
-    let smallest_factor = |n: usize| (2..=n).find(|d| n % d == 0);
-    match smallest_factor(micro_batch) {
-        Some(d) => Some((micro_batch / d, accum * d)),
-        None => smallest_factor(accum).map(|d| (micro_batch * d, accum / d)),
-    }
-}
-
 /// The baseline's losses, the criterion, and each variant's outcome against them.
 pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol: f32) -> Result<Report> {
     if !(tol.is_finite() && tol > 0.0) {
@@ -171,14 +163,10 @@ pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol:
     let base = Config::load(path, sets)?;
     let (t, p) = (&base.train, &base.parallel);
     let global = t.micro_batch_size * t.grad_accum_steps * p.dp;
-    let (micro_batch, accum) = (t.micro_batch_size, t.grad_accum_steps * p.dp);
-    let one_rank = |micro_batch: usize, accum: usize| {
-        let axes = ["dp", "tp", "pp", "cp", "ep"].map(|a| format!("parallel.{a}=1"));
-        let split = [format!("train.micro_batch_size={micro_batch}"), format!("train.grad_accum_steps={accum}")];
-        axes.into_iter().chain(split).collect::<Vec<String>>()
-    };
+    let mut one_rank: Vec<String> = ["dp", "tp", "pp", "cp", "ep"].map(|a| format!("parallel.{a}=1")).into();
+    one_rank.push(format!("train.grad_accum_steps={}", t.grad_accum_steps * p.dp));
     // started as several processes, each computes the baseline alone, and the variants together
-    let run = |label: &str, extra: &[String], one_process: bool| -> Result<Vec<f32>> {
+    let run_as = |label: &str, extra: &[String], one_process: bool, nudge_weights: bool| -> Result<Vec<f32>> {
         let all: Vec<String> = sets.iter().chain(extra).cloned().collect();
         let cfg = Config::load(path, &all).with_context(|| format!("variant `{label}`"))?;
         let g = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.parallel.dp;
@@ -190,8 +178,9 @@ pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol:
             cfg.parallel.world_size(),
             if cfg.parallel.world_size() == 1 { "" } else { "s" }
         );
-        Ok(train::train(&cfg, Options { quiet: true, one_process, ..Default::default() })?.losses)
+        Ok(train::train(&cfg, Options { quiet: true, one_process, nudge_weights, ..Default::default() })?.losses)
     };
+    let run = |label: &str, extra: &[String], one_process: bool| run_as(label, extra, one_process, false);
     // every variant's settings are checked before anything runs
     let mut planned = Vec::new();
     for v in variants {
@@ -207,7 +196,7 @@ pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol:
         }
         planned.push((v, extra));
     }
-    let baseline = run("baseline", &one_rank(micro_batch, accum), true)?;
+    let baseline = run("baseline", &one_rank, true)?;
     let mut curves = Vec::new();
     for (v, extra) in planned {
         curves.push((v.label.clone(), run(&v.label, &extra, false)?));
@@ -215,11 +204,10 @@ pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol:
     let mut criterion = Criterion::exact(tol, baseline.len());
     let within = |c: &Criterion| curves.iter().all(|(_, losses)| c.judge(losses, &baseline).0);
     if !within(&criterion) {
-        if let Some((mb, acc)) = resplit(micro_batch, accum) {
-            let what = format!("one rank, {mb} × {acc} micro-batches instead of {micro_batch} × {accum}");
-            let perturbed = run(&format!("the harmless change ({what})"), &one_rank(mb, acc), true)?;
-            criterion = Criterion::banded(tol, &baseline, &perturbed, &what);
-        }
+        let dtype = base.device.compute_dtype();
+        let what = format!("every initial weight moved by one {} ulp", format!("{dtype:?}").to_lowercase());
+        let nudged = run_as(&format!("the harmless change ({what})"), &one_rank, true, true)?;
+        criterion = Criterion::banded(tol, &baseline, &nudged, &what);
     }
     let outcomes = curves
         .into_iter()

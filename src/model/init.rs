@@ -43,3 +43,25 @@ pub fn normal(seed: u64, name: &str, shape: &[usize], std: f32) -> Tensor {
 pub fn ones(shape: &[usize]) -> Tensor {
     Tensor::from_vec(shape, vec![1.0; shape.iter().product()])
 }
+
+/// Moves every value by one unit in the last place of `dtype` (f32, or bf16 for a bf16 compute
+/// copy: the value becomes a bf16 one step up or down from its rounding), up or down as the
+/// (name, index) stream says: a difference the size of one rounding in that precision.
+/// `converge` trains such a copy of its baseline to see how far rounding alone moves the curve.
+pub fn nudge(name: &str, values: &[f32], dtype: crate::ops::DType) -> Vec<f32> {
+    let mut rng = stream(0, name);
+    let step = |up: bool, bits: u32| if up { bits.wrapping_add(1) } else { bits.wrapping_sub(1) };
+    values
+        .iter()
+        .map(|&v| {
+            let up = rng.gen::<bool>() || v == 0.0; // below +0 lies -0's neighbour: go up instead
+            match dtype {
+                crate::ops::DType::F32 => f32::from_bits(step(up, v.to_bits())),
+                crate::ops::DType::Bf16 => {
+                    let b = half::bf16::from_f32(v).to_bits() as u32;
+                    half::bf16::from_bits(step(up, b) as u16).to_f32()
+                }
+            }
+        })
+        .collect()
+}

@@ -15,7 +15,7 @@ use crate::comm::Group;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
-use crate::model::{Llama, Stage, TensorSplit};
+use crate::model::{init, Llama, Stage, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::expert_parallel::ExpertParallel;
@@ -54,6 +54,9 @@ pub struct Options<'a> {
     /// Run every rank in this process even when it is one of several a launcher started
     /// (`converge`'s one-rank baseline, which each process computes for itself).
     pub one_process: bool,
+    /// Move every initial weight by one unit in the last place of the compute dtype
+    /// (`model::init::nudge`): `converge`'s harmless change, the size of one rounding.
+    pub nudge_weights: bool,
 }
 
 /// How a run that a signal stopped ended.
@@ -141,6 +144,7 @@ pub(super) struct Run {
     checkpoints: Checkpoints,
     /// The checkpoint is at `train.steps` already: nothing to train.
     pub finished: bool,
+    nudge: bool,
 }
 
 impl Run {
@@ -214,11 +218,12 @@ impl Run {
             false => Some(hf::pretrained(&cfg.model)?),
         };
         let resumed = resumed.map(|(r, _)| r);
-        Ok(Run { grid, setup, data, floor, resumed, pretrained, checkpoints, finished })
+        Ok(Run { grid, setup, data, floor, resumed, pretrained, checkpoints, finished, nudge: opts.nudge_weights })
     }
 
     pub(super) fn start(&self) -> Start<'_> {
-        Start { resumed: self.resumed.as_ref(), pretrained: self.pretrained.as_ref(), checkpoints: &self.checkpoints }
+        let (resumed, pretrained) = (self.resumed.as_ref(), self.pretrained.as_ref());
+        Start { resumed, pretrained, checkpoints: &self.checkpoints, nudge: self.nudge }
     }
 
     /// The summary of a run that had nothing left to train.
@@ -297,6 +302,7 @@ pub(super) struct Start<'a> {
     resumed: Option<&'a Resumed>,
     pretrained: Option<&'a HashMap<String, Tensor>>,
     pub checkpoints: &'a Checkpoints,
+    nudge: bool,
 }
 
 impl Start<'_> {
@@ -314,6 +320,14 @@ impl Start<'_> {
             (None, None) => (Llama::init(&cfg.model, cfg.train.seed, tp, stage), 0),
         };
         model = model.with_recompute(cfg.train.recompute);
+        if self.nudge {
+            for p in model.params_mut() {
+                p.value = Tensor::from_vec(
+                    p.value.shape(),
+                    init::nudge(&p.name, &p.value.to_vec(), cfg.device.compute_dtype()),
+                );
+            }
+        }
         if cfg.parallel.ep > 1 {
             model = model.with_expert_split(Box::new(ExpertParallel::new(me.group(Axis::Ep))));
         }

@@ -5,7 +5,8 @@
 // is synchronous, so streams and events only record times; a module is the emulated kernels of
 // this library (tests/emulator/cuda_bf16.h, linked in with the glue), found by name at
 // cuModuleGetFunction and run by cuLaunchKernel, one launch at a time; cublasGemmEx is a plain
-// column-major GEMM with float accumulation, as cuBLAS defines it. Built as libcuda.so and
+// column-major GEMM with float accumulation, as cuBLAS defines it, summing over k in pieces
+// chosen by the shape as cuBLAS's split-k kernels do. Built as libcuda.so and
 // linked as libcublas.so too.
 //
 // Fault injection: FERROTRON_FAKE_CUDA_FAIL_LAUNCH=N makes the N-th kernel launch fault the way a
@@ -234,13 +235,22 @@ int cublasGemmEx(void*, int ta, int tb, int m, int n, int k, const void* alpha, 
     };
     counts.gemms++;
     float al = *(const float*)alpha, be = *(const float*)beta;
+    // cuBLAS picks its kernel by the shape, and so the order of the sum over k: a small output
+    // over a long k is split into pieces summed apart, then added (split-k). Modelled so that, as
+    // on a GPU, the same rows multiplied in a product of another shape (fewer rows a rank, half
+    // the columns) can round differently — which the CPU's products never do.
+    int pieces = (long)m * n <= 4096 && k >= 256 ? 4 : (long)m * n <= 65536 && k >= 128 ? 2 : 1;
     for (int j = 0; j < n; j++)
         for (int i = 0; i < m; i++) {
             float acc = 0.0f;
-            for (int l = 0; l < k; l++) {
-                float x = ta ? at(a, atype, (long)i * lda + l) : at(a, atype, (long)l * lda + i);
-                float y = tb ? at(b, btype, (long)l * ldb + j) : at(b, btype, (long)j * ldb + l);
-                acc += x * y;
+            for (int piece = 0; piece < pieces; piece++) {
+                float part = 0.0f;
+                for (int l = (long)k * piece / pieces; l < (long)k * (piece + 1) / pieces; l++) {
+                    float x = ta ? at(a, atype, (long)i * lda + l) : at(a, atype, (long)l * lda + i);
+                    float y = tb ? at(b, btype, (long)l * ldb + j) : at(b, btype, (long)j * ldb + l);
+                    part += x * y;
+                }
+                acc += part;
             }
             long o = (long)j * ldc + i;
             float v = al * acc + (be == 0.0f ? 0.0f : be * at(c, ctype, o));
