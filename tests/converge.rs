@@ -82,7 +82,7 @@ fn a_variant_off_the_curve_fails_and_the_output_names_the_criterion() {
 
 #[test]
 fn converge_refuses_a_meaningless_tolerance_and_a_key_set_twice() {
-    for tol in [f32::NAN, 0.0, -1e-4, f32::INFINITY] {
+    for tol in [f32::NAN, -1e-4, f32::INFINITY] {
         let e = converge::converge(None, &[], &parse_variants("dp=2").unwrap(), tol).err().unwrap();
         assert!(format!("{e:#}").contains("--tol"), "{e:#}");
     }

@@ -157,8 +157,8 @@ pub struct Report {
 
 /// The baseline's losses, the criterion, and each variant's outcome against them.
 pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol: f32) -> Result<Report> {
-    if !(tol.is_finite() && tol > 0.0) {
-        bail!("--tol {tol}: give a positive, finite loss difference (for example 1e-4)");
+    if !(tol.is_finite() && tol >= 0.0) {
+        bail!("--tol {tol}: give a finite loss difference of 0 (bit for bit) or more (for example 1e-4)");
     }
     let base = Config::load(path, sets)?;
     let (t, p) = (&base.train, &base.parallel);
