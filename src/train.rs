@@ -143,9 +143,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         if !loss.is_finite() {
             return Err(run::not_finite(cfg, loss, step, first_step));
         }
-        optimizer::clip(&mut params, grad_norm, t.grad_clip);
         let lr = optimizer::lr_at(t, step);
-        optimizer.step(&mut params, t, lr);
+        optimizer.step(&mut params, t, lr, optimizer::clip_factor(grad_norm, t.grad_clip)); // clipping folded in
         if stage == 1 || stage == 2 {
             zero::gather_weights(&sharding, &mut params, bucket_values(p.bucket_mb))?;
             // the updated chunks, to every rank

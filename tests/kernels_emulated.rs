@@ -382,7 +382,8 @@ fn merge(c: &mut Check, a: Attn) {
 }
 
 fn adamw(c: &mut Check, n: usize, moments: DType) {
-    let o = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3, moments };
+    let o =
+        AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3, grad_scale: 0.5, moments };
     let (mut p, g, mut m) = (c.rand(&[n]), c.rand(&[n]), c.rand(&[n]));
     let mut v = Tensor::from_vec(&[n], c.rand(&[n]).to_vec().iter().map(|x| c.round(x * x)).collect());
     let (mut bp, mut bg) = (c.f32(&p), c.f32(&g));

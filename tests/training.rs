@@ -111,7 +111,16 @@ fn lr_schedule_warms_up_then_decays_to_the_floor() {
 
 #[test]
 fn adamw_step_matches_the_formula() {
-    let o = AdamW { lr: 0.1, beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.5, step: 1, moments: DType::F32 };
+    let o = AdamW {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.5,
+        step: 1,
+        grad_scale: 1.0,
+        moments: DType::F32,
+    };
     let mut p = Tensor::from_vec(&[2], vec![1.0, -2.0]);
     let g = Tensor::from_vec(&[2], vec![0.5, 0.25]);
     let (mut m, mut v) = (Tensor::zeros(&[2]), Tensor::zeros(&[2]));
@@ -144,12 +153,44 @@ fn clipping_bounds_the_global_norm() {
     let (inputs, targets) = data.micro_batch(&c.train, (0, 1), 0, 0).unwrap();
     model.forward(&inputs, c.train.micro_batch_size, &targets).unwrap();
     model.backward(100.0).unwrap();
-    let mut params = model.params_mut();
+    let params = model.params_mut();
     let norm = optimizer::grad_sum_squares(&params).sqrt();
     assert!(norm > 1.0);
-    optimizer::clip(&mut params, norm, 1.0);
-    let after = optimizer::grad_sum_squares(&params).sqrt();
-    assert!((after - 1.0).abs() < 1e-4, "clipped norm {after}");
+    let factor = optimizer::clip_factor(norm, 1.0);
+    assert!((factor as f64 * norm - 1.0).abs() < 1e-4, "clipped norm {}", factor as f64 * norm);
+    assert_eq!(optimizer::clip_factor(0.5, 1.0), 1.0);
+    assert_eq!(optimizer::clip_factor(5.0, 0.0), 1.0, "0: no clipping");
+}
+
+#[test]
+fn adamw_scales_the_gradient_as_it_reads_it() {
+    // clipping folded into AdamW: the same bits as scaling the gradient first
+    let o = AdamW {
+        lr: 0.1,
+        beta1: 0.9,
+        beta2: 0.99,
+        eps: 1e-8,
+        weight_decay: 0.5,
+        step: 2,
+        grad_scale: 0.3,
+        moments: DType::F32,
+    };
+    let g = Tensor::from_vec(&[3], vec![0.5, -0.25, 3.0]);
+    let scaled = Tensor::from_vec(&[3], g.to_vec().iter().map(|x| x * 0.3).collect());
+    let start = || {
+        (
+            Tensor::from_vec(&[3], vec![1.0, -2.0, 0.5]),
+            Tensor::from_vec(&[3], vec![0.1, 0.2, -0.3]),
+            Tensor::from_vec(&[3], vec![0.01, 0.04, 0.09]),
+        )
+    };
+    let (mut p1, mut m1, mut v1) = start();
+    ops::adamw(&o, &mut p1, &g, &mut m1, &mut v1);
+    let (mut p2, mut m2, mut v2) = start();
+    ops::adamw(&AdamW { grad_scale: 1.0, ..o }, &mut p2, &scaled, &mut m2, &mut v2);
+    for (a, b) in [(p1, p2), (m1, m2), (v1, v2)] {
+        assert_eq!(a.to_vec(), b.to_vec());
+    }
 }
 
 /// A two-layer model reaches within 0.1 nats/token of the synthetic floor in 600 steps. A model

@@ -392,7 +392,15 @@ pub fn sum_rows(x: Addr, (n, cols): (usize, usize), out: Addr) -> Launch {
 /// AdamW on f32 p, g, m, v; `copy`: the bf16 compute copy to rewrite (mixed precision).
 pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: Option<Addr>) -> Launch {
     let mut args = vec![Ptr(p), Ptr(g), Ptr(m), Ptr(v), long(n)];
-    args.extend([F32(o.lr), F32(o.beta1), F32(o.beta2), F32(o.eps), F32(o.weight_decay), I32(o.step as i32)]);
+    args.extend([
+        F32(o.lr),
+        F32(o.beta1),
+        F32(o.beta2),
+        F32(o.eps),
+        F32(o.weight_decay),
+        I32(o.step as i32),
+        F32(o.grad_scale),
+    ]);
     args.extend(copy.map(Ptr));
     let kernel = match (copy.is_some(), o.moments) {
         (false, DType::F32) => kernel!("adamw_f32"),
@@ -408,7 +416,16 @@ pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: 
 /// checks that the PTX exports each; the CPU emulator's glue calls them).
 pub fn catalogue() -> Vec<Launch> {
     let a = Attn { batch: 1, seq: 1, kv_seq: 1, heads: 1, kv_heads: 1, head_dim: 2 };
-    let o = AdamW { lr: 0.0, beta1: 0.0, beta2: 0.0, eps: 0.0, weight_decay: 0.0, step: 1, moments: DType::F32 };
+    let o = AdamW {
+        lr: 0.0,
+        beta1: 0.0,
+        beta2: 0.0,
+        eps: 0.0,
+        weight_decay: 0.0,
+        step: 1,
+        grad_scale: 1.0,
+        moments: DType::F32,
+    };
     let mut all = vec![
         cast_f32_to_bf16(0, 0, 1),
         cast_bf16_to_f32(0, 0, 1),

@@ -281,7 +281,16 @@ impl Check<'_> {
     fn adamw(&mut self, n: usize, moments: DType) -> Result<()> {
         let (p, g, m) = (self.rand(&[n, 3]), self.rand(&[n, 3]), self.rand(&[n, 3]));
         let v = Tensor::from_vec(&[n, 3], self.rand(&[n, 3]).to_vec().iter().map(|x| self.round(x * x)).collect());
-        let o = AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3, moments };
+        let o = AdamW {
+            lr: 1e-2,
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.1,
+            step: 3,
+            grad_scale: 0.5,
+            moments,
+        };
         let (mut gp, mut gm, mut gv) =
             (self.param(&p), m.to_dtype(&self.place, moments), v.to_dtype(&self.place, moments));
         let (mut p, mut m, mut v) = (p, m, v);

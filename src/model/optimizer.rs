@@ -81,16 +81,14 @@ pub struct NormGroups<'g> {
     pub expert_zero: Option<&'g Group>,
 }
 
-/// Scales the gradients so that their global norm is at most `max_norm`; returns the factor.
-pub fn clip(params: &mut [&mut Param], norm: f64, max_norm: f32) -> f32 {
+/// The factor that brings the gradients' global norm `norm` down to `max_norm` (1 when it is
+/// within, or clipping is off). It is not applied here: AdamW multiplies each gradient by it as
+/// it reads it (`AdamW::grad_scale`), which saves a pass over every gradient.
+pub fn clip_factor(norm: f64, max_norm: f32) -> f32 {
     if max_norm <= 0.0 || norm <= max_norm as f64 {
         return 1.0;
     }
-    let factor = (max_norm as f64 / (norm + 1e-6)) as f32;
-    for p in params.iter_mut() {
-        ops::scale(p.trained().1, factor);
-    }
-    factor
+    (max_norm as f64 / (norm + 1e-6)) as f32
 }
 
 /// AdamW, one pair of moments per parameter: fp32, or bf16 (`keep_moments_in`).
@@ -150,7 +148,8 @@ impl Optimizer {
         self.step
     }
 
-    pub fn step(&mut self, params: &mut [&mut Param], t: &TrainConfig, lr: f32) {
+    /// One AdamW step of every parameter, its gradient multiplied by `grad_scale` (`clip_factor`).
+    pub fn step(&mut self, params: &mut [&mut Param], t: &TrainConfig, lr: f32, grad_scale: f32) {
         self.step += 1;
         for (p, (m, v)) in params.iter_mut().zip(&mut self.moments) {
             let decays = p.decays();
@@ -161,6 +160,7 @@ impl Optimizer {
                 eps: t.adam_eps,
                 weight_decay: if decays { t.weight_decay } else { 0.0 },
                 step: self.step,
+                grad_scale,
                 moments: self.dtype,
             };
             let (weight, grad) = p.trained();

@@ -219,6 +219,7 @@ pub fn adamw(o: &AdamW, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) 
     let state = m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK));
     p.par_chunks_mut(CHUNK).zip(g.par_chunks(CHUNK)).zip(state).for_each(|((p, g), (m, v))| {
         for ((p, &g), (m, v)) in p.iter_mut().zip(g).zip(m.iter_mut().zip(v)) {
+            let g = g * o.grad_scale;
             *m = o.beta1 * *m + (1.0 - o.beta1) * g;
             *v = o.beta2 * *v + (1.0 - o.beta2) * g * g;
             *p -= o.lr * o.weight_decay * *p;

@@ -42,6 +42,9 @@ pub struct AdamW {
     pub weight_decay: f32,
     /// 1-based step, for the bias corrections.
     pub step: u32,
+    /// The gradient is multiplied by this as it is read: the clipping factor (1 when the norm is
+    /// within the limit), folded in so that no separate pass over the gradients scales them.
+    pub grad_scale: f32,
     /// The dtype the moments are kept in (`train.optimizer_dtype`): f32, or bf16 (on the CPU
     /// stored in f32 but rounded to bf16 after each update: the same numbers).
     pub moments: DType,

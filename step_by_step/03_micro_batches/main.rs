@@ -30,8 +30,8 @@ fn run(tiny: bool) -> Result<()> {
         }
         let mut params = model.params_mut();
         let norm = optimizer::grad_sum_squares(&params).sqrt();
-        optimizer::clip(&mut params, norm, t.grad_clip);
-        optimizer.step(&mut params, t, optimizer::lr_at(t, step));
+        let clip = optimizer::clip_factor(norm, t.grad_clip); // < 1 when the norm is over the limit
+        optimizer.step(&mut params, t, optimizer::lr_at(t, step), clip);
         if step % 10 == 0 || step + 1 == t.steps {
             println!(
                 "step {step:>3}  loss {loss:.4}  ({} micro-batches of {})",

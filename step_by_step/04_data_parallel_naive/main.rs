@@ -38,8 +38,8 @@ fn replicas(cfg: &Config, average: bool) -> Result<Vec<(Vec<f32>, u64)>> {
             group.all_reduce(&mut loss, ReduceOp::Avg)?; // the loss of the global batch
             let mut params = model.params_mut();
             let norm = optimizer::grad_sum_squares(&params).sqrt();
-            optimizer::clip(&mut params, norm, t.grad_clip);
-            optimizer.step(&mut params, t, optimizer::lr_at(t, step));
+            let clip = optimizer::clip_factor(norm, t.grad_clip); // < 1 when the norm is over the limit
+            optimizer.step(&mut params, t, optimizer::lr_at(t, step), clip);
             if me.rank == 0 && (step % 10 == 0 || step + 1 == t.steps) {
                 println!("step {step:>3}  loss {:.4}  (mean over {dp} ranks)", loss[0]);
             }
