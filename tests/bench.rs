@@ -173,6 +173,9 @@ fn bench_op_attention_is_for_the_gpu_and_alone() {
         (&["bench", "--op", "attention"][..], "device.kind"),
         (&["bench", "--op", "attention", "--profile", "--set", "device.kind=cuda"][..], "--profile"),
         (&["bench", "--op", "softmax"][..], "attention"),
+        (&["bench", "--peak-tflops", "nan"][..], "--peak-tflops NaN"),
+        (&["bench", "--peak-tflops=-1"][..], "--peak-tflops -1"),
+        (&["bench", "--peak-tflops", "0"][..], "--peak-tflops 0"),
     ] {
         let out = run(args);
         let err = String::from_utf8_lossy(&out.stderr);

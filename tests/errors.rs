@@ -45,6 +45,9 @@ fn impossible_model_shapes() {
 fn bad_values_are_named() {
     assert!(config_error(&["train.steps=0"]).contains("train.steps = 0"));
     assert!(config_error(&["parallel.cp=0"]).contains("parallel.cp = 0"));
+    // one token has no next token: refused, not a division by zero in the loss (issue 40)
+    let e = config_error(&["train.seq_len=1", "data.copy_prob=0"]);
+    assert!(e.contains("train.seq_len = 1") && e.contains("2 or more"), "{e}");
     assert!(config_error(&["parallel.tp=3"]).contains("parallel.tp = 3 does not divide model.num_attention_heads = 8"));
     assert!(config_error(&["parallel.tp=8"]).contains("does not divide model.num_key_value_heads = 4"));
     assert!(config_error(&["parallel.tp=2", "model.intermediate_size=383"]).contains("model.intermediate_size = 383"));

@@ -87,6 +87,9 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
     if steps == 0 {
         bail!("--steps 0: measure at least one step");
     }
+    if let Some(peak) = peak_override.filter(|p| !(p.is_finite() && *p > 0.0)) {
+        bail!("--peak-tflops {peak}: give the device's peak as a positive number of TFLOP/s (for example 989.4 for an H100 SXM in bf16)");
+    }
     if profile && cfg.device.kind != crate::config::DeviceKind::Cuda {
         bail!("--profile times GPU kernels: set device.kind = \"cuda\" (on the CPU, `train --trace` shows where the time goes)");
     }

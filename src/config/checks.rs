@@ -81,6 +81,9 @@ impl Config {
                 bail!("{key} = 0: it must be at least 1");
             }
         }
+        if t.seq_len < 2 {
+            bail!("train.seq_len = 1: a sequence of one token has nothing to predict (each token's target is the next one); set train.seq_len to 2 or more");
+        }
         if !(t.lr > 0.0 && t.min_lr >= 0.0 && t.min_lr <= t.lr) {
             bail!("train.lr = {} and train.min_lr = {}: need 0 <= min_lr <= lr and lr > 0", t.lr, t.min_lr);
         }
