@@ -342,7 +342,7 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
     let (mut bq, mut bk, mut bv) = (c.buf(&q), c.buf(&k), c.buf(&v));
     let (mut bout, mut blse) = (Buf::poisoned(out.numel(), dt), Buf::poisoned(lse.numel(), DType::F32));
     let qkv = (bq.addr(), bk.addr(), bv.addr());
-    c.run(&launch_table::attention(dt, a, qkv, positions, bout.addr(), blse.addr()));
+    c.run(&launch_table::attention::forward(dt, a, qkv, positions, bout.addr(), blse.addr()));
     let what = format!("attention q{} k{} h{}/{} d{}", a.seq, a.kv_seq, a.heads, a.kv_heads, a.head_dim);
     c.same(&what, &bout, &out);
     c.same(&format!("{what} lse"), &blse, &lse);
@@ -356,7 +356,7 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
         (Buf::poisoned(dq.numel(), dt), Buf::poisoned(dk.numel(), dt), Buf::poisoned(dv.numel(), dt));
     let saved = (bout.addr(), blse.addr(), bdout.addr());
     let grads = (bdq.addr(), bdk.addr(), bdv.addr());
-    for l in launch_table::attention_backward(dt, a, qkv, positions, saved, delta.addr(), grads) {
+    for l in launch_table::attention::backward(dt, a, qkv, positions, saved, delta.addr(), grads) {
         c.run(&l);
     }
     c.same(&format!("{what} dq"), &bdq, &dq);
@@ -375,7 +375,7 @@ fn merge(c: &mut Check, a: Attn) {
     bl.iter_mut().step_by(7).for_each(|x| *x = f32::NEG_INFINITY);
     let (mut lse, block_lse) = (Tensor::from_vec(&lse_shape, l), Tensor::from_vec(&lse_shape, bl));
     let (mut bout, mut blse, mut bbo, mut bbl) = (c.buf(&out), c.f32(&lse), c.buf(&block_out), c.f32(&block_lse));
-    c.run(&launch_table::attention_merge(dt, a, (bout.addr(), blse.addr()), (bbo.addr(), bbl.addr())));
+    c.run(&launch_table::attention::merge(dt, a, (bout.addr(), blse.addr()), (bbo.addr(), bbl.addr())));
     ops::attention_merge(a, (&mut out, &mut lse), &block_out, &block_lse);
     c.same("attention merge", &bout, &out);
     c.same("attention merge lse", &blse, &lse);

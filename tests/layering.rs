@@ -22,6 +22,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "cuda::nvrtc",
             "cuda::profile",
             "cuda::launch_table",
+            "cuda::launch_table::attention",
             "cuda::launch_table::moe",
             "cuda::device",
         ],

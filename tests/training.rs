@@ -109,9 +109,9 @@ fn lr_schedule_warms_up_then_decays_to_the_floor() {
     assert!(lrs.windows(2).all(|w| w[1] <= w[0]), "cosine decay is monotone");
 }
 
-#[test]
-fn adamw_step_matches_the_formula() {
-    let o = AdamW {
+/// AdamW at step 1, decay on, gradients taken as they are.
+fn adamw_settings() -> AdamW {
+    AdamW {
         lr: 0.1,
         beta1: 0.9,
         beta2: 0.99,
@@ -120,7 +120,12 @@ fn adamw_step_matches_the_formula() {
         step: 1,
         grad_scale: 1.0,
         moments: DType::F32,
-    };
+    }
+}
+
+#[test]
+fn adamw_step_matches_the_formula() {
+    let o = adamw_settings();
     let mut p = Tensor::from_vec(&[2], vec![1.0, -2.0]);
     let g = Tensor::from_vec(&[2], vec![0.5, 0.25]);
     let (mut m, mut v) = (Tensor::zeros(&[2]), Tensor::zeros(&[2]));
@@ -165,16 +170,7 @@ fn clipping_bounds_the_global_norm() {
 #[test]
 fn adamw_scales_the_gradient_as_it_reads_it() {
     // clipping folded into AdamW: the same bits as scaling the gradient first
-    let o = AdamW {
-        lr: 0.1,
-        beta1: 0.9,
-        beta2: 0.99,
-        eps: 1e-8,
-        weight_decay: 0.5,
-        step: 2,
-        grad_scale: 0.3,
-        moments: DType::F32,
-    };
+    let o = AdamW { step: 2, grad_scale: 0.3, ..adamw_settings() };
     let g = Tensor::from_vec(&[3], vec![0.5, -0.25, 3.0]);
     let scaled = Tensor::from_vec(&[3], g.to_vec().iter().map(|x| x * 0.3).collect());
     let start = || {

@@ -27,9 +27,11 @@
 //! |Δloss| at step s ≤ max(tol, BAND_FACTOR × the harmless change's largest |Δloss| up to s)
 //! ```
 //! that is, the tolerance while the harmless change stays well inside it, then the band the
-//! dynamics have opened.
-//! A broken layout is wrong from the first steps, where the criterion is exact. The harmless run
-//! is made only when some variant leaves the tolerance (a passing check costs nothing more). Keys are `section.key`, or the short names `dp`, `tp`,
+//! dynamics have opened. A broken layout is wrong from the first steps, where the criterion is
+//! exact. The harmless run is made only when some variant leaves the tolerance (a passing check
+//! costs nothing more).
+//!
+//! Keys are `section.key`, or the short names `dp`, `tp`,
 //! `pp`, `cp`, `pp_schedule`, `cp_split`, `dp_mode`, `bucket_mb`, `backend` (in `[parallel]`) and
 //! `grad_accum_steps`, `micro_batch_size` (in `[train]`).
 

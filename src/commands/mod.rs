@@ -1,10 +1,10 @@
 //! # The commands around training
 //!
 //! `converge` (does a layout reproduce the one-rank loss curve?), `bench` (tokens/s, MFU,
-//! memory; `--op attention`: the attention kernels alone), `memory` (what every rank holds, estimated and measured), `doctor` (is this machine
-//! ready?), `eval` (a Hugging Face model's loss), `schedule`
-//! (the pipeline picture) and `plot` (the SVG charts they draw). `main.rs` parses the CLI and
-//! calls these; the training loop itself is `train.rs`.
+//! memory; `--op attention`: the attention kernels alone), `memory` (what every rank holds,
+//! estimated and measured), `doctor` (is this machine ready?), `eval` (a Hugging Face model's
+//! loss), `schedule` (the pipeline picture) and `plot` (the SVG charts they draw). `main.rs`
+//! parses the CLI and calls these; the training loop itself is `train.rs`.
 
 pub mod bench;
 pub mod bench_attention;

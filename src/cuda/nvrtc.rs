@@ -8,7 +8,8 @@
 //! itself. Only for an architecture this NVRTC does not know is PTX loaded, made for the newest
 //! architecture it knows (`target`), for the driver to compile. Each file is preceded by `kernels/common.cuh` (the
 //! f32/bf16 load and store helpers and the block reductions) before it is compiled, so NVRTC needs
-//! no include path of ours, only the CUDA headers (`cuda_bf16.h`; tensor cores are reached by inline PTX).
+//! no include path of ours, only the CUDA headers (`cuda_bf16.h`; the tensor cores are reached by
+//! inline PTX).
 //!
 //! Without a GPU the same compilation still runs, and `tests/kernels_compile.rs` uses it so CI
 //! catches a kernel that does not compile: NVRTC and the headers come from the Python wheels

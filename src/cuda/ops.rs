@@ -232,7 +232,7 @@ impl Device {
         let (out, lse) = (self.tensor(q.shape(), q.dtype()), self.tensor(&[a.batch, a.heads, a.seq], DType::F32));
         let ((qp, _k1), (kp, _k2)) = (self.index_addr(pos.0)?, self.index_addr(pos.1)?);
         let qkv = (addr(q), addr(k), addr(v));
-        self.run(&launch_table::attention(q.dtype(), a, qkv, (qp, kp), addr(&out), addr(&lse)))?;
+        self.run(&launch_table::attention::forward(q.dtype(), a, qkv, (qp, kp), addr(&out), addr(&lse)))?;
         Ok((out, lse))
     }
 
@@ -251,14 +251,19 @@ impl Device {
         let ((qp, _k1), (kp, _k2)) = (self.index_addr(pos.0)?, self.index_addr(pos.1)?);
         let (qkv, grads) = ((addr(q), addr(k), addr(v)), (addr(&dq), addr(&dk), addr(&dv)));
         let saved = (addr(out), addr(lse), addr(dout));
-        for l in launch_table::attention_backward(q.dtype(), a, qkv, (qp, kp), saved, addr(&delta), grads) {
+        for l in launch_table::attention::backward(q.dtype(), a, qkv, (qp, kp), saved, addr(&delta), grads) {
             self.run(&l)?;
         }
         Ok((dq, dk, dv))
     }
 
     pub fn attention_merge(&self, a: Attn, (out, lse): (&Tensor, &Tensor), block: (&Tensor, &Tensor)) -> Result<()> {
-        self.run(&launch_table::attention_merge(out.dtype(), a, (addr(out), addr(lse)), (addr(block.0), addr(block.1))))
+        self.run(&launch_table::attention::merge(
+            out.dtype(),
+            a,
+            (addr(out), addr(lse)),
+            (addr(block.0), addr(block.1)),
+        ))
     }
 
     pub fn swiglu(self: &Arc<Self>, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
