@@ -85,6 +85,10 @@ fn checkpoints_move_between_topologies() {
     let cfg = Config::load(None, &sets(&dir, &[])).unwrap();
     assert_eq!(model.cfg, checkpoint::read_hf_config(&step4.join("config.json")).unwrap());
     assert_eq!(model.cfg.hidden_size, cfg.model.hidden_size);
+    // its floats are the shortest decimals that read back as the same f32, as transformers writes
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(step4.join("config.json")).unwrap()).unwrap();
+    assert_eq!((json["rms_norm_eps"].as_f64(), json["initializer_range"].as_f64()), (Some(1e-5), Some(0.02)));
     assert!(model.params().iter().any(|p| p.name == "model.layers.1.mlp.down_proj.weight"));
 }
 

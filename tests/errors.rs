@@ -132,6 +132,32 @@ fn checkpoint_shape_mismatch_is_named() {
     assert!(e.contains("gate_proj.weight has shape [40, 32], but the config needs [44, 32]"), "{e}");
 }
 
+#[test]
+fn config_json_values_of_the_wrong_type_are_named() {
+    let gqa = std::fs::read_to_string(fixture("gqa/config.json")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("config.json");
+    // every kind of key: a number as a string (as some exported configs have), a size as a float,
+    // a flag as a string, a nested number, a name as a number
+    for (from, to, named) in [
+        ("\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": \"1e-05\"", "rms_norm_eps = \"1e-05\" is not a number"),
+        ("\"rope_theta\": 10000.0", "\"rope_theta\": \"500000.0\"", "rope_parameters.rope_theta = \"500000.0\" is not a number"),
+        ("\"hidden_size\": 32", "\"hidden_size\": 32.5", "hidden_size = 32.5 is not a whole number"),
+        ("\"num_key_value_heads\": 2", "\"num_key_value_heads\": \"2\"", "num_key_value_heads = \"2\" is not a whole number"),
+        ("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": \"false\"", "tie_word_embeddings = \"false\" is not true or false"),
+        ("\"model_type\": \"llama\"", "\"model_type\": 7", "model_type = 7 is not a string"),
+        ("\"hidden_size\": 32", "\"hidden_size\": -32", "hidden_size = -32 is not a whole number"),
+    ] {
+        assert!(gqa.contains(from), "the fixture has {from}");
+        std::fs::write(&path, gqa.replace(from, to)).unwrap();
+        let e = err(checkpoint::read_hf_config(&path));
+        assert!(e.contains(named) && e.contains("config.json"), "{to}: {e}");
+    }
+    // null is absent: the default
+    std::fs::write(&path, gqa.replace("\"head_dim\": 8", "\"head_dim\": null")).unwrap();
+    assert_eq!(checkpoint::read_hf_config(&path).unwrap().head_dim, None);
+}
+
 /// The binary prints exactly one `error:` line and exits with status 1.
 fn cli_error(args: &[&str]) -> String {
     let out = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).output().unwrap();

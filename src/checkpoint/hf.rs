@@ -87,35 +87,50 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
     let j: Value =
         serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
     let file = path.display();
-    let model_type = j["model_type"].as_str().unwrap_or("llama");
+    // A key may be absent (or null): transformers' default then. Present with another type (a
+    // string "500000.0", as some exported configs have) is an error, never read as absent.
+    let at = |key: &str| key.split_once('.').map_or(&j[key], |(outer, inner)| &j[outer][inner]);
+    let typed = |key: &str, want: &str, read: &dyn Fn(&Value) -> bool| -> Result<Option<&Value>> {
+        match at(key) {
+            Value::Null => Ok(None),
+            v if read(v) => Ok(Some(v)),
+            v => bail!("{file}: {key} = {v} is not {want}; write it as {want} (or leave it out for the default)"),
+        }
+    };
+    let opt_size = |key: &str| -> Result<Option<usize>> {
+        Ok(typed(key, "a whole number", &|v| v.is_u64())?.and_then(Value::as_u64).map(|n| n as usize))
+    };
+    let size = |key: &str| -> Result<usize> {
+        opt_size(key)?.with_context(|| format!("{file}: {key} is missing; a Llama config.json gives it as a whole number"))
+    };
+    let number = |key: &str| -> Result<Option<f64>> { Ok(typed(key, "a number", &|v| v.is_number())?.and_then(Value::as_f64)) };
+    let flag = |key: &str| -> Result<Option<bool>> { Ok(typed(key, "true or false", &|v| v.is_boolean())?.and_then(Value::as_bool)) };
+    let text = |key: &str| -> Result<Option<&str>> { Ok(typed(key, "a string", &|v| v.is_string())?.and_then(Value::as_str)) };
+
+    let model_type = text("model_type")?.unwrap_or("llama");
     let mixtral = match model_type {
         "llama" => false,
         "mixtral" => true,
         _ => bail!("{file}: model_type is \"{model_type}\"; only Llama and Mixtral models are supported"),
     };
-    if mixtral && j["router_jitter_noise"].as_f64().is_some_and(|x| x != 0.0) {
-        bail!(
-            "{file}: router_jitter_noise = {} is not supported (ferrotron's router has no noise); set it to 0",
-            j["router_jitter_noise"]
-        );
+    if let Some(noise) = number("router_jitter_noise")?.filter(|x| mixtral && *x != 0.0) {
+        bail!("{file}: router_jitter_noise = {noise} is not supported (ferrotron's router has no noise); set it to 0");
     }
-    for flag in ["attention_bias", "mlp_bias"] {
-        if j[flag].as_bool() == Some(true) {
-            bail!("{file}: {flag} = true is not supported (ferrotron's Llama has no biases)");
+    for key in ["attention_bias", "mlp_bias"] {
+        if flag(key)? == Some(true) {
+            bail!("{file}: {key} = true is not supported (ferrotron's Llama has no biases)");
         }
     }
-    if let Some(act) = j["hidden_act"].as_str().filter(|a| *a != "silu") {
+    if let Some(act) = text("hidden_act")?.filter(|a| *a != "silu") {
         bail!("{file}: hidden_act = \"{act}\" is not supported; Llama uses \"silu\"");
     }
-    let rope = &j["rope_parameters"];
-    let rope_type =
-        rope["rope_type"].as_str().or(j["rope_scaling"]["rope_type"].as_str()).or(j["rope_scaling"]["type"].as_str());
+    // rope_scaling is null or an object in every transformers version
+    let rope_type = text("rope_parameters.rope_type")?
+        .or(j["rope_scaling"]["rope_type"].as_str())
+        .or(j["rope_scaling"]["type"].as_str());
     if let Some(kind) = rope_type.filter(|k| *k != "default") {
         bail!("{file}: rope scaling \"{kind}\" is not supported; only plain RoPE is");
     }
-    let size = |key: &str| -> Result<usize> {
-        j[key].as_u64().map(|v| v as usize).with_context(|| format!("{file}: {key} is missing or not a whole number"))
-    };
     let heads = size("num_attention_heads")?;
     let cfg = ModelConfig {
         vocab_size: size("vocab_size")?,
@@ -123,17 +138,17 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         intermediate_size: size("intermediate_size")?,
         num_hidden_layers: size("num_hidden_layers")?,
         num_attention_heads: heads,
-        num_key_value_heads: j["num_key_value_heads"].as_u64().map_or(heads, |v| v as usize),
-        head_dim: j["head_dim"].as_u64().map(|v| v as usize),
-        rope_theta: j["rope_theta"].as_f64().or(rope["rope_theta"].as_f64()).unwrap_or(10000.0),
-        rms_norm_eps: j["rms_norm_eps"].as_f64().unwrap_or(1e-6) as f32,
-        tie_word_embeddings: j["tie_word_embeddings"].as_bool().unwrap_or(false),
-        initializer_range: j["initializer_range"].as_f64().unwrap_or(0.02) as f32,
+        num_key_value_heads: opt_size("num_key_value_heads")?.unwrap_or(heads),
+        head_dim: opt_size("head_dim")?,
+        rope_theta: number("rope_theta")?.or(number("rope_parameters.rope_theta")?).unwrap_or(10000.0),
+        rms_norm_eps: number("rms_norm_eps")?.unwrap_or(1e-6) as f32,
+        tie_word_embeddings: flag("tie_word_embeddings")?.unwrap_or(false),
+        initializer_range: number("initializer_range")?.unwrap_or(0.02) as f32,
         num_local_experts: if mixtral { size("num_local_experts")? } else { 0 },
         num_experts_per_tok: if mixtral { size("num_experts_per_tok")? } else { 0 },
         // transformers adds the balance loss only when the router logits are asked for
-        router_aux_loss_coef: match j["output_router_logits"].as_bool() {
-            Some(true) => j["router_aux_loss_coef"].as_f64().unwrap_or(0.001) as f32,
+        router_aux_loss_coef: match flag("output_router_logits")? {
+            Some(true) => number("router_aux_loss_coef")?.unwrap_or(0.001) as f32,
             _ => 0.0,
         },
         init_from: String::new(),

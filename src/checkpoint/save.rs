@@ -310,9 +310,9 @@ pub fn hf_config(m: &ModelConfig) -> String {
         "num_key_value_heads": m.num_key_value_heads,
         "head_dim": m.head_dim(),
         "rope_theta": m.rope_theta,
-        "rms_norm_eps": m.rms_norm_eps,
+        "rms_norm_eps": shortest(m.rms_norm_eps),
         "tie_word_embeddings": m.tie_word_embeddings,
-        "initializer_range": m.initializer_range,
+        "initializer_range": shortest(m.initializer_range),
         "hidden_act": "silu",
         "attention_bias": false,
         "mlp_bias": false,
@@ -327,7 +327,7 @@ pub fn hf_config(m: &ModelConfig) -> String {
             "model_type": "mixtral",
             "num_local_experts": m.num_local_experts,
             "num_experts_per_tok": m.num_experts_per_tok,
-            "router_aux_loss_coef": m.router_aux_loss_coef,
+            "router_aux_loss_coef": shortest(m.router_aux_loss_coef),
             "output_router_logits": m.router_aux_loss_coef > 0.0,
             "router_jitter_noise": 0.0,
             "sliding_window": null,
@@ -338,6 +338,12 @@ pub fn hf_config(m: &ModelConfig) -> String {
         }
     }
     serde_json::to_string_pretty(&j).expect("JSON")
+}
+
+/// The shortest decimal that reads back as the same f32 (1e-5, not the f64 widening
+/// 9.999999747378752e-6), as transformers writes it.
+fn shortest(x: f32) -> f64 {
+    x.to_string().parse().expect("an f32 prints as a decimal")
 }
 
 fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
