@@ -126,12 +126,15 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| anyhow::anyhow!("{}: not a trace-event JSON file: {e}", path.display()))?;
     let mut spans = Vec::new(); // (rank, action, start µs, end µs)
+    let mut pipelined = false;
     for e in json["traceEvents"].as_array().into_iter().flatten().filter(|e| e["ph"] == "X") {
         let (Some(name), Some(rank), Some(ts), Some(dur)) =
             (e["name"].as_str(), e["pid"].as_u64(), e["ts"].as_f64(), e["dur"].as_f64())
         else {
             continue;
         };
+        // activations and gradients between stages: "send of N values to R pp[...]"
+        pipelined |= name.starts_with("send ") && name.contains(" pp[");
         // "forward 3", or "forward 3.1" for micro-batch 3 through model chunk 1
         let work = |w: &str| {
             let (micro, chunk) = w.split_once('.').unwrap_or((w, "0"));
@@ -143,6 +146,12 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
             _ => None,
         };
         spans.extend(action.map(|a| (rank as usize, a, ts, ts + dur)));
+    }
+    if !pipelined {
+        bail!(
+            "{}: this run had no pipeline (no send between pipeline stages), so it has no schedule to draw; trace a run with parallel.pp of 2 or more",
+            path.display()
+        );
     }
     // the last step starts at the earliest of the ranks' last `forward 0`
     let mut last_start: Vec<(usize, f64)> = Vec::new();
@@ -178,6 +187,11 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
     })
 }
 
+/// Text as SVG (XML) character data: a trace's path may hold `&` or `<`.
+fn escape(text: &str) -> String {
+    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
 /// The timelines one above the other, a row per stage, F boxes light and B boxes dark.
 pub fn svg(timelines: &[Timeline]) -> String {
     let (unit, row, left) = (18.0, 26.0, 150.0);
@@ -189,11 +203,11 @@ pub fn svg(timelines: &[Timeline]) -> String {
     let mut top = 20.0;
     for t in timelines {
         let title = format!(
-            "{} — bubble {:.1}% (formula (p−1)/(V·m+p−1): {:.1}%), peak activations per stage {:?}",
-            t.name,
+            "{} — bubble {:.1}% (formula (p−1)/(V·m+p−1): {:.1}%); peak micro-batch activations per stage: {}",
+            escape(&t.name),
             100.0 * t.bubble(),
             100.0 * t.bubble_formula(),
-            t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>()
+            t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(", ")
         );
         let _ = writeln!(s, "<text x=\"10\" y=\"{top}\" font-size=\"13\">{title}</text>");
         for stage in 0..t.stages {
