@@ -124,6 +124,22 @@ fn trace_shows_one_sync_per_step_overlapping_backward() {
     assert!(events.iter().any(|e| e["ph"] == "X" && e["pid"] == 1 && e["tid"] == 1));
 }
 
+/// The first trace a learner opens (`train --trace` at dp = 2 on the defaults) shows the bucketing
+/// lesson, not its opposite: the default buckets split the tiny model, so all but the last are
+/// issued while backward still runs.
+#[test]
+fn the_defaults_trace_has_several_buckets_issued_inside_backward() {
+    let cfg = Config::load(None, &["parallel.dp=2", "train.steps=1"].map(String::from)).unwrap();
+    let trace = Trace::default();
+    let _alone = alone();
+    train::train(&cfg, Options { trace: Some(&trace), quiet: true, ..Default::default() }).unwrap();
+    let spans = trace.spans();
+    let backward = spans.iter().find(|s| s.rank == 0 && s.name.starts_with("backward")).unwrap();
+    let buckets: Vec<_> = spans.iter().filter(|s| s.rank == 0 && gradient_all_reduce(&s.name)).collect();
+    let inside = buckets.iter().filter(|b| b.issued_us < backward.end_us).count();
+    assert!(buckets.len() >= 3 && inside >= buckets.len() - 1, "{} buckets, {inside} issued inside backward", buckets.len());
+}
+
 #[test]
 fn variant_errors_are_clear() {
     let err = |spec: &str| parse_variants(spec).err().map(|e| format!("{e:#}")).unwrap_or_default();
