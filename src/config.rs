@@ -204,6 +204,9 @@ pub struct DataConfig {
     pub copy_lag: usize,
     /// Text sources: `"bytes"`, a path to a Hugging Face `tokenizer.json`, or `"hub:ORG/NAME"`.
     pub tokenizer: String,
+    /// Where text sources' token files go; `""`: `$FERROTRON_CACHE`, else
+    /// `$XDG_CACHE_HOME/ferrotron`, else `~/.cache/ferrotron`.
+    pub cache_dir: String,
 }
 
 /// Saving the run as it trains (see `checkpoint/save.rs`).

@@ -24,10 +24,22 @@ fn tokenizer_json_matches_transformers() {
     }
 }
 
+/// The cache folder of a test's source: beside it, in the test's temporary folder.
+fn cache_of(source: &Path) -> PathBuf {
+    source.parent().unwrap().join("cache")
+}
+
+/// The token files in the cache folder of `source`.
+fn token_files(source: &Path) -> Vec<PathBuf> {
+    let dir = cache_of(source).join("tokens");
+    std::fs::read_dir(dir).unwrap().map(|e| e.unwrap().path()).collect()
+}
+
 fn text_config(source: &Path, extra: &[&str]) -> Config {
     let mut sets: Vec<String> = [
         format!("data.source=\"text:{}\"", source.display()),
         format!("data.tokenizer=\"{}\"", fixture().join("tokenizer.json").display()),
+        format!("data.cache_dir=\"{}\"", cache_of(source).display()),
         "model.vocab_size=320".into(),
         "model.num_hidden_layers=1".into(),
         "train.seq_len=16".into(),
@@ -57,14 +69,13 @@ fn jsonl_documents_are_tokenised_once_with_eos_between() {
     }
     let Dataset::Text { tokens, .. } = &data else { panic!("a text source") };
     assert_eq!(tokens.window(0, tokens.len()), want);
-    // the token file sits next to the source and is reused
-    let cached: Vec<_> = std::fs::read_dir(dir.path())
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "tokens"))
-        .collect();
+    // the token file goes to the cache folder, not beside the source, and is reused
+    let cached = token_files(&source);
     assert_eq!(cached.len(), 1);
+    assert!(cached[0].file_name().unwrap().to_str().unwrap().starts_with("docs.jsonl.") && cached[0].extension().unwrap() == "tokens");
+    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "the source folder holds the source and the test's cache");
     Dataset::open(&cfg.data, &cfg.model).unwrap();
+    assert_eq!(token_files(&source), cached);
     // a damaged token file is named
     let bytes = std::fs::read(&cached[0]).unwrap();
     std::fs::write(&cached[0], &bytes[..bytes.len() - 3]).unwrap();
@@ -117,22 +128,44 @@ fn runs_tokenising_one_new_source_at_once_both_succeed_and_ids_are_checked() {
     let names = |d: &Path| -> Vec<String> {
         std::fs::read_dir(d).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect()
     };
-    assert_eq!(names(dir.path()).iter().filter(|n| n.ends_with(".tokens")).count(), 1, "{:?}", names(dir.path()));
-    assert!(!names(dir.path()).iter().any(|n| n.ends_with(".tmp")), "no temporary file left");
+    let tokens = cache_of(&source).join("tokens");
+    assert_eq!(names(&tokens).iter().filter(|n| n.ends_with(".tokens")).count(), 1, "{:?}", names(&tokens));
+    assert!(!names(&tokens).iter().any(|n| n.ends_with(".tmp")), "no temporary file left");
     // a token file whose ids do not fit the model's vocabulary is refused, naming it
     let small = text_config(&source, &["model.vocab_size=320"]);
     let mut narrower = small.clone();
     narrower.model.vocab_size = 256;
     narrower.data.tokenizer = "bytes".into();
-    let cache = dir.path().join(names(dir.path()).into_iter().find(|n| n.ends_with(".tokens")).unwrap());
+    let cache = tokens.join(names(&tokens).into_iter().find(|n| n.ends_with(".tokens")).unwrap());
     let bytes_cache = {
         Dataset::open(&narrower.data, &narrower.model).unwrap();
-        let all = names(dir.path());
-        dir.path().join(all.into_iter().find(|n| n.ends_with(".tokens") && dir.path().join(n) != cache).unwrap())
+        let all = names(&tokens);
+        tokens.join(all.into_iter().find(|n| n.ends_with(".tokens") && tokens.join(n) != cache).unwrap())
     };
     let mut b = std::fs::read(&bytes_cache).unwrap();
     b[16..20].copy_from_slice(&300u32.to_le_bytes()); // an id past the byte vocabulary
     std::fs::write(&bytes_cache, b).unwrap();
     let e = format!("{:#}", Dataset::open(&narrower.data, &narrower.model).err().unwrap());
     assert!(e.contains("holds token id 300, but model.vocab_size = 256") && e.contains(".tokens"), "{e}");
+}
+
+/// An edited source is tokenised again even when its size and modification time stayed the same
+/// (an editor that restores the time, a copy with `cp -p`): the token file is keyed by content.
+#[test]
+fn an_edit_that_keeps_size_and_time_is_seen() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("same.txt");
+    let cfg = text_config(&source, &["model.vocab_size=256", "data.tokenizer=\"bytes\""]);
+    let ids = |cfg: &Config| {
+        let Dataset::Text { tokens, .. } = Dataset::open(&cfg.data, &cfg.model).unwrap() else { panic!("text") };
+        tokens.window(0, tokens.len())
+    };
+    std::fs::write(&source, "the first version of the text").unwrap();
+    let time = std::fs::metadata(&source).unwrap().modified().unwrap();
+    assert_eq!(ids(&cfg), b"the first version of the text".map(u32::from));
+    std::fs::write(&source, "the other version of this txt").unwrap();
+    std::fs::File::options().write(true).open(&source).unwrap().set_modified(time).unwrap();
+    assert_eq!(std::fs::metadata(&source).unwrap().modified().unwrap(), time);
+    assert_eq!(ids(&cfg), b"the other version of this txt".map(u32::from));
+    assert_eq!(token_files(&source).len(), 2);
 }

@@ -88,7 +88,9 @@ fn text_source_reads_byte_windows() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("corpus.txt");
     std::fs::write(&path, "hello ferrotron, hello world. ".repeat(20)).unwrap();
-    let c = cfg(&["model.vocab_size=256", &format!("data.source=\"text:{}\"", path.display()), "train.seq_len=16"]);
+    let source = format!("data.source=\"text:{}\"", path.display());
+    let cache = format!("data.cache_dir=\"{}\"", dir.path().join("cache").display());
+    let c = cfg(&["model.vocab_size=256", &source, &cache, "train.seq_len=16"]);
     let data = Dataset::open(&c.data, &c.model).unwrap();
     assert!(data.entropy_floor(16).is_none());
     let (inputs, targets) = data.micro_batch(&c.train, (0, 1), 0, 0).unwrap();

@@ -376,7 +376,7 @@ fn run_differences(then: &Config, now: &Config) -> Vec<String> {
         let sections = [
             ("model", toml::Value::try_from(&c.model), &["init_from", "initializer_range"][..]),
             ("train", toml::Value::try_from(&c.train), &["steps", "seed", "micro_batch_size", "grad_accum_steps"]),
-            ("data", toml::Value::try_from(&c.data), &[]),
+            ("data", toml::Value::try_from(&c.data), &["cache_dir"]),
         ];
         for (name, table, skip) in sections {
             let table = table.expect("a config serialises");

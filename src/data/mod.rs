@@ -69,7 +69,8 @@ impl Dataset {
                     m.vocab_size
                 );
             }
-            let tokens = crate::data::text::Tokens::open(&path, &tokenizer, m.vocab_size)?;
+            let cache = crate::data::text::cache_folder(&d.cache_dir)?;
+            let tokens = crate::data::text::Tokens::open(&path, &tokenizer, m.vocab_size, &cache)?;
             return Ok(Dataset::Text { tokens, seed: d.seed });
         }
         Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size)))

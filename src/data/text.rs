@@ -6,14 +6,15 @@
 //! `tokenizers` crate exactly as transformers' fast tokenizers run it. Documents are joined with
 //! the tokenizer's end-of-text token between them.
 //!
-//! Tokenising is done once: the ids go to `PATH.<fingerprint>.tokens` next to the source (the
-//! fingerprint covers the tokenizer and the source's size and time), and later runs map that
-//! file into memory and read windows of it without loading it. Runs tokenising the same source at
-//! once each write a whole file and rename it into place; opening checks the ids against the
-//! vocabulary.
+//! Tokenising is done once: the ids go to a token file in the cache folder (`data.cache_dir`;
+//! by default `~/.cache/ferrotron`, never beside the user's source), named by a fingerprint of
+//! the source's bytes and the tokenizer's, so an edited source is tokenised again even when its
+//! size and time stayed the same. Later runs map that file into memory and read windows of it
+//! without loading it. Runs tokenising the same source at once each write a whole file and
+//! rename it into place; opening checks the ids against the vocabulary.
 //!
 //! ```text
-//! PATH.<fp>.tokens:  "FTOK" | version u32 | count u64 | count × u32 token ids (little endian)
+//! CACHE/tokens/NAME.<fp>.tokens:  "FTOK" | version u32 | count u64 | count × u32 token ids (LE)
 //! ```
 
 use anyhow::{bail, Context, Result};
@@ -80,8 +81,8 @@ const HEADER: usize = 16;
 impl Tokens {
     /// Maps the token file of `source` for `tokenizer`, writing it first if needed, and checks
     /// that every id is below `vocab` (a stale or foreign file would index past the embedding).
-    pub fn open(source: &Path, tokenizer: &Tokenizer, vocab: usize) -> Result<Tokens> {
-        let cache = cache_path(source, tokenizer)?;
+    pub fn open(source: &Path, tokenizer: &Tokenizer, vocab: usize, cache_folder: &Path) -> Result<Tokens> {
+        let cache = cache_path(source, tokenizer, cache_folder)?;
         if !cache.exists() {
             write_tokens(source, tokenizer, &cache)?;
         }
@@ -115,22 +116,75 @@ impl Tokens {
     }
 }
 
-/// `PATH.<fingerprint>.tokens`: the fingerprint covers the tokenizer (its file's bytes) and the
-/// source's size and modification time.
-fn cache_path(source: &Path, tokenizer: &Tokenizer) -> Result<PathBuf> {
-    let meta = std::fs::metadata(source)
-        .with_context(|| format!("data.source: cannot read {}: check the path", source.display()))?;
-    let mut key = format!("{}|{:?}|", meta.len(), meta.modified().ok()).into_bytes();
-    match tokenizer {
-        Tokenizer::Bytes => key.extend(b"bytes"),
-        Tokenizer::Bpe(_, path) => {
-            key.extend(std::fs::read(path).with_context(|| format!("data.tokenizer: cannot read {}", path.display()))?)
-        }
+/// The cache folder `data.cache_dir` names, or, for `""`, `$FERROTRON_CACHE`, else
+/// `$XDG_CACHE_HOME/ferrotron`, else `~/.cache/ferrotron` (the Hugging Face cache's convention).
+pub fn cache_folder(setting: &str) -> Result<PathBuf> {
+    let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    match setting {
+        "" => env("FERROTRON_CACHE")
+            .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("ferrotron")))
+            .or_else(|| env("HOME").map(|d| d.join(".cache/ferrotron")))
+            .context("data.cache_dir: no cache folder (HOME is not set); set data.cache_dir or FERROTRON_CACHE"),
+        dir => Ok(PathBuf::from(dir)),
     }
-    let fp = key.iter().fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3));
-    let mut name = source.as_os_str().to_owned();
-    name.push(format!(".{fp:016x}.tokens"));
-    Ok(PathBuf::from(name))
+}
+
+/// `CACHE/tokens/NAME.<fingerprint>.tokens`: the fingerprint covers every byte of the source and
+/// of the tokenizer's file (a 128-bit hash: two independent lanes).
+fn cache_path(source: &Path, tokenizer: &Tokenizer, cache_folder: &Path) -> Result<PathBuf> {
+    let mut hash = Fingerprint::default();
+    let mut file = std::fs::File::open(source)
+        .with_context(|| format!("data.source: cannot read {}: check the path", source.display()))?;
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = std::io::Read::read(&mut file, &mut buf)
+            .with_context(|| format!("data.source: cannot read {}", source.display()))?;
+        if n == 0 {
+            break;
+        }
+        hash.add(&buf[..n]);
+    }
+    hash.add(b"|tokenizer|");
+    match tokenizer {
+        Tokenizer::Bytes => hash.add(b"bytes"),
+        Tokenizer::Bpe(_, path) => hash
+            .add(&std::fs::read(path).with_context(|| format!("data.tokenizer: cannot read {}", path.display()))?),
+    }
+    let name = source.file_name().map_or("source".into(), |n| n.to_string_lossy().into_owned());
+    let folder = cache_folder.join("tokens");
+    std::fs::create_dir_all(&folder)
+        .with_context(|| format!("data.cache_dir: cannot create {}; set data.cache_dir to a writable folder", folder.display()))?;
+    Ok(folder.join(format!("{name}.{}.tokens", hash.hex())))
+}
+
+/// FNV-1a in two lanes with different offsets and primes, fed the bytes and then the length: a
+/// content key with no practical chance of two sources colliding.
+struct Fingerprint {
+    lanes: [u64; 2],
+    len: u64,
+}
+
+impl Default for Fingerprint {
+    fn default() -> Fingerprint {
+        Fingerprint { lanes: [0xcbf29ce484222325, 0x6c62272e07bb0142], len: 0 }
+    }
+}
+
+impl Fingerprint {
+    fn add(&mut self, bytes: &[u8]) {
+        let [mut a, mut b] = self.lanes;
+        for &x in bytes {
+            a = (a ^ x as u64).wrapping_mul(0x100000001b3);
+            b = (b ^ x as u64).wrapping_mul(0x1000193_00000001).rotate_left(17);
+        }
+        self.lanes = [a, b];
+        self.len += bytes.len() as u64;
+    }
+
+    fn hex(&self) -> String {
+        let [a, b] = self.lanes;
+        format!("{a:016x}{:016x}", b ^ self.len.wrapping_mul(0x9e3779b97f4a7c15))
+    }
 }
 
 /// The documents of a source: the whole file, or the `"text"` of each JSON line.
