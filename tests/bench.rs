@@ -144,16 +144,18 @@ fn the_profile_table_sorts_longest_first_and_shares_add_up() {
 }
 
 #[test]
-fn bench_profile_times_the_gpu_kernels() {
+fn bench_profile_is_refused_on_the_cpu() {
     // on the CPU it is refused with a sentence
     let out = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(["bench", "--profile"]).output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && err.contains("--profile") && err.contains("device.kind"), "{err}");
     assert_eq!(err.trim().lines().count(), 1, "{err}");
-    if let Some(why) = common::no_gpu() {
-        eprintln!("GPU part skipped: {why}");
-        return;
-    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU: .ci/gpu_check runs it there (cargo test --release -- --include-ignored)"]
+fn bench_profile_times_the_gpu_kernels_on_a_gpu() {
+    common::require_gpu();
     let tiny_on_gpu = Config::load(None, &["device.kind=cuda".to_string()]).unwrap(); // head_dim 16: tensor cores
     let r = bench::bench(&tiny_on_gpu, 1, 2, None, true).unwrap();
     let names: Vec<&str> = r.profile.iter().map(|row| row.name.as_str()).collect();

@@ -1,42 +1,33 @@
 //! Tensor collectives on GPU tensors (NCCL and the local hub through host memory) and the choice of
-//! backend. The GPU tests run where a CUDA driver and a GPU are found, and are skipped with a
-//! printed reason elsewhere; the backend choice is checked everywhere.
+//! backend. The GPU tests are `#[ignore]`d (cargo counts them) and run on a GPU machine with
+//! `--include-ignored` (`.ci/gpu_check`); the backend choice is checked everywhere.
 
 use ferrotron::comm::launcher::{choose_backend, Backend};
 use ferrotron::commands::doctor::comm_self_test;
 use ferrotron::config::CommBackend;
 use ferrotron::parallel::process_grid::Grid;
 
-/// The number of GPUs, or `None` (with the reason printed) when the GPU tests must be skipped.
-fn gpus() -> Option<usize> {
+/// The number of GPUs; the GPU tests are `#[ignore]`d and, asked for, fail without one.
+fn gpus() -> usize {
     match ferrotron::cuda::runtime::device_count() {
-        Ok(n) if n > 0 => Some(n),
-        Ok(_) => {
-            eprintln!("skipped: the CUDA driver sees no GPU");
-            None
-        }
-        Err(e) => {
-            eprintln!("skipped: {e:#}");
-            None
-        }
+        Ok(n) if n > 0 => n,
+        Ok(_) => panic!("this test needs a CUDA GPU: the CUDA driver sees none"),
+        Err(e) => panic!("this test needs a CUDA GPU: {e:#}"),
     }
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: .ci/gpu_check runs it there (cargo test --release -- --include-ignored)"]
 fn nccl_collectives_one_rank_per_gpu() {
-    let Some(gpus) = gpus() else { return };
-    if let Err(e) = ferrotron::cuda::runtime::require("NCCL") {
-        eprintln!("skipped: {e:#}");
-        return;
-    }
+    let gpus = gpus();
+    ferrotron::cuda::runtime::require("NCCL").unwrap_or_else(|e| panic!("this test needs NCCL: {e:#}"));
     comm_self_test(Grid::new(gpus.min(8), 1, 1, 1).unwrap(), Backend::Nccl).unwrap();
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: .ci/gpu_check runs it there (cargo test --release -- --include-ignored)"]
 fn local_collectives_on_gpu_buffers_shared_gpu() {
-    if gpus().is_none() {
-        return;
-    }
+    gpus();
     for n in [1, 2, 3, 4] {
         comm_self_test(Grid::new(n, 1, 1, 1).unwrap(), Backend::Local).unwrap_or_else(|e| panic!("{n} ranks: {e:#}"));
     }

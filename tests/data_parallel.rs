@@ -137,7 +137,11 @@ fn the_defaults_trace_has_several_buckets_issued_inside_backward() {
     let backward = spans.iter().find(|s| s.rank == 0 && s.name.starts_with("backward")).unwrap();
     let buckets: Vec<_> = spans.iter().filter(|s| s.rank == 0 && gradient_all_reduce(&s.name)).collect();
     let inside = buckets.iter().filter(|b| b.issued_us < backward.end_us).count();
-    assert!(buckets.len() >= 3 && inside >= buckets.len() - 1, "{} buckets, {inside} issued inside backward", buckets.len());
+    assert!(
+        buckets.len() >= 3 && inside >= buckets.len() - 1,
+        "{} buckets, {inside} issued inside backward",
+        buckets.len()
+    );
 }
 
 #[test]

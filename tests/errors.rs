@@ -141,10 +141,22 @@ fn config_json_values_of_the_wrong_type_are_named() {
     // a flag as a string, a nested number, a name as a number
     for (from, to, named) in [
         ("\"rms_norm_eps\": 1e-05", "\"rms_norm_eps\": \"1e-05\"", "rms_norm_eps = \"1e-05\" is not a number"),
-        ("\"rope_theta\": 10000.0", "\"rope_theta\": \"500000.0\"", "rope_parameters.rope_theta = \"500000.0\" is not a number"),
+        (
+            "\"rope_theta\": 10000.0",
+            "\"rope_theta\": \"500000.0\"",
+            "rope_parameters.rope_theta = \"500000.0\" is not a number",
+        ),
         ("\"hidden_size\": 32", "\"hidden_size\": 32.5", "hidden_size = 32.5 is not a whole number"),
-        ("\"num_key_value_heads\": 2", "\"num_key_value_heads\": \"2\"", "num_key_value_heads = \"2\" is not a whole number"),
-        ("\"tie_word_embeddings\": false", "\"tie_word_embeddings\": \"false\"", "tie_word_embeddings = \"false\" is not true or false"),
+        (
+            "\"num_key_value_heads\": 2",
+            "\"num_key_value_heads\": \"2\"",
+            "num_key_value_heads = \"2\" is not a whole number",
+        ),
+        (
+            "\"tie_word_embeddings\": false",
+            "\"tie_word_embeddings\": \"false\"",
+            "tie_word_embeddings = \"false\" is not true or false",
+        ),
         ("\"model_type\": \"llama\"", "\"model_type\": 7", "model_type = 7 is not a string"),
         ("\"hidden_size\": 32", "\"hidden_size\": -32", "hidden_size = -32 is not a whole number"),
     ] {

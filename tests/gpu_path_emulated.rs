@@ -87,6 +87,10 @@ fn max_diff(a: &[f64], b: &[f64]) -> f64 {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn doctor_finds_the_fake_gpu_and_every_kernel_passes_its_self_test() {
     let Some(dir) = fake_driver() else { return };
     let out = ferrotron_on(dir, 3, &["doctor"]);
@@ -98,6 +102,10 @@ fn doctor_finds_the_fake_gpu_and_every_kernel_passes_its_self_test() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn training_on_the_gpu_path_follows_the_cpu() {
     let Some(dir) = fake_driver() else { return };
     // one sequence of 32 tokens a step: the emulator runs a CUDA thread per OS thread, slowly
@@ -113,6 +121,10 @@ fn training_on_the_gpu_path_follows_the_cpu() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn every_parallelism_on_the_gpu_path_follows_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // two ranks sharing the GPU per variant, collectives staged through host memory; f32, so the
@@ -133,6 +145,10 @@ fn every_parallelism_on_the_gpu_path_follows_one_rank() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn converge_in_bf16_holds_layouts_to_a_measured_band() {
     let Some(dir) = fake_driver() else { return };
     // in bf16 a tp split rounds its partial sums apart: on an H100, bf16 layouts differed from one
@@ -152,6 +168,10 @@ fn converge_in_bf16_holds_layouts_to_a_measured_band() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn every_parallelism_over_nccl_follows_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // one fake GPU per rank, so every tensor collective of the step goes through the (fake) NCCL
@@ -183,6 +203,10 @@ fn converge_over_nccl(dir: &Path, (name, extra): (&str, &[&str]), variants: &str
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn zero_stages_over_nccl_follow_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // bf16 with bf16 AdamW moments, two ranks sharing the GPU (the host path): FSDP's chunks are
@@ -205,6 +229,10 @@ fn zero_stages_over_nccl_follow_one_rank() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn sequence_parallelism_and_recomputation_over_nccl_follow_one_rank_and_are_counted() {
     let Some(dir) = fake_driver() else { return };
     // the all-gathers and reduce-scatters of sequence parallelism, and the recomputed forwards
@@ -229,6 +257,10 @@ fn sequence_parallelism_and_recomputation_over_nccl_follow_one_rank_and_are_coun
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn experts_over_nccl_follow_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // a Mixtral on the GPU path: the router's top-k, the rows sorted by expert and back
@@ -263,6 +295,10 @@ fn tensors(file: &Path) -> Vec<(String, Vec<f32>)> {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn a_checkpoint_gathered_over_nccl_is_the_one_rank_checkpoint() {
     let Some(dir) = fake_driver() else { return };
     // one step, then saved: on four fake GPUs (tp2·pp2: the shards all-gathered and the stages
@@ -306,6 +342,10 @@ fn a_checkpoint_gathered_over_nccl_is_the_one_rank_checkpoint() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn a_traced_nccl_run_draws_each_call_on_the_comm_lane_when_the_gpu_ran_it() {
     let Some(dir) = fake_driver() else { return };
     let trace = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_nccl_trace.json");
@@ -349,6 +389,10 @@ fn a_traced_nccl_run_draws_each_call_on_the_comm_lane_when_the_gpu_ran_it() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn a_gpu_fault_ends_the_run_with_one_message_and_sync_launches_names_the_kernel() {
     let Some(dir) = fake_driver() else { return };
     // the 40th launch faults like a kernel reading an illegal address: asynchronously
@@ -393,6 +437,10 @@ fn calls_per_step(dir: &Path, sets: &[&str]) -> serde_json::Map<String, serde_js
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn the_step_keeps_its_budget_of_syncs_copies_and_memsets() {
     let Some(dir) = fake_driver() else { return };
     let step = calls_per_step(dir, &[]);
@@ -411,6 +459,10 @@ fn the_step_keeps_its_budget_of_syncs_copies_and_memsets() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn bench_profiles_the_gpu_path() {
     let Some(dir) = fake_driver() else { return };
     let mut args = vec!["bench", "--steps", "1", "--warmup", "1", "--profile"];
@@ -428,6 +480,10 @@ fn bench_profiles_the_gpu_path() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn bench_times_the_attention_kernels_alone() {
     let Some(dir) = fake_driver() else { return };
     // head size 64 (128 / 2), GQA 2:1, a sequence of two and a half tiles
@@ -455,6 +511,10 @@ fn bench_times_the_attention_kernels_alone() {
 }
 
 #[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn a_run_over_two_processes_on_the_gpu_path_follows_one_process() {
     let Some(dir) = fake_driver() else { return };
     // two processes started torchrun-style, each with its own fake GPU: every group's NCCL

@@ -72,8 +72,15 @@ fn jsonl_documents_are_tokenised_once_with_eos_between() {
     // the token file goes to the cache folder, not beside the source, and is reused
     let cached = token_files(&source);
     assert_eq!(cached.len(), 1);
-    assert!(cached[0].file_name().unwrap().to_str().unwrap().starts_with("docs.jsonl.") && cached[0].extension().unwrap() == "tokens");
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 2, "the source folder holds the source and the test's cache");
+    assert!(
+        cached[0].file_name().unwrap().to_str().unwrap().starts_with("docs.jsonl.")
+            && cached[0].extension().unwrap() == "tokens"
+    );
+    assert_eq!(
+        std::fs::read_dir(dir.path()).unwrap().count(),
+        2,
+        "the source folder holds the source and the test's cache"
+    );
     Dataset::open(&cfg.data, &cfg.model).unwrap();
     assert_eq!(token_files(&source), cached);
     // a damaged token file is named

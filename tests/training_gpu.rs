@@ -1,6 +1,7 @@
 //! Training on a GPU: in f32 (no TF32) it follows the CPU loss curve step by step; in bf16 mixed
 //! precision the tiny config still reaches its entropy floor; ranks sharing one GPU (the local
-//! backend) follow the single-rank curve. Skipped with a printed reason where there is no GPU.
+//! backend) follow the single-rank curve. `#[ignore]`d (cargo counts them):
+//! `.ci/gpu_check` runs them on a GPU machine with `--include-ignored`.
 
 use ferrotron::config::Config;
 use ferrotron::train::{train, train_all, Options, Summary};
@@ -19,11 +20,9 @@ fn max_diff(a: &[f32], b: &[f32]) -> f32 {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: .ci/gpu_check runs it there (cargo test --release -- --include-ignored)"]
 fn f32_on_the_gpu_follows_the_cpu_curve() {
-    if let Some(why) = common::no_gpu() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    common::require_gpu();
     let base = ["train.steps=20", "train.warmup_steps=5"];
     let cpu = run(&base);
     let gpu = run(&[&base[..], &["device.kind=cuda", "device.dtype=f32"]].concat());
@@ -33,11 +32,9 @@ fn f32_on_the_gpu_follows_the_cpu_curve() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: .ci/gpu_check runs it there (cargo test --release -- --include-ignored)"]
 fn ranks_sharing_a_gpu_follow_the_single_rank_curve() {
-    if let Some(why) = common::no_gpu() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    common::require_gpu();
     let base: Vec<&str> =
         [common::SMALL, &["train.micro_batch_size=4", "train.steps=10", "device.kind=cuda", "device.dtype=f32"]]
             .concat();
@@ -53,11 +50,9 @@ fn ranks_sharing_a_gpu_follow_the_single_rank_curve() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: .ci/gpu_check runs it there (cargo test --release -- --include-ignored)"]
 fn bf16_mixed_precision_reaches_the_floor() {
-    if let Some(why) = common::no_gpu() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    common::require_gpu();
     let cfg = Config::load(None, &["device.kind=cuda".to_string()]).unwrap();
     let s = train(&cfg, Options { quiet: true, ..Default::default() }).unwrap_or_else(|e| panic!("{e:#}"));
     let (last, floor) = (s.final_loss() as f64, s.floor.expect("the synthetic corpus has a floor"));
@@ -66,11 +61,9 @@ fn bf16_mixed_precision_reaches_the_floor() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU: .ci/gpu_check runs it there (cargo test --release -- --include-ignored)"]
 fn bf16_activations_match_the_memory_formula() {
-    if let Some(why) = common::no_gpu() {
-        eprintln!("skipped: {why}");
-        return;
-    }
+    common::require_gpu();
     use ferrotron::{cuda::device::Device, cuda::runtime::Gpu, model::Llama, ops::tensor::Place};
     let cfg = Config::load(None, &[]).unwrap();
     let device = Device::new(&Gpu::open(0).unwrap(), ferrotron::ops::DType::Bf16).unwrap();

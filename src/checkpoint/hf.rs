@@ -101,11 +101,16 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         Ok(typed(key, "a whole number", &|v| v.is_u64())?.and_then(Value::as_u64).map(|n| n as usize))
     };
     let size = |key: &str| -> Result<usize> {
-        opt_size(key)?.with_context(|| format!("{file}: {key} is missing; a Llama config.json gives it as a whole number"))
+        opt_size(key)?
+            .with_context(|| format!("{file}: {key} is missing; a Llama config.json gives it as a whole number"))
     };
-    let number = |key: &str| -> Result<Option<f64>> { Ok(typed(key, "a number", &|v| v.is_number())?.and_then(Value::as_f64)) };
-    let flag = |key: &str| -> Result<Option<bool>> { Ok(typed(key, "true or false", &|v| v.is_boolean())?.and_then(Value::as_bool)) };
-    let text = |key: &str| -> Result<Option<&str>> { Ok(typed(key, "a string", &|v| v.is_string())?.and_then(Value::as_str)) };
+    let number =
+        |key: &str| -> Result<Option<f64>> { Ok(typed(key, "a number", &|v| v.is_number())?.and_then(Value::as_f64)) };
+    let flag = |key: &str| -> Result<Option<bool>> {
+        Ok(typed(key, "true or false", &|v| v.is_boolean())?.and_then(Value::as_bool))
+    };
+    let text =
+        |key: &str| -> Result<Option<&str>> { Ok(typed(key, "a string", &|v| v.is_string())?.and_then(Value::as_str)) };
 
     let model_type = text("model_type")?.unwrap_or("llama");
     let mixtral = match model_type {

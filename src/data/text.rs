@@ -147,13 +147,15 @@ fn cache_path(source: &Path, tokenizer: &Tokenizer, cache_folder: &Path) -> Resu
     hash.add(b"|tokenizer|");
     match tokenizer {
         Tokenizer::Bytes => hash.add(b"bytes"),
-        Tokenizer::Bpe(_, path) => hash
-            .add(&std::fs::read(path).with_context(|| format!("data.tokenizer: cannot read {}", path.display()))?),
+        Tokenizer::Bpe(_, path) => {
+            hash.add(&std::fs::read(path).with_context(|| format!("data.tokenizer: cannot read {}", path.display()))?)
+        }
     }
     let name = source.file_name().map_or("source".into(), |n| n.to_string_lossy().into_owned());
     let folder = cache_folder.join("tokens");
-    std::fs::create_dir_all(&folder)
-        .with_context(|| format!("data.cache_dir: cannot create {}; set data.cache_dir to a writable folder", folder.display()))?;
+    std::fs::create_dir_all(&folder).with_context(|| {
+        format!("data.cache_dir: cannot create {}; set data.cache_dir to a writable folder", folder.display())
+    })?;
     Ok(folder.join(format!("{name}.{}.tokens", hash.hex())))
 }
 
