@@ -15,24 +15,17 @@ pub const SMALL: &[&str] = &[
     "data.copy_lag=8",
 ];
 
-/// Why the GPU tests cannot run here, if they cannot: no driver, no GPU, no NVRTC or headers,
-/// no cuBLAS.
+/// For the `#[ignore]`d GPU tests: run where asked (`--include-ignored`), they fail naming what is
+/// missing (no driver, no GPU, no NVRTC or headers, no cuBLAS) instead of passing without having run.
 #[allow(dead_code)] // used by the GPU test files only
-/// For the `#[ignore]`d GPU tests: run where asked (`--include-ignored`), they fail with the
-/// reason when there is no GPU instead of passing without having run.
-#[allow(dead_code)] // not every test file has GPU tests
 pub fn require_gpu() {
-    if let Some(why) = no_gpu() {
-        panic!("this test needs a CUDA GPU: {why}");
-    }
-}
-
-pub fn no_gpu() -> Option<String> {
     let ready = ferrotron::cuda::runtime::device_count()
         .and_then(|n| if n > 0 { Ok(()) } else { anyhow::bail!("the driver sees no GPU") })
         .and_then(|_| ferrotron::cuda::nvrtc::nvrtc_ready().map(drop))
         .and_then(|_| ferrotron::cuda::runtime::require("cuBLAS"));
-    ready.err().map(|e| format!("{e:#}"))
+    if let Err(why) = ready {
+        panic!("this test needs a CUDA GPU: {why:#}");
+    }
 }
 
 /// The largest per-step loss difference between one rank and `layout` (settings like
