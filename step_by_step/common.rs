@@ -159,9 +159,91 @@ macro_rules! step {
 
         #[test]
         fn tiny() {
-            $run(true).unwrap();
+            // at full size when `the_lesson_quotes_what_this_step_prints` runs this test again
+            $run(std::env::var_os(common::FULL_SIZE).is_none()).unwrap();
+        }
+
+        #[test]
+        fn the_lesson_quotes_what_this_step_prints() {
+            common::lesson_quotes(file!()).unwrap();
         }
     };
+}
+
+/// Set by `lesson_quotes` for the run it starts: the step's test runs at the lesson's size.
+pub const FULL_SIZE: &str = "FERROTRON_STEP_FULL_SIZE";
+
+/// The output a step's lesson (`README.md` beside `main`) quotes under "Run it" is what the step
+/// prints at full size on the CPU: this test binary runs its own `tiny` test again at full size
+/// and finds every quoted line in that output, in order. In a quote, a line `...` stands for any
+/// number of lines and `…` inside a line for any text (timings, which differ between machines).
+pub fn lesson_quotes(main: &str) -> Result<()> {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let lesson = root.join(main).with_file_name("README.md");
+    let text = std::fs::read_to_string(&lesson)?;
+    let run_it = text.split("## Run it").nth(1).unwrap_or("");
+    let Some(quote) = run_it.split("```text\n").nth(1).and_then(|q| q.split("```").next()) else {
+        bail!("{}: no ```text block under \"## Run it\"", lesson.display());
+    };
+    let out = std::process::Command::new(std::env::current_exe()?)
+        .args(["--exact", "tiny", "--nocapture", "--test-threads=1"])
+        .env(FULL_SIZE, "1")
+        .output()?;
+    let printed = String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() {
+        bail!("the step failed at full size: {printed}{}", String::from_utf8_lossy(&out.stderr));
+    }
+    // the harness's own words around the step's output: "test tiny ... " before, "ok" after
+    let body = printed.split_once("test tiny ... ").map_or(&*printed, |(_, b)| b);
+    let mut lines = body.rsplit_once("\nok\n").map_or(body, |(b, _)| b).lines();
+    let mut skipping = false;
+    for want in quote.lines() {
+        if want.trim() == "..." {
+            skipping = true;
+            continue;
+        }
+        let mut seen = Vec::new();
+        loop {
+            let Some(line) = lines.next() else {
+                bail!(
+                    "{}: the quoted line\n  {want}\nis not what the step prints next; it printed\n  {}",
+                    lesson.display(),
+                    seen.join("\n  ")
+                );
+            };
+            if matches(want, line) {
+                break;
+            }
+            seen.push(line.to_string());
+        }
+        if !skipping && !seen.is_empty() {
+            bail!(
+                "{}: the step prints lines the quote leaves out (write `...`):\n  {}",
+                lesson.display(),
+                seen.join("\n  ")
+            );
+        }
+        skipping = false;
+    }
+    Ok(())
+}
+
+/// `line` is `pattern`, where each `…` of the pattern matches any text.
+fn matches(pattern: &str, line: &str) -> bool {
+    let mut parts = pattern.split('…');
+    let first = parts.next().unwrap_or("");
+    let Some(mut rest) = line.strip_prefix(first) else { return false };
+    let parts: Vec<&str> = parts.collect();
+    for (i, part) in parts.iter().enumerate() {
+        if i + 1 == parts.len() {
+            return rest.ends_with(part);
+        }
+        match rest.find(part) {
+            Some(at) => rest = &rest[at + part.len()..],
+            None => return false,
+        }
+    }
+    rest.is_empty()
 }
 
 /// `main` of every step: run it, print an error in one line and exit 1 on failure.

@@ -17,7 +17,9 @@ fn check(root: &Path, file: &str, line: usize, name: Option<&str>) -> Result<(),
         return Err(format!("{file}:{line} is not code (a comment, a blank or a brace): {at}"));
     }
     let Some(name) = name else {
-        return Err(format!("{file}:{line} names nothing: write the fn, struct or variable it points at right after it"));
+        return Err(format!(
+            "{file}:{line} names nothing: write the fn, struct or variable it points at right after it"
+        ));
     };
     let word = name.rsplit("::").next().unwrap_or(name);
     let is_word = |c: char| c.is_alphanumeric() || c == '_';
@@ -60,7 +62,8 @@ fn lesson_line_references_point_at_their_code() {
             // a name counts only when written right after the reference ("`:40` `name`")
             let rest = text.split(&format!("`{span}`")).nth(1).unwrap_or("");
             let is_reference = |n: &str| n.split_once(':').is_some_and(|(_, l)| l.parse::<usize>().is_ok());
-            let name = spans.get(i + 1).filter(|n| rest.trim_start().starts_with(&format!("`{n}`")) && !is_reference(n));
+            let name =
+                spans.get(i + 1).filter(|n| rest.trim_start().starts_with(&format!("`{n}`")) && !is_reference(n));
             if let Err(e) = check(root, f, line, name.copied()) {
                 wrong.push(format!("{}: {e}", lesson.display()));
             }

@@ -220,10 +220,10 @@ pub fn svg(timelines: &[Timeline]) -> String {
             );
         }
         for slot in &t.slots {
-            let label = |w: Work| if t.chunks > 1 { format!("{}.{}", w.micro, w.chunk) } else { w.micro.to_string() };
-            let (label, fill) = match slot.action {
-                Action::Forward(w) => (format!("F{}", label(w)), ["#9ecae1", "#c6dbef"][w.chunk % 2]),
-                Action::Backward(w) => (format!("B{}", label(w)), ["#3182bd", "#08519c"][w.chunk % 2]),
+            let label = if t.chunks > 1 { format!("{:#}", slot.action) } else { slot.action.to_string() };
+            let fill = match slot.action {
+                Action::Forward(w) => ["#9ecae1", "#c6dbef"][w.chunk % 2],
+                Action::Backward(w) => ["#3182bd", "#08519c"][w.chunk % 2],
             };
             let (x, y, w) =
                 (left + slot.start * unit, top + 10.0 + slot.stage as f64 * row, (slot.end - slot.start) * unit);

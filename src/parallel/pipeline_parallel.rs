@@ -64,6 +64,21 @@ pub enum Action {
     Backward(Work),
 }
 
+/// `F3` / `B3`: the forward or backward of micro-batch 3; `{:#}` adds the model chunk, `F3.1`
+/// (the interleaved schedule's names).
+impl std::fmt::Display for Action {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (letter, w) = match self {
+            Action::Forward(w) => ('F', w),
+            Action::Backward(w) => ('B', w),
+        };
+        match f.alternate() {
+            true => write!(f, "{letter}{}.{}", w.micro, w.chunk),
+            false => write!(f, "{letter}{}", w.micro),
+        }
+    }
+}
+
 /// The order of stage `stage`'s forwards and backwards of `m` micro-batches, each rank holding
 /// `chunks` model chunks (1 but for `Interleaved`).
 pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> Vec<Action> {

@@ -19,7 +19,7 @@ fn run(tiny: bool) -> Result<()> {
     let timeline = schedule::simulate(PpSchedule::Afab, 2, 4, 1)?;
     for stage in 0..2 {
         let row: Vec<String> =
-            timeline.slots.iter().filter(|s| s.stage == stage).map(|s| format!("{:?}", s.action)).collect();
+            timeline.slots.iter().filter(|s| s.stage == stage).map(|s| s.action.to_string()).collect();
         println!("stage {stage}: {}", row.join(" "));
     }
     println!(

@@ -66,7 +66,8 @@ fn run(tiny: bool) -> Result<()> {
     let host = format!("process 1 on host {}", processes::host_name());
     let said = said(&outs[0]);
     let line = said.lines().find(|l| l.contains(&host) && l.contains("went away")).unwrap_or_default();
-    println!("process 0 said: {}", line.trim_start_matches("error: "));
+    // from the process's name on (before it: "error: ", or under `cargo test` the panic's words)
+    println!("process 0 said: {}", line.find(&host).map_or(line, |at| &line[at..]));
     let ended = !outs[0].status.success() && !line.is_empty();
     let detail = format!("it ended {:.1} s after the kill", killed.elapsed().as_secs_f64());
     common::claim("process 0 stops at once, naming process 1, its ranks and its host", ended, &detail)?;
@@ -79,12 +80,18 @@ fn run(tiny: bool) -> Result<()> {
 fn start_two(dir: &Path, sets: &[&str]) -> Result<Vec<Child>> {
     let port = std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port().to_string();
     let me = std::env::current_exe()?;
+    // the same flags (--tiny, --gpu); under `cargo test`, this step's test `tiny` alone (the size
+    // it runs at comes with the environment)
+    let args: Vec<String> = match cfg!(test) {
+        true => ["--exact", "tiny", "--nocapture"].map(String::from).to_vec(),
+        false => std::env::args().skip(1).collect(),
+    };
     (0..2)
         .map(|p: usize| {
             let (p, out) = (p.to_string(), dir.join(p.to_string()));
             let env = [("RANK", &p[..]), ("WORLD_SIZE", "2"), ("LOCAL_RANK", &p), ("LOCAL_WORLD_SIZE", "2")];
             Command::new(&me)
-                .args(std::env::args().skip(1)) // the same flags (--tiny, --gpu; a test's filter)
+                .args(&args)
                 .envs(env)
                 .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)])
                 .env("STEP17_OUT", &out)
