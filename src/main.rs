@@ -1,5 +1,5 @@
 //! The `ferrotron` command line: `train`, `converge`, `grid`, `schedule`, `memory`, `eval`,
-//! `doctor` and `bench`.
+//! `generate`, `doctor` and `bench`.
 
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
@@ -7,7 +7,7 @@ use ferrotron::checkpoint::hf;
 use ferrotron::comm::cost::Link;
 use ferrotron::comm::launcher;
 use ferrotron::comm::trace::Trace;
-use ferrotron::commands::{bench, converge, doctor, eval, memory, schedule};
+use ferrotron::commands::{bench, converge, doctor, eval, generate, memory, schedule};
 use ferrotron::config::PpSchedule;
 use ferrotron::parallel::data_parallel::gradient_all_reduce;
 use ferrotron::parallel::process_grid::Grid;
@@ -132,6 +132,38 @@ enum Command {
         /// Whitespace-separated token ids, one sequence per line.
         #[arg(long)]
         tokens: PathBuf,
+    },
+    /// Sample from a model (a ferrotron checkpoint or a Hugging Face Llama folder) with a KV
+    /// cache: greedy with --temperature 0, else drawn from the softmax over the top-k tokens.
+    Generate {
+        /// Folder with config.json and the safetensors (a `train` checkpoint is one).
+        #[arg(long)]
+        model: PathBuf,
+        /// The text to continue (needs a tokenizer: the folder's tokenizer.json, or --tokenizer).
+        #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+        prompt: Option<String>,
+        /// The prompt as token ids, e.g. "5 17 42".
+        #[arg(long)]
+        tokens: Option<String>,
+        #[arg(long, default_value_t = 64)]
+        max_new_tokens: usize,
+        /// 0: greedy (the most likely token each time); higher: more varied.
+        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+        temperature: f32,
+        /// Draw among the k most likely tokens (0: all).
+        #[arg(long, default_value_t = 50)]
+        top_k: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// A tokenizer.json, `bytes`, or `hub:ORG/NAME` (default: the folder's tokenizer.json).
+        #[arg(long)]
+        tokenizer: Option<String>,
+        /// Where the model runs: cpu or cuda (GPU 0).
+        #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+        device: String,
+        /// On a GPU: bf16 or f32 (the CPU computes in f32).
+        #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+        dtype: String,
     },
     /// Check the CUDA setup: libraries, driver, GPUs, then self-tests on GPU 0.
     Doctor,
@@ -294,6 +326,78 @@ fn run(cli: Cli) -> Result<Exit> {
             if let Some(path) = &json {
                 ferrotron::files::write_atomically(path, memory::json(&ranks)?.as_bytes()).context("--json")?;
             }
+        }
+        Command::Generate {
+            model,
+            prompt,
+            tokens,
+            max_new_tokens,
+            temperature,
+            top_k,
+            seed,
+            tokenizer,
+            device,
+            dtype,
+        } => {
+            let sampling = generate::Sampling { max_new_tokens, temperature, top_k, seed };
+            sampling.check()?;
+            let tok = generate::tokenizer_for(&model, tokenizer.as_deref())?;
+            let ids = match (&prompt, &tokens, &tok) {
+                (Some(text), _, Some(t)) => t.encode(text)?,
+                (Some(_), _, None) => anyhow::bail!(
+                    "--prompt needs a tokenizer: {} has no tokenizer.json; give --tokenizer (a tokenizer.json, bytes or hub:ORG/NAME) or the prompt as --tokens",
+                    model.display()
+                ),
+                (None, Some(ids), _) => generate::parse_ids(ids)?,
+                (None, None, _) => anyhow::bail!("give --prompt TEXT or --tokens IDS"),
+            };
+            if ids.is_empty() {
+                anyhow::bail!("--prompt: the text is no tokens; give some text to continue");
+            }
+            let mut m = hf::load_hf(&model)?;
+            if let Some(bad) = ids.iter().find(|&&t| t as usize >= m.cfg.vocab_size) {
+                anyhow::bail!(
+                    "the prompt holds token id {bad}, but {}'s vocabulary has {} tokens",
+                    model.display(),
+                    m.cfg.vocab_size
+                );
+            }
+            if device == "cuda" {
+                let dtype = if dtype == "f32" { ferrotron::ops::DType::F32 } else { ferrotron::ops::DType::Bf16 };
+                let gpu = ferrotron::cuda::runtime::Gpu::open(0)?;
+                m.to_place(&ferrotron::ops::tensor::Place::for_rank(Some(&gpu), dtype)?);
+            }
+            let eos = generate::eos_ids(&model)?;
+            let how = match temperature {
+                0.0 => "greedy".to_string(),
+                t => format!("temperature {t}, top-k {top_k}, seed {seed}"),
+            };
+            say!("{}: {} prompt tokens, up to {max_new_tokens} new ({how})", model.display(), ids.len());
+            // the text as it grows (a character may need two tokens: shown once it is whole)
+            let (mut new, mut shown) = (Vec::new(), String::new());
+            let show = match &tok {
+                Some(t) => t.decode(&ids)?,
+                None => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
+            };
+            print!("{show}");
+            let start = std::time::Instant::now();
+            let out = generate::generate(&mut m, &ids, &sampling, &eos, &mut |t| {
+                new.push(t);
+                let text = match &tok {
+                    Some(tk) => tk.decode(&new).unwrap_or_default(),
+                    None => new.iter().map(|i| format!(" {i}")).collect(),
+                };
+                if let Some(more) = text.strip_prefix(shown.as_str()) {
+                    print!("{more}");
+                    let _ = std::io::stdout().flush();
+                    shown = text;
+                }
+            })?;
+            let secs = start.elapsed().as_secs_f64();
+            let stop =
+                if out.last().is_some_and(|t| eos.contains(t)) { "; stopped at the end-of-text token" } else { "" };
+            say!("\nnew token ids: {}", out.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
+            say!("{} tokens in {secs:.2} s ({:.1} tokens/s){stop}", out.len(), out.len() as f64 / secs.max(1e-9));
         }
         Command::Doctor => doctor::doctor()?,
         Command::Bench { config, sets, steps, warmup, op: Some(_), json, against, profile, peak_tflops } => {

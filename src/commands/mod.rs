@@ -3,7 +3,7 @@
 //! `converge` (does a layout reproduce the one-rank loss curve?), `bench` (tokens/s, MFU,
 //! memory; `--op attention`: the attention kernels alone), `memory` (what every rank holds,
 //! estimated and measured), `doctor` (is this machine ready?), `eval` (a Hugging Face model's
-//! loss), `schedule` (the pipeline picture) and `plot` (the SVG charts they draw). `main.rs`
+//! loss), `generate` (sampling from a model, with the KV cache), `schedule` (the pipeline picture) and `plot` (the SVG charts they draw). `main.rs`
 //! parses the CLI and calls these; the training loop itself is `train.rs`.
 
 pub mod bench;
@@ -11,6 +11,7 @@ pub mod bench_attention;
 pub mod converge;
 pub mod doctor;
 pub mod eval;
+pub mod generate;
 pub mod memory;
 pub mod plot;
 pub mod schedule;

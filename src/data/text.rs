@@ -60,6 +60,25 @@ impl Tokenizer {
         }
     }
 
+    /// The text of `ids`, special tokens included (with `Bytes`, an id past 255 is shown as ⟨id⟩).
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        match self {
+            Tokenizer::Bytes => {
+                let mut text = String::new();
+                for run in ids.chunk_by(|a, b| (*a < 256) == (*b < 256)) {
+                    match run[0] < 256 {
+                        true => {
+                            text.push_str(&String::from_utf8_lossy(&run.iter().map(|&t| t as u8).collect::<Vec<_>>()))
+                        }
+                        false => run.iter().for_each(|t| text.push_str(&format!("⟨{t}⟩"))),
+                    }
+                }
+                Ok(text)
+            }
+            Tokenizer::Bpe(t, _) => t.decode(ids, false).map_err(|e| anyhow::anyhow!("tokenizer: {e}")),
+        }
+    }
+
     /// The ids of `text`, without special tokens added.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {

@@ -26,6 +26,7 @@
 //! one more forward.
 
 use crate::config::{ModelConfig, Recompute};
+use crate::model::kv_cache::KvLayer;
 use crate::model::moe::{Load, Moe, MoeCache};
 use crate::model::param::{Param, ParamKind, Split};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit};
@@ -195,7 +196,7 @@ impl Block {
         attn: Attn,
         positions: &[u32],
     ) -> Result<(Tensor, Kept, Work)> {
-        let (out, mut cache, work) = self.run(split, x, cfg, attn, positions)?;
+        let (out, mut cache, work) = self.run(split, x, cfg, attn, positions, None)?;
         let kept = match recompute {
             Recompute::None => Kept::Cache(Box::new(cache)),
             Recompute::Selective => {
@@ -207,7 +208,22 @@ impl Block {
         Ok((out, kept, work))
     }
 
-    /// The forward itself, keeping everything.
+    /// One step of generation (`model/kv_cache.rs`): the rows of `x`, at `positions` after the
+    /// cached ones, attend to the cached keys and values and to their own, which join the cache.
+    /// Nothing is kept for a backward.
+    pub(crate) fn decode(
+        &self,
+        split: Splits,
+        x: Tensor,
+        cfg: &ModelConfig,
+        attn: Attn,
+        positions: &[u32],
+        past: KvLayer,
+    ) -> Result<Tensor> {
+        Ok(self.run(split, x, cfg, attn, positions, Some(past))?.0)
+    }
+
+    /// The forward itself, keeping everything; with `past`, attending to the cached keys too.
     fn run(
         &self,
         split: Splits,
@@ -215,6 +231,7 @@ impl Block {
         cfg: &ModelConfig,
         attn: Attn,
         positions: &[u32],
+        past: Option<KvLayer>,
     ) -> Result<(Tensor, BlockCache, Work)> {
         let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, split.tp);
         // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
@@ -226,7 +243,10 @@ impl Block {
         drop(xin);
         ops::rope(&mut q, positions, hd, theta);
         ops::rope(&mut k, positions, hd, theta);
-        let (attn_out, lse, work) = split.seq.attention(attn, &q, &k, &v, &positions[..attn.seq])?;
+        let (attn_out, lse, work) = match past {
+            None => split.seq.attention(attn, &q, &k, &v, &positions[..attn.seq])?,
+            Some(past) => past.attend(attn, &q, &k, &v, positions),
+        };
         let mut h = tp.row_forward(&attn_out, &self.o_proj)?; // g: Σ over the tp ranks
         ops::add_assign(&mut h, &x);
         let (xn2, rstd2) = ops::rmsnorm(&h, &self.post_attention_layernorm.value, eps);
@@ -268,7 +288,7 @@ impl Block {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
         let c = match kept {
             Kept::Cache(c) => *c,
-            Kept::Input(x) => self.run(split, x, cfg, attn, positions)?.1, // full recomputation
+            Kept::Input(x) => self.run(split, x, cfg, attn, positions, None)?.1, // full recomputation
         };
         let dxn2 = match (&mut self.mlp, c.mlp) {
             // MLP sub-block, right to left; down is row parallel: its backward is local (on every

@@ -30,6 +30,7 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::rc::Rc;
 
+mod decode; // generating: one step at a time, with the KV cache
 mod parts; // building the parameters, listing them, moving them
 mod units; // FSDP's units: fetch and free around each piece of the forward and backward
 

@@ -3,10 +3,12 @@
 //! Read in this order: `param` (a weight, its gradient, how ranks share it) → `init` (every
 //! weight from its own random stream) → `block` (one transformer block; `moe`, its mixture of experts) → `llama` (the whole
 //! model, or one pipeline `stage` of it) → `split` (the few points where a model cut across
-//! ranks must talk) → `optimizer` (AdamW, clipping, the schedule).
+//! ranks must talk) → `optimizer` (AdamW, clipping, the schedule) → `kv_cache` (generating text:
+//! each layer's keys and values kept, one new row a step).
 
 pub mod block;
 pub mod init;
+pub mod kv_cache;
 pub mod llama;
 pub mod moe;
 pub mod optimizer;

@@ -229,6 +229,13 @@ impl Tensor {
         }
     }
 
+    /// The same values seen as `shape` (row-major; the count must match).
+    pub fn with_shape(mut self, shape: &[usize]) -> Tensor {
+        assert_eq!(shape.iter().product::<usize>(), self.numel(), "with_shape: {:?} into {shape:?}", self.shape);
+        self.shape = shape.to_vec();
+        self
+    }
+
     pub fn shape(&self) -> &[usize] {
         &self.shape
     }

@@ -1,0 +1,145 @@
+//! Generating: the KV cache gives the logits of the full forward at every position (dense,
+//! grouped-query, multi-query, tied, mixture of experts); greedy decoding equals transformers'
+//! `generate(do_sample=False)` token for token on a Hugging Face folder with its tokenizer; the
+//! sampler draws from the softmax at its temperature over the top k; the end-of-text token stops
+//! a generation; the CLI's errors.
+
+use ferrotron::checkpoint::hf;
+use ferrotron::commands::eval::shifted_targets;
+use ferrotron::commands::generate::{self, pick, Sampling};
+use ferrotron::model::kv_cache::KvCache;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn fixture(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
+}
+
+/// A prompt of 5 tokens, then 7 one at a time, through the cache: each step's logits are the
+/// full forward's row at that position.
+#[test]
+fn the_kv_cache_gives_the_full_forwards_logits() {
+    for case in ["gqa", "tied_odd", "mha_v4_config", "mqa_sharded", "mixtral", "mixtral_top3_tied"] {
+        let mut model = hf::load_hf(&fixture(case)).unwrap();
+        let vocab = model.cfg.vocab_size;
+        let seq: Vec<u32> = (0..12).map(|i| ((i * 7 + 3) % vocab) as u32).collect();
+        model.forward(&seq, 1, &shifted_targets(&seq)).unwrap();
+        let full = model.logits().unwrap().to_vec();
+        let mut cache = KvCache::new(model.cfg.num_hidden_layers);
+        let mut rows = vec![model.decode(&seq[..5], &mut cache).unwrap()];
+        for t in &seq[5..] {
+            rows.push(model.decode(&[*t], &mut cache).unwrap());
+        }
+        assert_eq!(cache.len(), 12);
+        for (i, row) in rows.iter().enumerate() {
+            let pos = 4 + i;
+            let want = &full[pos * vocab..(pos + 1) * vocab];
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let diff = row.iter().zip(want).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            assert!(diff <= 1e-5 * scale.max(1.0), "{case}, position {pos}: the cached step differs by {diff:e}");
+        }
+    }
+}
+
+fn greedy(n: usize) -> Sampling {
+    Sampling { max_new_tokens: n, temperature: 0.0, top_k: 0, seed: 0 }
+}
+
+#[test]
+fn the_end_of_text_token_stops_a_generation() {
+    let mut model = hf::load_hf(&fixture("gqa")).unwrap();
+    let free = generate::generate(&mut model, &[1, 5, 9], &greedy(12), &[], &mut |_| {}).unwrap();
+    assert_eq!(free.len(), 12);
+    let eos = free[3];
+    let first = free.iter().position(|&t| t == eos).unwrap();
+    let mut seen = Vec::new();
+    let stopped = generate::generate(&mut model, &[1, 5, 9], &greedy(12), &[eos], &mut |t| seen.push(t)).unwrap();
+    assert_eq!(stopped, free[..=first], "stops after the end-of-text token, which it returns");
+    assert_eq!(seen, stopped, "each token is handed on as it is picked");
+    // the folder's own: generation_config.json first, then config.json (a number or a list)
+    assert_eq!(generate::eos_ids(&fixture("gqa")).unwrap(), [2]);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("config.json"), "{\"eos_token_id\": [7, 9]}").unwrap();
+    assert_eq!(generate::eos_ids(dir.path()).unwrap(), [7, 9]);
+    std::fs::write(dir.path().join("generation_config.json"), "{\"eos_token_id\": 4}").unwrap();
+    assert_eq!(generate::eos_ids(dir.path()).unwrap(), [4]);
+    std::fs::write(dir.path().join("generation_config.json"), "{\"eos_token_id\": \"4\"}").unwrap();
+    assert!(generate::eos_ids(dir.path()).unwrap_err().to_string().contains("eos_token_id = \"4\" is not a token id"));
+}
+
+#[test]
+fn the_sampler_draws_from_the_softmax_at_its_temperature_over_the_top_k() {
+    let mut rng = ferrotron::model::init::stream(7, "test");
+    // greedy: the largest, ties to the lowest id; top-1 is greedy at any temperature
+    assert_eq!(pick(&[0.5, 2.0, 2.0, -1.0], 0.0, 0, &mut rng), 1);
+    assert!((0..50).all(|_| pick(&[0.5, 2.0, 1.9, -1.0], 3.0, 1, &mut rng) == 1));
+    // frequencies: softmax([0, ln 2, ln 4] / T) is 1:2:4 at T = 1 and 1:√2:2 at T = 2
+    let logits = [0.0, 2f32.ln(), 4f32.ln()];
+    let share = |t: f32, k: usize, rng: &mut _| {
+        let mut counts = [0usize; 3];
+        (0..70_000).for_each(|_| counts[pick(&logits, t, k, rng) as usize] += 1);
+        counts.map(|c| c as f64 / 70_000.0)
+    };
+    let close = |got: [f64; 3], want: [f64; 3]| got.iter().zip(want).all(|(g, w)| (g - w).abs() < 0.01);
+    let s = share(1.0, 0, &mut rng);
+    assert!(close(s, [1.0 / 7.0, 2.0 / 7.0, 4.0 / 7.0]), "{s:?}");
+    let z = 1.0 + 2f64.sqrt() + 2.0;
+    let s = share(2.0, 0, &mut rng);
+    assert!(close(s, [1.0 / z, 2f64.sqrt() / z, 2.0 / z]), "{s:?}");
+    // top-2: the least likely is never drawn, the others keep their ratio 2:4
+    let s = share(1.0, 2, &mut rng);
+    assert!(close(s, [0.0, 1.0 / 3.0, 2.0 / 3.0]), "{s:?}");
+    // a seed repeats a generation; another seed gives another
+    let mut model = hf::load_hf(&fixture("gqa")).unwrap();
+    let sampled = |seed| {
+        let s = Sampling { max_new_tokens: 20, temperature: 1.0, top_k: 0, seed };
+        generate::generate(&mut hf::load_hf(&fixture("gqa")).unwrap(), &[1, 5, 9], &s, &[], &mut |_| {}).unwrap()
+    };
+    assert_eq!(sampled(3), sampled(3));
+    assert_ne!(sampled(3), sampled(4));
+    let bad = Sampling { temperature: f32::NAN, ..greedy(3) };
+    assert!(generate::generate(&mut model, &[1], &bad, &[], &mut |_| {})
+        .unwrap_err()
+        .to_string()
+        .contains("--temperature NaN"));
+}
+
+/// The binary: one error line each, exit 1, no panic.
+#[test]
+fn generate_errors_are_named() {
+    let run =
+        |args: &[&str]| Command::new(env!("CARGO_BIN_EXE_ferrotron")).arg("generate").args(args).output().unwrap();
+    let gqa = fixture("gqa");
+    let model = gqa.to_str().unwrap();
+    for (args, named) in [
+        (vec!["--model", model, "--prompt", "hello"], "--prompt needs a tokenizer"),
+        (vec!["--model", model, "--tokens", "1 48"], "token id 48, but"),
+        (vec!["--model", model, "--tokens", "1 x"], "`x` is not a token id"),
+        (vec!["--model", model, "--tokens", " , "], "give at least one token id"),
+        (vec!["--model", model, "--tokens", "1", "--max-new-tokens", "0"], "--max-new-tokens 0"),
+        (vec!["--model", model, "--tokens", "1", "--temperature", "-1"], "--temperature -1"),
+        (vec!["--model", model, "--tokens", "1", "--temperature", "inf"], "--temperature inf"),
+        (vec!["--model", "/no/such/model", "--tokens", "1"], "/no/such/model/config.json"),
+        (vec!["--model", model, "--tokens", "1", "--tokenizer", "/no/tok.json"], "/no/tok.json"),
+    ] {
+        let out = run(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.starts_with("error: ") && err.contains(named) && err.trim().lines().count() == 1,
+            "{args:?}: {err}"
+        );
+        assert!(
+            out.stdout.is_empty(),
+            "{args:?}: nothing is printed before the error: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+    }
+    // both or neither prompt: clap says so
+    let out = run(&["--model", model]);
+    assert_eq!(out.status.code(), Some(2));
+    // a good one prints the prompt, the continuation and the new ids
+    let out = run(&["--model", model, "--tokens", "1 5 9", "--temperature", "0", "--max-new-tokens", "4"]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("new token ids: ") && text.contains("\n1 5 9 "), "{text}");
+}
