@@ -545,3 +545,48 @@ fn a_run_over_two_processes_on_the_gpu_path_follows_one_process() {
     let folders = std::fs::read_dir(&nccl).unwrap().count();
     assert!(folders >= 4, "{folders} communicators");
 }
+
+/// `generate --device cuda`: the KV cache and the decode steps on the GPU path (attention of one
+/// new query row against every cached key, rows appended on the device) pick the CPU's tokens
+/// in f32, greedy; in bf16 it runs to the end.
+#[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
+fn generating_on_the_gpu_path_picks_the_cpus_tokens() {
+    let Some(dir) = fake_driver() else { return };
+    let model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gqa");
+    let args = |device: &'static str, dtype: &'static str| {
+        let m = model.to_str().unwrap().to_string();
+        [
+            "generate",
+            "--model",
+            &m,
+            "--tokens",
+            "1 5 9 13",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "8",
+            "--device",
+            device,
+            "--dtype",
+            dtype,
+        ]
+        .map(String::from)
+    };
+    let ids = |out: Output| {
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        text.lines()
+            .find_map(|l| l.strip_prefix("new token ids: "))
+            .map(String::from)
+            .unwrap_or_else(|| panic!("{text}"))
+    };
+    let run_with = |a: [String; 13]| ferrotron(dir, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    let cpu = ids(run_with(args("cpu", "f32")));
+    let gpu = ids(run_with(args("cuda", "f32")));
+    assert_eq!(gpu, cpu, "greedy tokens on the GPU path in f32");
+    let bf16 = ids(run_with(args("cuda", "bf16")));
+    assert!(!bf16.is_empty() && bf16.split(' ').count() <= 8, "{bf16}");
+}
