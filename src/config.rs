@@ -29,6 +29,7 @@ pub struct Config {
     pub data: DataConfig,
     pub device: DeviceConfig,
     pub checkpoint: CheckpointConfig,
+    pub validation: ValidationConfig,
 }
 
 /// The Llama architecture; key names follow Hugging Face's `config.json`.
@@ -219,6 +220,19 @@ pub struct CheckpointConfig {
     pub dir: String,
     /// How many checkpoints to keep; older ones are deleted once a newer one is complete.
     pub keep: usize,
+}
+
+/// The loss on held-out data while training (see `train/validate.rs`).
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ValidationConfig {
+    /// Every this many steps (and after the last); 0: never.
+    pub every: usize,
+    /// Held-out batches per validation, each the size of the global batch (`micro_batch_size ×
+    /// grad_accum_steps × dp` sequences, whatever the layout).
+    pub batches: usize,
+    /// Of a text source, the share at its end held out (not trained on) while `every > 0`.
+    pub split: f64,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

@@ -246,8 +246,10 @@ fn run(cli: Cli) -> Result<Exit> {
                 Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),
                 None => "unknown".into(),
             };
+            let val =
+                s.val_losses.last().map(|(_, v)| format!(" | val loss {v:.4} (held-out data)")).unwrap_or_default();
             say!(
-                "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth) | entropy floor {floor}",
+                "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth){val} | entropy floor {floor}",
                 s.losses.len(),
                 s.wall_s,
                 s.final_loss()

@@ -10,6 +10,7 @@
 //!     starts while backward goes on with the earlier layers
 //! data parallel: wait until every gradient is the average over the dp ranks
 //! global gradient norm → clip → learning rate for this step → AdamW
+//! every validation.every steps: the loss on held-out data
 //! ```
 //! On a GPU the loss stays on the device until the step reads it with the gradient norm: the
 //! step's one wait for the GPU.
@@ -24,12 +25,13 @@
 //! over all of the batch's tokens, whatever way it is cut into ranks and micro-batches.
 //! Starting and checkpoints are bookkeeping, in `train/run.rs`; logging and timing each step in
 //! `train/watch.rs`; the memory check before a run in `train/memory.rs`; stopping cleanly on a
-//! signal in `train/stop.rs`.
+//! signal in `train/stop.rs`; the held-out loss in `train/validate.rs`.
 
 pub mod memory;
 pub mod metrics;
 mod run;
 pub mod stop;
+mod validate;
 mod watch;
 
 pub use run::{Options, Stopped, Summary};
@@ -150,7 +152,12 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             // the updated chunks, to every rank
         }
         watch.span("optimizer".into(), span);
-        let end = StepEnd { step, loss, lr, grad_norm, activations_held, held };
+        // the loss on held-out data, of the whole model gathered onto rank 0 (`train/validate.rs`)
+        let val_loss = match validate::due(cfg, step) {
+            true => validate::validate(me, cfg, data, &model, &optimizer)?,
+            false => None,
+        };
+        let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss };
         watch.step_ends(&end, &mut model)?;
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };

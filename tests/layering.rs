@@ -79,7 +79,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("checkpoint", &["checkpoint::folder", "checkpoint::hf", "checkpoint::save", "checkpoint"]),
-    ("train", &["train::memory", "train::metrics", "train::stop", "train::run", "train::watch", "train"]),
+    (
+        "train",
+        &["train::memory", "train::metrics", "train::stop", "train::run", "train::validate", "train::watch", "train"],
+    ),
     (
         "commands",
         &[

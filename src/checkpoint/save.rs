@@ -59,6 +59,13 @@ impl State {
     }
 }
 
+/// What `gather` collects.
+#[derive(Clone, Copy, PartialEq)]
+pub enum Gather {
+    Weights,
+    WeightsAndMoments,
+}
+
 /// Gathers the whole model and optimizer onto rank 0 (`Some` there, `None` elsewhere). Every rank
 /// calls it; past the ZeRO chunks (all-gathered over dp×cp first), only the ranks of the first
 /// dp and cp replica take part.
@@ -70,8 +77,13 @@ impl State {
 /// together (`unshard`). Everything travels in fp32: a mixed-precision weight as its master, a
 /// bf16 moment converted. With expert parallelism the first replica's ep group all-gathers each
 /// expert tensor (member j holds experts j·E/ep…), and a layer's experts go out in the
-/// checkpoint's order once the layer's last expert is in.
-pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> Result<Option<State>> {
+/// checkpoint's order once the layer's last expert is in. `Gather::Weights` leaves the moments
+/// out (validation needs only the model).
+pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, what: Gather) -> Result<Option<State>> {
+    let kinds = match what {
+        Gather::Weights => 1,           // each parameter's weight
+        Gather::WeightsAndMoments => 3, // and its two AdamW moments
+    };
     let (tp, pp, dp) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(Axis::DpCp));
     let (ep, edp) = (me.group(Axis::Ep), me.group(Axis::ExpertDp));
     let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
@@ -100,7 +112,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
         if !spread && first_replica {
             flush(&mut experts, &mut emit)?;
         }
-        for (which, t) in [value, m, v].into_iter().enumerate() {
+        for (which, t) in [value, m, v].into_iter().enumerate().take(kinds) {
             // under ZeRO every dp×cp rank holds a chunk (of an expert, every expert-data rank)
             let unsharded = zero::whole(if p.is_expert() { edp } else { dp }, p, t)?;
             if !(first_replica || spread && first_ep_group) {
@@ -145,7 +157,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer) -> 
                 Split::Cols if n > 1 => vec![shape[0] * n, shape[1] / n], // the column shards, one under the other
                 _ => shape,
             };
-            for which in 0..3 {
+            for which in 0..kinds {
                 let mut side_by_side = Tensor::empty_on(&arrives, &place, DType::F32); // written whole
                 pp.recv_tensor_into(&mut side_by_side, stage)?;
                 state.push(&name, which, whole(&side_by_side, split, n));

@@ -81,6 +81,16 @@ impl Config {
                 bail!("{key} = 0: it must be at least 1");
             }
         }
+        let v = &self.validation;
+        if v.every > 0 && v.batches == 0 {
+            bail!("validation.batches = 0 with validation.every = {}: give 1 or more batches (or every = 0 for no validation)", v.every);
+        }
+        if !(v.split > 0.0 && v.split < 1.0) {
+            bail!(
+                "validation.split = {}: the held-out share of a text source must lie strictly between 0 and 1",
+                v.split
+            );
+        }
         if t.seq_len < 2 {
             bail!("train.seq_len = 1: a sequence of one token has nothing to predict (each token's target is the next one); set train.seq_len to 2 or more");
         }

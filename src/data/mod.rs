@@ -24,13 +24,22 @@ pub mod hf_hub;
 pub mod text;
 
 use crate::config::{DataConfig, ModelConfig, TrainConfig};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use rand::Rng;
 
 pub enum Dataset {
     Synthetic(Synthetic),
-    Text { tokens: crate::data::text::Tokens, seed: u64 },
+    /// Training reads windows of `tokens[..train_end]`; the rest is held out for validation.
+    Text {
+        tokens: crate::data::text::Tokens,
+        seed: u64,
+        train_end: usize,
+    },
 }
+
+/// Held-out sequence `i` of the synthetic source is stream sequence `HELD_OUT + i`: an index no
+/// training step reaches (step × global batch stays far below 2⁶²).
+const HELD_OUT: u64 = 1 << 62;
 
 pub struct Synthetic {
     seed: u64,
@@ -71,7 +80,8 @@ impl Dataset {
             }
             let cache = crate::data::text::cache_folder(&d.cache_dir)?;
             let tokens = crate::data::text::Tokens::open(&path, &tokenizer, m.vocab_size, &cache)?;
-            return Ok(Dataset::Text { tokens, seed: d.seed });
+            let train_end = tokens.len();
+            return Ok(Dataset::Text { tokens, seed: d.seed, train_end });
         }
         Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size)))
     }
@@ -80,12 +90,44 @@ impl Dataset {
     pub fn sequence(&self, index: u64, len: usize) -> Result<Vec<u32>> {
         match self {
             Dataset::Synthetic(s) => Ok(s.sequence(index, len)),
-            Dataset::Text { tokens, seed } => {
-                if tokens.len() < len {
-                    bail!("data.source: the text has {} tokens, fewer than train.seq_len + 1 = {len}", tokens.len());
+            Dataset::Text { tokens, seed, train_end } => {
+                if *train_end < len {
+                    bail!("data.source: the text has {train_end} tokens to train on, fewer than train.seq_len + 1 = {len}");
                 }
+                let start = crate::model::init::stream(*seed, &format!("text/{index}")).gen_range(0..=train_end - len);
+                Ok(tokens.window(start, len))
+            }
+        }
+    }
+
+    /// Holds out the last `share` of a text source for validation: training reads only the rest
+    /// (the synthetic source needs nothing: its held-out sequences are indices it never trains on).
+    pub fn hold_out(&mut self, share: f64, len: usize) -> Result<()> {
+        if let Dataset::Text { tokens, train_end, .. } = self {
+            let kept = ((tokens.len() as f64) * (1.0 - share)) as usize;
+            if kept < len || tokens.len() - kept < len {
+                bail!(
+                    "validation.split = {share}: of the text's {} tokens, {kept} are left to train on and {} held out, but each needs train.seq_len + 1 = {len}; use a longer text or another split",
+                    tokens.len(),
+                    tokens.len() - kept
+                );
+            }
+            *train_end = kept;
+        }
+        Ok(())
+    }
+
+    /// Held-out sequence `i`, `len` tokens long: never in a training batch.
+    pub fn held_out(&self, i: u64, len: usize) -> Result<Vec<u32>> {
+        match self {
+            Dataset::Synthetic(s) => Ok(s.sequence(HELD_OUT + i, len)),
+            Dataset::Text { tokens, seed, train_end } => {
+                let span = tokens
+                    .len()
+                    .checked_sub(train_end + len)
+                    .context("validation: nothing is held out; call hold_out first")?;
                 let start =
-                    crate::model::init::stream(*seed, &format!("text/{index}")).gen_range(0..=tokens.len() - len);
+                    train_end + crate::model::init::stream(*seed, &format!("text/held-out/{i}")).gen_range(0..=span);
                 Ok(tokens.window(start, len))
             }
         }
@@ -112,14 +154,26 @@ impl Dataset {
     ) -> Result<(Vec<u32>, Vec<i32>)> {
         let global = t.micro_batch_size * t.grad_accum_steps * dp;
         let first = (step * global + (dp_rank * t.grad_accum_steps + micro) * t.micro_batch_size) as u64;
-        let (mut inputs, mut targets) = (Vec::new(), Vec::new());
-        for i in 0..t.micro_batch_size as u64 {
-            let s = self.sequence(first + i, t.seq_len + 1)?;
-            inputs.extend_from_slice(&s[..t.seq_len]);
-            targets.extend(s[1..].iter().map(|&x| x as i32));
-        }
-        Ok((inputs, targets))
+        rows((first..first + t.micro_batch_size as u64).map(|i| self.sequence(i, t.seq_len + 1)))
     }
+
+    /// Held-out sequences `first .. first + count` (validation), `len` tokens each, as (inputs,
+    /// next-token targets).
+    pub fn held_out_rows(&self, first: u64, count: usize, len: usize) -> Result<(Vec<u32>, Vec<i32>)> {
+        rows((first..first + count as u64).map(|i| self.held_out(i, len)))
+    }
+}
+
+/// Sequences of seq_len + 1 tokens as model rows: (inputs: all but the last token of each,
+/// targets: all but the first).
+fn rows(sequences: impl Iterator<Item = Result<Vec<u32>>>) -> Result<(Vec<u32>, Vec<i32>)> {
+    let (mut inputs, mut targets) = (Vec::new(), Vec::new());
+    for s in sequences {
+        let s = s?;
+        inputs.extend_from_slice(&s[..s.len() - 1]);
+        targets.extend(s[1..].iter().map(|&x| x as i32));
+    }
+    Ok((inputs, targets))
 }
 
 impl Synthetic {

@@ -16,6 +16,9 @@ use std::path::Path;
 pub struct StepLog {
     pub step: usize,
     pub loss: f32,
+    /// The loss on held-out data after this step, where there was a validation.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub val_loss: Option<f32>,
     pub lr: f32,
     pub grad_norm: f32,
     /// The most micro-batch activations rank 0 held at once during the step (pipeline memory).
@@ -80,11 +83,22 @@ impl Metrics {
         if let Some(ratio) = s.expert_imbalance {
             msg += &format!(" | experts max/mean {ratio:.2}");
         }
+        if let Some(v) = s.val_loss {
+            msg += &format!(" | val loss {v:.4}");
+        }
         if self.bar.is_hidden() {
-            if self.every > 0 && (s.step + 1).is_multiple_of(self.every) {
+            let due = self.every > 0 && (s.step + 1).is_multiple_of(self.every);
+            if due || s.val_loss.is_some() && self.every > 0 {
                 crate::say!("step {:>5} | {msg}", s.step + 1);
             }
         } else {
+            if let Some(v) = s.val_loss {
+                self.bar.println(format!(
+                    "step {:>5} | val loss {v:.4} (held-out data) | loss {:.4}",
+                    s.step + 1,
+                    s.loss
+                ));
+            }
             self.bar.set_message(msg);
             self.bar.inc(1);
         }

@@ -73,6 +73,8 @@ pub struct Summary {
     pub first_step: usize,
     /// The loss of every step trained, averaged over the global batch.
     pub losses: Vec<f32>,
+    /// (step, loss on held-out data) after each validation (rank 0; `validation.every`).
+    pub val_losses: Vec<(usize, f32)>,
     /// The global gradient norm of every step (before clipping).
     pub grad_norms: Vec<f64>,
     /// A mixture of experts: the rows this rank routed to each expert over the run, summed
@@ -105,6 +107,7 @@ impl Summary {
         Summary {
             first_step,
             losses: Vec::new(),
+            val_losses: Vec::new(),
             grad_norms: Vec::new(),
             expert_tokens: Vec::new(),
             floor: None,
@@ -181,7 +184,10 @@ impl Run {
         if cfg.checkpoint.every > 0 && !finished && writes {
             checkpoints.take(cfg)?; // this run owns checkpoint.dir from now on
         }
-        let data = Dataset::open(&cfg.data, &cfg.model)?;
+        let mut data = Dataset::open(&cfg.data, &cfg.model)?;
+        if cfg.validation.every > 0 {
+            data.hold_out(cfg.validation.split, cfg.train.seq_len + 1)?; // a text's tail: never trained on
+        }
         let floor = data.entropy_floor(t.seq_len);
         if !opts.quiet {
             crate::say!(
@@ -284,7 +290,7 @@ impl Checkpoints {
         if !(now || every > 0 && ((step + 1).is_multiple_of(every) || last)) {
             return Ok(None);
         }
-        let Some(state) = save::gather(me, cfg, model, opt)? else {
+        let Some(state) = save::gather(me, cfg, model, opt, save::Gather::WeightsAndMoments)? else {
             return Ok(None);
         };
         me.group(Axis::World).while_others_wait(|| {

@@ -28,6 +28,8 @@ pub(super) struct StepEnd {
     pub activations_held: usize,
     /// What the model and optimizer held when the gradients were complete.
     pub held: Held,
+    /// The loss on held-out data after this step, where there was a validation (rank 0).
+    pub val_loss: Option<f32>,
 }
 
 /// A rank's watch over its run: metrics, trace spans, step times, peaks.
@@ -101,6 +103,7 @@ impl<'a> Watch<'a> {
         let s = &mut self.summary;
         s.losses.push(end.loss);
         s.grad_norms.push(end.grad_norm);
+        s.val_losses.extend(end.val_loss.map(|v| (end.step, v)));
         let (expert_tokens, expert_imbalance) = metrics::expert_load(&model.take_expert_load());
         s.expert_tokens.resize(expert_tokens.len(), 0);
         s.expert_tokens.iter_mut().zip(&expert_tokens).for_each(|(a, b)| *a += b);
@@ -121,6 +124,7 @@ impl<'a> Watch<'a> {
             step: end.step,
             activations: end.activations_held,
             loss: end.loss,
+            val_loss: end.val_loss,
             lr: end.lr,
             grad_norm: end.grad_norm as f32,
             gpu_peak_mib: step_peak,
