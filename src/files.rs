@@ -67,6 +67,26 @@ pub fn check_writable(path: &Path) -> Result<()> {
     check_folder_writable(&dir).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// Checks that the outputs of one run (flag, path) are writable and are different files: two
+/// outputs on one path would write over each other (`--metrics X --trace X`). Symlinks and
+/// `a/../b` are followed to the file each would really write.
+pub fn check_outputs(outputs: &[(&str, Option<&Path>)]) -> Result<()> {
+    let mut seen: Vec<(&str, PathBuf)> = Vec::new();
+    for &(flag, path) in outputs {
+        let Some(path) = path else { continue };
+        check_writable(path).with_context(|| flag.to_string())?;
+        let target = output_target(path)?;
+        // the folder exists now (check_writable made it): its canonical form names the file
+        let name = target.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+        let real = folder_of(&target).canonicalize().map(|dir| dir.join(name)).unwrap_or(target);
+        if let Some((other, _)) = seen.iter().find(|(_, p)| *p == real) {
+            bail!("{flag} {} is also the {other} file: give each output its own path", path.display());
+        }
+        seen.push((flag, real));
+    }
+    Ok(())
+}
+
 /// Creates `dir` if needed and proves a file can be created in it.
 pub fn check_folder_writable(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create folder {}", dir.display()))?;

@@ -7,7 +7,7 @@ use ferrotron::checkpoint::hf;
 use ferrotron::comm::cost::Link;
 use ferrotron::comm::launcher;
 use ferrotron::comm::trace::Trace;
-use ferrotron::commands::{bench, converge, doctor, eval, generate, memory, schedule};
+use ferrotron::commands::{bench, converge, doctor, eval, generate, memory, plot, schedule};
 use ferrotron::config::PpSchedule;
 use ferrotron::parallel::data_parallel::gradient_all_reduce;
 use ferrotron::parallel::process_grid::Grid;
@@ -41,6 +41,10 @@ enum Command {
         /// all-reduce and optimizer spans.
         #[arg(long, value_name = "OUT.json")]
         trace: Option<PathBuf>,
+        /// After training, draw the training loss, the held-out loss (with [validation]) and the
+        /// learning rate against the step as an SVG.
+        #[arg(long, value_name = "OUT.svg")]
+        plot: Option<PathBuf>,
         /// Continue a run from a checkpoint folder, or `latest` (the newest in checkpoint.dir).
         #[arg(long, value_name = "DIR|latest")]
         resume: Option<PathBuf>,
@@ -203,11 +207,12 @@ enum Command {
 
 fn run(cli: Cli) -> Result<Exit> {
     match cli.command {
-        Command::Train { config, sets, metrics, trace, resume, allow_changes, comm_report, link } => {
+        Command::Train { config, sets, metrics, trace, plot, resume, allow_changes, comm_report, link } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
-            if let Some(path) = &trace {
-                ferrotron::files::check_writable(path).context("--trace")?; // before, not after, training
-            }
+            // before, not after, training: each output writable, and no two on one file
+            let outputs =
+                [("--metrics", metrics.as_deref()), ("--trace", trace.as_deref()), ("--plot", plot.as_deref())];
+            ferrotron::files::check_outputs(&outputs)?;
             let spans = trace.as_ref().map(|_| Trace::default());
             ferrotron::train::stop::install(); // Ctrl-C and SIGTERM: finish the step, save, stop
             let opts = train::Options {
@@ -235,6 +240,16 @@ fn run(cli: Cli) -> Result<Exit> {
                     false => "no data-parallel all-reduce in this run".into(),
                 };
                 say!("trace: {} ({overlap})", path.display());
+            }
+            if let (Some(path), true) = (&plot, ferrotron::comm::processes::leads()) {
+                let steps = s.first_step..s.first_step + s.losses.len();
+                let lrs: Vec<f32> =
+                    steps.clone().map(|step| ferrotron::model::optimizer::lr_at(&cfg.train, step)).collect();
+                let title =
+                    format!("{}: steps {} to {} of {}", cfg.data.source, steps.start + 1, steps.end, cfg.train.steps);
+                let svg = plot::run_chart(&title, (s.first_step, cfg.train.steps), &s.losses, &s.val_losses, &lrs);
+                ferrotron::files::write_atomically(path, svg.as_bytes()).context("--plot")?;
+                say!("plot: {} (loss, held-out loss and learning rate against the step)", path.display());
             }
             if let Some(stopped) = &s.stopped {
                 let step = s.first_step + s.losses.len();

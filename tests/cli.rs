@@ -86,3 +86,37 @@ fn train_with_dp_writes_a_trace() {
     let loss = names.iter().find(|n| n.starts_with("all_reduce(avg) of 1 value ")).expect("the loss average");
     assert!(loss.ends_with("dp×cp[0,1]"), "{loss}");
 }
+
+/// `train --plot`: the loss, the held-out loss (with validation) and the learning rate, drawn;
+/// and the outputs of a run never share a file.
+#[test]
+fn train_plots_its_run_and_refuses_outputs_on_one_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let svg = dir.path().join("run.svg");
+    let small = ["train.steps=6", "train.seq_len=32", "data.copy_lag=8", "validation.every=3", "validation.batches=1"];
+    let mut args = vec!["train", "--plot", svg.to_str().unwrap()];
+    small.iter().for_each(|s| args.extend(["--set", s]));
+    let out = ferrotron(&args);
+    assert!(out.contains("plot: ") && out.contains("val loss"), "{out}");
+    let picture = std::fs::read_to_string(&svg).unwrap();
+    for part in ["training loss", "loss on held-out data", "learning rate", "<polyline", "<circle"] {
+        assert!(picture.contains(part), "{part} missing from the plot");
+    }
+    assert_eq!(picture.matches("<circle").count(), 2, "a point per validation (steps 3 and 6)");
+    // one file for two outputs: refused before training, naming both flags; nothing written
+    let same = dir.path().join("same.json");
+    let link = dir.path().join("link.json");
+    std::os::unix::fs::symlink(&same, &link).unwrap();
+    for (a, b) in [("--metrics", "--trace"), ("--metrics", "--plot"), ("--trace", "--plot")] {
+        for second in [&same, &link] {
+            let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+                .args(["train", a, same.to_str().unwrap(), b, second.to_str().unwrap()])
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(1), "{a} {b}: {err}");
+            assert!(err.contains(&format!("is also the {a} file")), "{err}");
+            assert!(!same.exists(), "nothing is written");
+        }
+    }
+}

@@ -1,8 +1,9 @@
 //! # A small SVG line chart, for loss curves
 //!
-//! Two panels sharing the step axis: the curves themselves, and below them each curve's
-//! distance from the first one on a log scale, where a parallel run that matches the
-//! single-rank run shows up as a line near the bottom.
+//! Two panels sharing the step axis. `converge`'s: the curves themselves, and below them each
+//! curve's distance from the first one on a log scale, where a parallel run that matches the
+//! single-rank run shows up as a line near the bottom. `train --plot`'s: the training loss and
+//! the held-out loss, and below them the learning rate.
 
 use std::fmt::Write;
 
@@ -44,10 +45,73 @@ pub fn loss_chart(title: &str, curves: &[(String, Vec<f32>)]) -> String {
             .collect();
         polyline(&mut svg, top2, steps, range, &pts, COLORS[i % COLORS.len()], false);
     }
-    for (i, (name, _)) in curves.iter().enumerate() {
-        let y = TOP + 16.0 * i as f64 + 10.0;
-        let x = W - 230.0;
-        let color = COLORS[i % COLORS.len()];
+    let names: Vec<(&str, &str)> =
+        curves.iter().enumerate().map(|(i, (name, _))| (name.as_str(), COLORS[i % COLORS.len()])).collect();
+    legend(&mut svg, &names);
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// A run's picture (`train --plot`): the training loss of steps `first..` and, where there was
+/// validation, the loss on held-out data (points at their steps), and below them the learning
+/// rate; `steps` is the run's `train.steps`.
+pub fn run_chart(
+    title: &str,
+    (first, steps): (usize, usize),
+    loss: &[f32],
+    val: &[(usize, f32)],
+    lr: &[f32],
+) -> String {
+    let mut svg = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{LEFT}\" y=\"18\" font-size=\"14\">{}</text>\n",
+        escape(title)
+    );
+    let steps = steps.max(2);
+    let along = |values: &[f32]| -> Vec<(usize, f64)> {
+        values.iter().enumerate().map(|(i, &v)| (first + i, v as f64)).collect()
+    };
+    let val: Vec<(usize, f64)> = val.iter().map(|&(s, v)| (s, v as f64)).collect();
+    let range = |points: &[&[(usize, f64)]]| {
+        let all = points.iter().flat_map(|p| p.iter().map(|q| q.1)).filter(|v| v.is_finite());
+        let (lo, hi) = all.fold((f64::MAX, f64::MIN), |(a, b), v| (a.min(v), b.max(v)));
+        if lo < hi {
+            (lo, hi)
+        } else {
+            (lo.min(0.0), lo.max(0.0) + 1.0)
+        }
+    };
+    let (loss, lr) = (along(loss), along(lr));
+    let losses = range(&[&loss, &val]);
+    panel(&mut svg, TOP, "loss", steps, losses, &fmt_loss);
+    polyline(&mut svg, TOP, steps, losses, &loss, COLORS[0], true);
+    if !val.is_empty() {
+        polyline(&mut svg, TOP, steps, losses, &val, COLORS[2], false);
+        for &(s, v) in &val {
+            let right = W - 250.0;
+            let x = LEFT + (right - LEFT) * s as f64 / (steps - 1) as f64;
+            let y = TOP + PANEL * (1.0 - (v - losses.0) / (losses.1 - losses.0));
+            let _ = writeln!(svg, "<circle cx=\"{x:.1}\" cy=\"{y:.1}\" r=\"3\" fill=\"{}\"/>", COLORS[2]);
+        }
+    }
+    let top2 = TOP + PANEL + GAP;
+    let rates = range(&[&lr]);
+    panel(&mut svg, top2, "learning rate", steps, rates, &|v| format!("{v:.1e}"));
+    polyline(&mut svg, top2, steps, rates, &lr, COLORS[1], true);
+    let mut names = vec![("training loss", COLORS[0])];
+    if !val.is_empty() {
+        names.push(("loss on held-out data", COLORS[2]));
+    }
+    names.push(("learning rate", COLORS[1]));
+    legend(&mut svg, &names);
+    svg.push_str("</svg>\n");
+    svg
+}
+
+/// A line and a name for each curve, top right.
+fn legend(svg: &mut String, names: &[(&str, &str)]) {
+    for (i, (name, color)) in names.iter().enumerate() {
+        let (x, y) = (W - 230.0, TOP + 16.0 * i as f64 + 10.0);
         let _ = writeln!(
             svg,
             "<line x1=\"{x}\" y1=\"{y}\" x2=\"{}\" y2=\"{y}\" stroke=\"{color}\" stroke-width=\"3\"/>",
@@ -55,8 +119,6 @@ pub fn loss_chart(title: &str, curves: &[(String, Vec<f32>)]) -> String {
         );
         let _ = writeln!(svg, "<text x=\"{}\" y=\"{}\">{}</text>", x + 26.0, y + 4.0, escape(name));
     }
-    svg.push_str("</svg>\n");
-    svg
 }
 
 fn fmt_loss(v: f64) -> String {
@@ -108,6 +170,7 @@ fn polyline(
     );
 }
 
-fn escape(s: &str) -> String {
+/// Text as SVG (XML) character data: a title or path may hold `&` or `<`.
+pub(crate) fn escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }

@@ -187,11 +187,6 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
     })
 }
 
-/// Text as SVG (XML) character data: a trace's path may hold `&` or `<`.
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
-}
-
 /// The timelines one above the other, a row per stage, F boxes light and B boxes dark.
 pub fn svg(timelines: &[Timeline]) -> String {
     let (unit, row, left) = (18.0, 26.0, 150.0);
@@ -204,7 +199,7 @@ pub fn svg(timelines: &[Timeline]) -> String {
     for t in timelines {
         let title = format!(
             "{} — bubble {:.1}% (formula (p−1)/(V·m+p−1): {:.1}%); peak micro-batch activations per stage: {}",
-            escape(&t.name),
+            crate::commands::plot::escape(&t.name),
             100.0 * t.bubble(),
             100.0 * t.bubble_formula(),
             t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(", ")
