@@ -104,6 +104,42 @@ fn the_sampler_draws_from_the_softmax_at_its_temperature_over_the_top_k() {
         .contains("--temperature NaN"));
 }
 
+/// Greedy decoding against transformers' `generate(do_sample=False)`, recorded by
+/// `tests/fixtures/make_generate_fixture.py` on a random Llama with a BPE tokenizer: the prompt's
+/// ids and every new token equal, in the library and through `ferrotron generate --prompt`.
+#[test]
+fn greedy_decoding_equals_transformers() {
+    let dir = fixture("generate");
+    let expected: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("expected.json")).unwrap()).unwrap();
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    };
+    let n = expected["max_new_tokens"].as_u64().unwrap() as usize;
+    let tok = generate::tokenizer_for(&dir, None).unwrap().expect("the folder's tokenizer.json");
+    let eos = generate::eos_ids(&dir).unwrap();
+    let mut model = hf::load_hf(&dir).unwrap();
+    let cases = expected["cases"].as_array().unwrap();
+    assert!(cases.len() >= 3);
+    for case in cases {
+        let prompt = case["prompt"].as_str().unwrap();
+        let prompt_ids = tok.encode(prompt).unwrap();
+        assert_eq!(prompt_ids, ids(&case["prompt_ids"]), "{prompt:?}: the tokenizer");
+        let new = generate::generate(&mut model, &prompt_ids, &greedy(n), &eos, &mut |_| {}).unwrap();
+        assert_eq!(new, ids(&case["new_ids"]), "{prompt:?}: greedy tokens");
+        // the binary, from the text
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .args(["generate", "--model", dir.to_str().unwrap(), "--prompt", prompt, "--temperature", "0"])
+            .args(["--max-new-tokens", &n.to_string()])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let printed = text.lines().find_map(|l| l.strip_prefix("new token ids: ")).unwrap_or_default();
+        let want: Vec<String> = ids(&case["new_ids"]).iter().map(|t| t.to_string()).collect();
+        assert_eq!(printed, want.join(" "), "{prompt:?}: ferrotron generate printed\n{text}");
+    }
+}
+
 /// The binary: one error line each, exit 1, no panic.
 #[test]
 fn generate_errors_are_named() {
