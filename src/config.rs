@@ -189,7 +189,8 @@ pub enum PpSchedule {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct DataConfig {
-    /// `"synthetic"` (built in) or `"text:PATH"` (a UTF-8 file, or JSON lines with a `text` field).
+    /// `"synthetic"` (built in), `"text:PATH"` (a text, JSON-lines or parquet file, a folder of
+    /// them, or a glob) or `"hub:ORG/NAME/FILE"` (a dataset file or glob on the Hugging Face Hub).
     pub source: String,
     /// Seed of the data stream, separate from the init seed.
     pub seed: u64,
@@ -208,6 +209,13 @@ pub struct DataConfig {
     /// Where text sources' token files go; `""`: `$FERROTRON_CACHE`, else
     /// `$XDG_CACHE_HOME/ferrotron`, else `~/.cache/ferrotron`.
     pub cache_dir: String,
+    /// Text sources: the field of a JSON line, or the column of a parquet row, that holds the text.
+    #[serde(default = "text_column")]
+    pub text_column: String,
+}
+
+fn text_column() -> String {
+    "text".into()
 }
 
 /// Saving the run as it trains (see `checkpoint/save.rs`).

@@ -13,8 +13,8 @@ fn cache_repo(home: &Path, kind: &str, id: &str, files: &[(&str, &Path)]) {
     std::fs::create_dir_all(repo.join("refs")).unwrap();
     std::fs::write(repo.join("refs/main"), "0123abcd").unwrap();
     let snap = repo.join("snapshots/0123abcd");
-    std::fs::create_dir_all(&snap).unwrap();
     for (name, from) in files {
+        std::fs::create_dir_all(snap.join(name).parent().unwrap()).unwrap();
         std::fs::copy(from, snap.join(name)).unwrap();
     }
 }
@@ -56,4 +56,26 @@ fn hub_names_resolve_from_the_cache_offline() {
     cfg.model.init_from.clear();
     let s = train(&cfg, quiet).unwrap();
     assert!(s.losses[0].is_finite());
+
+    // a glob of a dataset's parquet shards, listed from the cached snapshot (offline), in order
+    let parquet = fixtures.join("parquet");
+    cache_repo(
+        home.path(),
+        "dataset",
+        "ferrotron/stories",
+        &[
+            ("data/train-1.parquet", &parquet.join("stories-1.parquet")),
+            ("data/train-0.parquet", &parquet.join("stories-0.parquet")),
+            ("data/test-0.parquet", &parquet.join("other.parquet")),
+            ("README.md", &parquet.join("README.md")),
+        ],
+    );
+    let files = ferrotron::data::hf_hub::dataset_files("ferrotron/stories/data/train-*.parquet").unwrap();
+    let names: Vec<_> = files.iter().map(|f| f.file_name().unwrap().to_string_lossy().into_owned()).collect();
+    assert_eq!(names, ["train-0.parquet", "train-1.parquet"]);
+    let err = ferrotron::data::hf_hub::dataset_files("ferrotron/stories/*.csv").unwrap_err();
+    assert!(format!("{err:#}").contains("no file of ferrotron/stories matches *.csv"), "{err:#}");
+    cfg.data.source = "hub:ferrotron/stories/data/train-*.parquet".into();
+    cfg.data.cache_dir = home.path().join("tokens").display().to_string();
+    assert!(train(&cfg, quiet).unwrap().losses[0].is_finite());
 }

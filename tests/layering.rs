@@ -64,7 +64,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "model",
         ],
     ),
-    ("data", &["data::hf_hub", "data::text", "data"]),
+    ("data", &["data::documents", "data::hf_hub", "data::text", "data"]),
     (
         "parallel",
         &[

@@ -218,6 +218,9 @@ fn validate_experts(c: &Config) -> Result<()> {
 /// Checks `[data]` against the model, before anything is read.
 fn validate_data(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> {
     if d.source.starts_with("text:") || d.source.starts_with("hub:") {
+        if d.text_column.trim().is_empty() {
+            bail!("data.text_column is empty: name the JSON field or parquet column that holds the text (\"text\")");
+        }
         if d.tokenizer == "bytes" && m.vocab_size < 256 {
             bail!(
                 "data.source = \"{}\" uses byte tokens: model.vocab_size must be at least 256 (it is {})",

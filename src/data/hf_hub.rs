@@ -1,12 +1,13 @@
 //! # Files from the Hugging Face Hub, through its local cache
 //!
 //! `hub:ORG/NAME` names a repository on huggingface.co: a model for `model.init_from` and
-//! `data.tokenizer`, a dataset for `data.source = "hub:ORG/NAME/FILE"`. Files are looked up in the
+//! `data.tokenizer`, a dataset for `data.source = "hub:ORG/NAME/FILE"` (FILE may be a glob,
+//! `data/train-*.parquet`: every matching file of the repository, in name order). Files are looked up in the
 //! usual Hugging Face cache first (`$HF_HOME/hub`, by default `~/.cache/huggingface/hub`, shared
 //! with transformers), so a repository that is already there needs no network; otherwise
 //! `hf-hub` downloads it into that cache.
 
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo};
 use std::path::PathBuf;
@@ -60,4 +61,58 @@ pub fn dataset_file(spec: &str) -> Result<PathBuf> {
     }
     let id = format!("{}/{}", parts[0], parts[1]);
     fetch(Repo::dataset(id.clone()), &id, parts[2])
+}
+
+/// `ORG/NAME/PATTERN` → the local paths of the dataset's files that match it (`*`, `?` within a
+/// path component), in name order; a pattern without wildcards is one file. The names come from
+/// the Hub, else, offline, from the repository's snapshot in the cache.
+pub fn dataset_files(spec: &str) -> Result<Vec<PathBuf>> {
+    let (id, pattern) = match spec.splitn(3, '/').collect::<Vec<_>>()[..] {
+        [_, _, pattern] if !pattern.contains(['*', '?']) => return Ok(vec![dataset_file(spec)?]),
+        [org, name, pattern] if !org.is_empty() && !name.is_empty() => (format!("{org}/{name}"), pattern),
+        _ => return Ok(vec![dataset_file(spec)?]), // its error names the form
+    };
+    let matches = |file: &str| {
+        let (p, f): (Vec<&str>, Vec<&str>) = (pattern.split('/').collect(), file.split('/').collect());
+        p.len() == f.len()
+            && p.iter().zip(&f).all(|(p, f)| crate::data::documents::wildcard(p.as_bytes(), f.as_bytes()))
+    };
+    let repo = Repo::dataset(id.clone());
+    let listed = ApiBuilder::from_cache(Cache::from_env())
+        .build()
+        .ok()
+        .and_then(|api| api.repo(repo.clone()).info().ok())
+        .map(|info| info.siblings.into_iter().map(|s| s.rfilename).collect::<Vec<_>>());
+    let names = match listed {
+        Some(names) => names,
+        None => cached_files(&repo).with_context(|| {
+            format!("hub:{spec}: cannot list {id} on the Hub, and it is not in the Hugging Face cache")
+        })?,
+    };
+    let mut files: Vec<String> = names.into_iter().filter(|n| matches(n)).collect();
+    files.sort();
+    if files.is_empty() {
+        bail!("hub:{spec}: no file of {id} matches {pattern}");
+    }
+    files.iter().map(|f| fetch(repo.clone(), &id, f)).collect()
+}
+
+/// The files of a repository's cached snapshot (`refs/main` → `snapshots/<commit>/`), as paths
+/// relative to it.
+fn cached_files(repo: &Repo) -> Result<Vec<String>> {
+    let folder = Cache::from_env().path().join(repo.folder_name());
+    let commit = std::fs::read_to_string(folder.join("refs").join(repo.revision()))?;
+    let snapshot = folder.join("snapshots").join(commit.trim());
+    let mut names = Vec::new();
+    let mut todo = vec![snapshot.clone()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir)?.filter_map(|e| e.ok()) {
+            let path = entry.path();
+            match path.is_dir() {
+                true => todo.push(path),
+                false => names.push(path.strip_prefix(&snapshot)?.to_string_lossy().into_owned()),
+            }
+        }
+    }
+    Ok(names)
 }

@@ -20,6 +20,7 @@
 //! at a place drawn from (data seed, i). Either way, sequence `i` of the run depends only on
 //! (data seed, i), so the tokens of a step never depend on the topology.
 
+pub mod documents;
 pub mod hf_hub;
 pub mod text;
 
@@ -63,12 +64,12 @@ enum Mode {
 impl Dataset {
     /// Opens the source named by `data.source` (reading the file of a text source).
     pub fn open(d: &DataConfig, m: &ModelConfig) -> Result<Dataset> {
-        let path = match (d.source.strip_prefix("text:"), d.source.strip_prefix("hub:")) {
-            (Some(path), _) => Some(std::path::PathBuf::from(path)),
-            (_, Some(spec)) => Some(crate::data::hf_hub::dataset_file(spec)?),
-            _ => None,
+        let (shards, spec) = match (d.source.strip_prefix("text:"), d.source.strip_prefix("hub:")) {
+            (Some(path), _) => (crate::data::documents::shards(path)?, path),
+            (_, Some(spec)) => (crate::data::hf_hub::dataset_files(spec)?, spec),
+            _ => return Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size))),
         };
-        if let Some(path) = path {
+        {
             let tokenizer = crate::data::text::Tokenizer::load(&d.tokenizer)?;
             if tokenizer.vocab_size() > m.vocab_size {
                 bail!(
@@ -79,11 +80,12 @@ impl Dataset {
                 );
             }
             let cache = crate::data::text::cache_folder(&d.cache_dir)?;
-            let tokens = crate::data::text::Tokens::open(&path, &tokenizer, m.vocab_size, &cache)?;
+            let name = spec.trim_end_matches('/').rsplit('/').next().unwrap_or("source").to_string();
+            let source = crate::data::text::Source { shards, column: d.text_column.clone(), name };
+            let tokens = crate::data::text::Tokens::open(&source, &tokenizer, m.vocab_size, &cache)?;
             let train_end = tokens.len();
-            return Ok(Dataset::Text { tokens, seed: d.seed, train_end });
+            Ok(Dataset::Text { tokens, seed: d.seed, train_end })
         }
-        Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size)))
     }
 
     /// Sequence number `index` of the stream, `len` tokens long.

@@ -1,7 +1,7 @@
 //! # Real text: a tokenizer, documents, and a token file read in place
 //!
-//! `data.source = "text:PATH"` trains on a UTF-8 file (one document) or, for `.jsonl`, on the
-//! `"text"` field of each line (one document each). `data.tokenizer` turns text into ids:
+//! `data.source = "text:PATH"` trains on the documents of a file, a folder or a glob of shards
+//! (a UTF-8 file, JSON lines, parquet: `data/documents.rs`). `data.tokenizer` turns text into ids:
 //! `"bytes"` (each byte is a token, vocab 256) or a Hugging Face `tokenizer.json`, run by the
 //! `tokenizers` crate exactly as transformers' fast tokenizers run it. Documents are joined with
 //! the tokenizer's end-of-text token between them.
@@ -100,7 +100,7 @@ const HEADER: usize = 16;
 impl Tokens {
     /// Maps the token file of `source` for `tokenizer`, writing it first if needed, and checks
     /// that every id is below `vocab` (a stale or foreign file would index past the embedding).
-    pub fn open(source: &Path, tokenizer: &Tokenizer, vocab: usize, cache_folder: &Path) -> Result<Tokens> {
+    pub fn open(source: &Source, tokenizer: &Tokenizer, vocab: usize, cache_folder: &Path) -> Result<Tokens> {
         let cache = cache_path(source, tokenizer, cache_folder)?;
         if !cache.exists() {
             write_tokens(source, tokenizer, &cache)?;
@@ -148,29 +148,41 @@ pub fn cache_folder(setting: &str) -> Result<PathBuf> {
     }
 }
 
-/// `CACHE/tokens/NAME.<fingerprint>.tokens`: the fingerprint covers every byte of the source and
-/// of the tokenizer's file (a 128-bit hash: two independent lanes).
-fn cache_path(source: &Path, tokenizer: &Tokenizer, cache_folder: &Path) -> Result<PathBuf> {
+/// A text source: its shards in order (`data/documents.rs`), the text field of their rows, and a
+/// name for its token file.
+pub struct Source {
+    pub shards: Vec<PathBuf>,
+    pub column: String,
+    pub name: String,
+}
+
+/// `CACHE/tokens/NAME.<fingerprint>.tokens`: the fingerprint covers every byte of every shard, in
+/// order, the text column and the tokenizer's file (a 128-bit hash: two independent lanes).
+fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Result<PathBuf> {
     let mut hash = Fingerprint::default();
-    let mut file = std::fs::File::open(source)
-        .with_context(|| format!("data.source: cannot read {}: check the path", source.display()))?;
     let mut buf = vec![0u8; 1 << 20];
-    loop {
-        let n = std::io::Read::read(&mut file, &mut buf)
-            .with_context(|| format!("data.source: cannot read {}", source.display()))?;
-        if n == 0 {
-            break;
+    for shard in &source.shards {
+        let mut file = std::fs::File::open(shard)
+            .with_context(|| format!("data.source: cannot read {}: check the path", shard.display()))?;
+        loop {
+            let n = std::io::Read::read(&mut file, &mut buf)
+                .with_context(|| format!("data.source: cannot read {}", shard.display()))?;
+            if n == 0 {
+                break;
+            }
+            hash.add(&buf[..n]);
         }
-        hash.add(&buf[..n]);
+        hash.add(b"|shard|");
     }
-    hash.add(b"|tokenizer|");
+    hash.add(format!("|column {}|tokenizer|", source.column).as_bytes());
     match tokenizer {
         Tokenizer::Bytes => hash.add(b"bytes"),
         Tokenizer::Bpe(_, path) => {
             hash.add(&std::fs::read(path).with_context(|| format!("data.tokenizer: cannot read {}", path.display()))?)
         }
     }
-    let name = source.file_name().map_or("source".into(), |n| n.to_string_lossy().into_owned());
+    let name: String =
+        source.name.chars().map(|c| if c.is_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
     let folder = cache_folder.join("tokens");
     std::fs::create_dir_all(&folder).with_context(|| {
         format!("data.cache_dir: cannot create {}; set data.cache_dir to a writable folder", folder.display())
@@ -208,35 +220,25 @@ impl Fingerprint {
     }
 }
 
-/// The documents of a source: the whole file, or the `"text"` of each JSON line.
-fn documents(source: &Path) -> Result<Vec<String>> {
-    let text = std::fs::read_to_string(source)
-        .with_context(|| format!("data.source: cannot read {} as UTF-8 text", source.display()))?;
-    if source.extension().is_none_or(|e| e != "jsonl") {
-        return Ok(vec![text]);
-    }
-    let mut docs = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let j: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("{} line {}: not valid JSON", source.display(), i + 1))?;
-        let Some(t) = j["text"].as_str() else {
-            bail!("{} line {}: no \"text\" string field", source.display(), i + 1);
-        };
-        docs.push(t.to_string());
-    }
-    Ok(docs)
-}
-
-fn write_tokens(source: &Path, tokenizer: &Tokenizer, cache: &Path) -> Result<()> {
-    let docs = documents(source)?;
-    let bar = indicatif::ProgressBar::new(docs.len() as u64).with_message(format!("tokenising {}", source.display()));
-    let mut ids: Vec<u32> = Vec::new();
-    for (i, doc) in docs.iter().enumerate() {
-        if i > 0 {
-            ids.extend(tokenizer.eos());
-        }
-        ids.extend(tokenizer.encode(doc)?);
-        bar.inc(1);
+/// Tokenises every document of every shard, joined by the end-of-text token, into `cache`.
+fn write_tokens(source: &Source, tokenizer: &Tokenizer, cache: &Path) -> Result<()> {
+    let total = source.shards.iter().map(|s| std::fs::metadata(s).map_or(0, |m| m.len())).sum();
+    let bar = indicatif::ProgressBar::new(total).with_message(format!("tokenising {}", source.name));
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} {bar:30} {bytes}/{total_bytes} ({eta})")
+            .expect("a valid template"),
+    );
+    let (mut ids, mut docs): (Vec<u32>, usize) = (Vec::new(), 0);
+    for shard in &source.shards {
+        crate::data::documents::read(shard, &source.column, &mut |doc, bytes| {
+            if docs > 0 {
+                ids.extend(tokenizer.eos());
+            }
+            docs += 1;
+            ids.extend(tokenizer.encode(doc)?);
+            bar.inc(bytes);
+            Ok(())
+        })?;
     }
     bar.finish_and_clear();
     let mut bytes = Vec::with_capacity(HEADER + 4 * ids.len());
