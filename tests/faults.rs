@@ -413,3 +413,103 @@ fn absurd_sizes_and_non_finite_floats_are_refused_in_a_line() {
         ["converge", "--variants", "dp=100000", "--out", tmp.path().join("c").to_str().unwrap()].map(String::from);
     fails_with(&run(&conv), &["variant `dp=100000`"]);
 }
+
+/// Issue 40, lost data: a run removes only the temporary folders ferrotron runs make
+/// (`step_NNNNNN.<run id>.tmp`), never a user's `*.tmp` in the same folder.
+#[test]
+fn only_the_runs_own_temporary_folders_are_removed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    std::fs::create_dir_all(dir.join("junk.tmp")).unwrap();
+    std::fs::write(dir.join("notes.tmp"), "the user's notes").unwrap();
+    std::fs::write(dir.join("junk.tmp/keep"), "x").unwrap();
+    std::fs::create_dir_all(dir.join("step_000009.tmp")).unwrap(); // not a run id: not ours
+    let left = dir.join("step_000003.18c2f0a1b2c3d4e5-3039.tmp"); // a killed run's half-written save
+    std::fs::create_dir_all(&left).unwrap();
+    std::fs::write(left.join("model.safetensors"), "half").unwrap();
+    ok(&run(&train_args(&dir, &["--set", "train.steps=2", "--set", "checkpoint.every=1"])));
+    assert_eq!(std::fs::read_to_string(dir.join("notes.tmp")).unwrap(), "the user's notes");
+    assert!(dir.join("junk.tmp/keep").exists() && dir.join("step_000009.tmp").is_dir());
+    assert!(!left.exists(), "the killed run's half-written folder is removed");
+    let names: Vec<String> =
+        std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
+    assert!(!names.iter().any(|n| ferrotron::checkpoint::folder::is_half_written(n)), "{names:?}");
+    assert!(ferrotron::checkpoint::folder::is_half_written("step_000012.18c2f0a1b2c3d4e5-3039.tmp"));
+    for not_ours in ["notes.tmp", "step_000012.tmp", "step_12.ab-cd.tmp", "step_000012.xyz-1.tmp", "step_000012.ab.tmp"]
+    {
+        assert!(!ferrotron::checkpoint::folder::is_half_written(not_ours), "{not_ours}");
+    }
+}
+
+/// Issue 40, lost data: with `checkpoint.every = 0` a signal still saves; if `checkpoint.dir`
+/// would refuse that save (it holds another run's checkpoints), the run says so before its first
+/// step and the signal saves beside it, saying where, instead of losing every trained step.
+#[test]
+fn a_signal_save_that_would_fail_is_found_at_start_and_goes_beside() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    ok(&run(&train_args(&dir, &["--set", "train.steps=2", "--set", "checkpoint.every=2"])));
+    let before = snapshot(&dir);
+    let metrics = tmp.path().join("m.jsonl");
+    let args = train_args(&dir, &["--set", "train.steps=100000", "--metrics", metrics.to_str().unwrap()]);
+    let child = spawn(&args);
+    wait_for_lines(&metrics, 5);
+    signal(&child, libc::SIGTERM);
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(143), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let note = stdout.lines().position(|l| l.contains("holds checkpoints of another run") && l.contains("instead"));
+    let first_step = stdout.lines().position(|l| l.starts_with("step "));
+    assert!(note.is_some() && (first_step.is_none() || note < first_step), "said at the start: {stdout}");
+    let beside: Vec<PathBuf> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.file_name().unwrap().to_string_lossy().starts_with("ck-"))
+        .collect();
+    assert_eq!(beside.len(), 1, "{stdout}");
+    let saved = ferrotron::checkpoint::folder::list(&beside[0]).unwrap();
+    assert_eq!(saved.len(), 1);
+    assert!(stdout.contains(&saved[0].path.display().to_string()), "says where: {stdout}");
+    assert_eq!(snapshot(&dir), before, "the other run's checkpoints are untouched");
+}
+
+/// Issue 40, lost data: a step that makes a weight or an AdamW moment non-finite writes no
+/// checkpoint, and the run stops there, naming the step and the tensor.
+#[test]
+fn no_checkpoint_ever_holds_a_non_finite_number() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let args = train_args(
+        &dir,
+        &["--set", "train.steps=2", "--set", "checkpoint.every=1", "--set", "train.weight_decay=1e30"],
+    );
+    let err = fails_with(&run(&args), &["step ", "holds", "no checkpoint is written"]);
+    for l in ferrotron::checkpoint::folder::list(&dir).unwrap() {
+        let state = ferrotron::checkpoint::save::load(&l.path).unwrap_or_else(|e| panic!("{err}: {e:#}"));
+        drop(state); // loading checks every tensor is finite
+    }
+}
+
+/// Issue 40: `--resume latest` on a damaged newest checkpoint names the newest one that loads;
+/// moved away, the resume goes on from it. Changing `train.recompute` (which the losses do not
+/// depend on) is not a change of the run.
+#[test]
+fn a_damaged_newest_checkpoint_names_the_newest_good_one() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    ok(&run(&train_args(
+        &dir,
+        &["--set", "train.steps=4", "--set", "checkpoint.every=2", "--set", "checkpoint.keep=2"],
+    )));
+    let model = dir.join("step_000004/model.safetensors");
+    let bytes = std::fs::read(&model).unwrap();
+    std::fs::write(&model, &bytes[..bytes.len() / 3]).unwrap();
+    let more = train_args(&dir, &["--set", "train.steps=6", "--set", "checkpoint.every=2", "--resume", "latest"]);
+    fails_with(
+        &run(&more),
+        &["step_000004 is damaged", "the newest that loads is", "step_000002", "move the damaged one away"],
+    );
+    std::fs::rename(dir.join("step_000004"), tmp.path().join("damaged")).unwrap();
+    ok(&run(&[more, vec!["--set".into(), "train.recompute=\"full\"".into()]].concat()));
+    assert!(dir.join("step_000006").is_dir());
+}

@@ -67,31 +67,31 @@ impl Folder {
         let holder = format!("pid {}, run {run_id}, started at unix time {}", std::process::id(), started.as_secs());
         lock.set_len(0).and_then(|_| (&lock).write_all(holder.as_bytes())).ok(); // informative only
         remove_half_written(dir)?;
-        let all = list(dir)?;
-        let name = |l: &Listed| l.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-        if let Some(other) = all.iter().find(|l| l.run_id.as_deref() != Some(run_id)) {
-            let whose = match &other.run_id {
-                Some(id) => format!("run {id}"),
-                None => "no run (its trainer_state.json is missing or unreadable)".into(),
-            };
-            let fix = match resumed_step {
-                None => "to continue that run, add --resume latest; otherwise choose another checkpoint.dir or move them away",
-                Some(_) => "choose another checkpoint.dir for this run, or move them away",
-            };
-            bail!(
-                "checkpoint.dir = {} holds checkpoints of another run ({} is from {whose}): {fix}",
-                dir.display(),
-                name(other)
-            );
-        }
-        if let (Some(step), Some(newer)) = (resumed_step, all.iter().rev().find(|l| Some(l.step) > resumed_step)) {
-            bail!(
-                "checkpoint.dir = {} holds a newer checkpoint of this run ({}) than the step resumed ({step}): continuing would replace it; resume with --resume latest, or move it away",
-                dir.display(),
-                name(newer)
-            );
-        }
+        refuse_others(dir, run_id, resumed_step)?;
         Ok(Folder { dir: dir.to_path_buf(), run_id: run_id.to_string(), _lock: lock })
+    }
+
+    /// What `take` would refuse, found without creating, locking or removing anything: for a run
+    /// that saves only if a signal comes, so that a save bound to fail is known before step 0.
+    pub fn check(dir: &Path, run_id: &str, resumed_step: Option<usize>) -> Result<()> {
+        let existing = dir.ancestors().find(|a| a.as_os_str().is_empty() || a.exists()).unwrap_or(Path::new("/"));
+        let existing = if existing.as_os_str().is_empty() { Path::new(".") } else { existing };
+        if !existing.is_dir() {
+            bail!("checkpoint.dir = {}: {} is not a folder", dir.display(), existing.display());
+        }
+        let probe = existing.join(format!(".write-probe.{run_id}"));
+        std::fs::File::create(&probe)
+            .and_then(|_| std::fs::remove_file(&probe))
+            .with_context(|| format!("checkpoint.dir = {}: {} is not writable", dir.display(), existing.display()))?;
+        if existing != dir {
+            return Ok(()); // the folder is created when saving
+        }
+        if let Ok(lock) = File::open(dir.join(".lock")) {
+            if lock.try_lock_shared().is_err() {
+                bail!("checkpoint.dir = {} is in use by another run", dir.display());
+            }
+        }
+        refuse_others(dir, run_id, resumed_step)
     }
 
     /// Deletes this run's checkpoints beyond the newest `keep` (at least one is kept).
@@ -102,13 +102,45 @@ impl Folder {
             // renamed first: a run killed while deleting leaves a `.tmp` folder, not a checkpoint
             // with files missing that would pass for complete
             let mut doomed = old.path.clone().into_os_string();
-            doomed.push(".deleted.tmp");
+            doomed.push(format!(".{}.tmp", self.run_id));
             std::fs::rename(&old.path, &doomed)
                 .and_then(|_| std::fs::remove_dir_all(&doomed))
                 .with_context(|| format!("cannot delete old checkpoint {}", old.path.display()))?;
         }
         Ok(())
     }
+}
+
+/// Refuses `dir` if it holds another run's checkpoints, or one of this run's newer than the step
+/// it resumes from.
+fn refuse_others(dir: &Path, run_id: &str, resumed_step: Option<usize>) -> Result<()> {
+    let all = list(dir)?;
+    let name = |l: &Listed| l.path.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+    if let Some(other) = all.iter().find(|l| l.run_id.as_deref() != Some(run_id)) {
+        let whose = match &other.run_id {
+            Some(id) => format!("run {id}"),
+            None => "no run (its trainer_state.json is missing or unreadable)".into(),
+        };
+        let fix = match resumed_step {
+            None => {
+                "to continue that run, add --resume latest; otherwise choose another checkpoint.dir or move them away"
+            }
+            Some(_) => "choose another checkpoint.dir for this run, or move them away",
+        };
+        bail!(
+            "checkpoint.dir = {} holds checkpoints of another run ({} is from {whose}): {fix}",
+            dir.display(),
+            name(other)
+        );
+    }
+    if let (Some(step), Some(newer)) = (resumed_step, all.iter().rev().find(|l| Some(l.step) > resumed_step)) {
+        bail!(
+            "checkpoint.dir = {} holds a newer checkpoint of this run ({}) than the step resumed ({step}): continuing would replace it; resume with --resume latest, or move it away",
+            dir.display(),
+            name(newer)
+        );
+    }
+    Ok(())
 }
 
 /// Complete checkpoints (`step_NNNNNN/`) in `dir`, oldest first; none when `dir` does not exist.
@@ -136,14 +168,25 @@ pub fn run_id_of(checkpoint: &Path) -> Option<String> {
     meta["run_id"].as_str().map(str::to_string)
 }
 
-/// Folders and files a killed run left half-written (`step_NNNNNN.tmp/`, `.NAME.tmp`); only
-/// called with the lock held, so nobody is writing them.
+/// Is `name` a folder a ferrotron run writes a checkpoint into, or deletes one through
+/// (`step_NNNNNN.<run id>.tmp`, the run id being `new_run_id`'s two hex numbers)? Only such names
+/// are ever removed: a user's `notes.tmp` in the same folder is not the run's to delete.
+pub fn is_half_written(name: &str) -> bool {
+    let hex = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_hexdigit());
+    let Some(rest) = name.strip_prefix("step_").and_then(|r| r.strip_suffix(".tmp")) else { return false };
+    let Some((step, id)) = rest.split_once('.') else { return false };
+    step.len() >= 6
+        && step.chars().all(|c| c.is_ascii_digit())
+        && id.split_once('-').is_some_and(|(a, b)| hex(a) && hex(b))
+}
+
+/// Folders that killed runs left half-written (`is_half_written`); only called with the lock held,
+/// so nobody is writing them.
 fn remove_half_written(dir: &Path) -> Result<()> {
     for e in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?.flatten() {
-        if e.file_name().to_string_lossy().ends_with(".tmp") {
-            let p = e.path();
-            let removed = if p.is_dir() { std::fs::remove_dir_all(&p) } else { std::fs::remove_file(&p) };
-            removed.with_context(|| format!("cannot remove the half-written {}", p.display()))?;
+        let p = e.path();
+        if is_half_written(&e.file_name().to_string_lossy()) && p.is_dir() && !p.is_symlink() {
+            std::fs::remove_dir_all(&p).with_context(|| format!("cannot remove the half-written {}", p.display()))?;
         }
     }
     Ok(())

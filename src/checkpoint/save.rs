@@ -15,7 +15,7 @@
 //! rate depend only on the step, and there is no other randomness in a step, so a resumed run
 //! repeats the uninterrupted run's losses exactly.
 //!
-//! Writing is atomic: files go into `step_NNNNNN.tmp/`, are flushed to disk, and the folder is
+//! Writing is atomic: files go into `step_NNNNNN.<run id>.tmp/`, are flushed to disk, and the folder is
 //! renamed when complete; only then are this run's checkpoints beyond the newest `keep` deleted
 //! (`folder.rs`: a run owns its folder). A run killed while saving leaves the previous checkpoint
 //! as the latest complete one.
@@ -192,25 +192,61 @@ pub fn save(folder: &Folder, step: usize, state: &State, cfg: &Config, adam_step
     if final_dir.exists() {
         bail!("{} already exists: a checkpoint is never overwritten", final_dir.display());
     }
-    let tmp = folder.dir.join(format!("step_{step:06}.tmp"));
-    let _ = std::fs::remove_dir_all(&tmp); // a previous attempt that failed
-    std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create checkpoint folder {}", tmp.display()))?;
-    write_file(&tmp.join("config.json"), hf_config(&cfg.model).as_bytes())?;
-    write_file(&tmp.join("model.safetensors"), &safetensors_bytes(&state.weights)?)?;
-    write_file(&tmp.join("optimizer.safetensors"), &safetensors_bytes(&state.moments)?)?;
-    let meta = serde_json::json!({
-        "step": step,
-        "adam_steps": adam_steps,
-        "run_id": folder.run_id,
-        "config": toml::to_string(cfg).context("the config does not serialise")?,
-    });
-    write_file(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
-    std::fs::rename(&tmp, &final_dir).with_context(|| format!("cannot rename {} into place", tmp.display()))?;
+    // no non-finite number is ever saved: a checkpoint is a state to go back to
+    if let Some((name, x)) = state
+        .weights
+        .iter()
+        .chain(&state.moments)
+        .find_map(|(n, t)| t.to_vec().into_iter().find(|x| !x.is_finite()).map(|x| (n, x)))
+    {
+        bail!(
+            "step {step}: {name} holds {x}, so no checkpoint is written (the newest one kept is still good): the run diverged at this step; lower train.lr or train.weight_decay, or resume from that checkpoint"
+        );
+    }
+    // the temporary folder is named by the run (`folder::is_half_written` recognises it)
+    let tmp = folder.dir.join(format!("step_{step:06}.{}.tmp", folder.run_id));
+    let _ = std::fs::remove_dir_all(&tmp); // a previous attempt of this run that failed
+    let written = (|| -> Result<()> {
+        std::fs::create_dir_all(&tmp).with_context(|| format!("cannot create checkpoint folder {}", tmp.display()))?;
+        write_file(&tmp.join("config.json"), hf_config(&cfg.model).as_bytes())?;
+        write_file(&tmp.join("model.safetensors"), &safetensors_bytes(&state.weights)?)?;
+        write_file(&tmp.join("optimizer.safetensors"), &safetensors_bytes(&state.moments)?)?;
+        let meta = serde_json::json!({
+            "step": step,
+            "adam_steps": adam_steps,
+            "run_id": folder.run_id,
+            "config": toml::to_string(cfg).context("the config does not serialise")?,
+        });
+        write_file(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
+        std::fs::rename(&tmp, &final_dir).with_context(|| format!("cannot rename {} into place", tmp.display()))
+    })();
+    if let Err(e) = written {
+        let _ = std::fs::remove_dir_all(&tmp); // a full disk leaves nothing half-written behind
+        return Err(e);
+    }
     if let Ok(d) = std::fs::File::open(&folder.dir) {
         let _ = d.sync_all(); // the rename itself reaches the disk
     }
     folder.prune(cfg.checkpoint.keep)?;
     Ok(final_dir)
+}
+
+/// `--resume latest` found `newest` damaged (`e`): the error, naming the newest older checkpoint
+/// of its folder that loads, to resume from by name.
+pub fn name_newest_good(newest: &Path, e: anyhow::Error) -> anyhow::Error {
+    let older = newest.parent().map(crate::checkpoint::folder::list).and_then(Result::ok).unwrap_or_default();
+    let good = older.iter().rev().filter(|l| l.path != newest).find(|l| load(&l.path).is_ok());
+    match good {
+        Some(l) => e.context(format!(
+            "--resume latest: the newest checkpoint {} is damaged; the newest that loads is {}: move the damaged one away and run again with --resume latest",
+            newest.display(),
+            l.path.display()
+        )),
+        None => e.context(format!(
+            "--resume latest: the newest checkpoint {} is damaged, and no older one loads",
+            newest.display()
+        )),
+    }
 }
 
 /// A checkpoint read back, ready to be checked and sliced for this rank.
@@ -387,7 +423,11 @@ fn run_differences(then: &Config, now: &Config) -> Vec<String> {
         let mut keys = BTreeMap::new();
         let sections = [
             ("model", toml::Value::try_from(&c.model), &["init_from", "initializer_range"][..]),
-            ("train", toml::Value::try_from(&c.train), &["steps", "seed", "micro_batch_size", "grad_accum_steps"]),
+            (
+                "train",
+                toml::Value::try_from(&c.train),
+                &["steps", "seed", "micro_batch_size", "grad_accum_steps", "recompute"],
+            ),
             ("data", toml::Value::try_from(&c.data), &["cache_dir"]),
         ];
         for (name, table, skip) in sections {

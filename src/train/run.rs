@@ -170,7 +170,10 @@ impl Run {
         let (resumed, notes) = match opts.resume {
             Some(arg) => {
                 let dir = folder::resolve(arg, cfg)?;
-                let r = save::load(&dir)?;
+                let r = save::load(&dir).or_else(|e| match arg.as_os_str() == "latest" {
+                    true => Err(save::name_newest_good(&dir, e)),
+                    false => Err(e),
+                })?;
                 let notes = r.check(cfg, &dir, opts.allow_changes)?;
                 (Some((r, dir)), notes)
             }
@@ -179,10 +182,13 @@ impl Run {
         let run_id = resumed.as_ref().map_or_else(folder::new_run_id, |(r, _)| r.run_id.clone());
         let resumed_step = resumed.as_ref().map(|(r, _)| r.step);
         let finished = resumed_step == Some(t.steps);
-        let checkpoints = Checkpoints { folder: Mutex::new(None), run_id, resumed_step };
+        let mut checkpoints =
+            Checkpoints { folder: Mutex::new(None), dir: cfg.checkpoint.dir.clone().into(), run_id, resumed_step };
         let writes = setup.spread.then(crate::comm::processes::leads).unwrap_or(true); // rank 0 is here
         if cfg.checkpoint.every > 0 && !finished && writes {
-            checkpoints.take(cfg)?; // this run owns checkpoint.dir from now on
+            checkpoints.take()?; // this run owns checkpoint.dir from now on
+        } else if opts.stop_on_signal && !finished && writes {
+            checkpoints.check_signal_save(opts.quiet); // a signal's save must not fail after hours of training
         }
         let mut data = Dataset::open(&cfg.data, &cfg.model)?;
         if cfg.validation.every > 0 {
@@ -262,17 +268,42 @@ impl Run {
 /// signal first asks for a checkpoint.
 pub(super) struct Checkpoints {
     folder: Mutex<Option<Folder>>,
+    /// `checkpoint.dir`, or where a signal's save goes when that folder would refuse it.
+    dir: PathBuf,
     run_id: String,
     resumed_step: Option<usize>,
 }
 
 impl Checkpoints {
-    fn take(&self, cfg: &Config) -> Result<()> {
+    fn take(&self) -> Result<()> {
         let mut folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
         if folder.is_none() {
-            *folder = Some(Folder::take(Path::new(&cfg.checkpoint.dir), &self.run_id, self.resumed_step)?);
+            *folder = Some(Folder::take(&self.dir, &self.run_id, self.resumed_step)?);
         }
         Ok(())
+    }
+
+    /// For a run that saves only when a signal comes: if `checkpoint.dir` would refuse that save
+    /// (another run's checkpoints, in use, not writable), says so now and saves beside it instead,
+    /// in `DIR-<run id>`; if that cannot work either, says that a signal will not save.
+    fn check_signal_save(&mut self, quiet: bool) {
+        let Err(e) = Folder::check(&self.dir, &self.run_id, self.resumed_step) else { return };
+        let mut beside = self.dir.clone().into_os_string();
+        beside.push(format!("-{}", self.run_id));
+        let beside = PathBuf::from(beside);
+        let usable = Folder::check(&beside, &self.run_id, self.resumed_step);
+        if !quiet {
+            match &usable {
+                Ok(()) => crate::say!("note: {e:#}; a signal would save into {} instead", beside.display()),
+                Err(e2) => crate::say!(
+                    "note: {e:#}; neither can {} ({e2:#}): a signal will stop the run without saving",
+                    beside.display()
+                ),
+            }
+        }
+        if usable.is_ok() {
+            self.dir = beside;
+        }
     }
 
     /// Saves the model and optimizer after `step` (0-based) when `checkpoint.every` says so, after
@@ -294,7 +325,7 @@ impl Checkpoints {
             return Ok(None);
         };
         me.group(Axis::World).while_others_wait(|| {
-            self.take(cfg)?;
+            self.take()?;
             let folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
             let folder = folder.as_ref().expect("taken above");
             save::save(folder, step + 1, &state, cfg, opt.steps_taken()).map(Some)
