@@ -170,10 +170,8 @@ impl Run {
         let (resumed, notes) = match opts.resume {
             Some(arg) => {
                 let dir = folder::resolve(arg, cfg)?;
-                let r = save::load(&dir).or_else(|e| match arg.as_os_str() == "latest" {
-                    true => Err(save::name_newest_good(&dir, e)),
-                    false => Err(e),
-                })?;
+                let latest = arg.as_os_str() == "latest";
+                let r = save::load(&dir).map_err(|e| if latest { save::name_newest_good(&dir, e) } else { e })?;
                 let notes = r.check(cfg, &dir, opts.allow_changes)?;
                 (Some((r, dir)), notes)
             }
