@@ -163,7 +163,9 @@ fn a_diverging_run_stops_and_keeps_its_last_good_checkpoint() {
     )
     .unwrap();
     let err = format!("{:#}", train(&cfg, Options { quiet: true, ..Default::default() }).err().unwrap());
-    assert!(err.contains("the loss became") && err.contains("lower train.lr"), "{err}");
+    // the loss guard, or (first, when the step that diverged saves) the checkpoint's own guard
+    let named = err.contains("the loss became") || err.contains("holds NaN, so no checkpoint is written");
+    assert!(named && err.contains("lower train.lr"), "{err}");
     let latest = ferrotron::checkpoint::folder::resolve(Path::new("latest"), &cfg).unwrap();
     let state = ferrotron::checkpoint::save::load(&latest).unwrap();
     assert!(state.step < 50, "stopped early, at step {}", state.step);
