@@ -311,6 +311,29 @@ impl ModelConfig {
 }
 
 impl Config {
+    /// Every setting that shapes a run, as sorted `section.key = value` lines: what the processes
+    /// of one run must agree on (`train/agree.rs`). Paths that may differ from one machine to the
+    /// next (`checkpoint.dir`, `data.cache_dir`, `model.init_from`) are left out.
+    pub fn shaping_settings(&self) -> Vec<String> {
+        const PER_MACHINE: [&str; 3] = ["checkpoint.dir", "data.cache_dir", "model.init_from"];
+        let table = toml::Value::try_from(self).expect("a config serialises");
+        let mut lines = Vec::new();
+        for (section, keys) in table.as_table().into_iter().flatten() {
+            for (key, value) in keys.as_table().into_iter().flatten() {
+                let name = format!("{section}.{key}");
+                let shown = match value {
+                    toml::Value::Float(x) if (*x as f32) as f64 == *x => (*x as f32).to_string(), // an f32 key
+                    v => v.to_string(),
+                };
+                if !PER_MACHINE.contains(&name.as_str()) {
+                    lines.push(format!("{name} = {shown}"));
+                }
+            }
+        }
+        lines.sort();
+        lines
+    }
+
     /// The built-in default (`configs/tiny.toml`) with `--set` overrides.
     pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config> {
         let mut table: toml::Table = TINY.parse().expect("configs/tiny.toml is valid TOML");

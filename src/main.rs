@@ -253,9 +253,12 @@ fn run(cli: Cli) -> Result<Exit> {
             }
             if let Some(stopped) = &s.stopped {
                 let step = s.first_step + s.losses.len();
-                let (signal, at) = (ferrotron::train::stop::name(stopped.signal), stopped.checkpoint.display());
-                say!("stopped by {signal} after step {step}: checkpoint {at}; resume with the same command and --resume latest (or --resume {at})");
-                return Ok(Exit::Signal(stopped.signal));
+                let signal = ferrotron::train::stop::name(stopped.signal);
+                match &stopped.checkpoint {
+                    Some(at) => say!("stopped by {signal} after step {step}: checkpoint {}; resume with the same command and --resume latest (or --resume {})", at.display(), at.display()),
+                    None => say!("stopped by {signal} after step {step}: process 0 saved the checkpoint"),
+                }
+                return Ok(Exit::Signal(stopped.signal)); // every process of the run exits 128 + signal
             }
             let floor = match s.floor {
                 Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),

@@ -27,6 +27,7 @@
 //! `train/watch.rs`; the memory check before a run in `train/memory.rs`; stopping cleanly on a
 //! signal in `train/stop.rs`; the held-out loss in `train/validate.rs`.
 
+mod agree;
 pub mod memory;
 pub mod metrics;
 mod run;
@@ -75,6 +76,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     let t = &cfg.train;
     let (dp, pp, tp) = (me.group(Axis::DpCp), me.group(Axis::Pp), me.group(Axis::Tp));
     let (ep, edp) = (me.group(Axis::Ep), me.group(Axis::ExpertDp)); // experts: 1 and dp×cp without ep
+    if start.spread {
+        agree::settings(me.group(Axis::World), cfg)?; // processes started differently never train
+    }
     let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
     let mut optimizer = start.optimizer(&mut model, tp, cfg)?;
     // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of the

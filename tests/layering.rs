@@ -81,7 +81,16 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("checkpoint", &["checkpoint::folder", "checkpoint::hf", "checkpoint::save", "checkpoint"]),
     (
         "train",
-        &["train::memory", "train::metrics", "train::stop", "train::run", "train::validate", "train::watch", "train"],
+        &[
+            "train::agree",
+            "train::memory",
+            "train::metrics",
+            "train::stop",
+            "train::run",
+            "train::validate",
+            "train::watch",
+            "train",
+        ],
     ),
     (
         "commands",

@@ -78,6 +78,48 @@ fn a_killed_process_ends_the_run_at_once_naming_its_ranks_and_host() {
     );
 }
 
+/// Processes of one run started with different settings refuse to train together: the one that
+/// differs names the key and both values, the others say that another process differs.
+#[test]
+fn processes_started_with_other_settings_refuse_to_train_together() {
+    let port = common::processes::free_port().to_string();
+    let start = |rank: &str, lr: &str| {
+        std::process::Command::new(common::processes::BIN)
+            .args(args(&["train"], &small(&["parallel.dp=2", "train.steps=3", &format!("train.lr={lr}")])))
+            .envs([("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", "2")])
+            .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let outs = wait_all(vec![start("0", "1e-3"), start("1", "5e-3")], LIMIT);
+    let (first, second) = (said(&outs[0]), said(&outs[1]));
+    assert!(outs.iter().all(|o| o.status.code() == Some(1)), "{first}\n{second}");
+    for said in [first, second] {
+        assert!(said.contains("train.lr = 0.005 in process 1, 0.001 in process 0"), "{said}");
+        assert!(!said.contains("step "), "no step was trained: {said}");
+    }
+}
+
+/// A signal to one process stops every process after the same step, one checkpoint is written,
+/// and every process exits 128 + the signal (a launcher or Slurm's requeue sees one truth).
+#[test]
+fn a_signal_to_one_process_stops_all_alike() {
+    for (signalled, sig) in [(1, libc::SIGTERM), (0, libc::SIGINT)] {
+        let tmp = tempfile::tempdir().unwrap();
+        let (metrics, dir) = (tmp.path().join("m.jsonl"), tmp.path().join("ck"));
+        let procs = long_run(&metrics, &[&format!("checkpoint.dir=\"{}\"", dir.display())]);
+        wait_for_steps(&metrics, 2, LIMIT);
+        unsafe { libc::kill(procs[signalled].id() as i32, sig) };
+        let outs = wait_all(procs, LIMIT);
+        for (i, out) in outs.iter().enumerate() {
+            assert_eq!(out.status.code(), Some(128 + sig), "process {i} (signalled: {signalled}): {}", said(out));
+        }
+        assert_eq!(ferrotron::checkpoint::folder::list(&dir).unwrap().len(), 1, "one checkpoint");
+    }
+}
+
 #[test]
 fn a_stalled_process_ends_the_run_within_the_timeout_naming_its_rank_and_host() {
     let tmp = tempfile::tempdir().unwrap();
@@ -215,6 +257,27 @@ fn a_bad_launch_is_one_clear_line() {
         .unwrap();
     let e = String::from_utf8_lossy(&lonely.stderr);
     assert!(e.contains("for process(es) 1 (RANK) that never came"), "{e}");
+    // MASTER_ADDR at a server that is not ferrotron (it answers like a web server, then talks
+    // on): one line naming the address, no abort on a length read from its bytes
+    let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let web = server.local_addr().unwrap().port().to_string();
+    std::thread::spawn(move || {
+        for mut s in server.incoming().flatten() {
+            use std::io::Write;
+            let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n");
+            let _ = s.write_all(&[0xffu8; 4096]);
+        }
+    });
+    let stray = std::process::Command::new(common::processes::BIN)
+        .args(&a)
+        .envs([("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")])
+        .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", web.as_str())])
+        .output()
+        .unwrap();
+    let e = String::from_utf8_lossy(&stray.stderr);
+    assert_eq!(stray.status.code(), Some(1), "{e}");
+    assert!(e.contains(&format!("127.0.0.1:{web} is not ferrotron's process 0")) && e.contains("HTTP/1."), "{e}");
+    assert_eq!(e.trim().lines().count(), 1, "{e}");
     // started by mpirun, built without MPI
     #[cfg(not(feature = "mpi"))]
     {

@@ -58,6 +58,9 @@ impl Wire for Tcp {
 /// What a process says first at the meeting point, so that a stray connection is told apart.
 const MAGIC: u64 = u64::from_le_bytes(*b"ferrotrn");
 
+/// The largest frame a link carries (a part of a collective is far smaller): 64 GiB.
+const MAX_FRAME: u64 = 1 << 36;
+
 /// Connects this process to all others through the meeting point, within `timeout`.
 pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, deliver: Deliver) -> Result<Tcp> {
     let deadline = Instant::now() + timeout;
@@ -82,6 +85,7 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
             links[index] = Some(s);
         }
         for s in links.iter_mut().flatten() {
+            s.write_all(&MAGIC.to_le_bytes())?; // process 0's own hello: the others check it
             for (ip, p) in &table {
                 let octets = match ip {
                     IpAddr::V4(v4) => v4.to_ipv6_mapped().octets(),
@@ -96,7 +100,21 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
             TcpListener::bind(("0.0.0.0", 0)).context("cannot open a listening port for the other processes")?;
         let my_port = listener.local_addr()?.port();
         let mut master = connect_until((addr, port), deadline, me.index)?;
-        say_hello(&mut master, me.index, my_port)?;
+        let sent = say_hello(&mut master, me.index, my_port); // a stray server may hang up first
+                                                              // process 0 answers once every process has come; anything else is not ferrotron
+        master
+            .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
+        let answer = read_u64(&mut master);
+        if answer.as_ref().ok() != Some(&MAGIC) {
+            let what = match answer {
+                Ok(word) => format!("it answered {:?}", String::from_utf8_lossy(&word.to_le_bytes())),
+                Err(e) => format!("no answer within parallel.timeout_s ({e})"),
+            };
+            bail!(
+                "MASTER_ADDR:MASTER_PORT = {addr}:{port} is not ferrotron's process 0 ({what}): point MASTER_ADDR and MASTER_PORT at the host and port of the process with RANK 0"
+            );
+        }
+        sent.with_context(|| format!("process 0 at {addr}:{port} did not take this process's hello"))?;
         let via = master.peer_addr()?.ip().to_canonical(); // process 0, as this process reaches it
         let mut table = Vec::with_capacity(me.count);
         for _ in 0..me.count {
@@ -149,9 +167,17 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
         }));
         queues.push(Some(queue));
         std::thread::spawn(move || loop {
+            // the buffer grows with the bytes that really arrive: a garbled length can never ask
+            // for more memory than the peer sent
             let frame = read_u64(&mut reader).and_then(|n| {
-                let mut bytes = vec![0u8; n as usize];
-                reader.read_exact(&mut bytes)?;
+                if n > MAX_FRAME {
+                    bail!("a frame of {n} bytes, over the {MAX_FRAME} a process ever sends");
+                }
+                let mut bytes = Vec::new();
+                (&mut reader).take(n).read_to_end(&mut bytes)?;
+                if bytes.len() as u64 != n {
+                    return Err(std::io::Error::from(std::io::ErrorKind::UnexpectedEof).into());
+                }
                 Ok(bytes)
             });
             match frame {

@@ -63,8 +63,9 @@ pub struct Options<'a> {
 #[derive(Clone, Debug)]
 pub struct Stopped {
     pub signal: i32,
-    /// The checkpoint written after the last step, to resume from.
-    pub checkpoint: PathBuf,
+    /// The checkpoint written after the last step, to resume from (`None` in the processes that
+    /// did not write it: every process of the run stops, and exits, alike).
+    pub checkpoint: Option<PathBuf>,
 }
 
 /// One rank's view of a finished run.
@@ -233,7 +234,7 @@ impl Run {
 
     pub(super) fn start(&self) -> Start<'_> {
         let (resumed, pretrained) = (self.resumed.as_ref(), self.pretrained.as_ref());
-        Start { resumed, pretrained, checkpoints: &self.checkpoints, nudge: self.nudge }
+        Start { resumed, pretrained, checkpoints: &self.checkpoints, nudge: self.nudge, spread: self.setup.spread }
     }
 
     /// The summary of a run that had nothing left to train.
@@ -338,6 +339,8 @@ pub(super) struct Start<'a> {
     pretrained: Option<&'a HashMap<String, Tensor>>,
     pub checkpoints: &'a Checkpoints,
     nudge: bool,
+    /// The ranks are spread over several processes (which must then agree on the settings).
+    pub spread: bool,
 }
 
 impl Start<'_> {

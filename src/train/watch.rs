@@ -137,7 +137,7 @@ impl<'a> Watch<'a> {
 
     /// Notes that a signal stopped the run after a checkpoint at `checkpoint` (rank 0).
     pub(super) fn stopped(&mut self, signal: i32, checkpoint: Option<PathBuf>) {
-        self.summary.stopped = checkpoint.map(|checkpoint| Stopped { signal, checkpoint });
+        self.summary.stopped = Some(Stopped { signal, checkpoint });
     }
 
     pub(super) fn finish(mut self, model: &Llama) -> Result<Summary> {

@@ -10,7 +10,16 @@ pub const BIN: &str = env!("CARGO_BIN_EXE_ferrotron");
 
 /// A port nobody listens on now (the OS picks it).
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    // not the OS's pick (bind to 0): released at once, the same port can come back to a test
+    // running beside this one; a counter gives each call of this test binary its own
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let base = (std::process::id() % 500) * 60;
+    loop {
+        let port = (20_000 + (base + NEXT.fetch_add(1, std::sync::atomic::Ordering::SeqCst)) % 40_000) as u16;
+        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 /// `n` processes of `ferrotron args…` with torchrun's variables (and `env`), all on this host.
