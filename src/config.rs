@@ -9,7 +9,7 @@
 mod checks;
 mod table;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use table::{apply_set, merge, one_line};
@@ -338,8 +338,7 @@ impl Config {
     pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config> {
         let mut table: toml::Table = TINY.parse().expect("configs/tiny.toml is valid TOML");
         if let Some(path) = path {
-            let text = std::fs::read_to_string(path)
-                .with_context(|| format!("cannot read config file {}: check the path", path.display()))?;
+            let text = crate::files::read_text(path, "--config")?;
             let user: toml::Table = text.parse().map_err(|e: toml::de::Error| {
                 anyhow::anyhow!("{}: not valid TOML: {}", path.display(), one_line(&e.to_string()))
             })?;

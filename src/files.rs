@@ -87,6 +87,17 @@ pub fn check_outputs(outputs: &[(&str, Option<&Path>)]) -> Result<()> {
     Ok(())
 }
 
+/// Reads a text file the user named (`what`: its flag or key), refusing what is not a regular
+/// file: reading a FIFO would wait forever for a writer, a device might never end.
+pub fn read_text(path: &Path, what: &str) -> Result<String> {
+    let meta =
+        std::fs::metadata(path).with_context(|| format!("{what}: cannot read {}: check the path", path.display()))?;
+    if !meta.is_file() {
+        bail!("{what}: {} is not a regular file (a folder, a FIFO or a device): give a file", path.display());
+    }
+    std::fs::read_to_string(path).with_context(|| format!("{what}: cannot read {} as UTF-8 text", path.display()))
+}
+
 /// Creates `dir` if needed and proves a file can be created in it.
 pub fn check_folder_writable(dir: &Path) -> Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create folder {}", dir.display()))?;

@@ -76,7 +76,7 @@ enum Command {
         steps: Option<usize>,
         /// Largest per-step loss difference that passes while rounding has not been amplified
         /// (afterwards a band measured from a harmless change of the baseline: see the output).
-        #[arg(long, default_value_t = 1e-4)]
+        #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true)]
         tol: f32,
         /// Folder for losses.csv and losses.svg.
         #[arg(long, default_value = "converge_out")]
@@ -185,7 +185,7 @@ enum Command {
         #[arg(long, default_value_t = 3)]
         warmup: usize,
         /// Peak TFLOP/s of one device, for the MFU (default: by GPU name; none on a CPU).
-        #[arg(long)]
+        #[arg(long, allow_negative_numbers = true)]
         peak_tflops: Option<f64>,
         /// Also write the JSON to this file.
         #[arg(long, value_name = "OUT.json")]
@@ -275,6 +275,8 @@ fn run(cli: Cli) -> Result<Exit> {
         }
         Command::Converge { config, mut sets, variants, steps, tol, out } => {
             let variants = converge::parse_variants(&variants)?;
+            converge::check_tol(tol)?;
+            converge::plan(config.as_deref(), &sets, &variants)?; // every refusal before --out is made
             ferrotron::files::check_folder_writable(&out).context("--out")?;
             sets.extend(steps.map(|n| format!("train.steps={n}")));
             let report = converge::converge(config.as_deref(), &sets, &variants, tol)?;

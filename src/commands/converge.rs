@@ -157,11 +157,47 @@ pub struct Report {
     pub outcomes: Vec<Outcome>,
 }
 
-/// The baseline's losses, the criterion, and each variant's outcome against them.
-pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol: f32) -> Result<Report> {
+/// `--tol`: 0 (bit for bit) or a positive finite loss difference.
+pub fn check_tol(tol: f32) -> Result<()> {
     if !(tol.is_finite() && tol >= 0.0) {
         bail!("--tol {tol}: give a finite loss difference of 0 (bit for bit) or more (for example 1e-4)");
     }
+    Ok(())
+}
+
+/// Every variant checked before anything runs: its settings load, with its micro-batch size set
+/// (unless it gives one) so that it keeps the baseline's global batch. Each variant's settings.
+pub fn plan<'v>(
+    path: Option<&Path>,
+    sets: &[String],
+    variants: &'v [Variant],
+) -> Result<Vec<(&'v Variant, Vec<String>)>> {
+    let base = Config::load(path, sets)?;
+    let global = base.train.micro_batch_size * base.train.grad_accum_steps * base.parallel.dp;
+    let mut planned = Vec::new();
+    for v in variants {
+        let load = |extra: &[String]| {
+            Config::load(path, &sets.iter().chain(extra).cloned().collect::<Vec<_>>())
+                .with_context(|| format!("variant `{}`", v.label))
+        };
+        let with_sets = load(&v.sets)?;
+        let mut extra = v.sets.clone();
+        if !v.sets.iter().any(|s| s.starts_with("train.micro_batch_size=")) {
+            let split = with_sets.train.grad_accum_steps * with_sets.parallel.dp;
+            if global % split != 0 {
+                bail!("variant `{}`: the global batch of {global} sequences does not split into grad_accum_steps × dp = {split} equal micro-batches", v.label);
+            }
+            extra.push(format!("train.micro_batch_size={}", global / split));
+            load(&extra)?;
+        }
+        planned.push((v, extra));
+    }
+    Ok(planned)
+}
+
+/// The baseline's losses, the criterion, and each variant's outcome against them.
+pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol: f32) -> Result<Report> {
+    check_tol(tol)?;
     let base = Config::load(path, sets)?;
     let (t, p) = (&base.train, &base.parallel);
     let global = t.micro_batch_size * t.grad_accum_steps * p.dp;
@@ -183,21 +219,7 @@ pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol:
         Ok(train::train(&cfg, Options { quiet: true, one_process, nudge_weights, ..Default::default() })?.losses)
     };
     let run = |label: &str, extra: &[String], one_process: bool| run_as(label, extra, one_process, false);
-    // every variant's settings are checked before anything runs
-    let mut planned = Vec::new();
-    for v in variants {
-        let with_sets = Config::load(path, &sets.iter().chain(&v.sets).cloned().collect::<Vec<_>>())
-            .with_context(|| format!("variant `{}`", v.label))?;
-        let mut extra = v.sets.clone();
-        if !v.sets.iter().any(|s| s.starts_with("train.micro_batch_size=")) {
-            let split = with_sets.train.grad_accum_steps * with_sets.parallel.dp;
-            if global % split != 0 {
-                bail!("variant `{}`: the global batch of {global} sequences does not split into grad_accum_steps × dp = {split} equal micro-batches", v.label);
-            }
-            extra.push(format!("train.micro_batch_size={}", global / split));
-        }
-        planned.push((v, extra));
-    }
+    let planned = plan(path, sets, variants)?; // every variant checked before anything runs
     let baseline = run("baseline", &one_rank, true)?;
     let mut curves = Vec::new();
     for (v, extra) in planned {

@@ -5,13 +5,12 @@
 //! sequence, as Hugging Face computes it with `labels = input_ids`.
 
 use crate::model::Llama;
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use std::path::Path;
 
 /// Reads token sequences (one per non-empty line), checking each id against the vocabulary.
 pub fn read_tokens(path: &Path, vocab_size: usize) -> Result<Vec<Vec<u32>>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("cannot read token file {}: check the path", path.display()))?;
+    let text = crate::files::read_text(path, "--tokens")?;
     let mut seqs = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let mut seq = Vec::new();

@@ -81,6 +81,15 @@ impl Config {
                 bail!("{key} = 0: it must be at least 1");
             }
         }
+        // sequence i of the run is drawn from (data seed, i): every step's must have an index
+        // below 2⁶², where the held-out sequences begin (`data/mod.rs`)
+        let sequences = [t.micro_batch_size, t.grad_accum_steps, p.dp, t.steps]
+            .iter()
+            .try_fold(1u64, |n, &x| n.checked_mul(x as u64))
+            .filter(|&n| n < 1 << 62);
+        if sequences.is_none() {
+            bail!("train.steps × train.micro_batch_size × train.grad_accum_steps × parallel.dp = {} × {} × {} × {} sequences: more than the 2⁶² a run can draw; lower them", t.steps, t.micro_batch_size, t.grad_accum_steps, p.dp);
+        }
         let v = &self.validation;
         if v.every > 0 && v.batches == 0 {
             bail!("validation.batches = 0 with validation.every = {}: give 1 or more batches (or every = 0 for no validation)", v.every);
@@ -240,11 +249,17 @@ fn validate_data(d: &DataConfig, m: &ModelConfig, seq_len: usize) -> Result<()> 
             m.vocab_size.saturating_sub(2)
         );
     }
-    if (m.vocab_size as f64 + 1.0).powi(d.markov_order as i32) > (1 << 22) as f64 {
+    if (m.vocab_size as f64 + 1.0).powf(d.markov_order as f64) > (1 << 22) as f64 {
         bail!("data.markov_order = {} with model.vocab_size = {}: the successor table would be too large; lower the order", d.markov_order, m.vocab_size);
     }
     if !(0.0..1.0).contains(&d.copy_prob) {
         bail!("data.copy_prob = {}: it must lie in [0, 1)", d.copy_prob);
+    }
+    if d.copy_len > seq_len {
+        bail!(
+            "data.copy_len = {}: a copy span cannot be longer than a sequence (train.seq_len = {seq_len})",
+            d.copy_len
+        );
     }
     if d.copy_prob > 0.0 && (d.copy_len == 0 || d.copy_lag == 0 || d.copy_lag >= seq_len) {
         bail!("data.copy_len and data.copy_lag must be at least 1, and data.copy_lag below train.seq_len = {seq_len}");
