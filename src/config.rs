@@ -310,28 +310,37 @@ impl ModelConfig {
     }
 }
 
+/// A config's settings, `section.key` → value (`Config::settings`).
+pub type Settings = std::collections::BTreeMap<String, String>;
+
+/// The keys whose values differ between `this` and `that`, in key order, with this and that
+/// value (`absent` where one has no such key).
+pub fn differing<'a>(this: &'a Settings, that: &'a Settings) -> Vec<(&'a str, &'a str, &'a str)> {
+    let keys: std::collections::BTreeSet<&String> = this.keys().chain(that.keys()).collect();
+    let value = |s: &'a Settings, k: &String| s.get(k).map_or("absent", String::as_str);
+    keys.into_iter()
+        .filter(|k| this.get(*k) != that.get(*k))
+        .map(|k| (k.as_str(), value(this, k), value(that, k)))
+        .collect()
+}
+
 impl Config {
-    /// Every setting that shapes a run, as sorted `section.key = value` lines: what the processes
-    /// of one run must agree on (`train/agree.rs`). Paths that may differ from one machine to the
-    /// next (`checkpoint.dir`, `data.cache_dir`, `model.init_from`) are left out.
-    pub fn shaping_settings(&self) -> Vec<String> {
-        const PER_MACHINE: [&str; 3] = ["checkpoint.dir", "data.cache_dir", "model.init_from"];
+    /// Every setting as `section.key` → its value as TOML writes it (an f32 key as the f32 it
+    /// holds), to compare two configs: a resumed run's with its checkpoint's (`checkpoint/save.rs`),
+    /// a process's with process 0's (`train/agree.rs`).
+    pub fn settings(&self) -> Settings {
         let table = toml::Value::try_from(self).expect("a config serialises");
-        let mut lines = Vec::new();
+        let mut all = Settings::new();
         for (section, keys) in table.as_table().into_iter().flatten() {
             for (key, value) in keys.as_table().into_iter().flatten() {
-                let name = format!("{section}.{key}");
                 let shown = match value {
                     toml::Value::Float(x) if (*x as f32) as f64 == *x => (*x as f32).to_string(), // an f32 key
                     v => v.to_string(),
                 };
-                if !PER_MACHINE.contains(&name.as_str()) {
-                    lines.push(format!("{name} = {shown}"));
-                }
+                all.insert(format!("{section}.{key}"), shown);
             }
         }
-        lines.sort();
-        lines
+        all
     }
 
     /// The built-in default (`configs/tiny.toml`) with `--set` overrides.

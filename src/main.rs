@@ -362,64 +362,9 @@ fn run(cli: Cli) -> Result<Exit> {
             dtype,
         } => {
             let sampling = generate::Sampling { max_new_tokens, temperature, top_k, seed };
-            sampling.check()?;
-            let tok = generate::tokenizer_for(&model, tokenizer.as_deref())?;
-            let ids = match (&prompt, &tokens, &tok) {
-                (Some(text), _, Some(t)) => t.encode(text)?,
-                (Some(_), _, None) => anyhow::bail!(
-                    "--prompt needs a tokenizer: {} has no tokenizer.json; give --tokenizer (a tokenizer.json, bytes or hub:ORG/NAME) or the prompt as --tokens",
-                    model.display()
-                ),
-                (None, Some(ids), _) => generate::parse_ids(ids)?,
-                (None, None, _) => anyhow::bail!("give --prompt TEXT or --tokens IDS"),
-            };
-            if ids.is_empty() {
-                anyhow::bail!("--prompt: the text is no tokens; give some text to continue");
-            }
-            let mut m = hf::load_hf(&model)?;
-            if let Some(bad) = ids.iter().find(|&&t| t as usize >= m.cfg.vocab_size) {
-                anyhow::bail!(
-                    "the prompt holds token id {bad}, but {}'s vocabulary has {} tokens",
-                    model.display(),
-                    m.cfg.vocab_size
-                );
-            }
-            if device == "cuda" {
-                let dtype = if dtype == "f32" { ferrotron::ops::DType::F32 } else { ferrotron::ops::DType::Bf16 };
-                let gpu = ferrotron::cuda::runtime::Gpu::open(0)?;
-                m.to_place(&ferrotron::ops::tensor::Place::for_rank(Some(&gpu), dtype)?);
-            }
-            let eos = generate::eos_ids(&model)?;
-            let how = match temperature {
-                0.0 => "greedy".to_string(),
-                t => format!("temperature {t}, top-k {top_k}, seed {seed}"),
-            };
-            say!("{}: {} prompt tokens, up to {max_new_tokens} new ({how})", model.display(), ids.len());
-            // the text as it grows (a character may need two tokens: shown once it is whole)
-            let (mut new, mut shown) = (Vec::new(), String::new());
-            let show = match &tok {
-                Some(t) => t.decode(&ids)?,
-                None => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
-            };
-            print!("{show}");
-            let start = std::time::Instant::now();
-            let out = generate::generate(&mut m, &ids, &sampling, &eos, &mut |t| {
-                new.push(t);
-                let text = match &tok {
-                    Some(tk) => tk.decode(&new).unwrap_or_default(),
-                    None => new.iter().map(|i| format!(" {i}")).collect(),
-                };
-                if let Some(more) = text.strip_prefix(shown.as_str()) {
-                    print!("{more}");
-                    let _ = std::io::stdout().flush();
-                    shown = text;
-                }
-            })?;
-            let secs = start.elapsed().as_secs_f64();
-            let stop =
-                if out.last().is_some_and(|t| eos.contains(t)) { "; stopped at the end-of-text token" } else { "" };
-            say!("\nnew token ids: {}", out.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
-            say!("{} tokens in {secs:.2} s ({:.1} tokens/s){stop}", out.len(), out.len() as f64 / secs.max(1e-9));
+            let dtype = if dtype == "f32" { ferrotron::ops::DType::F32 } else { ferrotron::ops::DType::Bf16 };
+            let gpu = (device == "cuda").then_some(dtype);
+            generate::run(&model, (prompt.as_deref(), tokens.as_deref()), &sampling, tokenizer.as_deref(), gpu)?;
         }
         Command::Doctor => doctor::doctor()?,
         Command::Bench { config, sets, steps, warmup, op: Some(_), json, against, profile, peak_tflops } => {

@@ -203,3 +203,17 @@ pub fn resolve(arg: &Path, cfg: &Config) -> Result<PathBuf> {
         None => bail!("--resume latest: no complete checkpoint in {} (checkpoint.dir)", dir.display()),
     }
 }
+
+/// `--resume latest` found the newest checkpoint `newest` damaged (`e`): the error, naming the
+/// newest older one of its folder that `loads`, so that the damaged one can be moved away.
+pub fn name_newest_good(newest: &Path, e: anyhow::Error, loads: impl Fn(&Path) -> bool) -> anyhow::Error {
+    let older = newest.parent().map(list).and_then(Result::ok).unwrap_or_default();
+    let shown = newest.display();
+    match older.iter().rev().find(|l| l.path != newest && loads(&l.path)) {
+        Some(l) => e.context(format!(
+            "--resume latest: the newest checkpoint {shown} is damaged; the newest that loads is {}: move the damaged one away and run again with --resume latest",
+            l.path.display()
+        )),
+        None => e.context(format!("--resume latest: the newest checkpoint {shown} is damaged, and no older one loads")),
+    }
+}

@@ -85,7 +85,7 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
     if !path.is_file() {
         bail!("cannot read {}: a Hugging Face model folder needs config.json", path.display());
     }
-    let text = crate::files::read_text(path, "the model's config")?;
+    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
     let j: Value =
         serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
     let file = path.display();

@@ -15,10 +15,10 @@
 //! rate depend only on the step, and there is no other randomness in a step, so a resumed run
 //! repeats the uninterrupted run's losses exactly.
 //!
-//! Writing is atomic: files go into `step_NNNNNN.<run id>.tmp/`, are flushed to disk, and the folder is
-//! renamed when complete; only then are this run's checkpoints beyond the newest `keep` deleted
-//! (`folder.rs`: a run owns its folder). A run killed while saving leaves the previous checkpoint
-//! as the latest complete one.
+//! Writing is atomic: files go into `step_NNNNNN.<run id>.tmp/`, are flushed to disk, and the
+//! folder is renamed when complete; only then are this run's checkpoints beyond the newest `keep`
+//! deleted (`folder.rs`: a run owns its folder). A run killed while saving leaves the previous
+//! checkpoint as the latest complete one; no checkpoint ever holds a NaN or an infinity.
 //!
 //! Resuming checks before anything is built: the step is within `train.steps`, every tensor of
 //! the checkpoint is finite and is one the configured model has (no more, no fewer, same
@@ -37,7 +37,7 @@ use crate::ops::types::DType;
 use crate::parallel::process_grid::Axis;
 use crate::parallel::zero;
 use anyhow::{bail, Context, Result};
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -197,7 +197,7 @@ pub fn save(folder: &Folder, step: usize, state: &State, cfg: &Config, adam_step
         .weights
         .iter()
         .chain(&state.moments)
-        .find_map(|(n, t)| t.to_vec().into_iter().find(|x| !x.is_finite()).map(|x| (n, x)))
+        .find_map(|(n, t)| t.host_view().iter().find(|x| !x.is_finite()).map(|&x| (n, x)))
     {
         bail!(
             "step {step}: {name} holds {x}, so no checkpoint is written (the newest one kept is still good): the run diverged at this step; lower train.lr or train.weight_decay, or resume from that checkpoint"
@@ -229,24 +229,6 @@ pub fn save(folder: &Folder, step: usize, state: &State, cfg: &Config, adam_step
     }
     folder.prune(cfg.checkpoint.keep)?;
     Ok(final_dir)
-}
-
-/// `--resume latest` found `newest` damaged (`e`): the error, naming the newest older checkpoint
-/// of its folder that loads, to resume from by name.
-pub fn name_newest_good(newest: &Path, e: anyhow::Error) -> anyhow::Error {
-    let older = newest.parent().map(crate::checkpoint::folder::list).and_then(Result::ok).unwrap_or_default();
-    let good = older.iter().rev().filter(|l| l.path != newest).find(|l| load(&l.path).is_ok());
-    match good {
-        Some(l) => e.context(format!(
-            "--resume latest: the newest checkpoint {} is damaged; the newest that loads is {}: move the damaged one away and run again with --resume latest",
-            newest.display(),
-            l.path.display()
-        )),
-        None => e.context(format!(
-            "--resume latest: the newest checkpoint {} is damaged, and no older one loads",
-            newest.display()
-        )),
-    }
 }
 
 /// A checkpoint read back, ready to be checked and sliced for this rank.
@@ -397,7 +379,7 @@ fn shortest(x: f32) -> f64 {
 fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
     let bytes: Vec<(String, Vec<usize>, Vec<u8>)> = tensors
         .iter()
-        .map(|(n, t)| (n.clone(), t.shape().to_vec(), t.to_vec().iter().flat_map(|x| x.to_le_bytes()).collect()))
+        .map(|(n, t)| (n.clone(), t.shape().to_vec(), t.host_view().iter().flat_map(|x| x.to_le_bytes()).collect()))
         .collect();
     let views = bytes
         .iter()
@@ -419,42 +401,29 @@ fn write_file(path: &Path, bytes: &[u8]) -> Result<()> {
 /// values. The layout (tp, pp, cp, how the global batch is cut), the device and the checkpointing
 /// may change: a checkpoint moves between them.
 fn run_differences(then: &Config, now: &Config) -> Vec<String> {
-    let settings = |c: &Config| -> BTreeMap<String, String> {
-        let mut keys = BTreeMap::new();
-        let sections = [
-            ("model", toml::Value::try_from(&c.model), &["init_from", "initializer_range"][..]),
-            (
-                "train",
-                toml::Value::try_from(&c.train),
-                &["steps", "seed", "micro_batch_size", "grad_accum_steps", "recompute"],
-            ),
-            ("data", toml::Value::try_from(&c.data), &["cache_dir"]),
-        ];
-        for (name, table, skip) in sections {
-            let table = table.expect("a config serialises");
-            for (k, v) in table.as_table().into_iter().flatten().filter(|(k, _)| !skip.contains(&k.as_str())) {
-                let shown = match v {
-                    toml::Value::Float(x) if (*x as f32) as f64 == *x => (*x as f32).to_string(), // an f32 key
-                    v => v.to_string(),
-                };
-                keys.insert(format!("{name}.{k}"), shown);
-            }
-        }
+    // what the curve does not depend on, or what is compared as the global batch
+    const SAME_CURVE: [&str; 8] = [
+        "model.init_from",
+        "model.initializer_range",
+        "train.steps",
+        "train.seed",
+        "train.micro_batch_size",
+        "train.grad_accum_steps",
+        "train.recompute",
+        "data.cache_dir",
+    ];
+    let settings = |c: &Config| {
+        let mut keys = c.settings();
+        keys.retain(|k, _| {
+            ["model.", "train.", "data."].iter().any(|s| k.starts_with(s)) && !SAME_CURVE.contains(&k.as_str())
+        });
         let global = c.train.micro_batch_size * c.train.grad_accum_steps * c.parallel.dp;
         keys.insert("the global batch (micro_batch_size × grad_accum_steps × dp)".into(), global.to_string());
         keys
     };
-    let (a, b) = (settings(then), settings(now));
-    let keys: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
-    let absent = || "absent".to_string();
-    keys.into_iter()
-        .filter(|k| a.get(*k) != b.get(*k))
-        .map(|k| {
-            format!(
-                "{k} = {} (checkpoint: {})",
-                b.get(k).cloned().unwrap_or_else(absent),
-                a.get(k).cloned().unwrap_or_else(absent)
-            )
-        })
+    let (then, now) = (settings(then), settings(now));
+    crate::config::differing(&now, &then)
+        .into_iter()
+        .map(|(k, now, then)| format!("{k} = {now} (checkpoint: {then})"))
         .collect()
 }

@@ -22,8 +22,10 @@
 use crate::data::text::Tokenizer;
 use crate::model::kv_cache::KvCache;
 use crate::model::Llama;
+use crate::ops::DType;
 use anyhow::{bail, Context, Result};
 use rand::Rng;
+use std::io::Write;
 use std::path::Path;
 
 /// How the next token is picked, and how many.
@@ -48,6 +50,74 @@ impl Sampling {
         }
         Ok(())
     }
+}
+
+/// `ferrotron generate`: the prompt (`--prompt` text, or `--tokens` ids) continued by the model
+/// folder `model`, on the CPU or, with `gpu` (its dtype), on GPU 0; the text is printed as it
+/// grows, then the new ids and the speed.
+pub fn run(
+    model: &Path,
+    (prompt, tokens): (Option<&str>, Option<&str>),
+    sampling: &Sampling,
+    tokenizer: Option<&str>,
+    gpu: Option<DType>,
+) -> Result<()> {
+    sampling.check()?;
+    let tok = tokenizer_for(model, tokenizer)?;
+    let ids = match (prompt, tokens, &tok) {
+        (Some(text), _, Some(t)) => t.encode(text)?,
+        (Some(_), _, None) => bail!(
+            "--prompt needs a tokenizer: {} has no tokenizer.json; give --tokenizer (a tokenizer.json, bytes or hub:ORG/NAME) or the prompt as --tokens",
+            model.display()
+        ),
+        (None, Some(ids), _) => parse_ids(ids)?,
+        (None, None, _) => bail!("give --prompt TEXT or --tokens IDS"),
+    };
+    if ids.is_empty() {
+        bail!("--prompt: the text is no tokens; give some text to continue");
+    }
+    let mut m = crate::checkpoint::hf::load_hf(model)?;
+    if let Some(bad) = ids.iter().find(|&&t| t as usize >= m.cfg.vocab_size) {
+        bail!("the prompt holds token id {bad}, but {}'s vocabulary has {} tokens", model.display(), m.cfg.vocab_size);
+    }
+    if let Some(dtype) = gpu {
+        let gpu = crate::cuda::runtime::Gpu::open(0)?;
+        m.to_place(&crate::ops::tensor::Place::for_rank(Some(&gpu), dtype)?);
+    }
+    let eos = eos_ids(model)?;
+    let how = match sampling.temperature {
+        0.0 => "greedy".to_string(),
+        t => format!("temperature {t}, top-k {}, seed {}", sampling.top_k, sampling.seed),
+    };
+    crate::say!("{}: {} prompt tokens, up to {} new ({how})", model.display(), ids.len(), sampling.max_new_tokens);
+    // the text as it grows (a character may need two tokens: shown once it is whole); a closed
+    // or full standard output costs the printout, never the run
+    let show = |text: &str| {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(text.as_bytes()).and_then(|_| out.flush());
+    };
+    let (mut new, mut shown) = (Vec::new(), String::new());
+    show(&match &tok {
+        Some(t) => t.decode(&ids)?,
+        None => ids.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "),
+    });
+    let start = std::time::Instant::now();
+    let out = generate(&mut m, &ids, sampling, &eos, &mut |t| {
+        new.push(t);
+        let text = match &tok {
+            Some(tk) => tk.decode(&new).unwrap_or_default(),
+            None => new.iter().map(|i| format!(" {i}")).collect(),
+        };
+        if let Some(more) = text.strip_prefix(shown.as_str()) {
+            show(more);
+            shown = text;
+        }
+    })?;
+    let secs = start.elapsed().as_secs_f64();
+    let stop = if out.last().is_some_and(|t| eos.contains(t)) { "; stopped at the end-of-text token" } else { "" };
+    crate::say!("\nnew token ids: {}", out.iter().map(|i| i.to_string()).collect::<Vec<_>>().join(" "));
+    crate::say!("{} tokens in {secs:.2} s ({:.1} tokens/s){stop}", out.len(), out.len() as f64 / secs.max(1e-9));
+    Ok(())
 }
 
 /// Generates after `prompt`: the new tokens, ending with the end-of-text token if one of `eos`

@@ -2,8 +2,8 @@
 //!
 //! `hub:ORG/NAME` names a repository on huggingface.co: a model for `model.init_from` and
 //! `data.tokenizer`, a dataset for `data.source = "hub:ORG/NAME/FILE"` (FILE may be a glob,
-//! `data/train-*.parquet`: every matching file of the repository, in name order). Files are looked up in the
-//! usual Hugging Face cache first (`$HF_HOME/hub`, by default `~/.cache/huggingface/hub`, shared
+//! `data/train-*.parquet`: every matching file of the repository, in name order). Files are
+//! looked up in the usual Hugging Face cache first (`$HF_HOME/hub`, by default `~/.cache/huggingface/hub`, shared
 //! with transformers), so a repository that is already there needs no network; otherwise
 //! `hf-hub` downloads it into that cache.
 

@@ -14,14 +14,17 @@
 //! `model.init_from`) are not compared.
 
 use crate::comm::Group;
-use crate::config::Config;
+use crate::config::{differing, Config, Settings};
 use anyhow::{bail, Result};
-use std::collections::BTreeMap;
+
+/// Not compared: paths that may differ from one machine to the next.
+const PER_MACHINE: [&str; 3] = ["checkpoint.dir", "data.cache_dir", "model.init_from"];
 
 /// Every rank of `world` gets rank 0's settings, and fails if its own differ.
 pub(super) fn settings(world: &Group, cfg: &Config) -> Result<()> {
-    let mine = cfg.shaping_settings();
-    let text = mine.join("\n");
+    let mut mine = cfg.settings();
+    mine.retain(|k, _| !PER_MACHINE.contains(&k.as_str()));
+    let text: String = mine.iter().map(|(k, v)| format!("{k} = {v}\n")).collect();
     let mut len = [text.len() as f32]; // exact: a config is far under 2²⁴ bytes
     world.broadcast(&mut len, 0)?;
     let mut bytes: Vec<f32> = match world.index() {
@@ -29,9 +32,14 @@ pub(super) fn settings(world: &Group, cfg: &Config) -> Result<()> {
         _ => vec![0.0; len[0] as usize],
     };
     world.broadcast(&mut bytes, 0)?;
-    let theirs = String::from_utf8_lossy(&bytes.iter().map(|&b| b as u8).collect::<Vec<u8>>()).into_owned();
+    let text = String::from_utf8_lossy(&bytes.iter().map(|&b| b as u8).collect::<Vec<u8>>()).into_owned();
+    let theirs: Settings =
+        text.lines().filter_map(|l| l.split_once(" = ")).map(|(k, v)| (k.to_string(), v.to_string())).collect();
     let me = crate::comm::processes::current()?.map_or(0, |p| p.index);
-    let differences = compare(&mine, &theirs, me);
+    let differences: Vec<String> = differing(&mine, &theirs)
+        .into_iter()
+        .map(|(k, here, there)| format!("{k} = {here} in process {me}, {there} in process 0"))
+        .collect();
     // the rank that differs fails; the others learn it from the run's abort, naming this error
     if !differences.is_empty() {
         bail!(
@@ -40,20 +48,4 @@ pub(super) fn settings(world: &Group, cfg: &Config) -> Result<()> {
         );
     }
     Ok(())
-}
-
-/// `key = here in process me, there in process 0` for each key whose values differ.
-fn compare(mine: &[String], theirs: &str, me: usize) -> Vec<String> {
-    let split = |l: &str| l.split_once(" = ").map(|(k, v)| (k.to_string(), v.to_string()));
-    let here: BTreeMap<String, String> = mine.iter().filter_map(|l| split(l)).collect();
-    let there: BTreeMap<String, String> = theirs.lines().filter_map(split).collect();
-    let keys: std::collections::BTreeSet<&String> = here.keys().chain(there.keys()).collect();
-    let absent = "absent".to_string();
-    keys.into_iter()
-        .filter(|k| here.get(*k) != there.get(*k))
-        .map(|k| {
-            let (a, b) = (here.get(k).unwrap_or(&absent), there.get(k).unwrap_or(&absent));
-            format!("{k} = {a} in process {me}, {b} in process 0")
-        })
-        .collect()
 }

@@ -172,7 +172,10 @@ impl Run {
             Some(arg) => {
                 let dir = folder::resolve(arg, cfg)?;
                 let latest = arg.as_os_str() == "latest";
-                let r = save::load(&dir).map_err(|e| if latest { save::name_newest_good(&dir, e) } else { e })?;
+                let r = save::load(&dir).map_err(|e| match latest {
+                    true => folder::name_newest_good(&dir, e, |older| save::load(older).is_ok()),
+                    false => e,
+                })?;
                 let notes = r.check(cfg, &dir, opts.allow_changes)?;
                 (Some((r, dir)), notes)
             }

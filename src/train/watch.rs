@@ -135,7 +135,8 @@ impl<'a> Watch<'a> {
         })
     }
 
-    /// Notes that a signal stopped the run after a checkpoint at `checkpoint` (rank 0).
+    /// Notes that a signal stopped the run, and the checkpoint it saved (`None` where another
+    /// process wrote it).
     pub(super) fn stopped(&mut self, signal: i32, checkpoint: Option<PathBuf>) {
         self.summary.stopped = Some(Stopped { signal, checkpoint });
     }
