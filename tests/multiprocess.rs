@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::processes::{args, losses, said, torchrun, wait_all, wait_for_steps};
+use common::processes::{args, losses, process_of, said, torchrun, wait_all, wait_for_steps};
 use ferrotron::comm::processes::{from_env, Processes, WireKind};
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -83,17 +83,11 @@ fn a_killed_process_ends_the_run_at_once_naming_its_ranks_and_host() {
 #[test]
 fn processes_started_with_other_settings_refuse_to_train_together() {
     let port = common::processes::free_port().to_string();
-    let start = |rank: &str, lr: &str| {
-        std::process::Command::new(common::processes::BIN)
-            .args(args(&["train"], &small(&["parallel.dp=2", "train.steps=3", &format!("train.lr={lr}")])))
-            .envs([("RANK", rank), ("WORLD_SIZE", "2"), ("LOCAL_RANK", rank), ("LOCAL_WORLD_SIZE", "2")])
-            .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .spawn()
-            .unwrap()
+    let start = |rank, lr: &str| {
+        let a = args(&["train"], &small(&["parallel.dp=2", "train.steps=3", &format!("train.lr={lr}")]));
+        process_of(rank, 2, &port, &a).spawn().unwrap()
     };
-    let outs = wait_all(vec![start("0", "1e-3"), start("1", "5e-3")], LIMIT);
+    let outs = wait_all(vec![start(0, "1e-3"), start(1, "5e-3")], LIMIT);
     let (first, second) = (said(&outs[0]), said(&outs[1]));
     assert!(outs.iter().all(|o| o.status.code() == Some(1)), "{first}\n{second}");
     for said in [first, second] {
@@ -249,12 +243,7 @@ fn a_bad_launch_is_one_clear_line() {
     // a process that never comes
     let a = args(&["train"], &small(&["parallel.dp=2", "parallel.timeout_s=2"]));
     let port = common::processes::free_port().to_string();
-    let lonely = std::process::Command::new(common::processes::BIN)
-        .args(&a)
-        .envs([("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("LOCAL_WORLD_SIZE", "2")])
-        .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port.as_str())])
-        .output()
-        .unwrap();
+    let lonely = process_of(0, 2, &port, &a).output().unwrap();
     let e = String::from_utf8_lossy(&lonely.stderr);
     assert!(e.contains("for process(es) 1 (RANK) that never came"), "{e}");
     // MASTER_ADDR at a server that is not ferrotron (it answers like a web server, then talks
@@ -268,12 +257,7 @@ fn a_bad_launch_is_one_clear_line() {
             let _ = s.write_all(&[0xffu8; 4096]);
         }
     });
-    let stray = std::process::Command::new(common::processes::BIN)
-        .args(&a)
-        .envs([("RANK", "1"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "2")])
-        .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", web.as_str())])
-        .output()
-        .unwrap();
+    let stray = process_of(1, 2, &web, &a).output().unwrap();
     let e = String::from_utf8_lossy(&stray.stderr);
     assert_eq!(stray.status.code(), Some(1), "{e}");
     assert!(e.contains(&format!("127.0.0.1:{web} is not ferrotron's process 0")) && e.contains("HTTP/1."), "{e}");

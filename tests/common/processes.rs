@@ -22,23 +22,23 @@ pub fn free_port() -> u16 {
     }
 }
 
+/// `ferrotron args…` as process `rank` of `n`, torchrun-style, meeting process 0 on this host's
+/// `port`; its output piped.
+pub fn process_of(rank: usize, n: usize, port: &str, args: &[String]) -> Command {
+    let (rank, n) = (rank.to_string(), n.to_string());
+    let mut c = Command::new(BIN);
+    c.args(args)
+        .envs([("RANK", &rank), ("WORLD_SIZE", &n), ("LOCAL_RANK", &rank), ("LOCAL_WORLD_SIZE", &n)])
+        .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", port)])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
 /// `n` processes of `ferrotron args…` with torchrun's variables (and `env`), all on this host.
 pub fn torchrun(n: usize, args: &[String], env: &[(&str, &str)]) -> Vec<Child> {
     let port = free_port().to_string();
-    (0..n)
-        .map(|r| {
-            let (rank, n) = (r.to_string(), n.to_string());
-            Command::new(BIN)
-                .args(args)
-                .envs([("RANK", &rank), ("WORLD_SIZE", &n), ("LOCAL_RANK", &rank), ("LOCAL_WORLD_SIZE", &n)])
-                .envs([("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", &port)])
-                .envs(env.iter().copied())
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect()
+    (0..n).map(|r| process_of(r, n, &port, args).envs(env.iter().copied()).spawn().unwrap()).collect()
 }
 
 /// `mpirun -np n ferrotron args…` on this host, oversubscribed (more processes than cores).
