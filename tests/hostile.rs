@@ -220,6 +220,123 @@ fn path_cases(scratch: &Path) -> Vec<Case> {
     cases
 }
 
+/// Damaged files inside a model folder and a checkpoint: each file of each, empty, cut off,
+/// garbage, with bytes added, or with a value of the wrong kind, read by every command that reads
+/// it. The line names the file.
+fn damaged_cases(scratch: &Path) -> Vec<Case> {
+    let s = |p: &Path| p.display().to_string();
+    let ckpt = scratch.join("ckpt");
+    let made = Command::new(BIN)
+        .args(train(&["checkpoint.every=1".into(), format!("checkpoint.dir=\"{}\"", s(&ckpt))]))
+        .env("FERROTRON_CACHE", scratch.join("cache"))
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let good_ckpt = ckpt.join("step_000001");
+    let good_model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gqa");
+    let safetensors = |good: &[u8]| -> Vec<(&'static str, Vec<u8>)> {
+        let header = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
+        let head = String::from_utf8(good[8..8 + header].to_vec()).unwrap();
+        let mut long_header = good.to_vec();
+        long_header[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        let mut not_json = good.to_vec();
+        not_json[8..12].copy_from_slice(b"}}}}");
+        vec![
+            ("empty", vec![]),
+            ("cut off", good[..good.len() / 2].to_vec()),
+            ("cut in its header", good[..20].to_vec()),
+            ("bytes added", [good, b"garbage"].concat()),
+            ("an absurd header length", long_header),
+            ("a header that is not JSON", not_json),
+            ("an integer tensor", [&good[..8], head.replacen("F32", "I32", 1).as_bytes(), &good[8 + header..]].concat()),
+            ("a wider dtype", [&good[..8], head.replacen("F32", "F64", 1).as_bytes(), &good[8 + header..]].concat()),
+        ]
+    };
+    let json = |good: &str, edits: &[(&'static str, &str, &str)]| -> Vec<(&'static str, Vec<u8>)> {
+        let mut v: Vec<(&'static str, Vec<u8>)> =
+            vec![("empty", vec![]), ("garbage", b"\xff\xfe{{".to_vec()), ("a list", b"[]".to_vec()), ("null", b"null".to_vec())];
+        for &(what, from, to) in edits {
+            assert!(good.contains(from), "{from} in {good}");
+            v.push((what, good.replacen(from, to, 1).into_bytes()));
+        }
+        v
+    };
+    let read = |p: PathBuf| std::fs::read(p).unwrap();
+    let text = |p: PathBuf| std::fs::read_to_string(p).unwrap();
+    let state = text(good_ckpt.join("trainer_state.json"));
+    let mut damaged: Vec<(&Path, &'static str, Vec<(&'static str, Vec<u8>)>)> = vec![
+        (&good_model, "model.safetensors", safetensors(&read(good_model.join("model.safetensors")))),
+        (&good_ckpt, "model.safetensors", safetensors(&read(good_ckpt.join("model.safetensors")))),
+        (&good_ckpt, "optimizer.safetensors", safetensors(&read(good_ckpt.join("optimizer.safetensors")))),
+        (
+            &good_model,
+            "config.json",
+            json(
+                &text(good_model.join("config.json")),
+                &[
+                    ("no layers", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 0"),
+                    ("a huge width", "\"hidden_size\": 32", "\"hidden_size\": 4294967296"),
+                    ("a huge vocabulary", "\"vocab_size\": 48", "\"vocab_size\": 1e20"),
+                ],
+            ),
+        ),
+    ];
+    damaged.push((
+        &good_ckpt,
+        "trainer_state.json",
+        json(
+            &state,
+            &[
+                ("the step as text", "\"step\": 1", "\"step\": \"1\""),
+                ("a negative step", "\"step\": 1", "\"step\": -1"),
+                ("a huge AdamW count", "\"adam_steps\": 1", "\"adam_steps\": 99999999999999"),
+                ("no run id", "\"run_id\"", "\"ru_id\""),
+                ("a config that is not TOML", "\"config\": \"", "\"config\": \"[[[ "),
+            ],
+        ),
+    ));
+    let mut cases = Vec::new();
+    for (good, file, variants) in damaged {
+        for (what, bytes) in variants {
+            // named for the reader of a failure: `damaged/step_000001-model.safetensors-cut off/`
+            let dir = scratch.join("damaged").join(format!("{}-{file}-{what}", good.file_name().unwrap().to_string_lossy()));
+            std::fs::create_dir_all(&dir).unwrap();
+            for f in std::fs::read_dir(good).unwrap() {
+                let f = f.unwrap().path();
+                std::fs::copy(&f, dir.join(f.file_name().unwrap())).unwrap();
+            }
+            std::fs::write(dir.join(file), bytes).unwrap();
+            // a config.json that disagrees with the weights' shapes: the folder is named, with the tensor
+            let named = match file {
+                "config.json" => format!("{}|{}: tensor", s(&dir.join(file)), s(&dir)),
+                _ => s(&dir.join(file)),
+            };
+            let named: &'static str = Box::leak(named.into_boxed_str());
+            let d = s(&dir);
+            if good == good_model {
+                for args in [
+                    vec!["eval".into(), "--model".into(), d.clone(), "--tokens".into(), s(&good_model.join("tokens.txt"))],
+                    vec!["generate".into(), "--model".into(), d.clone(), "--tokens".into(), "1".into()],
+                ] {
+                    cases.push(Case { args, want: Want::Refused(named) });
+                }
+            } else {
+                cases.push(Case {
+                    args: [train(&["train.steps=2".into()]), vec!["--resume".into(), d.clone()]].concat(),
+                    want: Want::Refused(named),
+                });
+                // eval reads a checkpoint's config.json and model.safetensors only
+                let want = if file == "model.safetensors" { Want::Refused(named) } else { Want::RefusedOrRuns(named) };
+                cases.push(Case {
+                    args: vec!["eval".into(), "--model".into(), d, "--tokens".into(), s(&good_model.join("tokens.txt"))],
+                    want,
+                });
+            }
+        }
+    }
+    cases
+}
+
 /// The other subcommands' flags.
 fn command_cases() -> Vec<Case> {
     let mut cases = Vec::new();
@@ -254,6 +371,18 @@ fn command_cases() -> Vec<Case> {
     cases
 }
 
+/// A library's type or variant name in a message (`MetadataIncompleteBuffer`, `ParseIntError`):
+/// a word of two capitalised parts or more, outside a path, that is not one of the field's words.
+fn rust_name(err: &str) -> Option<&str> {
+    const OURS: &[&str] = &["NaN", "AdamW", "GiB", "MiB", "KiB", "TFLOP", "RoPE", "ZeRO", "SwiGLU", "RMSNorm"];
+    err.split(|c: char| c.is_whitespace() || "()[]{},:;'\"`".contains(c))
+        .filter(|w| !w.contains('/') && !w.contains('.'))
+        .find(|w| {
+            let humps = w.char_indices().filter(|&(i, c)| c.is_uppercase() && w[..i].ends_with(char::is_lowercase)).count();
+            w.starts_with(char::is_uppercase) && humps >= 1 && !w.ends_with("ForCausalLM") && !OURS.contains(w)
+        })
+}
+
 /// Runs `case`, returning what is wrong with the outcome, if anything.
 fn judge(case: &Case, cwd: &Path) -> Option<String> {
     let start = Instant::now();
@@ -282,7 +411,7 @@ fn judge(case: &Case, cwd: &Path) -> Option<String> {
     let code = status.code();
     let one_line = err.trim_end().lines().count() == 1 && err.starts_with("error: ");
     let debug = ["panicked", "RUST_BACKTRACE", "Error {", "Custom {", "kind: "].iter().find(|d| err.contains(*d));
-    if let Some(d) = debug {
+    if let Some(d) = debug.copied().or_else(|| rust_name(&err)) {
         return Some(format!("printed `{d}`: {err}"));
     }
     let (named, may_run) = match case.want {
@@ -310,6 +439,7 @@ fn the_hostile_sweep() {
     let mut cases = config_cases();
     cases.extend(path_cases(scratch.path()));
     cases.extend(command_cases());
+    cases.extend(damaged_cases(scratch.path()));
     assert!(cases.len() >= 150, "only {} cases", cases.len());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     // two at a time: the machine's two cores

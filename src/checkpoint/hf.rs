@@ -190,7 +190,7 @@ pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
     let bytes =
         std::fs::read(path).with_context(|| format!("cannot read {}: check that the file exists", path.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
-        anyhow::anyhow!("{}: not a valid safetensors file ({e:?}); re-download or re-export it", path.display())
+        anyhow::anyhow!("{}: not a valid safetensors file ({}); re-download or re-export it", path.display(), damage(&e))
     })?;
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {
@@ -204,6 +204,25 @@ pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
         out.insert(name, Tensor::from_vec(view.shape(), data));
     }
     Ok(out)
+}
+
+/// What is wrong with a safetensors file, in words (the library's errors print as Rust names).
+fn damage(e: &safetensors::SafeTensorError) -> String {
+    use safetensors::SafeTensorError as E;
+    match e {
+        E::HeaderTooSmall => "it is too short to hold a header: empty or cut off".into(),
+        E::InvalidHeaderLength => "the header length in its first 8 bytes does not fit the file: cut off".into(),
+        E::HeaderTooLarge => "its first 8 bytes give an impossible header size".into(),
+        E::InvalidHeader | E::InvalidHeaderStart | E::InvalidHeaderDeserialization | E::JsonError(_) => {
+            "its header is not the JSON table of tensors".into()
+        }
+        E::MetadataIncompleteBuffer => "its tensors do not cover its bytes: cut off, or with bytes added".into(),
+        E::InvalidOffset(name) | E::TensorNotFound(name) => format!("tensor {name} lies outside the file"),
+        E::TensorInvalidInfo | E::InvalidTensorView(..) | E::ValidationOverflow => {
+            "a tensor's shape and dtype do not match its bytes".into()
+        }
+        E::IoError(io) => io.to_string(),
+    }
 }
 
 /// This rank's part (tp slice, pipeline stage) of a model whose full tensors are `weights`;

@@ -249,9 +249,13 @@ pub fn load(dir: &Path) -> Result<Resumed> {
         .with_context(|| format!("cannot read {}: not a ferrotron checkpoint folder", meta_path.display()))?;
     let meta: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", meta_path.display()))?;
-    let (Some(step), Some(adam_steps)) = (meta["step"].as_u64(), meta["adam_steps"].as_u64()) else {
-        bail!("{}: step or adam_steps is missing", meta_path.display());
+    let whole = |key: &str, max: u64| {
+        let v = &meta[key];
+        v.as_u64().filter(|&n| n <= max).with_context(|| {
+            format!("{}: \"{key}\" is {v}, not a whole number up to {max}: the file is damaged", meta_path.display())
+        })
     };
+    let (step, adam_steps) = (whole("step", u64::MAX)? as usize, whole("adam_steps", u32::MAX as u64)? as u32);
     let Some(run_id) = meta["run_id"].as_str().map(str::to_string) else {
         bail!("{}: no run_id (written by an older ferrotron): start a new run", meta_path.display());
     };
@@ -259,7 +263,6 @@ pub fn load(dir: &Path) -> Result<Resumed> {
         .as_str()
         .and_then(Config::from_recorded)
         .with_context(|| format!("{}: its \"config\" is missing or unreadable", meta_path.display()))?;
-    let (step, adam_steps) = (usize::try_from(step)?, u32::try_from(adam_steps)?);
     let weights = read_safetensors(&dir.join("model.safetensors"))?;
     let moments = read_safetensors(&dir.join("optimizer.safetensors"))?;
     Ok(Resumed { step, adam_steps, run_id, recorded, weights, moments })
