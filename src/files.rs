@@ -67,11 +67,18 @@ pub fn check_writable(path: &Path) -> Result<()> {
     check_folder_writable(&dir).with_context(|| format!("cannot write {}", path.display()))
 }
 
+/// An output of a command: its flag, the path given, and the file it really writes (symlinks and
+/// `a/../b` followed).
+pub struct Output<'a> {
+    pub flag: &'a str,
+    pub path: &'a Path,
+    pub real: PathBuf,
+}
+
 /// Checks that the outputs of one run (flag, path) are writable and are different files: two
-/// outputs on one path would write over each other (`--metrics X --trace X`). Symlinks and
-/// `a/../b` are followed to the file each would really write.
-pub fn check_outputs(outputs: &[(&str, Option<&Path>)]) -> Result<()> {
-    let mut seen: Vec<(&str, PathBuf)> = Vec::new();
+/// outputs on one path would write over each other (`--metrics X --trace X`).
+pub fn check_outputs<'a>(outputs: &[(&'a str, Option<&'a Path>)]) -> Result<Vec<Output<'a>>> {
+    let mut seen: Vec<Output> = Vec::new();
     for &(flag, path) in outputs {
         let Some(path) = path else { continue };
         check_writable(path).with_context(|| flag.to_string())?;
@@ -79,12 +86,69 @@ pub fn check_outputs(outputs: &[(&str, Option<&Path>)]) -> Result<()> {
         // the folder exists now (check_writable made it): its canonical form names the file
         let name = target.file_name().map(|n| n.to_os_string()).unwrap_or_default();
         let real = folder_of(&target).canonicalize().map(|dir| dir.join(name)).unwrap_or(target);
-        if let Some((other, _)) = seen.iter().find(|(_, p)| *p == real) {
-            bail!("{flag} {} is also the {other} file: give each output its own path", path.display());
+        if let Some(other) = seen.iter().find(|o| o.real == real) {
+            bail!("{flag} {} is also the {} file: give each output its own path", path.display(), other.flag);
         }
-        seen.push((flag, real));
+        seen.push(Output { flag, path, real });
     }
-    Ok(())
+    Ok(seen)
+}
+
+/// Outputs this process writes, each claimed until it ends: a second live run given one of them
+/// is refused (as a second run on a checkpoint folder is), instead of the two writing over each
+/// other. The claim is a `flock` on `LOCKS/<hash of the real path>.lock`, so it goes away with the
+/// process, even after `kill -9`; the lock files stay, a few bytes each, naming the path.
+pub struct Claims {
+    _locks: Vec<std::fs::File>,
+}
+
+/// Claims `outputs` for this process (none where `mine` is false: in a multi-process run the first
+/// process writes them); refuses an output another live process holds. The locks live in the
+/// cache folder's `locks/`.
+pub fn claim(outputs: &[Output], mine: bool) -> Result<Claims> {
+    let locks = cache_folder("").unwrap_or_else(|_| std::env::temp_dir().join("ferrotron")).join("locks");
+    let mut held = Vec::new();
+    for o in outputs.iter().filter(|_| mine) {
+        std::fs::create_dir_all(&locks).with_context(|| format!("cannot create the lock folder {}", locks.display()))?;
+        // FNV-1a: a stable name for the path (std's hashers may change between Rust releases)
+        let hash = o.real.as_os_str().as_encoded_bytes().iter().fold(0xcbf29ce484222325u64, |h, &b| {
+            (h ^ b as u64).wrapping_mul(0x100000001b3)
+        });
+        let lock_path = locks.join(format!("{hash:016x}.lock"));
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false) // the holder's note stays readable to the refused
+            .read(true)
+            .write(true)
+            .open(&lock_path)
+            .with_context(|| format!("{}: cannot open the lock file {}", o.flag, lock_path.display()))?;
+        if lock.try_lock().is_err() {
+            let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
+            let holder = holder.lines().nth(1).unwrap_or("another process");
+            bail!(
+                "{} {} is being written by another live run ({holder}): give this run its own path, or wait for that run to end",
+                o.flag,
+                o.path.display()
+            );
+        }
+        let note = format!("{}\nprocess {}\n", o.real.display(), std::process::id());
+        lock.set_len(0).and_then(|_| (&lock).write_all(note.as_bytes())).ok(); // informative only
+        held.push(lock);
+    }
+    Ok(Claims { _locks: held })
+}
+
+/// The cache folder `data.cache_dir` names, or, for `""`, `$FERROTRON_CACHE`, else
+/// `$XDG_CACHE_HOME/ferrotron`, else `~/.cache/ferrotron` (the Hugging Face cache's convention).
+pub fn cache_folder(setting: &str) -> Result<PathBuf> {
+    let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
+    match setting {
+        "" => env("FERROTRON_CACHE")
+            .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("ferrotron")))
+            .or_else(|| env("HOME").map(|d| d.join(".cache/ferrotron")))
+            .context("data.cache_dir: no cache folder (HOME is not set); set data.cache_dir or FERROTRON_CACHE"),
+        dir => Ok(PathBuf::from(dir)),
+    }
 }
 
 /// Reads a text file the user named (`what`: its flag or key), refusing what is not a regular

@@ -205,6 +205,13 @@ enum Command {
     },
 }
 
+/// Checks a command's outputs (`files::check_outputs`) and claims them for this run
+/// (`files::claim`): in a multi-process run the first process writes them.
+fn claim_outputs(outputs: &[(&str, Option<&std::path::Path>)]) -> Result<ferrotron::files::Claims> {
+    let checked = ferrotron::files::check_outputs(outputs)?;
+    ferrotron::files::claim(&checked, ferrotron::comm::processes::leads())
+}
+
 fn run(cli: Cli) -> Result<Exit> {
     match cli.command {
         Command::Train { config, sets, metrics, trace, plot, resume, allow_changes, comm_report, link } => {
@@ -212,7 +219,7 @@ fn run(cli: Cli) -> Result<Exit> {
             // before, not after, training: each output writable, and no two on one file
             let outputs =
                 [("--metrics", metrics.as_deref()), ("--trace", trace.as_deref()), ("--plot", plot.as_deref())];
-            ferrotron::files::check_outputs(&outputs)?;
+            let _claims = claim_outputs(&outputs)?; // held until the run ends
             let spans = trace.as_ref().map(|_| Trace::default());
             ferrotron::train::stop::install(); // Ctrl-C and SIGTERM: finish the step, save, stop
             let opts = train::Options {
@@ -278,6 +285,9 @@ fn run(cli: Cli) -> Result<Exit> {
             converge::check_tol(tol)?;
             converge::plan(config.as_deref(), &sets, &variants)?; // every refusal before --out is made
             ferrotron::files::check_folder_writable(&out).context("--out")?;
+            let real = out.canonicalize().with_context(|| format!("--out {}", out.display()))?;
+            let out_folder = ferrotron::files::Output { flag: "--out", path: &out, real };
+            let _claim = ferrotron::files::claim(&[out_folder], ferrotron::comm::processes::leads())?;
             sets.extend(steps.map(|n| format!("train.steps={n}")));
             let report = converge::converge(config.as_deref(), &sets, &variants, tol)?;
             if ferrotron::comm::processes::leads() {
@@ -340,9 +350,7 @@ fn run(cli: Cli) -> Result<Exit> {
         }
         Command::Memory { config, sets, measure, json } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
-            if let Some(path) = &json {
-                ferrotron::files::check_writable(path).context("--json")?;
-            }
+            let _claims = claim_outputs(&[("--json", json.as_deref())])?;
             let ranks = memory::memory(&cfg, measure)?;
             say!("{}", memory::table(&cfg, &ranks).trim_end());
             if let Some(path) = &json {
@@ -372,9 +380,7 @@ fn run(cli: Cli) -> Result<Exit> {
                 anyhow::bail!("--op attention times the attention kernels alone: leave out --profile, --against and --peak-tflops (they are for a training step)");
             }
             let cfg = Config::load(config.as_deref(), &sets)?;
-            if let Some(path) = &json {
-                ferrotron::files::check_writable(path).context("--json")?;
-            }
+            let _claims = claim_outputs(&[("--json", json.as_deref())])?;
             let report = ferrotron::commands::bench_attention::bench_attention(&cfg, warmup, steps)?;
             say!("{}", ferrotron::commands::bench_attention::attention_table(&report).trim_end());
             let text = serde_json::to_string(&report)?;
@@ -386,9 +392,7 @@ fn run(cli: Cli) -> Result<Exit> {
         Command::Bench { config, sets, steps, warmup, peak_tflops, json, against, profile, op: None } => {
             let cfg = Config::load(config.as_deref(), &sets)?;
             let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
-            if let Some(path) = &json {
-                ferrotron::files::check_writable(path).context("--json")?;
-            }
+            let _claims = claim_outputs(&[("--json", json.as_deref())])?;
             let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;
             say!("{}", bench::table(&report).trim_end());
             if profile {

@@ -251,6 +251,28 @@ fn two_runs_cannot_write_one_folder_at_once() {
 }
 
 #[test]
+fn an_output_another_live_run_writes_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let t = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
+    let (metrics, trace, plot) = (t("m.jsonl"), t("trace.json"), t("plot.svg"));
+    let outputs = ["--metrics", &metrics, "--trace", &trace, "--plot", &plot];
+    let mut first = spawn(&train_args(&tmp.path().join("ck1"), &[&["--set", "train.steps=100000"], &outputs[..]].concat()));
+    wait_for_lines(Path::new(&metrics), 3);
+    std::os::unix::fs::symlink(&trace, tmp.path().join("link.json")).unwrap();
+    std::fs::create_dir(tmp.path().join("sub")).unwrap();
+    // the same files by other names: `a/../b`, a symlink, the plain path
+    for (flag, path) in [("--metrics", t("sub/../m.jsonl")), ("--trace", t("link.json")), ("--plot", plot.clone())] {
+        let out = run(&train_args(&tmp.path().join("ck2"), &["--set", "train.steps=2", flag, &path]));
+        fails_with(&out, &[flag, "another live run", &format!("process {}", first.id())]);
+    }
+    assert!(!tmp.path().join("ck2").exists(), "refused before anything was made");
+    first.kill().unwrap(); // kill -9: the claims go with the process
+    first.wait().unwrap();
+    ok(&run(&train_args(&tmp.path().join("ck3"), &[&["--set", "train.steps=2"], &outputs[..]].concat())));
+    assert_eq!(curve(Path::new(&metrics)).len(), 2, "the third run wrote the metrics");
+}
+
+#[test]
 fn damaged_and_foreign_checkpoints_are_named_and_left_alone() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");

@@ -79,7 +79,7 @@ impl Dataset {
                     m.vocab_size
                 );
             }
-            let cache = crate::data::text::cache_folder(&d.cache_dir)?;
+            let cache = crate::files::cache_folder(&d.cache_dir)?;
             let name = spec.trim_end_matches('/').rsplit('/').next().unwrap_or("source").to_string();
             let source = crate::data::text::Source { shards, column: d.text_column.clone(), name };
             let tokens = crate::data::text::Tokens::open(&source, &tokenizer, m.vocab_size, &cache)?;

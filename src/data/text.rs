@@ -141,19 +141,6 @@ impl Tokens {
     }
 }
 
-/// The cache folder `data.cache_dir` names, or, for `""`, `$FERROTRON_CACHE`, else
-/// `$XDG_CACHE_HOME/ferrotron`, else `~/.cache/ferrotron` (the Hugging Face cache's convention).
-pub fn cache_folder(setting: &str) -> Result<PathBuf> {
-    let env = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty()).map(PathBuf::from);
-    match setting {
-        "" => env("FERROTRON_CACHE")
-            .or_else(|| env("XDG_CACHE_HOME").map(|d| d.join("ferrotron")))
-            .or_else(|| env("HOME").map(|d| d.join(".cache/ferrotron")))
-            .context("data.cache_dir: no cache folder (HOME is not set); set data.cache_dir or FERROTRON_CACHE"),
-        dir => Ok(PathBuf::from(dir)),
-    }
-}
-
 /// A text source: its shards in order (`data/documents.rs`), the text field of their rows, and a
 /// name for its token file.
 pub struct Source {
