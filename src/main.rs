@@ -221,7 +221,7 @@ fn run(cli: Cli) -> Result<Exit> {
                 [("--metrics", metrics.as_deref()), ("--trace", trace.as_deref()), ("--plot", plot.as_deref())];
             let _claims = claim_outputs(&outputs)?; // held until the run ends
             let spans = trace.as_ref().map(|_| Trace::default());
-            ferrotron::train::stop::install(); // Ctrl-C and SIGTERM: finish the step, save, stop
+            ferrotron::train::stop::install(); // Ctrl-C and SIGTERM: stop at a micro-batch, save, exit
             let opts = train::Options {
                 metrics: metrics.as_deref(),
                 trace: spans.as_ref(),
@@ -261,7 +261,12 @@ fn run(cli: Cli) -> Result<Exit> {
             if let Some(stopped) = &s.stopped {
                 let step = s.first_step + s.losses.len();
                 let signal = ferrotron::train::stop::name(stopped.signal);
+                if let Some(micro) = stopped.dropped {
+                    let m = cfg.train.grad_accum_steps;
+                    say!("step {} dropped after {micro} of its {m} micro-batches: it trains again on resume", step + 1);
+                }
                 match &stopped.checkpoint {
+                    _ if s.losses.is_empty() => say!("stopped by {signal} in the run's first step: nothing new to save"),
                     Some(at) => say!("stopped by {signal} after step {step}: checkpoint {}; resume with the same command and --resume latest (or --resume {})", at.display(), at.display()),
                     None => say!("stopped by {signal} after step {step}: process 0 saved the checkpoint"),
                 }

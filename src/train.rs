@@ -104,9 +104,17 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let (seq, pos) = (t.seq_len, &positions);
             Ok((context_parallel::local_rows(&tokens, seq, pos), context_parallel::local_rows(&targets, seq, pos)))
         };
+        let mut dropped = None; // a signal that stopped the step between its micro-batches
         let (mut loss, activations_held) = if pp.size() == 1 {
             let mut loss = Tensor::zeros_on(&[1], &model.place(), DType::F32); // on the device: no wait
             for micro in 0..m {
+                if micro > 0 && opts.stop_on_signal {
+                    // a step of many micro-batches still stops soon after a signal (`train/stop.rs`)
+                    dropped = stop::agreed(me.group(Axis::World))?.map(|signal| (signal, micro));
+                    if dropped.is_some() {
+                        break;
+                    }
+                }
                 let (tokens, targets) = batch(micro)?;
                 let span = Instant::now();
                 ops::add_scaled(&mut loss, model.forward_loss(&tokens, t.micro_batch_size, &targets)?, 1.0 / m as f32);
@@ -127,6 +135,12 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p, last| dp_sync.grad_ready(p, last))?;
             (stats.loss, stats.peak_activations)
         };
+        if let Some((signal, micro)) = dropped {
+            // the step's gradients so far are dropped: the weights are still those of the step before
+            let saved = start.checkpoints.save_before(me, cfg, (step, first_step), (&model, &optimizer))?;
+            watch.stopped(Stopped { signal, checkpoint: saved, dropped: Some(micro) });
+            break;
+        }
         let span = Instant::now();
         dp_sync.finish(&mut model.params_mut())?; // every gradient (ZeRO: chunk) is now the dp average
         if p.sequence_parallel {
@@ -167,7 +181,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };
         let saved = start.checkpoints.save_if_due(me, cfg, step, (&model, &optimizer), signal.is_some())?;
         if let Some(signal) = signal {
-            watch.stopped(signal, saved);
+            watch.stopped(Stopped { signal, checkpoint: saved, dropped: None });
             break;
         }
     }

@@ -66,6 +66,8 @@ pub struct Stopped {
     /// The checkpoint written after the last step, to resume from (`None` in the processes that
     /// did not write it: every process of the run stops, and exits, alike).
     pub checkpoint: Option<PathBuf>,
+    /// Within a step: the micro-batches it had done, whose gradients were dropped.
+    pub dropped: Option<usize>,
 }
 
 /// One rank's view of a finished run.
@@ -332,6 +334,27 @@ impl Checkpoints {
             let folder = folder.as_ref().expect("taken above");
             save::save(folder, step + 1, &state, cfg, opt.steps_taken()).map(Some)
         })
+    }
+
+    /// After a signal dropped step `step` (0-based) part-way: the checkpoint of the steps before
+    /// it, saved now unless that step's end saved it already. `None` where this process does not
+    /// write checkpoints, or when the run has not finished a step yet (nothing new to keep).
+    pub(super) fn save_before(
+        &self,
+        me: &Rank,
+        cfg: &Config,
+        (step, first_step): (usize, usize),
+        state: (&Llama, &Optimizer),
+    ) -> Result<Option<PathBuf>> {
+        let every = cfg.checkpoint.every;
+        if step == first_step {
+            return Ok(None);
+        }
+        if every > 0 && step.is_multiple_of(every) {
+            let folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
+            return Ok(folder.as_ref().map(|f| f.dir.join(format!("step_{step:06}"))));
+        }
+        self.save_if_due(me, cfg, step - 1, state, true)
     }
 }
 

@@ -8,10 +8,15 @@
 //! end of a step   every rank asks "did a signal come?" in one all-reduce(max) over the world,
 //!                 so all of them stop after the same step (one rank stopping alone would hang
 //!                 the others in their next collective)
-//! then            a checkpoint to checkpoint.dir, the metrics flushed, where to resume printed,
-//!                 exit 128 + signal (130 for SIGINT, 143 for SIGTERM), as shells expect
+//! between micro-  the same question: a step of many micro-batches stops at the next one's
+//!   batches       start, and its gradients so far are dropped (no update was made with them)
+//! then            a checkpoint of the last finished step to checkpoint.dir, the metrics
+//!                 flushed, where to resume printed, exit 128 + signal (130 for SIGINT, 143 for
+//!                 SIGTERM), as shells expect
 //! second signal   exits at once (the last complete checkpoint stays the latest)
 //! ```
+//! A pipeline's step is one schedule of sends and receives between stages, with no point where
+//! every rank stands between micro-batches: there the signal waits for the step's end.
 
 use crate::comm::{Group, ReduceOp};
 use crate::ops::tensor::Tensor;
@@ -36,7 +41,7 @@ pub fn install() {
 extern "C" fn on_signal(sig: libc::c_int) {
     let first = RECEIVED.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst).is_ok();
     let msg: &[u8] = if first {
-        b"\nsignal received: finishing this step, then saving a checkpoint (signal again to stop at once)\n"
+        b"\nsignal received: stopping at the next micro-batch, then saving a checkpoint (signal again to stop at once)\n"
     } else {
         b"\nsecond signal: stopping now\n"
     };

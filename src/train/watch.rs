@@ -15,7 +15,6 @@ use crate::config::Config;
 use crate::model::Llama;
 use crate::ops::tensor::Place;
 use anyhow::Result;
-use std::path::PathBuf;
 use std::time::Instant;
 
 /// What the loop reports at the end of a step.
@@ -137,8 +136,8 @@ impl<'a> Watch<'a> {
 
     /// Notes that a signal stopped the run, and the checkpoint it saved (`None` where another
     /// process wrote it).
-    pub(super) fn stopped(&mut self, signal: i32, checkpoint: Option<PathBuf>) {
-        self.summary.stopped = Some(Stopped { signal, checkpoint });
+    pub(super) fn stopped(&mut self, stopped: Stopped) {
+        self.summary.stopped = Some(stopped);
     }
 
     pub(super) fn finish(mut self, model: &Llama) -> Result<Summary> {
