@@ -268,7 +268,8 @@ fn run(cli: Cli) -> Result<Exit> {
                 match &stopped.checkpoint {
                     _ if s.losses.is_empty() => say!("stopped by {signal} in the run's first step: nothing new to save"),
                     Some(at) => say!("stopped by {signal} after step {step}: checkpoint {}; resume with the same command and --resume latest (or --resume {})", at.display(), at.display()),
-                    None => say!("stopped by {signal} after step {step}: process 0 saved the checkpoint"),
+                    None if ferrotron::comm::processes::leads() => say!("stopped by {signal} after step {step}: no checkpoint saved (no folder could take one, as said at the start)"),
+                    None => say!("stopped by {signal} after step {step}: checkpoints are process 0's to write (see its output)"),
                 }
                 return Ok(Exit::Signal(stopped.signal)); // every process of the run exits 128 + signal
             }

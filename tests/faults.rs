@@ -539,6 +539,19 @@ fn a_signal_save_that_would_fail_is_found_at_start_and_goes_beside() {
     assert_eq!(saved.len(), 1);
     assert!(stdout.contains(&saved[0].path.display().to_string()), "says where: {stdout}");
     assert_eq!(snapshot(&dir), before, "the other run's checkpoints are untouched");
+    // where no folder can take it (checkpoint.dir under a file), the run says so at the start and
+    // a signal stops it cleanly, without a save
+    std::fs::write(tmp.path().join("file"), "x").unwrap();
+    let under_file = tmp.path().join("file/ck");
+    let metrics = tmp.path().join("m2.jsonl");
+    let child = spawn(&train_args(&under_file, &["--set", "train.steps=100000", "--metrics", metrics.to_str().unwrap()]));
+    wait_for_lines(&metrics, 5);
+    signal(&child, libc::SIGTERM);
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(143), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(stdout.contains("a signal will stop the run without saving"), "{stdout}");
+    assert!(stdout.contains("no checkpoint saved (no folder could take one"), "{stdout}");
 }
 
 /// Issue 40, lost data: a step that makes a weight or an AdamW moment non-finite writes no

@@ -187,7 +187,7 @@ impl Run {
         let resumed_step = resumed.as_ref().map(|(r, _)| r.step);
         let finished = resumed_step == Some(t.steps);
         let mut checkpoints =
-            Checkpoints { folder: Mutex::new(None), dir: cfg.checkpoint.dir.clone().into(), run_id, resumed_step };
+            Checkpoints { folder: Mutex::new(None), dir: cfg.checkpoint.dir.clone().into(), run_id, resumed_step, signal_saves: true };
         let writes = setup.spread.then(crate::comm::processes::leads).unwrap_or(true); // rank 0 is here
         if cfg.checkpoint.every > 0 && !finished && writes {
             checkpoints.take()?; // this run owns checkpoint.dir from now on
@@ -276,6 +276,9 @@ pub(super) struct Checkpoints {
     dir: PathBuf,
     run_id: String,
     resumed_step: Option<usize>,
+    /// False when no folder could take a signal's save (said at the start): the run then stops
+    /// without one.
+    signal_saves: bool,
 }
 
 impl Checkpoints {
@@ -305,14 +308,15 @@ impl Checkpoints {
                 ),
             }
         }
-        if usable.is_ok() {
-            self.dir = beside;
+        match usable {
+            Ok(()) => self.dir = beside,
+            Err(_) => self.signal_saves = false,
         }
     }
 
     /// Saves the model and optimizer after `step` (0-based) when `checkpoint.every` says so, after
     /// the last step, or when `now`; every rank calls it, rank 0 writes (while the others' waits
-    /// do not time out). Returns where it wrote, on rank 0.
+    /// do not time out). Returns where it wrote, on rank 0 (`None` there: nothing could be saved).
     pub(super) fn save_if_due(
         &self,
         me: &Rank,
@@ -329,6 +333,9 @@ impl Checkpoints {
             return Ok(None);
         };
         me.group(Axis::World).while_others_wait(|| {
+            if !self.signal_saves {
+                return Ok(None); // no folder could take it, as the run said at its start
+            }
             self.take()?;
             let folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
             let folder = folder.as_ref().expect("taken above");
