@@ -226,6 +226,59 @@ fn the_launchers_environment_is_read() {
     assert!(e.contains("3 rank(s)") && e.contains("start 1, 3 processes"), "{e}");
 }
 
+/// A peer that is process 1 by its hello but then sends what no ferrotron sends: process 0 ends
+/// the run in one line naming process 1 and what came, within `parallel.timeout_s`, never an
+/// abort. The bytes are the wire's (`comm/tcp.rs`: the hello, then frames of a u64 length and a
+/// note; `comm/remote.rs`: a note is its kind, its session, its fields).
+#[test]
+fn a_peer_that_garbles_cuts_or_stalls_its_frames_ends_the_run_in_one_line() {
+    use std::io::{Read, Write};
+    let frame = |note: &[u8]| [&(note.len() as u64).to_le_bytes()[..], note].concat();
+    let text = |kind: u8, session: u64, s: &str| {
+        [&[kind][..], &session.to_le_bytes(), &(s.len() as u64).to_le_bytes(), s.as_bytes()].concat()
+    };
+    let hello = frame(&text(0, 0, "fake-host")); // the HELLO note: this process's host
+    let garbled_part = text(1, 1, "a group nobody has"); // a PART of session 1 that ends there
+    let cases: Vec<(&str, Vec<u8>, bool, &str)> = vec![
+        ("a length past any frame", u64::MAX.to_le_bytes().to_vec(), false, "over the"),
+        ("a frame cut short", [&100u64.to_le_bytes()[..], &[7u8; 10]].concat(), false, "connection closed"),
+        ("a note shorter than any", frame(&[1, 2, 3]), false, "shorter than any"),
+        ("a garbled note", [hello.clone(), frame(&garbled_part)].concat(), true, "does not read"),
+        ("silence after the hello", hello, true, "timed out after 3.0s"),
+    ];
+    for (what, bytes, keep_open, says) in cases {
+        let port = common::processes::free_port();
+        let a = args(&["train"], &small(&["parallel.dp=2", "parallel.timeout_s=3", "train.steps=2"]));
+        let first = process_of(0, 2, &port.to_string(), &a).spawn().unwrap();
+        let peer = std::thread::spawn(move || {
+            let start = Instant::now();
+            let mut s = loop {
+                match std::net::TcpStream::connect(("127.0.0.1", port)) {
+                    Ok(s) => break s,
+                    Err(_) if start.elapsed() < Duration::from_secs(60) => std::thread::sleep(Duration::from_millis(20)),
+                    Err(e) => panic!("process 0 never listened: {e}"),
+                }
+            };
+            for word in [u64::from_le_bytes(*b"ferrotrn"), 1, 1] {
+                s.write_all(&word.to_le_bytes()).unwrap();
+            }
+            let mut table = [0u8; 8 + 2 * 24]; // process 0's hello, then where each process listens
+            s.read_exact(&mut table).unwrap();
+            s.write_all(&bytes).unwrap();
+            if keep_open {
+                std::thread::sleep(Duration::from_secs(20)); // connected and silent
+            }
+        });
+        let out = &wait_all(vec![first], LIMIT)[0];
+        let e = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{what}: {}", said(out));
+        assert!(e.starts_with("error: ") && e.trim_end().lines().count() == 1, "{what}: {e}");
+        assert!(e.contains("process 1") || e.contains("rank(s) [1"), "{what}: names the peer: {e}");
+        assert!(e.contains(says), "{what}: {e}");
+        drop(peer); // the thread ends with its sleep
+    }
+}
+
 #[test]
 fn a_bad_launch_is_one_clear_line() {
     let run = |n: usize, sets: &[&str]| -> Vec<String> {

@@ -195,7 +195,7 @@ impl Hub {
 
     pub(crate) fn release(&self) {
         let mut st = self.lock();
-        st.holding -= 1;
+        st.holding = st.holding.saturating_sub(1); // a garbled release cannot wrap the count
         st.holds_ended += 1;
         self.changed.notify_all(); // every wait restarts its clock
     }
@@ -270,9 +270,22 @@ impl Hub {
         self.changed.notify_all();
     }
 
-    /// A part another process's member left (`comm/remote.rs`).
-    pub(crate) fn part_from_afar(&self, group: (&str, &[usize]), seq: u64, index: usize, part: (Op, Vec<f32>)) {
-        self.leave(&mut self.lock(), group, seq, index, part);
+    /// A part another process's member left (`comm/remote.rs`), checked against the call's slot:
+    /// a member index and a group size that the wire garbled are an error, not a panic.
+    pub(crate) fn part_from_afar(
+        &self,
+        (name, ranks): (&str, &[usize]),
+        seq: u64,
+        index: usize,
+        part: (Op, Vec<f32>),
+    ) -> Result<()> {
+        let mut st = self.lock();
+        let size = st.slots.get(&(name.to_string(), seq)).map_or(ranks.len(), |slot| slot.parts.len());
+        if index >= ranks.len() || ranks.len() != size {
+            bail!("member {index} of a {}-member call on group {name} (of {size} members here)", ranks.len());
+        }
+        self.leave(&mut st, (name, ranks), seq, index, part);
+        Ok(())
     }
 
     /// Leaves this member's part of call `seq` of group `g`, waits for all parts, returns them in

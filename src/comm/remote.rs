@@ -287,6 +287,10 @@ impl Inbox {
     /// What the wire brought from process `from`. Notes go into the hub under the inbox's lock,
     /// so those of one process go in in the order they were sent.
     fn arrived(&self, from: usize, got: std::result::Result<Vec<u8>, String>) {
+        let got = got.and_then(|bytes| match bytes.len() >= 9 {
+            true => Ok(bytes),
+            false => Err(format!("it sent a note of {} bytes, shorter than any: is it the same ferrotron?", bytes.len())),
+        });
         let mut st = self.lock();
         match got {
             Err(why) => {
@@ -315,7 +319,8 @@ impl Inbox {
         self.changed.notify_all();
     }
 
-    /// Puts a note of process `from` into `hub`; a note that does not read aborts the run.
+    /// Puts a note of process `from` into `hub`; a note that does not read aborts the run. Every
+    /// count and index in it is checked before use: a garbled note is an error, never a panic.
     fn apply(&self, hub: &Hub, from: usize, bytes: &[u8]) {
         let mut r = Reader::after_header(bytes);
         let applied = (|| -> Result<()> {
@@ -323,7 +328,7 @@ impl Inbox {
                 PART => {
                     let (name, ranks, seq, index) = (r.text()?, r.list()?, r.int()?, r.int()? as usize);
                     let op = r.op()?;
-                    hub.part_from_afar((&name, &ranks), seq, index, (op, r.numbers()?));
+                    hub.part_from_afar((&name, &ranks), seq, index, (op, r.numbers()?))?;
                 }
                 MAIL => {
                     let key: MailKey = (r.text()?, r.int()? as usize, r.int()? as usize, r.int()?);
@@ -355,7 +360,7 @@ impl Message {
         m
     }
     fn session(bytes: &[u8]) -> u64 {
-        bytes.get(1..9).map_or(0, |b| u64::from_le_bytes(b.try_into().expect("8 bytes")))
+        u64::from_le_bytes(bytes[1..9].try_into().expect("8 bytes, as `arrived` checked"))
     }
     fn int(mut self, v: impl TryInto<u64>) -> Message {
         self.0.extend(v.try_into().unwrap_or(u64::MAX).to_le_bytes());
@@ -412,7 +417,11 @@ impl Reader<'_> {
         Ok(String::from_utf8_lossy(self.take(n)?).into_owned())
     }
     fn list(&mut self) -> Result<Vec<usize>> {
-        (0..self.int()?).map(|_| self.int().map(|x| x as usize)).collect()
+        let n = self.int()?;
+        if n > (self.bytes.len() / 8) as u64 {
+            bail!("a list of {n} numbers in a note of {} bytes", self.bytes.len());
+        }
+        (0..n).map(|_| self.int().map(|x| x as usize)).collect()
     }
     fn numbers(&mut self) -> Result<Vec<f32>> {
         let n = self.int()? as usize;
@@ -435,5 +444,79 @@ impl Reader<'_> {
             4 => Op::Barrier,
             k => bail!("unknown collective {k}"),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An inbox of process 0 of two, in session 1 with `hub`.
+    fn inbox(hub: &Arc<Hub>) -> Inbox {
+        let state = InboxState {
+            hub: Some((1, 1, Arc::downgrade(hub))),
+            early: Vec::new(),
+            hosts: vec![None; 2],
+            done: vec![0; 2],
+            lost: vec![None; 2],
+        };
+        Inbox { state: Mutex::new(state), changed: Condvar::new(), hosts: OnceLock::new() }
+    }
+
+    /// A part of call 7 on group "dp" of `ranks`, from member `index`, announcing `n` numbers.
+    fn part(ranks: &[usize], index: u64, op: Op, n: u64) -> Vec<u8> {
+        op_into(Message::new(PART, 1).text("dp").list(ranks).int(7u64).int(index), op).int(n).0
+    }
+
+    #[test]
+    fn a_garbled_note_ends_the_run_in_words_and_never_panics() {
+        let sum = Op::AllReduce(ReduceOp::Sum);
+        // collective 0 (all-reduce) with reduction 9, root 0
+        let bad_reduce = Message::new(PART, 1).text("dp").list(&[0, 1]).int(7u64).int(1u64);
+        let bad_reduce = bad_reduce.int(0u64).int(9u64).int(0u64).int(0u64).0;
+        let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+            ("an empty note", vec![], "shorter than any"),
+            ("a kind byte alone", vec![PART], "shorter than any"),
+            ("an unknown kind", Message::new(99, 1).0, "unknown note kind 99"),
+            ("a member past its group", part(&[0, 1], 2, sum, 0), "member 2 of a 2-member call"),
+            ("a list longer than its note", Message::new(PART, 1).text("dp").int(u64::MAX).0, "a list of"),
+            ("a text longer than its note", Message::new(ABORT, 1).int(u64::MAX).0, "ends early"),
+            ("more numbers than bytes", part(&[0, 1], 1, sum, u64::MAX / 2), "too many numbers"),
+            ("a few numbers missing", part(&[0, 1], 1, sum, 3), "ends early"),
+            ("an unknown reduction", bad_reduce, "unknown reduction 9"),
+        ];
+        for (what, bytes, says) in cases {
+            let hub = Arc::new(Hub::new(Duration::from_secs(1), None));
+            inbox(&hub).arrived(1, Ok(bytes));
+            let why = hub.aborted().unwrap_or_else(|| panic!("{what}: not refused"));
+            assert!(why.contains(says) && why.contains("process 1"), "{what}: {why}");
+        }
+        // a group size that disagrees with the parts already here
+        let hub = Arc::new(Hub::new(Duration::from_secs(1), None));
+        let inbox = inbox(&hub);
+        inbox.arrived(1, Ok(part(&[0, 1, 2], 1, sum, 0)));
+        assert!(hub.aborted().is_none(), "a good part is taken");
+        inbox.arrived(1, Ok(part(&[0, 1], 1, sum, 0)));
+        assert!(hub.aborted().is_some_and(|w| w.contains("of 3 members here")), "{:?}", hub.aborted());
+        // a release without its hold leaves the clocks running
+        let hub = Arc::new(Hub::new(Duration::from_secs(1), None));
+        self::inbox(&hub).arrived(1, Ok(Message::new(RELEASE, 1).0));
+        assert!(!hub.holds().0, "the clock is not held");
+        // noise: every prefix of a good part, and bytes flipped in it, read or refuse, never panic
+        let good = part(&[0, 1], 1, sum, 2).into_iter().chain(1f32.to_le_bytes()).chain(2f32.to_le_bytes());
+        let good: Vec<u8> = good.collect();
+        for cut in 0..good.len() {
+            let hub = Arc::new(Hub::new(Duration::from_secs(1), None));
+            self::inbox(&hub).arrived(1, Ok(good[..cut].to_vec()));
+            assert!(hub.aborted().is_some(), "cut at {cut}");
+        }
+        for at in 9..good.len() {
+            for flip in [0x01u8, 0x80, 0xff] {
+                let mut noisy = good.clone();
+                noisy[at] ^= flip;
+                let hub = Arc::new(Hub::new(Duration::from_secs(1), None));
+                self::inbox(&hub).arrived(1, Ok(noisy));
+            }
+        }
     }
 }
