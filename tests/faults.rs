@@ -209,6 +209,38 @@ fn a_signal_within_a_long_step_stops_at_the_next_micro_batch() {
 }
 
 #[test]
+fn a_signal_during_a_save_lets_it_finish_then_stops_with_the_next() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    // 4M parameters: a save takes long enough to be caught in the middle
+    let big = ["--set", "model.hidden_size=256", "--set", "model.intermediate_size=1024", "--set", "model.num_hidden_layers=4"];
+    let args = train_args(&dir, &[&big[..], &["--set", "train.steps=100000", "--set", "checkpoint.every=3"]].concat());
+    let child = spawn(&args);
+    let start = Instant::now();
+    let writing = loop {
+        let tmp_folder = std::fs::read_dir(&dir).into_iter().flatten().flatten().find(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.ends_with(".tmp") && name.starts_with("step_")
+        });
+        if let Some(e) = tmp_folder {
+            break e.file_name().to_string_lossy()[5..11].parse::<usize>().unwrap();
+        }
+        assert!(start.elapsed() < Duration::from_secs(60), "no save was seen");
+        std::thread::sleep(Duration::from_micros(200));
+    };
+    signal(&child, libc::SIGTERM);
+    let out = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(143), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let listed = ferrotron::checkpoint::folder::list(&dir).unwrap();
+    let steps: Vec<usize> = listed.iter().map(|l| l.step).collect();
+    assert!(steps.contains(&writing), "the save under way finished: {steps:?}");
+    assert_eq!(steps.last(), Some(&(writing + 1)), "then the next step saved and the run stopped: {steps:?}");
+    listed.iter().for_each(|l| drop(ferrotron::checkpoint::save::load(&l.path).unwrap()));
+    assert!(!std::fs::read_dir(&dir).unwrap().any(|e| e.unwrap().file_name().to_string_lossy().ends_with(".tmp")));
+}
+
+#[test]
 fn a_second_signal_stops_at_once_and_the_last_checkpoint_stays() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");

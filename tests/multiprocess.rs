@@ -96,19 +96,22 @@ fn processes_started_with_other_settings_refuse_to_train_together() {
     }
 }
 
-/// A signal to one process stops every process after the same step, one checkpoint is written,
+/// A signal to one process, or to all, stops every process after the same step, one checkpoint is written,
 /// and every process exits 128 + the signal (a launcher or Slurm's requeue sees one truth).
 #[test]
 fn a_signal_to_one_process_stops_all_alike() {
-    for (signalled, sig) in [(1, libc::SIGTERM), (0, libc::SIGINT)] {
+    // one process, the other, and both at once (as `scancel` signals every task of a job)
+    for (signalled, sig) in [(&[1][..], libc::SIGTERM), (&[0], libc::SIGINT), (&[0, 1], libc::SIGTERM)] {
         let tmp = tempfile::tempdir().unwrap();
         let (metrics, dir) = (tmp.path().join("m.jsonl"), tmp.path().join("ck"));
         let procs = long_run(&metrics, &[&format!("checkpoint.dir=\"{}\"", dir.display())]);
         wait_for_steps(&metrics, 2, LIMIT);
-        unsafe { libc::kill(procs[signalled].id() as i32, sig) };
+        for &p in signalled {
+            unsafe { libc::kill(procs[p].id() as i32, sig) };
+        }
         let outs = wait_all(procs, LIMIT);
         for (i, out) in outs.iter().enumerate() {
-            assert_eq!(out.status.code(), Some(128 + sig), "process {i} (signalled: {signalled}): {}", said(out));
+            assert_eq!(out.status.code(), Some(128 + sig), "process {i} (signalled: {signalled:?}): {}", said(out));
         }
         assert_eq!(ferrotron::checkpoint::folder::list(&dir).unwrap().len(), 1, "one checkpoint");
     }
