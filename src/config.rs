@@ -12,7 +12,7 @@ mod table;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use table::{apply_set, merge, one_line};
+use table::{apply_set, merge, one_line, plain_words};
 
 /// The longest a rank may be configured to wait for the others (`parallel.timeout_s`): a week.
 pub const MAX_TIMEOUT_S: f64 = 604800.0;
@@ -356,13 +356,19 @@ impl Config {
         for set in sets {
             apply_set(&mut table, set)?;
         }
-        let config: Config = serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+        let read = |table: toml::Table| -> std::result::Result<Config, (String, String)> {
+            serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {
+                let mut msg = one_line(&e.inner().to_string());
+                if let Some(i) = msg.rfind(" in `") {
+                    msg.truncate(i); // toml repeats the key we already name
+                }
+                (e.path().to_string(), msg)
+            })
+        };
+        let config = read(table.clone()).map_err(|(key, msg)| {
             let where_ = path.map(|p| format!(" (in {} or --set)", p.display())).unwrap_or_default();
-            let mut msg = one_line(&e.inner().to_string());
-            if let Some(i) = msg.rfind(" in `") {
-                msg.truncate(i); // toml repeats the key we already name
-            }
-            anyhow::anyhow!("config key `{}`: {msg}{where_}", e.path())
+            let again = |t| read(t).err().map(|(_, m)| m).unwrap_or_default();
+            anyhow::anyhow!("config key `{key}`: {}{where_}", plain_words(&msg, &key, &table, &again))
         })?;
         config.validate()?;
         Ok(config)

@@ -190,6 +190,23 @@ fn path_cases(scratch: &Path) -> Vec<Case> {
         let text = format!("data.source=\"text:{}\"", s(&scratch.join("corpus.txt")));
         cases.push(Case { args: train(&[text, tok, "model.vocab_size=512".into()]), want: Want::Refused("tokenizer") });
     }
+    // config files with a value of the wrong kind where a section, a word or a number goes
+    for (i, (toml, named)) in [
+        ("model = 5", "`model`"),
+        ("[train]\nlr = { x = 1 }", "train.lr"),
+        ("[parallel]\ndp_mode = 2", "`naive` or `bucketed`"),
+        ("[train]\nrecompute = [1]", "`selective`"),
+        ("[data]\nsource = { a = 1 }", "data.source"),
+        ("[model]\nhidden_size = 32\n[model]", "duplicate key"),
+        ("[train]\nlr = 1e-3\nlr = 2e-3", "duplicate key"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let file = scratch.join(format!("wrong-{i}.toml"));
+        std::fs::write(&file, toml).unwrap();
+        cases.push(Case { args: vec!["train".into(), "--config".into(), s(&file)], want: Want::Refused(named) });
+    }
     let gqa = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gqa");
     for bad in [&fifo, &folder, &missing] {
         let named: &'static str = Box::leak(s(bad).into_boxed_str());
@@ -410,7 +427,10 @@ fn judge(case: &Case, cwd: &Path) -> Option<String> {
     std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
     let code = status.code();
     let one_line = err.trim_end().lines().count() == 1 && err.starts_with("error: ");
-    let debug = ["panicked", "RUST_BACKTRACE", "Error {", "Custom {", "kind: "].iter().find(|d| err.contains(*d));
+    // a Rust debug dump, or serde's words for what a user wrote as a word or a section
+    const DEBUG: &[&str] = &["panicked", "RUST_BACKTRACE", "Error {", "Custom {", "kind: ", "unit variant", "expected struct"];
+    const RUST_WORDS: &[&str] = &["invalid type", "expected usize", "expected u64", "expected u32", "expected f64"];
+    let debug = DEBUG.iter().chain(RUST_WORDS).find(|d| err.contains(*d));
     if let Some(d) = debug.copied().or_else(|| rust_name(&err)) {
         return Some(format!("printed `{d}`: {err}"));
     }

@@ -51,6 +51,47 @@ pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
     Ok(())
 }
 
+/// The reader's complaint about `key` (dotted) of `table`, in the config's own words: serde speaks
+/// of "unit variants" and "struct ModelConfig"; a user wrote a word or a section. `read` reads a
+/// table again, to learn the words a key takes.
+pub(super) fn plain_words(msg: &str, key: &str, table: &toml::Table, read: &dyn Fn(toml::Table) -> String) -> String {
+    let path: Vec<&str> = key.split('.').collect();
+    let value = path.iter().try_fold(None::<&toml::Value>, |at, k| match at {
+        None => table.get(*k).map(Some),
+        Some(v) => v.get(*k).map(Some),
+    });
+    let shown = value.flatten().map_or("this".to_string(), |v| v.to_string());
+    if msg.contains("expected struct") {
+        return format!("is {shown}, but `{key}` is a section: give its keys (`[{key}]` in a file, or --set {key}.KEY=VALUE)");
+    }
+    if msg.contains("unit variant") {
+        // the same table with a word no key takes there: the reader then lists the words it takes
+        let mut probe = table.clone();
+        let (last, parents) = path.split_last().expect("a key has a name");
+        let section = parents.iter().try_fold(&mut probe, |t, k| t.get_mut(*k).and_then(toml::Value::as_table_mut));
+        if let Some(section) = section {
+            section.insert(last.to_string(), toml::Value::String("?".into()));
+            let listed = read(probe);
+            if let Some(i) = listed.find("unknown variant `?`, ").map(|i| i + "unknown variant `?`, ".len()) {
+                return format!("is {shown}; {} (a word: in quotes in a file)", &listed[i..]);
+            }
+        }
+        return format!("is {shown}, not one of the words this key takes");
+    }
+    let what = msg.strip_prefix("invalid type: ").or_else(|| msg.strip_prefix("invalid value: "));
+    match what.and_then(|m| m.split_once(", expected ")) {
+        Some((_, wanted)) => {
+            let wanted = match wanted {
+                "usize" | "u64" | "u32" | "u16" | "u8" => "a whole number, 0 or more",
+                "f64" | "f32" => "a number",
+                other => other,
+            };
+            format!("is {shown}; expected {wanted}")
+        }
+        None => msg.to_string(),
+    }
+}
+
 pub(super) fn one_line(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
 }
