@@ -109,11 +109,15 @@ pub fn claim(outputs: &[Output], mine: bool) -> Result<Claims> {
     let locks = cache_folder("").unwrap_or_else(|_| std::env::temp_dir().join("ferrotron")).join("locks");
     let mut held = Vec::new();
     for o in outputs.iter().filter(|_| mine) {
-        std::fs::create_dir_all(&locks).with_context(|| format!("cannot create the lock folder {}", locks.display()))?;
+        std::fs::create_dir_all(&locks)
+            .with_context(|| format!("cannot create the lock folder {}", locks.display()))?;
         // FNV-1a: a stable name for the path (std's hashers may change between Rust releases)
-        let hash = o.real.as_os_str().as_encoded_bytes().iter().fold(0xcbf29ce484222325u64, |h, &b| {
-            (h ^ b as u64).wrapping_mul(0x100000001b3)
-        });
+        let hash = o
+            .real
+            .as_os_str()
+            .as_encoded_bytes()
+            .iter()
+            .fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3));
         let lock_path = locks.join(format!("{hash:016x}.lock"));
         let lock = std::fs::OpenOptions::new()
             .create(true)

@@ -26,7 +26,10 @@ fn unknown_key_is_named() {
 #[test]
 fn wrong_type_is_named() {
     let e = config_error(&["train.steps=\"many\""]);
-    assert!(e.contains("train.steps = \"many\"") || e.contains("train.steps`: is \"many\"; expected a whole number"), "{e}");
+    assert!(
+        e.contains("train.steps = \"many\"") || e.contains("train.steps`: is \"many\"; expected a whole number"),
+        "{e}"
+    );
     let e = config_error(&["model.tie_word_embeddings=3"]);
     assert!(e.contains("model.tie_word_embeddings"), "{e}");
 }

@@ -213,7 +213,14 @@ fn a_signal_during_a_save_lets_it_finish_then_stops_with_the_next() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");
     // 4M parameters: a save takes long enough to be caught in the middle
-    let big = ["--set", "model.hidden_size=256", "--set", "model.intermediate_size=1024", "--set", "model.num_hidden_layers=4"];
+    let big = [
+        "--set",
+        "model.hidden_size=256",
+        "--set",
+        "model.intermediate_size=1024",
+        "--set",
+        "model.num_hidden_layers=4",
+    ];
     let args = train_args(&dir, &[&big[..], &["--set", "train.steps=100000", "--set", "checkpoint.every=3"]].concat());
     let child = spawn(&args);
     let start = Instant::now();
@@ -334,7 +341,8 @@ fn an_output_another_live_run_writes_is_refused() {
     let t = |name: &str| tmp.path().join(name).to_str().unwrap().to_string();
     let (metrics, trace, plot) = (t("m.jsonl"), t("trace.json"), t("plot.svg"));
     let outputs = ["--metrics", &metrics, "--trace", &trace, "--plot", &plot];
-    let mut first = spawn(&train_args(&tmp.path().join("ck1"), &[&["--set", "train.steps=100000"], &outputs[..]].concat()));
+    let mut first =
+        spawn(&train_args(&tmp.path().join("ck1"), &[&["--set", "train.steps=100000"], &outputs[..]].concat()));
     wait_for_lines(Path::new(&metrics), 3);
     std::os::unix::fs::symlink(&trace, tmp.path().join("link.json")).unwrap();
     std::fs::create_dir(tmp.path().join("sub")).unwrap();
@@ -576,7 +584,8 @@ fn a_signal_save_that_would_fail_is_found_at_start_and_goes_beside() {
     std::fs::write(tmp.path().join("file"), "x").unwrap();
     let under_file = tmp.path().join("file/ck");
     let metrics = tmp.path().join("m2.jsonl");
-    let child = spawn(&train_args(&under_file, &["--set", "train.steps=100000", "--metrics", metrics.to_str().unwrap()]));
+    let child =
+        spawn(&train_args(&under_file, &["--set", "train.steps=100000", "--metrics", metrics.to_str().unwrap()]));
     wait_for_lines(&metrics, 5);
     signal(&child, libc::SIGTERM);
     let out = child.wait_with_output().unwrap();

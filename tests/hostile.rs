@@ -237,6 +237,9 @@ fn path_cases(scratch: &Path) -> Vec<Case> {
     cases
 }
 
+/// Damaged versions of one file: (what was done to it, its bytes).
+type Variants = Vec<(&'static str, Vec<u8>)>;
+
 /// Damaged files inside a model folder and a checkpoint: each file of each, empty, cut off,
 /// garbage, with bytes added, or with a value of the wrong kind, read by every command that reads
 /// it. The line names the file.
@@ -251,7 +254,7 @@ fn damaged_cases(scratch: &Path) -> Vec<Case> {
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
     let good_ckpt = ckpt.join("step_000001");
     let good_model = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gqa");
-    let safetensors = |good: &[u8]| -> Vec<(&'static str, Vec<u8>)> {
+    let safetensors = |good: &[u8]| -> Variants {
         let header = u64::from_le_bytes(good[..8].try_into().unwrap()) as usize;
         let head = String::from_utf8(good[8..8 + header].to_vec()).unwrap();
         let mut long_header = good.to_vec();
@@ -265,13 +268,20 @@ fn damaged_cases(scratch: &Path) -> Vec<Case> {
             ("bytes added", [good, b"garbage"].concat()),
             ("an absurd header length", long_header),
             ("a header that is not JSON", not_json),
-            ("an integer tensor", [&good[..8], head.replacen("F32", "I32", 1).as_bytes(), &good[8 + header..]].concat()),
+            (
+                "an integer tensor",
+                [&good[..8], head.replacen("F32", "I32", 1).as_bytes(), &good[8 + header..]].concat(),
+            ),
             ("a wider dtype", [&good[..8], head.replacen("F32", "F64", 1).as_bytes(), &good[8 + header..]].concat()),
         ]
     };
-    let json = |good: &str, edits: &[(&'static str, &str, &str)]| -> Vec<(&'static str, Vec<u8>)> {
-        let mut v: Vec<(&'static str, Vec<u8>)> =
-            vec![("empty", vec![]), ("garbage", b"\xff\xfe{{".to_vec()), ("a list", b"[]".to_vec()), ("null", b"null".to_vec())];
+    let json = |good: &str, edits: &[(&'static str, &str, &str)]| -> Variants {
+        let mut v: Variants = vec![
+            ("empty", vec![]),
+            ("garbage", b"\xff\xfe{{".to_vec()),
+            ("a list", b"[]".to_vec()),
+            ("null", b"null".to_vec()),
+        ];
         for &(what, from, to) in edits {
             assert!(good.contains(from), "{from} in {good}");
             v.push((what, good.replacen(from, to, 1).into_bytes()));
@@ -281,7 +291,7 @@ fn damaged_cases(scratch: &Path) -> Vec<Case> {
     let read = |p: PathBuf| std::fs::read(p).unwrap();
     let text = |p: PathBuf| std::fs::read_to_string(p).unwrap();
     let state = text(good_ckpt.join("trainer_state.json"));
-    let mut damaged: Vec<(&Path, &'static str, Vec<(&'static str, Vec<u8>)>)> = vec![
+    let mut damaged: Vec<(&Path, &'static str, Variants)> = vec![
         (&good_model, "model.safetensors", safetensors(&read(good_model.join("model.safetensors")))),
         (&good_ckpt, "model.safetensors", safetensors(&read(good_ckpt.join("model.safetensors")))),
         (&good_ckpt, "optimizer.safetensors", safetensors(&read(good_ckpt.join("optimizer.safetensors")))),
@@ -316,7 +326,8 @@ fn damaged_cases(scratch: &Path) -> Vec<Case> {
     for (good, file, variants) in damaged {
         for (what, bytes) in variants {
             // named for the reader of a failure: `damaged/step_000001-model.safetensors-cut off/`
-            let dir = scratch.join("damaged").join(format!("{}-{file}-{what}", good.file_name().unwrap().to_string_lossy()));
+            let dir =
+                scratch.join("damaged").join(format!("{}-{file}-{what}", good.file_name().unwrap().to_string_lossy()));
             std::fs::create_dir_all(&dir).unwrap();
             for f in std::fs::read_dir(good).unwrap() {
                 let f = f.unwrap().path();
@@ -332,7 +343,13 @@ fn damaged_cases(scratch: &Path) -> Vec<Case> {
             let d = s(&dir);
             if good == good_model {
                 for args in [
-                    vec!["eval".into(), "--model".into(), d.clone(), "--tokens".into(), s(&good_model.join("tokens.txt"))],
+                    vec![
+                        "eval".into(),
+                        "--model".into(),
+                        d.clone(),
+                        "--tokens".into(),
+                        s(&good_model.join("tokens.txt")),
+                    ],
                     vec!["generate".into(), "--model".into(), d.clone(), "--tokens".into(), "1".into()],
                 ] {
                     cases.push(Case { args, want: Want::Refused(named) });
@@ -345,7 +362,13 @@ fn damaged_cases(scratch: &Path) -> Vec<Case> {
                 // eval reads a checkpoint's config.json and model.safetensors only
                 let want = if file == "model.safetensors" { Want::Refused(named) } else { Want::RefusedOrRuns(named) };
                 cases.push(Case {
-                    args: vec!["eval".into(), "--model".into(), d, "--tokens".into(), s(&good_model.join("tokens.txt"))],
+                    args: vec![
+                        "eval".into(),
+                        "--model".into(),
+                        d,
+                        "--tokens".into(),
+                        s(&good_model.join("tokens.txt")),
+                    ],
                     want,
                 });
             }
@@ -395,7 +418,8 @@ fn rust_name(err: &str) -> Option<&str> {
     err.split(|c: char| c.is_whitespace() || "()[]{},:;'\"`".contains(c))
         .filter(|w| !w.contains('/') && !w.contains('.'))
         .find(|w| {
-            let humps = w.char_indices().filter(|&(i, c)| c.is_uppercase() && w[..i].ends_with(char::is_lowercase)).count();
+            let humps =
+                w.char_indices().filter(|&(i, c)| c.is_uppercase() && w[..i].ends_with(char::is_lowercase)).count();
             w.starts_with(char::is_uppercase) && humps >= 1 && !w.ends_with("ForCausalLM") && !OURS.contains(w)
         })
 }
@@ -428,7 +452,8 @@ fn judge(case: &Case, cwd: &Path) -> Option<String> {
     let code = status.code();
     let one_line = err.trim_end().lines().count() == 1 && err.starts_with("error: ");
     // a Rust debug dump, or serde's words for what a user wrote as a word or a section
-    const DEBUG: &[&str] = &["panicked", "RUST_BACKTRACE", "Error {", "Custom {", "kind: ", "unit variant", "expected struct"];
+    const DEBUG: &[&str] =
+        &["panicked", "RUST_BACKTRACE", "Error {", "Custom {", "kind: ", "unit variant", "expected struct"];
     const RUST_WORDS: &[&str] = &["invalid type", "expected usize", "expected u64", "expected u32", "expected f64"];
     let debug = DEBUG.iter().chain(RUST_WORDS).find(|d| err.contains(*d));
     if let Some(d) = debug.copied().or_else(|| rust_name(&err)) {

@@ -258,7 +258,9 @@ fn a_peer_that_garbles_cuts_or_stalls_its_frames_ends_the_run_in_one_line() {
             let mut s = loop {
                 match std::net::TcpStream::connect(("127.0.0.1", port)) {
                     Ok(s) => break s,
-                    Err(_) if start.elapsed() < Duration::from_secs(60) => std::thread::sleep(Duration::from_millis(20)),
+                    Err(_) if start.elapsed() < Duration::from_secs(60) => {
+                        std::thread::sleep(Duration::from_millis(20))
+                    }
                     Err(e) => panic!("process 0 never listened: {e}"),
                 }
             };

@@ -190,7 +190,11 @@ pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
     let bytes =
         std::fs::read(path).with_context(|| format!("cannot read {}: check that the file exists", path.display()))?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
-        anyhow::anyhow!("{}: not a valid safetensors file ({}); re-download or re-export it", path.display(), damage(&e))
+        anyhow::anyhow!(
+            "{}: not a valid safetensors file ({}); re-download or re-export it",
+            path.display(),
+            damage(&e)
+        )
     })?;
     let mut out = HashMap::new();
     for (name, view) in st.tensors() {

@@ -289,7 +289,9 @@ impl Inbox {
     fn arrived(&self, from: usize, got: std::result::Result<Vec<u8>, String>) {
         let got = got.and_then(|bytes| match bytes.len() >= 9 {
             true => Ok(bytes),
-            false => Err(format!("it sent a note of {} bytes, shorter than any: is it the same ferrotron?", bytes.len())),
+            false => {
+                Err(format!("it sent a note of {} bytes, shorter than any: is it the same ferrotron?", bytes.len()))
+            }
         });
         let mut st = self.lock();
         match got {

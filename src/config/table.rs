@@ -62,7 +62,9 @@ pub(super) fn plain_words(msg: &str, key: &str, table: &toml::Table, read: &dyn 
     });
     let shown = value.flatten().map_or("this".to_string(), |v| v.to_string());
     if msg.contains("expected struct") {
-        return format!("is {shown}, but `{key}` is a section: give its keys (`[{key}]` in a file, or --set {key}.KEY=VALUE)");
+        return format!(
+            "is {shown}, but `{key}` is a section: give its keys (`[{key}]` in a file, or --set {key}.KEY=VALUE)"
+        );
     }
     if msg.contains("unit variant") {
         // the same table with a word no key takes there: the reader then lists the words it takes

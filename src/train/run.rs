@@ -186,8 +186,13 @@ impl Run {
         let run_id = resumed.as_ref().map_or_else(folder::new_run_id, |(r, _)| r.run_id.clone());
         let resumed_step = resumed.as_ref().map(|(r, _)| r.step);
         let finished = resumed_step == Some(t.steps);
-        let mut checkpoints =
-            Checkpoints { folder: Mutex::new(None), dir: cfg.checkpoint.dir.clone().into(), run_id, resumed_step, signal_saves: true };
+        let mut checkpoints = Checkpoints {
+            folder: Mutex::new(None),
+            dir: cfg.checkpoint.dir.clone().into(),
+            run_id,
+            resumed_step,
+            signal_saves: true,
+        };
         let writes = setup.spread.then(crate::comm::processes::leads).unwrap_or(true); // rank 0 is here
         if cfg.checkpoint.every > 0 && !finished && writes {
             checkpoints.take()?; // this run owns checkpoint.dir from now on
