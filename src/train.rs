@@ -52,6 +52,7 @@ use crate::parallel::sequence_parallel;
 use crate::parallel::zero;
 use anyhow::Result;
 use run::{Run, Start};
+use std::cell::Cell;
 use std::time::Instant;
 use watch::{StepEnd, Watch};
 
@@ -95,6 +96,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     let cp = me.group(Axis::Cp);
     let positions = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
     let m = t.grad_accum_steps;
+    // on NCCL a pipeline's send waits on the GPU for its receive, and a step stopped part-way
+    // leaves some unreceived: there a signal waits for the step's end
+    let may_stop = opts.stop_on_signal && (pp.size() == 1 || !pp.moves_on_device(&model.place()));
     for step in first_step..t.steps {
         watch.step_starts(step);
         model.zero_grads();
@@ -104,16 +108,22 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let (seq, pos) = (t.seq_len, &positions);
             Ok((context_parallel::local_rows(&tokens, seq, pos), context_parallel::local_rows(&targets, seq, pos)))
         };
-        let mut dropped = None; // a signal that stopped the step between its micro-batches
+        // a step of many micro-batches still stops soon after a signal: every rank asks between
+        // micro-batches, at the same points (`train/stop.rs`)
+        let signal = Cell::new(None);
+        let stop_here = || -> Result<bool> {
+            if may_stop {
+                signal.set(stop::agreed(me.group(Axis::World))?);
+            }
+            Ok(signal.get().is_some())
+        };
+        let mut dropped = None; // the micro-batches begun when a signal stopped the step
         let (mut loss, activations_held) = if pp.size() == 1 {
             let mut loss = Tensor::zeros_on(&[1], &model.place(), DType::F32); // on the device: no wait
             for micro in 0..m {
-                if micro > 0 && opts.stop_on_signal {
-                    // a step of many micro-batches still stops soon after a signal (`train/stop.rs`)
-                    dropped = stop::agreed(me.group(Axis::World))?.map(|signal| (signal, micro));
-                    if dropped.is_some() {
-                        break;
-                    }
+                if micro > 0 && stop_here()? {
+                    dropped = Some(micro);
+                    break;
                 }
                 let (tokens, targets) = batch(micro)?;
                 let span = Instant::now();
@@ -131,11 +141,13 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let hidden = [rows, cfg.model.hidden_size];
             let (kind, record) = (cfg.parallel.pp_schedule, &|name, span| watch.span(name, span));
             let (batch_size, chunks) = (t.micro_batch_size, p.pp_virtual_stages);
-            let plan = StepPlan { kind, micro_batches: m, batch: batch_size, chunks, hidden, data: &batch, record };
+            let (data, stop) = (&batch, may_stop.then_some(&stop_here as &dyn Fn() -> Result<bool>));
+            let plan = StepPlan { kind, micro_batches: m, batch: batch_size, chunks, hidden, data, record, stop };
             let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p, last| dp_sync.grad_ready(p, last))?;
+            dropped = stats.stopped;
             (stats.loss, stats.peak_activations)
         };
-        if let Some((signal, micro)) = dropped {
+        if let (Some(micro), Some(signal)) = (dropped, signal.get()) {
             // the step's gradients so far are dropped: the weights are still those of the step before
             let saved = start.checkpoints.save_before(me, cfg, (step, first_step), (&model, &optimizer))?;
             watch.stopped(Stopped { signal, checkpoint: saved, dropped: Some(micro) });

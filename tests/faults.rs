@@ -162,50 +162,72 @@ fn sigterm_and_sigint_save_then_resume_repeats_the_curve() {
     assert_eq!(curve(&metrics), curve(&reference), "the stopped and resumed run is the uninterrupted run");
 }
 
+/// One rank, a 1F1B pipeline and an interleaved one (`--set` pairs).
+const LAYOUTS: [&[&str]; 3] = [
+    &[],
+    &["--set", "parallel.pp=2"],
+    &[
+        "--set",
+        "parallel.pp=2",
+        "--set",
+        "parallel.pp_schedule=interleaved",
+        "--set",
+        "parallel.pp_virtual_stages=2",
+        "--set",
+        "model.num_hidden_layers=4",
+    ],
+];
+
 #[test]
 fn a_signal_within_a_long_step_stops_at_the_next_micro_batch() {
     let tmp = tempfile::tempdir().unwrap();
-    // a step of 2³² micro-batches would take months: the signal is honoured inside it, and with no
-    // step finished there is nothing to save
-    let dir = tmp.path().join("ck");
-    let mut child = spawn(&train_args(&dir, &["--set", "train.grad_accum_steps=4294967296"]));
-    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
-    let mut line = String::new();
-    while !line.starts_with("data:") {
-        line.clear();
-        assert!(std::io::BufRead::read_line(&mut stdout, &mut line).unwrap() > 0, "the run did not start");
+    for (i, layout) in LAYOUTS.iter().enumerate() {
+        // a step of 2³² micro-batches would take months: the signal is honoured inside it, and
+        // with no step finished there is nothing to save
+        let dir = tmp.path().join(format!("ck{i}"));
+        let mut child =
+            spawn(&train_args(&dir, &[layout, &["--set", "train.grad_accum_steps=4294967296"][..]].concat()));
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        while !line.starts_with("data:") {
+            line.clear();
+            assert!(std::io::BufRead::read_line(&mut stdout, &mut line).unwrap() > 0, "the run did not start");
+        }
+        std::thread::sleep(Duration::from_millis(300)); // well inside the first step
+        signal(&child, libc::SIGTERM);
+        let signalled = Instant::now();
+        let out = child.wait_with_output().unwrap();
+        assert!(signalled.elapsed() < Duration::from_secs(20), "{layout:?}: stopped within moments");
+        let mut rest = String::new();
+        std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+        assert_eq!(out.status.code(), Some(143), "{layout:?}: {rest}{}", String::from_utf8_lossy(&out.stderr));
+        assert!(rest.contains("step 1 dropped after ") && rest.contains("of its 4294967296 micro-batches"), "{rest}");
+        assert!(rest.contains("stopped by SIGTERM in the run's first step: nothing new to save"), "{rest}");
+        assert!(!dir.exists(), "nothing saved");
     }
-    std::thread::sleep(Duration::from_millis(300)); // well inside the first step
-    signal(&child, libc::SIGTERM);
-    let signalled = Instant::now();
-    let out = child.wait_with_output().unwrap();
-    assert!(signalled.elapsed() < Duration::from_secs(20), "stopped within moments, not at the step's end");
-    assert_eq!(out.status.code(), Some(143));
-    let mut rest = String::new();
-    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
-    assert!(rest.contains("step 1 dropped after ") && rest.contains("of its 4294967296 micro-batches"), "{rest}");
-    assert!(rest.contains("stopped by SIGTERM in the run's first step: nothing new to save"), "{rest}");
-    assert!(!dir.exists(), "nothing saved");
     // steps of a few hundred micro-batches: the stopped step is dropped, the finished ones saved,
     // and resuming repeats the uninterrupted run
-    let long = ["--set", "train.grad_accum_steps=300", "--set", "train.steps=4"];
-    let reference = tmp.path().join("reference.jsonl");
-    ok(&run(&train_args(&tmp.path().join("ref"), &[&long[..], &["--metrics", reference.to_str().unwrap()]].concat())));
-    let metrics = tmp.path().join("m.jsonl");
-    let args = train_args(&dir, &[&long[..], &["--metrics", metrics.to_str().unwrap()]].concat());
-    let child = spawn(&args);
-    wait_for_lines(&metrics, 1);
-    std::thread::sleep(Duration::from_millis(30)); // past the next step's first micro-batch
-    signal(&child, libc::SIGTERM);
-    let out = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(143), "{stdout}");
-    let done = curve(&metrics).len();
-    assert!(done < 4, "stopped early: {stdout}");
-    assert!(stdout.contains(&format!("step {} dropped after ", done + 1)), "{stdout}");
-    assert!(stdout.contains(&format!("checkpoint {}", dir.join(format!("step_{done:06}")).display())), "{stdout}");
-    ok(&run(&[args, vec!["--resume".into(), "latest".into()]].concat()));
-    assert_eq!(curve(&metrics), curve(&reference), "the dropped step was trained again, whole");
+    for (i, layout) in LAYOUTS.iter().enumerate() {
+        let long = [layout, &["--set", "train.grad_accum_steps=300", "--set", "train.steps=4"][..]].concat();
+        let reference = tmp.path().join(format!("reference{i}.jsonl"));
+        let ref_args = [&long[..], &["--metrics", reference.to_str().unwrap()]].concat();
+        ok(&run(&train_args(&tmp.path().join(format!("ref{i}")), &ref_args)));
+        let (dir, metrics) = (tmp.path().join(format!("long{i}")), tmp.path().join(format!("m{i}.jsonl")));
+        let args = train_args(&dir, &[&long[..], &["--metrics", metrics.to_str().unwrap()]].concat());
+        let child = spawn(&args);
+        wait_for_lines(&metrics, 1);
+        std::thread::sleep(Duration::from_millis(30)); // past the next step's first micro-batches
+        signal(&child, libc::SIGTERM);
+        let out = child.wait_with_output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert_eq!(out.status.code(), Some(143), "{layout:?}: {stdout}");
+        let done = curve(&metrics).len();
+        assert!(done < 4, "stopped early: {stdout}");
+        assert!(stdout.contains(&format!("step {} dropped after ", done + 1)), "{stdout}");
+        assert!(stdout.contains(&format!("checkpoint {}", dir.join(format!("step_{done:06}")).display())), "{stdout}");
+        ok(&run(&[args, vec!["--resume".into(), "latest".into()]].concat()));
+        assert_eq!(curve(&metrics), curve(&reference), "{layout:?}: the dropped step was trained again, whole");
+    }
 }
 
 #[test]

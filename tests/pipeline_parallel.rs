@@ -105,7 +105,7 @@ fn schedules_run_every_micro_batch_once_and_show_the_bubble() {
         };
         for &(p, m) in sizes {
             for s in 0..p {
-                let plan = schedule(kind, p, s, m, v);
+                let plan: Vec<Action> = schedule(kind, p, s, m, v).collect();
                 let every: Vec<(usize, usize)> = (0..m).flat_map(|i| (0..v).map(move |c| (i, c))).collect();
                 assert_eq!(works(&plan), (every.clone(), every), "{kind:?} p={p} m={m} V={v} stage {s}");
             }

@@ -75,6 +75,11 @@ impl Group {
         matches!(place, Place::Cuda(_)).then(|| self.device.get().map(|l| l.as_ref())).flatten()
     }
 
+    /// Whether tensors on `place` travel through the group's device link (NCCL), not the host.
+    pub fn moves_on_device(&self, place: &Place) -> bool {
+        self.link_on(place).is_some()
+    }
+
     fn link_for(&self, t: &Tensor) -> Option<&dyn DeviceLink> {
         self.link_on(&t.place())
     }

@@ -61,7 +61,7 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
         bail!("schedule: the interleaved schedule needs --pp ≥ 2, --virtual ≥ 2 and --microbatches a multiple of --pp");
     }
     let chunks = if kind == PpSchedule::Interleaved { chunks } else { 1 };
-    let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m, chunks)).collect();
+    let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m, chunks).collect()).collect();
     // the virtual stages: chunk c of stage s is virtual stage c·p + s, and each takes 1/V
     let last = stages * chunks - 1;
     let mut done = vec![vec![[None::<f64>; 2]; m]; last + 1]; // [virtual stage][micro][forward, backward] end times

@@ -41,6 +41,15 @@
 //! The paired forms go in one `send_recv`, so two neighbours that both send never wait on each
 //! other. On the first stage there is nothing to receive forward (its input is tokens), on the
 //! last nothing to send forward (its output is the loss): those messages are `None`.
+//!
+//! **Stopping inside a step** (a signal, `train/stop.rs`): every rank must stop at the same
+//! point, so every rank asks "stop?" in one collective at the same points of its own schedule:
+//! before its k-th forward, for k a multiple of p·V (one round of the pipeline). Sends are
+//! buffered, so a rank waits only on receives; what a rank receives before its k-th forward was
+//! sent by its neighbours before their k-th, and no one waits on a rank already asking.
+//! (Asking before every forward deadlocks the interleaved schedule from p = 3: rank p − 1 would
+//! wait for a gradient rank 0 makes only after its own question. Tried on a model of the
+//! schedules for p ≤ 8, V ≤ 4.)
 
 use crate::comm::Group;
 use crate::config::PpSchedule;
@@ -48,7 +57,8 @@ use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType};
 use anyhow::{bail, Result};
-use std::collections::{HashMap, VecDeque};
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::time::Instant;
 
 /// Micro-batch `micro` through model chunk `chunk` (always 0 but in the interleaved schedule).
@@ -80,18 +90,19 @@ impl std::fmt::Display for Action {
 }
 
 /// The order of stage `stage`'s forwards and backwards of `m` micro-batches, each rank holding
-/// `chunks` model chunks (1 but for `Interleaved`).
-pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> Vec<Action> {
+/// `chunks` model chunks (1 but for `Interleaved`). Made as it is walked: a step of millions of
+/// micro-batches holds no list of them.
+pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> Schedule {
     use Action::{Backward, Forward};
     let one = |micro| Work { micro, chunk: 0 };
     match kind {
-        PpSchedule::Afab => (0..m).map(|i| Forward(one(i))).chain((0..m).map(|i| Backward(one(i)))).collect(),
-        PpSchedule::OneFOneB => one_f_one_b(m, warmup(kind, stages, stage, m, 1), |k, _| one(k)),
+        PpSchedule::Afab => Box::new((0..m).map(move |i| Forward(one(i))).chain((0..m).map(move |i| Backward(one(i))))),
+        PpSchedule::OneFOneB => one_f_one_b(m, warmup(kind, stages, stage, m, 1), move |k, _| one(k)),
         PpSchedule::Interleaved => {
             // the k-th forward (or backward) of the rank: groups of `stages` micro-batches per
             // chunk, chunks in order forward and reversed backward
             let per = stages * chunks;
-            let work = |k: usize, forward: bool| {
+            let work = move |k: usize, forward: bool| {
                 let chunk = k % per / stages;
                 let chunk = if forward { chunk } else { chunks - 1 - chunk };
                 Work { micro: k / per * stages + k % stages, chunk }
@@ -100,6 +111,9 @@ pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks:
         }
     }
 }
+
+/// A stage's actions of one step, in order.
+pub type Schedule = Box<dyn Iterator<Item = Action> + Send>;
 
 /// The forwards (of a chunk each) stage `stage` runs before its first backward: all of them
 /// (AFAB); one per stage below it (1F1B); with interleaving, those twice over (they come back
@@ -114,14 +128,12 @@ pub fn warmup(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: u
 
 /// `n` forwards and `n` backwards (the k-th of each being `work(k, forward)`): `warmup` forwards,
 /// then one forward and one backward at a time, then the backwards still owed.
-fn one_f_one_b(n: usize, warmup: usize, work: impl Fn(usize, bool) -> Work) -> Vec<Action> {
-    let mut actions: Vec<Action> = (0..warmup).map(|k| Action::Forward(work(k, true))).collect();
-    for k in 0..n - warmup {
-        actions.extend([Action::Forward(work(warmup + k, true)), Action::Backward(work(k, false))]);
-        // steady state
-    }
-    actions.extend((n - warmup..n).map(|k| Action::Backward(work(k, false)))); // cool-down
-    actions
+fn one_f_one_b(n: usize, warmup: usize, work: impl Fn(usize, bool) -> Work + Copy + Send + 'static) -> Schedule {
+    let warm = (0..warmup).map(move |k| Action::Forward(work(k, true)));
+    let steady =
+        (0..n - warmup).flat_map(move |k| [Action::Forward(work(warmup + k, true)), Action::Backward(work(k, false))]);
+    let cool = (n - warmup..n).map(move |k| Action::Backward(work(k, false)));
+    Box::new(warm.chain(steady).chain(cool))
 }
 
 /// One training step's forwards and backwards on this stage.
@@ -138,6 +150,10 @@ pub struct StepPlan<'a> {
     pub data: &'a dyn Fn(usize) -> Result<(Vec<u32>, Vec<i32>)>,
     /// Records a compute span (name, start).
     pub record: &'a dyn Fn(String, Instant),
+    /// Asked before the rank's k-th forward, k a positive multiple of p·V: whether every rank
+    /// stops the step there (a collective: every rank asks at the same points). `None`: the step
+    /// runs to its end.
+    pub stop: Option<&'a dyn Fn() -> Result<bool>>,
 }
 
 /// What a step left: this stage's share of the loss (the mean over micro-batches on the last
@@ -146,7 +162,21 @@ pub struct StepPlan<'a> {
 pub struct StepStats {
     pub loss: Tensor,
     pub peak_activations: usize,
+    /// Set when `stop` ended the step part-way: the micro-batches this rank had begun.
+    pub stopped: Option<usize>,
 }
+
+/// The step stops before this rank's forward number `.0` (`StepPlan::stop` said so).
+#[derive(Debug)]
+struct StopBefore(usize);
+
+impl std::fmt::Display for StopBefore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the step stops before forward {}", self.0)
+    }
+}
+
+impl std::error::Error for StopBefore {}
 
 /// Runs the schedule over the pp group `pp`. `ready(p, last)` sees each parameter whose gradient
 /// is complete for a micro-batch (`last`: for the step), for data parallelism.
@@ -157,13 +187,53 @@ pub fn run_step(
     ready: &mut dyn FnMut(&mut Param, bool),
 ) -> Result<StepStats> {
     let stage = Stage { index: pp.index(), count: pp.size(), chunks: plan.chunks };
-    let msg = Messages { pp, stage, shape: plan.hidden, place: model.place() };
+    let received = RefCell::new(vec![0; stage.count]);
+    let msg = Messages { pp, stage, shape: plan.hidden, place: model.place(), received };
     let loss = Tensor::zeros_on(&[1], &model.place(), DType::F32);
-    let mut run = Runner { model, plan, stage, ready, stats: StepStats { loss, peak_activations: 0 } };
-    let m = plan.micro_batches;
+    let stats = StepStats { loss, peak_activations: 0, stopped: None };
+    let mut run = Runner { model, plan, stage, ready, stats, forwards: 0 };
+    match walk(&mut run, &msg) {
+        Ok(()) => Ok(run.stats),
+        Err(e) => match e.downcast_ref::<StopBefore>() {
+            Some(&StopBefore(k)) => {
+                drain(&msg, plan, k)?;
+                Ok(StepStats { stopped: Some(k / stage.chunks), ..run.stats })
+            }
+            None => Err(e),
+        },
+    }
+}
+
+/// After every rank stopped before its k-th forward: receives, and drops, what the others sent
+/// this rank before their own k-th forward and it did not take (a gradient on its way back), so
+/// that the group's next message (a checkpoint's gather) is not taken for one of them. What they
+/// sent is known by replaying their schedules.
+fn drain(msg: &Messages, plan: &StepPlan, k: usize) -> Result<()> {
+    let (stage, me) = (msg.stage, msg.stage.index);
+    for from in (0..stage.count).filter(|&f| f != me) {
+        let mut forwards = 0;
+        let sent = schedule(plan.kind, stage.count, from, plan.micro_batches, stage.chunks)
+            .take_while(|a| {
+                forwards += usize::from(matches!(a, Action::Forward(_)));
+                forwards <= k
+            })
+            .filter(|&a| Mailbox::sent(stage, from, a).is_some_and(|(to, _)| to == me))
+            .count();
+        let taken = msg.received.borrow()[from];
+        for _ in taken..sent {
+            msg.recv(Some(from))?;
+        }
+    }
+    Ok(())
+}
+
+/// The step's schedule, walked on this stage.
+fn walk(run: &mut Runner, msg: &Messages) -> Result<()> {
+    let (plan, stage, m) = (run.plan, run.stage, run.plan.micro_batches);
     match plan.kind {
         PpSchedule::Afab => {
             for i in 0..m {
+                run.ask()?;
                 let x = msg.recv_forward()?;
                 let y = run.forward(i, x)?;
                 msg.send_forward(y)?;
@@ -178,18 +248,25 @@ pub fn run_step(
             // warm-up: the forwards that fill the pipeline below this stage
             let warmup = warmup(plan.kind, stage.count, stage.index, m, 1);
             for i in 0..warmup {
+                run.ask()?;
                 let x = msg.recv_forward()?;
                 let y = run.forward(i, x)?;
                 msg.send_forward(y)?;
             }
             // steady state: one forward, one backward, each exchange one paired message
             let steady = m - warmup;
-            let mut x = if steady > 0 { msg.recv_forward()? } else { None };
+            let mut x = if steady > 0 { run.ask().and_then(|_| msg.recv_forward())? } else { None };
             for i in 0..steady {
                 let y = run.forward(warmup + i, x.take())?;
                 let dy = msg.send_forward_recv_backward(y)?;
                 let dx = run.backward(i, dy)?;
                 match i + 1 < steady {
+                    // the question comes between the gradient out and the next input in
+                    true if run.asks_next() => {
+                        msg.send_backward(dx)?;
+                        run.ask()?;
+                        x = msg.recv_forward()?;
+                    }
                     true => x = msg.send_backward_recv_forward(dx)?,
                     false => msg.send_backward(dx)?,
                 }
@@ -202,10 +279,11 @@ pub fn run_step(
             }
         }
         PpSchedule::Interleaved => {
-            let mut mail = Mailbox::new(&msg, m);
+            let mut mail = Mailbox::new(msg, m);
             for action in schedule(plan.kind, stage.count, stage.index, m, stage.chunks) {
                 match action {
                     Action::Forward(w) => {
+                        run.ask()?;
                         let x = mail.take(Carries::Activations, w)?;
                         let y = run.forward_chunk(w, x)?;
                         mail.send(Carries::Activations, w, y)?;
@@ -219,7 +297,7 @@ pub fn run_step(
             }
         }
     }
-    Ok(run.stats)
+    Ok(())
 }
 
 /// A stage's forward and backward of micro-batch i, with the step's bookkeeping.
@@ -229,6 +307,8 @@ struct Runner<'a, 'm, 'g> {
     stage: Stage,
     ready: &'a mut dyn FnMut(&mut Param, bool),
     stats: StepStats,
+    /// The forwards run so far in the step.
+    forwards: usize,
 }
 
 impl Runner<'_, '_, '_> {
@@ -239,7 +319,23 @@ impl Runner<'_, '_, '_> {
     }
 
     /// `forward` of micro-batch `w.micro` through model chunk `w.chunk`.
+    /// Whether the rank asks "stop?" before its next forward: after each round of p·V forwards.
+    fn asks_next(&self) -> bool {
+        let k = self.forwards;
+        self.plan.stop.is_some() && k > 0 && k.is_multiple_of(self.stage.count * self.stage.chunks)
+    }
+
+    /// Before the next forward's input is received: asks, when due, and ends the walk if every
+    /// rank stops.
+    fn ask(&mut self) -> Result<()> {
+        match (self.asks_next(), self.plan.stop) {
+            (true, Some(stop)) if stop()? => Err(StopBefore(self.forwards).into()),
+            _ => Ok(()),
+        }
+    }
+
     fn forward_chunk(&mut self, w: Work, x: Option<Tensor>) -> Result<Option<Tensor>> {
+        self.forwards += 1;
         let (start, i) = (Instant::now(), w.micro);
         // tokens feed the first stage, targets the last; the stages between need neither
         let (tokens, targets) = match self.stage.is_first() || self.stage.is_last() {
@@ -299,6 +395,8 @@ struct Messages<'a> {
     stage: Stage,
     shape: [usize; 2],
     place: Place,
+    /// Messages received so far in the step, per member of the pp group.
+    received: RefCell<Vec<usize>>,
 }
 
 impl Messages<'_> {
@@ -310,7 +408,9 @@ impl Messages<'_> {
     }
     /// A message lands on this rank's device (on GPUs with NCCL it never touches the host).
     fn recv(&self, from: Option<usize>) -> Result<Option<Tensor>> {
-        from.map(|f| self.pp.recv_tensor(&self.shape, &self.place, f)).transpose()
+        let Some(from) = from else { return Ok(None) };
+        self.received.borrow_mut()[from] += 1;
+        self.pp.recv_tensor(&self.shape, &self.place, from).map(Some)
     }
     fn send(&self, t: Option<Tensor>, to: Option<usize>) -> Result<()> {
         match (t, to) {
@@ -321,7 +421,10 @@ impl Messages<'_> {
     /// Sends `t` to `peer` and receives from the same `peer` in one step.
     fn exchange(&self, t: Option<Tensor>, peer: Option<usize>) -> Result<Option<Tensor>> {
         match (t, peer) {
-            (Some(t), Some(p)) => Ok(Some(self.pp.send_recv_tensor(&t, p, &self.shape, p)?)),
+            (Some(t), Some(p)) => {
+                self.received.borrow_mut()[p] += 1;
+                Ok(Some(self.pp.send_recv_tensor(&t, p, &self.shape, p)?))
+            }
             _ => self.recv(peer), // nothing to send: a stage end (first or last)
         }
     }
@@ -361,19 +464,20 @@ enum Carries {
 /// message that arrives before it is needed waits in the stash.
 struct Mailbox<'a> {
     msg: &'a Messages<'a>,
-    /// Per member of the pp group: what it will send us, in its order.
-    expected: Vec<VecDeque<(Carries, Work)>>,
+    /// Per member of the pp group: what it will send us, in its order (walked as it comes).
+    expected: Vec<Box<dyn Iterator<Item = (Carries, Work)>>>,
     stash: HashMap<(Carries, Work), Tensor>,
 }
 
 impl<'a> Mailbox<'a> {
     fn new(msg: &'a Messages<'a>, m: usize) -> Mailbox<'a> {
         let (p, me) = (msg.stage.count, msg.stage.index);
+        let stage = msg.stage;
         let expected = (0..p)
             .map(|from| {
-                let plan = schedule(PpSchedule::Interleaved, p, from, m, msg.stage.chunks);
-                let sends = plan.into_iter().filter_map(|a| Mailbox::sent(msg.stage, from, a));
-                sends.filter(|&(to, _)| to == me).map(|(_, what)| what).collect()
+                let plan = schedule(PpSchedule::Interleaved, p, from, m, stage.chunks);
+                let sends = plan.filter_map(move |a| Mailbox::sent(stage, from, a));
+                Box::new(sends.filter(move |&(to, _)| to == me).map(|(_, what)| what)) as Box<dyn Iterator<Item = _>>
             })
             .collect();
         Mailbox { msg, expected, stash: HashMap::new() }
@@ -404,7 +508,7 @@ impl<'a> Mailbox<'a> {
         };
         let key = (what, theirs);
         while !self.stash.contains_key(&key) {
-            let Some(next) = self.expected[from].pop_front() else {
+            let Some(next) = self.expected[from].next() else {
                 bail!("interleaved pipeline: rank {me} waits for {what:?} of {theirs:?} that rank {from} never sends");
             };
             let t = self.msg.recv(Some(from))?.expect("a sender was given");

@@ -15,8 +15,10 @@
 //!                 SIGTERM), as shells expect
 //! second signal   exits at once (the last complete checkpoint stays the latest)
 //! ```
-//! A pipeline's step is one schedule of sends and receives between stages, with no point where
-//! every rank stands between micro-batches: there the signal waits for the step's end.
+//! In a pipeline the ranks are never all between micro-batches at once: each asks at the same
+//! points of its own schedule instead (`parallel/pipeline_parallel.rs`), and takes in the
+//! messages its neighbours sent before they stopped. On NCCL a pipeline's send waits on the GPU
+//! for its receive, so there a signal waits for the step's end.
 
 use crate::comm::{Group, ReduceOp};
 use crate::ops::tensor::Tensor;
