@@ -111,14 +111,10 @@ pub fn claim(outputs: &[Output], mine: bool) -> Result<Claims> {
     for o in outputs.iter().filter(|_| mine) {
         std::fs::create_dir_all(&locks)
             .with_context(|| format!("cannot create the lock folder {}", locks.display()))?;
-        // FNV-1a: a stable name for the path (std's hashers may change between Rust releases)
-        let hash = o
-            .real
-            .as_os_str()
-            .as_encoded_bytes()
-            .iter()
-            .fold(0xcbf29ce484222325u64, |h, &b| (h ^ b as u64).wrapping_mul(0x100000001b3));
-        let lock_path = locks.join(format!("{hash:016x}.lock"));
+        // a stable name for the path (std's hashers may change between Rust releases)
+        let mut hash = Fingerprint::default();
+        hash.add(o.real.as_os_str().as_encoded_bytes());
+        let lock_path = locks.join(format!("{}.lock", hash.hex()));
         let lock = std::fs::OpenOptions::new()
             .create(true)
             .truncate(false) // the holder's note stays readable to the refused
@@ -205,5 +201,35 @@ fn folder_of(target: &Path) -> PathBuf {
     match target.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
+    }
+}
+
+/// FNV-1a in two lanes with different offsets and primes, fed the bytes and then the length: a
+/// content key with no practical chance of two inputs colliding (a token file's name, a lock's).
+pub struct Fingerprint {
+    lanes: [u64; 2],
+    len: u64,
+}
+
+impl Default for Fingerprint {
+    fn default() -> Fingerprint {
+        Fingerprint { lanes: [0xcbf29ce484222325, 0x6c62272e07bb0142], len: 0 }
+    }
+}
+
+impl Fingerprint {
+    pub fn add(&mut self, bytes: &[u8]) {
+        let [mut a, mut b] = self.lanes;
+        for &x in bytes {
+            a = (a ^ x as u64).wrapping_mul(0x100000001b3);
+            b = (b ^ x as u64).wrapping_mul(0x1000193_00000001).rotate_left(17);
+        }
+        self.lanes = [a, b];
+        self.len += bytes.len() as u64;
+    }
+
+    pub fn hex(&self) -> String {
+        let [a, b] = self.lanes;
+        format!("{a:016x}{:016x}", b ^ self.len.wrapping_mul(0x9e3779b97f4a7c15))
     }
 }

@@ -296,7 +296,7 @@ impl Inbox {
         let mut st = self.lock();
         match got {
             Err(why) => {
-                st.lost[from] = Some(why.clone());
+                let why = st.lost[from].get_or_insert(why).clone(); // the first thing that went wrong
                 if let Some((number, per_process, hub)) = &st.hub {
                     if let (true, Some(hub)) = (st.done[from] < *number, hub.upgrade()) {
                         hub.abort_here(self.gone(from, *per_process, &why));

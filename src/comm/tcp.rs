@@ -184,9 +184,12 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
                 Ok(bytes) => deliver(peer, Ok(bytes)),
                 Err(e) => {
                     let why = match e.downcast_ref::<std::io::Error>().map(|e| e.kind()) {
-                        Some(std::io::ErrorKind::UnexpectedEof) => {
-                            "its connection closed (the process ended or died)".into()
-                        }
+                        // a peer that ends with bytes unread resets the connection instead
+                        Some(
+                            std::io::ErrorKind::UnexpectedEof
+                            | std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::ConnectionAborted,
+                        ) => "its connection closed (the process ended or died)".into(),
                         _ => format!("its connection broke ({e})"),
                     };
                     return deliver(peer, Err(why));

@@ -152,7 +152,7 @@ pub struct Source {
 /// `CACHE/tokens/NAME.<fingerprint>.tokens`: the fingerprint covers every byte of every shard, in
 /// order, the text column and the tokenizer's file (a 128-bit hash: two independent lanes).
 fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Result<PathBuf> {
-    let mut hash = Fingerprint::default();
+    let mut hash = crate::files::Fingerprint::default();
     let mut buf = vec![0u8; 1 << 20];
     for shard in &source.shards {
         let mut file = std::fs::File::open(shard)
@@ -181,36 +181,6 @@ fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Re
         format!("data.cache_dir: cannot create {}; set data.cache_dir to a writable folder", folder.display())
     })?;
     Ok(folder.join(format!("{name}.{}.tokens", hash.hex())))
-}
-
-/// FNV-1a in two lanes with different offsets and primes, fed the bytes and then the length: a
-/// content key with no practical chance of two sources colliding.
-struct Fingerprint {
-    lanes: [u64; 2],
-    len: u64,
-}
-
-impl Default for Fingerprint {
-    fn default() -> Fingerprint {
-        Fingerprint { lanes: [0xcbf29ce484222325, 0x6c62272e07bb0142], len: 0 }
-    }
-}
-
-impl Fingerprint {
-    fn add(&mut self, bytes: &[u8]) {
-        let [mut a, mut b] = self.lanes;
-        for &x in bytes {
-            a = (a ^ x as u64).wrapping_mul(0x100000001b3);
-            b = (b ^ x as u64).wrapping_mul(0x1000193_00000001).rotate_left(17);
-        }
-        self.lanes = [a, b];
-        self.len += bytes.len() as u64;
-    }
-
-    fn hex(&self) -> String {
-        let [a, b] = self.lanes;
-        format!("{a:016x}{:016x}", b ^ self.len.wrapping_mul(0x9e3779b97f4a7c15))
-    }
 }
 
 /// Tokenises every document of every shard, joined by the end-of-text token, into `cache`.
