@@ -169,9 +169,19 @@ fn path_cases(scratch: &Path) -> Vec<Case> {
     let folder = scratch.join("folder");
     std::fs::create_dir_all(&folder).unwrap();
     let missing = scratch.join("missing");
+    // symlinks to a FIFO and to a folder, one to nothing, and two that point at each other
+    let link = |name: &str, to: &Path| {
+        let at = scratch.join(name);
+        std::os::unix::fs::symlink(to, &at).unwrap();
+        at
+    };
+    let (to_fifo, to_folder, dangling) =
+        (link("to-fifo", &fifo), link("to-folder", &folder), link("dangling", &missing));
+    let looped = link("loop-a", &scratch.join("loop-b"));
+    link("loop-b", &looped);
     let s = |p: &Path| p.display().to_string();
     let mut cases = Vec::new();
-    for bad in [&fifo, &garbage, &folder, &missing] {
+    for bad in [&fifo, &garbage, &folder, &missing, &to_fifo, &to_folder, &dangling, &looped] {
         let named: &'static str = Box::leak(s(bad).into_boxed_str());
         cases.push(Case { args: vec!["train".into(), "--config".into(), s(bad)], want: Want::Refused(named) });
         cases.push(Case { args: [train(&[]), vec!["--resume".into(), s(bad)]].concat(), want: Want::Refused(named) });
@@ -217,7 +227,7 @@ fn path_cases(scratch: &Path) -> Vec<Case> {
     }
     // outputs: a folder, a FIFO, a path under a file, a file given twice
     for flag in ["--metrics", "--trace", "--plot"] {
-        for bad in [s(&folder), s(&fifo), format!("{}/x.json", s(&garbage))] {
+        for bad in [s(&folder), s(&fifo), format!("{}/x.json", s(&garbage)), s(&to_fifo), s(&to_folder), s(&looped)] {
             cases.push(Case { args: [train(&[]), vec![flag.into(), bad]].concat(), want: Want::Refused(flag) });
         }
     }
