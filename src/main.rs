@@ -2,7 +2,7 @@
 //! `generate`, `doctor` and `bench`.
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 use ferrotron::checkpoint::hf;
 use ferrotron::comm::cost::Link;
 use ferrotron::comm::launcher;
@@ -27,182 +27,206 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Train a Llama from scratch (the built-in configs/tiny.toml unless --config is given).
-    Train {
-        /// A TOML config; keys it leaves out keep their configs/tiny.toml values.
-        #[arg(long)]
-        config: Option<PathBuf>,
-        /// Override one key, e.g. --set train.steps=100 (repeatable).
-        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-        sets: Vec<String>,
-        /// Write one JSON object per step to this file.
-        #[arg(long, value_name = "OUT.jsonl")]
-        metrics: Option<PathBuf>,
-        /// Write a Chrome trace (open in ui.perfetto.dev): every rank's forward, backward,
-        /// all-reduce and optimizer spans.
-        #[arg(long, value_name = "OUT.json")]
-        trace: Option<PathBuf>,
-        /// After training, draw the training loss, the held-out loss (with [validation]) and the
-        /// learning rate against the step as an SVG.
-        #[arg(long, value_name = "OUT.svg")]
-        plot: Option<PathBuf>,
-        /// Continue a run from a checkpoint folder, or `latest` (the newest in checkpoint.dir).
-        #[arg(long, value_name = "DIR|latest")]
-        resume: Option<PathBuf>,
-        /// With --resume: continue although lr, schedule, batch or data differ from the
-        /// checkpoint's run (they are named either way).
-        #[arg(long, requires = "resume")]
-        allow_changes: bool,
-        /// After training, print each axis's calls, bytes and time per step, next to what the
-        /// α–β model predicts on --link.
-        #[arg(long)]
-        comm_report: bool,
-        /// The link the comm report's model assumes: nvlink (450 GB/s, 3 µs), pcie (25 GB/s,
-        /// 10 µs) or ib (50 GB/s, 5 µs).
-        #[arg(long, default_value = "nvlink", value_parser = ["nvlink", "pcie", "ib"], requires = "comm_report")]
-        link: String,
-    },
+    Train(TrainArgs),
     /// Run the single-rank baseline and parallel variants with the same seed and global batch;
     /// compare their loss curves.
-    Converge {
-        #[arg(long)]
-        config: Option<PathBuf>,
-        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-        sets: Vec<String>,
-        /// Variants separated by `;`, settings by `,`: "dp=2;dp=4;dp=2,grad_accum_steps=2".
-        #[arg(long)]
-        variants: String,
-        /// Steps per run (default: the config's train.steps).
-        #[arg(long)]
-        steps: Option<usize>,
-        /// Largest per-step loss difference that passes while rounding has not been amplified
-        /// (afterwards a band measured from a harmless change of the baseline: see the output).
-        #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true)]
-        tol: f32,
-        /// Folder for losses.csv and losses.svg.
-        #[arg(long, default_value = "converge_out")]
-        out: PathBuf,
-    },
+    Converge(ConvergeArgs),
     /// Print every rank's coordinates and process groups for a dp × pp × cp × tp layout (and ep).
-    Grid {
-        #[arg(long, default_value_t = 1)]
-        dp: usize,
-        #[arg(long, default_value_t = 1)]
-        pp: usize,
-        #[arg(long, default_value_t = 1)]
-        cp: usize,
-        #[arg(long, default_value_t = 1)]
-        tp: usize,
-        /// Expert-parallel ranks, carved out of the dp×cp ranks.
-        #[arg(long, default_value_t = 1)]
-        ep: usize,
-    },
+    Grid(GridArgs),
     /// Draw the pipeline schedules (AFAB, 1F1B, interleaved) as an SVG timeline and print their bubbles.
-    Schedule {
-        #[arg(long, default_value_t = 4)]
-        pp: usize,
-        #[arg(long, default_value_t = 8)]
-        microbatches: usize,
-        /// afab, 1f1b, interleaved, both (afab and 1f1b) or all.
-        #[arg(long, default_value = "both")]
-        schedule: String,
-        /// Model chunks per stage for the interleaved schedule.
-        #[arg(long = "virtual", default_value_t = 2)]
-        r#virtual: usize,
-        /// Draw the last step of a real run instead, from its `train --trace` file.
-        #[arg(long, value_name = "TRACE.json")]
-        trace: Option<PathBuf>,
-        #[arg(long, default_value = "schedule.svg")]
-        out: PathBuf,
-    },
+    Schedule(ScheduleArgs),
     /// Every rank's bytes of weights, gradients, optimizer state, activations and communication
     /// buffers for a layout (estimated from the shapes; --measure also trains two steps).
-    Memory {
-        #[arg(long)]
-        config: Option<PathBuf>,
-        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-        sets: Vec<String>,
-        /// Train two steps and add each rank's measured peak of live tensor bytes.
-        #[arg(long)]
-        measure: bool,
-        /// Also write {"ranks": [...]} to this file.
-        #[arg(long, value_name = "OUT.json")]
-        json: Option<PathBuf>,
-    },
+    Memory(MemoryArgs),
     /// Mean next-token loss of a Hugging Face Llama checkpoint on a token file.
-    Eval {
-        /// Folder with config.json and model.safetensors (or a sharded index).
-        #[arg(long)]
-        model: PathBuf,
-        /// Whitespace-separated token ids, one sequence per line.
-        #[arg(long)]
-        tokens: PathBuf,
-    },
+    Eval(EvalArgs),
     /// Sample from a model (a ferrotron checkpoint or a Hugging Face Llama folder) with a KV
     /// cache: greedy with --temperature 0, else drawn from the softmax over the top-k tokens.
-    Generate {
-        /// Folder with config.json and the safetensors (a `train` checkpoint is one).
-        #[arg(long)]
-        model: PathBuf,
-        /// The text to continue (needs a tokenizer: the folder's tokenizer.json, or --tokenizer).
-        #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
-        prompt: Option<String>,
-        /// The prompt as token ids, e.g. "5 17 42".
-        #[arg(long)]
-        tokens: Option<String>,
-        #[arg(long, default_value_t = 64)]
-        max_new_tokens: usize,
-        /// 0: greedy (the most likely token each time); higher: more varied.
-        #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
-        temperature: f32,
-        /// Draw among the k most likely tokens (0: all).
-        #[arg(long, default_value_t = 50)]
-        top_k: usize,
-        #[arg(long, default_value_t = 0)]
-        seed: u64,
-        /// A tokenizer.json, `bytes`, or `hub:ORG/NAME` (default: the folder's tokenizer.json).
-        #[arg(long)]
-        tokenizer: Option<String>,
-        /// Where the model runs: cpu or cuda (GPU 0).
-        #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
-        device: String,
-        /// On a GPU: bf16 or f32 (the CPU computes in f32).
-        #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
-        dtype: String,
-    },
+    Generate(GenerateArgs),
     /// Check the CUDA setup: libraries, driver, GPUs, then self-tests on GPU 0.
     Doctor,
     /// Measure a config: step time, tokens/s, MFU and peak memory (warm-up steps excluded);
     /// prints a table and the same as JSON.
-    Bench {
-        #[arg(long)]
-        config: Option<PathBuf>,
-        #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
-        sets: Vec<String>,
-        /// Steps measured, after the warm-up.
-        #[arg(long, default_value_t = 10)]
-        steps: usize,
-        /// Steps run first and not measured (kernel loading, allocator warm-up).
-        #[arg(long, default_value_t = 3)]
-        warmup: usize,
-        /// Peak TFLOP/s of one device, for the MFU (default: by GPU name; none on a CPU).
-        #[arg(long, allow_negative_numbers = true)]
-        peak_tflops: Option<f64>,
-        /// Also write the JSON to this file.
-        #[arg(long, value_name = "OUT.json")]
-        json: Option<PathBuf>,
-        /// The JSON of another run of the same config (`benches/torch_reference.py --json`, or
-        /// an earlier `bench --json`): print the tokens/s ratio against it.
-        #[arg(long, value_name = "OTHER.json")]
-        against: Option<PathBuf>,
-        /// Time every GPU kernel and GEMM of the measured steps and print where the step's time
-        /// goes (GPU only; events on the stream, a little slower than a plain run).
-        #[arg(long)]
-        profile: bool,
-        /// Measure one op alone instead of a training step: `attention` times the attention
-        /// kernels (forward, forward+backward) on the config's shapes (GPU only).
-        #[arg(long, value_name = "OP", value_parser = ["attention"])]
-        op: Option<String>,
-    },
+    Bench(BenchArgs),
+}
+
+#[derive(Args)]
+struct TrainArgs {
+    /// A TOML config; keys it leaves out keep their configs/tiny.toml values.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Override one key, e.g. --set train.steps=100 (repeatable).
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Write one JSON object per step to this file.
+    #[arg(long, value_name = "OUT.jsonl")]
+    metrics: Option<PathBuf>,
+    /// Write a Chrome trace (open in ui.perfetto.dev): every rank's forward, backward,
+    /// all-reduce and optimizer spans.
+    #[arg(long, value_name = "OUT.json")]
+    trace: Option<PathBuf>,
+    /// After training, draw the training loss, the held-out loss (with [validation]) and the
+    /// learning rate against the step as an SVG.
+    #[arg(long, value_name = "OUT.svg")]
+    plot: Option<PathBuf>,
+    /// Continue a run from a checkpoint folder, or `latest` (the newest in checkpoint.dir).
+    #[arg(long, value_name = "DIR|latest")]
+    resume: Option<PathBuf>,
+    /// With --resume: continue although lr, schedule, batch or data differ from the
+    /// checkpoint's run (they are named either way).
+    #[arg(long, requires = "resume")]
+    allow_changes: bool,
+    /// After training, print each axis's calls, bytes and time per step, next to what the
+    /// α–β model predicts on --link.
+    #[arg(long)]
+    comm_report: bool,
+    /// The link the comm report's model assumes: nvlink (450 GB/s, 3 µs), pcie (25 GB/s,
+    /// 10 µs) or ib (50 GB/s, 5 µs).
+    #[arg(long, default_value = "nvlink", value_parser = ["nvlink", "pcie", "ib"], requires = "comm_report")]
+    link: String,
+}
+
+#[derive(Args)]
+struct ConvergeArgs {
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Variants separated by `;`, settings by `,`: "dp=2;dp=4;dp=2,grad_accum_steps=2".
+    #[arg(long)]
+    variants: String,
+    /// Steps per run (default: the config's train.steps).
+    #[arg(long)]
+    steps: Option<usize>,
+    /// Largest per-step loss difference that passes while rounding has not been amplified
+    /// (afterwards a band measured from a harmless change of the baseline: see the output).
+    #[arg(long, default_value_t = 1e-4, allow_negative_numbers = true)]
+    tol: f32,
+    /// Folder for losses.csv and losses.svg.
+    #[arg(long, default_value = "converge_out")]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct GridArgs {
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
+    #[arg(long, default_value_t = 1)]
+    pp: usize,
+    #[arg(long, default_value_t = 1)]
+    cp: usize,
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Expert-parallel ranks, carved out of the dp×cp ranks.
+    #[arg(long, default_value_t = 1)]
+    ep: usize,
+}
+
+#[derive(Args)]
+struct ScheduleArgs {
+    #[arg(long, default_value_t = 4)]
+    pp: usize,
+    #[arg(long, default_value_t = 8)]
+    microbatches: usize,
+    /// afab, 1f1b, interleaved, both (afab and 1f1b) or all.
+    #[arg(long, default_value = "both")]
+    schedule: String,
+    /// Model chunks per stage for the interleaved schedule.
+    #[arg(long = "virtual", default_value_t = 2)]
+    r#virtual: usize,
+    /// Draw the last step of a real run instead, from its `train --trace` file.
+    #[arg(long, value_name = "TRACE.json")]
+    trace: Option<PathBuf>,
+    #[arg(long, default_value = "schedule.svg")]
+    out: PathBuf,
+}
+
+#[derive(Args)]
+struct MemoryArgs {
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Train two steps and add each rank's measured peak of live tensor bytes.
+    #[arg(long)]
+    measure: bool,
+    /// Also write {"ranks": [...]} to this file.
+    #[arg(long, value_name = "OUT.json")]
+    json: Option<PathBuf>,
+}
+
+#[derive(Args)]
+struct EvalArgs {
+    /// Folder with config.json and model.safetensors (or a sharded index).
+    #[arg(long)]
+    model: PathBuf,
+    /// Whitespace-separated token ids, one sequence per line.
+    #[arg(long)]
+    tokens: PathBuf,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    /// Folder with config.json and the safetensors (a `train` checkpoint is one).
+    #[arg(long)]
+    model: PathBuf,
+    /// The text to continue (needs a tokenizer: the folder's tokenizer.json, or --tokenizer).
+    #[arg(long, conflicts_with = "tokens", required_unless_present = "tokens")]
+    prompt: Option<String>,
+    /// The prompt as token ids, e.g. "5 17 42".
+    #[arg(long)]
+    tokens: Option<String>,
+    #[arg(long, default_value_t = 64)]
+    max_new_tokens: usize,
+    /// 0: greedy (the most likely token each time); higher: more varied.
+    #[arg(long, default_value_t = 1.0, allow_negative_numbers = true)]
+    temperature: f32,
+    /// Draw among the k most likely tokens (0: all).
+    #[arg(long, default_value_t = 50)]
+    top_k: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// A tokenizer.json, `bytes`, or `hub:ORG/NAME` (default: the folder's tokenizer.json).
+    #[arg(long)]
+    tokenizer: Option<String>,
+    /// Where the model runs: cpu or cuda (GPU 0).
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    device: String,
+    /// On a GPU: bf16 or f32 (the CPU computes in f32).
+    #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
+    dtype: String,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    #[arg(long)]
+    config: Option<PathBuf>,
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    sets: Vec<String>,
+    /// Steps measured, after the warm-up.
+    #[arg(long, default_value_t = 10)]
+    steps: usize,
+    /// Steps run first and not measured (kernel loading, allocator warm-up).
+    #[arg(long, default_value_t = 3)]
+    warmup: usize,
+    /// Peak TFLOP/s of one device, for the MFU (default: by GPU name; none on a CPU).
+    #[arg(long, allow_negative_numbers = true)]
+    peak_tflops: Option<f64>,
+    /// Also write the JSON to this file.
+    #[arg(long, value_name = "OUT.json")]
+    json: Option<PathBuf>,
+    /// The JSON of another run of the same config (`benches/torch_reference.py --json`, or
+    /// an earlier `bench --json`): print the tokens/s ratio against it.
+    #[arg(long, value_name = "OTHER.json")]
+    against: Option<PathBuf>,
+    /// Time every GPU kernel and GEMM of the measured steps and print where the step's time
+    /// goes (GPU only; events on the stream, a little slower than a plain run).
+    #[arg(long)]
+    profile: bool,
+    /// Measure one op alone instead of a training step: `attention` times the attention
+    /// kernels (forward, forward+backward) on the config's shapes (GPU only).
+    #[arg(long, value_name = "OP", value_parser = ["attention"])]
+    op: Option<String>,
 }
 
 /// Checks a command's outputs (`files::check_outputs`) and claims them for this run
@@ -212,212 +236,248 @@ fn claim_outputs(outputs: &[(&str, Option<&std::path::Path>)]) -> Result<ferrotr
     ferrotron::files::claim(&checked, ferrotron::comm::processes::leads())
 }
 
+/// Each command is a function below.
 fn run(cli: Cli) -> Result<Exit> {
     match cli.command {
-        Command::Train { config, sets, metrics, trace, plot, resume, allow_changes, comm_report, link } => {
-            let cfg = Config::load(config.as_deref(), &sets)?;
-            // before, not after, training: each output writable, and no two on one file
-            let outputs =
-                [("--metrics", metrics.as_deref()), ("--trace", trace.as_deref()), ("--plot", plot.as_deref())];
-            let _claims = claim_outputs(&outputs)?; // held until the run ends
-            let spans = trace.as_ref().map(|_| Trace::default());
-            ferrotron::train::stop::install(); // Ctrl-C and SIGTERM: stop at a micro-batch, save, exit
-            let opts = train::Options {
-                metrics: metrics.as_deref(),
-                trace: spans.as_ref(),
-                resume: resume.as_deref(),
-                allow_changes,
-                stop_on_signal: true,
-                comm_report: comm_report.then(|| Link::parse(&link)).flatten(),
-                ..Default::default()
-            };
-            let s = train::train(&cfg, opts)?;
-            if s.losses.is_empty() && s.stopped.is_none() {
-                say!("nothing to train: the run already finished at step {} of train.steps = {} (raise train.steps to train further)", s.first_step, cfg.train.steps);
-                return Ok(Exit::Done);
-            }
-            // several processes: the first writes its ranks' spans
-            if let (Some(path), Some(spans), true) = (&trace, &spans, ferrotron::comm::processes::leads()) {
-                spans.write(path)?;
-                let overlap = match !spans.comm_spans(gradient_all_reduce).is_empty() {
-                    true => format!(
-                        "{:.0}% of data-parallel all-reduce time ran during backward",
-                        100.0 * spans.hidden_fraction(gradient_all_reduce, "backward")
-                    ),
-                    false => "no data-parallel all-reduce in this run".into(),
-                };
-                say!("trace: {} ({overlap})", path.display());
-            }
-            if let (Some(path), true) = (&plot, ferrotron::comm::processes::leads()) {
-                let steps = s.first_step..s.first_step + s.losses.len();
-                let lrs: Vec<f32> =
-                    steps.clone().map(|step| ferrotron::model::optimizer::lr_at(&cfg.train, step)).collect();
-                let title =
-                    format!("{}: steps {} to {} of {}", cfg.data.source, steps.start + 1, steps.end, cfg.train.steps);
-                let svg = plot::run_chart(&title, (s.first_step, cfg.train.steps), &s.losses, &s.val_losses, &lrs);
-                ferrotron::files::write_atomically(path, svg.as_bytes()).context("--plot")?;
-                say!("plot: {} (loss, held-out loss and learning rate against the step)", path.display());
-            }
-            if let Some(stopped) = &s.stopped {
-                let step = s.first_step + s.losses.len();
-                let signal = ferrotron::train::stop::name(stopped.signal);
-                if let Some(micro) = stopped.dropped {
-                    let m = cfg.train.grad_accum_steps;
-                    say!("step {} dropped after {micro} of its {m} micro-batches: it trains again on resume", step + 1);
-                }
-                match &stopped.checkpoint {
-                    _ if s.losses.is_empty() => say!("stopped by {signal} in the run's first step: nothing new to save"),
-                    Some(at) => say!("stopped by {signal} after step {step}: checkpoint {}; resume with the same command and --resume latest (or --resume {})", at.display(), at.display()),
-                    None if ferrotron::comm::processes::leads() => say!("stopped by {signal} after step {step}: no checkpoint saved (no folder could take one, as said at the start)"),
-                    None => say!("stopped by {signal} after step {step}: checkpoints are process 0's to write (see its output)"),
-                }
-                return Ok(Exit::Signal(stopped.signal)); // every process of the run exits 128 + signal
-            }
-            let floor = match s.floor {
-                Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),
-                None => "unknown".into(),
-            };
-            let val =
-                s.val_losses.last().map(|(_, v)| format!(" | val loss {v:.4} (held-out data)")).unwrap_or_default();
-            say!(
-                "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth){val} | entropy floor {floor}",
-                s.losses.len(),
-                s.wall_s,
-                s.final_loss()
-            );
-        }
-        Command::Converge { config, mut sets, variants, steps, tol, out } => {
-            let variants = converge::parse_variants(&variants)?;
-            converge::check_tol(tol)?;
-            converge::plan(config.as_deref(), &sets, &variants)?; // every refusal before --out is made
-            ferrotron::files::check_folder_writable(&out).context("--out")?;
-            let real = out.canonicalize().with_context(|| format!("--out {}", out.display()))?;
-            let out_folder = ferrotron::files::Output { flag: "--out", path: &out, real };
-            let _claim = ferrotron::files::claim(&[out_folder], ferrotron::comm::processes::leads())?;
-            sets.extend(steps.map(|n| format!("train.steps={n}")));
-            let report = converge::converge(config.as_deref(), &sets, &variants, tol)?;
-            if ferrotron::comm::processes::leads() {
-                converge::write_outputs(&out, &report)?; // once, by the first process
-            }
-            say!("{}", converge::table(&report).trim_end());
-            say!("curves: {0}/losses.csv, plot: {0}/losses.svg", out.display());
-            let failed = report.outcomes.iter().filter(|o| !o.pass).count();
-            if failed > 0 {
-                anyhow::bail!("{failed} variant(s) left the single-rank loss curve: {}", report.criterion.describe());
-            }
-        }
-        Command::Schedule { pp, microbatches, schedule: which, r#virtual, trace, out } => {
-            use PpSchedule::{Afab, Interleaved, OneFOneB};
-            let kinds = match which.as_str() {
-                "afab" => vec![Afab],
-                "1f1b" => vec![OneFOneB],
-                "interleaved" => vec![Interleaved],
-                "both" => vec![Afab, OneFOneB],
-                "all" => vec![Afab, OneFOneB, Interleaved],
-                other => {
-                    anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, both (afab and 1f1b) or all")
-                }
-            };
-            ferrotron::files::check_writable(&out).context("--out")?;
-            let timelines = match &trace {
-                Some(path) => vec![schedule::from_trace(path)?],
-                None => {
-                    let play = |k| schedule::simulate(k, pp, microbatches, r#virtual);
-                    kinds.into_iter().map(play).collect::<Result<Vec<_>>>()?
-                }
-            };
-            for t in &timelines {
-                say!(
-                    "{}: {} rows, m={}: bubble {:.1}% of the step (formula (p-1)/(V·m+p-1) = {:.1}%), peak micro-batch activations per row {}",
-                    t.name,
-                    t.stages,
-                    t.micro_batches,
-                    100.0 * t.bubble(),
-                    100.0 * t.bubble_formula(),
-                    t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(" ")
-                );
-            }
-            ferrotron::files::write_atomically(&out, schedule::svg(&timelines).as_bytes()).context("--out")?;
-            say!("picture: {}", out.display());
-        }
-        Command::Grid { dp, pp, cp, tp, ep } => {
-            let grid = Grid::new(dp, pp, cp, tp)?.with_ep(ep)?;
-            say!("{}", grid.table().trim_end());
-            launcher::check_groups(grid)?;
-            say!(
-                "checked: {} rank threads each all-gathered their rank number over each of their groups and got the members above",
-                grid.world_size()
-            );
-        }
-        Command::Eval { model, tokens } => {
-            let mut m = hf::load_hf(&model)?;
-            let seqs = eval::read_tokens(&tokens, m.cfg.vocab_size)?;
-            say!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
-        }
-        Command::Memory { config, sets, measure, json } => {
-            let cfg = Config::load(config.as_deref(), &sets)?;
-            let _claims = claim_outputs(&[("--json", json.as_deref())])?;
-            let ranks = memory::memory(&cfg, measure)?;
-            say!("{}", memory::table(&cfg, &ranks).trim_end());
-            if let Some(path) = &json {
-                ferrotron::files::write_atomically(path, memory::json(&ranks)?.as_bytes()).context("--json")?;
-            }
-        }
-        Command::Generate {
-            model,
-            prompt,
-            tokens,
-            max_new_tokens,
-            temperature,
-            top_k,
-            seed,
-            tokenizer,
-            device,
-            dtype,
-        } => {
-            let sampling = generate::Sampling { max_new_tokens, temperature, top_k, seed };
-            let dtype = if dtype == "f32" { ferrotron::ops::DType::F32 } else { ferrotron::ops::DType::Bf16 };
-            let gpu = (device == "cuda").then_some(dtype);
-            generate::run(&model, (prompt.as_deref(), tokens.as_deref()), &sampling, tokenizer.as_deref(), gpu)?;
-        }
-        Command::Doctor => doctor::doctor()?,
-        Command::Bench { config, sets, steps, warmup, op: Some(_), json, against, profile, peak_tflops } => {
-            if profile || against.is_some() || peak_tflops.is_some() {
-                anyhow::bail!("--op attention times the attention kernels alone: leave out --profile, --against and --peak-tflops (they are for a training step)");
-            }
-            let cfg = Config::load(config.as_deref(), &sets)?;
-            let _claims = claim_outputs(&[("--json", json.as_deref())])?;
-            let report = ferrotron::commands::bench_attention::bench_attention(&cfg, warmup, steps)?;
-            say!("{}", ferrotron::commands::bench_attention::attention_table(&report).trim_end());
-            let text = serde_json::to_string(&report)?;
-            say!("json: {text}");
-            if let Some(path) = json {
-                ferrotron::files::write_atomically(&path, text.as_bytes()).context("--json")?;
-            }
-        }
-        Command::Bench { config, sets, steps, warmup, peak_tflops, json, against, profile, op: None } => {
-            let cfg = Config::load(config.as_deref(), &sets)?;
-            let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
-            let _claims = claim_outputs(&[("--json", json.as_deref())])?;
-            let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;
-            say!("{}", bench::table(&report).trim_end());
-            if profile {
-                // every rank's kernels are timed: per step of one rank, on average
-                say!(
-                    "\n{}",
-                    ferrotron::cuda::profile::table(&report.profile, steps * report.ranks, report.step_ms).trim_end()
-                );
-            }
-            if let Some(other) = other {
-                say!("{}", other.compare(&report));
-            }
-            let text = serde_json::to_string(&report)?;
-            say!("json: {text}");
-            if let Some(path) = json {
-                ferrotron::files::write_atomically(&path, text.as_bytes()).context("--json")?;
-            }
-        }
+        Command::Train(a) => train_command(a),
+        Command::Converge(a) => converge_command(a),
+        Command::Schedule(a) => schedule_command(a),
+        Command::Grid(a) => grid_command(a),
+        Command::Eval(a) => eval_command(a),
+        Command::Memory(a) => memory_command(a),
+        Command::Generate(a) => generate_command(a),
+        Command::Doctor => doctor::doctor().map(|_| Exit::Done),
+        Command::Bench(a) => bench_command(a),
     }
+}
+
+fn train_command(
+    TrainArgs { config, sets, metrics, trace, plot, resume, allow_changes, comm_report, link }: TrainArgs,
+) -> Result<Exit> {
+    let cfg = Config::load(config.as_deref(), &sets)?;
+    // before, not after, training: each output writable, and no two on one file
+    let outputs = [("--metrics", metrics.as_deref()), ("--trace", trace.as_deref()), ("--plot", plot.as_deref())];
+    let _claims = claim_outputs(&outputs)?; // held until the run ends
+    let spans = trace.as_ref().map(|_| Trace::default());
+    ferrotron::train::stop::install(); // Ctrl-C and SIGTERM: stop at a micro-batch, save, exit
+    let opts = train::Options {
+        metrics: metrics.as_deref(),
+        trace: spans.as_ref(),
+        resume: resume.as_deref(),
+        allow_changes,
+        stop_on_signal: true,
+        comm_report: comm_report.then(|| Link::parse(&link)).flatten(),
+        ..Default::default()
+    };
+    let s = train::train(&cfg, opts)?;
+    if s.losses.is_empty() && s.stopped.is_none() {
+        say!("nothing to train: the run already finished at step {} of train.steps = {} (raise train.steps to train further)", s.first_step, cfg.train.steps);
+        return Ok(Exit::Done);
+    }
+    // several processes: the first writes its ranks' spans
+    if let (Some(path), Some(spans), true) = (&trace, &spans, ferrotron::comm::processes::leads()) {
+        spans.write(path)?;
+        let overlap = match !spans.comm_spans(gradient_all_reduce).is_empty() {
+            true => format!(
+                "{:.0}% of data-parallel all-reduce time ran during backward",
+                100.0 * spans.hidden_fraction(gradient_all_reduce, "backward")
+            ),
+            false => "no data-parallel all-reduce in this run".into(),
+        };
+        say!("trace: {} ({overlap})", path.display());
+    }
+    if let (Some(path), true) = (&plot, ferrotron::comm::processes::leads()) {
+        let steps = s.first_step..s.first_step + s.losses.len();
+        let lrs: Vec<f32> = steps.clone().map(|step| ferrotron::model::optimizer::lr_at(&cfg.train, step)).collect();
+        let title = format!("{}: steps {} to {} of {}", cfg.data.source, steps.start + 1, steps.end, cfg.train.steps);
+        let svg = plot::run_chart(&title, (s.first_step, cfg.train.steps), &s.losses, &s.val_losses, &lrs);
+        ferrotron::files::write_atomically(path, svg.as_bytes()).context("--plot")?;
+        say!("plot: {} (loss, held-out loss and learning rate against the step)", path.display());
+    }
+    if let Some(stopped) = &s.stopped {
+        let step = s.first_step + s.losses.len();
+        let signal = ferrotron::train::stop::name(stopped.signal);
+        if let Some(micro) = stopped.dropped {
+            let m = cfg.train.grad_accum_steps;
+            say!("step {} dropped after {micro} of its {m} micro-batches: it trains again on resume", step + 1);
+        }
+        match &stopped.checkpoint {
+            _ if s.losses.is_empty() => say!("stopped by {signal} in the run's first step: nothing new to save"),
+            Some(at) => say!("stopped by {signal} after step {step}: checkpoint {}; resume with the same command and --resume latest (or --resume {})", at.display(), at.display()),
+            None if ferrotron::comm::processes::leads() => say!("stopped by {signal} after step {step}: no checkpoint saved (no folder could take one, as said at the start)"),
+            None => say!("stopped by {signal} after step {step}: checkpoints are process 0's to write (see its output)"),
+        }
+        return Ok(Exit::Signal(stopped.signal)); // every process of the run exits 128 + signal
+    }
+    let floor = match s.floor {
+        Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),
+        None => "unknown".into(),
+    };
+    let val = s.val_losses.last().map(|(_, v)| format!(" | val loss {v:.4} (held-out data)")).unwrap_or_default();
+    say!(
+        "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth){val} | entropy floor {floor}",
+        s.losses.len(),
+        s.wall_s,
+        s.final_loss()
+    );
+
+    Ok(Exit::Done)
+}
+
+fn converge_command(ConvergeArgs { config, mut sets, variants, steps, tol, out }: ConvergeArgs) -> Result<Exit> {
+    let variants = converge::parse_variants(&variants)?;
+    converge::check_tol(tol)?;
+    converge::plan(config.as_deref(), &sets, &variants)?; // every refusal before --out is made
+    ferrotron::files::check_folder_writable(&out).context("--out")?;
+    let real = out.canonicalize().with_context(|| format!("--out {}", out.display()))?;
+    let out_folder = ferrotron::files::Output { flag: "--out", path: &out, real };
+    let _claim = ferrotron::files::claim(&[out_folder], ferrotron::comm::processes::leads())?;
+    sets.extend(steps.map(|n| format!("train.steps={n}")));
+    let report = converge::converge(config.as_deref(), &sets, &variants, tol)?;
+    if ferrotron::comm::processes::leads() {
+        converge::write_outputs(&out, &report)?; // once, by the first process
+    }
+    say!("{}", converge::table(&report).trim_end());
+    say!("curves: {0}/losses.csv, plot: {0}/losses.svg", out.display());
+    let failed = report.outcomes.iter().filter(|o| !o.pass).count();
+    if failed > 0 {
+        anyhow::bail!("{failed} variant(s) left the single-rank loss curve: {}", report.criterion.describe());
+    }
+
+    Ok(Exit::Done)
+}
+
+fn schedule_command(
+    ScheduleArgs { pp, microbatches, schedule: which, r#virtual, trace, out }: ScheduleArgs,
+) -> Result<Exit> {
+    use PpSchedule::{Afab, Interleaved, OneFOneB};
+    let kinds = match which.as_str() {
+        "afab" => vec![Afab],
+        "1f1b" => vec![OneFOneB],
+        "interleaved" => vec![Interleaved],
+        "both" => vec![Afab, OneFOneB],
+        "all" => vec![Afab, OneFOneB, Interleaved],
+        other => {
+            anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, both (afab and 1f1b) or all")
+        }
+    };
+    ferrotron::files::check_writable(&out).context("--out")?;
+    let timelines = match &trace {
+        Some(path) => vec![schedule::from_trace(path)?],
+        None => {
+            let play = |k| schedule::simulate(k, pp, microbatches, r#virtual);
+            kinds.into_iter().map(play).collect::<Result<Vec<_>>>()?
+        }
+    };
+    for t in &timelines {
+        say!(
+            "{}: {} rows, m={}: bubble {:.1}% of the step (formula (p-1)/(V·m+p-1) = {:.1}%), peak micro-batch activations per row {}",
+            t.name,
+            t.stages,
+            t.micro_batches,
+            100.0 * t.bubble(),
+            100.0 * t.bubble_formula(),
+            t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(" ")
+        );
+    }
+    ferrotron::files::write_atomically(&out, schedule::svg(&timelines).as_bytes()).context("--out")?;
+    say!("picture: {}", out.display());
+
+    Ok(Exit::Done)
+}
+
+fn grid_command(GridArgs { dp, pp, cp, tp, ep }: GridArgs) -> Result<Exit> {
+    let grid = Grid::new(dp, pp, cp, tp)?.with_ep(ep)?;
+    say!("{}", grid.table().trim_end());
+    launcher::check_groups(grid)?;
+    say!(
+        "checked: {} rank threads each all-gathered their rank number over each of their groups and got the members above",
+        grid.world_size()
+    );
+
+    Ok(Exit::Done)
+}
+
+fn eval_command(EvalArgs { model, tokens }: EvalArgs) -> Result<Exit> {
+    let mut m = hf::load_hf(&model)?;
+    let seqs = eval::read_tokens(&tokens, m.cfg.vocab_size)?;
+    say!("loss: {:.6}", eval::mean_loss(&mut m, &seqs)?);
+
+    Ok(Exit::Done)
+}
+
+fn memory_command(MemoryArgs { config, sets, measure, json }: MemoryArgs) -> Result<Exit> {
+    let cfg = Config::load(config.as_deref(), &sets)?;
+    let _claims = claim_outputs(&[("--json", json.as_deref())])?;
+    let ranks = memory::memory(&cfg, measure)?;
+    say!("{}", memory::table(&cfg, &ranks).trim_end());
+    if let Some(path) = &json {
+        ferrotron::files::write_atomically(path, memory::json(&ranks)?.as_bytes()).context("--json")?;
+    }
+
+    Ok(Exit::Done)
+}
+
+fn generate_command(
+    GenerateArgs { model, prompt, tokens, max_new_tokens, temperature, top_k, seed, tokenizer, device, dtype }: GenerateArgs,
+) -> Result<Exit> {
+    let sampling = generate::Sampling { max_new_tokens, temperature, top_k, seed };
+    let dtype = if dtype == "f32" { ferrotron::ops::DType::F32 } else { ferrotron::ops::DType::Bf16 };
+    let gpu = (device == "cuda").then_some(dtype);
+    generate::run(&model, (prompt.as_deref(), tokens.as_deref()), &sampling, tokenizer.as_deref(), gpu)?;
+
+    Ok(Exit::Done)
+}
+
+fn bench_command(a: BenchArgs) -> Result<Exit> {
+    match a.op {
+        Some(_) => bench_op(a),
+        None => bench_step(a),
+    }
+}
+
+/// `bench --op attention`: one op alone.
+fn bench_op(
+    BenchArgs { config, sets, steps, warmup, json, against, profile, peak_tflops, .. }: BenchArgs,
+) -> Result<Exit> {
+    if profile || against.is_some() || peak_tflops.is_some() {
+        anyhow::bail!("--op attention times the attention kernels alone: leave out --profile, --against and --peak-tflops (they are for a training step)");
+    }
+    let cfg = Config::load(config.as_deref(), &sets)?;
+    let _claims = claim_outputs(&[("--json", json.as_deref())])?;
+    let report = ferrotron::commands::bench_attention::bench_attention(&cfg, warmup, steps)?;
+    say!("{}", ferrotron::commands::bench_attention::attention_table(&report).trim_end());
+    let text = serde_json::to_string(&report)?;
+    say!("json: {text}");
+    if let Some(path) = json {
+        ferrotron::files::write_atomically(&path, text.as_bytes()).context("--json")?;
+    }
+
+    Ok(Exit::Done)
+}
+
+/// `bench`: a training step.
+fn bench_step(
+    BenchArgs { config, sets, steps, warmup, peak_tflops, json, against, profile, .. }: BenchArgs,
+) -> Result<Exit> {
+    let cfg = Config::load(config.as_deref(), &sets)?;
+    let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
+    let _claims = claim_outputs(&[("--json", json.as_deref())])?;
+    let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;
+    say!("{}", bench::table(&report).trim_end());
+    if profile {
+        // every rank's kernels are timed: per step of one rank, on average
+        say!("\n{}", ferrotron::cuda::profile::table(&report.profile, steps * report.ranks, report.step_ms).trim_end());
+    }
+    if let Some(other) = other {
+        say!("{}", other.compare(&report));
+    }
+    let text = serde_json::to_string(&report)?;
+    say!("json: {text}");
+    if let Some(path) = json {
+        ferrotron::files::write_atomically(&path, text.as_bytes()).context("--json")?;
+    }
+
     Ok(Exit::Done)
 }
 

@@ -59,13 +59,24 @@ impl ModelConfig {
 }
 
 impl Config {
-    /// The checks of every section, and of the sections against each other.
+    /// The checks of every section, and of the sections against each other, section by section.
     pub fn validate(&self) -> Result<()> {
         let table = toml::Value::try_from(self).context("the config does not serialise")?;
         if let Some((key, v)) = first_non_finite(&table, "") {
             bail!("{key} = {v}: it must be a finite number");
         }
         self.model.validate("model.")?;
+        self.validate_sizes()?;
+        self.validate_train()?;
+        self.validate_layout()?;
+        validate_experts(self)?;
+        self.validate_comm()?;
+        self.validate_places()?;
+        validate_data(&self.data, &self.model, self.train.seq_len)
+    }
+
+    /// Counts that must be at least 1, the run's number of sequences, the held-out share.
+    fn validate_sizes(&self) -> Result<()> {
         let (t, p) = (&self.train, &self.parallel);
         for (key, v) in [
             ("train.steps", t.steps),
@@ -100,6 +111,12 @@ impl Config {
                 v.split
             );
         }
+        Ok(())
+    }
+
+    /// The optimizer's settings.
+    fn validate_train(&self) -> Result<()> {
+        let t = &self.train;
         if t.seq_len < 2 {
             bail!("train.seq_len = 1: a sequence of one token has nothing to predict (each token's target is the next one); set train.seq_len to 2 or more");
         }
@@ -117,6 +134,12 @@ impl Config {
                 bail!("{key} = {v}: it must be 0 (off) or positive");
             }
         }
+        Ok(())
+    }
+
+    /// The layout against the model and the batch: context, pipeline and tensor parallelism.
+    fn validate_layout(&self) -> Result<()> {
+        let (t, p) = (&self.train, &self.parallel);
         let chunks = if p.cp_split == CpSplit::Zigzag { 2 * p.cp } else { p.cp };
         if p.cp > 1 && !t.seq_len.is_multiple_of(chunks) {
             bail!("train.seq_len = {} does not split into {chunks} equal chunks for parallel.cp = {} (the {:?} split cuts {chunks} chunks): choose a seq_len divisible by {chunks}", t.seq_len, p.cp, p.cp_split);
@@ -173,7 +196,12 @@ impl Config {
                 bail!("parallel.sequence_parallel = true: a micro-batch's {rows} rows per rank (train.micro_batch_size × train.seq_len / parallel.cp) do not split into parallel.tp = {} equal parts; choose sizes whose product divides by tp", p.tp);
             }
         }
-        validate_experts(self)?;
+        Ok(())
+    }
+
+    /// Data-parallel buckets, ZeRO and the collectives' timeout.
+    fn validate_comm(&self) -> Result<()> {
+        let p = &self.parallel;
         if !(p.bucket_mb > 0.0 && p.bucket_mb <= 1e6) {
             bail!("parallel.bucket_mb = {}: it must be a positive number of MiB, at most 1e6", p.bucket_mb);
         }
@@ -189,6 +217,11 @@ impl Config {
                 p.timeout_s
             );
         }
+        Ok(())
+    }
+
+    /// Where the run writes and computes: the checkpoint folder and the device.
+    fn validate_places(&self) -> Result<()> {
         if self.checkpoint.dir.trim().is_empty() {
             bail!("checkpoint.dir is empty: name the folder checkpoints go to (a run also saves there when stopped by a signal)");
         }
@@ -198,7 +231,7 @@ impl Config {
         if self.device.kind == DeviceKind::Cuda && self.model.head_dim() > 128 {
             bail!("model.head_dim = {}: the CUDA attention kernel supports head_dim up to 128; use device.kind = \"cpu\" or a smaller head_dim", self.model.head_dim());
         }
-        validate_data(&self.data, &self.model, t.seq_len)
+        Ok(())
     }
 }
 
