@@ -71,6 +71,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::data_parallel",
             "parallel::tensor_parallel",
             "parallel::sequence_parallel",
+            "parallel::pipeline_schedule",
             "parallel::pipeline_parallel",
             "parallel::context_parallel",
             "parallel::zero",

@@ -10,7 +10,7 @@ use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::schedule::{from_trace, simulate};
 use ferrotron::config::{Config, PpSchedule};
 use ferrotron::model::Stage;
-use ferrotron::parallel::pipeline_parallel::{schedule, Action};
+use ferrotron::parallel::pipeline_schedule::{schedule, Action};
 use ferrotron::train::{train, train_all, Options};
 
 /// 20 steps of the small model with 4 micro-batches of 2 sequences.

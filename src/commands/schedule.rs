@@ -9,7 +9,7 @@
 //! 1/V of that time, and its bubble is (p − 1)/(V·m + p − 1).
 
 use crate::config::PpSchedule;
-use crate::parallel::pipeline_parallel::{schedule, Action, Work};
+use crate::parallel::pipeline_schedule::{schedule, Action, Work};
 use anyhow::{bail, Result};
 use std::fmt::Write;
 

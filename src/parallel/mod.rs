@@ -3,7 +3,8 @@
 //! Read in this order: `process_grid` (which rank is where, and its groups) → `data_parallel`
 //! (same model, different data, averaged gradients) → `tensor_parallel` (each matrix split
 //! across ranks) → `sequence_parallel` (and the rows between the matrices) →
-//! `pipeline_parallel` (layers split into stages) → `context_parallel` (the sequence split,
+//! `pipeline_parallel` (layers split into stages; `pipeline_schedule`, the order of a stage's
+//! forwards and backwards) → `context_parallel` (the sequence split,
 //! attention as a ring) → `zero` (data parallelism that shards optimizer state, gradients and
 //! weights: ZeRO-1, 2, 3/FSDP) → `expert_parallel` (a mixture of experts' experts divided among
 //! ranks, tokens travelling to them by all-to-all). The model (`model/`) knows none of them: it
@@ -15,6 +16,7 @@ pub mod context_parallel;
 pub mod data_parallel;
 pub mod expert_parallel;
 pub mod pipeline_parallel;
+pub mod pipeline_schedule;
 pub mod process_grid;
 pub mod sequence_parallel;
 pub mod tensor_parallel;

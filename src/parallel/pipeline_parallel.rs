@@ -44,9 +44,10 @@
 //!
 //! **Stopping inside a step** (a signal, `train/stop.rs`): every rank must stop at the same
 //! point, so every rank asks "stop?" in one collective at the same points of its own schedule:
-//! before its k-th forward, for k a multiple of p·V (one round of the pipeline). Sends are
-//! buffered, so a rank waits only on receives; what a rank receives before its k-th forward was
-//! sent by its neighbours before their k-th, and no one waits on a rank already asking.
+//! before receiving its k-th forward's input, for k a multiple of p·V (one round of the
+//! pipeline). Sends are buffered, so a rank waits only on receives; what a rank receives before
+//! its k-th forward was sent by its neighbours before their k-th, and no one waits on a rank
+//! already asking. After a stop each rank takes in what its neighbours sent it before theirs.
 //! (Asking before every forward deadlocks the interleaved schedule from p = 3: rank p − 1 would
 //! wait for a gradient rank 0 makes only after its own question. Tried on a model of the
 //! schedules for p ≤ 8, V ≤ 4.)
@@ -56,85 +57,11 @@ use crate::config::PpSchedule;
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType};
+use crate::parallel::pipeline_schedule::{schedule, warmup, Action, Work};
 use anyhow::{bail, Result};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::time::Instant;
-
-/// Micro-batch `micro` through model chunk `chunk` (always 0 but in the interleaved schedule).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Work {
-    pub micro: usize,
-    pub chunk: usize,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Action {
-    Forward(Work),
-    Backward(Work),
-}
-
-/// `F3` / `B3`: the forward or backward of micro-batch 3; `{:#}` adds the model chunk, `F3.1`
-/// (the interleaved schedule's names).
-impl std::fmt::Display for Action {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let (letter, w) = match self {
-            Action::Forward(w) => ('F', w),
-            Action::Backward(w) => ('B', w),
-        };
-        match f.alternate() {
-            true => write!(f, "{letter}{}.{}", w.micro, w.chunk),
-            false => write!(f, "{letter}{}", w.micro),
-        }
-    }
-}
-
-/// The order of stage `stage`'s forwards and backwards of `m` micro-batches, each rank holding
-/// `chunks` model chunks (1 but for `Interleaved`). Made as it is walked: a step of millions of
-/// micro-batches holds no list of them.
-pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> Schedule {
-    use Action::{Backward, Forward};
-    let one = |micro| Work { micro, chunk: 0 };
-    match kind {
-        PpSchedule::Afab => Box::new((0..m).map(move |i| Forward(one(i))).chain((0..m).map(move |i| Backward(one(i))))),
-        PpSchedule::OneFOneB => one_f_one_b(m, warmup(kind, stages, stage, m, 1), move |k, _| one(k)),
-        PpSchedule::Interleaved => {
-            // the k-th forward (or backward) of the rank: groups of `stages` micro-batches per
-            // chunk, chunks in order forward and reversed backward
-            let per = stages * chunks;
-            let work = move |k: usize, forward: bool| {
-                let chunk = k % per / stages;
-                let chunk = if forward { chunk } else { chunks - 1 - chunk };
-                Work { micro: k / per * stages + k % stages, chunk }
-            };
-            one_f_one_b(m * chunks, warmup(kind, stages, stage, m, chunks), work)
-        }
-    }
-}
-
-/// A stage's actions of one step, in order.
-pub type Schedule = Box<dyn Iterator<Item = Action> + Send>;
-
-/// The forwards (of a chunk each) stage `stage` runs before its first backward: all of them
-/// (AFAB); one per stage below it (1F1B); with interleaving, those twice over (they come back
-/// through chunk 1, …) plus a group of `stages` per further chunk.
-pub fn warmup(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> usize {
-    match kind {
-        PpSchedule::Afab => m,
-        PpSchedule::OneFOneB => (stages - stage - 1).min(m),
-        PpSchedule::Interleaved => ((stages - stage - 1) * 2 + (chunks - 1) * stages).min(m * chunks),
-    }
-}
-
-/// `n` forwards and `n` backwards (the k-th of each being `work(k, forward)`): `warmup` forwards,
-/// then one forward and one backward at a time, then the backwards still owed.
-fn one_f_one_b(n: usize, warmup: usize, work: impl Fn(usize, bool) -> Work + Copy + Send + 'static) -> Schedule {
-    let warm = (0..warmup).map(move |k| Action::Forward(work(k, true)));
-    let steady =
-        (0..n - warmup).flat_map(move |k| [Action::Forward(work(warmup + k, true)), Action::Backward(work(k, false))]);
-    let cool = (n - warmup..n).map(move |k| Action::Backward(work(k, false)));
-    Box::new(warm.chain(steady).chain(cool))
-}
 
 /// One training step's forwards and backwards on this stage.
 pub struct StepPlan<'a> {

@@ -22,7 +22,7 @@ use crate::model::{Llama, Split, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
 use crate::parallel::data_parallel::bucket_values;
-use crate::parallel::pipeline_parallel;
+use crate::parallel::pipeline_schedule;
 use crate::parallel::process_grid::Grid;
 use anyhow::{bail, Result};
 
@@ -335,7 +335,7 @@ fn in_flight(cfg: &Config, s: usize) -> f64 {
         return 1.0;
     }
     let (m, v) = (t.grad_accum_steps, p.pp_virtual_stages);
-    let chunks = (pipeline_parallel::warmup(p.pp_schedule, p.pp, s, m, v) + 1).min(m * v);
+    let chunks = (pipeline_schedule::warmup(p.pp_schedule, p.pp, s, m, v) + 1).min(m * v);
     chunks as f64 / v as f64
 }
 
