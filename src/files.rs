@@ -106,36 +106,47 @@ pub struct Claims {
 /// process writes them); refuses an output another live process holds. The locks live in the
 /// cache folder's `locks/`.
 pub fn claim(outputs: &[Output], mine: bool) -> Result<Claims> {
-    let locks = cache_folder("").unwrap_or_else(|_| std::env::temp_dir().join("ferrotron")).join("locks");
     let mut held = Vec::new();
-    for o in outputs.iter().filter(|_| mine) {
-        std::fs::create_dir_all(&locks)
-            .with_context(|| format!("cannot create the lock folder {}", locks.display()))?;
+    if !mine || outputs.is_empty() {
+        return Ok(Claims { _locks: held });
+    }
+    let locks = cache_folder("").unwrap_or_else(|_| std::env::temp_dir().join("ferrotron")).join("locks");
+    std::fs::create_dir_all(&locks).with_context(|| format!("cannot create the lock folder {}", locks.display()))?;
+    for o in outputs {
         // a stable name for the path (std's hashers may change between Rust releases)
         let mut hash = Fingerprint::default();
         hash.add(o.real.as_os_str().as_encoded_bytes());
         let lock_path = locks.join(format!("{}.lock", hash.hex()));
-        let lock = std::fs::OpenOptions::new()
-            .create(true)
-            .truncate(false) // the holder's note stays readable to the refused
-            .read(true)
-            .write(true)
-            .open(&lock_path)
-            .with_context(|| format!("{}: cannot open the lock file {}", o.flag, lock_path.display()))?;
-        if lock.try_lock().is_err() {
-            let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
-            let holder = holder.lines().nth(1).unwrap_or("another process");
-            bail!(
+        let note = format!("process {}, writing {}", std::process::id(), o.real.display());
+        match hold(&lock_path, &note).with_context(|| o.flag.to_string())? {
+            Ok(lock) => held.push(lock),
+            Err(holder) => bail!(
                 "{} {} is being written by another live run ({holder}): give this run its own path, or wait for that run to end",
                 o.flag,
                 o.path.display()
-            );
+            ),
         }
-        let note = format!("{}\nprocess {}\n", o.real.display(), std::process::id());
-        lock.set_len(0).and_then(|_| (&lock).write_all(note.as_bytes())).ok(); // informative only
-        held.push(lock);
     }
     Ok(Claims { _locks: held })
+}
+
+/// Takes the advisory lock (`flock`) of `lock_path`, creating the file, and writes `note` in it
+/// for whoever is refused next; `Err(their note)` where another live process holds it. The OS
+/// drops the lock with the process, even after `kill -9`.
+pub fn hold(lock_path: &Path, note: &str) -> Result<std::result::Result<std::fs::File, String>> {
+    let lock = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false) // the holder's note stays readable to the refused
+        .read(true)
+        .write(true)
+        .open(lock_path)
+        .with_context(|| format!("cannot open the lock file {}", lock_path.display()))?;
+    if lock.try_lock().is_err() {
+        let holder = std::fs::read_to_string(lock_path).unwrap_or_default();
+        return Ok(Err(if holder.trim().is_empty() { "holder unknown".into() } else { holder.trim().to_string() }));
+    }
+    lock.set_len(0).and_then(|_| (&lock).write_all(note.as_bytes())).ok(); // informative only
+    Ok(Ok(lock))
 }
 
 /// The cache folder `data.cache_dir` names, or, for `""`, `$FERROTRON_CACHE`, else

@@ -6,13 +6,11 @@ use clap::{Args, Parser, Subcommand};
 use ferrotron::checkpoint::hf;
 use ferrotron::comm::cost::Link;
 use ferrotron::comm::launcher;
-use ferrotron::comm::trace::Trace;
-use ferrotron::commands::{bench, converge, doctor, eval, generate, memory, plot, schedule};
+use ferrotron::commands::{self, bench, converge, doctor, eval, generate, memory, schedule};
+use ferrotron::config::Config;
 use ferrotron::config::PpSchedule;
-use ferrotron::parallel::data_parallel::gradient_all_reduce;
 use ferrotron::parallel::process_grid::Grid;
 use ferrotron::say;
-use ferrotron::{config::Config, train};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -229,13 +227,6 @@ struct BenchArgs {
     op: Option<String>,
 }
 
-/// Checks a command's outputs (`files::check_outputs`) and claims them for this run
-/// (`files::claim`): in a multi-process run the first process writes them.
-fn claim_outputs(outputs: &[(&str, Option<&std::path::Path>)]) -> Result<ferrotron::files::Claims> {
-    let checked = ferrotron::files::check_outputs(outputs)?;
-    ferrotron::files::claim(&checked, ferrotron::comm::processes::leads())
-}
-
 /// Each command is a function below.
 fn run(cli: Cli) -> Result<Exit> {
     match cli.command {
@@ -247,7 +238,8 @@ fn run(cli: Cli) -> Result<Exit> {
         Command::Memory(a) => memory_command(a),
         Command::Generate(a) => generate_command(a),
         Command::Doctor => doctor::doctor().map(|_| Exit::Done),
-        Command::Bench(a) => bench_command(a),
+        Command::Bench(a) if a.op.is_some() => bench_op(a),
+        Command::Bench(a) => bench_step(a),
     }
 }
 
@@ -257,71 +249,14 @@ fn train_command(
     let cfg = Config::load(config.as_deref(), &sets)?;
     // before, not after, training: each output writable, and no two on one file
     let outputs = [("--metrics", metrics.as_deref()), ("--trace", trace.as_deref()), ("--plot", plot.as_deref())];
-    let _claims = claim_outputs(&outputs)?; // held until the run ends
-    let spans = trace.as_ref().map(|_| Trace::default());
-    ferrotron::train::stop::install(); // Ctrl-C and SIGTERM: stop at a micro-batch, save, exit
-    let opts = train::Options {
-        metrics: metrics.as_deref(),
-        trace: spans.as_ref(),
-        resume: resume.as_deref(),
-        allow_changes,
-        stop_on_signal: true,
-        comm_report: comm_report.then(|| Link::parse(&link)).flatten(),
-        ..Default::default()
-    };
-    let s = train::train(&cfg, opts)?;
-    if s.losses.is_empty() && s.stopped.is_none() {
-        say!("nothing to train: the run already finished at step {} of train.steps = {} (raise train.steps to train further)", s.first_step, cfg.train.steps);
-        return Ok(Exit::Done);
-    }
-    // several processes: the first writes its ranks' spans
-    if let (Some(path), Some(spans), true) = (&trace, &spans, ferrotron::comm::processes::leads()) {
-        spans.write(path)?;
-        let overlap = match !spans.comm_spans(gradient_all_reduce).is_empty() {
-            true => format!(
-                "{:.0}% of data-parallel all-reduce time ran during backward",
-                100.0 * spans.hidden_fraction(gradient_all_reduce, "backward")
-            ),
-            false => "no data-parallel all-reduce in this run".into(),
-        };
-        say!("trace: {} ({overlap})", path.display());
-    }
-    if let (Some(path), true) = (&plot, ferrotron::comm::processes::leads()) {
-        let steps = s.first_step..s.first_step + s.losses.len();
-        let lrs: Vec<f32> = steps.clone().map(|step| ferrotron::model::optimizer::lr_at(&cfg.train, step)).collect();
-        let title = format!("{}: steps {} to {} of {}", cfg.data.source, steps.start + 1, steps.end, cfg.train.steps);
-        let svg = plot::run_chart(&title, (s.first_step, cfg.train.steps), &s.losses, &s.val_losses, &lrs);
-        ferrotron::files::write_atomically(path, svg.as_bytes()).context("--plot")?;
-        say!("plot: {} (loss, held-out loss and learning rate against the step)", path.display());
-    }
-    if let Some(stopped) = &s.stopped {
-        let step = s.first_step + s.losses.len();
-        let signal = ferrotron::train::stop::name(stopped.signal);
-        if let Some(micro) = stopped.dropped {
-            let m = cfg.train.grad_accum_steps;
-            say!("step {} dropped after {micro} of its {m} micro-batches: it trains again on resume", step + 1);
-        }
-        match &stopped.checkpoint {
-            _ if s.losses.is_empty() => say!("stopped by {signal} in the run's first step: nothing new to save"),
-            Some(at) => say!("stopped by {signal} after step {step}: checkpoint {}; resume with the same command and --resume latest (or --resume {})", at.display(), at.display()),
-            None if ferrotron::comm::processes::leads() => say!("stopped by {signal} after step {step}: no checkpoint saved (no folder could take one, as said at the start)"),
-            None => say!("stopped by {signal} after step {step}: checkpoints are process 0's to write (see its output)"),
-        }
-        return Ok(Exit::Signal(stopped.signal)); // every process of the run exits 128 + signal
-    }
-    let floor = match s.floor {
-        Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),
-        None => "unknown".into(),
-    };
-    let val = s.val_losses.last().map(|(_, v)| format!(" | val loss {v:.4} (held-out data)")).unwrap_or_default();
-    say!(
-        "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth){val} | entropy floor {floor}",
-        s.losses.len(),
-        s.wall_s,
-        s.final_loss()
-    );
-
-    Ok(Exit::Done)
+    let _claims = commands::claim_outputs(&outputs)?; // held until the run ends
+    let outputs =
+        commands::train::Outputs { metrics: metrics.as_deref(), trace: trace.as_deref(), plot: plot.as_deref() };
+    let link = comm_report.then(|| Link::parse(&link)).flatten();
+    Ok(match commands::train::run(&cfg, outputs, (resume.as_deref(), allow_changes), link)? {
+        Some(signal) => Exit::Signal(signal), // every process of the run exits 128 + signal
+        None => Exit::Done,
+    })
 }
 
 fn converge_command(ConvergeArgs { config, mut sets, variants, steps, tol, out }: ConvergeArgs) -> Result<Exit> {
@@ -408,7 +343,7 @@ fn eval_command(EvalArgs { model, tokens }: EvalArgs) -> Result<Exit> {
 
 fn memory_command(MemoryArgs { config, sets, measure, json }: MemoryArgs) -> Result<Exit> {
     let cfg = Config::load(config.as_deref(), &sets)?;
-    let _claims = claim_outputs(&[("--json", json.as_deref())])?;
+    let _claims = commands::claim_outputs(&[("--json", json.as_deref())])?;
     let ranks = memory::memory(&cfg, measure)?;
     say!("{}", memory::table(&cfg, &ranks).trim_end());
     if let Some(path) = &json {
@@ -429,13 +364,6 @@ fn generate_command(
     Ok(Exit::Done)
 }
 
-fn bench_command(a: BenchArgs) -> Result<Exit> {
-    match a.op {
-        Some(_) => bench_op(a),
-        None => bench_step(a),
-    }
-}
-
 /// `bench --op attention`: one op alone.
 fn bench_op(
     BenchArgs { config, sets, steps, warmup, json, against, profile, peak_tflops, .. }: BenchArgs,
@@ -444,7 +372,7 @@ fn bench_op(
         anyhow::bail!("--op attention times the attention kernels alone: leave out --profile, --against and --peak-tflops (they are for a training step)");
     }
     let cfg = Config::load(config.as_deref(), &sets)?;
-    let _claims = claim_outputs(&[("--json", json.as_deref())])?;
+    let _claims = commands::claim_outputs(&[("--json", json.as_deref())])?;
     let report = ferrotron::commands::bench_attention::bench_attention(&cfg, warmup, steps)?;
     say!("{}", ferrotron::commands::bench_attention::attention_table(&report).trim_end());
     let text = serde_json::to_string(&report)?;
@@ -462,7 +390,7 @@ fn bench_step(
 ) -> Result<Exit> {
     let cfg = Config::load(config.as_deref(), &sets)?;
     let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
-    let _claims = claim_outputs(&[("--json", json.as_deref())])?;
+    let _claims = commands::claim_outputs(&[("--json", json.as_deref())])?;
     let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;
     say!("{}", bench::table(&report).trim_end());
     if profile {

@@ -17,7 +17,6 @@
 use crate::config::Config;
 use anyhow::{bail, Context, Result};
 use std::fs::File;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 
 /// A checkpoint folder taken by one run: locked, and holding no other run's checkpoints.
@@ -47,25 +46,15 @@ impl Folder {
     /// half-written, and refuses it if it holds checkpoints this run must not replace or prune.
     pub fn take(dir: &Path, run_id: &str, resumed_step: Option<usize>) -> Result<Folder> {
         crate::files::check_folder_writable(dir).context("checkpoint.dir")?;
-        let lock_path = dir.join(".lock");
-        let lock = File::options()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&lock_path)
-            .with_context(|| format!("checkpoint.dir: cannot open {}", lock_path.display()))?;
-        if lock.try_lock().is_err() {
-            let holder = std::fs::read_to_string(&lock_path).unwrap_or_default();
-            bail!(
-                "checkpoint.dir = {} is in use by another run ({}): wait for it to end, or choose another checkpoint.dir",
-                dir.display(),
-                if holder.trim().is_empty() { "holder unknown" } else { holder.trim() }
-            );
-        }
         let started = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
-        let holder = format!("pid {}, run {run_id}, started at unix time {}", std::process::id(), started.as_secs());
-        lock.set_len(0).and_then(|_| (&lock).write_all(holder.as_bytes())).ok(); // informative only
+        let note = format!("pid {}, run {run_id}, started at unix time {}", std::process::id(), started.as_secs());
+        let lock = match crate::files::hold(&dir.join(".lock"), &note).context("checkpoint.dir")? {
+            Ok(lock) => lock,
+            Err(holder) => bail!(
+                "checkpoint.dir = {} is in use by another run ({holder}): wait for it to end, or choose another checkpoint.dir",
+                dir.display()
+            ),
+        };
         remove_half_written(dir)?;
         refuse_others(dir, run_id, resumed_step)?;
         Ok(Folder { dir: dir.to_path_buf(), run_id: run_id.to_string(), _lock: lock })

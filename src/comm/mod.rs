@@ -30,6 +30,7 @@ pub mod launcher;
 pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
+mod note;
 pub mod processes;
 pub mod remote;
 pub mod tcp;

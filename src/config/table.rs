@@ -56,11 +56,8 @@ pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
 /// table again, to learn the words a key takes.
 pub(super) fn plain_words(msg: &str, key: &str, table: &toml::Table, read: &dyn Fn(toml::Table) -> String) -> String {
     let path: Vec<&str> = key.split('.').collect();
-    let value = path.iter().try_fold(None::<&toml::Value>, |at, k| match at {
-        None => table.get(*k).map(Some),
-        Some(v) => v.get(*k).map(Some),
-    });
-    let shown = value.flatten().map_or("this".to_string(), |v| v.to_string());
+    let value = path[1..].iter().fold(table.get(path[0]), |at, k| at.and_then(|v| v.get(*k)));
+    let shown = value.map_or("this".to_string(), |v| v.to_string());
     if msg.contains("expected struct") {
         return format!(
             "is {shown}, but `{key}` is a section: give its keys (`[{key}]` in a file, or --set {key}.KEY=VALUE)"

@@ -57,7 +57,7 @@ use crate::config::PpSchedule;
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType};
-use crate::parallel::pipeline_schedule::{schedule, warmup, Action, Work};
+use crate::parallel::pipeline_schedule::{schedule, sent_by, warmup, Action, Carries, Work};
 use anyhow::{bail, Result};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -144,7 +144,7 @@ fn drain(msg: &Messages, plan: &StepPlan, k: usize) -> Result<()> {
                 forwards += usize::from(matches!(a, Action::Forward(_)));
                 forwards <= k
             })
-            .filter(|&a| Mailbox::sent(stage, from, a).is_some_and(|(to, _)| to == me))
+            .filter(|&a| sent_by(stage, from, a).is_some_and(|(to, _)| to == me))
             .count();
         let taken = msg.received.borrow()[from];
         for _ in taken..sent {
@@ -376,14 +376,6 @@ impl Messages<'_> {
     }
 }
 
-/// What a message of the interleaved schedule carries: the activations a forward made, or the
-/// gradient a backward made, of the sender's `Work`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum Carries {
-    Activations,
-    Gradient,
-}
-
 /// The interleaved schedule's messages. Activations always go to the next rank and gradients to
 /// the previous one, around the ring (rank p − 1's chunk c feeds rank 0's chunk c + 1), and with
 /// p = 2 both kinds travel between the same two ranks. Messages between two ranks arrive in the
@@ -403,24 +395,11 @@ impl<'a> Mailbox<'a> {
         let expected = (0..p)
             .map(|from| {
                 let plan = schedule(PpSchedule::Interleaved, p, from, m, stage.chunks);
-                let sends = plan.filter_map(move |a| Mailbox::sent(stage, from, a));
+                let sends = plan.filter_map(move |a| sent_by(stage, from, a));
                 Box::new(sends.filter(move |&(to, _)| to == me).map(|(_, what)| what)) as Box<dyn Iterator<Item = _>>
             })
             .collect();
         Mailbox { msg, expected, stash: HashMap::new() }
-    }
-
-    /// Where rank `from`'s `action` sends its result, and what it is (`None`: the loss, or the
-    /// first chunk's input gradient, which go nowhere).
-    fn sent(stage: Stage, from: usize, action: Action) -> Option<(usize, (Carries, Work))> {
-        let (p, v) = (stage.count, stage.chunks);
-        match action {
-            Action::Forward(w) if !(from == p - 1 && w.chunk == v - 1) => {
-                Some(((from + 1) % p, (Carries::Activations, w)))
-            }
-            Action::Backward(w) if !(from == 0 && w.chunk == 0) => Some(((from + p - 1) % p, (Carries::Gradient, w))),
-            _ => None,
-        }
     }
 
     /// The input of this rank's `what` of `w`, if it has one: the previous virtual stage's
@@ -450,7 +429,7 @@ impl<'a> Mailbox<'a> {
             Carries::Activations => Action::Forward(w),
             Carries::Gradient => Action::Backward(w),
         };
-        match Mailbox::sent(self.msg.stage, self.msg.stage.index, action) {
+        match sent_by(self.msg.stage, self.msg.stage.index, action) {
             Some((to, _)) => self.msg.send(t, Some(to)),
             None => Ok(()),
         }

@@ -8,6 +8,7 @@
 //! step of millions of micro-batches holds no list of them.
 
 use crate::config::PpSchedule;
+use crate::model::Stage;
 
 /// Micro-batch `micro` through model chunk `chunk` (always 0 but in the interleaved schedule).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -82,4 +83,24 @@ fn one_f_one_b(n: usize, warmup: usize, work: impl Fn(usize, bool) -> Work + Cop
         (0..n - warmup).flat_map(move |k| [Action::Forward(work(warmup + k, true)), Action::Backward(work(k, false))]);
     let cool = (n - warmup..n).map(move |k| Action::Backward(work(k, false)));
     Box::new(warm.chain(steady).chain(cool))
+}
+
+/// What a message between stages carries: the activations a forward made, or the gradient a
+/// backward made, of the sender's `Work`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Carries {
+    Activations,
+    Gradient,
+}
+
+/// Where rank `from`'s `action` sends its result, and what it is; `None` for the loss and the
+/// first chunk's input gradient, which go nowhere. With interleaving the stages form a ring:
+/// rank p − 1's chunk c feeds rank 0's chunk c + 1.
+pub fn sent_by(stage: Stage, from: usize, action: Action) -> Option<(usize, (Carries, Work))> {
+    let (p, v) = (stage.count, stage.chunks);
+    match action {
+        Action::Forward(w) if !(from == p - 1 && w.chunk == v - 1) => Some(((from + 1) % p, (Carries::Activations, w))),
+        Action::Backward(w) if !(from == 0 && w.chunk == 0) => Some(((from + p - 1) % p, (Carries::Gradient, w))),
+        _ => None,
+    }
 }
