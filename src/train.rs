@@ -18,7 +18,7 @@
 //! backwards run in the pipeline schedule's order, with activations travelling between stages
 //! (`parallel/pipeline_parallel.rs`). Tensor, context and expert parallelism are inside the model
 //! (its `TensorSplit`, `SequenceSplit` and `ExpertSplit`); data parallelism is the two calls
-//! `grad_ready`/`finish` (for a mixture of experts, the experts averaged over their own group).
+//! `grad_ready`/`finish` of `train/gradients.rs` (each gradient averaged over its replicas' axis).
 //!
 //! Each rank reads its slice of the step's global batch of `micro_batch_size × grad_accum_steps
 //! × dp` sequences: its dp share, and of each sequence its cp positions. The loss is the mean
@@ -28,6 +28,7 @@
 //! signal in `train/stop.rs`; the held-out loss in `train/validate.rs`.
 
 mod agree;
+mod gradients;
 pub mod memory;
 pub mod metrics;
 mod run;
@@ -45,14 +46,16 @@ use crate::model::optimizer::{self, NormGroups};
 use crate::ops::{self, tensor::Tensor, DType};
 use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::bucket_values;
-use crate::parallel::expert_parallel::GradSync;
+use crate::parallel::fsdp::{self, Fsdp};
 use crate::parallel::pipeline_parallel::{self, StepPlan};
 use crate::parallel::process_grid::Axis;
 use crate::parallel::sequence_parallel;
 use crate::parallel::zero;
 use anyhow::Result;
+use gradients::Gradients;
 use run::{Run, Start};
 use std::cell::Cell;
+use std::rc::Rc;
 use std::time::Instant;
 use watch::{StepEnd, Watch};
 
@@ -89,9 +92,11 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     if sharding.any() {
         model = zero::shard(model, &mut optimizer, sharding, stage);
     }
-    let params = (&model.params()[..], &model.param_chunks()[..]);
-    let stages = (sharding.dense.map_or(0, |_| stage), sharding.experts.map_or(0, |_| stage));
-    let mut dp_sync = GradSync::new((dp, edp, ep), params, (p.dp_mode, p.bucket_mb), stages);
+    if sharding.any() && stage == 3 {
+        model = model.with_weight_split(Rc::new(Fsdp::new(sharding))); // FSDP: whole weights unit by unit
+    }
+    // where each finished gradient goes: the reducer of its replicas' axis (`train/gradients.rs`)
+    let mut grads = Gradients::new(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
     let mut watch = Watch::new(me, cfg, opts, (first_step, model.place()))?; // metrics, trace, timing, memory
     let cp = me.group(Axis::Cp);
     let positions = context_parallel::positions(cfg.parallel.cp_split, cp.size(), cp.index(), t.seq_len);
@@ -131,7 +136,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
                 watch.span(format!("forward {micro}"), span);
                 let (span, last) = (Instant::now(), micro + 1 == m);
                 // bucketed: a full bucket's all-reduce (ZeRO: reduce-scatter) starts now
-                model.backward_with(1.0 / m as f32, &mut |p| dp_sync.grad_ready(p, last))?;
+                model.backward_with(1.0 / m as f32, &mut |p| grads.grad_ready(p, last))?;
                 watch.span(format!("backward {micro}"), span);
             }
             (loss, 1) // one micro-batch's activations held at a time
@@ -143,7 +148,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let (batch_size, chunks) = (t.micro_batch_size, p.pp_virtual_stages);
             let (data, stop) = (&batch, may_stop.then_some(&stop_here as &dyn Fn() -> Result<bool>));
             let plan = StepPlan { kind, micro_batches: m, batch: batch_size, chunks, hidden, data, record, stop };
-            let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p, last| dp_sync.grad_ready(p, last))?;
+            let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p, last| grads.grad_ready(p, last))?;
             dropped = stats.stopped;
             (stats.loss, stats.peak_activations)
         };
@@ -153,11 +158,14 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             watch.stopped(Stopped { signal, checkpoint: saved, dropped: Some(micro) });
             break;
         }
+        // after backward, each gradient's way to the optimizer, in this order:
         let span = Instant::now();
-        dp_sync.finish(&mut model.params_mut())?; // every gradient (ZeRO: chunk) is now the dp average
+        // 1. the average over its replicas (dp×cp; an expert's, edp): Partial(avg) → Replicate,
+        //    or under ZeRO → Shard(0), this rank's chunk of it
+        grads.finish(&mut model.params_mut())?;
         if p.sequence_parallel {
+            // 2. the norms saw 1/tp of the rows: their gradients, Partial(sum) over tp → Replicate
             sequence_parallel::sum_replicated_grads(&mut model.params_mut(), tp)?;
-            // the norms saw 1/tp of the rows
         }
         let held = memory::held(&model, &optimizer); // what weights, gradients and AdamW hold now
         watch.span("wait for gradients".into(), span);
@@ -166,7 +174,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         dp.all_reduce_tensor(&mut loss, ReduceOp::Avg)?;
         let span = Instant::now();
         let mut params = model.params_mut();
-        // dp replicas hold the same gradients now; tp shards and pp stages add up their parts
+        // 3. the global norm: dp replicas hold the same gradients now; tp shards, ZeRO chunks, ep
+        //    experts and pp stages add up their parts
         let groups = NormGroups { tp, pp, ep, zero: sharding.dense, expert_zero: sharding.experts };
         let grad_sq = optimizer::global_grad_sum_squares(&params, &groups)?;
         // the step's one CPU–GPU sync point: the loss and the gradient norm, read together
@@ -176,10 +185,11 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             return Err(run::not_finite(cfg, loss, step, first_step));
         }
         let lr = optimizer::lr_at(t, step);
-        optimizer.step(&mut params, t, lr, optimizer::clip_factor(grad_norm, t.grad_clip)); // clipping folded in
+        // 4. AdamW, clipping folded in
+        optimizer.step(&mut params, t, lr, optimizer::clip_factor(grad_norm, t.grad_clip));
         if stage == 1 || stage == 2 {
-            zero::gather_weights(&sharding, &mut params, bucket_values(p.bucket_mb))?;
-            // the updated chunks, to every rank
+            // 5. ZeRO-1, 2: the updated chunks to every rank, Shard(0) → Replicate
+            fsdp::gather_weights(&sharding, &mut params, bucket_values(p.bucket_mb))?;
         }
         watch.span("optimizer".into(), span);
         // the loss on held-out data, of the whole model gathered onto rank 0 (`train/validate.rs`)

@@ -43,6 +43,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "comm::remote",
             "comm",
             "comm::tensors",
+            "comm::placement",
             "cuda::nccl",
             "comm::launcher",
         ],
@@ -76,6 +77,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::pipeline_parallel",
             "parallel::context_parallel",
             "parallel::zero",
+            "parallel::fsdp",
             "parallel::expert_parallel",
             "parallel",
         ],
@@ -85,6 +87,7 @@ const LAYERS: &[(&str, &[&str])] = &[
         "train",
         &[
             "train::agree",
+            "train::gradients",
             "train::memory",
             "train::metrics",
             "train::stop",

@@ -5,13 +5,14 @@
 mod common;
 
 use ferrotron::comm::launcher::launch;
+use ferrotron::comm::placement::{part_of, Placement};
 use ferrotron::comm::trace::Trace;
 use ferrotron::comm::ReduceOp;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
 use ferrotron::model::Stage;
-use ferrotron::model::{shard, Split, TensorSplit, Whole};
 use ferrotron::model::{Llama, Param};
+use ferrotron::model::{TensorSplit, Whole};
 use ferrotron::ops;
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::parallel::process_grid::{Axis, Grid};
@@ -26,7 +27,7 @@ fn randn(seed: u64, shape: &[usize]) -> Tensor {
 }
 
 fn param(value: Tensor) -> Param {
-    Param::new("w".into(), value, Split::Replicated)
+    Param::new("w".into(), value, Placement::Replicate)
 }
 
 fn close(got: &Tensor, want: &Tensor, what: &str) {
@@ -61,20 +62,24 @@ fn column_and_row_parallel_linear_match_dense() {
         launch(tp_grid(size), Duration::from_secs(30), |me| {
             let (tp, i) = (TensorParallel::new(me.group(Axis::Tp)), me.group(Axis::Tp).index());
             // column parallel: output features split; two layers share one all-reduce of dx (f)
-            let (mut wc, mut wc2) = (param(shard(&w, Split::Rows, i, size)), param(shard(&w2, Split::Rows, i, size)));
-            close(&ops::linear(&x, &wc.value), &shard(&y, Split::Cols, i, size), "column y");
-            let (dy_i, dy2_i) = (shard(&dy, Split::Cols, i, size), shard(&dy2, Split::Cols, i, size));
+            let (mut wc, mut wc2) = (
+                param(part_of(&w, Placement::Shard(0), (i, size))),
+                param(part_of(&w2, Placement::Shard(0), (i, size))),
+            );
+            close(&ops::linear(&x, &wc.value), &part_of(&y, Placement::Shard(1), (i, size)), "column y");
+            let (dy_i, dy2_i) =
+                (part_of(&dy, Placement::Shard(1), (i, size)), part_of(&dy2, Placement::Shard(1), (i, size)));
             let dx_col = tp.column_backward(&x, &mut [(&dy_i, &mut wc), (&dy2_i, &mut wc2)])?;
             close(&dx_col, &dx_both, "column dx (summed over layers, all-reduced)");
-            close(&wc.grad, &shard(&dw, Split::Rows, i, size), "column dW");
-            close(&wc2.grad, &shard(&dw2, Split::Rows, i, size), "column dW of the second layer");
+            close(&wc.grad, &part_of(&dw, Placement::Shard(0), (i, size)), "column dW");
+            close(&wc2.grad, &part_of(&dw2, Placement::Shard(0), (i, size)), "column dW of the second layer");
             // row parallel: input features split, output summed
-            let mut wr = param(shard(&w, Split::Cols, i, size));
-            let x_part = shard(&x, Split::Cols, i, size);
+            let mut wr = param(part_of(&w, Placement::Shard(1), (i, size)));
+            let x_part = part_of(&x, Placement::Shard(1), (i, size));
             close(&tp.row_forward(&x_part, &wr)?, &y, "row y (all-reduced)");
             let row_dx = ops::linear_backward(&dy, &x_part, &wr.value, &mut wr.grad); // local
-            close(&row_dx, &shard(&dx, Split::Cols, i, size), "row dx");
-            close(&wr.grad, &shard(&dw, Split::Cols, i, size), "row dW");
+            close(&row_dx, &part_of(&dx, Placement::Shard(1), (i, size)), "row dx");
+            close(&wr.grad, &part_of(&dw, Placement::Shard(1), (i, size)), "row dW");
             Ok(())
         })
         .unwrap_or_else(|e| panic!("tp = {size}: {e:#}"));
@@ -99,17 +104,17 @@ fn vocab_parallel_embedding_and_cross_entropy_match_dense() {
         launch(tp_grid(size), Duration::from_secs(30), |me| {
             let (tp, i) = (TensorParallel::new(me.group(Axis::Tp)), me.group(Axis::Tp).index());
             let first = i * vocab / size;
-            let mut t = param(shard(&table, Split::Rows, i, size));
+            let mut t = param(part_of(&table, Placement::Shard(0), (i, size)));
             close(&tp.embedding_forward(&t, &tokens, first)?, &x, "embedding");
             ops::embedding_backward(&dout, &tokens, first, &mut t.grad); // local
-            close(&t.grad, &shard(&dtable, Split::Rows, i, size), "embedding grad");
-            let part = shard(&logits, Split::Cols, i, size);
+            close(&t.grad, &part_of(&dtable, Placement::Shard(0), (i, size)), "embedding grad");
+            let part = part_of(&logits, Placement::Shard(1), (i, size));
             let (s, c, l) = tp.cross_entropy(&part, &targets, first)?;
             let s = s.to_vec()[0];
             assert!((s - loss).abs() < 1e-5 * loss && c == count, "loss {s} vs {loss}, rows {c} vs {count}");
             close(&l, &lse, "log-sum-exp");
             let d = ops::cross_entropy_backward(&part, &targets, first, &l, 0.5);
-            close(&d, &shard(&dlogits, Split::Cols, i, size), "dlogits");
+            close(&d, &part_of(&dlogits, Placement::Shard(1), (i, size)), "dlogits");
             Ok(())
         })
         .unwrap_or_else(|e| panic!("tp = {size}: {e:#}"));
@@ -125,7 +130,7 @@ fn shards_are_cut_from_the_single_rank_init() {
         let model = Llama::init(&cfg.model, 7, Box::new(TensorParallel::new(me.group(Axis::Tp))), Stage::WHOLE);
         for (p, full) in model.params().iter().zip(&dense) {
             let i = me.group(Axis::Tp).index();
-            assert_eq!(p.value.to_vec(), shard(full, p.split, i, 4).to_vec(), "{}", p.name);
+            assert_eq!(p.value.to_vec(), part_of(full, p.tp, (i, 4)).to_vec(), "{}", p.name);
         }
         // and the shards of a row-split weight add back up to the whole
         let mut rows = [model.params()[0].value.rows() as f32];

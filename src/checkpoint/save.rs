@@ -8,7 +8,8 @@
 //! optimizer.safetensors  AdamW's moments: exp_avg.<name>, exp_avg_sq.<name>
 //! trainer_state.json   the step, AdamW's step count, the run's config
 //! ```
-//! Tensors are saved whole, whatever the topology: tensor-parallel shards are all-gathered, the
+//! Tensors are saved whole, whatever the topology: every tensor goes from its placements
+//! (`comm/placement.rs`) to `Replicate` (ZeRO chunks and tp slices all-gathered), the
 //! pipeline stages send theirs to rank 0, which writes (with the lessons' collective calls: over
 //! NCCL between GPUs, and only rank 0 copies to the host). Loading slices them again for the new
 //! topology (`Llama::build`), so a checkpoint moves between layouts. Data order and the learning
@@ -28,9 +29,10 @@
 use crate::checkpoint::folder::Folder;
 use crate::checkpoint::hf::{build_from, check_tensors, full_tensor, read_safetensors};
 use crate::comm::launcher::Rank;
+use crate::comm::placement::{part_of, redistribute};
 use crate::config::{Config, ModelConfig};
 use crate::model::optimizer::Optimizer;
-use crate::model::{shard, unshard, Llama, Param, Split, Stage, TensorSplit};
+use crate::model::{Llama, Param, Placement, Stage, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::DType;
@@ -71,10 +73,9 @@ pub enum Gather {
 /// dp and cp replica take part.
 ///
 /// One tensor at a time, with the collective calls of the lessons, so on GPUs with NCCL nothing
-/// but rank 0's final copy touches the host: the tp shards of a weight (or of its moments) are
-/// all-gathered side by side along the first dimension, the tp-rank 0 of every other pipeline
-/// stage sends the result to rank 0, and rank 0 takes it to the host and puts the shards back
-/// together (`unshard`). Everything travels in fp32: a mixed-precision weight as its master, a
+/// but rank 0's final copy touches the host: the tp slices of a weight (or of its moments) are
+/// redistributed to Replicate (an all-gather), the tp-rank 0 of every other pipeline stage sends
+/// the whole to rank 0, and rank 0 takes it to the host. Everything travels in fp32: a mixed-precision weight as its master, a
 /// bf16 moment converted. With expert parallelism the first replica's ep group all-gathers each
 /// expert tensor (member j holds experts j·E/ep…), and a layer's experts go out in the
 /// checkpoint's order once the layer's last expert is in. `Gather::Weights` leaves the moments
@@ -84,16 +85,15 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
         Gather::Weights => 1,           // each parameter's weight
         Gather::WeightsAndMoments => 3, // and its two AdamW moments
     };
-    let (tp, pp, dp) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(Axis::DpCp));
-    let (ep, edp) = (me.group(Axis::Ep), me.group(Axis::ExpertDp));
+    let (tp, pp, ep) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(Axis::Ep));
     let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
     // expert parallelism: the first replica's ep group holds every expert between its members
     let first_ep_group = me.coords.dp * cfg.parallel.cp + me.coords.cp < ep.size();
     let mut state = (first_replica && me.coords.tp == 0 && me.coords.pp == 0).then(State::default);
-    let mut emit = |name: &str, which: usize, side_by_side: &Tensor, split: Split| -> Result<()> {
+    let mut emit = |name: &str, which: usize, whole: &Tensor| -> Result<()> {
         match (&mut state, me.coords.tp) {
-            (Some(state), _) => state.push(name, which, whole(side_by_side, split, tp.size())),
-            (None, 0) => pp.send_tensor(side_by_side, 0)?,
+            (Some(state), _) => state.push(name, which, Tensor::from_vec(whole.shape(), whole.to_vec())), // to the host
+            (None, 0) => pp.send_tensor(whole, 0)?,
             (None, _) => {} // tp-rank 0 of the stage speaks for it
         }
         Ok(())
@@ -102,19 +102,19 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
     // expert) once the layer's last one is in: (expert, matrix, which, name, tensor)
     let mut experts: Vec<(usize, String, usize, String, Tensor)> = Vec::new();
     let flush = |experts: &mut Vec<(usize, String, usize, String, Tensor)>,
-                 emit: &mut dyn FnMut(&str, usize, &Tensor, Split) -> Result<()>| {
+                 emit: &mut dyn FnMut(&str, usize, &Tensor) -> Result<()>| {
         experts.sort_by(|a, b| (a.0, &a.1, a.2).cmp(&(b.0, &b.1, b.2)));
-        experts.drain(..).try_for_each(|(_, _, which, name, t)| emit(&name, which, &t, Split::Replicated))
+        experts.drain(..).try_for_each(|(_, _, which, name, t)| emit(&name, which, &t))
     };
     for (p, (m, v)) in model.params().iter().zip(optimizer.moments()) {
-        let value = p.shard.as_ref().map_or(&p.value, |s| &s.master);
+        let value = p.zero.as_ref().map_or(&p.value, |s| &s.master);
         let spread = p.is_expert() && ep.size() > 1;
         if !spread && first_replica {
             flush(&mut experts, &mut emit)?;
         }
         for (which, t) in [value, m, v].into_iter().enumerate().take(kinds) {
-            // under ZeRO every dp×cp rank holds a chunk (of an expert, every expert-data rank)
-            let unsharded = zero::whole(if p.is_expert() { edp } else { dp }, p, t)?;
+            // under ZeRO every rank of its replicas' axis holds a chunk (dp×cp; an expert's, edp)
+            let unsharded = zero::whole(me.group(p.replicas), p, t)?;
             if !(first_replica || spread && first_ep_group) {
                 continue;
             }
@@ -122,8 +122,10 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
             // in fp32: a mixed-precision weight's master, a bf16 moment converted
             let t = &t.master_copy().unwrap_or_else(|| ops::convert(t, DType::F32));
             if spread {
-                // expert k of each member: member j's is expert j·E/ep + k
-                let stacked = ep.all_gather_tensor(t)?;
+                // expert k of each member: member j's is expert j·E/ep + k (the layer's experts are
+                // Shard(0) on the ep axis; this gathers the k-th of each member's share)
+                let shape: Vec<usize> = [ep.size()].iter().chain(t.shape()).copied().collect();
+                let stacked = redistribute(t.clone(), &shape, Placement::Shard(0), Placement::Replicate, ep)?;
                 let (e, matrix) = expert_of(&p.name);
                 let per = cfg.model.num_local_experts / ep.size();
                 let members = if first_replica { ep.size() } else { 0 }; // the others only took part
@@ -139,28 +141,21 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
                 }
                 continue;
             }
-            let gathered = (p.split != Split::Replicated && tp.size() > 1).then(|| tp.all_gather_tensor(t));
-            let gathered = gathered.transpose()?;
-            emit(&p.name, which, gathered.as_ref().unwrap_or(t), p.split)?;
+            let whole =
+                redistribute(t.clone(), &whole_shape(t.shape(), p.tp, tp.size()), p.tp, Placement::Replicate, tp)?;
+            emit(&p.name, which, &whole)?;
         }
     }
     flush(&mut experts, &mut emit)?;
     let Some(mut state) = state else { return Ok(None) };
     let place = model.place();
     for stage in 1..pp.size() {
-        for (name, shape, split) in Llama::tensor_splits(
-            &cfg.model,
-            Stage { index: stage, count: pp.size(), chunks: cfg.parallel.pp_virtual_stages },
-        ) {
-            let n = tp.size();
-            let arrives = match split {
-                Split::Cols if n > 1 => vec![shape[0] * n, shape[1] / n], // the column shards, one under the other
-                _ => shape,
-            };
+        let stage = Stage { index: stage, count: pp.size(), chunks: cfg.parallel.pp_virtual_stages };
+        for (name, shape, ..) in Llama::tensor_shapes(&cfg.model, stage) {
             for which in 0..kinds {
-                let mut side_by_side = Tensor::empty_on(&arrives, &place, DType::F32); // written whole
-                pp.recv_tensor_into(&mut side_by_side, stage)?;
-                state.push(&name, which, whole(&side_by_side, split, n));
+                let mut whole = Tensor::empty_on(&shape, &place, DType::F32); // written whole
+                pp.recv_tensor_into(&mut whole, stage.index)?;
+                state.push(&name, which, Tensor::from_vec(&shape, whole.to_vec()));
             }
         }
     }
@@ -175,15 +170,13 @@ fn expert_of(name: &str) -> (usize, String) {
     (e, parts.next().unwrap_or("").to_string())
 }
 
-/// The full tensor on the host from `n` tp shards laid one under the other (the first dimension).
-fn whole(side_by_side: &Tensor, split: Split, n: usize) -> Tensor {
-    let data = side_by_side.to_vec(); // rank 0's one copy to the host
-    if split == Split::Replicated || n == 1 {
-        return Tensor::from_vec(side_by_side.shape(), data);
+/// The whole shape of a tensor of which a rank holds `local`, placed so over `n` ranks.
+fn whole_shape(local: &[usize], placement: Placement, n: usize) -> Vec<usize> {
+    let mut whole = local.to_vec();
+    if let Placement::Shard(d) = placement {
+        whole[d] *= n;
     }
-    let shard = [side_by_side.rows() / n, side_by_side.cols()];
-    let parts: Vec<Tensor> = data.chunks(data.len() / n).map(|c| Tensor::from_vec(&shard, c.to_vec())).collect();
-    unshard(&parts, split)
+    whole
 }
 
 /// Writes checkpoint `step` (steps done) into `folder`, atomically; keeps this run's newest `keep`.
@@ -314,15 +307,11 @@ impl Resumed {
     pub fn optimizer(&self, params: &[&Param], (index, count): (usize, usize)) -> Result<Optimizer> {
         let mut moments = Vec::new();
         for p in params {
-            let full_shape = match p.split {
-                Split::Replicated => p.value.shape().to_vec(),
-                Split::Rows => vec![p.value.rows() * count, p.value.cols()],
-                Split::Cols => vec![p.value.rows(), p.value.cols() * count],
-            };
+            let full_shape = whole_shape(p.value.shape(), p.tp, count);
             let get = |kind: &str| -> Result<Tensor> {
                 let t =
                     full_tensor(&self.moments, &format!("{kind}.{}", p.name), &full_shape, "optimizer.safetensors")?;
-                Ok(shard(&t, p.split, index, count))
+                Ok(part_of(&t, p.tp, (index, count))) // this tp rank's
             };
             moments.push((get("exp_avg")?, get("exp_avg_sq")?));
         }

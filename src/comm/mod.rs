@@ -31,6 +31,7 @@ pub mod local;
 #[cfg(feature = "mpi")]
 pub mod mpi;
 mod note;
+pub mod placement;
 pub mod processes;
 pub mod remote;
 pub mod tcp;

@@ -28,7 +28,7 @@
 use crate::config::{ModelConfig, Recompute};
 use crate::model::kv_cache::KvLayer;
 use crate::model::moe::{Load, Moe, MoeCache};
-use crate::model::param::{Param, ParamKind, Split};
+use crate::model::param::{Param, ParamKind, Placement};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
@@ -123,28 +123,29 @@ pub(crate) struct Work {
 
 impl Block {
     /// Layer `i`'s parameters in Hugging Face order, each asked of `param(name, full shape,
-    /// kind, split)` (which keeps this rank's slice); of a mixture of experts, the experts `held`.
+    /// kind, placement on tp)` (which keeps this rank's slice); of a mixture of experts, the experts `held`.
     pub(crate) fn build(
         i: usize,
         cfg: &ModelConfig,
         held: std::ops::Range<usize>,
-        param: &mut impl FnMut(String, &[usize], ParamKind, Split) -> Result<Param>,
+        param: &mut impl FnMut(String, &[usize], ParamKind, Placement) -> Result<Param>,
     ) -> Result<Block> {
-        use Split::{Cols, Replicated, Rows};
+        // on the tp axis: Megatron's column-parallel layers hold rows of W, its row-parallel ones columns
+        let (rows, cols, whole) = (Placement::Shard(0), Placement::Shard(1), Placement::Replicate);
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let p = |s: &str| format!("model.layers.{i}.{s}.weight");
         let (q_proj, k_proj, v_proj, o_proj) = (
-            param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix, Rows)?,
-            param(p("self_attn.k_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
-            param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix, Rows)?,
-            param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix, Cols)?,
+            param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix, rows)?,
+            param(p("self_attn.k_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
+            param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
+            param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix, cols)?,
         );
         let mlp = match cfg.num_local_experts {
             0 => Mlp::Dense {
-                gate_proj: param(p("mlp.gate_proj"), &[f, d], ParamKind::Matrix, Rows)?,
-                up_proj: param(p("mlp.up_proj"), &[f, d], ParamKind::Matrix, Rows)?,
-                down_proj: param(p("mlp.down_proj"), &[d, f], ParamKind::Matrix, Cols)?,
+                gate_proj: param(p("mlp.gate_proj"), &[f, d], ParamKind::Matrix, rows)?,
+                up_proj: param(p("mlp.up_proj"), &[f, d], ParamKind::Matrix, rows)?,
+                down_proj: param(p("mlp.down_proj"), &[d, f], ParamKind::Matrix, cols)?,
             },
             _ => Mlp::Moe(Moe::build(i, cfg, held, param)?),
         };
@@ -154,8 +155,8 @@ impl Block {
             v_proj,
             o_proj,
             mlp,
-            input_layernorm: param(p("input_layernorm"), &[d], ParamKind::Norm, Replicated)?,
-            post_attention_layernorm: param(p("post_attention_layernorm"), &[d], ParamKind::Norm, Replicated)?,
+            input_layernorm: param(p("input_layernorm"), &[d], ParamKind::Norm, whole)?,
+            post_attention_layernorm: param(p("post_attention_layernorm"), &[d], ParamKind::Norm, whole)?,
         })
     }
 

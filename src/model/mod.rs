@@ -17,6 +17,6 @@ pub mod split;
 pub mod stage;
 
 pub use llama::{Llama, StageGrad, StageInput, StageOutput};
-pub use param::{shard, unshard, Param, ParamKind, Split};
+pub use param::{Param, ParamKind, Placement};
 pub use split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 pub use stage::Stage;

@@ -26,11 +26,12 @@
 //! transformers computes it). Its gradient reaches the router through P only.
 
 use crate::config::ModelConfig;
-use crate::model::param::{Param, ParamKind, Split};
+use crate::model::param::{Param, ParamKind, Placement};
 use crate::model::split::{ExpertSplit, Routed};
 use crate::ops;
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
+use crate::parallel::process_grid::Axis;
 use anyhow::Result;
 
 /// One expert: a SwiGLU MLP (w1 the gate, w3 the up projection, w2 the down projection).
@@ -111,20 +112,26 @@ impl Moe {
         i: usize,
         cfg: &ModelConfig,
         held: std::ops::Range<usize>,
-        param: &mut impl FnMut(String, &[usize], ParamKind, Split) -> Result<Param>,
+        param: &mut impl FnMut(String, &[usize], ParamKind, Placement) -> Result<Param>,
     ) -> Result<Moe> {
         let (d, f, total) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts);
         let p = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
         // replicated over tp: every tp rank routes and computes the same rows (its own with
         // sequence parallelism), so the router and the experts are whole on each
-        let gate = param(p("gate"), &[total, d], ParamKind::Matrix, Split::Replicated)?;
+        let gate = param(p("gate"), &[total, d], ParamKind::Matrix, Placement::Replicate)?;
         let mut experts = Vec::new();
+        // an expert's replicas are the ranks holding the same experts: the expert-data axis, whose
+        // ranks average its gradient (expert parallelism divides the experts over the ep axis)
+        let mut expert = |name: String, shape: &[usize]| -> Result<Param> {
+            let made = param(name, shape, ParamKind::Matrix, Placement::Replicate)?;
+            Ok(Param { replicas: Axis::ExpertDp, ..made })
+        };
         for e in held {
             let w = |n: &str| p(&format!("experts.{e}.{n}"));
             experts.push(Expert {
-                w1: param(w("w1"), &[f, d], ParamKind::Matrix, Split::Replicated)?,
-                w2: param(w("w2"), &[d, f], ParamKind::Matrix, Split::Replicated)?,
-                w3: param(w("w3"), &[f, d], ParamKind::Matrix, Split::Replicated)?,
+                w1: expert(w("w1"), &[f, d])?,
+                w2: expert(w("w2"), &[d, f])?,
+                w3: expert(w("w3"), &[f, d])?,
             });
         }
         Ok(Moe { gate, experts, top_k: cfg.num_experts_per_tok, total })

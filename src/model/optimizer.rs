@@ -17,7 +17,7 @@
 use crate::comm::{Group, ReduceOp};
 use crate::config::TrainConfig;
 use crate::model::Param;
-use crate::model::Split;
+use crate::model::Placement;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::DType;
 use crate::ops::{self, AdamW};
@@ -41,9 +41,9 @@ pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
     ops::sum_squares_total(&grads, &place).to_vec()[0] as f64
 }
 
-/// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: each
-/// rank's Σ g² over its shards summed over the tp group, plus the tp-replicated parameters
-/// counted once, then summed over the stages. Under ZeRO each rank holds a chunk of every
+/// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: a
+/// sum of squares over a Shard is a Partial(sum) of the whole's, so each rank's Σ g² over its
+/// tp slices is summed over the tp group, plus the tp-replicated parameters counted once, then summed over the stages. Under ZeRO each rank holds a chunk of every
 /// gradient: its sums are first added up over the group sharding it (`zero`, `expert_zero`). With
 /// expert parallelism each ep rank holds other experts: their sums are added up over `groups.ep`.
 /// A one-number tensor on the rank's device: on GPUs the sums stay there (NCCL), and the training
@@ -59,9 +59,9 @@ pub fn global_grad_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Re
         Ok(sum)
     };
     let dense = groups.zero;
-    let mut total = sum(&|p| p.split != Split::Replicated, dense)?;
+    let mut total = sum(&|p| p.tp != Placement::Replicate, dense)?;
     groups.tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
-    ops::add_assign(&mut total, &sum(&|p| p.split == Split::Replicated && !p.is_expert(), dense)?);
+    ops::add_assign(&mut total, &sum(&|p| p.tp == Placement::Replicate && !p.is_expert(), dense)?);
     if params.iter().any(|p| p.is_expert()) {
         let mut experts = sum(&|p| p.is_expert(), groups.expert_zero)?;
         groups.ep.all_reduce_tensor(&mut experts, ReduceOp::Sum)?; // the other ranks' experts

@@ -21,19 +21,18 @@
 //! order), so a run is the same every time and follows the single-rank curve.
 //!
 //! Gradients: an expert's gradient on its rank sums the rows of all ep ranks' tokens, and the
-//! ranks holding the same experts (the expert-data group) average it as data parallelism does
-//! (`data_parallel.rs`, a second instance); divided by ep after that, it is the mean over every
+//! ranks holding the same experts average it as data parallelism does: their replicas' axis is
+//! the expert-data axis (`Param::replicas`; `model/moe.rs` makes them so), and each gradient
+//! goes to the reducer of its axis (`train/gradients.rs`); divided by ep after that, it is the mean over every
 //! dp×cp rank's tokens, as for the weights every rank holds (`average_over_tokens`). ZeRO shards
 //! the expert weights over the expert-data group.
 
 use crate::comm::Group;
-use crate::config::DpMode;
 use crate::model::split::{ExpertSplit, Routed};
 use crate::model::Param;
 use crate::ops;
 use crate::ops::moe::gather_rows;
 use crate::ops::tensor::Tensor;
-use crate::parallel::data_parallel::DataParallel;
 use anyhow::Result;
 use std::ops::Range;
 
@@ -126,62 +125,13 @@ impl ExpertSplit for ExpertParallel<'_> {
 }
 
 /// After the expert-data group averaged them: the expert gradients, which sum the rows of `ep`
-/// ranks' tokens, divided by `ep` into the mean over every dp×cp rank's tokens.
-fn average_over_tokens(params: &mut [&mut Param], ep: usize) {
+/// ranks' tokens, divided by `ep` into the mean over every dp×cp rank's tokens. `experts` are
+/// the parameters replicated over the expert-data axis.
+pub fn average_over_tokens(experts: &mut [&mut Param], ep: usize) {
     if ep == 1 {
         return;
     }
-    for p in params.iter_mut().filter(|p| p.is_expert()) {
+    for p in experts.iter_mut() {
         ops::scale(p.trained().1, 1.0 / ep as f32);
-    }
-}
-
-/// Data parallelism for a model with experts: the dense weights averaged over the dp×cp ranks,
-/// the experts over the expert-data ranks (two `DataParallel`s, one per kind of parameter, each
-/// with its own buckets), then the experts divided by ep (`average_over_tokens`). For a dense
-/// model the second has nothing to do.
-pub struct GradSync<'g> {
-    dense: DataParallel<'g>,
-    experts: DataParallel<'g>,
-    ep: usize,
-}
-
-impl<'g> GradSync<'g> {
-    /// `groups`: (dp×cp, expert-data, ep); `stages`: the ZeRO stage of each kind (0 where its
-    /// group is one rank).
-    pub fn new(
-        groups: (&'g Group, &'g Group, &'g Group),
-        (params, chunk_of): (&[&Param], &[usize]),
-        (mode, bucket_mb): (DpMode, f64),
-        stages: (usize, usize),
-    ) -> GradSync<'g> {
-        let kind = |expert: bool| {
-            let keep: Vec<usize> = (0..params.len()).filter(|&i| params[i].is_expert() == expert).collect();
-            (keep.iter().map(|&i| params[i]).collect::<Vec<_>>(), keep.iter().map(|&i| chunk_of[i]).collect::<Vec<_>>())
-        };
-        let ((dense, dense_chunks), (experts, expert_chunks)) = (kind(false), kind(true));
-        GradSync {
-            dense: DataParallel::new(groups.0, (&dense, &dense_chunks), mode, bucket_mb, stages.0),
-            experts: DataParallel::new(groups.1, (&experts, &expert_chunks), mode, bucket_mb, stages.1),
-            ep: groups.2.size(),
-        }
-    }
-
-    /// `DataParallel::grad_ready`, of the instance that averages `p`.
-    pub fn grad_ready(&mut self, p: &mut Param, last: bool) {
-        match p.is_expert() {
-            true => self.experts.grad_ready(p, last),
-            false => self.dense.grad_ready(p, last),
-        }
-    }
-
-    /// `DataParallel::finish` of both; then the experts' gradients over ep.
-    pub fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
-        let (mut experts, mut dense): (Vec<&mut Param>, Vec<&mut Param>) =
-            params.iter_mut().map(|p| &mut **p).partition(|p| p.is_expert());
-        self.dense.finish(&mut dense)?;
-        self.experts.finish(&mut experts)?;
-        average_over_tokens(&mut experts, self.ep);
-        Ok(())
     }
 }

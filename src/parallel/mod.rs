@@ -6,7 +6,7 @@
 //! `pipeline_parallel` (layers split into stages; `pipeline_schedule`, the order of a stage's
 //! forwards and backwards) → `context_parallel` (the sequence split,
 //! attention as a ring) → `zero` (data parallelism that shards optimizer state, gradients and
-//! weights: ZeRO-1, 2, 3/FSDP) → `expert_parallel` (a mixture of experts' experts divided among
+//! weights: ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their chunks) → `expert_parallel` (a mixture of experts' experts divided among
 //! ranks, tokens travelling to them by all-to-all). The model (`model/`) knows none of them: it
 //! asks its `TensorSplit`, `SequenceSplit`, `WeightSplit` and `ExpertSplit` (`model/split.rs`)
 //! at the points where a split model must talk, and `tensor_parallel`, `sequence_parallel`,
@@ -15,6 +15,7 @@
 pub mod context_parallel;
 pub mod data_parallel;
 pub mod expert_parallel;
+pub mod fsdp;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;
 pub mod process_grid;

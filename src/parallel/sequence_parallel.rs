@@ -30,9 +30,10 @@
 //! the norm weights, replicated over tp, now see only this rank's rows in backward: their
 //! gradients are partial sums, added over the tp ranks once per step (`sum_replicated_grads`).
 
+use crate::comm::placement::{redistribute, Placement};
 use crate::comm::{Group, ReduceOp};
 use crate::model::split::{input_grad, weight_grads};
-use crate::model::{Param, Split, TensorSplit};
+use crate::model::{Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::parallel::tensor_parallel::TensorParallel;
@@ -94,18 +95,20 @@ impl TensorSplit for SequenceParallel<'_> {
 }
 
 /// Adds the gradients of the weights replicated over tp (the RMSNorms) over the tp ranks: with
-/// sequence parallelism each rank's backward saw only its rows. One all-reduce per step, of all
-/// of them packed together, after data parallelism has averaged them (both are sums, so the
+/// sequence parallelism each rank's backward saw only its rows, so their gradients are
+/// Partial(sum) on the tp axis, and `redistribute` to Replicate is an all-reduce. One per step,
+/// of all of them packed together, after data parallelism has averaged them (both are sums, so the
 /// order does not matter) and before the gradient norm reads them.
 pub fn sum_replicated_grads(params: &mut [&mut Param], tp: &Group) -> Result<()> {
     let mut norms: Vec<&mut Param> =
-        params.iter_mut().filter(|p| p.split == Split::Replicated).map(|p| &mut **p).collect();
+        params.iter_mut().filter(|p| p.tp == Placement::Replicate).map(|p| &mut **p).collect();
     if norms.is_empty() || tp.size() == 1 {
         return Ok(());
     }
     let grads: Vec<&Tensor> = norms.iter().map(|p| p.trained_grad()).collect();
-    let mut packed = ops::concat(&grads);
-    tp.all_reduce_tensor(&mut packed, ReduceOp::Sum)?;
+    let packed = ops::concat(&grads);
+    let n = packed.numel();
+    let packed = redistribute(packed, &[n], Placement::Partial(ReduceOp::Sum), Placement::Replicate, tp)?;
     let mut at = 0;
     for p in &mut norms {
         let grad = p.trained().1;

@@ -30,8 +30,19 @@
 //! optimizer                  AdamW on chunk r (master, m, v)  AdamW on chunk r
 //!                            → all-gather the new weights     (nothing: the next forward gathers)
 //! ```
-//! (`data_parallel.rs` keeps the buckets; stage 1 reduce-scatters once per step as stage 0
-//! all-reduces, stage 2 and 3 on every micro-batch, since the full gradient is not kept.)
+//! The gradients' half is below: data parallelism's buckets (`data_parallel::plan_buckets`),
+//! reduce-scattered, once per step at stage 1 as stage 0 all-reduces, on every micro-batch at
+//! stage 2 and 3, since the full gradient is not kept. The weights' half, the all-gathers, is
+//! `fsdp.rs`.
+//!
+//! In placements (`comm/placement.rs`): on the dp×cp axis a parameter's master and moments are
+//! `Shard(0)` of its flat values; its gradient goes from `Partial(avg)` to `Shard(0)` (a
+//! reduce-scatter) and its updated weight from `Shard(0)` to `Replicate` (an all-gather).
+//!
+//! **The buckets, rank-major.** So that one reduce-scatter hands each rank whole chunks, a bucket
+//! is packed rank-major: rank 0's chunk of every member, then rank 1's, … . Stage 2 and 3 free
+//! each full gradient as soon as it is packed, and add each result into the bucket's chunk sums,
+//! which `finish` hands to the parameters' chunks.
 //!
 //! **How a parameter is cut.** Each parameter on its own, by its flat values: rank r keeps
 //! `[r·c, (r+1)·c)` with c = ⌈n / dp⌉, the last chunk padded with zeros. For a matrix whose rows
@@ -42,28 +53,40 @@
 //! flat buffer around each collective (`pack`, `unpack`), as FSDP2 pays.
 //!
 //! **Experts.** With expert parallelism (`expert_parallel.rs`) the experts are not replicated
-//! over the dp×cp ranks but over the expert-data group (dp×cp / ep ranks): that is the group
-//! that shards them (`Sharding`); alone in it, a rank keeps its experts whole.
+//! over the dp×cp ranks but over the expert-data group (dp×cp / ep ranks): their replicas' axis
+//! (`Param::replicas`), the group that shards them (`Sharding`); alone in it, a rank keeps its
+//! experts whole.
 //!
 //! **Precision.** Gradients are reduce-scattered in fp32 (a sum of dp parts loses little there,
 //! much in bf16); weights are all-gathered in the compute dtype (bf16 on a GPU: half the bytes,
 //! and what the kernels read anyway), from the fp32 master chunks.
 
+use crate::comm::placement::{self, redistribute, slice_of, Placement};
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::model::optimizer::Optimizer;
-use crate::model::param::Shard;
-use crate::model::{Llama, Param, WeightSplit};
+use crate::model::param::ZeroChunk;
+use crate::model::{Llama, Param};
+use crate::ops;
 use crate::ops::tensor::Tensor;
-use crate::ops::{self, DType};
-use crate::parallel::data_parallel::{chunk, real};
+use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce, AFTER_BACKWARD};
+use crate::parallel::process_grid::Axis;
 use anyhow::Result;
-use std::cell::{Cell, RefCell};
-use std::rc::Rc;
-use std::time::Instant;
+use std::collections::{HashMap, VecDeque};
 
-/// Which ranks shard a parameter: the dp×cp group, or for an expert the expert-data group;
-/// `None`: kept whole (ZeRO off, or a group of one).
+/// The values of a parameter of `n` values that each of `ranks` ranks keeps under ZeRO:
+/// ⌈n / ranks⌉ (the Shard(0) of its flat values).
+pub fn chunk(n: usize, ranks: usize) -> usize {
+    n.div_ceil(ranks)
+}
+
+/// Of chunk `r` (of `c` values) of a parameter of `n` values, how many are real, not padding.
+pub fn real(n: usize, c: usize, r: usize) -> usize {
+    n.saturating_sub(r * c).min(c)
+}
+
+/// Which ranks shard a parameter, by its replicas' axis: dp×cp, or for an expert the
+/// expert-data group; `None`: kept whole (ZeRO off, or a group of one).
 #[derive(Clone, Copy)]
 pub struct Sharding<'g> {
     pub dense: Option<&'g Group>,
@@ -78,13 +101,17 @@ impl<'g> Sharding<'g> {
         Sharding { dense: on(dense), experts: on(experts) }
     }
 
+    /// The group sharding the parameters replicated over `axis`, if any.
+    pub fn on(&self, axis: Axis) -> Option<&'g Group> {
+        match axis {
+            Axis::ExpertDp => self.experts,
+            _ => self.dense,
+        }
+    }
+
     /// The group sharding `p`, if any.
     pub fn of(&self, p: &Param) -> Option<&'g Group> {
-        if p.is_expert() {
-            self.experts
-        } else {
-            self.dense
-        }
+        self.on(p.replicas)
     }
 
     pub fn any(&self) -> bool {
@@ -95,7 +122,7 @@ impl<'g> Sharding<'g> {
 /// Shards the model's parameters and the optimizer's moments as `sharding` says, for ZeRO
 /// `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
 /// moments. Stage 2 and 3 free the full gradients (backward makes each again, briefly); stage 3
-/// frees the whole weights too and gives the model the FSDP gatherer.
+/// frees the whole weights too (`fsdp.rs` gathers them unit by unit).
 pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Sharding<'g>, stage: usize) -> Llama<'g> {
     let place = model.place();
     let mut moments = Vec::new();
@@ -104,18 +131,13 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Shar
             moments.push((m.clone(), v.clone())); // kept whole
             continue;
         };
-        let (r, ranks) = (group.index(), group.size());
         let n = p.value.numel();
-        let c = chunk(n, ranks);
         let master = p.value.master_copy().unwrap_or_else(|| p.value.clone()); // fp32, whole
-        let mine = |t: &Tensor| {
-            let mut part = Tensor::zeros_on(&[c], &place, t.dtype()); // the padding stays zero
-            ops::copy(t, r * c, &mut part, 0, real(n, c, r));
-            part
-        };
+                                                                               // Replicate → Shard(0) of the flat values: this rank's chunk, nothing sent
+        let mine = |t: &Tensor| slice_of(t, &[n], 0, (group.index(), group.size()));
         moments.push((mine(m), mine(v)));
         let grad = Tensor::zeros(&[0]); // the averaged chunk, made by each step's reduce-scatters
-        p.shard = Some(Shard { master: mine(&master), grad, shape: p.value.shape().to_vec() });
+        p.zero = Some(ZeroChunk { master: mine(&master), grad, shape: p.value.shape().to_vec() });
         p.value = match stage {
             3 => Tensor::zeros(&[0]),                   // gathered before each use
             _ => ops::convert(&p.value, place.dtype()), // the compute copy alone (no master)
@@ -125,192 +147,150 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Shar
         }
     }
     optimizer.replace_moments(moments);
-    match stage {
-        3 => model.with_weight_split(Rc::new(Fsdp {
-            sharding,
-            prefetched: RefCell::new(None),
-            computing: Cell::new(None),
-        })),
-        _ => model,
+    model
+}
+
+/// A bucket of ZeRO: its members' chunks, rank-major, and its reduce-scatter.
+struct Bucket {
+    members: Vec<(usize, usize)>,
+    /// Every rank's chunks of the members, rank-major: made when the bucket starts filling,
+    /// freed when its reduce-scatter is done.
+    flat: Option<Tensor>,
+    waiting: usize,
+    in_flight: Option<Result<Pending>>,
+    /// The values of this rank's chunks of the members, side by side.
+    width: usize,
+    /// Some member's values do not split evenly over the ranks (its last chunk is padded).
+    padded: bool,
+    /// This rank's chunks of the members' averaged gradients, summed over the step's
+    /// micro-batches (made by the first reduce-scatter to land, handed over by `finish`).
+    sums: Option<Tensor>,
+    closes: bool,
+}
+
+/// ZeRO's gradient reduction: data parallelism's buckets, reduce-scattered.
+pub struct ZeroBuckets<'g> {
+    group: &'g Group,
+    /// 1: once per step; 2, 3: on every micro-batch, freeing the full gradients.
+    stage: usize,
+    buckets: Vec<Bucket>,
+    place: HashMap<String, (usize, usize)>,
+    /// The buckets whose reduce-scatter is in flight, oldest first.
+    in_flight: VecDeque<usize>,
+    /// A collective that failed while backward ran, reported by `finish`.
+    failed: Option<anyhow::Error>,
+}
+
+/// ZeRO keeps at most this many reduce-scatters in flight: each holds its bucket's full-size
+/// gradients until it lands, and stage 2 must not keep them all.
+const IN_FLIGHT: usize = 2;
+
+impl<'g> ZeroBuckets<'g> {
+    /// Plans the buckets of `params` (in model order, with their model chunks) sharded over
+    /// `group` at `stage` 1–3: a member takes one chunk per rank, so a bucket of `bucket_mb`
+    /// holds 1/ranks of what a data-parallel one does, per rank.
+    pub fn new(group: &'g Group, params: (&[&Param], &[usize]), bucket_mb: f64, stage: usize) -> ZeroBuckets<'g> {
+        let ranks = group.size();
+        let room = (bucket_values(bucket_mb) / ranks).max(1);
+        let (plans, place) = plan_buckets(params, |p| chunk(p.shape().iter().product(), ranks), room);
+        let uneven = |i: usize| params.0[i].shape().iter().product::<usize>() % ranks != 0;
+        let buckets = (plans.into_iter())
+            .map(|plan| Bucket {
+                padded: plan.members.iter().any(|&(i, _)| uneven(i)),
+                waiting: plan.members.len(),
+                members: plan.members,
+                flat: None,
+                in_flight: None,
+                width: plan.len,
+                sums: None,
+                closes: plan.closes,
+            })
+            .collect();
+        ZeroBuckets { group, stage, buckets, place, in_flight: VecDeque::new(), failed: None }
     }
 }
 
-/// The sharded parameters of `params` by the group sharding them (dense first, then experts;
-/// one group when they are the same, as without expert parallelism), as places in `params`.
-fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Group, Vec<usize>)> {
-    let mut out = Vec::new();
-    let experts = sharding.experts.filter(|e| !sharding.dense.is_some_and(|d| std::ptr::eq(d, *e)));
-    for group in [sharding.dense, experts].into_iter().flatten() {
-        let of = |p: &&Param| p.shard.is_some() && sharding.of(p).is_some_and(|g| std::ptr::eq(g, group));
-        let places: Vec<usize> = (0..params.len()).filter(|&i| of(&params[i])).collect();
-        if !places.is_empty() {
-            out.push((group, places));
+impl GradReduce for ZeroBuckets<'_> {
+    /// The gradient's chunks go into its bucket, rank-major (stage 2, 3: the full gradient is
+    /// freed); a full bucket's reduce-scatter starts at once: on the last micro-batch (stage 1),
+    /// or on every one (2, 3).
+    fn grad_ready(&mut self, p: &mut Param, last: bool) {
+        if self.stage < 2 && !last {
+            return;
         }
-    }
-    out
-}
-
-/// Of `params`, those at `places`.
-fn select<'a>(params: &'a mut [&mut Param], places: &[usize]) -> Vec<&'a mut Param> {
-    let picked = params.iter_mut().enumerate().filter(|(i, _)| places.contains(i));
-    picked.map(|(_, p)| &mut **p).collect()
-}
-
-/// A unit's gathers in flight: one per sharding group, with the places of its parameters.
-type Started<'g> = Vec<(&'g Group, Vec<usize>, Pending)>;
-
-/// Starts the gathers of a unit's sharded weights: one per sharding group.
-fn start_unit<'g>(sharding: &Sharding<'g>, unit: &[&Param]) -> Result<Started<'g>> {
-    let mut started = Vec::new();
-    for (group, places) in by_group(sharding, unit) {
-        let params: Vec<&Param> = places.iter().map(|&i| unit[i]).collect();
-        let pending = start_gather(group, &params)?;
-        started.push((group, places, pending));
-    }
-    Ok(started)
-}
-
-/// Waits for a unit's gathers and puts its whole weights together.
-fn finish_unit(started: Started, unit: &mut [&mut Param]) -> Result<()> {
-    for (group, places, pending) in started {
-        unpack(&pending.wait()?, &mut select(unit, &places), group.size());
-    }
-    Ok(())
-}
-
-/// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
-/// rank packs its chunks side by side, in the compute dtype.
-fn start_gather(group: &Group, params: &[&Param]) -> Result<Pending> {
-    let masters: Vec<&Tensor> = params.iter().map(|p| &p.shard.as_ref().expect("a sharded parameter").master).collect();
-    let packed = ops::concat(&masters); // fp32, this rank's chunks one after another
-    let compute = masters[0].place().dtype();
-    group.all_gather_tensor_async(if compute == DType::F32 { packed } else { ops::convert(&packed, compute) })
-}
-
-/// Puts the whole weights of `params` together from a gather: rank after rank, each rank's chunks
-/// of every parameter side by side.
-fn unpack(gathered: &Tensor, params: &mut [&mut Param], ranks: usize) {
-    let width = gathered.numel() / ranks; // one rank's chunks
-    let mut at = 0;
-    for p in params.iter_mut() {
-        let shape = p.shape().to_vec();
-        let (n, c) = (shape.iter().product(), p.shard.as_ref().expect("a sharded parameter").master.numel());
-        let mut whole = Tensor::empty_as(&shape, gathered); // written whole, rank by rank
-        for r in 0..ranks {
-            ops::copy(gathered, r * width + at, &mut whole, r * c, real(n, c, r));
-        }
-        p.value = whole;
-        at += c;
-    }
-}
-
-/// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights of every
-/// sharded parameter, from the ranks sharding it (`gather_group`).
-pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], bucket: usize) -> Result<()> {
-    let groups = by_group(sharding, &params.iter().map(|p| &**p).collect::<Vec<_>>());
-    for (group, places) in groups {
-        gather_group(group, &mut select(params, &places), bucket)?;
-    }
-    Ok(())
-}
-
-/// The updated whole weights of `params`, all sharded over `group`, in groups that gather about
-/// `bucket` values (one all-gather each, the next one started before the current one is
-/// unpacked). The averaged gradient chunks are used up: freed first.
-fn gather_group(group: &Group, params: &mut [&mut Param], bucket: usize) -> Result<()> {
-    for p in params.iter_mut() {
-        p.shard.as_mut().expect("a sharded parameter").grad = Tensor::zeros(&[0]);
-    }
-    let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
-    let mut size = 0;
-    for (i, p) in params.iter().enumerate() {
-        let c = p.shard.as_ref().expect("a sharded parameter").master.numel() * group.size(); // gathered
-        match groups.last_mut() {
-            Some(g) if size + c <= bucket => g.end = i + 1,
-            _ => {
-                groups.push(i..i + 1);
-                size = 0;
-            }
-        }
-        size += c;
-    }
-    let start = |params: &[&mut Param], g: &std::ops::Range<usize>| {
-        start_gather(group, &params[g.clone()].iter().map(|p| &**p).collect::<Vec<_>>())
-    };
-    let mut next = groups.first().map(|g| start(params, g)).transpose()?;
-    for (i, g) in groups.iter().enumerate() {
-        let current = next.take().expect("started one group ahead").wait()?;
-        next = groups.get(i + 1).map(|g| start(params, g)).transpose()?;
-        unpack(&current, &mut params[g.clone()], group.size());
-    }
-    Ok(())
-}
-
-/// Stage 3: gathers a unit's whole weights before it computes (the next unit's gather already
-/// in flight while it does) and frees them after.
-struct Fsdp<'g> {
-    sharding: Sharding<'g>,
-    /// The gathers started for the unit whose first parameter is named so.
-    prefetched: RefCell<Option<(String, Started<'g>)>>,
-    /// When the unit now gathered got its weights (a traced run draws its compute from there).
-    computing: Cell<Option<Instant>>,
-}
-
-impl WeightSplit for Fsdp<'_> {
-    fn gather(&self, unit: &mut [&mut Param]) -> Result<()> {
-        let Some(first) = unit.first() else { return Ok(()) };
-        let started = match self.prefetched.borrow_mut().take() {
-            Some((name, started)) if name == first.name => started,
-            other => {
-                // nothing prefetched for this unit (the schedule turned from forward to backward):
-                // finish what was started, in the same order on every rank, and gather now
-                for (_, _, pending) in other.into_iter().flat_map(|(_, started)| started) {
-                    pending.wait()?;
-                }
-                start_unit(&self.sharding, &unit.iter().map(|p| &**p).collect::<Vec<_>>())?
-            }
+        let (b, offset) = self.place[&p.name];
+        let (group, ranks) = (self.group, self.group.size());
+        let bucket = &mut self.buckets[b];
+        let (width, padded) = (bucket.width, bucket.padded);
+        // written whole, unless a member's last chunk is padded: then zeros under the padding
+        let make = |like| match padded {
+            true => Tensor::zeros_as(&[width * ranks], like),
+            false => Tensor::empty_as(&[width * ranks], like),
         };
-        finish_unit(started, unit)?;
-        self.computing.set(Some(Instant::now())); // the prefetch of the next unit is issued from here on
-        Ok(())
-    }
-
-    fn prefetch(&self, next: &[&Param]) -> Result<()> {
-        let Some(first) = next.first() else { return Ok(()) };
-        let mut prefetched = self.prefetched.borrow_mut();
-        for (_, _, earlier) in prefetched.take().into_iter().flat_map(|(_, started)| started) {
-            earlier.wait()?; // not used: a gather is only ever one unit ahead
+        let flat = bucket.flat.get_or_insert_with(|| make(&p.grad));
+        let (n, c) = (p.grad.numel(), chunk(p.grad.numel(), ranks));
+        for r in 0..ranks {
+            ops::copy(&p.grad, r * c, flat, r * width + offset, real(n, c, r)); // rank r's chunk
         }
-        *prefetched = Some((first.name.clone(), start_unit(&self.sharding, next)?));
-        Ok(())
-    }
-
-    fn release(&self, unit: &mut [&mut Param]) {
-        if let (Some(start), Some(first)) = (self.computing.take(), unit.first()) {
-            if let Some(group) = self.sharding.dense.or(self.sharding.experts) {
-                group.trace_compute(|| unit_name(&first.name), start); // on this rank's trace
+        if self.stage >= 2 {
+            p.grad = Tensor::zeros(&[0]); // handed over: the full gradient is not kept
+        }
+        bucket.waiting -= 1;
+        if bucket.waiting > 0 {
+            return;
+        }
+        let flat = bucket.flat.take().expect("a bucket fills once per micro-batch");
+        bucket.in_flight = Some(placement::start(flat, AFTER_BACKWARD, Placement::Shard(0), group));
+        bucket.waiting = bucket.members.len();
+        self.in_flight.push_back(b);
+        // the last bucket of the backward: every reduce-scatter of this micro-batch lands now, so
+        // that no full-size bucket outlives its backward (with a pipeline, forwards come next)
+        let keep = if bucket.closes { 0 } else { IN_FLIGHT };
+        while self.in_flight.len() > keep {
+            let oldest = self.in_flight.pop_front().expect("more than kept");
+            if let Err(e) = settle(&mut self.buckets[oldest]) {
+                self.failed.get_or_insert(e);
             }
         }
-        for p in unit.iter_mut().filter(|p| p.shard.is_some()) {
-            p.value = Tensor::zeros(&[0]); // only the chunk in `shard` stays
+    }
+
+    /// Every parameter's chunk gets its averaged gradient (`ZeroChunk::grad`).
+    fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
+        if let Some(e) = self.failed.take() {
+            return Err(e);
         }
+        self.in_flight.clear(); // every bucket is settled below
+        for bucket in &mut self.buckets {
+            settle(bucket)?;
+            let sums = bucket.sums.take().expect("every bucket was reduce-scattered in the step");
+            for &(member, offset) in &bucket.members {
+                let chunk = params[member].zero.as_mut().expect("ZeRO shards every parameter");
+                let c = chunk.master.numel();
+                chunk.grad = ops::slice(&sums, offset, &[c]); // freed again by `zero_grads`
+            }
+        }
+        Ok(())
     }
 }
 
-/// How the trace names a unit's compute, from its first parameter: "layer 3 (FSDP unit)", …
-fn unit_name(first: &str) -> String {
-    let unit = match first.strip_prefix("model.layers.").and_then(|r| r.split('.').next()) {
-        Some(i) => format!("layer {i}"),
-        None if first.starts_with("model.embed_tokens") => "embedding".into(),
-        None => "head".into(),
-    };
-    format!("{unit} (FSDP unit)")
+/// Waits for a bucket's reduce-scatter in flight, if any, and adds its result (this rank's
+/// chunks) into the bucket's sums.
+fn settle(bucket: &mut Bucket) -> Result<()> {
+    if let Some(pending) = bucket.in_flight.take() {
+        let mine = pending?.wait()?;
+        match &mut bucket.sums {
+            Some(sums) => ops::add_assign(sums, &mine),
+            None => bucket.sums = Some(mine),
+        }
+    }
+    Ok(())
 }
 
 /// A sharded parameter's tensor `t` (its master or a moment chunk) whole again, from every
-/// rank's chunk (for a checkpoint); `None` for a parameter that is not sharded.
+/// rank's chunk (for a checkpoint): Shard(0) → Replicate; `None` for a parameter not sharded.
 pub fn whole(group: &Group, p: &Param, t: &Tensor) -> Result<Option<Tensor>> {
-    let Some(shard) = &p.shard else { return Ok(None) };
-    let gathered = group.all_gather_tensor(t)?; // [ranks · c]: the chunks in rank order
-    Ok(Some(ops::slice(&gathered, 0, &shard.shape))) // without the padding
+    let Some(chunk) = &p.zero else { return Ok(None) };
+    let n = chunk.shape.iter().product::<usize>();
+    let flat = redistribute(t.clone(), &[n], Placement::Shard(0), Placement::Replicate, group)?;
+    Ok(Some(flat.with_shape(&chunk.shape)))
 }

@@ -18,11 +18,12 @@
 use crate::comm::launcher::Capacity;
 use crate::config::{Config, DpMode, ModelConfig, Recompute};
 use crate::model::optimizer::Optimizer;
-use crate::model::{Llama, Split, Stage};
+use crate::model::{Llama, Placement, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
 use crate::parallel::data_parallel::bucket_values;
 use crate::parallel::pipeline_schedule;
+use crate::parallel::process_grid::Axis;
 use crate::parallel::process_grid::Grid;
 use anyhow::{bail, Result};
 
@@ -176,10 +177,10 @@ fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize) -> (
     let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
     // (values, values in chunks) of the embedding, of one block, of the head
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
-    for (name, shape, split) in Llama::tensor_splits(&one_layer, Stage::WHOLE) {
-        let n =
-            shape.iter().map(|&x| x as f64).product::<f64>() / if split == Split::Replicated { 1.0 } else { tp as f64 };
-        let expert = name.contains(".block_sparse_moe.experts.");
+    for (name, shape, on_tp, replicas) in Llama::tensor_placements(&one_layer, Stage::WHOLE) {
+        let n = shape.iter().map(|&x| x as f64).product::<f64>()
+            / if on_tp == Placement::Replicate { 1.0 } else { tp as f64 };
+        let expert = replicas == Axis::ExpertDp;
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {
             n if n.starts_with("model.layers.") => &mut layer,
@@ -316,7 +317,7 @@ pub struct Held {
 /// The bytes `model` and `optimizer` hold now.
 pub fn held(model: &Llama, optimizer: &Optimizer) -> Held {
     let params = model.params();
-    let shards = params.iter().filter_map(|p| p.shard.as_ref());
+    let shards = params.iter().filter_map(|p| p.zero.as_ref());
     Held {
         weights: params.iter().map(|p| p.value.bytes()).sum::<usize>()
             + shards.clone().map(|s| s.master.bytes()).sum::<usize>(),

@@ -7,7 +7,8 @@ mod common;
 
 use anyhow::Result;
 use ferrotron::comm::launcher::launch;
-use ferrotron::model::{shard, Param, Split, TensorSplit};
+use ferrotron::comm::placement::{part_of, Placement};
+use ferrotron::model::{Param, TensorSplit};
 use ferrotron::ops;
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::parallel::process_grid::{Axis, Grid};
@@ -29,9 +30,9 @@ fn run(tiny: bool) -> Result<()> {
     let dense = ops::linear(&ops::linear(&x, &w1), &w2);
     let diffs = launch(Grid::new(1, 1, 1, 2)?, Duration::from_secs(30), |me| {
         let (tp, i) = (TensorParallel::new(me.group(Axis::Tp)), me.group(Axis::Tp).index());
-        let param = |value| Param::new("w".into(), value, Split::Replicated);
-        let column = param(shard(&w1, Split::Rows, i, 2)); // my 16 of the 32 hidden features
-        let row = param(shard(&w2, Split::Cols, i, 2)); // the matching 16 input columns
+        let param = |value| Param::new("w".into(), value, Placement::Replicate);
+        let column = param(part_of(&w1, Placement::Shard(0), (i, 2))); // my 16 of the 32 hidden features
+        let row = param(part_of(&w2, Placement::Shard(1), (i, 2))); // the matching 16 input columns
         let h = ops::linear(&x, &column.value); // column parallel: f is the identity forward
         let y = tp.row_forward(&h, &row)?; // row parallel: g all-reduces the partial products
         Ok(max_diff(&y, &dense))

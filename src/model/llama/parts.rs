@@ -5,16 +5,18 @@
 //! the parameters in Hugging Face order, their device, and what the model holds.
 
 use super::{Cache, Head, HeadCache, Llama};
+use crate::comm::placement::part_of;
 use crate::config::{ModelConfig, Recompute};
 use crate::model::block::{Block, Kept};
 use crate::model::init;
-use crate::model::param::{shard, Param, ParamKind, Split};
+use crate::model::param::{Param, ParamKind, Placement};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::stage::Stage;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType};
+use crate::parallel::process_grid::Axis;
 use anyhow::Result;
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 
 impl<'g> Llama<'g> {
@@ -46,9 +48,9 @@ impl<'g> Llama<'g> {
         mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
     ) -> Result<Llama<'g>> {
         let (index, count) = tp.part();
-        let (embed_tokens, layers, head) = Llama::parts(cfg, stage, &mut |name, shape, kind, split| {
-            let value = shard(&make(&name, shape, kind)?, split, index, count);
-            Ok(Param::new(name, value, split))
+        let (embed_tokens, layers, head) = Llama::parts(cfg, stage, &mut |name, shape, kind, tp| {
+            let value = part_of(&make(&name, shape, kind)?, tp, (index, count)); // this tp rank's
+            Ok(Param::new(name, value, tp))
         })?;
         let vocab_first = index * cfg.vocab_size / count;
         let caches = VecDeque::new();
@@ -80,32 +82,35 @@ impl<'g> Llama<'g> {
     /// The name and full shape of every tensor of pipeline `stage`, in Hugging Face order, from
     /// the config alone (nothing allocated): what a checkpoint of this model must hold.
     pub fn tensor_shapes(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>)> {
-        Llama::tensor_splits(cfg, stage).into_iter().map(|(name, shape, _)| (name, shape)).collect()
+        Llama::tensor_placements(cfg, stage).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
     }
 
-    /// `tensor_shapes`, with how tensor parallelism splits each.
-    pub fn tensor_splits(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, Split)> {
-        let mut listed = Vec::new();
-        let made = Llama::parts(cfg, stage, &mut |name, shape, _, split| {
-            listed.push((name.clone(), shape.to_vec(), split));
-            Ok(Param::new(name, Tensor::zeros(&[0]), split))
+    /// `tensor_shapes`, with each tensor's placement on the tp axis and its replicas' axis, in
+    /// the order of `params()`.
+    pub fn tensor_placements(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, Placement, Axis)> {
+        let mut shapes = HashMap::new();
+        let made = Llama::parts(cfg, stage, &mut |name, shape, _, tp| {
+            shapes.insert(name.clone(), shape.to_vec());
+            Ok(Param::new(name, Tensor::zeros(&[0]), tp)) // nothing allocated
         });
-        made.expect("listing cannot fail");
-        listed
+        let (embed, layers, head) = made.expect("listing cannot fail");
+        let head = head.iter().flat_map(|h| [Some(&h.norm), h.lm_head.as_ref()]).flatten();
+        let params = embed.iter().chain(layers.iter().flat_map(Block::params)).chain(head);
+        params.map(|p| (p.name.clone(), shapes[&p.name].clone(), p.tp, p.replicas)).collect()
     }
 
-    /// The parameters of `stage`, each made by `param(name, full shape, kind, split)`.
+    /// The parameters of `stage`, each made by `param(name, full shape, kind, placement on tp)`.
     #[allow(clippy::type_complexity)]
     fn parts(
         cfg: &ModelConfig,
         stage: Stage,
-        param: &mut impl FnMut(String, &[usize], ParamKind, Split) -> Result<Param>,
+        param: &mut impl FnMut(String, &[usize], ParamKind, Placement) -> Result<Param>,
     ) -> Result<(Option<Param>, Vec<Block>, Option<Head>)> {
         let d = cfg.hidden_size;
-        use Split::{Replicated, Rows};
+        let (rows, whole) = (Placement::Shard(0), Placement::Replicate); // on the tp axis: vocabulary rows
         let embed_name = "model.embed_tokens.weight".to_string();
         let embed_tokens = match stage.is_first() {
-            true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+            true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, rows)?),
             false => None,
         };
         let mut layers = Vec::new();
@@ -114,10 +119,10 @@ impl<'g> Llama<'g> {
         }
         let head = match stage.is_last() {
             true => Some(Head {
-                norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, Replicated)?,
+                norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, whole)?,
                 lm_head: match cfg.tie_word_embeddings {
                     true => None,
-                    false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, Rows)?),
+                    false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, rows)?),
                 },
             }),
             false => None,
@@ -216,7 +221,7 @@ impl<'g> Llama<'g> {
     /// checksums. Under FSDP, whose weights are not kept whole, over this rank's master chunks.
     pub fn checksum(&self) -> u64 {
         let mut h: u64 = 0xcbf29ce484222325;
-        let held = |p: &&Param| match (&p.shard, p.value.numel()) {
+        let held = |p: &&Param| match (&p.zero, p.value.numel()) {
             (Some(s), 0) => s.master.to_vec(),
             _ => p.value.to_vec(),
         };
@@ -259,7 +264,7 @@ impl<'g> Llama<'g> {
             if p.grad.numel() > 0 {
                 ops::scale(&mut p.grad, 0.0);
             }
-            if let Some(s) = &mut p.shard {
+            if let Some(s) = &mut p.zero {
                 s.grad = Tensor::zeros(&[0]);
             }
         }

@@ -1,0 +1,236 @@
+//! # Placements: where a tensor lives on one axis of the grid, and the collective between two
+//!
+//! Take one axis of the grid (its group of n ranks) and a tensor whose whole value has shape S.
+//! Every parallelism in this repository keeps that tensor in one of three *placements* on that
+//! axis. These are PyTorch DTensor's words, which torchtitan and FSDP2 are built on:
+//!
+//! ```text
+//! Shard(d)      rank r holds the r-th of n equal slices along dimension d
+//! Replicate     every rank holds all of it
+//! Partial(op)   every rank holds a tensor of shape S, and the value is their sum (or mean):
+//!               a gradient just after backward, a row-parallel layer's output before its g
+//! ```
+//! Going from one placement to another *is* a collective (or, where nothing needs to travel, a
+//! local step):
+//!
+//! ```text
+//! from \ to     Replicate        Shard(d)                    Partial(op)
+//! Partial(op)   all-reduce       reduce-scatter              —
+//! Shard(d)      all-gather       all-to-all (from Shard(e))  local: zeros around the slice
+//! Replicate     —                local: keep rank r's slice  local: rank 0 keeps it (sum)
+//! ```
+//! An all-reduce is a reduce-scatter followed by an all-gather (Partial → Shard → Replicate):
+//! ZeRO splits data parallelism's all-reduce into exactly those two halves.
+//!
+//! Where ferrotron's tensors live, in these words (`ferrotron`'s tutorial step 18 prints it all):
+//!
+//! ```text
+//! tensor                          axis     placement
+//! q k v gate up, embedding, head  tp       Shard(0): rows of W [out, in] (Megatron's "column-parallel")
+//! o, down                         tp       Shard(1): columns of W (Megatron's "row-parallel")
+//! norm weights, router            tp       Replicate
+//! any weight                      dp×cp    Replicate; under ZeRO Shard(0) of its flat values
+//! an expert's weights             ep       Shard(0) of the layer's experts; edp like dp×cp above
+//! a gradient after backward       dp×cp    Partial(avg) → all-reduce (DP) or reduce-scatter (ZeRO)
+//! a norm's gradient, with SP      tp       Partial(sum) → all-reduce
+//! a checkpoint's tensor           every    Replicate, gathered from wherever it is
+//! ```
+//! A dimension that does not divide by n is padded: every slice has ⌈S[d]/n⌉ entries along d,
+//! and the last slices end in zeros (FSDP2 pads the same way before its collectives). That is how
+//! ZeRO cuts a parameter of any size (`parallel/zero.rs`).
+//!
+//! Every helper here sees a tensor as `[a, S[d], b]` around its dimension d, so one slice is a
+//! set of rows `[·, b]`: the local steps are `ops::copy` where the slices are contiguous (a = 1)
+//! and a row gather elsewhere.
+
+use crate::comm::tensors::Pending;
+use crate::comm::Group;
+use crate::ops;
+use crate::ops::moe::gather_rows;
+use crate::ops::tensor::Tensor;
+use crate::ops::types::ReduceOp;
+use anyhow::{bail, Result};
+
+/// Where a tensor lives on one axis of the grid (see the lesson above).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Placement {
+    Shard(usize),
+    Replicate,
+    Partial(ReduceOp),
+}
+
+/// What takes a tensor from one placement to another: a collective, or a local step.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Move {
+    Nothing,
+    AllReduce(ReduceOp),
+    ReduceScatter(ReduceOp, usize),
+    AllGather(usize),
+    AllToAll {
+        from: usize,
+        to: usize,
+    },
+    /// Local: keep this rank's slice along the dimension.
+    Slice(usize),
+    /// Local: this rank's slice along the dimension, zeros everywhere else.
+    Pad(usize),
+    /// Local: a sum's rank 0 keeps the value and the others hold zeros (a mean's ranks all keep it).
+    Split(ReduceOp),
+}
+
+impl Move {
+    /// The table of the lesson: the move from `from` to `to`.
+    pub fn between(from: Placement, to: Placement) -> Result<Move> {
+        use Placement::*;
+        Ok(match (from, to) {
+            (a, b) if a == b => Move::Nothing,
+            (Partial(op), Replicate) => Move::AllReduce(op),
+            (Partial(op), Shard(d)) => Move::ReduceScatter(op, d),
+            (Shard(d), Replicate) => Move::AllGather(d),
+            (Shard(d), Shard(e)) => Move::AllToAll { from: d, to: e },
+            (Replicate, Shard(d)) => Move::Slice(d),
+            (Shard(d), Partial(_)) => Move::Pad(d),
+            (Replicate, Partial(op)) => Move::Split(op),
+            (Partial(a), Partial(b)) => bail!("no move turns a partial {a:?} into a partial {b:?}"),
+            (Replicate, Replicate) => unreachable!("equal placements move nothing"),
+        })
+    }
+
+    /// Does the move send anything between ranks?
+    pub fn communicates(self) -> bool {
+        matches!(self, Move::AllReduce(_) | Move::ReduceScatter(..) | Move::AllGather(_) | Move::AllToAll { .. })
+    }
+
+    /// The move in words: `all_reduce(sum)`, `all_gather along dim 1`, `local: slice along dim 0`.
+    pub fn name(self) -> String {
+        let op = |op: ReduceOp| format!("{op:?}").to_lowercase();
+        match self {
+            Move::Nothing => "nothing".into(),
+            Move::AllReduce(o) => format!("all_reduce({})", op(o)),
+            Move::ReduceScatter(o, d) => format!("reduce_scatter({}) along dim {d}", op(o)),
+            Move::AllGather(d) => format!("all_gather along dim {d}"),
+            Move::AllToAll { from, to } => format!("all_to_all: dim {from} → dim {to}"),
+            Move::Slice(d) => format!("local: keep my slice along dim {d}"),
+            Move::Pad(d) => format!("local: my slice along dim {d}, zeros elsewhere"),
+            Move::Split(o) => format!("local: a partial {} of the value", op(o)),
+        }
+    }
+}
+
+/// The shape one rank holds of a tensor whose whole shape is `shape`, placed so over `n` ranks.
+pub fn local_shape(shape: &[usize], placement: Placement, n: usize) -> Vec<usize> {
+    let mut local = shape.to_vec();
+    if let Placement::Shard(d) = placement {
+        local[d] = shape[d].div_ceil(n);
+    }
+    local
+}
+
+/// The tensor seen around dimension d: (a, S[d], b) with a the product of the dimensions before
+/// d and b of those after.
+fn around(shape: &[usize], d: usize) -> (usize, usize, usize) {
+    (shape[..d].iter().product(), shape[d], shape[d + 1..].iter().product())
+}
+
+/// Rank `r`'s slice (of `n`) along dimension `d` of `whole`, whose shape is `shape`: the
+/// Replicate → Shard(d) step, padded with zeros where `shape[d]` does not divide by n.
+pub fn slice_of(whole: &Tensor, shape: &[usize], d: usize, (r, n): (usize, usize)) -> Tensor {
+    let (a, s, b) = around(shape, d);
+    let ld = s.div_ceil(n);
+    let real = s.saturating_sub(r * ld).min(ld); // this slice's entries that are not padding
+    let local = local_shape(shape, Placement::Shard(d), n);
+    if a == 1 {
+        // one contiguous run of values
+        let mut part = if real < ld { Tensor::zeros_as(&local, whole) } else { Tensor::empty_as(&local, whole) };
+        ops::copy(whole, r * ld * b, &mut part, 0, real * b);
+        return part;
+    }
+    let zero_row = (a * s) as u32; // appended after the rows, gathered under the padding
+    let order: Vec<u32> = (0..a)
+        .flat_map(|i| (0..ld).map(move |k| if k < real { (i * s + r * ld + k) as u32 } else { zero_row }))
+        .collect();
+    let rows = match real < ld {
+        true => ops::concat(&[whole, &Tensor::zeros_as(&[b], whole)]).with_shape(&[a * s + 1, b]),
+        false => ops::slice(whole, 0, &[a * s, b]),
+    };
+    gather_rows(&rows, &order).with_shape(&local)
+}
+
+/// Rank `r`'s part (of `n`) of `whole` placed as `to`: the local step from Replicate, nothing
+/// sent (a slice for Shard; for a sum's Partial, the value on rank 0 and zeros elsewhere).
+pub fn part_of(whole: &Tensor, to: Placement, (r, n): (usize, usize)) -> Tensor {
+    match to {
+        Placement::Shard(d) => slice_of(whole, whole.shape(), d, (r, n)),
+        Placement::Partial(ReduceOp::Sum) if r > 0 => Tensor::zeros_as(whole.shape(), whole),
+        _ => whole.clone(), // every rank holds it all: Replicate, or a mean's (or max's) Partial
+    }
+}
+
+/// Every rank's slice along `d`, one after another (rank-major): what a reduce-scatter along the
+/// first dimension hands out as Shard(d).
+fn rank_major(whole: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
+    let parts: Vec<Tensor> = (0..n).map(|r| slice_of(whole, shape, d, (r, n))).collect();
+    ops::concat(&parts.iter().collect::<Vec<_>>())
+}
+
+/// The whole tensor of `shape` from every rank's slice along `d`, one after another (what an
+/// all-gather returns): the inverse of `rank_major`, without the padding.
+pub fn assemble(stacked: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
+    let (a, s, b) = around(shape, d);
+    let ld = s.div_ceil(n);
+    if a == 1 {
+        return ops::slice(stacked, 0, shape); // the slices are runs, the padding at the end
+    }
+    // entry (i, k) of the whole is entry (i, k mod ld) of rank k / ld's slice
+    let order: Vec<u32> =
+        (0..a).flat_map(|i| (0..s).map(move |k| ((k / ld) * a * ld + i * ld + k % ld) as u32)).collect();
+    gather_rows(&stacked.clone().with_shape(&[n * a * ld, b]), &order).with_shape(shape)
+}
+
+/// Moves this rank's `t` (of a tensor whose whole shape is `shape`) from placement `from` to `to`
+/// over `group`, with the move of the table. Returns this rank's tensor in the new placement.
+pub fn redistribute(mut t: Tensor, shape: &[usize], from: Placement, to: Placement, group: &Group) -> Result<Tensor> {
+    let (r, n, numel) = (group.index(), group.size(), t.numel());
+    Ok(match Move::between(from, to)? {
+        Move::Nothing => t,
+        Move::AllReduce(op) => {
+            group.all_reduce_tensor(&mut t, op)?; // in place
+            t
+        }
+        Move::ReduceScatter(op, d) => {
+            let stacked =
+                rank_major(&t, shape, d, n).with_shape(&[n * local_shape(shape, to, n).iter().product::<usize>()]);
+            group.reduce_scatter_tensor(&stacked, op)?.with_shape(&local_shape(shape, to, n))
+        }
+        Move::AllGather(d) => assemble(&group.all_gather_tensor(&t.with_shape(&[numel]))?, shape, d, n),
+        Move::AllToAll { from: d, to: e } => {
+            // each rank sends member j its slice along e of what it holds along d …
+            let mine = local_shape(shape, from, n);
+            let piece = local_shape(&mine, to, n).iter().product::<usize>();
+            let sent = rank_major(&t, &mine, e, n).with_shape(&[n, piece]);
+            let got = group.all_to_all_tensor(&sent, &vec![1; n], &vec![1; n])?;
+            // … and puts the slices along d that it receives side by side
+            let theirs = local_shape(shape, to, n); // the whole along d, my slice along e
+            assemble(&got, &theirs, d, n)
+        }
+        Move::Slice(_) | Move::Split(_) => part_of(&t, to, (r, n)),
+        Move::Pad(d) => {
+            let parts: Vec<Tensor> =
+                (0..n).map(|j| if j == r { t.clone() } else { Tensor::zeros_as(t.shape(), &t) }).collect();
+            assemble(&ops::concat(&parts.iter().collect::<Vec<_>>()), shape, d, n)
+        }
+    })
+}
+
+/// Starts a move that is one collective along the first dimension of a tensor laid out for it
+/// (`t` is already rank-major: a ZeRO bucket, a unit's packed weight chunks), and returns it in
+/// flight: Partial → Replicate (all-reduce), Partial → Shard(0) (reduce-scatter), Shard(0) →
+/// Replicate (all-gather, the slices one after another).
+pub fn start(t: Tensor, from: Placement, to: Placement, group: &Group) -> Result<Pending> {
+    match Move::between(from, to)? {
+        Move::AllReduce(op) => group.all_reduce_tensor_async(t, op),
+        Move::ReduceScatter(op, 0) => group.reduce_scatter_tensor_async(t, op),
+        Move::AllGather(0) => group.all_gather_tensor_async(t),
+        other => bail!("{} is not one collective along the first dimension", other.name()),
+    }
+}
