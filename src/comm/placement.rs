@@ -49,7 +49,7 @@ use crate::ops;
 use crate::ops::moe::gather_rows;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::ReduceOp;
-use anyhow::{bail, Result};
+use anyhow::{bail, ensure, Result};
 
 /// Where a tensor lives on one axis of the grid (see the lesson above).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -72,7 +72,7 @@ pub enum Move {
     },
     /// Local: keep this rank's slice along the dimension.
     Slice(usize),
-    /// Local: this rank's slice along the dimension, zeros everywhere else.
+    /// Local: this rank's slice along the dimension (× n for a mean), zeros everywhere else.
     Pad(usize),
     /// Local: a sum's rank 0 keeps the value and the others hold zeros (a mean's ranks all keep it).
     Split(ReduceOp),
@@ -89,6 +89,7 @@ impl Move {
             (Shard(d), Replicate) => Move::AllGather(d),
             (Shard(d), Shard(e)) => Move::AllToAll { from: d, to: e },
             (Replicate, Shard(d)) => Move::Slice(d),
+            (Shard(_), Partial(ReduceOp::Max)) => bail!("a partial max of a shard would need -∞ around it"),
             (Shard(d), Partial(_)) => Move::Pad(d),
             (Replicate, Partial(op)) => Move::Split(op),
             (Partial(a), Partial(b)) => bail!("no move turns a partial {a:?} into a partial {b:?}"),
@@ -142,7 +143,9 @@ pub fn slice_of(whole: &Tensor, shape: &[usize], d: usize, (r, n): (usize, usize
     if a == 1 {
         // one contiguous run of values
         let mut part = if real < ld { Tensor::zeros_as(&local, whole) } else { Tensor::empty_as(&local, whole) };
-        ops::copy(whole, r * ld * b, &mut part, 0, real * b);
+        if real > 0 {
+            ops::copy(whole, r * ld * b, &mut part, 0, real * b);
+        }
         return part;
     }
     let zero_row = (a * s) as u32; // appended after the rows, gathered under the padding
@@ -191,6 +194,11 @@ pub fn assemble(stacked: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor
 /// over `group`, with the move of the table. Returns this rank's tensor in the new placement.
 pub fn redistribute(mut t: Tensor, shape: &[usize], from: Placement, to: Placement, group: &Group) -> Result<Tensor> {
     let (r, n, numel) = (group.index(), group.size(), t.numel());
+    for p in [from, to] {
+        if let Placement::Shard(d) = p {
+            ensure!(d < shape.len(), "{p:?} of a tensor of {} dimensions ({shape:?})", shape.len());
+        }
+    }
     Ok(match Move::between(from, to)? {
         Move::Nothing => t,
         Move::AllReduce(op) => {
@@ -217,7 +225,11 @@ pub fn redistribute(mut t: Tensor, shape: &[usize], from: Placement, to: Placeme
         Move::Pad(d) => {
             let parts: Vec<Tensor> =
                 (0..n).map(|j| if j == r { t.clone() } else { Tensor::zeros_as(t.shape(), &t) }).collect();
-            assemble(&ops::concat(&parts.iter().collect::<Vec<_>>()), shape, d, n)
+            let mut padded = assemble(&ops::concat(&parts.iter().collect::<Vec<_>>()), shape, d, n);
+            if to == Placement::Partial(ReduceOp::Avg) {
+                ops::scale(&mut padded, n as f32); // the mean of the n parts is the whole
+            }
+            padded
         }
     })
 }
