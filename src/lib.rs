@@ -7,7 +7,7 @@
 //! | `ops/` | tensors and the op layer the model is written in; `cpu.rs` is the reference math |
 //! | `model/` | the Llama, forward and backward by hand; its parameters, init and AdamW |
 //! | `train.rs` | the training loop: one step, micro-batches, the optimizer |
-//! | `comm/` | process groups and collectives; ranks as threads (`local.rs`), the launcher; a run over several processes (`processes.rs`, bridged by `remote.rs` over TCP or MPI) |
+//! | `comm/` | process groups and collectives; placements and the collective between two (`placement.rs`); ranks as threads (`local.rs`), the launcher; a run over several processes (`processes.rs`, bridged by `remote.rs` over TCP or MPI) |
 //! | `parallel/` | the process grid, then one lesson per parallelism: data, tensor, pipeline, context |
 //! | `data/` | the synthetic language, real text and tokenizers, Hugging Face hub files |
 //! | `checkpoint/` | Hugging Face weights in and out, save and resume |
