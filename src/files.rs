@@ -31,7 +31,7 @@ macro_rules! say {
 }
 
 /// Set in every process but the first of a multi-process run: one process speaks for the run
-/// (`comm/processes.rs`); errors still print everywhere.
+/// (`comm/wires/processes.rs`); errors still print everywhere.
 pub static SILENT: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
 /// The file that writing `path` really writes: symlinks followed to their final target (which

@@ -4,19 +4,20 @@
 //!
 //! | folder | what it teaches |
 //! | --- | --- |
-//! | `ops/` | tensors and the op layer the model is written in; `cpu.rs` is the reference math |
+//! | `ops/` | tensors and the op layer the model is written in; `cpu.rs` is the reference math, `gpu.rs` its GPU twin |
 //! | `model/` | the Llama, forward and backward by hand; its parameters, init and AdamW |
 //! | `train.rs` | the training loop: one step, micro-batches, the optimizer |
-//! | `comm/` | process groups and collectives; placements and the collective between two (`placement.rs`); ranks as threads (`local.rs`), the launcher; a run over several processes (`processes.rs`, bridged by `remote.rs` over TCP or MPI) |
-//! | `parallel/` | the process grid, then one lesson per parallelism: data, tensor, pipeline, context |
+//! | `comm/` | the process grid; process groups and collectives; placements and the collective between two (`placement.rs`); ranks as threads (`local.rs`), the launcher, NCCL for GPU tensors; a run over several processes (`wires/`: TCP or MPI) |
+//! | `parallel/` | one lesson per parallelism: data, tensor, sequence, pipeline, context, ZeRO and FSDP, experts |
 //! | `data/` | the synthetic language, real text and tokenizers, Hugging Face hub files |
 //! | `checkpoint/` | Hugging Face weights in and out, save and resume |
-//! | `cuda/` | the GPU behind the op layer: runtime, NVRTC, kernel launches, GPU ops, NCCL |
-//! | `commands/` | the tools around training: converge, bench, doctor, eval, generate, memory, the schedule picture |
+//! | `cuda/` | the GPU runtime beneath everything: devices, buffers, streams, NVRTC, the kernel table and its launches |
+//! | `commands/` | the tools around training: converge, bench, doctor (with the GPU self-check), eval, generate, memory, the schedule picture |
 //!
-//! Imports run one way, from the bottom of this list up: `ops` → `model` → `parallel` →
-//! `train` → `commands` (with `comm` beside `ops`, and `cuda` behind the op layer and the
-//! collectives). `tests/layering.rs` keeps it so.
+//! Imports run one way between the folders, from the lowest: the plain values (`files`,
+//! `config`, `ops/types.rs`, which every folder reads) → `cuda` (the GPU runtime) → `ops` →
+//! `comm` → `model` → `data` → `parallel` → `checkpoint` → `train` → `commands`.
+//! `tests/layering.rs` keeps it so, folder by folder and module by module.
 
 pub mod checkpoint;
 pub mod comm;

@@ -6,10 +6,10 @@ use clap::{Args, Parser, Subcommand};
 use ferrotron::checkpoint::hf;
 use ferrotron::comm::cost::Link;
 use ferrotron::comm::launcher;
+use ferrotron::comm::process_grid::Grid;
 use ferrotron::commands::{self, bench, converge, doctor, eval, generate, memory, schedule};
 use ferrotron::config::Config;
 use ferrotron::config::PpSchedule;
-use ferrotron::parallel::process_grid::Grid;
 use ferrotron::say;
 use std::io::Write;
 use std::path::PathBuf;
@@ -266,10 +266,10 @@ fn converge_command(ConvergeArgs { config, mut sets, variants, steps, tol, out }
     ferrotron::files::check_folder_writable(&out).context("--out")?;
     let real = out.canonicalize().with_context(|| format!("--out {}", out.display()))?;
     let out_folder = ferrotron::files::Output { flag: "--out", path: &out, real };
-    let _claim = ferrotron::files::claim(&[out_folder], ferrotron::comm::processes::leads())?;
+    let _claim = ferrotron::files::claim(&[out_folder], ferrotron::comm::wires::processes::leads())?;
     sets.extend(steps.map(|n| format!("train.steps={n}")));
     let report = converge::converge(config.as_deref(), &sets, &variants, tol)?;
-    if ferrotron::comm::processes::leads() {
+    if ferrotron::comm::wires::processes::leads() {
         converge::write_outputs(&out, &report)?; // once, by the first process
     }
     say!("{}", converge::table(&report).trim_end());
@@ -429,7 +429,7 @@ fn main() -> ExitCode {
         }
     }));
     // One of several processes (mpirun, srun, torchrun): the first one speaks for the run.
-    if !ferrotron::comm::processes::leads() {
+    if !ferrotron::comm::wires::processes::leads() {
         ferrotron::files::SILENT.store(true, std::sync::atomic::Ordering::Relaxed);
     }
     // Output goes through `say!`, which ignores a closed or full stdout: a reader that goes away
@@ -443,6 +443,6 @@ fn main() -> ExitCode {
         }
     };
     // the link to the other processes, if any: ended cleanly, or (MPI) the job aborted
-    ferrotron::comm::remote::end(ok);
+    ferrotron::comm::wires::remote::end(ok);
     code
 }

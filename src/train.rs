@@ -39,6 +39,7 @@ mod watch;
 pub use run::{Options, Stopped, Summary};
 
 use crate::comm::launcher::{launch_on, Rank};
+use crate::comm::process_grid::Axis;
 use crate::comm::ReduceOp;
 use crate::config::Config;
 use crate::data::Dataset;
@@ -48,7 +49,6 @@ use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::bucket_values;
 use crate::parallel::fsdp::{self, Fsdp};
 use crate::parallel::pipeline_parallel::{self, StepPlan};
-use crate::parallel::process_grid::Axis;
 use crate::parallel::sequence_parallel;
 use crate::parallel::zero;
 use anyhow::Result;

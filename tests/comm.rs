@@ -3,8 +3,8 @@
 
 use anyhow::{bail, Result};
 use ferrotron::comm::launcher::{launch, Rank};
+use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::{Element, ReduceOp};
-use ferrotron::parallel::process_grid::{Axis, Grid};
 use half::bf16;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

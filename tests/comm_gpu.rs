@@ -3,9 +3,9 @@
 //! `--include-ignored` (`.ci/gpu_check`); the backend choice is checked everywhere.
 
 use ferrotron::comm::launcher::{choose_backend, Backend};
+use ferrotron::comm::process_grid::Grid;
 use ferrotron::commands::doctor::comm_self_test;
 use ferrotron::config::CommBackend;
-use ferrotron::parallel::process_grid::Grid;
 
 /// The number of GPUs; the GPU tests are `#[ignore]`d and, asked for, fail without one.
 fn gpus() -> usize {

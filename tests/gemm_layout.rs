@@ -1,10 +1,10 @@
 //! The cuBLAS calls of the CUDA backend, checked without a GPU: each `Gemm` shape of
-//! `src/cuda/ops.rs` (transposes, m/n/k, leading dimensions) is run through a column-major GEMM
+//! `src/ops/gpu.rs` (transposes, m/n/k, leading dimensions) is run through a column-major GEMM
 //! written here exactly as cuBLAS defines it, on the row-major buffers the backend hands over,
 //! and must give the CPU op layer's linear, input gradient and weight gradient.
 
-use ferrotron::cuda::ops::Gemm;
 use ferrotron::ops;
+use ferrotron::ops::gpu::Gemm;
 use ferrotron::ops::tensor::Tensor;
 
 /// cuBLAS's GEMM: c[i + j·ldc] = Σ_l op(a)(i, l) · op(b)(l, j) (+ c), column-major, where a

@@ -1,6 +1,6 @@
 //! The process grid: rank numbering, groups, neighbours and the printed table.
 
-use ferrotron::parallel::process_grid::{Axis, Coords, Grid};
+use ferrotron::comm::process_grid::{Axis, Coords, Grid};
 
 #[test]
 fn rank_and_coords_round_trip_with_tp_fastest() {

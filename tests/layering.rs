@@ -1,10 +1,12 @@
 //! The architecture stays what `src/lib.rs` says: imports run one way, from the bottom layer up
 //! (values → GPU runtime → tensors → ops → comm → model → data → parallel → checkpoint → train →
 //! commands), no module imports a module that imports it back, the CPU lessons (`model/`,
-//! `parallel/`, `train.rs`) never name CUDA, and the collective API knows no NCCL. The check
-//! reads every `crate::…` path (in `use` lines and inline), every `super::…` path and every use
-//! of a child module, in every file of `src/`. It is also run on a planted cycle and a planted
-//! upward import, and must catch both.
+//! `parallel/`, `train.rs`) never name CUDA, and the collective API knows no NCCL. The folders
+//! are the layers too: a file may use files of its own folder and of the folders below it
+//! (`FOLDERS`), never above, but for the plain values (the first layer), which every folder may
+//! read. The check reads every `crate::…` path (in `use` lines and inline), every `super::…` path
+//! and every use of a child module, in every file of `src/`. It is also run on a planted cycle, a
+//! planted upward import and a planted upward arrow between folders, and must catch all three.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
@@ -12,7 +14,7 @@ use std::path::Path;
 /// The layers, lowest first. A module may use modules of its own layer (without a cycle) and of
 /// the layers below, never above. Every file of `src/` (but `lib.rs` and `main.rs`) is listed.
 const LAYERS: &[(&str, &[&str])] = &[
-    ("values", &["files", "config::table", "config", "config::checks", "ops::types", "parallel::process_grid"]),
+    ("values", &["files", "config::table", "config", "config::checks", "ops::types", "comm::process_grid"]),
     (
         "GPU runtime",
         &[
@@ -28,23 +30,24 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("tensors", &["ops::tensor"]),
-    ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "cuda::ops", "ops::moe", "cuda::moe", "ops"]),
+    ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "ops::gpu", "ops::moe", "ops::gpu_moe", "ops"]),
     (
         "comm",
         &[
             "comm::device_link",
             "comm::cost",
             "comm::trace",
-            "comm::processes",
-            "comm::tcp",
-            "comm::mpi",
+            "comm::wires::processes",
+            "comm::wires::tcp",
+            "comm::wires::mpi",
             "comm::local",
-            "comm::note",
-            "comm::remote",
+            "comm::wires::note",
+            "comm::wires::remote",
+            "comm::wires",
             "comm",
             "comm::tensors",
             "comm::placement",
-            "cuda::nccl",
+            "comm::nccl",
             "comm::launcher",
         ],
     ),
@@ -107,7 +110,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "commands::converge",
             "commands::train",
             "commands::memory",
-            "cuda::self_check",
+            "commands::self_check",
             "commands::doctor",
             "commands::bench",
             "commands::bench_attention",
@@ -115,6 +118,10 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
 ];
+
+/// The folders (and top-level files) of `src/`, lowest first: what `src/lib.rs`'s map says.
+const FOLDERS: &[&str] =
+    &["files", "config", "cuda", "ops", "comm", "model", "data", "parallel", "checkpoint", "train", "commands"];
 
 /// Modules that must not name CUDA (`crate::cuda`, `cudarc`): the CPU lessons and the
 /// collective API. `x::` means the folder x and everything in it.
@@ -128,6 +135,8 @@ const NO_CUDA: &[&str] = &[
     "comm::device_link",
     "comm::tensors",
     "comm::cost",
+    "comm::placement",
+    "comm::process_grid",
 ];
 
 /// Every module of `src/` (path like `model::block`) with its source.
@@ -238,6 +247,22 @@ fn check(sources: &BTreeMap<String, String>) -> Vec<String> {
                 }
             }
         }
+        // the folders: no arrow runs back up, but to the plain values every folder reads
+        let folder = |m: &str| FOLDERS.iter().position(|f| m.split("::").next() == Some(*f));
+        let plain = |t: &str| layer_of.get(t) == Some(&0);
+        match folder(m) {
+            None => problems.push(format!("{m} is in no folder of FOLDERS in tests/layering.rs")),
+            Some(a) => {
+                for t in edges.get(m).into_iter().flatten().filter(|t| !plain(t)) {
+                    if let Some(b) = folder(t).filter(|&b| b > a) {
+                        problems.push(format!(
+                            "{m} (folder {}) uses {t} (folder {}): arrows between folders must run up",
+                            FOLDERS[a], FOLDERS[b]
+                        ));
+                    }
+                }
+            }
+        }
         let lesson = NO_CUDA.iter().any(|p| match p.strip_suffix("::") {
             Some(folder) => m == folder || m.starts_with(p),
             None => m == p,
@@ -288,6 +313,18 @@ fn the_check_catches_a_planted_cycle() {
     planted.get_mut("model::param").unwrap().push_str("\nuse crate::model::llama::Llama;\n");
     let problems = check(&planted);
     assert!(problems.iter().any(|p| p.contains("import cycle") && p.contains("model::llama")), "{problems:?}");
+}
+
+#[test]
+fn the_check_catches_an_arrow_back_down_between_folders() {
+    // the GPU ops must not reach the collectives: ops/ is below comm/
+    let mut planted = sources();
+    planted.get_mut("ops::gpu").unwrap().push_str("\nfn f(_: &crate::comm::tensors::Pending) {}\n");
+    let problems = check(&planted);
+    assert!(
+        problems.iter().any(|p| p.contains("ops::gpu (folder ops) uses comm::tensors (folder comm)")),
+        "{problems:?}"
+    );
 }
 
 #[test]

@@ -7,7 +7,7 @@
 mod common;
 
 use common::processes::{args, losses, process_of, said, torchrun, wait_all, wait_for_steps};
-use ferrotron::comm::processes::{from_env, Processes, WireKind};
+use ferrotron::comm::wires::processes::{from_env, Processes, WireKind};
 use std::path::Path;
 use std::time::{Duration, Instant};
 
@@ -231,8 +231,8 @@ fn the_launchers_environment_is_read() {
 
 /// A peer that is process 1 by its hello but then sends what no ferrotron sends: process 0 ends
 /// the run in one line naming process 1 and what came, within `parallel.timeout_s`, never an
-/// abort. The bytes are the wire's (`comm/tcp.rs`: the hello, then frames of a u64 length and a
-/// note; `comm/remote.rs`: a note is its kind, its session, its fields).
+/// abort. The bytes are the wire's (`comm/wires/tcp.rs`: the hello, then frames of a u64 length and a
+/// note; `comm/wires/remote.rs`: a note is its kind, its session, its fields).
 #[test]
 fn a_peer_that_garbles_cuts_or_stalls_its_frames_ends_the_run_in_one_line() {
     use std::io::{Read, Write};

@@ -6,9 +6,9 @@
 use ferrotron::comm::cost::Call;
 use ferrotron::comm::launcher::launch;
 use ferrotron::comm::placement::{part_of, redistribute, Move, Placement};
+use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
 use ferrotron::ops::tensor::Tensor;
-use ferrotron::parallel::process_grid::{Axis, Grid};
 use std::time::Duration;
 
 /// Rank r's own numbers of a tensor of `shape` (distinct on every rank and every entry).

@@ -7,12 +7,12 @@ mod common;
 
 use ferrotron::comm::launcher::launch;
 use ferrotron::comm::placement::part_of;
+use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::memory;
 use ferrotron::config::{Config, Recompute};
 use ferrotron::model::{Llama, Stage};
 use ferrotron::ops::DType;
-use ferrotron::parallel::process_grid::{Axis, Grid};
 use ferrotron::parallel::sequence_parallel::{sum_replicated_grads, SequenceParallel};
 use ferrotron::train::memory::{activation_bytes, Keep};
 use std::time::Duration;

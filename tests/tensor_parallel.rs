@@ -6,6 +6,7 @@ mod common;
 
 use ferrotron::comm::launcher::launch;
 use ferrotron::comm::placement::{part_of, Placement};
+use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::trace::Trace;
 use ferrotron::comm::ReduceOp;
 use ferrotron::commands::converge::{self, parse_variants};
@@ -15,7 +16,6 @@ use ferrotron::model::{Llama, Param};
 use ferrotron::model::{TensorSplit, Whole};
 use ferrotron::ops;
 use ferrotron::ops::tensor::Tensor;
-use ferrotron::parallel::process_grid::{Axis, Grid};
 use ferrotron::parallel::tensor_parallel::TensorParallel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

@@ -1,7 +1,7 @@
 //! # The device link: how a group moves GPU tensors without the host
 //!
 //! A trait, so that the collective API (`comm/tensors.rs`) can call NCCL without naming it: the
-//! launcher plugs `cuda/nccl.rs`'s implementation into every group on the `nccl` backend.
+//! launcher plugs `comm/nccl.rs`'s implementation into every group on the `nccl` backend.
 
 use crate::ops::tensor::Tensor;
 use crate::ops::types::ReduceOp;

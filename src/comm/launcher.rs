@@ -12,21 +12,21 @@
 //! other rank's pending collective returns at once, and the run ends with the first failure's
 //! message. Nobody hangs.
 //!
-//! Started as one of several processes (`comm/processes.rs`), the launcher runs this process's
-//! block of ranks only; their hub is joined to the other processes' (`comm/remote.rs`), and the
+//! Started as one of several processes (`comm/wires/processes.rs`), the launcher runs this process's
+//! block of ranks only; their hub is joined to the other processes' (`comm/wires/remote.rs`), and the
 //! results returned are this process's ranks'.
 
 use crate::comm::cost::{AxisTally, Call};
 use crate::comm::local::{Beyond, Hub};
-use crate::comm::processes;
-use crate::comm::remote::Session;
+use crate::comm::nccl::Nccl;
+use crate::comm::process_grid::{Axis, Coords, Grid};
 use crate::comm::trace::Trace;
+use crate::comm::wires::processes;
+use crate::comm::wires::remote::Session;
 use crate::comm::{Group, Stream};
 use crate::config::{CommBackend, Config, DeviceKind, PpSchedule};
 use crate::cuda::device::GPU_ERROR;
-use crate::cuda::nccl::Nccl;
 use crate::cuda::runtime::Gpu;
-use crate::parallel::process_grid::{Axis, Coords, Grid};
 use anyhow::{anyhow, bail, Result};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
@@ -61,7 +61,7 @@ pub struct Setup {
     pub backend: Backend,
     /// The memory the ranks keep their tensors in.
     pub capacity: Capacity,
-    /// The ranks are spread over the processes a launcher started (`comm/processes.rs`).
+    /// The ranks are spread over the processes a launcher started (`comm/wires/processes.rs`).
     pub spread: bool,
     /// The GPU of this process's first rank; the next ranks take the next GPUs.
     pub first_gpu: usize,

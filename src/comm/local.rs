@@ -15,7 +15,7 @@
 //!
 //! When the run spans several processes, the hub holds only this process's ranks, and whatever
 //! concerns the others (a part of a collective they are in, a message to one of them, an abort, a
-//! rank that finished) is handed to `Beyond`, the bridge of `comm/remote.rs`, which brings theirs
+//! rank that finished) is handed to `Beyond`, the bridge of `comm/wires/remote.rs`, which brings theirs
 //! back in. The rest of this file does not change: a part is a part, wherever it came from.
 
 use crate::ops::types::ReduceOp;
@@ -43,7 +43,7 @@ pub struct Hub {
     beyond: Option<Box<dyn Beyond>>,
 }
 
-/// What the hub needs of the ranks that live in other processes (`comm/remote.rs`).
+/// What the hub needs of the ranks that live in other processes (`comm/wires/remote.rs`).
 pub(crate) trait Beyond: Send + Sync {
     /// Whether global rank `rank` is a thread of this process.
     fn is_here(&self, rank: usize) -> bool;
@@ -270,7 +270,7 @@ impl Hub {
         self.changed.notify_all();
     }
 
-    /// A part another process's member left (`comm/remote.rs`), checked against the call's slot:
+    /// A part another process's member left (`comm/wires/remote.rs`), checked against the call's slot:
     /// a member index and a group size that the wire garbled are an error, not a panic.
     pub(crate) fn part_from_afar(
         &self,

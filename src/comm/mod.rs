@@ -28,15 +28,12 @@ pub mod cost;
 pub mod device_link;
 pub mod launcher;
 pub mod local;
-#[cfg(feature = "mpi")]
-pub mod mpi;
-mod note;
+pub mod nccl;
 pub mod placement;
-pub mod processes;
-pub mod remote;
-pub mod tcp;
+pub mod process_grid;
 pub mod tensors;
 pub mod trace;
+pub mod wires;
 
 use anyhow::{anyhow, bail, Result};
 use half::bf16;

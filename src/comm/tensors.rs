@@ -13,7 +13,7 @@
 //!                                    compute stream (not the host) wait for it
 //! ```
 //! The third way is a `DeviceLink` that the launcher plugs into each group on the `nccl` backend
-//! (`cuda/nccl.rs`); this file knows it only as a trait (`comm/device_link.rs`), so the
+//! (`comm/nccl.rs`); this file knows it only as a trait (`comm/device_link.rs`), so the
 //! collective API names no CUDA. The hub sums in rank order (the same bits every run); NCCL sums in its own order, equal
 //! up to rounding, and a bf16 tensor is summed in bf16 by NCCL and in f32 by the hub.
 //!

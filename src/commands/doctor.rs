@@ -2,18 +2,18 @@
 //!
 //! It lists the CUDA libraries (found or not, and the file that was loaded), compiles every kernel
 //! with NVRTC when it can, shows the driver and its CUDA version and every GPU with its memory,
-//! and then runs self-tests on GPU 0: every op of `cuda/ops.rs`, forward and backward, in f32 and bf16,
-//! against the CPU reference (`cuda/self_check.rs`),
+//! and then runs self-tests on GPU 0: every op of `ops/gpu.rs`, forward and backward, in f32 and bf16,
+//! against the CPU reference (`commands/self_check.rs`),
 //! and the tensor collectives on GPU tensors, over NCCL (a rank per GPU) and over the local hub
 //! (three ranks sharing GPU 0), against answers computed on the host.
 //! Without a GPU it says so and fails, so scripts can tell.
 
 use crate::comm::launcher::{launch_on, Backend, Rank, Setup};
+use crate::comm::process_grid::{Axis, Grid};
 use crate::comm::ReduceOp;
 use crate::cuda::runtime::{self, cuda_err, Gpu};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::DType;
-use crate::parallel::process_grid::{Axis, Grid};
 use anyhow::{anyhow, bail, Result};
 use std::time::Duration;
 
@@ -54,7 +54,7 @@ pub fn doctor() -> Result<()> {
         crate::say!("GPU {ordinal}: {name}, sm_{major}{minor}, {mem:.1} GiB");
     }
     if crate::cuda::nvrtc::nvrtc_ready().is_ok() {
-        let report = crate::cuda::self_check::self_test(&Gpu::open(0)?)?;
+        let report = crate::commands::self_check::self_test(&Gpu::open(0)?)?;
         for line in &report {
             crate::say!("self-test: kernel {line}");
         }

@@ -16,11 +16,12 @@ pub mod generate;
 pub mod memory;
 pub mod plot;
 pub mod schedule;
+pub mod self_check;
 pub mod train;
 
 /// Checks a command's outputs (`files::check_outputs`) and claims them for this run
 /// (`files::claim`): in a multi-process run the first process writes them.
 pub fn claim_outputs(outputs: &[(&str, Option<&std::path::Path>)]) -> anyhow::Result<crate::files::Claims> {
     let checked = crate::files::check_outputs(outputs)?;
-    crate::files::claim(&checked, crate::comm::processes::leads())
+    crate::files::claim(&checked, crate::comm::wires::processes::leads())
 }

@@ -45,7 +45,7 @@ pub fn run(
         return Ok(None);
     }
     // several processes: the first writes its ranks' spans
-    if let (Some(path), Some(spans), true) = (out.trace, &spans, crate::comm::processes::leads()) {
+    if let (Some(path), Some(spans), true) = (out.trace, &spans, crate::comm::wires::processes::leads()) {
         spans.write(path)?;
         let overlap = match !spans.comm_spans(gradient_all_reduce).is_empty() {
             true => format!(
@@ -56,7 +56,7 @@ pub fn run(
         };
         say!("trace: {} ({overlap})", path.display());
     }
-    if let (Some(path), true) = (out.plot, crate::comm::processes::leads()) {
+    if let (Some(path), true) = (out.plot, crate::comm::wires::processes::leads()) {
         let steps = s.first_step..s.first_step + s.losses.len();
         let lrs: Vec<f32> = steps.clone().map(|step| crate::model::optimizer::lr_at(&cfg.train, step)).collect();
         let title = format!("{}: steps {} to {} of {}", cfg.data.source, steps.start + 1, steps.end, cfg.train.steps);
@@ -74,7 +74,7 @@ pub fn run(
         match &stopped.checkpoint {
         _ if s.losses.is_empty() => say!("stopped by {signal} in the run's first step: nothing new to save"),
         Some(at) => say!("stopped by {signal} after step {step}: checkpoint {}; resume with the same command and --resume latest (or --resume {})", at.display(), at.display()),
-        None if crate::comm::processes::leads() => say!("stopped by {signal} after step {step}: no checkpoint saved (no folder could take one, as said at the start)"),
+        None if crate::comm::wires::processes::leads() => say!("stopped by {signal} after step {step}: no checkpoint saved (no folder could take one, as said at the start)"),
         None => say!("stopped by {signal} after step {step}: checkpoints are process 0's to write (see its output)"),
     }
         return Ok(Some(stopped.signal));

@@ -2,7 +2,7 @@
 //!
 //! A `Device` is one rank's GPU as the op layer sees it: the kernels of `kernels/*.cu` (compiled
 //! by NVRTC for this GPU's architecture, once per process, see `cuda/nvrtc.rs`), a cuBLAS handle, and
-//! the dtype the model computes in. The ops themselves are in `cuda/ops.rs`. Every launch goes on
+//! the dtype the model computes in. The ops themselves are in `ops/gpu.rs`. Every launch goes on
 //! the compute stream and none waits for the GPU: the host only queues work, and a `to_vec` (the
 //! loss and the gradient norm, read together once per step) is where it waits.
 //!

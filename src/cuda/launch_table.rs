@@ -4,7 +4,7 @@
 //! buffer addresses and shapes: the kernel (`name_f32` or `name_bf16` by the compute dtype, a
 //! number in the table of `cuda/kernels.rs`), its grid and block, and its arguments in the order
 //! its `extern "C"` signature declares them (`long` is i64, `int` i32, pointers are addresses).
-//! `cuda/ops.rs` queues them on a GPU; `tests/kernels_emulated.rs` runs the very same launches on
+//! `ops/gpu.rs` queues them on a GPU; `tests/kernels_emulated.rs` runs the very same launches on
 //! the CPU through a thread-per-CUDA-thread emulator, so the kernels and these argument lists are
 //! tested where there is no GPU.
 //!

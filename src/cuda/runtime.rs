@@ -8,7 +8,7 @@
 //! comm:                   └─(wait ev)─[ncclAllReduce]─(record done)─┘
 //! ```
 //! An *event* marks a point in a stream; another stream can wait for it without stopping the host.
-//! On the `nccl` backend every tensor collective of the step runs this way (`cuda/nccl.rs`); ranks
+//! On the `nccl` backend every tensor collective of the step runs this way (`comm/nccl.rs`); ranks
 //! sharing a GPU go through host memory and the local hub (`comm/local.rs`) instead.
 //!
 //! cudarc loads the CUDA libraries when they are first used and panics when one is missing, so we

@@ -25,13 +25,13 @@
 //! routed rows that chose e and P_e the mean router probability of e, over all layers (as
 //! transformers computes it). Its gradient reaches the router through P only.
 
+use crate::comm::process_grid::Axis;
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind, Placement};
 use crate::model::split::{ExpertSplit, Routed};
 use crate::ops;
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
-use crate::parallel::process_grid::Axis;
 use anyhow::Result;
 
 /// One expert: a SwiGLU MLP (w1 the gate, w3 the up projection, w2 the down projection).

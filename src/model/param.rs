@@ -12,9 +12,9 @@
 //! tp: Replicate: every rank the whole   Shard(0): rank r rows [r·n/tp, (r+1)·n/tp)   Shard(1): columns
 //! ```
 
+use crate::comm::process_grid::Axis;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::DType;
-use crate::parallel::process_grid::Axis;
 
 pub use crate::comm::placement::Placement;
 

@@ -3,7 +3,7 @@
 //! Each op takes and returns `Tensor`s and has its backward next to it. The model (`model/`)
 //! is written only in these calls, so it never knows which device it runs on: this file looks at
 //! where the tensors live and calls that device's kernels, one arm per op: the GPU's launches
-//! (`cuda/ops.rs`, results stay on the GPU) or the CPU reference (`ops/cpu.rs`). Shapes are checked
+//! (`ops/gpu.rs`, results stay on the GPU) or the CPU reference (`ops/cpu.rs`). Shapes are checked
 //! here, once, for every backend.
 //!
 //! Conventions: a linear weight is `[out, in]` as in PyTorch, so `y = x · Wᵀ`; activations are
@@ -13,6 +13,8 @@
 pub mod cpu;
 pub mod cpu_attention;
 pub mod cpu_math;
+pub mod gpu;
+pub mod gpu_moe;
 pub mod moe;
 pub mod tensor;
 pub mod types;

@@ -2,7 +2,7 @@
 //!
 //! The dtype numbers are computed in, the shape of an attention call, AdamW's settings and how a
 //! collective reduces: the op layer (`ops/mod.rs`), its CPU kernels (`cpu.rs`), the GPU's launch
-//! table (`cuda/launch_table.rs`) and both collective backends (`comm/local.rs`, `cuda/nccl.rs`)
+//! table (`cuda/launch_table.rs`) and both collective backends (`comm/local.rs`, `comm/nccl.rs`)
 //! read them, so they live below all of those and import nothing.
 
 /// What the kernels compute with.

@@ -18,7 +18,6 @@ pub mod expert_parallel;
 pub mod fsdp;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;
-pub mod process_grid;
 pub mod sequence_parallel;
 pub mod tensor_parallel;
 pub mod zero;

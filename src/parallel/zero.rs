@@ -62,6 +62,7 @@
 //! and what the kernels read anyway), from the fp32 master chunks.
 
 use crate::comm::placement::{self, redistribute, slice_of, Placement};
+use crate::comm::process_grid::Axis;
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::model::optimizer::Optimizer;
@@ -70,7 +71,6 @@ use crate::model::{Llama, Param};
 use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce, AFTER_BACKWARD};
-use crate::parallel::process_grid::Axis;
 use anyhow::Result;
 use std::collections::{HashMap, VecDeque};
 

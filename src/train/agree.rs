@@ -1,6 +1,6 @@
 //! # Processes of one run agree on its settings
 //!
-//! Several processes (`comm/processes.rs`) train as one run only if they were started with the
+//! Several processes (`comm/wires/processes.rs`) train as one run only if they were started with the
 //! same settings: two replicas with different learning rates would drift apart while every
 //! collective still succeeds, and a process with fewer steps would leave the others waiting. So
 //! before the first step, rank 0 sends its settings to every rank, and each compares:
@@ -35,7 +35,7 @@ pub(super) fn settings(world: &Group, cfg: &Config) -> Result<()> {
     let text = String::from_utf8_lossy(&bytes.iter().map(|&b| b as u8).collect::<Vec<u8>>()).into_owned();
     let theirs: Settings =
         text.lines().filter_map(|l| l.split_once(" = ")).map(|(k, v)| (k.to_string(), v.to_string())).collect();
-    let me = crate::comm::processes::current()?.map_or(0, |p| p.index);
+    let me = crate::comm::wires::processes::current()?.map_or(0, |p| p.index);
     let differences: Vec<String> = differing(&mine, &theirs)
         .into_iter()
         .map(|(k, here, there)| format!("{k} = {here} in process {me}, {there} in process 0"))

@@ -15,11 +15,11 @@
 //! global norm, AdamW, ZeRO's gather) reads in order in `train.rs`.
 
 use crate::comm::launcher::Rank;
+use crate::comm::process_grid::Axis;
 use crate::config::ParallelConfig;
 use crate::model::Param;
 use crate::parallel::data_parallel::{DataParallel, GradReduce};
 use crate::parallel::expert_parallel::average_over_tokens;
-use crate::parallel::process_grid::Axis;
 use crate::parallel::zero::{Sharding, ZeroBuckets};
 use anyhow::Result;
 

@@ -16,6 +16,8 @@
 //! host memory it frees (`keep_freed_memory`).
 
 use crate::comm::launcher::Capacity;
+use crate::comm::process_grid::Axis;
+use crate::comm::process_grid::Grid;
 use crate::config::{Config, DpMode, ModelConfig, Recompute};
 use crate::model::optimizer::Optimizer;
 use crate::model::{Llama, Placement, Stage};
@@ -23,8 +25,6 @@ use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
 use crate::parallel::data_parallel::bucket_values;
 use crate::parallel::pipeline_schedule;
-use crate::parallel::process_grid::Axis;
-use crate::parallel::process_grid::Grid;
 use anyhow::{bail, Result};
 
 /// Bytes per weight kept for training: in mixed precision an fp32 master, its bf16 copy, an fp32

@@ -10,6 +10,7 @@ use crate::checkpoint::hf;
 use crate::checkpoint::save::{self, Resumed};
 use crate::comm::cost::{self, AxisTally, Link};
 use crate::comm::launcher::{Rank, Setup};
+use crate::comm::process_grid::{Axis, Grid};
 use crate::comm::trace::Trace;
 use crate::comm::Group;
 use crate::config::Config;
@@ -19,7 +20,6 @@ use crate::model::{init, Llama, Stage, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::expert_parallel::ExpertParallel;
-use crate::parallel::process_grid::{Axis, Grid};
 use crate::parallel::sequence_parallel::SequenceParallel;
 use crate::parallel::tensor_parallel::TensorParallel;
 use crate::train::memory::{self, Held};
@@ -193,7 +193,7 @@ impl Run {
             resumed_step,
             signal_saves: true,
         };
-        let writes = setup.spread.then(crate::comm::processes::leads).unwrap_or(true); // rank 0 is here
+        let writes = setup.spread.then(crate::comm::wires::processes::leads).unwrap_or(true); // rank 0 is here
         if cfg.checkpoint.every > 0 && !finished && writes {
             checkpoints.take()?; // this run owns checkpoint.dir from now on
         } else if opts.stop_on_signal && !finished && writes {

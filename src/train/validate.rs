@@ -18,11 +18,11 @@
 use crate::checkpoint::hf::build_from;
 use crate::checkpoint::save::{self, Gather};
 use crate::comm::launcher::Rank;
+use crate::comm::process_grid::Axis;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
 use crate::model::{Llama, Stage, Whole};
-use crate::parallel::process_grid::Axis;
 use anyhow::Result;
 use std::collections::HashMap;
 

@@ -7,8 +7,8 @@ mod common;
 
 use anyhow::{bail, Result};
 use ferrotron::comm::launcher::launch;
+use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
-use ferrotron::parallel::process_grid::{Axis, Grid};
 use std::time::Duration;
 
 fn run(_tiny: bool) -> Result<()> {

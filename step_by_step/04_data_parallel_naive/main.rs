@@ -7,12 +7,12 @@ mod common;
 
 use anyhow::Result;
 use ferrotron::comm::launcher::launch;
+use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
 use ferrotron::config::Config;
 use ferrotron::data::Dataset;
 use ferrotron::model::optimizer::{self, Optimizer};
 use ferrotron::model::Llama;
-use ferrotron::parallel::process_grid::{Axis, Grid};
 use std::time::Duration;
 
 /// Trains dp = 2 replicas; returns each rank's losses and a hash of its weights. `average`:

@@ -7,7 +7,7 @@
 mod common;
 
 use anyhow::{Context, Result};
-use ferrotron::comm::processes::{self, from_env};
+use ferrotron::comm::wires::processes::{self, from_env};
 use ferrotron::train::{train, Options};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -132,7 +132,7 @@ fn one_of_two(tiny: bool, out: &Path) -> Result<()> {
     let metrics = (me.index == 0).then_some(metrics.as_path());
     let opts = Options { quiet: true, metrics, ..Default::default() };
     let result = train(&cfg, opts);
-    ferrotron::comm::remote::end(result.is_ok()); // the link to the other process, closed
+    ferrotron::comm::wires::remote::end(result.is_ok()); // the link to the other process, closed
     let losses: Vec<String> = result?.losses.iter().map(|l| l.to_string()).collect();
     std::fs::write(out, format!("{:?}\n{}", me.share(4)?, losses.join(" ")))?;
     Ok(())

@@ -6,6 +6,7 @@
 
 use super::{Cache, Head, HeadCache, Llama};
 use crate::comm::placement::part_of;
+use crate::comm::process_grid::Axis;
 use crate::config::{ModelConfig, Recompute};
 use crate::model::block::{Block, Kept};
 use crate::model::init;
@@ -14,7 +15,6 @@ use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, 
 use crate::model::stage::Stage;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType};
-use crate::parallel::process_grid::Axis;
 use anyhow::Result;
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;

@@ -1,14 +1,14 @@
 //! # The routing ops of a mixture of experts on a GPU
 //!
 //! One method per op of `ops/moe.rs`, launching `kernels/moe.cu` (`cuda/launch_table/moe.rs`);
-//! the experts' GEMMs are the plain linear layers of `cuda/ops.rs`, one cuBLAS call per expert
+//! the experts' GEMMs are the plain linear layers of `ops/gpu.rs`, one cuBLAS call per expert
 //! and product on its contiguous rows. The index lists (each routed row's token, each token's
 //! routed rows) are made on the host from the ids `route` reads back, and uploaded like the
 //! embedding's tokens; the ids, the load-balancing term and the renormalised weights stay f32.
 
 use crate::cuda::device::Device;
 use crate::cuda::launch_table::moe;
-use crate::cuda::ops::addr;
+use crate::ops::gpu::addr;
 use crate::ops::moe::Routing;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::types::DType;

@@ -14,7 +14,7 @@
 //!
 //! Each process takes a contiguous block of world/processes ranks (`share`) and runs them as
 //! threads that meet in its hub (`comm/local.rs`); the hubs of the processes are joined by a
-//! wire (`comm/remote.rs`) — MPI or TCP on the host, and NCCL for GPU tensors.
+//! wire (`comm/wires/remote.rs`) — MPI or TCP on the host, and NCCL for GPU tensors.
 //!
 //! ```text
 //! mpirun -np 2 ferrotron train --set parallel.dp=2 --set parallel.tp=2      world = 4 ranks
@@ -47,9 +47,9 @@ pub struct Processes {
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum WireKind {
-    /// MPI messages (`comm/mpi.rs`, the `mpi` cargo feature).
+    /// MPI messages (`comm/wires/mpi.rs`, the `mpi` cargo feature).
     Mpi,
-    /// TCP links, met through process 0 listening at `MASTER_ADDR:MASTER_PORT` (`comm/tcp.rs`).
+    /// TCP links, met through process 0 listening at `MASTER_ADDR:MASTER_PORT` (`comm/wires/tcp.rs`).
     Tcp { addr: String, port: u16 },
 }
 

@@ -16,7 +16,7 @@
 //!
 //! NCCL needs one *communicator* per process group. Member 0 of the group asks NCCL for a unique
 //! id (128 bytes) and broadcasts it over the hub, which every run has (across processes, the
-//! hubs' bridge carries it, over MPI or TCP: `comm/remote.rs`); then each member joins with its
+//! hubs' bridge carries it, over MPI or TCP: `comm/wires/remote.rs`); then each member joins with its
 //! place in the group. A communicator is used only from its rank's thread.
 //! Errors come back as NCCL's own sentence naming the call and the group; dropping a
 //! communicator never panics (a run that failed must still end cleanly).

@@ -19,9 +19,9 @@
 //! same order). It ends when every process has said it is done, so nothing of it is in flight
 //! when the next one starts or the program ends; notes of a session not yet begun here wait.
 
-use super::local::{Beyond, Hub, MailKey, Note};
 use super::note::{op_into, Message, Reader, ABORT, DONE, FINISHED, HELLO, HOLD, MAIL, PART, RELEASE};
 use super::processes::{self, Deliver, Processes, Wire, WireKind};
+use crate::comm::local::{Beyond, Hub, MailKey, Note};
 use anyhow::{anyhow, bail, Result};
 use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -11,7 +11,7 @@
 //! Every link opens with (magic, index, listening port), so a stray connection is not taken for
 //! a process; a loopback address in the table means "on process 0's host" (`reachable`).
 //! A link carries frames (length, bytes). One reader thread per link hands what arrives to the
-//! bridge (`comm/remote.rs`) and so always drains; one writer thread per link sends what is
+//! bridge (`comm/wires/remote.rs`) and so always drains; one writer thread per link sends what is
 //! queued, so a rank never blocks in `write` on a peer that stopped reading (its wait then times
 //! out, naming that peer). A link that breaks is reported: the peer died.
 //!

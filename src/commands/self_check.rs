@@ -1,7 +1,7 @@
 //! # The CUDA kernels against the CPU reference
 //!
 //! Every op of the op layer, forward and backward, runs twice on the same fresh random inputs
-//! (never zeros): once on the CPU (`ops/cpu.rs`, the reference) and once on the GPU (`cuda/ops.rs`), in
+//! (never zeros): once on the CPU (`ops/cpu.rs`, the reference) and once on the GPU (`ops/gpu.rs`), in
 //! f32 and in mixed precision, for several shapes including odd ones. In bf16 the inputs are
 //! rounded to bf16 first, so the CPU sees exactly what the GPU sees and the comparison measures
 //! the kernel, not the input rounding. Errors are relative to the largest reference value:

@@ -1,6 +1,6 @@
 //! # A note on the wire: what one process tells another
 //!
-//! The bridge (`comm/remote.rs`) carries its notes as bytes, over TCP or MPI: a kind, the session
+//! The bridge (`comm/wires/remote.rs`) carries its notes as bytes, over TCP or MPI: a kind, the session
 //! it belongs to, then its fields, little-endian:
 //!
 //! ```text
@@ -11,7 +11,7 @@
 //! checked against the bytes that are really there before anything is taken or allocated, and a
 //! note that does not read is an error, never a panic.
 
-use super::local::Op;
+use crate::comm::local::Op;
 use crate::ops::types::ReduceOp;
 use anyhow::{anyhow, bail, Result};
 
