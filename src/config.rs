@@ -133,6 +133,10 @@ pub struct ParallelConfig {
     pub pp_virtual_stages: usize,
     /// How context parallelism cuts each sequence: `zigzag` (balanced) or `contiguous`.
     pub cp_split: CpSplit,
+    /// How context parallelism attends across the split: `ring` (keys and values passed around,
+    /// `parallel/context_parallel.rs`) or `ulysses` (an all-to-all to a head split and back,
+    /// `parallel/ulysses.rs`).
+    pub cp_mode: CpMode,
     /// How data-parallel ranks average gradients: `bucketed` (overlapped with backward) or `naive`.
     pub dp_mode: DpMode,
     /// Size of a gradient bucket, in MiB of f32 gradients.
@@ -152,6 +156,13 @@ pub struct ParallelConfig {
 pub enum CpSplit {
     Contiguous,
     Zigzag,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum CpMode {
+    Ring,
+    Ulysses,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]

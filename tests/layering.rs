@@ -79,6 +79,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "parallel::pipeline_schedule",
             "parallel::pipeline_parallel",
             "parallel::context_parallel",
+            "parallel::ulysses",
             "parallel::zero",
             "parallel::fsdp",
             "parallel::expert_parallel",

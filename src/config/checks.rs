@@ -5,7 +5,9 @@
 //! model, the device, and the data source. `Config::load` runs them after the TOML is read.
 
 use super::{table::first_non_finite, MAX_TIMEOUT_S};
-use super::{CommBackend, Config, CpSplit, DataConfig, DeviceDtype, DeviceKind, DpMode, ModelConfig, PpSchedule};
+use super::{
+    CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceDtype, DeviceKind, DpMode, ModelConfig, PpSchedule,
+};
 use anyhow::{bail, Context, Result};
 
 impl ModelConfig {
@@ -143,6 +145,10 @@ impl Config {
         let chunks = if p.cp_split == CpSplit::Zigzag { 2 * p.cp } else { p.cp };
         if p.cp > 1 && !t.seq_len.is_multiple_of(chunks) {
             bail!("train.seq_len = {} does not split into {chunks} equal chunks for parallel.cp = {} (the {:?} split cuts {chunks} chunks): choose a seq_len divisible by {chunks}", t.seq_len, p.cp, p.cp_split);
+        }
+        let heads = self.model.num_attention_heads / p.tp.max(1);
+        if p.cp > 1 && p.cp_mode == CpMode::Ulysses && !heads.is_multiple_of(p.cp) {
+            bail!("parallel.cp_mode = \"ulysses\" with parallel.cp = {}: each tp rank's {heads} attention heads (model.num_attention_heads / parallel.tp) must split evenly over the cp ranks; choose a cp that divides {heads}, or cp_mode = \"ring\"", p.cp);
         }
         if p.pp > self.model.num_hidden_layers {
             bail!(

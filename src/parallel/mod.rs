@@ -5,7 +5,7 @@
 //! across ranks) → `sequence_parallel` (and the rows between the matrices) →
 //! `pipeline_parallel` (layers split into stages; `pipeline_schedule`, the order of a stage's
 //! forwards and backwards) → `context_parallel` (the sequence split,
-//! attention as a ring) → `zero` (data parallelism that shards optimizer state, gradients and
+//! attention as a ring; `ulysses`, or an all-to-all to a head split) → `zero` (data parallelism that shards optimizer state, gradients and
 //! weights: ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their chunks) → `expert_parallel` (a mixture of experts' experts divided among
 //! ranks, tokens travelling to them by all-to-all). The model (`model/`) knows none of them: it
 //! asks its `TensorSplit`, `SequenceSplit`, `WeightSplit` and `ExpertSplit` (`model/split.rs`)
@@ -20,4 +20,5 @@ pub mod pipeline_parallel;
 pub mod pipeline_schedule;
 pub mod sequence_parallel;
 pub mod tensor_parallel;
+pub mod ulysses;
 pub mod zero;

@@ -13,7 +13,7 @@ use crate::comm::launcher::{Rank, Setup};
 use crate::comm::process_grid::{Axis, Grid};
 use crate::comm::trace::Trace;
 use crate::comm::Group;
-use crate::config::Config;
+use crate::config::{Config, CpMode};
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
 use crate::model::{init, Llama, Stage, TensorSplit};
@@ -22,6 +22,7 @@ use crate::parallel::context_parallel::Ring;
 use crate::parallel::expert_parallel::ExpertParallel;
 use crate::parallel::sequence_parallel::SequenceParallel;
 use crate::parallel::tensor_parallel::TensorParallel;
+use crate::parallel::ulysses::Ulysses;
 use crate::train::memory::{self, Held};
 use anyhow::{Context, Result};
 use std::collections::HashMap;
@@ -409,7 +410,11 @@ impl Start<'_> {
         }
         let cp = me.group(Axis::Cp);
         if cp.size() > 1 {
-            model = model.with_sequence_split(Box::new(Ring { group: cp, split: cfg.parallel.cp_split }));
+            let split = cfg.parallel.cp_split;
+            model = match cfg.parallel.cp_mode {
+                CpMode::Ring => model.with_sequence_split(Box::new(Ring { group: cp, split })),
+                CpMode::Ulysses => model.with_sequence_split(Box::new(Ulysses { group: cp, split })),
+            };
         }
         // on a GPU, the weights move there once; the training step is the same code
         model.to_place(&Place::for_rank(me.gpu.as_ref(), cfg.device.compute_dtype())?);
