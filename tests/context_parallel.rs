@@ -5,16 +5,16 @@
 
 mod common;
 
+use ferrotron::comm::cost::Call;
 use ferrotron::comm::launcher::launch;
 use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::commands::converge::{self, parse_variants};
-use ferrotron::comm::cost::Call;
 use ferrotron::config::{Config, CpSplit};
 use ferrotron::model::SequenceSplit;
-use ferrotron::parallel::ulysses::Ulysses;
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::{self, Attn};
 use ferrotron::parallel::context_parallel::{self as cp, Ring};
+use ferrotron::parallel::ulysses::Ulysses;
 use ferrotron::train::{train_all, Options};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;

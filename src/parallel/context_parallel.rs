@@ -20,7 +20,9 @@
 //! so every rank attends to every block with the same amount of work. RoPE and the causal mask
 //! use the global positions either way.
 //!
-//! This is the model's `SequenceSplit` (`model/split.rs`): the block's attention calls it.
+//! This is the model's `SequenceSplit` (`model/split.rs`): the block's attention calls it. The
+//! other answer to the same question is `ulysses.rs`: an all-to-all to a head split, and
+//! attention on whole sequences (`parallel.cp_mode`).
 
 use crate::comm::Group;
 use crate::config::CpSplit;
