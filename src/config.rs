@@ -144,6 +144,10 @@ pub struct ParallelConfig {
     /// What the dp×cp ranks shard instead of replicating (`parallel/zero.rs`): 0 nothing, 1 the
     /// optimizer state, 2 also the gradients, 3 also the weights (FSDP).
     pub zero_stage: usize,
+    /// Hybrid sharding (HSDP): ZeRO shards within groups of `dp_shard` dp replicas and the groups
+    /// replicate each other (gradients reduce-scattered inside a group, all-reduced across);
+    /// 0: all of dp (plain ZeRO).
+    pub dp_shard: usize,
     /// How GPU tensors travel between ranks: `auto` (NCCL when each rank has its own GPU), `local`
     /// (through host memory) or `nccl` (on the device, `comm/tensors.rs`).
     pub backend: CommBackend,

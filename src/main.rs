@@ -118,6 +118,9 @@ struct GridArgs {
     /// Expert-parallel ranks, carved out of the dp×cp ranks.
     #[arg(long, default_value_t = 1)]
     ep: usize,
+    /// Hybrid sharding: the dp replicas of each ZeRO shard group (0: all of dp).
+    #[arg(long, default_value_t = 0)]
+    dp_shard: usize,
 }
 
 #[derive(Args)]
@@ -321,8 +324,8 @@ fn schedule_command(
     Ok(Exit::Done)
 }
 
-fn grid_command(GridArgs { dp, pp, cp, tp, ep }: GridArgs) -> Result<Exit> {
-    let grid = Grid::new(dp, pp, cp, tp)?.with_ep(ep)?;
+fn grid_command(GridArgs { dp, pp, cp, tp, ep, dp_shard }: GridArgs) -> Result<Exit> {
+    let grid = Grid::new(dp, pp, cp, tp)?.with_ep(ep)?.with_dp_shard(dp_shard)?;
     say!("{}", grid.table().trim_end());
     launcher::check_groups(grid)?;
     say!(

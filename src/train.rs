@@ -88,7 +88,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
     // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of the
     // weights (3); an expert, 1/(its expert-data ranks)
     let p = &cfg.parallel;
-    let (stage, sharding) = (p.zero_stage, zero::Sharding::new(p.zero_stage, dp, edp));
+    // hybrid sharding (`parallel.dp_shard`): ZeRO within the shard groups, replicated across them
+    let dense = if me.grid.hybrid() { Axis::Shard } else { Axis::DpCp };
+    let (stage, sharding) = (p.zero_stage, zero::Sharding::new(p.zero_stage, (dense, me.group(dense)), edp));
     if sharding.any() {
         model = zero::shard(model, &mut optimizer, sharding, stage);
     }

@@ -58,3 +58,28 @@ fn zero_degree_is_an_error() {
     let e = Grid::new(2, 0, 1, 1).unwrap_err().to_string();
     assert!(e.contains("parallel.pp = 0"), "{e}");
 }
+
+#[test]
+fn hybrid_sharding_cuts_dp_cp_into_shard_and_replicate_groups() {
+    // dp 4 × cp 2, shard groups of 2 dp replicas with their cp ranks
+    let g = Grid::new(4, 1, 2, 1).unwrap().with_dp_shard(2).unwrap();
+    assert!(g.hybrid());
+    assert_eq!(g.group(0, Axis::Shard), [0, 1, 2, 3]);
+    assert_eq!(g.group(5, Axis::Shard), [4, 5, 6, 7]);
+    assert_eq!(g.group(0, Axis::Replicate), [0, 4]);
+    assert_eq!(g.group(3, Axis::Replicate), [3, 7]);
+    // a rank's chunk is found once in each replicate group's shard group
+    for r in 0..g.world_size() {
+        let (shard, replicate) = (g.group(r, Axis::Shard), g.group(r, Axis::Replicate));
+        assert_eq!(shard.len() * replicate.len(), g.group(r, Axis::DpCp).len());
+        assert_eq!(shard.iter().filter(|s| replicate.contains(s)).count(), 1);
+    }
+    let table = g.table();
+    assert!(table.contains("shard groups (ZeRO's chunks): {0,1,2,3} {4,5,6,7}"), "{table}");
+    assert!(table.contains("replicate groups (same chunks): {0,4} {1,5} {2,6} {3,7}"), "{table}");
+    // 0 is all of dp; a size that does not divide dp is named
+    assert!(!Grid::new(4, 1, 1, 1).unwrap().with_dp_shard(0).unwrap().hybrid());
+    let e = Grid::new(4, 1, 1, 1).unwrap().with_dp_shard(3).unwrap_err().to_string();
+    assert!(e.contains("parallel.dp_shard = 3 does not divide parallel.dp = 4"), "{e}");
+    ferrotron::comm::launcher::check_groups(g).unwrap(); // the collectives agree with the grid
+}

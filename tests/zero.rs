@@ -1,8 +1,8 @@
 //! ZeRO-1, 2 and 3 (FSDP): every stage reproduces the single-rank curve at dp 2, 3 (chunks
-//! padded) and 4, with accumulation, and composed with tp, pp and cp; a checkpoint saved at one
-//! stage resumes at another stage and layout on the uninterrupted curve; each stage holds the
-//! share it promises, measured from the tensors, and `ferrotron memory`'s estimate follows the
-//! measured peak.
+//! padded) and 4, with accumulation, and composed with tp, pp and cp; so does hybrid sharding
+//! (HSDP, `parallel.dp_shard`); a checkpoint saved at one stage (or hybrid) resumes at another
+//! stage and layout on the uninterrupted curve; each stage holds the share it promises, measured
+//! from the tensors, and `ferrotron memory`'s estimate follows the measured peak.
 
 mod common;
 
@@ -48,6 +48,46 @@ fn zero_composes_with_tp_pp_and_cp() {
          dp=2,pp=2,zero_stage=3,grad_accum_steps=3,pp_schedule=afab;dp=2,cp=2,zero_stage=2;\
          dp=2,tp=2,pp=2,zero_stage=1,grad_accum_steps=2",
     );
+}
+
+#[test]
+fn hybrid_sharding_follows_the_single_rank_curve() {
+    follow_the_single_rank_curve(
+        "dp=4,dp_shard=2,zero_stage=1;dp=4,dp_shard=2,zero_stage=2;dp=4,dp_shard=2,zero_stage=3;\
+         dp=4,dp_shard=1,zero_stage=3;dp=2,dp_shard=1,cp=2,zero_stage=3,grad_accum_steps=2;\
+         dp=2,cp=2,dp_shard=1,zero_stage=3;dp=2,tp=2,pp=2,dp_shard=1,zero_stage=2,grad_accum_steps=2",
+    );
+}
+
+#[test]
+fn hybrid_sharding_holds_a_shard_group_s_share_and_its_checkpoint_resumes_anywhere() {
+    let (plain, hybrid) = (measured(3, &[]).0.held, measured(3, &["parallel.dp_shard=2"]).0.held);
+    // 1/2 instead of 1/4 of the optimizer state and of the masters
+    assert!(close(hybrid.optimizer, plain.optimizer as f64 * 2.0, 0.01), "{hybrid:?} vs {plain:?}");
+    assert!(close(hybrid.weights, plain.weights as f64 * 2.0, 0.01), "{hybrid:?} vs {plain:?}");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("hsdp");
+    let hsdp = ["parallel.dp=4", "parallel.dp_shard=2", "parallel.zero_stage=3", "train.micro_batch_size=3"];
+    let uninterrupted = run(&dir, &[&hsdp[..], &["checkpoint.every=4"]].concat(), None);
+    for (label, layout) in [
+        ("one rank", &["train.micro_batch_size=12"][..]),
+        ("FSDP at dp 2", &["parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=6"]),
+        ("hybrid again", &hsdp[..]),
+    ] {
+        let resumed = run(&tmp.path().join(label.replace(' ', "_")), layout, Some(&dir.join("step_000004")));
+        for (step, (a, b)) in resumed.iter().zip(&uninterrupted[4..]).enumerate() {
+            assert!((a - b).abs() < 1e-4, "{label}, step {}: {a} vs {b}", step + 4);
+        }
+    }
+}
+
+#[test]
+fn hybrid_sharding_settings_that_cannot_be_are_named() {
+    let err = |extra: &[&str]| format!("{:#}", Config::load(None, &sets(extra)).unwrap_err());
+    let e = err(&["parallel.dp=4", "parallel.dp_shard=3", "parallel.zero_stage=3"]);
+    assert!(e.contains("parallel.dp_shard = 3 does not divide parallel.dp = 4"), "{e}");
+    let e = err(&["parallel.dp=4", "parallel.dp_shard=2"]);
+    assert!(e.contains("parallel.dp_shard = 2 with parallel.zero_stage = 0"), "{e}");
 }
 
 fn run(dir: &Path, extra: &[&str], resume: Option<&Path>) -> Vec<f32> {
@@ -165,6 +205,7 @@ fn the_memory_estimate_is_within_ten_percent_of_the_measured_peak_for_every_layo
         "parallel.dp=2,parallel.zero_stage=3,parallel.bucket_mb=0.05",
         "parallel.dp=2,parallel.tp=2,parallel.pp=2,parallel.zero_stage=3",
         "parallel.dp=2,parallel.cp=2,parallel.zero_stage=2",
+        "parallel.dp=4,parallel.dp_shard=2,parallel.zero_stage=3",
     ] {
         let sets: Vec<String> = base.iter().map(|s| s.to_string()).chain(layout.split(',').map(String::from)).collect();
         let cfg = Config::load(None, &sets).unwrap();

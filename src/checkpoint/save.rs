@@ -113,8 +113,10 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
             flush(&mut experts, &mut emit)?;
         }
         for (which, t) in [value, m, v].into_iter().enumerate().take(kinds) {
-            // under ZeRO every rank of its replicas' axis holds a chunk (dp×cp; an expert's, edp)
-            let unsharded = zero::whole(me.group(p.replicas), p, t)?;
+            // under ZeRO every rank of its chunk's axis holds a chunk (dp×cp, or the shard group
+            // under hybrid sharding; an expert's, edp)
+            let axis = p.zero.as_ref().map_or(p.replicas, |z| z.axis);
+            let unsharded = zero::whole(me.group(axis), p, t)?;
             if !(first_replica || spread && first_ep_group) {
                 continue;
             }

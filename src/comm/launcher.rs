@@ -158,7 +158,11 @@ impl Rank {
     /// This rank's group along `axis`. Without expert parallelism the expert-data group is the
     /// dp×cp group itself (the same ranks: no second communicator for them).
     pub fn group(&self, axis: Axis) -> &Group {
-        let axis = if axis == Axis::ExpertDp && self.grid.ep == 1 { Axis::DpCp } else { axis };
+        let axis = match axis {
+            Axis::ExpertDp if self.grid.ep == 1 => Axis::DpCp,
+            Axis::Shard if !self.grid.hybrid() => Axis::DpCp, // ZeRO shards over all of dp×cp
+            axis => axis,
+        };
         &self.groups.iter().find(|(a, _)| *a == axis).expect("every axis has a group").1
     }
 
@@ -250,7 +254,12 @@ fn run_rank<R>(
     let (stream, comm_thread) = Stream::start();
     let groups = Axis::ALL
         .iter()
-        .filter(|&&axis| axis != Axis::ExpertDp || grid.ep > 1) // else the dp×cp group (`Rank::group`)
+        // else the dp×cp group (`Rank::group`); the replicate group only under hybrid sharding
+        .filter(|&&axis| match axis {
+            Axis::ExpertDp => grid.ep > 1,
+            Axis::Shard | Axis::Replicate => grid.hybrid(),
+            _ => true,
+        })
         .map(|&axis| {
             let members = grid.group(rank, axis);
             let list: Vec<String> = members.iter().map(|r| r.to_string()).collect();
@@ -307,7 +316,7 @@ fn open_devices(me: &mut Rank, setup: &Setup) -> Result<()> {
 /// members `process_grid` says: the grid and the collectives agree. Used by `ferrotron grid`.
 pub fn check_groups(grid: Grid) -> Result<()> {
     launch(grid, Duration::from_secs(30), |me| {
-        for axis in Axis::ALL {
+        for axis in Axis::ALL.into_iter().filter(|&a| a != Axis::Replicate || grid.hybrid()) {
             let got = me.group(axis).all_gather(&[me.rank as f32])?;
             let want: Vec<f32> = grid.group(me.rank, axis).iter().map(|&r| r as f32).collect();
             if got != want {

@@ -24,6 +24,14 @@
 //! ```text
 //! dp=4 cp=1 ep=2:   dp×cp {0 1 2 3}   ep groups {0 1} {2 3}   expert-data groups {0 2} {1 3}
 //! ```
+//!
+//! Hybrid sharding (HSDP) cuts the dp×cp group in two the other way: ZeRO shards within groups of
+//! `dp_shard` data-parallel replicas (with all their cp ranks: the shard group) and the groups
+//! replicate each other (the replicate group: the ranks with the same place in their shard group):
+//!
+//! ```text
+//! dp=4 cp=1 dp_shard=2:   dp×cp {0 1 2 3}   shard groups {0 1} {2 3}   replicate groups {0 2} {1 3}
+//! ```
 
 use anyhow::{bail, Result};
 use std::fmt::Write;
@@ -36,6 +44,8 @@ pub struct Grid {
     pub tp: usize,
     /// Expert-parallel ranks, of the dp×cp ranks (`with_ep`); 1 without.
     pub ep: usize,
+    /// Hybrid sharding: the dp replicas of each shard group (`with_dp_shard`); dp without.
+    pub dp_shard: usize,
 }
 
 /// A rank's position along each axis.
@@ -63,13 +73,27 @@ pub enum Axis {
     Ep,
     /// The ranks of a dp×cp group that hold the same experts: their gradients' average.
     ExpertDp,
+    /// Hybrid sharding: the ranks of a dp×cp group among which ZeRO shards (dp_shard × cp).
+    Shard,
+    /// Hybrid sharding: the ranks of a dp×cp group holding the same chunks (dp / dp_shard).
+    Replicate,
     /// Every rank.
     World,
 }
 
 impl Axis {
-    pub const ALL: [Axis; 8] =
-        [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp, Axis::DpCp, Axis::Ep, Axis::ExpertDp, Axis::World];
+    pub const ALL: [Axis; 10] = [
+        Axis::Tp,
+        Axis::Cp,
+        Axis::Pp,
+        Axis::Dp,
+        Axis::DpCp,
+        Axis::Ep,
+        Axis::ExpertDp,
+        Axis::Shard,
+        Axis::Replicate,
+        Axis::World,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -80,6 +104,8 @@ impl Axis {
             Axis::DpCp => "dp×cp",
             Axis::Ep => "ep",
             Axis::ExpertDp => "edp",
+            Axis::Shard => "shard",
+            Axis::Replicate => "replicate",
             Axis::World => "world",
         }
     }
@@ -94,7 +120,7 @@ impl Grid {
         }
         let world = [dp, pp, cp].iter().try_fold(tp, |w, &d| w.checked_mul(d));
         match world {
-            Some(w) if w <= MAX_RANKS => Ok(Grid { dp, pp, cp, tp, ep: 1 }),
+            Some(w) if w <= MAX_RANKS => Ok(Grid { dp, pp, cp, tp, ep: 1, dp_shard: dp }),
             _ => bail!(
                 "dp × pp × cp × tp = {dp} × {pp} × {cp} × {tp} ranks: every rank runs as a thread of this process, at most {MAX_RANKS}; choose smaller degrees"
             ),
@@ -107,6 +133,20 @@ impl Grid {
             bail!("parallel.ep = {ep} does not divide dp × cp = {}: the expert-parallel ranks are carved out of the dp×cp ranks", self.dp * self.cp);
         }
         Ok(Grid { ep, ..self })
+    }
+
+    /// The same grid with ZeRO sharding within groups of `dp_shard` dp replicas (0: all of dp).
+    pub fn with_dp_shard(self, dp_shard: usize) -> Result<Grid> {
+        let dp_shard = if dp_shard == 0 { self.dp } else { dp_shard };
+        if !self.dp.is_multiple_of(dp_shard) {
+            bail!("parallel.dp_shard = {dp_shard} does not divide parallel.dp = {}: hybrid sharding cuts the dp replicas into equal shard groups", self.dp);
+        }
+        Ok(Grid { dp_shard, ..self })
+    }
+
+    /// Is ZeRO hybrid: sharded within groups and replicated across them?
+    pub fn hybrid(&self) -> bool {
+        self.dp_shard < self.dp
     }
 
     pub fn world_size(&self) -> usize {
@@ -138,6 +178,8 @@ impl Grid {
             Axis::DpCp => (c.pp, c.tp) == (me.pp, me.tp),
             Axis::Ep => (c.pp, c.tp, expert(c) / self.ep) == (me.pp, me.tp, expert(me) / self.ep),
             Axis::ExpertDp => (c.pp, c.tp, expert(c) % self.ep) == (me.pp, me.tp, expert(me) % self.ep),
+            Axis::Shard => (c.pp, c.tp, c.dp / self.dp_shard) == (me.pp, me.tp, me.dp / self.dp_shard),
+            Axis::Replicate => (c.pp, c.tp, c.cp, c.dp % self.dp_shard) == (me.pp, me.tp, me.cp, me.dp % self.dp_shard),
             Axis::World => true,
         };
         (0..self.world_size()).filter(|&r| same(self.coords(r))).collect()
@@ -202,16 +244,23 @@ impl Grid {
                 format!("{}/{}", opt(prev), opt(next)),
             );
         }
+        let mut carved = Vec::new();
         if self.ep > 1 {
-            for (axis, what) in
-                [(Axis::Ep, "ep groups (divide the experts)"), (Axis::ExpertDp, "expert-data groups (same experts)")]
-            {
+            carved.push((Axis::Ep, format!("ep={}: ep groups (divide the experts)", self.ep)));
+            carved.push((Axis::ExpertDp, format!("ep={}: expert-data groups (same experts)", self.ep)));
+        }
+        if self.hybrid() {
+            carved.push((Axis::Shard, format!("dp_shard={}: shard groups (ZeRO's chunks)", self.dp_shard)));
+            carved.push((Axis::Replicate, format!("dp_shard={}: replicate groups (same chunks)", self.dp_shard)));
+        }
+        {
+            for (axis, what) in carved {
                 let mut groups: Vec<Vec<usize>> = (0..self.world_size()).map(|r| self.group(r, axis)).collect();
                 groups.dedup();
                 groups.sort();
                 groups.dedup();
                 let listed: Vec<String> = groups.iter().map(|g| format!("{{{}}}", list(g))).collect();
-                let _ = writeln!(out, "ep={}: {what}: {}", self.ep, listed.join(" "));
+                let _ = writeln!(out, "{what}: {}", listed.join(" "));
             }
         }
         out

@@ -214,6 +214,17 @@ impl Config {
         if p.zero_stage > 3 {
             bail!("parallel.zero_stage = {}: it must be 0 (replicas), 1 (optimizer state sharded), 2 (and gradients) or 3 (and weights: FSDP)", p.zero_stage);
         }
+        if p.dp_shard > 0 && p.dp_shard != p.dp {
+            if !p.dp.is_multiple_of(p.dp_shard) {
+                bail!("parallel.dp_shard = {} does not divide parallel.dp = {}: hybrid sharding cuts the dp replicas into equal shard groups; choose a divisor of dp, or 0 (all of dp)", p.dp_shard, p.dp);
+            }
+            if p.zero_stage == 0 {
+                bail!("parallel.dp_shard = {} with parallel.zero_stage = 0: hybrid sharding shards ZeRO's state within groups of dp_shard replicas; set zero_stage = 1, 2 or 3, or dp_shard = 0", p.dp_shard);
+            }
+            if p.ep > 1 {
+                bail!("parallel.dp_shard = {} with parallel.ep = {}: hybrid sharding of a mixture of experts is not built (its experts are sharded over the expert-data ranks); set dp_shard = 0 or ep = 1", p.dp_shard, p.ep);
+            }
+        }
         if p.zero_stage > 0 && p.dp_mode == DpMode::Naive {
             bail!("parallel.dp_mode = \"naive\" with parallel.zero_stage = {}: ZeRO reduce-scatters gradients in buckets; set dp_mode = \"bucketed\" or zero_stage = 0", p.zero_stage);
         }

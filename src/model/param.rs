@@ -38,6 +38,9 @@ pub struct Param {
 /// This rank's chunk of a parameter sharded over its replicas: the flat values
 /// `[index · len, (index + 1) · len)` of the (zero-padded) tensor.
 pub struct ZeroChunk {
+    /// The axis whose ranks hold the other chunks: its replicas' axis, or under hybrid sharding
+    /// the shard axis.
+    pub axis: Axis,
     /// The fp32 master values of the chunk: what AdamW updates.
     pub master: Tensor,
     /// Their gradient, averaged over the data-parallel ranks (reduce-scattered); present from the
@@ -59,7 +62,7 @@ impl Param {
     pub fn placement(&self, axis: Axis) -> Placement {
         match axis {
             Axis::Tp => self.tp,
-            a if a == self.replicas && self.zero.is_some() => Placement::Shard(0),
+            a if self.zero.as_ref().is_some_and(|z| z.axis == a) => Placement::Shard(0),
             Axis::Ep if self.is_expert() => Placement::Shard(0),
             _ => Placement::Replicate,
         }

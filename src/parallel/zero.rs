@@ -52,6 +52,15 @@
 //! checkpoint's tensors by name, resuming into any layout. The price is a copy in and out of a
 //! flat buffer around each collective (`pack`, `unpack`), as FSDP2 pays.
 //!
+//! **Hybrid sharding (HSDP).** Sharding over every dp rank makes each gather and reduce-scatter
+//! span the whole dp×cp group, across nodes. `parallel.dp_shard` shards within groups of that
+//! many dp replicas (with their cp ranks: the shard group, `Axis::Shard`, inside a node) and
+//! replicates across the groups (`Axis::Replicate`): on a 2-D mesh a master is `Shard(0)` on the
+//! shard axis and `Replicate` on the replicate axis. Its gradient is reduce-scattered inside the
+//! shard group, then each rank's chunk all-reduced across the replicate group (`Partial(avg)` →
+//! `Replicate`, once per step); the gathers never leave the shard group. Each rank holds 1/dp_shard
+//! of the state instead of 1/dp: memory traded for cheaper collectives.
+//!
 //! **Experts.** With expert parallelism (`expert_parallel.rs`) the experts are not replicated
 //! over the dp×cp ranks but over the expert-data group (dp×cp / ep ranks): their replicas' axis
 //! (`Param::replicas`), the group that shards them (`Sharding`); alone in it, a rank keeps its
@@ -85,20 +94,31 @@ pub fn real(n: usize, c: usize, r: usize) -> usize {
     n.saturating_sub(r * c).min(c)
 }
 
-/// Which ranks shard a parameter, by its replicas' axis: dp×cp, or for an expert the
-/// expert-data group; `None`: kept whole (ZeRO off, or a group of one).
+/// Which ranks shard a parameter, by its replicas' axis: dp×cp (under hybrid sharding, its
+/// shard groups), or for an expert the expert-data group; `None`: kept whole (ZeRO off, or a
+/// group of one).
 #[derive(Clone, Copy)]
 pub struct Sharding<'g> {
     pub dense: Option<&'g Group>,
     pub experts: Option<&'g Group>,
+    /// The axis of `dense`: dp×cp, or the shard axis under hybrid sharding.
+    pub dense_axis: Axis,
 }
 
 impl<'g> Sharding<'g> {
-    /// ZeRO over `dense` (the dp×cp ranks) and `experts` (the expert-data ranks), each when it
-    /// has more than one rank and `stage` > 0.
-    pub fn new(stage: usize, dense: &'g Group, experts: &'g Group) -> Sharding<'g> {
+    /// ZeRO over `dense` (the dp×cp ranks, or the shard group on `dense_axis`) and `experts` (the
+    /// expert-data ranks), each when it has more than one rank and `stage` > 0.
+    pub fn new(stage: usize, (dense_axis, dense): (Axis, &'g Group), experts: &'g Group) -> Sharding<'g> {
         let on = |g: &'g Group| (stage > 0 && g.size() > 1).then_some(g);
-        Sharding { dense: on(dense), experts: on(experts) }
+        Sharding { dense: on(dense), experts: on(experts), dense_axis }
+    }
+
+    /// The axis whose group shards `p`.
+    pub fn axis_of(&self, p: &Param) -> Axis {
+        match p.replicas {
+            Axis::ExpertDp => Axis::ExpertDp,
+            _ => self.dense_axis,
+        }
     }
 
     /// The group sharding the parameters replicated over `axis`, if any.
@@ -137,7 +157,8 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Shar
         let mine = |t: &Tensor| slice_of(t, &[n], 0, (group.index(), group.size()));
         moments.push((mine(m), mine(v)));
         let grad = Tensor::zeros(&[0]); // the averaged chunk, made by each step's reduce-scatters
-        p.zero = Some(ZeroChunk { master: mine(&master), grad, shape: p.value.shape().to_vec() });
+        let axis = sharding.axis_of(p);
+        p.zero = Some(ZeroChunk { axis, master: mine(&master), grad, shape: p.value.shape().to_vec() });
         p.value = match stage {
             3 => Tensor::zeros(&[0]),                   // gathered before each use
             _ => ops::convert(&p.value, place.dtype()), // the compute copy alone (no master)
@@ -179,6 +200,8 @@ pub struct ZeroBuckets<'g> {
     in_flight: VecDeque<usize>,
     /// A collective that failed while backward ran, reported by `finish`.
     failed: Option<anyhow::Error>,
+    /// Hybrid sharding: the ranks holding the same chunks, which average them once per step.
+    replicas: Option<&'g Group>,
 }
 
 /// ZeRO keeps at most this many reduce-scatters in flight: each holds its bucket's full-size
@@ -189,7 +212,13 @@ impl<'g> ZeroBuckets<'g> {
     /// Plans the buckets of `params` (in model order, with their model chunks) sharded over
     /// `group` at `stage` 1–3: a member takes one chunk per rank, so a bucket of `bucket_mb`
     /// holds 1/ranks of what a data-parallel one does, per rank.
-    pub fn new(group: &'g Group, params: (&[&Param], &[usize]), bucket_mb: f64, stage: usize) -> ZeroBuckets<'g> {
+    /// Under hybrid sharding, `replicas` is the replicate group.
+    pub fn new(
+        (group, replicas): (&'g Group, Option<&'g Group>),
+        params: (&[&Param], &[usize]),
+        bucket_mb: f64,
+        stage: usize,
+    ) -> ZeroBuckets<'g> {
         let ranks = group.size();
         let room = (bucket_values(bucket_mb) / ranks).max(1);
         let (plans, place) = plan_buckets(params, |p| chunk(p.shape().iter().product(), ranks), room);
@@ -206,7 +235,7 @@ impl<'g> ZeroBuckets<'g> {
                 closes: plan.closes,
             })
             .collect();
-        ZeroBuckets { group, stage, buckets, place, in_flight: VecDeque::new(), failed: None }
+        ZeroBuckets { group, stage, buckets, place, in_flight: VecDeque::new(), failed: None, replicas }
     }
 }
 
@@ -262,7 +291,12 @@ impl GradReduce for ZeroBuckets<'_> {
         self.in_flight.clear(); // every bucket is settled below
         for bucket in &mut self.buckets {
             settle(bucket)?;
-            let sums = bucket.sums.take().expect("every bucket was reduce-scattered in the step");
+            let mut sums = bucket.sums.take().expect("every bucket was reduce-scattered in the step");
+            if let Some(replicas) = self.replicas {
+                // hybrid: each shard group averaged its own data; now the mean over all of them
+                let n = sums.numel();
+                sums = redistribute(sums, &[n], AFTER_BACKWARD, Placement::Replicate, replicas)?;
+            }
             for &(member, offset) in &bucket.members {
                 let chunk = params[member].zero.as_mut().expect("ZeRO shards every parameter");
                 let c = chunk.master.numel();

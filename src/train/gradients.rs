@@ -47,7 +47,12 @@ impl<'g> Gradients<'g> {
             );
             let list = (&list.0[..], &list.1[..]);
             let reducer: Box<dyn GradReduce> = match sharding.on(axis) {
-                Some(group) => Box::new(ZeroBuckets::new(group, list, p.bucket_mb, p.zero_stage)),
+                Some(group) => {
+                    // hybrid sharding: the dense chunks are averaged across the replicate group too
+                    let hybrid = axis == Axis::DpCp && me.grid.hybrid();
+                    let replicas = hybrid.then(|| me.group(Axis::Replicate));
+                    Box::new(ZeroBuckets::new((group, replicas), list, p.bucket_mb, p.zero_stage))
+                }
                 None => Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb)),
             };
             reducers.push((axis, reducer));

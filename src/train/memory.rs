@@ -162,7 +162,7 @@ pub struct RankMemory {
 /// pipeline stage decides.
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
-    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?;
+    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?.with_dp_shard(p.dp_shard)?;
     let stages: Vec<RankMemory> =
         (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp, chunks: p.pp_virtual_stages })).collect();
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
@@ -202,7 +202,8 @@ fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize) -> (
 fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let (t, p, dtype) = (&cfg.train, &cfg.parallel, cfg.device.compute_dtype());
     let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 }; // bytes of a compute copy
-    let z = p.dp * p.cp; // the ranks that share the replicated state
+                                                          // the ranks that share the replicated state: all of dp×cp, or a shard group's (hybrid)
+    let z = if p.dp_shard == 0 { p.dp } else { p.dp_shard } * p.cp;
     let zero = if z > 1 { p.zero_stage } else { 0 };
     let (whole, chunks, unit, any_unit) = sizes(&cfg.model, (p.tp, p.ep), stage, z);
     // the values of one bucket

@@ -159,7 +159,7 @@ impl Run {
     /// and every output before anything big is built; opens the data; prints what will run.
     pub(super) fn prepare(cfg: &Config, opts: Options) -> Result<Run> {
         let (t, p) = (&cfg.train, &cfg.parallel);
-        let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?;
+        let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?.with_dp_shard(p.dp_shard)?;
         let setup = Setup::from_config(cfg, !opts.one_process)?;
         let full_weights = memory::weights_per_rank(&cfg.model, 1, 1) * 4.0;
         let loaded = match (opts.resume, cfg.model.init_from.is_empty()) {

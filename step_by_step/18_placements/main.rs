@@ -175,7 +175,7 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
             worst = worst.max(max_diff(&got, want));
         }
         // ZeRO: the master weights become Shard(0) of each one's flat values
-        let model = zero::shard(model, &mut optimizer, Sharding::new(1, group, group), 1);
+        let model = zero::shard(model, &mut optimizer, Sharding::new(1, (Axis::DpCp, group), group), 1);
         let chunks = model.params().iter().zip(&values).all(|(p, d)| {
             let mine = part_of(&d.clone().with_shape(&[d.numel()]), p.placement(Axis::DpCp), (group.index(), 2));
             p.placement(Axis::DpCp) == Placement::Shard(0)
