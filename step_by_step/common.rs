@@ -69,7 +69,8 @@ fn one_device(cfg: &Config, nudge_weights: bool) -> Result<Vec<f32>> {
     one.train.micro_batch_size *= cfg.train.grad_accum_steps * cfg.parallel.dp;
     one.train.grad_accum_steps = 1;
     (one.parallel.dp, one.parallel.tp, one.parallel.pp, one.parallel.cp, one.parallel.ep) = (1, 1, 1, 1, 1);
-    // what only makes sense split: sequence parallelism (tp > 1), model chunks (pp > 1)
+    one.parallel.dp_shard = 0; // one rank shards nothing
+                               // what only makes sense split: sequence parallelism (tp > 1), model chunks (pp > 1)
     (one.parallel.sequence_parallel, one.parallel.pp_virtual_stages) = (false, 1);
     one.parallel.pp_schedule = ferrotron::config::PpSchedule::OneFOneB;
     Ok(train::train(&one, Options { quiet: true, nudge_weights, ..Default::default() })?.losses)
