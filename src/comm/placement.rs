@@ -119,7 +119,7 @@ impl Move {
 }
 
 /// The shape one rank holds of a tensor whose whole shape is `shape`, placed so over `n` ranks.
-pub fn local_shape(shape: &[usize], placement: Placement, n: usize) -> Vec<usize> {
+fn local_shape(shape: &[usize], placement: Placement, n: usize) -> Vec<usize> {
     let mut local = shape.to_vec();
     if let Placement::Shard(d) = placement {
         local[d] = shape[d].div_ceil(n);
@@ -178,7 +178,7 @@ fn rank_major(whole: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
 
 /// The whole tensor of `shape` from every rank's slice along `d`, one after another (what an
 /// all-gather returns): the inverse of `rank_major`, without the padding.
-pub fn assemble(stacked: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
+fn assemble(stacked: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
     let (a, s, b) = around(shape, d);
     let ld = s.div_ceil(n);
     if a == 1 {

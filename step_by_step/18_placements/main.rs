@@ -83,7 +83,11 @@ fn every_move(cfg: &Config) -> Result<()> {
         println!("{:<14}{:<14}{name:<42}{b:>8}{sends:>12.0}", format!("{from:?}"), format!("{to:?}"));
     }
     let detail = format!("{} moves, max |Δ| {worst:.1e} on every rank", rows[0].len());
-    common::claim("every move gives each rank its placement of the dense value", worst == 0.0, &detail)
+    common::claim("every move gives each rank its placement of the dense value", worst == 0.0, &detail)?;
+    // and a local step sends nothing, a collective something
+    let honest =
+        rows[0].iter().all(|&(from, to, (b, _), _)| Move::between(from, to).is_ok_and(|m| m.communicates() == (b > 0)));
+    common::claim("the local moves send no byte, the collectives do", honest, "by the group's ledger")
 }
 
 /// The table of part 2: each parallelism's weights, activations and gradients, in placements.
