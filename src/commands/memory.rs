@@ -66,9 +66,11 @@ pub fn table(cfg: &Config, ranks: &[RankMemory]) -> String {
         p.zero_stage,
         format!("{:?}", cfg.train.recompute).to_lowercase()
     );
-    s += "  weights      tp and pp split them; zero_stage 3 keeps 1/(dp·cp) plus the unit in use\n";
-    s += "  grads        tp and pp split them; zero_stage 2 keeps 1/(dp·cp) plus the layer in backward\n";
-    s += "  optimizer    tp and pp split it; zero_stage 1 keeps 1/(dp·cp)\n";
+    // ZeRO shards over every dp×cp rank, or over a shard group's (hybrid sharding)
+    let z = if p.dp_shard == 0 || p.dp_shard == p.dp { "1/(dp·cp)" } else { "1/(dp_shard·cp)" };
+    s += &format!("  weights      tp and pp split them; zero_stage 3 keeps {z} plus the unit in use\n");
+    s += &format!("  grads        tp and pp split them; zero_stage 2 keeps {z} plus the layer in backward\n");
+    s += &format!("  optimizer    tp and pp split it; zero_stage 1 keeps {z}\n");
     s += "  activations  smaller micro_batch_size; cp and tp split them, sequence_parallel also the norms and residuals;\n";
     s += "               recompute selective or full keeps less; 1f1b holds fewer micro-batches than afab\n";
     s += "  comm         smaller bucket_mb (stage 0 keeps a bucket for every gradient; ZeRO a few at a time)\n";
