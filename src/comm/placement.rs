@@ -22,7 +22,7 @@
 //! An all-reduce is a reduce-scatter followed by an all-gather (Partial → Shard → Replicate):
 //! ZeRO splits data parallelism's all-reduce into exactly those two halves.
 //!
-//! Where ferrotron's tensors live, in these words (`ferrotron`'s tutorial step 18 prints it all):
+//! Where ferrotron's tensors live, in these words (tutorial step 18 prints and checks the table):
 //!
 //! ```text
 //! tensor                          axis     placement
@@ -33,6 +33,8 @@
 //! an expert's weights             ep       Shard(0) of the layer's experts; edp like dp×cp above
 //! a gradient after backward       dp×cp    Partial(avg) → all-reduce (DP) or reduce-scatter (ZeRO)
 //! a norm's gradient, with SP      tp       Partial(sum) → all-reduce
+//! a master under hybrid sharding  shard    Shard(0) of its flat values, and Replicate on replicate
+//! q, k, v around Ulysses          cp       Shard(1) of [batch, seq, heads·hd] → all-to-all → Shard(2)
 //! a checkpoint's tensor           every    Replicate, gathered from wherever it is
 //! ```
 //! A dimension that does not divide by n is padded: every slice has ⌈S[d]/n⌉ entries along d,

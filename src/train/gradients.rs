@@ -11,6 +11,8 @@
 //!            (parallel/data_parallel.rs)            (parallel/zero.rs)
 //! edp        the same, over the ranks holding the same experts; then ÷ ep (expert_parallel.rs)
 //! ```
+//! Under hybrid sharding (`parallel.dp_shard`) the dense ZeroBuckets reduce-scatter inside a
+//! shard group and then average each chunk across the replicate group.
 //! `finish` waits for what is still in flight. What the step does next (the sums over tp, the
 //! global norm, AdamW, ZeRO's gather) reads in order in `train.rs`.
 
