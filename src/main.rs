@@ -328,11 +328,8 @@ fn grid_command(GridArgs { dp, pp, cp, tp, ep, dp_shard }: GridArgs) -> Result<E
     let grid = Grid::new(dp, pp, cp, tp)?.with_ep(ep)?.with_dp_shard(dp_shard)?;
     say!("{}", grid.table().trim_end());
     launcher::check_groups(grid)?;
-    say!(
-        "checked: {} rank threads each all-gathered their rank number over each of their groups and got the members above",
-        grid.world_size()
-    );
-
+    let n = grid.world_size();
+    say!("checked: {n} rank threads each all-gathered their rank number over each of their groups and got the members above");
     Ok(Exit::Done)
 }
 

@@ -9,6 +9,7 @@ use ferrotron::comm::placement::{part_of, redistribute, Move, Placement};
 use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
 use ferrotron::ops::tensor::Tensor;
+use std::borrow::Cow;
 use std::time::Duration;
 
 /// Rank r's own numbers of a tensor of `shape` (distinct on every rank and every entry).
@@ -54,7 +55,7 @@ fn every_redistribution_of_a_tensor_gives_the_dense_value() {
             for from in PLACEMENTS {
                 for to in PLACEMENTS {
                     let what = format!("{shape:?}: {from:?} → {to:?}");
-                    let moved = match redistribute(placed(&whole, from, (r, n)), &shape, from, to, group) {
+                    let moved = match redistribute(Cow::Owned(placed(&whole, from, (r, n))), &shape, from, to, group) {
                         Ok(t) => t,
                         Err(_) if matches!((from, to), (Placement::Partial(a), Placement::Partial(b)) if a != b) => {
                             continue
@@ -63,7 +64,9 @@ fn every_redistribution_of_a_tensor_gives_the_dense_value() {
                     };
                     // a Partial is checked through its sum: every rank's part, all-reduced
                     let got = match to {
-                        Placement::Partial(_) => redistribute(moved, &shape, to, Placement::Replicate, group).unwrap(),
+                        Placement::Partial(_) => {
+                            redistribute(Cow::Owned(moved), &shape, to, Placement::Replicate, group).unwrap()
+                        }
                         _ => moved,
                     };
                     let want = match to {
@@ -107,7 +110,7 @@ fn each_move_is_the_collective_of_the_table() {
         for (from, to, _, call) in table {
             group.ledger().take();
             let t = part_of(&mine(1, &shape), if let Partial(_) = from { Replicate } else { from }, (group.index(), 4));
-            redistribute(t, &shape, from, to, group)?;
+            redistribute(Cow::Borrowed(&t), &shape, from, to, group)?;
             let tallies = group.ledger().take();
             let calls: Vec<Call> = Call::ALL.into_iter().filter(|c| tallies[*c as usize].calls > 0).collect();
             assert_eq!(calls, call.into_iter().collect::<Vec<_>>(), "{from:?} → {to:?}");

@@ -39,6 +39,7 @@ use crate::ops::tensor::Tensor;
 use crate::ops::types::DType;
 use crate::parallel::zero;
 use anyhow::{bail, Context, Result};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -127,7 +128,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
                 // expert k of each member: member j's is expert j·E/ep + k (the layer's experts are
                 // Shard(0) on the ep axis; this gathers the k-th of each member's share)
                 let shape: Vec<usize> = [ep.size()].iter().chain(t.shape()).copied().collect();
-                let stacked = redistribute(t.clone(), &shape, Placement::Shard(0), Placement::Replicate, ep)?;
+                let stacked = redistribute(Cow::Borrowed(t), &shape, Placement::Shard(0), Placement::Replicate, ep)?;
                 let (e, matrix) = expert_of(&p.name);
                 let per = cfg.model.num_local_experts / ep.size();
                 let members = if first_replica { ep.size() } else { 0 }; // the others only took part
@@ -143,8 +144,13 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
                 }
                 continue;
             }
-            let whole =
-                redistribute(t.clone(), &whole_shape(t.shape(), p.tp, tp.size()), p.tp, Placement::Replicate, tp)?;
+            let whole = redistribute(
+                Cow::Borrowed(t),
+                &whole_shape(t.shape(), p.tp, tp.size()),
+                p.tp,
+                Placement::Replicate,
+                tp,
+            )?;
             emit(&p.name, which, &whole)?;
         }
     }

@@ -42,16 +42,18 @@
 //! ZeRO cuts a parameter of any size (`parallel/zero.rs`).
 //!
 //! Every helper here sees a tensor as `[a, S[d], b]` around its dimension d, so one slice is a
-//! set of rows `[·, b]`: the local steps are `ops::copy` where the slices are contiguous (a = 1)
-//! and a row gather elsewhere.
+//! block of `S[d]/n · b` values in each of the a rows: the local steps are `ops::copy` where the
+//! slices are contiguous (a = 1) and one gather of blocks elsewhere (of single entries where the
+//! last slice is padded).
 
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::ops;
-use crate::ops::moe::gather_rows;
+use crate::ops::moe::gather_blocks;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::ReduceOp;
 use anyhow::{bail, ensure, Result};
+use std::borrow::Cow;
 
 /// Where a tensor lives on one axis of the grid (see the lesson above).
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -150,15 +152,18 @@ pub fn slice_of(whole: &Tensor, shape: &[usize], d: usize, (r, n): (usize, usize
         }
         return part;
     }
-    let zero_row = (a * s) as u32; // appended after the rows, gathered under the padding
+    if s == n * ld {
+        // no padding: the whole is a rows of n blocks of ld·b values; mine is block r of each
+        let order: Vec<u32> = (0..a).map(|i| (i * n + r) as u32).collect();
+        return gather_blocks(whole, ld * b, &order).with_shape(&local);
+    }
+    // padded: entry by entry (rows of b values), a zero row appended to gather under the padding
+    let zero_row = (a * s) as u32;
     let order: Vec<u32> = (0..a)
         .flat_map(|i| (0..ld).map(move |k| if k < real { (i * s + r * ld + k) as u32 } else { zero_row }))
         .collect();
-    let rows = match real < ld {
-        true => ops::concat(&[whole, &Tensor::zeros_as(&[b], whole)]).with_shape(&[a * s + 1, b]),
-        false => ops::slice(whole, 0, &[a * s, b]),
-    };
-    gather_rows(&rows, &order).with_shape(&local)
+    let rows = ops::concat(&[whole, &Tensor::zeros_as(&[b], whole)]);
+    gather_blocks(&rows, b, &order).with_shape(&local)
 }
 
 /// Rank `r`'s part (of `n`) of `whole` placed as `to`: the local step from Replicate, nothing
@@ -174,6 +179,13 @@ pub fn part_of(whole: &Tensor, to: Placement, (r, n): (usize, usize)) -> Tensor 
 /// Every rank's slice along `d`, one after another (rank-major): what a reduce-scatter along the
 /// first dimension hands out as Shard(d).
 fn rank_major(whole: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
+    let (a, s, b) = around(shape, d);
+    let ld = s.div_ceil(n);
+    if a > 1 && s == n * ld {
+        // one gather: block r of every row, rank after rank
+        let order: Vec<u32> = (0..n).flat_map(|r| (0..a).map(move |i| (i * n + r) as u32)).collect();
+        return gather_blocks(whole, ld * b, &order);
+    }
     let parts: Vec<Tensor> = (0..n).map(|r| slice_of(whole, shape, d, (r, n))).collect();
     ops::concat(&parts.iter().collect::<Vec<_>>())
 }
@@ -186,33 +198,44 @@ fn assemble(stacked: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
     if a == 1 {
         return ops::slice(stacked, 0, shape); // the slices are runs, the padding at the end
     }
+    if s == n * ld {
+        // no padding: row i's block j is block i of rank j's slice
+        let order: Vec<u32> = (0..a).flat_map(|i| (0..n).map(move |j| (j * a + i) as u32)).collect();
+        return gather_blocks(stacked, ld * b, &order).with_shape(shape);
+    }
     // entry (i, k) of the whole is entry (i, k mod ld) of rank k / ld's slice
     let order: Vec<u32> =
         (0..a).flat_map(|i| (0..s).map(move |k| ((k / ld) * a * ld + i * ld + k % ld) as u32)).collect();
-    gather_rows(&stacked.clone().with_shape(&[n * a * ld, b]), &order).with_shape(shape)
+    gather_blocks(stacked, b, &order).with_shape(shape)
 }
 
 /// Moves this rank's `t` (of a tensor whose whole shape is `shape`) from placement `from` to `to`
-/// over `group`, with the move of the table. Returns this rank's tensor in the new placement.
-pub fn redistribute(mut t: Tensor, shape: &[usize], from: Placement, to: Placement, group: &Group) -> Result<Tensor> {
-    let (r, n, numel) = (group.index(), group.size(), t.numel());
+/// over `group`, with the move of the table. Returns this rank's tensor in the new placement. `t`
+/// is borrowed where the move only reads it, owned where an all-reduce can work in place.
+pub fn redistribute(t: Cow<Tensor>, shape: &[usize], from: Placement, to: Placement, group: &Group) -> Result<Tensor> {
+    let (r, n) = (group.index(), group.size());
     for p in [from, to] {
         if let Placement::Shard(d) = p {
             ensure!(d < shape.len(), "{p:?} of a tensor of {} dimensions ({shape:?})", shape.len());
         }
     }
-    Ok(match Move::between(from, to)? {
-        Move::Nothing => t,
+    let step = Move::between(from, to)?;
+    if n == 1 {
+        return Ok(t.into_owned()); // alone, every placement is the whole value
+    }
+    Ok(match step {
+        Move::Nothing => t.into_owned(),
         Move::AllReduce(op) => {
+            let mut t = t.into_owned();
             group.all_reduce_tensor(&mut t, op)?; // in place
             t
         }
         Move::ReduceScatter(op, d) => {
-            let stacked =
-                rank_major(&t, shape, d, n).with_shape(&[n * local_shape(shape, to, n).iter().product::<usize>()]);
-            group.reduce_scatter_tensor(&stacked, op)?.with_shape(&local_shape(shape, to, n))
+            let local = local_shape(shape, to, n);
+            let stacked = rank_major(&t, shape, d, n).with_shape(&[n * local.iter().product::<usize>()]);
+            group.reduce_scatter_tensor(&stacked, op)?.with_shape(&local)
         }
-        Move::AllGather(d) => assemble(&group.all_gather_tensor(&t.with_shape(&[numel]))?, shape, d, n),
+        Move::AllGather(d) => assemble(&group.all_gather_tensor(&t)?, shape, d, n),
         Move::AllToAll { from: d, to: e } => {
             // each rank sends member j its slice along e of what it holds along d …
             let mine = local_shape(shape, from, n);
@@ -223,11 +246,12 @@ pub fn redistribute(mut t: Tensor, shape: &[usize], from: Placement, to: Placeme
             let theirs = local_shape(shape, to, n); // the whole along d, my slice along e
             assemble(&got, &theirs, d, n)
         }
-        Move::Slice(_) | Move::Split(_) => part_of(&t, to, (r, n)),
+        Move::Slice(d) => slice_of(&t, shape, d, (r, n)),
+        Move::Split(_) => part_of(&t, to, (r, n)),
         Move::Pad(d) => {
-            let parts: Vec<Tensor> =
-                (0..n).map(|j| if j == r { t.clone() } else { Tensor::zeros_as(t.shape(), &t) }).collect();
-            let mut padded = assemble(&ops::concat(&parts.iter().collect::<Vec<_>>()), shape, d, n);
+            let zeros = Tensor::zeros_as(t.shape(), &t);
+            let parts: Vec<&Tensor> = (0..n).map(|j| if j == r { &*t } else { &zeros }).collect();
+            let mut padded = assemble(&ops::concat(&parts), shape, d, n);
             if to == Placement::Partial(ReduceOp::Avg) {
                 ops::scale(&mut padded, n as f32); // the mean of the n parts is the whole
             }

@@ -38,11 +38,12 @@ impl Device {
         Ok(dlogits)
     }
 
-    pub fn gather_rows(self: &Arc<Self>, x: &Tensor, order: &[u32]) -> Result<Tensor> {
-        let out = self.tensor(&[order.len(), x.cols()], x.dtype());
+    /// `x` seen as rows of `d` values: those rows in `order`.
+    pub fn gather_rows(self: &Arc<Self>, x: &Tensor, d: usize, order: &[u32]) -> Result<Tensor> {
+        let out = self.tensor(&[order.len(), d], x.dtype());
         if !order.is_empty() {
             let (at, _keep) = self.index_addr(order)?;
-            self.run(&moe::gather_rows(x.dtype(), addr(x), (at, order.len()), x.cols(), addr(&out)))?;
+            self.run(&moe::gather_rows(x.dtype(), addr(x), (at, order.len()), d, addr(&out)))?;
         }
         Ok(out)
     }

@@ -35,6 +35,7 @@ use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::ops::DType;
 use anyhow::Result;
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 /// What a gradient is after backward on its replicas' axis: each rank's share of the mean.
@@ -166,7 +167,7 @@ impl GradReduce for DataParallel<'_> {
             for p in params.iter_mut() {
                 let grad = std::mem::replace(&mut p.grad, Tensor::zeros(&[0]));
                 let shape = grad.shape().to_vec();
-                p.grad = redistribute(grad, &shape, AFTER_BACKWARD, Placement::Replicate, self.group)?;
+                p.grad = redistribute(Cow::Owned(grad), &shape, AFTER_BACKWARD, Placement::Replicate, self.group)?;
             }
             return Ok(());
         }

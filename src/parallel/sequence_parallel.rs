@@ -108,7 +108,7 @@ pub fn sum_replicated_grads(params: &mut [&mut Param], tp: &Group) -> Result<()>
     let grads: Vec<&Tensor> = norms.iter().map(|p| p.trained_grad()).collect();
     let packed = ops::concat(&grads);
     let n = packed.numel();
-    let packed = redistribute(packed, &[n], Placement::Partial(ReduceOp::Sum), Placement::Replicate, tp)?;
+    let packed = redistribute(Cow::Owned(packed), &[n], Placement::Partial(ReduceOp::Sum), Placement::Replicate, tp)?;
     let mut at = 0;
     for p in &mut norms {
         let grad = p.trained().1;

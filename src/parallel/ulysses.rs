@@ -32,11 +32,12 @@ use crate::comm::placement::{redistribute, Placement};
 use crate::comm::Group;
 use crate::config::CpSplit;
 use crate::model::SequenceSplit;
-use crate::ops::moe::gather_rows;
+use crate::ops::moe::gather_blocks;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use crate::parallel::context_parallel::positions;
 use anyhow::Result;
+use std::borrow::Cow;
 
 /// The cp group, all-to-all'ing between the sequence split and the head split.
 #[derive(Clone, Copy)]
@@ -61,17 +62,15 @@ impl Ulysses<'_> {
         let (n, cols) = (self.group.size(), t.cols());
         let seq = t.rows() / batch;
         let whole = [batch, seq * n, cols];
-        let local = t.clone().with_shape(&[batch, seq, cols]);
-        Ok(redistribute(local, &whole, SEQ, HEADS, self.group)?.with_shape(&[batch * seq * n, cols / n]))
+        Ok(redistribute(Cow::Borrowed(t), &whole, SEQ, HEADS, self.group)?.with_shape(&[batch * seq * n, cols / n]))
     }
 
     /// The inverse: `[batch·S, heads/cp·hd]` → `[batch·seq, heads·hd]` of this rank's positions.
-    fn sequence_split(&self, t: &Tensor, batch: usize) -> Result<Tensor> {
+    fn sequence_split(&self, t: Tensor, batch: usize) -> Result<Tensor> {
         let (n, cols) = (self.group.size(), t.cols());
         let whole_seq = t.rows() / batch;
         let whole = [batch, whole_seq, cols * n];
-        let local = t.clone().with_shape(&[batch, whole_seq, cols]);
-        Ok(redistribute(local, &whole, HEADS, SEQ, self.group)?.with_shape(&[batch * whole_seq / n, cols * n]))
+        Ok(redistribute(Cow::Owned(t), &whole, HEADS, SEQ, self.group)?.with_shape(&[batch * whole_seq / n, cols * n]))
     }
 
     /// Every position of the sequence, in the order `head_split` lays the rows out.
@@ -96,28 +95,27 @@ impl Ulysses<'_> {
     /// The log-sum-exp `[batch, heads, seq]` of my positions ↔ `[batch, heads/cp, S]` of my heads.
     fn lse_head_split(&self, lse: &Tensor, a: Attn) -> Result<Tensor> {
         let whole = [a.batch, a.heads, a.seq * self.group.size()];
-        redistribute(lse.clone(), &whole, Placement::Shard(2), Placement::Shard(1), self.group)
+        redistribute(Cow::Borrowed(lse), &whole, Placement::Shard(2), Placement::Shard(1), self.group)
     }
 }
 
 /// `t` `[rows, kv·hd]` with each KV head repeated `r` times in place: `[rows, kv·r·hd]`.
-fn repeat_heads(t: &Tensor, kv: usize, r: usize) -> Tensor {
+fn repeat_heads(t: &Tensor, kv: usize, r: usize) -> Cow<'_, Tensor> {
     if r == 1 {
-        return t.clone();
+        return Cow::Borrowed(t);
     }
     let (rows, hd) = (t.rows(), t.cols() / kv);
     let order: Vec<u32> = (0..rows * kv).flat_map(|h| std::iter::repeat_n(h as u32, r)).collect();
-    gather_rows(&t.clone().with_shape(&[rows * kv, hd]), &order).with_shape(&[rows, kv * r * hd])
+    Cow::Owned(gather_blocks(t, hd, &order).with_shape(&[rows, kv * r * hd]))
 }
 
 /// The backward of `repeat_heads`: each KV head's gradient, summed over its `r` copies.
-fn sum_repeats(d: &Tensor, kv: usize, r: usize) -> Tensor {
+fn sum_repeats(d: Tensor, kv: usize, r: usize) -> Tensor {
     if r == 1 {
-        return d.clone();
+        return d;
     }
     let (rows, hd) = (d.rows(), d.cols() / (kv * r));
-    let heads = d.clone().with_shape(&[rows * kv * r, hd]);
-    let copy = |c: usize| gather_rows(&heads, &(0..rows * kv).map(|h| (h * r + c) as u32).collect::<Vec<_>>());
+    let copy = |c: usize| gather_blocks(&d, hd, &(0..rows * kv).map(|h| (h * r + c) as u32).collect::<Vec<_>>());
     let mut sum = copy(0);
     for c in 1..r {
         ops::add_assign(&mut sum, &copy(c));
@@ -137,8 +135,8 @@ impl SequenceSplit for Ulysses<'_> {
         let all = self.all_positions(a.seq);
         let (out, lse) = ops::attention(h, &q, &k, &v, (&all, &all));
         let whole = [a.batch, a.heads, h.seq];
-        let lse = redistribute(lse, &whole, Placement::Shard(1), Placement::Shard(2), self.group)?;
-        Ok((self.sequence_split(&out, a.batch)?, lse, (h.batch * h.heads * h.seq * h.kv_seq) as u64))
+        let lse = redistribute(Cow::Owned(lse), &whole, Placement::Shard(1), Placement::Shard(2), self.group)?;
+        Ok((self.sequence_split(out, a.batch)?, lse, (h.batch * h.heads * h.seq * h.kv_seq) as u64))
     }
 
     /// Everything attention's backward reads to the head split, and dq, dk, dv back.
@@ -157,7 +155,7 @@ impl SequenceSplit for Ulysses<'_> {
         let all = self.all_positions(a.seq);
         let (dq, dk, dv) = ops::attention_backward(h, (&q, &k, &v), (&all, &all), (&out, &lse), &dout);
         let r = repeats(a.kv_heads, self.group.size());
-        let home = |d: &Tensor| -> Result<Tensor> { Ok(sum_repeats(&self.sequence_split(d, a.batch)?, a.kv_heads, r)) };
-        Ok((self.sequence_split(&dq, a.batch)?, home(&dk)?, home(&dv)?))
+        let home = |d: Tensor| -> Result<Tensor> { Ok(sum_repeats(self.sequence_split(d, a.batch)?, a.kv_heads, r)) };
+        Ok((self.sequence_split(dq, a.batch)?, home(dk)?, home(dv)?))
     }
 }

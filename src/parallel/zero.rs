@@ -81,6 +81,7 @@ use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce, AFTER_BACKWARD};
 use anyhow::Result;
+use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 
 /// The values of a parameter of `n` values that each of `ranks` ranks keeps under ZeRO:
@@ -295,7 +296,7 @@ impl GradReduce for ZeroBuckets<'_> {
             if let Some(replicas) = self.replicas {
                 // hybrid: each shard group averaged its own data; now the mean over all of them
                 let n = sums.numel();
-                sums = redistribute(sums, &[n], AFTER_BACKWARD, Placement::Replicate, replicas)?;
+                sums = redistribute(Cow::Owned(sums), &[n], AFTER_BACKWARD, Placement::Replicate, replicas)?;
             }
             for &(member, offset) in &bucket.members {
                 let chunk = params[member].zero.as_mut().expect("ZeRO shards every parameter");
@@ -325,6 +326,6 @@ fn settle(bucket: &mut Bucket) -> Result<()> {
 pub fn whole(group: &Group, p: &Param, t: &Tensor) -> Result<Option<Tensor>> {
     let Some(chunk) = &p.zero else { return Ok(None) };
     let n = chunk.shape.iter().product::<usize>();
-    let flat = redistribute(t.clone(), &[n], Placement::Shard(0), Placement::Replicate, group)?;
+    let flat = redistribute(Cow::Borrowed(t), &[n], Placement::Shard(0), Placement::Replicate, group)?;
     Ok(Some(flat.with_shape(&chunk.shape)))
 }
