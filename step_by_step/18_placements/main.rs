@@ -19,6 +19,7 @@ use ferrotron::ops::tensor::Tensor;
 use ferrotron::parallel::expert_parallel::ExpertParallel;
 use ferrotron::parallel::sequence_parallel::SequenceParallel;
 use ferrotron::parallel::zero::{self, Sharding};
+use std::borrow::Cow;
 use std::time::Duration;
 
 const SUM: Placement = Placement::Partial(ReduceOp::Sum);
@@ -59,13 +60,13 @@ fn every_move(cfg: &Config) -> Result<()> {
         for from in PLACEMENTS {
             for to in PLACEMENTS.into_iter().filter(|&to| to != from) {
                 group.ledger().take();
-                let moved = redistribute(placed(&whole, from, (r, n)).to(&place), &shape, from, to, group)?;
+                let moved = redistribute(Cow::Owned(placed(&whole, from, (r, n)).to(&place)), &shape, from, to, group)?;
                 let tally = group.ledger().take().into_iter().zip(Call::ALL).find(|(t, _)| t.calls > 0);
                 let bytes = tally.map_or((0, 0.0), |(t, call)| (t.bytes, t.moved_bytes(call, n)));
                 // the check: a partial through its sum, anything else slice by slice
                 let (got, want) = match to {
                     Placement::Partial(_) => {
-                        (redistribute(moved, &shape, to, Placement::Replicate, group)?, whole.clone())
+                        (redistribute(Cow::Owned(moved), &shape, to, Placement::Replicate, group)?, whole.clone())
                     }
                     _ => (moved, part_of(&whole, to, (r, n))),
                 };
@@ -145,7 +146,7 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
         for (p, want) in model.params_mut().into_iter().zip(&grads) {
             let grad = std::mem::replace(&mut p.grad, Tensor::zeros(&[0]));
             let got = match p.tp {
-                Placement::Replicate => redistribute(grad, want.shape(), SUM, Placement::Replicate, group)?,
+                Placement::Replicate => redistribute(Cow::Owned(grad), want.shape(), SUM, Placement::Replicate, group)?,
                 _ => grad,
             };
             worst = worst.max(max_diff(&got, &part_of(want, p.tp, (group.index(), 2))));
@@ -175,7 +176,7 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
         let mut worst = 0.0f32;
         for (p, want) in model.params_mut().into_iter().zip(&grads) {
             let grad = std::mem::replace(&mut p.grad, Tensor::zeros(&[0]));
-            let got = redistribute(grad, want.shape(), AVG, Placement::Replicate, group)?;
+            let got = redistribute(Cow::Owned(grad), want.shape(), AVG, Placement::Replicate, group)?;
             worst = worst.max(max_diff(&got, want));
         }
         // ZeRO: the master weights become Shard(0) of each one's flat values
