@@ -199,6 +199,36 @@ pub enum PpSchedule {
     OneFOneB,
     /// Interleaved 1F1B (Megatron): each rank holds `pp_virtual_stages` chunks of layers.
     Interleaved,
+    /// Zero bubble H1 (Qi et al.): 1F1B with each backward split into B (input gradient) and a
+    /// later W (weight gradients); a third of 1F1B's bubble for the same peak memory.
+    #[serde(rename = "zb-h1")]
+    ZbH1,
+    /// The V-shaped zero-bubble schedule: two chunks per rank (`model/stage.rs`), B and W split.
+    Zbv,
+}
+
+impl PpSchedule {
+    /// Whether its backwards are split into B and a later W (`model/weight_grads.rs`).
+    pub fn splits_backward(self) -> bool {
+        matches!(self, PpSchedule::ZbH1 | PpSchedule::Zbv)
+    }
+
+    /// Whether it walks an action list whose messages are not paired for NCCL (interleaved, the
+    /// zero-bubble ones).
+    pub fn unpaired(self) -> bool {
+        matches!(self, PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv)
+    }
+
+    /// Its name in the config.
+    pub fn name(self) -> &'static str {
+        match self {
+            PpSchedule::Afab => "afab",
+            PpSchedule::OneFOneB => "1f1b",
+            PpSchedule::Interleaved => "interleaved",
+            PpSchedule::ZbH1 => "zb-h1",
+            PpSchedule::Zbv => "zbv",
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]

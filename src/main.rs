@@ -129,7 +129,7 @@ struct ScheduleArgs {
     pp: usize,
     #[arg(long, default_value_t = 8)]
     microbatches: usize,
-    /// afab, 1f1b, interleaved, both (afab and 1f1b) or all.
+    /// afab, 1f1b, interleaved, zb-h1, zbv, both (afab and 1f1b), zero-bubble (1f1b, zb-h1, zbv) or all.
     #[arg(long, default_value = "both")]
     schedule: String,
     /// Model chunks per stage for the interleaved schedule.
@@ -288,15 +288,18 @@ fn converge_command(ConvergeArgs { config, mut sets, variants, steps, tol, out }
 fn schedule_command(
     ScheduleArgs { pp, microbatches, schedule: which, r#virtual, trace, out }: ScheduleArgs,
 ) -> Result<Exit> {
-    use PpSchedule::{Afab, Interleaved, OneFOneB};
+    use PpSchedule::{Afab, Interleaved, OneFOneB, ZbH1, Zbv};
     let kinds = match which.as_str() {
         "afab" => vec![Afab],
         "1f1b" => vec![OneFOneB],
         "interleaved" => vec![Interleaved],
+        "zb-h1" => vec![ZbH1],
+        "zbv" => vec![Zbv],
         "both" => vec![Afab, OneFOneB],
-        "all" => vec![Afab, OneFOneB, Interleaved],
+        "zero-bubble" => vec![OneFOneB, ZbH1, Zbv],
+        "all" => vec![Afab, OneFOneB, Interleaved, ZbH1, Zbv],
         other => {
-            anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, both (afab and 1f1b) or all")
+            anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, zb-h1, zbv, both (afab and 1f1b), zero-bubble (1f1b, zb-h1 and zbv) or all")
         }
     };
     ferrotron::files::check_writable(&out).context("--out")?;
@@ -308,13 +311,13 @@ fn schedule_command(
         }
     };
     for t in &timelines {
+        let formula = t.bubble_formula().map_or(String::new(), |f| format!(" (formula {:.1}%)", 100.0 * f));
         say!(
-            "{}: {} rows, m={}: bubble {:.1}% of the step (formula (p-1)/(V·m+p-1) = {:.1}%), peak micro-batch activations per row {}",
+            "{}: {} rows, m={}: bubble {:.1}% of the step{formula}, peak micro-batch activations per row {}",
             t.name,
             t.stages,
             t.micro_batches,
             100.0 * t.bubble(),
-            100.0 * t.bubble_formula(),
             t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(" ")
         );
     }

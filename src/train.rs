@@ -44,6 +44,7 @@ use crate::comm::ReduceOp;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::{self, NormGroups};
+use crate::model::Stage;
 use crate::ops::{self, tensor::Tensor, DType};
 use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::bucket_values;
@@ -147,9 +148,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             let rows = t.micro_batch_size * t.seq_len / cfg.parallel.cp / if p.sequence_parallel { p.tp } else { 1 };
             let hidden = [rows, cfg.model.hidden_size];
             let (kind, record) = (cfg.parallel.pp_schedule, &|name, span| watch.span(name, span));
-            let (batch_size, chunks) = (t.micro_batch_size, p.pp_virtual_stages);
+            let (batch_size, stage) = (t.micro_batch_size, Stage::planned(pp.index(), p));
             let (data, stop) = (&batch, may_stop.then_some(&stop_here as &dyn Fn() -> Result<bool>));
-            let plan = StepPlan { kind, micro_batches: m, batch: batch_size, chunks, hidden, data, record, stop };
+            let plan = StepPlan { kind, micro_batches: m, batch: batch_size, stage, hidden, data, record, stop };
             let stats = pipeline_parallel::run_step(&mut model, pp, &plan, &mut |p, last| grads.grad_ready(p, last))?;
             dropped = stats.stopped;
             (stats.loss, stats.peak_activations)
@@ -171,8 +172,9 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         }
         let held = memory::held(&model, &optimizer); // what weights, gradients and AdamW hold now
         watch.span("wait for gradients".into(), span);
-        // the last stage knows the loss; every rank logs the mean over the global batch
-        pp.broadcast_tensor(&mut loss, pp.size() - 1)?;
+        // the stage with the loss knows it (the last; in the V, the first); every rank logs the
+        // mean over the global batch
+        pp.broadcast_tensor(&mut loss, Stage::planned(pp.index(), p).loss_rank())?;
         dp.all_reduce_tensor(&mut loss, ReduceOp::Avg)?;
         let span = Instant::now();
         let mut params = model.params_mut();

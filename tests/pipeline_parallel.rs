@@ -47,9 +47,9 @@ fn uneven_layer_splits_follow_the_curve_too() {
     assert_eq!(split, vec![vec![0, 1], vec![2, 3], vec![4]]);
     assert_eq!(Stage::new(1, 4).layers(4), vec![1]);
     // interleaved: 2 ranks of 2 chunks over 8 layers, and 3 × 2 over 7 (the remainder first)
-    assert_eq!(Stage { index: 0, count: 2, chunks: 2 }.layers(8), vec![0, 1, 4, 5]);
-    assert_eq!(Stage { index: 1, count: 2, chunks: 2 }.chunk_layers(8), vec![2..4, 6..8]);
-    assert_eq!(Stage { index: 0, count: 3, chunks: 2 }.chunk_layers(7), vec![0..2, 4..5]);
+    assert_eq!(Stage::looped(0, 2, 2).layers(8), vec![0, 1, 4, 5]);
+    assert_eq!(Stage::looped(1, 2, 2).chunk_layers(8), vec![2..4, 6..8]);
+    assert_eq!(Stage::looped(0, 3, 2).chunk_layers(7), vec![0..2, 4..5]);
 }
 
 #[test]
@@ -111,7 +111,7 @@ fn schedules_run_every_micro_batch_once_and_show_the_bubble() {
             }
             // played on the clock: no deadlock, and the idle share is the formula's
             let t = simulate(kind, p, m, v).unwrap();
-            let (got, want) = (t.bubble(), t.bubble_formula());
+            let (got, want) = (t.bubble(), t.bubble_formula().unwrap());
             assert!((got - want).abs() < 1e-9, "{kind:?} p={p} m={m} V={v}: {got} vs {want}");
         }
     }

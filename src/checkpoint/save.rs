@@ -158,7 +158,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
     let Some(mut state) = state else { return Ok(None) };
     let place = model.place();
     for stage in 1..pp.size() {
-        let stage = Stage { index: stage, count: pp.size(), chunks: cfg.parallel.pp_virtual_stages };
+        let stage = Stage::planned(stage, &cfg.parallel);
         for (name, shape, ..) in Llama::tensor_shapes(&cfg.model, stage) {
             for which in 0..kinds {
                 let mut whole = Tensor::empty_on(&shape, &place, DType::F32); // written whole

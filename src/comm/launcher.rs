@@ -24,7 +24,7 @@ use crate::comm::trace::Trace;
 use crate::comm::wires::processes;
 use crate::comm::wires::remote::Session;
 use crate::comm::{Group, Stream};
-use crate::config::{CommBackend, Config, DeviceKind, PpSchedule};
+use crate::config::{CommBackend, Config, DeviceKind};
 use crate::cuda::device::GPU_ERROR;
 use crate::cuda::runtime::Gpu;
 use anyhow::{anyhow, bail, Result};
@@ -106,9 +106,9 @@ impl Setup {
                 }
             }
         };
-        // the interleaved pipeline's messages are not paired for NCCL yet: `auto` stays local
+        // the interleaved and zero-bubble pipelines' messages are not paired for NCCL yet: `auto` stays local
         let choice = match cfg.parallel.pp_schedule {
-            PpSchedule::Interleaved if cfg.parallel.backend == CommBackend::Auto => CommBackend::Local,
+            s if s.unpaired() && cfg.parallel.backend == CommBackend::Auto => CommBackend::Local,
             _ => cfg.parallel.backend,
         };
         let backend = choose_backend(choice, cuda, world, gpus)?;

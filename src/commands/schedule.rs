@@ -6,9 +6,13 @@
 //! micro-batch, a backward for the next stage's backward. The idle time left over is the bubble,
 //! (p − 1)/(m + p − 1) of the step for both AFAB and 1F1B; what differs is how many micro-batches'
 //! activations each stage holds at once. The interleaved schedule's V chunks per rank each take
-//! 1/V of that time, and its bubble is (p − 1)/(V·m + p − 1).
+//! 1/V of that time, and its bubble is (p − 1)/(V·m + p − 1). The zero-bubble schedules split the
+//! backward into B and W of 1 unit each (a W waits only for its own B): ZB-H1's bubble is
+//! (p − 1)/(3m + p − 1), a third of 1F1B's idle time; ZBV's (two chunks of 1/2) is what the clock
+//! says, close to none.
 
 use crate::config::PpSchedule;
+use crate::model::Stage;
 use crate::parallel::pipeline_schedule::{schedule, Action, Work};
 use anyhow::{bail, Result};
 use std::fmt::Write;
@@ -33,23 +37,27 @@ pub struct Timeline {
     pub makespan: f64,
     /// The most micro-batches whose activations each stage held at once (a chunk's count 1/V).
     pub peak_activations: Vec<f64>,
+    /// The textbook bubble, where there is one (`bubble_formula`).
+    formula: Option<f64>,
 }
 
 impl Timeline {
+    /// The textbook bubble, where there is one: (p − 1)/(V·m + p − 1), or ZB-H1's
+    /// (p − 1)/(3m + p − 1) (its idle (p − 1)(F + B − W) over 3m units of work); `None` for ZBV
+    /// and a trace.
+    pub fn bubble_formula(&self) -> Option<f64> {
+        self.formula
+    }
+
     /// Idle share of stages × makespan.
     pub fn bubble(&self) -> f64 {
         let busy: f64 = self.slots.iter().map(|s| s.end - s.start).sum();
         1.0 - busy / (self.stages as f64 * self.makespan)
     }
-
-    /// The textbook bubble, (p − 1)/(V·m + p − 1) (V = 1 but for the interleaved schedule).
-    pub fn bubble_formula(&self) -> f64 {
-        let p = self.stages as f64;
-        (p - 1.0) / (self.chunks as f64 * self.micro_batches as f64 + p - 1.0)
-    }
 }
 
-/// Plays `kind` for `stages` stages, `m` micro-batches and `chunks` model chunks per stage.
+/// Plays `kind` for `stages` stages, `m` micro-batches and `chunks` model chunks per stage
+/// (`Zbv`: always 2).
 pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Result<Timeline> {
     if stages == 0 || m == 0 || chunks == 0 {
         bail!("schedule: --pp, --microbatches and --virtual must be at least 1");
@@ -60,32 +68,36 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
     if kind == PpSchedule::Interleaved && (chunks < 2 || stages < 2 || !m.is_multiple_of(stages)) {
         bail!("schedule: the interleaved schedule needs --pp ≥ 2, --virtual ≥ 2 and --microbatches a multiple of --pp");
     }
-    let chunks = if kind == PpSchedule::Interleaved { chunks } else { 1 };
+    if kind == PpSchedule::Zbv && (stages < 2 || m < 2 * stages - 1) {
+        bail!("schedule: the V-shaped zero-bubble schedule needs --pp ≥ 2 and --microbatches ≥ 2·pp − 1");
+    }
+    let shape = Stage::for_schedule(kind, 0, stages, if kind == PpSchedule::Interleaved { chunks } else { 1 });
+    let chunks = shape.chunks;
     let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m, chunks).collect()).collect();
-    // the virtual stages: chunk c of stage s is virtual stage c·p + s, and each takes 1/V
+    // a whole backward takes 2 units, B and W 1 each; a chunk does 1/V of its stage's work
+    let (split, per) = (kind.splits_backward(), 1.0 / chunks as f64);
     let last = stages * chunks - 1;
-    let mut done = vec![vec![[None::<f64>; 2]; m]; last + 1]; // [virtual stage][micro][forward, backward] end times
+    let mut done = vec![vec![[None::<f64>; 3]; m]; last + 1]; // [virtual stage][micro][F, B, W] end times
     let (mut next, mut free) = (vec![0; stages], vec![0.0f64; stages]);
     let mut slots = Vec::new();
-    while slots.len() < stages * 2 * m * chunks {
+    let actions: usize = plans.iter().map(Vec::len).sum();
+    while slots.len() < actions {
         let before = slots.len();
         for s in 0..stages {
             let Some(&action) = plans[s].get(next[s]) else { continue };
-            let (w, forward) = match action {
-                Action::Forward(w) => (w, true),
-                Action::Backward(w) => (w, false),
-            };
-            let (u, i) = (w.chunk * stages + s, w.micro);
-            let dep = match forward {
-                true if u == 0 => Some(0.0),
-                true => done[u - 1][i][0],
-                false if u == last => done[u][i][0],
-                false => done[u + 1][i][1],
+            let w = action.work();
+            let (u, i) = (Stage { index: s, ..shape }.virtual_stage(w.chunk), w.micro);
+            let (dep, kind_at, units) = match action {
+                Action::Forward(_) if u == 0 => (Some(0.0), 0, 1.0),
+                Action::Forward(_) => (done[u - 1][i][0], 0, 1.0),
+                Action::Backward(_) if u == last => (done[u][i][0], 1, if split { 1.0 } else { 2.0 }),
+                Action::Backward(_) => (done[u + 1][i][1], 1, if split { 1.0 } else { 2.0 }),
+                Action::Weights(_) => (done[u][i][1], 2, 1.0),
             };
             if let Some(ready) = dep {
                 let start = free[s].max(ready);
-                free[s] = start + if forward { 1.0 } else { 2.0 } / chunks as f64;
-                done[u][i][usize::from(!forward)] = Some(free[s]);
+                free[s] = start + units * per;
+                done[u][i][kind_at] = Some(free[s]);
                 slots.push(Slot { stage: s, action, start, end: free[s] });
                 next[s] += 1;
             }
@@ -99,17 +111,33 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
         PpSchedule::Afab => "AFAB".to_string(),
         PpSchedule::OneFOneB => "1F1B".to_string(),
         PpSchedule::Interleaved => format!("interleaved 1F1B, V = {chunks}"),
+        PpSchedule::ZbH1 => "ZB-H1 (zero bubble, B and W split)".to_string(),
+        PpSchedule::Zbv => "ZBV (zero bubble, V-shaped, 2 chunks)".to_string(),
     };
-    Ok(Timeline { name, stages, micro_batches: m, chunks, slots, makespan, peak_activations: peaks(&plans, chunks) })
+    let formula = match kind {
+        PpSchedule::Afab | PpSchedule::OneFOneB | PpSchedule::Interleaved => Some(((stages - 1) as f64, (chunks * m) as f64)),
+        PpSchedule::ZbH1 => Some(((stages - 1) as f64, 3.0 * m as f64)),
+        PpSchedule::Zbv => None,
+    };
+    let formula = formula.map(|(idle, work)| idle / (work + idle));
+    let peak_activations = peaks(&plans, chunks);
+    Ok(Timeline { name, stages, micro_batches: m, chunks, slots, makespan, peak_activations, formula })
 }
 
-/// The most micro-batches held at once along each row's sequence of actions (a chunk's 1/V).
+/// The most micro-batches held at once along each row's sequence of actions (a chunk's 1/V): from
+/// a forward to its backward, or where the backward is split, to its W.
 fn peaks(plans: &[Vec<Action>], chunks: usize) -> Vec<f64> {
     let held = |plan: &Vec<Action>| {
+        let split = plan.iter().any(|a| matches!(a, Action::Weights(_)));
         let mut n = 0i64;
         plan.iter()
             .map(|a| {
-                n += if matches!(a, Action::Forward(_)) { 1 } else { -1 };
+                n += match a {
+                    Action::Forward(_) => 1,
+                    Action::Backward(_) if !split => -1,
+                    Action::Backward(_) => 0,
+                    Action::Weights(_) => -1,
+                };
                 n
             })
             .max()
@@ -143,6 +171,7 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
         let action = match name.split_once(' ') {
             Some(("forward", w)) => work(w).map(Action::Forward),
             Some(("backward", w)) => work(w).map(Action::Backward),
+            Some(("weights", w)) => work(w).map(Action::Weights),
             _ => None,
         };
         spans.extend(action.map(|a| (rank as usize, a, ts, ts + dur)));
@@ -184,10 +213,11 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
         slots,
         makespan,
         peak_activations: peaks(&plans, chunks),
+        formula: None,
     })
 }
 
-/// The timelines one above the other, a row per stage, F boxes light and B boxes dark.
+/// The timelines one above the other, a row per stage, F boxes light, B boxes dark, W green.
 pub fn svg(timelines: &[Timeline]) -> String {
     let (unit, row, left) = (18.0, 26.0, 150.0);
     let width = left + timelines.iter().map(|t| t.makespan).fold(0.0, f64::max) * unit + 20.0;
@@ -197,11 +227,11 @@ pub fn svg(timelines: &[Timeline]) -> String {
     );
     let mut top = 20.0;
     for t in timelines {
+        let formula = t.formula.map_or(String::new(), |f| format!(" (formula: {:.1}%)", 100.0 * f));
         let title = format!(
-            "{} — bubble {:.1}% (formula (p−1)/(V·m+p−1): {:.1}%); peak micro-batch activations per stage: {}",
+            "{} — bubble {:.1}%{formula}; peak micro-batch activations per stage: {}",
             crate::commands::plot::escape(&t.name),
             100.0 * t.bubble(),
-            100.0 * t.bubble_formula(),
             t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(", ")
         );
         let _ = writeln!(s, "<text x=\"10\" y=\"{top}\" font-size=\"13\">{title}</text>");
@@ -219,6 +249,7 @@ pub fn svg(timelines: &[Timeline]) -> String {
             let fill = match slot.action {
                 Action::Forward(w) => ["#9ecae1", "#c6dbef"][w.chunk % 2],
                 Action::Backward(w) => ["#3182bd", "#08519c"][w.chunk % 2],
+                Action::Weights(w) => ["#a1d99b", "#74c476"][w.chunk % 2],
             };
             let (x, y, w) =
                 (left + slot.start * unit, top + 10.0 + slot.stage as f64 * row, (slot.end - slot.start) * unit);

@@ -158,14 +158,16 @@ impl Config {
             );
         }
         let v = p.pp_virtual_stages;
+        let kind = p.pp_schedule.name();
         match (p.pp_schedule, v) {
             (_, 0) => bail!("parallel.pp_virtual_stages = 0: it must be at least 1"),
             (PpSchedule::Interleaved, 1) => bail!("parallel.pp_schedule = \"interleaved\" with parallel.pp_virtual_stages = 1: give each rank at least 2 model chunks (or use \"1f1b\")"),
-            (PpSchedule::Afab | PpSchedule::OneFOneB, v) if v > 1 => bail!("parallel.pp_virtual_stages = {v} needs parallel.pp_schedule = \"interleaved\""),
+            (PpSchedule::Zbv, v) if v > 2 => bail!("parallel.pp_virtual_stages = {v} with parallel.pp_schedule = \"zbv\": the V shape always gives each rank 2 chunks; leave pp_virtual_stages at 1 or 2"),
+            (PpSchedule::Afab | PpSchedule::OneFOneB | PpSchedule::ZbH1, v) if v > 1 => bail!("parallel.pp_virtual_stages = {v} needs parallel.pp_schedule = \"interleaved\" (pp_schedule = \"{kind}\" holds one chunk per rank)"),
             _ => {}
         }
+        let (layers, m) = (self.model.num_hidden_layers, t.grad_accum_steps);
         if p.pp_schedule == PpSchedule::Interleaved {
-            let (layers, m) = (self.model.num_hidden_layers, t.grad_accum_steps);
             if p.pp < 2 {
                 bail!("parallel.pp_schedule = \"interleaved\" with parallel.pp = {}: the interleaved schedule needs at least 2 pipeline stages", p.pp);
             }
@@ -175,9 +177,17 @@ impl Config {
             if !m.is_multiple_of(p.pp) {
                 bail!("parallel.pp_schedule = \"interleaved\": train.grad_accum_steps = {m} micro-batches must be a multiple of parallel.pp = {} (they go through the pipeline in groups of pp)", p.pp);
             }
-            if p.backend == CommBackend::Nccl {
-                bail!("parallel.pp_schedule = \"interleaved\" with parallel.backend = \"nccl\": its messages are not yet paired for NCCL (a large NCCL send waits for its receive); use backend \"local\" or \"auto\", or pp_schedule \"1f1b\"");
+        }
+        if p.pp_schedule == PpSchedule::Zbv {
+            if p.pp < 2 {
+                bail!("parallel.pp_schedule = \"zbv\" with parallel.pp = {}: the V shape needs at least 2 pipeline stages (or use \"zb-h1\")", p.pp);
             }
+            if p.pp.saturating_mul(2) > layers {
+                bail!("parallel.pp_schedule = \"zbv\": 2 × parallel.pp = {} model chunks exceed model.num_hidden_layers = {layers}: every chunk needs at least one layer", 2 * p.pp);
+            }
+        }
+        if p.pp_schedule.unpaired() && p.backend == CommBackend::Nccl {
+            bail!("parallel.pp_schedule = \"{kind}\" with parallel.backend = \"nccl\": its messages are not yet paired for NCCL (a large NCCL send waits for its receive); use backend \"local\" or \"auto\", or pp_schedule \"1f1b\"");
         }
         if p.pp > 1 && self.model.tie_word_embeddings {
             bail!("model.tie_word_embeddings = true with parallel.pp = {}: the embedding (first stage) and the output layer (last stage) would need a shared gradient; untie them or set parallel.pp = 1", p.pp);

@@ -30,9 +30,11 @@ use crate::model::kv_cache::KvLayer;
 use crate::model::moe::{Load, Moe, MoeCache};
 use crate::model::param::{Param, ParamKind, Placement};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit};
+use crate::model::weight_grads::WeightGrads;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::Result;
+use std::borrow::Cow;
 
 pub(crate) struct Block {
     q_proj: Param,
@@ -275,16 +277,17 @@ impl Block {
     }
 
     /// `balance`: the load-balancing loss's gradient on each expert's router probability (a
-    /// mixture of experts with `router_aux_loss_coef` > 0; else empty).
-    #[allow(clippy::too_many_arguments)]
+    /// mixture of experts with `router_aux_loss_coef` > 0; else empty). Every weight GEMM goes to
+    /// `w` (computed now, or kept for a zero-bubble W: `weight_grads.rs`); the norms' weight
+    /// gradients are computed here with their input gradients.
     pub(crate) fn backward(
         &mut self,
         split: Splits,
         dout: Tensor,
         kept: Kept,
         (cfg, balance): (&ModelConfig, &[f32]),
-        attn: Attn,
-        positions: &[u32],
+        (attn, positions): (Attn, &[u32]),
+        w: &mut WeightGrads,
     ) -> Result<Tensor> {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
         let c = match kept {
@@ -295,12 +298,14 @@ impl Block {
             // MLP sub-block, right to left; down is row parallel: its backward is local (on every
             // row: sequence parallelism gathers them)
             (Mlp::Dense { gate_proj, up_proj, down_proj }, MlpCache::Dense { gate, up, act }) => {
-                let dact = ops::linear_backward(&*tp.gather_rows(&dout)?, &act, &down_proj.value, &mut down_proj.grad);
+                let dy = tp.gather_rows(&dout)?;
+                let dact = ops::linear_input_grad(&dy, &down_proj.value);
+                w.linear(Cow::Owned(act), vec![(dy, down_proj)]);
                 let (dgate, dup) = ops::swiglu_backward(&dact, &gate, &up);
                 // f: one sum over the tp ranks for gate and up together
-                tp.column_backward(&c.xn2, &mut [(&dgate, gate_proj), (&dup, up_proj)])?
+                tp.column_backward(c.xn2, vec![(dgate, gate_proj), (dup, up_proj)], w)?
             }
-            (Mlp::Moe(moe), MlpCache::Moe(cache)) => moe.backward(split.ep, &dout, &c.xn2, cache, balance)?,
+            (Mlp::Moe(moe), MlpCache::Moe(cache)) => moe.backward(split.ep, &dout, c.xn2, cache, balance, w)?,
             _ => anyhow::bail!("backward: a block was given the cache of another kind of MLP"),
         };
         let ln2 = &mut self.post_attention_layernorm;
@@ -313,14 +318,15 @@ impl Block {
             Some(core) => core,
             None => split.seq.attention(attn, qkv.0, qkv.1, qkv.2, pos).map(|(o, l, _)| (o, l))?, // selective
         };
-        let o = &mut self.o_proj;
-        let dattn = ops::linear_backward(&*tp.gather_rows(&dh)?, &out, &o.value, &mut o.grad);
+        let dy = tp.gather_rows(&dh)?;
+        let dattn = ops::linear_input_grad(&dy, &self.o_proj.value);
         let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, qkv, pos, (&out, &lse), &dattn)?;
+        w.linear(Cow::Owned(out), vec![(dy, &mut self.o_proj)]);
         ops::rope_backward(&mut dq, positions, hd, theta);
         ops::rope_backward(&mut dk, positions, hd, theta);
         // f: one sum over the tp ranks for q, k and v together
-        let layers = &mut [(&dq, &mut self.q_proj), (&dk, &mut self.k_proj), (&dv, &mut self.v_proj)];
-        let dxn1 = tp.column_backward(&c.xn1, layers)?;
+        let layers = vec![(dq, &mut self.q_proj), (dk, &mut self.k_proj), (dv, &mut self.v_proj)];
+        let dxn1 = tp.column_backward(c.xn1, layers, w)?;
         let ln1 = &mut self.input_layernorm;
         let mut dx = ops::rmsnorm_backward(&dxn1, &c.x, &ln1.value, &c.rstd1, &mut ln1.grad);
         ops::add_assign(&mut dx, &dh);

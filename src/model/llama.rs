@@ -23,6 +23,7 @@ use crate::model::block::{Block, Kept, Splits};
 use crate::model::moe::{self, Load};
 use crate::model::param::Param;
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit};
+use crate::model::weight_grads::{Deferred, WeightGrads};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::{anyhow, bail, Result};
@@ -116,6 +117,9 @@ pub struct Llama<'g> {
     head: Option<Head>,
     /// One per micro-batch whose forward is done and backward is not (the activation memory).
     caches: VecDeque<Cache>,
+    /// One per micro-batch (and its model chunk) whose `backward_input` is done and
+    /// `backward_weights` is not: the weight GEMMs it left (zero-bubble pipelines).
+    deferred: VecDeque<(usize, Vec<Deferred>)>,
     /// Attention score entries computed since the last `take_attention_work`.
     attention_work: u64,
     /// Routed rows per expert of each MoE layer of this stage since the last `take_expert_load`.
@@ -136,6 +140,7 @@ impl<'g> Llama<'g> {
     /// training loop adds the micro-batches' losses there and reads the step's once).
     pub fn forward_loss(&mut self, tokens: &[u32], batch: usize, targets: &[i32]) -> Result<Tensor> {
         self.caches.clear();
+        self.deferred.clear();
         match self.forward_stage(StageInput::Tokens(tokens), batch, targets)? {
             StageOutput::Loss(loss) => Ok(loss),
             StageOutput::Hidden(_) => bail!("forward: this model is one pipeline stage, not the whole model"),
@@ -259,6 +264,58 @@ impl<'g> Llama<'g> {
         grad: StageGrad,
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Option<Tensor>> {
+        self.backward_into(chunk, grad, &mut WeightGrads::Now, ready)
+    }
+
+    /// The B half of `backward_chunk` (`weight_grads.rs`; the zero-bubble pipelines): returns the
+    /// input gradient as soon as it is known and keeps the weight GEMMs, with what they read,
+    /// for `backward_weights`. No gradient is complete yet, so nothing is announced ready.
+    pub fn backward_input(&mut self, chunk: usize, grad: StageGrad) -> Result<Option<Tensor>> {
+        let mut later = WeightGrads::Later(Vec::new());
+        let dx = self.backward_into(chunk, grad, &mut later, &mut |_| {})?;
+        if let WeightGrads::Later(kept) = later {
+            self.deferred.push_back((chunk, kept));
+        }
+        Ok(dx)
+    }
+
+    /// The W half: the weight GEMMs of the oldest micro-batch whose `backward_input` through
+    /// `chunk` is done. Then `ready` sees every parameter of the chunk, in backward's order. It
+    /// gathers no weight (a weight gradient reads none).
+    pub fn backward_weights(&mut self, chunk: usize, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
+        let oldest = self.deferred.iter().position(|(c, _)| *c == chunk);
+        let (_, kept) = oldest
+            .and_then(|at| self.deferred.remove(at))
+            .ok_or_else(|| anyhow!("backward: no backward through chunk {chunk} is waiting for its weight gradients"))?;
+        let mut params = self.chunk_params_mut(chunk);
+        kept.into_iter().for_each(|d| d.apply(&mut params));
+        params.into_iter().for_each(ready);
+        Ok(())
+    }
+
+    /// The parameters of model chunk `chunk`, in backward's order: the head's (after the last
+    /// chunk), the blocks' from the last, the embedding (before chunk 0, and once when tied).
+    fn chunk_params_mut(&mut self, chunk: usize) -> Vec<&mut Param> {
+        let mut v: Vec<&mut Param> = Vec::new();
+        if let Some(h) = self.head.as_mut().filter(|_| chunk + 1 == self.chunks.len()) {
+            v.push(&mut h.norm);
+            v.extend(h.lm_head.as_mut());
+        }
+        for layer in self.layers[self.chunks[chunk].clone()].iter_mut().rev() {
+            v.extend(layer.params_mut());
+        }
+        v.extend(self.embed_tokens.as_mut().filter(|_| chunk == 0));
+        v
+    }
+
+    /// The backward of chunk `chunk`, weight gradients to `w`.
+    fn backward_into(
+        &mut self,
+        chunk: usize,
+        grad: StageGrad,
+        w: &mut WeightGrads,
+        ready: &mut dyn FnMut(&mut Param),
+    ) -> Result<Option<Tensor>> {
         let oldest = self.caches.iter().position(|c| c.chunk == chunk);
         let mut c = oldest
             .and_then(|at| self.caches.remove(at))
@@ -279,7 +336,7 @@ impl<'g> Llama<'g> {
                 let dlogits = ops::cross_entropy_backward(&hc.logits, &hc.targets, first, &hc.lse, scale);
                 let out_layer =
                     h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
-                let dxn = self.tp.column_backward(&hc.xn, &mut [(&dlogits, out_layer)])?;
+                let dxn = self.tp.column_backward(hc.xn, vec![(dlogits, out_layer)], w)?;
                 h.lm_head.iter_mut().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
                 let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad);
                 ready(&mut h.norm);
@@ -293,7 +350,8 @@ impl<'g> Llama<'g> {
             self.fetch(Unit::Layer(i), false)?;
             let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
             let cache = c.blocks.pop().expect("one cache per layer");
-            dx = self.layers[i].backward(split, dx, cache, (&self.cfg, &balance), c.attn, &c.positions)?;
+            let attn = (c.attn, &c.positions[..]);
+            dx = self.layers[i].backward(split, dx, cache, (&self.cfg, &balance), attn, w)?;
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }
@@ -301,7 +359,7 @@ impl<'g> Llama<'g> {
             (Some(tokens), Some(embed)) => {
                 embed.ensure_grad(); // the embedding's backward reads no weight: nothing to gather
                 let dx = self.tp.gather_rows(&dx)?; // sequence parallel: every row's gradient
-                ops::embedding_backward(&dx, tokens, first, &mut embed.grad); // local: this rank's ids
+                w.embedding(embed, dx, tokens, first); // local: this rank's ids
                 ready(embed);
                 Ok(None)
             }

@@ -2,7 +2,7 @@
 //!
 //! Read in this order: `param` (a weight, its gradient, how ranks share it) → `init` (every
 //! weight from its own random stream) → `block` (one transformer block; `moe`, its mixture of experts) → `llama` (the whole
-//! model, or one pipeline `stage` of it) → `split` (the few points where a model cut across
+//! model, or one pipeline `stage` of it) → `weight_grads` (a backward's two halves, B and W) → `split` (the few points where a model cut across
 //! ranks must talk) → `optimizer` (AdamW, clipping, the schedule) → `kv_cache` (generating text:
 //! each layer's keys and values kept, one new row a step).
 
@@ -15,6 +15,7 @@ pub mod optimizer;
 pub mod param;
 pub mod split;
 pub mod stage;
+pub mod weight_grads;
 
 pub use llama::{Llama, StageGrad, StageInput, StageOutput};
 pub use param::{Param, ParamKind, Placement};

@@ -28,11 +28,13 @@
 use crate::comm::process_grid::Axis;
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind, Placement};
-use crate::model::split::{ExpertSplit, Routed};
+use crate::model::split::{input_grad, owned, ExpertSplit, Routed};
+use crate::model::weight_grads::WeightGrads;
 use crate::ops;
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
 use anyhow::Result;
+use std::borrow::Cow;
 
 /// One expert: a SwiGLU MLP (w1 the gate, w3 the up projection, w2 the down projection).
 pub(crate) struct Expert {
@@ -182,15 +184,17 @@ impl Moe {
         Ok((y, MoeCache { routing, plan, routed, experts, ys }, load))
     }
 
-    /// dx from dy, both `[T, d]` (x: the forward's input); accumulates every weight gradient.
-    /// `balance`: the load-balancing loss's gradient on each expert's probability (or empty).
+    /// dx from dy, both `[T, d]` (x: the forward's input); every weight GEMM goes to `w` (now,
+    /// or kept for a zero-bubble W). `balance`: the load-balancing loss's gradient on each
+    /// expert's probability (or empty).
     pub(crate) fn backward(
         &mut self,
         ep: &dyn ExpertSplit,
         dy: &Tensor,
-        x: &Tensor,
+        x: Tensor,
         c: MoeCache,
         balance: &[f32],
+        w: &mut WeightGrads,
     ) -> Result<Tensor> {
         let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.plan.slot, &c.routing.weights);
         drop(c.ys);
@@ -202,18 +206,19 @@ impl Moe {
             let Some([x_e, gate, up, act]) = rows else { continue }; // no row: no gradient
             let n = x_e.rows();
             let dy_e = ops::slice(&dye, at * d, &[n, d]);
-            let dact = ops::linear_backward(&dy_e, &act, &expert.w2.value, &mut expert.w2.grad);
+            let dact = ops::linear_input_grad(&dy_e, &expert.w2.value);
+            w.linear(Cow::Owned(act), vec![(Cow::Owned(dy_e), &mut expert.w2)]);
             let (dg, du) = ops::swiglu_backward(&dact, &gate, &up);
-            let mut dx_e = ops::linear_backward(&dg, &x_e, &expert.w1.value, &mut expert.w1.grad);
-            ops::add_assign(&mut dx_e, &ops::linear_backward(&du, &x_e, &expert.w3.value, &mut expert.w3.grad));
-            ops::copy(&dx_e, 0, &mut dxe, at * d, n * d);
+            let layers = vec![(dg, &mut expert.w1), (du, &mut expert.w3)];
+            ops::copy(&input_grad(&layers), 0, &mut dxe, at * d, n * d);
+            w.linear(Cow::Owned(x_e), owned(layers));
             at += n;
         }
         let dxs = ep.combine(dxe, &c.routed)?;
         let mut dx = route::combine(&dxs, &c.plan.slot, None, x.rows()); // each token: the sum of its k copies
         let dlogits = route::route_backward(&dweights, &c.routing, balance);
-        let gate = &mut self.gate;
-        ops::add_assign(&mut dx, &ops::linear_backward(&dlogits, x, &gate.value, &mut gate.grad));
+        ops::add_assign(&mut dx, &ops::linear_input_grad(&dlogits, &self.gate.value));
+        w.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);
         Ok(dx)
     }
 }

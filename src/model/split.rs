@@ -23,6 +23,7 @@
 //! rows of W, a row-parallel backward `ops::linear_backward` on its columns.
 
 use crate::model::param::Param;
+use crate::model::weight_grads::WeightGrads;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::Result;
@@ -52,9 +53,10 @@ pub trait TensorSplit {
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor>;
 
     /// The backward of column-parallel layers that read the same input `x` (q, k, v; gate, up),
-    /// each `(dy, W)`: accumulates every dW += dyᵀ · x and returns dx = Σ dy · W over the layers
-    /// and the ranks. `x` and dx have this rank's rows (all of them without sequence parallelism).
-    fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor>;
+    /// each `(dy, W)`: returns dx = Σ dy · W over the layers and the ranks, and hands every
+    /// dW += dyᵀ · x to `w` (now, or kept for a zero-bubble schedule's W: `weight_grads.rs`). `x`
+    /// and dx have this rank's rows (all of them without sequence parallelism).
+    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut WeightGrads) -> Result<Tensor>;
 
     /// The rows of `tokens` from a table holding vocabulary ids `first..`, summed over the ranks.
     fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor>;
@@ -166,9 +168,9 @@ impl TensorSplit for Whole {
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
         Ok(ops::linear(x, &w.value))
     }
-    fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor> {
-        let dx = input_grad(layers);
-        weight_grads(x, layers);
+    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut WeightGrads) -> Result<Tensor> {
+        let dx = input_grad(&layers);
+        w.linear(Cow::Owned(x), owned(layers));
         Ok(dx)
     }
     fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor> {
@@ -202,20 +204,18 @@ impl SequenceSplit for Whole {
 }
 
 /// dx = Σ dy · W over layers that read the same input: this rank's part of the input gradient.
-pub fn input_grad(layers: &[(&Tensor, &mut Param)]) -> Tensor {
+pub fn input_grad(layers: &[(Tensor, &mut Param)]) -> Tensor {
     let (first, rest) = layers.split_first().expect("at least one layer");
-    let mut dx = ops::linear_input_grad(first.0, &first.1.value);
+    let mut dx = ops::linear_input_grad(&first.0, &first.1.value);
     for (dy, w) in rest {
         ops::add_assign(&mut dx, &ops::linear_input_grad(dy, &w.value));
     }
     dx
 }
 
-/// dW += dyᵀ · x for each layer: the weight gradients, local to every rank.
-pub fn weight_grads(x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) {
-    for (dy, w) in layers.iter_mut() {
-        ops::linear_weight_grad(dy, x, &mut w.grad);
-    }
+/// The layers' output gradients as `WeightGrads::linear` takes them.
+pub fn owned<'p>(layers: Vec<(Tensor, &'p mut Param)>) -> Vec<(Cow<'static, Tensor>, &'p mut Param)> {
+    layers.into_iter().map(|(dy, p)| (Cow::Owned(dy), p)).collect()
 }
 
 /// (the mean of lse − target logit over the rows with a target, as a one-number tensor where

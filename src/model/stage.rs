@@ -8,24 +8,71 @@
 //! layers are cut into p·V *virtual* stages and rank r holds virtual stages r, r + p, r + 2p, …
 //! (p = 2, V = 2, 8 layers: rank 0 holds layers 0–1 and 4–5, rank 1 holds 2–3 and 6–7). A
 //! micro-batch then visits every rank V times, so a rank can start working V times sooner.
+//!
+//! The V-shaped zero-bubble schedule (`zbv`) gives each rank two chunks the other way round:
+//! rank r holds virtual stages r and 2p − 1 − r, so a micro-batch goes down the ranks and comes
+//! back up (p = 2, 8 layers: rank 0 holds layers 0–1 and 6–7, rank 1 holds 2–5). Rank p − 1's
+//! two chunks are neighbours (what one sends the other is local), and rank 0 holds both ends of
+//! the model: the embedding and the loss.
+//!
+//! ```text
+//! loop (interleaved), p = 2, V = 2:  rank 0: 0 → rank 1: 1 → rank 0: 2 → rank 1: 3
+//! V (zbv), p = 2:                    rank 0: 0 → rank 1: 1 → rank 1: 2 → rank 0: 3
+//! ```
 
+use crate::config::{ParallelConfig, PpSchedule};
 use std::ops::Range;
 
-/// A pipeline stage: `index` of `count`, holding `chunks` model chunks (1 unless interleaved).
+/// A pipeline stage: `index` of `count`, holding `chunks` model chunks (1 unless interleaved or
+/// V-shaped), laid out as `shape` says.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Stage {
     pub index: usize,
     pub count: usize,
     pub chunks: usize,
+    pub shape: Shape,
+}
+
+/// Which virtual stages a rank's chunks are.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shape {
+    /// Chunk c of rank r is virtual stage c·p + r: the micro-batch loops round the ranks.
+    Loop,
+    /// Two chunks: rank r holds virtual stages r and 2p − 1 − r (`zbv`).
+    V,
 }
 
 impl Stage {
     /// The whole model on one stage.
-    pub const WHOLE: Stage = Stage { index: 0, count: 1, chunks: 1 };
+    pub const WHOLE: Stage = Stage { index: 0, count: 1, chunks: 1, shape: Shape::Loop };
 
     /// Stage `index` of `count`, one chunk each.
     pub fn new(index: usize, count: usize) -> Stage {
-        Stage { index, count, chunks: 1 }
+        Stage::looped(index, count, 1)
+    }
+
+    /// Stage `index` of `count`, `chunks` each, looped (the interleaved schedule's).
+    pub fn looped(index: usize, count: usize, chunks: usize) -> Stage {
+        Stage { index, count, chunks, shape: Shape::Loop }
+    }
+
+    /// Pipeline stage `index` as `parallel`'s schedule lays out its chunks.
+    pub fn planned(index: usize, parallel: &ParallelConfig) -> Stage {
+        Stage::for_schedule(parallel.pp_schedule, index, parallel.pp, parallel.pp_virtual_stages)
+    }
+
+    /// Stage `index` of `count` as schedule `kind` lays out its chunks (`chunks` of them looped,
+    /// or the V's two).
+    pub fn for_schedule(kind: PpSchedule, index: usize, count: usize, chunks: usize) -> Stage {
+        match kind {
+            PpSchedule::Zbv => Stage::v(index, count),
+            _ => Stage::looped(index, count, chunks),
+        }
+    }
+
+    /// Stage `index` of `count`, the two chunks of the V shape.
+    pub fn v(index: usize, count: usize) -> Stage {
+        Stage { index, count, chunks: 2, shape: Shape::V }
     }
 
     /// Holds the embedding (the first virtual stage is its chunk 0).
@@ -34,13 +81,36 @@ impl Stage {
     }
     /// Holds the output layer and the loss (the last virtual stage is its last chunk).
     pub fn is_last(&self) -> bool {
-        self.index + 1 == self.count
+        match self.shape {
+            Shape::Loop => self.index + 1 == self.count,
+            Shape::V => self.index == 0,
+        }
     }
 
-    /// Chunk `c` of this stage as a stage of its own: virtual stage c·count + index of
-    /// count·chunks.
+    /// The rank holding the output layer and the loss.
+    pub fn loss_rank(&self) -> usize {
+        self.place_of(self.count * self.chunks - 1).0
+    }
+
+    /// The virtual stage chunk `c` of this rank is.
+    pub fn virtual_stage(&self, c: usize) -> usize {
+        match (self.shape, c) {
+            (Shape::V, 1) => 2 * self.count - 1 - self.index,
+            _ => c * self.count + self.index,
+        }
+    }
+
+    /// Where virtual stage `u` is: (rank, chunk).
+    pub fn place_of(&self, u: usize) -> (usize, usize) {
+        match self.shape {
+            Shape::V if u >= self.count => (2 * self.count - 1 - u, 1),
+            _ => (u % self.count, u / self.count),
+        }
+    }
+
+    /// Chunk `c` of this stage as a stage of its own: its virtual stage of count·chunks.
     pub fn chunk(&self, c: usize) -> Stage {
-        Stage::new(c * self.count + self.index, self.count * self.chunks)
+        Stage::new(self.virtual_stage(c), self.count * self.chunks)
     }
 
     /// The layers (out of `n`) of each chunk, in order.

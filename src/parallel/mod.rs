@@ -4,7 +4,7 @@
 //! (same model, different data, averaged gradients) → `tensor_parallel` (each matrix split
 //! across ranks) → `sequence_parallel` (and the rows between the matrices) →
 //! `pipeline_parallel` (layers split into stages; `pipeline_schedule`, the order of a stage's
-//! forwards and backwards) → `context_parallel` (the sequence split,
+//! forwards and backwards, zero-bubble ones too; `pipeline_messages`, what the stages say) → `context_parallel` (the sequence split,
 //! attention as a ring; `ulysses`, or an all-to-all to a head split) → `zero` (data parallelism that shards optimizer state, gradients and
 //! weights: ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their chunks) → `expert_parallel` (a mixture of experts' experts divided among
 //! ranks, tokens travelling to them by all-to-all). The model (`model/`) knows none of them: it
@@ -16,6 +16,7 @@ pub mod context_parallel;
 pub mod data_parallel;
 pub mod expert_parallel;
 pub mod fsdp;
+pub mod pipeline_messages;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;
 pub mod sequence_parallel;

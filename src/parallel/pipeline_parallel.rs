@@ -55,12 +55,12 @@
 use crate::comm::Group;
 use crate::config::PpSchedule;
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
-use crate::ops::tensor::{Place, Tensor};
+use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
+use crate::parallel::pipeline_messages::{Mailbox, Messages};
 use crate::parallel::pipeline_schedule::{schedule, sent_by, warmup, Action, Carries, Work};
-use anyhow::{bail, Result};
+use anyhow::Result;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::time::Instant;
 
 /// One training step's forwards and backwards on this stage.
@@ -69,8 +69,8 @@ pub struct StepPlan<'a> {
     pub micro_batches: usize,
     /// Sequences per micro-batch.
     pub batch: usize,
-    /// Model chunks per rank (`parallel.pp_virtual_stages`; 1 but for the interleaved schedule).
-    pub chunks: usize,
+    /// This rank's pipeline stage: its model chunks and how they are laid out (`Stage::planned`).
+    pub stage: Stage,
     /// The shape of the activations between stages, `[batch × seq, hidden]`.
     pub hidden: [usize; 2],
     /// Micro-batch i's (tokens, targets).
@@ -113,7 +113,7 @@ pub fn run_step(
     plan: &StepPlan,
     ready: &mut dyn FnMut(&mut Param, bool),
 ) -> Result<StepStats> {
-    let stage = Stage { index: pp.index(), count: pp.size(), chunks: plan.chunks };
+    let stage = plan.stage;
     let received = RefCell::new(vec![0; stage.count]);
     let msg = Messages { pp, stage, shape: plan.hidden, place: model.place(), received };
     let loss = Tensor::zeros_on(&[1], &model.place(), DType::F32);
@@ -205,8 +205,9 @@ fn walk(run: &mut Runner, msg: &Messages) -> Result<()> {
                 msg.send_backward(dx)?;
             }
         }
-        PpSchedule::Interleaved => {
-            let mut mail = Mailbox::new(msg, m);
+        // a list of actions, each message in the mailbox (the zero-bubble ones with their W's)
+        PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv => {
+            let mut mail = Mailbox::new(plan.kind, msg, m);
             for action in schedule(plan.kind, stage.count, stage.index, m, stage.chunks) {
                 match action {
                     Action::Forward(w) => {
@@ -220,6 +221,7 @@ fn walk(run: &mut Runner, msg: &Messages) -> Result<()> {
                         let dx = run.backward_chunk(w, dy)?;
                         mail.send(Carries::Gradient, w, dx)?;
                     }
+                    Action::Weights(w) => run.weights(w)?,
                 }
             }
         }
@@ -291,19 +293,33 @@ impl Runner<'_, '_, '_> {
         self.backward_chunk(Work { micro: i, chunk: 0 }, dy)
     }
 
-    /// `backward` of micro-batch `w.micro` through model chunk `w.chunk`.
+    /// `backward` of micro-batch `w.micro` through model chunk `w.chunk`; in a zero-bubble
+    /// schedule its B alone, the weight gradients left for `weights`.
     fn backward_chunk(&mut self, w: Work, dy: Option<Tensor>) -> Result<Option<Tensor>> {
         let start = Instant::now();
         let grad = match dy {
             Some(dy) => StageGrad::Hidden(dy),
             None => StageGrad::Loss(1.0 / self.plan.micro_batches as f32),
         };
-        // a chunk's gradients are complete for the step in its last micro-batch's backward
+        // a chunk's gradients are complete for the step in its last micro-batch's backward (W)
         let last = w.micro + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
-        let dx = self.model.backward_chunk(w.chunk, grad, &mut |p| ready(p, last))?;
+        let dx = match self.plan.kind.splits_backward() {
+            true => self.model.backward_input(w.chunk, grad)?,
+            false => self.model.backward_chunk(w.chunk, grad, &mut |p| ready(p, last))?,
+        };
         (self.plan.record)(name("backward", w, self.stage), start);
         Ok(dx)
+    }
+
+    /// The W of micro-batch `w.micro` through model chunk `w.chunk`: the weight GEMMs its B left.
+    fn weights(&mut self, w: Work) -> Result<()> {
+        let start = Instant::now();
+        let last = w.micro + 1 == self.plan.micro_batches;
+        let ready = &mut *self.ready;
+        self.model.backward_weights(w.chunk, &mut |p| ready(p, last))?;
+        (self.plan.record)(name("weights", w, self.stage), start);
+        Ok(())
     }
 }
 
@@ -312,126 +328,5 @@ fn name(what: &str, w: Work, stage: Stage) -> String {
     match stage.chunks {
         1 => format!("{what} {}", w.micro),
         _ => format!("{what} {}.{}", w.micro, w.chunk),
-    }
-}
-
-/// A stage's messages to its neighbours in the pp group: activations `[batch × seq, hidden]`
-/// forward, their gradients backward.
-struct Messages<'a> {
-    pp: &'a Group,
-    stage: Stage,
-    shape: [usize; 2],
-    place: Place,
-    /// Messages received so far in the step, per member of the pp group.
-    received: RefCell<Vec<usize>>,
-}
-
-impl Messages<'_> {
-    fn prev(&self) -> Option<usize> {
-        (!self.stage.is_first()).then(|| self.stage.index - 1)
-    }
-    fn next(&self) -> Option<usize> {
-        (!self.stage.is_last()).then(|| self.stage.index + 1)
-    }
-    /// A message lands on this rank's device (on GPUs with NCCL it never touches the host).
-    fn recv(&self, from: Option<usize>) -> Result<Option<Tensor>> {
-        let Some(from) = from else { return Ok(None) };
-        self.received.borrow_mut()[from] += 1;
-        self.pp.recv_tensor(&self.shape, &self.place, from).map(Some)
-    }
-    fn send(&self, t: Option<Tensor>, to: Option<usize>) -> Result<()> {
-        match (t, to) {
-            (Some(t), Some(to)) => self.pp.send_tensor(&t, to),
-            _ => Ok(()),
-        }
-    }
-    /// Sends `t` to `peer` and receives from the same `peer` in one step.
-    fn exchange(&self, t: Option<Tensor>, peer: Option<usize>) -> Result<Option<Tensor>> {
-        match (t, peer) {
-            (Some(t), Some(p)) => {
-                self.received.borrow_mut()[p] += 1;
-                Ok(Some(self.pp.send_recv_tensor(&t, p, &self.shape, p)?))
-            }
-            _ => self.recv(peer), // nothing to send: a stage end (first or last)
-        }
-    }
-
-    fn recv_forward(&self) -> Result<Option<Tensor>> {
-        self.recv(self.prev())
-    }
-    fn send_forward(&self, y: Option<Tensor>) -> Result<()> {
-        self.send(y, self.next())
-    }
-    fn recv_backward(&self) -> Result<Option<Tensor>> {
-        self.recv(self.next())
-    }
-    fn send_backward(&self, dx: Option<Tensor>) -> Result<()> {
-        self.send(dx, self.prev())
-    }
-    fn send_forward_recv_backward(&self, y: Option<Tensor>) -> Result<Option<Tensor>> {
-        self.exchange(y, self.next())
-    }
-    fn send_backward_recv_forward(&self, dx: Option<Tensor>) -> Result<Option<Tensor>> {
-        self.exchange(dx, self.prev())
-    }
-}
-
-/// The interleaved schedule's messages. Activations always go to the next rank and gradients to
-/// the previous one, around the ring (rank p − 1's chunk c feeds rank 0's chunk c + 1), and with
-/// p = 2 both kinds travel between the same two ranks. Messages between two ranks arrive in the
-/// order they were sent, so each rank replays its neighbours' schedules to know that order: a
-/// message that arrives before it is needed waits in the stash.
-struct Mailbox<'a> {
-    msg: &'a Messages<'a>,
-    /// Per member of the pp group: what it will send us, in its order (walked as it comes).
-    expected: Vec<Box<dyn Iterator<Item = (Carries, Work)>>>,
-    stash: HashMap<(Carries, Work), Tensor>,
-}
-
-impl<'a> Mailbox<'a> {
-    fn new(msg: &'a Messages<'a>, m: usize) -> Mailbox<'a> {
-        let (p, me) = (msg.stage.count, msg.stage.index);
-        let stage = msg.stage;
-        let expected = (0..p)
-            .map(|from| {
-                let plan = schedule(PpSchedule::Interleaved, p, from, m, stage.chunks);
-                let sends = plan.filter_map(move |a| sent_by(stage, from, a));
-                Box::new(sends.filter(move |&(to, _)| to == me).map(|(_, what)| what)) as Box<dyn Iterator<Item = _>>
-            })
-            .collect();
-        Mailbox { msg, expected, stash: HashMap::new() }
-    }
-
-    /// The input of this rank's `what` of `w`, if it has one: the previous virtual stage's
-    /// activations (forward) or the next one's gradient (backward), received now or earlier.
-    fn take(&mut self, what: Carries, w: Work) -> Result<Option<Tensor>> {
-        let (p, v, me) = (self.msg.stage.count, self.msg.stage.chunks, self.msg.stage.index);
-        let (from, theirs) = match what {
-            Carries::Activations if me == 0 && w.chunk == 0 => return Ok(None), // tokens
-            Carries::Gradient if me == p - 1 && w.chunk == v - 1 => return Ok(None), // the loss
-            Carries::Activations => ((me + p - 1) % p, Work { chunk: w.chunk - usize::from(me == 0), ..w }),
-            Carries::Gradient => ((me + 1) % p, Work { chunk: w.chunk + usize::from(me == p - 1), ..w }),
-        };
-        let key = (what, theirs);
-        while !self.stash.contains_key(&key) {
-            let Some(next) = self.expected[from].next() else {
-                bail!("interleaved pipeline: rank {me} waits for {what:?} of {theirs:?} that rank {from} never sends");
-            };
-            let t = self.msg.recv(Some(from))?.expect("a sender was given");
-            self.stash.insert(next, t);
-        }
-        Ok(self.stash.remove(&key))
-    }
-
-    /// Sends the result of this rank's `what` of `w` where the next step of its micro-batch runs.
-    fn send(&self, what: Carries, w: Work, t: Option<Tensor>) -> Result<()> {
-        let action = match what {
-            Carries::Activations => Action::Forward(w),
-            Carries::Gradient => Action::Backward(w),
-        };
-        match sent_by(self.msg.stage, self.msg.stage.index, action) {
-            Some((to, _)) => self.msg.send(t, Some(to)),
-            None => Ok(()),
-        }
     }
 }

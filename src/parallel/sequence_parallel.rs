@@ -32,7 +32,8 @@
 
 use crate::comm::placement::{redistribute, Placement};
 use crate::comm::{Group, ReduceOp};
-use crate::model::split::{input_grad, weight_grads};
+use crate::model::split::{input_grad, owned};
+use crate::model::weight_grads::WeightGrads;
 use crate::model::{Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
@@ -76,11 +77,11 @@ impl TensorSplit for SequenceParallel<'_> {
     /// gathered again (started first, so it travels during the input-gradient GEMMs), the input
     /// gradient is summed over the ranks and scattered back to rows (started before the
     /// weight-gradient GEMMs, so it travels while they compute).
-    fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor> {
-        // (an asynchronous call owns what it sends: a copy of this rank's rows, 1/tp of what arrives)
-        let gathering = self.group.all_gather_tensor_async(x.clone())?;
-        let scattering = self.group.reduce_scatter_tensor_async(input_grad(layers), ReduceOp::Sum)?;
-        weight_grads(&gathering.wait()?, layers); // overlaps the reduce-scatter
+    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut WeightGrads) -> Result<Tensor> {
+        let gathering = self.group.all_gather_tensor_async(x)?; // (an asynchronous call owns what it sends)
+        let scattering = self.group.reduce_scatter_tensor_async(input_grad(&layers), ReduceOp::Sum)?;
+        // overlaps the reduce-scatter (or kept for later, the whole input with it)
+        w.linear(Cow::Owned(gathering.wait()?), owned(layers));
         scattering.wait()
     }
 

@@ -34,11 +34,13 @@
 //! points where its ranks must talk.
 
 use crate::comm::{Group, ReduceOp};
-use crate::model::split::{input_grad, row_losses, weight_grads};
+use crate::model::split::{input_grad, owned, row_losses};
+use crate::model::weight_grads::WeightGrads;
 use crate::model::{Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
 use anyhow::Result;
+use std::borrow::Cow;
 
 /// This rank's part of tensor parallelism: the tp group its layers talk over.
 pub struct TensorParallel<'g> {
@@ -71,9 +73,9 @@ impl TensorSplit for TensorParallel<'_> {
 
     /// Column parallel backward of the layers reading `x`: this rank's dx = Σ dy·W, then `f`
     /// all-reduces it, asynchronously, while the weight-gradient GEMMs run.
-    fn column_backward(&self, x: &Tensor, layers: &mut [(&Tensor, &mut Param)]) -> Result<Tensor> {
-        let pending = self.group.all_reduce_tensor_async(input_grad(layers), ReduceOp::Sum)?; // f, started
-        weight_grads(x, layers); // overlaps the all-reduce
+    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut WeightGrads) -> Result<Tensor> {
+        let pending = self.group.all_reduce_tensor_async(input_grad(&layers), ReduceOp::Sum)?; // f, started
+        w.linear(Cow::Owned(x), owned(layers)); // overlaps the all-reduce (or kept for later)
         pending.wait()
     }
 

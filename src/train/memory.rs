@@ -122,7 +122,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
     (0..p.pp)
         .map(|s| {
-            let stage = Stage { index: s, count: p.pp, chunks: p.pp_virtual_stages };
+            let stage = Stage::planned(s, p);
             activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype) * in_flight(cfg, s)
         })
         .fold(0.0, f64::max)
@@ -164,7 +164,7 @@ pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
     let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?.with_dp_shard(p.dp_shard)?;
     let stages: Vec<RankMemory> =
-        (0..p.pp).map(|index| stage_memory(cfg, Stage { index, count: p.pp, chunks: p.pp_virtual_stages })).collect();
+        (0..p.pp).map(|index| stage_memory(cfg, Stage::planned(index, p))).collect();
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
 }
 
@@ -327,18 +327,18 @@ pub fn held(model: &Llama, optimizer: &Optimizer) -> Held {
     }
 }
 
-/// Micro-batches pipeline stage `s` holds activations for at once (with the interleaved
-/// schedule, in chunks of 1/V of a micro-batch's): the forwards before its first backward, and
-/// the one that backward needs. Without a pipeline, each micro-batch's backward follows its
-/// forward: one.
+/// Micro-batches pipeline stage `s` holds activations for at once (with model chunks, in chunks
+/// of 1/V of a micro-batch's): the forwards before its first backward, and the one that backward
+/// needs; with a zero-bubble schedule also those whose W is still to come (what W reads, each
+/// GEMM's input and output gradient, is about what the forward kept: counted as much).
+/// Without a pipeline, each micro-batch's backward follows its forward: one.
 fn in_flight(cfg: &Config, s: usize) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
     if p.pp == 1 {
         return 1.0;
     }
-    let (m, v) = (t.grad_accum_steps, p.pp_virtual_stages);
-    let chunks = (pipeline_schedule::warmup(p.pp_schedule, p.pp, s, m, v) + 1).min(m * v);
-    chunks as f64 / v as f64
+    let v = Stage::planned(s, p).chunks;
+    pipeline_schedule::held(p.pp_schedule, p.pp, s, t.grad_accum_steps, v) as f64 / v as f64
 }
 
 /// What the busiest rank of `cfg` will hold, in bytes: (total, one line saying of what).

@@ -386,7 +386,7 @@ impl Start<'_> {
     /// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens), moved
     /// to its device once, and the step to start from.
     pub(super) fn model<'g>(&self, me: &'g Rank, cfg: &Config) -> Result<(Llama<'g>, usize)> {
-        let stage = Stage { index: me.coords.pp, count: cfg.parallel.pp, chunks: cfg.parallel.pp_virtual_stages };
+        let stage = Stage::planned(me.coords.pp, &cfg.parallel);
         let tp: Box<dyn TensorSplit> = match cfg.parallel.sequence_parallel {
             true => Box::new(SequenceParallel::new(me.group(Axis::Tp))),
             false => Box::new(TensorParallel::new(me.group(Axis::Tp))),

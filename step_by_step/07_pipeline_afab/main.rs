@@ -25,7 +25,7 @@ fn run(tiny: bool) -> Result<()> {
     println!(
         "bubble {:.0}% of the step, as (p−1)/(m+p−1) = {:.0}%",
         100.0 * timeline.bubble(),
-        100.0 * timeline.bubble_formula()
+        100.0 * timeline.bubble_formula().expect("AFAB has one")
     );
     let ranks = train_all(&cfg, Options { quiet: true, ..Default::default() })?;
     let held: Vec<usize> = ranks.iter().map(|r| r.peak_activations).collect();

@@ -13,6 +13,7 @@ use crate::model::init;
 use crate::model::param::{Param, ParamKind, Placement};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::stage::Stage;
+use crate::model::weight_grads::Deferred;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType};
 use anyhow::Result;
@@ -72,6 +73,7 @@ impl<'g> Llama<'g> {
             chunks,
             head,
             caches,
+            deferred: VecDeque::new(),
             experts: Box::new(Whole),
             attention_work: 0,
             expert_load: Vec::new(),
@@ -233,17 +235,20 @@ impl<'g> Llama<'g> {
         h
     }
 
-    /// Micro-batches whose activations this rank holds now (forward done, backward not yet; with
-    /// the interleaved pipeline, micro-batch chunks, each 1/V of a micro-batch's).
+    /// Micro-batches whose activations this rank holds now (forward done, backward not yet, or
+    /// with a zero-bubble pipeline its weight gradients not yet; with model chunks, micro-batch
+    /// chunks, each 1/V of a micro-batch's).
     pub fn activations_held(&self) -> usize {
-        self.caches.len()
+        self.caches.len() + self.deferred.len()
     }
 
-    /// The bytes of the activations held for backward (all micro-batches in flight).
+    /// The bytes of the activations held for backward (all micro-batches in flight), and of the
+    /// weight GEMMs' inputs a zero-bubble pipeline's W still has to read.
     pub fn activation_bytes(&self) -> usize {
         let head = |h: &HeadCache| [&h.x_final, &h.xn, &h.rstd, &h.logits, &h.lse].iter().map(|t| t.bytes()).sum();
         let cache = |c: &Cache| c.blocks.iter().map(Kept::bytes).sum::<usize>() + c.head.as_ref().map_or(0, head);
-        self.caches.iter().map(cache).sum()
+        let deferred = |(_, d): &(usize, Vec<Deferred>)| d.iter().map(Deferred::bytes).sum::<usize>();
+        self.caches.iter().map(cache).sum::<usize>() + self.deferred.iter().map(deferred).sum::<usize>()
     }
 
     /// Attention score entries (query × key pairs, all heads) computed since the last call.
