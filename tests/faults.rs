@@ -162,8 +162,8 @@ fn sigterm_and_sigint_save_then_resume_repeats_the_curve() {
     assert_eq!(curve(&metrics), curve(&reference), "the stopped and resumed run is the uninterrupted run");
 }
 
-/// One rank, a 1F1B pipeline and an interleaved one (`--set` pairs).
-const LAYOUTS: [&[&str]; 3] = [
+/// One rank, a 1F1B pipeline, an interleaved one and a V-shaped zero-bubble one (`--set` pairs).
+const LAYOUTS: [&[&str]; 4] = [
     &[],
     &["--set", "parallel.pp=2"],
     &[
@@ -176,6 +176,7 @@ const LAYOUTS: [&[&str]; 3] = [
         "--set",
         "model.num_hidden_layers=4",
     ],
+    &["--set", "parallel.pp=2", "--set", "parallel.pp_schedule=zbv", "--set", "model.num_hidden_layers=4"],
 ];
 
 #[test]

@@ -43,8 +43,8 @@ pub struct Timeline {
 
 impl Timeline {
     /// The textbook bubble, where there is one: (p − 1)/(V·m + p − 1), or ZB-H1's
-    /// (p − 1)/(3m + p − 1) (its idle (p − 1)(F + B − W) over 3m units of work); `None` for ZBV
-    /// and a trace.
+    /// (p − 1)/(3m + p − 1) when m ≥ p (its idle (p − 1)(F + B − W) over 3m units of work);
+    /// `None` for ZBV and a trace.
     pub fn bubble_formula(&self) -> Option<f64> {
         self.formula
     }
@@ -116,8 +116,9 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
     };
     let formula = match kind {
         PpSchedule::Afab | PpSchedule::OneFOneB | PpSchedule::Interleaved => Some(((stages - 1) as f64, (chunks * m) as f64)),
-        PpSchedule::ZbH1 => Some(((stages - 1) as f64, 3.0 * m as f64)),
-        PpSchedule::Zbv => None,
+        // (with fewer micro-batches than stages there are too few W's to fill the gaps)
+        PpSchedule::ZbH1 if m >= stages => Some(((stages - 1) as f64, 3.0 * m as f64)),
+        PpSchedule::ZbH1 | PpSchedule::Zbv => None,
     };
     let formula = formula.map(|(idle, work)| idle / (work + idle));
     let peak_activations = peaks(&plans, chunks);

@@ -185,6 +185,9 @@ impl Config {
             if p.pp.saturating_mul(2) > layers {
                 bail!("parallel.pp_schedule = \"zbv\": 2 × parallel.pp = {} model chunks exceed model.num_hidden_layers = {layers}: every chunk needs at least one layer", 2 * p.pp);
             }
+            if m < 2 * p.pp - 1 {
+                bail!("parallel.pp_schedule = \"zbv\": train.grad_accum_steps = {m} micro-batches are too few for parallel.pp = {}: the V fills with 2·pp − 1 = {} of them; raise grad_accum_steps or use \"zb-h1\"", p.pp, 2 * p.pp - 1);
+            }
         }
         if p.pp_schedule.unpaired() && p.backend == CommBackend::Nccl {
             bail!("parallel.pp_schedule = \"{kind}\" with parallel.backend = \"nccl\": its messages are not yet paired for NCCL (a large NCCL send waits for its receive); use backend \"local\" or \"auto\", or pp_schedule \"1f1b\"");

@@ -24,7 +24,7 @@ use crate::model::{Llama, Placement, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
 use crate::parallel::data_parallel::bucket_values;
-use crate::parallel::pipeline_schedule;
+use crate::parallel::pipeline_schedule::{self, Action};
 use anyhow::{bail, Result};
 
 /// Bytes per weight kept for training: in mixed precision an fp32 master, its bf16 copy, an fp32
@@ -123,7 +123,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     (0..p.pp)
         .map(|s| {
             let stage = Stage::planned(s, p);
-            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype) * in_flight(cfg, s)
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype) * in_flight(cfg, stage, dtype)
         })
         .fold(0.0, f64::max)
 }
@@ -238,11 +238,11 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let (mlp_kept, mlp_backward) = mlp_bytes(&cfg.model, (rows, split), keep, e);
     let block = mlp_backward.max(rows * (3.0 * d / p.tp as f64 + 5.0 * d) * e - mlp_kept) + layer_again;
     let now = (one + rows * v * e).max(one - head + block);
-    let activations = one * (in_flight(cfg, stage.index) - 1.0) + now;
+    let activations = one * (in_flight(cfg, stage, dtype) - 1.0) + now;
     // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
     let sums =
-        if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage.index) == 1.0 { 4.0 * chunks } else { 0.0 };
+        if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage, dtype) == 1.0 { 4.0 * chunks } else { 0.0 };
     let grads = sums + if zero >= 2 { 4.0 * unit } else { 4.0 * whole };
     // (ZeRO makes a bucket when its first gradient arrives: by then, on the last stage, the head's)
     let filling = if stage.is_last() { 4.0 * bucket } else { 0.0 };
@@ -291,7 +291,7 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
         weights_bytes: master + compute,
         grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * chunks,
         optimizer_bytes: optimizer,
-        activations_bytes: one * (in_flight(cfg, stage.index) - 1.0),
+        activations_bytes: one * (in_flight(cfg, stage, dtype) - 1.0),
         comm_bytes: 4.0 * (3.0 * bucket).min(z as f64 * chunks),
         ..Default::default()
     };
@@ -327,18 +327,37 @@ pub fn held(model: &Llama, optimizer: &Optimizer) -> Held {
     }
 }
 
-/// Micro-batches pipeline stage `s` holds activations for at once (with model chunks, in chunks
-/// of 1/V of a micro-batch's): the forwards before its first backward, and the one that backward
-/// needs; with a zero-bubble schedule also those whose W is still to come (what W reads, each
-/// GEMM's input and output gradient, is about what the forward kept: counted as much).
-/// Without a pipeline, each micro-batch's backward follows its forward: one.
-fn in_flight(cfg: &Config, s: usize) -> f64 {
+/// Micro-batches pipeline stage `stage` holds activations for at once: the forwards before its
+/// first backward, and the one that backward needs; with a zero-bubble schedule also those whose
+/// W is still to come (what W reads, each GEMM's input and output gradient, is about what the
+/// forward kept: counted as much). Without a pipeline, each micro-batch's backward follows its
+/// forward: one. With model chunks, in micro-batches' worth of bytes: the chunks may differ (the
+/// head's, a remainder layer) and which of them are held at the peak matters, so the schedule's
+/// first rounds are walked, each chunk weighed by its bytes (after them the counts repeat).
+fn in_flight(cfg: &Config, stage: Stage, dtype: DType) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
+    let (kind, m, v) = (p.pp_schedule, t.grad_accum_steps, stage.chunks);
     if p.pp == 1 {
         return 1.0;
     }
-    let v = Stage::planned(s, p).chunks;
-    pipeline_schedule::held(p.pp_schedule, p.pp, s, t.grad_accum_steps, v) as f64 / v as f64
+    if v == 1 {
+        return pipeline_schedule::held(kind, p.pp, stage.index, m, 1) as f64;
+    }
+    let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
+    let bytes: Vec<f64> = (0..v).map(|c| activation_bytes(&cfg.model, batch, seq, keep, stage.chunk(c), dtype)).collect();
+    let enough = pipeline_schedule::warmup(kind, p.pp, stage.index, m, v) + 2 * p.pp * v; // forwards
+    let (split, mut now, mut peak, mut forwards) = (kind.splits_backward(), vec![0.0; v], 0.0f64, 0);
+    for a in pipeline_schedule::schedule(kind, p.pp, stage.index, m, v) {
+        let c = a.work().chunk;
+        match a {
+            Action::Forward(_) if forwards == enough => break,
+            Action::Forward(_) => (forwards, now[c]) = (forwards + 1, now[c] + 1.0),
+            Action::Backward(_) if split => continue,
+            Action::Backward(_) | Action::Weights(_) => now[c] -= 1.0,
+        }
+        peak = peak.max(now.iter().zip(&bytes).map(|(n, b)| n * b).sum());
+    }
+    peak / bytes.iter().sum::<f64>()
 }
 
 /// What the busiest rank of `cfg` will hold, in bytes: (total, one line saying of what).
