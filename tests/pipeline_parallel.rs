@@ -197,11 +197,9 @@ fn impossible_pipelines_are_clear_errors() {
 #[test]
 fn a_real_runs_trace_draws_its_schedule() {
     let cfg = Config::load(None, &sets(&["parallel.pp=2", "parallel.dp=2", "train.steps=2"])).unwrap();
-    let trace = Trace::default();
-    train(&cfg, Options { trace: Some(&trace), quiet: true, ..Default::default() }).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("t.json");
-    trace.write(&path).unwrap();
+    common::write_trace(&cfg, &path);
     let t = from_trace(&path).unwrap();
     assert_eq!((t.stages, t.micro_batches, t.slots.len()), (4, 4, 4 * 8), "4 ranks, 4 micro-batches, F and B each");
     // ranks 0 and 2 are stage 0 (two dp replicas), ranks 1 and 3 stage 1
@@ -210,9 +208,7 @@ fn a_real_runs_trace_draws_its_schedule() {
     assert!(svg.contains("peak micro-batch activations per stage: 2.00, 1.00, 2.00, 1.00</text>"), "{svg}");
     // a run without a pipeline has no schedule: refused (before schedule.svg is written)
     let cfg = Config::load(None, &sets(&["parallel.dp=2", "train.steps=1"])).unwrap();
-    let trace = Trace::default();
-    train(&cfg, Options { trace: Some(&trace), quiet: true, ..Default::default() }).unwrap();
-    trace.write(&path).unwrap();
+    common::write_trace(&cfg, &path);
     let e = from_trace(&path).err().expect("a dp-only trace is refused").to_string();
     assert!(e.contains("t.json: this run had no pipeline") && e.contains("parallel.pp of 2 or more"), "{e}");
 }

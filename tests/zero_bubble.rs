@@ -2,13 +2,14 @@
 //! every recompute mode); ZB-H1 and ZBV run every F, B and W once, each W after its B, without
 //! deadlock, with the bubble and the peak memory they promise, and stop cleanly at their
 //! stop points; both follow the single-rank curve alone and with dp, ZeRO, tp, sequence
-//! parallelism, cp (ring and Ulysses), experts and recomputation; the stages hold what
+//! parallelism, cp (ring and Ulysses), hybrid sharding, experts and recomputation; a traced run
+//! draws its F, B and W; the stages hold what
 //! `ferrotron memory` says; checkpoints move between the V and a plain pipeline; the errors.
 
 mod common;
 
 use ferrotron::commands::converge::{self, parse_variants};
-use ferrotron::commands::schedule::simulate;
+use ferrotron::commands::schedule::{from_trace, simulate};
 use ferrotron::config::{Config, ModelConfig, PpSchedule, Recompute};
 use ferrotron::model::{Llama, Stage, StageGrad, StageInput};
 use ferrotron::parallel::pipeline_schedule::{held, schedule, sent_by, Action, Work};
@@ -106,8 +107,10 @@ fn zero_bubble_schedules_run_every_f_b_and_w_once_and_keep_their_promises() {
                     got.push((letter, w.micro, w.chunk));
                 }
                 got.sort_unstable();
-                let mut want: Vec<_> =
-                    ['B', 'F', 'W'].iter().flat_map(|&l| (0..m).flat_map(move |i| (0..v).map(move |c| (l, i, c)))).collect();
+                let mut want: Vec<_> = ['B', 'F', 'W']
+                    .iter()
+                    .flat_map(|&l| (0..m).flat_map(move |i| (0..v).map(move |c| (l, i, c))))
+                    .collect();
                 want.sort_unstable();
                 assert_eq!(got, want, "{kind:?} p={p} m={m} stage {s}: every F, B and W once");
             }
@@ -134,6 +137,13 @@ fn zero_bubble_schedules_run_every_f_b_and_w_once_and_keep_their_promises() {
     assert_eq!(h1.peak_activations, vec![4.0; 4]);
     assert_eq!(v.peak_activations, vec![4.0; 4]);
     assert_eq!(held(PpSchedule::ZbH1, 4, 3, 2, 1), 2, "never more than the step's micro-batches");
+    // rank 0 of the V holds the embedding (chunk 0) and the output layer (chunk 1): a tied
+    // weight's gradient is whole after chunk 0's last W, which comes after chunk 1's
+    for (p, m) in [(2, 3), (4, 7), (4, 9), (8, 16)] {
+        let plan: Vec<Action> = schedule(PpSchedule::Zbv, p, 0, m, 2).collect();
+        let last_w = |chunk| plan.iter().rposition(|a| *a == Action::Weights(Work { micro: m - 1, chunk })).unwrap();
+        assert!(last_w(0) > last_w(1), "p={p} m={m}");
+    }
 }
 
 #[test]
@@ -205,12 +215,9 @@ fn stop_points_are_safe(kind: PpSchedule, p: usize, m: usize, v: usize) -> bool 
 
 #[test]
 fn every_schedule_stops_at_its_questions_without_deadlock() {
-    for (kind, v) in [
-        (PpSchedule::OneFOneB, 1),
-        (PpSchedule::Interleaved, 2),
-        (PpSchedule::ZbH1, 1),
-        (PpSchedule::Zbv, 2),
-    ] {
+    for (kind, v) in
+        [(PpSchedule::OneFOneB, 1), (PpSchedule::Interleaved, 2), (PpSchedule::ZbH1, 1), (PpSchedule::Zbv, 2)]
+    {
         for p in 2..=5usize {
             for m in [2 * p - 1, 2 * p, 3 * p, 4 * p + 1] {
                 if kind == PpSchedule::Interleaved && !m.is_multiple_of(p) {
@@ -235,12 +242,21 @@ fn zero_bubble_pipelines_follow_the_single_rank_curve() {
                 tp=2,pp=2,pp_schedule=zbv,sequence_parallel=true;\
                 tp=2,pp=2,pp_schedule=zb-h1;\
                 cp=2,pp=2,pp_schedule=zbv,recompute=selective;\
-                cp=2,pp=2,pp_schedule=zb-h1,cp_mode=ulysses";
+                cp=2,pp=2,pp_schedule=zb-h1,cp_mode=ulysses;\
+                dp=4,dp_shard=2,zero_stage=3,pp=2,pp_schedule=zb-h1,grad_accum_steps=2";
     let converge::Report { baseline, outcomes, .. } =
         converge::converge(None, &sets(&[]), &parse_variants(spec).unwrap(), 1e-4).unwrap();
     assert!(baseline[9] < baseline[0] - 0.2, "the baseline learns");
     for o in &outcomes {
         assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);
+    }
+    // tied embeddings: the V holds the embedding and the output layer both on rank 0
+    let tied = ["model.tie_word_embeddings=true"];
+    let spec = "pp=2,pp_schedule=zbv;dp=2,pp=2,pp_schedule=zbv,zero_stage=3;pp=4,pp_schedule=zbv,grad_accum_steps=8";
+    let converge::Report { outcomes, .. } =
+        converge::converge(None, &sets(&tied), &parse_variants(spec).unwrap(), 1e-4).unwrap();
+    for o in &outcomes {
+        assert!(o.pass, "tied, {}: max |Δloss| {:e}", o.label, o.max_diff);
     }
     // a mixture of experts, its experts on other ranks
     let moe = ["model.num_hidden_layers=4", "model.num_local_experts=4", "model.num_experts_per_tok=2"];
@@ -265,9 +281,30 @@ fn the_stages_hold_what_the_schedule_and_the_memory_estimate_say() {
         assert_eq!(measured, want, "{kind:?} pp={pp} m={m}: micro-batch chunks held per stage");
         for r in ferrotron::commands::memory::memory(&cfg, true).unwrap() {
             let got = r.measured_peak_bytes.unwrap();
-            assert!((r.total_bytes / got - 1.0).abs() <= 0.1, "{kind:?} rank {}: estimated {}, measured {got}", r.rank, r.total_bytes);
+            assert!(
+                (r.total_bytes / got - 1.0).abs() <= 0.1,
+                "{kind:?} rank {}: estimated {}, measured {got}",
+                r.rank,
+                r.total_bytes
+            );
         }
     }
+}
+
+#[test]
+fn a_zbv_runs_trace_draws_its_f_b_and_w() {
+    let cfg = Config::load(None, &sets(&["parallel.pp=2", "parallel.pp_schedule=\"zbv\"", "train.steps=2"])).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.json");
+    common::write_trace(&cfg, &path);
+    let t = from_trace(&path).unwrap();
+    // 2 ranks, 4 micro-batches through 2 chunks each, an F, a B and a W of each
+    assert_eq!((t.stages, t.micro_batches, t.chunks, t.slots.len()), (2, 4, 2, 2 * 4 * 2 * 3));
+    let of = |r: usize| t.slots.iter().filter(|s| s.stage == r).map(|s| s.action).collect::<Vec<_>>();
+    assert_eq!(of(0), schedule(PpSchedule::Zbv, 2, 0, 4, 2).collect::<Vec<_>>(), "rank 0 ran its schedule");
+    assert_eq!(t.peak_activations, vec![2.0, 2.0], "p micro-batches (2p half-size chunks) on each rank");
+    let svg = ferrotron::commands::schedule::svg(&[t]);
+    assert!(svg.contains(">W3.1</text>"), "the W boxes are drawn");
 }
 
 #[test]

@@ -115,7 +115,9 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
         PpSchedule::Zbv => "ZBV (zero bubble, V-shaped, 2 chunks)".to_string(),
     };
     let formula = match kind {
-        PpSchedule::Afab | PpSchedule::OneFOneB | PpSchedule::Interleaved => Some(((stages - 1) as f64, (chunks * m) as f64)),
+        PpSchedule::Afab | PpSchedule::OneFOneB | PpSchedule::Interleaved => {
+            Some(((stages - 1) as f64, (chunks * m) as f64))
+        }
         // (with fewer micro-batches than stages there are too few W's to fill the gaps)
         PpSchedule::ZbH1 if m >= stages => Some(((stages - 1) as f64, 3.0 * m as f64)),
         PpSchedule::ZbH1 | PpSchedule::Zbv => None,

@@ -214,7 +214,7 @@ pub fn input_grad(layers: &[(Tensor, &mut Param)]) -> Tensor {
 }
 
 /// The layers' output gradients as `WeightGrads::linear` takes them.
-pub fn owned<'p>(layers: Vec<(Tensor, &'p mut Param)>) -> Vec<(Cow<'static, Tensor>, &'p mut Param)> {
+pub fn owned(layers: Vec<(Tensor, &mut Param)>) -> Vec<(Cow<'static, Tensor>, &mut Param)> {
     layers.into_iter().map(|(dy, p)| (Cow::Owned(dy), p)).collect()
 }
 

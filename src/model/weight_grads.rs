@@ -25,8 +25,8 @@
 //! gradients, in the same order per parameter, so a split backward is bitwise the plain one.
 
 use crate::model::param::Param;
-use crate::ops::tensor::Tensor;
 use crate::ops;
+use crate::ops::tensor::Tensor;
 use std::borrow::Cow;
 
 /// Where a backward's weight gradients go.

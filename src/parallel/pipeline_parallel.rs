@@ -30,6 +30,11 @@
 //! ```
 //! (`ferrotron schedule --schedule all --virtual 2` draws it beside AFAB and 1F1B.)
 //!
+//! **Zero bubble** (ZB-H1, ZBV; `pipeline_schedule.rs` has the lesson) cuts each backward in two:
+//! B, the input gradient, goes upstream at once (`Llama::backward_input`), and W, the weight
+//! GEMMs (`model/weight_grads.rs`), runs later in time the stage would spend idle
+//! (`Llama::backward_weights`). Data parallelism hears a gradient is ready only after its W.
+//!
 //! Messages between neighbours have the names they have in Megatron and picotron:
 //!
 //! ```text
@@ -39,8 +44,10 @@
 //! send_backward_recv_forward   (1F1B, steady state: a gradient out, the next input in)
 //! ```
 //! The paired forms go in one `send_recv`, so two neighbours that both send never wait on each
-//! other. On the first stage there is nothing to receive forward (its input is tokens), on the
-//! last nothing to send forward (its output is the loss): those messages are `None`.
+//! other (`pipeline_messages.rs`; the schedules walked as a list of actions, interleaved and zero
+//! bubble, send one message at a time through its `Mailbox`). On the first stage there is
+//! nothing to receive forward (its input is tokens), on the last nothing to send forward (its
+//! output is the loss): those messages are `None`.
 //!
 //! **Stopping inside a step** (a signal, `train/stop.rs`): every rank must stop at the same
 //! point, so every rank asks "stop?" in one collective at the same points of its own schedule:

@@ -16,7 +16,8 @@
 //!   p − s (their W's inputs), p in all, so no stage holds more than 1F1B's first; the bubble falls
 //!   from (p − 1)(F + B + W) to (p − 1)(F + B − W), a third of it when the three take as long.
 //! - **ZBV**: two chunks per rank laid out as a V (`model/stage.rs`: rank r holds virtual stages
-//!   r and 2p − 1 − r), so rank 0 both starts and ends each micro-batch. Each rank fills the
+//!   r and 2p − 1 − r), so rank 0 both starts and ends each micro-batch (and a tied embedding
+//!   and output layer are one weight on one rank). Each rank fills the
 //!   pipeline with chunk-0 forwards (2(p − r) − 1), interleaves chunk-1 forwards as the V turns,
 //!   then repeats F B W on chunk 0 and on chunk 1; in the cool-down the B's go first, and the W's
 //!   fill the gaps the B's leave. With F = B = W the bubble is nearly gone for the same peak
@@ -131,9 +132,9 @@ fn zbv(p: usize, r: usize, m: usize) -> Schedule {
     use Action::{Backward as B, Forward as F, Weights as W};
     let (c0, c1) = (|micro| Work { micro, chunk: 0 }, |micro| Work { micro, chunk: 1 });
     let fill = 2 * (p - r) - 1; // chunk-0 forwards before the first chunk-1 forward
-    // 1. fill the way down: chunk-0 forwards
+                                // 1. fill the way down: chunk-0 forwards
     let down = (0..fill).map(move |i| F(c0(i)));
-    // 2. the V turns: a chunk-1 forward, then a chunk-0 one, r times
+    // 2. the first micro-batches come back up: a chunk-1 forward, then the next chunk-0 one, r times
     let turn = (0..r).flat_map(move |i| [F(c1(i)), F(c0(fill + i))]);
     // 3. the first chunk-1 backwards, B and W at once (p − r of them)
     let first = (r..p).flat_map(move |i| [F(c1(i)), B(c1(i - r)), W(c1(i - r))]);

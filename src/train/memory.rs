@@ -123,7 +123,8 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     (0..p.pp)
         .map(|s| {
             let stage = Stage::planned(s, p);
-            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype) * in_flight(cfg, stage, dtype)
+            activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype)
+                * in_flight(cfg, stage, dtype)
         })
         .fold(0.0, f64::max)
 }
@@ -163,8 +164,7 @@ pub struct RankMemory {
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
     let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?.with_dp_shard(p.dp_shard)?;
-    let stages: Vec<RankMemory> =
-        (0..p.pp).map(|index| stage_memory(cfg, Stage::planned(index, p))).collect();
+    let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, Stage::planned(index, p))).collect();
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
 }
 
@@ -344,7 +344,8 @@ fn in_flight(cfg: &Config, stage: Stage, dtype: DType) -> f64 {
         return pipeline_schedule::held(kind, p.pp, stage.index, m, 1) as f64;
     }
     let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
-    let bytes: Vec<f64> = (0..v).map(|c| activation_bytes(&cfg.model, batch, seq, keep, stage.chunk(c), dtype)).collect();
+    let bytes: Vec<f64> =
+        (0..v).map(|c| activation_bytes(&cfg.model, batch, seq, keep, stage.chunk(c), dtype)).collect();
     let enough = pipeline_schedule::warmup(kind, p.pp, stage.index, m, v) + 2 * p.pp * v; // forwards
     let (split, mut now, mut peak, mut forwards) = (kind.splits_backward(), vec![0.0; v], 0.0f64, 0);
     for a in pipeline_schedule::schedule(kind, p.pp, stage.index, m, v) {

@@ -22,7 +22,8 @@ fn run(tiny: bool) -> Result<()> {
             100.0 * t.bubble_formula().expect("1F1B has one")
         );
     }
-    let pass = (twice.bubble() - twice.bubble_formula().expect("interleaving has one")).abs() < 1e-9 && twice.bubble() < plain.bubble();
+    let pass = (twice.bubble() - twice.bubble_formula().expect("interleaving has one")).abs() < 1e-9
+        && twice.bubble() < plain.bubble();
     let detail = format!("{:.1}% against 1F1B's {:.1}%", 100.0 * twice.bubble(), 100.0 * plain.bubble());
     common::claim("interleaving with V = 2 shrinks the bubble to (p−1)/(V·m+p−1)", pass, &detail)?;
     // the real thing: 2 stages of 2 chunks each (layers 0, 2 on rank 0; 1, 3 on rank 1), and

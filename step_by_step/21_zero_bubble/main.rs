@@ -53,7 +53,10 @@ fn run(tiny: bool) -> Result<()> {
     //    ZB-H1 bitwise 1F1B's (the same GEMMs into the same gradients, in the same order)
     println!("\nrank 0 on the pp axis, per step: calls, bytes B and the α–β model's ms on each link;");
     println!("micro-batch chunks each stage held at once");
-    println!("{:<6} {:<10} {:>5} {:>10} {:>8} {:>8} {:>8} {:>6}", "", "call", "calls", "B", "nvlink", "pcie", "ib", "held");
+    println!(
+        "{:<6} {:<10} {:>5} {:>10} {:>8} {:>8} {:>8} {:>6}",
+        "", "call", "calls", "B", "nvlink", "pcie", "ib", "held"
+    );
     let mut curves = Vec::new();
     for (_, name) in KINDS {
         let schedule = format!("parallel.pp_schedule=\"{name}\"");
@@ -68,7 +71,10 @@ fn run(tiny: bool) -> Result<()> {
             let (calls, b) = (tally.calls as f64 / steps, tally.bytes as f64 / steps);
             let held = ranks.iter().map(|r| r.peak_activations.to_string()).collect::<Vec<_>>().join("/");
             let call = call.name();
-            println!("{name:<6} {call:<10} {calls:>5.0} {b:>10.0} {:>8.3} {:>8.3} {:>8.3} {held:>6}", ms[0], ms[1], ms[2]);
+            println!(
+                "{name:<6} {call:<10} {calls:>5.0} {b:>10.0} {:>8.3} {:>8.3} {:>8.3} {held:>6}",
+                ms[0], ms[1], ms[2]
+            );
         }
         curves.push(ranks[0].losses.clone());
     }

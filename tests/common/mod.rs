@@ -41,3 +41,12 @@ pub fn layout_against_one_rank(sets: &[&str], layout: &[&str]) -> f32 {
     let report = converge::converge(None, &sets, &[variant], 1e-4).unwrap_or_else(|e| panic!("{e:#}"));
     report.outcomes[0].max_diff
 }
+
+/// Trains `cfg` with a trace and writes it to `path` (what `train --trace PATH` does).
+#[allow(dead_code)] // the pipeline test files
+pub fn write_trace(cfg: &ferrotron::config::Config, path: &std::path::Path) {
+    let trace = ferrotron::comm::trace::Trace::default();
+    let opts = ferrotron::train::Options { trace: Some(&trace), quiet: true, ..Default::default() };
+    ferrotron::train::train(cfg, opts).unwrap();
+    trace.write(path).unwrap();
+}
