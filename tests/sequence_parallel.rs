@@ -42,7 +42,7 @@ fn gradients_under_sequence_parallelism_equal_the_dense_model_s() {
                 let got = model.forward(&tokens, batch, &targets)?;
                 assert!((got - loss).abs() <= 1e-5 * loss, "tp {tp}: loss {got} vs {loss}");
                 // what each rank keeps: the formula, byte for byte
-                let keep = Keep { tp, sequence_parallel: true, recompute };
+                let keep = Keep { tp, sequence_parallel: true, recompute, ..Keep::WHOLE };
                 let want = activation_bytes(&cfg.model, batch, seq, keep, Stage::WHOLE, DType::F32);
                 assert_eq!(model.activation_bytes() as f64, want, "tp {tp} {recompute:?}");
                 model.backward(1.0)?;

@@ -37,21 +37,25 @@ pub fn bytes_per_weight(dtype: DType) -> f64 {
 }
 
 /// How a rank cuts and keeps its activations: its tp ranks, whether sequence parallelism splits
-/// the rows between the tp layers over them too, and what backward recomputes.
+/// the rows between the tp layers over them too, what backward recomputes, and whether backward
+/// keeps the weight GEMMs' inputs for a later W (the zero-bubble pipelines).
 #[derive(Clone, Copy, Debug)]
 pub struct Keep {
     pub tp: usize,
     pub sequence_parallel: bool,
     pub recompute: Recompute,
+    pub defers_weights: bool,
 }
 
 impl Keep {
     /// One rank, everything kept.
-    pub const WHOLE: Keep = Keep { tp: 1, sequence_parallel: false, recompute: Recompute::None };
+    pub const WHOLE: Keep =
+        Keep { tp: 1, sequence_parallel: false, recompute: Recompute::None, defers_weights: false };
 
     pub fn of(cfg: &Config) -> Keep {
         let p = &cfg.parallel;
-        Keep { tp: p.tp, sequence_parallel: p.sequence_parallel, recompute: cfg.train.recompute }
+        let defers_weights = p.pp > 1 && p.pp_schedule.splits_backward();
+        Keep { tp: p.tp, sequence_parallel: p.sequence_parallel, recompute: cfg.train.recompute, defers_weights }
     }
 }
 
@@ -81,7 +85,9 @@ fn layer_bytes(m: &ModelConfig, batch: f64, seq: f64, keep: Keep, e: f64) -> (f6
 
 /// (What the MLP of a block keeps for backward, the most its backward adds on top) for `rows`
 /// rows (`split` of them on this rank under sequence parallelism). Dense: gate, up and their
-/// product (1/tp of the features each); backward adds their gradients and the input's. A mixture
+/// product (1/tp of the features each); backward adds their gradients and the input's, less the
+/// product, which goes as soon as down's weight gradient has read it (unless a zero-bubble W
+/// keeps it: `model/weight_grads.rs`). A mixture
 /// of experts routes this rank's rows (all of them without sequence parallelism: every tp rank
 /// routes the same) k times: the routed rows and the experts' outputs (d each), gate, up and
 /// product (the whole intermediate size: experts are not tp-split; with balanced experts each
@@ -92,7 +98,8 @@ fn mlp_bytes(m: &ModelConfig, (rows, split): (f64, f64), keep: Keep, e: f64) -> 
     match (m.num_local_experts as f64, m.num_experts_per_tok as f64) {
         (0.0, _) => {
             let f = (m.intermediate_size / keep.tp) as f64;
-            (rows * 3.0 * f * e, rows * (3.0 * f + 2.0 * d) * e)
+            let adds = if keep.defers_weights { 3.0 * f } else { 2.0 * f } + 2.0 * d;
+            (rows * 3.0 * f * e, rows * adds * e)
         }
         (experts, k) => {
             let (f, routed) = (m.intermediate_size as f64, split * k);
