@@ -49,8 +49,7 @@ pub struct Keep {
 
 impl Keep {
     /// One rank, everything kept.
-    pub const WHOLE: Keep =
-        Keep { tp: 1, sequence_parallel: false, recompute: Recompute::None, defers_weights: false };
+    pub const WHOLE: Keep = Keep { tp: 1, sequence_parallel: false, recompute: Recompute::None, defers_weights: false };
 
     pub fn of(cfg: &Config) -> Keep {
         let p = &cfg.parallel;
