@@ -65,6 +65,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "model::llama",
             "model::llama::parts",
             "model::llama::units",
+            "model::llama::head",
             "model::llama::decode",
             "model::optimizer",
             "model",

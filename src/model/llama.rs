@@ -31,7 +31,11 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::rc::Rc;
 
+pub use head::FusedLoss;
+use head::{HeadCache, HeadOut};
+
 mod decode; // generating: one step at a time, with the KV cache
+mod head; // the output end: norm, output layer, loss; whole logits or the fused, chunked loss
 mod parts; // building the parameters, listing them, moving them
 mod units; // FSDP's units: fetch and free around each piece of the forward and backward
 
@@ -49,16 +53,6 @@ struct Cache {
     /// The load-balancing loss's gradient on each expert's router probability, per unit of
     /// loss scale (empty unless `router_aux_loss_coef` > 0).
     balance: Vec<f32>,
-}
-
-struct HeadCache {
-    targets: Vec<i32>,
-    x_final: Tensor,
-    xn: Tensor,
-    rstd: Tensor,
-    logits: Tensor,
-    lse: Tensor,
-    count: usize,
 }
 
 /// What FSDP gathers at once: the embedding, one block, or the head.
@@ -126,6 +120,9 @@ pub struct Llama<'g> {
     expert_load: Vec<Vec<usize>>,
     /// What each block keeps for its backward (`train.recompute`).
     recompute: Recompute,
+    /// The loss in chunks of rows, its gradient made in forward (`train.loss_chunk_rows`;
+    /// `llama/head.rs`); `None`: the whole logits, kept for backward.
+    fused_loss: Option<FusedLoss>,
 }
 
 impl<'g> Llama<'g> {
@@ -213,13 +210,7 @@ impl<'g> Llama<'g> {
             self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: None, balance });
             return Ok(StageOutput::Hidden(x));
         }
-        self.fetch(Unit::Head, true)?;
-        let h = self.head.as_ref().expect("checked above");
-        let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, self.cfg.rms_norm_eps);
-        let out_layer = h.lm_head.as_ref().or(self.embed_tokens.as_ref()).expect("a tied head has the embedding");
-        let logits = ops::linear(&*self.tp.gather_rows(&xn)?, &out_layer.value); // column parallel: this rank's vocabulary slice
-        self.free(Unit::Head);
-        let (mut loss, count, lse) = self.tp.cross_entropy(&logits, targets, self.vocab_first)?;
+        let (mut loss, head) = self.head_forward(x, targets)?; // `llama/head.rs`
         let coef = self.cfg.router_aux_loss_coef;
         let mut balance = Vec::new();
         if coef > 0.0 && !loads.is_empty() {
@@ -230,14 +221,16 @@ impl<'g> Llama<'g> {
             ops::add_assign(&mut loss, &aux);
             balance = grad.iter().map(|g| coef * g).collect();
         }
-        let head = HeadCache { targets: targets.to_vec(), x_final: x, xn, rstd, logits, lse, count };
         self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head), balance });
         Ok(StageOutput::Loss(loss))
     }
 
     /// The logits of the last `forward`, `[rows, vocab]` (this rank's vocabulary slice).
     pub fn logits(&self) -> Option<&Tensor> {
-        self.caches.back().and_then(|c| c.head.as_ref()).map(|h| &h.logits)
+        match &self.caches.back()?.head.as_ref()?.out {
+            HeadOut::Logits { logits, .. } => Some(logits),
+            HeadOut::Fused { .. } => None, // never held whole
+        }
     }
 
     /// Accumulates into every `Param::grad` the gradient of `scale × loss` of the last forward.
@@ -333,21 +326,7 @@ impl<'g> Llama<'g> {
         // each part of the cache is dropped as soon as its backward is done: the activations
         // held shrink while the gradients grow
         let mut dx = match (grad, c.head.take(), self.head.is_some()) {
-            (StageGrad::Loss(scale), Some(hc), true) => {
-                self.fetch(Unit::Head, false)?;
-                let h = self.head.as_mut().expect("checked above");
-                let scale = scale / hc.count.max(1) as f32;
-                // softmax − one-hot on this rank's vocabulary slice: local, the lse is global
-                let dlogits = ops::cross_entropy_backward(&hc.logits, &hc.targets, first, &hc.lse, scale);
-                let out_layer =
-                    h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
-                let dxn = self.tp.column_backward(hc.xn, vec![(dlogits, out_layer)], w)?;
-                h.lm_head.iter_mut().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
-                let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad);
-                ready(&mut h.norm);
-                self.free(Unit::Head);
-                dx
-            }
+            (StageGrad::Loss(scale), Some(hc), true) => self.head_backward(hc, scale, w, ready)?,
             (StageGrad::Hidden(dx), None, _) => dx,
             _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
         };

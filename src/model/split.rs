@@ -58,6 +58,10 @@ pub trait TensorSplit {
     /// and dx have this rank's rows (all of them without sequence parallelism).
     fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut WeightGrads) -> Result<Tensor>;
 
+    /// An input gradient each rank made from its own slice of a column-parallel layer (the fused
+    /// loss's dxn): summed over the ranks, this rank's rows kept.
+    fn sum_input_grad(&self, dx: Tensor) -> Result<Tensor>;
+
     /// The rows of `tokens` from a table holding vocabulary ids `first..`, summed over the ranks.
     fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor>;
 
@@ -171,6 +175,9 @@ impl TensorSplit for Whole {
     fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut WeightGrads) -> Result<Tensor> {
         let dx = input_grad(&layers);
         w.linear(Cow::Owned(x), owned(layers));
+        Ok(dx)
+    }
+    fn sum_input_grad(&self, dx: Tensor) -> Result<Tensor> {
         Ok(dx)
     }
     fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor> {

@@ -85,6 +85,11 @@ impl TensorSplit for SequenceParallel<'_> {
         scattering.wait()
     }
 
+    /// ḡ backward: the partial input gradients summed, each rank keeping its rows.
+    fn sum_input_grad(&self, dx: Tensor) -> Result<Tensor> {
+        self.group.reduce_scatter_tensor(&dx, ReduceOp::Sum)
+    }
+
     /// The vocabulary-parallel lookup, summed over the ranks; each keeps its rows.
     fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor> {
         self.group.reduce_scatter_tensor(&ops::embedding(&table.value, tokens, first), ReduceOp::Sum)

@@ -79,6 +79,12 @@ impl TensorSplit for TensorParallel<'_> {
         pending.wait()
     }
 
+    /// f: the partial input gradients summed.
+    fn sum_input_grad(&self, mut dx: Tensor) -> Result<Tensor> {
+        self.all_reduce(&mut dx, ReduceOp::Sum)?;
+        Ok(dx)
+    }
+
     /// Vocab-parallel embedding: the table holds ids `first..`; the others contribute zeros.
     fn embedding_forward(&self, table: &Param, tokens: &[u32], first: usize) -> Result<Tensor> {
         let mut x = ops::embedding(&table.value, tokens, first);

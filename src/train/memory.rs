@@ -45,16 +45,20 @@ pub struct Keep {
     pub sequence_parallel: bool,
     pub recompute: Recompute,
     pub defers_weights: bool,
+    /// `train.loss_chunk_rows`: > 0, the last stage keeps dxn instead of the logits.
+    pub loss_rows: usize,
 }
 
 impl Keep {
     /// One rank, everything kept.
-    pub const WHOLE: Keep = Keep { tp: 1, sequence_parallel: false, recompute: Recompute::None, defers_weights: false };
+    pub const WHOLE: Keep =
+        Keep { tp: 1, sequence_parallel: false, recompute: Recompute::None, defers_weights: false, loss_rows: 0 };
 
     pub fn of(cfg: &Config) -> Keep {
         let p = &cfg.parallel;
         let defers_weights = p.pp > 1 && p.pp_schedule.splits_backward();
-        Keep { tp: p.tp, sequence_parallel: p.sequence_parallel, recompute: cfg.train.recompute, defers_weights }
+        let (tp, sequence_parallel, recompute) = (p.tp, p.sequence_parallel, cfg.train.recompute);
+        Keep { tp, sequence_parallel, recompute, defers_weights, loss_rows: cfg.train.loss_chunk_rows }
     }
 }
 
@@ -110,14 +114,19 @@ fn mlp_bytes(m: &ModelConfig, (rows, split): (f64, f64), keep: Keep, e: f64) -> 
 /// Bytes of the activations one micro-batch of `batch` sequences of `seq` tokens keeps for its
 /// backward on one rank of pipeline `stage` (what `model/block.rs`'s `Kept` and the model's
 /// head cache hold): per layer `layer_bytes`; on the last stage also the final norm's input and
-/// output (split like the residual), its 1/rms, the logits and their lse.
+/// output (split like the residual), its 1/rms, the logits and their lse (with the fused loss,
+/// `train.loss_chunk_rows`, the norm's input, its 1/rms and dxn instead).
 pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, keep: Keep, stage: Stage, dtype: DType) -> f64 {
     let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 };
     let (batch, seq) = (batch as f64, seq as f64);
     let rows = batch * seq;
     let split = rows / if keep.sequence_parallel { keep.tp as f64 } else { 1.0 };
     let (d, vocab) = (m.hidden_size as f64, (m.vocab_size / keep.tp) as f64);
-    let head = if stage.is_last() { split * 2.0 * d * e + rows * vocab * e + (split + rows) * 4.0 } else { 0.0 };
+    let head = match (stage.is_last(), keep.loss_rows) {
+        (false, _) => 0.0,
+        (true, 0) => split * 2.0 * d * e + rows * vocab * e + (split + rows) * 4.0,
+        (true, _) => split * d * e + rows * d * e + split * 4.0, // the norm's input, 1/rms and dxn
+    };
     stage.layer_count(m.num_hidden_layers) as f64 * layer_bytes(m, batch, seq, keep, e).0 + head
 }
 
@@ -243,7 +252,10 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let split = rows / if p.sequence_parallel { p.tp as f64 } else { 1.0 };
     let (mlp_kept, mlp_backward) = mlp_bytes(&cfg.model, (rows, split), keep, e);
     let block = mlp_backward.max(rows * (3.0 * d / p.tp as f64 + 5.0 * d) * e - mlp_kept) + layer_again;
-    let now = (one + rows * v * e).max(one - head + block);
+    // the head: backward's logits gradient beside the logits, or the fused loss's chunk of
+    // logits and its gradient (in forward)
+    let logits = if keep.loss_rows > 0 { 2.0 * (keep.loss_rows as f64).min(rows) } else { rows } * v * e;
+    let now = (one + logits).max(one - head + block);
     let activations = one * (in_flight(cfg, stage, dtype) - 1.0) + now;
     // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)

@@ -4,7 +4,7 @@
 //! of the model from the config (its pipeline stage and chunks, its tp slice of every tensor),
 //! the parameters in Hugging Face order, their device, and what the model holds.
 
-use super::{Cache, Head, HeadCache, Llama};
+use super::{Cache, FusedLoss, Head, HeadCache, Llama};
 use crate::comm::placement::part_of;
 use crate::comm::process_grid::Axis;
 use crate::config::{ModelConfig, Recompute};
@@ -78,6 +78,7 @@ impl<'g> Llama<'g> {
             attention_work: 0,
             expert_load: Vec::new(),
             recompute: Recompute::None,
+            fused_loss: None,
         })
     }
 
@@ -157,6 +158,14 @@ impl<'g> Llama<'g> {
     }
 
     /// Keeps less for backward and computes it again there (`model/block.rs`).
+    /// Computes the loss `rows` rows at a time, never holding the whole logits, with its
+    /// gradient for a backward of loss scale `scale` made in forward (`llama/head.rs`); 0 rows:
+    /// the whole logits, kept for backward (and for `logits`).
+    pub fn with_fused_loss(mut self, rows: usize, scale: f32) -> Llama<'g> {
+        self.fused_loss = (rows > 0).then_some(FusedLoss { rows, scale });
+        self
+    }
+
     pub fn with_recompute(mut self, recompute: Recompute) -> Llama<'g> {
         self.recompute = recompute;
         self
@@ -245,8 +254,8 @@ impl<'g> Llama<'g> {
     /// The bytes of the activations held for backward (all micro-batches in flight), and of the
     /// weight GEMMs' inputs a zero-bubble pipeline's W still has to read.
     pub fn activation_bytes(&self) -> usize {
-        let head = |h: &HeadCache| [&h.x_final, &h.xn, &h.rstd, &h.logits, &h.lse].iter().map(|t| t.bytes()).sum();
-        let cache = |c: &Cache| c.blocks.iter().map(Kept::bytes).sum::<usize>() + c.head.as_ref().map_or(0, head);
+        let cache =
+            |c: &Cache| c.blocks.iter().map(Kept::bytes).sum::<usize>() + c.head.as_ref().map_or(0, HeadCache::bytes);
         let deferred = |(_, d): &(usize, Vec<Deferred>)| d.iter().map(Deferred::bytes).sum::<usize>();
         self.caches.iter().map(cache).sum::<usize>() + self.deferred.iter().map(deferred).sum::<usize>()
     }
