@@ -31,9 +31,6 @@ use std::collections::VecDeque;
 use std::ops::Range;
 use std::rc::Rc;
 
-pub use head::FusedLoss;
-use head::{HeadCache, HeadOut};
-
 mod decode; // generating: one step at a time, with the KV cache
 mod head; // the output end: norm, output layer, loss; whole logits or the fused, chunked loss
 mod parts; // building the parameters, listing them, moving them
@@ -53,6 +50,33 @@ struct Cache {
     /// The load-balancing loss's gradient on each expert's router probability, per unit of
     /// loss scale (empty unless `router_aux_loss_coef` > 0).
     balance: Vec<f32>,
+}
+
+/// The fused loss's setting: rows per chunk, and the backward's loss scale it computes the
+/// gradient for.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct FusedLoss {
+    pub rows: usize,
+    pub scale: f32,
+}
+
+/// What the head keeps from forward for backward (`llama/head.rs`).
+struct HeadCache {
+    targets: Vec<i32>,
+    x_final: Tensor,
+    rstd: Tensor,
+    /// Rows with a target (the loss is their mean).
+    count: usize,
+    out: HeadOut,
+}
+
+#[allow(clippy::large_enum_variant)] // one per micro-batch in flight
+enum HeadOut {
+    /// The whole logits (this rank's vocabulary slice), their lse, and the norm's output.
+    Logits { xn: Tensor, logits: Tensor, lse: Tensor },
+    /// The fused loss: dxn already computed in forward for `scale`, this rank's vocabulary
+    /// slice's share (Partial(sum) over tp).
+    Fused { dxn: Tensor, scale: f32 },
 }
 
 /// What FSDP gathers at once: the embedding, one block, or the head.

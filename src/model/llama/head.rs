@@ -19,39 +19,12 @@
 //! Vocab-parallel as before: each tp rank computes its slice of every chunk's logits, and the
 //! row statistics (max, Σexp, the target's logit) are summed over the ranks per chunk.
 
-use super::{Llama, Unit};
+use super::{FusedLoss, HeadCache, HeadOut, Llama, Unit};
 use crate::model::param::Param;
 use crate::model::weight_grads::WeightGrads;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use anyhow::{bail, Result};
-
-/// The fused loss's setting: rows per chunk, and the backward's loss scale it computes the
-/// gradient for.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct FusedLoss {
-    pub rows: usize,
-    pub scale: f32,
-}
-
-/// What the head keeps from forward for backward.
-pub(super) struct HeadCache {
-    pub(super) targets: Vec<i32>,
-    pub(super) x_final: Tensor,
-    pub(super) rstd: Tensor,
-    /// Rows with a target (the loss is their mean).
-    pub(super) count: usize,
-    pub(super) out: HeadOut,
-}
-
-#[allow(clippy::large_enum_variant)] // one per micro-batch in flight
-pub(super) enum HeadOut {
-    /// The whole logits (this rank's vocabulary slice), their lse, and the norm's output.
-    Logits { xn: Tensor, logits: Tensor, lse: Tensor },
-    /// The fused loss: dxn already computed in forward for `scale`, this rank's vocabulary
-    /// slice's share (Partial(sum) over tp).
-    Fused { dxn: Tensor, scale: f32 },
-}
 
 impl HeadCache {
     pub(super) fn bytes(&self) -> usize {
