@@ -289,15 +289,12 @@ fn schedule_command(
     ScheduleArgs { pp, microbatches, schedule: which, r#virtual, trace, out }: ScheduleArgs,
 ) -> Result<Exit> {
     use PpSchedule::{Afab, Interleaved, OneFOneB, ZbH1, Zbv};
+    let all = [Afab, OneFOneB, Interleaved, ZbH1, Zbv];
     let kinds = match which.as_str() {
-        "afab" => vec![Afab],
-        "1f1b" => vec![OneFOneB],
-        "interleaved" => vec![Interleaved],
-        "zb-h1" => vec![ZbH1],
-        "zbv" => vec![Zbv],
         "both" => vec![Afab, OneFOneB],
         "zero-bubble" => vec![OneFOneB, ZbH1, Zbv],
-        "all" => vec![Afab, OneFOneB, Interleaved, ZbH1, Zbv],
+        "all" => all.to_vec(),
+        one if all.iter().any(|k| k.name() == one) => all.into_iter().filter(|k| k.name() == one).collect(),
         other => {
             anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, zb-h1, zbv, both (afab and 1f1b), zero-bubble (1f1b, zb-h1 and zbv) or all")
         }

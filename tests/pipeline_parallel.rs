@@ -160,22 +160,7 @@ fn interleaved_1f1b_follows_the_single_rank_curve() {
 #[test]
 fn checkpoints_move_between_the_interleaved_and_the_plain_pipeline() {
     let interleaved = ["parallel.pp=2", "parallel.pp_schedule=\"interleaved\"", "parallel.pp_virtual_stages=2"];
-    let plain = ["parallel.pp=2"];
-    let tmp = tempfile::tempdir().unwrap();
-    // 6 steps saved every 3 in one layout; steps 4-6 again from step 3's checkpoint in the other
-    let run = |layout: &[&str], dir: &str, resume: Option<&std::path::Path>| {
-        let dir = format!("checkpoint.dir=\"{}\"", tmp.path().join(dir).display());
-        let more = ["train.steps=6", "train.grad_accum_steps=2", "checkpoint.every=3", &dir];
-        let cfg = Config::load(None, &sets(&[layout, &more[..]].concat())).unwrap();
-        train(&cfg, Options { quiet: true, resume, ..Default::default() }).unwrap().losses
-    };
-    for (from, to, name) in [(&interleaved[..], &plain[..], "a"), (&plain[..], &interleaved[..], "b")] {
-        let whole = run(from, name, None);
-        let step3 = tmp.path().join(name).join("step_000003");
-        let resumed = run(to, &format!("{name}_resumed"), Some(&step3));
-        let diff = whole[3..].iter().zip(&resumed).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(resumed.len() == 3 && diff <= 1e-6, "{from:?} → {to:?}: {resumed:?} vs {:?}", &whole[3..]);
-    }
+    common::checkpoints_move_between(&sets(&["train.grad_accum_steps=2"]), &interleaved, &["parallel.pp=2"]);
 }
 
 #[test]

@@ -13,7 +13,7 @@ use ferrotron::commands::schedule::{from_trace, simulate};
 use ferrotron::config::{Config, ModelConfig, PpSchedule, Recompute};
 use ferrotron::model::{Llama, Stage, StageGrad, StageInput};
 use ferrotron::parallel::pipeline_schedule::{held, schedule, sent_by, Action, Work};
-use ferrotron::train::{train, train_all, Options};
+use ferrotron::train::{train_all, Options};
 use std::collections::HashSet;
 
 /// 10 steps of the small model, 8 layers, 4 micro-batches of 2 sequences.
@@ -310,21 +310,7 @@ fn a_zbv_runs_trace_draws_its_f_b_and_w() {
 #[test]
 fn checkpoints_move_between_the_v_and_the_plain_pipeline() {
     let (v, plain) = (["parallel.pp=2", "parallel.pp_schedule=\"zbv\""], ["parallel.pp=3"]);
-    let tmp = tempfile::tempdir().unwrap();
-    // 6 steps saved every 3 in one layout; steps 4-6 again from step 3's checkpoint in the other
-    let run = |layout: &[&str], dir: &str, resume: Option<&std::path::Path>| {
-        let dir = format!("checkpoint.dir=\"{}\"", tmp.path().join(dir).display());
-        let more = ["train.steps=6", "train.grad_accum_steps=4", "checkpoint.every=3", &dir];
-        let cfg = Config::load(None, &sets(&[layout, &more[..]].concat())).unwrap();
-        train(&cfg, Options { quiet: true, resume, ..Default::default() }).unwrap().losses
-    };
-    for (from, to, name) in [(&v[..], &plain[..], "a"), (&plain[..], &v[..], "b")] {
-        let whole = run(from, name, None);
-        let step3 = tmp.path().join(name).join("step_000003");
-        let resumed = run(to, &format!("{name}_resumed"), Some(&step3));
-        let diff = whole[3..].iter().zip(&resumed).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
-        assert!(resumed.len() == 3 && diff <= 1e-6, "{from:?} → {to:?}: {resumed:?} vs {:?}", &whole[3..]);
-    }
+    common::checkpoints_move_between(&sets(&["train.grad_accum_steps=4"]), &v, &plain);
 }
 
 #[test]

@@ -396,9 +396,8 @@ impl Start<'_> {
             (None, Some(w)) => (hf::build_from(w, &cfg.model, tp, stage, &cfg.model.init_from)?, 0),
             (None, None) => (Llama::init(&cfg.model, cfg.train.seed, tp, stage), 0),
         };
-        model = model.with_recompute(cfg.train.recompute);
-        // the fused loss makes the gradient in forward: for the backward the step will ask, 1/m
-        model = model.with_fused_loss(cfg.train.loss_chunk_rows, 1.0 / cfg.train.grad_accum_steps as f32);
+        let t = &cfg.train; // the fused loss makes its gradient in forward, for the step's scale 1/m
+        model = model.with_recompute(t.recompute).with_fused_loss(t.loss_chunk_rows, 1.0 / t.grad_accum_steps as f32);
         if self.nudge {
             for p in model.params_mut() {
                 p.value = Tensor::from_vec(

@@ -50,3 +50,25 @@ pub fn write_trace(cfg: &ferrotron::config::Config, path: &std::path::Path) {
     ferrotron::train::train(cfg, opts).unwrap();
     trace.write(path).unwrap();
 }
+
+/// Trains 6 steps of `base + a`, saving every 3, resumes step 3's checkpoint in `base + b` (and
+/// the other way round), and asserts steps 4-6 are the uninterrupted run's (1e-6).
+#[allow(dead_code)] // the pipeline test files
+pub fn checkpoints_move_between(base: &[String], a: &[&str], b: &[&str]) {
+    let tmp = tempfile::tempdir().unwrap();
+    let run = |layout: &[&str], dir: &str, resume: Option<&std::path::Path>| {
+        let dir = format!("checkpoint.dir=\"{}\"", tmp.path().join(dir).display());
+        let more = ["train.steps=6", "checkpoint.every=3", &dir];
+        let sets: Vec<String> = base.iter().cloned().chain(layout.iter().chain(&more).map(|s| s.to_string())).collect();
+        let cfg = ferrotron::config::Config::load(None, &sets).unwrap();
+        let opts = ferrotron::train::Options { quiet: true, resume, ..Default::default() };
+        ferrotron::train::train(&cfg, opts).unwrap().losses
+    };
+    for (from, to, name) in [(a, b, "a"), (b, a, "b")] {
+        let whole = run(from, name, None);
+        let step3 = tmp.path().join(name).join("step_000003");
+        let resumed = run(to, &format!("{name}_resumed"), Some(&step3));
+        let diff = whole[3..].iter().zip(&resumed).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+        assert!(resumed.len() == 3 && diff <= 1e-6, "{from:?} → {to:?}: {resumed:?} vs {:?}", &whole[3..]);
+    }
+}
