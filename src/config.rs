@@ -296,9 +296,13 @@ pub struct ValidationConfig {
 #[serde(deny_unknown_fields)]
 pub struct DeviceConfig {
     pub kind: DeviceKind,
-    /// What the GPU computes in: `bf16` (mixed precision: bf16 activations and compute copies of
-    /// the weights, fp32 master weights, gradients and AdamW moments), `f32` (f32 throughout, no
-    /// TF32: step-by-step comparable with the CPU), or `auto` (bf16 on a GPU, f32 on the CPU).
+    /// What the device computes in: `bf16` (mixed precision: bf16 activations and compute
+    /// copies of the weights, fp32 master weights, gradients and AdamW moments), `fp8` (the same,
+    /// with the blocks' linear layers' GEMMs in FP8: E4M3 weights and activations, E5M2
+    /// gradients, per-tensor current scaling; `ops/fp8.rs`), `f32` (f32 throughout, no TF32:
+    /// step-by-step comparable with the CPU), or `auto` (bf16 on a GPU, f32 on the CPU). The CPU
+    /// computes in f32 and emulates `bf16` and `fp8` where they change the numbers most: it rounds
+    /// every linear layer's GEMM operands and output as the GPU would.
     pub dtype: DeviceDtype,
     /// Wait for every kernel and GEMM and check it (for debugging: an asynchronous GPU error is
     /// then reported by the op that caused it; slow).
@@ -311,14 +315,27 @@ pub enum DeviceDtype {
     Auto,
     F32,
     Bf16,
+    Fp8,
 }
 
 impl DeviceConfig {
     /// The dtype the kernels compute in.
     pub fn compute_dtype(&self) -> crate::ops::types::DType {
         match (self.kind, self.dtype) {
-            (DeviceKind::Cuda, DeviceDtype::Auto | DeviceDtype::Bf16) => crate::ops::types::DType::Bf16,
+            (DeviceKind::Cuda, DeviceDtype::Auto | DeviceDtype::Bf16 | DeviceDtype::Fp8) => {
+                crate::ops::types::DType::Bf16
+            }
             _ => crate::ops::types::DType::F32,
+        }
+    }
+
+    /// What the linear layers' GEMMs read: the compute dtype, or FP8 (on the CPU, emulated).
+    pub fn gemms(&self) -> crate::ops::types::Precision {
+        use crate::ops::types::Precision;
+        match (self.kind, self.dtype) {
+            (_, DeviceDtype::Fp8) => Precision::Fp8,
+            (_, DeviceDtype::Bf16) | (DeviceKind::Cuda, DeviceDtype::Auto) => Precision::Bf16,
+            _ => Precision::F32,
         }
     }
 }

@@ -3,9 +3,9 @@
 //! written here exactly as cuBLAS defines it, on the row-major buffers the backend hands over,
 //! and must give the CPU op layer's linear, input gradient and weight gradient.
 
-use ferrotron::ops;
 use ferrotron::ops::gpu::Gemm;
 use ferrotron::ops::tensor::Tensor;
+use ferrotron::ops::{self, Precision};
 
 /// cuBLAS's GEMM: c[i + j·ldc] = Σ_l op(a)(i, l) · op(b)(l, j) (+ c), column-major, where a
 /// stored matrix x has x(i, j) = x[i + j·ld] and op transposes it when asked.
@@ -40,16 +40,16 @@ fn the_three_linear_gemms_give_the_row_major_products() {
         // y = x · wᵀ: a = w, b = x
         let mut y = vec![0.0; rows * out];
         cublas_reference(Gemm::linear(rows, inp, out), &w.to_vec(), &x.to_vec(), &mut y, false);
-        close(&y, &ops::linear(&x, &w).to_vec());
+        close(&y, &ops::linear(&x, &w, Precision::F32).to_vec());
         // dx = dy · w: a = w, b = dy
         let mut dx = vec![0.0; rows * inp];
         cublas_reference(Gemm::input_grad(rows, inp, out), &w.to_vec(), &dy.to_vec(), &mut dx, false);
-        close(&dx, &ops::linear_input_grad(&dy, &w).to_vec());
+        close(&dx, &ops::linear_input_grad(&dy, &w, Precision::F32).to_vec());
         // dw += dyᵀ · x: a = x, b = dy, accumulating into what dw holds
         let mut dw = dw0.to_vec();
         cublas_reference(Gemm::weight_grad(rows, inp, out), &x.to_vec(), &dy.to_vec(), &mut dw, true);
         let mut want = dw0.clone();
-        ops::linear_weight_grad(&dy, &x, &mut want);
+        ops::linear_weight_grad(&dy, &x, &mut want, Precision::F32);
         close(&dw, &want.to_vec());
     }
 }

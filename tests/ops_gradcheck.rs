@@ -6,7 +6,7 @@
 
 use ferrotron::model::{TensorSplit, Whole};
 use ferrotron::ops::tensor::Tensor;
-use ferrotron::ops::{self, Attn};
+use ferrotron::ops::{self, Attn, Precision};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -48,9 +48,9 @@ fn linear() {
     let mut rng = ChaCha8Rng::seed_from_u64(1);
     let (m, k, n) = (5, 7, 6);
     let (x, w, r) = (randn(&mut rng, m * k, 1.0), randn(&mut rng, n * k, 1.0), randn(&mut rng, m * n, 1.0));
-    let f = |xs: &[Vec<f32>]| ops::linear(&t(&[m, k], &xs[0]), &t(&[n, k], &xs[1])).to_vec();
+    let f = |xs: &[Vec<f32>]| ops::linear(&t(&[m, k], &xs[0]), &t(&[n, k], &xs[1]), Precision::F32).to_vec();
     let mut dw = Tensor::zeros(&[n, k]);
-    let dx = ops::linear_backward(&t(&[m, n], &r), &t(&[m, k], &x), &t(&[n, k], &w), &mut dw);
+    let dx = ops::linear_backward(&t(&[m, n], &r), &t(&[m, k], &x), &t(&[n, k], &w), &mut dw, Precision::F32);
     check("linear", &[x, w], &r, f, &[dx.to_vec(), dw.to_vec()]);
 }
 

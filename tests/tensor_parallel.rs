@@ -17,6 +17,7 @@ use ferrotron::model::{Llama, Param};
 use ferrotron::model::{TensorSplit, Whole};
 use ferrotron::ops;
 use ferrotron::ops::tensor::Tensor;
+use ferrotron::ops::Precision::F32;
 use ferrotron::parallel::tensor_parallel::TensorParallel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -48,10 +49,10 @@ fn column_and_row_parallel_linear_match_dense() {
     let (x, w, dy) = (randn(1, &[m, k]), randn(2, &[n, k]), randn(3, &[m, n]));
     let (w2, dy2) = (randn(7, &[n, k]), randn(8, &[m, n])); // a second layer reading the same x
                                                             // the dense twins
-    let y = ops::linear(&x, &w);
+    let y = ops::linear(&x, &w, F32);
     let (mut dw, mut dw2) = (Tensor::zeros(&[n, k]), Tensor::zeros(&[n, k]));
-    let dx = ops::linear_backward(&dy, &x, &w, &mut dw);
-    let mut dx_both = ops::linear_backward(&dy2, &x, &w2, &mut dw2);
+    let dx = ops::linear_backward(&dy, &x, &w, &mut dw, F32);
+    let mut dx_both = ops::linear_backward(&dy2, &x, &w2, &mut dw2, F32);
     ops::add_assign(&mut dx_both, &dx);
     let mut dense = [param(w.clone()), param(w2.clone())];
     let [a, b] = &mut dense;
@@ -68,7 +69,7 @@ fn column_and_row_parallel_linear_match_dense() {
                 param(part_of(&w, Placement::Shard(0), (i, size))),
                 param(part_of(&w2, Placement::Shard(0), (i, size))),
             );
-            close(&ops::linear(&x, &wc.value), &part_of(&y, Placement::Shard(1), (i, size)), "column y");
+            close(&ops::linear(&x, &wc.value, F32), &part_of(&y, Placement::Shard(1), (i, size)), "column y");
             let (dy_i, dy2_i) =
                 (part_of(&dy, Placement::Shard(1), (i, size)), part_of(&dy2, Placement::Shard(1), (i, size)));
             let layers = vec![(dy_i, &mut wc), (dy2_i, &mut wc2)];
@@ -80,7 +81,7 @@ fn column_and_row_parallel_linear_match_dense() {
             let mut wr = param(part_of(&w, Placement::Shard(1), (i, size)));
             let x_part = part_of(&x, Placement::Shard(1), (i, size));
             close(&tp.row_forward(&x_part, &wr)?, &y, "row y (all-reduced)");
-            let row_dx = ops::linear_backward(&dy, &x_part, &wr.value, &mut wr.grad); // local
+            let row_dx = ops::linear_backward(&dy, &x_part, &wr.value, &mut wr.grad, F32); // local
             close(&row_dx, &part_of(&dx, Placement::Shard(1), (i, size)), "row dx");
             close(&wr.grad, &part_of(&dw, Placement::Shard(1), (i, size)), "row dW");
             Ok(())

@@ -11,7 +11,7 @@
 use crate::cuda::device::Device;
 use crate::cuda::runtime::Gpu;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::{self, AdamW, Attn, DType};
+use crate::ops::{self, AdamW, Attn, DType, Precision};
 use anyhow::{bail, Result};
 use half::bf16;
 
@@ -118,12 +118,13 @@ impl Check<'_> {
     fn linear(&mut self, m: usize, k: usize, n: usize) -> Result<()> {
         let (x, w, dy, dw) = (self.rand(&[m, k]), self.rand(&[n, k]), self.rand(&[m, n]), self.rand(&[n, k]));
         let (gx, gw, gdy) = (self.gpu(&x), self.param(&w), self.gpu(&dy));
-        self.same(&format!("linear {m}×{k}→{n}"), &ops::linear(&gx, &gw), &ops::linear(&x, &w))?;
-        let want = ops::linear_input_grad(&dy, &w);
-        self.same("linear input gradient", &ops::linear_input_grad(&gdy, &gw), &want)?;
+        let p = if self.dtype == DType::F32 { Precision::F32 } else { Precision::Bf16 };
+        self.same(&format!("linear {m}×{k}→{n}"), &ops::linear(&gx, &gw, p), &ops::linear(&x, &w, p))?;
+        let want = ops::linear_input_grad(&dy, &w, p);
+        self.same("linear input gradient", &ops::linear_input_grad(&gdy, &gw, p), &want)?;
         let (mut want, mut got) = (dw.clone(), self.f32(&dw)); // accumulates into what is there
-        ops::linear_weight_grad(&dy, &x, &mut want);
-        ops::linear_weight_grad(&gdy, &gx, &mut got);
+        ops::linear_weight_grad(&dy, &x, &mut want, p);
+        ops::linear_weight_grad(&gdy, &gx, &mut got, p);
         self.same("linear weight gradient (+=, f32)", &got, &want)
     }
 

@@ -5,9 +5,7 @@
 //! model, the device, and the data source. `Config::load` runs them after the TOML is read.
 
 use super::{table::first_non_finite, MAX_TIMEOUT_S};
-use super::{
-    CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceDtype, DeviceKind, DpMode, ModelConfig, PpSchedule,
-};
+use super::{CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceKind, DpMode, ModelConfig, PpSchedule};
 use anyhow::{bail, Context, Result};
 
 impl ModelConfig {
@@ -254,9 +252,6 @@ impl Config {
     fn validate_places(&self) -> Result<()> {
         if self.checkpoint.dir.trim().is_empty() {
             bail!("checkpoint.dir is empty: name the folder checkpoints go to (a run also saves there when stopped by a signal)");
-        }
-        if self.device.kind == DeviceKind::Cpu && self.device.dtype == DeviceDtype::Bf16 {
-            bail!("device.dtype = \"bf16\" with device.kind = \"cpu\": the CPU backend computes in f32; set device.dtype = \"auto\" or \"f32\", or device.kind = \"cuda\"");
         }
         if self.device.kind == DeviceKind::Cuda && self.model.head_dim() > 128 {
             bail!("model.head_dim = {}: the CUDA attention kernel supports head_dim up to 128; use device.kind = \"cpu\" or a smaller head_dim", self.model.head_dim());

@@ -14,7 +14,7 @@
 
 use crate::comm::process_grid::Axis;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::DType;
+use crate::ops::{DType, Precision};
 
 pub use crate::comm::placement::Placement;
 
@@ -33,6 +33,9 @@ pub struct Param {
     /// of the whole (ZeRO-1, 2), or empty except while gathered for a forward or backward
     /// (ZeRO-3), and `grad` is freed once handed over (2, 3). `None`: Replicate.
     pub zero: Option<ZeroChunk>,
+    /// What its GEMMs read, for a linear layer's weight (`ops/fp8.rs`): f32 by default;
+    /// `Llama::with_gemms` sets the run's precision.
+    pub gemm: Precision,
 }
 
 /// This rank's chunk of a parameter sharded over its replicas: the flat values
@@ -54,7 +57,15 @@ impl Param {
     /// A parameter holding `value` (placed so on the tp axis), its gradient zero, replicated over
     /// the dp×cp ranks.
     pub fn new(name: String, value: Tensor, tp: Placement) -> Param {
-        Param { grad: Tensor::zeros(value.shape()), name, value, tp, replicas: Axis::DpCp, zero: None }
+        Param {
+            grad: Tensor::zeros(value.shape()),
+            name,
+            value,
+            tp,
+            replicas: Axis::DpCp,
+            zero: None,
+            gemm: Precision::F32,
+        }
     }
 
     /// Its placement on `axis`: the tp slice, ZeRO's chunk on its replicas' axis, an expert's

@@ -170,7 +170,7 @@ impl TensorSplit for Whole {
         (0, 1)
     }
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
-        Ok(ops::linear(x, &w.value))
+        Ok(ops::linear(x, &w.value, w.gemm))
     }
     fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut WeightGrads) -> Result<Tensor> {
         let dx = input_grad(&layers);
@@ -213,9 +213,9 @@ impl SequenceSplit for Whole {
 /// dx = Σ dy · W over layers that read the same input: this rank's part of the input gradient.
 pub fn input_grad(layers: &[(Tensor, &mut Param)]) -> Tensor {
     let (first, rest) = layers.split_first().expect("at least one layer");
-    let mut dx = ops::linear_input_grad(&first.0, &first.1.value);
+    let mut dx = ops::linear_input_grad(&first.0, &first.1.value, first.1.gemm);
     for (dy, w) in rest {
-        ops::add_assign(&mut dx, &ops::linear_input_grad(dy, &w.value));
+        ops::add_assign(&mut dx, &ops::linear_input_grad(dy, &w.value, w.gemm));
     }
     dx
 }

@@ -50,7 +50,9 @@ impl WeightGrads {
     /// dW += dyᵀ · x for each `(dy, W)` of `layers`, all reading `x`: now, or kept.
     pub fn linear(&mut self, x: Cow<Tensor>, layers: Vec<(Cow<Tensor>, &mut Param)>) {
         match self {
-            WeightGrads::Now => layers.into_iter().for_each(|(dy, p)| ops::linear_weight_grad(&dy, &x, &mut p.grad)),
+            WeightGrads::Now => {
+                layers.into_iter().for_each(|(dy, p)| ops::linear_weight_grad(&dy, &x, &mut p.grad, p.gemm))
+            }
             WeightGrads::Later(kept) => {
                 let dys = layers.into_iter().map(|(dy, p)| (p.name.clone(), dy.into_owned())).collect();
                 kept.push(Deferred::Linear { x: x.into_owned(), dys });
@@ -77,10 +79,13 @@ impl Deferred {
     pub fn apply(self, params: &mut [&mut Param]) {
         match self {
             Deferred::Linear { x, dys } => {
-                dys.into_iter().for_each(|(name, dy)| ops::linear_weight_grad(&dy, &x, grad_of(params, &name)))
+                for (name, dy) in dys {
+                    let p = grad_of(params, &name);
+                    ops::linear_weight_grad(&dy, &x, &mut p.grad, p.gemm)
+                }
             }
             Deferred::Embedding { name, dx, tokens, first } => {
-                ops::embedding_backward(&dx, &tokens, first, grad_of(params, &name))
+                ops::embedding_backward(&dx, &tokens, first, &mut grad_of(params, &name).grad)
             }
         }
     }
@@ -102,10 +107,10 @@ impl Deferred {
     }
 }
 
-/// The gradient of the parameter named `name` among `params`, made if it was freed (ZeRO-2 and 3
+/// The parameter named `name` among `params`, its gradient made if it was freed (ZeRO-2 and 3
 /// free a gradient once handed over; a W may be the first to add into it this step).
-fn grad_of<'a>(params: &'a mut [&mut Param], name: &str) -> &'a mut Tensor {
+fn grad_of<'a>(params: &'a mut [&mut Param], name: &str) -> &'a mut Param {
     let p = params.iter_mut().find(|p| p.name == name).expect("a deferred gradient's parameter is among those given");
     p.ensure_grad();
-    &mut p.grad
+    p
 }

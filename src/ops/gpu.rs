@@ -11,7 +11,7 @@ use crate::cuda::device::{Buf, Data, Device};
 use crate::cuda::launch_table::{self, Addr, NORM_BLOCKS};
 use crate::cuda::runtime::cuda_err;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::{AdamW, Attn, DType};
+use crate::ops::types::{AdamW, Attn, DType, Precision};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use std::sync::Arc;
@@ -129,21 +129,30 @@ impl Device {
     }
 
     /// y[m, n] = x[m, k] · w[n, k]ᵀ.
-    pub fn linear(self: &Arc<Self>, x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    pub fn linear(self: &Arc<Self>, x: &Tensor, w: &Tensor, p: Precision) -> Result<Tensor> {
+        if p == Precision::Fp8 {
+            return self.fp8_linear(x, w);
+        }
         let y = self.tensor(&[x.rows(), w.shape()[0]], x.dtype());
         self.gemm(Gemm::linear(x.rows(), x.cols(), w.shape()[0]), buf(w), buf(x), buf(&y), false)?;
         Ok(y)
     }
 
     /// dx[m, k] = dy[m, n] · w[n, k].
-    pub fn linear_input_grad(self: &Arc<Self>, dy: &Tensor, w: &Tensor) -> Result<Tensor> {
+    pub fn linear_input_grad(self: &Arc<Self>, dy: &Tensor, w: &Tensor, p: Precision) -> Result<Tensor> {
+        if p == Precision::Fp8 {
+            return self.fp8_input_grad(dy, w);
+        }
         let dx = self.tensor(&[dy.rows(), w.cols()], dy.dtype());
         self.gemm(Gemm::input_grad(dy.rows(), w.cols(), w.shape()[0]), buf(w), buf(dy), buf(&dx), false)?;
         Ok(dx)
     }
 
     /// dw[n, k] += dy[m, n]ᵀ · x[m, k], accumulated into the fp32 gradient.
-    pub fn linear_weight_grad(&self, dy: &Tensor, x: &Tensor, dw: &Tensor) -> Result<()> {
+    pub fn linear_weight_grad(self: &Arc<Self>, dy: &Tensor, x: &Tensor, dw: &Tensor, p: Precision) -> Result<()> {
+        if p == Precision::Fp8 {
+            return self.fp8_weight_grad(dy, x, dw);
+        }
         self.gemm(Gemm::weight_grad(x.rows(), x.cols(), dw.shape()[0]), buf(x), buf(dy), buf(dw), true)
     }
 

@@ -13,13 +13,15 @@
 pub mod cpu;
 pub mod cpu_attention;
 pub mod cpu_math;
+pub mod fp8;
 pub mod gpu;
+pub mod gpu_fp8;
 pub mod gpu_moe;
 pub mod moe;
 pub mod tensor;
 pub mod types;
 
-pub use types::{AdamW, Attn, DType};
+pub use types::{AdamW, Attn, DType, Precision};
 
 use crate::cuda::device::{fatal, Device};
 use cpu_math::View;
@@ -34,41 +36,52 @@ fn gpu<'a>(op: &str, ts: &[&'a Tensor]) -> Option<&'a Arc<Device>> {
     dev
 }
 
-/// y[m, n] = x[m, k] · w[n, k]ᵀ.
-pub fn linear(x: &Tensor, w: &Tensor) -> Tensor {
+/// y[m, n] = x[m, k] · w[n, k]ᵀ, the GEMM reading its operands in precision `p` (`fp8.rs`).
+pub fn linear(x: &Tensor, w: &Tensor, p: Precision) -> Tensor {
     let (m, k, n) = (x.rows(), x.cols(), w.shape()[0]);
     assert_eq!(w.cols(), k, "linear: input has {k} features, weight expects {}", w.cols());
     if let Some(d) = gpu("linear", &[x, w]) {
-        return fatal("linear", d.linear(x, w));
+        return fatal("linear", d.linear(x, w, p));
     }
-    Tensor::from_vec(&[m, n], cpu_math::product(m, k, n, View::rows(x.host(), k), View::transposed(w.host(), k)))
+    let ((x, sx), (w, sw)) = (fp8::cast(x.host(), p.values()), fp8::cast(w.host(), p.values()));
+    let y = cpu_math::product(m, k, n, View::rows(&x, k), View::transposed(&w, k));
+    Tensor::from_vec(&[m, n], p.output(y, sx * sw))
 }
 
 /// Returns dx = dy · w and accumulates dw += dyᵀ · x.
-pub fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor, dw: &mut Tensor) -> Tensor {
-    let dx = linear_input_grad(dy, w);
-    linear_weight_grad(dy, x, dw);
+pub fn linear_backward(dy: &Tensor, x: &Tensor, w: &Tensor, dw: &mut Tensor, p: Precision) -> Tensor {
+    let dx = linear_input_grad(dy, w, p);
+    linear_weight_grad(dy, x, dw, p);
     dx
 }
 
 /// The input half of `linear_backward`: dx = dy · w.
-pub fn linear_input_grad(dy: &Tensor, w: &Tensor) -> Tensor {
+pub fn linear_input_grad(dy: &Tensor, w: &Tensor, p: Precision) -> Tensor {
     let (m, n, k) = (dy.rows(), w.shape()[0], w.cols());
     assert_eq!(dy.cols(), n, "linear backward: output gradient has {} features, weight has {n} rows", dy.cols());
     if let Some(d) = gpu("linear backward", &[dy, w]) {
-        return fatal("linear backward", d.linear_input_grad(dy, w));
+        return fatal("linear backward", d.linear_input_grad(dy, w, p));
     }
-    Tensor::from_vec(&[m, k], cpu_math::product(m, n, k, View::rows(dy.host(), n), View::rows(w.host(), k)))
+    let ((dy, sg), (w, sw)) = (fp8::cast(dy.host(), p.gradients()), fp8::cast(w.host(), p.values()));
+    let dx = cpu_math::product(m, n, k, View::rows(&dy, n), View::rows(&w, k));
+    Tensor::from_vec(&[m, k], p.output(dx, sg * sw))
 }
 
 /// The weight half of `linear_backward`: dw += dyᵀ · x (dw is f32 on every device).
-pub fn linear_weight_grad(dy: &Tensor, x: &Tensor, dw: &mut Tensor) {
+pub fn linear_weight_grad(dy: &Tensor, x: &Tensor, dw: &mut Tensor, p: Precision) {
     let (m, k, n) = (x.rows(), x.cols(), dw.shape()[0]);
     assert_eq!((dy.rows(), dy.cols(), dw.cols()), (m, n, k), "linear weight gradient: shapes");
     if let Some(d) = gpu("linear weight gradient", &[dy, x, dw]) {
-        return fatal("linear weight gradient", d.linear_weight_grad(dy, x, dw));
+        return fatal("linear weight gradient", d.linear_weight_grad(dy, x, dw, p));
     }
-    cpu_math::gemm(n, m, k, View::transposed(dy.host(), n), View::rows(x.host(), k), dw.host_mut(), true);
+    let ((dy, sg), (x, sx)) = (fp8::cast(dy.host(), p.gradients()), fp8::cast(x.host(), p.values()));
+    let (dy, x) = (View::transposed(&dy, n), View::rows(&x, k));
+    if p != Precision::Fp8 {
+        return cpu_math::gemm(n, m, k, dy, x, dw.host_mut(), true);
+    }
+    // the fp32 gradient adds the product multiplied back by 1/(sg·sx), as cuBLASLt's scales do
+    let part = cpu_math::product(n, m, k, dy, x);
+    dw.host_mut().iter_mut().zip(part).for_each(|(g, v)| *g += v * (sg * sx));
 }
 
 /// Rows of `table` picked by token id. The table may be a slice of the vocabulary starting at

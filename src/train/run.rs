@@ -398,6 +398,7 @@ impl Start<'_> {
         };
         let t = &cfg.train; // the fused loss makes its gradient in forward, for the step's scale 1/m
         model = model.with_recompute(t.recompute).with_fused_loss(t.loss_chunk_rows, 1.0 / t.grad_accum_steps as f32);
+        model = model.with_gemms(cfg.device.gemms());
         if self.nudge {
             for p in model.params_mut() {
                 p.value = Tensor::from_vec(

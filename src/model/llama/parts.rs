@@ -15,7 +15,7 @@ use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, 
 use crate::model::stage::Stage;
 use crate::model::weight_grads::Deferred;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::{self, DType};
+use crate::ops::{self, DType, Precision};
 use anyhow::Result;
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
@@ -163,6 +163,18 @@ impl<'g> Llama<'g> {
     /// the whole logits, kept for backward (and for `logits`).
     pub fn with_fused_loss(mut self, rows: usize, scale: f32) -> Llama<'g> {
         self.fused_loss = (rows > 0).then_some(FusedLoss { rows, scale });
+        self
+    }
+
+    /// Its linear layers' GEMMs read in `p` (`ops/fp8.rs`). Under FP8 the output layer and a
+    /// mixture of experts' router stay in bf16: the logits feed the softmax and the router's
+    /// scores a discrete top-k, where an FP8 rounding costs most.
+    pub fn with_gemms(mut self, p: Precision) -> Llama<'g> {
+        for param in self.params_mut() {
+            let stays = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight"];
+            let bf16 = p == Precision::Fp8 && stays.iter().any(|s| param.name.ends_with(s));
+            param.gemm = if bf16 { Precision::Bf16 } else { p };
+        }
         self
     }
 

@@ -1,0 +1,173 @@
+//! # FP8: eight bits a number, and a scale that makes them enough
+//!
+//! An H100's FP8 tensor cores multiply twice as fast as its bf16 ones, and an FP8 matrix is half
+//! the bytes. Two 8-bit formats share the work (OCP FP8; NVIDIA's `__nv_fp8_e4m3`, `__nv_fp8_e5m2`):
+//!
+//! ```text
+//!          sign exponent mantissa  largest   smallest normal  smallest subnormal  unit roundoff u
+//! E4M3     1    4 (bias 7)  3       448       2⁻⁶              2⁻⁹                 2⁻⁴ = 6.25%
+//! E5M2     1    5 (bias 15) 2       57344     2⁻¹⁴             2⁻¹⁶                2⁻³ = 12.5%
+//! bf16     1    8 (bias 127) 7      3.4e38    2⁻¹²⁶            2⁻¹³³               2⁻⁸ = 0.39%
+//! ```
+//! (E4M3 gives up infinity, and all but one NaN pattern, for one more binade: its largest is 448,
+//! not 240.) E4M3 has the precision and E5M2 the range: weights and activations go in E4M3,
+//! gradients, whose magnitudes spread wider, in E5M2 (TransformerEngine's "hybrid" recipe).
+//!
+//! **Why a scale.** Seventeen binades (E4M3) cannot hold a tensor as it comes: activations of
+//! size 30 and gradients of size 1e-7 would overflow or flush to zero. So each tensor is cast as
+//! `q = fp8(x · s)` with its own scale s, and every product of two cast tensors is multiplied
+//! back by `1 / (s_a · s_b)` as the GEMM writes its output. **Current scaling** takes s from the
+//! tensor itself at the moment it is cast, `s = largest / amax(|x|)`: its largest element lands on
+//! the format's largest value, and nothing overflows, whatever the step did to the tensor.
+//! (Delayed scaling guesses s from the amax of earlier steps, saving a pass over the tensor, and
+//! overflows when a tensor grows faster than its history: one reason current scaling won.) With
+//! one scale per tensor, an element far below the amax loses bits (below amax · 2⁻¹⁷ in E4M3 it is
+//! a subnormal or zero); finer scales (per row, per 128-block: "rowwise", MXFP8) trade that back.
+//!
+//! **Where the casts sit** (a linear layer y = x · Wᵀ; `ops::linear` and its two backward halves):
+//!
+//! ```text
+//! forward    y  = (e4m3(x·sx) · e4m3(W·sw)ᵀ) / (sx·sw)        → bf16
+//! backward   dx = (e5m2(dy·sg) · e4m3(W·sw)) / (sg·sw)        → bf16
+//!            dW += (e5m2(dy·sg)ᵀ · e4m3(x·sx)) / (sg·sx)      → the fp32 gradient
+//! ```
+//! Every product of two FP8 numbers is exact in f32 and the sums run in f32; only the casts round.
+//! Everything else stays as in bf16 mixed precision: master weights, gradients and the optimizer
+//! in fp32, norms, attention, softmax and the loss on bf16 tensors. The layers that stay out of
+//! FP8: the output layer (its logits feed the softmax directly: torchtitan and TransformerEngine
+//! recipes keep it in bf16) and a mixture of experts' router (tiny, and its top-k is a discrete
+//! choice a rounding could flip).
+//!
+//! **Why training survives.** Each cast rounds an element by at most u of itself, and a sum of
+//! K products rounded independently errs by about u·√K of a typical term, against the sum's own
+//! size of about √K of a term (random signs): a relative error near u/√3 per operand, about 5% for
+//! an E4M3 × E4M3 product and 8% for E5M2 × E4M3 (`tests/fp8.rs` states and checks the bounds).
+//! Gradient noise from sampling batches is larger than that; SGD averages both out.
+//!
+//! The CPU computes this in f32, rounding exactly as the GPU does (round to nearest even,
+//! saturating at the largest value, as `__NV_SATFINITE`): the CPU run shows what FP8 does to the
+//! curve, and the GPU path (`ops/gpu.rs`: cast kernels and a cuBLASLt FP8 GEMM) is checked
+//! against it.
+
+use crate::ops::types::Precision;
+use rayon::prelude::*;
+use std::borrow::Cow;
+
+/// One of the two FP8 formats.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Fp8 {
+    /// 4 exponent bits, 3 of mantissa: weights and activations.
+    E4M3,
+    /// 5 exponent bits, 2 of mantissa: gradients.
+    E5M2,
+}
+
+impl Fp8 {
+    /// The largest finite value.
+    pub fn largest(self) -> f32 {
+        match self {
+            Fp8::E4M3 => 448.0,
+            Fp8::E5M2 => 57344.0,
+        }
+    }
+
+    /// Mantissa bits, and the exponent of the smallest normal number.
+    fn bits(self) -> (i32, i32) {
+        match self {
+            Fp8::E4M3 => (3, -6),
+            Fp8::E5M2 => (2, -14),
+        }
+    }
+
+    /// The unit roundoff: a rounded normal number is within this share of itself.
+    pub fn unit_roundoff(self) -> f32 {
+        (2.0f32).powi(-self.bits().0 - 1)
+    }
+
+    /// The spacing of the subnormals: a number below the smallest normal is within half of it.
+    pub fn subnormal_step(self) -> f32 {
+        let (m, e_min) = self.bits();
+        (2.0f32).powi(e_min - m)
+    }
+
+    /// `x` rounded to the nearest value of this format, ties to even; beyond the largest value,
+    /// the largest (saturating); not a number for NaN and ±∞ (an overflow upstream stays seen).
+    pub fn round(self, x: f32) -> f32 {
+        if !x.is_finite() {
+            return f32::NAN;
+        }
+        let (m, e_min) = self.bits();
+        // the spacing of the format's numbers around |x|: 2^(exponent − m), never below the
+        // subnormals'; a power of two, so x / step and back are exact in f32
+        let e = (((x.to_bits() >> 23) & 0xff) as i32 - 127).max(e_min) - m; // step = 2^e
+        let (step, inverse) = (f32::from_bits(((127 + e) as u32) << 23), f32::from_bits(((127 - e) as u32) << 23));
+        // |x / step| < 2^(m + 2): adding 1.5·2²³ leaves no bits below the units, so f32's own
+        // rounding (to nearest, ties to even) rounds it; the subtraction is then exact
+        const ROUND: f32 = 12582912.0;
+        let r = ((x * inverse + ROUND) - ROUND) * step;
+        r.clamp(-self.largest(), self.largest())
+    }
+}
+
+/// How one operand enters a GEMM of a linear layer: as it is, rounded to bf16, or scaled and
+/// cast to an FP8 format.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum Cast {
+    None,
+    Bf16,
+    Fp8(Fp8),
+}
+
+impl Precision {
+    /// How this precision reads x and W (forward, and W again in backward).
+    pub fn values(self) -> Cast {
+        match self {
+            Precision::F32 => Cast::None,
+            Precision::Bf16 => Cast::Bf16,
+            Precision::Fp8 => Cast::Fp8(Fp8::E4M3),
+        }
+    }
+
+    /// How this precision reads output gradients dy.
+    pub fn gradients(self) -> Cast {
+        match self {
+            Precision::Fp8 => Cast::Fp8(Fp8::E5M2),
+            other => other.values(),
+        }
+    }
+
+    /// A GEMM output as a GPU of this precision writes it (bf16 in both mixed precisions), from
+    /// the f32 sums of the cast operands, multiplied back by `descale`.
+    pub fn output(self, mut y: Vec<f32>, descale: f32) -> Vec<f32> {
+        if self != Precision::F32 {
+            y.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v * descale).to_f32());
+        }
+        y
+    }
+}
+
+/// The scale current scaling gives a tensor of this amax: its largest magnitude goes to the
+/// format's largest value (1 for an all-zero tensor, which any scale leaves zero).
+pub fn scale_for(amax: f32, f: Fp8) -> f32 {
+    if amax > 0.0 && amax.is_finite() {
+        f.largest() / amax
+    } else {
+        1.0
+    }
+}
+
+/// `values` as a GEMM reads them under `cast`: (the numbers, the factor that multiplies their
+/// products back: 1/s for an FP8 cast with scale s, else 1).
+pub fn cast(values: &[f32], cast: Cast) -> (Cow<'_, [f32]>, f32) {
+    match cast {
+        Cast::None => (Cow::Borrowed(values), 1.0),
+        Cast::Bf16 => (Cow::Owned(values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect()), 1.0),
+        Cast::Fp8(f) => {
+            // a pass over the tensor for its amax (∞ if any is not finite), then the cast; on
+            // the rayon threads, as a GPU runs both as kernels
+            let amax = values.par_iter().map(|v| if v.is_finite() { v.abs() } else { f32::INFINITY });
+            let s = scale_for(amax.reduce(|| 0.0, f32::max), f);
+            (Cow::Owned(values.par_iter().map(|&v| f.round(v * s)).collect()), 1.0 / s)
+        }
+    }
+}
