@@ -18,14 +18,14 @@ mod common;
 #[path = "common/emulator.rs"]
 mod emulator;
 
-/// The folder holding the fake libcuda.so and libcublas.so, built once.
+/// The folder holding the fake libcuda.so, libcublas.so and libcublasLt.so, built once.
 fn fake_driver() -> Option<&'static Path> {
     static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     let built = DIR.get_or_init(|| {
         ferrotron::cuda::nvrtc::nvrtc_ready().map_err(|e| format!("{e:#}"))?;
-        let lib = emulator::build("fake_cuda", "libcuda.so", &["fake_cuda.cpp", "fake_nccl.cpp"])?;
+        let lib = emulator::build("fake_cuda", "libcuda.so", &["fake_cuda.cpp", "fake_cublaslt.cpp", "fake_nccl.cpp"])?;
         let dir = lib.parent().unwrap().to_path_buf();
-        for name in ["libcublas.so", "libnccl.so"] {
+        for name in ["libcublas.so", "libcublasLt.so", "libnccl.so"] {
             let _ = std::fs::remove_file(dir.join(name));
             std::os::unix::fs::symlink(&lib, dir.join(name)).map_err(|e| e.to_string())?;
         }
@@ -96,7 +96,7 @@ fn doctor_finds_the_fake_gpu_and_every_kernel_passes_its_self_test() {
     let out = ferrotron_on(dir, 3, &["doctor"]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(text.contains("GPU 2: Fake CUDA device (CPU emulator), sm_90"), "{text}");
-    assert!(text.contains("kernel checks passed (f32 and bf16 against the CPU reference)"), "{text}");
+    assert!(text.contains("kernel checks passed (f32, bf16 and FP8 GEMMs against the CPU reference)"), "{text}");
     assert!(text.contains("NCCL collectives on GPU tensors (3 rank(s), one GPU each): ok"), "{text}");
     assert!(text.contains("local collectives on GPU tensors (3 ranks sharing GPU 0): ok"), "{text}");
 }
@@ -118,6 +118,11 @@ fn training_on_the_gpu_path_follows_the_cpu() {
     let cpu16 = losses(dir, "cpu_d16", &[&steps[..], &HEAD_DIM_16].concat());
     let bf16 = losses(dir, "bf16_d16", &[&cuda("device.dtype=bf16")[..], &HEAD_DIM_16].concat());
     assert!(max_diff(&cpu16, &bf16) <= 0.05, "bf16 on the GPU path {bf16:?}, CPU {cpu16:?}");
+    // FP8: cast kernels and the fake cuBLASLt against the CPU's emulated casts (the GPU's
+    // activations are bf16, the CPU's f32: the same band as bf16)
+    let cpu8 = losses(dir, "cpu_fp8", &[&steps[..], &["device.dtype=fp8"]].concat());
+    let fp8 = losses(dir, "fp8", &cuda("device.dtype=fp8"));
+    assert!(cpu8 != cpu && max_diff(&cpu8, &fp8) <= 0.05, "fp8 on the GPU path {fp8:?}, CPU {cpu8:?}");
 }
 
 #[test]

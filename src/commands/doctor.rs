@@ -58,7 +58,10 @@ pub fn doctor() -> Result<()> {
         for line in &report {
             crate::say!("self-test: kernel {line}");
         }
-        crate::say!("self-test: all {} kernel checks passed (f32 and bf16 against the CPU reference)", report.len());
+        crate::say!(
+            "self-test: all {} kernel checks passed (f32, bf16 and FP8 GEMMs against the CPU reference)",
+            report.len()
+        );
     }
     if libs.iter().any(|l| l.name.starts_with("NCCL") && l.found) {
         let gpus = runtime::device_count()?.min(8);

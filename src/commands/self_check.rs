@@ -2,7 +2,7 @@
 //!
 //! Every op of the op layer, forward and backward, runs twice on the same fresh random inputs
 //! (never zeros): once on the CPU (`ops/cpu.rs`, the reference) and once on the GPU (`ops/gpu.rs`), in
-//! f32 and in mixed precision, for several shapes including odd ones. In bf16 the inputs are
+//! f32 and in mixed precision (and the linear layers' GEMMs in FP8), for several shapes including odd ones. In bf16 the inputs are
 //! rounded to bf16 first, so the CPU sees exactly what the GPU sees and the comparison measures
 //! the kernel, not the input rounding. Errors are relative to the largest reference value:
 //! about 1e-5 in f32, about 1e-2 in bf16 (outputs are stored in bf16, 8 bits of mantissa).
@@ -21,7 +21,7 @@ pub fn self_test(gpu: &Gpu) -> Result<Vec<String>> {
     for dtype in [DType::F32, DType::Bf16] {
         let mut c = Check { place: Place::Cuda(Device::new(gpu, dtype)?), dtype, seed: 0, report: &mut report };
         for (rows, dim, vocab) in [(7, 100, 53), (130, 64, 1000)] {
-            c.linear(rows, dim, vocab)?;
+            c.linear(if dtype == DType::F32 { Precision::F32 } else { Precision::Bf16 }, (rows, dim, vocab))?;
             c.embedding(rows, dim, vocab)?;
             c.rmsnorm(rows, dim)?;
             c.swiglu(rows, dim)?;
@@ -55,6 +55,11 @@ pub fn self_test(gpu: &Gpu) -> Result<Vec<String>> {
         c.attention_merge(ring)?;
         c.adamw(1000, DType::F32)?;
         if dtype == DType::Bf16 {
+            // FP8 GEMMs (cast kernels and cuBLASLt) against the CPU's emulated casts: the same
+            // bytes, so only the order of the sums differs; k a multiple of 16, as cuBLASLt asks
+            for shape in [(16, 64, 48), (144, 128, 80)] {
+                c.linear(Precision::Fp8, shape)?;
+            }
             c.adamw(1000, DType::Bf16)?; // bf16 moments (`train.optimizer_dtype`), with mixed precision
         }
     }
@@ -115,11 +120,10 @@ impl Check<'_> {
         Ok(())
     }
 
-    fn linear(&mut self, m: usize, k: usize, n: usize) -> Result<()> {
+    fn linear(&mut self, p: Precision, (m, k, n): (usize, usize, usize)) -> Result<()> {
         let (x, w, dy, dw) = (self.rand(&[m, k]), self.rand(&[n, k]), self.rand(&[m, n]), self.rand(&[n, k]));
         let (gx, gw, gdy) = (self.gpu(&x), self.param(&w), self.gpu(&dy));
-        let p = if self.dtype == DType::F32 { Precision::F32 } else { Precision::Bf16 };
-        self.same(&format!("linear {m}×{k}→{n}"), &ops::linear(&gx, &gw, p), &ops::linear(&x, &w, p))?;
+        self.same(&format!("linear ({p:?} GEMM) {m}×{k}→{n}"), &ops::linear(&gx, &gw, p), &ops::linear(&x, &w, p))?;
         let want = ops::linear_input_grad(&dy, &w, p);
         self.same("linear input gradient", &ops::linear_input_grad(&gdy, &gw, p), &want)?;
         let (mut want, mut got) = (dw.clone(), self.f32(&dw)); // accumulates into what is there

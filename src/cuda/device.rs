@@ -29,7 +29,7 @@ use half::bf16;
 use std::collections::VecDeque;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// A failed CUDA call inside an op stops the rank with this message (the launcher reports it and
 /// stops the other ranks): a GPU error leaves nothing to recover.
@@ -212,9 +212,22 @@ pub struct Device {
     staging: Mutex<Staging>,
     /// The RoPE tables of the latest micro-batches: made by the first layer, read by the others.
     rope_tables: Mutex<VecDeque<(RopeKey, Arc<RopeTable>)>>,
+    /// cuBLASLt, opened by the first FP8 GEMM (`ops/gpu_fp8.rs`).
+    pub(crate) lt: OnceLock<BlasLt>,
     held: AtomicUsize,
     peak: AtomicUsize,
 }
+
+/// A cuBLASLt handle and the workspace its GEMMs may use.
+pub(crate) struct BlasLt {
+    pub handle: cudarc::cublaslt::sys::cublasLtHandle_t,
+    pub workspace: CudaSlice<u8>,
+}
+
+// SAFETY: a cuBLASLt handle may be used from any thread; ferrotron uses each device's from its
+// rank's thread, in the compute stream's order.
+unsafe impl Send for BlasLt {}
+unsafe impl Sync for BlasLt {}
 
 impl Device {
     /// The op layer on `gpu`, computing in `dtype`. Every kernel file is compiled here, before
@@ -239,6 +252,7 @@ impl Device {
             indices: Mutex::default(),
             staging: Mutex::default(),
             rope_tables: Mutex::default(),
+            lt: OnceLock::new(),
             held: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
         }))
@@ -396,6 +410,10 @@ impl Drop for Device {
     /// rest of the handle's struct (a stream reference) to the process's end.
     fn drop(&mut self) {
         let healthy = self.gpu.compute.synchronize().is_ok();
+        if let Some(lt) = self.lt.take() {
+            // SAFETY: the handle is destroyed once, here, after the stream's work is done.
+            let _ = unsafe { cudarc::cublaslt::result::destroy_handle(lt.handle) };
+        }
         // SAFETY: `blas` is taken once, here, and not used again.
         let blas = unsafe { ManuallyDrop::take(&mut self.blas) };
         if healthy {

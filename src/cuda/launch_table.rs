@@ -119,6 +119,35 @@ pub fn cast_bf16_to_f32(from: Addr, to: Addr, n: usize) -> Launch {
     launch(kernel!("cast_bf16_to_f32"), each(n), vec![Ptr(from), Ptr(to), long(n)])
 }
 
+/// Max |x| of each of NORM_BLOCKS slices of `x` (n numbers) into `partial` (`kernels/fp8.cu`).
+pub fn fp8_amax(dt: DType, x: Addr, n: usize, partial: Addr) -> Launch {
+    launch(typed!("fp8_amax", dt), ((NORM_BLOCKS as u32, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
+}
+
+/// `x` `[rows, cols]` (transposed: into `[cols, rows]`) cast to FP8 bytes `y` (E5M2 or E4M3),
+/// scaled by largest / amax of the partials; 1/scale into `inverse_scale`.
+pub fn fp8_cast(
+    dt: DType,
+    (x, rows, cols): (Addr, usize, usize),
+    transposed: bool,
+    e5m2: bool,
+    partial: Addr,
+    (y, inverse_scale): (Addr, Addr),
+) -> Launch {
+    let args = vec![
+        Ptr(x),
+        long(rows),
+        long(cols),
+        int(transposed as usize),
+        int(e5m2 as usize),
+        Ptr(partial),
+        int(NORM_BLOCKS),
+        Ptr(y),
+        Ptr(inverse_scale),
+    ];
+    launch(typed!("fp8_cast", dt), each(rows * cols), args)
+}
+
 /// out[tokens, dim] from a table of `table_rows` ids starting at `first`.
 pub fn embedding(
     dt: DType,
@@ -361,6 +390,8 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(target_logit(dt, 0, (1, 1), 0, 0, 0));
         all.push(cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
         all.push(add_assign(dt, 0, 0, 1));
+        all.push(fp8_amax(dt, 0, 1, 0));
+        all.push(fp8_cast(dt, (0, 1, 1), false, false, 0, (0, 0)));
         all.push(scale(dt, 0, 1.0, 1));
         all.extend(moe::catalogue(dt));
     }

@@ -28,7 +28,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 const COMMON: &str = include_str!("../../kernels/common.cuh");
 
 /// Every kernel file: (name, source).
-pub const SOURCES: [(&str, &str); 10] = [
+pub const SOURCES: [(&str, &str); 11] = [
     ("elementwise", include_str!("../../kernels/elementwise.cu")),
     ("embedding", include_str!("../../kernels/embedding.cu")),
     ("rmsnorm", include_str!("../../kernels/rmsnorm.cu")),
@@ -38,6 +38,7 @@ pub const SOURCES: [(&str, &str); 10] = [
     ("flash_attention", include_str!("../../kernels/flash_attention.cu")),
     ("cross_entropy", include_str!("../../kernels/cross_entropy.cu")),
     ("moe", include_str!("../../kernels/moe.cu")),
+    ("fp8", include_str!("../../kernels/fp8.cu")),
     ("adamw", include_str!("../../kernels/adamw.cu")),
 ];
 

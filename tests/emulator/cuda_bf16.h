@@ -56,6 +56,8 @@ inline __nv_bfloat16 __float2bfloat16(float f) { // round to nearest, ties to ev
     return {(uint16_t)(u >> 16)};
 }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+inline unsigned __float_as_uint(float f) { unsigned u; memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 
 namespace emu {
 // A barrier of `expected` threads; `generation` counts its openings.
