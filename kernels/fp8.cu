@@ -2,7 +2,7 @@
 // one cuBLASLt call, src/ops/gpu_fp8.rs).
 //
 // A tensor x of n numbers ([rows, cols]) becomes FP8 bytes q = fp8(x · s) with s = largest /
-// amax(|x|), and 1/s, which cuBLASLt multiplies the product by. Two launches, no host wait:
+// amax(|x|) rounded down to a power of two, and 1/s, which cuBLASLt multiplies the product by. Two launches, no host wait:
 //   fp8_amax_*   block b takes the b-th slice of x and writes its max |x| to partial[b]
 //                (a non-finite number counts as +∞, so the cast below writes NaN);
 //   fp8_cast_*   every block first reduces the partials (each thread one, then a block max) to
@@ -33,6 +33,14 @@ __device__ unsigned char to_fp8(float x, int e5m2) {
     return (unsigned char)(sign | code);
 }
 
+// Current scaling's scale (src/ops/fp8.rs, scale_for): largest / amax rounded down to a power of
+// two, at most 2^127; 1 for an amax of 0 or not finite.
+__device__ float scale_for(float amax, float largest) {
+    if (!(amax > 0.0f && isfinite(amax))) return 1.0f;
+    float s = fminf(largest / amax, __uint_as_float(254u << 23));
+    return __uint_as_float(__float_as_uint(s) & 0xff800000u);
+}
+
 template <typename T>
 __device__ void amax_partial(const T* x, long n, float* partial) {
     __shared__ float scratch[32];
@@ -54,13 +62,35 @@ __device__ void cast(const T* x, long rows, long cols, int transposed, int e5m2,
     float m = 0.0f;
     for (int b = threadIdx.x; b < partials; b += blockDim.x) m = fmaxf(m, partial[b]);
     float amax = block_max(m, scratch);
-    float s = amax > 0.0f && isfinite(amax) ? (e5m2 ? 57344.0f : 448.0f) / amax : 1.0f;
-    if (blockIdx.x == 0 && threadIdx.x == 0) *inverse_scale = 1.0f / s;
+    float s = scale_for(amax, e5m2 ? 57344.0f : 448.0f);
+    if (inverse_scale && blockIdx.x == 0 && threadIdx.x == 0) *inverse_scale = 1.0f / s;
     long n = rows * cols;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         long r = i / cols, c = i % cols;
         y[transposed ? c * rows + r : i] = to_fp8(load(x, i) * s, e5m2);
     }
+}
+
+// An E4M3 byte's value (the inverse of to_fp8): sign, exponent (bias 7), mantissa.
+__device__ float from_e4m3(unsigned char b) {
+    int e = (b & 0x7f) >> 3, m = b & 7;
+    float sign = b & 0x80 ? -1.0f : 1.0f;
+    if ((b & 0x7f) == 0x7f) return __uint_as_float(0x7fc00000); // NaN
+    if (e == 0) return sign * m * __uint_as_float((unsigned)(127 - 9) << 23); // m · 2⁻⁹
+    return sign * (1.0f + m / 8.0f) * __uint_as_float((unsigned)(127 + e - 7) << 23);
+}
+
+// A weight gathered as E4M3 bytes (ops/wire.rs): out[i] = value(q[i]) / s, s from the same
+// all-reduced maxima the cast used, in the compute dtype.
+template <typename T>
+__device__ void decode(const unsigned char* q, long n, const float* partial, int partials, T* out) {
+    __shared__ float scratch[32];
+    float m = 0.0f;
+    for (int b = threadIdx.x; b < partials; b += blockDim.x) m = fmaxf(m, partial[b]);
+    float amax = block_max(m, scratch);
+    float inverse = 1.0f / scale_for(amax, 448.0f);
+    for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
+        store(out, i, from_e4m3(q[i]) * inverse);
 }
 
 #define EXPORT(T, suffix)                                                                                    \
@@ -71,6 +101,10 @@ __device__ void cast(const T* x, long rows, long cols, int transposed, int e5m2,
                                                  const float* partial, int partials, unsigned char* y,       \
                                                  float* inverse_scale) {                                     \
         cast(x, rows, cols, transposed, e5m2, partial, partials, y, inverse_scale);                          \
+    }                                                                                                        \
+    extern "C" __global__ void fp8_decode_##suffix(const unsigned char* q, long n, const float* partial,      \
+                                                   int partials, T* out) {                                   \
+        decode(q, n, partial, partials, out);                                                                \
     }
 EXPORT(float, f32)
 EXPORT(__nv_bfloat16, bf16)

@@ -200,9 +200,12 @@ fn the_output_layer_and_the_router_stay_in_bf16() {
     let cfg = Config::load(None, &sets(&["model.num_local_experts=4", "model.num_experts_per_tok=2"])).unwrap().model;
     let model = Llama::new(&cfg, 5).with_gemms(Precision::Fp8);
     for p in model.params() {
-        let stays =
-            p.name.contains("lm_head") || p.name.contains("embed") || p.name.ends_with("block_sparse_moe.gate.weight");
-        assert_eq!(p.gemm, if stays { Precision::Bf16 } else { Precision::Fp8 }, "{}", p.name);
+        let want = match ["lm_head", "block_sparse_moe.gate", "embed", "norm"].iter().position(|n| p.name.contains(n)) {
+            Some(0 | 1) => Precision::Bf16, // stays bf16
+            Some(_) => Precision::F32,      // no GEMM reads it
+            None => Precision::Fp8,
+        };
+        assert_eq!(p.gemm, want, "{}", p.name);
     }
 }
 
@@ -242,4 +245,65 @@ fn fp8_trains_within_two_percent_of_bf16_on_every_layout() {
             last(&fp8)
         );
     }
+}
+
+#[test]
+fn the_wire_formats_carry_what_the_gemms_read() {
+    use ferrotron::ops::wire;
+    let t = gaussian(9, &[1001], 0.02); // odd: the last slot is half or a quarter full
+    let maxima = wire::abs_max(&t);
+    let amax = t.to_vec().iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    assert_eq!(maxima.to_vec().iter().cloned().fold(0.0, f32::max), amax);
+    let s = ferrotron::ops::fp8::scale_for(amax, Fp8::E4M3);
+    for (w, slots, want) in [
+        (Precision::F32, 1001, t.to_vec()),
+        (Precision::Bf16, 501, t.to_vec().iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()),
+        (Precision::Fp8, 251, t.to_vec().iter().map(|&x| Fp8::E4M3.round(x * s) * (1.0 / s)).collect()),
+    ] {
+        let packed = wire::pack(&t, w, &maxima);
+        assert_eq!(packed.numel(), slots, "{w:?}: {} bytes a number", 4 * slots / 1001);
+        // placed after 3 slots of something else, as a unit's second weight is
+        let mut after = vec![7.0f32; 3];
+        after.extend(packed.to_vec());
+        assert_eq!(wire::unpack(&Tensor::from_vec(&[after.len()], after), 3, 1001, w, &maxima).to_vec(), want, "{w:?}");
+    }
+    // what the GEMM reads of a weight gathered in FP8 is what it reads of the weight itself
+    let x = gaussian(10, &[32, 1001], 1.0);
+    let gathered = wire::unpack(&wire::pack(&t, Precision::Fp8, &maxima), 0, 1001, Precision::Fp8, &maxima);
+    let y = |w: &Tensor| ops::linear(&x, &Tensor::from_vec(&[1, 1001], w.to_vec()), Precision::Fp8).to_vec();
+    assert_eq!(y(&gathered), y(&t));
+}
+
+/// (the curve, the weights' all-gather bytes a step on rank 0) of a 2-rank FSDP run in `dtype`.
+fn fsdp(dtype: &str, stage: usize) -> (Vec<f32>, f64) {
+    let mut all = sets(&["parallel.dp=2", "train.micro_batch_size=2", "train.steps=20"]);
+    all.extend([format!("parallel.zero_stage={stage}"), format!("device.dtype=\"{dtype}\"")]);
+    let cfg = Config::load(None, &all).unwrap();
+    let quiet = ferrotron::train::Options { quiet: true, ..Default::default() };
+    let ranks = ferrotron::train::train_all(&cfg, quiet).unwrap();
+    let call = ferrotron::comm::cost::Call::AllGather;
+    let bytes: u64 = ranks[0].comm.iter().filter(|t| t.call == call).map(|t| t.tally.bytes).sum();
+    (ranks[0].losses.clone(), bytes as f64 / cfg.train.steps as f64)
+}
+
+#[test]
+fn fsdp_gathers_weights_as_their_gemms_read_them() {
+    // the matrices travel in 2 bytes a number in bf16, in 1 in FP8 (the output layer stays in
+    // 2), the norms and the embedding (no GEMM reads them) in 4 on the CPU; a GPU computing in
+    // bf16 sends every weight in bf16 or FP8
+    let (f32_, f32_bytes) = fsdp("f32", 3);
+    let (bf16, bf16_bytes) = fsdp("bf16", 3);
+    let (fp8, fp8_bytes) = fsdp("fp8", 3);
+    println!("gathered a step: f32 {f32_bytes}, bf16 {bf16_bytes}, fp8 {fp8_bytes} B");
+    assert!((0.5..0.7).contains(&(bf16_bytes / f32_bytes)), "bf16 {bf16_bytes} against f32 {f32_bytes}");
+    assert!((0.5..0.75).contains(&(fp8_bytes / bf16_bytes)), "fp8 {fp8_bytes} against bf16 {bf16_bytes}");
+    let diff = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    assert!(diff(&bf16, &fsdp("bf16", 0).0) <= 1e-5, "FSDP in bf16 against replicas in bf16");
+    // and changes no number a GEMM reads: the curve of replicas that never gather
+    let (whole, _) = fsdp("fp8", 0);
+    assert!(diff(&fp8, &whole) <= 1e-5, "FSDP in FP8 against replicas in FP8: {}", diff(&fp8, &whole));
+    assert!(fp8 != f32_);
+    // ZeRO-1 gathers the updated weights after each step the same way
+    let (zero1, zero1_bytes) = fsdp("fp8", 1);
+    assert!(diff(&zero1, &whole) <= 1e-5 && zero1_bytes < fp8_bytes, "ZeRO-1 in FP8: {zero1_bytes} B");
 }

@@ -30,7 +30,21 @@ const LAYERS: &[(&str, &[&str])] = &[
         ],
     ),
     ("tensors", &["ops::tensor"]),
-    ("ops", &["ops::cpu_math", "ops::cpu_attention", "ops::cpu", "ops::gpu", "ops::moe", "ops::gpu_moe", "ops"]),
+    (
+        "ops",
+        &[
+            "ops::cpu_math",
+            "ops::fp8",
+            "ops::cpu_attention",
+            "ops::cpu",
+            "ops::gpu",
+            "ops::gpu_fp8",
+            "ops::moe",
+            "ops::gpu_moe",
+            "ops",
+            "ops::wire",
+        ],
+    ),
     (
         "comm",
         &[

@@ -82,6 +82,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("fp8", "fp8_amax_bf16"),
     ("fp8", "fp8_cast_f32"),
     ("fp8", "fp8_cast_bf16"),
+    ("fp8", "fp8_decode_f32"),
+    ("fp8", "fp8_decode_bf16"),
     ("adamw", "adamw_f32"),
     ("adamw", "adamw_bf16"),
     ("adamw", "adamw_f32_m16"),

@@ -125,7 +125,8 @@ pub fn fp8_amax(dt: DType, x: Addr, n: usize, partial: Addr) -> Launch {
 }
 
 /// `x` `[rows, cols]` (transposed: into `[cols, rows]`) cast to FP8 bytes `y` (E5M2 or E4M3),
-/// scaled by largest / amax of the partials; 1/scale into `inverse_scale`.
+/// scaled by largest / amax of the NORM_BLOCKS partials; 1/scale into `inverse_scale` (0: not
+/// wanted).
 pub fn fp8_cast(
     dt: DType,
     (x, rows, cols): (Addr, usize, usize),
@@ -146,6 +147,12 @@ pub fn fp8_cast(
         Ptr(inverse_scale),
     ];
     launch(typed!("fp8_cast", dt), each(rows * cols), args)
+}
+
+/// `n` E4M3 bytes `q` decoded into `out` (dtype `dt`), divided by the scale of the maxima in
+/// `partial` (NORM_BLOCKS of them).
+pub fn fp8_decode(dt: DType, (q, n): (Addr, usize), partial: Addr, out: Addr) -> Launch {
+    launch(typed!("fp8_decode", dt), each(n), vec![Ptr(q), long(n), Ptr(partial), int(NORM_BLOCKS), Ptr(out)])
 }
 
 /// out[tokens, dim] from a table of `table_rows` ids starting at `first`.
@@ -392,6 +399,7 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(add_assign(dt, 0, 0, 1));
         all.push(fp8_amax(dt, 0, 1, 0));
         all.push(fp8_cast(dt, (0, 1, 1), false, false, 0, (0, 0)));
+        all.push(fp8_decode(dt, (0, 1), 0, 0));
         all.push(scale(dt, 0, 1.0, 1));
         all.extend(moe::catalogue(dt));
     }

@@ -17,8 +17,12 @@
 //! size 30 and gradients of size 1e-7 would overflow or flush to zero. So each tensor is cast as
 //! `q = fp8(x · s)` with its own scale s, and every product of two cast tensors is multiplied
 //! back by `1 / (s_a · s_b)` as the GEMM writes its output. **Current scaling** takes s from the
-//! tensor itself at the moment it is cast, `s = largest / amax(|x|)`: its largest element lands on
-//! the format's largest value, and nothing overflows, whatever the step did to the tensor.
+//! tensor itself at the moment it is cast: s = largest / amax(|x|), rounded down to a power of two,
+//! so that its largest element lands in the format's top binade and nothing overflows, whatever
+//! the step did to the tensor. (A power of two costs at most that one binade of range and buys
+//! exactness: multiplying by s or 1/s only moves exponents, so the cast is the only rounding, and
+//! a weight cast once, decoded and cast again gives back the same bytes: `ops/wire.rs` counts on
+//! it. MXFP8's block scales are powers of two for the same reason.)
 //! (Delayed scaling guesses s from the amax of earlier steps, saving a pass over the tensor, and
 //! overflows when a tensor grows faster than its history: one reason current scaling won.) With
 //! one scale per tensor, an element far below the amax loses bits (below amax · 2⁻¹⁷ in E4M3 it is
@@ -68,6 +72,42 @@ impl Fp8 {
         match self {
             Fp8::E4M3 => 448.0,
             Fp8::E5M2 => 57344.0,
+        }
+    }
+
+    /// The byte of `round(x)`: sign, exponent (bias 7 or 15), mantissa; NaN for NaN (0x7f).
+    pub fn encode(self, x: f32) -> u8 {
+        let r = self.round(x);
+        if r.is_nan() {
+            return 0x7f;
+        }
+        let ((m, e_min), a) = (self.bits(), r.abs());
+        let code = if a < (2.0f32).powi(e_min) {
+            (a / self.subnormal_step()) as u32 // a subnormal: a count of subnormal steps
+        } else {
+            let b = a.to_bits();
+            ((((b >> 23) & 0xff) as i32 - 127 + self.bias()) as u32) << m | (b >> (23 - m)) & ((1 << m) - 1)
+        };
+        (if r.is_sign_negative() { 0x80 } else { 0 }) | code as u8
+    }
+
+    /// The value of a byte `encode` wrote.
+    pub fn decode(self, byte: u8) -> f32 {
+        let (m, _) = self.bits();
+        let (e, frac) = (((byte & 0x7f) >> m) as i32, (byte & ((1 << m) - 1)) as f32 / (1 << m) as f32);
+        let sign = if byte & 0x80 != 0 { -1.0 } else { 1.0 };
+        match (self, e) {
+            (Fp8::E4M3, 15) if byte & 0x7f == 0x7f => f32::NAN,
+            (Fp8::E5M2, 31) => f32::NAN, // ∞ and NaN: never written (saturating casts)
+            (_, 0) => sign * frac * (2.0f32).powi(1 - self.bias()),
+            _ => sign * (1.0 + frac) * (2.0f32).powi(e - self.bias()),
+        }
+    }
+
+    fn bias(self) -> i32 {
+        match self {
+            Fp8::E4M3 => 7,
+            Fp8::E5M2 => 15,
         }
     }
 
@@ -146,14 +186,15 @@ impl Precision {
     }
 }
 
-/// The scale current scaling gives a tensor of this amax: its largest magnitude goes to the
-/// format's largest value (1 for an all-zero tensor, which any scale leaves zero).
+/// The scale current scaling gives a tensor of this amax: the power of two that puts its
+/// largest magnitude in the format's top binade, largest / amax rounded down (1 for an all-zero
+/// or non-finite tensor; at most 2¹²⁷ for a tiny one). `kernels/fp8.cu` computes the same.
 pub fn scale_for(amax: f32, f: Fp8) -> f32 {
-    if amax > 0.0 && amax.is_finite() {
-        f.largest() / amax
-    } else {
-        1.0
+    if !(amax > 0.0 && amax.is_finite()) {
+        return 1.0;
     }
+    let s = (f.largest() / amax).min(f32::from_bits(254 << 23)); // 2¹²⁷
+    f32::from_bits(s.to_bits() & 0xff80_0000) // the mantissa dropped: a power of two
 }
 
 /// `values` as a GEMM reads them under `cast`: (the numbers, the factor that multiplies their

@@ -377,7 +377,7 @@ impl Device {
     }
 
     /// `bytes` from `src` to `dst`, on the compute stream.
-    fn copy_bytes(&self, src: Addr, dst: Addr, bytes: usize) -> Result<()> {
+    pub(crate) fn copy_bytes(&self, src: Addr, dst: Addr, bytes: usize) -> Result<()> {
         // SAFETY: the callers pass ranges inside live buffers.
         unsafe { cudarc::driver::result::memcpy_dtod_async(dst, src, bytes, self.gpu.compute.cu_stream()) }
             .map_err(cuda_err)

@@ -27,7 +27,8 @@ use crate::cuda::runtime::cuda_err;
 use crate::ops::fp8::Fp8;
 use crate::ops::gpu::addr;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::DType;
+use crate::ops::types::{DType, Precision};
+use crate::ops::wire::slots;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::{CudaSlice, DevicePtr};
@@ -164,6 +165,54 @@ impl Device {
             .map_err(blas)?;
         }
         self.gpu.checked(|| "cuBLASLt FP8 GEMM".into())
+    }
+
+    // The wire formats of a gathered weight (`ops/wire.rs`): f32 slots holding f32, bf16 pairs or
+    // FP8 quads.
+
+    /// The largest |x| of each of NORM_BLOCKS slices of `t`.
+    pub(crate) fn abs_max(self: &Arc<Self>, t: &Tensor) -> Result<Tensor> {
+        let out = self.tensor(&[NORM_BLOCKS], DType::F32);
+        self.run(&launch_table::fp8_amax(t.dtype(), addr(t), t.numel(), addr(&out)))?;
+        Ok(out)
+    }
+
+    /// `t` packed into f32 slots in `wire` format (the bytes of a slot its numbers').
+    pub(crate) fn pack(self: &Arc<Self>, t: &Tensor, wire: Precision, amax: &Tensor) -> Result<Tensor> {
+        let (n, dt) = (t.numel(), t.dtype());
+        let out = self.tensor(&[slots(n, wire)], DType::F32);
+        let (from, to) = (addr(t), addr(&out));
+        match (wire, dt) {
+            (Precision::Fp8, _) => {
+                self.run(&launch_table::fp8_cast(dt, (from, 1, n), false, false, addr(amax), (to, 0)))?
+            }
+            (Precision::F32, DType::F32) => self.copy_bytes(from, to, 4 * n)?,
+            (Precision::F32, DType::Bf16) => self.run(&launch_table::cast_bf16_to_f32(from, to, n))?,
+            (Precision::Bf16, DType::F32) => self.run(&launch_table::cast_f32_to_bf16(from, to, n))?,
+            (Precision::Bf16, DType::Bf16) => self.copy_bytes(from, to, 2 * n)?,
+        }
+        Ok(out)
+    }
+
+    /// The `n` numbers packed from slot `at` of `packed`, in the compute dtype (f32 for f32).
+    pub(crate) fn unpack(
+        self: &Arc<Self>,
+        packed: &Tensor,
+        at: usize,
+        n: usize,
+        wire: Precision,
+        amax: &Tensor,
+    ) -> Result<Tensor> {
+        let from = addr(packed) + 4 * at as Addr;
+        let dt = if wire == Precision::F32 { DType::F32 } else { self.dtype };
+        let out = self.tensor(&[n], dt);
+        match wire {
+            Precision::F32 => self.copy_bytes(from, addr(&out), 4 * n)?,
+            Precision::Bf16 if dt == DType::Bf16 => self.copy_bytes(from, addr(&out), 2 * n)?,
+            Precision::Bf16 => bail!("a bf16 wire format on a GPU computing in f32"),
+            Precision::Fp8 => self.run(&launch_table::fp8_decode(dt, (from, n), addr(amax), addr(&out)))?,
+        }
+        Ok(out)
     }
 
     /// The device's cuBLASLt handle and workspace, opened at the first FP8 GEMM; FP8 tensor

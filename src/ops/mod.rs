@@ -20,6 +20,7 @@ pub mod gpu_moe;
 pub mod moe;
 pub mod tensor;
 pub mod types;
+pub mod wire;
 
 pub use types::{AdamW, Attn, DType, Precision};
 

@@ -20,11 +20,13 @@
 use crate::comm::placement::{self, Placement};
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
+use crate::comm::ReduceOp;
 use crate::model::{Param, WeightSplit};
 use crate::ops::tensor::Tensor;
-use crate::ops::{self, DType};
+use crate::ops::{self, wire, DType, Precision};
 use crate::parallel::zero::{real, Sharding};
 use anyhow::Result;
+use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
 use std::time::Instant;
 
@@ -50,7 +52,7 @@ fn select<'a>(params: &'a mut [&mut Param], places: &[usize]) -> Vec<&'a mut Par
 }
 
 /// A unit's gathers in flight: one per sharding group, with the places of its parameters.
-type Started<'g> = Vec<(&'g Group, Vec<usize>, Pending)>;
+type Started<'g> = Vec<(&'g Group, Vec<usize>, Gather)>;
 
 /// Starts the gathers of a unit's sharded weights: one per sharding group.
 fn start_unit<'g>(sharding: &Sharding<'g>, unit: &[&Param]) -> Result<Started<'g>> {
@@ -66,35 +68,77 @@ fn start_unit<'g>(sharding: &Sharding<'g>, unit: &[&Param]) -> Result<Started<'g
 /// Waits for a unit's gathers and puts its whole weights together.
 fn finish_unit(started: Started, unit: &mut [&mut Param]) -> Result<()> {
     for (group, places, pending) in started {
-        unpack(&pending.wait()?, &mut select(unit, &places), group.size());
+        unpack(&pending.pending.wait()?, &pending.wires, &mut select(unit, &places), group.size());
     }
     Ok(())
 }
 
-/// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
-/// rank packs its chunks side by side, in the compute dtype.
-fn start_gather(group: &Group, params: &[&Param]) -> Result<Pending> {
-    let masters: Vec<&Tensor> = params.iter().map(|p| &p.zero.as_ref().expect("a sharded parameter").master).collect();
-    let packed = ops::concat(&masters); // fp32, this rank's chunks one after another
-    let compute = masters[0].place().dtype();
-    let packed = if compute == DType::F32 { packed } else { ops::convert(&packed, compute) };
-    placement::start(packed, Placement::Shard(0), Placement::Replicate, group) // the chunks, rank after rank
+/// How a weight travels (`ops/wire.rs`): as its GEMMs read it. FP8; bf16 on a GPU computing in
+/// bf16 (every weight has a bf16 copy there) and for the CPU's emulated bf16 GEMMs; else f32.
+fn wire(p: &Param, compute: DType) -> Precision {
+    match (p.gemm, compute) {
+        (Precision::Fp8, _) => Precision::Fp8,
+        (Precision::Bf16, _) | (_, DType::Bf16) => Precision::Bf16,
+        _ => Precision::F32,
+    }
 }
 
-/// Puts the whole weights of `params` together from a gather: rank after rank, each rank's chunks
-/// of every parameter side by side.
-fn unpack(gathered: &Tensor, params: &mut [&mut Param], ranks: usize) {
-    let width = gathered.numel() / ranks; // one rank's chunks
+/// A gather in flight: every rank's packed chunks, and each parameter's wire format and maxima.
+struct Gather {
+    pending: Pending,
+    wires: Vec<(Precision, Tensor)>,
+}
+
+/// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
+/// rank packs its chunks side by side, each in its weight's wire format. An FP8 weight's scale
+/// comes from its amax over every chunk: one all-reduce (max) of the unit's maxima first.
+fn start_gather(group: &Group, params: &[&Param]) -> Result<Gather> {
+    let masters: Vec<&Tensor> = params.iter().map(|p| &p.zero.as_ref().expect("a sharded parameter").master).collect();
+    let compute = masters[0].place().dtype();
+    let fp8: Vec<&Tensor> =
+        (params.iter().zip(&masters)).filter(|(p, _)| p.gemm == Precision::Fp8).map(|(_, m)| *m).collect();
+    let mut maxima = match fp8.is_empty() {
+        true => Vec::new(),
+        false => {
+            let mut all =
+                ops::concat(&fp8.iter().map(|m| wire::abs_max(m)).collect::<Vec<_>>().iter().collect::<Vec<_>>());
+            group.all_reduce_tensor(&mut all, ReduceOp::Max)?; // a wait: every chunk's maxima
+            (0..fp8.len()).map(|i| ops::slice(&all, i * wire::MAXIMA, &[wire::MAXIMA])).collect()
+        }
+    }
+    .into_iter();
+    let wires: Vec<(Precision, Tensor)> = (params.iter().zip(&masters))
+        .map(|(p, m)| match wire(p, compute) {
+            Precision::Fp8 => (Precision::Fp8, maxima.next().expect("one per FP8 weight")),
+            w => (w, (*m).clone()), // (no maxima: any tensor on the device)
+        })
+        .collect();
+    let packed: Vec<Tensor> = masters.iter().zip(&wires).map(|(m, (w, amax))| wire::pack(m, *w, amax)).collect();
+    let packed = ops::concat(&packed.iter().collect::<Vec<_>>()); // this rank's chunks one after another
+    let pending = placement::start(packed, Placement::Shard(0), Placement::Replicate, group)?; // rank after rank
+    Ok(Gather { pending, wires })
+}
+
+/// Puts the whole weights of `params` together from a gather: rank after rank, each rank's
+/// chunks of every parameter side by side, each in its wire format (`wires`).
+fn unpack(gathered: &Tensor, wires: &[(Precision, Tensor)], params: &mut [&mut Param], ranks: usize) {
+    let width = gathered.numel() / ranks; // one rank's packed chunks, in f32 slots
     let mut at = 0;
-    for p in params.iter_mut() {
+    for (p, (wire, amax)) in params.iter_mut().zip(wires) {
         let shape = p.shape().to_vec();
         let (n, c) = (shape.iter().product(), p.zero.as_ref().expect("a sharded parameter").master.numel());
-        let mut whole = Tensor::empty_as(&shape, gathered); // written whole, rank by rank
+        let mut whole: Option<Tensor> = None;
         for r in 0..ranks {
-            ops::copy(gathered, r * width + at, &mut whole, r * c, real(n, c, r));
+            let from = r * width + at;
+            let (part, from) = match wire {
+                Precision::F32 => (Cow::Borrowed(gathered), from), // no decoding: copied as they are
+                w => (Cow::Owned(wire::unpack(gathered, from, c, *w, amax)), 0),
+            };
+            let whole = whole.get_or_insert_with(|| Tensor::empty_as(&shape, &part)); // written whole
+            ops::copy(&part, from, whole, r * c, real(n, c, r));
         }
-        p.value = whole;
-        at += c;
+        p.value = whole.expect("at least one rank");
+        at += wire::slots(c, *wire);
     }
 }
 
@@ -133,9 +177,10 @@ fn gather_group(group: &Group, params: &mut [&mut Param], bucket: usize) -> Resu
     };
     let mut next = groups.first().map(|g| start(params, g)).transpose()?;
     for (i, g) in groups.iter().enumerate() {
-        let current = next.take().expect("started one group ahead").wait()?;
+        let Gather { pending, wires } = next.take().expect("started one group ahead");
+        let current = pending.wait()?;
         next = groups.get(i + 1).map(|g| start(params, g)).transpose()?;
-        unpack(&current, &mut params[g.clone()], group.size());
+        unpack(&current, &wires, &mut params[g.clone()], group.size());
     }
     Ok(())
 }
@@ -165,7 +210,7 @@ impl WeightSplit for Fsdp<'_> {
                 // nothing prefetched for this unit (the schedule turned from forward to backward):
                 // finish what was started, in the same order on every rank, and gather now
                 for (_, _, pending) in other.into_iter().flat_map(|(_, started)| started) {
-                    pending.wait()?;
+                    pending.pending.wait()?;
                 }
                 start_unit(&self.sharding, &unit.iter().map(|p| &**p).collect::<Vec<_>>())?
             }
@@ -179,7 +224,7 @@ impl WeightSplit for Fsdp<'_> {
         let Some(first) = next.first() else { return Ok(()) };
         let mut prefetched = self.prefetched.borrow_mut();
         for (_, _, earlier) in prefetched.take().into_iter().flat_map(|(_, started)| started) {
-            earlier.wait()?; // not used: a gather is only ever one unit ahead
+            earlier.pending.wait()?; // not used: a gather is only ever one unit ahead
         }
         *prefetched = Some((first.name.clone(), start_unit(&self.sharding, next)?));
         Ok(())

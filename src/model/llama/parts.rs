@@ -168,12 +168,18 @@ impl<'g> Llama<'g> {
 
     /// Its linear layers' GEMMs read in `p` (`ops/fp8.rs`). Under FP8 the output layer and a
     /// mixture of experts' router stay in bf16: the logits feed the softmax and the router's
-    /// scores a discrete top-k, where an FP8 rounding costs most.
+    /// scores a discrete top-k, where an FP8 rounding costs most. The norms' weights and an
+    /// untied embedding are no GEMM's operands: f32 (what FSDP sends of them: `ops/wire.rs`).
     pub fn with_gemms(mut self, p: Precision) -> Llama<'g> {
+        let tied = self.cfg.tie_word_embeddings;
         for param in self.params_mut() {
-            let stays = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight"];
-            let bf16 = p == Precision::Fp8 && stays.iter().any(|s| param.name.ends_with(s));
-            param.gemm = if bf16 { Precision::Bf16 } else { p };
+            let read_only = !param.decays() || (!tied && param.name.ends_with("embed_tokens.weight"));
+            let bf16 = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight"];
+            param.gemm = match p {
+                _ if read_only => Precision::F32,
+                Precision::Fp8 if bf16.iter().any(|s| param.name.ends_with(s)) => Precision::Bf16,
+                _ => p,
+            };
         }
         self
     }
