@@ -8,8 +8,9 @@
 //   fp8_cast_*   every block first reduces the partials (each thread one, then a block max) to
 //                amax and s, then each thread casts elements: y[i, j] = fp8(x[i, j] · s), or, with
 //                `transposed`, y[j, i] — Hopper's FP8 GEMMs read both operands with the summed
-//                index contiguous, so the backward GEMMs need W, x and dy transposed. Block 0
-//                writes 1/s.
+//                index contiguous, so the backward GEMMs need W, x and dy transposed. Rows of y
+//                are `ld` long: the summed length padded to a multiple of 16 (the caller zeroes
+//                the padding; zeros add nothing to the sums). Block 0 writes 1/s.
 // The rounding is the CPU reference's, bit for bit: to nearest, ties to even, saturating at the
 // largest value (as __NV_SATFINITE), NaN for NaN and ±∞.
 
@@ -56,8 +57,8 @@ __device__ void amax_partial(const T* x, long n, float* partial) {
 }
 
 template <typename T>
-__device__ void cast(const T* x, long rows, long cols, int transposed, int e5m2, const float* partial, int partials,
-                     unsigned char* y, float* inverse_scale) {
+__device__ void cast(const T* x, long rows, long cols, long ld, int transposed, int e5m2, const float* partial,
+                     int partials, unsigned char* y, float* inverse_scale) {
     __shared__ float scratch[32];
     float m = 0.0f;
     for (int b = threadIdx.x; b < partials; b += blockDim.x) m = fmaxf(m, partial[b]);
@@ -67,7 +68,7 @@ __device__ void cast(const T* x, long rows, long cols, int transposed, int e5m2,
     long n = rows * cols;
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x) {
         long r = i / cols, c = i % cols;
-        y[transposed ? c * rows + r : i] = to_fp8(load(x, i) * s, e5m2);
+        y[transposed ? c * ld + r : r * ld + c] = to_fp8(load(x, i) * s, e5m2);
     }
 }
 
@@ -97,10 +98,10 @@ __device__ void decode(const unsigned char* q, long n, const float* partial, int
     extern "C" __global__ void fp8_amax_##suffix(const T* x, long n, float* partial) {                        \
         amax_partial(x, n, partial);                                                                         \
     }                                                                                                        \
-    extern "C" __global__ void fp8_cast_##suffix(const T* x, long rows, long cols, int transposed, int e5m2, \
-                                                 const float* partial, int partials, unsigned char* y,       \
-                                                 float* inverse_scale) {                                     \
-        cast(x, rows, cols, transposed, e5m2, partial, partials, y, inverse_scale);                          \
+    extern "C" __global__ void fp8_cast_##suffix(const T* x, long rows, long cols, long ld, int transposed,  \
+                                                 int e5m2, const float* partial, int partials,               \
+                                                 unsigned char* y, float* inverse_scale) {                   \
+        cast(x, rows, cols, ld, transposed, e5m2, partial, partials, y, inverse_scale);                      \
     }                                                                                                        \
     extern "C" __global__ void fp8_decode_##suffix(const unsigned char* q, long n, const float* partial,      \
                                                    int partials, T* out) {                                   \

@@ -64,7 +64,12 @@ fn bad_values_are_named() {
     assert!(config_error(&["parallel.timeout_s=0"]).contains("parallel.timeout_s = 0"));
     assert!(config_error(&["parallel.backend=\"mpi\""]).contains("parallel.backend"));
     assert!(config_error(&["device.dtype=\"f16\""]).contains("device.dtype"));
-    assert!(config_error(&["device.dtype=\"bf16\""]).contains("the CPU backend computes in f32"));
+    for dtype in ["bf16", "fp8"] {
+        // the CPU emulates both (the GEMMs' rounding): settings, not errors
+        assert!(Config::load(None, &[format!("device.dtype=\"{dtype}\"")]).is_ok(), "{dtype} on the CPU");
+    }
+    let e = config_error(&["device.kind=\"cuda\"", "device.dtype=\"fp8\"", "model.intermediate_size=200"]);
+    assert!(e.contains("model.intermediate_size / parallel.tp = 200: cuBLASLt's FP8 GEMMs need"), "{e}");
     let e = config_error(&["device.kind=\"cuda\"", "model.head_dim=256"]);
     assert!(e.contains("model.head_dim = 256: the CUDA attention kernel supports head_dim up to 128"), "{e}");
 }

@@ -5,7 +5,9 @@
 //! model, the device, and the data source. `Config::load` runs them after the TOML is read.
 
 use super::{table::first_non_finite, MAX_TIMEOUT_S};
-use super::{CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceKind, DpMode, ModelConfig, PpSchedule};
+use super::{
+    CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceDtype, DeviceKind, DpMode, ModelConfig, PpSchedule,
+};
 use anyhow::{bail, Context, Result};
 
 impl ModelConfig {
@@ -252,6 +254,18 @@ impl Config {
     fn validate_places(&self) -> Result<()> {
         if self.checkpoint.dir.trim().is_empty() {
             bail!("checkpoint.dir is empty: name the folder checkpoints go to (a run also saves there when stopped by a signal)");
+        }
+        if self.device.kind == DeviceKind::Cuda && self.device.dtype == DeviceDtype::Fp8 {
+            let (m, tp) = (&self.model, self.parallel.tp.max(1));
+            let features = [
+                ("model.hidden_size", m.hidden_size),
+                ("model.intermediate_size / parallel.tp", m.intermediate_size / tp),
+                ("model.num_attention_heads × head_dim / parallel.tp", m.num_attention_heads * m.head_dim() / tp),
+                ("model.num_key_value_heads × head_dim / parallel.tp", m.num_key_value_heads * m.head_dim() / tp),
+            ];
+            if let Some((name, v)) = features.into_iter().find(|(_, v)| v % 16 != 0) {
+                bail!("device.dtype = \"fp8\" on a GPU with {name} = {v}: cuBLASLt's FP8 GEMMs need every linear layer's features a multiple of 16; use device.dtype = \"bf16\" or other sizes");
+            }
         }
         if self.device.kind == DeviceKind::Cuda && self.model.head_dim() > 128 {
             bail!("model.head_dim = {}: the CUDA attention kernel supports head_dim up to 128; use device.kind = \"cpu\" or a smaller head_dim", self.model.head_dim());

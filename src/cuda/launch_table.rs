@@ -124,12 +124,12 @@ pub fn fp8_amax(dt: DType, x: Addr, n: usize, partial: Addr) -> Launch {
     launch(typed!("fp8_amax", dt), ((NORM_BLOCKS as u32, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
 }
 
-/// `x` `[rows, cols]` (transposed: into `[cols, rows]`) cast to FP8 bytes `y` (E5M2 or E4M3),
-/// scaled by largest / amax of the NORM_BLOCKS partials; 1/scale into `inverse_scale` (0: not
-/// wanted).
+/// `x` `[rows, cols]` (transposed: into `[cols, rows]`; rows of y `ld` long) cast to FP8 bytes
+/// `y` (E5M2 or E4M3), scaled by current scaling of the NORM_BLOCKS partials' max; 1/scale into
+/// `inverse_scale` (0: not wanted).
 pub fn fp8_cast(
     dt: DType,
-    (x, rows, cols): (Addr, usize, usize),
+    (x, rows, cols, ld): (Addr, usize, usize, usize),
     transposed: bool,
     e5m2: bool,
     partial: Addr,
@@ -139,6 +139,7 @@ pub fn fp8_cast(
         Ptr(x),
         long(rows),
         long(cols),
+        long(ld),
         int(transposed as usize),
         int(e5m2 as usize),
         Ptr(partial),
@@ -398,7 +399,7 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
         all.push(add_assign(dt, 0, 0, 1));
         all.push(fp8_amax(dt, 0, 1, 0));
-        all.push(fp8_cast(dt, (0, 1, 1), false, false, 0, (0, 0)));
+        all.push(fp8_cast(dt, (0, 1, 1, 1), false, false, 0, (0, 0)));
         all.push(fp8_decode(dt, (0, 1), 0, 0));
         all.push(scale(dt, 0, 1.0, 1));
         all.extend(moe::catalogue(dt));

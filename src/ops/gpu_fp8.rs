@@ -16,10 +16,11 @@
 //! dW += dyᵀ · x             out    in    rows    xᵀ         transposed  dyᵀ        transposed
 //! ```
 //! so the cast kernel writes W, x or dy transposed where the table says. cuBLASLt also asks the
-//! summed length and the leading dimensions to be multiples of 16 bytes: k % 16 == 0, which the
-//! error below names (hidden and intermediate sizes are; rows a micro-batch are, for seq_len a
-//! multiple of 16). Not yet done here, as TransformerEngine does: casting x once for forward and
-//! keeping its FP8 bytes (half of bf16's) for backward; fusing the transposed cast into one pass.
+//! summed length k and c to be multiples of 16: the cast pads each operand's rows with zeros to a
+//! multiple of 16 (which adds nothing to the sums: a micro-batch's or an expert's rows may be any
+//! number), and the config check asks it of every layer's features. Not yet done here, as
+//! TransformerEngine does: casting x once for forward and keeping its FP8 bytes (half of bf16's)
+//! for backward; fusing the transposed cast into one pass.
 
 use crate::cuda::device::{BlasLt, Device};
 use crate::cuda::launch_table::{self, Addr, NORM_BLOCKS};
@@ -38,7 +39,8 @@ use std::sync::Arc;
 /// Bytes of workspace cuBLASLt may use per GEMM.
 const WORKSPACE: usize = 32 << 20;
 
-/// One operand cast to FP8 on the GPU: `[rows, k]` bytes, k contiguous, and its 1/scale.
+/// One operand cast to FP8 on the GPU: `[rows, k16]` bytes, k contiguous and zero-padded to a
+/// multiple of 16, and its 1/scale.
 struct Operand {
     bytes: CudaSlice<u8>,
     inverse_scale: CudaSlice<f32>,
@@ -49,7 +51,7 @@ impl Device {
     /// y[rows, out] = x · Wᵀ in FP8 (E4M3 × E4M3), written in bf16.
     pub(crate) fn fp8_linear(self: &Arc<Self>, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (rows, inp, out) = (x.rows(), x.cols(), w.shape()[0]);
-        let (a, b) = (self.fp8_operand(w, false, Fp8::E4M3)?, self.fp8_operand(x, false, Fp8::E4M3)?);
+        let (a, b) = (self.fp8_operand(w, false, Fp8::E4M3, inp)?, self.fp8_operand(x, false, Fp8::E4M3, inp)?);
         let y = self.tensor(&[rows, out], DType::Bf16);
         self.fp8_gemm((&a, &b), (rows, out, inp), (addr(&y), DType::Bf16), false)?;
         Ok(y)
@@ -58,7 +60,7 @@ impl Device {
     /// dx[rows, in] = dy · W in FP8 (E5M2 × E4M3), written in bf16.
     pub(crate) fn fp8_input_grad(self: &Arc<Self>, dy: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (rows, out, inp) = (dy.rows(), w.shape()[0], w.cols());
-        let (a, b) = (self.fp8_operand(w, true, Fp8::E4M3)?, self.fp8_operand(dy, false, Fp8::E5M2)?);
+        let (a, b) = (self.fp8_operand(w, true, Fp8::E4M3, out)?, self.fp8_operand(dy, false, Fp8::E5M2, out)?);
         let dx = self.tensor(&[rows, inp], DType::Bf16);
         self.fp8_gemm((&a, &b), (rows, inp, out), (addr(&dx), DType::Bf16), false)?;
         Ok(dx)
@@ -67,27 +69,33 @@ impl Device {
     /// dW[out, in] += dyᵀ · x in FP8 (E5M2 × E4M3), into the fp32 gradient.
     pub(crate) fn fp8_weight_grad(self: &Arc<Self>, dy: &Tensor, x: &Tensor, dw: &Tensor) -> Result<()> {
         let (rows, out, inp) = (x.rows(), dw.shape()[0], x.cols());
-        let (a, b) = (self.fp8_operand(x, true, Fp8::E4M3)?, self.fp8_operand(dy, true, Fp8::E5M2)?);
+        let (a, b) = (self.fp8_operand(x, true, Fp8::E4M3, rows)?, self.fp8_operand(dy, true, Fp8::E5M2, rows)?);
         self.fp8_gemm((&a, &b), (out, inp, rows), (dw.gpu().expect("on the GPU").f32_addr(), DType::F32), true)
     }
 
-    /// `t` cast to `format` with current scaling (transposed: `[cols, rows]`): two launches.
-    fn fp8_operand(self: &Arc<Self>, t: &Tensor, transposed: bool, format: Fp8) -> Result<Operand> {
+    /// `t` cast to `format` with current scaling (transposed: `[cols, rows]`), its rows (k long)
+    /// padded with zeros to a multiple of 16: two launches, and a memset where padded.
+    fn fp8_operand(self: &Arc<Self>, t: &Tensor, transposed: bool, format: Fp8, k: usize) -> Result<Operand> {
         let s = &self.gpu.compute;
-        let n = t.numel();
+        let (n, ld) = (t.numel(), k.next_multiple_of(16));
+        let size = n / k.max(1) * ld;
         // SAFETY: the kernels write every partial, byte and the scale before anything reads them.
         let (partial, bytes, inverse_scale) = unsafe {
             (
                 s.alloc::<f32>(NORM_BLOCKS).map_err(cuda_err)?,
-                s.alloc::<u8>(n.max(1)).map_err(cuda_err)?,
+                s.alloc::<u8>(size.max(1)).map_err(cuda_err)?,
                 s.alloc::<f32>(1).map_err(cuda_err)?,
             )
         };
         let (partial_at, bytes_at, scale_at) =
             (partial.device_ptr(s).0, bytes.device_ptr(s).0, inverse_scale.device_ptr(s).0);
+        if ld != k {
+            // SAFETY: the buffer holds `size` bytes, written in compute-stream order.
+            unsafe { cudarc::driver::result::memset_d8_async(bytes_at, 0, size, s.cu_stream()) }.map_err(cuda_err)?;
+        }
         let dt = t.dtype();
         self.run(&launch_table::fp8_amax(dt, addr(t), n, partial_at))?;
-        let (x, e5m2) = ((addr(t), t.rows(), t.cols()), format == Fp8::E5M2);
+        let (x, e5m2) = ((addr(t), t.rows(), t.cols(), ld), format == Fp8::E5M2);
         self.run(&launch_table::fp8_cast(dt, x, transposed, e5m2, partial_at, (bytes_at, scale_at)))?;
         Ok(Operand { bytes, inverse_scale, format })
     }
@@ -104,9 +112,10 @@ impl Device {
         if r == 0 || c == 0 {
             return Ok(());
         }
-        if k % 16 != 0 {
-            bail!("FP8 GEMM summing over {k}: cuBLASLt's FP8 GEMMs need it a multiple of 16 (hidden and intermediate sizes, and a micro-batch's rows: micro_batch_size × seq_len per cp rank); use device.dtype = \"bf16\"");
+        if c % 16 != 0 {
+            bail!("FP8 GEMM of {c} output features: cuBLASLt's FP8 GEMMs need a multiple of 16 (the config check asks it of every linear layer); use device.dtype = \"bf16\"");
         }
+        let k = k.next_multiple_of(16); // the operands' padded rows
         let lt = self.blas_lt()?;
         let s = &self.gpu.compute;
         let ty = |f: Fp8| match f {
@@ -184,7 +193,7 @@ impl Device {
         let (from, to) = (addr(t), addr(&out));
         match (wire, dt) {
             (Precision::Fp8, _) => {
-                self.run(&launch_table::fp8_cast(dt, (from, 1, n), false, false, addr(amax), (to, 0)))?
+                self.run(&launch_table::fp8_cast(dt, (from, 1, n, n), false, false, addr(amax), (to, 0)))?
             }
             (Precision::F32, DType::F32) => self.copy_bytes(from, to, 4 * n)?,
             (Precision::F32, DType::Bf16) => self.run(&launch_table::cast_bf16_to_f32(from, to, n))?,
