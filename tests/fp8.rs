@@ -260,16 +260,20 @@ fn the_wire_formats_carry_what_the_gemms_read() {
         (Precision::Bf16, 501, t.to_vec().iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()),
         (Precision::Fp8, 251, t.to_vec().iter().map(|&x| Fp8::E4M3.round(x * s) * (1.0 / s)).collect()),
     ] {
-        let packed = wire::pack(&t, w, &maxima);
+        let packed = wire::pack(&t, w, Some(&maxima));
         assert_eq!(packed.numel(), slots, "{w:?}: {} bytes a number", 4 * slots / 1001);
         // placed after 3 slots of something else, as a unit's second weight is
         let mut after = vec![7.0f32; 3];
         after.extend(packed.to_vec());
-        assert_eq!(wire::unpack(&Tensor::from_vec(&[after.len()], after), 3, 1001, w, &maxima).to_vec(), want, "{w:?}");
+        assert_eq!(
+            wire::unpack(&Tensor::from_vec(&[after.len()], after), 3, 1001, w, Some(&maxima)).to_vec(),
+            want,
+            "{w:?}"
+        );
     }
     // what the GEMM reads of a weight gathered in FP8 is what it reads of the weight itself
     let x = gaussian(10, &[32, 1001], 1.0);
-    let gathered = wire::unpack(&wire::pack(&t, Precision::Fp8, &maxima), 0, 1001, Precision::Fp8, &maxima);
+    let gathered = wire::unpack(&wire::pack(&t, Precision::Fp8, Some(&maxima)), 0, 1001, Precision::Fp8, Some(&maxima));
     let y = |w: &Tensor| ops::linear(&x, &Tensor::from_vec(&[1, 1001], w.to_vec()), Precision::Fp8).to_vec();
     assert_eq!(y(&gathered), y(&t));
 }

@@ -115,9 +115,16 @@ impl Device {
         if c % 16 != 0 {
             bail!("FP8 GEMM of {c} output features: cuBLASLt's FP8 GEMMs need a multiple of 16 (the config check asks it of every linear layer); use device.dtype = \"bf16\"");
         }
+        let s = &self.gpu.compute;
+        if k == 0 {
+            // a sum of nothing (an expert no row was routed to): zeros, or nothing to add
+            let bytes = r * c * if y_dt == DType::F32 { 4 } else { 2 };
+            // SAFETY: y holds r × c numbers of y_dt, written in compute-stream order.
+            let zero = || unsafe { cudarc::driver::result::memset_d8_async(y, 0, bytes, s.cu_stream()) };
+            return if accumulate { Ok(()) } else { zero().map_err(cuda_err) };
+        }
         let k = k.next_multiple_of(16); // the operands' padded rows
         let lt = self.blas_lt()?;
-        let s = &self.gpu.compute;
         let ty = |f: Fp8| match f {
             Fp8::E4M3 => sys::cudaDataType::CUDA_R_8F_E4M3,
             Fp8::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
@@ -187,13 +194,14 @@ impl Device {
     }
 
     /// `t` packed into f32 slots in `wire` format (the bytes of a slot its numbers').
-    pub(crate) fn pack(self: &Arc<Self>, t: &Tensor, wire: Precision, amax: &Tensor) -> Result<Tensor> {
+    pub(crate) fn pack(self: &Arc<Self>, t: &Tensor, wire: Precision, amax: Option<&Tensor>) -> Result<Tensor> {
         let (n, dt) = (t.numel(), t.dtype());
         let out = self.tensor(&[slots(n, wire)], DType::F32);
         let (from, to) = (addr(t), addr(&out));
         match (wire, dt) {
             (Precision::Fp8, _) => {
-                self.run(&launch_table::fp8_cast(dt, (from, 1, n, n), false, false, addr(amax), (to, 0)))?
+                let amax = addr(amax.ok_or_else(|| anyhow!("an FP8 weight packed without its maxima"))?);
+                self.run(&launch_table::fp8_cast(dt, (from, 1, n, n), false, false, amax, (to, 0)))?
             }
             (Precision::F32, DType::F32) => self.copy_bytes(from, to, 4 * n)?,
             (Precision::F32, DType::Bf16) => self.run(&launch_table::cast_bf16_to_f32(from, to, n))?,
@@ -210,7 +218,7 @@ impl Device {
         at: usize,
         n: usize,
         wire: Precision,
-        amax: &Tensor,
+        amax: Option<&Tensor>,
     ) -> Result<Tensor> {
         let from = addr(packed) + 4 * at as Addr;
         let dt = if wire == Precision::F32 { DType::F32 } else { self.dtype };
@@ -219,7 +227,10 @@ impl Device {
             Precision::F32 => self.copy_bytes(from, addr(&out), 4 * n)?,
             Precision::Bf16 if dt == DType::Bf16 => self.copy_bytes(from, addr(&out), 2 * n)?,
             Precision::Bf16 => bail!("a bf16 wire format on a GPU computing in f32"),
-            Precision::Fp8 => self.run(&launch_table::fp8_decode(dt, (from, n), addr(amax), addr(&out)))?,
+            Precision::Fp8 => {
+                let amax = addr(amax.ok_or_else(|| anyhow!("an FP8 weight unpacked without its maxima"))?);
+                self.run(&launch_table::fp8_decode(dt, (from, n), amax, addr(&out)))?
+            }
         }
         Ok(out)
     }

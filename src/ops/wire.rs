@@ -50,10 +50,10 @@ pub fn abs_max(t: &Tensor) -> Tensor {
     Tensor::from_vec(&[MAXIMA], partial)
 }
 
-/// `t`'s numbers in `wire` format, packed into f32 slots (`amax`: the weight's `abs_max` maxima
-/// over every shard, for FP8; any tensor on `t`'s device otherwise).
-pub fn pack(t: &Tensor, wire: Precision, amax: &Tensor) -> Tensor {
-    if let Some(d) = gpu("pack", &[t, amax]) {
+/// `t`'s numbers in `wire` format, packed into f32 slots (`amax`: for FP8, the weight's
+/// `abs_max` maxima over every shard).
+pub fn pack(t: &Tensor, wire: Precision, amax: Option<&Tensor>) -> Tensor {
+    if let Some(d) = gpu("pack", &[t]) {
         return fatal("pack", d.pack(t, wire, amax));
     }
     let v = t.host();
@@ -61,7 +61,7 @@ pub fn pack(t: &Tensor, wire: Precision, amax: &Tensor) -> Tensor {
         Precision::F32 => return Tensor::from_vec(&[v.len()], v.to_vec()),
         Precision::Bf16 => v.chunks(2).map(|p| p.iter().rev().fold(0, |w, &x| (w << 16) | bf16_bits(x))).collect(),
         Precision::Fp8 => {
-            let s = scale_for(amax.host().iter().cloned().fold(0.0, f32::max), Fp8::E4M3);
+            let s = scale_for(largest(amax), Fp8::E4M3);
             v.chunks(4).map(|q| q.iter().rev().fold(0, |w, &x| (w << 8) | Fp8::E4M3.encode(x * s) as u32)).collect()
         }
     };
@@ -69,9 +69,9 @@ pub fn pack(t: &Tensor, wire: Precision, amax: &Tensor) -> Tensor {
 }
 
 /// The `n` numbers packed in `wire` format from slot `at` of `packed`, decoded into the compute
-/// dtype of `packed`'s device.
-pub fn unpack(packed: &Tensor, at: usize, n: usize, wire: Precision, amax: &Tensor) -> Tensor {
-    if let Some(d) = gpu("unpack", &[packed, amax]) {
+/// dtype of `packed`'s device (`amax` as for `pack`).
+pub fn unpack(packed: &Tensor, at: usize, n: usize, wire: Precision, amax: Option<&Tensor>) -> Tensor {
+    if let Some(d) = gpu("unpack", &[packed]) {
         return fatal("unpack", d.unpack(packed, at, n, wire, amax));
     }
     let slots = &packed.host()[at..at + self::slots(n, wire)];
@@ -85,11 +85,16 @@ pub fn unpack(packed: &Tensor, at: usize, n: usize, wire: Precision, amax: &Tens
         Precision::F32 => slots.to_vec(),
         Precision::Bf16 => per_slot(2, &|b| half::bf16::from_bits(b as u16).to_f32()),
         Precision::Fp8 => {
-            let inverse = 1.0 / scale_for(amax.host().iter().cloned().fold(0.0, f32::max), Fp8::E4M3);
+            let inverse = 1.0 / scale_for(largest(amax), Fp8::E4M3);
             per_slot(4, &|b| Fp8::E4M3.decode(b as u8) * inverse)
         }
     };
     Tensor::from_vec(&[n], values)
+}
+
+/// The largest of the maxima an FP8 weight travels with.
+fn largest(amax: Option<&Tensor>) -> f32 {
+    amax.expect("an FP8 weight travels with its maxima").host().iter().cloned().fold(0.0, f32::max)
 }
 
 /// The bits of `x` rounded to bf16.

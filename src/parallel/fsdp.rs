@@ -86,7 +86,7 @@ fn wire(p: &Param, compute: DType) -> Precision {
 /// A gather in flight: every rank's packed chunks, and each parameter's wire format and maxima.
 struct Gather {
     pending: Pending,
-    wires: Vec<(Precision, Tensor)>,
+    wires: Vec<(Precision, Option<Tensor>)>,
 }
 
 /// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
@@ -107,21 +107,26 @@ fn start_gather(group: &Group, params: &[&Param]) -> Result<Gather> {
         }
     }
     .into_iter();
-    let wires: Vec<(Precision, Tensor)> = (params.iter().zip(&masters))
-        .map(|(p, m)| match wire(p, compute) {
-            Precision::Fp8 => (Precision::Fp8, maxima.next().expect("one per FP8 weight")),
-            w => (w, (*m).clone()), // (no maxima: any tensor on the device)
+    let wires: Vec<(Precision, Option<Tensor>)> = (params.iter())
+        .map(|p| match wire(p, compute) {
+            Precision::Fp8 => (Precision::Fp8, maxima.next()),
+            w => (w, None),
         })
         .collect();
-    let packed: Vec<Tensor> = masters.iter().zip(&wires).map(|(m, (w, amax))| wire::pack(m, *w, amax)).collect();
-    let packed = ops::concat(&packed.iter().collect::<Vec<_>>()); // this rank's chunks one after another
+    let packed: Vec<Cow<Tensor>> = (masters.iter().zip(&wires))
+        .map(|(m, (w, amax))| match w {
+            Precision::F32 => Cow::Borrowed(*m), // as it is: no copy
+            w => Cow::Owned(wire::pack(m, *w, amax.as_ref())),
+        })
+        .collect();
+    let packed = ops::concat(&packed.iter().map(|p| &**p).collect::<Vec<_>>()); // this rank's chunks one after another
     let pending = placement::start(packed, Placement::Shard(0), Placement::Replicate, group)?; // rank after rank
     Ok(Gather { pending, wires })
 }
 
 /// Puts the whole weights of `params` together from a gather: rank after rank, each rank's
 /// chunks of every parameter side by side, each in its wire format (`wires`).
-fn unpack(gathered: &Tensor, wires: &[(Precision, Tensor)], params: &mut [&mut Param], ranks: usize) {
+fn unpack(gathered: &Tensor, wires: &[(Precision, Option<Tensor>)], params: &mut [&mut Param], ranks: usize) {
     let width = gathered.numel() / ranks; // one rank's packed chunks, in f32 slots
     let mut at = 0;
     for (p, (wire, amax)) in params.iter_mut().zip(wires) {
@@ -132,7 +137,7 @@ fn unpack(gathered: &Tensor, wires: &[(Precision, Tensor)], params: &mut [&mut P
             let from = r * width + at;
             let (part, from) = match wire {
                 Precision::F32 => (Cow::Borrowed(gathered), from), // no decoding: copied as they are
-                w => (Cow::Owned(wire::unpack(gathered, from, c, *w, amax)), 0),
+                w => (Cow::Owned(wire::unpack(gathered, from, c, *w, amax.as_ref())), 0),
             };
             let whole = whole.get_or_insert_with(|| Tensor::empty_as(&shape, &part)); // written whole
             ops::copy(&part, from, whole, r * c, real(n, c, r));

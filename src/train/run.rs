@@ -215,7 +215,7 @@ impl Run {
                 t.seq_len,
                 t.steps,
                 format!("{:?}", cfg.device.kind).to_lowercase(),
-                format!("{:?}", cfg.device.compute_dtype()).to_lowercase(),
+                cfg.device.precision_name(),
                 grid.world_size(),
                 if grid.world_size() == 1 { "" } else { "s" },
             );
