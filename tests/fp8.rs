@@ -278,9 +278,10 @@ fn the_wire_formats_carry_what_the_gemms_read() {
     assert_eq!(y(&gathered), y(&t));
 }
 
-/// (the curve, the weights' all-gather bytes a step on rank 0) of a 2-rank FSDP run in `dtype`.
-fn fsdp(dtype: &str, stage: usize) -> (Vec<f32>, f64) {
-    let mut all = sets(&["parallel.dp=2", "train.micro_batch_size=2", "train.steps=20"]);
+/// (the curve, the weights' all-gather bytes a step on rank 0) of a 2-rank FSDP run in `dtype`
+/// (with `extra` settings).
+fn fsdp_with(dtype: &str, stage: usize, extra: &[&str]) -> (Vec<f32>, f64) {
+    let mut all = sets(&[&["parallel.dp=2", "train.micro_batch_size=2", "train.steps=20"][..], extra].concat());
     all.extend([format!("parallel.zero_stage={stage}"), format!("device.dtype=\"{dtype}\"")]);
     let cfg = Config::load(None, &all).unwrap();
     let quiet = ferrotron::train::Options { quiet: true, ..Default::default() };
@@ -288,6 +289,10 @@ fn fsdp(dtype: &str, stage: usize) -> (Vec<f32>, f64) {
     let call = ferrotron::comm::cost::Call::AllGather;
     let bytes: u64 = ranks[0].comm.iter().filter(|t| t.call == call).map(|t| t.tally.bytes).sum();
     (ranks[0].losses.clone(), bytes as f64 / cfg.train.steps as f64)
+}
+
+fn fsdp(dtype: &str, stage: usize) -> (Vec<f32>, f64) {
+    fsdp_with(dtype, stage, &[])
 }
 
 #[test]
@@ -310,4 +315,8 @@ fn fsdp_gathers_weights_as_their_gemms_read_them() {
     // ZeRO-1 gathers the updated weights after each step the same way
     let (zero1, zero1_bytes) = fsdp("fp8", 1);
     assert!(diff(&zero1, &whole) <= 1e-5 && zero1_bytes < fp8_bytes, "ZeRO-1 in FP8: {zero1_bytes} B");
+    // each tp rank's slices gathered over its dp ranks: the same
+    let tp = ["parallel.tp=2"];
+    let (sharded, _) = fsdp_with("fp8", 3, &tp);
+    assert!(diff(&sharded, &fsdp_with("fp8", 0, &tp).0) <= 1e-5, "tp 2 × FSDP in FP8 against tp 2 replicas");
 }

@@ -119,9 +119,12 @@ pub fn cast_bf16_to_f32(from: Addr, to: Addr, n: usize) -> Launch {
     launch(kernel!("cast_bf16_to_f32"), each(n), vec![Ptr(from), Ptr(to), long(n)])
 }
 
-/// Max |x| of each of NORM_BLOCKS slices of `x` (n numbers) into `partial` (`kernels/fp8.cu`).
+/// Max |x| of each of NORM_BLOCKS slices of `x` (n numbers) into `partial` (`kernels/fp8.cu`), or
+/// of one slice per THREADS numbers for a small tensor (the rest of the slots stay as they are:
+/// zeros, which no maximum of |x| is below).
 pub fn fp8_amax(dt: DType, x: Addr, n: usize, partial: Addr) -> Launch {
-    launch(typed!("fp8_amax", dt), ((NORM_BLOCKS as u32, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
+    let blocks = n.div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS) as u32;
+    launch(typed!("fp8_amax", dt), ((blocks, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
 }
 
 /// `x` `[rows, cols]` (transposed: into `[cols, rows]`; rows of y `ld` long) cast to FP8 bytes

@@ -79,10 +79,10 @@ impl Device {
         let s = &self.gpu.compute;
         let (n, ld) = (t.numel(), k.next_multiple_of(16));
         let size = n / k.max(1) * ld;
-        // SAFETY: the kernels write every partial, byte and the scale before anything reads them.
+        // SAFETY: the kernels write every byte and the scale before anything reads them.
         let (partial, bytes, inverse_scale) = unsafe {
             (
-                s.alloc::<f32>(NORM_BLOCKS).map_err(cuda_err)?,
+                s.alloc_zeros::<f32>(NORM_BLOCKS).map_err(cuda_err)?, // fp8_amax may fill fewer
                 s.alloc::<u8>(size.max(1)).map_err(cuda_err)?,
                 s.alloc::<f32>(1).map_err(cuda_err)?,
             )
@@ -188,7 +188,7 @@ impl Device {
 
     /// The largest |x| of each of NORM_BLOCKS slices of `t`.
     pub(crate) fn abs_max(self: &Arc<Self>, t: &Tensor) -> Result<Tensor> {
-        let out = self.tensor(&[NORM_BLOCKS], DType::F32);
+        let out = Tensor::from_buf(&[NORM_BLOCKS], self.zeros(NORM_BLOCKS, DType::F32)); // fp8_amax may fill fewer
         self.run(&launch_table::fp8_amax(t.dtype(), addr(t), t.numel(), addr(&out)))?;
         Ok(out)
     }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cuda_bf16.h"
 
@@ -101,10 +102,16 @@ int cublasLtMatmul(void*, void* d, const void* alpha, const void* a, void* al, c
     if ((long)la->cols != m || (long)lb->rows != k || (long)lb->cols != n) return INVALID_VALUE;
     float scale = (desc->a_scale ? *desc->a_scale : 1.0f) * (desc->b_scale ? *desc->b_scale : 1.0f);
     float al_ = *(const float*)alpha, be = *(const float*)beta;
+    // every byte decoded once (the sums below read each m or n times)
+    std::vector<float> av(m * k), bv(n * k);
+    for (long i = 0; i < m; i++)
+        for (long l = 0; l < k; l++) av[i * k + l] = value(a, la->type, i * la->ld + l);
+    for (long j = 0; j < n; j++)
+        for (long l = 0; l < k; l++) bv[j * k + l] = value(b, lb->type, j * lb->ld + l);
     for (long j = 0; j < n; j++)
         for (long i = 0; i < m; i++) {
             float acc = 0.0f;
-            for (long l = 0; l < k; l++) acc += value(a, la->type, i * la->ld + l) * value(b, lb->type, j * lb->ld + l);
+            for (long l = 0; l < k; l++) acc += av[i * k + l] * bv[j * k + l];
             float v = al_ * (acc * scale) + (be == 0.0f ? 0.0f : be * value(c, lc->type, j * lc->ld + i));
             long o = j * ld->ld + i;
             if (ld->type == R_32F) ((float*)out)[o] = v;
