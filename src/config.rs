@@ -329,15 +329,6 @@ impl DeviceConfig {
         }
     }
 
-    /// How a run names its precision: "f32", "bf16" (on the CPU: its GEMMs' rounding, emulated)
-    /// or "bf16 with FP8 GEMMs".
-    pub fn precision_name(&self) -> String {
-        match self.gemms() {
-            crate::ops::types::Precision::Fp8 => "bf16 with FP8 GEMMs".into(),
-            p => format!("{p:?}").to_lowercase(),
-        }
-    }
-
     /// What the linear layers' GEMMs read: the compute dtype, or FP8 (on the CPU, emulated).
     pub fn gemms(&self) -> crate::ops::types::Precision {
         use crate::ops::types::Precision;

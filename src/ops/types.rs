@@ -32,6 +32,18 @@ pub enum Precision {
     Fp8,
 }
 
+impl Precision {
+    /// How a run names it: "f32", "bf16" (on the CPU: its GEMMs' rounding, emulated) or "bf16
+    /// with FP8 GEMMs".
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+            Precision::Fp8 => "bf16 with FP8 GEMMs",
+        }
+    }
+}
+
 /// The shape of one attention call: `seq` queries and `kv_seq` keys per sequence.
 #[derive(Clone, Copy, Debug)]
 pub struct Attn {

@@ -215,7 +215,7 @@ impl Run {
                 t.seq_len,
                 t.steps,
                 format!("{:?}", cfg.device.kind).to_lowercase(),
-                cfg.device.precision_name(),
+                cfg.device.gemms().name(),
                 grid.world_size(),
                 if grid.world_size() == 1 { "" } else { "s" },
             );
