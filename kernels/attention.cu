@@ -11,7 +11,7 @@
 // max m, sum l and output accumulator and rescales them as each key arrives (online softmax), so
 // no seq × seq matrix ever exists. It writes o and lse (kept for backward and for ring merges).
 // Backward recomputes p from lse, in three kernels and without atomics (deterministic):
-//   attention_delta:  delta_i = Σ_d do_id · o_id            (one thread per query row)
+//   attention_delta:  delta_i = Σ_d do_id · o_id            (8 threads per query row)
 //   attention_dq:     dq_i = Σ_j p_ij (do_i·v_j − delta_i) k_j / sqrt(d)   (thread per query row)
 //   attention_dkdv:   dk_j = Σ_{h in group, i} ds_ij q_i / sqrt(d), dv_j = Σ p_ij do_i (thread per key row)
 // head_dim is at most MAX_HEAD_DIM (the host checks).
@@ -67,15 +67,38 @@ __device__ void attention_forward(Shape s, const T* q, const T* k, const T* v, c
     lse[((long)b * s.heads + h) * s.seq + i] = l > 0.0f ? m + logf(l) : -INFINITY;
 }
 
+// delta, DELTA_LANES threads a row: each reads 16 bytes of o and of do at a time (8 bf16 or 4 f32;
+// one row of a 64-wide bf16 head is one load per thread), and the lanes' sums meet by shuffles in
+// a fixed order. Rows of any head size: 16-byte loads where a row is a whole number of them.
+#define DELTA_LANES 8
+
+template <typename T>
+__device__ __forceinline__ float dot_16_bytes(const T* a, const T* b) {
+    constexpr int N = 16 / sizeof(T);
+    struct __align__(16) Piece { T x[N]; };
+    Piece pa = *(const Piece*)a, pb = *(const Piece*)b;
+    float sum = 0.0f;
+    for (int e = 0; e < N; e++) sum += load(pa.x, e) * load(pb.x, e);
+    return sum;
+}
+
 template <typename T>
 __device__ void attention_delta(Shape s, const T* out, const T* dout, float* delta) {
-    long r = blockIdx.x * (long)blockDim.x + threadIdx.x; // over batch * heads * seq, lse layout
-    if (r >= (long)s.batch * s.heads * s.seq) return;
-    int i = r % s.seq, h = (r / s.seq) % s.heads, b = r / ((long)s.seq * s.heads);
-    long base = at(s, b, s.seq, i, s.heads, h);
+    constexpr int N = 16 / sizeof(T); // elements in 16 bytes
+    long id = blockIdx.x * (long)blockDim.x + threadIdx.x;
+    long r = id / DELTA_LANES; // over batch * heads * seq, lse layout
+    int part = id % DELTA_LANES;
     float acc = 0.0f;
-    for (int c = 0; c < s.head_dim; c++) acc += load(dout, base + c) * load(out, base + c);
-    delta[r] = acc;
+    if (r < (long)s.batch * s.heads * s.seq) {
+        int i = r % s.seq, h = (r / s.seq) % s.heads, b = r / ((long)s.seq * s.heads);
+        long base = at(s, b, s.seq, i, s.heads, h);
+        if (s.head_dim % N == 0)
+            for (int c = part * N; c < s.head_dim; c += N * DELTA_LANES) acc += dot_16_bytes(dout + base + c, out + base + c);
+        else
+            for (int c = part; c < s.head_dim; c += DELTA_LANES) acc += load(dout, base + c) * load(out, base + c);
+    }
+    for (int o = DELTA_LANES / 2; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffff, acc, o); // every lane takes part
+    if (part == 0 && r < (long)s.batch * s.heads * s.seq) delta[r] = acc;
 }
 
 template <typename T>
@@ -134,7 +157,7 @@ __device__ void attention_dkdv(Shape s, const T* q, const T* k, const T* v, cons
                 qs[e / d][c] = i < s.seq ? load(q, at(s, b, s.seq, i, s.heads, h) + c) * scale : 0.0f;
                 dos[e / d][c] = i < s.seq ? load(dout, at(s, b, s.seq, i, s.heads, h) + c) : 0.0f;
             }
-            stage_query_rows(s, q_pos, lse, delta, b, h, i0, BK, qp, ls, ds_);
+            stage_query_rows(s, q_pos, lse, delta, b, h, i0, BK, 1.0f, qp, ls, ds_);
             __syncthreads();
             for (int ii = 0; ii < BK && active; ii++) {
                 if (pj > qp[ii]) continue;

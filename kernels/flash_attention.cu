@@ -50,9 +50,9 @@
 
 typedef __nv_bfloat16 bf16;
 #define WARPS 4
-#define BM (16 * WARPS) // query rows a block of the forward and of dq
-#define BN 64           // key rows a tile of the forward and of dq
-#define PAD 8           // bf16 added to each shared row
+#define THREADS (32 * WARPS) // a block of the forward and of dq
+#define BM (16 * WARPS)      // query rows a block of the forward and of dq
+#define PAD 8                // bf16 added to each shared row
 #define LOG2E 1.4426950408889634f
 #define NO_KEY 0xffffffffu // the position of a padding key: no query sees it
 
@@ -60,10 +60,21 @@ typedef __nv_bfloat16 bf16;
 #ifdef FERROTRON_EMULATOR
 #include "warp_ptx.h"
 #else
-__device__ __forceinline__ unsigned shared_address(const void* p) {
+// A shared-memory address: the 32-bit offset in the block's shared window. Made once per tile
+// from a generic pointer (cvta.to.shared); each copy and ldmatrix then adds a compile-time offset,
+// which the instruction carries as an immediate: no address arithmetic in the hot loop.
+typedef unsigned smem_t;
+__device__ __forceinline__ smem_t smem(const void* p) {
     unsigned a;
     asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
     return a;
+}
+// 2^x in one MUFU.EX2 (relative error about 2^-22; a subnormal result flushed to zero). exp2f
+// without fast math is four instructions (a range check, two multiplies and the MUFU).
+__device__ __forceinline__ float fast_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
 }
 // c += A·B on a 16×16×8 tile; the lane's registers as in the header.
 __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
@@ -72,21 +83,20 @@ __device__ __forceinline__ void mma_16x8x16(float* c, const unsigned* a, const u
                  : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
-// Four 8×8 matrices; lanes 8i..8i+7 point at the rows of matrix i.
-__device__ __forceinline__ void ldmatrix_x4(unsigned* r, const bf16* row) {
+// Four 8×8 matrices; lanes 8i..8i+7 give the addresses of the rows of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(unsigned* r, smem_t row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
+                 : "r"(row));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, const bf16* row) {
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, smem_t row) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(row)));
+                 : "r"(row));
 }
 // 16 bytes global → shared, asynchronously; zeros where `valid` is false (nothing is read).
-__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(shared_address(dst)), "l"(src),
-                 "r"(valid ? 16 : 0));
+__device__ __forceinline__ void cp_async_16(smem_t dst, const void* src, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -104,37 +114,57 @@ __device__ __forceinline__ unsigned pack(float lo, float hi) {
 }
 
 // Starts copying rows r0..r0+N of head `head` of x [batch*len, heads*D] into t (zeros past len),
-// 16 bytes per cp.async, spread over the block's threads. The caller commits and waits.
-template <int D, int N>
-__device__ void load_rows(const Shape& s, const bf16* x, int b, int len, int n_heads, int head, int r0,
-                          bf16 (*t)[D + PAD]) {
-    for (int e = threadIdx.x; e < N * D / 8; e += blockDim.x) {
-        int r = e / (D / 8), c = e % (D / 8) * 8;
-        bool in = r0 + r < len;
-        cp_async_16(&t[r][c], x + at(s, b, len, in ? r0 + r : 0, n_heads, head) + c, in); // an address inside x even for padding
+// 16 bytes per cp.async by each of the block's NT threads; the caller commits and waits. A thread
+// copies the same 16-byte column of rows NT/(D/8) apart, so its addresses are one global and one
+// shared base plus compile-time steps: the 64-bit address math runs once a tile, not once a copy.
+template <int D, int N, int NT>
+__device__ __forceinline__ void load_rows(const bf16* x, int b, int len, int n_heads, int head, int r0,
+                                          bf16 (*t)[D + PAD]) {
+    constexpr int CHUNKS = D / 8, STEP = NT / CHUNKS; // 16-byte pieces a row; rows between a thread's copies
+    static_assert(NT % CHUNKS == 0 && N % STEP == 0, "the block's threads tile the rows exactly");
+    int r = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * 8;
+    long step = (long)STEP * n_heads * D; // elements between a thread's rows
+    const bf16* src = x + ((long)b * len + r0 + r) * n_heads * D + (long)head * D + c;
+    smem_t dst = smem(&t[r][c]);
+    if (r0 + N <= len) { // every row exists (all tiles but a sequence's last): no test, no select
+#pragma unroll
+        for (int i = 0; i < N / STEP; i++) cp_async_16(dst + i * STEP * (D + PAD) * 2, src + i * step, true);
+    } else {
+#pragma unroll
+        for (int i = 0; i < N / STEP; i++) {
+            bool in = r0 + r + i * STEP < len;
+            cp_async_16(dst + i * STEP * (D + PAD) * 2, in ? src + i * step : x, in); // padding: an address inside x
+        }
     }
 }
 
 // A fragments of the 16 rows at `rows` (a shared tile), one per 16 columns: ldmatrix's matrices
 // 0..3 are (rows 0-7, cols 0-7), (rows 8-15, cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15).
 template <int D>
-__device__ void load_a(unsigned (*a)[4], const bf16 (*rows)[D + PAD]) {
+__device__ __forceinline__ void load_a(unsigned (*a)[4], const bf16 (*rows)[D + PAD]) {
     int lane = threadIdx.x % 32;
-    for (int kk = 0; kk < D / 16; kk++) ldmatrix_x4(a[kk], &rows[lane % 16][16 * kk + lane / 16 * 8]);
+    smem_t base = smem(&rows[lane % 16][lane / 16 * 8]);
+#pragma unroll
+    for (int kk = 0; kk < D / 16; kk++) ldmatrix_x4(a[kk], base + 32 * kk);
 }
 
 // c[n] (16 × N scores, as N/8 fragments) = A (16 rows × D, fragments a) · Bᵀ, B the N rows at `rows`:
 // B's fragment b0 = B[2t..][g] is row g of the tile, columns 2t.., so a plain ldmatrix gives it;
 // matrices 0..3 are (rows 0-7, cols k..k+7), (rows 0-7, k+8..), (rows 8-15, k..), (rows 8-15, k+8..).
 template <int D, int N>
-__device__ void times_transposed(float (*c)[4], const unsigned (*a)[4], const bf16 (*rows)[D + PAD]) {
+__device__ __forceinline__ void times_transposed(float (*c)[4], const unsigned (*a)[4], const bf16 (*rows)[D + PAD]) {
     int lane = threadIdx.x % 32;
+    smem_t base = smem(&rows[lane / 16 * 8 + lane % 8][lane / 8 % 2 * 8]);
+#pragma unroll
     for (int n = 0; n < N / 8; n++)
+#pragma unroll
         for (int e = 0; e < 4; e++) c[n][e] = 0.0f;
+#pragma unroll
     for (int np = 0; np < N / 16; np++)
+#pragma unroll
         for (int kk = 0; kk < D / 16; kk++) {
             unsigned b[4];
-            ldmatrix_x4(b, &rows[16 * np + lane / 16 * 8 + lane % 8][16 * kk + lane / 8 % 2 * 8]);
+            ldmatrix_x4(b, base + (16 * np * (D + PAD) + 16 * kk) * 2);
             mma_16x8x16(c[2 * np], a[kk], &b[0]);
             mma_16x8x16(c[2 * np + 1], a[kk], &b[2]);
         }
@@ -143,14 +173,17 @@ __device__ void times_transposed(float (*c)[4], const unsigned (*a)[4], const bf
 // acc (16 × D, as D/8 fragments) += P · B, P (16 × N) the fp32 fragments p (C layout, cast to bf16
 // A operands two tiles at a time), B the N rows × D at `rows`, read transposed by ldmatrix.trans.
 template <int D, int N>
-__device__ void accumulate(float (*acc)[4], const float (*p)[4], const bf16 (*rows)[D + PAD]) {
+__device__ __forceinline__ void accumulate(float (*acc)[4], const float (*p)[4], const bf16 (*rows)[D + PAD]) {
     int lane = threadIdx.x % 32;
+    smem_t base = smem(&rows[lane / 8 % 2 * 8 + lane % 8][lane / 16 * 8]);
+#pragma unroll
     for (int kk = 0; kk < N / 16; kk++) {
         const float *lo = p[2 * kk], *hi = p[2 * kk + 1];
         unsigned a[4] = {pack(lo[0], lo[1]), pack(lo[2], lo[3]), pack(hi[0], hi[1]), pack(hi[2], hi[3])};
+#pragma unroll
         for (int np = 0; np < D / 16; np++) {
             unsigned b[4];
-            ldmatrix_x4_trans(b, &rows[16 * kk + lane / 8 % 2 * 8 + lane % 8][16 * np + lane / 16 * 8]);
+            ldmatrix_x4_trans(b, base + (16 * kk * (D + PAD) + 16 * np) * 2);
             mma_16x8x16(acc[2 * np], a, &b[0]);
             mma_16x8x16(acc[2 * np + 1], a, &b[2]);
         }
@@ -166,13 +199,14 @@ __device__ void write_rows(const Shape& s, const float (*acc)[4], const float* f
         int r = r0 + g + 8 * half;
         if (r >= len) continue;
         unsigned* row = (unsigned*)(y + at(s, b, len, r, n_heads, head));
+#pragma unroll
         for (int n = 0; n < D / 8; n++)
             row[4 * n + t] = pack(acc[n][2 * half] * factor[half], acc[n][2 * half + 1] * factor[half]);
     }
 }
 
 // The largest (or, with `smallest`, the smallest) of positions pos[r0..r0+n) that exist, by every
-// warp on its own (no block barrier).
+// warp on its own (no block barrier); NO_KEY (smallest) or 0 (largest) when none does.
 __device__ unsigned extreme_position(const unsigned* pos, int r0, int n, int len, bool smallest) {
     unsigned m = smallest ? NO_KEY : 0;
     for (int r = r0 + threadIdx.x % 32; r < min(r0 + n, len); r += 32) m = smallest ? min(m, pos[r]) : max(m, pos[r]);
@@ -183,12 +217,37 @@ __device__ unsigned extreme_position(const unsigned* pos, int r0, int n, int len
     return m;
 }
 
-// The first tile of n rows at or after r0 (len if none) holding a row that the block sees:
-// a key with position ≤ last (forward, dq), or, with `queries`, a query with position ≥ first (dk/dv).
-__device__ int next_tile(const unsigned* pos, int r0, int n, int len, unsigned bound, bool queries) {
-    for (; r0 < len; r0 += n) {
+// The largest (or smallest) of the N positions a tile staged in shared memory, by one warp: whether
+// a whole tile is visible to the warp's rows, so that its mask can be skipped (a warp-uniform branch).
+template <int N>
+__device__ __forceinline__ unsigned tile_extreme(const unsigned* staged, bool smallest) {
+    int lane = threadIdx.x % 32;
+    unsigned m = smallest ? NO_KEY : 0;
+#pragma unroll
+    for (int k = 0; k < (N + 31) / 32; k++)
+        if (lane + 32 * k < N) m = smallest ? min(m, staged[lane + 32 * k]) : max(m, staged[lane + 32 * k]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        unsigned other = __shfl_xor_sync(0xffffffff, m, o);
+        m = smallest ? min(m, other) : max(m, other);
+    }
+    return m;
+}
+
+// The first tile of N rows at or after r0 (len if none) holding a row that the block sees: a key
+// with position ≤ bound (forward, dq), or, with `queries`, a query with position ≥ bound (dk/dv).
+// Positions are general (a ring or zigzag block's), so this reads them; called a tile ahead, its
+// loads overlap the current tile's products.
+template <int N>
+__device__ int next_tile(const unsigned* pos, int r0, int len, unsigned bound, bool queries) {
+    int lane = threadIdx.x % 32;
+    for (; r0 < len; r0 += N) {
         bool seen = false;
-        for (int r = r0 + threadIdx.x % 32; r < min(r0 + n, len); r += 32) seen |= queries ? pos[r] >= bound : pos[r] <= bound;
+#pragma unroll
+        for (int k = 0; k < (N + 31) / 32; k++) {
+            int r = r0 + lane + 32 * k;
+            if (lane + 32 * k < N && r < len) seen |= queries ? pos[r] >= bound : pos[r] <= bound;
+        }
         if (__any_sync(0xffffffff, seen)) return r0;
     }
     return len;
@@ -201,70 +260,108 @@ __device__ void load_key_positions(const unsigned* k_pos, int j0, int kv_seq, un
     for (int e = threadIdx.x; e < N; e += blockDim.x) kp[e] = j0 + e < kv_seq ? k_pos[j0 + e] : NO_KEY;
 }
 
+// Starts copying the N key and value rows j.. of KV head g into kt and vt, and their positions
+// into kp (the forward's and dq's next tile).
+template <int D, int N>
+__device__ __forceinline__ void load_kv_tile(const Shape& s, const bf16* k, const bf16* v, const unsigned* k_pos, int b,
+                                             int g, int j, bf16 (*kt)[D + PAD], bf16 (*vt)[D + PAD], unsigned* kp) {
+    load_rows<D, N, THREADS>(k, b, s.kv_seq, s.kv_heads, g, j, kt);
+    load_rows<D, N, THREADS>(v, b, s.kv_seq, s.kv_heads, g, j, vt);
+    load_key_positions<N>(k_pos, j, s.kv_seq, kp);
+}
+
+// The query blocks of the forward and of dq, the heaviest first: under causal order the last
+// queries see the most keys, and a block launched last should be a short one (block x = 0 takes
+// the last rows).
+__device__ __forceinline__ int query_block_start() { return (gridDim.x - 1 - blockIdx.x) * BM; }
+
 // ---- forward ----------------------------------------------------------------------------------
+// The walk, a tile ahead: K and V tiles are double-buffered, and the copies of the next tile run
+// during this tile's products and softmax. The wait for a tile comes at the top of its turn, a
+// whole turn after its copies were issued. (With V copied during S and waited for before P·V,
+// ptxas hoisted that wait and its barrier above the softmax: the copy had only S to hide behind.)
+
+template <int D>
+struct ForwardTiles {
+    static constexpr int BN = D <= 64 ? 64 : 32;           // key rows a tile
+    static constexpr int ROWS = 2 * BN > BM ? 2 * BN : BM; // rows of each of ks, vs: two tiles, or Q's staging
+    // Q is staged in vs's last BM rows; where tile 0 lies apart from them, the two loads run together
+    static constexpr bool Q_APART = BN + BM <= ROWS;
+    static constexpr int BLOCKS = D <= 64 ? 4 : 2; // resident blocks an SM (__launch_bounds__): ≤ 128 registers at D ≤ 64
+};
 
 template <int D>
 __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                         const unsigned* k_pos, bf16* out, float* lse) {
-    __shared__ __align__(16) bf16 ks[BN][D + PAD], vs[BN][D + PAD];
-    __shared__ unsigned kp[BN];
-    int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads), i0 = blockIdx.x * BM;
+    constexpr int BN = ForwardTiles<D>::BN, ROWS = ForwardTiles<D>::ROWS;
+    __shared__ __align__(16) bf16 ks[ROWS][D + PAD], vs[ROWS][D + PAD]; // tile u at rows u·BN..
+    __shared__ unsigned kp[2][BN];
+    int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
-    unsigned last = extreme_position(q_pos, i0, BM, s.seq, false), pi[2];
+    // The block's last query position (a tile with no key at or before it is skipped) and each
+    // warp's first (a tile of keys all at or before it needs no mask) wait in shared memory, read
+    // once a tile: this keeps the walk within 128 registers (4 blocks an SM).
+    __shared__ unsigned last, first_of_warp[WARPS];
+    unsigned pi[2], block_last = extreme_position(q_pos, i0, BM, s.seq, false);
+    unsigned warp_first = extreme_position(q_pos, r0, 16, s.seq, true);
+    if (threadIdx.x == 0) last = block_last;
+    if (threadIdx.x % 32 == 0) first_of_warp[w] = warp_first;
     for (int half = 0; half < 2; half++) pi[half] = r0 + row + 8 * half < s.seq ? q_pos[r0 + row + 8 * half] : 0;
-    // Q through vs (free until the first V tile), beside the first K tile
-    load_rows<D, BM>(s, q, b, s.seq, s.heads, h, i0, vs);
-    int j0 = next_tile(k_pos, 0, BN, s.kv_seq, last, false);
-    if (j0 < s.kv_seq) {
-        load_rows<D, BN>(s, k, b, s.kv_seq, s.kv_heads, g, j0, ks);
-        load_key_positions<BN>(k_pos, j0, s.kv_seq, kp);
-    }
+    int j0 = next_tile<BN>(k_pos, 0, s.kv_seq, block_last, false), buf = 0;
+    load_rows<D, BM, THREADS>(q, b, s.seq, s.heads, h, i0, &vs[ROWS - BM]);
+    if (ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]); // beside Q
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     unsigned qf[D / 16][4];
-    load_a<D>(qf, &vs[16 * w]);
-    __syncthreads(); // every warp has its Q before V overwrites it
+    load_a<D>(qf, &vs[ROWS - BM + 16 * w]);
+    __syncthreads(); // every warp has its Q before a tile overwrites it
+    if (!ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]);
+    cp_async_commit();
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; // m in log2 units
     float scale = rsqrtf((float)D) * LOG2E;
     while (j0 < s.kv_seq) {
-        load_rows<D, BN>(s, v, b, s.kv_seq, s.kv_heads, g, j0, vs); // lands while S and the softmax run
-        cp_async_commit();
+        int next = next_tile<BN>(k_pos, j0 + BN, s.kv_seq, last, false);
+        if (next < s.kv_seq) // into the other buffer, read last by the previous tile (barrier below)
+            load_kv_tile<D, BN>(s, k, v, k_pos, b, g, next, &ks[(buf ^ 1) * BN], &vs[(buf ^ 1) * BN], kp[buf ^ 1]);
+        cp_async_commit(); // (an empty group when there is no next tile: the count stays the same)
+        cp_async_wait<1>(); // this tile has landed; the next may still be in flight
+        __syncthreads();    // ... for every thread's copies
         float sc[BN / 8][4];
-        times_transposed<D, BN>(sc, qf, ks);
+        times_transposed<D, BN>(sc, qf, &ks[buf * BN]);
+        if (tile_extreme<BN>(kp[buf], false) > first_of_warp[w]) // a tile across the diagonal: mask
+#pragma unroll
+            for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) // a later or padding key → −∞
+                    if (kp[buf][8 * n + 2 * t + e % 2] > pi[e / 2]) sc[n][e] = -INFINITY;
         float top[2] = {-INFINITY, -INFINITY};
+#pragma unroll
         for (int n = 0; n < BN / 8; n++)
-            for (int e = 0; e < 4; e++) { // masked (a later or padding key) → −∞
-                sc[n][e] = kp[8 * n + 2 * t + e % 2] <= pi[e / 2] ? sc[n][e] * scale : -INFINITY;
-                top[e / 2] = fmaxf(top[e / 2], sc[n][e]);
-            }
+#pragma unroll
+            for (int e = 0; e < 4; e++) top[e / 2] = fmaxf(top[e / 2], sc[n][e]);
         for (int half = 0; half < 2; half++) {
             for (int x = 1; x <= 2; x <<= 1) top[half] = fmaxf(top[half], __shfl_xor_sync(0xffffffff, top[half], x));
-            float m_new = fmaxf(m[half], top[half]);
+            float m_new = fmaxf(m[half], top[half] * scale);
             float base = m_new == -INFINITY ? 0.0f : m_new; // a row with no visible key yet: exp2(−∞) = 0
-            float correction = exp2f(m[half] - base);
+            float correction = fast_exp2(m[half] - base);
             l[half] *= correction; // this lane's part of the row sum; the group's parts are added at the end
+#pragma unroll
             for (int n = 0; n < D / 8; n++) o[n][2 * half] *= correction, o[n][2 * half + 1] *= correction;
+#pragma unroll
             for (int n = 0; n < BN / 8; n++)
+#pragma unroll
                 for (int e = 2 * half; e < 2 * half + 2; e++) {
-                    sc[n][e] = exp2f(sc[n][e] - base);
+                    sc[n][e] = fast_exp2(fmaf(sc[n][e], scale, -base));
                     l[half] += sc[n][e];
                 }
             m[half] = m_new;
         }
-        cp_async_wait<0>();
-        __syncthreads(); // V has landed for all; every warp is done with ks and kp
-        int next = next_tile(k_pos, j0 + BN, BN, s.kv_seq, last, false);
-        if (next < s.kv_seq) {
-            load_rows<D, BN>(s, k, b, s.kv_seq, s.kv_heads, g, next, ks); // lands while P·V runs
-            load_key_positions<BN>(k_pos, next, s.kv_seq, kp);
-        }
-        cp_async_commit();
-        accumulate<D, BN>(o, sc, vs);
-        cp_async_wait<0>();
-        __syncthreads(); // the next K has landed; every warp is done with vs
-        j0 = next;
+        accumulate<D, BN>(o, sc, &vs[buf * BN]);
+        __syncthreads(); // every warp is done with this tile before the turn after next overwrites it
+        j0 = next, buf ^= 1;
     }
+    cp_async_wait<0>();
     float inverse[2];
     for (int half = 0; half < 2; half++) {
         for (int x = 1; x <= 2; x <<= 1) l[half] += __shfl_xor_sync(0xffffffff, l[half], x);
@@ -278,17 +375,26 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
 
 // ---- backward: dq, a block per 64 query rows ----------------------------------------------------
 // Key tiles of KN rows: 16 at D = 128, where Q, dO and dQ already take 128 registers a lane (at
-// 32, ptxas spills).
+// 32, ptxas spills). K and V tiles are double-buffered: the next tile's copies run during this
+// tile's four products. Q and dO are staged through the buffers first.
+
+template <int D>
+struct DqTiles {
+    static constexpr int KN = D <= 64 ? 64 : 16;                  // key rows a tile
+    static constexpr int ROWS = 2 * KN > BM ? 2 * KN : BM; // rows of each of ks, vs: two tiles, or Q's staging
+    static constexpr int BLOCKS = 3;                       // resident blocks an SM: ≤ 168 registers
+};
 
 template <int D>
 __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                    const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dq_) {
-    constexpr int KN = D <= 64 ? 64 : 16;
-    __shared__ __align__(16) bf16 ks[BM][D + PAD], vs[BM][D + PAD]; // Q and dO are staged through these first
-    __shared__ unsigned kp[KN];
-    int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads), i0 = blockIdx.x * BM;
+    constexpr int KN = DqTiles<D>::KN, ROWS = DqTiles<D>::ROWS;
+    __shared__ __align__(16) bf16 ks[ROWS][D + PAD], vs[ROWS][D + PAD]; // tile u at rows u·KN..
+    __shared__ unsigned kp[2][KN];
+    int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
     unsigned last = extreme_position(q_pos, i0, BM, s.seq, false), pi[2];
+    unsigned first_of_warp = extreme_position(q_pos, r0, 16, s.seq, true);
     float ls[2], dl[2], scale = rsqrtf((float)D) * LOG2E;
     for (int half = 0; half < 2; half++) {
         int i = r0 + row + 8 * half;
@@ -298,34 +404,49 @@ __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const u
         ls[half] = in ? lse[at_i] * LOG2E : 0.0f;
         dl[half] = in ? delta[at_i] : 0.0f;
     }
-    load_rows<D, BM>(s, q, b, s.seq, s.heads, h, i0, ks);
-    load_rows<D, BM>(s, dout, b, s.seq, s.heads, h, i0, vs);
+    load_rows<D, BM, THREADS>(q, b, s.seq, s.heads, h, i0, ks);
+    load_rows<D, BM, THREADS>(dout, b, s.seq, s.heads, h, i0, vs);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     unsigned qf[D / 16][4], dof[D / 16][4];
     load_a<D>(qf, &ks[16 * w]);
     load_a<D>(dof, &vs[16 * w]);
+    __syncthreads(); // every warp has its Q and dO before the first tile overwrites them
+    int j0 = next_tile<KN>(k_pos, 0, s.kv_seq, last, false), buf = 0;
+    if (j0 < s.kv_seq) load_kv_tile<D, KN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]);
+    cp_async_commit();
     float acc[D / 8][4] = {};
-    for (int j0 = next_tile(k_pos, 0, KN, s.kv_seq, last, false); j0 < s.kv_seq;
-         j0 = next_tile(k_pos, j0 + KN, KN, s.kv_seq, last, false)) {
-        __syncthreads(); // every warp is done with the previous tile (or with Q and dO)
-        load_rows<D, KN>(s, k, b, s.kv_seq, s.kv_heads, g, j0, ks);
-        load_rows<D, KN>(s, v, b, s.kv_seq, s.kv_heads, g, j0, vs);
-        load_key_positions<KN>(k_pos, j0, s.kv_seq, kp);
+    while (j0 < s.kv_seq) {
+        int next = next_tile<KN>(k_pos, j0 + KN, s.kv_seq, last, false);
+        if (next < s.kv_seq) // into the other buffer, read last by the previous tile (barrier below)
+            load_kv_tile<D, KN>(s, k, v, k_pos, b, g, next, &ks[(buf ^ 1) * KN], &vs[(buf ^ 1) * KN], kp[buf ^ 1]);
         cp_async_commit();
-        cp_async_wait<0>();
+        cp_async_wait<1>(); // this tile has landed; the next may still be in flight
         __syncthreads();
         float sc[KN / 8][4], dp[KN / 8][4];
-        times_transposed<D, KN>(sc, qf, ks);
-        times_transposed<D, KN>(dp, dof, vs);
-        for (int n = 0; n < KN / 8; n++)
-            for (int e = 0; e < 4; e++) { // ds = p (dp − δ), 0 where masked
-                bool seen = kp[8 * n + 2 * t + e % 2] <= pi[e / 2];
-                sc[n][e] = seen ? exp2f(sc[n][e] * scale - ls[e / 2]) * (dp[n][e] - dl[e / 2]) : 0.0f;
-            }
-        accumulate<D, KN>(acc, sc, ks);
+        times_transposed<D, KN>(sc, qf, &ks[buf * KN]);
+        times_transposed<D, KN>(dp, dof, &vs[buf * KN]);
+        if (tile_extreme<KN>(kp[buf], false) <= first_of_warp) { // every key visible to every row
+#pragma unroll
+            for (int n = 0; n < KN / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++)
+                    sc[n][e] = fast_exp2(fmaf(sc[n][e], scale, -ls[e / 2])) * (dp[n][e] - dl[e / 2]);
+        } else { // ds = p (dp − δ), 0 where masked (a row with no visible key has lse = −∞)
+#pragma unroll
+            for (int n = 0; n < KN / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    bool seen = kp[buf][8 * n + 2 * t + e % 2] <= pi[e / 2];
+                    sc[n][e] = seen ? fast_exp2(fmaf(sc[n][e], scale, -ls[e / 2])) * (dp[n][e] - dl[e / 2]) : 0.0f;
+                }
+        }
+        accumulate<D, KN>(acc, sc, &ks[buf * KN]);
+        __syncthreads(); // every warp is done with this tile before the one after next overwrites it
+        j0 = next, buf ^= 1;
     }
+    cp_async_wait<0>();
     float factor[2] = {rsqrtf((float)D), rsqrtf((float)D)};
     write_rows<D>(s, acc, factor, dq_, b, s.seq, s.heads, h, r0);
 }
@@ -336,32 +457,35 @@ template <int D>
 struct KeyTiles {
     static constexpr int KEYS = D <= 64 ? 64 : 32;    // key rows a block (16 a warp)
     static constexpr int QUERIES = D <= 64 ? 64 : 32; // query rows a tile
+    static constexpr int NT = KEYS * 2;               // threads a block: a warp per 16 keys
+    static constexpr int BLOCKS = D <= 64 ? 3 : 4;    // resident blocks an SM: ≤ 168 registers at D ≤ 64
 };
 
 template <int D>
 __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                      const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dk, bf16* dv) {
-    constexpr int KEYS = KeyTiles<D>::KEYS, QUERIES = KeyTiles<D>::QUERIES;
+    constexpr int KEYS = KeyTiles<D>::KEYS, QUERIES = KeyTiles<D>::QUERIES, NT = KeyTiles<D>::NT;
     __shared__ __align__(16) bf16 ks[KEYS][D + PAD], vs[KEYS][D + PAD], qs[QUERIES][D + PAD], dos[QUERIES][D + PAD];
     __shared__ unsigned qp[QUERIES];
     __shared__ float ls[QUERIES], dl[QUERIES];
     int b = blockIdx.z, g = blockIdx.y, groups = s.heads / s.kv_heads, j0 = blockIdx.x * KEYS;
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = j0 + 16 * w;
     unsigned first = extreme_position(k_pos, j0, KEYS, s.kv_seq, true), pj[2];
+    unsigned last_of_warp = extreme_position(k_pos, r0, 16, s.kv_seq, false); // a tile of queries all ≥ it: no mask
     for (int half = 0; half < 2; half++) pj[half] = r0 + row + 8 * half < s.kv_seq ? k_pos[r0 + row + 8 * half] : NO_KEY;
     float scale = rsqrtf((float)D) * LOG2E;
-    load_rows<D, KEYS>(s, k, b, s.kv_seq, s.kv_heads, g, j0, ks);
-    load_rows<D, KEYS>(s, v, b, s.kv_seq, s.kv_heads, g, j0, vs);
+    load_rows<D, KEYS, NT>(k, b, s.kv_seq, s.kv_heads, g, j0, ks);
+    load_rows<D, KEYS, NT>(v, b, s.kv_seq, s.kv_heads, g, j0, vs);
     cp_async_commit();
     float dka[D / 8][4] = {}, dva[D / 8][4] = {};
     for (int h = g * groups; h < (g + 1) * groups; h++) {
-        for (int i0 = next_tile(q_pos, 0, QUERIES, s.seq, first, true); i0 < s.seq;
-             i0 = next_tile(q_pos, i0 + QUERIES, QUERIES, s.seq, first, true)) {
+        for (int i0 = next_tile<QUERIES>(q_pos, 0, s.seq, first, true); i0 < s.seq;
+             i0 = next_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, true)) {
             __syncthreads(); // every warp is done with the previous tile
-            load_rows<D, QUERIES>(s, q, b, s.seq, s.heads, h, i0, qs);
-            load_rows<D, QUERIES>(s, dout, b, s.seq, s.heads, h, i0, dos);
+            load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, h, i0, qs);
+            load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, h, i0, dos);
             cp_async_commit();
-            stage_query_rows(s, q_pos, lse, delta, b, h, i0, QUERIES, qp, ls, dl);
+            stage_query_rows(s, q_pos, lse, delta, b, h, i0, QUERIES, LOG2E, qp, ls, dl); // lse in log2 units
             cp_async_wait<0>();
             __syncthreads();
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys; K and V fragments re-read each tile
@@ -377,12 +501,26 @@ __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const
                 load_a<D>(vf, &vs[16 * w]);
                 times_transposed<D, QUERIES>(dpt, vf, dos);
             }
-            for (int n = 0; n < QUERIES / 8; n++)
-                for (int e = 0; e < 4; e++) { // pᵀ, and dsᵀ = pᵀ (dpᵀ − δ) in dpt
-                    int c = 8 * n + 2 * t + e % 2;
-                    st[n][e] = pj[e / 2] <= qp[c] ? exp2f(st[n][e] * scale - ls[c] * LOG2E) : 0.0f;
-                    dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
-                }
+            // pᵀ, and dsᵀ = pᵀ (dpᵀ − δ) in dpt; rows past the end have lse = +∞, so p = 0
+            if (tile_extreme<QUERIES>(qp, true) >= last_of_warp) { // every query sees every key
+#pragma unroll
+                for (int n = 0; n < QUERIES / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        int c = 8 * n + 2 * t + e % 2;
+                        st[n][e] = fast_exp2(fmaf(st[n][e], scale, -ls[c]));
+                        dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
+                    }
+            } else {
+#pragma unroll
+                for (int n = 0; n < QUERIES / 8; n++)
+#pragma unroll
+                    for (int e = 0; e < 4; e++) {
+                        int c = 8 * n + 2 * t + e % 2;
+                        st[n][e] = pj[e / 2] <= qp[c] ? fast_exp2(fmaf(st[n][e], scale, -ls[c])) : 0.0f;
+                        dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
+                    }
+            }
             accumulate<D, QUERIES>(dva, st, dos);
             accumulate<D, QUERIES>(dka, dpt, qs);
         }
@@ -394,17 +532,17 @@ __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const
 }
 
 #define EXPORT(D)                                                                                                      \
-    extern "C" __global__ void flash_attention_forward_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,      \
+    extern "C" __global__ void __launch_bounds__(THREADS, ForwardTiles<D>::BLOCKS) flash_attention_forward_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,      \
                                                             const unsigned* q_pos, const unsigned* k_pos, bf16* out,   \
                                                             float* lse) {                                              \
         forward<D>(s, q, k, v, q_pos, k_pos, out, lse);                                                                \
     }                                                                                                                  \
-    extern "C" __global__ void flash_attention_dq_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,           \
+    extern "C" __global__ void __launch_bounds__(THREADS, DqTiles<D>::BLOCKS) flash_attention_dq_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,           \
                                                        const unsigned* q_pos, const unsigned* k_pos, const float* lse, \
                                                        const float* delta, const bf16* dout, bf16* dq_) {              \
         dq<D>(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq_);                                                        \
     }                                                                                                                  \
-    extern "C" __global__ void flash_attention_dkdv_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,         \
+    extern "C" __global__ void __launch_bounds__(KeyTiles<D>::NT, KeyTiles<D>::BLOCKS) flash_attention_dkdv_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,         \
                                                          const unsigned* q_pos, const unsigned* k_pos,                 \
                                                          const float* lse, const float* delta, const bf16* dout,       \
                                                          bf16* dk, bf16* dv) {                                         \

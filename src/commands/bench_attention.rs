@@ -31,6 +31,8 @@ pub struct AttentionReport {
     /// (batch, sequence, heads, KV heads, head size)
     pub shape: (usize, usize, usize, usize, usize),
     pub kernels: String,
+    /// each attention kernel's time a layer (ms), the longest first
+    pub per_kernel_ms: Vec<(String, f64)>,
     pub forward_ms: f64,
     pub forward_tflops: f64,
     pub forward_backward_ms: f64,
@@ -90,6 +92,7 @@ pub fn bench_attention(cfg: &Config, warmup: usize, steps: usize) -> Result<Atte
     let every: Vec<&profile::Row> = rows.iter().filter(|r| r.name.contains("attention")).collect();
     let (forward_ms, forward_backward_ms) = (attention_ms(&forward), attention_ms(&every));
     let flops = forward_flops(a);
+    let per_kernel_ms = every.iter().map(|r| (r.name.clone(), r.ms / steps as f64)).collect();
     let mut kernels: Vec<&str> = every.iter().map(|r| r.name.as_str()).collect();
     kernels.sort();
     Ok(AttentionReport {
@@ -97,6 +100,7 @@ pub fn bench_attention(cfg: &Config, warmup: usize, steps: usize) -> Result<Atte
         dtype: format!("{dtype:?}").to_lowercase(),
         shape: (a.batch, a.seq, a.heads, a.kv_heads, head_dim),
         kernels: kernels.join(" "),
+        per_kernel_ms,
         forward_ms,
         forward_tflops: flops / forward_ms / 1e9,
         forward_backward_ms,
@@ -107,9 +111,10 @@ pub fn bench_attention(cfg: &Config, warmup: usize, steps: usize) -> Result<Atte
 /// The report as printed.
 pub fn attention_table(r: &AttentionReport) -> String {
     let (b, s, h, kv, d) = r.shape;
+    let each: Vec<String> = r.per_kernel_ms.iter().map(|(name, ms)| format!("{name} {ms:.3}")).collect();
     format!(
         "device               {} ({})\nshape                batch {b}, sequence {s}, heads {h}, KV heads {kv}, head size {d} (causal)\n\
-         kernels              {}\nforward              {:.3} ms ({:.1} TFLOP/s)\nforward+backward     {:.3} ms ({:.1} TFLOP/s)\n",
-        r.device, r.dtype, r.kernels, r.forward_ms, r.forward_tflops, r.forward_backward_ms, r.forward_backward_tflops
+         kernels              {}\nper kernel (ms)      {}\nforward              {:.3} ms ({:.1} TFLOP/s)\nforward+backward     {:.3} ms ({:.1} TFLOP/s)\n",
+        r.device, r.dtype, r.kernels, each.join(", "), r.forward_ms, r.forward_tflops, r.forward_backward_ms, r.forward_backward_tflops
     )
 }

@@ -126,12 +126,35 @@ pub fn compiled(name: &str, target: &'static str) -> Result<Arc<Compiled>> {
 }
 
 /// Kernel file `name` as it is compiled: `common.cuh`, then the file (its lines numbered as in
-/// `kernels/{name}.cu`, for the compiler's messages).
+/// `kernels/{name}.cu`, for the compiler's messages). With `$FERROTRON_KERNELS` set to a folder,
+/// a `{name}.cu` or `common.cuh` there replaces the built-in text: an edited kernel runs (and is
+/// timed, on a GPU) without rebuilding the binary, and one binary can time several variants.
 pub fn full_source(name: &str) -> Result<String> {
     let Some((_, source)) = SOURCES.iter().find(|(n, _)| *n == name) else {
         bail!("no kernel file named {name}");
     };
-    Ok(format!("{COMMON}\n#line 1 \"{name}.cu\"\n{source}"))
+    let common = replaced("common.cuh")?.unwrap_or_else(|| COMMON.to_string());
+    let source = replaced(&format!("{name}.cu"))?.unwrap_or_else(|| source.to_string());
+    Ok(format!("{common}\n#line 1 \"{name}.cu\"\n{source}"))
+}
+
+/// `$FERROTRON_KERNELS/{file}` where the variable names a folder holding that file (said once on
+/// stderr, so that a timing is never mistaken for the built-in kernels').
+fn replaced(file: &str) -> Result<Option<String>> {
+    let Some(dir) = std::env::var_os("FERROTRON_KERNELS").filter(|d| !d.is_empty()) else {
+        return Ok(None);
+    };
+    let path = PathBuf::from(dir).join(file);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    static SAID: OnceLock<Mutex<std::collections::HashSet<PathBuf>>> = OnceLock::new();
+    if SAID.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner()).insert(path.clone()) {
+        eprintln!("kernels: {} replaces the built-in {file} (FERROTRON_KERNELS)", path.display());
+    }
+    std::fs::read_to_string(&path).map(Some).map_err(|e| {
+        anyhow!("FERROTRON_KERNELS: cannot read {}: {e}; fix the file or unset the variable", path.display())
+    })
 }
 
 /// Compiles kernel file `name` for `target` (a real `sm_XY` or a virtual `compute_XY`

@@ -30,6 +30,7 @@ using std::min;
 #define __global__
 #define __device__ static
 #define __forceinline__ inline
+#define __launch_bounds__(...) // register and occupancy hints: nothing to do on the CPU
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 

@@ -9,6 +9,11 @@
 //                     B: b0 = B[2t..2t+1][g]   b1 = B[2t+8..2t+9][g]
 //                     C: c0, c1 = C[g][2t], C[g][2t+1]   c2, c3 = C[g+8][2t], C[g+8][2t+1]
 //                   (two bf16 in a 32-bit register: the lower-numbered element in the low half).
+//   smem_t, smem    a shared-memory address: on a GPU the 32-bit address of the shared window
+//                   (cvta.to.shared, made once per tile, then plus constant offsets); here a byte
+//                   pointer, so that the same `base + bytes` arithmetic reaches the same element.
+//   fast_exp2       ex2.approx.ftz.f32: 2^x in one MUFU instruction (relative error about 2^-22,
+//                   subnormal results flushed to zero); here exp2f, with the same flush.
 //   ldmatrix_x4     ldmatrix.sync.aligned.m8n8.x4.shared.b16: four 8×8 bf16 matrices from shared
 //                   memory; lanes 8i..8i+7 give the addresses of the 8 rows of matrix i (16 bytes
 //                   each, 16-byte aligned); register i of lane l gets row l / 4, columns 2(l % 4)
@@ -41,6 +46,14 @@ inline void aligned(const void* p, unsigned bytes, const char* instruction) {
 inline float low(unsigned r) { return __bfloat162float({(uint16_t)(r & 0xffff)}); }
 inline float high(unsigned r) { return __bfloat162float({(uint16_t)(r >> 16)}); }
 } // namespace emu
+
+typedef char* smem_t;
+inline smem_t smem(const void* p) { return (char*)p; }
+
+inline float fast_exp2(float x) {
+    float y = exp2f(x);
+    return y < 1.17549435e-38f ? 0.0f : y; // ftz: a subnormal result is flushed to zero
+}
 
 // c (this lane's 4 accumulators) += A · B; a: this lane's 4 registers of A, b: its 2 of B.
 inline void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
@@ -75,7 +88,8 @@ inline void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
 }
 
 namespace emu {
-inline void ldmatrix(unsigned* r, const __nv_bfloat16* row, bool transposed) {
+inline void ldmatrix(unsigned* r, smem_t address, bool transposed) {
+    const __nv_bfloat16* row = (const __nv_bfloat16*)address;
     whole_warp("ldmatrix");
     aligned(row, 16, "ldmatrix");
     Warp& w = warp();
@@ -96,10 +110,10 @@ inline void ldmatrix(unsigned* r, const __nv_bfloat16* row, bool transposed) {
 }
 } // namespace emu
 
-inline void ldmatrix_x4(unsigned* r, const __nv_bfloat16* row) { emu::ldmatrix(r, row, false); }
-inline void ldmatrix_x4_trans(unsigned* r, const __nv_bfloat16* row) { emu::ldmatrix(r, row, true); }
+inline void ldmatrix_x4(unsigned* r, smem_t row) { emu::ldmatrix(r, row, false); }
+inline void ldmatrix_x4_trans(unsigned* r, smem_t row) { emu::ldmatrix(r, row, true); }
 
-inline void cp_async_16(void* dst, const void* src, bool valid) {
+inline void cp_async_16(smem_t dst, const void* src, bool valid) {
     emu::aligned(dst, 16, "cp.async (shared)");
     emu::aligned(src, 16, "cp.async (global)");
     emu::current->issued.push_back({dst, src, valid ? 16u : 0u});

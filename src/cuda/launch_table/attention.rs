@@ -62,6 +62,9 @@ pub fn forward(
     launch(typed!("attention_forward", dt), query_blocks(a), args)
 }
 
+/// Threads a query row of `attention_delta` (`DELTA_LANES` in `attention.cu`).
+const DELTA_LANES: usize = 8;
+
 /// The backward in three launches: delta (f32, `[batch, heads, seq]` like lse), dq, then dk and dv.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
@@ -77,7 +80,7 @@ pub fn backward(
     let inputs = vec![shape, Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(lse), Ptr(delta), Ptr(dout)];
     let delta_launch = launch(
         typed!("attention_delta", dt),
-        each(a.batch * a.heads * a.seq),
+        each(a.batch * a.heads * a.seq * DELTA_LANES),
         vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
     );
     let (dq_args, dkdv_args) = ([&inputs[..], &[Ptr(dq)]].concat(), [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat());

@@ -1,0 +1,267 @@
+//! The FlashAttention kernels read from their machine code, without a GPU. NVRTC compiles
+//! `kernels/flash_attention.cu` for sm_90 exactly as the runtime does (`cuda::nvrtc::compile`),
+//! `cuobjdump -sass` disassembles the cubin, and this test reports, for every kernel and head
+//! size, the loop that runs once per tile (the hot loop: the loop with the most `HMMA`, the
+//! tensor-core instruction of one `mma.sync`):
+//!
+//! ```text
+//! kernel                       instr  HMMA  per HMMA  regs  stack  smem   warps/SM  the loop, in order
+//! flash_attention_forward_d64    665    64     10.4   128     0  29184      16   cp4 H32 E… W1 B H32 W0 B
+//! ```
+//! - instructions per HMMA: a sub-partition issues one instruction a clock and one m16n8k16 keeps
+//!   its tensor core busy 4–6 clocks, so above about 6 the issue slots, not the tensor cores, set
+//!   the speed (FlashAttention-2's forward: about 4). Counted statically over the whole loop, so
+//!   the mask of a tile across the diagonal (jumped over by every other tile) counts too: an
+//!   upper bound of what one tile issues.
+//! - registers, stack, shared memory (`cuobjdump -res-usage`) and the warps an H100 SM holds at
+//!   once (64K registers in 256-register steps per warp, 228 KiB of shared memory with 1 KiB
+//!   reserved a block, 64 warps, 32 blocks); 2 warps per scheduler (8 an SM) are too few to hide
+//!   the latencies (`kernels/README.md`).
+//! - the loop in order: runs of `cp` (LDGSTS, a 16-byte cp.async), `H` (HMMA), `E` (MUFU.EX2, an
+//!   exponential), `W n` (DEPBAR.LE n: wait until n copy groups are in flight), `B` (a barrier).
+//!   Copies, then a wait with n ≥ 1, then the products: the next tile's copies overlap them.
+//!
+//! It holds budgets, so that an edit that costs issue slots, occupancy or overlap fails here, not
+//! months later on a GPU: instructions per HMMA at head sizes 64 and 128, at least 8 warps per SM
+//! for every kernel, no local memory (spills) inside a hot loop, and in the forward and dq the
+//! overlap above. (A few bytes of stack outside the loop are allowed: at 168 registers, the limit
+//! of 3 blocks an SM, dk/dv keeps its head loop's bound there, read once a head.) Needs NVRTC (as tests/kernels_compile.rs) and `cuobjdump` with `nvdisasm` (the
+//! PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm; 13.x reads NVRTC 12.9's cubins):
+//! on the PATH or in `$FERROTRON_SASS_TOOLS`. Prints why and passes without them, unless
+//! FERROTRON_REQUIRE_NVRTC=1 (CI). Run `cargo test --release --test kernels_sass -- --nocapture`
+//! to read the report.
+
+use ferrotron::cuda::launch_table::attention::{backward, forward, TENSOR_CORE_HEAD_DIMS};
+use ferrotron::cuda::nvrtc::{compile, nvrtc_ready};
+use ferrotron::ops::{Attn, DType};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The budgets: (kernel, most instructions per HMMA in its hot loop). Measured when set
+/// (2026-11-26) and rounded up a little: they catch regressions. The goal is 6.
+const PER_HMMA: [(&str, f64); 6] = [
+    ("flash_attention_forward_d64", 11.0),
+    ("flash_attention_forward_d128", 9.25),
+    ("flash_attention_dq_d64", 8.5),
+    ("flash_attention_dq_d128", 8.75),
+    ("flash_attention_dkdv_d64", 8.0),
+    ("flash_attention_dkdv_d128", 7.25),
+];
+const MIN_WARPS_PER_SM: u32 = 8;
+
+#[test]
+#[cfg_attr(
+    ferrotron_no_nvrtc,
+    ignore = "needs NVRTC (the nvidia-cuda-nvrtc-cu12 wheel; kernels/README.md); .ci/run installs it"
+)]
+fn the_attention_kernels_machine_code_keeps_its_budgets() {
+    let required = std::env::var_os("FERROTRON_REQUIRE_NVRTC").is_some_and(|v| v == "1");
+    if let Err(e) = nvrtc_ready() {
+        assert!(!required, "FERROTRON_REQUIRE_NVRTC=1 but NVRTC cannot run: {e:#}");
+        eprintln!("skipped: {e:#}");
+        return;
+    }
+    let Some(tools) = sass_tools() else {
+        assert!(!required, "FERROTRON_REQUIRE_NVRTC=1 but no cuobjdump: pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm, set FERROTRON_SASS_TOOLS to their bin/");
+        eprintln!("skipped: no cuobjdump and nvdisasm (pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)");
+        return;
+    };
+    let cubin = compile("flash_attention", "sm_90").unwrap_or_else(|e| panic!("{e:#}")).cubin.expect("a cubin");
+    let file = Path::new(env!("CARGO_TARGET_TMPDIR")).join("flash_attention_sm_90.cubin");
+    std::fs::write(&file, cubin).unwrap();
+    let report = Report::read(&tools, &file);
+    let threads = block_threads();
+    let mut failures = Vec::new();
+    println!("kernel                          instr  HMMA  per HMMA  regs  stack   smem  warps/SM  the loop, in order");
+    for (name, k) in &report.kernels {
+        let loop_ = k.hot_loop().unwrap_or_else(|| panic!("{name}: no loop with HMMA"));
+        let per_hmma = loop_.instructions as f64 / loop_.hmma as f64;
+        let warps = warps_per_sm(threads[name], k.registers, k.shared);
+        println!(
+            "{name:30} {:6} {:5} {per_hmma:9.2} {:5} {:6} {:6} {warps:9}  {}",
+            loop_.instructions, loop_.hmma, k.registers, k.stack, k.shared, loop_.events
+        );
+        if let Some((_, most)) = PER_HMMA.iter().find(|(n, _)| n == name) {
+            if per_hmma > *most {
+                failures.push(format!("{name}: {per_hmma:.2} instructions per HMMA, budget {most}"));
+            }
+        }
+        if warps < MIN_WARPS_PER_SM {
+            failures.push(format!("{name}: {warps} warps per SM, at least {MIN_WARPS_PER_SM} wanted"));
+        }
+        if loop_.local_memory > 0 {
+            failures.push(format!("{name}: {} local-memory (spill) instructions in the hot loop", loop_.local_memory));
+        }
+        // forward and dq: the next tile's copies are issued before the loop's first wait, which
+        // lets them fly (n ≥ 1) while this tile's products run
+        let overlapped = loop_.copies_before_wait && loop_.first_wait.is_some_and(|n| n >= 1);
+        if (name.contains("forward") || name.contains("_dq_")) && !overlapped {
+            failures.push(format!("{name}: no copy overlaps the products (the loop: {})", loop_.events));
+        }
+    }
+    assert_eq!(report.kernels.len(), 3 * TENSOR_CORE_HEAD_DIMS.len(), "every kernel and head size disassembled");
+    assert!(failures.is_empty(), "the machine code breaks its budgets:\n{}", failures.join("\n"));
+}
+
+/// The threads a block of each tensor-core kernel, as the launch table launches it.
+fn block_threads() -> BTreeMap<String, u32> {
+    let mut threads = BTreeMap::new();
+    for d in TENSOR_CORE_HEAD_DIMS {
+        let a = Attn { batch: 1, seq: 128, kv_seq: 128, heads: 2, kv_heads: 1, head_dim: d };
+        let f = forward(DType::Bf16, a, (0, 0, 0), (0, 0), 0, 0);
+        let b = backward(DType::Bf16, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0));
+        for l in std::iter::once(&f).chain(&b) {
+            threads.insert(l.kernel.name().to_string(), l.block);
+        }
+    }
+    threads
+}
+
+/// Warps an H100 SM holds at once: registers are given a warp 256 at a time out of 64K, shared
+/// memory 228 KiB with 1 KiB reserved a block; at most 64 warps and 32 blocks.
+fn warps_per_sm(threads: u32, registers: u32, shared: u32) -> u32 {
+    let warps = threads.div_ceil(32);
+    let per_warp = (registers * 32).div_ceil(256) * 256;
+    let by_registers = (65536 / per_warp.max(1)) / warps;
+    let by_shared = (228 * 1024) / (shared + 1024);
+    let blocks = by_registers.min(by_shared).min(64 / warps).min(32);
+    blocks * warps
+}
+
+/// cuobjdump (with nvdisasm beside it or on the PATH): `$FERROTRON_SASS_TOOLS`, then the PATH.
+fn sass_tools() -> Option<PathBuf> {
+    let dirs = std::env::var_os("FERROTRON_SASS_TOOLS")
+        .into_iter()
+        .chain(std::env::var_os("PATH"))
+        .flat_map(|p| std::env::split_paths(&p).collect::<Vec<_>>());
+    dirs.into_iter().find(|d| d.join("cuobjdump").is_file() && d.join("nvdisasm").is_file())
+}
+
+/// What cuobjdump says of every kernel of a cubin.
+struct Report {
+    kernels: BTreeMap<String, Kernel>,
+}
+
+#[derive(Default)]
+struct Kernel {
+    /// (address, instruction without its predicate's `@P0`)
+    code: Vec<(u64, String)>,
+    registers: u32,
+    stack: u32,
+    shared: u32,
+}
+
+/// The hot loop of a kernel, read from its instructions.
+struct Loop {
+    instructions: usize,
+    hmma: usize,
+    local_memory: usize,
+    /// n of the loop's first DEPBAR.LE SB0, n
+    first_wait: Option<u32>,
+    /// a copy (LDGSTS) is issued before the loop's first wait
+    copies_before_wait: bool,
+    events: String,
+}
+
+impl Report {
+    fn read(tools: &Path, cubin: &Path) -> Report {
+        let run = |flag: &str| {
+            let path = std::env::join_paths(std::iter::once(tools.to_path_buf()).chain(
+                std::env::var_os("PATH").map(|p| std::env::split_paths(&p).collect::<Vec<_>>()).unwrap_or_default(),
+            ))
+            .unwrap();
+            let out = Command::new(tools.join("cuobjdump")).arg(flag).arg(cubin).env("PATH", path).output().unwrap();
+            assert!(out.status.success(), "cuobjdump {flag}: {}", String::from_utf8_lossy(&out.stderr));
+            String::from_utf8(out.stdout).unwrap()
+        };
+        let mut kernels: BTreeMap<String, Kernel> = BTreeMap::new();
+        // "        Function : NAME", then "        /*0a30*/   @!P0 HMMA.16816.F32.BF16 R4, R8, R12, R4 ;"
+        let mut current = None;
+        for line in run("-sass").lines() {
+            if let Some(name) = line.split("Function : ").nth(1) {
+                current = Some(name.trim().to_string());
+                continue;
+            }
+            let (Some(name), Some(rest)) = (&current, line.trim().strip_prefix("/*")) else { continue };
+            let Some((address, text)) = rest.split_once("*/") else { continue };
+            // "INSTRUCTION ;   /* its encoding */"
+            let (Ok(address), Some((text, _))) = (u64::from_str_radix(address, 16), text.split_once(';')) else {
+                continue;
+            };
+            let text = text.trim();
+            let text = if text.starts_with('@') { text.split_once(' ').map_or(text, |(_, t)| t) } else { text };
+            kernels.entry(name.clone()).or_default().code.push((address, text.trim().to_string()));
+        }
+        // "Function NAME:" then " REG:168 STACK:8 SHARED:38656 LOCAL:0 ..."
+        let mut current = None;
+        for line in run("-res-usage").lines() {
+            if let Some(rest) = line.trim().strip_prefix("Function ") {
+                current = Some(rest.trim_end_matches(':').to_string());
+            } else if let Some(k) = current.as_ref().and_then(|n| kernels.get_mut(n)) {
+                let field = |key: &str| {
+                    line.split_whitespace().find_map(|w| w.strip_prefix(key)).and_then(|v| v.parse().ok()).unwrap_or(0)
+                };
+                (k.registers, k.stack, k.shared) = (field("REG:"), field("STACK:"), field("SHARED:"));
+            }
+        }
+        kernels.retain(|name, _| name.starts_with("flash_attention_"));
+        Report { kernels }
+    }
+}
+
+impl Kernel {
+    /// The loop (a backward branch and its target) with the most HMMA; of equals, the shortest.
+    fn hot_loop(&self) -> Option<Loop> {
+        let opcode = |t: &str| t.split_whitespace().next().unwrap_or("").to_string();
+        let target = |t: &str| {
+            let hex = t.split("0x").nth(1)?;
+            u64::from_str_radix(hex.trim_end_matches(|c: char| !c.is_ascii_hexdigit()), 16).ok()
+        };
+        let loops = self.code.iter().filter(|(_, t)| opcode(t) == "BRA").filter_map(|(at, t)| {
+            let to = target(t)?;
+            (to < *at).then_some((to, *at))
+        });
+        let body = |(from, to): (u64, u64)| -> Vec<&str> {
+            let inside = self.code.iter().filter(|(a, t)| (from..=to).contains(a) && !t.starts_with("NOP"));
+            inside.map(|(_, t)| t.as_str()).collect()
+        };
+        let hmma = |b: &[&str]| b.iter().filter(|t| t.starts_with("HMMA")).count();
+        let best = loops.max_by_key(|&l| (hmma(&body(l)), std::cmp::Reverse(l.1 - l.0)))?;
+        let b = body(best);
+        if hmma(&b) == 0 {
+            return None;
+        }
+        let position = |what: &str, nth: usize| b.iter().enumerate().filter(|(_, t)| t.starts_with(what)).nth(nth);
+        let first_wait = position("DEPBAR.LE", 0);
+        let first_copy = position("LDGSTS", 0).map(|(i, _)| i);
+        Some(Loop {
+            instructions: b.len(),
+            hmma: hmma(&b),
+            local_memory: b.iter().filter(|t| t.starts_with("LDL") || t.starts_with("STL")).count(),
+            first_wait: first_wait.and_then(|(_, t)| target(t).map(|n| n as u32)),
+            copies_before_wait: matches!((first_copy, first_wait), (Some(c), Some((w, _))) if c < w),
+            events: events(&b),
+        })
+    }
+}
+
+/// The loop's copies, products, exponentials, waits and barriers in order, runs counted.
+fn events(body: &[&str]) -> String {
+    let mut out: Vec<(String, usize)> = Vec::new();
+    for t in body {
+        let event = match t.split_whitespace().next().unwrap_or("") {
+            op if op.starts_with("LDGSTS") => "cp".to_string(),
+            op if op.starts_with("HMMA") => "H".to_string(),
+            op if op.starts_with("MUFU.EX2") => "E".to_string(),
+            op if op.starts_with("DEPBAR.LE") => format!("W{}", t.rsplit("0x").next().unwrap_or("?")),
+            op if op.starts_with("BAR.SYNC") => "B".to_string(),
+            _ => continue,
+        };
+        match out.last_mut() {
+            Some((last, n)) if *last == event && !event.starts_with('W') && event != "B" => *n += 1,
+            _ => out.push((event, 1)),
+        }
+    }
+    out.iter().map(|(e, n)| if *n > 1 { format!("{e}{n}") } else { e.clone() }).collect::<Vec<_>>().join(" ")
+}
