@@ -121,17 +121,19 @@ template <int D, int N, int NT>
 __device__ __forceinline__ void load_rows(const bf16* x, int b, int len, int n_heads, int head, int r0,
                                           bf16 (*t)[D + PAD]) {
     constexpr int CHUNKS = D / 8, STEP = NT / CHUNKS; // 16-byte pieces a row; rows between a thread's copies
-    static_assert(NT % CHUNKS == 0 && N % STEP == 0, "the block's threads tile the rows exactly");
+    constexpr int COPIES = N < STEP ? 1 : N / STEP; // a thread's copies (threads past row N have none)
+    static_assert(NT % CHUNKS == 0 && (N % STEP == 0 || STEP % N == 0), "the block's threads tile the rows exactly");
     int r = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * 8;
+    if (N < STEP && r >= N) return;
     long step = (long)STEP * n_heads * D; // elements between a thread's rows
     const bf16* src = x + ((long)b * len + r0 + r) * n_heads * D + (long)head * D + c;
     smem_t dst = smem(&t[r][c]);
     if (r0 + N <= len) { // every row exists (all tiles but a sequence's last): no test, no select
 #pragma unroll
-        for (int i = 0; i < N / STEP; i++) cp_async_16(dst + i * STEP * (D + PAD) * 2, src + i * step, true);
+        for (int i = 0; i < COPIES; i++) cp_async_16(dst + i * STEP * (D + PAD) * 2, src + i * step, true);
     } else {
 #pragma unroll
-        for (int i = 0; i < N / STEP; i++) {
+        for (int i = 0; i < COPIES; i++) {
             bool in = r0 + r + i * STEP < len;
             cp_async_16(dst + i * STEP * (D + PAD) * 2, in ? src + i * step : x, in); // padding: an address inside x
         }
@@ -270,10 +272,14 @@ __device__ __forceinline__ void load_kv_tile(const Shape& s, const bf16* k, cons
     load_key_positions<N>(k_pos, j, s.kv_seq, kp);
 }
 
-// The query blocks of the forward and of dq, the heaviest first: under causal order the last
-// queries see the most keys, and a block launched last should be a short one (block x = 0 takes
-// the last rows).
-__device__ __forceinline__ int query_block_start() { return (gridDim.x - 1 - blockIdx.x) * BM; }
+// The order blocks run in. A GPU starts a grid's blocks in the order of their linear index (x
+// fastest, then y, then z) as slots free up, so the grid puts heads in x, the batch in y and the
+// tiles in z, the heaviest tiles at z = 0: every head's heaviest blocks start first and the
+// grid ends on short ones (longest-first list scheduling; tests/attention_balance.rs plays it on
+// an H100's 132 SMs). Under causal order the last queries see the most keys (the forward's and
+// dq's blocks walk the tiles in reverse), and the first keys are seen by the most queries (dk/dv's
+// in order).
+__device__ __forceinline__ int query_block_start() { return (gridDim.z - 1 - blockIdx.z) * BM; }
 
 // ---- forward ----------------------------------------------------------------------------------
 // The walk, a tile ahead: K and V tiles are double-buffered, and the copies of the next tile run
@@ -296,7 +302,7 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     constexpr int BN = ForwardTiles<D>::BN, ROWS = ForwardTiles<D>::ROWS;
     __shared__ __align__(16) bf16 ks[ROWS][D + PAD], vs[ROWS][D + PAD]; // tile u at rows u·BN..
     __shared__ unsigned kp[2][BN];
-    int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
+    int b = blockIdx.y, h = blockIdx.x, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
     // The block's last query position (a tile with no key at or before it is skipped) and each
     // warp's first (a tile of keys all at or before it needs no mask) wait in shared memory, read
@@ -391,7 +397,7 @@ __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const u
     constexpr int KN = DqTiles<D>::KN, ROWS = DqTiles<D>::ROWS;
     __shared__ __align__(16) bf16 ks[ROWS][D + PAD], vs[ROWS][D + PAD]; // tile u at rows u·KN..
     __shared__ unsigned kp[2][KN];
-    int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
+    int b = blockIdx.y, h = blockIdx.x, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
     unsigned last = extreme_position(q_pos, i0, BM, s.seq, false), pi[2];
     unsigned first_of_warp = extreme_position(q_pos, r0, 16, s.seq, true);
@@ -452,78 +458,115 @@ __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const u
 }
 
 // ---- backward: dk and dv, a block per KEYS key rows of one KV head ------------------------------
+// The block walks (query head, query tile) pairs: every query head of its group, each over the
+// query tiles that see its keys. Q and dO tiles are double-buffered: the next pair's copies run
+// during this pair's four products, and its positions, lse and δ are read into registers at the
+// top of the turn and stored to shared memory at the end (a plain load would stall at its store).
 
 template <int D>
 struct KeyTiles {
     static constexpr int KEYS = D <= 64 ? 64 : 32;    // key rows a block (16 a warp)
-    static constexpr int QUERIES = D <= 64 ? 64 : 32; // query rows a tile
+    static constexpr int QUERIES = D <= 64 ? 32 : 16; // query rows a tile: K, V and two Q and dO tiles in 48 KiB
     static constexpr int NT = KEYS * 2;               // threads a block: a warp per 16 keys
     static constexpr int BLOCKS = D <= 64 ? 3 : 4;    // resident blocks an SM: ≤ 168 registers at D ≤ 64
 };
+
+// What dk/dv needs of one query row besides Q and dO: its position, lse (log2 units) and δ. Rows
+// past the end get lse = +∞, so that p = exp2(s − ∞) = 0 for them.
+struct QueryRow {
+    unsigned pos;
+    float lse, delta;
+};
+__device__ __forceinline__ QueryRow query_row(const Shape& s, const unsigned* q_pos, const float* lse,
+                                              const float* delta, int b, int h, int i) {
+    bool in = i < s.seq;
+    long at_i = ((long)b * s.heads + h) * s.seq + i;
+    return {in ? q_pos[i] : 0, in ? lse[at_i] * LOG2E : INFINITY, in ? delta[at_i] : 0.0f};
+}
 
 template <int D>
 __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                      const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dk, bf16* dv) {
     constexpr int KEYS = KeyTiles<D>::KEYS, QUERIES = KeyTiles<D>::QUERIES, NT = KeyTiles<D>::NT;
-    __shared__ __align__(16) bf16 ks[KEYS][D + PAD], vs[KEYS][D + PAD], qs[QUERIES][D + PAD], dos[QUERIES][D + PAD];
-    __shared__ unsigned qp[QUERIES];
-    __shared__ float ls[QUERIES], dl[QUERIES];
-    int b = blockIdx.z, g = blockIdx.y, groups = s.heads / s.kv_heads, j0 = blockIdx.x * KEYS;
+    __shared__ __align__(16) bf16 ks[KEYS][D + PAD], vs[KEYS][D + PAD], qs[2][QUERIES][D + PAD], dos[2][QUERIES][D + PAD];
+    __shared__ unsigned qp[2][QUERIES];
+    __shared__ float ls[2][QUERIES], dl[2][QUERIES];
+    int b = blockIdx.y, g = blockIdx.x, groups = s.heads / s.kv_heads, j0 = blockIdx.z * KEYS;
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = j0 + 16 * w;
     unsigned first = extreme_position(k_pos, j0, KEYS, s.kv_seq, true), pj[2];
     unsigned last_of_warp = extreme_position(k_pos, r0, 16, s.kv_seq, false); // a tile of queries all ≥ it: no mask
     for (int half = 0; half < 2; half++) pj[half] = r0 + row + 8 * half < s.kv_seq ? k_pos[r0 + row + 8 * half] : NO_KEY;
     float scale = rsqrtf((float)D) * LOG2E;
+    // the first query tile that sees these keys: the same for every head (positions are per sequence)
+    int first_tile = next_tile<QUERIES>(q_pos, 0, s.seq, first, true), h = g * groups, i0 = first_tile, buf = 0;
     load_rows<D, KEYS, NT>(k, b, s.kv_seq, s.kv_heads, g, j0, ks);
     load_rows<D, KEYS, NT>(v, b, s.kv_seq, s.kv_heads, g, j0, vs);
+    if (i0 < s.seq) {
+        load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, h, i0, qs[0]);
+        load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, h, i0, dos[0]);
+        if (threadIdx.x < QUERIES) {
+            QueryRow r = query_row(s, q_pos, lse, delta, b, h, i0 + threadIdx.x);
+            qp[0][threadIdx.x] = r.pos, ls[0][threadIdx.x] = r.lse, dl[0][threadIdx.x] = r.delta;
+        }
+    }
     cp_async_commit();
     float dka[D / 8][4] = {}, dva[D / 8][4] = {};
-    for (int h = g * groups; h < (g + 1) * groups; h++) {
-        for (int i0 = next_tile<QUERIES>(q_pos, 0, s.seq, first, true); i0 < s.seq;
-             i0 = next_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, true)) {
-            __syncthreads(); // every warp is done with the previous tile
-            load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, h, i0, qs);
-            load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, h, i0, dos);
-            cp_async_commit();
-            stage_query_rows(s, q_pos, lse, delta, b, h, i0, QUERIES, LOG2E, qp, ls, dl); // lse in log2 units
-            cp_async_wait<0>();
-            __syncthreads();
-            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys; K and V fragments re-read each tile
-            // (kept in registers they would leave too few for the four accumulators at D = 128)
-            float st[QUERIES / 8][4], dpt[QUERIES / 8][4];
-            {
-                unsigned kf[D / 16][4];
-                load_a<D>(kf, &ks[16 * w]);
-                times_transposed<D, QUERIES>(st, kf, qs);
-            }
-            {
-                unsigned vf[D / 16][4];
-                load_a<D>(vf, &vs[16 * w]);
-                times_transposed<D, QUERIES>(dpt, vf, dos);
-            }
-            // pᵀ, and dsᵀ = pᵀ (dpᵀ − δ) in dpt; rows past the end have lse = +∞, so p = 0
-            if (tile_extreme<QUERIES>(qp, true) >= last_of_warp) { // every query sees every key
-#pragma unroll
-                for (int n = 0; n < QUERIES / 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        int c = 8 * n + 2 * t + e % 2;
-                        st[n][e] = fast_exp2(fmaf(st[n][e], scale, -ls[c]));
-                        dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
-                    }
-            } else {
-#pragma unroll
-                for (int n = 0; n < QUERIES / 8; n++)
-#pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        int c = 8 * n + 2 * t + e % 2;
-                        st[n][e] = pj[e / 2] <= qp[c] ? fast_exp2(fmaf(st[n][e], scale, -ls[c])) : 0.0f;
-                        dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
-                    }
-            }
-            accumulate<D, QUERIES>(dva, st, dos);
-            accumulate<D, QUERIES>(dka, dpt, qs);
+    while (i0 < s.seq) { // (no tile sees these keys: the loop never runs, dk = dv = 0)
+        // the next pair: this head's next tile, or the next head's first
+        int next_h = h, next_i = next_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, true);
+        if (next_i >= s.seq) next_h = h + 1, next_i = first_tile;
+        bool more = next_h < (g + 1) * groups;
+        QueryRow ahead = {0, INFINITY, 0.0f};
+        if (more) { // into the other buffers, read last by the previous pair (barrier below)
+            load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, next_h, next_i, qs[buf ^ 1]);
+            load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, next_h, next_i, dos[buf ^ 1]);
+            if (threadIdx.x < QUERIES) ahead = query_row(s, q_pos, lse, delta, b, next_h, next_i + threadIdx.x);
         }
+        cp_async_commit();
+        cp_async_wait<1>(); // this pair's tiles have landed; the next pair's may still be in flight
+        __syncthreads();
+        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys; K and V fragments re-read each tile
+        // (kept in registers they would leave too few for the four accumulators at D = 128)
+        float st[QUERIES / 8][4], dpt[QUERIES / 8][4];
+        {
+            unsigned kf[D / 16][4];
+            load_a<D>(kf, &ks[16 * w]);
+            times_transposed<D, QUERIES>(st, kf, qs[buf]);
+        }
+        {
+            unsigned vf[D / 16][4];
+            load_a<D>(vf, &vs[16 * w]);
+            times_transposed<D, QUERIES>(dpt, vf, dos[buf]);
+        }
+        // pᵀ, and dsᵀ = pᵀ (dpᵀ − δ) in dpt; rows past the end have lse = +∞, so p = 0
+        const unsigned* qpb = qp[buf];
+        const float *lsb = ls[buf], *dlb = dl[buf];
+        if (tile_extreme<QUERIES>(qpb, true) >= last_of_warp) { // every query sees every key
+#pragma unroll
+            for (int n = 0; n < QUERIES / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int c = 8 * n + 2 * t + e % 2;
+                    st[n][e] = fast_exp2(fmaf(st[n][e], scale, -lsb[c]));
+                    dpt[n][e] = st[n][e] * (dpt[n][e] - dlb[c]);
+                }
+        } else {
+#pragma unroll
+            for (int n = 0; n < QUERIES / 8; n++)
+#pragma unroll
+                for (int e = 0; e < 4; e++) {
+                    int c = 8 * n + 2 * t + e % 2;
+                    st[n][e] = pj[e / 2] <= qpb[c] ? fast_exp2(fmaf(st[n][e], scale, -lsb[c])) : 0.0f;
+                    dpt[n][e] = st[n][e] * (dpt[n][e] - dlb[c]);
+                }
+        }
+        accumulate<D, QUERIES>(dva, st, dos[buf]);
+        accumulate<D, QUERIES>(dka, dpt, qs[buf]);
+        if (more && threadIdx.x < QUERIES) // the next pair's rows, loaded during the products
+            qp[buf ^ 1][threadIdx.x] = ahead.pos, ls[buf ^ 1][threadIdx.x] = ahead.lse, dl[buf ^ 1][threadIdx.x] = ahead.delta;
+        __syncthreads(); // every warp is done with this pair's buffers before the turn after next overwrites them
+        if (!more) break;
+        h = next_h, i0 = next_i, buf ^= 1;
     }
     cp_async_wait<0>(); // K and V, where no query tile was seen
     float factor[2] = {rsqrtf((float)D), rsqrtf((float)D)}, one[2] = {1.0f, 1.0f};

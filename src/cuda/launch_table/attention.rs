@@ -34,16 +34,19 @@ fn tensor_cores(dt: DType, a: Attn, tensors: &[Addr]) -> bool {
     dt == DType::Bf16 && TENSOR_CORE_HEAD_DIMS.contains(&a.head_dim) && tensors.iter().all(|t| t % 16 == 0)
 }
 
-/// `flash_attention.cu`'s forward and dq: a block of 4 warps per 64 query rows of one head.
+/// `flash_attention.cu`'s forward and dq: a block of 4 warps per 64 query rows of one head. The
+/// grid is (heads, batch, tiles), so that blocks start tile by tile, the heaviest first (the
+/// kernel maps z to its tile; `tests/attention_balance.rs`).
 fn flash_query_blocks(kernel: Kernel, a: Attn, args: Vec<Arg>) -> Launch {
-    launch(kernel, ((a.seq.div_ceil(64) as u32, a.heads as u32, a.batch as u32), 128), args)
+    launch(kernel, ((a.heads as u32, a.batch as u32, a.seq.div_ceil(64) as u32), 128), args)
 }
 
 /// `flash_attention.cu`'s dk/dv: a warp per 16 key rows of one KV head, 64 keys a block (32 at
 /// head size 128, where shared memory holds fewer rows; `KeyTiles` in the kernel).
+/// The grid is (KV heads, batch, key tiles), as the forward's.
 fn flash_key_blocks(kernel: Kernel, a: Attn, args: Vec<Arg>) -> Launch {
     let keys = if a.head_dim <= 64 { 64 } else { 32 };
-    launch(kernel, ((a.kv_seq.div_ceil(keys) as u32, a.kv_heads as u32, a.batch as u32), keys as u32 * 2), args)
+    launch(kernel, ((a.kv_heads as u32, a.batch as u32, a.kv_seq.div_ceil(keys) as u32), keys as u32 * 2), args)
 }
 
 /// (out, lse) of queries q at q_pos against keys and values at k_pos.
