@@ -32,9 +32,8 @@
 // a cast and no trip through shared memory. A row's maximum and sum need the 4 lanes of a group:
 // two xor-shuffles. Operands come from shared memory by `ldmatrix` (.trans gives a tile
 // transposed, for the B of P·V, whose rows are keys), and tiles come from global memory by 16-byte
-// `cp.async` copies that run while the warp computes: the V tile is in flight during S = Q·Kᵀ and
-// the softmax, the next K tile during O += P·V. Shared rows are padded by 8 bf16 (16 bytes), so
-// that the 8 rows an ldmatrix reads fall on 8 different bank groups (no conflicts).
+// `cp.async` copies. Shared rows are padded by 8 bf16 (16 bytes), so that the 8 rows an ldmatrix
+// reads fall on 8 different bank groups (no conflicts).
 //
 // Forward and dq split the work by query rows (a block: 64 queries of one head, 4 warps), dk/dv
 // by key rows (a block: the keys of one KV head; it walks every query head of its group, so GQA
@@ -45,8 +44,33 @@
 //
 // D (16, 32, 64, 128) is a template parameter, so fragment arrays are indexed by constants and
 // stay in registers (tests/kernels_compile.rs checks: no spills). Static shared memory is at most
-// 48 KiB a block, which sets the tiles: K and V tiles of 64 rows, Q staged through the V tile
-// before the first V arrives; dk/dv at D = 128 takes 32 keys a block (2 warps) and 32 queries a tile.
+// 48 KiB a block, which sets the tiles (ForwardTiles, DqTiles, KeyTiles below).
+//
+// How fast, and why: four things a tensor-core kernel is tuned by, with this kernel's numbers
+// (one H100, smollm-135m's shapes: batch 8, 2048 tokens, 9 heads, 3 KV heads, D 64; forward +
+// backward a layer; `ferrotron bench --op attention`; BENCHMARKS.md has the rest).
+//  1. Issue slots. A scheduler (4 an SM) issues one instruction a clock; one mma.sync keeps its
+//     tensor core busy about 4–6 clocks. Past about 6 instructions per HMMA, the issue slots set
+//     the speed. The first version issued 15 (forward), 10 (dq) and 11 (dk/dv) per HMMA: 42
+//     instructions of 64-bit address math per 16-byte copy, exp2f without fast math (4 a value),
+//     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
+//     a compile-time offset (load_rows, load_a), exponentials are one MUFU.EX2 (fast_exp2), and
+//     only a tile across the diagonal is masked (a warp-uniform branch): 10.3, 7.8 and 9.0 per
+//     HMMA counted over the whole loop, the diagonal's mask included (tests/kernels_sass.rs).
+//  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
+//     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
+//     ptxas for 128 registers a thread in the forward (16 warps an SM) and 168 in dq and dk/dv
+//     (12): alone that took the layer from 1.020 to 0.911 ms.
+//  3. Overlap. Every loop issues the next tile's copies, then waits for this tile's (issued a
+//     whole turn earlier: `cp.async.wait_group 1`), then computes: copies and products run at
+//     once. Double buffers pay for it in shared memory (dk/dv: 32-query tiles).
+//  4. Balance. A grid's blocks start in index order as slots free up; under causal order blocks
+//     differ up to 32× in work, so the grids put the heaviest tiles first (query_block_start;
+//     tests/attention_balance.rs plays the launch on 132 SMs).
+// Together with an 8-threads-a-row δ (0.108 → 0.019 ms) they took the layer from 1.528 to
+// 0.911 ms (PyTorch's FlashAttention-2: 0.762, cuDNN: 0.472, same call). What only a GPU can say
+// is how these trade against each other; what the SASS says without one is where the issue slots,
+// the registers and the waits go, and that is what holds them between measurements.
 
 typedef __nv_bfloat16 bf16;
 #define WARPS 4
@@ -212,11 +236,7 @@ __device__ void write_rows(const Shape& s, const float (*acc)[4], const float* f
 __device__ unsigned extreme_position(const unsigned* pos, int r0, int n, int len, bool smallest) {
     unsigned m = smallest ? NO_KEY : 0;
     for (int r = r0 + threadIdx.x % 32; r < min(r0 + n, len); r += 32) m = smallest ? min(m, pos[r]) : max(m, pos[r]);
-    for (int o = 16; o > 0; o >>= 1) {
-        unsigned other = __shfl_xor_sync(0xffffffff, m, o);
-        m = smallest ? min(m, other) : max(m, other);
-    }
-    return m;
+    return smallest ? __reduce_min_sync(0xffffffff, m) : __reduce_max_sync(0xffffffff, m); // one REDUX
 }
 
 // The largest (or smallest) of the N positions a tile staged in shared memory, by one warp: whether
@@ -228,12 +248,7 @@ __device__ __forceinline__ unsigned tile_extreme(const unsigned* staged, bool sm
 #pragma unroll
     for (int k = 0; k < (N + 31) / 32; k++)
         if (lane + 32 * k < N) m = smallest ? min(m, staged[lane + 32 * k]) : max(m, staged[lane + 32 * k]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) {
-        unsigned other = __shfl_xor_sync(0xffffffff, m, o);
-        m = smallest ? min(m, other) : max(m, other);
-    }
-    return m;
+    return smallest ? __reduce_min_sync(0xffffffff, m) : __reduce_max_sync(0xffffffff, m);
 }
 
 // The first tile of N rows at or after r0 (len if none) holding a row that the block sees: a key
@@ -458,15 +473,16 @@ __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const u
 }
 
 // ---- backward: dk and dv, a block per KEYS key rows of one KV head ------------------------------
-// The block walks (query head, query tile) pairs: every query head of its group, each over the
-// query tiles that see its keys. Q and dO tiles are double-buffered: the next pair's copies run
-// during this pair's four products, and its positions, lse and δ are read into registers at the
-// top of the turn and stored to shared memory at the end (a plain load would stall at its store).
+// The block walks every query head of its group, each over the query tiles that see its keys. One
+// Q and dO tile at a time, waited for before its products: double-buffered 32-query tiles (the
+// copies of the next during this one's products, as the forward does) measured slower on an H100
+// than these 64-query tiles alone (0.375 against 0.311 ms at smollm-135m, same call): twice the
+// barriers and per-tile work for half the products, and 12 warps an SM hide much of the wait.
 
 template <int D>
 struct KeyTiles {
     static constexpr int KEYS = D <= 64 ? 64 : 32;    // key rows a block (16 a warp)
-    static constexpr int QUERIES = D <= 64 ? 32 : 16; // query rows a tile: K, V and two Q and dO tiles in 48 KiB
+    static constexpr int QUERIES = D <= 64 ? 64 : 32; // query rows a tile
     static constexpr int NT = KEYS * 2;               // threads a block: a warp per 16 keys
     static constexpr int BLOCKS = D <= 64 ? 3 : 4;    // resident blocks an SM: ≤ 168 registers at D ≤ 64
 };
@@ -488,85 +504,70 @@ template <int D>
 __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                      const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dk, bf16* dv) {
     constexpr int KEYS = KeyTiles<D>::KEYS, QUERIES = KeyTiles<D>::QUERIES, NT = KeyTiles<D>::NT;
-    __shared__ __align__(16) bf16 ks[KEYS][D + PAD], vs[KEYS][D + PAD], qs[2][QUERIES][D + PAD], dos[2][QUERIES][D + PAD];
-    __shared__ unsigned qp[2][QUERIES];
-    __shared__ float ls[2][QUERIES], dl[2][QUERIES];
+    __shared__ __align__(16) bf16 ks[KEYS][D + PAD], vs[KEYS][D + PAD], qs[QUERIES][D + PAD], dos[QUERIES][D + PAD];
+    __shared__ unsigned qp[QUERIES];
+    __shared__ float ls[QUERIES], dl[QUERIES];
     int b = blockIdx.y, g = blockIdx.x, groups = s.heads / s.kv_heads, j0 = blockIdx.z * KEYS;
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = j0 + 16 * w;
     unsigned first = extreme_position(k_pos, j0, KEYS, s.kv_seq, true), pj[2];
     unsigned last_of_warp = extreme_position(k_pos, r0, 16, s.kv_seq, false); // a tile of queries all ≥ it: no mask
     for (int half = 0; half < 2; half++) pj[half] = r0 + row + 8 * half < s.kv_seq ? k_pos[r0 + row + 8 * half] : NO_KEY;
     float scale = rsqrtf((float)D) * LOG2E;
-    // the first query tile that sees these keys: the same for every head (positions are per sequence)
-    int first_tile = next_tile<QUERIES>(q_pos, 0, s.seq, first, true), h = g * groups, i0 = first_tile, buf = 0;
     load_rows<D, KEYS, NT>(k, b, s.kv_seq, s.kv_heads, g, j0, ks);
     load_rows<D, KEYS, NT>(v, b, s.kv_seq, s.kv_heads, g, j0, vs);
-    if (i0 < s.seq) {
-        load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, h, i0, qs[0]);
-        load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, h, i0, dos[0]);
-        if (threadIdx.x < QUERIES) {
-            QueryRow r = query_row(s, q_pos, lse, delta, b, h, i0 + threadIdx.x);
-            qp[0][threadIdx.x] = r.pos, ls[0][threadIdx.x] = r.lse, dl[0][threadIdx.x] = r.delta;
-        }
-    }
     cp_async_commit();
     float dka[D / 8][4] = {}, dva[D / 8][4] = {};
-    while (i0 < s.seq) { // (no tile sees these keys: the loop never runs, dk = dv = 0)
-        // the next pair: this head's next tile, or the next head's first
-        int next_h = h, next_i = next_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, true);
-        if (next_i >= s.seq) next_h = h + 1, next_i = first_tile;
-        bool more = next_h < (g + 1) * groups;
-        QueryRow ahead = {0, INFINITY, 0.0f};
-        if (more) { // into the other buffers, read last by the previous pair (barrier below)
-            load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, next_h, next_i, qs[buf ^ 1]);
-            load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, next_h, next_i, dos[buf ^ 1]);
-            if (threadIdx.x < QUERIES) ahead = query_row(s, q_pos, lse, delta, b, next_h, next_i + threadIdx.x);
-        }
-        cp_async_commit();
-        cp_async_wait<1>(); // this pair's tiles have landed; the next pair's may still be in flight
-        __syncthreads();
-        // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys; K and V fragments re-read each tile
-        // (kept in registers they would leave too few for the four accumulators at D = 128)
-        float st[QUERIES / 8][4], dpt[QUERIES / 8][4];
-        {
-            unsigned kf[D / 16][4];
-            load_a<D>(kf, &ks[16 * w]);
-            times_transposed<D, QUERIES>(st, kf, qs[buf]);
-        }
-        {
-            unsigned vf[D / 16][4];
-            load_a<D>(vf, &vs[16 * w]);
-            times_transposed<D, QUERIES>(dpt, vf, dos[buf]);
-        }
-        // pᵀ, and dsᵀ = pᵀ (dpᵀ − δ) in dpt; rows past the end have lse = +∞, so p = 0
-        const unsigned* qpb = qp[buf];
-        const float *lsb = ls[buf], *dlb = dl[buf];
-        if (tile_extreme<QUERIES>(qpb, true) >= last_of_warp) { // every query sees every key
+    // the first query tile that sees these keys: the same for every head (positions are per sequence)
+    int first_tile = next_tile<QUERIES>(q_pos, 0, s.seq, first, true);
+    for (int h = g * groups; h < (g + 1) * groups; h++) {
+        for (int i0 = first_tile; i0 < s.seq;
+             i0 = next_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, true)) {
+            __syncthreads(); // every warp is done with the previous tile
+            load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, h, i0, qs);
+            load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, h, i0, dos);
+            cp_async_commit();
+            if (threadIdx.x < QUERIES) {
+                QueryRow r = query_row(s, q_pos, lse, delta, b, h, i0 + threadIdx.x);
+                qp[threadIdx.x] = r.pos, ls[threadIdx.x] = r.lse, dl[threadIdx.x] = r.delta;
+            }
+            cp_async_wait<0>();
+            __syncthreads();
+            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys; K and V fragments re-read each tile
+            // (kept in registers they would leave too few for the four accumulators at D = 128)
+            float st[QUERIES / 8][4], dpt[QUERIES / 8][4];
+            {
+                unsigned kf[D / 16][4];
+                load_a<D>(kf, &ks[16 * w]);
+                times_transposed<D, QUERIES>(st, kf, qs);
+            }
+            {
+                unsigned vf[D / 16][4];
+                load_a<D>(vf, &vs[16 * w]);
+                times_transposed<D, QUERIES>(dpt, vf, dos);
+            }
+            // pᵀ, and dsᵀ = pᵀ (dpᵀ − δ) in dpt; rows past the end have lse = +∞, so p = 0
+            if (tile_extreme<QUERIES>(qp, true) >= last_of_warp) { // every query sees every key
 #pragma unroll
-            for (int n = 0; n < QUERIES / 8; n++)
+                for (int n = 0; n < QUERIES / 8; n++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int c = 8 * n + 2 * t + e % 2;
-                    st[n][e] = fast_exp2(fmaf(st[n][e], scale, -lsb[c]));
-                    dpt[n][e] = st[n][e] * (dpt[n][e] - dlb[c]);
-                }
-        } else {
+                    for (int e = 0; e < 4; e++) {
+                        int c = 8 * n + 2 * t + e % 2;
+                        st[n][e] = fast_exp2(fmaf(st[n][e], scale, -ls[c]));
+                        dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
+                    }
+            } else {
 #pragma unroll
-            for (int n = 0; n < QUERIES / 8; n++)
+                for (int n = 0; n < QUERIES / 8; n++)
 #pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    int c = 8 * n + 2 * t + e % 2;
-                    st[n][e] = pj[e / 2] <= qpb[c] ? fast_exp2(fmaf(st[n][e], scale, -lsb[c])) : 0.0f;
-                    dpt[n][e] = st[n][e] * (dpt[n][e] - dlb[c]);
-                }
+                    for (int e = 0; e < 4; e++) {
+                        int c = 8 * n + 2 * t + e % 2;
+                        st[n][e] = pj[e / 2] <= qp[c] ? fast_exp2(fmaf(st[n][e], scale, -ls[c])) : 0.0f;
+                        dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
+                    }
+            }
+            accumulate<D, QUERIES>(dva, st, dos);
+            accumulate<D, QUERIES>(dka, dpt, qs);
         }
-        accumulate<D, QUERIES>(dva, st, dos[buf]);
-        accumulate<D, QUERIES>(dka, dpt, qs[buf]);
-        if (more && threadIdx.x < QUERIES) // the next pair's rows, loaded during the products
-            qp[buf ^ 1][threadIdx.x] = ahead.pos, ls[buf ^ 1][threadIdx.x] = ahead.lse, dl[buf ^ 1][threadIdx.x] = ahead.delta;
-        __syncthreads(); // every warp is done with this pair's buffers before the turn after next overwrites them
-        if (!more) break;
-        h = next_h, i0 = next_i, buf ^= 1;
     }
     cp_async_wait<0>(); // K and V, where no query tile was seen
     float factor[2] = {rsqrtf((float)D), rsqrtf((float)D)}, one[2] = {1.0f, 1.0f};

@@ -168,3 +168,36 @@ fn assemble(ptxas: &PathBuf, name: &str, arch: &str, ptx: &str) -> Vec<Kernel> {
     }
     kernels
 }
+
+/// `FERROTRON_KERNELS=DIR`: a kernel file there replaces the built-in one (said on stderr), and a
+/// replacement that does not compile is named by its own path. Run through `ferrotron doctor`,
+/// which compiles every kernel file even without a GPU, so the variable stays in the child.
+#[test]
+#[cfg_attr(
+    ferrotron_no_nvrtc,
+    ignore = "needs NVRTC (the nvidia-cuda-nvrtc-cu12 wheel; kernels/README.md); .ci/run installs it"
+)]
+fn a_kernel_file_in_ferrotron_kernels_replaces_the_built_in_one() {
+    if let Err(e) = nvrtc_ready() {
+        assert!(!required(), "FERROTRON_REQUIRE_NVRTC=1 but NVRTC cannot run: {e:#}");
+        return;
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("replaced_kernels");
+    std::fs::create_dir_all(&dir).unwrap();
+    let doctor = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .arg("doctor")
+            .env("FERROTRON_KERNELS", &dir)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr)
+    };
+    let rope = SOURCES.iter().find(|(n, _)| *n == "rope").unwrap().1;
+    std::fs::write(dir.join("rope.cu"), rope).unwrap();
+    let said = doctor();
+    assert!(said.contains("replaced_kernels/rope.cu replaces the built-in rope.cu"), "{said}");
+    assert!(said.contains("kernel files compile with NVRTC"), "{said}");
+    std::fs::write(dir.join("rope.cu"), format!("{rope}\nthis is not CUDA;\n")).unwrap();
+    let said = doctor();
+    assert!(said.contains("replaced_kernels/rope.cu does not compile for sm_90"), "{said}");
+}

@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! kernel                       instr  HMMA  per HMMA  regs  stack  smem   warps/SM  the loop, in order
-//! flash_attention_forward_d64    665    64     10.4   128     0  29184      16   cp4 H32 E… W1 B H32 W0 B
+//! flash_attention_forward_d64    653    64     10.2   128     0  38420      16   cp16 W1 B H32 E12 H E … H16 B
 //! ```
 //! - instructions per HMMA: a sub-partition issues one instruction a clock and one m16n8k16 keeps
 //!   its tensor core busy 4–6 clocks, so above about 6 the issue slots, not the tensor cores, set
@@ -24,8 +24,7 @@
 //! It holds budgets, so that an edit that costs issue slots, occupancy or overlap fails here, not
 //! months later on a GPU: instructions per HMMA at head sizes 64 and 128, at least 8 warps per SM
 //! for every kernel, no local memory (spills) inside a hot loop, and in the forward and dq the
-//! overlap above. (A few bytes of stack outside the loop are allowed: at 168 registers, the limit
-//! of 3 blocks an SM, dk/dv keeps its head loop's bound there, read once a head.) Needs NVRTC (as tests/kernels_compile.rs) and `cuobjdump` with `nvdisasm` (the
+//! overlap above (tests/kernels_compile.rs adds: no spill anywhere in these kernels). Needs NVRTC (as tests/kernels_compile.rs) and `cuobjdump` with `nvdisasm` (the
 //! PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm; 13.x reads NVRTC 12.9's cubins):
 //! on the PATH or in `$FERROTRON_SASS_TOOLS`. Prints why and passes without them, unless
 //! FERROTRON_REQUIRE_NVRTC=1 (CI). Run `cargo test --release --test kernels_sass -- --nocapture`
@@ -46,7 +45,7 @@ const PER_HMMA: [(&str, f64); 6] = [
     ("flash_attention_dq_d64", 8.5),
     ("flash_attention_dq_d128", 8.75),
     ("flash_attention_dkdv_d64", 8.0),
-    ("flash_attention_dkdv_d128", 7.25),
+    ("flash_attention_dkdv_d128", 7.0),
 ];
 const MIN_WARPS_PER_SM: u32 = 8;
 

@@ -133,14 +133,25 @@ pub fn full_source(name: &str) -> Result<String> {
     let Some((_, source)) = SOURCES.iter().find(|(n, _)| *n == name) else {
         bail!("no kernel file named {name}");
     };
-    let common = replaced("common.cuh")?.unwrap_or_else(|| COMMON.to_string());
-    let source = replaced(&format!("{name}.cu"))?.unwrap_or_else(|| source.to_string());
-    Ok(format!("{common}\n#line 1 \"{name}.cu\"\n{source}"))
+    let common = replaced("common.cuh")?.map_or_else(|| COMMON.to_string(), |(_, text)| text);
+    let (file, source) = match replaced(&format!("{name}.cu"))? {
+        Some((path, text)) => (path.display().to_string(), text),
+        None => (format!("{name}.cu"), source.to_string()),
+    };
+    Ok(format!("{common}\n#line 1 \"{file}\"\n{source}"))
 }
 
-/// `$FERROTRON_KERNELS/{file}` where the variable names a folder holding that file (said once on
-/// stderr, so that a timing is never mistaken for the built-in kernels').
-fn replaced(file: &str) -> Result<Option<String>> {
+/// Where kernel file `name` comes from, for messages: `kernels/{name}.cu`, or its replacement.
+fn origin(name: &str) -> String {
+    match replaced(&format!("{name}.cu")) {
+        Ok(Some((path, _))) => path.display().to_string(),
+        _ => format!("kernels/{name}.cu"),
+    }
+}
+
+/// `$FERROTRON_KERNELS/{file}` and its text, where the variable names a folder holding that file
+/// (said once on stderr, so that a timing is never mistaken for the built-in kernels').
+fn replaced(file: &str) -> Result<Option<(PathBuf, String)>> {
     let Some(dir) = std::env::var_os("FERROTRON_KERNELS").filter(|d| !d.is_empty()) else {
         return Ok(None);
     };
@@ -152,9 +163,10 @@ fn replaced(file: &str) -> Result<Option<String>> {
     if SAID.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner()).insert(path.clone()) {
         eprintln!("kernels: {} replaces the built-in {file} (FERROTRON_KERNELS)", path.display());
     }
-    std::fs::read_to_string(&path).map(Some).map_err(|e| {
+    let text = std::fs::read_to_string(&path).map_err(|e| {
         anyhow!("FERROTRON_KERNELS: cannot read {}: {e}; fix the file or unset the variable", path.display())
-    })
+    })?;
+    Ok(Some((path, text)))
 }
 
 /// Compiles kernel file `name` for `target` (a real `sm_XY` or a virtual `compute_XY`
@@ -169,7 +181,7 @@ pub fn compile(name: &str, target: &'static str) -> Result<Compiled> {
         if result::compile_program(program.0, &options).is_err() {
             let log = result::get_program_log(program.0).map_err(nvrtc_err)?;
             let log = CStr::from_ptr(log.as_ptr()).to_string_lossy();
-            bail!("kernels/{name}.cu does not compile for {target}:\n{log}");
+            bail!("{} does not compile for {target}:\n{log}", origin(name));
         }
         let ptx = result::get_ptx(program.0).map_err(nvrtc_err)?;
         let ptx = CStr::from_ptr(ptx.as_ptr()).to_string_lossy().into_owned();

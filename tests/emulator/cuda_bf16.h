@@ -206,6 +206,38 @@ inline int __any_sync(unsigned, int p) {
     return any;
 }
 
+namespace emu {
+// One value a lane in, the warp's `op` of them out to every lane (the full mask: every lane present).
+template <typename Op>
+unsigned reduce(unsigned v, Op op, const char* name) {
+    Warp& w = warp();
+    if (w.sync.expected != 32) {
+        fprintf(stderr, "emulator: %s(0xffffffff) after some lanes of the warp returned\n", name);
+        abort();
+    }
+    memcpy(w.slot[lane()], &v, sizeof v);
+    wait(w.sync);
+    unsigned all;
+    memcpy(&all, w.slot[0], sizeof all);
+    for (int l = 1; l < 32; l++) {
+        unsigned other;
+        memcpy(&other, w.slot[l], sizeof other);
+        all = op(all, other);
+    }
+    wait(w.sync);
+    return all;
+}
+} // namespace emu
+
+// __reduce_min_sync / __reduce_max_sync (sm_80+, one REDUX instruction): the warp's smallest or
+// largest unsigned value, for every lane.
+inline unsigned __reduce_min_sync(unsigned, unsigned v) {
+    return emu::reduce(v, [](unsigned a, unsigned b) { return a < b ? a : b; }, "__reduce_min_sync");
+}
+inline unsigned __reduce_max_sync(unsigned, unsigned v) {
+    return emu::reduce(v, [](unsigned a, unsigned b) { return a > b ? a : b; }, "__reduce_max_sync");
+}
+
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 h) { return h.bits; }
 
 inline void __syncwarp(unsigned = 0xffffffff) { emu::wait(emu::warp().sync); }
