@@ -55,20 +55,21 @@
 //     instructions of 64-bit address math per 16-byte copy, exp2f without fast math (4 a value),
 //     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
 //     a compile-time offset (load_rows, load_a), exponentials are one MUFU.EX2 (fast_exp2), and
-//     only a tile across the diagonal is masked (a warp-uniform branch): 10.3, 7.8 and 9.0 per
+//     only a tile across the diagonal is masked (a warp-uniform branch): 10.2, 7.8 and 7.3 per
 //     HMMA counted over the whole loop, the diagonal's mask included (tests/kernels_sass.rs).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
 //     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
 //     ptxas for 128 registers a thread in the forward (16 warps an SM) and 168 in dq and dk/dv
 //     (12): alone that took the layer from 1.020 to 0.911 ms.
-//  3. Overlap. Every loop issues the next tile's copies, then waits for this tile's (issued a
-//     whole turn earlier: `cp.async.wait_group 1`), then computes: copies and products run at
-//     once. Double buffers pay for it in shared memory (dk/dv: 32-query tiles).
+//  3. Overlap. The forward's and dq's loops issue the next tile's copies, then wait for this
+//     tile's (issued a whole turn earlier: `cp.async.wait_group 1`), then compute: copies and
+//     products run at once, for a second buffer of shared memory. In dk/dv the same cost smaller
+//     tiles, and the GPU said no (below).
 //  4. Balance. A grid's blocks start in index order as slots free up; under causal order blocks
 //     differ up to 32× in work, so the grids put the heaviest tiles first (query_block_start;
 //     tests/attention_balance.rs plays the launch on 132 SMs).
-// Together with an 8-threads-a-row δ (0.108 → 0.019 ms) they took the layer from 1.528 to
-// 0.911 ms (PyTorch's FlashAttention-2: 0.762, cuDNN: 0.472, same call). What only a GPU can say
+// Together with an 8-threads-a-row δ (0.108 → 0.018 ms) they took the layer from 1.528 to
+// 0.754 ms (PyTorch's FlashAttention-2: 0.766, cuDNN: 0.479). What only a GPU can say
 // is how these trade against each other; what the SASS says without one is where the issue slots,
 // the registers and the waits go, and that is what holds them between measurements.
 
