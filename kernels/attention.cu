@@ -157,7 +157,7 @@ __device__ void attention_dkdv(Shape s, const T* q, const T* k, const T* v, cons
                 qs[e / d][c] = i < s.seq ? load(q, at(s, b, s.seq, i, s.heads, h) + c) * scale : 0.0f;
                 dos[e / d][c] = i < s.seq ? load(dout, at(s, b, s.seq, i, s.heads, h) + c) : 0.0f;
             }
-            stage_query_rows(s, q_pos, lse, delta, b, h, i0, BK, qp, ls, ds_);
+            stage_query_rows(s, q_pos, lse, delta, b, h, i0, BK, 1.0f, qp, ls, ds_);
             __syncthreads();
             for (int ii = 0; ii < BK && active; ii++) {
                 if (pj > qp[ii]) continue;

@@ -54,14 +54,15 @@ __device__ __forceinline__ long at(const Shape& s, int b, int len, int r, int n_
 }
 
 // For the dk/dv backward: the position, lse and delta of query rows i0..i0+n of head h, staged in
-// shared memory by the block. Rows past the end get lse = +∞, so that p = exp(s − ∞) = 0 for them.
+// shared memory by the block, lse multiplied by `lse_scale` (log2(e) for a kernel that takes exp2).
+// Rows past the end get lse = +∞, so that p = exp(s − ∞) = 0 for them.
 __device__ void stage_query_rows(const Shape& s, const unsigned* q_pos, const float* lse, const float* delta, int b,
-                                 int h, int i0, int n, unsigned* qp, float* ls, float* dl) {
+                                 int h, int i0, int n, float lse_scale, unsigned* qp, float* ls, float* dl) {
     for (int e = threadIdx.x; e < n; e += blockDim.x) {
         long row = ((long)b * s.heads + h) * s.seq + i0 + e;
         bool in = i0 + e < s.seq;
         qp[e] = in ? q_pos[i0 + e] : 0;
-        ls[e] = in ? lse[row] : INFINITY;
+        ls[e] = in ? lse[row] * lse_scale : INFINITY;
         dl[e] = in ? delta[row] : 0.0f;
     }
 }

@@ -233,23 +233,13 @@ __device__ void write_rows(const Shape& s, const float (*acc)[4], const float* f
 }
 
 // The largest (or, with `smallest`, the smallest) of positions pos[r0..r0+n) that exist, by every
-// warp on its own (no block barrier); NO_KEY (smallest) or 0 (largest) when none does.
+// warp on its own (no block barrier); NO_KEY (smallest) or 0 (largest) when none does. Also over
+// a tile's positions staged in shared memory: whether the whole tile is visible to the warp's
+// rows, so that its mask can be skipped (a warp-uniform branch).
 __device__ unsigned extreme_position(const unsigned* pos, int r0, int n, int len, bool smallest) {
     unsigned m = smallest ? NO_KEY : 0;
     for (int r = r0 + threadIdx.x % 32; r < min(r0 + n, len); r += 32) m = smallest ? min(m, pos[r]) : max(m, pos[r]);
     return smallest ? __reduce_min_sync(0xffffffff, m) : __reduce_max_sync(0xffffffff, m); // one REDUX
-}
-
-// The largest (or smallest) of the N positions a tile staged in shared memory, by one warp: whether
-// a whole tile is visible to the warp's rows, so that its mask can be skipped (a warp-uniform branch).
-template <int N>
-__device__ __forceinline__ unsigned tile_extreme(const unsigned* staged, bool smallest) {
-    int lane = threadIdx.x % 32;
-    unsigned m = smallest ? NO_KEY : 0;
-#pragma unroll
-    for (int k = 0; k < (N + 31) / 32; k++)
-        if (lane + 32 * k < N) m = smallest ? min(m, staged[lane + 32 * k]) : max(m, staged[lane + 32 * k]);
-    return smallest ? __reduce_min_sync(0xffffffff, m) : __reduce_max_sync(0xffffffff, m);
 }
 
 // The first tile of N rows at or after r0 (len if none) holding a row that the block sees: a key
@@ -351,7 +341,7 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
         __syncthreads();    // ... for every thread's copies
         float sc[BN / 8][4];
         times_transposed<D, BN>(sc, qf, &ks[buf * BN]);
-        if (tile_extreme<BN>(kp[buf], false) > first_of_warp[w]) // a tile across the diagonal: mask
+        if (extreme_position(kp[buf], 0, BN, BN, false) > first_of_warp[w]) // a tile across the diagonal: mask
 #pragma unroll
             for (int n = 0; n < BN / 8; n++)
 #pragma unroll
@@ -449,7 +439,7 @@ __device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const u
         float sc[KN / 8][4], dp[KN / 8][4];
         times_transposed<D, KN>(sc, qf, &ks[buf * KN]);
         times_transposed<D, KN>(dp, dof, &vs[buf * KN]);
-        if (tile_extreme<KN>(kp[buf], false) <= first_of_warp) { // every key visible to every row
+        if (extreme_position(kp[buf], 0, KN, KN, false) <= first_of_warp) { // every key visible to every row
 #pragma unroll
             for (int n = 0; n < KN / 8; n++)
 #pragma unroll
@@ -488,19 +478,6 @@ struct KeyTiles {
     static constexpr int BLOCKS = D <= 64 ? 3 : 4;    // resident blocks an SM: ≤ 168 registers at D ≤ 64
 };
 
-// What dk/dv needs of one query row besides Q and dO: its position, lse (log2 units) and δ. Rows
-// past the end get lse = +∞, so that p = exp2(s − ∞) = 0 for them.
-struct QueryRow {
-    unsigned pos;
-    float lse, delta;
-};
-__device__ __forceinline__ QueryRow query_row(const Shape& s, const unsigned* q_pos, const float* lse,
-                                              const float* delta, int b, int h, int i) {
-    bool in = i < s.seq;
-    long at_i = ((long)b * s.heads + h) * s.seq + i;
-    return {in ? q_pos[i] : 0, in ? lse[at_i] * LOG2E : INFINITY, in ? delta[at_i] : 0.0f};
-}
-
 template <int D>
 __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                      const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dk, bf16* dv) {
@@ -527,10 +504,7 @@ __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const
             load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, h, i0, qs);
             load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, h, i0, dos);
             cp_async_commit();
-            if (threadIdx.x < QUERIES) {
-                QueryRow r = query_row(s, q_pos, lse, delta, b, h, i0 + threadIdx.x);
-                qp[threadIdx.x] = r.pos, ls[threadIdx.x] = r.lse, dl[threadIdx.x] = r.delta;
-            }
+            stage_query_rows(s, q_pos, lse, delta, b, h, i0, QUERIES, LOG2E, qp, ls, dl); // lse in log2 units
             cp_async_wait<0>();
             __syncthreads();
             // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys; K and V fragments re-read each tile
@@ -547,7 +521,7 @@ __device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const
                 times_transposed<D, QUERIES>(dpt, vf, dos);
             }
             // pᵀ, and dsᵀ = pᵀ (dpᵀ − δ) in dpt; rows past the end have lse = +∞, so p = 0
-            if (tile_extreme<QUERIES>(qp, true) >= last_of_warp) { // every query sees every key
+            if (extreme_position(qp, 0, QUERIES, QUERIES, true) >= last_of_warp) { // every query sees every key
 #pragma unroll
                 for (int n = 0; n < QUERIES / 8; n++)
 #pragma unroll

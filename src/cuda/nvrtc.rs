@@ -130,23 +130,21 @@ pub fn compiled(name: &str, target: &'static str) -> Result<Arc<Compiled>> {
 /// a `{name}.cu` or `common.cuh` there replaces the built-in text: an edited kernel runs (and is
 /// timed, on a GPU) without rebuilding the binary, and one binary can time several variants.
 pub fn full_source(name: &str) -> Result<String> {
-    let Some((_, source)) = SOURCES.iter().find(|(n, _)| *n == name) else {
+    source(name).map(|(_, text)| text)
+}
+
+/// Where kernel file `name` comes from (`kernels/{name}.cu`, or its replacement), for messages,
+/// and its text as compiled.
+fn source(name: &str) -> Result<(String, String)> {
+    let Some((_, built_in)) = SOURCES.iter().find(|(n, _)| *n == name) else {
         bail!("no kernel file named {name}");
     };
     let common = replaced("common.cuh")?.map_or_else(|| COMMON.to_string(), |(_, text)| text);
-    let (file, source) = match replaced(&format!("{name}.cu"))? {
-        Some((path, text)) => (path.display().to_string(), text),
-        None => (format!("{name}.cu"), source.to_string()),
+    let (origin, line_name, text) = match replaced(&format!("{name}.cu"))? {
+        Some((path, text)) => (path.display().to_string(), path.display().to_string(), text),
+        None => (format!("kernels/{name}.cu"), format!("{name}.cu"), built_in.to_string()),
     };
-    Ok(format!("{common}\n#line 1 \"{file}\"\n{source}"))
-}
-
-/// Where kernel file `name` comes from, for messages: `kernels/{name}.cu`, or its replacement.
-fn origin(name: &str) -> String {
-    match replaced(&format!("{name}.cu")) {
-        Ok(Some((path, _))) => path.display().to_string(),
-        _ => format!("kernels/{name}.cu"),
-    }
+    Ok((origin, format!("{common}\n#line 1 \"{line_name}\"\n{text}")))
 }
 
 /// `$FERROTRON_KERNELS/{file}` and its text, where the variable names a folder holding that file
@@ -172,7 +170,8 @@ fn replaced(file: &str) -> Result<Option<(PathBuf, String)>> {
 /// Compiles kernel file `name` for `target` (a real `sm_XY` or a virtual `compute_XY`
 /// architecture); the error carries NVRTC's log.
 pub fn compile(name: &str, target: &'static str) -> Result<Compiled> {
-    let text = CString::new(full_source(name)?)?;
+    let (origin, text) = source(name)?;
+    let text = CString::new(text)?;
     let mut options = vec![format!("--gpu-architecture={target}"), "--std=c++17".to_string()];
     options.extend(nvrtc_ready()?.iter().map(|d| format!("--include-path={}", d.display())));
     let program = Program(result::create_program(&text, None).map_err(nvrtc_err)?);
@@ -181,7 +180,7 @@ pub fn compile(name: &str, target: &'static str) -> Result<Compiled> {
         if result::compile_program(program.0, &options).is_err() {
             let log = result::get_program_log(program.0).map_err(nvrtc_err)?;
             let log = CStr::from_ptr(log.as_ptr()).to_string_lossy();
-            bail!("{} does not compile for {target}:\n{log}", origin(name));
+            bail!("{origin} does not compile for {target}:\n{log}");
         }
         let ptx = result::get_ptx(program.0).map_err(nvrtc_err)?;
         let ptx = CStr::from_ptr(ptx.as_ptr()).to_string_lossy().into_owned();

@@ -190,22 +190,6 @@ inline T __shfl_xor_sync(unsigned, T v, int offset) {
     return emu::exchange(v, [offset](int lane) { return lane ^ offset; });
 }
 
-// Whether `p` holds on any lane of the warp (every lane gets the same answer; the full mask needs
-// every lane present).
-inline int __any_sync(unsigned, int p) {
-    emu::Warp& w = emu::warp();
-    if (w.sync.expected != 32) {
-        fprintf(stderr, "emulator: __any_sync(0xffffffff) after some lanes of the warp returned\n");
-        abort();
-    }
-    w.slot[emu::lane()][0] = p != 0;
-    emu::wait(w.sync);
-    int any = 0;
-    for (int l = 0; l < 32; l++) any |= w.slot[l][0];
-    emu::wait(w.sync);
-    return any;
-}
-
 namespace emu {
 // One value a lane in, the warp's `op` of them out to every lane (the full mask: every lane present).
 template <typename Op>
@@ -228,6 +212,11 @@ unsigned reduce(unsigned v, Op op, const char* name) {
     return all;
 }
 } // namespace emu
+
+// Whether `p` holds on any lane of the warp (every lane gets the same answer).
+inline int __any_sync(unsigned, int p) {
+    return emu::reduce(p != 0, [](unsigned a, unsigned b) { return a | b; }, "__any_sync");
+}
 
 // __reduce_min_sync / __reduce_max_sync (sm_80+, one REDUX instruction): the warp's smallest or
 // largest unsigned value, for every lane.
