@@ -55,7 +55,7 @@
 //     instructions of 64-bit address math per 16-byte copy, exp2f without fast math (4 a value),
 //     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
 //     a compile-time offset (load_rows, load_a), exponentials are one MUFU.EX2 (fast_exp2), and
-//     only a tile across the diagonal is masked (a warp-uniform branch): 10.2, 7.8 and 7.3 per
+//     only a tile across the diagonal is masked (a warp-uniform branch): 10.2, 7.8 and 7.4 per
 //     HMMA counted over the whole loop, the diagonal's mask included (tests/kernels_sass.rs).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
 //     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
