@@ -10,6 +10,7 @@ use ferrotron::comm::process_grid::Grid;
 use ferrotron::commands::{self, bench, converge, doctor, eval, generate, memory, schedule};
 use ferrotron::config::Config;
 use ferrotron::config::PpSchedule;
+use ferrotron::model::routing_tape::TapeMode;
 use ferrotron::say;
 use std::io::Write;
 use std::path::PathBuf;
@@ -82,6 +83,14 @@ struct TrainArgs {
     /// 10 µs) or ib (50 GB/s, 5 µs).
     #[arg(long, default_value = "nvlink", value_parser = ["nvlink", "pcie", "ib"], requires = "comm_report")]
     link: String,
+    /// A mixture of experts: write every layer's routing (each row's experts, every step) into
+    /// this folder, one file a rank, for --replay-routing.
+    #[arg(long, value_name = "DIR", conflicts_with = "replay_routing")]
+    record_routing: Option<PathBuf>,
+    /// A mixture of experts: every row takes the experts a --record-routing run chose for it (a
+    /// run of the same global batch, any layout); says how many choices that replaced.
+    #[arg(long, value_name = "DIR")]
+    replay_routing: Option<PathBuf>,
 }
 
 #[derive(Args)]
@@ -247,7 +256,19 @@ fn run(cli: Cli) -> Result<Exit> {
 }
 
 fn train_command(
-    TrainArgs { config, sets, metrics, trace, plot, resume, allow_changes, comm_report, link }: TrainArgs,
+    TrainArgs {
+        config,
+        sets,
+        metrics,
+        trace,
+        plot,
+        resume,
+        allow_changes,
+        comm_report,
+        link,
+        record_routing,
+        replay_routing,
+    }: TrainArgs,
 ) -> Result<Exit> {
     let cfg = Config::load(config.as_deref(), &sets)?;
     // before, not after, training: each output writable, and no two on one file
@@ -256,7 +277,12 @@ fn train_command(
     let outputs =
         commands::train::Outputs { metrics: metrics.as_deref(), trace: trace.as_deref(), plot: plot.as_deref() };
     let link = comm_report.then(|| Link::parse(&link)).flatten();
-    Ok(match commands::train::run(&cfg, outputs, (resume.as_deref(), allow_changes), link)? {
+    let tape = match (&record_routing, &replay_routing) {
+        (Some(dir), _) => Some(TapeMode::Record(dir)),
+        (_, Some(dir)) => Some(TapeMode::Replay(dir)),
+        _ => None,
+    };
+    Ok(match commands::train::run(&cfg, outputs, (resume.as_deref(), allow_changes), link, tape)? {
         Some(signal) => Exit::Signal(signal), // every process of the run exits 128 + signal
         None => Exit::Done,
     })

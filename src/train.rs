@@ -44,6 +44,7 @@ use crate::comm::ReduceOp;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::{self, NormGroups};
+use crate::model::routing_tape::{self, RoutingTape};
 use crate::model::Stage;
 use crate::ops::{self, tensor::Tensor, DType};
 use crate::parallel::context_parallel;
@@ -85,6 +86,11 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         agree::settings(me.group(Axis::World), cfg)?; // processes started differently never train
     }
     let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
+                                                         // debugging a mixture of experts: its routing recorded, or replayed from another run
+    let tape = opts.routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
+    if let Some(tape) = &tape {
+        model = model.with_routing_tape(tape.clone());
+    }
     let mut optimizer = start.optimizer(&mut model, tp, cfg)?;
     // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of the
     // weights (3); an expert, 1/(its expert-data ranks)
@@ -114,6 +120,10 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         let batch = |micro| {
             let (tokens, targets) = data.micro_batch(t, (me.coords.dp, cfg.parallel.dp), step, micro)?;
             let (seq, pos) = (t.seq_len, &positions);
+            if let Some(tape) = &tape {
+                let sp = p.sequence_parallel.then(|| (tp.index(), tp.size()));
+                tape.at(step, routing_tape::batch_rows(cfg, step, (me.coords.dp, micro), pos, sp));
+            }
             Ok((context_parallel::local_rows(&tokens, seq, pos), context_parallel::local_rows(&targets, seq, pos)))
         };
         // a step of many micro-batches still stops soon after a signal: every rank asks between
@@ -155,6 +165,7 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             dropped = stats.stopped;
             (stats.loss, stats.peak_activations)
         };
+        tape.iter().for_each(|t| t.idle());
         if let (Some(micro), Some(signal)) = (dropped, signal.get()) {
             // the step's gradients so far are dropped: the weights are still those of the step before
             let saved = start.checkpoints.save_before(me, cfg, (step, first_step), (&model, &optimizer))?;
@@ -211,5 +222,10 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
             break;
         }
     }
-    watch.finish(&model)
+    let mut summary = watch.finish(&model)?;
+    if let Some(tape) = tape {
+        tape.save(me.rank, cfg)?;
+        summary.routing_replaced = tape.replaced();
+    }
+    Ok(summary)
 }

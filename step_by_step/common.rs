@@ -59,12 +59,12 @@ pub fn config(tiny: bool, extra: &[&str]) -> Result<Config> {
 /// The losses of `cfg` trained on one device with the whole global batch in one micro-batch:
 /// what step 01 computes.
 pub fn reference(cfg: &Config) -> Result<Vec<f32>> {
-    one_device(cfg, false)
+    Ok(one_device(cfg, Options::default())?.losses)
 }
 
-/// The losses of `cfg`'s global batch on one device in one micro-batch (with `nudge_weights`,
-/// from weights moved by a rounding: `converge`'s harmless change).
-fn one_device(cfg: &Config, nudge_weights: bool) -> Result<Vec<f32>> {
+/// `cfg`'s global batch trained on one device in one micro-batch, with `opts` (quiet): e.g.
+/// converge's harmless change, or a routing tape.
+pub fn one_device(cfg: &Config, opts: Options) -> Result<train::Summary> {
     let mut one = cfg.clone();
     one.train.micro_batch_size *= cfg.train.grad_accum_steps * cfg.parallel.dp;
     one.train.grad_accum_steps = 1;
@@ -73,7 +73,7 @@ fn one_device(cfg: &Config, nudge_weights: bool) -> Result<Vec<f32>> {
                                // what only makes sense split: sequence parallelism (tp > 1), model chunks (pp > 1)
     (one.parallel.sequence_parallel, one.parallel.pp_virtual_stages) = (false, 1);
     one.parallel.pp_schedule = ferrotron::config::PpSchedule::OneFOneB;
-    Ok(train::train(&one, Options { quiet: true, nudge_weights, ..Default::default() })?.losses)
+    train::train(&one, Options { quiet: true, ..opts })
 }
 
 /// PASS or FAIL for `claim`: `got` against step 01's curve for `cfg`, held to `converge`'s
@@ -84,14 +84,21 @@ fn one_device(cfg: &Config, nudge_weights: bool) -> Result<Vec<f32>> {
 /// shapes of the product, so a layout that cuts a matrix differently (fewer rows a rank, half the
 /// columns) sums in another order than step 01 does (step_by_step/README.md, "On a GPU").
 pub fn follows(claim: &str, got: &[f32], cfg: &Config, tol: f32) -> Result<()> {
+    let dtype = format!("{:?}", cfg.device.compute_dtype()).to_lowercase();
+    let what = format!("every initial weight moved by one {dtype} ulp");
+    let nudged = Options { nudge_weights: true, ..Default::default() };
+    follows_with(claim, got, cfg, tol, (Options::default(), nudged, &what))
+}
+
+/// `follows` with the reference and the harmless change run with other options: (the
+/// reference's, the harmless change's, what that change is).
+pub fn follows_with(claim: &str, got: &[f32], cfg: &Config, tol: f32, runs: (Options, Options, &str)) -> Result<()> {
     use ferrotron::commands::converge::Criterion;
-    let want = reference(cfg)?;
+    let want = one_device(cfg, runs.0)?.losses;
     let mut criterion = Criterion::exact(tol, want.len());
     if !criterion.judge(got, &want).0 {
-        let harmless = one_device(cfg, true)?;
-        let dtype = format!("{:?}", cfg.device.compute_dtype()).to_lowercase();
-        let what = format!("every initial weight moved by one {dtype} ulp");
-        criterion = Criterion::banded(tol, &want, &harmless, &what);
+        let harmless = one_device(cfg, runs.1)?.losses;
+        criterion = Criterion::banded(tol, &want, &harmless, runs.2);
     }
     judged(claim, got, &want, &criterion)
 }

@@ -244,3 +244,96 @@ fn dense_name(name: &str) -> String {
         .replace("block_sparse_moe.experts.0.w3", "mlp.up_proj")
         .replace("block_sparse_moe.experts.0.w2", "mlp.down_proj")
 }
+
+/// A run of `extra` with its routing on a tape in `dir` (`model/routing_tape.rs`).
+fn taped(extra: &[&str], mode: ferrotron::model::routing_tape::TapeMode) -> Vec<Summary> {
+    train_all(&config(extra), Options { quiet: true, routing_tape: Some(mode), ..Default::default() }).unwrap()
+}
+
+/// (rows whose choice the tape replaced, rows replayed), over every rank.
+fn replaced(ranks: &[Summary]) -> (usize, usize) {
+    ranks.iter().map(|s| s.routing_replaced.unwrap()).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1))
+}
+
+#[test]
+fn a_replayed_routing_is_the_same_computation_in_every_layout() {
+    use ferrotron::model::routing_tape::TapeMode::{Record, Replay};
+    // the routing of another run (other initial weights): most rows of the replaying run are
+    // sent to experts their own router did not choose, and every layout must do the same with
+    // them, the replaced rows' weights included
+    let tmp = tempfile::tempdir().unwrap();
+    let other = taped(&["train.seed=7"], Record(tmp.path()));
+    let one = taped(&[], Replay(tmp.path()));
+    let (moved, rows) = replaced(&one);
+    assert!(moved > rows / 4 && rows == 8 * 2 * 12 * 32, "{moved} of {rows} rows replaced");
+    assert!((one[0].losses[7] - other[0].losses[7]).abs() > 1e-3, "the replay kept its own weights");
+    let follows = |layout: &[&str]| {
+        let ranks = taped(layout, Replay(tmp.path()));
+        assert_eq!(replaced(&ranks), (moved, rows), "{layout:?} replaced other rows");
+        let worst = one[0].losses.iter().zip(&ranks[0].losses).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(worst <= 1e-5, "{layout:?} under the same routing: {worst:.1e} off one rank");
+    };
+    follows(&["parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=6"]);
+    follows(&["parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=3", "train.grad_accum_steps=2"]);
+    follows(&["parallel.cp=2", "parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=6"]);
+    let (sp, tp) =
+        (["parallel.tp=2", "parallel.sequence_parallel=true"], ["parallel.tp=2", "train.recompute=\"full\""]);
+    follows(&sp);
+    // tp ranks without sequence parallelism route the same rows: each counts them
+    let ranks = taped(&tp, Replay(tmp.path()));
+    assert_eq!(replaced(&ranks[..1]), (2 * moved, 2 * rows), "a recomputed forward replays again");
+}
+
+/// 40 steps of the default model with 4 experts, top-2, and a wider init.
+fn moe_run() -> [&'static str; 6] {
+    let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2", "model.initializer_range=0.1"];
+    [["train.steps=40", "train.warmup_steps=10", "train.micro_batch_size=8"], moe].concat().try_into().unwrap()
+}
+
+#[test]
+fn replaying_the_baseline_routing_tells_a_flipped_choice_from_a_defect() {
+    use ferrotron::model::routing_tape::TapeMode::{Record, Replay};
+    // a rounding of the initial weights flips some near-tied choices and the curve parts; the
+    // same rounding under the baseline's routing stays on the baseline's curve: the parting was
+    // routing (a defect in dispatch, combine or the experts' gradients would part it still)
+    // (the run of tests/converge.rs that shows a mixture of experts amplifying a rounding)
+    let cfg = Config::load(None, &moe_run().map(String::from)).unwrap();
+    let run = |nudge_weights, tape| {
+        let opts = Options { quiet: true, nudge_weights, routing_tape: tape, ..Default::default() };
+        train(&cfg, opts).unwrap()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    let base = run(false, Some(Record(tmp.path()))).losses;
+    let nudged = |tape| run(true, tape);
+    let diff = |s: &Summary| base.iter().zip(&s.losses).map(|(a, b)| (a - b).abs()).fold(0.0f32, f32::max);
+    let (free, fixed) = (nudged(None), nudged(Some(Replay(tmp.path()))));
+    assert!(diff(&free) > 1e-3 && diff(&fixed) < 1e-5, "free {:.1e}, replayed {:.1e}", diff(&free), diff(&fixed));
+    assert!(fixed.routing_replaced.unwrap().0 > 0, "the rounding flipped no choice");
+}
+
+#[test]
+fn a_routing_tape_that_does_not_fit_the_run_is_refused_in_one_line() {
+    use ferrotron::model::routing_tape::TapeMode::{Record, Replay};
+    let tmp = tempfile::tempdir().unwrap();
+    let fails = |extra: &[&str], mode| {
+        let opts = Options { quiet: true, routing_tape: Some(mode), ..Default::default() };
+        format!("{:#}", train(&config(extra), opts).err().expect("refused"))
+    };
+    assert!(fails(&[], Replay(tmp.path())).contains("no .routing files; record a run there first"));
+    taped(&[], Record(tmp.path()));
+    let other_batch = fails(&["train.micro_batch_size=6"], Replay(tmp.path()));
+    assert!(
+        other_batch.contains("a global batch of 12") && other_batch.contains("replay into a run of the same"),
+        "{other_batch}"
+    );
+    let longer = fails(&["train.steps=9"], Replay(tmp.path()));
+    assert!(longer.contains("no choice recorded for step 8"), "{longer}");
+    let file = tmp.path().join("rank0.routing");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() - 4]).unwrap();
+    assert!(fails(&[], Replay(tmp.path())).contains("its length does not match its count; record it again"));
+    assert!(fails(&["parallel.pp=2"], Record(tmp.path())).contains("not with parallel.pp = 2"));
+    let dense = Config::load(None, &common::SMALL.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+    let opts = Options { quiet: true, routing_tape: Some(Record(tmp.path())), ..Default::default() };
+    assert!(format!("{:#}", train(&dense, opts).err().unwrap()).contains("model.num_local_experts = 0"));
+}

@@ -286,6 +286,46 @@ fn experts_over_nccl_follow_one_rank() {
     assert!(out.status.success() && text.contains("done: 3 steps"), "{text}");
 }
 
+#[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
+fn a_routing_replayed_on_the_gpu_path_is_the_cpus() {
+    let Some(dir) = fake_driver() else { return };
+    // the routing of another run (other initial weights), recorded on the CPU and replayed on two
+    // fake GPUs under ep = 2: the replaced rows' weights are computed on the host and uploaded
+    // (`model/routing_tape.rs`), and the curve is the CPU's one-rank replay of the same tape
+    let tmp = tempfile::tempdir().unwrap();
+    let tape = tmp.path().to_str().unwrap();
+    let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2", "model.initializer_range=0.2"];
+    let steps = ["train.steps=2", "train.warmup_steps=1", "train.micro_batch_size=2", "checkpoint.every=0"];
+    let train = |name: &str, extra: &[&str], tape_args: &[&str]| {
+        let metrics = tmp.path().join(format!("{name}.jsonl"));
+        let mut args = vec!["train", "--metrics", metrics.to_str().unwrap()];
+        args.extend(tape_args);
+        for s in common::SMALL.iter().chain(&moe).chain(&steps).chain(extra) {
+            args.extend(["--set", s]);
+        }
+        let out = ferrotron_on(dir, 2, &args);
+        let said = String::from_utf8_lossy(&out.stdout).to_string();
+        let text = std::fs::read_to_string(&metrics).unwrap();
+        let losses: Vec<f64> = text
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap()["loss"].as_f64())
+            .collect();
+        (losses, said)
+    };
+    train("recorded", &["train.seed=7"], &["--record-routing", tape]);
+    let (cpu, _) = train("cpu", &[], &["--replay-routing", tape]);
+    let gpu_sets =
+        ["device.kind=cuda", "device.dtype=f32", "parallel.dp=2", "parallel.ep=2", "train.micro_batch_size=1"];
+    let (gpu, said) = train("gpu", &gpu_sets, &["--replay-routing", tape]);
+    let replaced = said.lines().find(|l| l.starts_with("routing replay: ")).expect("the replay says what it replaced");
+    assert!(!replaced.starts_with("routing replay: 0 of"), "{replaced}");
+    assert!(max_diff(&cpu, &gpu) <= 1e-4, "ep=2 on the GPU path {gpu:?}, CPU one rank {cpu:?}");
+}
+
 /// Every tensor of a checkpoint's safetensors file, as f32.
 fn tensors(file: &Path) -> Vec<(String, Vec<f32>)> {
     let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));

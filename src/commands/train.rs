@@ -8,6 +8,7 @@ use crate::comm::cost::Link;
 use crate::comm::trace::Trace;
 use crate::commands::plot;
 use crate::config::Config;
+use crate::model::routing_tape::TapeMode;
 use crate::parallel::data_parallel::gradient_all_reduce;
 use crate::say;
 use anyhow::{Context, Result};
@@ -27,6 +28,7 @@ pub fn run(
     out: Outputs,
     (resume, allow_changes): (Option<&Path>, bool),
     link: Option<Link>,
+    routing_tape: Option<TapeMode>,
 ) -> Result<Option<i32>> {
     let spans = out.trace.map(|_| Trace::default());
     crate::train::stop::install(); // Ctrl-C and SIGTERM: stop at a micro-batch, save, exit
@@ -37,6 +39,7 @@ pub fn run(
         allow_changes,
         stop_on_signal: true,
         comm_report: link,
+        routing_tape,
         ..Default::default()
     };
     let s = crate::train::train(cfg, opts)?;
@@ -78,6 +81,9 @@ pub fn run(
         None => say!("stopped by {signal} after step {step}: checkpoints are process 0's to write (see its output)"),
     }
         return Ok(Some(stopped.signal));
+    }
+    if let Some((replaced, rows)) = s.routing_replaced {
+        say!("routing replay: {replaced} of {rows} rows (rank 0's, all steps and MoE layers) took a recorded choice other than their router's own");
     }
     let floor = match s.floor {
         Some(f) => format!("{f:.4} (gap {:.4})", s.final_loss() as f64 - f),

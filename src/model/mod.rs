@@ -13,6 +13,7 @@ pub mod llama;
 pub mod moe;
 pub mod optimizer;
 pub mod param;
+pub mod routing_tape;
 pub mod split;
 pub mod stage;
 pub mod weight_grads;

@@ -50,6 +50,8 @@ pub(crate) struct Moe {
     experts: Vec<Expert>,
     top_k: usize,
     total: usize,
+    /// The layer's number (the routing tape names choices by it).
+    layer: usize,
 }
 
 /// How the routed rows are laid out (host): sorted by expert, each expert's rows in token order.
@@ -136,7 +138,7 @@ impl Moe {
                 w3: expert(w("w3"), &[f, d])?,
             });
         }
-        Ok(Moe { gate, experts, top_k: cfg.num_experts_per_tok, total })
+        Ok(Moe { gate, experts, top_k: cfg.num_experts_per_tok, total, layer: i })
     }
 
     /// Drops every expert but `held` (of all E, which this layer must still hold).
@@ -159,6 +161,7 @@ impl Moe {
     /// probabilities per expert (for the load-balancing loss).
     pub(crate) fn forward(&self, ep: &dyn ExpertSplit, x: &Tensor, probs: bool) -> Result<(Tensor, MoeCache, Load)> {
         let routing = route::route(&ops::linear(x, &self.gate.value, self.gate.gemm), self.top_k); // a sync point on a GPU
+        let routing = ep.choose(self.layer, routing)?;
         let plan = Plan::new(&routing.experts, self.total, self.top_k);
         let xs = route::gather_rows(x, &plan.order);
         let (xe, routed) = ep.dispatch(xs, &plan.counts)?;

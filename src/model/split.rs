@@ -24,6 +24,7 @@
 
 use crate::model::param::Param;
 use crate::model::weight_grads::WeightGrads;
+use crate::ops::moe::Routing;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::Result;
@@ -110,6 +111,11 @@ pub trait WeightSplit {
 pub trait ExpertSplit {
     /// The experts (of `total`) this rank holds.
     fn held(&self, total: usize) -> Range<usize>;
+    /// Layer `layer`'s routing as the rows will take it: the router's own, except under the
+    /// routing tape (`model/routing_tape.rs`), which records it or replays another run's.
+    fn choose(&self, _layer: usize, routing: Routing) -> Result<Routing> {
+        Ok(routing)
+    }
     /// Sends routed rows (sorted by expert, `counts` per expert of all E) to the ranks holding
     /// their experts. Returns the rows this rank's experts compute, expert after expert (each
     /// expert's rows by sender), and who sent how many (for the way back).

@@ -60,8 +60,23 @@ fn route_row(logits: &[f32], probs: &mut [f32], weights: &mut [f32], experts: &m
         sum += *p;
     }
     probs.iter_mut().for_each(|p| *p /= sum);
+    top_k(probs, experts);
+    shares(probs, experts, weights);
+}
+
+/// The chosen `experts`' probabilities renormalised to sum 1.
+pub fn shares(probs: &[f32], experts: &[u32], weights: &mut [f32]) {
     let mut taken = 0.0;
-    for j in 0..weights.len() {
+    for (w, &e) in weights.iter_mut().zip(experts) {
+        *w = probs[e as usize];
+        taken += *w;
+    }
+    weights.iter_mut().for_each(|w| *w /= taken);
+}
+
+/// The `experts.len()` largest of `probs`, largest first (ties to the lower id).
+fn top_k(probs: &[f32], experts: &mut [u32]) {
+    for j in 0..experts.len() {
         let mut best: Option<usize> = None;
         for (i, &p) in probs.iter().enumerate() {
             let free = !experts[..j].contains(&(i as u32));
@@ -69,12 +84,8 @@ fn route_row(logits: &[f32], probs: &mut [f32], weights: &mut [f32], experts: &m
                 best = Some(i);
             }
         }
-        let b = best.expect("k <= E");
-        experts[j] = b as u32;
-        weights[j] = probs[b];
-        taken += probs[b];
+        experts[j] = best.expect("k <= E") as u32;
     }
-    weights.iter_mut().for_each(|w| *w /= taken);
 }
 
 /// d logits from the gradient of the weights `[T, k]`, through the renormalisation and the

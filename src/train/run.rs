@@ -16,6 +16,7 @@ use crate::comm::Group;
 use crate::config::{Config, CpMode};
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
+use crate::model::routing_tape::TapeMode;
 use crate::model::{init, Llama, Stage, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
@@ -58,6 +59,8 @@ pub struct Options<'a> {
     /// Move every initial weight by one unit in the last place of the compute dtype
     /// (`model::init::nudge`): `converge`'s harmless change, the size of one rounding.
     pub nudge_weights: bool,
+    /// Record every MoE layer's routing, or replay a recorded one (`model/routing_tape.rs`).
+    pub routing_tape: Option<TapeMode<'a>>,
 }
 
 /// How a run that a signal stopped ended.
@@ -104,6 +107,9 @@ pub struct Summary {
     pub comm: Vec<AxisTally>,
     /// Set when a signal stopped the run early (rank 0's summary says where it saved).
     pub stopped: Option<Stopped>,
+    /// Replaying a routing tape: (rows whose recorded experts replaced this run's own choice,
+    /// rows replayed), over the run's steps and MoE layers.
+    pub routing_replaced: Option<(usize, usize)>,
 }
 
 impl Summary {
@@ -125,6 +131,7 @@ impl Summary {
             held: Held::default(),
             comm: Vec::new(),
             stopped: None,
+            routing_replaced: None,
         }
     }
 

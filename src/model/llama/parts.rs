@@ -11,6 +11,7 @@ use crate::config::{ModelConfig, Recompute};
 use crate::model::block::{Block, Kept};
 use crate::model::init;
 use crate::model::param::{Param, ParamKind, Placement};
+use crate::model::routing_tape::{RoutingTape, Taped};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::stage::Stage;
 use crate::model::weight_grads::Deferred;
@@ -131,6 +132,14 @@ impl<'g> Llama<'g> {
             false => None,
         };
         Ok((embed_tokens, layers, head))
+    }
+
+    /// Puts every MoE layer's routing on `tape` (recorded or replayed: `model/routing_tape.rs`),
+    /// around whichever expert split the model has.
+    pub fn with_routing_tape(mut self, tape: Rc<RoutingTape>) -> Llama<'g> {
+        let inner = std::mem::replace(&mut self.experts, Box::new(Whole));
+        self.experts = Box::new(Taped { inner, tape });
+        self
     }
 
     /// Splits every sequence as `seq` says: forward then takes this rank's tokens of each
