@@ -24,6 +24,11 @@
 //! (`model.router_aux_loss_coef`) pushes it towards even: E · Σ_e f_e · P_e, with f_e the share of
 //! routed rows that chose e and P_e the mean router probability of e, over all layers (as
 //! transformers computes it). Its gradient reaches the router through P only.
+//!
+//! The choice is discrete: where a token's k-th and (k+1)-th probabilities are within a rounding,
+//! a run that sums in another order (a layout, on a GPU) sends it elsewhere, and the curves part
+//! by far more than a rounding. `routing_tape.rs` records and replays the choices, so that such a
+//! parting can be told from a defect; it plugs in at the split's `choose`.
 
 use crate::comm::process_grid::Axis;
 use crate::config::ModelConfig;
