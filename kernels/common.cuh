@@ -66,3 +66,27 @@ __device__ void stage_query_rows(const Shape& s, const unsigned* q_pos, const fl
         dl[e] = in ? delta[row] : 0.0f;
     }
 }
+
+// A list of tensors for one launch of a multi-tensor kernel (the optimizer's: AdamW, the
+// gradient norm's sums, zeroing the gradients), passed by value as the kernel's argument, as
+// PyTorch's multi_tensor_apply does: one launch for up to LIST_TENSORS tensors instead of one
+// each. Block b works on tensor t, the one with first_block[t] ≤ b < first_block[t + 1], on its
+// elements [(b − first_block[t]) · LIST_CHUNK, … + LIST_CHUNK). Mirrors `TensorList` and
+// `AdamWList` in src/cuda/launch_table.rs.
+#define LIST_TENSORS 64
+#define LIST_CHUNK 4096
+struct TensorList {
+    float* x[LIST_TENSORS];
+    long n[LIST_TENSORS];
+    int first_block[LIST_TENSORS + 1];
+    int count;
+};
+
+// The tensor of this block and the first element of its chunk (a scan of ≤ 64 numbers held in
+// the constant bank, the same for every thread of the block).
+__device__ __forceinline__ int list_tensor(const int* first_block, int count, long& start) {
+    int t = 0;
+    while (t + 1 < count && (int)blockIdx.x >= first_block[t + 1]) t++;
+    start = (long)(blockIdx.x - first_block[t]) * LIST_CHUNK;
+    return t;
+}

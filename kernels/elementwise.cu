@@ -1,11 +1,10 @@
 // elementwise.cu — casts, residual adds, scaling, and the sum of squares for the gradient norm.
 //
 // Math: y = bf16(x) and back; a += b; a *= s; partial[b] = Σ x² over block b's elements;
-// out[r] = Σ_j x[r, j].
+// out[r] = Σ_j x[r, j]; x = 0.
 // Decomposition: one thread per element, grid-stride loops. The sum of squares is deterministic:
 // each block reduces a fixed range in a fixed order into partial[blockIdx.x], then `sum_rows`
-// (one block per tensor) adds each tensor's partials in a fixed order (no atomics), so the host
-// reads one number per tensor.
+// adds the partials in a fixed order (no atomics): the same bits every run.
 
 extern "C" __global__ void cast_f32_to_bf16(const float* x, __nv_bfloat16* y, long n) {
     for (long i = blockIdx.x * (long)blockDim.x + threadIdx.x; i < n; i += (long)gridDim.x * blockDim.x)
@@ -29,15 +28,27 @@ __device__ void scale(T* a, float s, long n) {
         store(a, i, load(a, i) * s);
 }
 
-// Gradients are f32 in both modes, so the norm reads f32 only.
-extern "C" __global__ void sum_squares_f32(const float* x, long n, float* partial) {
+// Gradients are f32 in both modes, so the norm reads f32 only. One launch sums the squares of up
+// to LIST_TENSORS gradients (common.cuh): block b writes the sum of its chunk to partial[b], in a
+// fixed order, and `sum_rows` adds every launch's partials in a fixed order.
+extern "C" __global__ void sum_squares_list_f32(TensorList list, float* partial) {
     __shared__ float scratch[32];
-    long per_block = (n + gridDim.x - 1) / gridDim.x;
-    long start = blockIdx.x * per_block, end = min(n, start + per_block);
+    long start;
+    int t = list_tensor(list.first_block, list.count, start);
+    const float* x = list.x[t];
+    long end = min(list.n[t], start + LIST_CHUNK);
     float acc = 0.0f;
     for (long i = start + threadIdx.x; i < end; i += blockDim.x) acc += x[i] * x[i];
     acc = block_sum(acc, scratch);
     if (threadIdx.x == 0) partial[blockIdx.x] = acc;
+}
+
+// Zeroes up to LIST_TENSORS f32 tensors (the gradients before a step), a chunk a block.
+extern "C" __global__ void zero_list_f32(TensorList list) {
+    long start;
+    int t = list_tensor(list.first_block, list.count, start);
+    long end = min(list.n[t], start + LIST_CHUNK);
+    for (long i = start + threadIdx.x; i < end; i += blockDim.x) list.x[t][i] = 0.0f;
 }
 
 extern "C" __global__ void sum_rows_f32(const float* x, int cols, float* out) {

@@ -497,10 +497,12 @@ fn the_step_keeps_its_budget_of_syncs_copies_and_memsets() {
     assert!(n("dtoh") <= 1.0 && n("dtoh_bytes") <= 8.0, "device→host copies per step: {step:?}");
     // tokens, targets and positions go up from pinned memory: queued, the host never waits
     assert!(n("htod") > 0.0 && n("htod_pageable") == 0.0, "uploads from pageable memory per step: {step:?}");
-    // only what must start at zero: the step's loss, each micro-batch's, the norm's two sets of
-    // partial sums (tp-split and replicated weights)
-    assert!(n("memsets") <= 5.0, "memsets per step: {step:?}");
-    assert!(n("launches") > 0.0 && n("gemms") > 0.0, "{step:?}");
+    // only what must start at zero: the step's loss and each micro-batch's (the norm's partial
+    // sums fill every slot they are read from)
+    assert!(n("memsets") <= 3.0, "memsets per step: {step:?}");
+    // the optimizer's zeroing, Σg² and AdamW are a launch per 64 tensors, not one per tensor (194
+    // launches a step before; at smollm-135m's 272 tensors, 2 347 → 1 546: BENCHMARKS.md)
+    assert!(n("launches") <= 135.0 && n("gemms") > 0.0, "launches per step: {step:?}");
 }
 
 #[test]
@@ -517,9 +519,13 @@ fn bench_profiles_the_gpu_path() {
     }
     let out = ferrotron(dir, &args);
     let text = String::from_utf8_lossy(&out.stdout);
-    for kernel in
-        ["cublas gemm", "flash_attention_forward_d16", "rmsnorm_backward_dw_partial_bf16", "adamw_bf16", "(GPU idle"]
-    {
+    for kernel in [
+        "cublas gemm",
+        "flash_attention_forward_d16",
+        "rmsnorm_backward_dw_partial_bf16",
+        "adamw_list_m32",
+        "(GPU idle",
+    ] {
         assert!(text.contains(kernel), "no {kernel} in the profile:\n{text}");
     }
 }

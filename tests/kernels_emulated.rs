@@ -41,18 +41,21 @@ impl Emulator {
 
     /// Runs one launch; its addresses point at host buffers.
     fn run(&self, l: &Launch) {
-        let mut slots: Vec<[u64; 3]> = vec![[0; 3]; l.args.len()]; // 24 bytes: the largest argument (Shape)
+        // an 8-aligned slot of each argument's size (the largest: a multi-tensor AdamW list)
+        let mut slots: Vec<Vec<u64>> = l.args.iter().map(|a| vec![0; arg_size(a).div_ceil(8)]).collect();
         for (slot, arg) in slots.iter_mut().zip(&l.args) {
             let p = slot.as_mut_ptr() as *mut u8;
-            // SAFETY: each value fits the 24-byte, 8-aligned slot.
+            // SAFETY: each value fits its slot, sized and aligned for it.
             unsafe {
-                match *arg {
-                    Arg::Ptr(a) => std::ptr::write(p as *mut u64, a),
-                    Arg::I32(v) => std::ptr::write(p as *mut i32, v),
-                    Arg::I64(v) => std::ptr::write(p as *mut i64, v),
-                    Arg::F32(v) => std::ptr::write(p as *mut f32, v),
-                    Arg::F64(v) => std::ptr::write(p as *mut f64, v),
-                    Arg::Shape(s) => std::ptr::write(p as *mut launch_table::Shape, s),
+                match arg {
+                    Arg::Ptr(a) => std::ptr::write(p as *mut u64, *a),
+                    Arg::I32(v) => std::ptr::write(p as *mut i32, *v),
+                    Arg::I64(v) => std::ptr::write(p as *mut i64, *v),
+                    Arg::F32(v) => std::ptr::write(p as *mut f32, *v),
+                    Arg::F64(v) => std::ptr::write(p as *mut f64, *v),
+                    Arg::Shape(s) => std::ptr::write(p as *mut launch_table::Shape, *s),
+                    Arg::Tensors(list) => std::ptr::write(p as *mut launch_table::TensorList, **list),
+                    Arg::AdamW(list) => std::ptr::write(p as *mut launch_table::AdamWList, **list),
                 }
             }
         }
@@ -62,6 +65,16 @@ impl Emulator {
         // SAFETY: the glue calls the kernel with these argument slots, typed as the launch says.
         let rc = unsafe { (self.launch)(name.as_ptr(), x, y, z, l.block, ptrs.as_ptr()) };
         assert_eq!(rc, 0, "the emulator has no kernel {}", l.kernel.name());
+    }
+}
+
+/// The bytes a kernel argument takes.
+fn arg_size(a: &Arg) -> usize {
+    match a {
+        Arg::Shape(_) => size_of::<launch_table::Shape>(),
+        Arg::Tensors(_) => size_of::<launch_table::TensorList>(),
+        Arg::AdamW(_) => size_of::<launch_table::AdamWList>(),
+        _ => 8,
     }
 }
 
@@ -214,7 +227,7 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert_eq!(checked, 157 + 2 * 2 * 8 + 2 * 3 * 5, "every check ran");
+    assert_eq!(checked, 179 + 2 * 2 * 8 + 2 * 3 * 5, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {
@@ -256,11 +269,23 @@ fn rowwise(c: &mut Check, rows: usize, dim: usize) {
     ops::add_assign(&mut a, &b);
     ops::scale(&mut a, 0.75);
     c.same("add and scale", &ba, &a);
-    let mut partial = Buf::zeros(launch_table::NORM_BLOCKS, DType::F32);
-    let mut bgrad = c.f32(&g);
-    c.run(&launch_table::sum_squares(bgrad.addr(), n, partial.addr()));
-    let total: f64 = partial.values().iter().map(|&v| v as f64).sum();
-    c.same("sum of squares", &Buf::F32(vec![total as f32]), &ops::sum_squares_total(&[&g], &Place::Cpu));
+    // the gradient norm's sums and the zeroing, multi-tensor: an empty tensor, one of several
+    // chunks, and more tensors than one launch takes
+    let sizes: Vec<usize> =
+        [n, 0, launch_table::LIST_CHUNK + 7].into_iter().chain((0..70).map(|i| 1 + i % 5)).collect();
+    let grads: Vec<Tensor> = sizes.iter().map(|&k| c.rand(&[k])).collect();
+    let mut bgrads: Vec<Buf> = grads.iter().map(|t| c.f32(t)).collect();
+    let xs: Vec<(u64, usize)> = bgrads.iter_mut().zip(&sizes).map(|(b, &k)| (b.addr(), k)).collect();
+    let mut partial = Buf::poisoned(launch_table::partial_sums(sizes.iter().copied()), DType::F32);
+    let (launches, at) = (launch_table::sum_squares(&xs, partial.addr()), partial.addr());
+    assert_eq!(launches.len(), 2, "{} tensors in launches of {}", sizes.len(), launch_table::LIST_TENSORS);
+    launches.iter().for_each(|l| c.run(l));
+    let mut total = Buf::zeros(1, DType::F32);
+    c.run(&launch_table::sum_rows(at, (1, partial.values().len()), total.addr()));
+    let refs: Vec<&Tensor> = grads.iter().collect();
+    c.same("sum of squares", &total, &ops::sum_squares_total(&refs, &Place::Cpu));
+    launch_table::zero(&xs).iter().for_each(|l| c.run(l));
+    assert!(bgrads.iter().all(|b| b.values().iter().all(|&v| v == 0.0)), "zeroed");
     let (mut f, mut h) = (c.f32(&a), Buf::zeros(n, DType::Bf16));
     c.run(&launch_table::cast_f32_to_bf16(f.addr(), h.addr(), n));
     let mut back = Buf::zeros(n, DType::F32);
@@ -383,25 +408,46 @@ fn merge(c: &mut Check, a: Attn) {
 }
 
 fn adamw(c: &mut Check, n: usize, moments: DType) {
+    // three parameters in one launch: one of several chunks, a norm (no decay), a lone number
     let o =
         AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3, grad_scale: 0.5, moments };
-    let (mut p, g, mut m) = (c.rand(&[n]), c.rand(&[n]), c.rand(&[n]));
-    let mut v = Tensor::from_vec(&[n], c.rand(&[n]).to_vec().iter().map(|x| c.round(x * x)).collect());
-    let (mut bp, mut bg) = (c.f32(&p), c.f32(&g));
-    let (mut bm, mut bv) = (Buf::new(&m.to_vec(), moments), Buf::new(&v.to_vec(), moments));
-    let mut copy = Buf::zeros(n, DType::Bf16);
-    let mixed = (c.dt == DType::Bf16).then(|| copy.addr());
-    c.run(&launch_table::adamw(&o, (bp.addr(), bg.addr(), bm.addr(), bv.addr()), n, mixed));
-    ops::adamw(&o, &mut p, &g, &mut m, &mut v);
-    let exact = std::mem::replace(&mut c.dt, DType::F32); // AdamW computes in f32 in every mode
-    c.same("adamw weight", &bp, &p);
-    c.dt = moments; // the moments as they are kept
-    c.same("adamw first moment", &bm, &m);
-    c.same("adamw second moment", &bv, &v);
-    c.dt = exact;
-    if mixed.is_some() {
-        let rounded = Tensor::from_vec(&[n], p.to_vec().iter().map(|&x| bf16::from_f32(x).to_f32()).collect());
-        c.same("adamw bf16 compute copy", &copy, &rounded);
+    let params = [(n, o), (launch_table::LIST_CHUNK + 9, AdamW { weight_decay: 0.0, ..o }), (1, o)];
+    let mixed = c.dt == DType::Bf16;
+    let mut host = Vec::new(); // (p, g, m, v) on the CPU, and their buffers (p, g, m, v, copy)
+    for (k, _) in params {
+        let (p, g, m) = (c.rand(&[k]), c.rand(&[k]), c.rand(&[k]));
+        let v = Tensor::from_vec(&[k], c.rand(&[k]).to_vec().iter().map(|x| c.round(x * x)).collect());
+        let bufs = [
+            c.f32(&p),
+            c.f32(&g),
+            Buf::new(&m.to_vec(), moments),
+            Buf::new(&v.to_vec(), moments),
+            Buf::zeros(k, DType::Bf16),
+        ];
+        host.push(([p, g, m, v], bufs));
+    }
+    let steps: Vec<_> = host
+        .iter_mut()
+        .zip(params)
+        .map(|((_, [bp, bg, bm, bv, copy]), (k, o))| {
+            (o, (bp.addr(), bg.addr(), bm.addr(), bv.addr()), mixed.then(|| copy.addr()), k)
+        })
+        .collect();
+    let launches = launch_table::adamw(&steps);
+    assert_eq!(launches.len(), 1, "one launch for parameters that differ only in weight decay");
+    c.run(&launches[0]);
+    for (([mut p, g, mut m, mut v], [bp, _, bm, bv, copy]), (_, o)) in host.into_iter().zip(params) {
+        ops::adamw(&mut [(o, &mut p, &g, &mut m, &mut v)]);
+        let exact = std::mem::replace(&mut c.dt, DType::F32); // AdamW computes in f32 in every mode
+        c.same("adamw weight", &bp, &p);
+        c.dt = moments; // the moments as they are kept
+        c.same("adamw first moment", &bm, &m);
+        c.same("adamw second moment", &bv, &v);
+        c.dt = exact;
+        if mixed {
+            let rounded = Tensor::from_vec(p.shape(), p.to_vec().iter().map(|&x| bf16::from_f32(x).to_f32()).collect());
+            c.same("adamw bf16 compute copy", &copy, &rounded);
+        }
     }
 }
 

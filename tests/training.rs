@@ -131,7 +131,7 @@ fn adamw_step_matches_the_formula() {
     let mut p = Tensor::from_vec(&[2], vec![1.0, -2.0]);
     let g = Tensor::from_vec(&[2], vec![0.5, 0.25]);
     let (mut m, mut v) = (Tensor::zeros(&[2]), Tensor::zeros(&[2]));
-    ops::adamw(&o, &mut p, &g, &mut m, &mut v);
+    ops::adamw(&mut [(o, &mut p, &g, &mut m, &mut v)]);
     // step 1: m̂ = g, v̂ = g², so the Adam step is lr·sign(g); decay first multiplies by (1 − lr·wd)
     let want = [1.0 * 0.95 - 0.1, -2.0 * 0.95 - 0.1];
     for (a, b) in p.to_vec().iter().zip(want) {
@@ -183,9 +183,9 @@ fn adamw_scales_the_gradient_as_it_reads_it() {
         )
     };
     let (mut p1, mut m1, mut v1) = start();
-    ops::adamw(&o, &mut p1, &g, &mut m1, &mut v1);
+    ops::adamw(&mut [(o, &mut p1, &g, &mut m1, &mut v1)]);
     let (mut p2, mut m2, mut v2) = start();
-    ops::adamw(&AdamW { grad_scale: 1.0, ..o }, &mut p2, &scaled, &mut m2, &mut v2);
+    ops::adamw(&mut [(AdamW { grad_scale: 1.0, ..o }, &mut p2, &scaled, &mut m2, &mut v2)]);
     for (a, b) in [(p1, p2), (m1, m2), (v1, v2)] {
         assert_eq!(a.to_vec(), b.to_vec());
     }

@@ -285,8 +285,7 @@ impl Check<'_> {
     }
 
     fn adamw(&mut self, n: usize, moments: DType) -> Result<()> {
-        let (p, g, m) = (self.rand(&[n, 3]), self.rand(&[n, 3]), self.rand(&[n, 3]));
-        let v = Tensor::from_vec(&[n, 3], self.rand(&[n, 3]).to_vec().iter().map(|x| self.round(x * x)).collect());
+        // one launch of two parameters: one of several chunks with weight decay, one without
         let o = AdamW {
             lr: 1e-2,
             beta1: 0.9,
@@ -297,17 +296,34 @@ impl Check<'_> {
             grad_scale: 0.5,
             moments,
         };
-        let (mut gp, mut gm, mut gv) =
-            (self.param(&p), m.to_dtype(&self.place, moments), v.to_dtype(&self.place, moments));
-        let (mut p, mut m, mut v) = (p, m, v);
-        ops::adamw(&o, &mut p, &g, &mut m, &mut v);
-        ops::adamw(&o, &mut gp, &self.f32(&g), &mut gm, &mut gv);
-        self.same("adamw weight (fp32 master)", &gp, &p)?;
-        self.same("adamw first moment", &gm, &m)?;
-        self.same("adamw second moment", &gv, &v)?;
-        // the copy the kernels compute with is the master rounded: read it through an embedding
-        let rows: Vec<u32> = (0..n as u32).collect();
-        let want = Tensor::from_vec(p.shape(), p.to_vec().into_iter().map(|x| self.round(x)).collect());
-        self.same("adamw compute copy", &ops::embedding(&gp, &rows, 0), &want)
+        let (mut cpu, mut gpu) = (Vec::new(), Vec::new());
+        for shape in [[n, 3], [n + 1, 5]] {
+            let (p, g, m) = (self.rand(&shape), self.rand(&shape), self.rand(&shape));
+            let v = Tensor::from_vec(&shape, self.rand(&shape).to_vec().iter().map(|x| self.round(x * x)).collect());
+            gpu.push((
+                self.param(&p),
+                self.f32(&g),
+                m.to_dtype(&self.place, moments),
+                v.to_dtype(&self.place, moments),
+            ));
+            cpu.push((p, g, m, v));
+        }
+        let decays = [o, AdamW { weight_decay: 0.0, ..o }];
+        let steps = |all: &mut Vec<(Tensor, Tensor, Tensor, Tensor)>| {
+            let mut steps: Vec<_> = all.iter_mut().zip(decays).map(|((p, g, m, v), o)| (o, p, &*g, m, v)).collect();
+            ops::adamw(&mut steps);
+        };
+        steps(&mut cpu);
+        steps(&mut gpu);
+        for ((p, _, m, v), (gp, _, gm, gv)) in cpu.iter().zip(&gpu) {
+            self.same("adamw weight (fp32 master)", gp, p)?;
+            self.same("adamw first moment", gm, m)?;
+            self.same("adamw second moment", gv, v)?;
+            // the copy the kernels compute with is the master rounded: read it through an embedding
+            let rows: Vec<u32> = (0..p.rows() as u32).collect();
+            let want = Tensor::from_vec(p.shape(), p.to_vec().into_iter().map(|x| self.round(x)).collect());
+            self.same("adamw compute copy", &ops::embedding(gp, &rows, 0), &want)?;
+        }
+        Ok(())
     }
 }

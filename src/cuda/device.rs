@@ -278,6 +278,8 @@ impl Device {
                 Arg::F32(v) => b.arg(v),
                 Arg::F64(v) => b.arg(v),
                 Arg::Shape(v) => b.arg(v),
+                Arg::Tensors(v) => b.arg(&**v),
+                Arg::AdamW(v) => b.arg(&**v),
             };
         }
         let config = LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };

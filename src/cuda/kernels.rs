@@ -16,7 +16,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("elementwise", "add_assign_bf16"),
     ("elementwise", "scale_f32"),
     ("elementwise", "scale_bf16"),
-    ("elementwise", "sum_squares_f32"),
+    ("elementwise", "sum_squares_list_f32"),
+    ("elementwise", "zero_list_f32"),
     ("elementwise", "sum_rows_f32"),
     ("embedding", "embedding_forward_f32"),
     ("embedding", "embedding_forward_bf16"),
@@ -84,10 +85,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("fp8", "fp8_cast_bf16"),
     ("fp8", "fp8_decode_f32"),
     ("fp8", "fp8_decode_bf16"),
-    ("adamw", "adamw_f32"),
-    ("adamw", "adamw_bf16"),
-    ("adamw", "adamw_f32_m16"),
-    ("adamw", "adamw_bf16_m16"),
+    ("adamw", "adamw_list_m32"),
+    ("adamw", "adamw_list_m16"),
 ];
 
 /// A kernel of `KERNELS`, by its place there.

@@ -22,7 +22,7 @@ use crate::ops::types::{AdamW, Attn, DType};
 pub type Addr = u64;
 
 /// One kernel argument, as the kernel declares it.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 pub enum Arg {
     Ptr(Addr),
     I32(i32),
@@ -30,6 +30,10 @@ pub enum Arg {
     F32(f32),
     F64(f64),
     Shape(Shape),
+    /// The tensors of a multi-tensor launch (the gradient norm's sums, zeroing).
+    Tensors(Box<TensorList>),
+    /// The parameters of a multi-tensor AdamW launch.
+    AdamW(Box<AdamWList>),
 }
 
 /// The attention shape as `kernels/attention.cu` reads it (a `struct Shape` of six ints).
@@ -71,7 +75,7 @@ pub struct Launch {
 }
 
 pub const THREADS: u32 = 256;
-/// Blocks of the sum-of-squares kernel, each writing one partial sum.
+/// Blocks of the FP8 amax kernel, each writing one partial maximum.
 pub const NORM_BLOCKS: usize = 256;
 
 fn launch(kernel: Kernel, (grid, block): ((u32, u32, u32), u32), args: Vec<Arg>) -> Launch {
@@ -323,11 +327,92 @@ pub fn scale(dt: DType, a: Addr, s: f32, n: usize) -> Launch {
     launch(typed!("scale", dt), each(n), vec![Ptr(a), F32(s), long(n)])
 }
 
-/// Partial sums of x² (f32) into partial[0..blocks]: NORM_BLOCKS blocks, or one per THREADS
-/// numbers for a small tensor (the rest of its NORM_BLOCKS slots stay as they are, zeros).
-pub fn sum_squares(x: Addr, n: usize, partial: Addr) -> Launch {
-    let blocks = n.div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS) as u32;
-    launch(kernel!("sum_squares_f32"), ((blocks, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
+/// Tensors a multi-tensor launch takes, and elements a block of it takes (`kernels/common.cuh`).
+pub const LIST_TENSORS: usize = 64;
+pub const LIST_CHUNK: usize = 4096;
+
+/// Up to LIST_TENSORS f32 tensors for one launch, by value (`struct TensorList` of
+/// `kernels/common.cuh`, the same C layout).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct TensorList {
+    x: [Addr; LIST_TENSORS],
+    n: [i64; LIST_TENSORS],
+    first_block: [i32; LIST_TENSORS + 1],
+    count: i32,
+}
+// SAFETY: addresses, i64, i32 in C layout, as the kernels declare them.
+unsafe impl cudarc::driver::DeviceRepr for TensorList {}
+
+/// Up to LIST_TENSORS parameters for one AdamW launch (`struct AdamWList`, `kernels/adamw.cu`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWList {
+    p: [Addr; LIST_TENSORS],
+    g: [Addr; LIST_TENSORS],
+    m: [Addr; LIST_TENSORS],
+    v: [Addr; LIST_TENSORS],
+    copy: [Addr; LIST_TENSORS],
+    n: [i64; LIST_TENSORS],
+    decay: [f32; LIST_TENSORS],
+    first_block: [i32; LIST_TENSORS + 1],
+    count: i32,
+}
+// SAFETY: as TensorList.
+unsafe impl cudarc::driver::DeviceRepr for AdamWList {}
+
+/// Blocks of a multi-tensor launch over tensors of `sizes`: where each tensor's first block is,
+/// and how many there are (LIST_CHUNK elements a block; none for an empty tensor).
+fn chunks(sizes: impl Iterator<Item = usize>) -> ([i32; LIST_TENSORS + 1], u32) {
+    let mut first = [0; LIST_TENSORS + 1];
+    let mut blocks = 0;
+    for (t, n) in sizes.enumerate() {
+        first[t] = blocks as i32;
+        blocks += n.div_ceil(LIST_CHUNK);
+        first[t + 1] = blocks as i32;
+    }
+    (first, blocks as u32)
+}
+
+fn tensor_lists(xs: &[(Addr, usize)]) -> impl Iterator<Item = (TensorList, u32)> + '_ {
+    xs.chunks(LIST_TENSORS).map(|part| {
+        let (first_block, blocks) = chunks(part.iter().map(|x| x.1));
+        let mut list = TensorList { x: [0; LIST_TENSORS], n: [0; LIST_TENSORS], first_block, count: part.len() as i32 };
+        for (t, &(x, n)) in part.iter().enumerate() {
+            (list.x[t], list.n[t]) = (x, n as i64);
+        }
+        (list, blocks)
+    })
+}
+
+/// Blocks that `sum_squares` over tensors of these sizes writes partial sums from.
+pub fn partial_sums(sizes: impl Iterator<Item = usize>) -> usize {
+    sizes.map(|n| n.div_ceil(LIST_CHUNK)).sum()
+}
+
+/// Partial sums of x² over the f32 tensors `xs` (address, numbers) into partial[0..
+/// partial_sums(...)], a launch per LIST_TENSORS tensors, each block one chunk's sum.
+pub fn sum_squares(xs: &[(Addr, usize)], partial: Addr) -> Vec<Launch> {
+    let mut at = partial;
+    let launches = tensor_lists(xs).map(|(list, blocks)| {
+        let l = launch(
+            kernel!("sum_squares_list_f32"),
+            ((blocks, 1, 1), THREADS),
+            vec![Arg::Tensors(Box::new(list)), Ptr(at)],
+        );
+        at += 4 * blocks as u64;
+        l
+    });
+    launches.collect()
+}
+
+/// The f32 tensors `xs` (address, numbers) set to zero, a launch per LIST_TENSORS of them.
+pub fn zero(xs: &[(Addr, usize)]) -> Vec<Launch> {
+    tensor_lists(xs)
+        .map(|(list, blocks)| {
+            launch(kernel!("zero_list_f32"), ((blocks, 1, 1), THREADS), vec![Arg::Tensors(Box::new(list))])
+        })
+        .collect()
 }
 
 /// out[r] = Σ of row r of x `[rows, cols]`: one block per row.
@@ -335,26 +420,52 @@ pub fn sum_rows(x: Addr, (n, cols): (usize, usize), out: Addr) -> Launch {
     launch(kernel!("sum_rows_f32"), rows(n), vec![Ptr(x), int(cols), Ptr(out)])
 }
 
-/// AdamW on f32 p, g, m, v; `copy`: the bf16 compute copy to rewrite (mixed precision).
-pub fn adamw(o: &AdamW, (p, g, m, v): (Addr, Addr, Addr, Addr), n: usize, copy: Option<Addr>) -> Launch {
-    let mut args = vec![Ptr(p), Ptr(g), Ptr(m), Ptr(v), long(n)];
-    args.extend([
-        F32(o.lr),
-        F32(o.beta1),
-        F32(o.beta2),
-        F32(o.eps),
-        F32(o.weight_decay),
-        I32(o.step as i32),
-        F32(o.grad_scale),
-    ]);
-    args.extend(copy.map(Ptr));
-    let kernel = match (copy.is_some(), o.moments) {
-        (false, DType::F32) => kernel!("adamw_f32"),
-        (true, DType::F32) => kernel!("adamw_bf16"),
-        (false, DType::Bf16) => kernel!("adamw_f32_m16"),
-        (true, DType::Bf16) => kernel!("adamw_bf16_m16"),
-    };
-    launch(kernel, each(n), args)
+/// One parameter's AdamW step: its settings, its f32 p, g, m, v, its bf16 compute copy (mixed
+/// precision) and its size.
+pub type AdamWStep = (AdamW, (Addr, Addr, Addr, Addr), Option<Addr>, usize);
+
+/// AdamW on every parameter of `steps`: a launch per LIST_TENSORS of them that share their
+/// settings but the weight decay (every parameter of a step does; norms decay by 0).
+pub fn adamw(steps: &[AdamWStep]) -> Vec<Launch> {
+    let same = |a: &AdamW, b: &AdamW| AdamW { weight_decay: 0.0, ..*a } == AdamW { weight_decay: 0.0, ..*b };
+    let mut launches = Vec::new();
+    let mut rest = steps;
+    while let Some((o, ..)) = rest.first() {
+        let take = rest.iter().take(LIST_TENSORS).take_while(|s| same(&s.0, o)).count();
+        let (part, after) = rest.split_at(take);
+        let (first_block, blocks) = chunks(part.iter().map(|s| s.3));
+        let mut list = AdamWList {
+            p: [0; LIST_TENSORS],
+            g: [0; LIST_TENSORS],
+            m: [0; LIST_TENSORS],
+            v: [0; LIST_TENSORS],
+            copy: [0; LIST_TENSORS],
+            n: [0; LIST_TENSORS],
+            decay: [0.0; LIST_TENSORS],
+            first_block,
+            count: take as i32,
+        };
+        for (t, (o, (p, g, m, v), copy, n)) in part.iter().enumerate() {
+            (list.p[t], list.g[t], list.m[t], list.v[t]) = (*p, *g, *m, *v);
+            (list.copy[t], list.n[t], list.decay[t]) = (copy.unwrap_or(0), *n as i64, o.weight_decay);
+        }
+        let args = vec![
+            Arg::AdamW(Box::new(list)),
+            F32(o.lr),
+            F32(o.beta1),
+            F32(o.beta2),
+            F32(o.eps),
+            I32(o.step as i32),
+            F32(o.grad_scale),
+        ];
+        let kernel = match o.moments {
+            DType::F32 => kernel!("adamw_list_m32"),
+            DType::Bf16 => kernel!("adamw_list_m16"),
+        };
+        launches.push(launch(kernel, ((blocks, 1, 1), THREADS), args));
+        rest = after;
+    }
+    launches
 }
 
 /// One launch of every kind the op layer makes, in both dtypes, with placeholder addresses and
@@ -377,14 +488,12 @@ pub fn catalogue() -> Vec<Launch> {
         cast_bf16_to_f32(0, 0, 1),
         log_sum_exp(0, 0, 0, 1),
         add_loss((0, 0, 0), 1, 1.0, 0),
-        sum_squares(0, 1, 0),
         sum_rows(0, (1, 1), 0),
         rope_table(0, (1, 2), 1.0, (0, 0)),
-        adamw(&o, (0, 0, 0, 0), 1, None),
-        adamw(&o, (0, 0, 0, 0), 1, Some(0)),
-        adamw(&AdamW { moments: DType::Bf16, ..o }, (0, 0, 0, 0), 1, None),
-        adamw(&AdamW { moments: DType::Bf16, ..o }, (0, 0, 0, 0), 1, Some(0)),
     ];
+    all.extend(sum_squares(&[(0, 1)], 0));
+    all.extend(zero(&[(0, 1)]));
+    all.extend(adamw(&[(o, (0, 0, 0, 0), None, 1), (AdamW { moments: DType::Bf16, ..o }, (0, 0, 0, 0), Some(0), 1)]));
     for dt in [DType::F32, DType::Bf16] {
         all.push(embedding(dt, (0, 1), (0, 1), 0, 1, 0));
         all.push(embedding_backward(dt, 0, (0, 1), 1, 0));

@@ -8,7 +8,7 @@
 //! waits for the GPU.
 
 use crate::cuda::device::{Buf, Data, Device};
-use crate::cuda::launch_table::{self, Addr, NORM_BLOCKS};
+use crate::cuda::launch_table::{self, Addr};
 use crate::cuda::runtime::cuda_err;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::{AdamW, Attn, DType, Precision};
@@ -387,30 +387,39 @@ impl Device {
         self.run(&launch_table::scale(a.dtype(), addr(a), s, a.numel()))
     }
 
-    /// Σ x² over all the f32 tensors, left on the GPU as a one-number tensor: each tensor's
-    /// partial sums land in one buffer (blocks a small tensor leaves idle add 0), then one block
+    /// Σ x² over all the f32 tensors, left on the GPU as a one-number tensor: a launch per 64
+    /// tensors writes one partial sum per chunk of 4096 numbers into one buffer, then one block
     /// adds them all up in a fixed order.
     pub fn sum_squares_total(self: &Arc<Self>, ts: &[&Tensor]) -> Result<Tensor> {
-        let cols = ts.len().max(1) * NORM_BLOCKS;
-        let partial = self.zeros(cols, DType::F32);
-        for (i, t) in ts.iter().enumerate() {
-            let at = partial.f32_addr() + (i * NORM_BLOCKS * 4) as u64;
-            self.run(&launch_table::sum_squares(f32_addr(t), t.numel(), at))?;
+        let xs: Vec<(Addr, usize)> = ts.iter().map(|t| (f32_addr(t), t.numel())).collect();
+        let cols = launch_table::partial_sums(xs.iter().map(|x| x.1));
+        let partial = self.tensor(&[cols.max(1)], DType::F32); // every slot is written
+        for l in launch_table::sum_squares(&xs, f32_addr(&partial)) {
+            self.run(&l)?;
         }
         let total = self.tensor(&[1], DType::F32);
-        self.run(&launch_table::sum_rows(partial.f32_addr(), (1, cols), f32_addr(&total)))?;
+        self.run(&launch_table::sum_rows(f32_addr(&partial), (1, cols), f32_addr(&total)))?;
         Ok(total)
     }
 
-    /// One AdamW step on the fp32 master weight; in mixed precision the same kernel writes the
-    /// new bf16 copy.
-    pub fn adamw(&self, o: &AdamW, p: &Tensor, g: &Tensor, m: &Tensor, v: &Tensor) -> Result<()> {
-        let copy = matches!(buf(p).data, Data::Mixed { .. }).then(|| addr(p));
-        if m.dtype() != o.moments || v.dtype() != o.moments {
-            bail!("AdamW's moments are {:?} and {:?}, the optimizer keeps {:?}", m.dtype(), v.dtype(), o.moments);
+    /// Every f32 tensor of `ts` set to zero, a launch per 64 of them.
+    pub fn zero(&self, ts: &[&Tensor]) -> Result<()> {
+        let xs: Vec<(Addr, usize)> = ts.iter().map(|t| (f32_addr(t), t.numel())).collect();
+        launch_table::zero(&xs).iter().try_for_each(|l| self.run(l))
+    }
+
+    /// One AdamW step of every parameter (its settings, fp32 master weight, gradient, moments),
+    /// a launch per 64 of them; in mixed precision the same kernel writes each new bf16 copy.
+    pub fn adamw(&self, steps: &[(AdamW, &Tensor, &Tensor, &Tensor, &Tensor)]) -> Result<()> {
+        let mut list = Vec::with_capacity(steps.len());
+        for (o, p, g, m, v) in steps {
+            if m.dtype() != o.moments || v.dtype() != o.moments {
+                bail!("AdamW's moments are {:?} and {:?}, the optimizer keeps {:?}", m.dtype(), v.dtype(), o.moments);
+            }
+            let copy = matches!(buf(p).data, Data::Mixed { .. }).then(|| addr(p));
+            list.push((*o, (f32_addr(p), f32_addr(g), addr(m), addr(v)), copy, p.numel()));
         }
-        let addrs = (f32_addr(p), f32_addr(g), addr(m), addr(v));
-        self.run(&launch_table::adamw(o, addrs, p.numel(), copy))
+        launch_table::adamw(&list).iter().try_for_each(|l| self.run(l))
     }
 }
 

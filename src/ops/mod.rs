@@ -355,12 +355,34 @@ pub fn sum_squares_total(ts: &[&Tensor], place: &Place) -> Tensor {
     Tensor::from_vec(&[1], vec![total as f32])
 }
 
-/// One AdamW step on a parameter, with its gradient and moments (a mixed-precision weight:
-/// on its fp32 master, rewriting the bf16 copy).
-pub fn adamw(o: &AdamW, p: &mut Tensor, g: &Tensor, m: &mut Tensor, v: &mut Tensor) {
-    assert!(p.numel() == g.numel() && g.numel() == m.numel() && m.numel() == v.numel(), "adamw: sizes differ");
-    if let Some(d) = gpu("adamw", &[p, g, m, v]) {
-        return fatal("adamw", d.adamw(o, p, g, m, v));
+/// One AdamW step of each parameter: (its settings, its weight, gradient and moments; a
+/// mixed-precision weight on its fp32 master, rewriting the bf16 copy). On a GPU, a launch per 64
+/// parameters.
+pub fn adamw(steps: &mut [(AdamW, &mut Tensor, &Tensor, &mut Tensor, &mut Tensor)]) {
+    for (_, p, g, m, v) in steps.iter() {
+        assert!(p.numel() == g.numel() && g.numel() == m.numel() && m.numel() == v.numel(), "adamw: sizes differ");
     }
-    cpu::adamw(o, p.host_mut(), g.host(), m.host_mut(), v.host_mut());
+    let all: Vec<&Tensor> = steps.iter().flat_map(|(_, p, g, m, v)| [&**p, *g, &**m, &**v]).collect();
+    if all.is_empty() {
+        return;
+    }
+    if let Some(d) = gpu("adamw", &all) {
+        let steps: Vec<_> = steps.iter().map(|(o, p, g, m, v)| (*o, &**p, *g, &**m, &**v)).collect();
+        return fatal("adamw", d.adamw(&steps));
+    }
+    for (o, p, g, m, v) in steps.iter_mut() {
+        cpu::adamw(o, p.host_mut(), g.host(), m.host_mut(), v.host_mut());
+    }
+}
+
+/// Every tensor of `ts` (f32: gradients) set to zero; on a GPU, a launch per 64 of them.
+pub fn zero(ts: &mut [&mut Tensor]) {
+    let all: Vec<&Tensor> = ts.iter().map(|t| &**t).collect();
+    if all.is_empty() {
+        return;
+    }
+    if let Some(d) = gpu("zero", &all) {
+        return fatal("zero", d.zero(&all));
+    }
+    ts.iter_mut().for_each(|t| t.host_mut().fill(0.0));
 }

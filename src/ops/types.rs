@@ -56,6 +56,7 @@ pub struct Attn {
 }
 
 /// AdamW's settings for one step.
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamW {
     pub lr: f32,
     pub beta1: f32,

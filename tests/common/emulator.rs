@@ -51,11 +51,19 @@ fn glue() -> String {
                 Arg::F32(_) => "float",
                 Arg::F64(_) => "double",
                 Arg::Shape(_) => "Shape",
+                Arg::Tensors(_) => "TensorList",
+                Arg::AdamW(_) => "AdamWList",
             });
             (l.kernel.name().to_string(), types.collect())
         })
         .collect();
     let mut c = String::from("#include \"cuda_bf16.h\"\n#include <cstring>\nstruct Shape { int v[6]; };\n");
+    // the multi-tensor lists: passed by value, the kernels' structs of the same size and alignment
+    for (name, size) in
+        [("TensorList", size_of::<launch_table::TensorList>()), ("AdamWList", size_of::<launch_table::AdamWList>())]
+    {
+        c += &format!("struct alignas(8) {name} {{ unsigned char bytes[{size}]; }};\n");
+    }
     for (i, (name, types)) in kernels.iter().enumerate() {
         let args: Vec<String> = types.iter().enumerate().map(|(j, t)| format!("*({t}*)a[{j}]")).collect();
         c += &format!("extern \"C\" void {name}({});\n", types.join(", "));

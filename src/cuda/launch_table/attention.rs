@@ -80,7 +80,7 @@ pub fn backward(
     (dq, dk, dv): (Addr, Addr, Addr),
 ) -> [Launch; 3] {
     let shape = Arg::Shape(a.into());
-    let inputs = vec![shape, Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(lse), Ptr(delta), Ptr(dout)];
+    let inputs = vec![shape.clone(), Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(lse), Ptr(delta), Ptr(dout)];
     let delta_launch = launch(
         typed!("attention_delta", dt),
         each(a.batch * a.heads * a.seq * DELTA_LANES),
