@@ -1,7 +1,9 @@
 // rmsnorm.cu — RMSNorm forward and backward.
 //
-// Math: rstd = 1/sqrt(mean(x²) + eps), y = x · rstd · w.
-// Backward: with g = dy · w, dx = rstd · g − x · rstd³ · mean(g · x); dw += Σ_rows dy · x · rstd.
+// Math: rstd = 1/sqrt(mean(x²) + eps), y = x · rstd · w; `add_rmsnorm` first adds the residual
+// branch in place (x += add, as the block's h = x + attention), then normalises x as stored.
+// Backward: with g = dy · w, dx = rstd · g − x · rstd³ · mean(g · x) (+ the residual's gradient,
+// which passes the norm by: one pass instead of a norm and an add); dw += Σ_rows dy · x · rstd.
 // Forward and dx: one block per row, threads over the features, block reductions.
 // dw, deterministic (no atomics) and spread over the whole GPU, in two launches: each block of
 // rmsnorm_backward_dw_partial sums one chunk of rows (threads over the feature columns) into
@@ -9,12 +11,16 @@
 // order into dw. (One thread per column walking every row would use a few dozen warps of the GPU.)
 
 template <typename T>
-__device__ void rmsnorm_forward(const T* x, const T* w, float eps, int dim, T* y, float* rstd) {
+__device__ void rmsnorm_forward(T* x, const T* add, const T* w, float eps, int dim, T* y, float* rstd) {
     __shared__ float scratch[32];
     long row = blockIdx.x;
     float ss = 0.0f;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
         float v = load(x, row * dim + d);
+        if (add) { // the residual add first: x += add, stored, and normalised as stored (rounded)
+            store(x, row * dim + d, v + load(add, row * dim + d));
+            v = load(x, row * dim + d);
+        }
         ss += v * v;
     }
     float r = rsqrtf(block_sum(ss, scratch) / dim + eps);
@@ -23,7 +29,8 @@ __device__ void rmsnorm_forward(const T* x, const T* w, float eps, int dim, T* y
 }
 
 template <typename T>
-__device__ void rmsnorm_backward_dx(const T* dy, const T* x, const T* w, const float* rstd, int dim, T* dx) {
+__device__ void rmsnorm_backward_dx(const T* dy, const T* x, const T* w, const float* rstd, const T* residual, int dim,
+                                    T* dx) {
     __shared__ float scratch[32];
     long row = blockIdx.x;
     float r = rstd[row], dot = 0.0f;
@@ -31,7 +38,8 @@ __device__ void rmsnorm_backward_dx(const T* dy, const T* x, const T* w, const f
     float mean = block_sum(dot, scratch) / dim;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
         float g = load(dy, row * dim + d) * load(w, d);
-        store(dx, row * dim + d, r * g - load(x, row * dim + d) * r * r * r * mean);
+        float v = r * g - load(x, row * dim + d) * r * r * r * mean;
+        store(dx, row * dim + d, residual ? v + load(residual, row * dim + d) : v);
     }
 }
 
@@ -57,11 +65,15 @@ extern "C" __global__ void rmsnorm_backward_dw_sum(const float* partial, int chu
 #define EXPORT(T, suffix)                                                                                         \
     extern "C" __global__ void rmsnorm_forward_##suffix(const T* x, const T* w, float eps, int dim, T* y,          \
                                                         float* rstd) {                                            \
-        rmsnorm_forward(x, w, eps, dim, y, rstd);                                                                 \
+        rmsnorm_forward((T*)x, (const T*)nullptr, w, eps, dim, y, rstd);                                          \
+    }                                                                                                             \
+    extern "C" __global__ void add_rmsnorm_forward_##suffix(T* x, const T* add, const T* w, float eps, int dim,    \
+                                                            T* y, float* rstd) {                                  \
+        rmsnorm_forward(x, add, w, eps, dim, y, rstd);                                                            \
     }                                                                                                             \
     extern "C" __global__ void rmsnorm_backward_dx_##suffix(const T* dy, const T* x, const T* w, const float* rstd,\
-                                                            int dim, T* dx) {                                     \
-        rmsnorm_backward_dx(dy, x, w, rstd, dim, dx);                                                             \
+                                                            const T* residual, int dim, T* dx) {                  \
+        rmsnorm_backward_dx(dy, x, w, rstd, residual, dim, dx);                                                   \
     }                                                                                                             \
     extern "C" __global__ void rmsnorm_backward_dw_partial_##suffix(const T* dy, const T* x, const float* rstd,    \
                                                                     long rows, int dim, int chunk_rows,           \

@@ -500,9 +500,10 @@ fn the_step_keeps_its_budget_of_syncs_copies_and_memsets() {
     // only what must start at zero: the step's loss and each micro-batch's (the norm's partial
     // sums fill every slot they are read from)
     assert!(n("memsets") <= 3.0, "memsets per step: {step:?}");
-    // the optimizer's zeroing, Σg² and AdamW are a launch per 64 tensors, not one per tensor (194
-    // launches a step before; at smollm-135m's 272 tensors, 2 347 → 1 546: BENCHMARKS.md)
-    assert!(n("launches") <= 135.0 && n("gemms") > 0.0, "launches per step: {step:?}");
+    // the optimizer's zeroing, Σg² and AdamW are a launch per 64 tensors, not one per tensor, and
+    // a block's residual adds ride in its norms and GEMMs (194 launches a step before; at
+    // smollm-135m's shape 2 347 → 1 186: BENCHMARKS.md)
+    assert!(n("launches") <= 111.0 && n("gemms") > 0.0, "launches per step: {step:?}");
 }
 
 #[test]

@@ -227,7 +227,7 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert_eq!(checked, 179 + 2 * 2 * 8 + 2 * 3 * 5, "every check ran");
+    assert_eq!(checked, 197 + 2 * 2 * 8 + 2 * 3 * 5, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {
@@ -241,15 +241,35 @@ fn rowwise(c: &mut Check, rows: usize, dim: usize) {
     c.same("rmsnorm", &by, &y);
     c.same("rmsnorm 1/rms", &brstd, &rstd);
     let mut want_dw = dw.clone();
-    let dx = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw);
+    // with the gradient that passed the norm by added to dx (a block's residual)
+    let residual = c.rand(&[rows, dim]);
+    let dx = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw, Some(&residual));
     let (mut bdy, mut bdx, mut bdw, mut brstd) = (c.buf(&dy), Buf::zeros(rows * dim, dt), c.f32(&dw), c.f32(&rstd));
-    let mut partial = Buf::zeros(launch_table::rmsnorm_partial_len((rows, dim)), DType::F32);
+    let (mut partial, mut bres) =
+        (Buf::zeros(launch_table::rmsnorm_partial_len((rows, dim)), DType::F32), c.buf(&residual));
     let inputs = (bdy.addr(), bx.addr(), bw.addr(), brstd.addr());
-    for l in launch_table::rmsnorm_backward(dt, inputs, (rows, dim), bdx.addr(), (bdw.addr(), partial.addr())) {
+    let outputs = (bdx.addr(), bres.addr());
+    for l in launch_table::rmsnorm_backward(dt, inputs, (rows, dim), outputs, (bdw.addr(), partial.addr())) {
         c.run(&l);
     }
-    c.same("rmsnorm backward dx", &bdx, &dx);
+    c.same("rmsnorm backward dx + residual", &bdx, &dx);
     c.same("rmsnorm backward dw (+=)", &bdw, &want_dw);
+    // the residual add fused into the norm after it: x += add, then RMSNorm(x)
+    let (mut h, add) = (c.rand(&[rows, dim]), c.rand(&[rows, dim]));
+    let (mut bh, mut badd, mut by, mut brstd) =
+        (c.buf(&h), c.buf(&add), Buf::zeros(rows * dim, dt), Buf::zeros(rows, DType::F32));
+    c.run(&launch_table::add_rmsnorm(
+        dt,
+        (bh.addr(), badd.addr()),
+        bw.addr(),
+        1e-5,
+        (rows, dim),
+        (by.addr(), brstd.addr()),
+    ));
+    let (y, rstd) = ops::add_rmsnorm(&mut h, &add, &w, 1e-5);
+    c.same("add, then rmsnorm: the sum", &bh, &h);
+    c.same("add, then rmsnorm", &by, &y);
+    c.same("add, then rmsnorm 1/rms", &brstd, &rstd);
     // SwiGLU forward and backward
     let n = rows * dim;
     let (g, u, dh) = (c.rand(&[n]), c.rand(&[n]), c.rand(&[n]));

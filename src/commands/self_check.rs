@@ -126,7 +126,13 @@ impl Check<'_> {
         let (gx, gw, gdy) = (self.gpu(&x), self.param(&w), self.gpu(&dy));
         self.same(&format!("linear ({p:?} GEMM) {m}×{k}→{n}"), &ops::linear(&gx, &gw, p), &ops::linear(&x, &w, p))?;
         let want = ops::linear_input_grad(&dy, &w, p);
-        self.same("linear input gradient", &ops::linear_input_grad(&gdy, &gw, p), &want)?;
+        let mut got = ops::linear_input_grad(&gdy, &gw, p);
+        self.same("linear input gradient", &got, &want)?;
+        // a second layer's input gradient added to it (the GEMM accumulating, β = 1)
+        let mut twice = want.clone();
+        ops::linear_input_grad_add(&dy, &w, p, &mut twice);
+        ops::linear_input_grad_add(&gdy, &gw, p, &mut got);
+        self.same("linear input gradient, added", &got, &twice)?;
         let (mut want, mut got) = (dw.clone(), self.f32(&dw)); // accumulates into what is there
         ops::linear_weight_grad(&dy, &x, &mut want, p);
         ops::linear_weight_grad(&gdy, &gx, &mut got, p);
@@ -154,10 +160,20 @@ impl Check<'_> {
         self.same("rmsnorm", &gy, &y)?;
         self.same("rmsnorm 1/rms", &grstd, &rstd)?;
         let (mut want_dw, mut got_dw) = (dw.clone(), self.f32(&dw));
-        let want = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw);
-        let got = ops::rmsnorm_backward(&self.gpu(&dy), &gx, &gw, &self.f32(&rstd), &mut got_dw);
+        let want = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw, None);
+        let got = ops::rmsnorm_backward(&self.gpu(&dy), &gx, &gw, &self.f32(&rstd), &mut got_dw, None);
         self.same("rmsnorm backward dx", &got, &want)?;
-        self.same("rmsnorm backward dw (+=, f32)", &got_dw, &want_dw)
+        self.same("rmsnorm backward dw (+=, f32)", &got_dw, &want_dw)?;
+        // a block's residual forms: h += x then h's norm; dx plus the gradient around the norm
+        let (mut h, mut gh) = (dy.clone(), self.gpu(&dy));
+        let (y, rstd) = ops::add_rmsnorm(&mut h, &x, &w, 1e-5);
+        let (gy, grstd) = ops::add_rmsnorm(&mut gh, &gx, &gw, 1e-5);
+        self.same("add, then rmsnorm: the sum", &gh, &h)?;
+        self.same("add, then rmsnorm", &gy, &y)?;
+        self.same("add, then rmsnorm 1/rms", &grstd, &rstd)?;
+        let want = ops::rmsnorm_backward(&dy, &x, &w, &rstd, &mut want_dw, Some(&h));
+        let got = ops::rmsnorm_backward(&self.gpu(&dy), &gx, &gw, &grstd, &mut got_dw, Some(&gh));
+        self.same("rmsnorm backward dx + residual", &got, &want)
     }
 
     fn rope(&mut self, a: Attn) -> Result<()> {

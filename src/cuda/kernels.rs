@@ -25,6 +25,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("embedding", "embedding_backward_bf16"),
     ("rmsnorm", "rmsnorm_forward_f32"),
     ("rmsnorm", "rmsnorm_forward_bf16"),
+    ("rmsnorm", "add_rmsnorm_forward_f32"),
+    ("rmsnorm", "add_rmsnorm_forward_bf16"),
     ("rmsnorm", "rmsnorm_backward_dx_f32"),
     ("rmsnorm", "rmsnorm_backward_dx_bf16"),
     ("rmsnorm", "rmsnorm_backward_dw_partial_f32"),

@@ -218,6 +218,19 @@ pub fn rmsnorm(dt: DType, x: Addr, w: Addr, eps: f32, (n, dim): (usize, usize), 
     launch(typed!("rmsnorm_forward", dt), rows(n), vec![Ptr(x), Ptr(w), F32(eps), int(dim), Ptr(y), Ptr(rstd)])
 }
 
+/// x += add (in place), then y = RMSNorm(x) and its rstd: one block per row.
+pub fn add_rmsnorm(
+    dt: DType,
+    (x, add): (Addr, Addr),
+    w: Addr,
+    eps: f32,
+    (n, dim): (usize, usize),
+    (y, rstd): (Addr, Addr),
+) -> Launch {
+    let args = vec![Ptr(x), Ptr(add), Ptr(w), F32(eps), int(dim), Ptr(y), Ptr(rstd)];
+    launch(typed!("add_rmsnorm_forward", dt), rows(n), args)
+}
+
 /// Rows per chunk of RMSNorm's weight gradient: each chunk is summed by its own blocks.
 pub const NORM_CHUNK_ROWS: usize = 64;
 
@@ -226,19 +239,24 @@ pub fn rmsnorm_partial_len((n, dim): (usize, usize)) -> usize {
     n.div_ceil(NORM_CHUNK_ROWS).max(1) * dim
 }
 
-/// dx (one block per row); the partial dw of each chunk of rows (blocks over columns × chunks);
-/// then dw += their sum (f32, one thread per feature column, chunks in order).
+/// dx (one block per row; plus `residual`'s rows where it is not 0); the partial dw of each
+/// chunk of rows (blocks over columns × chunks); then dw += their sum (f32, one thread per
+/// feature column, chunks in order).
 pub fn rmsnorm_backward(
     dt: DType,
     (dy, x, w, rstd): (Addr, Addr, Addr, Addr),
     (n, dim): (usize, usize),
-    dx: Addr,
+    (dx, residual): (Addr, Addr),
     (dw, partial): (Addr, Addr),
 ) -> [Launch; 3] {
     let chunks = n.div_ceil(NORM_CHUNK_ROWS).max(1);
     let chunk_grid = ((dim.div_ceil(THREADS as usize) as u32, chunks as u32, 1), THREADS);
     [
-        launch(typed!("rmsnorm_backward_dx", dt), rows(n), vec![Ptr(dy), Ptr(x), Ptr(w), Ptr(rstd), int(dim), Ptr(dx)]),
+        launch(
+            typed!("rmsnorm_backward_dx", dt),
+            rows(n),
+            vec![Ptr(dy), Ptr(x), Ptr(w), Ptr(rstd), Ptr(residual), int(dim), Ptr(dx)],
+        ),
         launch(
             typed!("rmsnorm_backward_dw_partial", dt),
             chunk_grid,
@@ -498,7 +516,8 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(embedding(dt, (0, 1), (0, 1), 0, 1, 0));
         all.push(embedding_backward(dt, 0, (0, 1), 1, 0));
         all.push(rmsnorm(dt, 0, 0, 0.0, (1, 1), 0, 0));
-        all.extend(rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), 0, (0, 0)));
+        all.push(add_rmsnorm(dt, (0, 0), 0, 0.0, (1, 1), (0, 0)));
+        all.extend(rmsnorm_backward(dt, (0, 0, 0, 0), (1, 1), (0, 0), (0, 0)));
         all.push(rope(dt, 0, (0, 0), (1, 1, 2), false));
         all.push(attention::forward(dt, a, (0, 0, 0), (0, 0), 0, 0));
         all.extend(attention::backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));

@@ -14,6 +14,13 @@
 //! sequence). On one rank (`Whole`) every one of those calls is local and this is the plain
 //! dense block.
 //!
+//! The residual adds cost a pass over the rows each, and a kernel launch on a GPU, for almost no
+//! arithmetic, so they ride in the ops beside them: the first (+) in the norm after it
+//! (`ops::add_rmsnorm`), the gradients that reach x and h around the norms in the norms'
+//! backward (`rmsnorm_backward`'s residual), and the input gradients of q, k, v (and gate, up)
+//! in one another's GEMM (`linear_input_grad_add`, β = 1). The same numbers on the CPU; on a GPU
+//! a bf16 sum rounded once instead of twice.
+//!
 //! In a Mixtral block (`model.num_local_experts` > 0) the MLP is a mixture of experts
 //! (`moe.rs`): a router and E SwiGLU experts instead of gate, up and down. Its experts may be on
 //! other ranks (`Splits::ep`); it needs no tensor-parallel calls (every tp rank routes its rows
@@ -251,8 +258,7 @@ impl Block {
             Some(past) => past.attend(attn, &q, &k, &v, positions),
         };
         let mut h = tp.row_forward(&attn_out, &self.o_proj)?; // g: Σ over the tp ranks
-        ops::add_assign(&mut h, &x);
-        let (xn2, rstd2) = ops::rmsnorm(&h, &self.post_attention_layernorm.value, eps);
+        let (xn2, rstd2) = ops::add_rmsnorm(&mut h, &x, &self.post_attention_layernorm.value, eps); // h += x, normed
         let (mut out, mlp, load) = match &self.mlp {
             // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
             Mlp::Dense { gate_proj, up_proj, down_proj } => {
@@ -309,8 +315,8 @@ impl Block {
             _ => anyhow::bail!("backward: a block was given the cache of another kind of MLP"),
         };
         let ln2 = &mut self.post_attention_layernorm;
-        let mut dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad);
-        ops::add_assign(&mut dh, &dout); // the residual carries dout straight through
+        // the residual carries dout straight through, added as the norm's dx is written
+        let dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad, Some(&dout));
 
         // attention sub-block, right to left; o is row parallel: local
         let (qkv, pos) = ((&c.q, &c.k, &c.v), &positions[..attn.seq]);
@@ -328,8 +334,6 @@ impl Block {
         let layers = vec![(dq, &mut self.q_proj), (dk, &mut self.k_proj), (dv, &mut self.v_proj)];
         let dxn1 = tp.column_backward(c.xn1, layers, w)?;
         let ln1 = &mut self.input_layernorm;
-        let mut dx = ops::rmsnorm_backward(&dxn1, &c.x, &ln1.value, &c.rstd1, &mut ln1.grad);
-        ops::add_assign(&mut dx, &dh);
-        Ok(dx)
+        Ok(ops::rmsnorm_backward(&dxn1, &c.x, &ln1.value, &c.rstd1, &mut ln1.grad, Some(&dh)))
     }
 }

@@ -228,7 +228,7 @@ impl Moe {
         let dxs = ep.combine(dxe, &c.routed)?;
         let mut dx = route::combine(&dxs, &c.plan.slot, None, x.rows()); // each token: the sum of its k copies
         let dlogits = route::route_backward(&dweights, &c.routing, balance);
-        ops::add_assign(&mut dx, &ops::linear_input_grad(&dlogits, &self.gate.value, self.gate.gemm));
+        ops::linear_input_grad_add(&dlogits, &self.gate.value, self.gate.gemm, &mut dx);
         w.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);
         Ok(dx)
     }

@@ -221,7 +221,7 @@ pub fn input_grad(layers: &[(Tensor, &mut Param)]) -> Tensor {
     let (first, rest) = layers.split_first().expect("at least one layer");
     let mut dx = ops::linear_input_grad(&first.0, &first.1.value, first.1.gemm);
     for (dy, w) in rest {
-        ops::add_assign(&mut dx, &ops::linear_input_grad(dy, &w.value, w.gemm));
+        ops::linear_input_grad_add(dy, &w.value, w.gemm, &mut dx);
     }
     dx
 }

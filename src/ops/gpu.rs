@@ -148,6 +148,12 @@ impl Device {
         Ok(dx)
     }
 
+    /// dx[m, k] += dy[m, n] · w[n, k]: cuBLAS adds the product to dx (β = 1), in fp32, rounding
+    /// once.
+    pub fn linear_input_grad_add(&self, dy: &Tensor, w: &Tensor, dx: &Tensor) -> Result<()> {
+        self.gemm(Gemm::input_grad(dy.rows(), w.cols(), w.shape()[0]), buf(w), buf(dy), buf(dx), true)
+    }
+
     /// dw[n, k] += dy[m, n]ᵀ · x[m, k], accumulated into the fp32 gradient.
     pub fn linear_weight_grad(self: &Arc<Self>, dy: &Tensor, x: &Tensor, dw: &Tensor, p: Precision) -> Result<()> {
         if p == Precision::Fp8 {
@@ -189,30 +195,37 @@ impl Device {
 
     pub fn rmsnorm(self: &Arc<Self>, x: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
         let (y, rstd) = (self.tensor(x.shape(), x.dtype()), self.tensor(&[x.rows()], DType::F32));
-        self.run(&launch_table::rmsnorm(
-            x.dtype(),
-            addr(x),
-            addr(w),
-            eps,
-            (x.rows(), x.cols()),
-            addr(&y),
-            addr(&rstd),
-        ))?;
+        let shape = (x.rows(), x.cols());
+        self.run(&launch_table::rmsnorm(x.dtype(), addr(x), addr(w), eps, shape, addr(&y), addr(&rstd)))?;
         Ok((y, rstd))
     }
 
+    /// x += add, then RMSNorm of x: one launch.
+    pub fn add_rmsnorm(self: &Arc<Self>, x: &Tensor, add: &Tensor, w: &Tensor, eps: f32) -> Result<(Tensor, Tensor)> {
+        if x.dtype() != add.dtype() {
+            bail!("adding a {:?} tensor to a {:?} one", add.dtype(), x.dtype());
+        }
+        let (y, rstd) = (self.tensor(x.shape(), x.dtype()), self.tensor(&[x.rows()], DType::F32));
+        let (shape, outputs) = ((x.rows(), x.cols()), (addr(&y), addr(&rstd)));
+        self.run(&launch_table::add_rmsnorm(x.dtype(), (addr(x), addr(add)), addr(w), eps, shape, outputs))?;
+        Ok((y, rstd))
+    }
+
+    /// dx (+ `residual`), and dw += the weight's gradient.
     pub fn rmsnorm_backward(
         self: &Arc<Self>,
-        dy: &Tensor,
-        x: &Tensor,
-        w: &Tensor,
-        rstd: &Tensor,
+        (dy, x, w, rstd): (&Tensor, &Tensor, &Tensor, &Tensor),
         dw: &Tensor,
+        residual: Option<&Tensor>,
     ) -> Result<Tensor> {
         let (dx, shape) = (self.tensor(x.shape(), x.dtype()), (x.rows(), x.cols()));
+        if residual.is_some_and(|r| r.dtype() != x.dtype()) {
+            bail!("a {:?} residual gradient for a {:?} norm", residual.map(|r| r.dtype()), x.dtype());
+        }
         let partial = self.tensor(&[launch_table::rmsnorm_partial_len(shape)], DType::F32);
         let inputs = (addr(dy), addr(x), addr(w), addr(rstd));
-        for l in launch_table::rmsnorm_backward(x.dtype(), inputs, shape, addr(&dx), (f32_addr(dw), addr(&partial))) {
+        let outputs = (addr(&dx), residual.map_or(0, addr));
+        for l in launch_table::rmsnorm_backward(x.dtype(), inputs, shape, outputs, (f32_addr(dw), addr(&partial))) {
             self.run(&l)?;
         }
         Ok(dx)

@@ -68,6 +68,16 @@ pub fn linear_input_grad(dy: &Tensor, w: &Tensor, p: Precision) -> Tensor {
     Tensor::from_vec(&[m, k], p.output(dx, sg * sw))
 }
 
+/// dx += dy · w: a layer's input gradient added to the others' (the q, k and v projections read
+/// the same input); on a GPU the GEMM adds it as it writes (β = 1), where the precision allows.
+pub fn linear_input_grad_add(dy: &Tensor, w: &Tensor, p: Precision, dx: &mut Tensor) {
+    assert_eq!((dx.rows(), dx.cols()), (dy.rows(), w.cols()), "linear input gradient: shapes");
+    match gpu("linear backward", &[dy, w, dx]) {
+        Some(d) if p != Precision::Fp8 => fatal("linear backward", d.linear_input_grad_add(dy, w, dx)),
+        _ => add_assign(dx, &linear_input_grad(dy, w, p)),
+    }
+}
+
 /// The weight half of `linear_backward`: dw += dyᵀ · x (dw is f32 on every device).
 pub fn linear_weight_grad(dy: &Tensor, x: &Tensor, dw: &mut Tensor, p: Precision) {
     let (m, k, n) = (x.rows(), x.cols(), dw.shape()[0]);
@@ -119,12 +129,36 @@ pub fn rmsnorm(x: &Tensor, w: &Tensor, eps: f32) -> (Tensor, Tensor) {
     (y, rstd)
 }
 
-pub fn rmsnorm_backward(dy: &Tensor, x: &Tensor, w: &Tensor, rstd: &Tensor, dw: &mut Tensor) -> Tensor {
+/// x += add, then `rmsnorm(x)`: the residual add fused into the norm that follows it (one pass
+/// over the rows on a GPU instead of two).
+pub fn add_rmsnorm(x: &mut Tensor, add: &Tensor, w: &Tensor, eps: f32) -> (Tensor, Tensor) {
+    assert_eq!(x.shape(), add.shape(), "add_rmsnorm: shapes differ");
+    if let Some(d) = gpu("add and rmsnorm", &[x, add, w]) {
+        return fatal("add and rmsnorm", d.add_rmsnorm(x, add, w, eps));
+    }
+    cpu::add_assign(x.host_mut(), add.host());
+    rmsnorm(x, w, eps)
+}
+
+/// dx of RMSNorm (plus `residual`, the gradient that reached x around the norm: one pass on a
+/// GPU instead of a norm and an add), and dw += its weight's gradient.
+pub fn rmsnorm_backward(
+    dy: &Tensor,
+    x: &Tensor,
+    w: &Tensor,
+    rstd: &Tensor,
+    dw: &mut Tensor,
+    residual: Option<&Tensor>,
+) -> Tensor {
     if let Some(d) = gpu("rmsnorm backward", &[dy, x, w, rstd, dw]) {
-        return fatal("rmsnorm backward", d.rmsnorm_backward(dy, x, w, rstd, dw));
+        return fatal("rmsnorm backward", d.rmsnorm_backward((dy, x, w, rstd), dw, residual));
     }
     let mut dx = Tensor::zeros(x.shape());
     cpu::rmsnorm_backward(dy.host(), x.host(), w.host(), rstd.host(), dx.host_mut(), dw.host_mut());
+    if let Some(r) = residual {
+        assert_eq!(r.shape(), x.shape(), "rmsnorm backward: residual gradient shape");
+        cpu::add_assign(dx.host_mut(), r.host());
+    }
     dx
 }
 

@@ -111,7 +111,7 @@ impl Llama<'_> {
             }
         };
         h.lm_head.iter_mut().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
-        let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad);
+        let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad, None);
         ready(&mut h.norm);
         self.free(Unit::Head);
         Ok(dx)
