@@ -321,6 +321,8 @@ fn a_routing_tape_that_does_not_fit_the_run_is_refused_in_one_line() {
     };
     assert!(fails(&[], Replay(tmp.path())).contains("no .routing files; record a run there first"));
     taped(&[], Record(tmp.path()));
+    let again = fails(&[], Record(tmp.path()));
+    assert!(again.contains("already holds a recording") && again.contains("rank0.routing"), "{again}");
     let other_batch = fails(&["train.micro_batch_size=6"], Replay(tmp.path()));
     assert!(
         other_batch.contains("a global batch of 12") && other_batch.contains("replay into a run of the same"),
@@ -332,8 +334,8 @@ fn a_routing_tape_that_does_not_fit_the_run_is_refused_in_one_line() {
     let bytes = std::fs::read(&file).unwrap();
     std::fs::write(&file, &bytes[..bytes.len() - 4]).unwrap();
     assert!(fails(&[], Replay(tmp.path())).contains("its length does not match its count; record it again"));
-    assert!(fails(&["parallel.pp=2"], Record(tmp.path())).contains("not with parallel.pp = 2"));
+    assert!(fails(&["parallel.pp=2"], Record(&tmp.path().join("pp"))).contains("not with parallel.pp = 2"));
     let dense = Config::load(None, &common::SMALL.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
-    let opts = Options { quiet: true, routing_tape: Some(Record(tmp.path())), ..Default::default() };
+    let opts = Options { quiet: true, routing_tape: Some(Record(&tmp.path().join("dense"))), ..Default::default() };
     assert!(format!("{:#}", train(&dense, opts).err().unwrap()).contains("model.num_local_experts = 0"));
 }

@@ -157,10 +157,12 @@ fn every_parallelism_on_the_gpu_path_follows_one_rank() {
 fn converge_in_bf16_holds_layouts_to_a_measured_band() {
     let Some(dir) = fake_driver() else { return };
     // in bf16 a tp split rounds its partial sums apart: on an H100, bf16 layouts differed from one
-    // rank by 1e-3 and all "failed" the f32 tolerance; here tp=2 leaves 1e-4 at step 3, and passes
-    // within the band that moving every initial weight by one bf16 ulp opens
+    // rank by 1e-3 and all "failed" the f32 tolerance; here tp=2 leaves about 6e-5 (1e-4 before the
+    // residual adds and the input gradients' sums rounded once instead of twice), beyond a 1e-5
+    // tolerance, and passes within the band that moving every initial weight by one bf16 ulp opens
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("gpu_path_converge_bf16");
-    let mut args = vec!["converge", "--variants", "tp=2", "--steps", "6", "--out", out.to_str().unwrap()];
+    let mut args =
+        vec!["converge", "--variants", "tp=2", "--steps", "6", "--tol", "1e-5", "--out", out.to_str().unwrap()];
     let sets = ["device.kind=cuda", "device.dtype=bf16", "model.hidden_size=64", "train.micro_batch_size=2"];
     for s in common::SMALL.iter().chain(&sets) {
         args.extend(["--set", s]);
@@ -169,7 +171,7 @@ fn converge_in_bf16_holds_layouts_to_a_measured_band() {
     assert!(text.contains("one bf16 ulp") && text.contains("the band applies from the first step"), "{text}");
     let line = text.lines().find(|l| l.starts_with("tp=2")).unwrap_or_else(|| panic!("no tp=2:\n{text}"));
     let max: f32 = line.split_whitespace().nth(1).unwrap().parse().unwrap();
-    assert!(max > 1e-4 && line.ends_with("pass"), "beyond the f32 tolerance, within the band: {line}");
+    assert!(max > 1e-5 && line.ends_with("pass"), "beyond the tolerance, within the band: {line}");
 }
 
 #[test]

@@ -74,6 +74,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "model::weight_grads",
             "model::split",
             "model::moe",
+            "model::routing_tape",
             "model::kv_cache",
             "model::block",
             "model::llama",

@@ -85,6 +85,10 @@ impl RoutingTape {
         let tape = match mode {
             TapeMode::Record(dir) => {
                 crate::files::check_folder_writable(dir).map_err(|e| anyhow::anyhow!("{option}: {e:#}"))?;
+                // another recording's files would be read back with this one's
+                if let Some(old) = tapes(dir)?.first() {
+                    bail!("{option} {}: the folder already holds a recording ({}); give an empty folder, or remove its .routing files", dir.display(), old.display());
+                }
                 Tape::Record { dir: dir.to_path_buf(), choices: RefCell::default() }
             }
             TapeMode::Replay(dir) => Tape::Replay { dir: dir.to_path_buf(), choices: read(dir, cfg)? },
@@ -210,14 +214,20 @@ fn header(cfg: &Config) -> [u32; 3] {
     [cfg.model.num_experts_per_tok, cfg.train.seq_len, global_batch(cfg)].map(|v| v as u32)
 }
 
+/// The `.routing` files in `dir`, in name order.
+fn tapes(dir: &Path) -> Result<Vec<PathBuf>> {
+    let entries = std::fs::read_dir(dir).with_context(|| format!("cannot read the folder {}", dir.display()))?;
+    let mut files: Vec<PathBuf> =
+        entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "routing")).collect();
+    files.sort();
+    Ok(files)
+}
+
 /// Every choice of the `.routing` files in `dir` (the ranks of one recording; a row recorded by
 /// several ranks, as tp ranks without sequence parallelism route the same rows, must agree).
 fn read(dir: &Path, cfg: &Config) -> Result<HashMap<Key, Vec<u32>>> {
     let what = |p: &Path| format!("--replay-routing: {}", p.display());
-    let entries = std::fs::read_dir(dir).with_context(|| format!("{}: cannot read the folder", what(dir)))?;
-    let mut files: Vec<PathBuf> =
-        entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "routing")).collect();
-    files.sort();
+    let files = tapes(dir).map_err(|e| anyhow::anyhow!("--replay-routing: {e:#}"))?;
     if files.is_empty() {
         bail!("{}: no .routing files; record a run there first with --record-routing", what(dir));
     }
