@@ -13,8 +13,9 @@
 //!                                                chose otherwise it counts as replaced
 //! ```
 //! B under A's routing computes what A computed, cut differently, so its curve must follow A's as
-//! a dense layout's does. If it does, the difference was routing; if it still parts with no row
-//! replaced, the defect is in B's expert path. A row is named by what does not depend on the
+//! a dense layout's does. If it does, the difference was routing; if it still parts, the defect
+//! is in what B computes (its expert path, or whatever else its layout changed). A row is named
+//! by what does not depend on the
 //! layout: (step, layer, sequence of the data stream, position), so a tape recorded with any dp,
 //! cp, tp, ep and grad_accum_steps replays into any other of the same global batch and seq_len.
 //! A replaced row keeps B's probabilities and renormalises A's experts' shares of them, so
