@@ -86,7 +86,8 @@ fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Sta
         agree::settings(me.group(Axis::World), cfg)?; // processes started differently never train
     }
     let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
-                                                         // debugging a mixture of experts: its routing recorded, or replayed from another run
+
+    // debugging a mixture of experts: its routing recorded, or replayed from another run
     let tape = opts.routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
     if let Some(tape) = &tape {
         model = model.with_routing_tape(tape.clone());

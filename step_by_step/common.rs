@@ -87,20 +87,25 @@ pub fn follows(claim: &str, got: &[f32], cfg: &Config, tol: f32) -> Result<()> {
     let dtype = format!("{:?}", cfg.device.compute_dtype()).to_lowercase();
     let what = format!("every initial weight moved by one {dtype} ulp");
     let nudged = Options { nudge_weights: true, ..Default::default() };
-    follows_with(claim, got, cfg, tol, (Options::default(), nudged, &what))
+    follows_with(claim, (got, &reference(cfg)?), cfg, tol, (nudged, &what))
 }
 
-/// `follows` with the reference and the harmless change run with other options: (the
-/// reference's, the harmless change's, what that change is).
-pub fn follows_with(claim: &str, got: &[f32], cfg: &Config, tol: f32, runs: (Options, Options, &str)) -> Result<()> {
+/// `follows` against a reference curve `want` already made, with another harmless change: (its
+/// options for step 01's run, what it is). The harmless run is made only where `tol` fails.
+pub fn follows_with(
+    claim: &str,
+    (got, want): (&[f32], &[f32]),
+    cfg: &Config,
+    tol: f32,
+    harmless: (Options, &str),
+) -> Result<()> {
     use ferrotron::commands::converge::Criterion;
-    let want = one_device(cfg, runs.0)?.losses;
     let mut criterion = Criterion::exact(tol, want.len());
-    if !criterion.judge(got, &want).0 {
-        let harmless = one_device(cfg, runs.1)?.losses;
-        criterion = Criterion::banded(tol, &want, &harmless, runs.2);
+    if !criterion.judge(got, want).0 {
+        let moved = one_device(cfg, harmless.0)?.losses;
+        criterion = Criterion::banded(tol, want, &moved, harmless.1);
     }
-    judged(claim, got, &want, &criterion)
+    judged(claim, got, want, &criterion)
 }
 
 /// Prints PASS or FAIL for `claim`, comparing two loss curves step by step.

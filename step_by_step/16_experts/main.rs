@@ -33,24 +33,18 @@ fn follows_with_its_routing(cfg: &Config, ep: &str) -> Result<Vec<Summary>> {
     let tape = |mode| Options { quiet: true, routing_tape: Some(mode), ..Default::default() };
     let checked = (|| {
         let ranks = train_all(cfg, tape(TapeMode::Record(&mine)))?;
-        common::one_device(cfg, tape(TapeMode::Record(&one)))?;
+        let want = common::one_device(cfg, tape(TapeMode::Record(&one)))?.losses; // step 01's curve
         let replayed = train_all(cfg, tape(TapeMode::Replay(&one)))?;
         let (flips, rows) =
             replayed.iter().filter_map(|s| s.routing_replaced).fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
         println!("{ep}: {flips} of {rows} routed rows chose other experts than step 01's run did");
         let nudged = Options { nudge_weights: true, ..tape(TapeMode::Replay(&one)) };
+        let claim = format!("{ep} with step 01's routing follows its curve");
+        let curves = (&replayed[0].losses[..], &want[..]);
+        common::follows_with(&claim, curves, cfg, 1e-4, (nudged, "weights moved by one ulp, routing replayed"))?;
         let (claim, what) =
-            (format!("{ep} with step 01's routing follows its curve"), "weights moved by one ulp, routing replayed");
-        common::follows_with(&claim, &replayed[0].losses, cfg, 1e-4, (tape(TapeMode::Replay(&one)), nudged, what))?;
-        let claim = format!("{ep} follows the single-device curve");
-        let what = format!("step 01 with the routing choices of {ep}");
-        common::follows_with(
-            &claim,
-            &ranks[0].losses,
-            cfg,
-            1e-4,
-            (Options::default(), tape(TapeMode::Replay(&mine)), &what),
-        )?;
+            (format!("{ep} follows the single-device curve"), format!("step 01 with the routing choices of {ep}"));
+        common::follows_with(&claim, (&ranks[0].losses, &want), cfg, 1e-4, (tape(TapeMode::Replay(&mine)), &what))?;
         Ok(ranks)
     })();
     [mine, one].iter().for_each(|dir| drop(std::fs::remove_dir_all(dir)));
