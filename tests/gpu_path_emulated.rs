@@ -59,6 +59,8 @@ fn run(dir: &Path, env: &[(&str, &str)], args: &[&str]) -> Output {
     let path = std::env::var("LD_LIBRARY_PATH").unwrap_or_default();
     let mut command = Command::new(env!("CARGO_BIN_EXE_ferrotron"));
     command.args(args).env("LD_LIBRARY_PATH", format!("{}:{path}", dir.display()));
+    // every reuse of a tensor's FP8 copy is checked against a fresh cast (ops/gpu_fp8.rs)
+    command.env("FERROTRON_CHECK_CASTS", "1");
     for (k, v) in env {
         command.env(k, v);
     }
@@ -473,7 +475,9 @@ fn calls_per_step(dir: &Path, sets: &[&str]) -> serde_json::Map<String, serde_js
         for s in common::SMALL.iter().chain(&run_sets).chain(sets) {
             args.extend(["--set", s]);
         }
-        let out = run(dir, &[("FERROTRON_FAKE_CUDA_COUNTS", file.to_str().unwrap())], &args);
+        // (without the FP8 copies' check, which reads them back)
+        let env = [("FERROTRON_FAKE_CUDA_COUNTS", file.to_str().unwrap()), ("FERROTRON_CHECK_CASTS", "0")];
+        let out = run(dir, &env, &args);
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         let text = std::fs::read_to_string(&file).unwrap();
         serde_json::from_str::<serde_json::Map<String, serde_json::Value>>(&text).unwrap()
@@ -506,6 +510,33 @@ fn the_step_keeps_its_budget_of_syncs_copies_and_memsets() {
     // a block's residual adds ride in its norms and GEMMs (194 launches a step before; at
     // smollm-135m's shape 2 347 → 1 186: BENCHMARKS.md)
     assert!(n("launches") <= 111.0 && n("gemms") > 0.0, "launches per step: {step:?}");
+}
+
+#[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
+fn fp8_casts_each_tensor_once_a_step_and_plans_each_gemm_once() {
+    let Some(dir) = fake_driver() else { return };
+    let step = calls_per_step(dir, &["device.dtype=fp8"]);
+    let n = |k: &str| step[k].as_f64().unwrap();
+    eprintln!("one FP8 step, 2 micro-batches, 1 GPU: {step:?}");
+    // a block's GEMM operands, each cast once (both layouts in one launch) and its copy reused:
+    // 4 inputs a micro-batch (q, k and v read one x; gate and up another), 7 output gradients a
+    // micro-batch, and 7 weights once a step (every micro-batch reads the same copy). Cast for
+    // each GEMM as each GEMM read them, it was 6 casts per layer and micro-batch: 168 here.
+    let (layers, micro, hidden, ffn, rows) = (2.0, 2.0, 32.0, 64.0, 32.0);
+    assert!(n("fp8_casts") <= layers * (micro * (4.0 + 7.0) + 7.0), "FP8 casts per step: {step:?}");
+    // the numbers those casts read: per micro-batch rows × (3 hidden-wide inputs, the ffn-wide
+    // one; dq, do, ddown hidden-wide, dk and dv half of it, dgate and dup ffn-wide), and the
+    // 7 weights (q, o: hidden²; k, v: hidden²/2; gate, up, down: hidden × ffn)
+    let activations = rows * (3.0 * hidden + ffn + 3.0 * hidden + hidden + 2.0 * ffn);
+    let weights = 3.0 * hidden * hidden + 3.0 * hidden * ffn;
+    assert!(n("fp8_cast_numbers") <= layers * (micro * activations + weights), "numbers cast per step: {step:?}");
+    // cuBLASLt's heuristic is asked once a GEMM shape, in the first step: never again
+    assert_eq!(n("lt_heuristics"), 0.0, "cuBLASLt heuristic queries per step: {step:?}");
+    assert!(n("syncs") <= 1.0 && n("memsets") <= 3.0, "FP8 casts wait for nothing and zero nothing: {step:?}");
 }
 
 #[test]

@@ -108,6 +108,7 @@ impl Group {
 
     /// Starts an in-place all-reduce of `t` over the group.
     pub fn all_reduce_tensor_async(&self, mut t: Tensor, op: ReduceOp) -> Result<Pending> {
+        t.written();
         self.count(Call::AllReduce, sent(&t));
         let how = match self.link_for(&t) {
             _ if self.size() == 1 => How::Done,
@@ -123,6 +124,7 @@ impl Group {
 
     /// `t` becomes the reduction of every member's `t`.
     pub fn all_reduce_tensor(&self, t: &mut Tensor, op: ReduceOp) -> Result<()> {
+        t.written();
         self.count(Call::AllReduce, sent(t));
         match self.link_for(t) {
             _ if self.size() == 1 => Ok(()),
@@ -196,6 +198,7 @@ impl Group {
 
     /// Every member's `t` becomes member `root`'s.
     pub fn broadcast_tensor(&self, t: &mut Tensor, root: usize) -> Result<()> {
+        t.written();
         if self.size() == 1 {
             return Ok(()); // alone: nothing to move (and on a GPU, no wait for it)
         }
@@ -235,6 +238,7 @@ impl Group {
 
     /// Receives member `from`'s tensor into `t` (its shape, place and dtype are the sender's).
     pub fn recv_tensor_into(&self, t: &mut Tensor, from: usize) -> Result<()> {
+        t.written();
         self.count(Call::P2p, sent(t));
         match self.link_for(t) {
             Some(link) => {

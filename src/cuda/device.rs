@@ -24,9 +24,11 @@ use crate::cuda::runtime::{cuda_err, Gpu, Staging};
 use crate::ops::types::DType;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::CudaBlas;
+use cudarc::cublaslt::sys as lt_sys;
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, LaunchConfig, PushKernelArg};
 use half::bf16;
-use std::collections::VecDeque;
+use std::any::Any;
+use std::collections::{HashMap, VecDeque};
 use std::mem::ManuallyDrop;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -45,6 +47,9 @@ pub const GPU_ERROR: &str = "CUDA ";
 pub struct Buf {
     pub(crate) data: Data,
     dev: Arc<Device>,
+    /// What the op layer made from these numbers to read them faster (a tensor's FP8 copies,
+    /// `ops/gpu_fp8.rs`), kept until the numbers change: `written` drops them.
+    derived: Mutex<Vec<Arc<dyn Any + Send + Sync>>>,
 }
 
 pub(crate) enum Data {
@@ -67,7 +72,30 @@ impl Buf {
     fn new(dev: &Arc<Device>, data: Data) -> Buf {
         let held = dev.held.fetch_add(data.bytes(), Ordering::Relaxed) + data.bytes();
         dev.peak.fetch_max(held, Ordering::Relaxed);
-        Buf { data, dev: dev.clone() }
+        Buf { data, dev: dev.clone(), derived: Mutex::default() }
+    }
+
+    /// The first of this buffer's derived copies of type `T` that `find` accepts, or the one
+    /// `make` makes now (then kept), and whether it was just made.
+    pub(crate) fn derived<T: Any + Send + Sync>(
+        &self,
+        find: impl Fn(&T) -> bool,
+        make: impl FnOnce() -> Result<T>,
+    ) -> Result<(Arc<T>, bool)> {
+        let mut kept = self.derived.lock().unwrap_or_else(|e| e.into_inner());
+        let found = kept.iter().find_map(|d| d.clone().downcast::<T>().ok().filter(|d| find(d)));
+        if let Some(d) = found {
+            return Ok((d, false));
+        }
+        let made = Arc::new(make()?);
+        kept.push(made.clone());
+        Ok((made, true))
+    }
+
+    /// The numbers are about to change: what was derived from them is dropped. Every write to a
+    /// buffer that already exists passes here (the op layer's `&mut Tensor`, `Tensor::written`).
+    pub(crate) fn written(&mut self) {
+        self.derived.get_mut().unwrap_or_else(|e| e.into_inner()).clear();
     }
 
     pub fn device(&self) -> &Arc<Device> {
@@ -137,6 +165,7 @@ impl Buf {
 
     /// Overwrites the buffer with host f32 data (a mixed weight: the master and its copy).
     pub fn write(&mut self, data: &[f32]) {
+        self.written();
         let dev = self.dev.clone();
         fatal(
             "upload",
@@ -218,10 +247,67 @@ pub struct Device {
     peak: AtomicUsize,
 }
 
-/// A cuBLASLt handle and the workspace its GEMMs may use.
+/// A cuBLASLt handle, the workspace its GEMMs may use, and a plan for each GEMM shape met.
 pub(crate) struct BlasLt {
-    pub handle: cudarc::cublaslt::sys::cublasLtHandle_t,
+    pub handle: lt_sys::cublasLtHandle_t,
     pub workspace: CudaSlice<u8>,
+    pub plans: Mutex<HashMap<LtShape, LtPlan>>,
+}
+
+/// A cuBLASLt GEMM's shape: rows, columns and summed length of the product, and the types of its
+/// two operands and its output (`cudaDataType` codes).
+pub(crate) type LtShape = (usize, usize, usize, [u32; 3]);
+
+/// The descriptors of one GEMM shape and the algorithm cuBLASLt's heuristic chose for it: asked
+/// once a run, not at every call (`ops/gpu_fp8.rs`); destroyed with the device (or when making
+/// them failed half-way).
+#[derive(Default)]
+pub(crate) struct LtPlan {
+    pub desc: Option<lt_sys::cublasLtMatmulDesc_t>,
+    pub layouts: Vec<lt_sys::cublasLtMatrixLayout_t>,
+    pub pref: Option<lt_sys::cublasLtMatmulPreference_t>,
+    pub algo: Option<lt_sys::cublasLtMatmulAlgo_t>,
+}
+
+impl Drop for LtPlan {
+    fn drop(&mut self) {
+        use cudarc::cublaslt::result as lt;
+        // SAFETY: each was made by cuBLASLt and is destroyed once, here.
+        unsafe {
+            if let Some(d) = self.desc {
+                let _ = lt::destroy_matmul_desc(d);
+            }
+            for &l in &self.layouts {
+                let _ = lt::destroy_matrix_layout(l);
+            }
+            if let Some(p) = self.pref {
+                let _ = lt::destroy_matmul_pref(p);
+            }
+        }
+    }
+}
+
+// SAFETY: cuBLASLt descriptors are plain host structures; each device's are used from its rank's
+// thread, under the plans' lock.
+unsafe impl Send for LtPlan {}
+
+/// Bytes on the GPU outside any tensor (a tensor's FP8 copies), counted in the device's memory
+/// as a tensor's are; written by the kernel that fills them before anything reads them.
+pub(crate) struct Bytes {
+    slice: CudaSlice<u8>,
+    dev: Arc<Device>,
+}
+
+impl Bytes {
+    pub(crate) fn addr(&self) -> Addr {
+        self.slice.device_ptr(&self.dev.gpu.compute).0
+    }
+}
+
+impl Drop for Bytes {
+    fn drop(&mut self) {
+        self.dev.held.fetch_sub(self.slice.num_bytes(), Ordering::Relaxed);
+    }
 }
 
 // SAFETY: a cuBLASLt handle may be used from any thread; ferrotron uses each device's from its
@@ -333,6 +419,15 @@ impl Device {
             DType::Bf16 => Data::Bf16(fatal("cast", self.to_bf16(&f32s))), // f32s is freed in stream order
         };
         Buf::new(self, data)
+    }
+
+    /// `n` bytes, uninitialised (see `Bytes`).
+    pub(crate) fn bytes(self: &Arc<Self>, n: usize) -> Result<Bytes> {
+        // SAFETY: `Bytes` are written whole by their kernel before anything reads them.
+        let slice = unsafe { self.gpu.compute.alloc::<u8>(n.max(1)) }.map_err(cuda_err)?;
+        let held = self.held.fetch_add(slice.num_bytes(), Ordering::Relaxed) + slice.num_bytes();
+        self.peak.fetch_max(held, Ordering::Relaxed);
+        Ok(Bytes { slice, dev: self.clone() })
     }
 
     /// A weight on the GPU: f32, or in mixed precision an fp32 master with its bf16 copy.

@@ -83,6 +83,8 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("moe", "combine_backward_bf16"),
     ("fp8", "fp8_amax_f32"),
     ("fp8", "fp8_amax_bf16"),
+    ("fp8", "fp8_operand_f32"),
+    ("fp8", "fp8_operand_bf16"),
     ("fp8", "fp8_cast_f32"),
     ("fp8", "fp8_cast_bf16"),
     ("fp8", "fp8_decode_f32"),

@@ -123,38 +123,48 @@ pub fn cast_bf16_to_f32(from: Addr, to: Addr, n: usize) -> Launch {
     launch(kernel!("cast_bf16_to_f32"), each(n), vec![Ptr(from), Ptr(to), long(n)])
 }
 
-/// Max |x| of each of NORM_BLOCKS slices of `x` (n numbers) into `partial` (`kernels/fp8.cu`), or
-/// of one slice per THREADS numbers for a small tensor (the rest of the slots stay as they are:
-/// zeros, which no maximum of |x| is below).
-pub fn fp8_amax(dt: DType, x: Addr, n: usize, partial: Addr) -> Launch {
-    let blocks = n.div_ceil(THREADS as usize).clamp(1, NORM_BLOCKS) as u32;
-    launch(typed!("fp8_amax", dt), ((blocks, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
+/// Max |x| of each of `blocks` slices of `x` (n numbers) into `partial` (`kernels/fp8.cu`).
+pub fn fp8_amax(dt: DType, x: Addr, n: usize, (partial, blocks): (Addr, usize)) -> Launch {
+    launch(typed!("fp8_amax", dt), ((blocks as u32, 1, 1), THREADS), vec![Ptr(x), long(n), Ptr(partial)])
 }
 
-/// `x` `[rows, cols]` (transposed: into `[cols, rows]`; rows of y `ld` long) cast to FP8 bytes
-/// `y` (E5M2 or E4M3), scaled by current scaling of the NORM_BLOCKS partials' max; 1/scale into
-/// `inverse_scale` (0: not wanted).
-pub fn fp8_cast(
+/// The blocks `fp8_amax` takes for `n` numbers: one per 4096 (each thread reads 16 an iteration),
+/// at least 1 and at most `most` (NORM_BLOCKS for a weight's maxima on the wire, which every rank
+/// must have as many of; AMAX_BLOCKS for a GEMM operand, enough to fill an H100 with loads).
+pub fn amax_blocks(n: usize, most: usize) -> usize {
+    n.div_ceil(16 * THREADS as usize).clamp(1, most)
+}
+
+/// The most blocks `fp8_amax` takes for a GEMM operand.
+pub const AMAX_BLOCKS: usize = 1024;
+
+/// The numbers a block of `fp8_operand` casts: a tile of FP8_TILE × FP8_TILE.
+pub const FP8_TILE: usize = 64;
+
+/// `x` `[rows, cols]` cast to FP8 (E5M2 or E4M3) with current scaling of the `partials` maxima
+/// at `partial`, written twice, the summed index contiguous in each: `y` `[rows, cols16]` and
+/// `yt` `[cols, rows16]` (n16: n rounded up to 16, the padding zeros); 1/scale into
+/// `inverse_scale`. A block a tile of both.
+pub fn fp8_operand(
     dt: DType,
-    (x, rows, cols, ld): (Addr, usize, usize, usize),
-    transposed: bool,
+    (x, rows, cols): (Addr, usize, usize),
     e5m2: bool,
-    partial: Addr,
-    (y, inverse_scale): (Addr, Addr),
+    (partial, partials): (Addr, usize),
+    (y, yt, inverse_scale): (Addr, Addr, Addr),
 ) -> Launch {
-    let args = vec![
-        Ptr(x),
-        long(rows),
-        long(cols),
-        long(ld),
-        int(transposed as usize),
-        int(e5m2 as usize),
-        Ptr(partial),
-        int(NORM_BLOCKS),
-        Ptr(y),
-        Ptr(inverse_scale),
-    ];
-    launch(typed!("fp8_cast", dt), each(rows * cols), args)
+    let tiles = |n: usize| n.next_multiple_of(16).div_ceil(FP8_TILE);
+    let (sizes, format) = ([long(rows), long(cols)], int(e5m2 as usize));
+    let mut args = vec![Ptr(x)];
+    args.extend(sizes);
+    args.extend([format, Ptr(partial), int(partials), Ptr(y), Ptr(yt), Ptr(inverse_scale)]);
+    let blocks = (tiles(rows) * tiles(cols)) as u32;
+    launch(typed!("fp8_operand", dt), ((blocks, 1, 1), THREADS), args)
+}
+
+/// `n` numbers of `x` cast to E4M3 bytes `y` with current scaling of the NORM_BLOCKS maxima at
+/// `partial` (a weight packed for the wire: `ops/wire.rs`).
+pub fn fp8_cast(dt: DType, (x, n): (Addr, usize), partial: Addr, y: Addr) -> Launch {
+    launch(typed!("fp8_cast", dt), each(n), vec![Ptr(x), long(n), Ptr(partial), int(NORM_BLOCKS), Ptr(y)])
 }
 
 /// `n` E4M3 bytes `q` decoded into `out` (dtype `dt`), divided by the scale of the maxima in
@@ -529,8 +539,9 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(target_logit(dt, 0, (1, 1), 0, 0, 0));
         all.push(cross_entropy_backward(dt, (0, 0), 0, (0, 1.0), (1, 1), 0));
         all.push(add_assign(dt, 0, 0, 1));
-        all.push(fp8_amax(dt, 0, 1, 0));
-        all.push(fp8_cast(dt, (0, 1, 1, 1), false, false, 0, (0, 0)));
+        all.push(fp8_amax(dt, 0, 1, (0, 1)));
+        all.push(fp8_operand(dt, (0, 1, 1), false, (0, 1), (0, 0, 0)));
+        all.push(fp8_cast(dt, (0, 1), 0, 0));
         all.push(fp8_decode(dt, (0, 1), 0, 0));
         all.push(scale(dt, 0, 1.0, 1));
         all.extend(moe::catalogue(dt));

@@ -1,10 +1,10 @@
-//! # FP8 GEMMs on the GPU: two cast kernels per operand and one cuBLASLt call
+//! # FP8 GEMMs on the GPU: each tensor cast once, one cuBLASLt call a GEMM
 //!
-//! The math is `ops/fp8.rs`'s; this is where it runs. Each operand is cast by `kernels/fp8.cu`
-//! (its amax, then its bytes and 1/scale, both on the GPU: no host wait), and one
-//! `cublasLtMatmul` multiplies the bytes in the FP8 tensor cores, summing in f32, multiplying the
-//! sums by the two 1/scales it is pointed at (`A_SCALE_POINTER`, `B_SCALE_POINTER`), and writing
-//! bf16 (y, dx) or adding into the fp32 gradient (dW, with beta = 1).
+//! The math is `ops/fp8.rs`'s; this is where it runs. A tensor that a GEMM reads in FP8 is cast
+//! by `kernels/fp8.cu` (its amax, then its bytes and 1/scale, both on the GPU: no host wait), and
+//! one `cublasLtMatmul` multiplies the bytes in the FP8 tensor cores, summing in f32, multiplying
+//! the sums by the two 1/scales it is pointed at (`A_SCALE_POINTER`, `B_SCALE_POINTER`), and
+//! writing bf16 (y, dx) or adding into the fp32 gradient (dW, with beta = 1).
 //!
 //! Hopper's FP8 GEMMs take one layout only, "TN": both operands with the summed index k
 //! contiguous. In our row-major terms: y[r, c] = Σ_k b[r, k] · a[c, k].
@@ -15,15 +15,26 @@
 //! dx = dy · W               rows   in    out     Wᵀ         transposed  dy         as it is
 //! dW += dyᵀ · x             out    in    rows    xᵀ         transposed  dyᵀ        transposed
 //! ```
-//! so the cast kernel writes W, x or dy transposed where the table says. cuBLASLt also asks the
-//! summed length k and c to be multiples of 16: the cast pads each operand's rows with zeros to a
-//! multiple of 16 (which adds nothing to the sums: a micro-batch's or an expert's rows may be any
-//! number), and the config check asks it of every layer's features. Not yet done here, as
-//! TransformerEngine does: casting x once for forward and keeping its FP8 bytes (half of bf16's)
-//! for backward; fusing the transposed cast into one pass.
+//! Every one of x, W and dy is read both ways, so the cast writes both at once (`Fp8Copy`: `rows`
+//! as it is, `columns` transposed), each padded with zeros to a multiple of 16 along k, as
+//! cuBLASLt asks (zeros add nothing to the sums; a micro-batch's or an expert's rows may be any
+//! number; the config check asks it of every layer's features).
+//!
+//! **Cast once, keep the copy.** The copy stays with the tensor (`Buf::derived`) until the tensor
+//! is written (`Tensor::written`, which every in-place op and collective calls): a weight is cast
+//! at its first GEMM after the optimizer wrote it, then read by every micro-batch's forward and
+//! backward; an input x by its forward GEMMs (q, k and v read the same x: one cast) and again by
+//! dW; an output gradient dy by dx and then by dW (zero bubble's W pass included). The copy costs
+//! 2 bytes a number for as long as the tensor lives: for a saved activation, until its backward.
+//! `FERROTRON_CHECK_CASTS=1` casts again at every reuse and stops the run if the bytes differ (a
+//! write that did not pass `written`): the fake-GPU tests run with it.
+//!
+//! **Plan once.** cuBLASLt's heuristic picks an algorithm for a shape; asking it costs more host
+//! time than queuing the GEMM, so each shape's descriptors and algorithm are kept (`LtPlan`) and
+//! only the two scale pointers change from call to call.
 
-use crate::cuda::device::{BlasLt, Device};
-use crate::cuda::launch_table::{self, Addr, NORM_BLOCKS};
+use crate::cuda::device::{BlasLt, Bytes, Device, LtPlan, LtShape};
+use crate::cuda::launch_table::{self, amax_blocks, Addr, AMAX_BLOCKS, NORM_BLOCKS};
 use crate::cuda::runtime::cuda_err;
 use crate::ops::fp8::Fp8;
 use crate::ops::gpu::addr;
@@ -32,26 +43,45 @@ use crate::ops::types::{DType, Precision};
 use crate::ops::wire::slots;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublaslt::{result as lt, sys};
-use cudarc::driver::{CudaSlice, DevicePtr};
+use cudarc::driver::DevicePtr;
+use std::collections::hash_map::Entry;
+use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// Bytes of workspace cuBLASLt may use per GEMM.
 const WORKSPACE: usize = 32 << 20;
 
-/// One operand cast to FP8 on the GPU: `[rows, k16]` bytes, k contiguous and zero-padded to a
-/// multiple of 16, and its 1/scale.
-struct Operand {
-    bytes: CudaSlice<u8>,
-    inverse_scale: CudaSlice<f32>,
+/// A tensor `[rows, cols]` cast to FP8 with current scaling: `rows` `[rows, cols16]` (each row's
+/// numbers contiguous), `columns` `[cols, rows16]` (each column's), n16 being n rounded up to 16
+/// with zeros; its 1/scale.
+pub(crate) struct Fp8Copy {
     format: Fp8,
+    rows: Bytes,
+    columns: Bytes,
+    inverse_scale: Bytes,
+}
+
+/// One operand of a GEMM: FP8 bytes with the summed index contiguous, and their 1/scale.
+struct Operand {
+    bytes: Addr,
+    inverse_scale: Addr,
+    format: Fp8,
+}
+
+impl Fp8Copy {
+    /// The copy as a GEMM reads it: along its rows (k = cols) or along its columns (k = rows).
+    fn along(&self, columns: bool) -> Operand {
+        let bytes = if columns { &self.columns } else { &self.rows };
+        Operand { bytes: bytes.addr(), inverse_scale: self.inverse_scale.addr(), format: self.format }
+    }
 }
 
 impl Device {
     /// y[rows, out] = x · Wᵀ in FP8 (E4M3 × E4M3), written in bf16.
     pub(crate) fn fp8_linear(self: &Arc<Self>, x: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (rows, inp, out) = (x.rows(), x.cols(), w.shape()[0]);
-        let (a, b) = (self.fp8_operand(w, false, Fp8::E4M3, inp)?, self.fp8_operand(x, false, Fp8::E4M3, inp)?);
+        let (a, b) = (self.fp8_copy(w, Fp8::E4M3)?.along(false), self.fp8_copy(x, Fp8::E4M3)?.along(false));
         let y = self.tensor(&[rows, out], DType::Bf16);
         self.fp8_gemm((&a, &b), (rows, out, inp), (addr(&y), DType::Bf16), false)?;
         Ok(y)
@@ -60,7 +90,7 @@ impl Device {
     /// dx[rows, in] = dy · W in FP8 (E5M2 × E4M3), written in bf16.
     pub(crate) fn fp8_input_grad(self: &Arc<Self>, dy: &Tensor, w: &Tensor) -> Result<Tensor> {
         let (rows, out, inp) = (dy.rows(), w.shape()[0], w.cols());
-        let (a, b) = (self.fp8_operand(w, true, Fp8::E4M3, out)?, self.fp8_operand(dy, false, Fp8::E5M2, out)?);
+        let (a, b) = (self.fp8_copy(w, Fp8::E4M3)?.along(true), self.fp8_copy(dy, Fp8::E5M2)?.along(false));
         let dx = self.tensor(&[rows, inp], DType::Bf16);
         self.fp8_gemm((&a, &b), (rows, inp, out), (addr(&dx), DType::Bf16), false)?;
         Ok(dx)
@@ -69,35 +99,47 @@ impl Device {
     /// dW[out, in] += dyᵀ · x in FP8 (E5M2 × E4M3), into the fp32 gradient.
     pub(crate) fn fp8_weight_grad(self: &Arc<Self>, dy: &Tensor, x: &Tensor, dw: &Tensor) -> Result<()> {
         let (rows, out, inp) = (x.rows(), dw.shape()[0], x.cols());
-        let (a, b) = (self.fp8_operand(x, true, Fp8::E4M3, rows)?, self.fp8_operand(dy, true, Fp8::E5M2, rows)?);
+        let (a, b) = (self.fp8_copy(x, Fp8::E4M3)?.along(true), self.fp8_copy(dy, Fp8::E5M2)?.along(true));
         self.fp8_gemm((&a, &b), (out, inp, rows), (dw.gpu().expect("on the GPU").f32_addr(), DType::F32), true)
     }
 
-    /// `t` cast to `format` with current scaling (transposed: `[cols, rows]`), its rows (k long)
-    /// padded with zeros to a multiple of 16: two launches, and a memset where padded.
-    fn fp8_operand(self: &Arc<Self>, t: &Tensor, transposed: bool, format: Fp8, k: usize) -> Result<Operand> {
-        let s = &self.gpu.compute;
-        let (n, ld) = (t.numel(), k.next_multiple_of(16));
-        let size = n / k.max(1) * ld;
-        // SAFETY: the kernels write every byte and the scale before anything reads them.
-        let (partial, bytes, inverse_scale) = unsafe {
-            (
-                s.alloc_zeros::<f32>(NORM_BLOCKS).map_err(cuda_err)?, // fp8_amax may fill fewer
-                s.alloc::<u8>(size.max(1)).map_err(cuda_err)?,
-                s.alloc::<f32>(1).map_err(cuda_err)?,
-            )
-        };
-        let (partial_at, bytes_at, scale_at) =
-            (partial.device_ptr(s).0, bytes.device_ptr(s).0, inverse_scale.device_ptr(s).0);
-        if ld != k {
-            // SAFETY: the buffer holds `size` bytes, written in compute-stream order.
-            unsafe { cudarc::driver::result::memset_d8_async(bytes_at, 0, size, s.cu_stream()) }.map_err(cuda_err)?;
+    /// `t`'s FP8 copy in `format`: the one kept with it, or made now (two launches) and kept.
+    fn fp8_copy(self: &Arc<Self>, t: &Tensor, format: Fp8) -> Result<Arc<Fp8Copy>> {
+        let buf = t.gpu().expect("on the GPU");
+        let (copy, fresh) = buf.derived(|c: &Fp8Copy| c.format == format, || self.new_fp8_copy(t, format))?;
+        if !fresh && check_casts() {
+            let again = self.new_fp8_copy(t, format)?;
+            let bytes = |c: &Fp8Copy| -> Result<_> {
+                let (rows, cols) = (t.rows(), t.cols());
+                let size = |r: usize, k: usize| r * k.next_multiple_of(16);
+                Ok((
+                    self.download_bytes(&c.rows, size(rows, cols))?,
+                    self.download_bytes(&c.columns, size(cols, rows))?,
+                ))
+            };
+            if bytes(&copy)? != bytes(&again)? {
+                bail!("the FP8 copy of a {:?} tensor no longer matches its numbers: a write reached the tensor without Tensor::written (FERROTRON_CHECK_CASTS)", t.shape());
+            }
         }
-        let dt = t.dtype();
-        self.run(&launch_table::fp8_amax(dt, addr(t), n, partial_at))?;
-        let (x, e5m2) = ((addr(t), t.rows(), t.cols(), ld), format == Fp8::E5M2);
-        self.run(&launch_table::fp8_cast(dt, x, transposed, e5m2, partial_at, (bytes_at, scale_at)))?;
-        Ok(Operand { bytes, inverse_scale, format })
+        Ok(copy)
+    }
+
+    /// `t` `[rows, cols]` cast to `format` with current scaling, both ways (`Fp8Copy`).
+    fn new_fp8_copy(self: &Arc<Self>, t: &Tensor, format: Fp8) -> Result<Fp8Copy> {
+        let (n, rows, cols) = (t.numel(), t.rows(), t.cols());
+        let copy = Fp8Copy {
+            format,
+            rows: self.bytes(rows * cols.next_multiple_of(16))?,
+            columns: self.bytes(cols * rows.next_multiple_of(16))?,
+            inverse_scale: self.bytes(4)?,
+        };
+        let blocks = amax_blocks(n, AMAX_BLOCKS);
+        let partial = self.bytes(4 * blocks)?;
+        let (dt, e5m2, maxima) = (t.dtype(), format == Fp8::E5M2, (partial.addr(), blocks));
+        self.run(&launch_table::fp8_amax(dt, addr(t), n, maxima))?;
+        let out = (copy.rows.addr(), copy.columns.addr(), copy.inverse_scale.addr());
+        self.run(&launch_table::fp8_operand(dt, (addr(t), rows, cols), e5m2, maxima, out))?;
+        Ok(copy)
     }
 
     /// Row-major y[r, c] = Σ_k b[r, k] · a[c, k] / (s_a · s_b) (+ y when `accumulate`): cuBLASLt's
@@ -130,57 +172,48 @@ impl Device {
             Fp8::E5M2 => sys::cudaDataType::CUDA_R_8F_E5M2,
         };
         let out_ty = if y_dt == DType::F32 { sys::cudaDataType::CUDA_R_32F } else { sys::cudaDataType::CUDA_R_16BF };
+        let types = [ty(a.format), ty(b.format), out_ty];
         let blas = |e: lt::CublasError| anyhow!("cuBLASLt FP8 GEMM ({r}×{c}, k {k}): {e:?}");
-        let mut d = Descriptors { desc: None, layouts: Vec::new(), pref: None };
-        d.desc = Some(
-            lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)
-                .map_err(blas)?,
-        );
-        for (t, rows, cols) in [(ty(a.format), k, c), (ty(b.format), k, r), (out_ty, c, r)] {
-            d.layouts.push(lt::create_matrix_layout(t, rows as u64, cols as u64, rows as i64).map_err(blas)?);
-        }
-        d.pref = Some(lt::create_matmul_pref().map_err(blas)?);
-        let (desc, pref, [la, lb, ld]) = (d.desc.unwrap(), d.pref.unwrap(), [d.layouts[0], d.layouts[1], d.layouts[2]]);
-        let (scale_a, scale_b) = (a.inverse_scale.device_ptr(s).0, b.inverse_scale.device_ptr(s).0);
-        let transposed = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
+        let mut plans = lt.plans.lock().unwrap_or_else(|e| e.into_inner());
+        let shape: LtShape = (r, c, k, types.map(|t| t as u32));
+        let plan = match plans.entry(shape) {
+            Entry::Occupied(p) => p.into_mut(),
+            Entry::Vacant(v) => v.insert(plan(lt, (r, c, k), types).map_err(blas)?),
+        };
+        let (desc, algo) = (plan.desc.expect("made"), plan.algo.as_ref().expect("chosen"));
+        let [la, lb, ld] = [plan.layouts[0], plan.layouts[1], plan.layouts[2]];
         // SAFETY: each attribute's value is the type cuBLASLt documents for it, alive for the call;
         // the buffers hold what the layouts describe.
         unsafe {
-            let set = |attr, v: *const c_void, size| lt::set_matmul_desc_attribute(desc, attr, v, size).map_err(blas);
             use sys::cublasLtMatmulDescAttributes_t as A;
-            set(A::CUBLASLT_MATMUL_DESC_TRANSA, &transposed as *const _ as *const c_void, 4)?;
-            set(A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, (&scale_a as *const u64).cast(), 8)?;
-            set(A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, (&scale_b as *const u64).cast(), 8)?;
-            let limit = WORKSPACE as u64;
-            let attr = sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
-            lt::set_matmul_pref_attribute(pref, attr, (&limit as *const u64).cast(), 8).map_err(blas)?;
-            let heuristic = lt::get_matmul_algo_heuristic(lt.handle, desc, la, lb, ld, ld, pref).map_err(blas)?;
+            let set = |attr, v: &u64| lt::set_matmul_desc_attribute(desc, attr, (v as *const u64).cast(), 8);
+            set(A::CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &a.inverse_scale).map_err(blas)?;
+            set(A::CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &b.inverse_scale).map_err(blas)?;
             let (alpha, beta) = (1.0f32, if accumulate { 1.0f32 } else { 0.0 });
-            let (pa, pb) = (a.bytes.device_ptr(s).0 as *const c_void, b.bytes.device_ptr(s).0 as *const c_void);
+            let (pa, pb) = (a.bytes as *const c_void, b.bytes as *const c_void);
             let work = lt.workspace.device_ptr(s).0 as *mut c_void;
             let (alpha, beta) = ((&alpha as *const f32).cast(), (&beta as *const f32).cast());
             let stream = s.cu_stream() as sys::cudaStream_t;
-            lt::matmul(
-                lt.handle,
-                desc,
-                alpha,
-                beta,
-                pa,
-                la,
-                pb,
-                lb,
-                y as _,
-                ld,
-                y as _,
-                ld,
-                &heuristic.algo,
-                work,
-                WORKSPACE,
-                stream,
-            )
-            .map_err(blas)?;
+            let name = || format!("cublasLt fp8 gemm {c}x{r}x{k}"); // column-major m×n×k, as cuBLAS's
+            crate::cuda::profile::timed(name, s, || {
+                lt::matmul(
+                    lt.handle, desc, alpha, beta, pa, la, pb, lb, y as _, ld, y as _, ld, algo, work, WORKSPACE, stream,
+                )
+                .map_err(blas)
+            })?;
         }
+        drop(plans);
         self.gpu.checked(|| "cuBLASLt FP8 GEMM".into())
+    }
+
+    /// `n` bytes of `b`, on the host (waits for the GPU).
+    fn download_bytes(&self, b: &Bytes, n: usize) -> Result<Vec<u8>> {
+        let mut host = vec![0u8; n];
+        let s = &self.gpu.compute;
+        // SAFETY: `b` holds at least `n` bytes, written in compute-stream order, which this waits for.
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(&mut host, b.addr(), s.cu_stream()) }.map_err(cuda_err)?;
+        s.synchronize().map_err(cuda_err)?;
+        Ok(host)
     }
 
     // The wire formats of a gathered weight (`ops/wire.rs`): f32 slots holding f32, bf16 pairs or
@@ -189,7 +222,8 @@ impl Device {
     /// The largest |x| of each of NORM_BLOCKS slices of `t`.
     pub(crate) fn abs_max(self: &Arc<Self>, t: &Tensor) -> Result<Tensor> {
         let out = Tensor::from_buf(&[NORM_BLOCKS], self.zeros(NORM_BLOCKS, DType::F32)); // fp8_amax may fill fewer
-        self.run(&launch_table::fp8_amax(t.dtype(), addr(t), t.numel(), addr(&out)))?;
+        let blocks = amax_blocks(t.numel(), NORM_BLOCKS);
+        self.run(&launch_table::fp8_amax(t.dtype(), addr(t), t.numel(), (addr(&out), blocks)))?;
         Ok(out)
     }
 
@@ -201,7 +235,7 @@ impl Device {
         match (wire, dt) {
             (Precision::Fp8, _) => {
                 let amax = addr(amax.ok_or_else(|| anyhow!("an FP8 weight packed without its maxima"))?);
-                self.run(&launch_table::fp8_cast(dt, (from, 1, n, n), false, false, amax, (to, 0)))?
+                self.run(&launch_table::fp8_cast(dt, (from, n), amax, to))?
             }
             (Precision::F32, DType::F32) => self.copy_bytes(from, to, 4 * n)?,
             (Precision::F32, DType::Bf16) => self.run(&launch_table::cast_bf16_to_f32(from, to, n))?,
@@ -249,30 +283,45 @@ impl Device {
         let handle = lt::create_handle().map_err(|e| anyhow!("cuBLASLt cannot start: {e:?}"))?;
         // SAFETY: cuBLASLt only writes scratch into the workspace.
         let workspace = unsafe { self.gpu.compute.alloc::<u8>(WORKSPACE) }.map_err(cuda_err)?;
-        Ok(self.lt.get_or_init(|| BlasLt { handle, workspace }))
+        Ok(self.lt.get_or_init(|| BlasLt { handle, workspace, plans: Mutex::new(HashMap::new()) }))
     }
 }
 
-/// The descriptors of one cuBLASLt call, destroyed when it is done (or fails).
-struct Descriptors {
-    desc: Option<sys::cublasLtMatmulDesc_t>,
-    layouts: Vec<sys::cublasLtMatrixLayout_t>,
-    pref: Option<sys::cublasLtMatmulPreference_t>,
+/// The descriptors of a GEMM of this shape and the algorithm cuBLASLt's heuristic picks for it.
+fn plan(
+    lt: &BlasLt,
+    (r, c, k): (usize, usize, usize),
+    [ta, tb, ty]: [sys::cudaDataType; 3],
+) -> std::result::Result<LtPlan, lt::CublasError> {
+    let mut p = LtPlan::default(); // destroys what was made if a step fails
+    let desc = lt::create_matmul_desc(sys::cublasComputeType_t::CUBLAS_COMPUTE_32F, sys::cudaDataType::CUDA_R_32F)?;
+    p.desc = Some(desc);
+    for (t, rows, cols) in [(ta, k, c), (tb, k, r), (ty, c, r)] {
+        p.layouts.push(lt::create_matrix_layout(t, rows as u64, cols as u64, rows as i64)?);
+    }
+    let pref = lt::create_matmul_pref()?;
+    p.pref = Some(pref);
+    let transposed = cudarc::cublas::sys::cublasOperation_t::CUBLAS_OP_T;
+    // SAFETY: each attribute's value is the type cuBLASLt documents for it, alive for the call.
+    unsafe {
+        use sys::cublasLtMatmulDescAttributes_t as A;
+        lt::set_matmul_desc_attribute(
+            desc,
+            A::CUBLASLT_MATMUL_DESC_TRANSA,
+            (&transposed as *const cudarc::cublas::sys::cublasOperation_t).cast(),
+            4,
+        )?;
+        let limit = WORKSPACE as u64;
+        let attr = sys::cublasLtMatmulPreferenceAttributes_t::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES;
+        lt::set_matmul_pref_attribute(pref, attr, (&limit as *const u64).cast(), 8)?;
+        let [la, lb, ld] = [p.layouts[0], p.layouts[1], p.layouts[2]];
+        p.algo = Some(lt::get_matmul_algo_heuristic(lt.handle, desc, la, lb, ld, ld, pref)?.algo);
+    }
+    Ok(p)
 }
 
-impl Drop for Descriptors {
-    fn drop(&mut self) {
-        // SAFETY: each was made by cuBLASLt and is destroyed once, here.
-        unsafe {
-            if let Some(d) = self.desc {
-                let _ = lt::destroy_matmul_desc(d);
-            }
-            for &l in &self.layouts {
-                let _ = lt::destroy_matrix_layout(l);
-            }
-            if let Some(p) = self.pref {
-                let _ = lt::destroy_matmul_pref(p);
-            }
-        }
-    }
+/// Whether `FERROTRON_CHECK_CASTS` asks every reused FP8 copy to be checked against a fresh cast.
+fn check_casts() -> bool {
+    static ON: OnceLock<bool> = OnceLock::new();
+    *ON.get_or_init(|| std::env::var("FERROTRON_CHECK_CASTS").is_ok_and(|v| v == "1"))
 }

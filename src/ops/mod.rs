@@ -71,6 +71,7 @@ pub fn linear_input_grad(dy: &Tensor, w: &Tensor, p: Precision) -> Tensor {
 /// dx += dy · w: a layer's input gradient added to the others' (the q, k and v projections read
 /// the same input); on a GPU the GEMM adds it as it writes (β = 1), where the precision allows.
 pub fn linear_input_grad_add(dy: &Tensor, w: &Tensor, p: Precision, dx: &mut Tensor) {
+    dx.written();
     assert_eq!((dx.rows(), dx.cols()), (dy.rows(), w.cols()), "linear input gradient: shapes");
     match gpu("linear backward", &[dy, w, dx]) {
         Some(d) if p != Precision::Fp8 => fatal("linear backward", d.linear_input_grad_add(dy, w, dx)),
@@ -80,6 +81,7 @@ pub fn linear_input_grad_add(dy: &Tensor, w: &Tensor, p: Precision, dx: &mut Ten
 
 /// The weight half of `linear_backward`: dw += dyᵀ · x (dw is f32 on every device).
 pub fn linear_weight_grad(dy: &Tensor, x: &Tensor, dw: &mut Tensor, p: Precision) {
+    dw.written();
     let (m, k, n) = (x.rows(), x.cols(), dw.shape()[0]);
     assert_eq!((dy.rows(), dy.cols(), dw.cols()), (m, n, k), "linear weight gradient: shapes");
     if let Some(d) = gpu("linear weight gradient", &[dy, x, dw]) {
@@ -109,6 +111,7 @@ pub fn embedding(table: &Tensor, tokens: &[u32], first: usize) -> Tensor {
 
 /// Accumulates the rows of `dout` into the table rows of their tokens (those in the slice).
 pub fn embedding_backward(dout: &Tensor, tokens: &[u32], first: usize, dtable: &mut Tensor) {
+    dtable.written();
     assert_eq!((dout.rows(), dout.cols()), (tokens.len(), dtable.cols()), "embedding backward: shapes");
     if let Some(d) = gpu("embedding backward", &[dout, dtable]) {
         return fatal("embedding backward", d.embedding_backward(dout, tokens, first, dtable));
@@ -132,6 +135,7 @@ pub fn rmsnorm(x: &Tensor, w: &Tensor, eps: f32) -> (Tensor, Tensor) {
 /// x += add, then `rmsnorm(x)`: the residual add fused into the norm that follows it (one pass
 /// over the rows on a GPU instead of two).
 pub fn add_rmsnorm(x: &mut Tensor, add: &Tensor, w: &Tensor, eps: f32) -> (Tensor, Tensor) {
+    x.written();
     assert_eq!(x.shape(), add.shape(), "add_rmsnorm: shapes differ");
     if let Some(d) = gpu("add and rmsnorm", &[x, add, w]) {
         return fatal("add and rmsnorm", d.add_rmsnorm(x, add, w, eps));
@@ -150,6 +154,7 @@ pub fn rmsnorm_backward(
     dw: &mut Tensor,
     residual: Option<&Tensor>,
 ) -> Tensor {
+    dw.written();
     if let Some(d) = gpu("rmsnorm backward", &[dy, x, w, rstd, dw]) {
         return fatal("rmsnorm backward", d.rmsnorm_backward((dy, x, w, rstd), dw, residual));
     }
@@ -173,6 +178,7 @@ pub fn rope_backward(dx: &mut Tensor, positions: &[u32], head_dim: usize, theta:
 }
 
 fn rotate(x: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64, inverse: bool) {
+    x.written();
     assert_eq!(positions.len(), x.rows(), "rope: one position per row");
     if let Some(d) = gpu("rope", &[x]) {
         return fatal("rope", d.rope(x, positions, head_dim, theta, inverse));
@@ -228,6 +234,8 @@ pub fn attention_backward(
 /// Folds one block's attention (`block_out`, `block_lse`) into the running (`out`, `lse`):
 /// lse = log(e^lse + e^block_lse), out = e^(lse_old − lse)·out + e^(block_lse − lse)·block_out.
 pub fn attention_merge(a: Attn, (out, lse): (&mut Tensor, &mut Tensor), block_out: &Tensor, block_lse: &Tensor) {
+    out.written();
+    lse.written();
     if let Some(d) = gpu("attention merge", &[out, lse, block_out, block_lse]) {
         return fatal("attention merge", d.attention_merge(a, (out, lse), (block_out, block_lse)));
     }
@@ -288,6 +296,7 @@ pub fn target_logits(logits: &Tensor, targets: &[i32], first: usize) -> Tensor {
 /// loss[0] += scale · Σ (lse − z) over the rows whose target is not negative: the loss summed
 /// where it was computed (on a GPU, no wait for it; f32 tensors).
 pub fn add_loss(loss: &mut Tensor, (lse, z): (&Tensor, &Tensor), targets: &[i32], scale: f32) {
+    loss.written();
     assert!(lse.numel() == targets.len() && z.numel() == targets.len() && loss.numel() == 1, "add_loss: sizes");
     if let Some(d) = gpu("add loss", &[loss, lse, z]) {
         return fatal("add loss", d.add_loss(loss, (lse, z), targets, scale));
@@ -319,6 +328,7 @@ pub fn log_sum_exp(max: &Tensor, sum_exp: &Tensor) -> Tensor {
 }
 
 pub fn add_assign(a: &mut Tensor, b: &Tensor) {
+    a.written();
     assert_eq!(a.shape(), b.shape(), "add_assign: shapes differ");
     if let Some(d) = gpu("add", &[a, b]) {
         return fatal("add", d.add_assign(a, b));
@@ -328,6 +338,7 @@ pub fn add_assign(a: &mut Tensor, b: &Tensor) {
 
 /// dst[to..to + n] = src[from..from + n], over the flat row-major values (same dtype).
 pub fn copy(src: &Tensor, from: usize, dst: &mut Tensor, to: usize, n: usize) {
+    dst.written();
     assert!(from + n <= src.numel() && to + n <= dst.numel(), "copy: {n} values out of bounds");
     if let Some(d) = gpu("copy", &[src, dst]) {
         return fatal("copy", d.copy(src, from, dst, to, n));
@@ -373,6 +384,7 @@ pub fn add_scaled(a: &mut Tensor, mut b: Tensor, s: f32) {
 }
 
 pub fn scale(a: &mut Tensor, s: f32) {
+    a.written();
     if let Some(d) = gpu("scale", &[a]) {
         return fatal("scale", d.scale(a, s));
     }
@@ -396,6 +408,12 @@ pub fn adamw(steps: &mut [(AdamW, &mut Tensor, &Tensor, &mut Tensor, &mut Tensor
     for (_, p, g, m, v) in steps.iter() {
         assert!(p.numel() == g.numel() && g.numel() == m.numel() && m.numel() == v.numel(), "adamw: sizes differ");
     }
+    for (_, p, _, m, v) in steps.iter_mut() {
+        // (a weight's FP8 copies are made again from its new numbers)
+        p.written();
+        m.written();
+        v.written();
+    }
     let all: Vec<&Tensor> = steps.iter().flat_map(|(_, p, g, m, v)| [&**p, *g, &**m, &**v]).collect();
     if all.is_empty() {
         return;
@@ -411,6 +429,7 @@ pub fn adamw(steps: &mut [(AdamW, &mut Tensor, &Tensor, &mut Tensor, &mut Tensor
 
 /// Every tensor of `ts` (f32: gradients) set to zero; on a GPU, a launch per 64 of them.
 pub fn zero(ts: &mut [&mut Tensor]) {
+    ts.iter_mut().for_each(|t| _ = t.written());
     let all: Vec<&Tensor> = ts.iter().map(|t| &**t).collect();
     if all.is_empty() {
         return;

@@ -307,7 +307,7 @@ impl Tensor {
     /// Runs `f` on the numbers in host memory and keeps what it writes: in place on the CPU; a GPU
     /// tensor goes to the host and back (how the local hub's collectives reach GPU tensors).
     pub fn update_host<R>(&mut self, f: impl FnOnce(&mut [f32]) -> R) -> R {
-        match &mut self.storage {
+        match &mut self.written().storage {
             Storage::Cpu(v) => f(v),
             Storage::Cuda(b) => {
                 let mut v = b.to_vec();
@@ -325,6 +325,16 @@ impl Tensor {
             Storage::Cpu(v) => v.copy_from_slice(data),
             Storage::Cuda(b) => b.write(data),
         }
+    }
+
+    /// This tensor, about to be written in place: on a GPU, what the op layer derived from its
+    /// numbers to read them faster (its FP8 copies) is dropped. Every op and collective that
+    /// writes an existing tensor takes it as `&mut Tensor` and calls this first.
+    pub(crate) fn written(&mut self) -> &mut Tensor {
+        if let Storage::Cuda(b) = &mut self.storage {
+            b.written();
+        }
+        self
     }
 
     /// The GPU buffer, when the tensor is on a GPU; for the op layer.

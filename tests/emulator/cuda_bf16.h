@@ -34,6 +34,12 @@ using std::min;
 #define __shared__ static
 #define __align__(n) __attribute__((aligned(n)))
 
+struct __align__(8) uint2 {
+    unsigned x, y;
+};
+struct __align__(16) uint4 {
+    unsigned x, y, z, w;
+};
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };

@@ -10,6 +10,8 @@
 
 #include "cuda_bf16.h"
 
+extern "C" void fake_count_heuristic(); // fake_cuda.cpp's counts
+
 namespace {
 const int OK = 0, NOT_SUPPORTED = 15, INVALID_VALUE = 7;
 const int R_32F = 0, R_16BF = 14, R_8F_E4M3 = 28, R_8F_E5M2 = 29;
@@ -80,6 +82,7 @@ int cublasLtMatmulPreferenceSetAttribute(void*, int, const void*, size_t) { retu
 
 int cublasLtMatmulAlgoGetHeuristic(void*, void* d, void* a, void* b, void*, void* dl, void*, int requested,
                                    Heuristic* results, int* count) {
+    fake_count_heuristic();
     const Desc* desc = (const Desc*)d;
     const Layout *la = (const Layout*)a, *lb = (const Layout*)b, *ld = (const Layout*)dl;
     bool fp8 = la->type == R_8F_E4M3 || la->type == R_8F_E5M2;

@@ -17,6 +17,8 @@
 // Budgets: every call that costs the host or the GPU is counted (host synchronisations, copies
 // each way with their bytes, uploads not from page-locked memory (cuMemHostAlloc), memsets, allocations, launches, GEMMs), and with
 // FERROTRON_FAKE_CUDA_COUNTS=FILE the totals are written to FILE as JSON when the process ends;
+// FP8 casts for GEMMs (fp8_operand_* launches, with the numbers they cast: rows × cols of their
+// arguments) and cuBLASLt's heuristic queries are counted apart;
 // tests/gpu_path_emulated.rs takes two runs' difference to get one training step's calls.
 #include <atomic>
 #include <chrono>
@@ -40,7 +42,7 @@ long launches_so_far = 0;
 
 struct Counts {
     std::atomic<long> syncs{0}, dtoh{0}, dtoh_bytes{0}, htod{0}, htod_bytes{0}, htod_pageable{0}, dtod{0}, memsets{0},
-        allocs{0}, launches{0}, gemms{0};
+        allocs{0}, launches{0}, gemms{0}, fp8_casts{0}, fp8_cast_numbers{0}, lt_heuristics{0};
     ~Counts() {
         const char* path = getenv("FERROTRON_FAKE_CUDA_COUNTS");
         FILE* f = path ? fopen(path, "w") : nullptr;
@@ -48,13 +50,17 @@ struct Counts {
         fprintf(f,
                 "{\"syncs\": %ld, \"dtoh\": %ld, \"dtoh_bytes\": %ld, \"htod\": %ld, \"htod_bytes\": %ld, "
                 "\"htod_pageable\": %ld, \"dtod\": %ld, \"memsets\": %ld, \"allocs\": %ld, \"launches\": %ld, "
-                "\"gemms\": %ld}\n",
+                "\"gemms\": %ld, \"fp8_casts\": %ld, \"fp8_cast_numbers\": %ld, \"lt_heuristics\": %ld}\n",
                 syncs.load(), dtoh.load(), dtoh_bytes.load(), htod.load(), htod_bytes.load(), htod_pageable.load(),
-                dtod.load(), memsets.load(), allocs.load(), launches.load(), gemms.load());
+                dtod.load(), memsets.load(), allocs.load(), launches.load(), gemms.load(), fp8_casts.load(),
+                fp8_cast_numbers.load(), lt_heuristics.load());
         fclose(f);
     }
 } counts;
 CUresult synced() { counts.syncs++; return sticky; }
+} // namespace
+extern "C" void fake_count_heuristic() { counts.lt_heuristics++; } // fake_cublaslt.cpp
+namespace {
 // page-locked host buffers (cuMemHostAlloc), start → bytes: a copy from anywhere else is "pageable"
 std::map<uintptr_t, size_t> pinned;
 std::mutex pinned_lock;
@@ -215,6 +221,8 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
     if (by != 1 || bz != 1 || bx % 32 != 0 || shared_bytes != 0 || extra) return INVALID_VALUE;
     std::lock_guard<std::mutex> one_at_a_time(launches);
     counts.launches++;
+    if (!strncmp((const char*)f, "fp8_operand_", 12)) // (x, rows, cols, …)
+        counts.fp8_casts++, counts.fp8_cast_numbers += *(const long*)params[1] * *(const long*)params[2];
     if (sticky != OK) return sticky;
     const char* fail = getenv("FERROTRON_FAKE_CUDA_FAIL_LAUNCH");
     if (fail && ++launches_so_far == atol(fail)) {
