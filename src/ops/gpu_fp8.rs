@@ -54,9 +54,11 @@ const WORKSPACE: usize = 32 << 20;
 
 /// A tensor `[rows, cols]` cast to FP8 with current scaling: `rows` `[rows, cols16]` (each row's
 /// numbers contiguous), `columns` `[cols, rows16]` (each column's), n16 being n rounded up to 16
-/// with zeros; its 1/scale.
+/// with zeros; its 1/scale. The same numbers seen in another shape (a reshaped tensor shares its
+/// buffer) are another copy: `shape` is part of what a reuse matches.
 pub(crate) struct Fp8Copy {
     format: Fp8,
+    shape: (usize, usize),
     rows: Bytes,
     columns: Bytes,
     inverse_scale: Bytes,
@@ -106,7 +108,9 @@ impl Device {
     /// `t`'s FP8 copy in `format`: the one kept with it, or made now (two launches) and kept.
     fn fp8_copy(self: &Arc<Self>, t: &Tensor, format: Fp8) -> Result<Arc<Fp8Copy>> {
         let buf = t.gpu().expect("on the GPU");
-        let (copy, fresh) = buf.derived(|c: &Fp8Copy| c.format == format, || self.new_fp8_copy(t, format))?;
+        let shape = (t.rows(), t.cols());
+        let same = |c: &Fp8Copy| c.format == format && c.shape == shape;
+        let (copy, fresh) = buf.derived(same, || self.new_fp8_copy(t, format))?;
         if !fresh && check_casts() {
             let again = self.new_fp8_copy(t, format)?;
             let bytes = |c: &Fp8Copy| -> Result<_> {
@@ -129,6 +133,7 @@ impl Device {
         let (n, rows, cols) = (t.numel(), t.rows(), t.cols());
         let copy = Fp8Copy {
             format,
+            shape: (rows, cols),
             rows: self.bytes(rows * cols.next_multiple_of(16))?,
             columns: self.bytes(cols * rows.next_multiple_of(16))?,
             inverse_scale: self.bytes(4)?,
