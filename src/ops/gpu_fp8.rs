@@ -114,7 +114,7 @@ impl Device {
         if !fresh && check_casts() {
             let again = self.new_fp8_copy(t, format)?;
             let bytes = |c: &Fp8Copy| -> Result<_> {
-                let (rows, cols) = (t.rows(), t.cols());
+                let (rows, cols) = shape;
                 let size = |r: usize, k: usize| r * k.next_multiple_of(16);
                 Ok((
                     self.download_bytes(&c.rows, size(rows, cols))?,
