@@ -70,8 +70,7 @@ impl Data {
 
 impl Buf {
     fn new(dev: &Arc<Device>, data: Data) -> Buf {
-        let held = dev.held.fetch_add(data.bytes(), Ordering::Relaxed) + data.bytes();
-        dev.peak.fetch_max(held, Ordering::Relaxed);
+        dev.hold(data.bytes());
         Buf { data, dev: dev.clone(), derived: Mutex::default() }
     }
 
@@ -425,9 +424,14 @@ impl Device {
     pub(crate) fn bytes(self: &Arc<Self>, n: usize) -> Result<Bytes> {
         // SAFETY: `Bytes` are written whole by their kernel before anything reads them.
         let slice = unsafe { self.gpu.compute.alloc::<u8>(n.max(1)) }.map_err(cuda_err)?;
-        let held = self.held.fetch_add(slice.num_bytes(), Ordering::Relaxed) + slice.num_bytes();
-        self.peak.fetch_max(held, Ordering::Relaxed);
+        self.hold(slice.num_bytes());
         Ok(Bytes { slice, dev: self.clone() })
+    }
+
+    /// `bytes` more held on this GPU (a buffer made): the count `take_peak_bytes` reads.
+    fn hold(&self, bytes: usize) {
+        let held = self.held.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        self.peak.fetch_max(held, Ordering::Relaxed);
     }
 
     /// A weight on the GPU: f32, or in mixed precision an fp32 master with its bf16 copy.

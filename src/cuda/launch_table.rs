@@ -153,10 +153,9 @@ pub fn fp8_operand(
     (y, yt, inverse_scale): (Addr, Addr, Addr),
 ) -> Launch {
     let tiles = |n: usize| n.next_multiple_of(16).div_ceil(FP8_TILE);
-    let (sizes, format) = ([long(rows), long(cols)], int(e5m2 as usize));
-    let mut args = vec![Ptr(x)];
-    args.extend(sizes);
-    args.extend([format, Ptr(partial), int(partials), Ptr(y), Ptr(yt), Ptr(inverse_scale)]);
+    let format = int(e5m2 as usize);
+    let args =
+        vec![Ptr(x), long(rows), long(cols), format, Ptr(partial), int(partials), Ptr(y), Ptr(yt), Ptr(inverse_scale)];
     let blocks = (tiles(rows) * tiles(cols)) as u32;
     launch(typed!("fp8_operand", dt), ((blocks, 1, 1), THREADS), args)
 }

@@ -29,9 +29,9 @@
 //! `FERROTRON_CHECK_CASTS=1` casts again at every reuse and stops the run if the bytes differ (a
 //! write that did not pass `written`): the fake-GPU tests run with it.
 //!
-//! **Plan once.** cuBLASLt's heuristic picks an algorithm for a shape; asking it costs more host
-//! time than queuing the GEMM, so each shape's descriptors and algorithm are kept (`LtPlan`) and
-//! only the two scale pointers change from call to call.
+//! **Plan once.** cuBLASLt's heuristic picks an algorithm from the shape and types alone, so it is
+//! asked once a shape: each shape's descriptors and algorithm are kept (`LtPlan`), and only the
+//! two scale pointers change from call to call (a step of a model meets a handful of shapes).
 
 use crate::cuda::device::{BlasLt, Bytes, Device, LtPlan, LtShape};
 use crate::cuda::launch_table::{self, amax_blocks, Addr, AMAX_BLOCKS, NORM_BLOCKS};
