@@ -22,11 +22,10 @@
 //! ones just add into the gradients. The reduction is over the dp×cp group (every rank holding the
 //! same weights; a rank of a context-parallel group saw other tokens of the same sequences).
 //!
-//! In placements (`comm/placement.rs`): after backward a gradient is `Partial(avg)` on the dp×cp
-//! axis, each rank holding its own data's share; the bucket's all-reduce makes it `Replicate`.
-//! ZeRO (`zero.rs`) takes the same buckets to `Shard(0)` instead, with a reduce-scatter.
+//! ZeRO (`zero.rs`) takes the same buckets through a reduce-scatter instead, each rank keeping
+//! the average of its own chunk. (Step 18 restates both in placements: the all-reduce takes a
+//! gradient from `Partial(avg)`, each rank holding its own data's share, to `Replicate`.)
 
-use crate::comm::placement::{self, redistribute, Placement};
 use crate::comm::tensors::Pending;
 use crate::comm::{Group, ReduceOp};
 use crate::config::DpMode;
@@ -35,11 +34,7 @@ use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::ops::DType;
 use anyhow::Result;
-use std::borrow::Cow;
 use std::collections::HashMap;
-
-/// What a gradient is after backward on its replicas' axis: each rank's share of the mean.
-pub const AFTER_BACKWARD: Placement = Placement::Partial(ReduceOp::Avg);
 
 /// Is the traced call `name` (`comm/trace.rs`) a gradient all-reduce of data parallelism (an
 /// average over the dp×cp group of more than the one number of the loss)?
@@ -153,7 +148,7 @@ impl GradReduce for DataParallel<'_> {
         bucket.waiting -= 1;
         if bucket.waiting == 0 {
             let flat = bucket.flat.take().expect("filled above");
-            bucket.in_flight = Some(placement::start(flat, AFTER_BACKWARD, Placement::Replicate, self.group));
+            bucket.in_flight = Some(self.group.all_reduce_tensor_async(flat, ReduceOp::Avg)); // the mean over the group
         }
     }
 
@@ -165,9 +160,7 @@ impl GradReduce for DataParallel<'_> {
         }
         if self.mode == DpMode::Naive {
             for p in params.iter_mut() {
-                let grad = std::mem::replace(&mut p.grad, Tensor::zeros(&[0]));
-                let shape = grad.shape().to_vec();
-                p.grad = redistribute(Cow::Owned(grad), &shape, AFTER_BACKWARD, Placement::Replicate, self.group)?;
+                self.group.all_reduce_tensor(&mut p.grad, ReduceOp::Avg)?; // in place, the mean over the group
             }
             return Ok(());
         }

@@ -17,7 +17,6 @@
 //! rank's chunks, rank after rank; `unpack` puts each parameter together without its padding.
 //! The experts' chunks are gathered over their own group, the expert-data ranks.
 
-use crate::comm::placement::{self, Placement};
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::comm::ReduceOp;
@@ -120,7 +119,7 @@ fn start_gather(group: &Group, params: &[&Param]) -> Result<Gather> {
         })
         .collect();
     let packed = ops::concat(&packed.iter().map(|p| &**p).collect::<Vec<_>>()); // this rank's chunks one after another
-    let pending = placement::start(packed, Placement::Shard(0), Placement::Replicate, group)?; // rank after rank
+    let pending = group.all_gather_tensor_async(packed)?; // every rank's chunks, rank after rank
     Ok(Gather { pending, wires })
 }
 

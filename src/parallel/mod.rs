@@ -19,7 +19,31 @@ pub mod fsdp;
 pub mod pipeline_messages;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;
+pub mod pipeline_stop;
 pub mod sequence_parallel;
 pub mod tensor_parallel;
 pub mod ulysses;
 pub mod zero;
+
+use crate::model::optimizer::Optimizer;
+use crate::model::Llama;
+use anyhow::Result;
+use std::time::Instant;
+
+/// What the driver around a training step (`train/driver.rs`) gives the code that runs the step's
+/// micro-batches — the loop of `train.rs`, or a pipeline schedule: where to record a compute
+/// span, and points between micro-batches at which every rank may end the step together (a
+/// signal's early stop). The step's code calls it and knows nothing of what is behind it.
+pub trait StepHooks {
+    /// Records a compute span: its name, and when it began (it ends now).
+    fn span(&self, name: String, start: Instant);
+    /// Whether `stop_here` is asked before this rank's forward number `k` of the step (counted
+    /// from 0): every rank gets the same answer for the same `k`.
+    fn asks_before(&self, k: usize) -> bool;
+    /// Asked where `asks_before` says: whether every rank ends the step here, its gradients so far
+    /// dropped (a collective: every rank asks at the same points).
+    fn stop_here(&self) -> Result<bool>;
+    /// The step's gradients are reduced and nothing is updated yet (it waited for them since
+    /// `start`): the point at which `ferrotron memory` counts what a rank holds.
+    fn gradients_ready(&self, _start: Instant, _model: &Llama, _optimizer: &Optimizer) {}
+}

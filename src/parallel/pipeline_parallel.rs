@@ -49,15 +49,9 @@
 //! nothing to receive forward (its input is tokens), on the last nothing to send forward (its
 //! output is the loss): those messages are `None`.
 //!
-//! **Stopping inside a step** (a signal, `train/stop.rs`): every rank must stop at the same
-//! point, so every rank asks "stop?" in one collective at the same points of its own schedule:
-//! before receiving its k-th forward's input, for k a multiple of p·V (one round of the
-//! pipeline). Sends are buffered, so a rank waits only on receives; what a rank receives before
-//! its k-th forward was sent by its neighbours before their k-th, and no one waits on a rank
-//! already asking. After a stop each rank takes in what its neighbours sent it before theirs.
-//! (Asking before every forward deadlocks the interleaved schedule from p = 3: rank p − 1 would
-//! wait for a gradient rank 0 makes only after its own question. Tried on a model of the
-//! schedules for p ≤ 8, V ≤ 4.)
+//! **Between micro-batches** the driver may end a step early (a signal): the schedule asks its
+//! `StepHooks` before each forward, and the hooks say at which forwards every stage may stop
+//! together and what drains after (`pipeline_stop.rs`).
 
 use crate::comm::Group;
 use crate::config::PpSchedule;
@@ -65,13 +59,18 @@ use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use crate::parallel::pipeline_messages::{Mailbox, Messages};
-use crate::parallel::pipeline_schedule::{schedule, sent_by, warmup, Action, Carries, Work};
+use crate::parallel::pipeline_schedule::{schedule, warmup, Action, Carries, Work};
+use crate::parallel::pipeline_stop::{self, Rounds};
+use crate::parallel::StepHooks;
 use anyhow::Result;
 use std::cell::RefCell;
 use std::time::Instant;
 
-/// One training step's forwards and backwards on this stage.
-pub struct StepPlan<'a> {
+/// This stage's part in every training step.
+#[derive(Clone, Copy)]
+pub struct StepPlan<'g> {
+    /// The pipeline group: this stage and its neighbours.
+    pub pp: &'g Group,
     pub kind: PpSchedule,
     pub micro_batches: usize,
     /// Sequences per micro-batch.
@@ -80,15 +79,10 @@ pub struct StepPlan<'a> {
     pub stage: Stage,
     /// The shape of the activations between stages, `[batch × seq, hidden]`.
     pub hidden: [usize; 2],
-    /// Micro-batch i's (tokens, targets).
-    pub data: &'a dyn Fn(usize) -> Result<(Vec<u32>, Vec<i32>)>,
-    /// Records a compute span (name, start).
-    pub record: &'a dyn Fn(String, Instant),
-    /// Asked before the rank's k-th forward, k a positive multiple of p·V: whether every rank
-    /// stops the step there (a collective: every rank asks at the same points). `None`: the step
-    /// runs to its end.
-    pub stop: Option<&'a dyn Fn() -> Result<bool>>,
 }
+
+/// Micro-batch i's (tokens, targets).
+pub type Data<'a> = &'a dyn Fn(usize) -> Result<(Vec<u32>, Vec<i32>)>;
 
 /// What a step left: this stage's share of the loss (the mean over micro-batches on the last
 /// stage, 0 elsewhere; a one-number f32 tensor on the stage's device) and the most micro-batch
@@ -96,78 +90,43 @@ pub struct StepPlan<'a> {
 pub struct StepStats {
     pub loss: Tensor,
     pub peak_activations: usize,
-    /// Set when `stop` ended the step part-way: the micro-batches this rank had begun.
+    /// Set when the hooks ended the step part-way: the micro-batches this rank had begun.
     pub stopped: Option<usize>,
 }
 
-/// The step stops before this rank's forward number `.0` (`StepPlan::stop` said so).
-#[derive(Debug)]
-struct StopBefore(usize);
-
-impl std::fmt::Display for StopBefore {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "the step stops before forward {}", self.0)
-    }
-}
-
-impl std::error::Error for StopBefore {}
-
-/// Runs the schedule over the pp group `pp`. `ready(p, last)` sees each parameter whose gradient
-/// is complete for a micro-batch (`last`: for the step), for data parallelism.
+/// Runs one step's schedule on this stage, reading `data` and telling the driver's `hooks`.
+/// `ready(p, last)` sees each parameter whose gradient is complete for a micro-batch (`last`: for
+/// the step), for data parallelism.
 pub fn run_step(
     model: &mut Llama,
-    pp: &Group,
     plan: &StepPlan,
+    (data, hooks): (Data, &dyn StepHooks),
     ready: &mut dyn FnMut(&mut Param, bool),
 ) -> Result<StepStats> {
-    let stage = plan.stage;
+    let (stage, pp) = (plan.stage, plan.pp);
     let received = RefCell::new(vec![0; stage.count]);
     let msg = Messages { pp, stage, shape: plan.hidden, place: model.place(), received };
     let loss = Tensor::zeros_on(&[1], &model.place(), DType::F32);
     let stats = StepStats { loss, peak_activations: 0, stopped: None };
-    let mut run = Runner { model, plan, stage, ready, stats, forwards: 0 };
-    match walk(&mut run, &msg) {
-        Ok(()) => Ok(run.stats),
-        Err(e) => match e.downcast_ref::<StopBefore>() {
-            Some(&StopBefore(k)) => {
-                drain(&msg, plan, k)?;
-                Ok(StepStats { stopped: Some(k / stage.chunks), ..run.stats })
-            }
-            None => Err(e),
-        },
+    // the driver is asked only where every stage may stop together: at the start of a round
+    let hooks = Rounds { hooks, round: stage.count * stage.chunks };
+    let mut run = Runner { model, plan, stage, ready, stats, forwards: 0, data, hooks: &hooks };
+    if let Some(k) = walk(&mut run, &msg)? {
+        pipeline_stop::drain(&msg, (plan.kind, plan.micro_batches), k)?; // what the others sent before k
+        run.stats.stopped = Some(k / stage.chunks);
     }
+    Ok(run.stats)
 }
 
-/// After every rank stopped before its k-th forward: receives, and drops, what the others sent
-/// this rank before their own k-th forward and it did not take (a gradient on its way back), so
-/// that the group's next message (a checkpoint's gather) is not taken for one of them. What they
-/// sent is known by replaying their schedules.
-fn drain(msg: &Messages, plan: &StepPlan, k: usize) -> Result<()> {
-    let (stage, me) = (msg.stage, msg.stage.index);
-    for from in (0..stage.count).filter(|&f| f != me) {
-        let mut forwards = 0;
-        let sent = schedule(plan.kind, stage.count, from, plan.micro_batches, stage.chunks)
-            .take_while(|a| {
-                forwards += usize::from(matches!(a, Action::Forward(_)));
-                forwards <= k
-            })
-            .filter(|&a| sent_by(stage, from, a).is_some_and(|(to, _)| to == me))
-            .count();
-        let taken = msg.received.borrow()[from];
-        for _ in taken..sent {
-            msg.recv(Some(from))?;
-        }
-    }
-    Ok(())
-}
-
-/// The step's schedule, walked on this stage.
-fn walk(run: &mut Runner, msg: &Messages) -> Result<()> {
+/// The step's schedule, walked on this stage; `Some(k)` if the hooks stopped it before forward k.
+fn walk(run: &mut Runner, msg: &Messages) -> Result<Option<usize>> {
     let (plan, stage, m) = (run.plan, run.stage, run.plan.micro_batches);
     match plan.kind {
         PpSchedule::Afab => {
             for i in 0..m {
-                run.ask()?;
+                if run.stops_here()? {
+                    return Ok(Some(run.forwards));
+                }
                 let x = msg.recv_forward()?;
                 let y = run.forward(i, x)?;
                 msg.send_forward(y)?;
@@ -182,23 +141,30 @@ fn walk(run: &mut Runner, msg: &Messages) -> Result<()> {
             // warm-up: the forwards that fill the pipeline below this stage
             let warmup = warmup(plan.kind, stage.count, stage.index, m, 1);
             for i in 0..warmup {
-                run.ask()?;
+                if run.stops_here()? {
+                    return Ok(Some(run.forwards));
+                }
                 let x = msg.recv_forward()?;
                 let y = run.forward(i, x)?;
                 msg.send_forward(y)?;
             }
             // steady state: one forward, one backward, each exchange one paired message
             let steady = m - warmup;
-            let mut x = if steady > 0 { run.ask().and_then(|_| msg.recv_forward())? } else { None };
+            if steady > 0 && run.stops_here()? {
+                return Ok(Some(run.forwards));
+            }
+            let mut x = if steady > 0 { msg.recv_forward()? } else { None };
             for i in 0..steady {
                 let y = run.forward(warmup + i, x.take())?;
                 let dy = msg.send_forward_recv_backward(y)?;
                 let dx = run.backward(i, dy)?;
                 match i + 1 < steady {
-                    // the question comes between the gradient out and the next input in
-                    true if run.asks_next() => {
+                    // a stop point falls between the gradient out and the next input in
+                    true if run.hooks.asks_before(run.forwards) => {
                         msg.send_backward(dx)?;
-                        run.ask()?;
+                        if run.stops_here()? {
+                            return Ok(Some(run.forwards));
+                        }
                         x = msg.recv_forward()?;
                     }
                     true => x = msg.send_backward_recv_forward(dx)?,
@@ -218,7 +184,9 @@ fn walk(run: &mut Runner, msg: &Messages) -> Result<()> {
             for action in schedule(plan.kind, stage.count, stage.index, m, stage.chunks) {
                 match action {
                     Action::Forward(w) => {
-                        run.ask()?;
+                        if run.stops_here()? {
+                            return Ok(Some(run.forwards));
+                        }
                         let x = mail.take(Carries::Activations, w)?;
                         let y = run.forward_chunk(w, x)?;
                         mail.send(Carries::Activations, w, y)?;
@@ -233,7 +201,7 @@ fn walk(run: &mut Runner, msg: &Messages) -> Result<()> {
             }
         }
     }
-    Ok(())
+    Ok(None)
 }
 
 /// A stage's forward and backward of micro-batch i, with the step's bookkeeping.
@@ -241,10 +209,12 @@ struct Runner<'a, 'm, 'g> {
     model: &'m mut Llama<'g>,
     plan: &'a StepPlan<'a>,
     stage: Stage,
+    data: Data<'a>,
     ready: &'a mut dyn FnMut(&mut Param, bool),
     stats: StepStats,
     /// The forwards run so far in the step.
     forwards: usize,
+    hooks: &'a dyn StepHooks,
 }
 
 impl Runner<'_, '_, '_> {
@@ -254,28 +224,18 @@ impl Runner<'_, '_, '_> {
         self.forward_chunk(Work { micro: i, chunk: 0 }, x)
     }
 
+    /// Before the next forward's input is received: whether the driver ends the step here.
+    fn stops_here(&self) -> Result<bool> {
+        Ok(self.hooks.asks_before(self.forwards) && self.hooks.stop_here()?)
+    }
+
     /// `forward` of micro-batch `w.micro` through model chunk `w.chunk`.
-    /// Whether the rank asks "stop?" before its next forward: after each round of p·V forwards.
-    fn asks_next(&self) -> bool {
-        let k = self.forwards;
-        self.plan.stop.is_some() && k > 0 && k.is_multiple_of(self.stage.count * self.stage.chunks)
-    }
-
-    /// Before the next forward's input is received: asks, when due, and ends the walk if every
-    /// rank stops.
-    fn ask(&mut self) -> Result<()> {
-        match (self.asks_next(), self.plan.stop) {
-            (true, Some(stop)) if stop()? => Err(StopBefore(self.forwards).into()),
-            _ => Ok(()),
-        }
-    }
-
     fn forward_chunk(&mut self, w: Work, x: Option<Tensor>) -> Result<Option<Tensor>> {
         self.forwards += 1;
         let (start, i) = (Instant::now(), w.micro);
         // tokens feed the first stage, targets the last; the stages between need neither
         let (tokens, targets) = match self.stage.is_first() || self.stage.is_last() {
-            true => (self.plan.data)(i)?,
+            true => (self.data)(i)?,
             false => (Vec::new(), Vec::new()),
         };
         let input = match x {
@@ -284,7 +244,7 @@ impl Runner<'_, '_, '_> {
         };
         let out = self.model.forward_chunk(w.chunk, input, self.plan.batch, &targets)?;
         self.stats.peak_activations = self.stats.peak_activations.max(self.model.activations_held());
-        (self.plan.record)(name("forward", w, self.stage), start);
+        self.hooks.span(name("forward", w, self.stage), start);
         Ok(match out {
             StageOutput::Loss(loss) => {
                 ops::add_scaled(&mut self.stats.loss, loss, 1.0 / self.plan.micro_batches as f32);
@@ -315,7 +275,7 @@ impl Runner<'_, '_, '_> {
             true => self.model.backward_input(w.chunk, grad)?,
             false => self.model.backward_chunk(w.chunk, grad, &mut |p| ready(p, last))?,
         };
-        (self.plan.record)(name("backward", w, self.stage), start);
+        self.hooks.span(name("backward", w, self.stage), start);
         Ok(dx)
     }
 
@@ -325,7 +285,7 @@ impl Runner<'_, '_, '_> {
         let last = w.micro + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
         self.model.backward_weights(w.chunk, &mut |p| ready(p, last))?;
-        (self.plan.record)(name("weights", w, self.stage), start);
+        self.hooks.span(name("weights", w, self.stage), start);
         Ok(())
     }
 }

@@ -70,7 +70,8 @@
 //! much in bf16); weights are all-gathered in the compute dtype (bf16 on a GPU: half the bytes,
 //! and what the kernels read anyway), from the fp32 master chunks.
 
-use crate::comm::placement::{self, redistribute, slice_of, Placement};
+use crate::comm::placement::{redistribute, slice_of, Placement};
+use crate::comm::ReduceOp;
 use crate::comm::process_grid::Axis;
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
@@ -79,7 +80,7 @@ use crate::model::param::ZeroChunk;
 use crate::model::{Llama, Param};
 use crate::ops;
 use crate::ops::tensor::Tensor;
-use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce, AFTER_BACKWARD};
+use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce};
 use anyhow::Result;
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
@@ -270,7 +271,7 @@ impl GradReduce for ZeroBuckets<'_> {
             return;
         }
         let flat = bucket.flat.take().expect("a bucket fills once per micro-batch");
-        bucket.in_flight = Some(placement::start(flat, AFTER_BACKWARD, Placement::Shard(0), group));
+        bucket.in_flight = Some(group.reduce_scatter_tensor_async(flat, ReduceOp::Avg)); // each rank: its chunk's mean
         bucket.waiting = bucket.members.len();
         self.in_flight.push_back(b);
         // the last bucket of the backward: every reduce-scatter of this micro-batch lands now, so
@@ -295,8 +296,7 @@ impl GradReduce for ZeroBuckets<'_> {
             let mut sums = bucket.sums.take().expect("every bucket was reduce-scattered in the step");
             if let Some(replicas) = self.replicas {
                 // hybrid: each shard group averaged its own data; now the mean over all of them
-                let n = sums.numel();
-                sums = redistribute(Cow::Owned(sums), &[n], AFTER_BACKWARD, Placement::Replicate, replicas)?;
+                replicas.all_reduce_tensor(&mut sums, ReduceOp::Avg)?;
             }
             for &(member, offset) in &bucket.members {
                 let chunk = params[member].zero.as_mut().expect("ZeRO shards every parameter");

@@ -68,6 +68,11 @@ impl<'g> Gradients<'g> {
         reducer.grad_ready(p, last);
     }
 
+    /// `grad_ready` as a closure, for the pipeline schedule.
+    pub fn hook<'s>(&'s mut self) -> impl FnMut(&mut Param, bool) + use<'s, 'g> {
+        |p, last| self.grad_ready(p, last)
+    }
+
     /// After the step's last backward: every gradient averaged over its replicas (under ZeRO:
     /// this rank's chunk of the average), the experts' then divided by ep.
     pub fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {

@@ -445,8 +445,11 @@ impl Start<'_> {
     }
 }
 
-/// The error for a loss that is no longer a number, saying what most likely caused it.
-pub(super) fn not_finite(cfg: &Config, loss: f32, step: usize, first_step: usize) -> anyhow::Error {
+/// Whether the step's loss is still a number: if not, the error says what most likely caused it.
+pub(super) fn finite(cfg: &Config, loss: f32, step: usize, first_step: usize) -> Result<()> {
+    if loss.is_finite() {
+        return Ok(());
+    }
     let (t, m) = (&cfg.train, &cfg.model);
     let why = match (step == first_step, first_step) {
         (true, 0) if !m.init_from.is_empty() => format!("before any update: the weights of {} overflow the forward pass in {:?}", m.init_from, cfg.device.compute_dtype()),
@@ -454,5 +457,5 @@ pub(super) fn not_finite(cfg: &Config, loss: f32, step: usize, first_step: usize
         (true, _) => "on the first step after resuming: the checkpoint's weights overflow the forward pass; resume an earlier checkpoint".into(),
         (false, _) => format!("training diverged; lower train.lr (now {}) or set train.grad_clip (now {}, 0 is off)", t.lr, t.grad_clip),
     };
-    anyhow::anyhow!("the loss became {loss} at step {step}: {why}")
+    anyhow::bail!("the loss became {loss} at step {step}: {why}")
 }

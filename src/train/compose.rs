@@ -1,0 +1,76 @@
+//! # The composition root: which lessons' parts this rank's step is made of
+//!
+//! The step (`train.rs`) calls a model, gradient reducers and an optimizer; what they are is
+//! decided here, once, from the config — the one place that names every lesson's part:
+//!
+//! ```text
+//! the model        this rank's part, on its device; tp, sp, cp and the experts' splits are
+//!                  plugged in where the weights are made (`train/run.rs`, `model/split.rs`)
+//! ZeRO             1/dp of the optimizer state (stage 1), of the gradients (2), of the weights
+//!                  (3, FSDP: a `WeightSplit` gathering whole weights unit by unit)
+//! gradients        one reducer per axis that replicates parameters (`train/gradients.rs`)
+//! the norm         the groups the gradient norm sums over
+//! ```
+
+use super::feed::Feed;
+use super::gradients::Gradients;
+use super::run::Start;
+use super::step::Trainer;
+use super::{agree, Options};
+use crate::comm::launcher::Rank;
+use crate::comm::process_grid::Axis;
+use crate::config::Config;
+use crate::data::Dataset;
+use crate::model::optimizer::NormGroups;
+use crate::model::routing_tape::RoutingTape;
+use crate::model::Stage;
+use crate::parallel::fsdp::Fsdp;
+use crate::parallel::pipeline_parallel::StepPlan;
+use crate::parallel::zero::{self, Sharding};
+use anyhow::Result;
+use std::rc::Rc;
+
+impl<'g> Trainer<'g> {
+    /// Rank `me`'s model, optimizer and reducers for `cfg`, from where `start` says.
+    pub(super) fn assemble(
+        me: &'g Rank,
+        cfg: &'g Config,
+        data: &'g Dataset,
+        opts: Options,
+        start: &Start,
+    ) -> Result<Trainer<'g>> {
+        let (p, t, tp) = (&cfg.parallel, &cfg.train, me.group(Axis::Tp));
+        if start.spread {
+            agree::settings(me.group(Axis::World), cfg)?; // processes started differently never train
+        }
+        let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
+                                                             // debugging a mixture of experts: its routing recorded, or replayed from another run
+        let tape = opts.routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
+        if let Some(tape) = &tape {
+            model = model.with_routing_tape(tape.clone());
+        }
+        let mut optimizer = start.optimizer(&mut model, tp, cfg)?;
+        // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
+        // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
+        // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
+        let dense = if me.grid.hybrid() { Axis::Shard } else { Axis::DpCp };
+        let sharding = Sharding::new(p.zero_stage, (dense, me.group(dense)), me.group(Axis::ExpertDp));
+        if sharding.any() {
+            model = zero::shard(model, &mut optimizer, sharding, p.zero_stage);
+        }
+        if sharding.any() && p.zero_stage == 3 {
+            model = model.with_weight_split(Rc::new(Fsdp::new(sharding))); // FSDP: whole weights unit by unit
+        }
+        let grads = Gradients::new(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
+        let (pp, ep) = (me.group(Axis::Pp), me.group(Axis::Ep));
+        let norm = NormGroups { tp, pp, ep, zero: sharding.dense, expert_zero: sharding.experts };
+        // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
+        // parallelism)
+        let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };
+        let (kind, micro_batches, batch, stage) =
+            (p.pp_schedule, t.grad_accum_steps, t.micro_batch_size, Stage::planned(pp.index(), p));
+        let pipeline = StepPlan { pp, kind, micro_batches, batch, stage, hidden: [rows, cfg.model.hidden_size] };
+        let feed = Feed::new(me, cfg, data, tape);
+        Ok(Trainer { cfg, model, optimizer, grads, sharding, norm, feed, pipeline, first_step })
+    }
+}

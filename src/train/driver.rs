@@ -1,0 +1,118 @@
+//! # The driver: the steps, and everything around them
+//!
+//! `train_rank` is what every rank runs: it has `train/compose.rs` put the rank's trainer
+//! together, then runs the steps, doing between them what is not training:
+//!
+//! ```text
+//! before a step   start its clock (and the GPU profile, when asked)
+//! the step        `Trainer::step` (train.rs), with the hooks below
+//! after it        the held-out loss when due (`validate.rs`), the step's line, metrics and
+//!                 trace (`watch.rs`), a checkpoint when due (`run.rs`)
+//! a signal        every rank agrees on it after the step, or between micro-batches (the
+//!                 hooks' stop points), saves where it stopped and ends (`stop.rs`)
+//! ```
+//! The step sees the driver only through `StepHooks` (`parallel/mod.rs`): the spans it records,
+//! and the stop points it asks at.
+
+use super::run::Start;
+use super::watch::{StepEnd, Watch};
+use super::step::{Stepped, Trainer};
+use super::{memory, stop, validate, Options, Stopped, Summary};
+use crate::comm::launcher::Rank;
+use crate::comm::process_grid::Axis;
+use crate::comm::Group;
+use crate::config::Config;
+use crate::data::Dataset;
+use crate::model::optimizer::Optimizer;
+use crate::model::Llama;
+use crate::parallel::StepHooks;
+use super::memory::Held;
+use anyhow::Result;
+use std::cell::Cell;
+use std::time::Instant;
+
+/// The steps of one rank, from its first to the run's last, or to a signal.
+pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Start) -> Result<Summary> {
+    let mut tr = Trainer::assemble(me, cfg, data, opts, &start)?;
+    let first_step = tr.first_step;
+    let mut watch = Watch::new(me, cfg, opts, (first_step, tr.model.place()))?; // metrics, trace, timing, memory
+    let pp = me.group(Axis::Pp);
+    // on NCCL a pipeline's send waits on the GPU for its receive, and a step stopped part-way
+    // leaves some unreceived: there a signal waits for the step's end
+    let may_stop = opts.stop_on_signal && (pp.size() == 1 || !pp.moves_on_device(&tr.model.place()));
+    for step in first_step..cfg.train.steps {
+        watch.step_starts(step);
+        let (signal, held) = (Cell::new(None), Cell::new(None));
+        let hooks = Hooks { watch: &watch, world: me.group(Axis::World), may_stop, signal, held };
+        let stepped = tr.step(step, &hooks)?;
+        let (signal, held) = (hooks.signal.get(), hooks.held.get());
+        tr.feed.tape().iter().for_each(|t| t.idle());
+        let (loss, lr, grad_norm, activations_held) = match stepped {
+            Stepped::Done { loss, lr, grad_norm, activations_held } => (loss, lr, grad_norm, activations_held),
+            Stepped::Stopped { micro_batches } => {
+                // the step's gradients so far are dropped: the weights are still those of the step before
+                let saved = start.checkpoints.save_before(me, cfg, (step, first_step), (&tr.model, &tr.optimizer))?;
+                let signal = signal.expect("only a signal stops a step part-way");
+                watch.stopped(Stopped { signal, checkpoint: saved, dropped: Some(micro_batches) });
+                break;
+            }
+        };
+        let held = held.expect("a finished step had its gradients ready");
+                                                           // the loss on held-out data, of the whole model gathered onto rank 0 (`train/validate.rs`)
+        let val_loss = match validate::due(cfg, step) {
+            true => validate::validate(me, cfg, data, &tr.model, &tr.optimizer)?,
+            false => None,
+        };
+        let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss };
+        watch.step_ends(&end, &mut tr.model)?;
+        // a signal stops every rank after the same step: they agree on it in one collective
+        let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };
+        let saved = start.checkpoints.save_if_due(me, cfg, step, (&tr.model, &tr.optimizer), signal.is_some())?;
+        if let Some(signal) = signal {
+            watch.stopped(Stopped { signal, checkpoint: saved, dropped: None });
+            break;
+        }
+    }
+    let mut summary = watch.finish(&tr.model)?;
+    if let Some(tape) = tr.feed.tape() {
+        tape.save(me.rank, cfg)?;
+        summary.routing_replaced = tape.replaced();
+    }
+    Ok(summary)
+}
+
+/// The driver's side of the step: its spans go to the watch, and between micro-batches every
+/// rank asks whether a signal came (`train/stop.rs`).
+struct Hooks<'h, 'w> {
+    watch: &'h Watch<'w>,
+    world: &'h Group,
+    /// Whether the step may stop part-way at all (a run that stops on signals, not a pipeline on
+    /// NCCL).
+    may_stop: bool,
+    /// The signal every rank agreed on, once one came.
+    signal: Cell<Option<i32>>,
+    /// What weights, gradients and AdamW held when the gradients were ready.
+    held: Cell<Option<Held>>,
+}
+
+impl StepHooks for Hooks<'_, '_> {
+    fn span(&self, name: String, start: Instant) {
+        self.watch.span(name, start);
+    }
+
+    /// Before every micro-batch but the first: a step of many micro-batches still stops soon
+    /// after a signal.
+    fn asks_before(&self, k: usize) -> bool {
+        self.may_stop && k > 0
+    }
+
+    fn stop_here(&self) -> Result<bool> {
+        self.signal.set(stop::agreed(self.world)?);
+        Ok(self.signal.get().is_some())
+    }
+
+    fn gradients_ready(&self, start: Instant, model: &Llama, optimizer: &Optimizer) {
+        self.held.set(Some(memory::held(model, optimizer)));
+        self.watch.span("wait for gradients".into(), start);
+    }
+}
