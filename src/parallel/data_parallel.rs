@@ -148,7 +148,8 @@ impl GradReduce for DataParallel<'_> {
         bucket.waiting -= 1;
         if bucket.waiting == 0 {
             let flat = bucket.flat.take().expect("filled above");
-            bucket.in_flight = Some(self.group.all_reduce_tensor_async(flat, ReduceOp::Avg)); // the mean over the group
+            // the all-reduce: every rank gets the mean over the group
+            bucket.in_flight = Some(self.group.all_reduce_tensor_async(flat, ReduceOp::Avg));
         }
     }
 

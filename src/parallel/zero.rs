@@ -71,10 +71,10 @@
 //! and what the kernels read anyway), from the fp32 master chunks.
 
 use crate::comm::placement::{redistribute, slice_of, Placement};
-use crate::comm::ReduceOp;
 use crate::comm::process_grid::Axis;
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
+use crate::comm::ReduceOp;
 use crate::model::optimizer::Optimizer;
 use crate::model::param::ZeroChunk;
 use crate::model::{Llama, Param};

@@ -14,9 +14,10 @@
 //! The step sees the driver only through `StepHooks` (`parallel/mod.rs`): the spans it records,
 //! and the stop points it asks at.
 
+use super::memory::Held;
 use super::run::Start;
-use super::watch::{StepEnd, Watch};
 use super::step::{Stepped, Trainer};
+use super::watch::{StepEnd, Watch};
 use super::{memory, stop, validate, Options, Stopped, Summary};
 use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
@@ -26,7 +27,6 @@ use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
 use crate::model::Llama;
 use crate::parallel::StepHooks;
-use super::memory::Held;
 use anyhow::Result;
 use std::cell::Cell;
 use std::time::Instant;
@@ -58,7 +58,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
             }
         };
         let held = held.expect("a finished step had its gradients ready");
-                                                           // the loss on held-out data, of the whole model gathered onto rank 0 (`train/validate.rs`)
+        // the loss on held-out data, of the whole model gathered onto rank 0 (`train/validate.rs`)
         let val_loss = match validate::due(cfg, step) {
             true => validate::validate(me, cfg, data, &tr.model, &tr.optimizer)?,
             false => None,
