@@ -6,7 +6,7 @@
 //! | --- | --- |
 //! | `ops/` | tensors and the op layer the model is written in; `cpu.rs` is the reference math, `gpu.rs` its GPU twin |
 //! | `model/` | the Llama, forward and backward by hand; its parameters, init and AdamW |
-//! | `train.rs` | the training loop: one step, micro-batches, the optimizer |
+//! | `train/step.rs` | the training step, on one screen: micro-batches, each gradient's way, the optimizer (`train.rs` maps the loop around it) |
 //! | `comm/` | the process grid; process groups and collectives; placements and the collective between two (`placement.rs`); ranks as threads (`local.rs`), the launcher, NCCL for GPU tensors; a run over several processes (`wires/`: TCP or MPI) |
 //! | `parallel/` | one lesson per parallelism: data, tensor, sequence, pipeline, context, ZeRO and FSDP, experts |
 //! | `data/` | the synthetic language, real text and tokenizers, Hugging Face hub files |
@@ -17,7 +17,10 @@
 //! Imports run one way between the folders, from the lowest: the plain values (`files`,
 //! `config`, `ops/types.rs`, which every folder reads) → `cuda` (the GPU runtime) → `ops` →
 //! `comm` → `model` → `data` → `parallel` → `checkpoint` → `train` → `commands`.
-//! `tests/layering.rs` keeps it so, folder by folder and module by module.
+//! `tests/layering.rs` keeps it so, folder by folder and module by module. Every file also
+//! belongs to one lesson of the tutorial, or to one track no lesson teaches
+//! (`step_by_step/syllabus.toml`); `tests/syllabus.rs` keeps the lessons' order: no lesson's code
+//! uses a later one's, but for the moves the table still lists.
 
 pub mod checkpoint;
 pub mod comm;

@@ -5,143 +5,29 @@
 //! are the layers too: a file may use files of its own folder and of the folders below it
 //! (`FOLDERS`), never above, but for the plain values (the first layer), which every folder may
 //! read. The check reads every `crate::…` path (in `use` lines and inline), every `super::…` path
-//! and every use of a child module, in every file of `src/`. It is also run on a planted cycle, a
+//! (each `use` group spelled out) and every use of a child module, in every file of `src/`; the
+//! layers come from `step_by_step/syllabus.toml`. It is also run on a planted cycle, a
 //! planted upward import and a planted upward arrow between folders, and must catch all three.
 
-use std::collections::{BTreeMap, BTreeSet};
-use std::path::Path;
+#[path = "support/syllabus.rs"]
+mod syllabus;
 
-/// The layers, lowest first. A module may use modules of its own layer (without a cycle) and of
-/// the layers below, never above. Every file of `src/` (but `lib.rs` and `main.rs`) is listed.
-const LAYERS: &[(&str, &[&str])] = &[
-    ("values", &["files", "config::table", "config", "config::checks", "ops::types", "comm::process_grid"]),
-    (
-        "GPU runtime",
-        &[
-            "cuda",
-            "cuda::runtime",
-            "cuda::kernels",
-            "cuda::nvrtc",
-            "cuda::profile",
-            "cuda::launch_table",
-            "cuda::launch_table::attention",
-            "cuda::launch_table::moe",
-            "cuda::device",
-        ],
-    ),
-    ("tensors", &["ops::tensor"]),
-    (
-        "ops",
-        &[
-            "ops::cpu_math",
-            "ops::fp8",
-            "ops::cpu_attention",
-            "ops::cpu",
-            "ops::gpu",
-            "ops::gpu_fp8",
-            "ops::moe",
-            "ops::gpu_moe",
-            "ops",
-            "ops::wire",
-        ],
-    ),
-    (
-        "comm",
-        &[
-            "comm::device_link",
-            "comm::cost",
-            "comm::trace",
-            "comm::wires::processes",
-            "comm::wires::tcp",
-            "comm::wires::mpi",
-            "comm::local",
-            "comm::wires::note",
-            "comm::wires::remote",
-            "comm::wires",
-            "comm",
-            "comm::tensors",
-            "comm::placement",
-            "comm::nccl",
-            "comm::launcher",
-        ],
-    ),
-    (
-        "model",
-        &[
-            "model::param",
-            "model::init",
-            "model::stage",
-            "model::weight_grads",
-            "model::split",
-            "model::moe",
-            "model::routing_tape",
-            "model::kv_cache",
-            "model::block",
-            "model::llama",
-            "model::llama::parts",
-            "model::llama::units",
-            "model::llama::head",
-            "model::llama::decode",
-            "model::optimizer",
-            "model",
-        ],
-    ),
-    ("data", &["data::documents", "data::hf_hub", "data::text", "data"]),
-    (
-        "parallel",
-        &[
-            "parallel::data_parallel",
-            "parallel::tensor_parallel",
-            "parallel::sequence_parallel",
-            "parallel::pipeline_schedule",
-            "parallel::pipeline_messages",
-            "parallel::pipeline_stop",
-            "parallel::pipeline_parallel",
-            "parallel::context_parallel",
-            "parallel::ulysses",
-            "parallel::zero",
-            "parallel::fsdp",
-            "parallel::expert_parallel",
-            "parallel",
-        ],
-    ),
-    ("checkpoint", &["checkpoint::folder", "checkpoint::hf", "checkpoint::save", "checkpoint"]),
-    (
-        "train",
-        &[
-            "train::agree",
-            "train::feed",
-            "train::gradients",
-            "train::memory",
-            "train::metrics",
-            "train::stop",
-            "train::run",
-            "train::step",
-            "train::compose",
-            "train::validate",
-            "train::watch",
-            "train::driver",
-            "train",
-        ],
-    ),
-    (
-        "commands",
-        &[
-            "commands::plot",
-            "commands::schedule",
-            "commands::eval",
-            "commands::generate",
-            "commands::converge",
-            "commands::train",
-            "commands::memory",
-            "commands::self_check",
-            "commands::doctor",
-            "commands::bench",
-            "commands::bench_attention",
-            "commands",
-        ],
-    ),
-];
+use std::collections::{BTreeMap, BTreeSet};
+use syllabus::{code, module_of, referenced, sources, table, target};
+
+/// The layers, lowest first, each with its modules, from `step_by_step/syllabus.toml` (which
+/// also gives each file its lesson): a module may use modules of its own layer (without a cycle)
+/// and of the layers below, never above.
+fn layers() -> Vec<(String, Vec<String>)> {
+    let table = table();
+    let mut layers: Vec<(String, Vec<String>)> = table.layers.iter().map(|l| (l.clone(), Vec::new())).collect();
+    for (entry, _) in table.entries() {
+        let at = layers.iter().position(|(l, _)| *l == entry.layer);
+        let at = at.unwrap_or_else(|| panic!("{}: layer {:?} is not in `layers`", entry.path, entry.layer));
+        layers[at].1.extend(module_of(&entry.path));
+    }
+    layers
+}
 
 /// The folders (and top-level files) of `src/`, lowest first: what `src/lib.rs`'s map says.
 const FOLDERS: &[&str] =
@@ -168,101 +54,25 @@ const NO_CUDA: &[&str] = &[
     "comm::process_grid",
 ];
 
-/// Every module of `src/` (path like `model::block`) with its source.
-fn sources() -> BTreeMap<String, String> {
-    fn walk(dir: &Path, prefix: &str, out: &mut BTreeMap<String, String>) {
-        for entry in std::fs::read_dir(dir).unwrap() {
-            let path = entry.unwrap().path();
-            let name = path.file_stem().unwrap().to_str().unwrap().to_string();
-            if path.is_dir() {
-                walk(&path, &join(prefix, &name), out);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let module = match name.as_str() {
-                    "mod" => prefix.to_string(),
-                    _ => join(prefix, &name),
-                };
-                out.insert(module, std::fs::read_to_string(&path).unwrap());
-            }
-        }
-    }
-    let mut out = BTreeMap::new();
-    walk(&Path::new(env!("CARGO_MANIFEST_DIR")).join("src"), "", &mut out);
-    out.remove("lib"); // the crate root only declares the folders
-    out.remove("main"); // the binary sits on top of everything
-    out
-}
-
-fn join(prefix: &str, name: &str) -> String {
-    if prefix.is_empty() {
-        name.to_string()
-    } else {
-        format!("{prefix}::{name}")
-    }
-}
-
-/// The source without comments (line comments and doc comments; the tree has no block comments).
-fn code(text: &str) -> String {
-    text.lines().map(|l| l.split("//").next().unwrap_or("")).collect::<Vec<_>>().join("\n")
-}
-
-/// The paths a module's code names, as module paths relative to the crate (`ops::tensor::Tensor`).
-fn referenced(module: &str, text: &str) -> Vec<String> {
-    let code = code(text);
-    let parent = module.rsplit_once("::").map_or("", |(p, _)| p);
-    let children: Vec<&str> = code
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("pub mod ").or_else(|| l.trim().strip_prefix("mod ")))
-        .map(|l| l.trim_end_matches(';').trim())
-        .collect();
-    let mut out = Vec::new();
-    let bytes = code.as_bytes();
-    let word = |i: usize| -> String {
-        code[i..].chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':').collect()
-    };
-    for (i, _) in code.match_indices("crate::") {
-        if i == 0 || !(bytes[i - 1].is_ascii_alphanumeric() || bytes[i - 1] == b'_') {
-            out.push(word(i + "crate::".len()));
-        }
-    }
-    for (i, _) in code.match_indices("super::") {
-        out.push(join(parent, &word(i + "super::".len())));
-    }
-    for line in code.lines() {
-        let line = line.trim().trim_start_matches("pub ");
-        if let Some(rest) = line.strip_prefix("use ") {
-            let first = rest.split("::").next().unwrap_or("");
-            if children.contains(&first) {
-                out.push(join(module, rest.trim_end_matches(';')));
-            }
-        }
-    }
-    out
-}
-
-/// The module a path points into: the longest known module that prefixes it.
-fn target<'a>(path: &str, modules: &'a BTreeSet<String>) -> Option<&'a String> {
-    let parts: Vec<&str> = path.split("::").filter(|p| !p.is_empty() && !p.starts_with('{')).collect();
-    (1..=parts.len()).rev().find_map(|n| modules.get(&parts[..n].join("::")))
-}
-
 /// Every violation of the layering in `sources`, as sentences; empty when all is well.
 fn check(sources: &BTreeMap<String, String>) -> Vec<String> {
+    let layers = layers();
     let layer_of: BTreeMap<&str, usize> =
-        LAYERS.iter().enumerate().flat_map(|(i, (_, ms))| ms.iter().map(move |m| (*m, i))).collect();
+        layers.iter().enumerate().flat_map(|(i, (_, ms))| ms.iter().map(move |m| (m.as_str(), i))).collect();
     let modules: BTreeSet<String> = sources.keys().cloned().collect();
     let mut problems = Vec::new();
     for m in &modules {
         if !layer_of.contains_key(m.as_str()) {
-            problems.push(format!("{m} is in no layer: add it to LAYERS in tests/layering.rs"));
+            problems.push(format!("{m} is in no layer: add its file to step_by_step/syllabus.toml"));
         }
     }
     for m in layer_of.keys().filter(|m| !modules.contains(**m)) {
-        problems.push(format!("LAYERS lists {m}, which is not a file of src/"));
+        problems.push(format!("step_by_step/syllabus.toml lists {m}, which is not a file of src/"));
     }
     let mut edges: BTreeMap<&String, BTreeSet<&String>> = BTreeMap::new();
     for (m, text) in sources {
         for path in referenced(m, text) {
-            let Some(t) = target(&path, &modules) else { continue };
+            let Some(t) = target(&path, |p| modules.get(p)) else { continue };
             if t == m {
                 continue;
             }
@@ -271,7 +81,7 @@ fn check(sources: &BTreeMap<String, String>) -> Vec<String> {
                 if b > a {
                     problems.push(format!(
                         "{m} ({} layer) uses {t} ({} layer): imports must run from lower layers up",
-                        LAYERS[a].0, LAYERS[b].0
+                        layers[a].0, layers[b].0
                     ));
                 }
             }
