@@ -48,6 +48,6 @@ pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
         return Ok(run.nothing_to_train(cfg)); // the checkpoint is the run's last step
     }
     let summaries =
-        launch_on(run.grid, run.setup.clone(), |me| driver::train_rank(me, cfg, &run.data, opts, run.start()))?;
+        launch_on(run.grid, run.setup.clone(), |me| driver::train_rank(me, cfg, &run.data, opts, run.shared()))?;
     Ok(run.finish(cfg, opts, summaries))
 }

@@ -205,7 +205,7 @@ fn the_output_layer_and_the_router_stay_in_bf16() {
             Some(_) => Precision::F32,      // no GEMM reads it
             None => Precision::Fp8,
         };
-        assert_eq!(p.gemm, want, "{}", p.name);
+        assert_eq!(p.precision, want, "{}", p.name);
     }
 }
 

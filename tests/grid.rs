@@ -64,13 +64,13 @@ fn hybrid_sharding_cuts_dp_cp_into_shard_and_replicate_groups() {
     // dp 4 × cp 2, shard groups of 2 dp replicas with their cp ranks
     let g = Grid::new(4, 1, 2, 1).unwrap().with_dp_shard(2).unwrap();
     assert!(g.hybrid());
-    assert_eq!(g.group(0, Axis::Shard), [0, 1, 2, 3]);
-    assert_eq!(g.group(5, Axis::Shard), [4, 5, 6, 7]);
-    assert_eq!(g.group(0, Axis::Replicate), [0, 4]);
-    assert_eq!(g.group(3, Axis::Replicate), [3, 7]);
+    assert_eq!(g.group(0, Axis::DpShard), [0, 1, 2, 3]);
+    assert_eq!(g.group(5, Axis::DpShard), [4, 5, 6, 7]);
+    assert_eq!(g.group(0, Axis::DpReplicate), [0, 4]);
+    assert_eq!(g.group(3, Axis::DpReplicate), [3, 7]);
     // a rank's chunk is found once in each replicate group's shard group
     for r in 0..g.world_size() {
-        let (shard, replicate) = (g.group(r, Axis::Shard), g.group(r, Axis::Replicate));
+        let (shard, replicate) = (g.group(r, Axis::DpShard), g.group(r, Axis::DpReplicate));
         assert_eq!(shard.len() * replicate.len(), g.group(r, Axis::DpCp).len());
         assert_eq!(shard.iter().filter(|s| replicate.contains(s)).count(), 1);
     }

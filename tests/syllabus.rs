@@ -12,7 +12,7 @@ mod syllabus;
 use std::collections::{BTreeMap, BTreeSet};
 use syllabus::{code, module_of, referenced, root, sources, table, target, Table};
 
-/// Whether `code` names `name` as a whole: `Axis::Ep` not followed by a letter, `.gemm` not
+/// Whether `code` names `name` as a whole: `Axis::Ep` not followed by a letter, `.precision` not
 /// followed by one (a field or config key, not `.gemm_out`), `ZeroChunk` as a word.
 fn names(code: &str, name: &str) -> bool {
     let is_word = |c: char| c.is_alphanumeric() || c == '_';
@@ -87,15 +87,27 @@ fn the_check_catches_a_planted_use_of_each_kind() {
         assert!(problems.iter().any(|p| p.contains(expect)), "planted in {module}: {line}\n{problems:#?}");
     };
     // an import of a later lesson's file: the CPU math of lesson 01 reaching for ZeRO (11)
-    plant("ops::cpu_math", "\nuse crate::parallel::zero::Sharding;\n", "uses src/parallel/zero.rs, of the later lesson 11_zero");
+    plant(
+        "ops::cpu_math",
+        "\nuse crate::parallel::zero::Sharding;\n",
+        "uses src/parallel/zero.rs, of the later lesson 11_zero",
+    );
     // a path into one, inline
     plant("comm::local", "\nfn f(_: crate::comm::placement::Placement) {}\n", "of the later lesson 18_placements");
     // a later lesson's enum variant: experts' axis in the ranks lesson
     plant("comm::tensors", "\nconst A: Axis = Axis::Ep;\n", "names Axis::Ep, of the later lesson 16_experts");
     // a later lesson's field of a shared type: FP8's precision in tensor parallelism (06)
-    plant("parallel::data_parallel", "\nfn f(p: &Param) -> bool { p.gemm == Precision::F32 }\n", "names .gemm, of the later lesson 22_fp8");
+    plant(
+        "parallel::data_parallel",
+        "\nfn f(p: &Param) -> bool { p.precision == Precision::F32 }\n",
+        "names .precision, of the later lesson 22_fp8",
+    );
     // a later lesson's config key: hybrid sharding's in ZeRO (11)
-    plant("parallel::zero", "\nfn f(p: &ParallelConfig) -> usize { p.dp_shard }\n", "names .dp_shard, of the later lesson 20_hsdp");
+    plant(
+        "parallel::zero",
+        "\nfn f(p: &ParallelConfig) -> usize { p.dp_shard }\n",
+        "names .dp_shard, of the later lesson 20_hsdp",
+    );
 }
 
 #[test]

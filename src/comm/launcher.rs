@@ -160,7 +160,7 @@ impl Rank {
     pub fn group(&self, axis: Axis) -> &Group {
         let axis = match axis {
             Axis::ExpertDp if self.grid.ep == 1 => Axis::DpCp,
-            Axis::Shard if !self.grid.hybrid() => Axis::DpCp, // ZeRO shards over all of dp×cp
+            Axis::DpShard if !self.grid.hybrid() => Axis::DpCp, // ZeRO shards over all of dp×cp
             axis => axis,
         };
         &self.groups.iter().find(|(a, _)| *a == axis).expect("every axis has a group").1
@@ -257,7 +257,7 @@ fn run_rank<R>(
         // else the dp×cp group (`Rank::group`); the replicate group only under hybrid sharding
         .filter(|&&axis| match axis {
             Axis::ExpertDp => grid.ep > 1,
-            Axis::Shard | Axis::Replicate => grid.hybrid(),
+            Axis::DpShard | Axis::DpReplicate => grid.hybrid(),
             _ => true,
         })
         .map(|&axis| {
@@ -316,7 +316,7 @@ fn open_devices(me: &mut Rank, setup: &Setup) -> Result<()> {
 /// members `process_grid` says: the grid and the collectives agree. Used by `ferrotron grid`.
 pub fn check_groups(grid: Grid) -> Result<()> {
     launch(grid, Duration::from_secs(30), |me| {
-        for axis in Axis::ALL.into_iter().filter(|&a| a != Axis::Replicate || grid.hybrid()) {
+        for axis in Axis::ALL.into_iter().filter(|&a| a != Axis::DpReplicate || grid.hybrid()) {
             let got = me.group(axis).all_gather(&[me.rank as f32])?;
             let want: Vec<f32> = grid.group(me.rank, axis).iter().map(|&r| r as f32).collect();
             if got != want {

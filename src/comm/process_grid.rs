@@ -74,9 +74,9 @@ pub enum Axis {
     /// The ranks of a dp×cp group that hold the same experts: their gradients' average.
     ExpertDp,
     /// Hybrid sharding: the ranks of a dp×cp group among which ZeRO shards (dp_shard × cp).
-    Shard,
+    DpShard,
     /// Hybrid sharding: the ranks of a dp×cp group holding the same chunks (dp / dp_shard).
-    Replicate,
+    DpReplicate,
     /// Every rank.
     World,
 }
@@ -90,8 +90,8 @@ impl Axis {
         Axis::DpCp,
         Axis::Ep,
         Axis::ExpertDp,
-        Axis::Shard,
-        Axis::Replicate,
+        Axis::DpShard,
+        Axis::DpReplicate,
         Axis::World,
     ];
 
@@ -104,8 +104,8 @@ impl Axis {
             Axis::DpCp => "dp×cp",
             Axis::Ep => "ep",
             Axis::ExpertDp => "edp",
-            Axis::Shard => "shard",
-            Axis::Replicate => "replicate",
+            Axis::DpShard => "shard",
+            Axis::DpReplicate => "replicate",
             Axis::World => "world",
         }
     }
@@ -178,8 +178,10 @@ impl Grid {
             Axis::DpCp => (c.pp, c.tp) == (me.pp, me.tp),
             Axis::Ep => (c.pp, c.tp, expert(c) / self.ep) == (me.pp, me.tp, expert(me) / self.ep),
             Axis::ExpertDp => (c.pp, c.tp, expert(c) % self.ep) == (me.pp, me.tp, expert(me) % self.ep),
-            Axis::Shard => (c.pp, c.tp, c.dp / self.dp_shard) == (me.pp, me.tp, me.dp / self.dp_shard),
-            Axis::Replicate => (c.pp, c.tp, c.cp, c.dp % self.dp_shard) == (me.pp, me.tp, me.cp, me.dp % self.dp_shard),
+            Axis::DpShard => (c.pp, c.tp, c.dp / self.dp_shard) == (me.pp, me.tp, me.dp / self.dp_shard),
+            Axis::DpReplicate => {
+                (c.pp, c.tp, c.cp, c.dp % self.dp_shard) == (me.pp, me.tp, me.cp, me.dp % self.dp_shard)
+            }
             Axis::World => true,
         };
         (0..self.world_size()).filter(|&r| same(self.coords(r))).collect()
@@ -250,8 +252,8 @@ impl Grid {
             carved.push((Axis::ExpertDp, format!("ep={}: expert-data groups (same experts)", self.ep)));
         }
         if self.hybrid() {
-            carved.push((Axis::Shard, format!("dp_shard={}: shard groups (ZeRO's chunks)", self.dp_shard)));
-            carved.push((Axis::Replicate, format!("dp_shard={}: replicate groups (same chunks)", self.dp_shard)));
+            carved.push((Axis::DpShard, format!("dp_shard={}: shard groups (ZeRO's chunks)", self.dp_shard)));
+            carved.push((Axis::DpReplicate, format!("dp_shard={}: replicate groups (same chunks)", self.dp_shard)));
         }
         {
             for (axis, what) in carved {

@@ -35,7 +35,7 @@ pub struct Param {
     pub zero: Option<ZeroChunk>,
     /// What its GEMMs read, for a linear layer's weight (`ops/fp8.rs`): f32 by default;
     /// `Llama::with_gemms` sets the run's precision.
-    pub gemm: Precision,
+    pub precision: Precision,
 }
 
 /// This rank's chunk of a parameter sharded over its replicas: the flat values
@@ -64,7 +64,7 @@ impl Param {
             tp,
             replicas: Axis::DpCp,
             zero: None,
-            gemm: Precision::F32,
+            precision: Precision::F32,
         }
     }
 

@@ -20,7 +20,8 @@
 //!   gather_rows       sequence parallelism: the rows between the layers are split too
 //! ```
 //! The other halves need no one: a column-parallel forward is `ops::linear` on this rank's
-//! rows of W, a row-parallel backward `ops::linear_backward` on its columns.
+//! rows of W, a row-parallel backward `ops::linear_input_grad` and the
+//! weight gradient (`WeightGrads::linear`) on its columns.
 
 use crate::model::param::Param;
 use crate::model::weight_grads::WeightGrads;
@@ -176,7 +177,7 @@ impl TensorSplit for Whole {
         (0, 1)
     }
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
-        Ok(ops::linear(x, &w.value, w.gemm))
+        Ok(ops::linear(x, &w.value, w.precision))
     }
     fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut WeightGrads) -> Result<Tensor> {
         let dx = input_grad(&layers);
@@ -219,9 +220,9 @@ impl SequenceSplit for Whole {
 /// dx = Σ dy · W over layers that read the same input: this rank's part of the input gradient.
 pub fn input_grad(layers: &[(Tensor, &mut Param)]) -> Tensor {
     let (first, rest) = layers.split_first().expect("at least one layer");
-    let mut dx = ops::linear_input_grad(&first.0, &first.1.value, first.1.gemm);
+    let mut dx = ops::linear_input_grad(&first.0, &first.1.value, first.1.precision);
     for (dy, w) in rest {
-        ops::linear_input_grad_add(dy, &w.value, w.gemm, &mut dx);
+        ops::linear_input_grad_add(dy, &w.value, w.precision, &mut dx);
     }
     dx
 }

@@ -51,7 +51,7 @@ impl WeightGrads {
     pub fn linear(&mut self, x: Cow<Tensor>, layers: Vec<(Cow<Tensor>, &mut Param)>) {
         match self {
             WeightGrads::Now => {
-                layers.into_iter().for_each(|(dy, p)| ops::linear_weight_grad(&dy, &x, &mut p.grad, p.gemm))
+                layers.into_iter().for_each(|(dy, p)| ops::linear_weight_grad(&dy, &x, &mut p.grad, p.precision))
             }
             WeightGrads::Later(kept) => {
                 let dys = layers.into_iter().map(|(dy, p)| (p.name.clone(), dy.into_owned())).collect();
@@ -81,7 +81,7 @@ impl Deferred {
             Deferred::Linear { x, dys } => {
                 for (name, dy) in dys {
                     let p = grad_of(params, &name);
-                    ops::linear_weight_grad(&dy, &x, &mut p.grad, p.gemm)
+                    ops::linear_weight_grad(&dy, &x, &mut p.grad, p.precision)
                 }
             }
             Deferred::Embedding { name, dx, tokens, first } => {

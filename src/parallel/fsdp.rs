@@ -33,8 +33,8 @@ use std::time::Instant;
 /// one group when they are the same, as without expert parallelism), as places in `params`.
 fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Group, Vec<usize>)> {
     let mut out = Vec::new();
-    let experts = sharding.experts.filter(|e| !sharding.dense.is_some_and(|d| std::ptr::eq(d, *e)));
-    for group in [sharding.dense, experts].into_iter().flatten() {
+    let experts = sharding.expert_group.filter(|e| !sharding.dense_group.is_some_and(|d| std::ptr::eq(d, *e)));
+    for group in [sharding.dense_group, experts].into_iter().flatten() {
         let of = |p: &&Param| p.zero.is_some() && sharding.of(p).is_some_and(|g| std::ptr::eq(g, group));
         let places: Vec<usize> = (0..params.len()).filter(|&i| of(&params[i])).collect();
         if !places.is_empty() {
@@ -75,7 +75,7 @@ fn finish_unit(started: Started, unit: &mut [&mut Param]) -> Result<()> {
 /// How a weight travels (`ops/wire.rs`): as its GEMMs read it. FP8; bf16 on a GPU computing in
 /// bf16 (every weight has a bf16 copy there) and for the CPU's emulated bf16 GEMMs; else f32.
 fn wire(p: &Param, compute: DType) -> Precision {
-    match (p.gemm, compute) {
+    match (p.precision, compute) {
         (Precision::Fp8, _) => Precision::Fp8,
         (Precision::Bf16, _) | (_, DType::Bf16) => Precision::Bf16,
         _ => Precision::F32,
@@ -95,7 +95,7 @@ fn start_gather(group: &Group, params: &[&Param]) -> Result<Gather> {
     let masters: Vec<&Tensor> = params.iter().map(|p| &p.zero.as_ref().expect("a sharded parameter").master).collect();
     let compute = masters[0].place().dtype();
     let fp8: Vec<&Tensor> =
-        (params.iter().zip(&masters)).filter(|(p, _)| p.gemm == Precision::Fp8).map(|(_, m)| *m).collect();
+        (params.iter().zip(&masters)).filter(|(p, _)| p.precision == Precision::Fp8).map(|(_, m)| *m).collect();
     let mut maxima = match fp8.is_empty() {
         true => Vec::new(),
         false => {
@@ -236,7 +236,7 @@ impl WeightSplit for Fsdp<'_> {
 
     fn release(&self, unit: &mut [&mut Param]) {
         if let (Some(start), Some(first)) = (self.computing.take(), unit.first()) {
-            if let Some(group) = self.sharding.dense.or(self.sharding.experts) {
+            if let Some(group) = self.sharding.dense_group.or(self.sharding.expert_group) {
                 group.trace_compute(|| unit_name(&first.name), start); // on this rank's trace
             }
         }

@@ -132,7 +132,8 @@ fn zbv(p: usize, r: usize, m: usize) -> Schedule {
     use Action::{Backward as B, Forward as F, Weights as W};
     let (c0, c1) = (|micro| Work { micro, chunk: 0 }, |micro| Work { micro, chunk: 1 });
     let fill = 2 * (p - r) - 1; // chunk-0 forwards before the first chunk-1 forward
-                                // 1. fill the way down: chunk-0 forwards
+
+    // 1. fill the way down: chunk-0 forwards
     let down = (0..fill).map(move |i| F(c0(i)));
     // 2. the first micro-batches come back up: a chunk-1 forward, then the next chunk-0 one, r times
     let turn = (0..r).flat_map(move |i| [F(c1(i)), F(c0(fill + i))]);

@@ -21,7 +21,8 @@
 //! The layers that read the same input share one `f`: dx = dy_q·W_q + dy_k·W_k + dy_v·W_v is
 //! summed on the rank, then all-reduced once, and that all-reduce runs while the rank computes
 //! the weight gradients (dW += dyᵀ·x), which need no one. The forward of a column layer and the
-//! backward of a row layer are local (`ops::linear`, `ops::linear_backward` in `model/block.rs`).
+//! backward of a row layer are local (`ops::linear`; `ops::linear_input_grad` and
+//! `WeightGrads::linear` in `model/block.rs`).
 //!
 //! The vocabulary is split the same way: the embedding table by rows (each rank looks up the
 //! ids it holds, zeros for the others, then `g`), and the output layer is column parallel, so
@@ -66,7 +67,7 @@ impl TensorSplit for TensorParallel<'_> {
 
     /// Row parallel forward: each rank's partial product, summed by `g`.
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
-        let mut y = ops::linear(x, &w.value, w.gemm);
+        let mut y = ops::linear(x, &w.value, w.precision);
         self.all_reduce(&mut y, ReduceOp::Sum)?; // g
         Ok(y)
     }

@@ -54,8 +54,8 @@
 //!
 //! **Hybrid sharding (HSDP).** Sharding over every dp rank makes each gather and reduce-scatter
 //! span the whole dp×cp group, across nodes. `parallel.dp_shard` shards within groups of that
-//! many dp replicas (with their cp ranks: the shard group, `Axis::Shard`, inside a node) and
-//! replicates across the groups (`Axis::Replicate`): on a 2-D mesh a master is `Shard(0)` on the
+//! many dp replicas (with their cp ranks: the shard group, `Axis::DpShard`, inside a node) and
+//! replicates across the groups (`Axis::DpReplicate`): on a 2-D mesh a master is `Shard(0)` on the
 //! shard axis and `Replicate` on the replicate axis. Its gradient is reduce-scattered inside the
 //! shard group, then each rank's chunk all-reduced across the replicate group (`Partial(avg)` →
 //! `Replicate`, once per step); the gathers never leave the shard group. Each rank holds 1/dp_shard
@@ -101,9 +101,11 @@ pub fn real(n: usize, c: usize, r: usize) -> usize {
 /// group of one).
 #[derive(Clone, Copy)]
 pub struct Sharding<'g> {
-    pub dense: Option<&'g Group>,
-    pub experts: Option<&'g Group>,
-    /// The axis of `dense`: dp×cp, or the shard axis under hybrid sharding.
+    /// The group sharding the dense parameters, if any.
+    pub dense_group: Option<&'g Group>,
+    /// The group sharding the experts, if any.
+    pub expert_group: Option<&'g Group>,
+    /// The axis of `dense_group`: dp×cp, or the shard axis under hybrid sharding.
     pub dense_axis: Axis,
 }
 
@@ -112,7 +114,7 @@ impl<'g> Sharding<'g> {
     /// expert-data ranks), each when it has more than one rank and `stage` > 0.
     pub fn new(stage: usize, (dense_axis, dense): (Axis, &'g Group), experts: &'g Group) -> Sharding<'g> {
         let on = |g: &'g Group| (stage > 0 && g.size() > 1).then_some(g);
-        Sharding { dense: on(dense), experts: on(experts), dense_axis }
+        Sharding { dense_group: on(dense), expert_group: on(experts), dense_axis }
     }
 
     /// The axis whose group shards `p`.
@@ -126,8 +128,8 @@ impl<'g> Sharding<'g> {
     /// The group sharding the parameters replicated over `axis`, if any.
     pub fn on(&self, axis: Axis) -> Option<&'g Group> {
         match axis {
-            Axis::ExpertDp => self.experts,
-            _ => self.dense,
+            Axis::ExpertDp => self.expert_group,
+            _ => self.dense_group,
         }
     }
 
@@ -137,7 +139,7 @@ impl<'g> Sharding<'g> {
     }
 
     pub fn any(&self) -> bool {
-        self.dense.is_some() || self.experts.is_some()
+        self.dense_group.is_some() || self.expert_group.is_some()
     }
 }
 
@@ -155,7 +157,8 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Shar
         };
         let n = p.value.numel();
         let master = p.value.master_copy().unwrap_or_else(|| p.value.clone()); // fp32, whole
-                                                                               // Replicate → Shard(0) of the flat values: this rank's chunk, nothing sent
+
+        // Replicate → Shard(0) of the flat values: this rank's chunk, nothing sent
         let mine = |t: &Tensor| slice_of(t, &[n], 0, (group.index(), group.size()));
         moments.push((mine(m), mine(v)));
         let grad = Tensor::zeros(&[0]); // the averaged chunk, made by each step's reduce-scatters

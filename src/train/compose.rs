@@ -14,7 +14,7 @@
 
 use super::feed::Feed;
 use super::gradients::Gradients;
-use super::run::Start;
+use super::run::Shared;
 use super::step::Trainer;
 use super::{agree, Options};
 use crate::comm::launcher::Rank;
@@ -31,29 +31,30 @@ use anyhow::Result;
 use std::rc::Rc;
 
 impl<'g> Trainer<'g> {
-    /// Rank `me`'s model, optimizer and reducers for `cfg`, from where `start` says.
+    /// Rank `me`'s model, optimizer and reducers for `cfg`, from where `shared` says.
     pub(super) fn assemble(
         me: &'g Rank,
         cfg: &'g Config,
         data: &'g Dataset,
         opts: Options,
-        start: &Start,
+        shared: &Shared,
     ) -> Result<Trainer<'g>> {
         let (p, t, tp) = (&cfg.parallel, &cfg.train, me.group(Axis::Tp));
-        if start.spread {
+        if shared.spread {
             agree::settings(me.group(Axis::World), cfg)?; // processes started differently never train
         }
-        let (mut model, first_step) = start.model(me, cfg)?; // this rank's part, on its device
-                                                             // debugging a mixture of experts: its routing recorded, or replayed from another run
+        let (mut model, first_step) = shared.model(me, cfg)?; // this rank's part, on its device
+
+        // debugging a mixture of experts: its routing recorded, or replayed from another run
         let tape = opts.routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
         if let Some(tape) = &tape {
             model = model.with_routing_tape(tape.clone());
         }
-        let mut optimizer = start.optimizer(&mut model, tp, cfg)?;
+        let mut optimizer = shared.optimizer(&mut model, tp, cfg)?;
         // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
         // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
         // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
-        let dense = if me.grid.hybrid() { Axis::Shard } else { Axis::DpCp };
+        let dense = if me.grid.hybrid() { Axis::DpShard } else { Axis::DpCp };
         let sharding = Sharding::new(p.zero_stage, (dense, me.group(dense)), me.group(Axis::ExpertDp));
         if sharding.any() {
             model = zero::shard(model, &mut optimizer, sharding, p.zero_stage);
@@ -63,7 +64,7 @@ impl<'g> Trainer<'g> {
         }
         let grads = Gradients::new(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
         let (pp, ep) = (me.group(Axis::Pp), me.group(Axis::Ep));
-        let norm = NormGroups { tp, pp, ep, zero: sharding.dense, expert_zero: sharding.experts };
+        let norm = NormGroups { tp, pp, ep, zero: sharding.dense_group, expert_zero: sharding.expert_group };
         // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
         // parallelism)
         let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };

@@ -15,7 +15,7 @@
 //! and the stop points it asks at.
 
 use super::memory::Held;
-use super::run::Start;
+use super::run::Shared;
 use super::step::{Stepped, Trainer};
 use super::watch::{StepEnd, Watch};
 use super::{memory, stop, validate, Options, Stopped, Summary};
@@ -32,8 +32,8 @@ use std::cell::Cell;
 use std::time::Instant;
 
 /// The steps of one rank, from its first to the run's last, or to a signal.
-pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, start: Start) -> Result<Summary> {
-    let mut tr = Trainer::assemble(me, cfg, data, opts, &start)?;
+pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, shared: Shared) -> Result<Summary> {
+    let mut tr = Trainer::assemble(me, cfg, data, opts, &shared)?;
     let first_step = tr.first_step;
     let mut watch = Watch::new(me, cfg, opts, (first_step, tr.model.place()))?; // metrics, trace, timing, memory
     let pp = me.group(Axis::Pp);
@@ -51,7 +51,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
             Stepped::Done { loss, lr, grad_norm, activations_held } => (loss, lr, grad_norm, activations_held),
             Stepped::Stopped { micro_batches } => {
                 // the step's gradients so far are dropped: the weights are still those of the step before
-                let saved = start.checkpoints.save_before(me, cfg, (step, first_step), (&tr.model, &tr.optimizer))?;
+                let saved = shared.checkpoints.save_before(me, cfg, (step, first_step), (&tr.model, &tr.optimizer))?;
                 let signal = signal.expect("only a signal stops a step part-way");
                 watch.stopped(Stopped { signal, checkpoint: saved, dropped: Some(micro_batches) });
                 break;
@@ -67,7 +67,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         watch.step_ends(&end, &mut tr.model)?;
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };
-        let saved = start.checkpoints.save_if_due(me, cfg, step, (&tr.model, &tr.optimizer), signal.is_some())?;
+        let saved = shared.checkpoints.save_if_due(me, cfg, step, (&tr.model, &tr.optimizer), signal.is_some())?;
         if let Some(signal) = signal {
             watch.stopped(Stopped { signal, checkpoint: saved, dropped: None });
             break;

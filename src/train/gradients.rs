@@ -52,7 +52,7 @@ impl<'g> Gradients<'g> {
                 Some(group) => {
                     // hybrid sharding: the dense chunks are averaged across the replicate group too
                     let hybrid = axis == Axis::DpCp && me.grid.hybrid();
-                    let replicas = hybrid.then(|| me.group(Axis::Replicate));
+                    let replicas = hybrid.then(|| me.group(Axis::DpReplicate));
                     Box::new(ZeroBuckets::new((group, replicas), list, p.bucket_mb, p.zero_stage))
                 }
                 None => Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb)),

@@ -217,7 +217,8 @@ fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize) -> (
 fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let (t, p, dtype) = (&cfg.train, &cfg.parallel, cfg.device.compute_dtype());
     let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 }; // bytes of a compute copy
-                                                          // the ranks that share the replicated state: all of dp×cp, or a shard group's (hybrid)
+
+    // the ranks that share the replicated state: all of dp×cp, or a shard group's (hybrid)
     let z = if p.dp_shard == 0 { p.dp } else { p.dp_shard } * p.cp;
     let zero = if z > 1 { p.zero_stage } else { 0 };
     let (whole, chunks, unit, any_unit) = sizes(&cfg.model, (p.tp, p.ep), stage, z);

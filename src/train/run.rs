@@ -250,9 +250,9 @@ impl Run {
         Ok(Run { grid, setup, data, floor, resumed, pretrained, checkpoints, finished, nudge: opts.nudge_weights })
     }
 
-    pub(super) fn start(&self) -> Start<'_> {
+    pub(super) fn shared(&self) -> Shared<'_> {
         let (resumed, pretrained) = (self.resumed.as_ref(), self.pretrained.as_ref());
-        Start { resumed, pretrained, checkpoints: &self.checkpoints, nudge: self.nudge, spread: self.setup.spread }
+        Shared { resumed, pretrained, checkpoints: &self.checkpoints, nudge: self.nudge, spread: self.setup.spread }
     }
 
     /// The summary of a run that had nothing left to train.
@@ -378,9 +378,10 @@ impl Checkpoints {
     }
 }
 
-/// Where the weights come from: a checkpoint to resume, pretrained weights, or (neither) the init.
+/// What every rank uses of the prepared run, all run long: where the weights come from (a
+/// checkpoint to resume, pretrained weights, or, neither, the init) and the run's checkpoints.
 #[derive(Clone, Copy)]
-pub(super) struct Start<'a> {
+pub(super) struct Shared<'a> {
     resumed: Option<&'a Resumed>,
     pretrained: Option<&'a HashMap<String, Tensor>>,
     pub checkpoints: &'a Checkpoints,
@@ -389,7 +390,7 @@ pub(super) struct Start<'a> {
     pub spread: bool,
 }
 
-impl Start<'_> {
+impl Shared<'_> {
     /// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens), moved
     /// to its device once, and the step to start from.
     pub(super) fn model<'g>(&self, me: &'g Rank, cfg: &Config) -> Result<(Llama<'g>, usize)> {

@@ -49,7 +49,8 @@ pub(super) fn validate(
         let m = crate::config::ModelConfig { router_aux_loss_coef: 0.0, ..cfg.model.clone() };
         let mut whole = build_from(&weights, &m, Box::new(Whole), Stage::WHOLE, "the gathered weights")?;
         whole.to_place(&model.place()); // rank 0's device, in its dtype
-                                        // batches of the global batch's size, whatever the layout, run micro-batch by micro-batch
+
+        // batches of the global batch's size, whatever the layout, run micro-batch by micro-batch
         let (t, len) = (&cfg.train, cfg.train.seq_len + 1);
         let runs = cfg.validation.batches * t.grad_accum_steps * cfg.parallel.dp;
         let mut sum = 0.0;

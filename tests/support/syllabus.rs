@@ -24,7 +24,7 @@ pub struct Lesson {
     /// The tutorial's folder: `step_by_step/<step>/`.
     pub step: String,
     pub files: Vec<Entry>,
-    /// What this lesson adds to shared types and the config: `Axis::Ep`, `.gemm`.
+    /// What this lesson adds to shared types and the config: `Axis::Ep`, `.precision`.
     #[serde(default)]
     pub names: Vec<String>,
 }
@@ -132,7 +132,8 @@ pub fn referenced(module: &str, text: &str) -> Vec<String> {
     let mut statements = Vec::new();
     for (at, line) in code.lines().scan(0, |at, l| Some((std::mem::replace(at, *at + l.len() + 1), l))) {
         let trimmed = line.trim_start();
-        let words = trimmed.trim_start_matches("pub(crate) ").trim_start_matches("pub(super) ").trim_start_matches("pub ");
+        let words =
+            trimmed.trim_start_matches("pub(crate) ").trim_start_matches("pub(super) ").trim_start_matches("pub ");
         if words.starts_with("use ") {
             let from = at + (line.len() - words.len());
             let to = code[from..].find(';').map_or(code.len(), |n| from + n);

@@ -101,7 +101,8 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
         let my_port = listener.local_addr()?.port();
         let mut master = connect_until((addr, port), deadline, me.index)?;
         let sent = say_hello(&mut master, me.index, my_port); // a stray server may hang up first
-                                                              // process 0 answers once every process has come; anything else is not ferrotron
+
+        // process 0 answers once every process has come; anything else is not ferrotron
         master
             .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))?;
         let answer = read_u64(&mut master);

@@ -49,7 +49,7 @@ impl Llama<'_> {
         let (loss, out) = match self.fused_loss {
             None => {
                 // column parallel: this rank's vocabulary slice of every row's logits
-                let logits = ops::linear(&*self.tp.gather_rows(&xn)?, &out_layer.value, out_layer.gemm);
+                let logits = ops::linear(&*self.tp.gather_rows(&xn)?, &out_layer.value, out_layer.precision);
                 let (loss, _, lse) = self.tp.cross_entropy(&logits, targets, first)?;
                 (loss, HeadOut::Logits { xn, logits, lse })
             }
@@ -62,19 +62,19 @@ impl Llama<'_> {
                 for start in (0..n).step_by(rows) {
                     let r = rows.min(n - start);
                     let (xc, tc) = (ops::slice(&xin, start * d, &[r, d]), &targets[start..start + r]);
-                    let logits = ops::linear(&xc, &out_layer.value, out_layer.gemm); // [r, vocab slice]: the only logits
+                    let logits = ops::linear(&xc, &out_layer.value, out_layer.precision); // [r, vocab slice]: the only logits
                     let (chunk_loss, chunk_count, lse) = self.tp.cross_entropy(&logits, tc, first)?;
                     ops::add_scaled(&mut loss, chunk_loss, chunk_count as f32 / count.max(1) as f32);
                     let dlogits = ops::cross_entropy_backward(&logits, tc, first, &lse, scale / count.max(1) as f32);
                     drop(logits);
                     ops::copy(
-                        &ops::linear_input_grad(&dlogits, &out_layer.value, out_layer.gemm),
+                        &ops::linear_input_grad(&dlogits, &out_layer.value, out_layer.precision),
                         0,
                         &mut dxn,
                         start * d,
                         r * d,
                     );
-                    ops::linear_weight_grad(&dlogits, &xc, &mut out_layer.grad, out_layer.gemm);
+                    ops::linear_weight_grad(&dlogits, &xc, &mut out_layer.grad, out_layer.precision);
                 }
                 (loss, HeadOut::Fused { dxn, scale })
             }

@@ -182,10 +182,10 @@ impl<'g> Llama<'g> {
     pub fn with_gemms(mut self, p: Precision) -> Llama<'g> {
         let tied = self.cfg.tie_word_embeddings;
         for param in self.params_mut() {
-            let read_only = !param.decays() || (!tied && param.name.ends_with("embed_tokens.weight"));
+            let no_gemm = !param.decays() || (!tied && param.name.ends_with("embed_tokens.weight"));
             let bf16 = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight"];
-            param.gemm = match p {
-                _ if read_only => Precision::F32,
+            param.precision = match p {
+                _ if no_gemm => Precision::F32,
                 Precision::Fp8 if bf16.iter().any(|s| param.name.ends_with(s)) => Precision::Bf16,
                 _ => p,
             };
