@@ -33,6 +33,7 @@ use crate::model::Param;
 use crate::ops;
 use crate::ops::moe::gather_rows;
 use crate::ops::tensor::Tensor;
+use crate::parallel::data_parallel::GradReduce;
 use anyhow::Result;
 use std::ops::Range;
 
@@ -133,5 +134,24 @@ pub fn average_over_tokens(experts: &mut [&mut Param], ep: usize) {
     }
     for p in experts.iter_mut() {
         ops::scale(p.trained().1, 1.0 / ep as f32);
+    }
+}
+
+/// The experts' part of each gradient's way (`train/gradients.rs`): the reducer of the
+/// expert-data axis (data parallelism's or ZeRO's), then `average_over_tokens`.
+pub struct ExpertGrads<'g> {
+    pub inner: Box<dyn GradReduce + 'g>,
+    pub ep: usize,
+}
+
+impl GradReduce for ExpertGrads<'_> {
+    fn grad_ready(&mut self, p: &mut Param, last: bool) {
+        self.inner.grad_ready(p, last);
+    }
+
+    fn finish(&mut self, experts: &mut [&mut Param]) -> Result<()> {
+        self.inner.finish(experts)?;
+        average_over_tokens(experts, self.ep);
+        Ok(())
     }
 }

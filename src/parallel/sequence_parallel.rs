@@ -30,13 +30,14 @@
 //! the norm weights, replicated over tp, now see only this rank's rows in backward: their
 //! gradients are partial sums, added over the tp ranks once per step (`sum_replicated_grads`).
 
-use crate::comm::placement::{redistribute, Placement};
+use crate::comm::placement::Placement;
 use crate::comm::{Group, ReduceOp};
 use crate::model::split::{input_grad, owned};
 use crate::model::weight_grads::WeightGrads;
 use crate::model::{Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
+use crate::parallel::data_parallel::GradReduce;
 use crate::parallel::tensor_parallel::TensorParallel;
 use anyhow::Result;
 use std::borrow::Cow;
@@ -101,10 +102,10 @@ impl TensorSplit for SequenceParallel<'_> {
 }
 
 /// Adds the gradients of the weights replicated over tp (the RMSNorms) over the tp ranks: with
-/// sequence parallelism each rank's backward saw only its rows, so their gradients are
-/// Partial(sum) on the tp axis, and `redistribute` to Replicate is an all-reduce. One per step,
-/// of all of them packed together, after data parallelism has averaged them (both are sums, so the
-/// order does not matter) and before the gradient norm reads them.
+/// sequence parallelism each rank's backward saw only its rows, so each rank holds its rows'
+/// share of their gradients, and an all-reduce (sum) makes them whole. One per step, of all of
+/// them packed together, after data parallelism has averaged them (both are sums, so the order
+/// does not matter) and before the gradient norm reads them.
 pub fn sum_replicated_grads(params: &mut [&mut Param], tp: &Group) -> Result<()> {
     let mut norms: Vec<&mut Param> =
         params.iter_mut().filter(|p| p.tp == Placement::Replicate).map(|p| &mut **p).collect();
@@ -112,9 +113,8 @@ pub fn sum_replicated_grads(params: &mut [&mut Param], tp: &Group) -> Result<()>
         return Ok(());
     }
     let grads: Vec<&Tensor> = norms.iter().map(|p| p.trained_grad()).collect();
-    let packed = ops::concat(&grads);
-    let n = packed.numel();
-    let packed = redistribute(Cow::Owned(packed), &[n], Placement::Partial(ReduceOp::Sum), Placement::Replicate, tp)?;
+    let mut packed = ops::concat(&grads);
+    tp.all_reduce_tensor(&mut packed, ReduceOp::Sum)?;
     let mut at = 0;
     for p in &mut norms {
         let grad = p.trained().1;
@@ -123,4 +123,16 @@ pub fn sum_replicated_grads(params: &mut [&mut Param], tp: &Group) -> Result<()>
         at += n;
     }
     Ok(())
+}
+
+/// Sequence parallelism's part of each gradient's way (`train/gradients.rs`): after the replicas'
+/// reducers, the norms' gradients summed over tp (`sum_replicated_grads`).
+pub struct NormGradsOverTp<'g>(pub &'g Group);
+
+impl GradReduce for NormGradsOverTp<'_> {
+    fn grad_ready(&mut self, _: &mut Param, _: bool) {} // nothing to start during backward
+
+    fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
+        sum_replicated_grads(params, self.0)
+    }
 }

@@ -13,20 +13,24 @@
 //! ```
 
 use super::feed::Feed;
-use super::gradients::Gradients;
+use super::gradients::{Gradients, Which};
 use super::run::Shared;
 use super::step::Trainer;
 use super::{agree, Options};
 use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
-use crate::config::Config;
+use crate::config::{Config, ParallelConfig};
 use crate::data::Dataset;
 use crate::model::optimizer::NormGroups;
 use crate::model::routing_tape::RoutingTape;
+use crate::model::Param;
 use crate::model::Stage;
+use crate::parallel::data_parallel::{DataParallel, GradReduce};
+use crate::parallel::expert_parallel::ExpertGrads;
 use crate::parallel::fsdp::Fsdp;
 use crate::parallel::pipeline_parallel::StepPlan;
-use crate::parallel::zero::{self, Sharding};
+use crate::parallel::sequence_parallel::NormGradsOverTp;
+use crate::parallel::zero::{self, Sharding, ZeroBuckets};
 use anyhow::Result;
 use std::rc::Rc;
 
@@ -62,7 +66,7 @@ impl<'g> Trainer<'g> {
         if sharding.any() && p.zero_stage == 3 {
             model = model.with_weight_split(Rc::new(Fsdp::new(sharding))); // FSDP: whole weights unit by unit
         }
-        let grads = Gradients::new(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
+        let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
         let (pp, ep) = (me.group(Axis::Pp), me.group(Axis::Ep));
         let norm = NormGroups { tp, pp, ep, zero: sharding.dense_group, expert_zero: sharding.expert_group };
         // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
@@ -74,4 +78,38 @@ impl<'g> Trainer<'g> {
         let feed = Feed::new(me, cfg, data, tape);
         Ok(Trainer { cfg, model, optimizer, grads, sharding, norm, feed, pipeline, first_step })
     }
+}
+
+/// Each gradient's way (`train/gradients.rs`): a reducer per axis that replicates parameters —
+/// data parallelism's all-reduce, or where ZeRO shards that axis its reduce-scatter (under hybrid
+/// sharding, within a shard group, then averaged across the replicate group); the experts' then
+/// divided by ep — and with sequence parallelism the norms' sum over tp after them.
+fn gradients<'g>(
+    me: &'g Rank,
+    p: &ParallelConfig,
+    sharding: &Sharding<'g>,
+    all: (&[&Param], &[usize]),
+) -> Gradients<'g> {
+    let mut grads = Gradients::default();
+    for axis in [Axis::DpCp, Axis::ExpertDp] {
+        let (params, chunks) = Gradients::replicated_over(all, axis);
+        let list = (&params[..], &chunks[..]);
+        let reducer: Box<dyn GradReduce> = match sharding.on(axis) {
+            Some(group) => {
+                let hybrid = axis == Axis::DpCp && me.grid.hybrid();
+                let replicas = hybrid.then(|| me.group(Axis::DpReplicate));
+                Box::new(ZeroBuckets::new((group, replicas), list, p.bucket_mb, p.zero_stage))
+            }
+            None => Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb)),
+        };
+        let reducer = match axis {
+            Axis::ExpertDp => Box::new(ExpertGrads { inner: reducer, ep: me.group(Axis::Ep).size() }),
+            _ => reducer,
+        };
+        grads.add(Which::Replicas(axis), reducer);
+    }
+    if p.sequence_parallel {
+        grads.add(Which::Every, Box::new(NormGradsOverTp(me.group(Axis::Tp))));
+    }
+    grads
 }

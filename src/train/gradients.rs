@@ -1,71 +1,71 @@
 //! # Each gradient's way from backward to the optimizer
 //!
-//! A gradient leaves backward `Partial(avg)` (`comm/placement.rs`) on the axis of its
-//! parameter's replicas, `Param::replicas`: dp×cp for the dense weights, the expert-data axis for
-//! a mixture of experts' experts (`model/moe.rs` says so when it makes them). Each of the two
-//! axes has one reducer, and backward hands every finished gradient to the reducer of its axis:
+//! A gradient leaves backward as each rank's share of it: averaged over the ranks holding the
+//! same parameter — its replicas, on the axis `Param::replicas` names (dp×cp for the dense
+//! weights) — it becomes the gradient of the whole batch. Each axis has one reducer, and backward
+//! hands every finished gradient to the reducer of its axis; `finish` waits for what is still in
+//! flight. Data parallelism's bucketed all-reduce is the first reducer
+//! (`parallel/data_parallel.rs`):
 //!
 //! ```text
-//! axis       ZeRO off (or one rank)                 ZeRO on that axis
-//! dp×cp      DataParallel: bucketed all-reduce      ZeroBuckets: bucketed reduce-scatter
-//!            (parallel/data_parallel.rs)            (parallel/zero.rs)
-//! edp        the same, over the ranks holding the same experts; then ÷ ep (expert_parallel.rs)
+//! backward ──grad_ready(p)──▶ the reducer of p's replicas' axis   (a bucket's all-reduce starts)
+//! finish ─────────────────▶ every reducer, in the order they were added, waits and writes back
 //! ```
-//! Under hybrid sharding (`parallel.dp_shard`) the dense ZeroBuckets reduce-scatter inside a
-//! shard group and then average each chunk across the replicate group.
-//! `finish` waits for what is still in flight. What the step does next (the sums over tp, the
-//! global norm, AdamW, ZeRO's gather) reads in order in `train.rs`.
+//! Which reducers a run has is decided once, by the composition root (`train/compose.rs`): later
+//! lessons plug theirs in here without this file naming them — ZeRO a reduce-scatter in place of
+//! the all-reduce, a mixture of experts its own axis, sequence parallelism a sum over tp after
+//! the others (`Which::Every`). What the step does next (the global norm, AdamW, the weights'
+//! way back) reads in order in `train/step.rs`.
 
-use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
-use crate::config::ParallelConfig;
 use crate::model::Param;
-use crate::parallel::data_parallel::{DataParallel, GradReduce};
-use crate::parallel::expert_parallel::average_over_tokens;
-use crate::parallel::zero::{Sharding, ZeroBuckets};
+use crate::parallel::data_parallel::GradReduce;
 use anyhow::Result;
 
-/// The reducers of the step, one per axis that replicates parameters.
+/// Which gradients a reducer takes.
+#[derive(Clone, Copy, PartialEq)]
+pub enum Which {
+    /// Those of the parameters replicated over this axis.
+    Replicas(Axis),
+    /// Every parameter's, after the replicas' reducers.
+    Every,
+}
+
+impl Which {
+    fn takes(self, p: &Param) -> bool {
+        match self {
+            Which::Replicas(axis) => p.replicas == axis,
+            Which::Every => true,
+        }
+    }
+}
+
+/// The reducers of the step.
+#[derive(Default)]
 pub struct Gradients<'g> {
-    reducers: Vec<(Axis, Box<dyn GradReduce + 'g>)>,
-    ep: usize,
+    reducers: Vec<(Which, Box<dyn GradReduce + 'g>)>,
 }
 
 impl<'g> Gradients<'g> {
-    /// The reducers for `params` (in model order, with each one's model chunk) of rank `me`,
-    /// with ZeRO where `sharding` says.
-    pub fn new(
-        me: &'g Rank,
-        p: &ParallelConfig,
-        sharding: &Sharding<'g>,
-        (params, chunks): (&[&Param], &[usize]),
-    ) -> Self {
-        let mut reducers: Vec<(Axis, Box<dyn GradReduce + 'g>)> = Vec::new();
-        for axis in [Axis::DpCp, Axis::ExpertDp] {
-            let mine: Vec<usize> = (0..params.len()).filter(|&i| params[i].replicas == axis).collect();
-            let list = (
-                mine.iter().map(|&i| params[i]).collect::<Vec<_>>(),
-                mine.iter().map(|&i| chunks[i]).collect::<Vec<_>>(),
-            );
-            let list = (&list.0[..], &list.1[..]);
-            let reducer: Box<dyn GradReduce> = match sharding.on(axis) {
-                Some(group) => {
-                    // hybrid sharding: the dense chunks are averaged across the replicate group too
-                    let hybrid = axis == Axis::DpCp && me.grid.hybrid();
-                    let replicas = hybrid.then(|| me.group(Axis::DpReplicate));
-                    Box::new(ZeroBuckets::new((group, replicas), list, p.bucket_mb, p.zero_stage))
-                }
-                None => Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb)),
-            };
-            reducers.push((axis, reducer));
-        }
-        Gradients { reducers, ep: me.group(Axis::Ep).size() }
+    /// Adds the reducer of the gradients `which` names.
+    pub fn add(&mut self, which: Which, reducer: Box<dyn GradReduce + 'g>) {
+        self.reducers.push((which, reducer));
+    }
+
+    /// Of `params` (in model order, `chunks` each one's model chunk), those replicated over
+    /// `axis`, with their chunks: what a reducer of that axis plans its buckets for.
+    pub fn replicated_over<'p>((params, chunks): (&[&'p Param], &[usize]), axis: Axis) -> (Vec<&'p Param>, Vec<usize>) {
+        let mine = (0..params.len()).filter(|&i| params[i].replicas == axis);
+        mine.map(|i| (params[i], chunks[i])).unzip()
     }
 
     /// Backward's hook: `p`'s gradient of this micro-batch is complete (`last`: of the step's last).
     pub fn grad_ready(&mut self, p: &mut Param, last: bool) {
-        let (_, reducer) = self.reducers.iter_mut().find(|(axis, _)| *axis == p.replicas).expect("a reducer per axis");
-        reducer.grad_ready(p, last);
+        for (which, reducer) in &mut self.reducers {
+            if which.takes(p) {
+                reducer.grad_ready(p, last);
+            }
+        }
     }
 
     /// `grad_ready` as a closure, for the pipeline schedule.
@@ -73,16 +73,12 @@ impl<'g> Gradients<'g> {
         |p, last| self.grad_ready(p, last)
     }
 
-    /// After the step's last backward: every gradient averaged over its replicas (under ZeRO:
-    /// this rank's chunk of the average), the experts' then divided by ep.
+    /// After the step's last backward: every reducer in turn finishes the gradients it takes
+    /// (the replicas' average; under ZeRO this rank's chunk of it).
     pub fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
-        for (axis, reducer) in &mut self.reducers {
-            let mut mine: Vec<&mut Param> =
-                params.iter_mut().filter(|p| p.replicas == *axis).map(|p| &mut **p).collect();
+        for (which, reducer) in &mut self.reducers {
+            let mut mine: Vec<&mut Param> = params.iter_mut().filter(|p| which.takes(p)).map(|p| &mut **p).collect();
             reducer.finish(&mut mine)?;
-            if *axis == Axis::ExpertDp {
-                average_over_tokens(&mut mine, self.ep);
-            }
         }
         Ok(())
     }

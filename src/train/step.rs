@@ -34,7 +34,6 @@ use crate::ops::{self, tensor::Tensor, DType};
 use crate::parallel::data_parallel::bucket_values;
 use crate::parallel::fsdp;
 use crate::parallel::pipeline_parallel::{self, StepPlan};
-use crate::parallel::sequence_parallel;
 use crate::parallel::zero::Sharding;
 use crate::parallel::StepHooks;
 use anyhow::Result;
@@ -101,13 +100,10 @@ impl Trainer<'_> {
             (stats.loss, stats.peak_activations)
         };
         // each gradient's way to the optimizer, in this order: 1. the average over its replicas
-        // (dp×cp; an expert's, edp): an all-reduce, or ZeRO's reduce-scatter to this rank's chunk
+        // (dp×cp; an expert's, edp): an all-reduce, or ZeRO's reduce-scatter to this rank's chunk;
+        // 2. with sequence parallelism, the norms' sum over tp (`train/gradients.rs`)
         let span = Instant::now();
         grads.finish(&mut model.params_mut())?;
-        if p.sequence_parallel {
-            // 2. the norms saw 1/tp of the rows: their gradients, Partial(sum) over tp → Replicate
-            sequence_parallel::sum_replicated_grads(&mut model.params_mut(), me.group(Axis::Tp))?;
-        }
         hooks.gradients_ready(span, model, &self.optimizer);
         // the loss: from the stage that has it (the last; in the V, the first), averaged over dp×cp
         pp.broadcast_tensor(&mut loss, self.pipeline.stage.loss_rank())?;
