@@ -10,7 +10,7 @@
 use ferrotron::cuda::launch_table::{self, Addr, Arg, Launch};
 use ferrotron::ops::tensor::{Place, Tensor};
 use ferrotron::ops::DType;
-use ferrotron::ops::{self, AdamW, Attn};
+use ferrotron::ops::{self, AdamWSettings, Attn};
 use half::bf16;
 use std::ffi::{c_char, c_void, CString};
 use std::io::Write;
@@ -429,9 +429,17 @@ fn merge(c: &mut Check, a: Attn) {
 
 fn adamw(c: &mut Check, n: usize, moments: DType) {
     // three parameters in one launch: one of several chunks, a norm (no decay), a lone number
-    let o =
-        AdamW { lr: 1e-2, beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.1, step: 3, grad_scale: 0.5, moments };
-    let params = [(n, o), (launch_table::LIST_CHUNK + 9, AdamW { weight_decay: 0.0, ..o }), (1, o)];
+    let o = AdamWSettings {
+        lr: 1e-2,
+        beta1: 0.9,
+        beta2: 0.95,
+        eps: 1e-8,
+        weight_decay: 0.1,
+        step: 3,
+        grad_scale: 0.5,
+        moments,
+    };
+    let params = [(n, o), (launch_table::LIST_CHUNK + 9, AdamWSettings { weight_decay: 0.0, ..o }), (1, o)];
     let mixed = c.dt == DType::Bf16;
     let mut host = Vec::new(); // (p, g, m, v) on the CPU, and their buffers (p, g, m, v, copy)
     for (k, _) in params {

@@ -5,7 +5,7 @@ use ferrotron::data::{Dataset, Synthetic};
 use ferrotron::model::Llama;
 use ferrotron::model::{init, optimizer};
 use ferrotron::ops::tensor::Tensor;
-use ferrotron::ops::{self, AdamW, DType};
+use ferrotron::ops::{self, AdamWSettings, DType};
 use ferrotron::train;
 
 fn cfg(sets: &[&str]) -> Config {
@@ -112,8 +112,8 @@ fn lr_schedule_warms_up_then_decays_to_the_floor() {
 }
 
 /// AdamW at step 1, decay on, gradients taken as they are.
-fn adamw_settings() -> AdamW {
-    AdamW {
+fn adamw_settings() -> AdamWSettings {
+    AdamWSettings {
         lr: 0.1,
         beta1: 0.9,
         beta2: 0.99,
@@ -172,7 +172,7 @@ fn clipping_bounds_the_global_norm() {
 #[test]
 fn adamw_scales_the_gradient_as_it_reads_it() {
     // clipping folded into AdamW: the same bits as scaling the gradient first
-    let o = AdamW { step: 2, grad_scale: 0.3, ..adamw_settings() };
+    let o = AdamWSettings { step: 2, grad_scale: 0.3, ..adamw_settings() };
     let g = Tensor::from_vec(&[3], vec![0.5, -0.25, 3.0]);
     let scaled = Tensor::from_vec(&[3], g.to_vec().iter().map(|x| x * 0.3).collect());
     let start = || {
@@ -185,7 +185,7 @@ fn adamw_scales_the_gradient_as_it_reads_it() {
     let (mut p1, mut m1, mut v1) = start();
     ops::adamw(&mut [(o, &mut p1, &g, &mut m1, &mut v1)]);
     let (mut p2, mut m2, mut v2) = start();
-    ops::adamw(&mut [(AdamW { grad_scale: 1.0, ..o }, &mut p2, &scaled, &mut m2, &mut v2)]);
+    ops::adamw(&mut [(AdamWSettings { grad_scale: 1.0, ..o }, &mut p2, &scaled, &mut m2, &mut v2)]);
     for (a, b) in [(p1, p2), (m1, m2), (v1, v2)] {
         assert_eq!(a.to_vec(), b.to_vec());
     }

@@ -32,7 +32,7 @@ use crate::comm::launcher::Rank;
 use crate::comm::placement::{part_of, redistribute};
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ModelConfig};
-use crate::model::optimizer::Optimizer;
+use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::{Llama, Param, Placement, Stage, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
@@ -44,7 +44,7 @@ use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// Full tensors by name: the weights and the optimizer moments.
+/// Full tensors by name: the weights and the optimizer's state (AdamW's moments).
 #[derive(Default)]
 pub struct State {
     pub weights: Vec<(String, Tensor)>,
@@ -52,12 +52,12 @@ pub struct State {
 }
 
 impl State {
-    /// A weight or moment (`which` 0, 1, 2) of `name`, full size on the host.
-    fn push(&mut self, name: &str, which: usize, full: Tensor) {
-        match which {
-            0 => self.weights.push((name.to_string(), full)),
-            1 => self.moments.push((format!("exp_avg.{name}"), full)),
-            _ => self.moments.push((format!("exp_avg_sq.{name}"), full)),
+    /// The weight of `name` (`kind` None), or its optimizer state `kind` (`exp_avg.<name>`), full
+    /// size on the host.
+    fn push(&mut self, name: &str, kind: Option<&str>, full: Tensor) {
+        match kind {
+            None => self.weights.push((name.to_string(), full)),
+            Some(kind) => self.moments.push((format!("{kind}.{name}"), full)),
         }
     }
 }
@@ -81,11 +81,19 @@ pub enum Gather {
 /// expert tensor (member j holds experts j·E/ep…), and a layer's experts go out in the
 /// checkpoint's order once the layer's last expert is in. `Gather::Weights` leaves the moments
 /// out (validation needs only the model).
-pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, what: Gather) -> Result<Option<State>> {
-    let kinds = match what {
-        Gather::Weights => 1,           // each parameter's weight
-        Gather::WeightsAndMoments => 3, // and its two AdamW moments
-    };
+pub fn gather(
+    me: &Rank,
+    cfg: &Config,
+    model: &Llama,
+    optimizer: &dyn Optimizer,
+    what: Gather,
+) -> Result<Option<State>> {
+    // each parameter's weight, and (every parameter alike) its optimizer state by name
+    let kept = optimizer.state();
+    let mut kinds: Vec<Option<&str>> = vec![None];
+    if what == Gather::WeightsAndMoments {
+        kinds.extend(kept.first().into_iter().flatten().map(|(kind, _)| Some(*kind)));
+    }
     let (tp, pp, ep) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(Axis::Ep));
     let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
     // expert parallelism: the first replica's ep group holds every expert between its members
@@ -93,7 +101,7 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
     let mut state = (first_replica && me.coords.tp == 0 && me.coords.pp == 0).then(State::default);
     let mut emit = |name: &str, which: usize, whole: &Tensor| -> Result<()> {
         match (&mut state, me.coords.tp) {
-            (Some(state), _) => state.push(name, which, Tensor::from_vec(whole.shape(), whole.to_vec())), // to the host
+            (Some(state), _) => state.push(name, kinds[which], Tensor::from_vec(whole.shape(), whole.to_vec())), // to the host
             (None, 0) => pp.send_tensor(whole, 0)?,
             (None, _) => {} // tp-rank 0 of the stage speaks for it
         }
@@ -107,13 +115,14 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
         experts.sort_by(|a, b| (a.0, &a.1, a.2).cmp(&(b.0, &b.1, b.2)));
         experts.drain(..).try_for_each(|(_, _, which, name, t)| emit(&name, which, &t))
     };
-    for (p, (m, v)) in model.params().iter().zip(optimizer.moments()) {
+    for (p, kept) in model.params().iter().zip(&kept) {
         let value = p.zero.as_ref().map_or(&p.value, |s| &s.master);
         let spread = p.is_expert() && ep.size() > 1;
         if !spread && first_replica {
             flush(&mut experts, &mut emit)?;
         }
-        for (which, t) in [value, m, v].into_iter().enumerate().take(kinds) {
+        let tensors = std::iter::once(value).chain(kept.iter().map(|(_, t)| *t));
+        for (which, t) in tensors.enumerate().take(kinds.len()) {
             // under ZeRO every rank of its chunk's axis holds a chunk (dp×cp, or the shard group
             // under hybrid sharding; an expert's, edp)
             let axis = p.zero.as_ref().map_or(p.replicas, |z| z.axis);
@@ -160,10 +169,10 @@ pub fn gather(me: &Rank, cfg: &Config, model: &Llama, optimizer: &Optimizer, wha
     for stage in 1..pp.size() {
         let stage = Stage::planned(stage, &cfg.parallel);
         for (name, shape, ..) in Llama::tensor_shapes(&cfg.model, stage) {
-            for which in 0..kinds {
+            for &kind in &kinds {
                 let mut whole = Tensor::empty_on(&shape, &place, DType::F32); // written whole
                 pp.recv_tensor_into(&mut whole, stage.index)?;
-                state.push(&name, which, Tensor::from_vec(&shape, whole.to_vec()));
+                state.push(&name, kind, Tensor::from_vec(&shape, whole.to_vec()));
             }
         }
     }
@@ -284,7 +293,7 @@ impl Resumed {
         }
         let expected = Llama::tensor_shapes(&cfg.model, Stage::WHOLE);
         check_tensors(&self.weights, &expected, &dir.join("model.safetensors"), &cfg.model)?;
-        let moments: Vec<(String, Vec<usize>)> = ["exp_avg", "exp_avg_sq"]
+        let moments: Vec<(String, Vec<usize>)> = AdamW::STATE
             .iter()
             .flat_map(|kind| expected.iter().map(move |(n, s)| (format!("{kind}.{n}"), s.clone())))
             .collect();
@@ -311,19 +320,25 @@ impl Resumed {
         build_from(&self.weights, cfg, tp, stage, "model.safetensors")
     }
 
-    /// The optimizer for `params` (this rank's slices), at the checkpoint's AdamW step.
-    pub fn optimizer(&self, params: &[&Param], (index, count): (usize, usize)) -> Result<Optimizer> {
-        let mut moments = Vec::new();
-        for p in params {
+    /// The optimizer's state for `params` (this rank's slices) from the checkpoint, into host
+    /// memory, and its step count.
+    pub fn load_optimizer(
+        &self,
+        o: &mut dyn Optimizer,
+        params: &[&Param],
+        (index, count): (usize, usize),
+    ) -> Result<()> {
+        let kinds: Vec<Vec<&str>> = o.state().iter().map(|s| s.iter().map(|(kind, _)| *kind).collect()).collect();
+        for ((p, kinds), tensors) in params.iter().zip(kinds).zip(o.state_mut()) {
             let full_shape = whole_shape(p.value.shape(), p.tp, count);
-            let get = |kind: &str| -> Result<Tensor> {
-                let t =
+            for (kind, t) in kinds.iter().zip(tensors) {
+                let full =
                     full_tensor(&self.moments, &format!("{kind}.{}", p.name), &full_shape, "optimizer.safetensors")?;
-                Ok(part_of(&t, p.tp, (index, count))) // this tp rank's
-            };
-            moments.push((get("exp_avg")?, get("exp_avg_sq")?));
+                *t = part_of(&full, p.tp, (index, count)); // this tp rank's
+            }
         }
-        Ok(Optimizer::restore(moments, self.adam_steps))
+        o.resume_at(self.adam_steps);
+        Ok(())
     }
 }
 

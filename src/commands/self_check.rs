@@ -11,7 +11,7 @@
 use crate::cuda::device::Device;
 use crate::cuda::runtime::Gpu;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::{self, AdamW, Attn, DType, Precision};
+use crate::ops::{self, AdamWSettings, Attn, DType, Precision};
 use anyhow::{bail, Result};
 use half::bf16;
 
@@ -306,7 +306,7 @@ impl Check<'_> {
 
     fn adamw(&mut self, n: usize, moments: DType) -> Result<()> {
         // one launch of two parameters: one of several chunks with weight decay, one without
-        let o = AdamW {
+        let o = AdamWSettings {
             lr: 1e-2,
             beta1: 0.9,
             beta2: 0.95,
@@ -328,7 +328,7 @@ impl Check<'_> {
             ));
             cpu.push((p, g, m, v));
         }
-        let decays = [o, AdamW { weight_decay: 0.0, ..o }];
+        let decays = [o, AdamWSettings { weight_decay: 0.0, ..o }];
         let steps = |all: &mut Vec<(Tensor, Tensor, Tensor, Tensor)>| {
             let mut steps: Vec<_> = all.iter_mut().zip(decays).map(|((p, g, m, v), o)| (o, p, &*g, m, v)).collect();
             ops::adamw(&mut steps);

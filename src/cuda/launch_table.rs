@@ -16,7 +16,7 @@
 //! attention's launches are in `launch_table/attention.rs`).
 
 use crate::cuda::kernels::{kernel, Kernel};
-use crate::ops::types::{AdamW, Attn, DType};
+use crate::ops::types::{AdamWSettings, Attn, DType};
 
 /// A device address (on the CPU emulator, a host address).
 pub type Addr = u64;
@@ -449,12 +449,14 @@ pub fn sum_rows(x: Addr, (n, cols): (usize, usize), out: Addr) -> Launch {
 
 /// One parameter's AdamW step: its settings, its f32 p, g, m, v, its bf16 compute copy (mixed
 /// precision) and its size.
-pub type AdamWStep = (AdamW, (Addr, Addr, Addr, Addr), Option<Addr>, usize);
+pub type AdamWStep = (AdamWSettings, (Addr, Addr, Addr, Addr), Option<Addr>, usize);
 
 /// AdamW on every parameter of `steps`: a launch per LIST_TENSORS of them that share their
 /// settings but the weight decay (every parameter of a step does; norms decay by 0).
 pub fn adamw(steps: &[AdamWStep]) -> Vec<Launch> {
-    let same = |a: &AdamW, b: &AdamW| AdamW { weight_decay: 0.0, ..*a } == AdamW { weight_decay: 0.0, ..*b };
+    let same = |a: &AdamWSettings, b: &AdamWSettings| {
+        AdamWSettings { weight_decay: 0.0, ..*a } == AdamWSettings { weight_decay: 0.0, ..*b }
+    };
     let mut launches = Vec::new();
     let mut rest = steps;
     while let Some((o, ..)) = rest.first() {
@@ -500,7 +502,7 @@ pub fn adamw(steps: &[AdamWStep]) -> Vec<Launch> {
 /// checks that the PTX exports each; the CPU emulator's glue calls them).
 pub fn catalogue() -> Vec<Launch> {
     let a = Attn { batch: 1, seq: 1, kv_seq: 1, heads: 1, kv_heads: 1, head_dim: 2 };
-    let o = AdamW {
+    let o = AdamWSettings {
         lr: 0.0,
         beta1: 0.0,
         beta2: 0.0,
@@ -520,7 +522,10 @@ pub fn catalogue() -> Vec<Launch> {
     ];
     all.extend(sum_squares(&[(0, 1)], 0));
     all.extend(zero(&[(0, 1)]));
-    all.extend(adamw(&[(o, (0, 0, 0, 0), None, 1), (AdamW { moments: DType::Bf16, ..o }, (0, 0, 0, 0), Some(0), 1)]));
+    all.extend(adamw(&[
+        (o, (0, 0, 0, 0), None, 1),
+        (AdamWSettings { moments: DType::Bf16, ..o }, (0, 0, 0, 0), Some(0), 1),
+    ]));
     for dt in [DType::F32, DType::Bf16] {
         all.push(embedding(dt, (0, 1), (0, 1), 0, 1, 0));
         all.push(embedding_backward(dt, 0, (0, 1), 1, 0));

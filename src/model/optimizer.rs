@@ -13,6 +13,11 @@
 //! decay is decoupled (applied to the weight, not added to the gradient) and skips norm weights.
 //! Under ZeRO (`parallel/zero.rs`) all of this runs on this rank's chunk of each parameter
 //! (`Param::trained`): its master values, its averaged gradient, its moments.
+//!
+//! The step sees the update only through the `Optimizer` trait (the seam): AdamW is its first
+//! implementation, and a later optimizer — or a wrapper, as ZeRO-1 and 2 wrap AdamW with the
+//! gather of the updated weights (`parallel/fsdp.rs`) — plugs in at the composition root
+//! (`train/compose.rs`) without the step changing.
 
 use crate::comm::{Group, ReduceOp};
 use crate::config::TrainConfig;
@@ -20,7 +25,7 @@ use crate::model::Param;
 use crate::model::Placement;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::DType;
-use crate::ops::{self, AdamW};
+use crate::ops::{self, AdamWSettings};
 use anyhow::Result;
 
 /// Learning rate at `step` (0-based): linear warmup to `lr`, then cosine down to `min_lr` at the
@@ -91,34 +96,50 @@ pub fn clip_factor(norm: f64, max_norm: f32) -> f32 {
     (max_norm as f64 / (norm + 1e-6)) as f32
 }
 
-/// AdamW, one pair of moments per parameter: fp32, or bf16 (`keep_moments_in`).
-pub struct Optimizer {
+/// The optimizer seam: all the step, ZeRO, checkpoints and `ferrotron memory` ask of an
+/// optimizer. AdamW (below) is the first; another plugs in by implementing this in a file of its
+/// own and being chosen by the composition root (`train/compose.rs`), and neither the step nor
+/// ZeRO's lesson changes. Its state is laid out like the parameters it updates: one list of
+/// tensors per parameter, each shaped like the parameter's trained part, so that ZeRO keeps each
+/// rank's chunk of every one as it keeps the master's (which assumes an update reads a gradient
+/// value by value, as AdamW's does).
+pub trait Optimizer {
+    /// One update of every parameter of `params` (each its trained part: `Param::trained`) at
+    /// learning rate `lr`, each gradient multiplied by `grad_scale` (clipping) as it is read.
+    fn step(&mut self, params: &mut [&mut Param], lr: f32, grad_scale: f32) -> Result<()>;
+    /// What it keeps, per parameter in `params`' order: each tensor with the name a checkpoint
+    /// saves it under (`exp_avg.<parameter>`). What `ferrotron memory` counts for it.
+    fn state(&self) -> Vec<Vec<(&'static str, &Tensor)>>;
+    /// The same tensors, to replace: ZeRO's chunks, a resumed checkpoint's.
+    fn state_mut(&mut self) -> Vec<Vec<&mut Tensor>>;
+    /// Updates made so far (a checkpoint keeps the count), and resuming at `steps`.
+    fn steps_taken(&self) -> u32;
+    fn resume_at(&mut self, steps: u32);
+    /// Moves the state next to the parameters, to `place` (a resumed one is read on the host).
+    fn to_place(&mut self, place: &Place);
+}
+
+/// AdamW: one pair of moments per parameter, fp32 or bf16 (`keep_moments_in`).
+pub struct AdamW {
     moments: Vec<(Tensor, Tensor)>,
     step: u32,
     /// What the moments are kept in (on the CPU: f32 holding bf16 values).
     dtype: DType,
+    /// The run's betas, ε and weight decay.
+    settings: (f32, f32, f32, f32),
 }
 
-impl Optimizer {
-    pub fn new(params: &[&mut Param]) -> Optimizer {
+impl AdamW {
+    /// Its state's names, as a checkpoint's `optimizer.safetensors` holds them (`exp_avg.<name>`).
+    pub const STATE: [&'static str; 2] = ["exp_avg", "exp_avg_sq"];
+
+    /// AdamW for `params`, its moments zero next to their gradients, with `t`'s settings.
+    pub fn new(params: &[&mut Param], t: &TrainConfig) -> AdamW {
         let moments = params
             .iter()
             .map(|p| (Tensor::zeros_like(p.trained_grad()), Tensor::zeros_like(p.trained_grad())))
             .collect();
-        Optimizer { moments, step: 0, dtype: DType::F32 }
-    }
-
-    /// An optimizer resumed at AdamW step `step` with the given moments (one pair per parameter,
-    /// in parameter order).
-    pub fn restore(moments: Vec<(Tensor, Tensor)>, step: u32) -> Optimizer {
-        Optimizer { moments, step, dtype: DType::F32 }
-    }
-
-    /// Moves the moments to `place`, next to their parameters.
-    pub fn to_place(&mut self, place: &Place) {
-        for (m, v) in &mut self.moments {
-            (*m, *v) = (m.to_dtype(place, self.dtype), v.to_dtype(place, self.dtype));
-        }
+        AdamW { moments, step: 0, dtype: DType::F32, settings: (t.beta1, t.beta2, t.adam_eps, t.weight_decay) }
     }
 
     /// Keeps the moments in `dtype` from now on: bf16 halves the optimizer's memory (on a GPU;
@@ -132,40 +153,44 @@ impl Optimizer {
             (*m, *v) = (ops::convert(m, dtype), ops::convert(v, dtype));
         }
     }
+}
 
-    /// The moments become `moments` (ZeRO keeps each rank's chunks), in the same dtype.
-    pub fn replace_moments(&mut self, moments: Vec<(Tensor, Tensor)>) {
-        self.moments = moments;
-    }
-
-    /// The first and second moments, one pair per parameter.
-    pub fn moments(&self) -> &[(Tensor, Tensor)] {
-        &self.moments
-    }
-
-    /// AdamW steps taken (the bias corrections depend on it).
-    pub fn steps_taken(&self) -> u32 {
-        self.step
-    }
-
-    /// One AdamW step of every parameter, its gradient multiplied by `grad_scale` (`clip_factor`).
-    pub fn step(&mut self, params: &mut [&mut Param], t: &TrainConfig, lr: f32, grad_scale: f32) {
+impl Optimizer for AdamW {
+    /// One AdamW step of every parameter (on a GPU, a launch per 64 parameters).
+    fn step(&mut self, params: &mut [&mut Param], lr: f32, grad_scale: f32) -> Result<()> {
         self.step += 1;
+        let (beta1, beta2, eps, decay) = self.settings;
         let mut steps = Vec::with_capacity(params.len());
         for (p, (m, v)) in params.iter_mut().zip(&mut self.moments) {
-            let o = AdamW {
-                lr,
-                beta1: t.beta1,
-                beta2: t.beta2,
-                eps: t.adam_eps,
-                weight_decay: if p.decays() { t.weight_decay } else { 0.0 },
-                step: self.step,
-                grad_scale,
-                moments: self.dtype,
-            };
+            let weight_decay = if p.decays() { decay } else { 0.0 };
+            let (step, moments) = (self.step, self.dtype);
+            let o = AdamWSettings { lr, beta1, beta2, eps, weight_decay, step, grad_scale, moments };
             let (weight, grad) = p.trained();
             steps.push((o, weight, &*grad, m, v));
         }
-        ops::adamw(&mut steps); // on a GPU, a launch per 64 parameters
+        ops::adamw(&mut steps);
+        Ok(())
+    }
+
+    fn state(&self) -> Vec<Vec<(&'static str, &Tensor)>> {
+        self.moments.iter().map(|(m, v)| vec![(Self::STATE[0], m), (Self::STATE[1], v)]).collect()
+    }
+
+    fn state_mut(&mut self) -> Vec<Vec<&mut Tensor>> {
+        self.moments.iter_mut().map(|(m, v)| vec![m, v]).collect()
+    }
+
+    fn steps_taken(&self) -> u32 {
+        self.step
+    }
+
+    fn resume_at(&mut self, steps: u32) {
+        self.step = steps;
+    }
+
+    fn to_place(&mut self, place: &Place) {
+        for (m, v) in &mut self.moments {
+            (*m, *v) = (m.to_dtype(place, self.dtype), v.to_dtype(place, self.dtype));
+        }
     }
 }

@@ -11,7 +11,7 @@
 //! the Hugging Face layout `[rows, heads * head_dim]` (head-major inside a row).
 
 use crate::ops::cpu_math::{dot8, exp, max8, sum8_of};
-use crate::ops::types::{AdamW, DType};
+use crate::ops::types::{AdamWSettings, DType};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -213,7 +213,7 @@ pub fn sum_squares(a: &[f32]) -> f64 {
 }
 
 /// p ← p − lr·wd·p (decoupled decay), then p ← p − lr · m̂ / (√v̂ + eps).
-pub fn adamw(o: &AdamW, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
+pub fn adamw(o: &AdamWSettings, p: &mut [f32], g: &[f32], m: &mut [f32], v: &mut [f32]) {
     let c1 = 1.0 - o.beta1.powi(o.step as i32);
     let c2 = 1.0 - o.beta2.powi(o.step as i32);
     let state = m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK));

@@ -11,7 +11,7 @@ use crate::cuda::device::{Buf, Data, Device};
 use crate::cuda::launch_table::{self, Addr};
 use crate::cuda::runtime::cuda_err;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::{AdamW, Attn, DType, Precision};
+use crate::ops::types::{AdamWSettings, Attn, DType, Precision};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use std::sync::Arc;
@@ -423,7 +423,7 @@ impl Device {
 
     /// One AdamW step of every parameter (its settings, fp32 master weight, gradient, moments),
     /// a launch per 64 of them; in mixed precision the same kernel writes each new bf16 copy.
-    pub fn adamw(&self, steps: &[(AdamW, &Tensor, &Tensor, &Tensor, &Tensor)]) -> Result<()> {
+    pub fn adamw(&self, steps: &[(AdamWSettings, &Tensor, &Tensor, &Tensor, &Tensor)]) -> Result<()> {
         let mut list = Vec::with_capacity(steps.len());
         for (o, p, g, m, v) in steps {
             if m.dtype() != o.moments || v.dtype() != o.moments {

@@ -22,7 +22,7 @@ pub mod tensor;
 pub mod types;
 pub mod wire;
 
-pub use types::{AdamW, Attn, DType, Precision};
+pub use types::{AdamWSettings, Attn, DType, Precision};
 
 use crate::cuda::device::{fatal, Device};
 use cpu_math::View;
@@ -404,7 +404,7 @@ pub fn sum_squares_total(ts: &[&Tensor], place: &Place) -> Tensor {
 /// One AdamW step of each parameter: (its settings, its weight, gradient and moments; a
 /// mixed-precision weight on its fp32 master, rewriting the bf16 copy). On a GPU, a launch per 64
 /// parameters.
-pub fn adamw(steps: &mut [(AdamW, &mut Tensor, &Tensor, &mut Tensor, &mut Tensor)]) {
+pub fn adamw(steps: &mut [(AdamWSettings, &mut Tensor, &Tensor, &mut Tensor, &mut Tensor)]) {
     for (_, p, g, m, v) in steps.iter() {
         assert!(p.numel() == g.numel() && g.numel() == m.numel() && m.numel() == v.numel(), "adamw: sizes differ");
     }

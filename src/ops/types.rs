@@ -57,7 +57,7 @@ pub struct Attn {
 
 /// AdamW's settings for one step.
 #[derive(Clone, Copy, Debug, PartialEq)]
-pub struct AdamW {
+pub struct AdamWSettings {
     pub lr: f32,
     pub beta1: f32,
     pub beta2: f32,

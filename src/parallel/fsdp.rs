@@ -20,8 +20,9 @@
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::comm::ReduceOp;
+use crate::model::optimizer::Optimizer;
 use crate::model::{Param, WeightSplit};
-use crate::ops::tensor::Tensor;
+use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, wire, DType, Precision};
 use crate::parallel::zero::{real, Sharding};
 use anyhow::Result;
@@ -143,6 +144,42 @@ fn unpack(gathered: &Tensor, wires: &[(Precision, Option<Tensor>)], params: &mut
         }
         p.value = whole.expect("at least one rank");
         at += wire::slots(c, *wire);
+    }
+}
+
+/// ZeRO-1 and 2 as the step sees them, through the optimizer seam: the optimizer updates this
+/// rank's chunks, then every rank gets the updated whole weights (`gather_weights`).
+pub struct GatherAfterUpdate<'g> {
+    pub inner: Box<dyn Optimizer + 'g>,
+    pub sharding: Sharding<'g>,
+    /// Values per all-gather (`parallel.bucket_mb`).
+    pub bucket: usize,
+}
+
+impl Optimizer for GatherAfterUpdate<'_> {
+    fn step(&mut self, params: &mut [&mut Param], lr: f32, grad_scale: f32) -> Result<()> {
+        self.inner.step(params, lr, grad_scale)?;
+        gather_weights(&self.sharding, params, self.bucket) // Shard(0) → Replicate
+    }
+
+    fn state(&self) -> Vec<Vec<(&'static str, &Tensor)>> {
+        self.inner.state()
+    }
+
+    fn state_mut(&mut self) -> Vec<Vec<&mut Tensor>> {
+        self.inner.state_mut()
+    }
+
+    fn steps_taken(&self) -> u32 {
+        self.inner.steps_taken()
+    }
+
+    fn resume_at(&mut self, steps: u32) {
+        self.inner.resume_at(steps);
+    }
+
+    fn to_place(&mut self, place: &Place) {
+        self.inner.to_place(place);
     }
 }
 

@@ -16,6 +16,7 @@ pub mod context_parallel;
 pub mod data_parallel;
 pub mod expert_parallel;
 pub mod fsdp;
+pub mod hybrid_sharding;
 pub mod pipeline_messages;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;
@@ -45,5 +46,5 @@ pub trait StepHooks {
     fn stop_here(&self) -> Result<bool>;
     /// The step's gradients are reduced and nothing is updated yet (it waited for them since
     /// `start`): the point at which `ferrotron memory` counts what a rank holds.
-    fn gradients_ready(&self, _start: Instant, _model: &Llama, _optimizer: &Optimizer) {}
+    fn gradients_ready(&self, _start: Instant, _model: &Llama, _optimizer: &dyn Optimizer) {}
 }

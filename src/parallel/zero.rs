@@ -147,20 +147,23 @@ impl<'g> Sharding<'g> {
 /// `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
 /// moments. Stage 2 and 3 free the full gradients (backward makes each again, briefly); stage 3
 /// frees the whole weights too (`fsdp.rs` gathers them unit by unit).
-pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Sharding<'g>, stage: usize) -> Llama<'g> {
+pub fn shard<'g>(
+    mut model: Llama<'g>,
+    optimizer: &mut dyn Optimizer,
+    sharding: Sharding<'g>,
+    stage: usize,
+) -> Llama<'g> {
     let place = model.place();
-    let mut moments = Vec::new();
-    for (p, (m, v)) in model.params_mut().into_iter().zip(optimizer.moments()) {
-        let Some(group) = sharding.of(p) else {
-            moments.push((m.clone(), v.clone())); // kept whole
-            continue;
-        };
+    for (p, state) in model.params_mut().into_iter().zip(optimizer.state_mut()) {
+        let Some(group) = sharding.of(p) else { continue }; // kept whole
         let n = p.value.numel();
         let master = p.value.master_copy().unwrap_or_else(|| p.value.clone()); // fp32, whole
 
         // Replicate → Shard(0) of the flat values: this rank's chunk, nothing sent
         let mine = |t: &Tensor| slice_of(t, &[n], 0, (group.index(), group.size()));
-        moments.push((mine(m), mine(v)));
+        for t in state {
+            *t = mine(t); // the optimizer's state, each tensor shaped like the parameter
+        }
         let grad = Tensor::zeros(&[0]); // the averaged chunk, made by each step's reduce-scatters
         let axis = sharding.axis_of(p);
         p.zero = Some(ZeroChunk { axis, master: mine(&master), grad, shape: p.value.shape().to_vec() });
@@ -172,7 +175,6 @@ pub fn shard<'g>(mut model: Llama<'g>, optimizer: &mut Optimizer, sharding: Shar
             p.grad = Tensor::zeros(&[0]); // made by backward, handed to a bucket, freed
         }
     }
-    optimizer.replace_moments(moments);
     model
 }
 
@@ -205,9 +207,14 @@ pub struct ZeroBuckets<'g> {
     in_flight: VecDeque<usize>,
     /// A collective that failed while backward ran, reported by `finish`.
     failed: Option<anyhow::Error>,
-    /// Hybrid sharding: the ranks holding the same chunks, which average them once per step.
-    replicas: Option<&'g Group>,
+    /// What a later lesson does to each bucket's averaged chunks once per step, before they are
+    /// handed to the parameters (`None`: nothing).
+    then: Option<AfterReduce<'g>>,
 }
+
+/// A step over a bucket's averaged chunks (this rank's, side by side), once per step: the seam
+/// where hybrid sharding averages them across its replicate group (`hybrid_sharding.rs`).
+pub type AfterReduce<'g> = Box<dyn FnMut(&mut Tensor) -> Result<()> + 'g>;
 
 /// ZeRO keeps at most this many reduce-scatters in flight: each holds its bucket's full-size
 /// gradients until it lands, and stage 2 must not keep them all.
@@ -216,10 +223,10 @@ const IN_FLIGHT: usize = 2;
 impl<'g> ZeroBuckets<'g> {
     /// Plans the buckets of `params` (in model order, with their model chunks) sharded over
     /// `group` at `stage` 1–3: a member takes one chunk per rank, so a bucket of `bucket_mb`
-    /// holds 1/ranks of what a data-parallel one does, per rank.
-    /// Under hybrid sharding, `replicas` is the replicate group.
+    /// holds 1/ranks of what a data-parallel one does, per rank; `then` runs over each bucket's
+    /// averaged chunks once per step.
     pub fn new(
-        (group, replicas): (&'g Group, Option<&'g Group>),
+        (group, then): (&'g Group, Option<AfterReduce<'g>>),
         params: (&[&Param], &[usize]),
         bucket_mb: f64,
         stage: usize,
@@ -240,7 +247,7 @@ impl<'g> ZeroBuckets<'g> {
                 closes: plan.closes,
             })
             .collect();
-        ZeroBuckets { group, stage, buckets, place, in_flight: VecDeque::new(), failed: None, replicas }
+        ZeroBuckets { group, stage, buckets, place, in_flight: VecDeque::new(), failed: None, then }
     }
 }
 
@@ -297,9 +304,8 @@ impl GradReduce for ZeroBuckets<'_> {
         for bucket in &mut self.buckets {
             settle(bucket)?;
             let mut sums = bucket.sums.take().expect("every bucket was reduce-scattered in the step");
-            if let Some(replicas) = self.replicas {
-                // hybrid: each shard group averaged its own data; now the mean over all of them
-                replicas.all_reduce_tensor(&mut sums, ReduceOp::Avg)?;
+            if let Some(then) = &mut self.then {
+                then(&mut sums)?;
             }
             for &(member, offset) in &bucket.members {
                 let chunk = params[member].zero.as_mut().expect("ZeRO shards every parameter");

@@ -25,9 +25,10 @@ use crate::model::optimizer::NormGroups;
 use crate::model::routing_tape::RoutingTape;
 use crate::model::Param;
 use crate::model::Stage;
-use crate::parallel::data_parallel::{DataParallel, GradReduce};
+use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
 use crate::parallel::expert_parallel::ExpertGrads;
-use crate::parallel::fsdp::Fsdp;
+use crate::parallel::fsdp::{Fsdp, GatherAfterUpdate};
+use crate::parallel::hybrid_sharding;
 use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::sequence_parallel::NormGradsOverTp;
 use crate::parallel::zero::{self, Sharding, ZeroBuckets};
@@ -61,10 +62,15 @@ impl<'g> Trainer<'g> {
         let dense = if me.grid.hybrid() { Axis::DpShard } else { Axis::DpCp };
         let sharding = Sharding::new(p.zero_stage, (dense, me.group(dense)), me.group(Axis::ExpertDp));
         if sharding.any() {
-            model = zero::shard(model, &mut optimizer, sharding, p.zero_stage);
-        }
-        if sharding.any() && p.zero_stage == 3 {
-            model = model.with_weight_split(Rc::new(Fsdp::new(sharding))); // FSDP: whole weights unit by unit
+            model = zero::shard(model, &mut *optimizer, sharding, p.zero_stage);
+            optimizer = match p.zero_stage {
+                3 => {
+                    model = model.with_weight_split(Rc::new(Fsdp::new(sharding))); // FSDP: unit by unit
+                    optimizer
+                }
+                // ZeRO-1, 2: after each update the whole weights are gathered back
+                _ => Box::new(GatherAfterUpdate { inner: optimizer, sharding, bucket: bucket_values(p.bucket_mb) }),
+            };
         }
         let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
         let (pp, ep) = (me.group(Axis::Pp), me.group(Axis::Ep));
@@ -76,7 +82,7 @@ impl<'g> Trainer<'g> {
             (p.pp_schedule, t.grad_accum_steps, t.micro_batch_size, Stage::planned(pp.index(), p));
         let pipeline = StepPlan { pp, kind, micro_batches, batch, stage, hidden: [rows, cfg.model.hidden_size] };
         let feed = Feed::new(me, cfg, data, tape);
-        Ok(Trainer { cfg, model, optimizer, grads, sharding, norm, feed, pipeline, first_step })
+        Ok(Trainer { cfg, model, optimizer, grads, norm, feed, pipeline, first_step })
     }
 }
 
@@ -97,8 +103,8 @@ fn gradients<'g>(
         let reducer: Box<dyn GradReduce> = match sharding.on(axis) {
             Some(group) => {
                 let hybrid = axis == Axis::DpCp && me.grid.hybrid();
-                let replicas = hybrid.then(|| me.group(Axis::DpReplicate));
-                Box::new(ZeroBuckets::new((group, replicas), list, p.bucket_mb, p.zero_stage))
+                let then = hybrid.then(|| hybrid_sharding::average_across(me.group(Axis::DpReplicate)));
+                Box::new(ZeroBuckets::new((group, then), list, p.bucket_mb, p.zero_stage))
             }
             None => Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb)),
         };

@@ -51,7 +51,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
             Stepped::Done { loss, lr, grad_norm, activations_held } => (loss, lr, grad_norm, activations_held),
             Stepped::Stopped { micro_batches } => {
                 // the step's gradients so far are dropped: the weights are still those of the step before
-                let saved = shared.checkpoints.save_before(me, cfg, (step, first_step), (&tr.model, &tr.optimizer))?;
+                let saved = shared.checkpoints.save_before(me, cfg, (step, first_step), (&tr.model, &*tr.optimizer))?;
                 let signal = signal.expect("only a signal stops a step part-way");
                 watch.stopped(Stopped { signal, checkpoint: saved, dropped: Some(micro_batches) });
                 break;
@@ -60,14 +60,14 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         let held = held.expect("a finished step had its gradients ready");
         // the loss on held-out data, of the whole model gathered onto rank 0 (`train/validate.rs`)
         let val_loss = match validate::due(cfg, step) {
-            true => validate::validate(me, cfg, data, &tr.model, &tr.optimizer)?,
+            true => validate::validate(me, cfg, data, &tr.model, &*tr.optimizer)?,
             false => None,
         };
         let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss };
         watch.step_ends(&end, &mut tr.model)?;
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };
-        let saved = shared.checkpoints.save_if_due(me, cfg, step, (&tr.model, &tr.optimizer), signal.is_some())?;
+        let saved = shared.checkpoints.save_if_due(me, cfg, step, (&tr.model, &*tr.optimizer), signal.is_some())?;
         if let Some(signal) = signal {
             watch.stopped(Stopped { signal, checkpoint: saved, dropped: None });
             break;
@@ -111,7 +111,7 @@ impl StepHooks for Hooks<'_, '_> {
         Ok(self.signal.get().is_some())
     }
 
-    fn gradients_ready(&self, start: Instant, model: &Llama, optimizer: &Optimizer) {
+    fn gradients_ready(&self, start: Instant, model: &Llama, optimizer: &dyn Optimizer) {
         self.held.set(Some(memory::held(model, optimizer)));
         self.watch.span("wait for gradients".into(), start);
     }

@@ -15,7 +15,7 @@ use crate::comm::trace::Trace;
 use crate::comm::Group;
 use crate::config::{Config, CpMode};
 use crate::data::Dataset;
-use crate::model::optimizer::Optimizer;
+use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::routing_tape::TapeMode;
 use crate::model::{init, Llama, Stage, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
@@ -335,7 +335,7 @@ impl Checkpoints {
         me: &Rank,
         cfg: &Config,
         step: usize,
-        (model, opt): (&Llama, &Optimizer),
+        (model, opt): (&Llama, &dyn Optimizer),
         now: bool,
     ) -> Result<Option<PathBuf>> {
         let (every, last) = (cfg.checkpoint.every, step + 1 == cfg.train.steps);
@@ -364,7 +364,7 @@ impl Checkpoints {
         me: &Rank,
         cfg: &Config,
         (step, first_step): (usize, usize),
-        state: (&Llama, &Optimizer),
+        state: (&Llama, &dyn Optimizer),
     ) -> Result<Option<PathBuf>> {
         let every = cfg.checkpoint.every;
         if step == first_step {
@@ -431,18 +431,16 @@ impl Shared<'_> {
         Ok((model, first_step))
     }
 
-    /// AdamW over the model's parameters: fresh, or the checkpoint's moments of this tp slice.
-    pub(super) fn optimizer(&self, model: &mut Llama, tp: &Group, cfg: &Config) -> Result<Optimizer> {
-        let mut o = match self.resumed {
-            Some(r) => {
-                let mut o = r.optimizer(&model.params(), (tp.index(), tp.size()))?;
-                o.to_place(&model.place()); // the moments were read into host memory
-                o
-            }
-            None => Optimizer::new(&model.params_mut()), // moments made next to the gradients
-        };
+    /// The optimizer (AdamW) over the model's parameters: fresh, or with the checkpoint's state
+    /// of this tp slice.
+    pub(super) fn optimizer<'o>(&self, model: &mut Llama, tp: &Group, cfg: &Config) -> Result<Box<dyn Optimizer + 'o>> {
+        let mut o = AdamW::new(&model.params_mut(), &cfg.train); // moments made next to the gradients
+        if let Some(r) = self.resumed {
+            r.load_optimizer(&mut o, &model.params(), (tp.index(), tp.size()))?;
+            o.to_place(&model.place()); // the moments were read into host memory
+        }
         o.keep_moments_in(cfg.train.optimizer_dtype.dtype());
-        Ok(o)
+        Ok(Box::new(o))
     }
 }
 

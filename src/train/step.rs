@@ -9,8 +9,8 @@
 //!     on the last one, each finished gradient goes to data parallelism, whose all-reduce
 //!     starts while backward goes on with the earlier layers
 //! data parallel: wait until every gradient is the average over the dp ranks
-//! global gradient norm → clip → learning rate for this step → AdamW
-//! ZeRO-1, 2: the updated chunks gathered back into whole weights
+//! global gradient norm → clip → learning rate for this step → the optimizer (AdamW)
+//!     (ZeRO-1, 2: of this rank's chunks, then gathered back into whole weights)
 //! ```
 //! On a GPU the loss stays on the device until the step reads it with the gradient norm: the
 //! step's one wait for the GPU.
@@ -31,10 +31,7 @@ use crate::config::Config;
 use crate::model::optimizer::{self, NormGroups, Optimizer};
 use crate::model::Llama;
 use crate::ops::{self, tensor::Tensor, DType};
-use crate::parallel::data_parallel::bucket_values;
-use crate::parallel::fsdp;
 use crate::parallel::pipeline_parallel::{self, StepPlan};
-use crate::parallel::zero::Sharding;
 use crate::parallel::StepHooks;
 use anyhow::Result;
 use std::time::Instant;
@@ -44,11 +41,10 @@ pub(super) struct Trainer<'g> {
     pub(super) cfg: &'g Config,
     /// This rank's part of the model, with its splits (tp, sp, cp, FSDP, experts) plugged in.
     pub(super) model: Llama<'g>,
-    pub(super) optimizer: Optimizer,
+    /// The optimizer seam (`model/optimizer.rs`): AdamW, under ZeRO-1 and 2 with the gather after.
+    pub(super) optimizer: Box<dyn Optimizer + 'g>,
     /// Where each finished gradient goes: the reducer of its replicas' axis.
     pub(super) grads: Gradients<'g>,
-    /// ZeRO's groups, where it is on.
-    pub(super) sharding: Sharding<'g>,
     /// The groups the gradient norm sums over.
     pub(super) norm: NormGroups<'g>,
     /// What this rank reads: its micro-batches.
@@ -71,7 +67,7 @@ pub(super) enum Stepped {
 impl Trainer<'_> {
     /// One step of this rank: `hooks` are the driver's (`train/driver.rs`).
     pub(super) fn step(&mut self, step: usize, hooks: &dyn StepHooks) -> Result<Stepped> {
-        let (t, p, me, pp) = (&self.cfg.train, &self.cfg.parallel, self.feed.me, self.pipeline.pp);
+        let (t, me, pp) = (&self.cfg.train, self.feed.me, self.pipeline.pp);
         let (m, model, grads) = (t.grad_accum_steps, &mut self.model, &mut self.grads);
         model.zero_grads();
         let (mut loss, activations_held) = if pp.size() == 1 {
@@ -104,7 +100,7 @@ impl Trainer<'_> {
         // 2. with sequence parallelism, the norms' sum over tp (`train/gradients.rs`)
         let span = Instant::now();
         grads.finish(&mut model.params_mut())?;
-        hooks.gradients_ready(span, model, &self.optimizer);
+        hooks.gradients_ready(span, model, &*self.optimizer);
         // the loss: from the stage that has it (the last; in the V, the first), averaged over dp×cp
         pp.broadcast_tensor(&mut loss, self.pipeline.stage.loss_rank())?;
         me.group(Axis::DpCp).all_reduce_tensor(&mut loss, ReduceOp::Avg)?;
@@ -114,13 +110,11 @@ impl Trainer<'_> {
         // the step's one CPU–GPU sync point: the loss and the gradient norm, read together
         let read = ops::concat(&[&loss, &grad_sq]).to_vec();
         let (loss, grad_norm) = (read[0], (read[1] as f64).sqrt());
-        run::finite(self.cfg, loss, step, self.first_step)?; // never an update from a NaN
-        let lr = optimizer::lr_at(t, step); // 4. AdamW at this step's learning rate, clipping folded in
-        self.optimizer.step(&mut params, t, lr, optimizer::clip_factor(grad_norm, t.grad_clip));
-        if p.zero_stage == 1 || p.zero_stage == 2 {
-            // 5. ZeRO-1, 2: the updated chunks to every rank, Shard(0) → Replicate
-            fsdp::gather_weights(&self.sharding, &mut params, bucket_values(p.bucket_mb))?;
-        }
+        // 4. never an update from a NaN; the optimizer (AdamW) at this step's learning rate,
+        //    clipping folded in (ZeRO-1, 2: this rank's chunks, then the whole weights gathered)
+        run::finite(self.cfg, loss, step, self.first_step)?;
+        let lr = optimizer::lr_at(t, step);
+        self.optimizer.step(&mut params, lr, optimizer::clip_factor(grad_norm, t.grad_clip))?;
         hooks.span("optimizer".into(), span);
         Ok(Stepped::Done { loss, lr, grad_norm, activations_held })
     }

@@ -38,7 +38,7 @@ pub(super) fn validate(
     cfg: &Config,
     data: &Dataset,
     model: &Llama,
-    optimizer: &Optimizer,
+    optimizer: &dyn Optimizer,
 ) -> Result<Option<f32>> {
     let Some(state) = save::gather(me, cfg, model, optimizer, Gather::Weights)? else {
         return Ok(None);
