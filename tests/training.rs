@@ -152,6 +152,64 @@ fn gradient_accumulation_keeps_the_global_batch() {
     }
 }
 
+/// Plain SGD, written outside the crate against the optimizer seam alone: w ← w − lr · s · g.
+struct Sgd {
+    steps: u32,
+}
+
+impl optimizer::Optimizer for Sgd {
+    fn step(&mut self, params: &mut [&mut ferrotron::model::Param], lr: f32, grad_scale: f32) -> anyhow::Result<()> {
+        self.steps += 1;
+        for p in params.iter_mut() {
+            let (w, g) = p.trained();
+            let g = g.clone();
+            ops::add_scaled(w, g, -lr * grad_scale);
+        }
+        Ok(())
+    }
+    fn state(&self) -> Vec<Vec<(&'static str, &Tensor)>> {
+        Vec::new() // SGD keeps nothing
+    }
+    fn state_mut(&mut self) -> Vec<Vec<&mut Tensor>> {
+        Vec::new()
+    }
+    fn steps_taken(&self) -> u32 {
+        self.steps
+    }
+    fn resume_at(&mut self, steps: u32) {
+        self.steps = steps;
+    }
+    fn to_place(&mut self, _: &ferrotron::ops::tensor::Place) {}
+}
+
+#[test]
+fn another_optimizer_plugs_into_the_seam() {
+    let c = cfg(SMALL);
+    let mut model = Llama::new(&c.model, 1);
+    let data = Dataset::open(&c.data, &c.model).unwrap();
+    let (inputs, targets) = data.micro_batch(&c.train, (0, 1), 0, 0).unwrap();
+    model.forward(&inputs, c.train.micro_batch_size, &targets).unwrap();
+    model.backward(1.0).unwrap();
+    let before: Vec<(Vec<f32>, Vec<f32>)> =
+        model.params().iter().map(|p| (p.value.to_vec(), p.grad.to_vec())).collect();
+    let mut sgd = Sgd { steps: 0 };
+    let o: &mut dyn optimizer::Optimizer = &mut sgd;
+    o.step(&mut model.params_mut(), 0.1, 0.5).unwrap();
+    assert_eq!(o.steps_taken(), 1);
+    for (p, (w, g)) in model.params().iter().zip(&before) {
+        let want: Vec<f32> = w.iter().zip(g).map(|(w, g)| w + (-0.1f32 * 0.5) * g).collect();
+        let got = p.value.to_vec();
+        let worst = want.iter().zip(&got).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+        assert!(worst < 1e-6, "{}: off by {worst}", p.name);
+    }
+    // and AdamW through the same trait: its state is two moments per parameter, by checkpoint name
+    let mut adamw = optimizer::AdamW::new(&model.params_mut(), &c.train);
+    let o: &mut dyn optimizer::Optimizer = &mut adamw;
+    o.step(&mut model.params_mut(), 1e-3, 1.0).unwrap();
+    let names: Vec<&str> = o.state()[0].iter().map(|(n, _)| *n).collect();
+    assert_eq!((names, o.state().len()), (vec!["exp_avg", "exp_avg_sq"], model.params().len()));
+}
+
 #[test]
 fn clipping_bounds_the_global_norm() {
     let c = cfg(SMALL);
