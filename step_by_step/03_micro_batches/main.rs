@@ -7,7 +7,7 @@ mod common;
 
 use anyhow::Result;
 use ferrotron::data::Dataset;
-use ferrotron::model::optimizer::{self, Optimizer};
+use ferrotron::model::optimizer::{self, AdamW, Optimizer};
 use ferrotron::model::Llama;
 
 fn run(tiny: bool) -> Result<()> {
@@ -17,7 +17,7 @@ fn run(tiny: bool) -> Result<()> {
     let data = Dataset::open(&cfg.data, &cfg.model)?;
     let mut model = Llama::new(&cfg.model, t.seed);
     model.to_place(&common::place(&cfg, 0)?);
-    let mut optimizer = Optimizer::new(&model.params_mut());
+    let mut optimizer = AdamW::new(&model.params_mut(), t);
     let mut losses = Vec::new();
     for step in 0..t.steps {
         model.zero_grads();
@@ -31,7 +31,7 @@ fn run(tiny: bool) -> Result<()> {
         let mut params = model.params_mut();
         let norm = optimizer::grad_sum_squares(&params).sqrt();
         let clip = optimizer::clip_factor(norm, t.grad_clip); // < 1 when the norm is over the limit
-        optimizer.step(&mut params, t, optimizer::lr_at(t, step), clip);
+        optimizer.step(&mut params, optimizer::lr_at(t, step), clip)?;
         if step % 10 == 0 || step + 1 == t.steps {
             println!(
                 "step {step:>3}  loss {loss:.4}  ({} micro-batches of {})",

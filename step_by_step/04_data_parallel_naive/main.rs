@@ -11,7 +11,7 @@ use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
 use ferrotron::config::Config;
 use ferrotron::data::Dataset;
-use ferrotron::model::optimizer::{self, Optimizer};
+use ferrotron::model::optimizer::{self, AdamW, Optimizer};
 use ferrotron::model::Llama;
 use std::time::Duration;
 
@@ -24,7 +24,7 @@ fn replicas(cfg: &Config, average: bool) -> Result<Vec<(Vec<f32>, u64)>> {
         let group = me.group(Axis::Dp);
         let mut model = Llama::new(&cfg.model, t.seed); // identical replicas: same seed
         model.to_place(&common::place(cfg, me.rank)?);
-        let mut optimizer = Optimizer::new(&model.params_mut());
+        let mut optimizer = AdamW::new(&model.params_mut(), t);
         let mut losses = Vec::new();
         for step in 0..t.steps {
             model.zero_grads();
@@ -39,7 +39,7 @@ fn replicas(cfg: &Config, average: bool) -> Result<Vec<(Vec<f32>, u64)>> {
             let mut params = model.params_mut();
             let norm = optimizer::grad_sum_squares(&params).sqrt();
             let clip = optimizer::clip_factor(norm, t.grad_clip); // < 1 when the norm is over the limit
-            optimizer.step(&mut params, t, optimizer::lr_at(t, step), clip);
+            optimizer.step(&mut params, optimizer::lr_at(t, step), clip)?;
             if me.rank == 0 && (step % 10 == 0 || step + 1 == t.steps) {
                 println!("step {step:>3}  loss {:.4}  (mean over {dp} ranks)", loss[0]);
             }

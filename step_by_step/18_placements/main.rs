@@ -13,7 +13,7 @@ use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
 use ferrotron::config::Config;
 use ferrotron::data::Dataset;
-use ferrotron::model::optimizer::Optimizer;
+use ferrotron::model::optimizer::AdamW;
 use ferrotron::model::{Llama, Param, Stage};
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::parallel::expert_parallel::ExpertParallel;
@@ -172,7 +172,7 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
         let (tokens, targets) = data.micro_batch(t, (me.coords.dp, 2), 0, 0)?; // my sequences
         model.forward(&tokens, t.micro_batch_size, &targets)?;
         model.backward(1.0)?;
-        let mut optimizer = Optimizer::new(&model.params_mut()); // for ZeRO below: moments like the gradients
+        let mut optimizer = AdamW::new(&model.params_mut(), t); // for ZeRO below: moments like the gradients
         let mut worst = 0.0f32;
         for (p, want) in model.params_mut().into_iter().zip(&grads) {
             let grad = std::mem::replace(&mut p.grad, Tensor::zeros(&[0]));
