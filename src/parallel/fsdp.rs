@@ -12,22 +12,24 @@
 //! comm:     [gather layer 0][gather layer 1][gather layer 2] …
 //! compute:                  [layer 0]       [layer 1]       [layer 2] …   (free after each)
 //! ```
-//! A gather packs this rank's chunks of the unit's parameters side by side, in the compute dtype
-//! (bf16 on a GPU: half the bytes, and what the kernels read), so one all-gather returns every
-//! rank's chunks, rank after rank; `unpack` puts each parameter together without its padding.
-//! The experts' chunks are gathered over their own group, the expert-data ranks.
+//! A gather packs this rank's chunks of the unit's parameters side by side, so one all-gather
+//! returns every rank's chunks, rank after rank; `unpack` puts each parameter together without
+//! its padding. How each chunk travels is a seam (`Formats`, one `Wire` a parameter): the fp32
+//! master as it is (`Master`) unless the composition root plugs in another — the formats the
+//! GEMMs read, bf16 or FP8 (`gather_formats.rs`). The experts' chunks are gathered over their own
+//! group, the expert-data ranks.
 
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
-use crate::comm::ReduceOp;
 use crate::model::optimizer::Optimizer;
 use crate::model::{Param, WeightSplit};
+use crate::ops;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::{self, wire, DType, Precision};
 use crate::parallel::zero::{real, Sharding};
 use anyhow::Result;
 use std::borrow::Cow;
 use std::cell::{Cell, RefCell};
+use std::rc::Rc;
 use std::time::Instant;
 
 /// The sharded parameters of `params` by the group sharding them (dense first, then experts;
@@ -55,11 +57,11 @@ fn select<'a>(params: &'a mut [&mut Param], places: &[usize]) -> Vec<&'a mut Par
 type Started<'g> = Vec<(&'g Group, Vec<usize>, Gather)>;
 
 /// Starts the gathers of a unit's sharded weights: one per sharding group.
-fn start_unit<'g>(sharding: &Sharding<'g>, unit: &[&Param]) -> Result<Started<'g>> {
+fn start_unit<'g>(sharding: &Sharding<'g>, unit: &[&Param], formats: &dyn Formats) -> Result<Started<'g>> {
     let mut started = Vec::new();
     for (group, places) in by_group(sharding, unit) {
         let params: Vec<&Param> = places.iter().map(|&i| unit[i]).collect();
-        let pending = start_gather(group, &params)?;
+        let pending = start_gather(group, &params, formats)?;
         started.push((group, places, pending));
     }
     Ok(started)
@@ -73,77 +75,80 @@ fn finish_unit(started: Started, unit: &mut [&mut Param]) -> Result<()> {
     Ok(())
 }
 
-/// How a weight travels (`ops/wire.rs`): as its GEMMs read it. FP8; bf16 on a GPU computing in
-/// bf16 (every weight has a bf16 copy there) and for the CPU's emulated bf16 GEMMs; else f32.
-fn wire(p: &Param, compute: DType) -> Precision {
-    match (p.precision, compute) {
-        (Precision::Fp8, _) => Precision::Fp8,
-        (Precision::Bf16, _) | (_, DType::Bf16) => Precision::Bf16,
-        _ => Precision::F32,
+/// How one weight's chunk travels in a gather, packed into f32 slots that every backend moves
+/// bit for bit.
+pub trait Wire {
+    /// This rank's chunk, packed (`Cow::Borrowed`: sent as it is).
+    fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor>;
+    /// The slots a chunk of `c` numbers takes.
+    fn slots(&self, c: usize) -> usize;
+    /// The `c` numbers of the chunk packed at slot `from` of `gathered`: a tensor holding them,
+    /// and where they start in it.
+    fn unpack<'t>(&self, gathered: &'t Tensor, from: usize, c: usize) -> (Cow<'t, Tensor>, usize);
+}
+
+/// The seam: each parameter's `Wire` for one gather of `params` over `group`, agreeing over the
+/// group first whatever the formats need (FP8: each weight's amax over every chunk).
+pub trait Formats {
+    fn wires(&self, group: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Wire>>>;
+}
+
+/// The fp32 master as it is: FSDP's own format.
+pub struct Master;
+
+impl Wire for Master {
+    fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor> {
+        Cow::Borrowed(chunk) // no copy
+    }
+
+    fn slots(&self, c: usize) -> usize {
+        c
+    }
+
+    fn unpack<'t>(&self, gathered: &'t Tensor, from: usize, _: usize) -> (Cow<'t, Tensor>, usize) {
+        (Cow::Borrowed(gathered), from) // no decoding: copied as they are
     }
 }
 
-/// A gather in flight: every rank's packed chunks, and each parameter's wire format and maxima.
+impl Formats for Master {
+    fn wires(&self, _: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Wire>>> {
+        Ok(params.iter().map(|_| Box::new(Master) as Box<dyn Wire>).collect())
+    }
+}
+
+/// A gather in flight: every rank's packed chunks, and each parameter's wire.
 struct Gather {
     pending: Pending,
-    wires: Vec<(Precision, Option<Tensor>)>,
+    wires: Vec<Box<dyn Wire>>,
 }
 
 /// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
-/// rank packs its chunks side by side, each in its weight's wire format. An FP8 weight's scale
-/// comes from its amax over every chunk: one all-reduce (max) of the unit's maxima first.
-fn start_gather(group: &Group, params: &[&Param]) -> Result<Gather> {
+/// rank packs its chunks side by side, each as its wire says.
+fn start_gather(group: &Group, params: &[&Param], formats: &dyn Formats) -> Result<Gather> {
     let masters: Vec<&Tensor> = params.iter().map(|p| &p.zero.as_ref().expect("a sharded parameter").master).collect();
-    let compute = masters[0].place().dtype();
-    let fp8: Vec<&Tensor> =
-        (params.iter().zip(&masters)).filter(|(p, _)| p.precision == Precision::Fp8).map(|(_, m)| *m).collect();
-    let mut maxima = match fp8.is_empty() {
-        true => Vec::new(),
-        false => {
-            let mut all =
-                ops::concat(&fp8.iter().map(|m| wire::abs_max(m)).collect::<Vec<_>>().iter().collect::<Vec<_>>());
-            group.all_reduce_tensor(&mut all, ReduceOp::Max)?; // a wait: every chunk's maxima
-            (0..fp8.len()).map(|i| ops::slice(&all, i * wire::MAXIMA, &[wire::MAXIMA])).collect()
-        }
-    }
-    .into_iter();
-    let wires: Vec<(Precision, Option<Tensor>)> = (params.iter())
-        .map(|p| match wire(p, compute) {
-            Precision::Fp8 => (Precision::Fp8, maxima.next()),
-            w => (w, None),
-        })
-        .collect();
-    let packed: Vec<Cow<Tensor>> = (masters.iter().zip(&wires))
-        .map(|(m, (w, amax))| match w {
-            Precision::F32 => Cow::Borrowed(*m), // as it is: no copy
-            w => Cow::Owned(wire::pack(m, *w, amax.as_ref())),
-        })
-        .collect();
+    let wires = formats.wires(group, params)?;
+    let packed: Vec<Cow<Tensor>> = masters.iter().zip(&wires).map(|(m, w)| w.pack(m)).collect();
     let packed = ops::concat(&packed.iter().map(|p| &**p).collect::<Vec<_>>()); // this rank's chunks one after another
     let pending = group.all_gather_tensor_async(packed)?; // every rank's chunks, rank after rank
     Ok(Gather { pending, wires })
 }
 
 /// Puts the whole weights of `params` together from a gather: rank after rank, each rank's
-/// chunks of every parameter side by side, each in its wire format (`wires`).
-fn unpack(gathered: &Tensor, wires: &[(Precision, Option<Tensor>)], params: &mut [&mut Param], ranks: usize) {
+/// chunks of every parameter side by side, each as its wire packed it.
+fn unpack(gathered: &Tensor, wires: &[Box<dyn Wire>], params: &mut [&mut Param], ranks: usize) {
     let width = gathered.numel() / ranks; // one rank's packed chunks, in f32 slots
     let mut at = 0;
-    for (p, (wire, amax)) in params.iter_mut().zip(wires) {
+    for (p, wire) in params.iter_mut().zip(wires) {
         let shape = p.shape().to_vec();
         let (n, c) = (shape.iter().product(), p.zero.as_ref().expect("a sharded parameter").master.numel());
         let mut whole: Option<Tensor> = None;
         for r in 0..ranks {
-            let from = r * width + at;
-            let (part, from) = match wire {
-                Precision::F32 => (Cow::Borrowed(gathered), from), // no decoding: copied as they are
-                w => (Cow::Owned(wire::unpack(gathered, from, c, *w, amax.as_ref())), 0),
-            };
+            let (part, from) = wire.unpack(gathered, r * width + at, c);
             let whole = whole.get_or_insert_with(|| Tensor::empty_as(&shape, &part)); // written whole
             ops::copy(&part, from, whole, r * c, real(n, c, r));
         }
         p.value = whole.expect("at least one rank");
-        at += wire::slots(c, *wire);
+        at += wire.slots(c);
     }
 }
 
@@ -152,6 +157,7 @@ fn unpack(gathered: &Tensor, wires: &[(Precision, Option<Tensor>)], params: &mut
 pub struct GatherAfterUpdate<'g> {
     pub inner: Box<dyn Optimizer + 'g>,
     pub sharding: Sharding<'g>,
+    pub formats: Rc<dyn Formats + 'g>,
     /// Values per all-gather (`parallel.bucket_mb`).
     pub bucket: usize,
 }
@@ -159,7 +165,7 @@ pub struct GatherAfterUpdate<'g> {
 impl Optimizer for GatherAfterUpdate<'_> {
     fn step(&mut self, params: &mut [&mut Param], lr: f32, grad_scale: f32) -> Result<()> {
         self.inner.step(params, lr, grad_scale)?;
-        gather_weights(&self.sharding, params, self.bucket) // Shard(0) → Replicate
+        gather_weights(&self.sharding, params, (self.bucket, &*self.formats)) // Shard(0) → Replicate
     }
 
     fn state(&self) -> Vec<Vec<(&'static str, &Tensor)>> {
@@ -185,10 +191,10 @@ impl Optimizer for GatherAfterUpdate<'_> {
 
 /// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights of every
 /// sharded parameter, from the ranks sharding it (`gather_group`).
-pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], bucket: usize) -> Result<()> {
+pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], how: (usize, &dyn Formats)) -> Result<()> {
     let groups = by_group(sharding, &params.iter().map(|p| &**p).collect::<Vec<_>>());
     for (group, places) in groups {
-        gather_group(group, &mut select(params, &places), bucket)?;
+        gather_group(group, &mut select(params, &places), how)?;
     }
     Ok(())
 }
@@ -196,7 +202,7 @@ pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], bucket: us
 /// The updated whole weights of `params`, all sharded over `group`, in groups that gather about
 /// `bucket` values (one all-gather each, the next one started before the current one is
 /// unpacked). The averaged gradient chunks are used up: freed first.
-fn gather_group(group: &Group, params: &mut [&mut Param], bucket: usize) -> Result<()> {
+fn gather_group(group: &Group, params: &mut [&mut Param], (bucket, formats): (usize, &dyn Formats)) -> Result<()> {
     for p in params.iter_mut() {
         p.zero.as_mut().expect("a sharded parameter").grad = Tensor::zeros(&[0]);
     }
@@ -214,7 +220,7 @@ fn gather_group(group: &Group, params: &mut [&mut Param], bucket: usize) -> Resu
         size += c;
     }
     let start = |params: &[&mut Param], g: &std::ops::Range<usize>| {
-        start_gather(group, &params[g.clone()].iter().map(|p| &**p).collect::<Vec<_>>())
+        start_gather(group, &params[g.clone()].iter().map(|p| &**p).collect::<Vec<_>>(), formats)
     };
     let mut next = groups.first().map(|g| start(params, g)).transpose()?;
     for (i, g) in groups.iter().enumerate() {
@@ -230,6 +236,7 @@ fn gather_group(group: &Group, params: &mut [&mut Param], bucket: usize) -> Resu
 /// in flight while it does) and frees them after.
 pub struct Fsdp<'g> {
     sharding: Sharding<'g>,
+    formats: Rc<dyn Formats + 'g>,
     /// The gathers started for the unit whose first parameter is named so.
     prefetched: RefCell<Option<(String, Started<'g>)>>,
     /// When the unit now gathered got its weights (a traced run draws its compute from there).
@@ -237,8 +244,9 @@ pub struct Fsdp<'g> {
 }
 
 impl<'g> Fsdp<'g> {
-    pub fn new(sharding: Sharding<'g>) -> Fsdp<'g> {
-        Fsdp { sharding, prefetched: RefCell::new(None), computing: Cell::new(None) }
+    /// FSDP over `sharding`'s groups, each weight travelling as `formats` says.
+    pub fn new(sharding: Sharding<'g>, formats: Rc<dyn Formats + 'g>) -> Fsdp<'g> {
+        Fsdp { sharding, formats, prefetched: RefCell::new(None), computing: Cell::new(None) }
     }
 }
 
@@ -253,7 +261,7 @@ impl WeightSplit for Fsdp<'_> {
                 for (_, _, pending) in other.into_iter().flat_map(|(_, started)| started) {
                     pending.pending.wait()?;
                 }
-                start_unit(&self.sharding, &unit.iter().map(|p| &**p).collect::<Vec<_>>())?
+                start_unit(&self.sharding, &unit.iter().map(|p| &**p).collect::<Vec<_>>(), &*self.formats)?
             }
         };
         finish_unit(started, unit)?;
@@ -267,7 +275,7 @@ impl WeightSplit for Fsdp<'_> {
         for (_, _, earlier) in prefetched.take().into_iter().flat_map(|(_, started)| started) {
             earlier.pending.wait()?; // not used: a gather is only ever one unit ahead
         }
-        *prefetched = Some((first.name.clone(), start_unit(&self.sharding, next)?));
+        *prefetched = Some((first.name.clone(), start_unit(&self.sharding, next, &*self.formats)?));
         Ok(())
     }
 

@@ -16,6 +16,7 @@ pub mod context_parallel;
 pub mod data_parallel;
 pub mod expert_parallel;
 pub mod fsdp;
+pub mod gather_formats;
 pub mod hybrid_sharding;
 pub mod pipeline_messages;
 pub mod pipeline_parallel;

@@ -25,9 +25,11 @@ use crate::model::optimizer::NormGroups;
 use crate::model::routing_tape::RoutingTape;
 use crate::model::Param;
 use crate::model::Stage;
+use crate::ops::{DType, Precision};
 use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
 use crate::parallel::expert_parallel::ExpertGrads;
-use crate::parallel::fsdp::{Fsdp, GatherAfterUpdate};
+use crate::parallel::fsdp::{Formats, Fsdp, GatherAfterUpdate, Master};
+use crate::parallel::gather_formats::AsGemmsRead;
 use crate::parallel::hybrid_sharding;
 use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::sequence_parallel::NormGradsOverTp;
@@ -63,13 +65,21 @@ impl<'g> Trainer<'g> {
         let sharding = Sharding::new(p.zero_stage, (dense, me.group(dense)), me.group(Axis::ExpertDp));
         if sharding.any() {
             model = zero::shard(model, &mut *optimizer, sharding, p.zero_stage);
+            // each weight gathered as its GEMMs read it: bf16 on a bf16 GPU, FP8 where they read FP8;
+            // all in f32, the masters as they are
+            let f32 =
+                model.place().dtype() == DType::F32 && model.params().iter().all(|p| p.precision == Precision::F32);
+            let formats: Rc<dyn Formats> = if f32 { Rc::new(Master) } else { Rc::new(AsGemmsRead) };
             optimizer = match p.zero_stage {
                 3 => {
-                    model = model.with_weight_split(Rc::new(Fsdp::new(sharding))); // FSDP: unit by unit
+                    model = model.with_weight_split(Rc::new(Fsdp::new(sharding, formats))); // FSDP: unit by unit
                     optimizer
                 }
                 // ZeRO-1, 2: after each update the whole weights are gathered back
-                _ => Box::new(GatherAfterUpdate { inner: optimizer, sharding, bucket: bucket_values(p.bucket_mb) }),
+                _ => {
+                    let bucket = bucket_values(p.bucket_mb);
+                    Box::new(GatherAfterUpdate { inner: optimizer, sharding, formats, bucket })
+                }
             };
         }
         let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));

@@ -1,0 +1,83 @@
+//! # The formats weights travel in when FSDP gathers them: as their GEMMs read them
+//!
+//! FSDP gathers every weight before its layer computes (`fsdp.rs`), by default as its fp32
+//! master. A GEMM reading bf16 needs only bf16 (the GPU's mixed precision), and one reading FP8
+//! only the FP8 bytes and the scale: this is the `Formats` FSDP's gather plugs in to send each
+//! weight as its GEMMs read it (`Param::precision`; the packing itself is `ops/wire.rs`):
+//!
+//! ```text
+//! a weight whose GEMMs read    travels as             slots of a chunk of c numbers
+//! FP8                          E4M3 bytes, 4 a slot   ⌈c/4⌉   (its amax agreed first)
+//! bf16, or any on a bf16 GPU   bf16, 2 a slot         ⌈c/2⌉
+//! f32                          the master as it is    c
+//! ```
+//! FP8 needs one scale for the whole weight, not one per chunk: before a gather, the group
+//! all-reduces (max) every FP8 weight's per-chunk maxima in one call, and each rank casts its
+//! chunk with the weight's scale.
+
+use crate::comm::{Group, ReduceOp};
+use crate::model::Param;
+use crate::ops::tensor::Tensor;
+use crate::ops::{self, wire, DType, Precision};
+use crate::parallel::fsdp::{Formats, Master, Wire};
+use anyhow::Result;
+use std::borrow::Cow;
+
+/// Each weight as its GEMMs read it.
+pub struct AsGemmsRead;
+
+/// A sharded parameter's chunk of its fp32 master.
+fn master(p: &Param) -> &Tensor {
+    &p.zero.as_ref().expect("a sharded parameter").master
+}
+
+/// A chunk in a packed format (`ops/wire.rs`): bf16, or FP8 with the weight's maxima.
+struct Packed {
+    format: Precision,
+    amax: Option<Tensor>,
+}
+
+impl Wire for Packed {
+    fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor> {
+        Cow::Owned(wire::pack(chunk, self.format, self.amax.as_ref()))
+    }
+
+    fn slots(&self, c: usize) -> usize {
+        wire::slots(c, self.format)
+    }
+
+    fn unpack<'t>(&self, gathered: &'t Tensor, from: usize, c: usize) -> (Cow<'t, Tensor>, usize) {
+        (Cow::Owned(wire::unpack(gathered, from, c, self.format, self.amax.as_ref())), 0)
+    }
+}
+
+impl Formats for AsGemmsRead {
+    /// One all-reduce (max) of the unit's FP8 weights' maxima first, when it has any.
+    fn wires(&self, group: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Wire>>> {
+        let compute = params.first().map_or(DType::F32, |p| master(p).place().dtype());
+        let format = |p: &Param| match (p.precision, compute) {
+            (Precision::Fp8, _) => Precision::Fp8,
+            (Precision::Bf16, _) | (_, DType::Bf16) => Precision::Bf16,
+            _ => Precision::F32,
+        };
+        let fp8: Vec<&Tensor> = params.iter().filter(|p| format(p) == Precision::Fp8).map(|p| master(p)).collect();
+        let mut maxima = match fp8.is_empty() {
+            true => Vec::new(),
+            false => {
+                let mut all =
+                    ops::concat(&fp8.iter().map(|m| wire::abs_max(m)).collect::<Vec<_>>().iter().collect::<Vec<_>>());
+                group.all_reduce_tensor(&mut all, ReduceOp::Max)?; // a wait: every chunk's maxima
+                (0..fp8.len()).map(|i| ops::slice(&all, i * wire::MAXIMA, &[wire::MAXIMA])).collect()
+            }
+        }
+        .into_iter();
+        Ok(params
+            .iter()
+            .map(|p| match format(p) {
+                Precision::F32 => Box::new(Master) as Box<dyn Wire>,
+                Precision::Fp8 => Box::new(Packed { format: Precision::Fp8, amax: maxima.next() }),
+                format => Box::new(Packed { format, amax: None }),
+            })
+            .collect())
+    }
+}
