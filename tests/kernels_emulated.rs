@@ -429,16 +429,8 @@ fn merge(c: &mut Check, a: Attn) {
 
 fn adamw(c: &mut Check, n: usize, moments: DType) {
     // three parameters in one launch: one of several chunks, a norm (no decay), a lone number
-    let o = AdamWSettings {
-        lr: 1e-2,
-        beta1: 0.9,
-        beta2: 0.95,
-        eps: 1e-8,
-        weight_decay: 0.1,
-        step: 3,
-        grad_scale: 0.5,
-        moments,
-    };
+    let (lr, beta1, beta2, eps) = (1e-2, 0.9, 0.95, 1e-8);
+    let o = AdamWSettings { lr, beta1, beta2, eps, weight_decay: 0.1, step: 3, grad_scale: 0.5, moments };
     let params = [(n, o), (launch_table::LIST_CHUNK + 9, AdamWSettings { weight_decay: 0.0, ..o }), (1, o)];
     let mixed = c.dt == DType::Bf16;
     let mut host = Vec::new(); // (p, g, m, v) on the CPU, and their buffers (p, g, m, v, copy)

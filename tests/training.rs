@@ -152,6 +152,16 @@ fn gradient_accumulation_keeps_the_global_batch() {
     }
 }
 
+/// A small model after one forward and a backward of `scale × loss` on step 0's batch.
+fn after_one_backward(c: &Config, scale: f32) -> Llama<'static> {
+    let mut model = Llama::new(&c.model, 1);
+    let data = Dataset::open(&c.data, &c.model).unwrap();
+    let (inputs, targets) = data.micro_batch(&c.train, (0, 1), 0, 0).unwrap();
+    model.forward(&inputs, c.train.micro_batch_size, &targets).unwrap();
+    model.backward(scale).unwrap();
+    model
+}
+
 /// Plain SGD, written outside the crate against the optimizer seam alone: w ← w − lr · s · g.
 struct Sgd {
     steps: u32,
@@ -185,11 +195,7 @@ impl optimizer::Optimizer for Sgd {
 #[test]
 fn another_optimizer_plugs_into_the_seam() {
     let c = cfg(SMALL);
-    let mut model = Llama::new(&c.model, 1);
-    let data = Dataset::open(&c.data, &c.model).unwrap();
-    let (inputs, targets) = data.micro_batch(&c.train, (0, 1), 0, 0).unwrap();
-    model.forward(&inputs, c.train.micro_batch_size, &targets).unwrap();
-    model.backward(1.0).unwrap();
+    let mut model = after_one_backward(&c, 1.0);
     let before: Vec<(Vec<f32>, Vec<f32>)> =
         model.params().iter().map(|p| (p.value.to_vec(), p.grad.to_vec())).collect();
     let mut sgd = Sgd { steps: 0 };
@@ -213,11 +219,7 @@ fn another_optimizer_plugs_into_the_seam() {
 #[test]
 fn clipping_bounds_the_global_norm() {
     let c = cfg(SMALL);
-    let mut model = Llama::new(&c.model, 1);
-    let data = Dataset::open(&c.data, &c.model).unwrap();
-    let (inputs, targets) = data.micro_batch(&c.train, (0, 1), 0, 0).unwrap();
-    model.forward(&inputs, c.train.micro_batch_size, &targets).unwrap();
-    model.backward(100.0).unwrap();
+    let mut model = after_one_backward(&c, 100.0);
     let params = model.params_mut();
     let norm = optimizer::grad_sum_squares(&params).sqrt();
     assert!(norm > 1.0);
