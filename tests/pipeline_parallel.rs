@@ -87,7 +87,7 @@ fn works(plan: &[Action]) -> (Works, Works) {
         match a {
             Action::Forward(w) => f.push((w.micro, w.chunk)),
             Action::Backward(w) => b.push((w.micro, w.chunk)),
-            Action::Weights(_) => unreachable!("these schedules do not split their backwards"),
+            Action::InputGrad(_) | Action::Weights(_) => unreachable!("these schedules do not split their backwards"),
         }
     }
     f.sort_unstable();

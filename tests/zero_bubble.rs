@@ -101,7 +101,7 @@ fn zero_bubble_schedules_run_every_f_b_and_w_once_and_keep_their_promises() {
                 for (at, a) in plan.iter().enumerate() {
                     let (letter, w) = (a.to_string().chars().next().unwrap(), a.work());
                     if let Action::Weights(w) = a {
-                        let b = plan.iter().position(|x| *x == Action::Backward(*w)).unwrap();
+                        let b = plan.iter().position(|x| *x == Action::InputGrad(*w)).unwrap();
                         assert!(b < at, "{kind:?} p={p} m={m} stage {s}: W{} before its B", w.micro);
                     }
                     got.push((letter, w.micro, w.chunk));
@@ -158,7 +158,7 @@ fn the_v_shape_goes_down_the_ranks_and_back_up() {
     let w = |chunk| Work { micro: 0, chunk };
     assert_eq!(sent_by(s(1), 1, Action::Forward(w(0))).map(|(to, _)| to), Some(1));
     assert_eq!(sent_by(s(0), 0, Action::Forward(w(1))), None);
-    assert_eq!(sent_by(s(0), 0, Action::Backward(w(1))).map(|(to, _)| to), Some(1));
+    assert_eq!(sent_by(s(0), 0, Action::InputGrad(w(1))).map(|(to, _)| to), Some(1));
     assert_eq!(sent_by(s(0), 0, Action::Weights(w(1))), None);
 }
 
@@ -190,8 +190,8 @@ fn stop_points_are_safe(kind: PpSchedule, p: usize, m: usize, v: usize) -> bool 
             // its input: the previous virtual stage's forward, the next one's backward (or its own forward, at the loss)
             let needs = match a {
                 Action::Forward(_) => (u > 0).then(|| (u - 1, i, true)),
-                Action::Backward(_) if u == last => Some((u, i, true)),
-                Action::Backward(_) => Some((u + 1, i, false)),
+                Action::Backward(_) | Action::InputGrad(_) if u == last => Some((u, i, true)),
+                Action::Backward(_) | Action::InputGrad(_) => Some((u + 1, i, false)),
                 Action::Weights(_) => Some((u, i, false)),
             };
             if needs.is_some_and(|n| !done.contains(&n)) {

@@ -75,7 +75,7 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
     let chunks = shape.chunks;
     let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m, chunks).collect()).collect();
     // a whole backward takes 2 units, B and W 1 each; a chunk does 1/V of its stage's work
-    let (split, per) = (kind.splits_backward(), 1.0 / chunks as f64);
+    let per = 1.0 / chunks as f64;
     let last = stages * chunks - 1;
     let mut done = vec![vec![[None::<f64>; 3]; m]; last + 1]; // [virtual stage][micro][F, B, W] end times
     let (mut next, mut free) = (vec![0; stages], vec![0.0f64; stages]);
@@ -90,8 +90,10 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
             let (dep, kind_at, units) = match action {
                 Action::Forward(_) if u == 0 => (Some(0.0), 0, 1.0),
                 Action::Forward(_) => (done[u - 1][i][0], 0, 1.0),
-                Action::Backward(_) if u == last => (done[u][i][0], 1, if split { 1.0 } else { 2.0 }),
-                Action::Backward(_) => (done[u + 1][i][1], 1, if split { 1.0 } else { 2.0 }),
+                Action::Backward(_) if u == last => (done[u][i][0], 1, 2.0),
+                Action::Backward(_) => (done[u + 1][i][1], 1, 2.0),
+                Action::InputGrad(_) if u == last => (done[u][i][0], 1, 1.0),
+                Action::InputGrad(_) => (done[u + 1][i][1], 1, 1.0),
                 Action::Weights(_) => (done[u][i][1], 2, 1.0),
             };
             if let Some(ready) = dep {
@@ -131,15 +133,13 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
 /// a forward to its backward, or where the backward is split, to its W.
 fn peaks(plans: &[Vec<Action>], chunks: usize) -> Vec<f64> {
     let held = |plan: &Vec<Action>| {
-        let split = plan.iter().any(|a| matches!(a, Action::Weights(_)));
         let mut n = 0i64;
         plan.iter()
             .map(|a| {
                 n += match a {
                     Action::Forward(_) => 1,
-                    Action::Backward(_) if !split => -1,
-                    Action::Backward(_) => 0,
-                    Action::Weights(_) => -1,
+                    Action::Backward(_) | Action::Weights(_) => -1,
+                    Action::InputGrad(_) => 0, // what it read stays for its W
                 };
                 n
             })
@@ -178,6 +178,14 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
             _ => None,
         };
         spans.extend(action.map(|a| (rank as usize, a, ts, ts + dur)));
+    }
+    // where the backward was split (its W spans apart), a `backward` span was its B
+    if spans.iter().any(|s| matches!(s.1, Action::Weights(_))) {
+        for s in &mut spans {
+            if let Action::Backward(w) = s.1 {
+                s.1 = Action::InputGrad(w);
+            }
+        }
     }
     if !pipelined {
         bail!(
@@ -251,7 +259,7 @@ pub fn svg(timelines: &[Timeline]) -> String {
             let label = if t.chunks > 1 { format!("{:#}", slot.action) } else { slot.action.to_string() };
             let fill = match slot.action {
                 Action::Forward(w) => ["#9ecae1", "#c6dbef"][w.chunk % 2],
-                Action::Backward(w) => ["#3182bd", "#08519c"][w.chunk % 2],
+                Action::Backward(w) | Action::InputGrad(w) => ["#3182bd", "#08519c"][w.chunk % 2],
                 Action::Weights(w) => ["#a1d99b", "#74c476"][w.chunk % 2],
             };
             let (x, y, w) =

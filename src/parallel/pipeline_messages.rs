@@ -133,7 +133,7 @@ impl<'a> Mailbox<'a> {
     pub(crate) fn send(&mut self, what: Carries, w: Work, t: Option<Tensor>) -> Result<()> {
         let action = match what {
             Carries::Activations => Action::Forward(w),
-            Carries::Gradient => Action::Backward(w),
+            Carries::Gradient => Action::Backward(w), // or its B: the gradient goes to the same rank
         };
         match (sent_by(self.msg.stage, self.msg.stage.index, action), t) {
             (Some((to, key)), Some(t)) if to == self.msg.stage.index => {

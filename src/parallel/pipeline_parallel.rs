@@ -191,9 +191,9 @@ fn walk(run: &mut Runner, msg: &Messages) -> Result<Option<usize>> {
                         let y = run.forward_chunk(w, x)?;
                         mail.send(Carries::Activations, w, y)?;
                     }
-                    Action::Backward(w) => {
+                    Action::Backward(w) | Action::InputGrad(w) => {
                         let dy = mail.take(Carries::Gradient, w)?;
-                        let dx = run.backward_chunk(w, dy)?;
+                        let dx = run.backward_chunk(w, dy, matches!(action, Action::InputGrad(_)))?;
                         mail.send(Carries::Gradient, w, dx)?;
                     }
                     Action::Weights(w) => run.weights(w)?,
@@ -257,12 +257,12 @@ impl Runner<'_, '_, '_> {
     /// The backward of micro-batch i (the oldest held): from the loss (last stage) or `dy`;
     /// returns the gradient for the previous stage, or `None` on the first.
     fn backward(&mut self, i: usize, dy: Option<Tensor>) -> Result<Option<Tensor>> {
-        self.backward_chunk(Work { micro: i, chunk: 0 }, dy)
+        self.backward_chunk(Work { micro: i, chunk: 0 }, dy, false)
     }
 
-    /// `backward` of micro-batch `w.micro` through model chunk `w.chunk`; in a zero-bubble
-    /// schedule its B alone, the weight gradients left for `weights`.
-    fn backward_chunk(&mut self, w: Work, dy: Option<Tensor>) -> Result<Option<Tensor>> {
+    /// `backward` of micro-batch `w.micro` through model chunk `w.chunk`; with `input_only` (a
+    /// zero-bubble schedule's B) the input gradient alone, the weight gradients left for `weights`.
+    fn backward_chunk(&mut self, w: Work, dy: Option<Tensor>, input_only: bool) -> Result<Option<Tensor>> {
         let start = Instant::now();
         let grad = match dy {
             Some(dy) => StageGrad::Hidden(dy),
@@ -271,7 +271,7 @@ impl Runner<'_, '_, '_> {
         // a chunk's gradients are complete for the step in its last micro-batch's backward (W)
         let last = w.micro + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
-        let dx = match self.plan.kind.splits_backward() {
+        let dx = match input_only {
             true => self.model.backward_input(w.chunk, grad)?,
             false => self.model.backward_chunk(w.chunk, grad, &mut |p| ready(p, last))?,
         };

@@ -37,16 +37,19 @@ pub struct Work {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Action {
     Forward(Work),
-    /// The whole backward, or in the zero-bubble schedules its input half (B).
+    /// The whole backward: the input gradient, sent upstream, and the weight gradients.
     Backward(Work),
-    /// The weight half of a backward (W; only in the zero-bubble schedules).
+    /// The zero-bubble schedules' B: the input gradient alone, the weight GEMMs left for a later
+    /// `Weights`.
+    InputGrad(Work),
+    /// W: the weight GEMMs an `InputGrad` left.
     Weights(Work),
 }
 
 impl Action {
     pub fn work(self) -> Work {
         match self {
-            Action::Forward(w) | Action::Backward(w) | Action::Weights(w) => w,
+            Action::Forward(w) | Action::Backward(w) | Action::InputGrad(w) | Action::Weights(w) => w,
         }
     }
 }
@@ -57,7 +60,7 @@ impl std::fmt::Display for Action {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let letter = match self {
             Action::Forward(_) => 'F',
-            Action::Backward(_) => 'B',
+            Action::Backward(_) | Action::InputGrad(_) => 'B',
             Action::Weights(_) => 'W',
         };
         let w = self.work();
@@ -119,7 +122,7 @@ impl Iterator for DelayedWeights {
                 if self.pending.len() > self.delay {
                     self.next = self.pending.pop_front().map(Action::Weights);
                 }
-                Some(Action::Backward(w))
+                Some(Action::InputGrad(w))
             }
             Some(a) => Some(a),
             None => self.pending.pop_front().map(Action::Weights),
@@ -129,7 +132,7 @@ impl Iterator for DelayedWeights {
 
 /// Rank r's ZBV (m ≥ 2p − 1): chunk 0 is virtual stage r, chunk 1 virtual stage 2p − 1 − r.
 fn zbv(p: usize, r: usize, m: usize) -> Schedule {
-    use Action::{Backward as B, Forward as F, Weights as W};
+    use Action::{Forward as F, InputGrad as B, Weights as W};
     let (c0, c1) = (|micro| Work { micro, chunk: 0 }, |micro| Work { micro, chunk: 1 });
     let fill = 2 * (p - r) - 1; // chunk-0 forwards before the first chunk-1 forward
 
@@ -204,7 +207,7 @@ pub fn sent_by(stage: Stage, from: usize, action: Action) -> Option<(usize, (Car
     let (w, u) = (action.work(), Stage { index: from, ..stage }.virtual_stage(action.work().chunk));
     let (to, carries) = match action {
         Action::Forward(_) if u < last => (u + 1, Carries::Activations),
-        Action::Backward(_) if u > 0 => (u - 1, Carries::Gradient),
+        Action::Backward(_) | Action::InputGrad(_) if u > 0 => (u - 1, Carries::Gradient),
         _ => return None,
     };
     Some((stage.place_of(to).0, (carries, w)))

@@ -366,13 +366,13 @@ fn in_flight(cfg: &Config, stage: Stage, dtype: DType) -> f64 {
     let bytes: Vec<f64> =
         (0..v).map(|c| activation_bytes(&cfg.model, batch, seq, keep, stage.chunk(c), dtype)).collect();
     let enough = pipeline_schedule::warmup(kind, p.pp, stage.index, m, v) + 2 * p.pp * v; // forwards
-    let (split, mut now, mut peak, mut forwards) = (kind.splits_backward(), vec![0.0; v], 0.0f64, 0);
+    let (mut now, mut peak, mut forwards) = (vec![0.0; v], 0.0f64, 0);
     for a in pipeline_schedule::schedule(kind, p.pp, stage.index, m, v) {
         let c = a.work().chunk;
         match a {
             Action::Forward(_) if forwards == enough => break,
             Action::Forward(_) => (forwards, now[c]) = (forwards + 1, now[c] + 1.0),
-            Action::Backward(_) if split => continue,
+            Action::InputGrad(_) => continue, // what it read stays for its W
             Action::Backward(_) | Action::Weights(_) => now[c] -= 1.0,
         }
         peak = peak.max(now.iter().zip(&bytes).map(|(n, b)| n * b).sum());
