@@ -25,7 +25,7 @@ use crate::model::param::Param;
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit};
 use crate::model::weight_grads::{Deferred, WeightGrads};
 use crate::ops::tensor::Tensor;
-use crate::ops::{self, Attn};
+use crate::ops::Attn;
 use anyhow::{anyhow, bail, Result};
 use std::collections::VecDeque;
 use std::ops::Range;
@@ -220,10 +220,7 @@ impl<'g> Llama<'g> {
             self.free(Unit::Layer(i));
             self.attention_work += work.attention;
             if let Some(load) = work.load {
-                self.expert_load.resize_with(self.layers.len(), Vec::new);
-                let seen = &mut self.expert_load[i];
-                seen.resize(load.counts.len(), 0);
-                seen.iter_mut().zip(&load.counts).for_each(|(s, c)| *s += c);
+                moe::count_routed(&mut self.expert_load, (i, self.layers.len()), &load); // the imbalance report
                 loads.push(load);
             }
             blocks.push(cache);
@@ -235,16 +232,7 @@ impl<'g> Llama<'g> {
             return Ok(StageOutput::Hidden(x));
         }
         let (mut loss, head) = self.head_forward(x, targets)?; // `llama/head.rs`
-        let coef = self.cfg.router_aux_loss_coef;
-        let mut balance = Vec::new();
-        if coef > 0.0 && !loads.is_empty() {
-            // + coef · E · Σ_e f_e · P_e over all layers (`model/moe.rs`)
-            let (experts, k) = (self.cfg.num_local_experts, self.cfg.num_experts_per_tok);
-            let (aux, grad) = moe::balance_loss(&loads.iter().collect::<Vec<_>>(), experts, k);
-            let aux = Tensor::from_host_in(&[1], vec![coef * aux], &loss.place(), loss.dtype());
-            ops::add_assign(&mut loss, &aux);
-            balance = grad.iter().map(|g| coef * g).collect();
-        }
+        let balance = moe::add_balance_loss(&mut loss, &loads, &self.cfg); // a mixture of experts' aux loss
         self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head), balance });
         Ok(StageOutput::Loss(loss))
     }

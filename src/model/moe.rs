@@ -242,6 +242,30 @@ fn column_sums(p: &Tensor) -> Vec<f32> {
     sums.into_iter().map(|s| s as f32).collect()
 }
 
+/// Adds `load`'s routed rows per expert into the count of layer `layer` of `layers` (`seen`, one
+/// list per layer: the imbalance report, `Llama::take_expert_load`).
+pub fn count_routed(seen: &mut Vec<Vec<usize>>, (layer, layers): (usize, usize), load: &Load) {
+    seen.resize_with(layers, Vec::new);
+    let seen = &mut seen[layer];
+    seen.resize(load.counts.len(), 0);
+    seen.iter_mut().zip(&load.counts).for_each(|(s, c)| *s += c);
+}
+
+/// With `router_aux_loss_coef` > 0 and MoE layers in `loads`: + coef · E · Σ_e f_e · P_e over all
+/// of them added into `loss`; returns the gradient on each expert's probability in every row
+/// that backward adds (empty when there is none).
+pub fn add_balance_loss(loss: &mut Tensor, loads: &[Load], cfg: &ModelConfig) -> Vec<f32> {
+    let coef = cfg.router_aux_loss_coef;
+    if coef <= 0.0 || loads.is_empty() {
+        return Vec::new();
+    }
+    let (experts, k) = (cfg.num_local_experts, cfg.num_experts_per_tok);
+    let (aux, grad) = balance_loss(&loads.iter().collect::<Vec<_>>(), experts, k);
+    let aux = Tensor::from_host_in(&[1], vec![coef * aux], &loss.place(), loss.dtype());
+    ops::add_assign(loss, &aux);
+    grad.iter().map(|g| coef * g).collect()
+}
+
 /// The load-balancing loss over every layer's `Load` (E · Σ_e f_e · P_e, transformers'
 /// `load_balancing_loss_func`), and its gradient on each expert's probability in every row,
 /// which is the same for every layer: E · f_e / N (N = rows × layers).
