@@ -433,7 +433,7 @@ impl Shared<'_> {
 
     /// The optimizer (AdamW) over the model's parameters: fresh, or with the checkpoint's state
     /// of this tp slice.
-    pub(super) fn optimizer<'o>(&self, model: &mut Llama, tp: &Group, cfg: &Config) -> Result<Box<dyn Optimizer + 'o>> {
+    pub(super) fn optimizer(&self, model: &mut Llama, tp: &Group, cfg: &Config) -> Result<Box<dyn Optimizer>> {
         let mut o = AdamW::new(&model.params_mut(), &cfg.train); // moments made next to the gradients
         if let Some(r) = self.resumed {
             r.load_optimizer(&mut o, &model.params(), (tp.index(), tp.size()))?;
