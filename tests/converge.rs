@@ -120,7 +120,7 @@ fn the_harmless_change_moves_each_weight_by_one_rounding() {
 
 #[test]
 fn a_rounding_moves_a_mixture_of_experts_by_far_more_than_a_dense_model() {
-    // Issue 35's GPU-only MoE failures (step 16: 2.7e-2 over 40 steps; converge ep2·dp2·tp2:
+    // Issue 35's GPU-only MoE failures (step 20: 2.7e-2 over 40 steps; converge ep2·dp2·tp2:
     // 2.5e-4), reproduced on the CPU. On a GPU a layout's products run other cuBLAS kernels than
     // one rank's and round differently; here the same difference is made on purpose: every
     // initial weight moved by one f32 ulp. A dense model's curve barely moves in 40 steps; a

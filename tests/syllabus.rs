@@ -86,27 +86,27 @@ fn the_check_catches_a_planted_use_of_each_kind() {
         let problems = debts_disagree(&table, &planted);
         assert!(problems.iter().any(|p| p.contains(expect)), "planted in {module}: {line}\n{problems:#?}");
     };
-    // an import of a later lesson's file: the CPU math of lesson 01 reaching for ZeRO (11)
+    // an import of a later lesson's file: the CPU math of lesson 01 reaching for ZeRO (06)
     plant(
         "ops::cpu_math",
         "\nuse crate::parallel::zero::Sharding;\n",
-        "uses src/parallel/zero.rs, of the later lesson 11_zero",
+        "uses src/parallel/zero.rs, of the later lesson 06_zero",
     );
     // a path into one, inline
-    plant("comm::local", "\nfn f(_: crate::comm::placement::Placement) {}\n", "of the later lesson 18_placements");
+    plant("comm::local", "\nfn f(_: crate::comm::placement::Placement) {}\n", "of the later lesson 11_placements");
     // a later lesson's enum variant: experts' axis in the ranks lesson
-    plant("comm::tensors", "\nconst A: Axis = Axis::Ep;\n", "names Axis::Ep, of the later lesson 16_experts");
+    plant("comm::tensors", "\nconst A: Axis = Axis::Ep;\n", "names Axis::Ep, of the later lesson 20_experts");
     // a later lesson's field of a shared type: FP8's precision in tensor parallelism (06)
     plant(
         "parallel::data_parallel",
         "\nfn f(p: &Param) -> bool { p.precision == Precision::F32 }\n",
-        "names .precision, of the later lesson 22_fp8",
+        "names .precision, of the later lesson 21_fp8",
     );
-    // a later lesson's config key: hybrid sharding's in ZeRO (11)
+    // a later lesson's config key: hybrid sharding's (08) in ZeRO (06)
     plant(
         "parallel::zero",
         "\nfn f(p: &ParallelConfig) -> usize { p.dp_shard }\n",
-        "names .dp_shard, of the later lesson 20_hsdp",
+        "names .dp_shard, of the later lesson 08_hsdp",
     );
 }
 

@@ -22,7 +22,7 @@
 //! An all-reduce is a reduce-scatter followed by an all-gather (Partial → Shard → Replicate):
 //! ZeRO splits data parallelism's all-reduce into exactly those two halves.
 //!
-//! Where ferrotron's tensors live, in these words (tutorial step 18 prints and checks the table):
+//! Where ferrotron's tensors live, in these words (tutorial step 11 prints and checks the table):
 //!
 //! ```text
 //! tensor                          axis     placement
@@ -48,10 +48,9 @@
 
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
-use crate::ops;
-use crate::ops::moe::gather_blocks;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::ReduceOp;
+use crate::ops::{self, gather_blocks};
 use anyhow::{bail, ensure, Result};
 use std::borrow::Cow;
 

@@ -377,6 +377,21 @@ pub fn slice(t: &Tensor, offset: usize, shape: &[usize]) -> Tensor {
     part
 }
 
+/// `x`'s values seen as rows of `d` (whatever its shape), those rows in `order`:
+/// `[order.len(), d]` (placements cut a tensor into such blocks, `comm/placement.rs`; a mixture of
+/// experts sorts its tokens by expert with it, `ops/moe.rs`).
+pub fn gather_blocks(x: &Tensor, d: usize, order: &[u32]) -> Tensor {
+    if let Some(dev) = gpu("gather rows", &[x]) {
+        return fatal("gather rows", dev.gather_rows(x, d, order));
+    }
+    let src = x.host();
+    let mut out = Vec::with_capacity(order.len() * d);
+    for &r in order {
+        out.extend_from_slice(&src[r as usize * d..(r as usize + 1) * d]);
+    }
+    Tensor::from_vec(&[order.len(), d], out)
+}
+
 /// a += s · b (b is scaled in place first).
 pub fn add_scaled(a: &mut Tensor, mut b: Tensor, s: f32) {
     scale(&mut b, s);

@@ -125,21 +125,7 @@ pub fn route_backward(dweights: &Tensor, routing: &Routing, balance: &[f32]) -> 
 
 /// The rows of `x` in `order`: `[order.len(), d]`.
 pub fn gather_rows(x: &Tensor, order: &[u32]) -> Tensor {
-    gather_blocks(x, x.cols(), order)
-}
-
-/// `x`'s values seen as rows of `d` (whatever its shape), those rows in `order`:
-/// `[order.len(), d]` (placements cut a tensor into such blocks, `comm/placement.rs`).
-pub fn gather_blocks(x: &Tensor, d: usize, order: &[u32]) -> Tensor {
-    if let Some(dev) = gpu("gather rows", &[x]) {
-        return fatal("gather rows", dev.gather_rows(x, d, order));
-    }
-    let src = x.host();
-    let mut out = Vec::with_capacity(order.len() * d);
-    for &r in order {
-        out.extend_from_slice(&src[r as usize * d..(r as usize + 1) * d]);
-    }
-    Tensor::from_vec(&[order.len(), d], out)
+    super::gather_blocks(x, x.cols(), order)
 }
 
 /// y[t] = Σ_j w[t, j] · ys[slot[t·k + j]] for `rows` rows (`weights` `[rows, k]`, or unit weights).

@@ -1,13 +1,15 @@
-//! # Parallelism: the grid, then one lesson per way of splitting the work
+//! # Parallelism: one lesson per way of splitting the work
 //!
-//! Read in this order: `process_grid` (which rank is where, and its groups) → `data_parallel`
-//! (same model, different data, averaged gradients) → `tensor_parallel` (each matrix split
-//! across ranks) → `sequence_parallel` (and the rows between the matrices) →
+//! Read in the tutorial's order: `data_parallel` (same model, different data, averaged
+//! gradients) → `zero` (data parallelism that shards optimizer state, gradients and weights:
+//! ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their chunks) →
+//! `hybrid_sharding` (ZeRO within shard groups, replicas across them) → `tensor_parallel` (each
+//! matrix split across ranks) → `sequence_parallel` (and the rows between the matrices) →
 //! `pipeline_parallel` (layers split into stages; `pipeline_schedule`, the order of a stage's
-//! forwards and backwards, zero-bubble ones too; `pipeline_messages`, what the stages say) → `context_parallel` (the sequence split,
-//! attention as a ring; `ulysses`, or an all-to-all to a head split) → `zero` (data parallelism that shards optimizer state, gradients and
-//! weights: ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their chunks) → `expert_parallel` (a mixture of experts' experts divided among
-//! ranks, tokens travelling to them by all-to-all). The model (`model/`) knows none of them: it
+//! forwards and backwards, zero-bubble ones too; `pipeline_messages`, what the stages say) →
+//! `context_parallel` (the sequence split, attention as a ring; `ulysses`, or an all-to-all to a
+//! head split) → `expert_parallel` (a mixture of experts' experts divided among ranks, tokens
+//! travelling to them by all-to-all). The model (`model/`) knows none of them: it
 //! asks its `TensorSplit`, `SequenceSplit`, `WeightSplit` and `ExpertSplit` (`model/split.rs`)
 //! at the points where a split model must talk, and `tensor_parallel`, `sequence_parallel`,
 //! `context_parallel`, `zero` and `expert_parallel` answer with collectives.

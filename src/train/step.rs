@@ -87,7 +87,7 @@ impl Trainer<'_> {
             }
             (loss, 1) // one micro-batch's activations held at a time
         } else {
-            // pipeline (steps 07, 08): the same forwards and backwards in the schedule's order
+            // pipeline (steps 12, 13): the same forwards and backwards in the schedule's order
             let data = &|micro| self.feed.micro_batch(step, micro);
             let stats = pipeline_parallel::run_step(model, &self.pipeline, (data, hooks), &mut grads.hook())?;
             if let Some(micro_batches) = stats.stopped {
