@@ -52,7 +52,7 @@ fn activation_formula_matches_what_the_model_keeps() {
         let mut model = Llama::init(&c.model, 1, Box::new(ferrotron::model::Whole), stage);
         let hidden = Tensor::zeros(&[batch * seq, c.model.hidden_size]);
         let input = if index == 0 { StageInput::Tokens(&tokens) } else { StageInput::Hidden(hidden) };
-        model.forward_stage(input, batch, &targets).unwrap();
+        model.forward_chunk(0, input, batch, &targets).unwrap();
         assert_eq!(
             model.activation_bytes() as f64,
             activation_bytes(&c.model, batch, seq, Keep::WHOLE, stage, DType::F32)

@@ -20,6 +20,7 @@ mod common;
 
 use ferrotron::config::Config;
 use ferrotron::model::init::normal;
+use ferrotron::model::weight_grads::WeightGrads;
 use ferrotron::model::{Llama, StageGrad, StageInput, StageOutput};
 use ferrotron::ops::fp8::Fp8;
 use ferrotron::ops::tensor::Tensor;
@@ -166,11 +167,11 @@ fn gradients(p: Precision, extra: &[&str]) -> Vec<(String, Vec<f32>)> {
     let (batch, seq) = (4, 32u32);
     let tokens: Vec<u32> = (0..batch * seq).map(|i| (i * 13 + i / 7) % cfg.vocab_size as u32).collect();
     let targets: Vec<i32> = tokens.iter().map(|&t| (t as i32 * 5 + 3) % cfg.vocab_size as i32).collect();
-    let StageOutput::Loss(_) = model.forward_stage(StageInput::Tokens(&tokens), batch as usize, &targets).unwrap()
+    let StageOutput::Loss(_) = model.forward_chunk(0, StageInput::Tokens(&tokens), batch as usize, &targets).unwrap()
     else {
         panic!("the whole model ends in a loss")
     };
-    model.backward_stage(StageGrad::Loss(1.0), &mut |_| {}).unwrap();
+    model.backward_chunk(0, StageGrad::Loss(1.0), WeightGrads::Now, &mut |_| {}).unwrap();
     model.params().iter().map(|p| (p.name.clone(), p.grad.to_vec())).collect()
 }
 

@@ -11,6 +11,7 @@ mod common;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::schedule::{from_trace, simulate};
 use ferrotron::config::{Config, ModelConfig, PpSchedule, Recompute};
+use ferrotron::model::weight_grads::WeightGrads;
 use ferrotron::model::{Llama, Stage, StageGrad, StageInput};
 use ferrotron::parallel::pipeline_schedule::{held, schedule, sent_by, Action, Work};
 use ferrotron::train::{train_all, Options};
@@ -54,12 +55,18 @@ fn a_backward_split_into_b_and_w_is_bitwise_the_whole_one() {
             let mut model = Llama::new(&cfg, 3).with_recompute(recompute);
             // two micro-batches in flight, their B's before their W's, as ZB-H1 runs them
             for _ in 0..2 {
-                model.forward_stage(StageInput::Tokens(&tokens), batch, &targets).unwrap();
+                model.forward_chunk(0, StageInput::Tokens(&tokens), batch, &targets).unwrap();
             }
             for _ in 0..2 {
                 match split {
-                    true => assert!(model.backward_input(0, StageGrad::Loss(0.5)).unwrap().is_none()),
-                    false => assert!(model.backward_stage(StageGrad::Loss(0.5), &mut |_| {}).unwrap().is_none()),
+                    true => assert!(model
+                        .backward_chunk(0, StageGrad::Loss(0.5), WeightGrads::Later(Vec::new()), &mut |_| {})
+                        .unwrap()
+                        .is_none()),
+                    false => assert!(model
+                        .backward_chunk(0, StageGrad::Loss(0.5), WeightGrads::Now, &mut |_| {})
+                        .unwrap()
+                        .is_none()),
                 }
             }
             if split {

@@ -11,8 +11,8 @@
 //! transformers checkpoint loads by name and a gradient can be compared tensor by tensor.
 //!
 //! The model is also the unit of every parallelism: it may hold one pipeline stage's layers
-//! (`forward_stage`/`backward_stage`, one cache per micro-batch in flight; with the interleaved
-//! schedule V chunks of them, `forward_chunk`/`backward_chunk`), a tp slice of every
+//! (`forward_chunk`/`backward_chunk` of chunk 0, one cache per micro-batch in flight; with the
+//! interleaved schedule V chunks of them), a tp slice of every
 //! matrix (the output layer column parallel, the embedding vocab parallel, the blocks' layers in
 //! `block.rs`), and its rank's part of each sequence. Where those parts must talk it asks the
 //! `TensorSplit` and `SequenceSplit` it was given (`split.rs`); on a single rank they are `Whole`
@@ -135,8 +135,8 @@ pub struct Llama<'g> {
     head: Option<Head>,
     /// One per micro-batch whose forward is done and backward is not (the activation memory).
     caches: VecDeque<Cache>,
-    /// One per micro-batch (and its model chunk) whose `backward_input` is done and
-    /// `backward_weights` is not: the weight GEMMs it left (zero-bubble pipelines).
+    /// One per micro-batch (and its model chunk) whose B is done (`backward_chunk` with
+    /// `WeightGrads::Later`) and `backward_weights` is not: the weight GEMMs it left (zero-bubble pipelines).
     deferred: VecDeque<(usize, Vec<Deferred>)>,
     /// Attention score entries computed since the last `take_attention_work`.
     attention_work: u64,
@@ -162,21 +162,16 @@ impl<'g> Llama<'g> {
     pub fn forward_loss(&mut self, tokens: &[u32], batch: usize, targets: &[i32]) -> Result<Tensor> {
         self.caches.clear();
         self.deferred.clear();
-        match self.forward_stage(StageInput::Tokens(tokens), batch, targets)? {
+        match self.forward_chunk(0, StageInput::Tokens(tokens), batch, targets)? {
             StageOutput::Loss(loss) => Ok(loss),
             StageOutput::Hidden(_) => bail!("forward: this model is one pipeline stage, not the whole model"),
         }
     }
 
-    /// One micro-batch of `batch` sequences through this stage's part of the model; `targets`
-    /// are used on the last stage. The activations stay until this micro-batch's backward.
-    pub fn forward_stage(&mut self, input: StageInput, batch: usize, targets: &[i32]) -> Result<StageOutput> {
-        self.forward_chunk(0, input, batch, targets)
-    }
-
-    /// `forward_stage` through model chunk `chunk` of this stage (the interleaved pipeline's
-    /// unit of work): the embedding before chunk 0 of the first stage, the head after the last
-    /// chunk of the last stage.
+    /// One micro-batch of `batch` sequences through model chunk `chunk` of this stage (a stage
+    /// holds one chunk, or V with the interleaved pipeline): the embedding before chunk 0 of the
+    /// first stage, the head after the last chunk of the last stage; `targets` are used there.
+    /// The activations stay until this micro-batch's backward.
     pub fn forward_chunk(
         &mut self,
         chunk: usize,
@@ -253,40 +248,12 @@ impl<'g> Llama<'g> {
     /// `backward` that calls `ready(param)` as soon as a parameter's gradient is complete, so
     /// that data parallelism can start reducing it while the rest of backward runs.
     pub fn backward_with(&mut self, scale: f32, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
-        self.backward_stage(StageGrad::Loss(scale), ready).map(drop)
+        self.backward_chunk(0, StageGrad::Loss(scale), WeightGrads::Now, ready).map(drop)
     }
 
-    /// The backward of the oldest micro-batch whose forward is done. Returns the gradient of the
-    /// stage's input activations (`None` on the first stage, whose input is tokens).
-    pub fn backward_stage(&mut self, grad: StageGrad, ready: &mut dyn FnMut(&mut Param)) -> Result<Option<Tensor>> {
-        self.backward_chunk(0, grad, ready)
-    }
-
-    /// `backward_stage` of the oldest micro-batch whose forward through model chunk `chunk` is done.
-    pub fn backward_chunk(
-        &mut self,
-        chunk: usize,
-        grad: StageGrad,
-        ready: &mut dyn FnMut(&mut Param),
-    ) -> Result<Option<Tensor>> {
-        self.backward_into(chunk, grad, &mut WeightGrads::Now, ready)
-    }
-
-    /// The B half of `backward_chunk` (`weight_grads.rs`; the zero-bubble pipelines): returns the
-    /// input gradient as soon as it is known and keeps the weight GEMMs, with what they read,
-    /// for `backward_weights`. No gradient is complete yet, so nothing is announced ready.
-    pub fn backward_input(&mut self, chunk: usize, grad: StageGrad) -> Result<Option<Tensor>> {
-        let mut later = WeightGrads::Later(Vec::new());
-        let dx = self.backward_into(chunk, grad, &mut later, &mut |_| {})?;
-        if let WeightGrads::Later(kept) = later {
-            self.deferred.push_back((chunk, kept));
-        }
-        Ok(dx)
-    }
-
-    /// The W half: the weight GEMMs of the oldest micro-batch whose `backward_input` through
-    /// `chunk` is done. Then `ready` sees every parameter of the chunk, in backward's order. It
-    /// gathers no weight (a weight gradient reads none).
+    /// The W half: the weight GEMMs of the oldest micro-batch whose backward through `chunk` kept
+    /// them (`WeightGrads::Later`). Then `ready` sees every parameter of the chunk, in backward's
+    /// order. It gathers no weight (a weight gradient reads none).
     pub fn backward_weights(&mut self, chunk: usize, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
         let oldest = self.deferred.iter().position(|(c, _)| *c == chunk);
         let (_, kept) = oldest.and_then(|at| self.deferred.remove(at)).ok_or_else(|| {
@@ -318,14 +285,25 @@ impl<'g> Llama<'g> {
         v
     }
 
-    /// The backward of chunk `chunk`, weight gradients to `w`.
-    fn backward_into(
+    /// The backward of the oldest micro-batch whose forward through model chunk `chunk` is done.
+    /// Returns the gradient of the chunk's input activations (`None` where its input was tokens).
+    /// With `WeightGrads::Now` it makes every weight gradient and calls `ready(param)` as soon as
+    /// a parameter's gradient is complete. With `WeightGrads::Later` (the zero-bubble pipelines'
+    /// B, `weight_grads.rs`) it returns the input gradient as soon as it is known and keeps the
+    /// weight GEMMs, with what they read, for `backward_weights`; no gradient is complete yet, so
+    /// `ready` hears nothing.
+    pub fn backward_chunk(
         &mut self,
         chunk: usize,
         grad: StageGrad,
-        w: &mut WeightGrads,
+        mut w: WeightGrads,
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Option<Tensor>> {
+        let mut not_yet = |_: &mut Param| {};
+        let ready: &mut dyn FnMut(&mut Param) = match w {
+            WeightGrads::Now => ready,
+            WeightGrads::Later(_) => &mut not_yet,
+        };
         let oldest = self.caches.iter().position(|c| c.chunk == chunk);
         let mut c = oldest
             .and_then(|at| self.caches.remove(at))
@@ -338,7 +316,7 @@ impl<'g> Llama<'g> {
         // each part of the cache is dropped as soon as its backward is done: the activations
         // held shrink while the gradients grow
         let mut dx = match (grad, c.head.take(), self.head.is_some()) {
-            (StageGrad::Loss(scale), Some(hc), true) => self.head_backward(hc, scale, w, ready)?,
+            (StageGrad::Loss(scale), Some(hc), true) => self.head_backward(hc, scale, &mut w, ready)?,
             (StageGrad::Hidden(dx), None, _) => dx,
             _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
         };
@@ -347,19 +325,23 @@ impl<'g> Llama<'g> {
             let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
             let cache = c.blocks.pop().expect("one cache per layer");
             let attn = (c.attn, &c.positions[..]);
-            dx = self.layers[i].backward(split, dx, cache, (&self.cfg, &balance), attn, w)?;
+            dx = self.layers[i].backward(split, dx, cache, (&self.cfg, &balance), attn, &mut w)?;
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }
-        match (&c.tokens, &mut self.embed_tokens) {
+        let dx = match (&c.tokens, &mut self.embed_tokens) {
             (Some(tokens), Some(embed)) => {
                 embed.ensure_grad(); // the embedding's backward reads no weight: nothing to gather
                 let dx = self.tp.gather_rows(&dx)?; // sequence parallel: every row's gradient
                 w.embedding(embed, dx, tokens, first); // local: this rank's ids
                 ready(embed);
-                Ok(None)
+                None
             }
-            _ => Ok(Some(dx)),
+            _ => Some(dx),
+        };
+        if let WeightGrads::Later(kept) = w {
+            self.deferred.push_back((chunk, kept));
         }
+        Ok(dx)
     }
 }

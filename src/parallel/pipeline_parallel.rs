@@ -31,7 +31,7 @@
 //! (`ferrotron schedule --schedule all --virtual 2` draws it beside AFAB and 1F1B.)
 //!
 //! **Zero bubble** (ZB-H1, ZBV; `pipeline_schedule.rs` has the lesson) cuts each backward in two:
-//! B, the input gradient, goes upstream at once (`Llama::backward_input`), and W, the weight
+//! B, the input gradient, goes upstream at once (`Llama::backward_chunk` given `WeightGrads::Later`), and W, the weight
 //! GEMMs (`model/weight_grads.rs`), runs later in time the stage would spend idle
 //! (`Llama::backward_weights`). Data parallelism hears a gradient is ready only after its W.
 //!
@@ -55,6 +55,7 @@
 
 use crate::comm::Group;
 use crate::config::PpSchedule;
+use crate::model::weight_grads::WeightGrads;
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
@@ -271,10 +272,8 @@ impl Runner<'_, '_, '_> {
         // a chunk's gradients are complete for the step in its last micro-batch's backward (W)
         let last = w.micro + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
-        let dx = match input_only {
-            true => self.model.backward_input(w.chunk, grad)?,
-            false => self.model.backward_chunk(w.chunk, grad, &mut |p| ready(p, last))?,
-        };
+        let weights = if input_only { WeightGrads::Later(Vec::new()) } else { WeightGrads::Now };
+        let dx = self.model.backward_chunk(w.chunk, grad, weights, &mut |p| ready(p, last))?;
         self.hooks.span(name("backward", w, self.stage), start);
         Ok(dx)
     }
