@@ -16,7 +16,7 @@
 //!
 //! The step sees the update only through the `Optimizer` trait (the seam): AdamW is its first
 //! implementation, and a later optimizer — or a wrapper, as ZeRO-1 and 2 wrap AdamW with the
-//! gather of the updated weights (`parallel/fsdp.rs`) — plugs in at the composition root
+//! gather of the updated weights (`parallel/zero.rs`) — plugs in at the composition root
 //! (`train/compose.rs`) without the step changing.
 
 use crate::comm::{Group, ReduceOp};

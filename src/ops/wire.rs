@@ -1,10 +1,11 @@
 //! # Weights on the wire: as their GEMMs read them
 //!
-//! FSDP gathers every weight before its layer computes (`parallel/fsdp.rs`, in the formats of
-//! `parallel/gather_formats.rs`). What travels need not be the fp32 master: a GEMM reading bf16
-//! needs only bf16, and one reading FP8 only the FP8 bytes and the scale. So a shard goes out in its weight's *wire format*, the GEMM's
-//! precision (`Precision`): 4, 2 or 1 bytes a number, packed into f32 slots so that every
-//! backend and collective moves them as plain f32 buffers, bit for bit:
+//! ZeRO gathers every weight from its chunks (`parallel/zero.rs`; FSDP before each layer
+//! computes), in the formats of `parallel/gather_formats.rs`. What travels need not be the fp32
+//! master: a GEMM reading bf16 needs only bf16, and one reading FP8 only the FP8 bytes and the
+//! scale. So a shard goes out in its weight's *wire format*, the GEMM's precision (`Precision`):
+//! 4, 2 or 1 bytes a number, packed into f32 slots so that every backend and collective moves
+//! them as plain f32 buffers, bit for bit:
 //!
 //! ```text
 //! F32    one number a slot

@@ -1,8 +1,8 @@
-//! # The formats weights travel in when FSDP gathers them: as their GEMMs read them
+//! # The formats weights travel in when ZeRO gathers them: as their GEMMs read them
 //!
-//! FSDP gathers every weight before its layer computes (`fsdp.rs`), by default as its fp32
-//! master. A GEMM reading bf16 needs only bf16 (the GPU's mixed precision), and one reading FP8
-//! only the FP8 bytes and the scale: this is the `Formats` FSDP's gather plugs in to send each
+//! ZeRO gathers every weight from its chunks (`zero.rs`: after the update at stages 1 and 2,
+//! before each unit computes under FSDP), by default as its fp32 master. A GEMM reading bf16 needs only bf16 (the GPU's mixed precision), and one reading FP8
+//! only the FP8 bytes and the scale: this is the `Formats` ZeRO's gather plugs in to send each
 //! weight as its GEMMs read it (`Param::precision`; the packing itself is `ops/wire.rs`):
 //!
 //! ```text
@@ -19,7 +19,7 @@ use crate::comm::{Group, ReduceOp};
 use crate::model::Param;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, wire, DType, Precision};
-use crate::parallel::fsdp::{Formats, Master, Wire};
+use crate::parallel::zero::{Formats, Master, Wire};
 use anyhow::Result;
 use std::borrow::Cow;
 

@@ -28,12 +28,12 @@ use crate::model::Stage;
 use crate::ops::{DType, Precision};
 use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
 use crate::parallel::expert_parallel::ExpertGrads;
-use crate::parallel::fsdp::{Formats, Fsdp, GatherAfterUpdate, Master};
+use crate::parallel::fsdp::Fsdp;
 use crate::parallel::gather_formats::AsGemmsRead;
 use crate::parallel::hybrid_sharding;
 use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::sequence_parallel::NormGradsOverTp;
-use crate::parallel::zero::{self, Sharding, ZeroBuckets};
+use crate::parallel::zero::{self, Formats, GatherAfterUpdate, Master, Sharding, ZeroBuckets};
 use anyhow::Result;
 use std::rc::Rc;
 
