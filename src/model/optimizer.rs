@@ -7,8 +7,9 @@
 //!    └─────────────────────────── step
 //!     warmup     cosine decay
 //! ```
-//! One step: measure the global gradient norm (the √ of Σ over *all* parameters of Σ g²; with
-//! sharded parameters the sum of squares is all-reduced before the square root), scale every
+//! One step: measure the global gradient norm (the √ of Σ over *all* parameters of Σ g²; when
+//! the model is cut across ranks, its parts add up over their groups first:
+//! `train/gradients.rs`), scale every
 //! gradient down if the norm exceeds `grad_clip`, then update each parameter with AdamW. Weight
 //! decay is decoupled (applied to the weight, not added to the gradient) and skips norm weights.
 //! Under ZeRO (`parallel/zero.rs`) all of this runs on this rank's chunk of each parameter
@@ -19,10 +20,8 @@
 //! gather of the updated weights (`parallel/zero.rs`) — plugs in at the composition root
 //! (`train/compose.rs`) without the step changing.
 
-use crate::comm::{Group, ReduceOp};
 use crate::config::TrainConfig;
 use crate::model::Param;
-use crate::model::Placement;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::DType;
 use crate::ops::{self, AdamWSettings};
@@ -44,46 +43,6 @@ pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
     let grads: Vec<&Tensor> = params.iter().map(|p| p.trained_grad()).collect();
     let place = params.first().map_or(Place::Cpu, |p| p.place());
     ops::sum_squares_total(&grads, &place).to_vec()[0] as f64
-}
-
-/// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: a
-/// sum of squares over a Shard is a Partial(sum) of the whole's, so each rank's Σ g² over its
-/// tp slices is summed over the tp group, plus the tp-replicated parameters counted once, then summed over the stages. Under ZeRO each rank holds a chunk of every
-/// gradient: its sums are first added up over the group sharding it (`zero`, `expert_zero`). With
-/// expert parallelism each ep rank holds other experts: their sums are added up over `groups.ep`.
-/// A one-number tensor on the rank's device: on GPUs the sums stay there (NCCL), and the training
-/// loop reads it together with the loss.
-pub fn global_grad_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<Tensor> {
-    let place = params.first().map_or(Place::Cpu, |p| p.place());
-    let sum = |keep: &dyn Fn(&Param) -> bool, zero: Option<&Group>| -> Result<Tensor> {
-        let grads: Vec<&Tensor> = params.iter().filter(|p| keep(p)).map(|p| p.trained_grad()).collect();
-        let mut sum = ops::sum_squares_total(&grads, &place);
-        if let Some(group) = zero {
-            group.all_reduce_tensor(&mut sum, ReduceOp::Sum)?; // the chunks of the other ranks
-        }
-        Ok(sum)
-    };
-    let dense = groups.zero;
-    let mut total = sum(&|p| p.tp != Placement::Replicate, dense)?;
-    groups.tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
-    ops::add_assign(&mut total, &sum(&|p| p.tp == Placement::Replicate && !p.is_expert(), dense)?);
-    if params.iter().any(|p| p.is_expert()) {
-        let mut experts = sum(&|p| p.is_expert(), groups.expert_zero)?;
-        groups.ep.all_reduce_tensor(&mut experts, ReduceOp::Sum)?; // the other ranks' experts
-        ops::add_assign(&mut total, &experts);
-    }
-    groups.pp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
-    Ok(total)
-}
-
-/// The groups the gradient norm adds its parts over.
-pub struct NormGroups<'g> {
-    pub tp: &'g Group,
-    pub pp: &'g Group,
-    pub ep: &'g Group,
-    /// Under ZeRO: the ranks sharding the dense weights (dp×cp), and the experts (expert-data).
-    pub zero: Option<&'g Group>,
-    pub expert_zero: Option<&'g Group>,
 }
 
 /// The factor that brings the gradients' global norm `norm` down to `max_norm` (1 when it is

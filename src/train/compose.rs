@@ -13,7 +13,7 @@
 //! ```
 
 use super::feed::Feed;
-use super::gradients::{Gradients, Which};
+use super::gradients::{Gradients, NormGroups, Which};
 use super::run::Shared;
 use super::step::Trainer;
 use super::{agree, Options};
@@ -21,7 +21,6 @@ use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ParallelConfig};
 use crate::data::Dataset;
-use crate::model::optimizer::NormGroups;
 use crate::model::routing_tape::RoutingTape;
 use crate::model::Param;
 use crate::model::Stage;

@@ -14,11 +14,16 @@
 //! Which reducers a run has is decided once, by the composition root (`train/compose.rs`): later
 //! lessons plug theirs in here without this file naming them — ZeRO a reduce-scatter in place of
 //! the all-reduce, a mixture of experts its own axis, sequence parallelism a sum over tp after
-//! the others (`Which::Every`). What the step does next (the global norm, AdamW, the weights'
-//! way back) reads in order in `train/step.rs`.
+//! the others (`Which::Every`). Then the global norm (`global_sum_squares`): each rank's Σ g²
+//! over what it holds, added up over the groups that cut the model, so that clipping sees the
+//! whole model's gradient. What the step does next (AdamW, the weights' way back) reads in order
+//! in `train/step.rs`.
 
 use crate::comm::process_grid::Axis;
-use crate::model::Param;
+use crate::comm::{Group, ReduceOp};
+use crate::model::{Param, Placement};
+use crate::ops;
+use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::data_parallel::GradReduce;
 use anyhow::Result;
 
@@ -82,4 +87,45 @@ impl<'g> Gradients<'g> {
         }
         Ok(())
     }
+}
+
+/// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: the
+/// sum of squares of a whole is the sum of its slices' sums, so each rank's Σ g² over its tp
+/// slices is summed over the tp group, plus the parameters every tp rank holds whole counted
+/// once, then summed over the stages. Under ZeRO each rank holds a chunk of every gradient: its
+/// sums are first added up over the group sharding it (`zero`, `expert_zero`). With expert
+/// parallelism each ep rank holds other experts: their sums are added up over `groups.ep`. A
+/// one-number tensor on the rank's device: on GPUs the sums stay there (NCCL), and the step reads
+/// it together with the loss.
+pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<Tensor> {
+    let place = params.first().map_or(Place::Cpu, |p| p.place());
+    let sum = |keep: &dyn Fn(&Param) -> bool, zero: Option<&Group>| -> Result<Tensor> {
+        let grads: Vec<&Tensor> = params.iter().filter(|p| keep(p)).map(|p| p.trained_grad()).collect();
+        let mut sum = ops::sum_squares_total(&grads, &place);
+        if let Some(group) = zero {
+            group.all_reduce_tensor(&mut sum, ReduceOp::Sum)?; // the chunks of the other ranks
+        }
+        Ok(sum)
+    };
+    let dense = groups.zero;
+    let mut total = sum(&|p| p.tp != Placement::Replicate, dense)?;
+    groups.tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
+    ops::add_assign(&mut total, &sum(&|p| p.tp == Placement::Replicate && !p.is_expert(), dense)?);
+    if params.iter().any(|p| p.is_expert()) {
+        let mut experts = sum(&|p| p.is_expert(), groups.expert_zero)?;
+        groups.ep.all_reduce_tensor(&mut experts, ReduceOp::Sum)?; // the other ranks' experts
+        ops::add_assign(&mut total, &experts);
+    }
+    groups.pp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
+    Ok(total)
+}
+
+/// The groups the gradient norm adds its parts over.
+pub struct NormGroups<'g> {
+    pub tp: &'g Group,
+    pub pp: &'g Group,
+    pub ep: &'g Group,
+    /// Under ZeRO: the ranks sharding the dense weights (dp×cp), and the experts (expert-data).
+    pub zero: Option<&'g Group>,
+    pub expert_zero: Option<&'g Group>,
 }

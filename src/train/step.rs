@@ -23,12 +23,12 @@
 //! whatever way it is cut into ranks and micro-batches (`train/feed.rs`: what a rank reads).
 
 use super::feed::Feed;
-use super::gradients::Gradients;
+use super::gradients::{self, Gradients, NormGroups};
 use super::run;
 use crate::comm::process_grid::Axis;
 use crate::comm::ReduceOp;
 use crate::config::Config;
-use crate::model::optimizer::{self, NormGroups, Optimizer};
+use crate::model::optimizer::{self, Optimizer};
 use crate::model::Llama;
 use crate::ops::{self, tensor::Tensor, DType};
 use crate::parallel::pipeline_parallel::{self, StepPlan};
@@ -106,7 +106,7 @@ impl Trainer<'_> {
         me.group(Axis::DpCp).all_reduce_tensor(&mut loss, ReduceOp::Avg)?;
         let (span, mut params) = (Instant::now(), model.params_mut());
         // 3. the global norm: tp shards, ZeRO chunks, ep experts and pp stages add up their parts
-        let grad_sq = optimizer::global_grad_sum_squares(&params, &self.norm)?;
+        let grad_sq = gradients::global_sum_squares(&params, &self.norm)?;
         // the step's one CPU–GPU sync point: the loss and the gradient norm, read together
         let read = ops::concat(&[&loss, &grad_sq]).to_vec();
         let (loss, grad_norm) = (read[0], (read[1] as f64).sqrt());
