@@ -304,7 +304,7 @@ fn rowwise(c: &mut Check, rows: usize, dim: usize) {
     c.run(&launch_table::sum_rows(at, (1, partial.values().len()), total.addr()));
     let refs: Vec<&Tensor> = grads.iter().collect();
     c.same("sum of squares", &total, &ops::sum_squares_total(&refs, &Place::Cpu));
-    launch_table::zero(&xs).iter().for_each(|l| c.run(l));
+    launch_table::fill_zeros(&xs).iter().for_each(|l| c.run(l));
     assert!(bgrads.iter().all(|b| b.values().iter().all(|&v| v == 0.0)), "zeroed");
     let (mut f, mut h) = (c.f32(&a), Buf::zeros(n, DType::Bf16));
     c.run(&launch_table::cast_f32_to_bf16(f.addr(), h.addr(), n));

@@ -434,7 +434,7 @@ pub fn sum_squares(xs: &[(Addr, usize)], partial: Addr) -> Vec<Launch> {
 }
 
 /// The f32 tensors `xs` (address, numbers) set to zero, a launch per LIST_TENSORS of them.
-pub fn zero(xs: &[(Addr, usize)]) -> Vec<Launch> {
+pub fn fill_zeros(xs: &[(Addr, usize)]) -> Vec<Launch> {
     tensor_lists(xs)
         .map(|(list, blocks)| {
             launch(kernel!("zero_list_f32"), ((blocks, 1, 1), THREADS), vec![Arg::Tensors(Box::new(list))])
@@ -521,7 +521,7 @@ pub fn catalogue() -> Vec<Launch> {
         rope_table(0, (1, 2), 1.0, (0, 0)),
     ];
     all.extend(sum_squares(&[(0, 1)], 0));
-    all.extend(zero(&[(0, 1)]));
+    all.extend(fill_zeros(&[(0, 1)]));
     all.extend(adamw(&[
         (o, (0, 0, 0, 0), None, 1),
         (AdamWSettings { moments: DType::Bf16, ..o }, (0, 0, 0, 0), Some(0), 1),

@@ -416,9 +416,9 @@ impl Device {
     }
 
     /// Every f32 tensor of `ts` set to zero, a launch per 64 of them.
-    pub fn zero(&self, ts: &[&Tensor]) -> Result<()> {
+    pub fn fill_zeros(&self, ts: &[&Tensor]) -> Result<()> {
         let xs: Vec<(Addr, usize)> = ts.iter().map(|t| (f32_addr(t), t.numel())).collect();
-        launch_table::zero(&xs).iter().try_for_each(|l| self.run(l))
+        launch_table::fill_zeros(&xs).iter().try_for_each(|l| self.run(l))
     }
 
     /// One AdamW step of every parameter (its settings, fp32 master weight, gradient, moments),

@@ -443,14 +443,14 @@ pub fn adamw(steps: &mut [(AdamWSettings, &mut Tensor, &Tensor, &mut Tensor, &mu
 }
 
 /// Every tensor of `ts` (f32: gradients) set to zero; on a GPU, a launch per 64 of them.
-pub fn zero(ts: &mut [&mut Tensor]) {
+pub fn fill_zeros(ts: &mut [&mut Tensor]) {
     ts.iter_mut().for_each(|t| _ = t.written());
     let all: Vec<&Tensor> = ts.iter().map(|t| &**t).collect();
     if all.is_empty() {
         return;
     }
-    if let Some(d) = gpu("zero", &all) {
-        return fatal("zero", d.zero(&all));
+    if let Some(d) = gpu("fill zeros", &all) {
+        return fatal("fill zeros", d.fill_zeros(&all));
     }
     ts.iter_mut().for_each(|t| t.host_mut().fill(0.0));
 }

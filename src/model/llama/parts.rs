@@ -308,6 +308,6 @@ impl<'g> Llama<'g> {
             }
         }
         let mut grads: Vec<&mut Tensor> = params.into_iter().map(|p| &mut p.grad).filter(|g| g.numel() > 0).collect();
-        ops::zero(&mut grads); // on a GPU, a launch per 64 gradients
+        ops::fill_zeros(&mut grads); // on a GPU, a launch per 64 gradients
     }
 }
