@@ -212,7 +212,7 @@ pub enum PpSchedule {
 }
 
 impl PpSchedule {
-    /// Whether its backwards are split into B and a later W (`model/weight_grads.rs`).
+    /// Whether its backwards are split into B and a later W (`model/deferred_grads.rs`).
     pub fn splits_backward(self) -> bool {
         matches!(self, PpSchedule::ZbH1 | PpSchedule::Zbv)
     }

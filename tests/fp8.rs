@@ -20,7 +20,7 @@ mod common;
 
 use ferrotron::config::Config;
 use ferrotron::model::init::normal;
-use ferrotron::model::weight_grads::WeightGrads;
+use ferrotron::model::weight_grads::Now;
 use ferrotron::model::{Llama, StageGrad, StageInput, StageOutput};
 use ferrotron::ops::fp8::Fp8;
 use ferrotron::ops::tensor::Tensor;
@@ -171,7 +171,7 @@ fn gradients(p: Precision, extra: &[&str]) -> Vec<(String, Vec<f32>)> {
     else {
         panic!("the whole model ends in a loss")
     };
-    model.backward_chunk(0, StageGrad::Loss(1.0), WeightGrads::Now, &mut |_| {}).unwrap();
+    model.backward_chunk(0, StageGrad::Loss(1.0), &mut Now, &mut |_| {}).unwrap();
     model.params().iter().map(|p| (p.name.clone(), p.grad.to_vec())).collect()
 }
 

@@ -9,7 +9,7 @@ mod common;
 
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
-use ferrotron::model::weight_grads::WeightGrads;
+use ferrotron::model::weight_grads::Now;
 use ferrotron::model::{Llama, StageGrad, StageInput, StageOutput};
 
 fn sets(extra: &[&str]) -> Vec<String> {
@@ -41,7 +41,7 @@ fn run(extra: &[&str], rows: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
             panic!("the whole model ends in a loss")
         };
         losses.push(loss.to_vec()[0]);
-        model.backward_chunk(0, StageGrad::Loss(0.5), WeightGrads::Now, &mut |_| {}).unwrap();
+        model.backward_chunk(0, StageGrad::Loss(0.5), &mut Now, &mut |_| {}).unwrap();
     }
     (losses, model.params().iter().map(|p| p.grad.to_vec()).collect())
 }
@@ -75,7 +75,7 @@ fn a_backward_with_another_scale_than_forwards_is_refused() {
     let tokens: Vec<u32> = (0..64).map(|i| i % cfg.vocab_size as u32).collect();
     let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     model.forward_chunk(0, StageInput::Tokens(&tokens), 2, &targets).unwrap();
-    let e = model.backward_chunk(0, StageGrad::Loss(0.5), WeightGrads::Now, &mut |_| {}).unwrap_err().to_string();
+    let e = model.backward_chunk(0, StageGrad::Loss(0.5), &mut Now, &mut |_| {}).unwrap_err().to_string();
     assert!(e.contains("a loss scale of 0.25 in forward, and backward asks for 0.5"), "{e}");
 }
 

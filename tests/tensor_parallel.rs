@@ -11,7 +11,7 @@ use ferrotron::comm::trace::Trace;
 use ferrotron::comm::ReduceOp;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
-use ferrotron::model::weight_grads::WeightGrads;
+use ferrotron::model::weight_grads::Now;
 use ferrotron::model::Stage;
 use ferrotron::model::{Llama, Param};
 use ferrotron::model::{TensorSplit, Whole};
@@ -56,7 +56,7 @@ fn column_and_row_parallel_linear_match_dense() {
     ops::add_assign(&mut dx_both, &dx);
     let mut dense = [param(w.clone()), param(w2.clone())];
     let [a, b] = &mut dense;
-    let now = &mut WeightGrads::Now;
+    let now = &mut Now;
     let got = Whole.column_backward(x.clone(), vec![(dy.clone(), a), (dy2.clone(), b)], now).unwrap();
     close(&got, &dx_both, "dense column dx of two layers");
     close(&dense[1].grad, &dw2, "dense column dW");
@@ -73,7 +73,7 @@ fn column_and_row_parallel_linear_match_dense() {
             let (dy_i, dy2_i) =
                 (part_of(&dy, Placement::Shard(1), (i, size)), part_of(&dy2, Placement::Shard(1), (i, size)));
             let layers = vec![(dy_i, &mut wc), (dy2_i, &mut wc2)];
-            let dx_col = tp.column_backward(x.clone(), layers, &mut WeightGrads::Now)?;
+            let dx_col = tp.column_backward(x.clone(), layers, &mut Now)?;
             close(&dx_col, &dx_both, "column dx (summed over layers, all-reduced)");
             close(&wc.grad, &part_of(&dw, Placement::Shard(0), (i, size)), "column dW");
             close(&wc2.grad, &part_of(&dw2, Placement::Shard(0), (i, size)), "column dW of the second layer");

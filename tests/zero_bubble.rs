@@ -11,7 +11,8 @@ mod common;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::schedule::{from_trace, simulate};
 use ferrotron::config::{Config, ModelConfig, PpSchedule, Recompute};
-use ferrotron::model::weight_grads::WeightGrads;
+use ferrotron::model::deferred_grads::Later;
+use ferrotron::model::weight_grads::Now;
 use ferrotron::model::{Llama, Stage, StageGrad, StageInput};
 use ferrotron::parallel::pipeline_schedule::{held, schedule, sent_by, Action, Work};
 use ferrotron::train::{train_all, Options};
@@ -60,13 +61,12 @@ fn a_backward_split_into_b_and_w_is_bitwise_the_whole_one() {
             for _ in 0..2 {
                 match split {
                     true => assert!(model
-                        .backward_chunk(0, StageGrad::Loss(0.5), WeightGrads::Later(Vec::new()), &mut |_| {})
+                        .backward_chunk(0, StageGrad::Loss(0.5), &mut Later::default(), &mut |_| {})
                         .unwrap()
                         .is_none()),
-                    false => assert!(model
-                        .backward_chunk(0, StageGrad::Loss(0.5), WeightGrads::Now, &mut |_| {})
-                        .unwrap()
-                        .is_none()),
+                    false => {
+                        assert!(model.backward_chunk(0, StageGrad::Loss(0.5), &mut Now, &mut |_| {}).unwrap().is_none())
+                    }
                 }
             }
             if split {

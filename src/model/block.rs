@@ -284,7 +284,7 @@ impl Block {
 
     /// `balance`: the load-balancing loss's gradient on each expert's router probability (a
     /// mixture of experts with `router_aux_loss_coef` > 0; else empty). Every weight GEMM goes to
-    /// `w` (computed now, or kept for a zero-bubble W: `weight_grads.rs`); the norms' weight
+    /// `w` (computed now, or kept for a zero-bubble W: `deferred_grads.rs`); the norms' weight
     /// gradients are computed here with their input gradients.
     pub(crate) fn backward(
         &mut self,
@@ -293,7 +293,7 @@ impl Block {
         kept: Kept,
         (cfg, balance): (&ModelConfig, &[f32]),
         (attn, positions): (Attn, &[u32]),
-        w: &mut WeightGrads,
+        w: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
         let c = match kept {

@@ -23,7 +23,7 @@ use crate::model::block::{Block, Kept, Splits};
 use crate::model::moe::{self, Load};
 use crate::model::param::Param;
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit};
-use crate::model::weight_grads::{Deferred, WeightGrads};
+use crate::model::weight_grads::{Deferred, Now, WeightGrads};
 use crate::ops::tensor::Tensor;
 use crate::ops::Attn;
 use anyhow::{anyhow, bail, Result};
@@ -135,9 +135,9 @@ pub struct Llama<'g> {
     head: Option<Head>,
     /// One per micro-batch whose forward is done and backward is not (the activation memory).
     caches: VecDeque<Cache>,
-    /// One per micro-batch (and its model chunk) whose B is done (`backward_chunk` with
-    /// `WeightGrads::Later`) and `backward_weights` is not: the weight GEMMs it left (zero-bubble pipelines).
-    deferred: VecDeque<(usize, Vec<Deferred>)>,
+    /// One per micro-batch (and its model chunk) whose backward kept its weight GEMMs (a
+    /// zero-bubble pipeline's B) and whose `backward_weights` has not run them yet.
+    deferred: VecDeque<(usize, Box<dyn Deferred>)>,
     /// Attention score entries computed since the last `take_attention_work`.
     attention_work: u64,
     /// Routed rows per expert of each MoE layer of this stage since the last `take_expert_load`.
@@ -248,12 +248,12 @@ impl<'g> Llama<'g> {
     /// `backward` that calls `ready(param)` as soon as a parameter's gradient is complete, so
     /// that data parallelism can start reducing it while the rest of backward runs.
     pub fn backward_with(&mut self, scale: f32, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
-        self.backward_chunk(0, StageGrad::Loss(scale), WeightGrads::Now, ready).map(drop)
+        self.backward_chunk(0, StageGrad::Loss(scale), &mut Now, ready).map(drop)
     }
 
-    /// The W half: the weight GEMMs of the oldest micro-batch whose backward through `chunk` kept
-    /// them (`WeightGrads::Later`). Then `ready` sees every parameter of the chunk, in backward's
-    /// order. It gathers no weight (a weight gradient reads none).
+    /// The W half: the weight GEMMs of the oldest micro-batch whose backward through `chunk`
+    /// deferred them (`weight_grads.rs`). Then `ready` sees every parameter of the chunk, in
+    /// backward's order. It gathers no weight (a weight gradient reads none).
     pub fn backward_weights(&mut self, chunk: usize, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
         let oldest = self.deferred.iter().position(|(c, _)| *c == chunk);
         let (_, kept) = oldest.and_then(|at| self.deferred.remove(at)).ok_or_else(|| {
@@ -262,7 +262,7 @@ impl<'g> Llama<'g> {
         // a tied output layer is the embedding: its gradient is complete in chunk 0's W only
         let embedding = self.embed_tokens.as_ref().map(|e| e.name.clone()).filter(|_| chunk != 0);
         let mut params = self.chunk_params_mut(chunk);
-        kept.into_iter().for_each(|d| d.apply(&mut params));
+        kept.apply(&mut params);
         params.into_iter().filter(|p| Some(&p.name) != embedding.as_ref()).for_each(ready);
         Ok(())
     }
@@ -287,23 +287,17 @@ impl<'g> Llama<'g> {
 
     /// The backward of the oldest micro-batch whose forward through model chunk `chunk` is done.
     /// Returns the gradient of the chunk's input activations (`None` where its input was tokens).
-    /// With `WeightGrads::Now` it makes every weight gradient and calls `ready(param)` as soon as
-    /// a parameter's gradient is complete. With `WeightGrads::Later` (the zero-bubble pipelines'
-    /// B, `weight_grads.rs`) it returns the input gradient as soon as it is known and keeps the
-    /// weight GEMMs, with what they read, for `backward_weights`; no gradient is complete yet, so
-    /// `ready` hears nothing.
+    /// Each weight GEMM goes to `w` (`weight_grads.rs`): with `Now` every gradient is made here,
+    /// and `ready(param)` hears each parameter as soon as its gradient is complete. A `w` that
+    /// keeps them (the zero-bubble pipelines' B) leaves them for `backward_weights`; its caller
+    /// then passes a `ready` that does nothing, since no gradient is complete yet.
     pub fn backward_chunk(
         &mut self,
         chunk: usize,
         grad: StageGrad,
-        mut w: WeightGrads,
+        w: &mut dyn WeightGrads,
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Option<Tensor>> {
-        let mut not_yet = |_: &mut Param| {};
-        let ready: &mut dyn FnMut(&mut Param) = match w {
-            WeightGrads::Now => ready,
-            WeightGrads::Later(_) => &mut not_yet,
-        };
         let oldest = self.caches.iter().position(|c| c.chunk == chunk);
         let mut c = oldest
             .and_then(|at| self.caches.remove(at))
@@ -316,7 +310,7 @@ impl<'g> Llama<'g> {
         // each part of the cache is dropped as soon as its backward is done: the activations
         // held shrink while the gradients grow
         let mut dx = match (grad, c.head.take(), self.head.is_some()) {
-            (StageGrad::Loss(scale), Some(hc), true) => self.head_backward(hc, scale, &mut w, ready)?,
+            (StageGrad::Loss(scale), Some(hc), true) => self.head_backward(hc, scale, w, ready)?,
             (StageGrad::Hidden(dx), None, _) => dx,
             _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
         };
@@ -325,7 +319,7 @@ impl<'g> Llama<'g> {
             let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
             let cache = c.blocks.pop().expect("one cache per layer");
             let attn = (c.attn, &c.positions[..]);
-            dx = self.layers[i].backward(split, dx, cache, (&self.cfg, &balance), attn, &mut w)?;
+            dx = self.layers[i].backward(split, dx, cache, (&self.cfg, &balance), attn, w)?;
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }
@@ -339,8 +333,8 @@ impl<'g> Llama<'g> {
             }
             _ => Some(dx),
         };
-        if let WeightGrads::Later(kept) = w {
-            self.deferred.push_back((chunk, kept));
+        if let Some(kept) = w.deferred() {
+            self.deferred.push_back((chunk, kept)); // for `backward_weights`
         }
         Ok(dx)
     }

@@ -205,7 +205,7 @@ impl Moe {
         x: Tensor,
         c: MoeCache,
         balance: &[f32],
-        w: &mut WeightGrads,
+        w: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.plan.slot, &c.routing.weights);
         drop(c.ys);

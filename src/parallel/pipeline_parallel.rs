@@ -31,8 +31,8 @@
 //! (`ferrotron schedule --schedule all --virtual 2` draws it beside AFAB and 1F1B.)
 //!
 //! **Zero bubble** (ZB-H1, ZBV; `pipeline_schedule.rs` has the lesson) cuts each backward in two:
-//! B, the input gradient, goes upstream at once (`Llama::backward_chunk` given `WeightGrads::Later`), and W, the weight
-//! GEMMs (`model/weight_grads.rs`), runs later in time the stage would spend idle
+//! B, the input gradient, goes upstream at once (`Llama::backward_chunk` given `Later`), and W,
+//! the weight GEMMs (`model/deferred_grads.rs`), runs later in time the stage would spend idle
 //! (`Llama::backward_weights`). Data parallelism hears a gradient is ready only after its W.
 //!
 //! Messages between neighbours have the names they have in Megatron and picotron:
@@ -55,7 +55,8 @@
 
 use crate::comm::Group;
 use crate::config::PpSchedule;
-use crate::model::weight_grads::WeightGrads;
+use crate::model::deferred_grads::Later;
+use crate::model::weight_grads::Now;
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
@@ -272,8 +273,11 @@ impl Runner<'_, '_, '_> {
         // a chunk's gradients are complete for the step in its last micro-batch's backward (W)
         let last = w.micro + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
-        let weights = if input_only { WeightGrads::Later(Vec::new()) } else { WeightGrads::Now };
-        let dx = self.model.backward_chunk(w.chunk, grad, weights, &mut |p| ready(p, last))?;
+        let dx = match input_only {
+            // B: the weight GEMMs kept for `weights`; no gradient is complete yet
+            true => self.model.backward_chunk(w.chunk, grad, &mut Later::default(), &mut |_| {})?,
+            false => self.model.backward_chunk(w.chunk, grad, &mut Now, &mut |p| ready(p, last))?,
+        };
         self.hooks.span(name("backward", w, self.stage), start);
         Ok(dx)
     }

@@ -7,7 +7,7 @@
 //! (the mailbox, and the drain after a stop), and `ferrotron schedule` plays it on a clock to draw
 //! it. It is made as it is walked: a step of millions of micro-batches holds no list of them.
 //!
-//! **Zero bubble** (Qi et al. 2023). A backward is two halves (`model/weight_grads.rs`): B, the
+//! **Zero bubble** (Qi et al. 2023). A backward is two halves (`model/deferred_grads.rs`): B, the
 //! input gradient, which the previous stage waits for, and W, the weight gradients, which nobody
 //! waits for. Split, B goes upstream sooner and W fills the time a stage would sit idle:
 //!

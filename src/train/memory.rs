@@ -90,7 +90,7 @@ fn layer_bytes(m: &ModelConfig, batch: f64, seq: f64, keep: Keep, e: f64) -> (f6
 /// rows (`split` of them on this rank under sequence parallelism). Dense: gate, up and their
 /// product (1/tp of the features each); backward adds their gradients and the input's, less the
 /// product, which goes as soon as down's weight gradient has read it (unless a zero-bubble W
-/// keeps it: `model/weight_grads.rs`). A mixture
+/// keeps it: `model/deferred_grads.rs`). A mixture
 /// of experts routes this rank's rows (all of them without sequence parallelism: every tp rank
 /// routes the same) k times: the routed rows and the experts' outputs (d each), gate, up and
 /// product (the whole intermediate size: experts are not tp-split; with balanced experts each

@@ -89,7 +89,7 @@ impl Llama<'_> {
         &mut self,
         hc: HeadCache,
         scale: f32,
-        w: &mut WeightGrads,
+        w: &mut dyn WeightGrads,
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Tensor> {
         let first = self.vocab_first;

@@ -14,7 +14,6 @@ use crate::model::param::{Param, ParamKind, Placement};
 use crate::model::routing_tape::{RoutingTape, Taped};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::stage::Stage;
-use crate::model::weight_grads::Deferred;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, Precision};
 use anyhow::Result;
@@ -283,8 +282,7 @@ impl<'g> Llama<'g> {
     pub fn activation_bytes(&self) -> usize {
         let cache =
             |c: &Cache| c.blocks.iter().map(Kept::bytes).sum::<usize>() + c.head.as_ref().map_or(0, HeadCache::bytes);
-        let deferred = |(_, d): &(usize, Vec<Deferred>)| d.iter().map(Deferred::bytes).sum::<usize>();
-        self.caches.iter().map(cache).sum::<usize>() + self.deferred.iter().map(deferred).sum::<usize>()
+        self.caches.iter().map(cache).sum::<usize>() + self.deferred.iter().map(|(_, kept)| kept.bytes()).sum::<usize>()
     }
 
     /// Attention score entries (query × key pairs, all heads) computed since the last call.
