@@ -1,8 +1,9 @@
 //! # The formats weights travel in when ZeRO gathers them: as their GEMMs read them
 //!
 //! ZeRO gathers every weight from its chunks (`zero.rs`: after the update at stages 1 and 2,
-//! before each unit computes under FSDP), by default as its fp32 master. A GEMM reading bf16 needs only bf16 (the GPU's mixed precision), and one reading FP8
-//! only the FP8 bytes and the scale: this is the `Formats` ZeRO's gather plugs in to send each
+//! before each unit computes under FSDP), by default as its fp32 master. A GEMM reading bf16
+//! needs only bf16 (the GPU's mixed precision), and one reading FP8 only the FP8 bytes and the
+//! scale: this is the `Formats` ZeRO's gather plugs in to send each
 //! weight as its GEMMs read it (`Param::precision`; the packing itself is `ops/wire.rs`):
 //!
 //! ```text
@@ -16,15 +17,27 @@
 //! chunk with the weight's scale.
 
 use crate::comm::{Group, ReduceOp};
-use crate::model::Param;
+use crate::model::{Llama, Param};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, wire, DType, Precision};
 use crate::parallel::zero::{Formats, Master, Wire};
 use anyhow::Result;
 use std::borrow::Cow;
+use std::rc::Rc;
 
 /// Each weight as its GEMMs read it.
 pub struct AsGemmsRead;
+
+/// The formats `model`'s weights travel in: its masters as they are (`Master`, ZeRO's own) where
+/// every GEMM reads f32, so that nothing of this file runs; else each as its GEMMs read it.
+pub fn for_model(model: &Llama) -> Rc<dyn Formats> {
+    let f32 = model.place().dtype() == DType::F32 && model.params().iter().all(|p| p.precision == Precision::F32);
+    if f32 {
+        Rc::new(Master)
+    } else {
+        Rc::new(AsGemmsRead)
+    }
+}
 
 /// A sharded parameter's chunk of its fp32 master.
 fn master(p: &Param) -> &Tensor {

@@ -24,15 +24,14 @@ use crate::data::Dataset;
 use crate::model::routing_tape::RoutingTape;
 use crate::model::Param;
 use crate::model::Stage;
-use crate::ops::{DType, Precision};
 use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
 use crate::parallel::expert_parallel::ExpertGrads;
 use crate::parallel::fsdp::Fsdp;
-use crate::parallel::gather_formats::AsGemmsRead;
+use crate::parallel::gather_formats;
 use crate::parallel::hybrid_sharding;
 use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::sequence_parallel::NormGradsOverTp;
-use crate::parallel::zero::{self, Formats, GatherAfterUpdate, Master, Sharding, ZeroBuckets};
+use crate::parallel::zero::{self, GatherAfterUpdate, Sharding, ZeroBuckets};
 use anyhow::Result;
 use std::rc::Rc;
 
@@ -64,11 +63,8 @@ impl<'g> Trainer<'g> {
         let sharding = Sharding::new(p.zero_stage, (dense, me.group(dense)), me.group(Axis::ExpertDp));
         if sharding.any() {
             model = zero::shard(model, &mut *optimizer, sharding, p.zero_stage);
-            // each weight gathered as its GEMMs read it: bf16 on a bf16 GPU, FP8 where they read FP8;
-            // all in f32, the masters as they are
-            let f32 =
-                model.place().dtype() == DType::F32 && model.params().iter().all(|p| p.precision == Precision::F32);
-            let formats: Rc<dyn Formats> = if f32 { Rc::new(Master) } else { Rc::new(AsGemmsRead) };
+            // each weight gathered as its GEMMs read it: bf16 on a bf16 GPU, FP8 where they read FP8
+            let formats = gather_formats::for_model(&model);
             optimizer = match p.zero_stage {
                 3 => {
                     model = model.with_weight_split(Rc::new(Fsdp::new(sharding, formats))); // FSDP: unit by unit
