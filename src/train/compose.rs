@@ -12,16 +12,16 @@
 //! the norm         the groups the gradient norm sums over
 //! ```
 
-use super::feed::Feed;
+use super::agree;
+use super::feed::{Feed, Told};
 use super::gradients::{Gradients, NormGroups, Which};
 use super::run::Shared;
 use super::step::Trainer;
-use super::{agree, Options};
 use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ParallelConfig};
 use crate::data::Dataset;
-use crate::model::routing_tape::RoutingTape;
+use crate::model::routing_tape::{self, RoutingTape};
 use crate::model::Param;
 use crate::model::Stage;
 use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
@@ -41,7 +41,7 @@ impl<'g> Trainer<'g> {
         me: &'g Rank,
         cfg: &'g Config,
         data: &'g Dataset,
-        opts: Options,
+        tape: Option<Rc<RoutingTape>>,
         shared: &Shared,
     ) -> Result<Trainer<'g>> {
         let (p, t, tp) = (&cfg.parallel, &cfg.train, me.group(Axis::Tp));
@@ -51,7 +51,6 @@ impl<'g> Trainer<'g> {
         let (mut model, first_step) = shared.model(me, cfg)?; // this rank's part, on its device
 
         // debugging a mixture of experts: its routing recorded, or replayed from another run
-        let tape = opts.routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
         if let Some(tape) = &tape {
             model = model.with_routing_tape(tape.clone());
         }
@@ -86,7 +85,15 @@ impl<'g> Trainer<'g> {
         let (kind, micro_batches, batch, stage) =
             (p.pp_schedule, t.grad_accum_steps, t.micro_batch_size, Stage::planned(pp.index(), p));
         let pipeline = StepPlan { pp, kind, micro_batches, batch, stage, hidden: [rows, cfg.model.hidden_size] };
-        let feed = Feed::new(me, cfg, data, tape);
+        // the routing tape is told each micro-batch's rows (this rank's of them with sequence
+        // parallelism) before the micro-batch runs
+        let told = tape.map(|tape| -> Told<'g> {
+            let sp = p.sequence_parallel.then(|| (tp.index(), tp.size()));
+            Box::new(move |step, micro, pos| {
+                tape.at(step, routing_tape::batch_rows(cfg, step, (me.coords.dp, micro), pos, sp))
+            })
+        });
+        let feed = Feed::new(me, cfg, data, told);
         Ok(Trainer { cfg, model, optimizer, grads, norm, feed, pipeline, first_step })
     }
 }

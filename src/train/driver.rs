@@ -25,6 +25,7 @@ use crate::comm::Group;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
+use crate::model::routing_tape::RoutingTape;
 use crate::model::Llama;
 use crate::parallel::StepHooks;
 use anyhow::Result;
@@ -33,7 +34,9 @@ use std::time::Instant;
 
 /// The steps of one rank, from its first to the run's last, or to a signal.
 pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, shared: Shared) -> Result<Summary> {
-    let mut tr = Trainer::assemble(me, cfg, data, opts, &shared)?;
+    // debugging a mixture of experts: its routing recorded, or replayed from another run
+    let tape = opts.routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
+    let mut tr = Trainer::assemble(me, cfg, data, tape.clone(), &shared)?;
     let first_step = tr.first_step;
     let mut watch = Watch::new(me, cfg, opts, (first_step, tr.model.place()))?; // metrics, trace, timing, memory
     let pp = me.group(Axis::Pp);
@@ -46,7 +49,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         let hooks = Hooks { watch: &watch, world: me.group(Axis::World), may_stop, signal, held };
         let stepped = tr.step(step, &hooks)?;
         let (signal, held) = (hooks.signal.get(), hooks.held.get());
-        tr.feed.tape().iter().for_each(|t| t.idle());
+        tape.iter().for_each(|t| t.idle());
         let (loss, lr, grad_norm, activations_held) = match stepped {
             Stepped::Done { loss, lr, grad_norm, activations_held } => (loss, lr, grad_norm, activations_held),
             Stepped::Stopped { micro_batches } => {
@@ -74,7 +77,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         }
     }
     let mut summary = watch.finish(&tr.model)?;
-    if let Some(tape) = tr.feed.tape() {
+    if let Some(tape) = &tape {
         tape.save(me.rank, cfg)?;
         summary.routing_replaced = tape.replaced();
     }

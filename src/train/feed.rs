@@ -9,10 +9,12 @@ use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
 use crate::config::Config;
 use crate::data::Dataset;
-use crate::model::routing_tape::{self, RoutingTape};
 use crate::parallel::context_parallel;
 use anyhow::Result;
-use std::rc::Rc;
+
+/// Told each micro-batch's (step, micro-batch, this rank's positions of each sequence) before it
+/// runs: a hook for what must know which rows a micro-batch holds (a routing tape).
+pub(super) type Told<'g> = Box<dyn Fn(usize, usize, &[u32]) + 'g>;
 
 /// A rank's micro-batches.
 pub(super) struct Feed<'g> {
@@ -21,15 +23,15 @@ pub(super) struct Feed<'g> {
     data: &'g Dataset,
     /// This rank's positions of each sequence (all of them without context parallelism).
     positions: Vec<u32>,
-    /// Debugging a mixture of experts: each micro-batch's rows told to the routing tape.
-    tape: Option<Rc<RoutingTape>>,
+    /// Who is told each micro-batch's rows (`Told`), if anyone.
+    told: Option<Told<'g>>,
 }
 
 impl<'g> Feed<'g> {
-    pub fn new(me: &'g Rank, cfg: &'g Config, data: &'g Dataset, tape: Option<Rc<RoutingTape>>) -> Feed<'g> {
+    pub fn new(me: &'g Rank, cfg: &'g Config, data: &'g Dataset, told: Option<Told<'g>>) -> Feed<'g> {
         let (cp, p) = (me.group(Axis::Cp), &cfg.parallel);
         let positions = context_parallel::positions(p.cp_split, cp.size(), cp.index(), cfg.train.seq_len);
-        Feed { me, cfg, data, positions, tape }
+        Feed { me, cfg, data, positions, told }
     }
 
     /// Micro-batch `micro` of step `step` on this rank: (tokens, targets), its dp share and its
@@ -38,16 +40,9 @@ impl<'g> Feed<'g> {
         let (t, p, me) = (&self.cfg.train, &self.cfg.parallel, self.me);
         let (tokens, targets) = self.data.micro_batch(t, (me.coords.dp, p.dp), step, micro)?;
         let (seq, pos) = (t.seq_len, &self.positions);
-        if let Some(tape) = &self.tape {
-            let tp = me.group(Axis::Tp);
-            let sp = p.sequence_parallel.then(|| (tp.index(), tp.size()));
-            tape.at(step, routing_tape::batch_rows(self.cfg, step, (me.coords.dp, micro), pos, sp));
+        if let Some(told) = &self.told {
+            told(step, micro, pos);
         }
         Ok((context_parallel::local_rows(&tokens, seq, pos), context_parallel::local_rows(&targets, seq, pos)))
-    }
-
-    /// The routing tape, when one records or replays this run.
-    pub fn tape(&self) -> Option<&RoutingTape> {
-        self.tape.as_deref()
     }
 }
