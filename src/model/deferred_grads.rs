@@ -36,7 +36,7 @@ use std::borrow::Cow;
 pub struct Later(Vec<Job>);
 
 /// One weight gradient a backward left for later (a W job).
-pub enum Job {
+enum Job {
     /// dW += dyᵀ · x for each named parameter that reads the same input x.
     Linear { x: Tensor, dys: Vec<(String, Tensor)> },
     /// The embedding table's rows += the gradient of the rows that looked them up (ids from

@@ -1,11 +1,11 @@
 //! # FSDP (ZeRO-3): the weights gathered from their chunks just before they compute
 //!
-//! ZeRO (`zero.rs`) leaves each rank 1/dp of every weight's fp32 master, its `Shard(0)` chunk. A
-//! forward or backward needs the whole weight: an all-gather. Stages 1 and 2 gather every weight
-//! once per step, right after the optimizer updated the chunks (`zero.rs`'s `gather_weights`), and
-//! keep it. Stage 3 (FSDP) keeps nothing whole: the model asks for a unit (a block, the embedding, the head) just before it computes
-//! with it and frees it right after (`Fsdp`, the model's `WeightSplit`), and the next unit's
-//! gather is already in flight while this one computes:
+//! ZeRO (`zero.rs`) leaves each rank 1/dp of every weight's fp32 master, its chunk. A forward or
+//! backward needs the whole weight: an all-gather. Stages 1 and 2 gather every weight once per
+//! step, right after the optimizer updated the chunks (`zero.rs`'s `gather_weights`), and keep
+//! it. Stage 3 (FSDP) keeps nothing whole: the model asks for a unit (a block, the embedding, the
+//! head) just before it computes with it and frees it right after (`Fsdp`, the model's
+//! `WeightSplit`), and the next unit's gather is already in flight while this one computes:
 //!
 //! ```text
 //! comm:     [gather layer 0][gather layer 1][gather layer 2] …
