@@ -116,7 +116,7 @@ pub fn gather(
         experts.drain(..).try_for_each(|(_, _, which, name, t)| emit(&name, which, &t))
     };
     for (p, kept) in model.params().iter().zip(&kept) {
-        let value = p.zero.as_ref().map_or(&p.value, |s| &s.master);
+        let value = p.trained_values();
         let spread = p.is_expert() && ep.size() > 1;
         if !spread && first_replica {
             flush(&mut experts, &mut emit)?;
@@ -125,7 +125,7 @@ pub fn gather(
         for (which, t) in tensors.enumerate().take(kinds.len()) {
             // under ZeRO every rank of its chunk's axis holds a chunk (dp×cp, or the shard group
             // under hybrid sharding; an expert's, edp)
-            let axis = p.zero.as_ref().map_or(p.replicas, |z| z.axis);
+            let axis = zero::chunk_of(p).map_or(p.replicas, |z| z.axis);
             let unsharded = zero::whole(me.group(axis), p, t)?;
             if !(first_replica || spread && first_ep_group) {
                 continue;

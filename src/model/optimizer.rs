@@ -38,6 +38,28 @@ pub fn lr_at(t: &TrainConfig, step: usize) -> f32 {
     t.min_lr + 0.5 * (t.lr - t.min_lr) * (1.0 + (std::f32::consts::PI * progress).cos())
 }
 
+/// What the optimizer updates of a parameter, and with which gradient: its trained part where a
+/// later lesson keeps one apart (ZeRO: this rank's chunk of the master), else the weight itself
+/// (a mixed-precision weight: its fp32 master) and its gradient.
+impl Param {
+    pub fn trained(&mut self) -> (&mut Tensor, &mut Tensor) {
+        match &mut self.trained_part {
+            Some(part) => part.trained(),
+            None => (&mut self.value, &mut self.grad),
+        }
+    }
+
+    /// The values `trained` updates.
+    pub fn trained_values(&self) -> &Tensor {
+        self.trained_part.as_ref().map_or(&self.value, |part| part.values())
+    }
+
+    /// The gradient `trained` reads.
+    pub fn trained_grad(&self) -> &Tensor {
+        self.trained_part.as_ref().map_or(&self.grad, |part| part.grad())
+    }
+}
+
 /// Σ g² over the given gradients (on a GPU, a wait for it).
 pub fn grad_sum_squares(params: &[&mut Param]) -> f64 {
     let grads: Vec<&Tensor> = params.iter().map(|p| p.trained_grad()).collect();

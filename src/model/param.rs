@@ -3,10 +3,11 @@
 //! Every parameter carries its Hugging Face name (so checkpoints load by name and gradients
 //! compare tensor by tensor), its gradient (accumulated by backward) and its placements
 //! (`comm/placement.rs`): on the tp axis `Shard(0)`, `Shard(1)` or `Replicate`; on the axis of its
-//! replicas (dp×cp, or for an expert the expert-data ranks) `Replicate`, or under ZeRO `Shard(0)`
-//! of its flat values. A parameter is always made whole first, from its own (seed, name) random
-//! stream, and then sliced for its tp rank (`placement::slice_of`), so every layout starts from
-//! the same model.
+//! replicas (dp×cp, or for an expert the expert-data ranks) `Replicate`. What the optimizer
+//! updates is the weight itself, unless a later lesson keeps a trained part apart (ZeRO keeps only
+//! this rank's chunk of the master: `TrainedPart`). A parameter is always made whole first, from
+//! its own (seed, name) random stream, and then sliced for its tp rank (`placement::slice_of`),
+//! so every layout starts from the same model.
 //!
 //! ```text
 //! tp: Replicate: every rank the whole   Shard(0): rank r rows [r·n/tp, (r+1)·n/tp)   Shard(1): columns
@@ -15,6 +16,7 @@
 use crate::comm::process_grid::Axis;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{DType, Precision};
+use std::any::Any;
 
 pub use crate::comm::placement::Placement;
 
@@ -28,29 +30,28 @@ pub struct Param {
     /// The axis whose ranks hold the same slice of it and average its gradient: dp×cp, or for an
     /// expert the expert-data axis (`parallel/expert_parallel.rs`).
     pub replicas: Axis,
-    /// With ZeRO (`parallel/zero.rs`) its placement on `replicas` is Shard(0) of its flat values,
-    /// and this is this rank's chunk, which the optimizer updates; `value` is then a compute copy
-    /// of the whole (ZeRO-1, 2), or empty except while gathered for a forward or backward
-    /// (ZeRO-3), and `grad` is freed once handed over (2, 3). `None`: Replicate.
-    pub zero: Option<ZeroChunk>,
+    /// Its trained part, where a later lesson keeps it apart from `value`: then the optimizer
+    /// updates that part with its own gradient, and `value` is only what forward and backward
+    /// compute with. `None`: the optimizer updates `value` itself with `grad` (`Param::trained`).
+    pub trained_part: Option<Box<dyn TrainedPart>>,
     /// What its GEMMs read, for a linear layer's weight (`ops/fp8.rs`): f32 by default;
     /// `Llama::with_gemms` sets the run's precision.
     pub precision: Precision,
 }
 
-/// This rank's chunk of a parameter sharded over its replicas: the flat values
-/// `[index · len, (index + 1) · len)` of the (zero-padded) tensor.
-pub struct ZeroChunk {
-    /// The axis whose ranks hold the other chunks: its replicas' axis, or under hybrid sharding
-    /// the shard axis.
-    pub axis: Axis,
-    /// The fp32 master values of the chunk: what AdamW updates.
-    pub master: Tensor,
-    /// Their gradient, averaged over the data-parallel ranks (reduce-scattered); present from the
-    /// end of backward to the next step's `zero_grads`.
-    pub grad: Tensor,
+/// A parameter's trained part kept apart from its `value` (say, only this rank's chunk of its
+/// fp32 master): the values the optimizer updates, their gradient, and the whole parameter's
+/// shape. The lesson that keeps it so implements this for its own type, and reads the type back
+/// with `as_any`.
+pub trait TrainedPart: Any {
+    /// The values the optimizer updates, and their gradient.
+    fn trained(&mut self) -> (&mut Tensor, &mut Tensor);
+    fn values(&self) -> &Tensor;
+    fn grad(&self) -> &Tensor;
     /// The shape of the whole parameter (this tp rank's part of it).
-    pub shape: Vec<usize>,
+    fn shape(&self) -> &[usize];
+    fn as_any(&self) -> &dyn Any;
+    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 impl Param {
@@ -63,30 +64,19 @@ impl Param {
             value,
             tp,
             replicas: Axis::DpCp,
-            zero: None,
+            trained_part: None,
             precision: Precision::F32,
-        }
-    }
-
-    /// Its placement on `axis`: the tp slice, ZeRO's chunk on its replicas' axis, an expert's
-    /// share of its layer's experts on the ep axis; replicated on any other axis.
-    pub fn placement(&self, axis: Axis) -> Placement {
-        match axis {
-            Axis::Tp => self.tp,
-            a if self.zero.as_ref().is_some_and(|z| z.axis == a) => Placement::Shard(0),
-            Axis::Ep if self.is_expert() => Placement::Shard(0),
-            _ => Placement::Replicate,
         }
     }
 
     /// The shape of the whole parameter (this tp rank's part), sharded or not.
     pub fn shape(&self) -> &[usize] {
-        self.zero.as_ref().map_or(self.value.shape(), |s| &s.shape)
+        self.trained_part.as_ref().map_or(self.value.shape(), |t| t.shape())
     }
 
     /// Where it lives (the CPU, or the rank's GPU), sharded or not.
     pub fn place(&self) -> Place {
-        self.zero.as_ref().map_or(self.value.place(), |s| s.master.place())
+        self.trained_part.as_ref().map_or(self.value.place(), |t| t.values().place())
     }
 
     /// One of a mixture of experts' experts: replicated over the expert-data ranks, since
@@ -100,21 +90,7 @@ impl Param {
         self.shape().len() >= 2
     }
 
-    /// What the optimizer updates, and with which gradient: the shard's master and gradient under
-    /// ZeRO, else the weight itself (a mixed-precision weight: its fp32 master) and its gradient.
-    pub fn trained(&mut self) -> (&mut Tensor, &mut Tensor) {
-        match &mut self.zero {
-            Some(s) => (&mut s.master, &mut s.grad),
-            None => (&mut self.value, &mut self.grad),
-        }
-    }
-
-    /// The gradient the optimizer reads (see `trained`).
-    pub fn trained_grad(&self) -> &Tensor {
-        self.zero.as_ref().map_or(&self.grad, |s| &s.grad)
-    }
-
-    /// Makes the gradient again, zero, where ZeRO-2/3 freed it after handing it over: before a
+    /// Makes the gradient again, zero, where it was freed after being handed over (ZeRO-2/3): before a
     /// backward that adds into it.
     pub fn ensure_grad(&mut self) {
         if self.grad.numel() == 0 {

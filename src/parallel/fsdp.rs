@@ -19,7 +19,7 @@
 use crate::comm::Group;
 use crate::model::{Param, WeightSplit};
 use crate::ops::tensor::Tensor;
-use crate::parallel::zero::{by_group, select, start_gather, unpack, Formats, Gather, Sharding};
+use crate::parallel::zero::{by_group, chunk_of, select, start_gather, unpack, Formats, Gather, Sharding};
 use anyhow::Result;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -100,7 +100,7 @@ impl WeightSplit for Fsdp<'_> {
                 group.trace_compute(|| unit_name(&first.name), start); // on this rank's trace
             }
         }
-        for p in unit.iter_mut().filter(|p| p.zero.is_some()) {
+        for p in unit.iter_mut().filter(|p| chunk_of(p).is_some()) {
             p.value = Tensor::zeros(&[0]); // only the chunk in `shard` stays
         }
     }

@@ -20,7 +20,7 @@ use crate::comm::{Group, ReduceOp};
 use crate::model::{Llama, Param};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, wire, DType, Precision};
-use crate::parallel::zero::{Formats, Master, Wire};
+use crate::parallel::zero::{chunk_of, Formats, Master, Wire};
 use anyhow::Result;
 use std::borrow::Cow;
 use std::rc::Rc;
@@ -41,7 +41,7 @@ pub fn for_model(model: &Llama) -> Rc<dyn Formats> {
 
 /// A sharded parameter's chunk of its fp32 master.
 fn master(p: &Param) -> &Tensor {
-    &p.zero.as_ref().expect("a sharded parameter").master
+    &chunk_of(p).expect("a sharded parameter").master
 }
 
 /// A chunk in a packed format (`ops/wire.rs`): bf16, or FP8 with the weight's maxima.

@@ -83,12 +83,13 @@ use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::comm::ReduceOp;
 use crate::model::optimizer::Optimizer;
-use crate::model::param::ZeroChunk;
+use crate::model::param::TrainedPart;
 use crate::model::{Llama, Param};
 use crate::ops;
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce};
 use anyhow::Result;
+use std::any::Any;
 use std::borrow::Cow;
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
@@ -151,6 +152,60 @@ impl<'g> Sharding<'g> {
     }
 }
 
+/// This rank's chunk of a parameter sharded over its replicas — the flat values
+/// `[index · len, (index + 1) · len)` of the (zero-padded) tensor — as the parameter's trained
+/// part (`Param::trained_part`): what the optimizer updates. `value` is then a compute copy of
+/// the whole (ZeRO-1, 2), or empty except while gathered for a forward or backward (ZeRO-3),
+/// and `grad` is freed once handed over (2, 3).
+pub struct ZeroChunk {
+    /// The axis whose ranks hold the other chunks: its replicas' axis, or under hybrid sharding
+    /// the shard axis.
+    pub axis: Axis,
+    /// The fp32 master values of the chunk: what AdamW updates.
+    pub master: Tensor,
+    /// Their gradient, averaged over the data-parallel ranks (reduce-scattered); present from the
+    /// end of backward to the next step's `zero_grads`.
+    pub grad: Tensor,
+    /// The shape of the whole parameter (this tp rank's part of it).
+    pub shape: Vec<usize>,
+}
+
+impl TrainedPart for ZeroChunk {
+    fn trained(&mut self) -> (&mut Tensor, &mut Tensor) {
+        (&mut self.master, &mut self.grad)
+    }
+
+    fn values(&self) -> &Tensor {
+        &self.master
+    }
+
+    fn grad(&self) -> &Tensor {
+        &self.grad
+    }
+
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn Any {
+        self
+    }
+}
+
+/// `p`'s chunk, if ZeRO shards it.
+pub fn chunk_of(p: &Param) -> Option<&ZeroChunk> {
+    p.trained_part.as_ref()?.as_any().downcast_ref()
+}
+
+/// `p`'s chunk, to change, if ZeRO shards it.
+fn chunk_of_mut(p: &mut Param) -> Option<&mut ZeroChunk> {
+    p.trained_part.as_mut()?.as_any_mut().downcast_mut()
+}
+
 /// Shards the model's parameters and the optimizer's moments as `sharding` says, for ZeRO
 /// `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
 /// moments. Stage 2 and 3 free the full gradients (backward makes each again, briefly); stage 3
@@ -174,7 +229,8 @@ pub fn shard<'g>(
         }
         let grad = Tensor::zeros(&[0]); // the averaged chunk, made by each step's reduce-scatters
         let axis = sharding.axis_of(p);
-        p.zero = Some(ZeroChunk { axis, master: mine(&master), grad, shape: p.value.shape().to_vec() });
+        p.trained_part =
+            Some(Box::new(ZeroChunk { axis, master: mine(&master), grad, shape: p.value.shape().to_vec() }));
         p.value = match stage {
             3 => Tensor::zeros(&[0]),                   // gathered before each use
             _ => ops::convert(&p.value, place.dtype()), // the compute copy alone (no master)
@@ -316,7 +372,7 @@ impl GradReduce for ZeroBuckets<'_> {
                 then(&mut sums)?;
             }
             for &(member, offset) in &bucket.members {
-                let chunk = params[member].zero.as_mut().expect("ZeRO shards every parameter");
+                let chunk = chunk_of_mut(params[member]).expect("ZeRO shards every parameter");
                 let c = chunk.master.numel();
                 chunk.grad = ops::slice(&sums, offset, &[c]); // freed again by `zero_grads`
             }
@@ -341,7 +397,7 @@ fn settle(bucket: &mut Bucket) -> Result<()> {
 /// A sharded parameter's tensor `t` (its master or a moment chunk) whole again, from every
 /// rank's chunk (for a checkpoint): Shard(0) → Replicate; `None` for a parameter not sharded.
 pub fn whole(group: &Group, p: &Param, t: &Tensor) -> Result<Option<Tensor>> {
-    let Some(chunk) = &p.zero else { return Ok(None) };
+    let Some(chunk) = chunk_of(p) else { return Ok(None) };
     let n = chunk.shape.iter().product::<usize>();
     let flat = redistribute(Cow::Borrowed(t), &[n], Placement::Shard(0), Placement::Replicate, group)?;
     Ok(Some(flat.with_shape(&chunk.shape)))
@@ -355,7 +411,7 @@ pub fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Grou
     let mut out = Vec::new();
     let experts = sharding.expert_group.filter(|e| !sharding.dense_group.is_some_and(|d| std::ptr::eq(d, *e)));
     for group in [sharding.dense_group, experts].into_iter().flatten() {
-        let of = |p: &&Param| p.zero.is_some() && sharding.of(p).is_some_and(|g| std::ptr::eq(g, group));
+        let of = |p: &&Param| chunk_of(p).is_some() && sharding.of(p).is_some_and(|g| std::ptr::eq(g, group));
         let places: Vec<usize> = (0..params.len()).filter(|&i| of(&params[i])).collect();
         if !places.is_empty() {
             out.push((group, places));
@@ -420,7 +476,7 @@ pub struct Gather {
 /// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
 /// rank packs its chunks side by side, each as its wire says.
 pub fn start_gather(group: &Group, params: &[&Param], formats: &dyn Formats) -> Result<Gather> {
-    let masters: Vec<&Tensor> = params.iter().map(|p| &p.zero.as_ref().expect("a sharded parameter").master).collect();
+    let masters: Vec<&Tensor> = params.iter().map(|p| &chunk_of(p).expect("a sharded parameter").master).collect();
     let wires = formats.wires(group, params)?;
     let packed: Vec<Cow<Tensor>> = masters.iter().zip(&wires).map(|(m, w)| w.pack(m)).collect();
     let packed = ops::concat(&packed.iter().map(|p| &**p).collect::<Vec<_>>()); // this rank's chunks one after another
@@ -435,7 +491,7 @@ pub fn unpack(gathered: &Tensor, wires: &[Box<dyn Wire>], params: &mut [&mut Par
     let mut at = 0;
     for (p, wire) in params.iter_mut().zip(wires) {
         let shape = p.shape().to_vec();
-        let (n, c) = (shape.iter().product(), p.zero.as_ref().expect("a sharded parameter").master.numel());
+        let (n, c) = (shape.iter().product(), chunk_of(p).expect("a sharded parameter").master.numel());
         let mut whole: Option<Tensor> = None;
         for r in 0..ranks {
             let (part, from) = wire.unpack(gathered, r * width + at, c);
@@ -499,12 +555,12 @@ pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], how: (usiz
 /// unpacked). The averaged gradient chunks are used up: freed first.
 fn gather_group(group: &Group, params: &mut [&mut Param], (bucket, formats): (usize, &dyn Formats)) -> Result<()> {
     for p in params.iter_mut() {
-        p.zero.as_mut().expect("a sharded parameter").grad = Tensor::zeros(&[0]);
+        chunk_of_mut(p).expect("a sharded parameter").grad = Tensor::zeros(&[0]);
     }
     let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
     let mut size = 0;
     for (i, p) in params.iter().enumerate() {
-        let c = p.zero.as_ref().expect("a sharded parameter").master.numel() * group.size(); // gathered
+        let c = chunk_of(p).expect("a sharded parameter").master.numel() * group.size(); // gathered
         match groups.last_mut() {
             Some(g) if size + c <= bucket => g.end = i + 1,
             _ => {

@@ -78,7 +78,7 @@ impl<'g> Trainer<'g> {
         }
         let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
         let (pp, ep) = (me.group(Axis::Pp), me.group(Axis::Ep));
-        let norm = NormGroups { tp, pp, ep, zero: sharding.dense_group, expert_zero: sharding.expert_group };
+        let norm = NormGroups { tp, pp, ep, dense_parts: sharding.dense_group, expert_parts: sharding.expert_group };
         // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
         // parallelism)
         let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };

@@ -92,27 +92,28 @@ impl<'g> Gradients<'g> {
 /// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: the
 /// sum of squares of a whole is the sum of its slices' sums, so each rank's Σ g² over its tp
 /// slices is summed over the tp group, plus the parameters every tp rank holds whole counted
-/// once, then summed over the stages. Under ZeRO each rank holds a chunk of every gradient: its
-/// sums are first added up over the group sharding it (`zero`, `expert_zero`). With expert
+/// once, then summed over the stages. Where each rank holds only a part of every trained
+/// gradient (ZeRO's chunks), its sums are first added up over the group holding the other parts
+/// (`dense_parts`, `expert_parts`). With expert
 /// parallelism each ep rank holds other experts: their sums are added up over `groups.ep`. A
 /// one-number tensor on the rank's device: on GPUs the sums stay there (NCCL), and the step reads
 /// it together with the loss.
 pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<Tensor> {
     let place = params.first().map_or(Place::Cpu, |p| p.place());
-    let sum = |keep: &dyn Fn(&Param) -> bool, zero: Option<&Group>| -> Result<Tensor> {
+    let sum = |keep: &dyn Fn(&Param) -> bool, parts: Option<&Group>| -> Result<Tensor> {
         let grads: Vec<&Tensor> = params.iter().filter(|p| keep(p)).map(|p| p.trained_grad()).collect();
         let mut sum = ops::sum_squares_total(&grads, &place);
-        if let Some(group) = zero {
-            group.all_reduce_tensor(&mut sum, ReduceOp::Sum)?; // the chunks of the other ranks
+        if let Some(group) = parts {
+            group.all_reduce_tensor(&mut sum, ReduceOp::Sum)?; // the other ranks' parts
         }
         Ok(sum)
     };
-    let dense = groups.zero;
+    let dense = groups.dense_parts;
     let mut total = sum(&|p| p.tp != Placement::Replicate, dense)?;
     groups.tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
     ops::add_assign(&mut total, &sum(&|p| p.tp == Placement::Replicate && !p.is_expert(), dense)?);
     if params.iter().any(|p| p.is_expert()) {
-        let mut experts = sum(&|p| p.is_expert(), groups.expert_zero)?;
+        let mut experts = sum(&|p| p.is_expert(), groups.expert_parts)?;
         groups.ep.all_reduce_tensor(&mut experts, ReduceOp::Sum)?; // the other ranks' experts
         ops::add_assign(&mut total, &experts);
     }
@@ -125,7 +126,8 @@ pub struct NormGroups<'g> {
     pub tp: &'g Group,
     pub pp: &'g Group,
     pub ep: &'g Group,
-    /// Under ZeRO: the ranks sharding the dense weights (dp×cp), and the experts (expert-data).
-    pub zero: Option<&'g Group>,
-    pub expert_zero: Option<&'g Group>,
+    /// Where a rank holds only a part of each trained part (ZeRO): the ranks holding the other
+    /// parts of the dense weights' (dp×cp), and of the experts' (expert-data).
+    pub dense_parts: Option<&'g Group>,
+    pub expert_parts: Option<&'g Group>,
 }

@@ -337,11 +337,11 @@ pub struct Held {
 /// The bytes `model` and `optimizer` hold now.
 pub fn held(model: &Llama, optimizer: &dyn Optimizer) -> Held {
     let params = model.params();
-    let shards = params.iter().filter_map(|p| p.zero.as_ref());
+    let shards = params.iter().filter_map(|p| p.trained_part.as_ref());
     Held {
         weights: params.iter().map(|p| p.value.bytes()).sum::<usize>()
-            + shards.clone().map(|s| s.master.bytes()).sum::<usize>(),
-        grads: params.iter().map(|p| p.grad.bytes()).sum::<usize>() + shards.map(|s| s.grad.bytes()).sum::<usize>(),
+            + shards.clone().map(|s| s.values().bytes()).sum::<usize>(),
+        grads: params.iter().map(|p| p.grad.bytes()).sum::<usize>() + shards.map(|s| s.grad().bytes()).sum::<usize>(),
         optimizer: optimizer.state().iter().flatten().map(|(_, t)| t.bytes()).sum(),
     }
 }

@@ -113,9 +113,21 @@ const TABLE: [(&str, &str, &str, &str); 8] = [
     ),
 ];
 
+/// A parameter's placement on `axis`, in the words of this lesson: the tp slice (step 09),
+/// ZeRO's chunk on the axis sharding it (step 06), an expert's share of its layer's experts on the
+/// ep axis (step 20); replicated on any other axis.
+fn placement(p: &Param, axis: Axis) -> Placement {
+    match axis {
+        Axis::Tp => p.tp,
+        a if zero::chunk_of(p).is_some_and(|z| z.axis == a) => Placement::Shard(0),
+        Axis::Ep if p.is_expert() => Placement::Shard(0),
+        _ => Placement::Replicate,
+    }
+}
+
 /// Is every parameter of `model` (rank `r` of `n` on `axis`) its placement of `dense`'s value?
 fn placed_as(model: &Llama, dense: &[Tensor], axis: Axis, (r, n): (usize, usize)) -> bool {
-    model.params().iter().zip(dense).all(|(p, d)| max_diff(&part_of(d, p.placement(axis), (r, n)), &p.value) == 0.0)
+    model.params().iter().zip(dense).all(|(p, d)| max_diff(&part_of(d, placement(p, axis), (r, n)), &p.value) == 0.0)
 }
 
 /// Part 2: the table, and the rows a few small runs can check.
@@ -182,9 +194,9 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
         // ZeRO: the master weights become Shard(0) of each one's flat values
         let model = zero::shard(model, &mut optimizer, Sharding::new(1, (Axis::DpCp, group), group), 1);
         let chunks = model.params().iter().zip(&values).all(|(p, d)| {
-            let mine = part_of(&d.clone().with_shape(&[d.numel()]), p.placement(Axis::DpCp), (group.index(), 2));
-            p.placement(Axis::DpCp) == Placement::Shard(0)
-                && max_diff(&mine, &p.zero.as_ref().expect("sharded").master) == 0.0
+            let mine = part_of(&d.clone().with_shape(&[d.numel()]), placement(p, Axis::DpCp), (group.index(), 2));
+            placement(p, Axis::DpCp) == Placement::Shard(0)
+                && max_diff(&mine, &zero::chunk_of(p).expect("sharded").master) == 0.0
         });
         Ok((worst, chunks))
     })?;
@@ -212,7 +224,7 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
         Ok(experts.iter().all(|p| {
             let e: usize =
                 p.name.split(".experts.").nth(1).and_then(|r| r.split('.').next()?.parse().ok()).unwrap_or(usize::MAX);
-            p.placement(Axis::Ep) == Placement::Shard(0)
+            placement(p, Axis::Ep) == Placement::Shard(0)
                 && held.contains(&e)
                 && dense.iter().any(|(n, d)| *n == p.name && max_diff(d, &p.value) == 0.0)
         }) && !experts.is_empty())

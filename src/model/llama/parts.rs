@@ -255,11 +255,12 @@ impl<'g> Llama<'g> {
     }
 
     /// FNV-1a over the bits of every weight, in model order: replicas that agree have equal
-    /// checksums. Under FSDP, whose weights are not kept whole, over this rank's master chunks.
+    /// checksums. Of a weight not kept whole (its trained part apart, its value empty: FSDP), over
+    /// this rank's trained part.
     pub fn checksum(&self) -> u64 {
         let mut h: u64 = 0xcbf29ce484222325;
-        let held = |p: &&Param| match (&p.zero, p.value.numel()) {
-            (Some(s), 0) => s.master.to_vec(),
+        let held = |p: &&Param| match (&p.trained_part, p.value.numel()) {
+            (Some(t), 0) => t.values().to_vec(),
             _ => p.value.to_vec(),
         };
         for x in self.params().iter().flat_map(held) {
@@ -296,13 +297,13 @@ impl<'g> Llama<'g> {
         std::mem::take(&mut self.expert_load)
     }
 
-    /// Zeroes every gradient (one that ZeRO-2/3 freed stays freed; a shard's averaged chunk is
-    /// freed: the step's reduce-scatters make it again).
+    /// Zeroes every gradient (one freed once handed over, ZeRO-2/3's, stays freed; a trained
+    /// part's gradient is freed: the step's reduce makes it again).
     pub fn zero_grads(&mut self) {
         let mut params = self.params_mut();
         for p in params.iter_mut() {
-            if let Some(s) = &mut p.zero {
-                s.grad = Tensor::zeros(&[0]);
+            if let Some(t) = &mut p.trained_part {
+                *t.trained().1 = Tensor::zeros(&[0]);
             }
         }
         let mut grads: Vec<&mut Tensor> = params.into_iter().map(|p| &mut p.grad).filter(|g| g.numel() > 0).collect();
