@@ -88,7 +88,7 @@ pub struct TrainConfig {
     /// (not the attention core's output: recomputed from q, k, v), `full` (its input only:
     /// backward runs the block's forward again).
     pub recompute: Recompute,
-    /// The loss without the logits (`model/llama/head.rs`): > 0 computes the output layer, the
+    /// The loss without the logits (`model/fused_loss.rs`): > 0 computes the output layer, the
     /// loss and its gradient this many rows at a time in forward, never holding the whole
     /// `rows × vocab` logits; 0 keeps them whole for backward.
     pub loss_chunk_rows: usize,

@@ -9,6 +9,7 @@ mod common;
 
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
+use ferrotron::model::fused_loss::FusedLoss;
 use ferrotron::model::weight_grads::Now;
 use ferrotron::model::{Llama, StageGrad, StageInput, StageOutput};
 
@@ -28,7 +29,10 @@ fn sets(extra: &[&str]) -> Vec<String> {
 fn run(extra: &[&str], rows: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
     let cfg = Config::load(None, &sets(extra)).unwrap().model;
     let (batch, seq) = (2, 32);
-    let mut model = Llama::new(&cfg, 5).with_fused_loss(rows, 0.5);
+    let mut model = Llama::new(&cfg, 5);
+    if rows > 0 {
+        model = model.with_loss(Box::new(FusedLoss { rows, scale: 0.5 }));
+    }
     let mut losses = Vec::new();
     for micro in 0..2u32 {
         let tokens: Vec<u32> = (0..batch * seq as u32).map(|i| (i * 13 + micro * 7) % cfg.vocab_size as u32).collect();
@@ -71,7 +75,7 @@ fn the_chunked_loss_is_the_whole_logits_loss_within_rounding() {
 #[test]
 fn a_backward_with_another_scale_than_forwards_is_refused() {
     let cfg = Config::load(None, &sets(&[])).unwrap().model;
-    let mut model = Llama::new(&cfg, 5).with_fused_loss(16, 0.25);
+    let mut model = Llama::new(&cfg, 5).with_loss(Box::new(FusedLoss { rows: 16, scale: 0.25 }));
     let tokens: Vec<u32> = (0..64).map(|i| i % cfg.vocab_size as u32).collect();
     let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     model.forward_chunk(0, StageInput::Tokens(&tokens), 2, &targets).unwrap();

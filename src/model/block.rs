@@ -247,9 +247,9 @@ impl Block {
         // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
         let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
         let xin = tp.gather_rows(&xn1)?; // sequence parallel: every row (else xn1 itself)
-        let mut q = ops::linear(&xin, &self.q_proj.value, self.q_proj.precision);
-        let mut k = ops::linear(&xin, &self.k_proj.value, self.k_proj.precision);
-        let v = ops::linear(&xin, &self.v_proj.value, self.v_proj.precision);
+        let mut q = self.q_proj.linear(&xin);
+        let mut k = self.k_proj.linear(&xin);
+        let v = self.v_proj.linear(&xin);
         drop(xin);
         ops::rope(&mut q, positions, hd, theta);
         ops::rope(&mut k, positions, hd, theta);
@@ -263,8 +263,8 @@ impl Block {
             // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
             Mlp::Dense { gate_proj, up_proj, down_proj } => {
                 let xin = tp.gather_rows(&xn2)?;
-                let gate = ops::linear(&xin, &gate_proj.value, gate_proj.precision);
-                let up = ops::linear(&xin, &up_proj.value, up_proj.precision);
+                let gate = gate_proj.linear(&xin);
+                let up = up_proj.linear(&xin);
                 drop(xin);
                 let act = ops::swiglu(&gate, &up);
                 let out = tp.row_forward(&act, down_proj)?; // g
@@ -305,7 +305,7 @@ impl Block {
             // row: sequence parallelism gathers them)
             (Mlp::Dense { gate_proj, up_proj, down_proj }, MlpCache::Dense { gate, up, act }) => {
                 let dy = tp.gather_rows(&dout)?;
-                let dact = ops::linear_input_grad(&dy, &down_proj.value, down_proj.precision);
+                let dact = down_proj.linear_input_grad(&dy);
                 w.linear(Cow::Owned(act), vec![(dy, down_proj)]);
                 let (dgate, dup) = ops::swiglu_backward(&dact, &gate, &up);
                 // f: one sum over the tp ranks for gate and up together
@@ -325,7 +325,7 @@ impl Block {
             None => split.seq.attention(attn, qkv.0, qkv.1, qkv.2, pos).map(|(o, l, _)| (o, l))?, // selective
         };
         let dy = tp.gather_rows(&dh)?;
-        let dattn = ops::linear_input_grad(&dy, &self.o_proj.value, self.o_proj.precision);
+        let dattn = self.o_proj.linear_input_grad(&dy);
         let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, qkv, pos, (&out, &lse), &dattn)?;
         w.linear(Cow::Owned(out), vec![(dy, &mut self.o_proj)]);
         ops::rope_backward(&mut dq, positions, hd, theta);

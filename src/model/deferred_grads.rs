@@ -77,7 +77,7 @@ impl Job {
             Job::Linear { x, dys } => {
                 for (name, dy) in dys {
                     let p = grad_of(params, &name);
-                    ops::linear_weight_grad(&dy, &x, &mut p.grad, p.precision)
+                    p.linear_weight_grad(&dy, &x)
                 }
             }
             Job::Embedding { name, dx, tokens, first } => {

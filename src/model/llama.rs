@@ -25,14 +25,13 @@ use crate::model::param::Param;
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit};
 use crate::model::weight_grads::{Deferred, Now, WeightGrads};
 use crate::ops::tensor::Tensor;
-use crate::ops::Attn;
+use crate::ops::{self, Attn};
 use anyhow::{anyhow, bail, Result};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::rc::Rc;
 
 mod decode; // generating: one step at a time, with the KV cache
-mod head; // the output end: norm, output layer, loss; whole logits or the fused, chunked loss
 mod parts; // building the parameters, listing them, moving them
 mod units; // FSDP's units: fetch and free around each piece of the forward and backward
 
@@ -52,31 +51,84 @@ struct Cache {
     balance: Vec<f32>,
 }
 
-/// The fused loss's setting: rows per chunk, and the backward's loss scale it computes the
-/// gradient for.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct FusedLoss {
-    pub rows: usize,
-    pub scale: f32,
-}
-
-/// What the head keeps from forward for backward (`llama/head.rs`).
+/// What the head keeps from forward for backward: the final norm's input and 1/rms, and what
+/// the loss keeps.
 struct HeadCache {
-    targets: Vec<i32>,
     x_final: Tensor,
     rstd: Tensor,
-    /// Rows with a target (the loss is their mean).
-    count: usize,
-    out: HeadOut,
+    loss: Box<dyn LossKept>,
 }
 
-#[allow(clippy::large_enum_variant)] // one per micro-batch in flight
-enum HeadOut {
-    /// The whole logits (this rank's vocabulary slice), their lse, and the norm's output.
-    Logits { xn: Tensor, logits: Tensor, lse: Tensor },
-    /// The fused loss: dxn already computed in forward for `scale`, this rank's vocabulary
-    /// slice's share (Partial(sum) over tp).
-    Fused { dxn: Tensor, scale: f32 },
+impl HeadCache {
+    fn bytes(&self) -> usize {
+        self.x_final.bytes() + self.rstd.bytes() + self.loss.bytes()
+    }
+}
+
+/// The loss at the output end, from the final norm's output `xn` (every row, this rank's share):
+/// the seam a loss that never holds the whole logits plugs into (the fused loss,
+/// `fused_loss.rs`). `WholeLogits` (below) is the plain one.
+pub trait LossHead {
+    /// The mean loss (a one-number f32 tensor) of `xn`'s rows against `targets` (negative: no
+    /// target), through `out`; and what its backward needs.
+    fn forward(&self, xn: Tensor, out: OutputLayer, targets: &[i32]) -> Result<(Tensor, Box<dyn LossKept>)>;
+}
+
+/// What a loss head keeps from forward for backward.
+pub trait LossKept {
+    /// dxn (summed over the tp ranks) from the loss scaled by `scale`; the output layer's weight
+    /// gradient goes to `w`.
+    fn backward(self: Box<Self>, scale: f32, out: OutputLayer, w: &mut dyn WeightGrads) -> Result<Tensor>;
+    fn bytes(&self) -> usize;
+    /// The logits, if it keeps them whole.
+    fn logits(&self) -> Option<&Tensor>;
+}
+
+/// The output layer as a loss head sees it: its weight (this rank's vocabulary slice, which
+/// starts at id `first`), and the tensor split that joins the slices.
+pub struct OutputLayer<'a> {
+    pub weight: &'a mut Param,
+    pub tp: &'a dyn TensorSplit,
+    pub first: usize,
+}
+
+/// The plain loss: the whole logits (this rank's vocabulary slice of every row), kept for backward.
+pub struct WholeLogits;
+
+/// What `WholeLogits` keeps: the norm's output, the logits, their log-sum-exp, the targets.
+struct Logits {
+    xn: Tensor,
+    logits: Tensor,
+    lse: Tensor,
+    targets: Vec<i32>,
+}
+
+impl LossHead for WholeLogits {
+    fn forward(&self, xn: Tensor, out: OutputLayer, targets: &[i32]) -> Result<(Tensor, Box<dyn LossKept>)> {
+        // column parallel: this rank's vocabulary slice of every row's logits
+        let logits = out.weight.linear(&*out.tp.gather_rows(&xn)?);
+        let (loss, _, lse) = out.tp.cross_entropy(&logits, targets, out.first)?;
+        Ok((loss, Box::new(Logits { xn, logits, lse, targets: targets.to_vec() })))
+    }
+}
+
+impl LossKept for Logits {
+    fn backward(self: Box<Self>, scale: f32, out: OutputLayer, w: &mut dyn WeightGrads) -> Result<Tensor> {
+        // softmax − one-hot on this rank's vocabulary slice: local, the lse is global
+        let count = self.targets.iter().filter(|&&t| t >= 0).count().max(1); // the loss is their mean
+        let dlogits =
+            ops::cross_entropy_backward(&self.logits, &self.targets, out.first, &self.lse, scale / count as f32);
+        drop(self.logits);
+        out.tp.column_backward(self.xn, vec![(dlogits, out.weight)], w)
+    }
+
+    fn bytes(&self) -> usize {
+        self.xn.bytes() + self.logits.bytes() + self.lse.bytes()
+    }
+
+    fn logits(&self) -> Option<&Tensor> {
+        Some(&self.logits)
+    }
 }
 
 /// What FSDP gathers at once: the embedding, one block, or the head.
@@ -144,9 +196,8 @@ pub struct Llama<'g> {
     expert_load: Vec<Vec<usize>>,
     /// What each block keeps for its backward (`train.recompute`).
     recompute: Recompute,
-    /// The loss in chunks of rows, its gradient made in forward (`train.loss_chunk_rows`;
-    /// `llama/head.rs`); `None`: the whole logits, kept for backward.
-    fused_loss: Option<FusedLoss>,
+    /// How the output end makes the loss (`WholeLogits` unless another is plugged in).
+    loss: Box<dyn LossHead + 'g>,
 }
 
 impl<'g> Llama<'g> {
@@ -226,7 +277,7 @@ impl<'g> Llama<'g> {
             self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: None, balance });
             return Ok(StageOutput::Hidden(x));
         }
-        let (mut loss, head) = self.head_forward(x, targets)?; // `llama/head.rs`
+        let (mut loss, head) = self.head_forward(x, targets)?;
         let balance = moe::add_balance_loss(&mut loss, &loads, &self.cfg); // a mixture of experts' aux loss
         self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head), balance });
         Ok(StageOutput::Loss(loss))
@@ -234,10 +285,7 @@ impl<'g> Llama<'g> {
 
     /// The logits of the last `forward`, `[rows, vocab]` (this rank's vocabulary slice).
     pub fn logits(&self) -> Option<&Tensor> {
-        match &self.caches.back()?.head.as_ref()?.out {
-            HeadOut::Logits { logits, .. } => Some(logits),
-            HeadOut::Fused { .. } => None, // never held whole
-        }
+        self.caches.back()?.head.as_ref()?.loss.logits() // `None` where the loss never holds them whole
     }
 
     /// Accumulates into every `Param::grad` the gradient of `scale × loss` of the last forward.
@@ -336,6 +384,48 @@ impl<'g> Llama<'g> {
         if let Some(kept) = w.deferred() {
             self.deferred.push_back((chunk, kept)); // for `backward_weights`
         }
+        Ok(dx)
+    }
+}
+
+// ── the output end: final norm, output layer, loss ──
+//
+// x ─ rmsnorm ─ xn ─ lm_head: logits = xn · Wᵀ [rows, vocab] ─ log-softmax ─ loss = mean(lse − z)
+// backward:  dlogits = (softmax − one-hot) · scale / count;  dxn = dlogits · W;  dW += dlogitsᵀ · xn
+//
+// Vocab-parallel: each tp rank holds a slice of the vocabulary, computes its slice of every row's
+// logits, and the row statistics (max, Σexp, the target's logit) are summed over the ranks.
+impl Llama<'_> {
+    /// The final norm, the output layer and the loss of `x` against `targets`: the mean loss
+    /// (a one-number f32 tensor) and what backward needs.
+    fn head_forward(&mut self, x: Tensor, targets: &[i32]) -> Result<(Tensor, HeadCache)> {
+        self.fetch(Unit::Head, true)?;
+        let h = self.head.as_mut().expect("the last stage has the head");
+        let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, self.cfg.rms_norm_eps);
+        let weight = h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
+        let out = OutputLayer { weight, tp: &*self.tp, first: self.vocab_first };
+        let (loss, kept) = self.loss.forward(xn, out, targets)?;
+        self.free(Unit::Head);
+        Ok((loss, HeadCache { x_final: x, rstd, loss: kept }))
+    }
+
+    /// The head's backward from the loss scaled by `scale`: returns dx; the output layer's
+    /// weight GEMM goes to `w`.
+    fn head_backward(
+        &mut self,
+        hc: HeadCache,
+        scale: f32,
+        w: &mut dyn WeightGrads,
+        ready: &mut dyn FnMut(&mut Param),
+    ) -> Result<Tensor> {
+        self.fetch(Unit::Head, false)?;
+        let h = self.head.as_mut().expect("the last stage has the head");
+        let weight = h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
+        let dxn = hc.loss.backward(scale, OutputLayer { weight, tp: &*self.tp, first: self.vocab_first }, w)?;
+        h.lm_head.iter_mut().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
+        let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad, None);
+        ready(&mut h.norm);
+        self.free(Unit::Head);
         Ok(dx)
     }
 }

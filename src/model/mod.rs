@@ -10,6 +10,7 @@
 
 pub mod block;
 pub mod deferred_grads;
+pub mod fused_loss;
 pub mod init;
 pub mod kv_cache;
 pub mod llama;

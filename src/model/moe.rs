@@ -165,7 +165,7 @@ impl Moe {
     /// y `[T, d]` from x `[T, d]` (the normalised rows); `probs`: also sum the router
     /// probabilities per expert (for the load-balancing loss).
     pub(crate) fn forward(&self, ep: &dyn ExpertSplit, x: &Tensor, probs: bool) -> Result<(Tensor, MoeCache, Load)> {
-        let routing = route::route(&ops::linear(x, &self.gate.value, self.gate.precision), self.top_k); // a sync point on a GPU
+        let routing = route::route(&self.gate.linear(x), self.top_k); // a sync point on a GPU
         let routing = ep.choose(self.layer, routing)?;
         let plan = Plan::new(&routing.experts, self.total, self.top_k);
         let xs = route::gather_rows(x, &plan.order);
@@ -177,12 +177,9 @@ impl Moe {
             // one cuBLAS call per product on the expert's contiguous rows
             experts.push((n > 0).then(|| {
                 let x_e = ops::slice(&xe, at * d, &[n, d]);
-                let (g, u) = (
-                    ops::linear(&x_e, &expert.w1.value, expert.w1.precision),
-                    ops::linear(&x_e, &expert.w3.value, expert.w3.precision),
-                );
+                let (g, u) = (expert.w1.linear(&x_e), expert.w3.linear(&x_e));
                 let a = ops::swiglu(&g, &u);
-                ops::copy(&ops::linear(&a, &expert.w2.value, expert.w2.precision), 0, &mut ye, at * d, n * d);
+                ops::copy(&expert.w2.linear(&a), 0, &mut ye, at * d, n * d);
                 [x_e, g, u, a]
             }));
             at += n;
@@ -217,7 +214,7 @@ impl Moe {
             let Some([x_e, gate, up, act]) = rows else { continue }; // no row: no gradient
             let n = x_e.rows();
             let dy_e = ops::slice(&dye, at * d, &[n, d]);
-            let dact = ops::linear_input_grad(&dy_e, &expert.w2.value, expert.w2.precision);
+            let dact = expert.w2.linear_input_grad(&dy_e);
             w.linear(Cow::Owned(act), vec![(Cow::Owned(dy_e), &mut expert.w2)]);
             let (dg, du) = ops::swiglu_backward(&dact, &gate, &up);
             let layers = vec![(dg, &mut expert.w1), (du, &mut expert.w3)];
@@ -228,7 +225,7 @@ impl Moe {
         let dxs = ep.combine(dxe, &c.routed)?;
         let mut dx = route::combine(&dxs, &c.plan.slot, None, x.rows()); // each token: the sum of its k copies
         let dlogits = route::route_backward(&dweights, &c.routing, balance);
-        ops::linear_input_grad_add(&dlogits, &self.gate.value, self.gate.precision, &mut dx);
+        self.gate.linear_input_grad_add(&dlogits, &mut dx);
         w.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);
         Ok(dx)
     }

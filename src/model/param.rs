@@ -15,7 +15,7 @@
 
 use crate::comm::process_grid::Axis;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::{DType, Precision};
+use crate::ops::{self, DType, Precision};
 use std::any::Any;
 
 pub use crate::comm::placement::Placement;
@@ -83,6 +83,29 @@ impl Param {
     /// expert parallelism divides the experts among the ep ranks (`model/moe.rs` says so).
     pub fn is_expert(&self) -> bool {
         self.replicas == Axis::ExpertDp
+    }
+
+    // A linear layer's GEMMs with this weight, each read as `precision` says (f32 unless a
+    // later lesson sets it: `with_gemms`).
+
+    /// y = x · Wᵀ: `x` [rows, in], W [out, in] → [rows, out].
+    pub fn linear(&self, x: &Tensor) -> Tensor {
+        ops::linear(x, &self.value, self.precision)
+    }
+
+    /// Its backward to the input: dx = dy · W.
+    pub fn linear_input_grad(&self, dy: &Tensor) -> Tensor {
+        ops::linear_input_grad(dy, &self.value, self.precision)
+    }
+
+    /// `linear_input_grad` added into `dx`.
+    pub fn linear_input_grad_add(&self, dy: &Tensor, dx: &mut Tensor) {
+        ops::linear_input_grad_add(dy, &self.value, self.precision, dx)
+    }
+
+    /// Its backward to the weight: grad += dyᵀ · x.
+    pub fn linear_weight_grad(&mut self, dy: &Tensor, x: &Tensor) {
+        ops::linear_weight_grad(dy, x, &mut self.grad, self.precision)
     }
 
     /// Weight decay applies to matrices, not to norm weights.

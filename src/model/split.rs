@@ -177,7 +177,7 @@ impl TensorSplit for Whole {
         (0, 1)
     }
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
-        Ok(ops::linear(x, &w.value, w.precision))
+        Ok(w.linear(x))
     }
     fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut dyn WeightGrads) -> Result<Tensor> {
         let dx = input_grad(&layers);
@@ -220,9 +220,9 @@ impl SequenceSplit for Whole {
 /// dx = Σ dy · W over layers that read the same input: this rank's part of the input gradient.
 pub fn input_grad(layers: &[(Tensor, &mut Param)]) -> Tensor {
     let (first, rest) = layers.split_first().expect("at least one layer");
-    let mut dx = ops::linear_input_grad(&first.0, &first.1.value, first.1.precision);
+    let mut dx = first.1.linear_input_grad(&first.0);
     for (dy, w) in rest {
-        ops::linear_input_grad_add(dy, &w.value, w.precision, &mut dx);
+        w.linear_input_grad_add(dy, &mut dx);
     }
     dx
 }

@@ -42,7 +42,7 @@ pub struct Now;
 
 impl WeightGrads for Now {
     fn linear(&mut self, x: Cow<Tensor>, layers: Vec<(Cow<Tensor>, &mut Param)>) {
-        layers.into_iter().for_each(|(dy, p)| ops::linear_weight_grad(&dy, &x, &mut p.grad, p.precision))
+        layers.into_iter().for_each(|(dy, p)| p.linear_weight_grad(&dy, &x))
     }
 
     fn embedding(&mut self, table: &mut Param, dx: Cow<Tensor>, tokens: &[u32], first: usize) {

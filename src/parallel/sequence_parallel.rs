@@ -71,7 +71,7 @@ impl TensorSplit for SequenceParallel<'_> {
 
     /// r̄ forward: each rank's partial product, summed, and this rank's rows of the sum kept.
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
-        self.group.reduce_scatter_tensor(&ops::linear(x, &w.value, w.precision), ReduceOp::Sum)
+        self.group.reduce_scatter_tensor(&w.linear(x), ReduceOp::Sum)
     }
 
     /// ḡ backward for column layers whose input `x` is this rank's rows: the whole input is

@@ -67,7 +67,7 @@ impl TensorSplit for TensorParallel<'_> {
 
     /// Row parallel forward: each rank's partial product, summed by `g`.
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
-        let mut y = ops::linear(x, &w.value, w.precision);
+        let mut y = w.linear(x);
         self.all_reduce(&mut y, ReduceOp::Sum)?; // g
         Ok(y)
     }

@@ -15,6 +15,7 @@ use crate::comm::trace::Trace;
 use crate::comm::Group;
 use crate::config::{Config, CpMode};
 use crate::data::Dataset;
+use crate::model::fused_loss::FusedLoss;
 use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::routing_tape::TapeMode;
 use crate::model::{init, Llama, Stage, TensorSplit};
@@ -404,8 +405,13 @@ impl Shared<'_> {
             (None, Some(w)) => (hf::build_from(w, &cfg.model, tp, stage, &cfg.model.init_from)?, 0),
             (None, None) => (Llama::init(&cfg.model, cfg.train.seed, tp, stage), 0),
         };
-        let t = &cfg.train; // the fused loss makes its gradient in forward, for the step's scale 1/m
-        model = model.with_recompute(t.recompute).with_fused_loss(t.loss_chunk_rows, 1.0 / t.grad_accum_steps as f32);
+        let t = &cfg.train;
+        model = model.with_recompute(t.recompute);
+        if t.loss_chunk_rows > 0 {
+            // the fused loss makes its gradient in forward, for the step's scale 1/m
+            let scale = 1.0 / t.grad_accum_steps as f32;
+            model = model.with_loss(Box::new(FusedLoss { rows: t.loss_chunk_rows, scale }));
+        }
         model = model.with_gemms(cfg.device.gemms());
         if self.nudge {
             for p in model.params_mut() {

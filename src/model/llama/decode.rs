@@ -44,6 +44,6 @@ impl Llama<'_> {
         ops::copy(&x, (n - 1) * x.cols(), &mut row, 0, x.cols());
         let (xn, _) = ops::rmsnorm(&row, &head.norm.value, cfg.rms_norm_eps);
         let out_layer = head.lm_head.as_ref().unwrap_or(embed);
-        Ok(ops::linear(&xn, &out_layer.value, out_layer.precision).to_vec()) // on a GPU, a wait for the step
+        Ok(out_layer.linear(&xn).to_vec()) // on a GPU, a wait for the step
     }
 }

@@ -4,7 +4,7 @@
 //! of the model from the config (its pipeline stage and chunks, its tp slice of every tensor),
 //! the parameters in Hugging Face order, their device, and what the model holds.
 
-use super::{Cache, FusedLoss, Head, HeadCache, Llama};
+use super::{Cache, Head, HeadCache, Llama, LossHead, WholeLogits};
 use crate::comm::placement::part_of;
 use crate::comm::process_grid::Axis;
 use crate::config::{ModelConfig, Recompute};
@@ -78,7 +78,7 @@ impl<'g> Llama<'g> {
             attention_work: 0,
             expert_load: Vec::new(),
             recompute: Recompute::None,
-            fused_loss: None,
+            loss: Box::new(WholeLogits),
         })
     }
 
@@ -165,12 +165,10 @@ impl<'g> Llama<'g> {
         self
     }
 
-    /// Keeps less for backward and computes it again there (`model/block.rs`).
-    /// Computes the loss `rows` rows at a time, never holding the whole logits, with its
-    /// gradient for a backward of loss scale `scale` made in forward (`llama/head.rs`); 0 rows:
-    /// the whole logits, kept for backward (and for `logits`).
-    pub fn with_fused_loss(mut self, rows: usize, scale: f32) -> Llama<'g> {
-        self.fused_loss = (rows > 0).then_some(FusedLoss { rows, scale });
+    /// Makes the loss with `loss` (the plain `WholeLogits` keeps the whole logits for backward,
+    /// and for `logits`).
+    pub fn with_loss(mut self, loss: Box<dyn LossHead + 'g>) -> Llama<'g> {
+        self.loss = loss;
         self
     }
 
@@ -192,6 +190,7 @@ impl<'g> Llama<'g> {
         self
     }
 
+    /// Keeps less for backward and computes it again there (`model/block.rs`).
     pub fn with_recompute(mut self, recompute: Recompute) -> Llama<'g> {
         self.recompute = recompute;
         self
