@@ -96,7 +96,7 @@ impl WeightSplit for Fsdp<'_> {
 
     fn release(&self, unit: &mut [&mut Param]) {
         if let (Some(start), Some(first)) = (self.computing.take(), unit.first()) {
-            if let Some(group) = self.sharding.dense_group.or(self.sharding.expert_group) {
+            if let Some(group) = self.sharding.groups().first() {
                 group.trace_compute(|| unit_name(&first.name), start); // on this rank's trace
             }
         }

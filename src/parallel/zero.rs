@@ -42,9 +42,10 @@
 //! or FP8 (`gather_formats.rs`). FSDP (`fsdp.rs`, stage 3) makes the same gather per unit, just
 //! before the unit computes.
 //!
-//! In placements (`comm/placement.rs`): on the dp×cp axis a parameter's master and moments are
-//! `Shard(0)` of its flat values; its gradient goes from `Partial(avg)` to `Shard(0)` (a
-//! reduce-scatter) and its updated weight from `Shard(0)` to `Replicate` (an all-gather).
+//! (Step 11 gives these moves their general names, placements: on the dp×cp axis a parameter's
+//! master and moments are `Shard(0)` of its flat values; its gradient goes from `Partial(avg)` to
+//! `Shard(0)`, a reduce-scatter, and its updated weight from `Shard(0)` to `Replicate`, an
+//! all-gather.)
 //!
 //! **The buckets, rank-major.** So that one reduce-scatter hands each rank whole chunks, a bucket
 //! is packed rank-major: rank 0's chunk of every member, then rank 1's, … . Stage 2 and 3 free
@@ -77,7 +78,6 @@
 //! much in bf16); weights are all-gathered in the compute dtype (bf16 on a GPU: half the bytes,
 //! and what the kernels read anyway), from the fp32 master chunks.
 
-use crate::comm::placement::{redistribute, slice_of, Placement};
 use crate::comm::process_grid::Axis;
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
@@ -105,41 +105,55 @@ pub fn real(n: usize, c: usize, r: usize) -> usize {
     n.saturating_sub(r * c).min(c)
 }
 
-/// Which ranks shard a parameter, by its replicas' axis: dp×cp (under hybrid sharding, its
-/// shard groups), or for an expert the expert-data group; `None`: kept whole (ZeRO off, or a
-/// group of one).
-#[derive(Clone, Copy)]
+/// Chunk `r` of `c` values of `t`'s flat values: `[r·c, (r+1)·c)`, zeros past its end.
+fn cut(t: &Tensor, r: usize, c: usize) -> Tensor {
+    let real = real(t.numel(), c, r);
+    let mut part = if real < c { Tensor::zeros_as(&[c], t) } else { Tensor::empty_as(&[c], t) };
+    if real > 0 {
+        ops::copy(t, r * c, &mut part, 0, real);
+    }
+    part
+}
+
+/// Which ranks shard a parameter, by its replicas' axis: the composition root adds one group
+/// per axis it shards — dp×cp (under hybrid sharding, its shard groups), and any later lesson's
+/// axis that replicates parameters (the experts' expert-data group). A parameter of an axis not
+/// added is kept whole (ZeRO off, or a group of one).
+#[derive(Clone)]
 pub struct Sharding<'g> {
-    /// The group sharding the dense parameters, if any.
-    pub dense_group: Option<&'g Group>,
-    /// The group sharding the experts, if any.
-    pub expert_group: Option<&'g Group>,
-    /// The axis of `dense_group`: dp×cp, or the shard axis under hybrid sharding.
-    pub dense_axis: Axis,
+    /// The ZeRO stage: 0 shards nothing.
+    stage: usize,
+    /// Each sharded replicas' axis: (that axis, the axis of the group sharding it, the group).
+    shards: Vec<(Axis, Axis, &'g Group)>,
 }
 
 impl<'g> Sharding<'g> {
-    /// ZeRO over `dense` (the dp×cp ranks, or the shard group on `dense_axis`) and `experts` (the
-    /// expert-data ranks), each when it has more than one rank and `stage` > 0.
-    pub fn new(stage: usize, (dense_axis, dense): (Axis, &'g Group), experts: &'g Group) -> Sharding<'g> {
-        let on = |g: &'g Group| (stage > 0 && g.size() > 1).then_some(g);
-        Sharding { dense_group: on(dense), expert_group: on(experts), dense_axis }
+    /// ZeRO at `stage`, over no group yet.
+    pub fn new(stage: usize) -> Sharding<'g> {
+        Sharding { stage, shards: Vec::new() }
+    }
+
+    /// Shards the parameters replicated over `replicas` over `group` (on `axis`: the replicas'
+    /// own, or under hybrid sharding the shard axis), when ZeRO is on and it has more than one rank.
+    pub fn with(mut self, replicas: Axis, (axis, group): (Axis, &'g Group)) -> Sharding<'g> {
+        if self.stage > 0 && group.size() > 1 {
+            self.shards.push((replicas, axis, group));
+        }
+        self
+    }
+
+    fn find(&self, replicas: Axis) -> Option<&(Axis, Axis, &'g Group)> {
+        self.shards.iter().find(|s| s.0 == replicas)
     }
 
     /// The axis whose group shards `p`.
     pub fn axis_of(&self, p: &Param) -> Axis {
-        match p.replicas {
-            Axis::ExpertDp => Axis::ExpertDp,
-            _ => self.dense_axis,
-        }
+        self.find(p.replicas).map_or(p.replicas, |s| s.1)
     }
 
     /// The group sharding the parameters replicated over `axis`, if any.
     pub fn on(&self, axis: Axis) -> Option<&'g Group> {
-        match axis {
-            Axis::ExpertDp => self.expert_group,
-            _ => self.dense_group,
-        }
+        self.find(axis).map(|s| s.2)
     }
 
     /// The group sharding `p`, if any.
@@ -148,7 +162,18 @@ impl<'g> Sharding<'g> {
     }
 
     pub fn any(&self) -> bool {
-        self.dense_group.is_some() || self.expert_group.is_some()
+        !self.shards.is_empty()
+    }
+
+    /// The sharding groups, each once (two axes may share one), in the order they were added.
+    pub fn groups(&self) -> Vec<&'g Group> {
+        let mut groups: Vec<&'g Group> = Vec::new();
+        for &(_, _, g) in &self.shards {
+            if !groups.iter().any(|h| std::ptr::eq(*h, g)) {
+                groups.push(g);
+            }
+        }
+        groups
     }
 }
 
@@ -213,7 +238,7 @@ fn chunk_of_mut(p: &mut Param) -> Option<&mut ZeroChunk> {
 pub fn shard<'g>(
     mut model: Llama<'g>,
     optimizer: &mut dyn Optimizer,
-    sharding: Sharding<'g>,
+    sharding: &Sharding<'g>,
     stage: usize,
 ) -> Llama<'g> {
     let place = model.place();
@@ -223,7 +248,7 @@ pub fn shard<'g>(
         let master = p.value.master_copy().unwrap_or_else(|| p.value.clone()); // fp32, whole
 
         // Replicate → Shard(0) of the flat values: this rank's chunk, nothing sent
-        let mine = |t: &Tensor| slice_of(t, &[n], 0, (group.index(), group.size()));
+        let mine = |t: &Tensor| cut(t, group.index(), chunk(n, group.size()));
         for t in state {
             *t = mine(t); // the optimizer's state, each tensor shaped like the parameter
         }
@@ -395,22 +420,22 @@ fn settle(bucket: &mut Bucket) -> Result<()> {
 }
 
 /// A sharded parameter's tensor `t` (its master or a moment chunk) whole again, from every
-/// rank's chunk (for a checkpoint): Shard(0) → Replicate; `None` for a parameter not sharded.
+/// rank's chunk (for a checkpoint): an all-gather, the padding dropped (Shard(0) → Replicate);
+/// `None` for a parameter not sharded.
 pub fn whole(group: &Group, p: &Param, t: &Tensor) -> Result<Option<Tensor>> {
     let Some(chunk) = chunk_of(p) else { return Ok(None) };
     let n = chunk.shape.iter().product::<usize>();
-    let flat = redistribute(Cow::Borrowed(t), &[n], Placement::Shard(0), Placement::Replicate, group)?;
-    Ok(Some(flat.with_shape(&chunk.shape)))
+    let gathered = group.all_gather_tensor(t)?; // every rank's chunk, rank after rank
+    Ok(Some(ops::slice(&gathered, 0, &[n]).with_shape(&chunk.shape))) // the padding is at the end
 }
 
 // ── the weights' half: the all-gather from the chunks (stage 1–2 after the update; FSDP per unit) ──
 
-/// The sharded parameters of `params` by the group sharding them (dense first, then experts;
-/// one group when they are the same, as without expert parallelism), as places in `params`.
+/// The sharded parameters of `params` by the group sharding them (in the order the groups were
+/// added; one group where two axes share it), as places in `params`.
 pub fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Group, Vec<usize>)> {
     let mut out = Vec::new();
-    let experts = sharding.expert_group.filter(|e| !sharding.dense_group.is_some_and(|d| std::ptr::eq(d, *e)));
-    for group in [sharding.dense_group, experts].into_iter().flatten() {
+    for group in sharding.groups() {
         let of = |p: &&Param| chunk_of(p).is_some() && sharding.of(p).is_some_and(|g| std::ptr::eq(g, group));
         let places: Vec<usize> = (0..params.len()).filter(|&i| of(&params[i])).collect();
         if !places.is_empty() {

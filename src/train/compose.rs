@@ -59,26 +59,29 @@ impl<'g> Trainer<'g> {
         // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
         // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
         let dense = if me.grid.hybrid() { Axis::DpShard } else { Axis::DpCp };
-        let sharding = Sharding::new(p.zero_stage, (dense, me.group(dense)), me.group(Axis::ExpertDp));
+        let sharding = Sharding::new(p.zero_stage)
+            .with(Axis::DpCp, (dense, me.group(dense)))
+            .with(Axis::ExpertDp, (Axis::ExpertDp, me.group(Axis::ExpertDp)));
         if sharding.any() {
-            model = zero::shard(model, &mut *optimizer, sharding, p.zero_stage);
+            model = zero::shard(model, &mut *optimizer, &sharding, p.zero_stage);
             // each weight gathered as its GEMMs read it: bf16 on a bf16 GPU, FP8 where they read FP8
             let formats = gather_formats::for_model(&model);
             optimizer = match p.zero_stage {
                 3 => {
-                    model = model.with_weight_split(Rc::new(Fsdp::new(sharding, formats))); // FSDP: unit by unit
+                    model = model.with_weight_split(Rc::new(Fsdp::new(sharding.clone(), formats))); // FSDP: unit by unit
                     optimizer
                 }
                 // ZeRO-1, 2: after each update the whole weights are gathered back
                 _ => {
                     let bucket = bucket_values(p.bucket_mb);
-                    Box::new(GatherAfterUpdate { inner: optimizer, sharding, formats, bucket })
+                    Box::new(GatherAfterUpdate { inner: optimizer, sharding: sharding.clone(), formats, bucket })
                 }
             };
         }
         let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
         let (pp, ep) = (me.group(Axis::Pp), me.group(Axis::Ep));
-        let norm = NormGroups { tp, pp, ep, dense_parts: sharding.dense_group, expert_parts: sharding.expert_group };
+        let (dense_parts, expert_parts) = (sharding.on(Axis::DpCp), sharding.on(Axis::ExpertDp));
+        let norm = NormGroups { tp, pp, ep, dense_parts, expert_parts };
         // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
         // parallelism)
         let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };

@@ -192,7 +192,8 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
             worst = worst.max(max_diff(&got, want));
         }
         // ZeRO: the master weights become Shard(0) of each one's flat values
-        let model = zero::shard(model, &mut optimizer, Sharding::new(1, (Axis::DpCp, group), group), 1);
+        let sharding = Sharding::new(1).with(Axis::DpCp, (Axis::DpCp, group));
+        let model = zero::shard(model, &mut optimizer, &sharding, 1);
         let chunks = model.params().iter().zip(&values).all(|(p, d)| {
             let mine = part_of(&d.clone().with_shape(&[d.numel()]), placement(p, Axis::DpCp), (group.index(), 2));
             placement(p, Axis::DpCp) == Placement::Shard(0)
