@@ -330,19 +330,6 @@ fn a_routing_replayed_on_the_gpu_path_is_the_cpus() {
     assert!(max_diff(&cpu, &gpu) <= 1e-4, "ep=2 on the GPU path {gpu:?}, CPU one rank {cpu:?}");
 }
 
-/// Every tensor of a checkpoint's safetensors file, as f32.
-fn tensors(file: &Path) -> Vec<(String, Vec<f32>)> {
-    let bytes = std::fs::read(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    let mut all: Vec<(String, Vec<f32>)> = st
-        .tensors()
-        .into_iter()
-        .map(|(name, t)| (name, t.data().chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()))
-        .collect();
-    all.sort_by(|a, b| a.0.cmp(&b.0));
-    all
-}
-
 #[test]
 #[cfg_attr(
     any(ferrotron_no_nvrtc, ferrotron_no_gxx),
@@ -366,19 +353,9 @@ fn a_checkpoint_gathered_over_nccl_is_the_one_rank_checkpoint() {
         }
         let out = ferrotron_on(dir, gpus, &args);
         assert!(out.status.success(), "{name}: {}", String::from_utf8_lossy(&out.stderr));
-        let step = tmp.path().join(name).join("step_000001");
-        (tensors(&step.join("model.safetensors")), tensors(&step.join("optimizer.safetensors")))
+        common::checkpoint_tensors(&tmp.path().join(name).join("step_000001"))
     };
-    // each tensor's largest difference, as a fraction of its largest value
-    let compare = |what: &str, got: &[(String, Vec<f32>)], want: &[(String, Vec<f32>)], tolerance: f32| {
-        let names = |t: &[(String, Vec<f32>)]| t.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
-        assert_eq!(names(got), names(want), "{what}: the tensors saved");
-        for ((name, a), (_, b)) in got.iter().zip(want) {
-            let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
-            let size = b.iter().map(|y| y.abs()).fold(f32::MIN_POSITIVE, f32::max);
-            assert!(a.len() == b.len() && diff <= tolerance * size, "{what}: {name} differs by {diff} (of {size})");
-        }
-    };
+    let compare = common::assert_tensors_close;
     let (weights, moments) = saved("cpu", 1, &[]);
     let nccl = ["device.kind=cuda", "parallel.backend=\"nccl\"", "parallel.tp=2", "parallel.pp=2"];
     let (w, m) = saved("nccl_f32", 4, &[&nccl[..], &["device.dtype=f32"]].concat());

@@ -1,7 +1,8 @@
 //! ZeRO-1, 2 and 3 (FSDP): every stage reproduces the single-rank curve at dp 2, 3 (chunks
 //! padded) and 4, with accumulation, and composed with tp, pp and cp; so does hybrid sharding
 //! (HSDP, `parallel.dp_shard`); a checkpoint saved at one stage (or hybrid) resumes at another
-//! stage and layout on the uninterrupted curve; each stage holds the share it promises, measured
+//! stage and layout on the uninterrupted curve, and one saved at dp 3 (every chunk padded) holds
+//! the one-rank checkpoint's tensors; each stage holds the share it promises, measured
 //! from the tensors, and `ferrotron memory`'s estimate follows the measured peak.
 
 mod common;
@@ -125,6 +126,32 @@ fn a_checkpoint_resumes_across_stages_and_layouts() {
     let resumed = run(&tmp.path().join("into_fsdp"), &fsdp[..3], Some(&plain.join("step_000004")));
     for (step, (a, b)) in resumed.iter().zip(&uninterrupted[4..]).enumerate() {
         assert!((a - b).abs() < 1e-4, "plain into FSDP, step {}: {a} vs {b}", step + 4);
+    }
+}
+
+#[test]
+fn a_checkpoint_of_padded_chunks_is_the_one_rank_checkpoint() {
+    // at dp 3 no tensor of the small model divides into chunks (32 norm values, 32·64 matrix
+    // values…): every rank's last chunk is padded, and the checkpoint must gather the chunks and
+    // drop the padding. One step, saved; the learning rate is far below a weight's last bit, so
+    // both save the weights they started from, and the moments agree to rounding.
+    let tmp = tempfile::tempdir().unwrap();
+    let saved = |name: &str, extra: &[&str]| {
+        let dir = tmp.path().join(name);
+        let frozen = ["train.steps=1", "train.lr=1e-30", "train.min_lr=1e-30", "checkpoint.every=1"];
+        let mut all = sets(&frozen);
+        all.extend(extra.iter().map(|s| s.to_string()));
+        all.push(format!("checkpoint.dir=\"{}\"", dir.display()));
+        train(&Config::load(None, &all).unwrap(), Options { quiet: true, ..Default::default() }).unwrap();
+        common::checkpoint_tensors(&dir.join("step_000001"))
+    };
+    let (weights, moments) = saved("one", &[]);
+    for stage in ["1", "3"] {
+        let zero = [format!("parallel.zero_stage={stage}")];
+        let layout = ["parallel.dp=3", "train.micro_batch_size=4", &zero[0]];
+        let (w, m) = saved(&format!("zero{stage}"), &layout);
+        common::assert_tensors_close(&format!("ZeRO-{stage} at dp 3"), &w, &weights, 0.0);
+        common::assert_tensors_close(&format!("ZeRO-{stage} at dp 3"), &m, &moments, 1e-3);
     }
 }
 

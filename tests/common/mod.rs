@@ -72,3 +72,33 @@ pub fn checkpoints_move_between(base: &[String], a: &[&str], b: &[&str]) {
         assert!(resumed.len() == 3 && diff <= 1e-6, "{from:?} → {to:?}: {resumed:?} vs {:?}", &whole[3..]);
     }
 }
+
+/// The tensors of a checkpoint step's folder, as f32: (model.safetensors, optimizer.safetensors),
+/// each sorted by name.
+#[allow(dead_code)] // the test files that compare checkpoints
+pub fn checkpoint_tensors(step: &std::path::Path) -> (Vec<(String, Vec<f32>)>, Vec<(String, Vec<f32>)>) {
+    let read = |file: std::path::PathBuf| {
+        let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut all: Vec<(String, Vec<f32>)> = st
+            .tensors()
+            .into_iter()
+            .map(|(name, t)| (name, t.data().chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()))
+            .collect();
+        all.sort_by(|a, b| a.0.cmp(&b.0));
+        all
+    };
+    (read(step.join("model.safetensors")), read(step.join("optimizer.safetensors")))
+}
+
+/// The same tensors, each within `tolerance` of its largest value (0: equal).
+#[allow(dead_code)] // the test files that compare checkpoints
+pub fn assert_tensors_close(what: &str, got: &[(String, Vec<f32>)], want: &[(String, Vec<f32>)], tolerance: f32) {
+    let names = |t: &[(String, Vec<f32>)]| t.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+    assert_eq!(names(got), names(want), "{what}: the tensors saved");
+    for ((name, a), (_, b)) in got.iter().zip(want) {
+        let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+        let size = b.iter().map(|y| y.abs()).fold(f32::MIN_POSITIVE, f32::max);
+        assert!(a.len() == b.len() && diff <= tolerance * size, "{what}: {name} differs by {diff} (of {size})");
+    }
+}
