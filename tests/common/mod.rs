@@ -73,14 +73,16 @@ pub fn checkpoints_move_between(base: &[String], a: &[&str], b: &[&str]) {
     }
 }
 
-/// The tensors of a checkpoint step's folder, as f32: (model.safetensors, optimizer.safetensors),
-/// each sorted by name.
+/// A safetensors file's tensors as f32, by name.
+pub type Tensors = Vec<(String, Vec<f32>)>;
+
+/// The tensors of a checkpoint step's folder: (model.safetensors, optimizer.safetensors).
 #[allow(dead_code)] // the test files that compare checkpoints
-pub fn checkpoint_tensors(step: &std::path::Path) -> (Vec<(String, Vec<f32>)>, Vec<(String, Vec<f32>)>) {
+pub fn checkpoint_tensors(step: &std::path::Path) -> (Tensors, Tensors) {
     let read = |file: std::path::PathBuf| {
         let bytes = std::fs::read(&file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-        let mut all: Vec<(String, Vec<f32>)> = st
+        let mut all: Tensors = st
             .tensors()
             .into_iter()
             .map(|(name, t)| (name, t.data().chunks(4).map(|b| f32::from_le_bytes(b.try_into().unwrap())).collect()))
@@ -93,8 +95,8 @@ pub fn checkpoint_tensors(step: &std::path::Path) -> (Vec<(String, Vec<f32>)>, V
 
 /// The same tensors, each within `tolerance` of its largest value (0: equal).
 #[allow(dead_code)] // the test files that compare checkpoints
-pub fn assert_tensors_close(what: &str, got: &[(String, Vec<f32>)], want: &[(String, Vec<f32>)], tolerance: f32) {
-    let names = |t: &[(String, Vec<f32>)]| t.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
+pub fn assert_tensors_close(what: &str, got: &Tensors, want: &Tensors, tolerance: f32) {
+    let names = |t: &Tensors| t.iter().map(|(n, _)| n.clone()).collect::<Vec<_>>();
     assert_eq!(names(got), names(want), "{what}: the tensors saved");
     for ((name, a), (_, b)) in got.iter().zip(want) {
         let diff = a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
