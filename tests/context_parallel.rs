@@ -55,7 +55,7 @@ fn split_attention_matches_full_attention(ulysses: bool, heads: usize, kv_heads:
                     false => Box::new(Ring { group, split }),
                 };
                 let mine = cp::positions(split, n, group.index(), seq);
-                let index: Vec<usize> = cp::local_rows(&(0..batch * seq).collect::<Vec<_>>(), seq, &mine);
+                let index: Vec<usize> = ferrotron::data::rows_at(&(0..batch * seq).collect::<Vec<_>>(), seq, &mine);
                 let rows = |t: &Tensor| {
                     let (c, data) = (t.cols(), t.to_vec());
                     Tensor::from_vec(

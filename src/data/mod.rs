@@ -61,6 +61,12 @@ enum Mode {
     Copy(usize),
 }
 
+/// The rows of a micro-batch laid out `[batch × seq]` at positions `pos` of every sequence: what
+/// a rank reads when it holds only some positions of each (the composition root says which).
+pub fn rows_at<T: Copy>(data: &[T], seq: usize, pos: &[u32]) -> Vec<T> {
+    data.chunks(seq).flat_map(|s| pos.iter().map(|&p| s[p as usize])).collect()
+}
+
 impl Dataset {
     /// Opens the source named by `data.source` (reading the file of a text source).
     pub fn open(d: &DataConfig, m: &ModelConfig) -> Result<Dataset> {

@@ -53,11 +53,6 @@ pub fn positions(split: CpSplit, count: usize, index: usize, seq: usize) -> Vec<
     }
 }
 
-/// This rank's rows of a micro-batch laid out `[batch × seq]`: positions `pos` of every sequence.
-pub fn local_rows<T: Copy>(data: &[T], seq: usize, pos: &[u32]) -> Vec<T> {
-    data.chunks(seq).flat_map(|s| pos.iter().map(|&p| s[p as usize])).collect()
-}
-
 impl Ring<'_> {
     fn size(&self) -> usize {
         self.group.size()

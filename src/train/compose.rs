@@ -24,6 +24,7 @@ use crate::data::Dataset;
 use crate::model::routing_tape::{self, RoutingTape};
 use crate::model::Param;
 use crate::model::Stage;
+use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
 use crate::parallel::expert_parallel::ExpertGrads;
 use crate::parallel::fsdp::Fsdp;
@@ -96,7 +97,10 @@ impl<'g> Trainer<'g> {
                 tape.at(step, routing_tape::batch_rows(cfg, step, (me.coords.dp, micro), pos, sp))
             })
         });
-        let feed = Feed::new(me, cfg, data, told);
+        // what a rank reads of each sequence: with context parallelism, its cp positions
+        let cp = me.group(Axis::Cp);
+        let positions = context_parallel::positions(p.cp_split, cp.size(), cp.index(), t.seq_len);
+        let feed = Feed::new(me, cfg, data, positions, told);
         Ok(Trainer { cfg, model, optimizer, grads, norm, feed, pipeline, first_step })
     }
 }
