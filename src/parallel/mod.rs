@@ -6,7 +6,9 @@
 //! `hybrid_sharding` (ZeRO within shard groups, replicas across them) → `tensor_parallel` (each
 //! matrix split across ranks) → `sequence_parallel` (and the rows between the matrices) →
 //! `pipeline_parallel` (layers split into stages; `pipeline_schedule`, the order of a stage's
-//! forwards and backwards, zero-bubble ones too; `pipeline_messages`, what the stages say) →
+//! forwards and backwards, zero-bubble ones too; `pipeline_1f1b`, 1F1B's walk; `pipeline_messages`,
+//! what the stages say; `pipeline_actions`, the schedules walked as lists, interleaved and zero
+//! bubble) →
 //! `context_parallel` (the sequence split, attention as a ring; `ulysses`, or an all-to-all to a
 //! head split) → `expert_parallel` (a mixture of experts' experts divided among ranks, tokens
 //! travelling to them by all-to-all). The model (`model/`) knows none of them: it
@@ -20,6 +22,8 @@ pub mod expert_parallel;
 pub mod fsdp;
 pub mod gather_formats;
 pub mod hybrid_sharding;
+pub mod pipeline_1f1b;
+pub mod pipeline_actions;
 pub mod pipeline_messages;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;

@@ -44,10 +44,15 @@
 //! send_backward_recv_forward   (1F1B, steady state: a gradient out, the next input in)
 //! ```
 //! The paired forms go in one `send_recv`, so two neighbours that both send never wait on each
-//! other (`pipeline_messages.rs`; the schedules walked as a list of actions, interleaved and zero
-//! bubble, send one message at a time through its `Mailbox`). On the first stage there is
-//! nothing to receive forward (its input is tokens), on the last nothing to send forward (its
-//! output is the loss): those messages are `None`.
+//! other (`pipeline_messages.rs`). On the first stage there is nothing to receive forward (its
+//! input is tokens), on the last nothing to send forward (its output is the loss): those
+//! messages are `None`.
+//!
+//! **A schedule is a walk** (`Walk`): this file's engine runs a stage's forwards and backwards
+//! (`Runner`) in the order a walk says. AFAB is below: two loops. 1F1B's walk, with its paired
+//! messages, is its lesson's (`pipeline_1f1b.rs`, step 13); the interleaved and zero-bubble
+//! schedules are walked as lists of actions, each message through a mailbox
+//! (`pipeline_actions.rs`, steps 14 and 15). The composition root picks the walk.
 //!
 //! **Between micro-batches** the driver may end a step early (a signal): the schedule asks its
 //! `StepHooks` before each forward, and the hooks say at which forwards every stage may stop
@@ -55,13 +60,11 @@
 
 use crate::comm::Group;
 use crate::config::PpSchedule;
-use crate::model::deferred_grads::Later;
-use crate::model::weight_grads::Now;
+use crate::model::weight_grads::{Now, WeightGrads};
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
-use crate::parallel::pipeline_messages::{Mailbox, Messages};
-use crate::parallel::pipeline_schedule::{schedule, warmup, Action, Carries, Work};
+use crate::parallel::pipeline_messages::Messages;
 use crate::parallel::pipeline_stop::{self, Rounds};
 use crate::parallel::StepHooks;
 use anyhow::Result;
@@ -74,6 +77,8 @@ pub struct StepPlan<'g> {
     /// The pipeline group: this stage and its neighbours.
     pub pp: &'g Group,
     pub kind: PpSchedule,
+    /// How this stage walks the schedule (`Afab` below; the others from their lessons' files).
+    pub walk: &'static dyn Walk,
     pub micro_batches: usize,
     /// Sequences per micro-batch.
     pub batch: usize,
@@ -113,128 +118,75 @@ pub fn run_step(
     // the driver is asked only where every stage may stop together: at the start of a round
     let hooks = Rounds { hooks, round: stage.count * stage.chunks };
     let mut run = Runner { model, plan, stage, ready, stats, forwards: 0, data, hooks: &hooks };
-    if let Some(k) = walk(&mut run, &msg)? {
+    if let Some(k) = plan.walk.walk(&mut run, &msg)? {
         pipeline_stop::drain(&msg, (plan.kind, plan.micro_batches), k)?; // what the others sent before k
         run.stats.stopped = Some(k / stage.chunks);
     }
     Ok(run.stats)
 }
 
-/// The step's schedule, walked on this stage; `Some(k)` if the hooks stopped it before forward k.
-fn walk(run: &mut Runner, msg: &Messages) -> Result<Option<usize>> {
-    let (plan, stage, m) = (run.plan, run.stage, run.plan.micro_batches);
-    match plan.kind {
-        PpSchedule::Afab => {
-            for i in 0..m {
-                if run.stops_here()? {
-                    return Ok(Some(run.forwards));
-                }
-                let x = msg.recv_forward()?;
-                let y = run.forward(i, x)?;
-                msg.send_forward(y)?;
-            }
-            for i in 0..m {
-                let dy = msg.recv_backward()?;
-                let dx = run.backward(i, dy)?;
-                msg.send_backward(dx)?;
-            }
-        }
-        PpSchedule::OneFOneB => {
-            // warm-up: the forwards that fill the pipeline below this stage
-            let warmup = warmup(plan.kind, stage.count, stage.index, m, 1);
-            for i in 0..warmup {
-                if run.stops_here()? {
-                    return Ok(Some(run.forwards));
-                }
-                let x = msg.recv_forward()?;
-                let y = run.forward(i, x)?;
-                msg.send_forward(y)?;
-            }
-            // steady state: one forward, one backward, each exchange one paired message
-            let steady = m - warmup;
-            if steady > 0 && run.stops_here()? {
-                return Ok(Some(run.forwards));
-            }
-            let mut x = if steady > 0 { msg.recv_forward()? } else { None };
-            for i in 0..steady {
-                let y = run.forward(warmup + i, x.take())?;
-                let dy = msg.send_forward_recv_backward(y)?;
-                let dx = run.backward(i, dy)?;
-                match i + 1 < steady {
-                    // a stop point falls between the gradient out and the next input in
-                    true if run.hooks.asks_before(run.forwards) => {
-                        msg.send_backward(dx)?;
-                        if run.stops_here()? {
-                            return Ok(Some(run.forwards));
-                        }
-                        x = msg.recv_forward()?;
-                    }
-                    true => x = msg.send_backward_recv_forward(dx)?,
-                    false => msg.send_backward(dx)?,
-                }
-            }
-            // cool-down: the backwards still owed
-            for i in steady..m {
-                let dy = msg.recv_backward()?;
-                let dx = run.backward(i, dy)?;
-                msg.send_backward(dx)?;
-            }
-        }
-        // a list of actions, each message in the mailbox (the zero-bubble ones with their W's)
-        PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv => {
-            let mut mail = Mailbox::new(plan.kind, msg, m);
-            for action in schedule(plan.kind, stage.count, stage.index, m, stage.chunks) {
-                match action {
-                    Action::Forward(w) => {
-                        if run.stops_here()? {
-                            return Ok(Some(run.forwards));
-                        }
-                        let x = mail.take(Carries::Activations, w)?;
-                        let y = run.forward_chunk(w, x)?;
-                        mail.send(Carries::Activations, w, y)?;
-                    }
-                    Action::Backward(w) | Action::InputGrad(w) => {
-                        let dy = mail.take(Carries::Gradient, w)?;
-                        let dx = run.backward_chunk(w, dy, matches!(action, Action::InputGrad(_)))?;
-                        mail.send(Carries::Gradient, w, dx)?;
-                    }
-                    Action::Weights(w) => run.weights(w)?,
-                }
-            }
-        }
-    }
-    Ok(None)
+/// How a stage walks one step's schedule: its forwards and backwards in order, and the messages
+/// between them — the seam every schedule plugs into. AFAB is below; 1F1B walks in
+/// `pipeline_1f1b.rs`, the schedules walked as lists of actions (interleaved, zero bubble) in
+/// `pipeline_actions.rs`, each chosen by the composition root (`train/compose.rs`).
+pub trait Walk {
+    /// The step on this stage; `Some(k)` if the hooks stopped it before forward k.
+    fn walk(&self, run: &mut Runner, msg: &Messages) -> Result<Option<usize>>;
 }
 
-/// A stage's forward and backward of micro-batch i, with the step's bookkeeping.
-struct Runner<'a, 'm, 'g> {
+/// All forward, all backward: every micro-batch's forward, then every backward.
+pub struct Afab;
+
+impl Walk for Afab {
+    fn walk(&self, run: &mut Runner, msg: &Messages) -> Result<Option<usize>> {
+        let m = run.plan.micro_batches;
+        for i in 0..m {
+            if run.stops_here()? {
+                return Ok(Some(run.forwards));
+            }
+            let x = msg.recv_forward()?;
+            let y = run.forward(i, x)?;
+            msg.send_forward(y)?;
+        }
+        for i in 0..m {
+            let dy = msg.recv_backward()?;
+            let dx = run.backward(i, dy)?;
+            msg.send_backward(dx)?;
+        }
+        Ok(None)
+    }
+}
+
+/// A stage's forward and backward of micro-batch i, with the step's bookkeeping: what a `Walk`
+/// drives.
+pub struct Runner<'a, 'm, 'g> {
     model: &'m mut Llama<'g>,
-    plan: &'a StepPlan<'a>,
-    stage: Stage,
+    pub plan: &'a StepPlan<'a>,
+    pub stage: Stage,
     data: Data<'a>,
     ready: &'a mut dyn FnMut(&mut Param, bool),
     stats: StepStats,
     /// The forwards run so far in the step.
-    forwards: usize,
-    hooks: &'a dyn StepHooks,
+    pub forwards: usize,
+    pub hooks: &'a dyn StepHooks,
 }
 
 impl Runner<'_, '_, '_> {
     /// Micro-batch i through this stage: from tokens (first stage) or `x`; returns the
     /// activations for the next stage, or `None` on the last (which adds up the loss).
-    fn forward(&mut self, i: usize, x: Option<Tensor>) -> Result<Option<Tensor>> {
-        self.forward_chunk(Work { micro: i, chunk: 0 }, x)
+    pub fn forward(&mut self, i: usize, x: Option<Tensor>) -> Result<Option<Tensor>> {
+        self.forward_chunk((i, 0), x)
     }
 
     /// Before the next forward's input is received: whether the driver ends the step here.
-    fn stops_here(&self) -> Result<bool> {
+    pub fn stops_here(&self) -> Result<bool> {
         Ok(self.hooks.asks_before(self.forwards) && self.hooks.stop_here()?)
     }
 
-    /// `forward` of micro-batch `w.micro` through model chunk `w.chunk`.
-    fn forward_chunk(&mut self, w: Work, x: Option<Tensor>) -> Result<Option<Tensor>> {
+    /// `forward` of micro-batch `i` through model chunk `chunk`.
+    pub fn forward_chunk(&mut self, (i, chunk): (usize, usize), x: Option<Tensor>) -> Result<Option<Tensor>> {
         self.forwards += 1;
-        let (start, i) = (Instant::now(), w.micro);
+        let start = Instant::now();
         // tokens feed the first stage, targets the last; the stages between need neither
         let (tokens, targets) = match self.stage.is_first() || self.stage.is_last() {
             true => (self.data)(i)?,
@@ -244,9 +196,9 @@ impl Runner<'_, '_, '_> {
             Some(x) => StageInput::Hidden(x),
             None => StageInput::Tokens(&tokens),
         };
-        let out = self.model.forward_chunk(w.chunk, input, self.plan.batch, &targets)?;
+        let out = self.model.forward_chunk(chunk, input, self.plan.batch, &targets)?;
         self.stats.peak_activations = self.stats.peak_activations.max(self.model.activations_held());
-        self.hooks.span(name("forward", w, self.stage), start);
+        self.hooks.span(name("forward", (i, chunk), self.stage), start);
         Ok(match out {
             StageOutput::Loss(loss) => {
                 ops::add_scaled(&mut self.stats.loss, loss, 1.0 / self.plan.micro_batches as f32);
@@ -258,45 +210,67 @@ impl Runner<'_, '_, '_> {
 
     /// The backward of micro-batch i (the oldest held): from the loss (last stage) or `dy`;
     /// returns the gradient for the previous stage, or `None` on the first.
-    fn backward(&mut self, i: usize, dy: Option<Tensor>) -> Result<Option<Tensor>> {
-        self.backward_chunk(Work { micro: i, chunk: 0 }, dy, false)
+    pub fn backward(&mut self, i: usize, dy: Option<Tensor>) -> Result<Option<Tensor>> {
+        self.backward_chunk((i, 0), dy)
     }
 
-    /// `backward` of micro-batch `w.micro` through model chunk `w.chunk`; with `input_only` (a
-    /// zero-bubble schedule's B) the input gradient alone, the weight gradients left for `weights`.
-    fn backward_chunk(&mut self, w: Work, dy: Option<Tensor>, input_only: bool) -> Result<Option<Tensor>> {
+    /// `backward` of micro-batch `i` through model chunk `chunk`: its weight gradients made now,
+    /// and data parallelism told of each one complete.
+    pub fn backward_chunk(&mut self, w: (usize, usize), dy: Option<Tensor>) -> Result<Option<Tensor>> {
+        self.backward_into(w, dy, &mut Now, true)
+    }
+
+    /// `backward_chunk` whose weight GEMMs go to `kept`, which keeps them for a later `weights`
+    /// (a zero-bubble schedule's B): no gradient is complete yet.
+    pub fn input_grad(
+        &mut self,
+        w: (usize, usize),
+        dy: Option<Tensor>,
+        kept: &mut dyn WeightGrads,
+    ) -> Result<Option<Tensor>> {
+        self.backward_into(w, dy, kept, false)
+    }
+
+    /// The backward through `w`'s chunk, its weight GEMMs to `weights`; `tell`: data parallelism
+    /// hears of each gradient complete.
+    fn backward_into(
+        &mut self,
+        (i, chunk): (usize, usize),
+        dy: Option<Tensor>,
+        weights: &mut dyn WeightGrads,
+        tell: bool,
+    ) -> Result<Option<Tensor>> {
         let start = Instant::now();
         let grad = match dy {
             Some(dy) => StageGrad::Hidden(dy),
             None => StageGrad::Loss(1.0 / self.plan.micro_batches as f32),
         };
         // a chunk's gradients are complete for the step in its last micro-batch's backward (W)
-        let last = w.micro + 1 == self.plan.micro_batches;
+        let last = i + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
-        let dx = match input_only {
-            // B: the weight GEMMs kept for `weights`; no gradient is complete yet
-            true => self.model.backward_chunk(w.chunk, grad, &mut Later::default(), &mut |_| {})?,
-            false => self.model.backward_chunk(w.chunk, grad, &mut Now, &mut |p| ready(p, last))?,
+        let dx = match tell {
+            true => self.model.backward_chunk(chunk, grad, weights, &mut |p| ready(p, last))?,
+            false => self.model.backward_chunk(chunk, grad, weights, &mut |_| {})?,
         };
-        self.hooks.span(name("backward", w, self.stage), start);
+        self.hooks.span(name("backward", (i, chunk), self.stage), start);
         Ok(dx)
     }
 
-    /// The W of micro-batch `w.micro` through model chunk `w.chunk`: the weight GEMMs its B left.
-    fn weights(&mut self, w: Work) -> Result<()> {
+    /// The W of micro-batch `i` through model chunk `chunk`: the weight GEMMs its B left.
+    pub fn weights(&mut self, (i, chunk): (usize, usize)) -> Result<()> {
         let start = Instant::now();
-        let last = w.micro + 1 == self.plan.micro_batches;
+        let last = i + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
-        self.model.backward_weights(w.chunk, &mut |p| ready(p, last))?;
-        self.hooks.span(name("weights", w, self.stage), start);
+        self.model.backward_weights(chunk, &mut |p| ready(p, last))?;
+        self.hooks.span(name("weights", (i, chunk), self.stage), start);
         Ok(())
     }
 }
 
 /// A span's name: "forward 3", or with model chunks "forward 3.1" (micro-batch 3, chunk 1).
-fn name(what: &str, w: Work, stage: Stage) -> String {
+fn name(what: &str, (micro, chunk): (usize, usize), stage: Stage) -> String {
     match stage.chunks {
-        1 => format!("{what} {}", w.micro),
-        _ => format!("{what} {}.{}", w.micro, w.chunk),
+        1 => format!("{what} {micro}"),
+        _ => format!("{what} {micro}.{chunk}"),
     }
 }

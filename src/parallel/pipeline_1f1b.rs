@@ -1,0 +1,67 @@
+//! # 1F1B: one forward, one backward
+//!
+//! AFAB (`pipeline_parallel.rs`) holds every micro-batch's activations until its backwards
+//! start. 1F1B starts a micro-batch's backward as soon as the pipeline allows: each stage runs
+//! the forwards that fill the stages below it (the warm-up, `pipeline_schedule::warmup`: p − s − 1
+//! on stage s), then pairs each new forward with the oldest backward (the steady state), then
+//! runs the backwards still owed (the cool-down). The bubble is AFAB's; stage s holds at most
+//! p − s micro-batches instead of m. In the steady state each exchange is one paired message,
+//! `send_forward_recv_backward` and `send_backward_recv_forward` (`pipeline_messages.rs`), so two
+//! neighbours that both send never wait on each other.
+
+use crate::config::PpSchedule;
+use crate::parallel::pipeline_messages::Messages;
+use crate::parallel::pipeline_parallel::{Runner, Walk};
+use crate::parallel::pipeline_schedule::warmup;
+use anyhow::Result;
+
+/// One forward, one backward: the warm-up forwards that fill the pipeline below this stage, then
+/// each forward paired with the oldest backward (each exchange one paired message), then the
+/// backwards still owed.
+pub struct OneFOneB;
+
+impl Walk for OneFOneB {
+    fn walk(&self, run: &mut Runner, msg: &Messages) -> Result<Option<usize>> {
+        let (stage, m) = (run.stage, run.plan.micro_batches);
+        // warm-up: the forwards that fill the pipeline below this stage
+        let warmup = warmup(PpSchedule::OneFOneB, stage.count, stage.index, m, 1);
+        for i in 0..warmup {
+            if run.stops_here()? {
+                return Ok(Some(run.forwards));
+            }
+            let x = msg.recv_forward()?;
+            let y = run.forward(i, x)?;
+            msg.send_forward(y)?;
+        }
+        // steady state: one forward, one backward, each exchange one paired message
+        let steady = m - warmup;
+        if steady > 0 && run.stops_here()? {
+            return Ok(Some(run.forwards));
+        }
+        let mut x = if steady > 0 { msg.recv_forward()? } else { None };
+        for i in 0..steady {
+            let y = run.forward(warmup + i, x.take())?;
+            let dy = msg.send_forward_recv_backward(y)?;
+            let dx = run.backward(i, dy)?;
+            match i + 1 < steady {
+                // a stop point falls between the gradient out and the next input in
+                true if run.hooks.asks_before(run.forwards) => {
+                    msg.send_backward(dx)?;
+                    if run.stops_here()? {
+                        return Ok(Some(run.forwards));
+                    }
+                    x = msg.recv_forward()?;
+                }
+                true => x = msg.send_backward_recv_forward(dx)?,
+                false => msg.send_backward(dx)?,
+            }
+        }
+        // cool-down: the backwards still owed
+        for i in steady..m {
+            let dy = msg.recv_backward()?;
+            let dx = run.backward(i, dy)?;
+            msg.send_backward(dx)?;
+        }
+        Ok(None)
+    }
+}

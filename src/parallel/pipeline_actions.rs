@@ -1,0 +1,126 @@
+//! # Schedules walked as a list of actions: interleaved 1F1B and the zero-bubble pipelines
+//!
+//! AFAB and 1F1B are short loops with named messages (`pipeline_parallel.rs`,
+//! `pipeline_schedule.rs`). The interleaved schedule (a rank holds V model chunks,
+//! `model/stage.rs`) and the zero-bubble ones (ZB-H1, ZBV: a backward cut into B and W) are
+//! easier as data: `pipeline_schedule::schedule` lists this stage's actions — `F`, `B`, and for
+//! zero bubble the input gradient alone and the weight GEMMs `W` — and `Listed` runs them in
+//! order. Each result goes where the next step of its micro-batch runs, which with chunks is not
+//! always a neighbour, and a message may arrive before it is needed: the `Mailbox` replays each
+//! neighbour's schedule to know in which order its messages come, and keeps the early ones.
+
+use crate::config::PpSchedule;
+use crate::model::deferred_grads::Later;
+use crate::ops::tensor::Tensor;
+use crate::parallel::pipeline_messages::Messages;
+use crate::parallel::pipeline_parallel::{Runner, Walk};
+use crate::parallel::pipeline_schedule::{schedule, sent_by, Action, Carries, Work};
+use anyhow::{bail, Result};
+use std::collections::HashMap;
+
+/// A schedule walked as its list of actions, each message through the `Mailbox`.
+pub struct Listed;
+
+impl Walk for Listed {
+    fn walk(&self, run: &mut Runner, msg: &Messages) -> Result<Option<usize>> {
+        let (kind, stage, m) = (run.plan.kind, run.stage, run.plan.micro_batches);
+        let mut mail = Mailbox::new(kind, msg, m);
+        for action in schedule(kind, stage.count, stage.index, m, stage.chunks) {
+            let w = action.work();
+            match action {
+                Action::Forward(_) => {
+                    if run.stops_here()? {
+                        return Ok(Some(run.forwards));
+                    }
+                    let x = mail.take(Carries::Activations, w)?;
+                    let y = run.forward_chunk((w.micro, w.chunk), x)?;
+                    mail.send(Carries::Activations, w, y)?;
+                }
+                Action::Backward(_) => {
+                    let dy = mail.take(Carries::Gradient, w)?;
+                    let dx = run.backward_chunk((w.micro, w.chunk), dy)?;
+                    mail.send(Carries::Gradient, w, dx)?;
+                }
+                // B: the weight GEMMs kept for the W (`model/deferred_grads.rs`)
+                Action::InputGrad(_) => {
+                    let dy = mail.take(Carries::Gradient, w)?;
+                    let dx = run.input_grad((w.micro, w.chunk), dy, &mut Later::default())?;
+                    mail.send(Carries::Gradient, w, dx)?;
+                }
+                Action::Weights(_) => run.weights((w.micro, w.chunk))?,
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// The messages of a schedule walked as a list of actions. Activations go to the rank of the next
+/// virtual stage and gradients to the previous one's: round the ring with interleaving (rank p − 1's
+/// chunk c feeds rank 0's chunk c + 1), down and back up the V (rank p − 1's chunk 0 feeds its own
+/// chunk 1, through the stash). With p = 2 both kinds travel between the same two ranks. Messages
+/// between two ranks arrive in the order they were sent, so each rank replays its neighbours'
+/// schedules to know that order: a message that arrives before it is needed waits in the stash.
+struct Mailbox<'a> {
+    msg: &'a Messages<'a>,
+    /// Per member of the pp group: what it will send us, in its order (walked as it comes).
+    expected: Vec<Box<dyn Iterator<Item = (Carries, Work)>>>,
+    stash: HashMap<(Carries, Work), Tensor>,
+}
+
+impl<'a> Mailbox<'a> {
+    /// The mailbox of `msg`'s rank for a step of `kind` with `m` micro-batches.
+    fn new(kind: PpSchedule, msg: &'a Messages<'a>, m: usize) -> Mailbox<'a> {
+        let (p, me) = (msg.stage.count, msg.stage.index);
+        let stage = msg.stage;
+        let expected = (0..p)
+            .map(|from| {
+                let sends = schedule(kind, p, from, m, stage.chunks).filter_map(move |a| sent_by(stage, from, a));
+                // what this rank sends itself (the V's turn) never travels: it waits in the stash
+                let to_me = sends.filter(move |&(to, _)| to == me && from != me);
+                Box::new(to_me.map(|(_, what)| what)) as Box<dyn Iterator<Item = _>>
+            })
+            .collect();
+        Mailbox { msg, expected, stash: HashMap::new() }
+    }
+
+    /// The input of this rank's `what` of `w`, if it has one: the previous virtual stage's
+    /// activations (forward) or the next one's gradient (backward), received now or earlier.
+    fn take(&mut self, what: Carries, w: Work) -> Result<Option<Tensor>> {
+        let (stage, me) = (self.msg.stage, self.msg.stage.index);
+        let u = stage.virtual_stage(w.chunk);
+        let theirs = match what {
+            Carries::Activations if u == 0 => return Ok(None), // tokens
+            Carries::Gradient if u + 1 == stage.count * stage.chunks => return Ok(None), // the loss
+            Carries::Activations => u - 1,
+            Carries::Gradient => u + 1,
+        };
+        let (from, chunk) = stage.place_of(theirs);
+        let key = (what, Work { chunk, ..w });
+        while !self.stash.contains_key(&key) {
+            let next = self.expected[from].next().filter(|_| from != me);
+            let Some(next) = next else {
+                bail!("pipeline: rank {me} waits for {what:?} of {:?} that rank {from} never sends", key.1);
+            };
+            let t = self.msg.recv(Some(from))?.expect("a sender was given");
+            self.stash.insert(next, t);
+        }
+        Ok(self.stash.remove(&key))
+    }
+
+    /// Sends the result of this rank's `what` of `w` where the next step of its micro-batch runs
+    /// (into its own stash when that is this rank too).
+    fn send(&mut self, what: Carries, w: Work, t: Option<Tensor>) -> Result<()> {
+        let action = match what {
+            Carries::Activations => Action::Forward(w),
+            Carries::Gradient => Action::Backward(w), // or its B: the gradient goes to the same rank
+        };
+        match (sent_by(self.msg.stage, self.msg.stage.index, action), t) {
+            (Some((to, key)), Some(t)) if to == self.msg.stage.index => {
+                self.stash.insert(key, t);
+                Ok(())
+            }
+            (Some((to, _)), t) => self.msg.send(t, Some(to)),
+            (None, _) => Ok(()),
+        }
+    }
+}
