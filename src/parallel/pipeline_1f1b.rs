@@ -25,13 +25,8 @@ impl Walk for OneFOneB {
         let (stage, m) = (run.stage, run.plan.micro_batches);
         // warm-up: the forwards that fill the pipeline below this stage
         let warmup = warmup(PpSchedule::OneFOneB, stage.count, stage.index, m, 1);
-        for i in 0..warmup {
-            if run.stops_here()? {
-                return Ok(Some(run.forwards));
-            }
-            let x = msg.recv_forward()?;
-            let y = run.forward(i, x)?;
-            msg.send_forward(y)?;
+        if let Some(k) = run.forward_each(msg, 0..warmup)? {
+            return Ok(Some(k));
         }
         // steady state: one forward, one backward, each exchange one paired message
         let steady = m - warmup;
@@ -57,11 +52,7 @@ impl Walk for OneFOneB {
             }
         }
         // cool-down: the backwards still owed
-        for i in steady..m {
-            let dy = msg.recv_backward()?;
-            let dx = run.backward(i, dy)?;
-            msg.send_backward(dx)?;
-        }
+        run.backward_each(msg, steady..m)?;
         Ok(None)
     }
 }

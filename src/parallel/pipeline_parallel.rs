@@ -69,6 +69,7 @@ use crate::parallel::pipeline_stop::{self, Rounds};
 use crate::parallel::StepHooks;
 use anyhow::Result;
 use std::cell::RefCell;
+use std::ops::Range;
 use std::time::Instant;
 
 /// This stage's part in every training step.
@@ -140,19 +141,10 @@ pub struct Afab;
 impl Walk for Afab {
     fn walk(&self, run: &mut Runner, msg: &Messages) -> Result<Option<usize>> {
         let m = run.plan.micro_batches;
-        for i in 0..m {
-            if run.stops_here()? {
-                return Ok(Some(run.forwards));
-            }
-            let x = msg.recv_forward()?;
-            let y = run.forward(i, x)?;
-            msg.send_forward(y)?;
+        if let Some(k) = run.forward_each(msg, 0..m)? {
+            return Ok(Some(k));
         }
-        for i in 0..m {
-            let dy = msg.recv_backward()?;
-            let dx = run.backward(i, dy)?;
-            msg.send_backward(dx)?;
-        }
+        run.backward_each(msg, 0..m)?;
         Ok(None)
     }
 }
@@ -176,6 +168,32 @@ impl Runner<'_, '_, '_> {
     /// activations for the next stage, or `None` on the last (which adds up the loss).
     pub fn forward(&mut self, i: usize, x: Option<Tensor>) -> Result<Option<Tensor>> {
         self.forward_chunk((i, 0), x)
+    }
+
+    /// The forwards of micro-batches `range`, each input received from the previous stage and
+    /// its output sent to the next (AFAB's; 1F1B's warm-up); `Some(k)` if the hooks stopped the
+    /// step before forward k.
+    pub fn forward_each(&mut self, msg: &Messages, range: Range<usize>) -> Result<Option<usize>> {
+        for i in range {
+            if self.stops_here()? {
+                return Ok(Some(self.forwards));
+            }
+            let x = msg.recv_forward()?;
+            let y = self.forward(i, x)?;
+            msg.send_forward(y)?;
+        }
+        Ok(None)
+    }
+
+    /// The backwards of micro-batches `range`, each gradient received from the next stage and
+    /// the result sent to the previous (AFAB's; 1F1B's cool-down).
+    pub fn backward_each(&mut self, msg: &Messages, range: Range<usize>) -> Result<()> {
+        for i in range {
+            let dy = msg.recv_backward()?;
+            let dx = self.backward(i, dy)?;
+            msg.send_backward(dx)?;
+        }
+        Ok(())
     }
 
     /// Before the next forward's input is received: whether the driver ends the step here.
