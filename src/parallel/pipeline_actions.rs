@@ -1,7 +1,7 @@
 //! # Schedules walked as a list of actions: interleaved 1F1B and the zero-bubble pipelines
 //!
 //! AFAB and 1F1B are short loops with named messages (`pipeline_parallel.rs`,
-//! `pipeline_schedule.rs`). The interleaved schedule (a rank holds V model chunks,
+//! `pipeline_1f1b.rs`). The interleaved schedule (a rank holds V model chunks,
 //! `model/stage.rs`) and the zero-bubble ones (ZB-H1, ZBV: a backward cut into B and W) are
 //! easier as data: `pipeline_schedule::schedule` lists this stage's actions — `F`, `B`, and for
 //! zero bubble the input gradient alone and the weight GEMMs `W` — and `Listed` runs them in
