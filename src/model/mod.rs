@@ -2,7 +2,8 @@
 //!
 //! Read in this order: `param` (a weight, its gradient, how ranks share it) → `init` (every
 //! weight from its own random stream) → `block` (one transformer block; `moe`, its mixture of
-//! experts) → `llama` (the whole model, or one pipeline `stage` of it) → `weight_grads` (where a
+//! experts) → `llama` (the whole model, or one pipeline `stage` of it; its loss seam, which
+//! `fused_loss` plugs into for the loss without the logits) → `weight_grads` (where a
 //! backward's weight gradients go: now, or kept by `deferred_grads` for a zero-bubble W) →
 //! `split` (the few points where a model cut across ranks must talk) → `optimizer` (AdamW,
 //! clipping, the schedule) → `kv_cache` (generating text: each layer's keys and values kept, one
