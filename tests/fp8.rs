@@ -20,7 +20,7 @@ mod common;
 
 use ferrotron::config::Config;
 use ferrotron::model::init::normal;
-use ferrotron::model::weight_grads::Now;
+use ferrotron::model::split::Now;
 use ferrotron::model::{Llama, StageGrad, StageInput, StageOutput};
 use ferrotron::ops::fp8::Fp8;
 use ferrotron::ops::tensor::Tensor;

@@ -10,7 +10,7 @@ mod common;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
 use ferrotron::model::fused_loss::FusedLoss;
-use ferrotron::model::weight_grads::Now;
+use ferrotron::model::split::Now;
 use ferrotron::model::{Llama, StageGrad, StageInput, StageOutput};
 
 fn sets(extra: &[&str]) -> Vec<String> {

@@ -11,7 +11,7 @@ use ferrotron::comm::trace::Trace;
 use ferrotron::comm::ReduceOp;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
-use ferrotron::model::weight_grads::Now;
+use ferrotron::model::split::Now;
 use ferrotron::model::Stage;
 use ferrotron::model::{Llama, Param};
 use ferrotron::model::{TensorSplit, Whole};

@@ -12,7 +12,7 @@ use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::schedule::{from_trace, simulate};
 use ferrotron::config::{Config, ModelConfig, PpSchedule, Recompute};
 use ferrotron::model::deferred_grads::Later;
-use ferrotron::model::weight_grads::Now;
+use ferrotron::model::split::Now;
 use ferrotron::model::{Llama, Stage, StageGrad, StageInput};
 use ferrotron::parallel::pipeline_schedule::{held, schedule, sent_by, Action, Work};
 use ferrotron::train::{train_all, Options};

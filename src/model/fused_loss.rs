@@ -24,7 +24,7 @@
 //! chunk's logits, and the row statistics are summed over the ranks per chunk.
 
 use crate::model::llama::{LossHead, LossKept, OutputLayer};
-use crate::model::weight_grads::WeightGrads;
+use crate::model::split::WeightGrads;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use anyhow::{bail, Result};

@@ -22,8 +22,7 @@ use crate::config::{ModelConfig, Recompute};
 use crate::model::block::{Block, Kept, Splits};
 use crate::model::moe::{self, Load};
 use crate::model::param::Param;
-use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit};
-use crate::model::weight_grads::{Deferred, Now, WeightGrads};
+use crate::model::split::{Deferred, ExpertSplit, Now, SequenceSplit, TensorSplit, WeightGrads, WeightSplit};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::{anyhow, bail, Result};
@@ -33,7 +32,6 @@ use std::rc::Rc;
 
 mod decode; // generating: one step at a time, with the KV cache
 mod parts; // building the parameters, listing them, moving them
-mod units; // FSDP's units: fetch and free around each piece of the forward and backward
 
 /// Everything one micro-batch's `forward` keeps for its `backward`.
 struct Cache {
@@ -131,7 +129,8 @@ impl LossKept for Logits {
     }
 }
 
-/// What FSDP gathers at once: the embedding, one block, or the head.
+/// A piece of the model whose weights are fetched together (`fetch`): the embedding, one block,
+/// or the head.
 #[derive(Clone, Copy)]
 enum Unit {
     Embedding,
@@ -300,7 +299,7 @@ impl<'g> Llama<'g> {
     }
 
     /// The W half: the weight GEMMs of the oldest micro-batch whose backward through `chunk`
-    /// deferred them (`weight_grads.rs`). Then `ready` sees every parameter of the chunk, in
+    /// deferred them (`split.rs`). Then `ready` sees every parameter of the chunk, in
     /// backward's order. It gathers no weight (a weight gradient reads none).
     pub fn backward_weights(&mut self, chunk: usize, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
         let oldest = self.deferred.iter().position(|(c, _)| *c == chunk);
@@ -335,7 +334,7 @@ impl<'g> Llama<'g> {
 
     /// The backward of the oldest micro-batch whose forward through model chunk `chunk` is done.
     /// Returns the gradient of the chunk's input activations (`None` where its input was tokens).
-    /// Each weight GEMM goes to `w` (`weight_grads.rs`): with `Now` every gradient is made here,
+    /// Each weight GEMM goes to `w` (`split.rs`): with `Now` every gradient is made here,
     /// and `ready(param)` hears each parameter as soon as its gradient is complete. A `w` that
     /// keeps them (the zero-bubble pipelines' B) leaves them for `backward_weights`; its caller
     /// then passes a `ready` that does nothing, since no gradient is complete yet.
@@ -427,5 +426,35 @@ impl Llama<'_> {
         ready(&mut h.norm);
         self.free(Unit::Head);
         Ok(dx)
+    }
+}
+
+// The weights' units. `forward` and `backward` fetch each unit's weights from the `WeightSplit`
+// before it computes and free them after. With `Whole` both do nothing but, before a backward,
+// make sure each gradient exists; under ZeRO-3 a rank keeps 1/dp of every weight, and FSDP
+// (`parallel/fsdp.rs`) gathers a unit's whole weights here and starts the next unit's gather
+// (which unit holds what, and which comes next: `llama/parts.rs`).
+//
+//   forward:   Embedding → Layer(0) → … → Layer(L-1) → Head       (each fetch prefetches the next)
+//   backward:  Head → Layer(L-1) → … → Layer(0)                   (the embedding's needs no weight)
+impl Llama<'_> {
+    /// `u`'s whole weights, here before it computes (and, for a backward, its gradients to add
+    /// into); the gather of the unit after it starts now.
+    fn fetch(&mut self, u: Unit, forward: bool) -> Result<()> {
+        let weights = self.weights.clone();
+        weights.gather(&mut self.unit_mut(u))?;
+        if !forward {
+            self.unit_mut(u).into_iter().for_each(Param::ensure_grad);
+        }
+        match self.after(u, forward) {
+            Some(next) => weights.prefetch(&self.unit(next)),
+            None => Ok(()),
+        }
+    }
+
+    /// After `u` computed: its whole weights may go.
+    fn free(&mut self, u: Unit) {
+        let weights = self.weights.clone();
+        weights.release(&mut self.unit_mut(u));
     }
 }

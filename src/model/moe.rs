@@ -33,8 +33,7 @@
 use crate::comm::process_grid::Axis;
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind, Placement};
-use crate::model::split::{input_grad, owned, ExpertSplit, Routed};
-use crate::model::weight_grads::WeightGrads;
+use crate::model::split::{input_grad, owned, ExpertSplit, Routed, WeightGrads};
 use crate::ops;
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;

@@ -1,4 +1,4 @@
-//! # Where a model cut across ranks must talk
+//! # The model's seams: where a model cut across ranks must talk, and where its gradients go
 //!
 //! The model is written once, for one rank. When its matrices are cut across tensor-parallel
 //! ranks or its sequences across context-parallel ranks, a few of its steps need the other ranks;
@@ -22,9 +22,22 @@
 //! The other halves need no one: a column-parallel forward is `ops::linear` on this rank's
 //! rows of W, a row-parallel backward `ops::linear_input_grad` and the
 //! weight gradient (`WeightGrads::linear`) on its columns.
+//!
+//! ## Where a backward's weight gradients go: `WeightGrads`
+//!
+//! A linear layer y = x · Wᵀ has a backward of two GEMMs that need nothing of each other:
+//!
+//! ```text
+//! B   dx  = dy · W        the input gradient: the layer before waits for it
+//! W   dW += dyᵀ · x       the weight gradient: nobody reads it before the optimizer step
+//! ```
+//! The model's backward computes B itself and hands every W — each linear layer's, and the
+//! embedding's scatter-add, whose backward is all weight gradient — to a `WeightGrads`. `Now`
+//! computes it on the spot: the plain backward of every lesson. A later lesson, the zero-bubble
+//! pipelines (`deferred_grads.rs`), plugs in another that keeps the W's inputs instead and runs
+//! them later; what it deferred (`Deferred`) waits in the model until `Llama::backward_weights` runs it.
 
 use crate::model::param::Param;
-use crate::model::weight_grads::WeightGrads;
 use crate::ops::moe::Routing;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
@@ -106,6 +119,26 @@ pub trait WeightSplit {
     fn release(&self, unit: &mut [&mut Param]);
 }
 
+/// Where a backward's weight gradients go.
+pub trait WeightGrads {
+    /// dW += dyᵀ · x for each `(dy, W)` of `layers`, all reading `x`.
+    fn linear(&mut self, x: Cow<Tensor>, layers: Vec<(Cow<Tensor>, &mut Param)>);
+    /// The embedding's backward: `table`'s rows += `dx`'s rows by token id (from `first`).
+    fn embedding(&mut self, table: &mut Param, dx: Cow<Tensor>, tokens: &[u32], first: usize);
+    /// What it deferred, when the backward is done (`None`: nothing, all is computed).
+    fn deferred(&mut self) -> Option<Box<dyn Deferred>> {
+        None
+    }
+}
+
+/// Weight gradients a backward deferred: the W of a zero-bubble pipeline.
+pub trait Deferred {
+    /// Runs them into the gradients of `params` (found by name).
+    fn apply(self: Box<Self>, params: &mut [&mut Param]);
+    /// The bytes they hold until then (activation memory).
+    fn bytes(&self) -> usize;
+}
+
 /// Where the experts of each MoE layer are (`model/moe.rs`). `Whole`: all of them here.
 /// Expert parallelism (`parallel/expert_parallel.rs`) gives each of the ep ranks E/ep of them
 /// and moves the routed rows with all-to-alls. Rows always go sorted by expert, all E of them.
@@ -170,6 +203,19 @@ impl WeightSplit for Whole {
         Ok(())
     }
     fn release(&self, _: &mut [&mut Param]) {}
+}
+
+/// Every weight gradient computed as backward meets it.
+pub struct Now;
+
+impl WeightGrads for Now {
+    fn linear(&mut self, x: Cow<Tensor>, layers: Vec<(Cow<Tensor>, &mut Param)>) {
+        layers.into_iter().for_each(|(dy, p)| p.linear_weight_grad(&dy, &x))
+    }
+
+    fn embedding(&mut self, table: &mut Param, dx: Cow<Tensor>, tokens: &[u32], first: usize) {
+        ops::embedding_backward(&dx, tokens, first, &mut table.grad)
+    }
 }
 
 impl TensorSplit for Whole {

@@ -60,7 +60,7 @@
 
 use crate::comm::Group;
 use crate::config::PpSchedule;
-use crate::model::weight_grads::{Now, WeightGrads};
+use crate::model::split::{Now, WeightGrads};
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};

@@ -32,8 +32,7 @@
 
 use crate::comm::placement::Placement;
 use crate::comm::{Group, ReduceOp};
-use crate::model::split::{input_grad, owned};
-use crate::model::weight_grads::WeightGrads;
+use crate::model::split::{input_grad, owned, WeightGrads};
 use crate::model::{Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;

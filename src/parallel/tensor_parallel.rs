@@ -35,8 +35,7 @@
 //! points where its ranks must talk.
 
 use crate::comm::{Group, ReduceOp};
-use crate::model::split::{input_grad, owned, row_losses};
-use crate::model::weight_grads::WeightGrads;
+use crate::model::split::{input_grad, owned, row_losses, WeightGrads};
 use crate::model::{Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;

@@ -4,7 +4,7 @@
 //! of the model from the config (its pipeline stage and chunks, its tp slice of every tensor),
 //! the parameters in Hugging Face order, their device, and what the model holds.
 
-use super::{Cache, Head, HeadCache, Llama, LossHead, WholeLogits};
+use super::{Cache, Head, HeadCache, Llama, LossHead, Unit, WholeLogits};
 use crate::comm::placement::part_of;
 use crate::comm::process_grid::Axis;
 use crate::config::{ModelConfig, Recompute};
@@ -234,6 +234,54 @@ impl<'g> Llama<'g> {
             v.extend(h.lm_head.as_mut());
         }
         v
+    }
+
+    // FSDP's units (`llama.rs`'s `fetch`, `free`): what each holds, and their order.
+
+    /// A unit's parameters: the embedding; a block's; the head's (the final norm and the output
+    /// layer, which is the embedding when they are tied).
+    pub(super) fn unit(&self, u: Unit) -> Vec<&Param> {
+        match u {
+            Unit::Embedding => self.embed_tokens.iter().collect(),
+            Unit::Layer(i) => self.layers[i].params(),
+            Unit::Head => self
+                .head
+                .iter()
+                .flat_map(|h| [Some(&h.norm), h.lm_head.as_ref().or(self.embed_tokens.as_ref())])
+                .flatten()
+                .collect(),
+        }
+    }
+
+    pub(super) fn unit_mut(&mut self, u: Unit) -> Vec<&mut Param> {
+        match u {
+            Unit::Embedding => self.embed_tokens.iter_mut().collect(),
+            Unit::Layer(i) => self.layers[i].params_mut(),
+            Unit::Head => {
+                let Some(h) = &mut self.head else { return Vec::new() };
+                vec![Some(&mut h.norm), h.lm_head.as_mut().or(self.embed_tokens.as_mut())]
+                    .into_iter()
+                    .flatten()
+                    .collect()
+            }
+        }
+    }
+
+    /// The unit computed after `u` in a forward (`forward` true) or a backward of this stage.
+    /// A backward never gathers the embedding: its gradient needs only the tokens.
+    /// (With the interleaved pipeline, within the model chunk of `u`: the next chunk's turn
+    /// comes later.)
+    pub(super) fn after(&self, u: Unit, forward: bool) -> Option<Unit> {
+        let (layers, head) = (self.layers.len(), self.head.is_some());
+        let chunk = |i: usize| self.chunks.iter().find(|c| c.contains(&i)).cloned().unwrap_or(0..layers);
+        match (u, forward) {
+            (Unit::Embedding, true) => Some(Unit::Layer(0)),
+            (Unit::Layer(i), true) if i + 1 < chunk(i).end => Some(Unit::Layer(i + 1)),
+            (Unit::Layer(i), true) => (head && chunk(i).end == layers).then_some(Unit::Head),
+            (Unit::Head, false) => Some(Unit::Layer(layers - 1)),
+            (Unit::Layer(i), false) => (i > chunk(i).start).then(|| Unit::Layer(i - 1)),
+            _ => None,
+        }
     }
 
     /// The device the model lives on.
