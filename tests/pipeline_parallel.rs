@@ -10,7 +10,8 @@ use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::schedule::{from_trace, simulate};
 use ferrotron::config::{Config, PpSchedule};
 use ferrotron::model::Stage;
-use ferrotron::parallel::pipeline_schedule::{schedule, Action};
+use ferrotron::parallel::pipeline_schedule::Action;
+use ferrotron::parallel::schedules::schedule_of;
 use ferrotron::train::{train, train_all, Options};
 
 /// 20 steps of the small model with 4 micro-batches of 2 sequences.
@@ -106,7 +107,7 @@ fn schedules_run_every_micro_batch_once_and_show_the_bubble() {
         };
         for &(p, m) in sizes {
             for s in 0..p {
-                let plan: Vec<Action> = schedule(kind, p, s, m, v).collect();
+                let plan: Vec<Action> = schedule_of(kind).actions(p, s, m, v).collect();
                 let every: Vec<(usize, usize)> = (0..m).flat_map(|i| (0..v).map(move |c| (i, c))).collect();
                 assert_eq!(works(&plan), (every.clone(), every), "{kind:?} p={p} m={m} V={v} stage {s}");
             }

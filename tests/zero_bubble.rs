@@ -14,7 +14,8 @@ use ferrotron::config::{Config, ModelConfig, PpSchedule, Recompute};
 use ferrotron::model::deferred_grads::Later;
 use ferrotron::model::split::Now;
 use ferrotron::model::{Llama, Stage, StageGrad, StageInput};
-use ferrotron::parallel::pipeline_schedule::{held, schedule, sent_by, Action, Work};
+use ferrotron::parallel::pipeline_schedule::{sent_by, Action, Work};
+use ferrotron::parallel::schedules::schedule_of;
 use ferrotron::train::{train_all, Options};
 use std::collections::HashSet;
 
@@ -93,7 +94,7 @@ fn a_backward_split_into_b_and_w_is_bitwise_the_whole_one() {
 
 /// The actions of every stage of `kind`.
 fn plans(kind: PpSchedule, p: usize, m: usize, v: usize) -> Vec<Vec<Action>> {
-    (0..p).map(|s| schedule(kind, p, s, m, v).collect()).collect()
+    (0..p).map(|s| schedule_of(kind).actions(p, s, m, v).collect()).collect()
 }
 
 #[test]
@@ -123,7 +124,7 @@ fn zero_bubble_schedules_run_every_f_b_and_w_once_and_keep_their_promises() {
             }
             // on the clock: no deadlock; the peak each stage holds is `held`'s (the memory estimate)
             let t = simulate(kind, p, m, v).unwrap();
-            let counted: Vec<f64> = (0..p).map(|s| held(kind, p, s, m, v) as f64 / v as f64).collect();
+            let counted: Vec<f64> = (0..p).map(|s| schedule_of(kind).held(p, s, m, v) as f64 / v as f64).collect();
             assert_eq!(t.peak_activations, counted, "{kind:?} p={p} m={m}: held");
             if kind == PpSchedule::ZbH1 && m >= p {
                 let (got, want) = (t.bubble(), t.bubble_formula().unwrap());
@@ -143,11 +144,11 @@ fn zero_bubble_schedules_run_every_f_b_and_w_once_and_keep_their_promises() {
     assert!(one.makespan - h1.makespan == 6.0, "ZB-H1 saves (p − 1)·W of 1F1B's (p − 1)(F + B + W)");
     assert_eq!(h1.peak_activations, vec![4.0; 4]);
     assert_eq!(v.peak_activations, vec![4.0; 4]);
-    assert_eq!(held(PpSchedule::ZbH1, 4, 3, 2, 1), 2, "never more than the step's micro-batches");
+    assert_eq!(schedule_of(PpSchedule::ZbH1).held(4, 3, 2, 1), 2, "never more than the step's micro-batches");
     // rank 0 of the V holds the embedding (chunk 0) and the output layer (chunk 1): a tied
     // weight's gradient is whole after chunk 0's last W, which comes after chunk 1's
     for (p, m) in [(2, 3), (4, 7), (4, 9), (8, 16)] {
-        let plan: Vec<Action> = schedule(PpSchedule::Zbv, p, 0, m, 2).collect();
+        let plan: Vec<Action> = schedule_of(PpSchedule::Zbv).actions(p, 0, m, 2).collect();
         let last_w = |chunk| plan.iter().rposition(|a| *a == Action::Weights(Work { micro: m - 1, chunk })).unwrap();
         assert!(last_w(0) > last_w(1), "p={p} m={m}");
     }
@@ -173,7 +174,7 @@ fn the_v_shape_goes_down_the_ranks_and_back_up() {
 /// positive multiple of p·V), a collective "stop?" every rank must reach: false if some rank
 /// waits for ever.
 fn stop_points_are_safe(kind: PpSchedule, p: usize, m: usize, v: usize) -> bool {
-    let stage = Stage::for_schedule(kind, 0, p, v);
+    let stage = schedule_of(kind).stage(0, p, v);
     let (plans, last) = (plans(kind, p, m, stage.chunks), p * stage.chunks - 1);
     let every = p * stage.chunks;
     let (mut next, mut forwards, mut asked) = (vec![0; p], vec![0; p], vec![0; p]);
@@ -284,7 +285,7 @@ fn the_stages_hold_what_the_schedule_and_the_memory_estimate_say() {
         let ranks = train_all(&cfg, Options { quiet: true, ..Default::default() }).unwrap();
         let measured: Vec<usize> = ranks.iter().map(|r| r.peak_activations).collect();
         let kind = cfg.parallel.pp_schedule;
-        let want: Vec<usize> = (0..pp).map(|s| held(kind, pp, s, m, v)).collect();
+        let want: Vec<usize> = (0..pp).map(|s| schedule_of(kind).held(pp, s, m, v)).collect();
         assert_eq!(measured, want, "{kind:?} pp={pp} m={m}: micro-batch chunks held per stage");
         for r in ferrotron::commands::memory::memory(&cfg, true).unwrap() {
             let got = r.measured_peak_bytes.unwrap();
@@ -308,7 +309,7 @@ fn a_zbv_runs_trace_draws_its_f_b_and_w() {
     // 2 ranks, 4 micro-batches through 2 chunks each, an F, a B and a W of each
     assert_eq!((t.stages, t.micro_batches, t.chunks, t.slots.len()), (2, 4, 2, 2 * 4 * 2 * 3));
     let of = |r: usize| t.slots.iter().filter(|s| s.stage == r).map(|s| s.action).collect::<Vec<_>>();
-    assert_eq!(of(0), schedule(PpSchedule::Zbv, 2, 0, 4, 2).collect::<Vec<_>>(), "rank 0 ran its schedule");
+    assert_eq!(of(0), schedule_of(PpSchedule::Zbv).actions(2, 0, 4, 2).collect::<Vec<_>>(), "rank 0 ran its schedule");
     assert_eq!(t.peak_activations, vec![2.0, 2.0], "p micro-batches (2p half-size chunks) on each rank");
     let svg = ferrotron::commands::schedule::svg(&[t]);
     assert!(svg.contains(">W3.1</text>"), "the W boxes are drawn");

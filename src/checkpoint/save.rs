@@ -167,7 +167,7 @@ pub fn gather(
     let Some(mut state) = state else { return Ok(None) };
     let place = model.place();
     for stage in 1..pp.size() {
-        let stage = Stage::planned(stage, &cfg.parallel);
+        let stage = crate::parallel::schedules::stage_of(stage, &cfg.parallel);
         for (name, shape, ..) in Llama::tensor_shapes(&cfg.model, stage) {
             for &kind in &kinds {
                 let mut whole = Tensor::empty_on(&shape, &place, DType::F32); // written whole

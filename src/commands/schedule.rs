@@ -13,7 +13,8 @@
 
 use crate::config::PpSchedule;
 use crate::model::Stage;
-use crate::parallel::pipeline_schedule::{schedule, Action, Work};
+use crate::parallel::pipeline_schedule::{Action, Work};
+use crate::parallel::schedules::schedule_of;
 use anyhow::{bail, Result};
 use std::fmt::Write;
 
@@ -71,9 +72,10 @@ pub fn simulate(kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Res
     if kind == PpSchedule::Zbv && (stages < 2 || m < 2 * stages - 1) {
         bail!("schedule: the V-shaped zero-bubble schedule needs --pp ≥ 2 and --microbatches ≥ 2·pp − 1");
     }
-    let shape = Stage::for_schedule(kind, 0, stages, if kind == PpSchedule::Interleaved { chunks } else { 1 });
+    let schedule = schedule_of(kind);
+    let shape = schedule.stage(0, stages, if kind == PpSchedule::Interleaved { chunks } else { 1 });
     let chunks = shape.chunks;
-    let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule(kind, stages, s, m, chunks).collect()).collect();
+    let plans: Vec<Vec<Action>> = (0..stages).map(|s| schedule.actions(stages, s, m, chunks).collect()).collect();
     // a whole backward takes 2 units, B and W 1 each; a chunk does 1/V of its stage's work
     let per = 1.0 / chunks as f64;
     let last = stages * chunks - 1;

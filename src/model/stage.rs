@@ -20,7 +20,6 @@
 //! V (zbv), p = 2:                    rank 0: 0 → rank 1: 1 → rank 1: 2 → rank 0: 3
 //! ```
 
-use crate::config::{ParallelConfig, PpSchedule};
 use std::ops::Range;
 
 /// A pipeline stage: `index` of `count`, holding `chunks` model chunks (1 unless interleaved or
@@ -54,20 +53,6 @@ impl Stage {
     /// Stage `index` of `count`, `chunks` each, looped (the interleaved schedule's).
     pub fn looped(index: usize, count: usize, chunks: usize) -> Stage {
         Stage { index, count, chunks, shape: Shape::Loop }
-    }
-
-    /// Pipeline stage `index` as `parallel`'s schedule lays out its chunks.
-    pub fn planned(index: usize, parallel: &ParallelConfig) -> Stage {
-        Stage::for_schedule(parallel.pp_schedule, index, parallel.pp, parallel.pp_virtual_stages)
-    }
-
-    /// Stage `index` of `count` as schedule `kind` lays out its chunks (`chunks` of them looped,
-    /// or the V's two).
-    pub fn for_schedule(kind: PpSchedule, index: usize, count: usize, chunks: usize) -> Stage {
-        match kind {
-            PpSchedule::Zbv => Stage::v(index, count),
-            _ => Stage::looped(index, count, chunks),
-        }
     }
 
     /// Stage `index` of `count`, the two chunks of the V shape.

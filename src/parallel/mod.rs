@@ -5,10 +5,10 @@
 //! ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their chunks) →
 //! `hybrid_sharding` (ZeRO within shard groups, replicas across them) → `tensor_parallel` (each
 //! matrix split across ranks) → `sequence_parallel` (and the rows between the matrices) →
-//! `pipeline_parallel` (layers split into stages; `pipeline_schedule`, the order of a stage's
-//! forwards and backwards, zero-bubble ones too; `pipeline_1f1b`, 1F1B's walk; `pipeline_messages`,
-//! what the stages say; `pipeline_actions`, the schedules walked as lists, interleaved and zero
-//! bubble) →
+//! `pipeline_parallel` (layers split into stages, AFAB; `pipeline_messages`, what the stages say;
+//! `pipeline_schedule`, a schedule as data, the order of a stage's forwards and backwards;
+//! `pipeline_1f1b`, 1F1B; `pipeline_actions`, the schedules walked as lists, interleaved;
+//! `pipeline_zero_bubble`, ZB-H1 and ZBV; `schedules`, every schedule by its config name) →
 //! `context_parallel` (the sequence split, attention as a ring; `ulysses`, or an all-to-all to a
 //! head split) → `expert_parallel` (a mixture of experts' experts divided among ranks, tokens
 //! travelling to them by all-to-all). The model (`model/`) knows none of them: it
@@ -28,6 +28,8 @@ pub mod pipeline_messages;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;
 pub mod pipeline_stop;
+pub mod pipeline_zero_bubble;
+pub mod schedules;
 pub mod sequence_parallel;
 pub mod tensor_parallel;
 pub mod ulysses;

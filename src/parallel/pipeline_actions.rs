@@ -3,29 +3,29 @@
 //! AFAB and 1F1B are short loops with named messages (`pipeline_parallel.rs`,
 //! `pipeline_1f1b.rs`). The interleaved schedule (a rank holds V model chunks,
 //! `model/stage.rs`) and the zero-bubble ones (ZB-H1, ZBV: a backward cut into B and W) are
-//! easier as data: `pipeline_schedule::schedule` lists this stage's actions — `F`, `B`, and for
-//! zero bubble the input gradient alone and the weight GEMMs `W` — and `Listed` runs them in
-//! order. Each result goes where the next step of its micro-batch runs, which with chunks is not
+//! easier as data: their `Schedule` (`pipeline_schedule.rs`) lists this stage's actions — `F`,
+//! `B`, and for zero bubble the input gradient alone and the weight GEMMs `W` — and `Listed` runs
+//! them in order. The interleaved order is at the end of this file; the zero-bubble ones
+//! (`pipeline_zero_bubble.rs`) plug into the same walk. Each result goes where the next step of its micro-batch runs, which with chunks is not
 //! always a neighbour, and a message may arrive before it is needed: the `Mailbox` replays each
 //! neighbour's schedule to know in which order its messages come, and keeps the early ones.
 
-use crate::config::PpSchedule;
 use crate::model::deferred_grads::Later;
 use crate::ops::tensor::Tensor;
 use crate::parallel::pipeline_messages::Messages;
 use crate::parallel::pipeline_parallel::{Runner, Walk};
-use crate::parallel::pipeline_schedule::{schedule, sent_by, Action, Carries, Work};
+use crate::parallel::pipeline_schedule::{one_f_one_b, sent_by, Action, Actions, Carries, Schedule, Work};
 use anyhow::{bail, Result};
 use std::collections::HashMap;
 
 /// A schedule walked as its list of actions, each message through the `Mailbox`.
-pub struct Listed;
+pub struct Listed(pub &'static dyn Schedule);
 
 impl Walk for Listed {
     fn walk(&self, run: &mut Runner, msg: &Messages) -> Result<Option<usize>> {
-        let (kind, stage, m) = (run.plan.kind, run.stage, run.plan.micro_batches);
-        let mut mail = Mailbox::new(kind, msg, m);
-        for action in schedule(kind, stage.count, stage.index, m, stage.chunks) {
+        let (schedule, stage, m) = (self.0, run.stage, run.plan.micro_batches);
+        let mut mail = Mailbox::new(schedule, msg, m);
+        for action in schedule.actions(stage.count, stage.index, m, stage.chunks) {
             let w = action.work();
             match action {
                 Action::Forward(_) => {
@@ -68,13 +68,13 @@ struct Mailbox<'a> {
 }
 
 impl<'a> Mailbox<'a> {
-    /// The mailbox of `msg`'s rank for a step of `kind` with `m` micro-batches.
-    fn new(kind: PpSchedule, msg: &'a Messages<'a>, m: usize) -> Mailbox<'a> {
+    /// The mailbox of `msg`'s rank for a step of `schedule` with `m` micro-batches.
+    fn new(schedule: &dyn Schedule, msg: &'a Messages<'a>, m: usize) -> Mailbox<'a> {
         let (p, me) = (msg.stage.count, msg.stage.index);
         let stage = msg.stage;
         let expected = (0..p)
             .map(|from| {
-                let sends = schedule(kind, p, from, m, stage.chunks).filter_map(move |a| sent_by(stage, from, a));
+                let sends = schedule.actions(p, from, m, stage.chunks).filter_map(move |a| sent_by(stage, from, a));
                 // what this rank sends itself (the V's turn) never travels: it waits in the stash
                 let to_me = sends.filter(move |&(to, _)| to == me && from != me);
                 Box::new(to_me.map(|(_, what)| what)) as Box<dyn Iterator<Item = _>>
@@ -122,5 +122,28 @@ impl<'a> Mailbox<'a> {
             (Some((to, _)), t) => self.msg.send(t, Some(to)),
             (None, _) => Ok(()),
         }
+    }
+}
+
+/// Interleaved 1F1B (Megatron): each rank holds V model chunks, looped (`model/stage.rs`), and
+/// runs 1F1B over its m·V chunk-forwards: groups of p micro-batches per chunk, the chunks in order
+/// forward and reversed backward.
+pub struct Interleaved;
+
+impl Schedule for Interleaved {
+    fn actions(&self, stages: usize, stage: usize, m: usize, chunks: usize) -> Actions {
+        // the k-th forward (or backward) of the rank
+        let per = stages * chunks;
+        let work = move |k: usize, forward: bool| {
+            let chunk = k % per / stages;
+            let chunk = if forward { chunk } else { chunks - 1 - chunk };
+            Work { micro: k / per * stages + k % stages, chunk }
+        };
+        one_f_one_b(m * chunks, self.warmup(stages, stage, m, chunks), work)
+    }
+    /// 1F1B's warm-up twice over (the micro-batches come back through chunk 1, …), plus a group
+    /// of p per further chunk.
+    fn warmup(&self, stages: usize, stage: usize, m: usize, chunks: usize) -> usize {
+        ((stages - stage - 1) * 2 + (chunks - 1) * stages).min(m * chunks)
     }
 }

@@ -59,13 +59,12 @@
 //! together and what drains after (`pipeline_stop.rs`).
 
 use crate::comm::Group;
-use crate::config::PpSchedule;
 use crate::model::split::{Now, WeightGrads};
 use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use crate::parallel::pipeline_messages::Messages;
-use crate::parallel::pipeline_stop::{self, Rounds};
+use crate::parallel::pipeline_stop::Rounds;
 use crate::parallel::StepHooks;
 use anyhow::Result;
 use std::cell::RefCell;
@@ -77,13 +76,12 @@ use std::time::Instant;
 pub struct StepPlan<'g> {
     /// The pipeline group: this stage and its neighbours.
     pub pp: &'g Group,
-    pub kind: PpSchedule,
     /// How this stage walks the schedule (`Afab` below; the others from their lessons' files).
     pub walk: &'static dyn Walk,
     pub micro_batches: usize,
     /// Sequences per micro-batch.
     pub batch: usize,
-    /// This rank's pipeline stage: its model chunks and how they are laid out (`Stage::planned`).
+    /// This rank's pipeline stage: its model chunks and how they are laid out (`schedules::stage_of`).
     pub stage: Stage,
     /// The shape of the activations between stages, `[batch × seq, hidden]`.
     pub hidden: [usize; 2],
@@ -120,7 +118,6 @@ pub fn run_step(
     let hooks = Rounds { hooks, round: stage.count * stage.chunks };
     let mut run = Runner { model, plan, stage, ready, stats, forwards: 0, data, hooks: &hooks };
     if let Some(k) = plan.walk.walk(&mut run, &msg)? {
-        pipeline_stop::drain(&msg, (plan.kind, plan.micro_batches), k)?; // what the others sent before k
         run.stats.stopped = Some(k / stage.chunks);
     }
     Ok(run.stats)

@@ -1,31 +1,16 @@
 //! # A pipeline's schedule: the order of a stage's forwards and backwards
 //!
-//! The schedules of `pipeline_parallel.rs`'s lesson (AFAB, 1F1B, interleaved 1F1B, and the
-//! zero-bubble ZB-H1 and ZBV) as data: for stage s of p, with m micro-batches and V model chunks
-//! per rank, the list of `F`, `B` (and `W`) it runs in one step. The training step walks it
-//! (`pipeline_parallel::run_step`), each rank also replays its neighbours' to know what they send
-//! (the mailbox, and the drain after a stop), and `ferrotron schedule` plays it on a clock to draw
-//! it. It is made as it is walked: a step of millions of micro-batches holds no list of them.
-//!
-//! **Zero bubble** (Qi et al. 2023). A backward is two halves (`model/deferred_grads.rs`): B, the
-//! input gradient, which the previous stage waits for, and W, the weight gradients, which nobody
-//! waits for. Split, B goes upstream sooner and W fills the time a stage would sit idle:
-//!
-//! - **ZB-H1**: 1F1B's order of F and B, and stage s runs micro-batch k's W right after its B of
-//!   micro-batch k + s (the rest at the end). Stage s then holds s more micro-batches than 1F1B's
-//!   p − s (their W's inputs), p in all, so no stage holds more than 1F1B's first; the bubble falls
-//!   from (p − 1)(F + B + W) to (p − 1)(F + B − W), a third of it when the three take as long.
-//! - **ZBV**: two chunks per rank laid out as a V (`model/stage.rs`: rank r holds virtual stages
-//!   r and 2p − 1 − r), so rank 0 both starts and ends each micro-batch (and a tied embedding
-//!   and output layer are one weight on one rank). Each rank fills the
-//!   pipeline with chunk-0 forwards (2(p − r) − 1), interleaves chunk-1 forwards as the V turns,
-//!   then repeats F B W on chunk 0 and on chunk 1; in the cool-down the B's go first, and the W's
-//!   fill the gaps the B's leave. With F = B = W the bubble is nearly gone for the same peak
-//!   memory as 1F1B (p micro-batches, 2p chunks of half a micro-batch). It needs m ≥ 2p − 1.
+//! A schedule as data: for stage s of p, with m micro-batches and V model chunks per rank, the
+//! list of `F`, `B` (and `W`) it runs in one step. The walks of AFAB and 1F1B are loops
+//! (`pipeline_parallel.rs`, `pipeline_1f1b.rs`); the same orders written down here let each rank
+//! replay its neighbours' (to know what they send: the drain after a stop), let `ferrotron
+//! schedule` play them on a clock to draw them, and let `ferrotron memory` count what each stage
+//! holds. Each schedule is a `Schedule`: AFAB's below, 1F1B's beside its walk, and the later
+//! lessons' in their own files — interleaved (`pipeline_actions.rs`, walked as this list) and the
+//! zero-bubble ones (`pipeline_zero_bubble.rs`).
 
-use crate::config::PpSchedule;
 use crate::model::Stage;
-use std::collections::VecDeque;
+use crate::parallel::pipeline_parallel::Afab;
 
 /// Micro-batch `micro` through model chunk `chunk` (0 but in the schedules with model chunks).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -71,118 +56,50 @@ impl std::fmt::Display for Action {
     }
 }
 
-/// The order of stage `stage`'s forwards and backwards of `m` micro-batches, each rank holding
-/// `chunks` model chunks (1 but for `Interleaved`; `Zbv` always 2). Made as it is walked: a step
-/// of millions of micro-batches holds no list of them.
-pub fn schedule(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> Schedule {
-    use Action::{Backward, Forward};
-    let one = |micro| Work { micro, chunk: 0 };
-    match kind {
-        PpSchedule::Afab => Box::new((0..m).map(move |i| Forward(one(i))).chain((0..m).map(move |i| Backward(one(i))))),
-        PpSchedule::OneFOneB => one_f_one_b(m, warmup(kind, stages, stage, m, 1), move |k, _| one(k)),
-        PpSchedule::Interleaved => {
-            // the k-th forward (or backward) of the rank: groups of `stages` micro-batches per
-            // chunk, chunks in order forward and reversed backward
-            let per = stages * chunks;
-            let work = move |k: usize, forward: bool| {
-                let chunk = k % per / stages;
-                let chunk = if forward { chunk } else { chunks - 1 - chunk };
-                Work { micro: k / per * stages + k % stages, chunk }
-            };
-            one_f_one_b(m * chunks, warmup(kind, stages, stage, m, chunks), work)
-        }
-        PpSchedule::ZbH1 => {
-            let plan = one_f_one_b(m, warmup(kind, stages, stage, m, 1), move |k, _| one(k));
-            Box::new(DelayedWeights { plan, delay: stage, pending: VecDeque::new(), next: None })
-        }
-        PpSchedule::Zbv => zbv(stages, stage, m),
-    }
-}
-
-/// A schedule of whole backwards with each split: B where the backward was, and its W after
-/// the B `delay` backwards later (the last `delay` at the end).
-struct DelayedWeights {
-    plan: Schedule,
-    delay: usize,
-    /// The B's whose W is still to come, oldest first (at most `delay` + 1).
-    pending: VecDeque<Work>,
-    /// A W due right after the action just given.
-    next: Option<Action>,
-}
-
-impl Iterator for DelayedWeights {
-    type Item = Action;
-    fn next(&mut self) -> Option<Action> {
-        if let Some(w) = self.next.take() {
-            return Some(w);
-        }
-        match self.plan.next() {
-            Some(Action::Backward(w)) => {
-                self.pending.push_back(w);
-                if self.pending.len() > self.delay {
-                    self.next = self.pending.pop_front().map(Action::Weights);
-                }
-                Some(Action::InputGrad(w))
-            }
-            Some(a) => Some(a),
-            None => self.pending.pop_front().map(Action::Weights),
-        }
-    }
-}
-
-/// Rank r's ZBV (m ≥ 2p − 1): chunk 0 is virtual stage r, chunk 1 virtual stage 2p − 1 − r.
-fn zbv(p: usize, r: usize, m: usize) -> Schedule {
-    use Action::{Forward as F, InputGrad as B, Weights as W};
-    let (c0, c1) = (|micro| Work { micro, chunk: 0 }, |micro| Work { micro, chunk: 1 });
-    let fill = 2 * (p - r) - 1; // chunk-0 forwards before the first chunk-1 forward
-
-    // 1. fill the way down: chunk-0 forwards
-    let down = (0..fill).map(move |i| F(c0(i)));
-    // 2. the first micro-batches come back up: a chunk-1 forward, then the next chunk-0 one, r times
-    let turn = (0..r).flat_map(move |i| [F(c1(i)), F(c0(fill + i))]);
-    // 3. the first chunk-1 backwards, B and W at once (p − r of them)
-    let first = (r..p).flat_map(move |i| [F(c1(i)), B(c1(i - r)), W(c1(i - r))]);
-    // 4. steady: F B W on chunk 0, then on chunk 1 (m − p rounds; chunk-0 forwards run out first)
-    let steady = (0..m - p).flat_map(move |k| {
-        let f0 = (fill + r + k < m).then(|| F(c0(fill + r + k)));
-        f0.into_iter().chain([B(c0(k)), W(c0(k)), F(c1(p + k)), B(c1(p - r + k)), W(c1(p - r + k))])
-    });
-    // 5. cool-down: the B's first (the previous rank waits for them), W's in the gaps after
-    let both = (0..r).flat_map(move |j| [B(c0(m - p + j)), B(c1(m - r + j))]);
-    let gaps = (0..p - r).flat_map(move |j| [B(c0(m - p + r + j)), W(c0(m - p + j))]);
-    let rest = (m - r..m).map(move |i| W(c1(i))).chain((m - r..m).map(move |i| W(c0(i))));
-    Box::new(down.chain(turn).chain(first).chain(steady).chain(both).chain(gaps).chain(rest))
-}
-
 /// A stage's actions of one step, in order.
-pub type Schedule = Box<dyn Iterator<Item = Action> + Send>;
+pub type Actions = Box<dyn Iterator<Item = Action> + Send>;
 
-/// The forwards (of a chunk each) stage `stage` runs before its first backward: all of them
-/// (AFAB); one per stage below it (1F1B, ZB-H1); with interleaving, those twice over (they come
-/// back through chunk 1, …) plus a group of `stages` per further chunk; ZBV's 2p on every rank.
-pub fn warmup(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> usize {
-    match kind {
-        PpSchedule::Afab => m,
-        PpSchedule::OneFOneB | PpSchedule::ZbH1 => (stages - stage - 1).min(m),
-        PpSchedule::Interleaved => ((stages - stage - 1) * 2 + (chunks - 1) * stages).min(m * chunks),
-        PpSchedule::Zbv => 2 * stages, // the fill, the turn and the first chunk-1 forward
+/// A pipeline schedule as data: the seam each schedule's lesson implements — AFAB and 1F1B
+/// below, the interleaved one in `pipeline_actions.rs`, the zero-bubble ones in
+/// `pipeline_zero_bubble.rs`. Every schedule is looked up by its config name above the lessons
+/// (`schedules.rs`).
+pub trait Schedule: Sync {
+    /// Stage `index` of `count` as this schedule lays out its `chunks` model chunks: looped
+    /// (chunk c of rank r is virtual stage c·p + r), unless the schedule says otherwise.
+    fn stage(&self, index: usize, count: usize, chunks: usize) -> Stage {
+        Stage::looped(index, count, chunks)
+    }
+
+    /// The order of stage `stage`'s forwards and backwards of `m` micro-batches, each rank holding
+    /// `chunks` model chunks. Made as it is walked: a step of millions of micro-batches holds no
+    /// list of them.
+    fn actions(&self, stages: usize, stage: usize, m: usize, chunks: usize) -> Actions;
+
+    /// The forwards (of a chunk each) stage `stage` runs before its first backward.
+    fn warmup(&self, stages: usize, stage: usize, m: usize, chunks: usize) -> usize;
+
+    /// The most micro-batch chunks stage `stage` holds at once (forward done, backward — or with
+    /// the zero-bubble schedules its W — not yet): one more than its warm-up, unless the
+    /// schedule says otherwise.
+    fn held(&self, stages: usize, stage: usize, m: usize, chunks: usize) -> usize {
+        (self.warmup(stages, stage, m, chunks) + 1).min(m * chunks)
     }
 }
 
-/// The most micro-batch chunks stage `stage` holds at once (forward done, backward, or with the
-/// zero-bubble schedules its W, not yet): one more than its warm-up, but for ZB-H1, whose W's
-/// come `stage` backwards late (p, at most m), and ZBV's 2p.
-pub fn held(kind: PpSchedule, stages: usize, stage: usize, m: usize, chunks: usize) -> usize {
-    match kind {
-        PpSchedule::ZbH1 => stages.min(m),
-        PpSchedule::Zbv => 2 * stages,
-        _ => (warmup(kind, stages, stage, m, chunks) + 1).min(m * chunks),
+/// AFAB: every forward, then every backward; all m forwards before the first backward.
+impl Schedule for Afab {
+    fn actions(&self, _: usize, _: usize, m: usize, _: usize) -> Actions {
+        let one = |micro| Work { micro, chunk: 0 };
+        Box::new((0..m).map(move |i| Action::Forward(one(i))).chain((0..m).map(move |i| Action::Backward(one(i)))))
+    }
+    fn warmup(&self, _: usize, _: usize, m: usize, _: usize) -> usize {
+        m
     }
 }
 
 /// `n` forwards and `n` backwards (the k-th of each being `work(k, forward)`): `warmup` forwards,
 /// then one forward and one backward at a time, then the backwards still owed.
-fn one_f_one_b(n: usize, warmup: usize, work: impl Fn(usize, bool) -> Work + Copy + Send + 'static) -> Schedule {
+pub fn one_f_one_b(n: usize, warmup: usize, work: impl Fn(usize, bool) -> Work + Copy + Send + 'static) -> Actions {
     let warm = (0..warmup).map(move |k| Action::Forward(work(k, true)));
     let steady =
         (0..n - warmup).flat_map(move |k| [Action::Forward(work(warmup + k, true)), Action::Backward(work(k, false))]);

@@ -7,17 +7,14 @@
 //! multiple of p·V (one round of the pipeline; `Rounds`). Sends are buffered, so a rank waits
 //! only on receives; what a rank receives before its k-th forward was sent by its neighbours
 //! before their k-th, and no one waits on a rank already asking. After a stop each rank takes in
-//! what its neighbours sent it before theirs (`drain`), so that the group's next message (a
-//! checkpoint's gather) is not taken for one of them.
+//! what its neighbours sent it before theirs (`schedules.rs`'s `Drained`, around every walk), so
+//! that the group's next message (a checkpoint's gather) is not taken for one of them.
 //!
 //! (Asking before every forward deadlocks the interleaved schedule from p = 3: rank p − 1 would
 //! wait for a gradient rank 0 makes only after its own question. Tried on a model of the
 //! schedules for p ≤ 8, V ≤ 4.) On NCCL a send waits on the GPU for its receive, so there the
 //! driver asks nothing inside a pipeline's step.
 
-use crate::config::PpSchedule;
-use crate::parallel::pipeline_messages::Messages;
-use crate::parallel::pipeline_schedule::{schedule, sent_by, Action};
 use crate::parallel::StepHooks;
 use anyhow::Result;
 use std::time::Instant;
@@ -41,27 +38,4 @@ impl StepHooks for Rounds<'_> {
     fn stop_here(&self) -> Result<bool> {
         self.hooks.stop_here()
     }
-}
-
-/// After every rank stopped before its k-th forward of a step of `micro_batches` in schedule
-/// `kind`: receives, and drops, what the others sent this rank before their own k-th forward and
-/// it did not take (a gradient on its way back). What they sent is known by replaying their
-/// schedules.
-pub(crate) fn drain(msg: &Messages, (kind, micro_batches): (PpSchedule, usize), k: usize) -> Result<()> {
-    let (stage, me) = (msg.stage, msg.stage.index);
-    for from in (0..stage.count).filter(|&f| f != me) {
-        let mut forwards = 0;
-        let sent = schedule(kind, stage.count, from, micro_batches, stage.chunks)
-            .take_while(|a| {
-                forwards += usize::from(matches!(a, Action::Forward(_)));
-                forwards <= k
-            })
-            .filter(|&a| sent_by(stage, from, a).is_some_and(|(to, _)| to == me))
-            .count();
-        let taken = msg.received.borrow()[from];
-        for _ in taken..sent {
-            msg.recv(Some(from))?;
-        }
-    }
-    Ok(())
 }

@@ -19,20 +19,18 @@ use super::run::Shared;
 use super::step::Trainer;
 use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
-use crate::config::{Config, ParallelConfig, PpSchedule};
+use crate::config::{Config, ParallelConfig};
 use crate::data::Dataset;
 use crate::model::routing_tape::{self, RoutingTape};
 use crate::model::Param;
-use crate::model::Stage;
 use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
 use crate::parallel::expert_parallel::ExpertGrads;
 use crate::parallel::fsdp::Fsdp;
 use crate::parallel::gather_formats;
 use crate::parallel::hybrid_sharding;
-use crate::parallel::pipeline_1f1b::OneFOneB;
-use crate::parallel::pipeline_actions::Listed;
-use crate::parallel::pipeline_parallel::{Afab, StepPlan, Walk};
+use crate::parallel::pipeline_parallel::StepPlan;
+use crate::parallel::schedules;
 use crate::parallel::sequence_parallel::NormGradsOverTp;
 use crate::parallel::zero::{self, GatherAfterUpdate, Sharding, ZeroBuckets};
 use anyhow::Result;
@@ -89,15 +87,11 @@ impl<'g> Trainer<'g> {
         // parallelism)
         let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };
         let (kind, micro_batches, batch, stage) =
-            (p.pp_schedule, t.grad_accum_steps, t.micro_batch_size, Stage::planned(pp.index(), p));
+            (p.pp_schedule, t.grad_accum_steps, t.micro_batch_size, schedules::stage_of(pp.index(), p));
         // how a stage walks its schedule: AFAB and 1F1B as loops, the others as lists of actions
-        let walk: &'static dyn Walk = match kind {
-            PpSchedule::Afab => &Afab,
-            PpSchedule::OneFOneB => &OneFOneB,
-            PpSchedule::Interleaved | PpSchedule::ZbH1 | PpSchedule::Zbv => &Listed,
-        };
+        let walk = schedules::walk_of(kind);
         let hidden = [rows, cfg.model.hidden_size];
-        let pipeline = StepPlan { pp, kind, walk, micro_batches, batch, stage, hidden };
+        let pipeline = StepPlan { pp, walk, micro_batches, batch, stage, hidden };
         // the routing tape is told each micro-batch's rows (this rank's of them with sequence
         // parallelism) before the micro-batch runs
         let told = tape.map(|tape| -> Told<'g> {

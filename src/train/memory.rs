@@ -24,7 +24,8 @@ use crate::model::{Llama, Placement, Stage};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::DType;
 use crate::parallel::data_parallel::bucket_values;
-use crate::parallel::pipeline_schedule::{self, Action};
+use crate::parallel::pipeline_schedule::Action;
+use crate::parallel::schedules;
 use anyhow::{bail, Result};
 
 /// Bytes per weight kept for training: in mixed precision an fp32 master, its bf16 copy, an fp32
@@ -137,7 +138,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
     (0..p.pp)
         .map(|s| {
-            let stage = Stage::planned(s, p);
+            let stage = schedules::stage_of(s, p);
             activation_bytes(&cfg.model, batch, t.seq_len / p.cp, Keep::of(cfg), stage, dtype)
                 * in_flight(cfg, stage, dtype)
         })
@@ -179,7 +180,7 @@ pub struct RankMemory {
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
     let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?.with_dp_shard(p.dp_shard)?;
-    let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, Stage::planned(index, p))).collect();
+    let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, schedules::stage_of(index, p))).collect();
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
 }
 
@@ -355,19 +356,19 @@ pub fn held(model: &Llama, optimizer: &dyn Optimizer) -> Held {
 /// first rounds are walked, each chunk weighed by its bytes (after them the counts repeat).
 fn in_flight(cfg: &Config, stage: Stage, dtype: DType) -> f64 {
     let (t, p) = (&cfg.train, &cfg.parallel);
-    let (kind, m, v) = (p.pp_schedule, t.grad_accum_steps, stage.chunks);
+    let (schedule, m, v) = (schedules::schedule_of(p.pp_schedule), t.grad_accum_steps, stage.chunks);
     if p.pp == 1 {
         return 1.0;
     }
     if v == 1 {
-        return pipeline_schedule::held(kind, p.pp, stage.index, m, 1) as f64;
+        return schedule.held(p.pp, stage.index, m, 1) as f64;
     }
     let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
     let bytes: Vec<f64> =
         (0..v).map(|c| activation_bytes(&cfg.model, batch, seq, keep, stage.chunk(c), dtype)).collect();
-    let enough = pipeline_schedule::warmup(kind, p.pp, stage.index, m, v) + 2 * p.pp * v; // forwards
+    let enough = schedule.warmup(p.pp, stage.index, m, v) + 2 * p.pp * v; // forwards
     let (mut now, mut peak, mut forwards) = (vec![0.0; v], 0.0f64, 0);
-    for a in pipeline_schedule::schedule(kind, p.pp, stage.index, m, v) {
+    for a in schedule.actions(p.pp, stage.index, m, v) {
         let c = a.work().chunk;
         match a {
             Action::Forward(_) if forwards == enough => break,
