@@ -117,7 +117,7 @@ pub fn gather(
     };
     for (p, kept) in model.params().iter().zip(&kept) {
         let value = p.trained_values();
-        let spread = p.is_expert() && ep.size() > 1;
+        let spread = p.replicas == Axis::ExpertDp && ep.size() > 1;
         if !spread && first_replica {
             flush(&mut experts, &mut emit)?;
         }

@@ -79,12 +79,6 @@ impl Param {
         self.trained_part.as_ref().map_or(self.value.place(), |t| t.values().place())
     }
 
-    /// One of a mixture of experts' experts: replicated over the expert-data ranks, since
-    /// expert parallelism divides the experts among the ep ranks (`model/moe.rs` says so).
-    pub fn is_expert(&self) -> bool {
-        self.replicas == Axis::ExpertDp
-    }
-
     // A linear layer's GEMMs with this weight, each read as `precision` says (f32 unless a
     // later lesson sets it: `with_gemms`).
 

@@ -14,7 +14,7 @@
 
 use super::agree;
 use super::feed::{Feed, Told};
-use super::gradients::{Gradients, NormGroups, Which};
+use super::gradients::{Gradients, NormAxis, NormGroups, Which};
 use super::run::Shared;
 use super::step::Trainer;
 use crate::comm::launcher::Rank;
@@ -81,8 +81,12 @@ impl<'g> Trainer<'g> {
         }
         let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
         let (pp, ep) = (me.group(Axis::Pp), me.group(Axis::Ep));
-        let (dense_parts, expert_parts) = (sharding.on(Axis::DpCp), sharding.on(Axis::ExpertDp));
-        let norm = NormGroups { tp, pp, ep, dense_parts, expert_parts };
+        // the norm's parts: the dense weights', then the experts' (each ep rank holds other experts)
+        let axes = vec![
+            NormAxis { axis: Axis::DpCp, parts: sharding.on(Axis::DpCp), others: None },
+            NormAxis { axis: Axis::ExpertDp, parts: sharding.on(Axis::ExpertDp), others: Some(ep) },
+        ];
+        let norm = NormGroups { tp, pp, axes };
         // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
         // parallelism)
         let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };

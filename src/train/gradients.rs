@@ -22,8 +22,8 @@
 use crate::comm::process_grid::Axis;
 use crate::comm::{Group, ReduceOp};
 use crate::model::{Param, Placement};
-use crate::ops;
 use crate::ops::tensor::{Place, Tensor};
+use crate::ops::{self, DType};
 use crate::parallel::data_parallel::GradReduce;
 use anyhow::Result;
 
@@ -92,10 +92,10 @@ impl<'g> Gradients<'g> {
 /// Σ g² of the whole model's gradient when it is cut across the tp group and the pp stages: the
 /// sum of squares of a whole is the sum of its slices' sums, so each rank's Σ g² over its tp
 /// slices is summed over the tp group, plus the parameters every tp rank holds whole counted
-/// once, then summed over the stages. Where each rank holds only a part of every trained
-/// gradient (ZeRO's chunks), its sums are first added up over the group holding the other parts
-/// (`dense_parts`, `expert_parts`). With expert
-/// parallelism each ep rank holds other experts: their sums are added up over `groups.ep`. A
+/// once, then summed over the stages. Each replicas' axis (`NormAxis`) adds its parameters' part
+/// this way in turn: where each rank holds only a part of every trained gradient (ZeRO's
+/// chunks), its sums are first added up over the group holding the other parts; where the
+/// axis's other ranks hold other parameters (a later lesson's experts), over that group too. A
 /// one-number tensor on the rank's device: on GPUs the sums stay there (NCCL), and the step reads
 /// it together with the loss.
 pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<Tensor> {
@@ -108,15 +108,36 @@ pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<
         }
         Ok(sum)
     };
-    let dense = groups.dense_parts;
-    let mut total = sum(&|p| p.tp != Placement::Replicate, dense)?;
-    groups.tp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
-    ops::add_assign(&mut total, &sum(&|p| p.tp == Placement::Replicate && !p.is_expert(), dense)?);
-    if params.iter().any(|p| p.is_expert()) {
-        let mut experts = sum(&|p| p.is_expert(), groups.expert_parts)?;
-        groups.ep.all_reduce_tensor(&mut experts, ReduceOp::Sum)?; // the other ranks' experts
-        ops::add_assign(&mut total, &experts);
+    let mut total: Option<Tensor> = None;
+    for a in &groups.axes {
+        let on = |p: &Param| p.replicas == a.axis;
+        if !params.iter().any(|p| on(p)) {
+            continue;
+        }
+        // the tp slices, summed over the tp group; then what every tp rank holds whole
+        let mut part = None;
+        if params.iter().any(|p| on(p) && p.tp != Placement::Replicate) {
+            let mut slices = sum(&|p| on(p) && p.tp != Placement::Replicate, a.parts)?;
+            groups.tp.all_reduce_tensor(&mut slices, ReduceOp::Sum)?;
+            part = Some(slices);
+        }
+        let whole = sum(&|p| on(p) && p.tp == Placement::Replicate, a.parts)?;
+        let mut part = match part {
+            Some(mut slices) => {
+                ops::add_assign(&mut slices, &whole);
+                slices
+            }
+            None => whole,
+        };
+        if let Some(group) = a.others {
+            group.all_reduce_tensor(&mut part, ReduceOp::Sum)?; // the parameters the others hold
+        }
+        match &mut total {
+            Some(total) => ops::add_assign(total, &part),
+            None => total = Some(part),
+        }
     }
+    let mut total = total.unwrap_or_else(|| Tensor::zeros_on(&[1], &place, DType::F32));
     groups.pp.all_reduce_tensor(&mut total, ReduceOp::Sum)?;
     Ok(total)
 }
@@ -125,9 +146,15 @@ pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<
 pub struct NormGroups<'g> {
     pub tp: &'g Group,
     pub pp: &'g Group,
-    pub ep: &'g Group,
-    /// Where a rank holds only a part of each trained part (ZeRO): the ranks holding the other
-    /// parts of the dense weights' (dp×cp), and of the experts' (expert-data).
-    pub dense_parts: Option<&'g Group>,
-    pub expert_parts: Option<&'g Group>,
+    /// Each replicas' axis, in the order their parts are added (dp×cp first).
+    pub axes: Vec<NormAxis<'g>>,
+}
+
+/// The parameters replicated over `axis`, and the groups their sums are added over.
+pub struct NormAxis<'g> {
+    pub axis: Axis,
+    /// The ranks holding the other parts of each trained part (ZeRO), if they are cut.
+    pub parts: Option<&'g Group>,
+    /// The ranks holding other parameters of this axis, if any (experts: the ep group).
+    pub others: Option<&'g Group>,
 }

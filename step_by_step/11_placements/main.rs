@@ -120,7 +120,7 @@ fn placement(p: &Param, axis: Axis) -> Placement {
     match axis {
         Axis::Tp => p.tp,
         a if zero::chunk_of(p).is_some_and(|z| z.axis == a) => Placement::Shard(0),
-        Axis::Ep if p.is_expert() => Placement::Shard(0),
+        Axis::Ep if p.replicas == Axis::ExpertDp => Placement::Shard(0),
         _ => Placement::Replicate,
     }
 }
