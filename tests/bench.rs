@@ -3,7 +3,7 @@
 
 use ferrotron::commands::bench::{self, flops_per_token, peak_tflops};
 use ferrotron::config::{Config, Recompute};
-use ferrotron::model::Stage;
+use ferrotron::model::stage::Stage;
 use ferrotron::model::{Llama, StageInput};
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::DType;

@@ -7,7 +7,8 @@
 mod common;
 
 use ferrotron::config::Config;
-use ferrotron::model::{Llama, Stage, Whole};
+use ferrotron::model::stage::Stage;
+use ferrotron::model::{Llama, Whole};
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::train::{train, train_all, Options, Summary};
 use std::collections::HashMap;

@@ -9,7 +9,7 @@ use ferrotron::comm::trace::Trace;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::schedule::{from_trace, simulate};
 use ferrotron::config::{Config, PpSchedule};
-use ferrotron::model::Stage;
+use ferrotron::model::stage::Stage;
 use ferrotron::parallel::pipeline_schedule::Action;
 use ferrotron::parallel::schedules::schedule_of;
 use ferrotron::train::{train, train_all, Options};

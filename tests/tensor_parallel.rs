@@ -12,7 +12,7 @@ use ferrotron::comm::ReduceOp;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
 use ferrotron::model::split::Now;
-use ferrotron::model::Stage;
+use ferrotron::model::stage::Stage;
 use ferrotron::model::{Llama, Param};
 use ferrotron::model::{TensorSplit, Whole};
 use ferrotron::ops;

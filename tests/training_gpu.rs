@@ -73,7 +73,7 @@ fn bf16_activations_match_the_memory_formula() {
     let tokens: Vec<u32> = (0..batch * seq).map(|i| (i * 7 % cfg.model.vocab_size) as u32).collect();
     let targets: Vec<i32> = tokens.iter().map(|&t| t as i32).collect();
     model.forward(&tokens, batch, &targets).unwrap();
-    let whole = ferrotron::model::Stage::WHOLE;
+    let whole = ferrotron::model::stage::Stage::WHOLE;
     let want = ferrotron::train::memory::activation_bytes(
         &cfg.model,
         batch,

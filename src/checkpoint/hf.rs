@@ -9,7 +9,8 @@
 //! layer is tied to the embedding.
 
 use crate::config::ModelConfig;
-use crate::model::{Llama, Stage, TensorSplit, Whole};
+use crate::model::stage::Stage;
+use crate::model::{Llama, TensorSplit, Whole};
 use crate::ops::tensor::Tensor;
 use anyhow::{bail, Context, Result};
 use serde_json::Value;

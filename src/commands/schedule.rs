@@ -12,7 +12,7 @@
 //! says, close to none.
 
 use crate::config::PpSchedule;
-use crate::model::Stage;
+use crate::model::stage::Stage;
 use crate::parallel::pipeline_schedule::{Action, Work};
 use crate::parallel::schedules::schedule_of;
 use anyhow::{bail, Result};

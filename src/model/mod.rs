@@ -25,4 +25,3 @@ pub mod stage;
 pub use llama::{Llama, StageGrad, StageInput, StageOutput};
 pub use param::{Param, ParamKind, Placement};
 pub use split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
-pub use stage::Stage;

@@ -6,7 +6,7 @@
 //! `Mailbox`.)
 
 use crate::comm::Group;
-use crate::model::Stage;
+use crate::model::stage::Stage;
 use crate::ops::tensor::{Place, Tensor};
 use anyhow::Result;
 use std::cell::RefCell;

@@ -60,7 +60,8 @@
 
 use crate::comm::Group;
 use crate::model::split::{Now, WeightGrads};
-use crate::model::{Llama, Param, Stage, StageGrad, StageInput, StageOutput};
+use crate::model::stage::Stage;
+use crate::model::{Llama, Param, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use crate::parallel::pipeline_messages::Messages;

@@ -9,7 +9,7 @@
 //! lessons' in their own files — interleaved (`pipeline_actions.rs`, walked as this list) and the
 //! zero-bubble ones (`pipeline_zero_bubble.rs`).
 
-use crate::model::Stage;
+use crate::model::stage::Stage;
 use crate::parallel::pipeline_parallel::Afab;
 
 /// Micro-batch `micro` through model chunk `chunk` (0 but in the schedules with model chunks).

@@ -18,7 +18,7 @@
 //! Both are walked as lists of actions (`pipeline_actions.rs`'s `Listed`), whose B keeps the
 //! weight GEMMs for the W (`model/deferred_grads.rs`).
 
-use crate::model::Stage;
+use crate::model::stage::Stage;
 use crate::parallel::pipeline_1f1b::OneFOneB;
 use crate::parallel::pipeline_schedule::{Action, Actions, Schedule, Work};
 use std::collections::VecDeque;

@@ -10,7 +10,7 @@
 //! sent before it, every walk is wrapped here in one that replays their schedules (`Drained`).
 
 use crate::config::{ParallelConfig, PpSchedule};
-use crate::model::Stage;
+use crate::model::stage::Stage;
 use crate::parallel::pipeline_1f1b::OneFOneB;
 use crate::parallel::pipeline_actions::{Interleaved, Listed};
 use crate::parallel::pipeline_messages::Messages;

@@ -22,7 +22,8 @@ use crate::comm::process_grid::Axis;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
-use crate::model::{Llama, Stage, Whole};
+use crate::model::stage::Stage;
+use crate::model::{Llama, Whole};
 use anyhow::Result;
 use std::collections::HashMap;
 
