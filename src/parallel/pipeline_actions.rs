@@ -10,12 +10,11 @@
 //! always a neighbour, and a message may arrive before it is needed: the `Mailbox` replays each
 //! neighbour's schedule to know in which order its messages come, and keeps the early ones.
 
-use crate::model::deferred_grads::Later;
 use crate::ops::tensor::Tensor;
 use crate::parallel::pipeline_messages::Messages;
 use crate::parallel::pipeline_parallel::{Runner, Walk};
 use crate::parallel::pipeline_schedule::{one_f_one_b, sent_by, Action, Actions, Carries, Schedule, Work};
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use std::collections::HashMap;
 
 /// A schedule walked as its list of actions, each message through the `Mailbox`.
@@ -41,10 +40,11 @@ impl Walk for Listed {
                     let dx = run.backward_chunk((w.micro, w.chunk), dy)?;
                     mail.send(Carries::Gradient, w, dx)?;
                 }
-                // B: the weight GEMMs kept for the W (`model/deferred_grads.rs`)
+                // B: the weight GEMMs kept for the W (zero bubble: `pipeline_zero_bubble.rs`)
                 Action::InputGrad(_) => {
+                    let mut kept = schedule.keeps_w().context("pipeline: a B in a schedule that keeps no W")?;
                     let dy = mail.take(Carries::Gradient, w)?;
-                    let dx = run.input_grad((w.micro, w.chunk), dy, &mut Later::default())?;
+                    let dx = run.input_grad((w.micro, w.chunk), dy, &mut *kept)?;
                     mail.send(Carries::Gradient, w, dx)?;
                 }
                 Action::Weights(_) => run.weights((w.micro, w.chunk))?,

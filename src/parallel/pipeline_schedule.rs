@@ -9,6 +9,7 @@
 //! lessons' in their own files — interleaved (`pipeline_actions.rs`, walked as this list) and the
 //! zero-bubble ones (`pipeline_zero_bubble.rs`).
 
+use crate::model::split::WeightGrads;
 use crate::model::stage::Stage;
 use crate::parallel::pipeline_parallel::Afab;
 
@@ -83,6 +84,12 @@ pub trait Schedule: Sync {
     /// schedule says otherwise.
     fn held(&self, stages: usize, stage: usize, m: usize, chunks: usize) -> usize {
         (self.warmup(stages, stage, m, chunks) + 1).min(m * chunks)
+    }
+
+    /// Where a B (`InputGrad`) keeps its weight GEMMs until their W, for a schedule that splits
+    /// its backwards (zero bubble); `None`: its backwards are whole.
+    fn keeps_w(&self) -> Option<Box<dyn WeightGrads>> {
+        None
     }
 }
 

@@ -15,9 +15,11 @@
 //!   fill the gaps the B's leave. With F = B = W the bubble is nearly gone for the same peak
 //!   memory as 1F1B (p micro-batches, 2p chunks of half a micro-batch). It needs m ≥ 2p − 1.
 //!
-//! Both are walked as lists of actions (`pipeline_actions.rs`'s `Listed`), whose B keeps the
-//! weight GEMMs for the W (`model/deferred_grads.rs`).
+//! Both are walked as lists of actions (`pipeline_actions.rs`'s `Listed`); each B keeps its
+//! weight GEMMs where `keeps_w` says, a `Later` (`model/deferred_grads.rs`), until its W.
 
+use crate::model::deferred_grads::Later;
+use crate::model::split::WeightGrads;
 use crate::model::stage::Stage;
 use crate::parallel::pipeline_1f1b::OneFOneB;
 use crate::parallel::pipeline_schedule::{Action, Actions, Schedule, Work};
@@ -39,6 +41,9 @@ impl Schedule for ZbH1 {
     fn held(&self, stages: usize, _: usize, m: usize, _: usize) -> usize {
         stages.min(m)
     }
+    fn keeps_w(&self) -> Option<Box<dyn WeightGrads>> {
+        Some(Box::new(Later::default()))
+    }
 }
 
 /// ZBV: two chunks a rank, laid out as a V.
@@ -58,6 +63,9 @@ impl Schedule for Zbv {
     }
     fn held(&self, stages: usize, _: usize, _: usize, _: usize) -> usize {
         2 * stages
+    }
+    fn keeps_w(&self) -> Option<Box<dyn WeightGrads>> {
+        Some(Box::new(Later::default()))
     }
 }
 
