@@ -49,7 +49,7 @@ fn gradients_under_sequence_parallelism_equal_the_dense_model_s() {
                 model.backward(1.0)?;
                 sum_replicated_grads(&mut model.params_mut(), group)?; // the norms saw 1/tp of the rows
                 for (p, d) in model.params().iter().zip(&dense) {
-                    let want = part_of(d, p.tp, (group.index(), tp)).to_vec();
+                    let want = part_of(d, p.tp.into(), (group.index(), tp)).to_vec();
                     for (i, (a, b)) in p.grad.to_vec().iter().zip(&want).enumerate() {
                         let ok = (a - b).abs() <= 1e-5 * (1.0 + b.abs());
                         assert!(ok, "tp {tp} {recompute:?}: {}[{i}] {a} vs {b}", p.name);

@@ -18,6 +18,7 @@ use ferrotron::model::{TensorSplit, Whole};
 use ferrotron::ops;
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::Precision::F32;
+use ferrotron::ops::TpCut;
 use ferrotron::parallel::tensor_parallel::TensorParallel;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -29,7 +30,7 @@ fn randn(seed: u64, shape: &[usize]) -> Tensor {
 }
 
 fn param(value: Tensor) -> Param {
-    Param::new("w".into(), value, Placement::Replicate)
+    Param::new("w".into(), value, TpCut::Whole)
 }
 
 fn close(got: &Tensor, want: &Tensor, what: &str) {
@@ -134,7 +135,7 @@ fn shards_are_cut_from_the_single_rank_init() {
         let model = Llama::init(&cfg.model, 7, Box::new(TensorParallel::new(me.group(Axis::Tp))), Stage::WHOLE);
         for (p, full) in model.params().iter().zip(&dense) {
             let i = me.group(Axis::Tp).index();
-            assert_eq!(p.value.to_vec(), part_of(full, p.tp, (i, 4)).to_vec(), "{}", p.name);
+            assert_eq!(p.value.to_vec(), part_of(full, p.tp.into(), (i, 4)).to_vec(), "{}", p.name);
         }
         // and the shards of a row-split weight add back up to the whole
         let mut rows = [model.params()[0].value.rows() as f32];

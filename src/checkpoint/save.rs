@@ -29,12 +29,13 @@
 use crate::checkpoint::folder::Folder;
 use crate::checkpoint::hf::{build_from, check_tensors, full_tensor, read_safetensors};
 use crate::comm::launcher::Rank;
-use crate::comm::placement::{part_of, redistribute};
+use crate::comm::placement::redistribute;
+use crate::comm::placement::Placement;
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ModelConfig};
 use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::stage::Stage;
-use crate::model::{Llama, Param, Placement, TensorSplit};
+use crate::model::{Llama, Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::DType;
@@ -156,8 +157,8 @@ pub fn gather(
             }
             let whole = redistribute(
                 Cow::Borrowed(t),
-                &whole_shape(t.shape(), p.tp, tp.size()),
-                p.tp,
+                &whole_shape(t.shape(), p.tp.into(), tp.size()),
+                p.tp.into(),
                 Placement::Replicate,
                 tp,
             )?;
@@ -331,11 +332,11 @@ impl Resumed {
     ) -> Result<()> {
         let kinds: Vec<Vec<&str>> = o.state().iter().map(|s| s.iter().map(|(kind, _)| *kind).collect()).collect();
         for ((p, kinds), tensors) in params.iter().zip(kinds).zip(o.state_mut()) {
-            let full_shape = whole_shape(p.value.shape(), p.tp, count);
+            let full_shape = whole_shape(p.value.shape(), p.tp.into(), count);
             for (kind, t) in kinds.iter().zip(tensors) {
                 let full =
                     full_tensor(&self.moments, &format!("{kind}.{}", p.name), &full_shape, "optimizer.safetensors")?;
-                *t = part_of(&full, p.tp, (index, count)); // this tp rank's
+                *t = ops::tp_part(&full, p.tp, (index, count)); // this tp rank's
             }
         }
         o.resume_at(self.adam_steps);

@@ -41,15 +41,16 @@
 //! and the last slices end in zeros (FSDP2 pads the same way before its collectives). That is how
 //! ZeRO cuts a parameter of any size (`parallel/zero.rs`).
 //!
-//! Every helper here sees a tensor as `[a, S[d], b]` around its dimension d, so one slice is a
-//! block of `S[d]/n · b` values in each of the a rows: the local steps are `ops::copy` where the
-//! slices are contiguous (a = 1) and one gather of blocks elsewhere (of single entries where the
-//! last slice is padded).
+//! Every helper here sees a tensor as `[a, S[d], b]` around its dimension d (`ops::around`), so
+//! one slice is a block of `S[d]/n · b` values in each of the a rows (`ops::slice_along`, the
+//! same cut tensor parallelism makes): the local steps are `ops::copy` where the slices are
+//! contiguous (a = 1) and one gather of blocks elsewhere (of single entries where the last slice
+//! is padded).
 
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::ReduceOp;
+use crate::ops::types::{ReduceOp, TpCut};
 use crate::ops::{self, gather_blocks};
 use anyhow::{bail, ensure, Result};
 use std::borrow::Cow;
@@ -60,6 +61,14 @@ pub enum Placement {
     Shard(usize),
     Replicate,
     Partial(ReduceOp),
+}
+
+/// Tensor parallelism's cuts (step 09) are placements on the tp axis: rows `Shard(0)`, columns
+/// `Shard(1)`, whole `Replicate`.
+impl From<TpCut> for Placement {
+    fn from(cut: TpCut) -> Placement {
+        cut.dim().map_or(Placement::Replicate, Placement::Shard)
+    }
 }
 
 /// What takes a tensor from one placement to another: a collective, or a local step.
@@ -130,46 +139,11 @@ fn local_shape(shape: &[usize], placement: Placement, n: usize) -> Vec<usize> {
     local
 }
 
-/// The tensor seen around dimension d: (a, S[d], b) with a the product of the dimensions before
-/// d and b of those after.
-fn around(shape: &[usize], d: usize) -> (usize, usize, usize) {
-    (shape[..d].iter().product(), shape[d], shape[d + 1..].iter().product())
-}
-
-/// Rank `r`'s slice (of `n`) along dimension `d` of `whole`, whose shape is `shape`: the
-/// Replicate → Shard(d) step, padded with zeros where `shape[d]` does not divide by n.
-pub fn slice_of(whole: &Tensor, shape: &[usize], d: usize, (r, n): (usize, usize)) -> Tensor {
-    let (a, s, b) = around(shape, d);
-    let ld = s.div_ceil(n);
-    let real = s.saturating_sub(r * ld).min(ld); // this slice's entries that are not padding
-    let local = local_shape(shape, Placement::Shard(d), n);
-    if a == 1 {
-        // one contiguous run of values
-        let mut part = if real < ld { Tensor::zeros_as(&local, whole) } else { Tensor::empty_as(&local, whole) };
-        if real > 0 {
-            ops::copy(whole, r * ld * b, &mut part, 0, real * b);
-        }
-        return part;
-    }
-    if s == n * ld {
-        // no padding: the whole is a rows of n blocks of ld·b values; mine is block r of each
-        let order: Vec<u32> = (0..a).map(|i| (i * n + r) as u32).collect();
-        return gather_blocks(whole, ld * b, &order).with_shape(&local);
-    }
-    // padded: entry by entry (rows of b values), a zero row appended to gather under the padding
-    let zero_row = (a * s) as u32;
-    let order: Vec<u32> = (0..a)
-        .flat_map(|i| (0..ld).map(move |k| if k < real { (i * s + r * ld + k) as u32 } else { zero_row }))
-        .collect();
-    let rows = ops::concat(&[whole, &Tensor::zeros_as(&[b], whole)]);
-    gather_blocks(&rows, b, &order).with_shape(&local)
-}
-
 /// Rank `r`'s part (of `n`) of `whole` placed as `to`: the local step from Replicate, nothing
 /// sent (a slice for Shard; for a sum's Partial, the value on rank 0 and zeros elsewhere).
 pub fn part_of(whole: &Tensor, to: Placement, (r, n): (usize, usize)) -> Tensor {
     match to {
-        Placement::Shard(d) => slice_of(whole, whole.shape(), d, (r, n)),
+        Placement::Shard(d) => ops::slice_along(whole, whole.shape(), d, (r, n)),
         Placement::Partial(ReduceOp::Sum) if r > 0 => Tensor::zeros_as(whole.shape(), whole),
         _ => whole.clone(), // every rank holds it all: Replicate, or a mean's (or max's) Partial
     }
@@ -178,21 +152,21 @@ pub fn part_of(whole: &Tensor, to: Placement, (r, n): (usize, usize)) -> Tensor 
 /// Every rank's slice along `d`, one after another (rank-major): what a reduce-scatter along the
 /// first dimension hands out as Shard(d).
 fn rank_major(whole: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
-    let (a, s, b) = around(shape, d);
+    let (a, s, b) = ops::around(shape, d);
     let ld = s.div_ceil(n);
     if a > 1 && s == n * ld {
         // one gather: block r of every row, rank after rank
         let order: Vec<u32> = (0..n).flat_map(|r| (0..a).map(move |i| (i * n + r) as u32)).collect();
         return gather_blocks(whole, ld * b, &order);
     }
-    let parts: Vec<Tensor> = (0..n).map(|r| slice_of(whole, shape, d, (r, n))).collect();
+    let parts: Vec<Tensor> = (0..n).map(|r| ops::slice_along(whole, shape, d, (r, n))).collect();
     ops::concat(&parts.iter().collect::<Vec<_>>())
 }
 
 /// The whole tensor of `shape` from every rank's slice along `d`, one after another (what an
 /// all-gather returns): the inverse of `rank_major`, without the padding.
 fn assemble(stacked: &Tensor, shape: &[usize], d: usize, n: usize) -> Tensor {
-    let (a, s, b) = around(shape, d);
+    let (a, s, b) = ops::around(shape, d);
     let ld = s.div_ceil(n);
     if a == 1 {
         return ops::slice(stacked, 0, shape); // the slices are runs, the padding at the end
@@ -245,7 +219,7 @@ pub fn redistribute(t: Cow<Tensor>, shape: &[usize], from: Placement, to: Placem
             let theirs = local_shape(shape, to, n); // the whole along d, my slice along e
             assemble(&got, &theirs, d, n)
         }
-        Move::Slice(d) => slice_of(&t, shape, d, (r, n)),
+        Move::Slice(d) => ops::slice_along(&t, shape, d, (r, n)),
         Move::Split(_) => part_of(&t, to, (r, n)),
         Move::Pad(d) => {
             let zeros = Tensor::zeros_as(t.shape(), &t);

@@ -35,10 +35,10 @@
 use crate::config::{ModelConfig, Recompute};
 use crate::model::kv_cache::KvLayer;
 use crate::model::moe::{Load, Moe, MoeCache};
-use crate::model::param::{Param, ParamKind, Placement};
+use crate::model::param::{Param, ParamKind};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
-use crate::ops::{self, Attn};
+use crate::ops::{self, Attn, TpCut};
 use anyhow::Result;
 use std::borrow::Cow;
 
@@ -136,10 +136,10 @@ impl Block {
         i: usize,
         cfg: &ModelConfig,
         held: std::ops::Range<usize>,
-        param: &mut impl FnMut(String, &[usize], ParamKind, Placement) -> Result<Param>,
+        param: &mut impl FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>,
     ) -> Result<Block> {
         // on the tp axis: Megatron's column-parallel layers hold rows of W, its row-parallel ones columns
-        let (rows, cols, whole) = (Placement::Shard(0), Placement::Shard(1), Placement::Replicate);
+        let (rows, cols, whole) = (TpCut::Rows, TpCut::Columns, TpCut::Whole);
         let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
         let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let p = |s: &str| format!("model.layers.{i}.{s}.weight");

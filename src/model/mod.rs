@@ -23,5 +23,5 @@ pub mod split;
 pub mod stage;
 
 pub use llama::{Llama, StageGrad, StageInput, StageOutput};
-pub use param::{Param, ParamKind, Placement};
+pub use param::{Param, ParamKind};
 pub use split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};

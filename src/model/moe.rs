@@ -32,11 +32,11 @@
 
 use crate::comm::process_grid::Axis;
 use crate::config::ModelConfig;
-use crate::model::param::{Param, ParamKind, Placement};
+use crate::model::param::{Param, ParamKind};
 use crate::model::split::{input_grad, owned, ExpertSplit, Routed, WeightGrads};
-use crate::ops;
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
+use crate::ops::{self, TpCut};
 use anyhow::Result;
 use std::borrow::Cow;
 
@@ -120,18 +120,18 @@ impl Moe {
         i: usize,
         cfg: &ModelConfig,
         held: std::ops::Range<usize>,
-        param: &mut impl FnMut(String, &[usize], ParamKind, Placement) -> Result<Param>,
+        param: &mut impl FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>,
     ) -> Result<Moe> {
         let (d, f, total) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts);
         let p = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
         // replicated over tp: every tp rank routes and computes the same rows (its own with
         // sequence parallelism), so the router and the experts are whole on each
-        let gate = param(p("gate"), &[total, d], ParamKind::Matrix, Placement::Replicate)?;
+        let gate = param(p("gate"), &[total, d], ParamKind::Matrix, TpCut::Whole)?;
         let mut experts = Vec::new();
         // an expert's replicas are the ranks holding the same experts: the expert-data axis, whose
         // ranks average its gradient (expert parallelism divides the experts over the ep axis)
         let mut expert = |name: String, shape: &[usize]| -> Result<Param> {
-            let made = param(name, shape, ParamKind::Matrix, Placement::Replicate)?;
+            let made = param(name, shape, ParamKind::Matrix, TpCut::Whole)?;
             Ok(Param { replicas: Axis::ExpertDp, ..made })
         };
         for e in held {

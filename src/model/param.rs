@@ -1,32 +1,30 @@
 //! # Parameters: a named weight, its gradient, and where it lives on the grid
 //!
 //! Every parameter carries its Hugging Face name (so checkpoints load by name and gradients
-//! compare tensor by tensor), its gradient (accumulated by backward) and its placements
-//! (`comm/placement.rs`): on the tp axis `Shard(0)`, `Shard(1)` or `Replicate`; on the axis of its
-//! replicas (dp×cp, or for an expert the expert-data ranks) `Replicate`. What the optimizer
-//! updates is the weight itself, unless a later lesson keeps a trained part apart (ZeRO keeps only
-//! this rank's chunk of the master: `TrainedPart`). A parameter is always made whole first, from
-//! its own (seed, name) random stream, and then sliced for its tp rank (`placement::slice_of`),
-//! so every layout starts from the same model.
+//! compare tensor by tensor), its gradient (accumulated by backward), how tensor parallelism cuts
+//! it (`TpCut`: its rows, its columns, or whole on every rank) and the axis of its replicas, the
+//! ranks holding the same part of it. What the optimizer updates is the weight itself, unless a
+//! later lesson keeps a trained part apart (ZeRO keeps only this rank's chunk of the master:
+//! `TrainedPart`). A parameter is always made whole first, from its own (seed, name) random
+//! stream, and then cut for its tp rank (`ops::tp_part`), so every layout starts from the same
+//! model.
 //!
 //! ```text
-//! tp: Replicate: every rank the whole   Shard(0): rank r rows [r·n/tp, (r+1)·n/tp)   Shard(1): columns
+//! tp: Whole: every rank all of W   Rows: rank r rows [r·n/tp, (r+1)·n/tp) of W [n, ·]   Columns: its columns
 //! ```
 
 use crate::comm::process_grid::Axis;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::{self, DType, Precision};
+use crate::ops::{self, DType, Precision, TpCut};
 use std::any::Any;
-
-pub use crate::comm::placement::Placement;
 
 /// A named weight and its gradient (same shape, accumulated by backward).
 pub struct Param {
     pub name: String,
     pub value: Tensor,
     pub grad: Tensor,
-    /// Its placement on the tp axis (`value` is this rank's slice): Shard(0), Shard(1) or Replicate.
-    pub tp: Placement,
+    /// How tensor parallelism cuts it (`value` is this rank's part): rows, columns, or whole.
+    pub tp: TpCut,
     /// The axis whose ranks hold the same slice of it and average its gradient: dp×cp, or for an
     /// expert the expert-data axis (`parallel/expert_parallel.rs`).
     pub replicas: Axis,
@@ -55,9 +53,9 @@ pub trait TrainedPart: Any {
 }
 
 impl Param {
-    /// A parameter holding `value` (placed so on the tp axis), its gradient zero, replicated over
-    /// the dp×cp ranks.
-    pub fn new(name: String, value: Tensor, tp: Placement) -> Param {
+    /// A parameter holding `value` (its part, cut so by tensor parallelism), its gradient zero,
+    /// replicated over the dp×cp ranks.
+    pub fn new(name: String, value: Tensor, tp: TpCut) -> Param {
         Param {
             grad: Tensor::zeros(value.shape()),
             name,

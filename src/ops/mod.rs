@@ -22,7 +22,7 @@ pub mod tensor;
 pub mod types;
 pub mod wire;
 
-pub use types::{AdamWSettings, Attn, DType, Precision};
+pub use types::{AdamWSettings, Attn, DType, Precision, TpCut};
 
 use crate::cuda::device::{fatal, Device};
 use cpu_math::View;
@@ -375,6 +375,51 @@ pub fn slice(t: &Tensor, offset: usize, shape: &[usize]) -> Tensor {
     let n = part.numel();
     copy(t, offset, &mut part, 0, n);
     part
+}
+
+/// A tensor of `shape` seen around its dimension d: (a, S[d], b), with a the product of the
+/// dimensions before d and b of those after. One of n slices along d is then a block of
+/// `S[d]/n · b` values in each of the a rows.
+pub fn around(shape: &[usize], d: usize) -> (usize, usize, usize) {
+    (shape[..d].iter().product(), shape[d], shape[d + 1..].iter().product())
+}
+
+/// Rank `r`'s slice (of `n`) along dimension `d` of `whole`, whose shape is `shape`: ⌈S[d]/n⌉
+/// entries along d, the last slices ending in zeros where S[d] does not divide by n.
+pub fn slice_along(whole: &Tensor, shape: &[usize], d: usize, (r, n): (usize, usize)) -> Tensor {
+    let (a, s, b) = around(shape, d);
+    let ld = s.div_ceil(n);
+    let real = s.saturating_sub(r * ld).min(ld); // this slice's entries that are not padding
+    let mut local = shape.to_vec();
+    local[d] = ld;
+    if a == 1 {
+        // one contiguous run of values
+        let mut part = if real < ld { Tensor::zeros_as(&local, whole) } else { Tensor::empty_as(&local, whole) };
+        if real > 0 {
+            copy(whole, r * ld * b, &mut part, 0, real * b);
+        }
+        return part;
+    }
+    if s == n * ld {
+        // no padding: the whole is a rows of n blocks of ld·b values; mine is block r of each
+        let order: Vec<u32> = (0..a).map(|i| (i * n + r) as u32).collect();
+        return gather_blocks(whole, ld * b, &order).with_shape(&local);
+    }
+    // padded: entry by entry (rows of b values), a zero row appended to gather under the padding
+    let zero_row = (a * s) as u32;
+    let order: Vec<u32> = (0..a)
+        .flat_map(|i| (0..ld).map(move |k| if k < real { (i * s + r * ld + k) as u32 } else { zero_row }))
+        .collect();
+    let rows = concat(&[whole, &Tensor::zeros_as(&[b], whole)]);
+    gather_blocks(&rows, b, &order).with_shape(&local)
+}
+
+/// Tensor-parallel rank `r`'s part (of `n`) of a whole weight, cut as `cut` says.
+pub fn tp_part(whole: &Tensor, cut: TpCut, (r, n): (usize, usize)) -> Tensor {
+    match cut.dim() {
+        Some(d) => slice_along(whole, whole.shape(), d, (r, n)),
+        None => whole.clone(),
+    }
 }
 
 /// `x`'s values seen as rows of `d` (whatever its shape), those rows in `order`:

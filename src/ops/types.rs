@@ -73,6 +73,29 @@ pub struct AdamWSettings {
     pub moments: DType,
 }
 
+/// How tensor parallelism (step 09) cuts a weight W `[out, in]` over its ranks: rank r of n holds
+/// the r-th of n slices of its rows (Megatron's column-parallel layers: q, k, v, gate, up, the
+/// embedding and the output layer) or of its columns (row-parallel: o, down); norms and routers
+/// stay whole on every rank. On one rank every cut is the whole weight. (Step 11 names these
+/// `Shard(0)`, `Shard(1)` and `Replicate`: placements on the tp axis.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TpCut {
+    Rows,
+    Columns,
+    Whole,
+}
+
+impl TpCut {
+    /// The dimension it cuts (`None`: whole).
+    pub fn dim(self) -> Option<usize> {
+        match self {
+            TpCut::Rows => Some(0),
+            TpCut::Columns => Some(1),
+            TpCut::Whole => None,
+        }
+    }
+}
+
 /// How a collective combines the members' numbers.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum ReduceOp {

@@ -30,12 +30,11 @@
 //! the norm weights, replicated over tp, now see only this rank's rows in backward: their
 //! gradients are partial sums, added over the tp ranks once per step (`sum_replicated_grads`).
 
-use crate::comm::placement::Placement;
 use crate::comm::{Group, ReduceOp};
 use crate::model::split::{input_grad, owned, WeightGrads};
 use crate::model::{Param, TensorSplit};
-use crate::ops;
 use crate::ops::tensor::Tensor;
+use crate::ops::{self, TpCut};
 use crate::parallel::data_parallel::GradReduce;
 use crate::parallel::tensor_parallel::TensorParallel;
 use anyhow::Result;
@@ -106,8 +105,7 @@ impl TensorSplit for SequenceParallel<'_> {
 /// them packed together, after data parallelism has averaged them (both are sums, so the order
 /// does not matter) and before the gradient norm reads them.
 pub fn sum_replicated_grads(params: &mut [&mut Param], tp: &Group) -> Result<()> {
-    let mut norms: Vec<&mut Param> =
-        params.iter_mut().filter(|p| p.tp == Placement::Replicate).map(|p| &mut **p).collect();
+    let mut norms: Vec<&mut Param> = params.iter_mut().filter(|p| p.tp == TpCut::Whole).map(|p| &mut **p).collect();
     if norms.is_empty() || tp.size() == 1 {
         return Ok(());
     }

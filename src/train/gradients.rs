@@ -21,9 +21,9 @@
 
 use crate::comm::process_grid::Axis;
 use crate::comm::{Group, ReduceOp};
-use crate::model::{Param, Placement};
+use crate::model::Param;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::{self, DType};
+use crate::ops::{self, DType, TpCut};
 use crate::parallel::data_parallel::GradReduce;
 use anyhow::Result;
 
@@ -116,12 +116,12 @@ pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<
         }
         // the tp slices, summed over the tp group; then what every tp rank holds whole
         let mut part = None;
-        if params.iter().any(|p| on(p) && p.tp != Placement::Replicate) {
-            let mut slices = sum(&|p| on(p) && p.tp != Placement::Replicate, a.parts)?;
+        if params.iter().any(|p| on(p) && p.tp != TpCut::Whole) {
+            let mut slices = sum(&|p| on(p) && p.tp != TpCut::Whole, a.parts)?;
             groups.tp.all_reduce_tensor(&mut slices, ReduceOp::Sum)?;
             part = Some(slices);
         }
-        let whole = sum(&|p| on(p) && p.tp == Placement::Replicate, a.parts)?;
+        let whole = sum(&|p| on(p) && p.tp == TpCut::Whole, a.parts)?;
         let mut part = match part {
             Some(mut slices) => {
                 ops::add_assign(&mut slices, &whole);

@@ -21,9 +21,9 @@ use crate::comm::process_grid::Grid;
 use crate::config::{Config, DpMode, ModelConfig, Recompute};
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
-use crate::model::{Llama, Placement};
+use crate::model::Llama;
 use crate::ops::cpu_attention::QUERY_TILE;
-use crate::ops::DType;
+use crate::ops::{DType, TpCut};
 use crate::parallel::data_parallel::bucket_values;
 use crate::parallel::pipeline_schedule::Action;
 use crate::parallel::schedules;
@@ -194,9 +194,8 @@ fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize) -> (
     let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
     // (values, values in chunks) of the embedding, of one block, of the head
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
-    for (name, shape, on_tp, replicas) in Llama::tensor_placements(&one_layer, Stage::WHOLE) {
-        let n = shape.iter().map(|&x| x as f64).product::<f64>()
-            / if on_tp == Placement::Replicate { 1.0 } else { tp as f64 };
+    for (name, shape, on_tp, replicas) in Llama::tensor_cuts(&one_layer, Stage::WHOLE) {
+        let n = shape.iter().map(|&x| x as f64).product::<f64>() / if on_tp == TpCut::Whole { 1.0 } else { tp as f64 };
         let expert = replicas == Axis::ExpertDp;
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {

@@ -7,11 +7,10 @@ mod common;
 
 use anyhow::Result;
 use ferrotron::comm::launcher::launch;
-use ferrotron::comm::placement::{part_of, Placement};
 use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::model::{Param, TensorSplit};
 use ferrotron::ops::tensor::Tensor;
-use ferrotron::ops::{self, Precision::F32};
+use ferrotron::ops::{self, Precision::F32, TpCut};
 use ferrotron::parallel::tensor_parallel::TensorParallel;
 use ferrotron::train::{train, Options};
 use std::time::Duration;
@@ -30,9 +29,9 @@ fn run(tiny: bool) -> Result<()> {
     let dense = ops::linear(&ops::linear(&x, &w1, F32), &w2, F32);
     let diffs = launch(Grid::new(1, 1, 1, 2)?, Duration::from_secs(30), |me| {
         let (tp, i) = (TensorParallel::new(me.group(Axis::Tp)), me.group(Axis::Tp).index());
-        let param = |value| Param::new("w".into(), value, Placement::Replicate);
-        let column = param(part_of(&w1, Placement::Shard(0), (i, 2))); // my 16 of the 32 hidden features
-        let row = param(part_of(&w2, Placement::Shard(1), (i, 2))); // the matching 16 input columns
+        let param = |value| Param::new("w".into(), value, TpCut::Whole);
+        let column = param(ops::tp_part(&w1, TpCut::Rows, (i, 2))); // my 16 of the 32 hidden features
+        let row = param(ops::tp_part(&w2, TpCut::Columns, (i, 2))); // the matching 16 input columns
         let h = ops::linear(&x, &column.value, F32); // column parallel: f is the identity forward
         let y = tp.row_forward(&h, &row)?; // row parallel: g all-reduces the partial products
         Ok(max_diff(&y, &dense))

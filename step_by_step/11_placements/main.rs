@@ -119,7 +119,7 @@ const TABLE: [(&str, &str, &str, &str); 8] = [
 /// ep axis (step 20); replicated on any other axis.
 fn placement(p: &Param, axis: Axis) -> Placement {
     match axis {
-        Axis::Tp => p.tp,
+        Axis::Tp => p.tp.into(), // rows Shard(0), columns Shard(1), whole Replicate
         a if zero::chunk_of(p).is_some_and(|z| z.axis == a) => Placement::Shard(0),
         Axis::Ep if p.replicas == Axis::ExpertDp => Placement::Shard(0),
         _ => Placement::Replicate,
@@ -158,11 +158,11 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
         let mut worst = 0.0f32;
         for (p, want) in model.params_mut().into_iter().zip(&grads) {
             let grad = std::mem::replace(&mut p.grad, Tensor::zeros(&[0]));
-            let got = match p.tp {
+            let got = match placement(p, Axis::Tp) {
                 Placement::Replicate => redistribute(Cow::Owned(grad), want.shape(), SUM, Placement::Replicate, group)?,
                 _ => grad,
             };
-            worst = worst.max(max_diff(&got, &part_of(want, p.tp, (group.index(), 2))));
+            worst = worst.max(max_diff(&got, &part_of(want, placement(p, Axis::Tp), (group.index(), 2))));
         }
         Ok((weights, worst))
     })?;

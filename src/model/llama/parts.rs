@@ -5,17 +5,16 @@
 //! the parameters in Hugging Face order, their device, and what the model holds.
 
 use super::{Cache, Head, HeadCache, Llama, LossHead, Unit, WholeLogits};
-use crate::comm::placement::part_of;
 use crate::comm::process_grid::Axis;
 use crate::config::{ModelConfig, Recompute};
 use crate::model::block::{Block, Kept};
 use crate::model::init;
-use crate::model::param::{Param, ParamKind, Placement};
+use crate::model::param::{Param, ParamKind};
 use crate::model::routing_tape::{RoutingTape, Taped};
 use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::stage::Stage;
 use crate::ops::tensor::{Place, Tensor};
-use crate::ops::{self, DType, Precision};
+use crate::ops::{self, DType, Precision, TpCut};
 use anyhow::Result;
 use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
@@ -50,7 +49,7 @@ impl<'g> Llama<'g> {
     ) -> Result<Llama<'g>> {
         let (index, count) = tp.part();
         let (embed_tokens, layers, head) = Llama::parts(cfg, stage, &mut |name, shape, kind, tp| {
-            let value = part_of(&make(&name, shape, kind)?, tp, (index, count)); // this tp rank's
+            let value = ops::tp_part(&make(&name, shape, kind)?, tp, (index, count)); // this tp rank's
             Ok(Param::new(name, value, tp))
         })?;
         let vocab_first = index * cfg.vocab_size / count;
@@ -85,12 +84,12 @@ impl<'g> Llama<'g> {
     /// The name and full shape of every tensor of pipeline `stage`, in Hugging Face order, from
     /// the config alone (nothing allocated): what a checkpoint of this model must hold.
     pub fn tensor_shapes(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>)> {
-        Llama::tensor_placements(cfg, stage).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
+        Llama::tensor_cuts(cfg, stage).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
     }
 
-    /// `tensor_shapes`, with each tensor's placement on the tp axis and its replicas' axis, in
+    /// `tensor_shapes`, with how tensor parallelism cuts each tensor and its replicas' axis, in
     /// the order of `params()`.
-    pub fn tensor_placements(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, Placement, Axis)> {
+    pub fn tensor_cuts(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, TpCut, Axis)> {
         let mut shapes = HashMap::new();
         let made = Llama::parts(cfg, stage, &mut |name, shape, _, tp| {
             shapes.insert(name.clone(), shape.to_vec());
@@ -102,15 +101,15 @@ impl<'g> Llama<'g> {
         params.map(|p| (p.name.clone(), shapes[&p.name].clone(), p.tp, p.replicas)).collect()
     }
 
-    /// The parameters of `stage`, each made by `param(name, full shape, kind, placement on tp)`.
+    /// The parameters of `stage`, each made by `param(name, full shape, kind, tp cut)`.
     #[allow(clippy::type_complexity)]
     fn parts(
         cfg: &ModelConfig,
         stage: Stage,
-        param: &mut impl FnMut(String, &[usize], ParamKind, Placement) -> Result<Param>,
+        param: &mut impl FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>,
     ) -> Result<(Option<Param>, Vec<Block>, Option<Head>)> {
         let d = cfg.hidden_size;
-        let (rows, whole) = (Placement::Shard(0), Placement::Replicate); // on the tp axis: vocabulary rows
+        let (rows, whole) = (TpCut::Rows, TpCut::Whole); // on the tp axis: vocabulary rows
         let embed_name = "model.embed_tokens.weight".to_string();
         let embed_tokens = match stage.is_first() {
             true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, rows)?),
