@@ -26,13 +26,12 @@
 //! other ranks (`Splits::ep`); it needs no tensor-parallel calls (every tp rank routes its rows
 //! itself).
 //!
-//! How much is kept is `train.recompute` (`Kept`): everything; everything but the attention
-//! core's output, which backward computes again from q, k and v (selective, as Megatron does);
-//! or only the block's input, from which backward runs the whole forward again (full). Memory
-//! for compute: what a block keeps falls from about (6d + 2·kv + 3f) numbers per row to d, for
-//! one more forward.
+//! What a block keeps for its backward is a seam (`Keeps`): everything (`KeepAll`), unless a
+//! later lesson trades memory for compute (recomputation, `recompute.rs`) and keeps less: a cache
+//! without the attention core's output, or only the block's input (`Kept`). The backward
+//! computes again whatever was not kept.
 
-use crate::config::{ModelConfig, Recompute};
+use crate::config::ModelConfig;
 use crate::model::kv_cache::KvLayer;
 use crate::model::moe::{Load, Moe, MoeCache};
 use crate::model::param::{Param, ParamKind};
@@ -67,15 +66,15 @@ enum MlpCache {
 }
 
 /// The activations one block's backward needs.
-pub(crate) struct BlockCache {
-    x: Tensor,
+pub struct BlockCache {
+    pub(crate) x: Tensor,
     xn1: Tensor,
     rstd1: Tensor,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     /// The attention's output and log-sum-exp; `None` when backward computes them again.
-    core: Option<(Tensor, Tensor)>,
+    pub(crate) core: Option<(Tensor, Tensor)>,
     h: Tensor,
     xn2: Tensor,
     rstd2: Tensor,
@@ -97,11 +96,26 @@ impl BlockCache {
 }
 
 /// What a block keeps from its forward for its backward.
-pub(crate) enum Kept {
-    /// Every activation backward reads (`none`), or all but the attention core's (`selective`).
+pub enum Kept {
+    /// Every activation backward reads, or all but the attention core's (`core` is `None`).
     Cache(Box<BlockCache>),
-    /// The block's input alone (`full`): backward runs the forward again first.
+    /// The block's input alone: backward runs the forward again first.
     Input(Tensor),
+}
+
+/// What a block keeps of its forward's activations for its backward: the seam recomputation
+/// plugs into (`recompute.rs`).
+pub trait Keeps {
+    fn keep(&self, cache: BlockCache) -> Kept;
+}
+
+/// Every activation backward reads: the plain backward of every lesson.
+pub struct KeepAll;
+
+impl Keeps for KeepAll {
+    fn keep(&self, cache: BlockCache) -> Kept {
+        Kept::Cache(Box::new(cache))
+    }
 }
 
 impl Kept {
@@ -196,25 +210,17 @@ impl Block {
         v
     }
 
-    /// Returns the output, what `recompute` says to keep for backward, and the work done.
+    /// Returns the output, what `keeps` keeps for backward, and the work done.
     pub(crate) fn forward(
         &self,
         split: Splits,
         x: Tensor,
-        (cfg, recompute): (&ModelConfig, Recompute),
+        (cfg, keeps): (&ModelConfig, &dyn Keeps),
         attn: Attn,
         positions: &[u32],
     ) -> Result<(Tensor, Kept, Work)> {
-        let (out, mut cache, work) = self.run(split, x, cfg, attn, positions, None)?;
-        let kept = match recompute {
-            Recompute::None => Kept::Cache(Box::new(cache)),
-            Recompute::Selective => {
-                cache.core = None; // scores and softmax again in backward; the GEMM outputs stay
-                Kept::Cache(Box::new(cache))
-            }
-            Recompute::Full => Kept::Input(cache.x), // the rest is dropped here
-        };
-        Ok((out, kept, work))
+        let (out, cache, work) = self.run(split, x, cfg, attn, positions, None)?;
+        Ok((out, keeps.keep(cache), work))
     }
 
     /// One step of generation (`model/kv_cache.rs`): the rows of `x`, at `positions` after the

@@ -18,8 +18,8 @@
 //! `TensorSplit` and `SequenceSplit` it was given (`split.rs`); on a single rank they are `Whole`
 //! and this is the plain dense model. Building the parameters and listing them is `llama/parts.rs`.
 
-use crate::config::{ModelConfig, Recompute};
-use crate::model::block::{Block, Kept, Splits};
+use crate::config::ModelConfig;
+use crate::model::block::{Block, Keeps, Kept, Splits};
 use crate::model::moe::{self, Load};
 use crate::model::param::Param;
 use crate::model::split::{Deferred, ExpertSplit, Now, SequenceSplit, TensorSplit, WeightGrads, WeightSplit};
@@ -193,8 +193,8 @@ pub struct Llama<'g> {
     attention_work: u64,
     /// Routed rows per expert of each MoE layer of this stage since the last `take_expert_load`.
     expert_load: Vec<Vec<usize>>,
-    /// What each block keeps for its backward (`train.recompute`).
-    recompute: Recompute,
+    /// What each block keeps for its backward (`KeepAll` unless recomputation keeps less).
+    keeps: Box<dyn Keeps + 'g>,
     /// How the output end makes the loss (`WholeLogits` unless another is plugged in).
     loss: Box<dyn LossHead + 'g>,
 }
@@ -260,7 +260,7 @@ impl<'g> Llama<'g> {
         for i in self.chunks[chunk].clone() {
             self.fetch(Unit::Layer(i), true)?;
             let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
-            let keep = (&self.cfg, self.recompute);
+            let keep = (&self.cfg, &*self.keeps);
             let (out, cache, work) = self.layers[i].forward(split, x, keep, attn, &positions)?;
             self.free(Unit::Layer(i));
             self.attention_work += work.attention;

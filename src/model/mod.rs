@@ -2,7 +2,7 @@
 //!
 //! Read in this order: `param` (a weight, its gradient, how ranks share it) → `init` (every
 //! weight from its own random stream) → `block` (one transformer block; `moe`, its mixture of
-//! experts) → `llama` (the whole model, or one pipeline `stage` of it; its loss seam, which
+//! experts; `recompute`, keeping less of it for backward) → `llama` (the whole model, or one pipeline `stage` of it; its loss seam, which
 //! `fused_loss` plugs into for the loss without the logits) → `split` (the model's seams: the
 //! few points where a model cut across ranks must talk, and where a backward's weight gradients
 //! go: now, or kept by `deferred_grads` for a zero-bubble W) → `optimizer` (AdamW,
@@ -18,6 +18,7 @@ pub mod llama;
 pub mod moe;
 pub mod optimizer;
 pub mod param;
+pub mod recompute;
 pub mod routing_tape;
 pub mod split;
 pub mod stage;

@@ -6,8 +6,8 @@
 
 use super::{Cache, Head, HeadCache, Llama, LossHead, Unit, WholeLogits};
 use crate::comm::process_grid::Axis;
-use crate::config::{ModelConfig, Recompute};
-use crate::model::block::{Block, Kept};
+use crate::config::ModelConfig;
+use crate::model::block::{Block, KeepAll, Keeps, Kept};
 use crate::model::init;
 use crate::model::param::{Param, ParamKind};
 use crate::model::routing_tape::{RoutingTape, Taped};
@@ -76,7 +76,7 @@ impl<'g> Llama<'g> {
             experts: Box::new(Whole),
             attention_work: 0,
             expert_load: Vec::new(),
-            recompute: Recompute::None,
+            keeps: Box::new(KeepAll),
             loss: Box::new(WholeLogits),
         })
     }
@@ -189,9 +189,10 @@ impl<'g> Llama<'g> {
         self
     }
 
-    /// Keeps less for backward and computes it again there (`model/block.rs`).
-    pub fn with_recompute(mut self, recompute: Recompute) -> Llama<'g> {
-        self.recompute = recompute;
+    /// Keeps what `keeps` says of each block's activations for backward (recomputation:
+    /// `model/recompute.rs`).
+    pub fn with_keeps(mut self, keeps: Box<dyn Keeps + 'g>) -> Llama<'g> {
+        self.keeps = keeps;
         self
     }
 
