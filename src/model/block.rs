@@ -33,9 +33,10 @@
 
 use crate::config::ModelConfig;
 use crate::model::kv_cache::KvLayer;
+use crate::model::moe::ExpertSplit;
 use crate::model::moe::{Load, Moe, MoeCache};
 use crate::model::param::{Param, ParamKind};
-use crate::model::split::{ExpertSplit, SequenceSplit, TensorSplit, WeightGrads};
+use crate::model::split::{SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn, TpCut};
 use anyhow::Result;

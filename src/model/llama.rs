@@ -20,9 +20,10 @@
 
 use crate::config::ModelConfig;
 use crate::model::block::{Block, Keeps, Kept, Splits};
+use crate::model::moe::ExpertSplit;
 use crate::model::moe::{self, Load};
 use crate::model::param::Param;
-use crate::model::split::{Deferred, ExpertSplit, Now, SequenceSplit, TensorSplit, WeightGrads, WeightSplit};
+use crate::model::split::{Deferred, Now, SequenceSplit, TensorSplit, WeightGrads, WeightSplit};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::{anyhow, bail, Result};

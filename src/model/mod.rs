@@ -25,4 +25,4 @@ pub mod stage;
 
 pub use llama::{Llama, StageGrad, StageInput, StageOutput};
 pub use param::{Param, ParamKind};
-pub use split::{ExpertSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
+pub use split::{SequenceSplit, TensorSplit, WeightSplit, Whole};

@@ -16,7 +16,7 @@
 //! Backward walks it right to left: the weights' gradient is dy · (each expert's output) and goes
 //! back through the top-k renormalisation and the softmax into the router (`ops::route_backward`);
 //! the experts' rows travel the same road as in forward. Where the experts are is the
-//! `ExpertSplit`'s business (`split.rs`): `Whole` holds them all, `parallel/expert_parallel.rs`
+//! `ExpertSplit`'s business (below): `Whole` holds them all, `parallel/expert_parallel.rs`
 //! divides them among the ep ranks.
 //!
 //! The router sees every token; an expert only the tokens sent to it, so how many each gets (the
@@ -33,12 +33,67 @@
 use crate::comm::process_grid::Axis;
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind};
-use crate::model::split::{input_grad, owned, ExpertSplit, Routed, WeightGrads};
+use crate::model::split::{input_grad, owned, WeightGrads, Whole};
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, TpCut};
 use anyhow::Result;
 use std::borrow::Cow;
+use std::ops::Range;
+
+/// Where the experts of each MoE layer are: the seam expert parallelism plugs into. `Whole`: all
+/// of them here.
+/// Expert parallelism (`parallel/expert_parallel.rs`) gives each of the ep ranks E/ep of them
+/// and moves the routed rows with all-to-alls. Rows always go sorted by expert, all E of them.
+pub trait ExpertSplit {
+    /// The experts (of `total`) this rank holds.
+    fn held(&self, total: usize) -> Range<usize>;
+    /// Layer `layer`'s routing as the rows will take it: the router's own, except under the
+    /// routing tape (`model/routing_tape.rs`), which records it or replays another run's.
+    fn choose(&self, _layer: usize, routing: Routing) -> Result<Routing> {
+        Ok(routing)
+    }
+    /// Sends routed rows (sorted by expert, `counts` per expert of all E) to the ranks holding
+    /// their experts. Returns the rows this rank's experts compute, expert after expert (each
+    /// expert's rows by sender), and who sent how many (for the way back).
+    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Routed)>;
+    /// The same journey for other rows of the same layout (backward's output gradients).
+    fn dispatch_again(&self, rows: Tensor, routed: &Routed) -> Result<Tensor>;
+    /// The way back: rows computed here return to their senders, in the order they were sent.
+    fn combine(&self, rows: Tensor, routed: &Routed) -> Result<Tensor>;
+}
+
+/// Who sent how many routed rows to which expert, in one MoE layer's dispatch.
+pub struct Routed {
+    /// `counts[i][e]`: rows member i of the expert-parallel group sends to expert e (all E).
+    pub counts: Vec<Vec<usize>>,
+    /// This rank's place in that group.
+    pub me: usize,
+    /// The experts this rank holds.
+    pub held: Range<usize>,
+}
+
+impl Routed {
+    /// Rows each expert held here computes, from every sender.
+    pub fn held_counts(&self) -> Vec<usize> {
+        self.held.clone().map(|e| self.counts.iter().map(|c| c[e]).sum()).collect()
+    }
+}
+
+impl ExpertSplit for Whole {
+    fn held(&self, total: usize) -> Range<usize> {
+        0..total
+    }
+    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Routed)> {
+        Ok((rows, Routed { counts: vec![counts.to_vec()], me: 0, held: 0..counts.len() }))
+    }
+    fn dispatch_again(&self, rows: Tensor, _: &Routed) -> Result<Tensor> {
+        Ok(rows)
+    }
+    fn combine(&self, rows: Tensor, _: &Routed) -> Result<Tensor> {
+        Ok(rows)
+    }
+}
 
 /// One expert: a SwiGLU MLP (w1 the gate, w3 the up projection, w2 the down projection).
 pub(crate) struct Expert {

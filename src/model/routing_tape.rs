@@ -24,7 +24,7 @@
 //! Not with pipeline parallelism, whose stages run micro-batches out of the loop's order.
 
 use crate::config::Config;
-use crate::model::split::{ExpertSplit, Routed};
+use crate::model::moe::{ExpertSplit, Routed};
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
 use crate::ops::DType;

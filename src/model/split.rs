@@ -7,9 +7,7 @@
 //! `parallel/tensor_parallel.rs` and `parallel/context_parallel.rs` answer them with collectives.
 //! (picotron swaps its model's layers for parallel ones; we hand the model the object that talks.)
 //!
-//! (A third, `WeightSplit`, says where the weights are between uses: ZeRO-3 gathers them. A
-//! fourth, `ExpertSplit`, says where a mixture of experts' experts are: expert parallelism sends
-//! each token's rows to its experts' rank and back.)
+//! (A third, `WeightSplit`, says where the weights are between uses: ZeRO-3 gathers them.)
 //!
 //! ```text
 //! TensorSplit (Megatron's f and g)                SequenceSplit (the cp ring)
@@ -38,12 +36,10 @@
 //! them later; what it deferred (`Deferred`) waits in the model until `Llama::backward_weights` runs it.
 
 use crate::model::param::Param;
-use crate::ops::moe::Routing;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::Result;
 use std::borrow::Cow;
-use std::ops::Range;
 
 /// How this rank's linear layers and vocabulary relate to the other tensor-parallel ranks'.
 pub trait TensorSplit {
@@ -137,59 +133,6 @@ pub trait Deferred {
     fn apply(self: Box<Self>, params: &mut [&mut Param]);
     /// The bytes they hold until then (activation memory).
     fn bytes(&self) -> usize;
-}
-
-/// Where the experts of each MoE layer are (`model/moe.rs`). `Whole`: all of them here.
-/// Expert parallelism (`parallel/expert_parallel.rs`) gives each of the ep ranks E/ep of them
-/// and moves the routed rows with all-to-alls. Rows always go sorted by expert, all E of them.
-pub trait ExpertSplit {
-    /// The experts (of `total`) this rank holds.
-    fn held(&self, total: usize) -> Range<usize>;
-    /// Layer `layer`'s routing as the rows will take it: the router's own, except under the
-    /// routing tape (`model/routing_tape.rs`), which records it or replays another run's.
-    fn choose(&self, _layer: usize, routing: Routing) -> Result<Routing> {
-        Ok(routing)
-    }
-    /// Sends routed rows (sorted by expert, `counts` per expert of all E) to the ranks holding
-    /// their experts. Returns the rows this rank's experts compute, expert after expert (each
-    /// expert's rows by sender), and who sent how many (for the way back).
-    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Routed)>;
-    /// The same journey for other rows of the same layout (backward's output gradients).
-    fn dispatch_again(&self, rows: Tensor, routed: &Routed) -> Result<Tensor>;
-    /// The way back: rows computed here return to their senders, in the order they were sent.
-    fn combine(&self, rows: Tensor, routed: &Routed) -> Result<Tensor>;
-}
-
-/// Who sent how many routed rows to which expert, in one MoE layer's dispatch.
-pub struct Routed {
-    /// `counts[i][e]`: rows member i of the expert-parallel group sends to expert e (all E).
-    pub counts: Vec<Vec<usize>>,
-    /// This rank's place in that group.
-    pub me: usize,
-    /// The experts this rank holds.
-    pub held: Range<usize>,
-}
-
-impl Routed {
-    /// Rows each expert held here computes, from every sender.
-    pub fn held_counts(&self) -> Vec<usize> {
-        self.held.clone().map(|e| self.counts.iter().map(|c| c[e]).sum()).collect()
-    }
-}
-
-impl ExpertSplit for Whole {
-    fn held(&self, total: usize) -> Range<usize> {
-        0..total
-    }
-    fn dispatch(&self, rows: Tensor, counts: &[usize]) -> Result<(Tensor, Routed)> {
-        Ok((rows, Routed { counts: vec![counts.to_vec()], me: 0, held: 0..counts.len() }))
-    }
-    fn dispatch_again(&self, rows: Tensor, _: &Routed) -> Result<Tensor> {
-        Ok(rows)
-    }
-    fn combine(&self, rows: Tensor, _: &Routed) -> Result<Tensor> {
-        Ok(rows)
-    }
 }
 
 /// One rank holds every matrix whole and every sequence whole: nothing to talk about.

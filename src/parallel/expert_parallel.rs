@@ -28,7 +28,7 @@
 //! the expert weights over the expert-data group.
 
 use crate::comm::Group;
-use crate::model::split::{ExpertSplit, Routed};
+use crate::model::moe::{ExpertSplit, Routed};
 use crate::model::Param;
 use crate::ops;
 use crate::ops::moe::gather_rows;

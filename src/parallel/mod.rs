@@ -12,8 +12,8 @@
 //! `context_parallel` (the sequence split, attention as a ring; `ulysses`, or an all-to-all to a
 //! head split) → `expert_parallel` (a mixture of experts' experts divided among ranks, tokens
 //! travelling to them by all-to-all). The model (`model/`) knows none of them: it
-//! asks its `TensorSplit`, `SequenceSplit`, `WeightSplit` and `ExpertSplit` (`model/split.rs`)
-//! at the points where a split model must talk, and `tensor_parallel`, `sequence_parallel`,
+//! asks its `TensorSplit`, `SequenceSplit`, `WeightSplit` (`model/split.rs`) and `ExpertSplit`
+//! (`model/moe.rs`) at the points where a split model must talk, and `tensor_parallel`, `sequence_parallel`,
 //! `context_parallel`, `zero` and `expert_parallel` answer with collectives.
 
 pub mod context_parallel;
