@@ -10,7 +10,7 @@
 mod syllabus;
 
 use std::collections::{BTreeMap, BTreeSet};
-use syllabus::{code, module_of, referenced, root, sources, table, target, Table};
+use syllabus::{code, module_of, reexported, referenced, root, sources, table, target, Table};
 
 /// Whether `code` names `name` as a whole: `Axis::Ep` not followed by a letter, `.precision` not
 /// followed by one (a field or config key, not `.gemm_out`), `ZeroChunk` as a word.
@@ -29,6 +29,23 @@ fn later_uses(table: &Table, sources: &BTreeMap<String, String>) -> BTreeMap<(St
         table.entries().into_iter().filter_map(|(e, l)| Some((module_of(&e.path)?, l?))).collect();
     let path_of: BTreeMap<String, &str> =
         table.entries().into_iter().filter_map(|(e, _)| Some((module_of(&e.path)?, e.path.as_str()))).collect();
+    // an item named through a module that re-exports it is the re-exported item:
+    // `model::Placement` was `comm::placement::Placement`
+    let reexports: BTreeMap<String, String> = sources
+        .iter()
+        .flat_map(|(m, text)| reexported(m, text).into_iter().map(move |p| (format!("{m}::{}", last(&p)), p)))
+        .collect();
+    let module = |p: &str| target(p, |p| sources.get_key_value(p).map(|(k, _)| k));
+    let resolve = |mut path: String| {
+        for _ in 0..8 {
+            let Some(t) = module(&path) else { break };
+            let rest = path.strip_prefix(t.as_str()).unwrap_or("").trim_start_matches("::");
+            let (name, after) = rest.split_once("::").unwrap_or((rest, ""));
+            let Some(to) = reexports.get(&format!("{t}::{name}")) else { break };
+            path = if after.is_empty() { to.clone() } else { format!("{to}::{after}") };
+        }
+        module(&path)
+    };
     let mut found = BTreeMap::new();
     for (m, text) in sources {
         let Some(&a) = lesson_of.get(m) else { continue }; // a track, or a file the table lacks
@@ -37,7 +54,7 @@ fn later_uses(table: &Table, sources: &BTreeMap<String, String>) -> BTreeMap<(St
             found.entry((file.clone(), table.lesson[b].step.clone())).or_insert(what);
         };
         for path in referenced(m, text) {
-            let Some(t) = target(&path, |p| sources.get_key_value(p).map(|(k, _)| k)) else { continue };
+            let Some(t) = resolve(path) else { continue };
             if let Some(&b) = lesson_of.get(t).filter(|&&b| b > a) {
                 note(b, format!("uses {}", path_of[t]));
             }
@@ -50,6 +67,11 @@ fn later_uses(table: &Table, sources: &BTreeMap<String, String>) -> BTreeMap<(St
         }
     }
     found
+}
+
+/// The last segment of a path: the item it names.
+fn last(path: &str) -> &str {
+    path.rsplit("::").next().unwrap_or(path)
 }
 
 /// What the table's `owes` and the code disagree on, as sentences.
@@ -108,6 +130,18 @@ fn the_check_catches_a_planted_use_of_each_kind() {
         "\nfn f(p: &ParallelConfig) -> usize { p.dp_shard }\n",
         "names .dp_shard, of the later lesson 08_hsdp",
     );
+}
+
+#[test]
+fn the_check_follows_a_re_export() {
+    // ZeRO's (06) `Sharding` re-exported by `parallel/mod.rs` (01) and imported from there by the
+    // CPU math (01): the import is of zero.rs all the same
+    let mut planted = sources();
+    planted.get_mut("parallel").unwrap().push_str("\npub use zero::Sharding;\n");
+    planted.get_mut("ops::cpu_math").unwrap().push_str("\nuse crate::parallel::Sharding;\n");
+    let problems = debts_disagree(&table(), &planted);
+    let caught = "src/ops/cpu_math.rs uses src/parallel/zero.rs, of the later lesson 06_zero";
+    assert!(problems.iter().any(|p| p.contains(caught)), "{problems:#?}");
 }
 
 #[test]

@@ -111,11 +111,6 @@ pub fn code(text: &str) -> String {
 pub fn referenced(module: &str, text: &str) -> Vec<String> {
     let code = code(text);
     let parent = module.rsplit_once("::").map_or("", |(p, _)| p);
-    let children: Vec<&str> = code
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("pub mod ").or_else(|| l.trim().strip_prefix("mod ")))
-        .map(|l| l.trim_end_matches(';').trim())
-        .collect();
     let mut out = Vec::new();
     let bytes = code.as_bytes();
     let word = |i: usize| -> String {
@@ -129,13 +124,32 @@ pub fn referenced(module: &str, text: &str) -> Vec<String> {
     for (i, _) in code.match_indices("super::") {
         out.push(join(parent, &word(i + "super::".len())));
     }
-    // `use` statements, each group spelled out: `use crate::a::{b, c::D}` names a::b and a::c::D
+    out.extend(used(module, &code, false));
+    out
+}
+
+/// The paths a module re-exports (`pub use …`), as module paths relative to the crate: an item
+/// named through the module is the item of the path.
+pub fn reexported(module: &str, text: &str) -> Vec<String> {
+    used(module, &code(text), true)
+}
+
+/// The paths of a module's `use` statements (only its `pub` ones: `exported`), each group
+/// spelled out: `use crate::a::{b, c::D}` names a::b and a::c::D.
+fn used(module: &str, code: &str, exported: bool) -> Vec<String> {
+    let parent = module.rsplit_once("::").map_or("", |(p, _)| p);
+    let children: Vec<&str> = code
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("pub mod ").or_else(|| l.trim().strip_prefix("mod ")))
+        .map(|l| l.trim_end_matches(';').trim())
+        .collect();
+    let mut out = Vec::new();
     let mut statements = Vec::new();
     for (at, line) in code.lines().scan(0, |at, l| Some((std::mem::replace(at, *at + l.len() + 1), l))) {
         let trimmed = line.trim_start();
         let words =
             trimmed.trim_start_matches("pub(crate) ").trim_start_matches("pub(super) ").trim_start_matches("pub ");
-        if words.starts_with("use ") {
+        if words.starts_with("use ") && (!exported || words.len() < trimmed.len()) {
             let from = at + (line.len() - words.len());
             let to = code[from..].find(';').map_or(code.len(), |n| from + n);
             statements.push(&code[from + "use ".len()..to]);
