@@ -189,6 +189,21 @@ impl Precision {
     }
 }
 
+/// What each weight's GEMMs read (by its name) in a run whose GEMMs read `run` (`device.dtype`;
+/// `Llama::with_gemms` takes it): under FP8 the output layer (and the embedding when it is tied
+/// to it) and a mixture of experts' router stay in bf16 — the logits feed the softmax and the
+/// router's scores a discrete top-k, where an FP8 rounding costs most; every other weight reads
+/// `run`.
+pub fn gemms(run: Precision) -> impl Fn(&str) -> Precision {
+    move |name| {
+        let bf16 = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight"];
+        match run {
+            Precision::Fp8 if bf16.iter().any(|s| name.ends_with(s)) => Precision::Bf16,
+            _ => run,
+        }
+    }
+}
+
 /// The scale current scaling gives a tensor of this amax: the power of two that puts its
 /// largest magnitude in the format's top binade, largest / amax rounded down (1 for an all-zero
 /// or non-finite tensor; at most 2¹²⁷ for a tiny one). `kernels/fp8.cu` computes the same.

@@ -172,20 +172,15 @@ impl<'g> Llama<'g> {
         self
     }
 
-    /// Its linear layers' GEMMs read in `p` (`ops/fp8.rs`). Under FP8 the output layer and a
-    /// mixture of experts' router stay in bf16: the logits feed the softmax and the router's
-    /// scores a discrete top-k, where an FP8 rounding costs most. The norms' weights and an
-    /// untied embedding are no GEMM's operands: f32 (what FSDP sends of them: `ops/wire.rs`).
-    pub fn with_gemms(mut self, p: Precision) -> Llama<'g> {
+    /// Its linear layers' GEMMs read what `gemms` says for each weight's name (f32 unless a run
+    /// sets it: bf16 on a GPU, or FP8 as its lesson's rule says, `ops/fp8.rs`'s `gemms`). The
+    /// norms' weights and an untied embedding are no GEMM's operands: f32 (what FSDP sends of
+    /// them: `ops/wire.rs`).
+    pub fn with_gemms(mut self, gemms: impl Fn(&str) -> Precision) -> Llama<'g> {
         let tied = self.cfg.tie_word_embeddings;
         for param in self.params_mut() {
             let no_gemm = !param.decays() || (!tied && param.name.ends_with("embed_tokens.weight"));
-            let bf16 = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight"];
-            param.precision = match p {
-                _ if no_gemm => Precision::F32,
-                Precision::Fp8 if bf16.iter().any(|s| param.name.ends_with(s)) => Precision::Bf16,
-                _ => p,
-            };
+            param.precision = if no_gemm { Precision::F32 } else { gemms(&param.name) };
         }
         self
     }
