@@ -27,7 +27,6 @@ pub mod pipeline_actions;
 pub mod pipeline_messages;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;
-pub mod pipeline_stop;
 pub mod pipeline_zero_bubble;
 pub mod schedules;
 pub mod sequence_parallel;

@@ -55,8 +55,9 @@
 //! (`pipeline_actions.rs`, steps 14 and 15). The composition root picks the walk.
 //!
 //! **Between micro-batches** the driver may end a step early (a signal): the schedule asks its
-//! `StepHooks` before each forward, and the hooks say at which forwards every stage may stop
-//! together and what drains after (`pipeline_stop.rs`).
+//! `StepHooks` before each forward (`Runner::stops_here`), and the hooks say at which forwards
+//! every stage may stop together (`train/driver.rs`); what the others sent before they stopped
+//! is drained around the walk (`schedules.rs`).
 
 use crate::comm::Group;
 use crate::model::split::{Now, WeightGrads};
@@ -65,7 +66,6 @@ use crate::model::{Llama, Param, StageGrad, StageInput, StageOutput};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use crate::parallel::pipeline_messages::Messages;
-use crate::parallel::pipeline_stop::Rounds;
 use crate::parallel::StepHooks;
 use anyhow::Result;
 use std::cell::RefCell;
@@ -115,9 +115,7 @@ pub fn run_step(
     let msg = Messages { pp, stage, shape: plan.hidden, place: model.place(), received };
     let loss = Tensor::zeros_on(&[1], &model.place(), DType::F32);
     let stats = StepStats { loss, peak_activations: 0, stopped: None };
-    // the driver is asked only where every stage may stop together: at the start of a round
-    let hooks = Rounds { hooks, round: stage.count * stage.chunks };
-    let mut run = Runner { model, plan, stage, ready, stats, forwards: 0, data, hooks: &hooks };
+    let mut run = Runner { model, plan, stage, ready, stats, forwards: 0, data, hooks };
     if let Some(k) = plan.walk.walk(&mut run, &msg)? {
         run.stats.stopped = Some(k / stage.chunks);
     }

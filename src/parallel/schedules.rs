@@ -6,7 +6,7 @@
 //! names one; this is the one place, above the lessons, that maps the names to them: how a stage
 //! walks its step (`Walk`), and the schedule as data (`Schedule`: the stage's layout, its order,
 //! what it holds). The composition root, `ferrotron schedule` and `ferrotron memory` look them
-//! up here; and since a stop inside a step (`pipeline_stop.rs`) must know what the other stages
+//! up here; and since a stop inside a step (`train/driver.rs`) must know what the other stages
 //! sent before it, every walk is wrapped here in one that replays their schedules (`Drained`).
 
 use crate::config::{ParallelConfig, PpSchedule};
@@ -42,8 +42,12 @@ pub fn walk_of(kind: PpSchedule) -> &'static dyn Walk {
     }
 }
 
-/// A walk that, when the driver's hooks stop it (`pipeline_stop.rs`), takes in what the other
-/// stages sent before they stopped too: the schedule (as data) says what that was.
+/// A walk that, when the driver's hooks stop it (`train/driver.rs`), takes in what the other
+/// stages sent before they stopped too: the schedule (as data) says what that was. Sends are
+/// buffered, so a rank waits only on receives; what a rank receives before its k-th forward was
+/// sent by its neighbours before their k-th. After a stop each rank takes in what its neighbours
+/// sent it before theirs, so that the group's next message (a checkpoint's gather) is not taken
+/// for one of them.
 pub struct Drained(&'static dyn Walk, &'static dyn Schedule);
 
 impl Walk for Drained {

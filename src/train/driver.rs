@@ -13,6 +13,16 @@
 //! ```
 //! The step sees the driver only through `StepHooks` (`parallel/mod.rs`): the spans it records,
 //! and the stop points it asks at.
+//!
+//! **Stopping inside a step.** Every rank asks "stop?" in one collective, so every rank must ask
+//! at the same points. Without a pipeline the ranks are all between micro-batches at once; in a
+//! pipeline they never are, so each asks at the same points of its *own* schedule: before
+//! receiving its k-th forward's input, for k a multiple of p·V (one round of the pipeline).
+//! (Asking before every forward deadlocks the interleaved schedule from p = 3: rank p − 1 would
+//! wait for a gradient rank 0 makes only after its own question. Tried on a model of the
+//! schedules for p ≤ 8, V ≤ 4.) What the other stages sent before they stopped is drained around
+//! the walk (`parallel/schedules.rs`'s `Drained`). On NCCL a send waits on the GPU for its
+//! receive, so there the driver asks nothing inside a pipeline's step.
 
 use super::memory::Held;
 use super::run::Shared;
@@ -43,10 +53,13 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
     // on NCCL a pipeline's send waits on the GPU for its receive, and a step stopped part-way
     // leaves some unreceived: there a signal waits for the step's end
     let may_stop = opts.stop_on_signal && (pp.size() == 1 || !pp.moves_on_device(&tr.model.place()));
+    // where every stage may stop together: at the start of a round of the pipeline (1: anywhere)
+    let (stage, one_stage) = (tr.pipeline.stage, pp.size() == 1);
+    let round = if one_stage { 1 } else { stage.count * stage.chunks };
     for step in first_step..cfg.train.steps {
         watch.step_starts(step);
         let (signal, held) = (Cell::new(None), Cell::new(None));
-        let hooks = Hooks { watch: &watch, world: me.group(Axis::World), may_stop, signal, held };
+        let hooks = Hooks { watch: &watch, world: me.group(Axis::World), may_stop, round, signal, held };
         let stepped = tr.step(step, &hooks)?;
         let (signal, held) = (hooks.signal.get(), hooks.held.get());
         tape.iter().for_each(|t| t.idle());
@@ -92,6 +105,8 @@ struct Hooks<'h, 'w> {
     /// Whether the step may stop part-way at all (a run that stops on signals, not a pipeline on
     /// NCCL).
     may_stop: bool,
+    /// It asks only before forwards k that are a multiple of this: p·V (1 without a pipeline).
+    round: usize,
     /// The signal every rank agreed on, once one came.
     signal: Cell<Option<i32>>,
     /// What weights, gradients and AdamW held when the gradients were ready.
@@ -103,10 +118,10 @@ impl StepHooks for Hooks<'_, '_> {
         self.watch.span(name, start);
     }
 
-    /// Before every micro-batch but the first: a step of many micro-batches still stops soon
-    /// after a signal.
+    /// Before every micro-batch but the first (in a pipeline, every round's first): a step of
+    /// many micro-batches still stops soon after a signal.
     fn asks_before(&self, k: usize) -> bool {
-        self.may_stop && k > 0
+        self.may_stop && k > 0 && k.is_multiple_of(self.round)
     }
 
     fn stop_here(&self) -> Result<bool> {
