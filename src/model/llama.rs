@@ -15,8 +15,10 @@
 //! interleaved schedule V chunks of them), a tp slice of every
 //! matrix (the output layer column parallel, the embedding vocab parallel, the blocks' layers in
 //! `block.rs`), and its rank's part of each sequence. Where those parts must talk it asks the
-//! `TensorSplit` and `SequenceSplit` it was given (`split.rs`); on a single rank they are `Whole`
-//! and this is the plain dense model. Building the parameters and listing them is `llama/parts.rs`.
+//! `TensorSplit` and `SequenceSplit` it was given (`split.rs`), and around each unit of weights
+//! (the embedding, a block, the head) its `WeightSplit` (`fetch` and `free`, at the end of this
+//! file); on a single rank they are `Whole` and this is the plain dense model. Building the
+//! parameters and listing them is `llama/parts.rs`.
 
 use crate::config::ModelConfig;
 use crate::model::block::{Block, Keeps, Kept, Splits};
