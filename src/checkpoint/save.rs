@@ -29,8 +29,7 @@
 use crate::checkpoint::folder::Folder;
 use crate::checkpoint::hf::{build_from, check_tensors, full_tensor, read_safetensors};
 use crate::comm::launcher::Rank;
-use crate::comm::placement::redistribute;
-use crate::comm::placement::Placement;
+use crate::comm::placement::{redistribute, Placement};
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ModelConfig};
 use crate::model::optimizer::{AdamW, Optimizer};
@@ -38,7 +37,8 @@ use crate::model::stage::Stage;
 use crate::model::{Llama, Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::DType;
+use crate::ops::types::{DType, TpCut};
+use crate::parallel::schedules;
 use crate::parallel::zero;
 use anyhow::{bail, Context, Result};
 use std::borrow::Cow;
@@ -157,7 +157,7 @@ pub fn gather(
             }
             let whole = redistribute(
                 Cow::Borrowed(t),
-                &whole_shape(t.shape(), p.tp.into(), tp.size()),
+                &whole_shape(t.shape(), p.tp, tp.size()),
                 p.tp.into(),
                 Placement::Replicate,
                 tp,
@@ -169,7 +169,7 @@ pub fn gather(
     let Some(mut state) = state else { return Ok(None) };
     let place = model.place();
     for stage in 1..pp.size() {
-        let stage = crate::parallel::schedules::stage_of(stage, &cfg.parallel);
+        let stage = schedules::stage_of(stage, &cfg.parallel);
         for (name, shape, ..) in Llama::tensor_shapes(&cfg.model, stage) {
             for &kind in &kinds {
                 let mut whole = Tensor::empty_on(&shape, &place, DType::F32); // written whole
@@ -189,10 +189,10 @@ fn expert_of(name: &str) -> (usize, String) {
     (e, parts.next().unwrap_or("").to_string())
 }
 
-/// The whole shape of a tensor of which a rank holds `local`, placed so over `n` ranks.
-fn whole_shape(local: &[usize], placement: Placement, n: usize) -> Vec<usize> {
+/// The whole shape of a tensor of which a tp rank holds `local`, cut as `cut` says over `n` ranks.
+fn whole_shape(local: &[usize], cut: TpCut, n: usize) -> Vec<usize> {
     let mut whole = local.to_vec();
-    if let Placement::Shard(d) = placement {
+    if let Some(d) = cut.dim() {
         whole[d] *= n;
     }
     whole
@@ -332,7 +332,7 @@ impl Resumed {
     ) -> Result<()> {
         let kinds: Vec<Vec<&str>> = o.state().iter().map(|s| s.iter().map(|(kind, _)| *kind).collect()).collect();
         for ((p, kinds), tensors) in params.iter().zip(kinds).zip(o.state_mut()) {
-            let full_shape = whole_shape(p.value.shape(), p.tp.into(), count);
+            let full_shape = whole_shape(p.value.shape(), p.tp, count);
             for (kind, t) in kinds.iter().zip(tensors) {
                 let full =
                     full_tensor(&self.moments, &format!("{kind}.{}", p.name), &full_shape, "optimizer.safetensors")?;

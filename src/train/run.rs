@@ -22,6 +22,7 @@ use crate::model::{init, Llama, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::expert_parallel::ExpertParallel;
+use crate::parallel::schedules;
 use crate::parallel::sequence_parallel::SequenceParallel;
 use crate::parallel::tensor_parallel::TensorParallel;
 use crate::parallel::ulysses::Ulysses;
@@ -395,7 +396,7 @@ impl Shared<'_> {
     /// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens), moved
     /// to its device once, and the step to start from.
     pub(super) fn model<'g>(&self, me: &'g Rank, cfg: &Config) -> Result<(Llama<'g>, usize)> {
-        let stage = crate::parallel::schedules::stage_of(me.coords.pp, &cfg.parallel);
+        let stage = schedules::stage_of(me.coords.pp, &cfg.parallel);
         let tp: Box<dyn TensorSplit> = match cfg.parallel.sequence_parallel {
             true => Box::new(SequenceParallel::new(me.group(Axis::Tp))),
             false => Box::new(TensorParallel::new(me.group(Axis::Tp))),

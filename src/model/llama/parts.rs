@@ -232,7 +232,8 @@ impl<'g> Llama<'g> {
         v
     }
 
-    // FSDP's units (`llama.rs`'s `fetch`, `free`): what each holds, and their order.
+    // The weights' units (`llama.rs`'s `fetch` and `free`, what a `WeightSplit` gathers
+    // together): what each holds, and their order.
 
     /// A unit's parameters: the embedding; a block's; the head's (the final norm and the output
     /// layer, which is the embedding when they are tied).
