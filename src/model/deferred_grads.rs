@@ -8,7 +8,7 @@
 //! W   dW += dyᵀ · x       the weight gradient: nobody reads it before the optimizer step
 //! ```
 //! Every backward runs both where it meets them (`Now`, the seam's first implementation in
-//! `split.rs`). The zero-bubble pipelines (Qi et al. 2023, `parallel/pipeline_schedule.rs`)
+//! `split.rs`). The zero-bubble pipelines (Qi et al. 2023, `parallel/pipeline_zero_bubble.rs`)
 //! run B at once, so the gradient leaves for the previous stage sooner, and W later, in time the
 //! stage would otherwise spend idle: the backward is given `Later`, which keeps, instead of
 //! computing, each weight GEMM's two inputs (x and dy); the model holds what it kept until the

@@ -30,7 +30,7 @@
 //! ```
 //! (`ferrotron schedule --schedule all --virtual 2` draws it beside AFAB and 1F1B.)
 //!
-//! **Zero bubble** (ZB-H1, ZBV; `pipeline_schedule.rs` has the lesson) cuts each backward in two:
+//! **Zero bubble** (ZB-H1, ZBV: `pipeline_zero_bubble.rs`) cuts each backward in two:
 //! B, the input gradient, goes upstream at once (`Llama::backward_chunk` given `Later`), and W,
 //! the weight GEMMs (`model/deferred_grads.rs`), runs later in time the stage would spend idle
 //! (`Llama::backward_weights`). Data parallelism hears a gradient is ready only after its W.
