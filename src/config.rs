@@ -193,6 +193,15 @@ impl ParallelConfig {
     pub fn world_size(&self) -> usize {
         [self.tp, self.pp, self.cp].iter().fold(self.dp, |w, &d| w.saturating_mul(d))
     }
+
+    /// The backend this run asks for: `auto` stays local under the interleaved and zero-bubble
+    /// pipelines, whose messages are not paired for NCCL yet.
+    pub fn backend_asked(&self) -> CommBackend {
+        match self.pp_schedule {
+            s if s.unpaired() && self.backend == CommBackend::Auto => CommBackend::Local,
+            _ => self.backend,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]

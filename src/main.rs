@@ -351,7 +351,7 @@ fn schedule_command(
 }
 
 fn grid_command(GridArgs { dp, pp, cp, tp, ep, dp_shard }: GridArgs) -> Result<Exit> {
-    let grid = Grid::new(dp, pp, cp, tp)?.with_ep(ep)?.with_dp_shard(dp_shard)?;
+    let grid = ferrotron::parallel::layout::with_cuts(Grid::new(dp, pp, cp, tp)?, ep, dp_shard)?;
     say!("{}", grid.table().trim_end());
     launcher::check_groups(grid)?;
     let n = grid.world_size();

@@ -1,6 +1,7 @@
 //! The process grid: rank numbering, groups, neighbours and the printed table.
 
 use ferrotron::comm::process_grid::{Axis, Coords, Grid};
+use ferrotron::parallel::hybrid_sharding::{self, REPLICATE, SHARD};
 
 #[test]
 fn rank_and_coords_round_trip_with_tp_fastest() {
@@ -18,7 +19,7 @@ fn rank_and_coords_round_trip_with_tp_fastest() {
             assert_eq!(g.group(r, Axis::Dp).len(), dp);
             assert_eq!(g.group(r, Axis::DpCp).len(), dp * cp);
             assert_eq!(g.group(r, Axis::World).len(), g.world_size());
-            for axis in Axis::ALL {
+            for axis in g.axes() {
                 assert!(g.group(r, axis).contains(&r));
             }
         }
@@ -62,15 +63,15 @@ fn zero_degree_is_an_error() {
 #[test]
 fn hybrid_sharding_cuts_dp_cp_into_shard_and_replicate_groups() {
     // dp 4 × cp 2, shard groups of 2 dp replicas with their cp ranks
-    let g = Grid::new(4, 1, 2, 1).unwrap().with_dp_shard(2).unwrap();
-    assert!(g.hybrid());
-    assert_eq!(g.group(0, Axis::DpShard), [0, 1, 2, 3]);
-    assert_eq!(g.group(5, Axis::DpShard), [4, 5, 6, 7]);
-    assert_eq!(g.group(0, Axis::DpReplicate), [0, 4]);
-    assert_eq!(g.group(3, Axis::DpReplicate), [3, 7]);
+    let g = hybrid_sharding::cut_grid(Grid::new(4, 1, 2, 1).unwrap(), 2).unwrap();
+    assert!(hybrid_sharding::is_hybrid(&g));
+    assert_eq!(g.group(0, SHARD), [0, 1, 2, 3]);
+    assert_eq!(g.group(5, SHARD), [4, 5, 6, 7]);
+    assert_eq!(g.group(0, REPLICATE), [0, 4]);
+    assert_eq!(g.group(3, REPLICATE), [3, 7]);
     // a rank's chunk is found once in each replicate group's shard group
     for r in 0..g.world_size() {
-        let (shard, replicate) = (g.group(r, Axis::DpShard), g.group(r, Axis::DpReplicate));
+        let (shard, replicate) = (g.group(r, SHARD), g.group(r, REPLICATE));
         assert_eq!(shard.len() * replicate.len(), g.group(r, Axis::DpCp).len());
         assert_eq!(shard.iter().filter(|s| replicate.contains(s)).count(), 1);
     }
@@ -78,8 +79,29 @@ fn hybrid_sharding_cuts_dp_cp_into_shard_and_replicate_groups() {
     assert!(table.contains("shard groups (ZeRO's chunks): {0,1,2,3} {4,5,6,7}"), "{table}");
     assert!(table.contains("replicate groups (same chunks): {0,4} {1,5} {2,6} {3,7}"), "{table}");
     // 0 is all of dp; a size that does not divide dp is named
-    assert!(!Grid::new(4, 1, 1, 1).unwrap().with_dp_shard(0).unwrap().hybrid());
-    let e = Grid::new(4, 1, 1, 1).unwrap().with_dp_shard(3).unwrap_err().to_string();
+    assert!(!hybrid_sharding::is_hybrid(&hybrid_sharding::cut_grid(Grid::new(4, 1, 1, 1).unwrap(), 0).unwrap()));
+    let e = hybrid_sharding::cut_grid(Grid::new(4, 1, 1, 1).unwrap(), 3).unwrap_err().to_string();
     assert!(e.contains("parallel.dp_shard = 3 does not divide parallel.dp = 4"), "{e}");
     ferrotron::comm::launcher::check_groups(g).unwrap(); // the collectives agree with the grid
+}
+
+#[test]
+fn a_cut_is_made_by_its_lesson_and_one_as_wide_as_dp_cp_is_that_group() {
+    use ferrotron::model::moe::{self, EP, EXPERT_DP};
+    use std::time::Duration;
+    // ep = 1: the expert-data group is all of dp×cp, the ep group each rank alone
+    let g = moe::cut_grid(Grid::new(2, 1, 2, 1).unwrap(), 1).unwrap();
+    assert_eq!(g.group(1, EXPERT_DP), g.group(1, Axis::DpCp));
+    assert_eq!(g.group(1, EP), [1]);
+    assert!(!g.table().contains("ep groups"), "a cut no setting asked for is not listed:\n{}", g.table());
+    // the same ranks are the same group: one communicator, not a second one for them
+    ferrotron::comm::launcher::launch(g, Duration::from_secs(30), |me| {
+        assert!(std::ptr::eq(me.group(EXPERT_DP), me.group(Axis::DpCp)));
+        assert!(!std::ptr::eq(me.group(EP), me.group(Axis::DpCp)));
+        Ok(())
+    })
+    .unwrap();
+    // a size that does not divide dp × cp is refused by the grid itself, naming the cut
+    let e = Grid::new(2, 1, 2, 1).unwrap().with_cut(EP, 3, None).unwrap_err().to_string();
+    assert!(e.contains("the ep groups of 3: 3 does not divide dp × cp = 4"), "{e}");
 }

@@ -12,7 +12,7 @@ mod syllabus;
 use std::collections::{BTreeMap, BTreeSet};
 use syllabus::{code, module_of, reexported, referenced, root, sources, table, target, Table};
 
-/// Whether `code` names `name` as a whole: `Axis::Ep` not followed by a letter, `.precision` not
+/// Whether `code` names `name` as a whole: `Precision::Fp8` not followed by a letter, `.precision` not
 /// followed by one (a field or config key, not `.gemm_out`), `ZeroChunk` as a word.
 fn names(code: &str, name: &str) -> bool {
     let is_word = |c: char| c.is_alphanumeric() || c == '_';
@@ -116,8 +116,18 @@ fn the_check_catches_a_planted_use_of_each_kind() {
     );
     // a path into one, inline
     plant("comm::local", "\nfn f(_: crate::comm::placement::Placement) {}\n", "of the later lesson 11_placements");
-    // a later lesson's enum variant: experts' axis in the ranks lesson
-    plant("comm::tensors", "\nconst A: Axis = Axis::Ep;\n", "names Axis::Ep, of the later lesson 20_experts");
+    // a later lesson's enum variant: FP8's precision in the ranks lesson
+    plant(
+        "comm::tensors",
+        "\nconst A: Precision = Precision::Fp8;\n",
+        "names Precision::Fp8, of the later lesson 21_fp8",
+    );
+    // a later lesson's cut of the grid: the experts' axis in the ranks lesson
+    plant(
+        "comm::tensors",
+        "\nfn f(me: &Rank) -> usize { me.group(EP).size() }\n",
+        "names EP, of the later lesson 20_experts",
+    );
     // a later lesson's field of a shared type: FP8's precision in tensor parallelism (06)
     plant(
         "parallel::data_parallel",

@@ -32,6 +32,7 @@ use crate::comm::launcher::Rank;
 use crate::comm::placement::{redistribute, Placement};
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ModelConfig};
+use crate::model::moe::{EP, EXPERT_DP};
 use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::stage::Stage;
 use crate::model::{Llama, Param, TensorSplit};
@@ -96,7 +97,7 @@ pub fn gather(
     if what == Gather::WeightsAndMoments {
         kinds.extend(kept.first().into_iter().flatten().map(|(kind, _)| Some(*kind)));
     }
-    let (tp, pp, ep) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(Axis::Ep));
+    let (tp, pp, ep) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(EP));
     let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
     // expert parallelism: the first replica's ep group holds every expert between its members
     let first_ep_group = me.coords.dp * cfg.parallel.cp + me.coords.cp < ep.size();
@@ -119,7 +120,7 @@ pub fn gather(
     };
     for (p, kept) in model.params().iter().zip(&kept) {
         let value = p.trained_values();
-        let spread = p.replicas == Axis::ExpertDp && ep.size() > 1;
+        let spread = p.replicas == Axis::Cut(EXPERT_DP) && ep.size() > 1;
         if !spread && first_replica {
             flush(&mut experts, &mut emit)?;
         }

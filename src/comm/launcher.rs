@@ -40,6 +40,8 @@ pub struct Rank {
     /// This rank's GPU, when the run is on CUDA.
     pub gpu: Option<Gpu>,
     groups: Vec<(Axis, Group)>,
+    /// The cuts whose groups are this rank's dp×cp group (no second communicator for them).
+    same_as_dp_cp: Vec<Axis>,
 }
 
 /// How GPU tensors travel between ranks (host numbers always go through the hub).
@@ -106,12 +108,7 @@ impl Setup {
                 }
             }
         };
-        // the interleaved and zero-bubble pipelines' messages are not paired for NCCL yet: `auto` stays local
-        let choice = match cfg.parallel.pp_schedule {
-            s if s.unpaired() && cfg.parallel.backend == CommBackend::Auto => CommBackend::Local,
-            _ => cfg.parallel.backend,
-        };
-        let backend = choose_backend(choice, cuda, world, gpus)?;
+        let backend = choose_backend(cfg.parallel.backend_asked(), cuda, world, gpus)?;
         let capacity = match cuda {
             // ranks share GPUs round-robin: GPU 0 holds the most
             true => Capacity {
@@ -155,15 +152,13 @@ pub fn choose_backend(choice: CommBackend, cuda: bool, world: usize, gpus: usize
 }
 
 impl Rank {
-    /// This rank's group along `axis`. Without expert parallelism the expert-data group is the
-    /// dp×cp group itself (the same ranks: no second communicator for them).
-    pub fn group(&self, axis: Axis) -> &Group {
-        let axis = match axis {
-            Axis::ExpertDp if self.grid.ep == 1 => Axis::DpCp,
-            Axis::DpShard if !self.grid.hybrid() => Axis::DpCp, // ZeRO shards over all of dp×cp
-            axis => axis,
-        };
-        &self.groups.iter().find(|(a, _)| *a == axis).expect("every axis has a group").1
+    /// This rank's group along `axis`. A cut with the same ranks as the dp×cp group (the
+    /// expert-data group without expert parallelism) is the dp×cp group itself.
+    pub fn group(&self, axis: impl Into<Axis>) -> &Group {
+        let axis = axis.into();
+        let axis = if self.same_as_dp_cp.contains(&axis) { Axis::DpCp } else { axis };
+        let found = self.groups.iter().find(|(a, _)| *a == axis);
+        &found.unwrap_or_else(|| panic!("the grid has no {} group (`Grid::with_cut`)", axis.name())).1
     }
 
     /// Records every collective and message of this rank's groups on its comm lane of `trace`.
@@ -252,15 +247,12 @@ fn run_rank<R>(
 ) -> Option<R> {
     crate::ops::tensor::start_meter(); // this rank's CPU tensors count in a meter of their own
     let (stream, comm_thread) = Stream::start();
-    let groups = Axis::ALL
-        .iter()
-        // else the dp×cp group (`Rank::group`); the replicate group only under hybrid sharding
-        .filter(|&&axis| match axis {
-            Axis::ExpertDp => grid.ep > 1,
-            Axis::DpShard | Axis::DpReplicate => grid.hybrid(),
-            _ => true,
-        })
-        .map(|&axis| {
+    let dp_cp = grid.group(rank, Axis::DpCp);
+    let (same_as_dp_cp, own): (Vec<Axis>, Vec<Axis>) =
+        grid.axes().into_iter().partition(|&a| matches!(a, Axis::Cut(_)) && grid.group(rank, a) == dp_cp);
+    let groups = own
+        .into_iter()
+        .map(|axis| {
             let members = grid.group(rank, axis);
             let list: Vec<String> = members.iter().map(|r| r.to_string()).collect();
             let name = format!("{}[{}]", axis.name(), list.join(","));
@@ -268,7 +260,7 @@ fn run_rank<R>(
         })
         .collect();
     drop(stream);
-    let mut me = Rank { rank, coords: grid.coords(rank), grid, gpu: None, groups };
+    let mut me = Rank { rank, coords: grid.coords(rank), grid, gpu: None, groups, same_as_dp_cp };
     let result = catch_unwind(AssertUnwindSafe(|| {
         open_devices(&mut me, setup)?;
         f(&me)
@@ -316,7 +308,7 @@ fn open_devices(me: &mut Rank, setup: &Setup) -> Result<()> {
 /// members `process_grid` says: the grid and the collectives agree. Used by `ferrotron grid`.
 pub fn check_groups(grid: Grid) -> Result<()> {
     launch(grid, Duration::from_secs(30), |me| {
-        for axis in Axis::ALL.into_iter().filter(|&a| a != Axis::DpReplicate || grid.hybrid()) {
+        for axis in grid.axes() {
             let got = me.group(axis).all_gather(&[me.rank as f32])?;
             let want: Vec<f32> = grid.group(me.rank, axis).iter().map(|&r| r as f32).collect();
             if got != want {

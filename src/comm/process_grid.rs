@@ -15,22 +15,12 @@
 //! along an axis is every rank that agrees with you on all the *other* coordinates. The dp×cp
 //! group is where gradients of parameters replicated over both data and context are averaged.
 //!
-//! Expert parallelism adds no ranks: it is carved out of the dp×cp group (as torchtitan and
-//! DeepSpeed place it). Number that group's members i = dp_i · cp + cp_i; consecutive blocks of
-//! `ep` of them divide the experts among themselves (the ep group, which all-to-alls tokens), and
-//! the members with the same i mod ep hold the same experts (the expert-data group, which
-//! averages their gradients):
+//! Later lessons cut more groups out of each dp×cp group without adding ranks (`Cut`): number
+//! its members i = dp_i · cp + cp_i; a cut groups them in consecutive blocks of n, or takes the
+//! members n apart. Expert parallelism and hybrid sharding make their groups so:
 //!
 //! ```text
-//! dp=4 cp=1 ep=2:   dp×cp {0 1 2 3}   ep groups {0 1} {2 3}   expert-data groups {0 2} {1 3}
-//! ```
-//!
-//! Hybrid sharding (HSDP) cuts the dp×cp group in two the other way: ZeRO shards within groups of
-//! `dp_shard` data-parallel replicas (with all their cp ranks: the shard group) and the groups
-//! replicate each other (the replicate group: the ranks with the same place in their shard group):
-//!
-//! ```text
-//! dp=4 cp=1 dp_shard=2:   dp×cp {0 1 2 3}   shard groups {0 1} {2 3}   replicate groups {0 2} {1 3}
+//! dp=4 cp=1, n=2:   dp×cp {0 1 2 3}   blocks of 2 {0 1} {2 3}   2 apart {0 2} {1 3}
 //! ```
 
 use anyhow::{bail, Result};
@@ -42,10 +32,8 @@ pub struct Grid {
     pub pp: usize,
     pub cp: usize,
     pub tp: usize,
-    /// Expert-parallel ranks, of the dp×cp ranks (`with_ep`); 1 without.
-    pub ep: usize,
-    /// Hybrid sharding: the dp replicas of each shard group (`with_dp_shard`); dp without.
-    pub dp_shard: usize,
+    /// The groups later lessons cut out of the dp×cp group (`with_cut`).
+    cuts: [Option<Made>; MAX_CUTS],
 }
 
 /// A rank's position along each axis.
@@ -60,7 +48,8 @@ pub struct Coords {
 /// The most ranks one run may have: each is a thread (and a communication thread) of one process.
 pub const MAX_RANKS: usize = 1024;
 
-/// The process groups every rank belongs to.
+/// The process groups every rank belongs to: the grid's own axes, and the cuts later lessons
+/// make (`Grid::with_cut`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Axis {
     Tp,
@@ -69,31 +58,52 @@ pub enum Axis {
     Dp,
     /// Data and context together: the gradient all-reduce of replicated parameters.
     DpCp,
-    /// The ranks of a dp×cp group that divide the experts among them (the tokens' all-to-all).
-    Ep,
-    /// The ranks of a dp×cp group that hold the same experts: their gradients' average.
-    ExpertDp,
-    /// Hybrid sharding: the ranks of a dp×cp group among which ZeRO shards (dp_shard × cp).
-    DpShard,
-    /// Hybrid sharding: the ranks of a dp×cp group holding the same chunks (dp / dp_shard).
-    DpReplicate,
     /// Every rank.
     World,
+    /// A group a later lesson cuts out of the dp×cp group.
+    Cut(Cut),
+}
+
+/// A cut of the dp×cp group, by the lesson that needs it (its members numbered i = dp_i · cp + cp_i).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Cut {
+    /// Its name in group names and the comm report: "ep", "shard".
+    pub name: &'static str,
+    /// What its groups are, for the grid's table.
+    pub what: &'static str,
+    pub along: Along,
+}
+
+/// How a cut of size n groups the dp×cp members.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Along {
+    /// Consecutive blocks of n: members i and j together when i / n = j / n.
+    Blocks,
+    /// Every n-th: members i and j together when i mod n = j mod n.
+    Strided,
+}
+
+/// A cut one grid has: its size n, and the setting that asked for it (shown in the table; `None`:
+/// the cut is there at its size that changes nothing, for code that asks for its group anyway).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Made {
+    pub cut: Cut,
+    pub n: usize,
+    pub setting: Option<(&'static str, usize)>,
+}
+
+/// The most cuts one grid holds.
+const MAX_CUTS: usize = 4;
+
+impl From<Cut> for Axis {
+    fn from(cut: Cut) -> Axis {
+        Axis::Cut(cut)
+    }
 }
 
 impl Axis {
-    pub const ALL: [Axis; 10] = [
-        Axis::Tp,
-        Axis::Cp,
-        Axis::Pp,
-        Axis::Dp,
-        Axis::DpCp,
-        Axis::Ep,
-        Axis::ExpertDp,
-        Axis::DpShard,
-        Axis::DpReplicate,
-        Axis::World,
-    ];
+    /// The grid's own axes: every grid has their groups.
+    pub const MESH: [Axis; 6] = [Axis::Tp, Axis::Cp, Axis::Pp, Axis::Dp, Axis::DpCp, Axis::World];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -102,11 +112,8 @@ impl Axis {
             Axis::Pp => "pp",
             Axis::Dp => "dp",
             Axis::DpCp => "dp×cp",
-            Axis::Ep => "ep",
-            Axis::ExpertDp => "edp",
-            Axis::DpShard => "shard",
-            Axis::DpReplicate => "replicate",
             Axis::World => "world",
+            Axis::Cut(cut) => cut.name,
         }
     }
 }
@@ -120,33 +127,35 @@ impl Grid {
         }
         let world = [dp, pp, cp].iter().try_fold(tp, |w, &d| w.checked_mul(d));
         match world {
-            Some(w) if w <= MAX_RANKS => Ok(Grid { dp, pp, cp, tp, ep: 1, dp_shard: dp }),
+            Some(w) if w <= MAX_RANKS => Ok(Grid { dp, pp, cp, tp, cuts: [None; MAX_CUTS] }),
             _ => bail!(
                 "dp × pp × cp × tp = {dp} × {pp} × {cp} × {tp} ranks: every rank runs as a thread of this process, at most {MAX_RANKS}; choose smaller degrees"
             ),
         }
     }
 
-    /// The same grid with `ep` expert-parallel ranks carved out of each dp×cp group.
-    pub fn with_ep(self, ep: usize) -> Result<Grid> {
-        if ep == 0 || !(self.dp * self.cp).is_multiple_of(ep) {
-            bail!("parallel.ep = {ep} does not divide dp × cp = {}: the expert-parallel ranks are carved out of the dp×cp ranks", self.dp * self.cp);
+    /// The same grid with `cut` of size `n` (which divides dp × cp): made by the lesson that
+    /// needs its groups, checked there against its setting.
+    pub fn with_cut(mut self, cut: Cut, n: usize, setting: Option<(&'static str, usize)>) -> Result<Grid> {
+        let members = self.dp * self.cp;
+        if n == 0 || !members.is_multiple_of(n) {
+            bail!("the {} groups of {n}: {n} does not divide dp × cp = {members}", cut.name);
         }
-        Ok(Grid { ep, ..self })
+        match self.cuts.iter_mut().find(|c| c.is_none_or(|c| c.cut == cut)) {
+            Some(free) => *free = Some(Made { cut, n, setting }),
+            None => bail!("a grid holds at most {MAX_CUTS} cuts of the dp×cp group"),
+        }
+        Ok(self)
     }
 
-    /// The same grid with ZeRO sharding within groups of `dp_shard` dp replicas (0: all of dp).
-    pub fn with_dp_shard(self, dp_shard: usize) -> Result<Grid> {
-        let dp_shard = if dp_shard == 0 { self.dp } else { dp_shard };
-        if !self.dp.is_multiple_of(dp_shard) {
-            bail!("parallel.dp_shard = {dp_shard} does not divide parallel.dp = {}: hybrid sharding cuts the dp replicas into equal shard groups", self.dp);
-        }
-        Ok(Grid { dp_shard, ..self })
+    /// The cuts this grid has.
+    pub fn cuts(&self) -> impl Iterator<Item = Made> + '_ {
+        self.cuts.iter().flatten().copied()
     }
 
-    /// Is ZeRO hybrid: sharded within groups and replicated across them?
-    pub fn hybrid(&self) -> bool {
-        self.dp_shard < self.dp
+    /// Every axis this grid has a group along: its own, then its cuts.
+    pub fn axes(&self) -> Vec<Axis> {
+        Axis::MESH.into_iter().chain(self.cuts().map(|m| Axis::Cut(m.cut))).collect()
     }
 
     pub fn world_size(&self) -> usize {
@@ -167,22 +176,25 @@ impl Grid {
     }
 
     /// The members of `rank`'s group along `axis`, in rank order.
-    pub fn group(&self, rank: usize, axis: Axis) -> Vec<usize> {
-        let me = self.coords(rank);
-        let expert = |c: Coords| c.dp * self.cp + c.cp; // the place in the dp×cp group
+    pub fn group(&self, rank: usize, axis: impl Into<Axis>) -> Vec<usize> {
+        let (me, axis) = (self.coords(rank), axis.into());
+        let i = |c: Coords| c.dp * self.cp + c.cp; // the place in the dp×cp group
         let same = |c: Coords| match axis {
             Axis::Tp => (c.dp, c.pp, c.cp) == (me.dp, me.pp, me.cp),
             Axis::Cp => (c.dp, c.pp, c.tp) == (me.dp, me.pp, me.tp),
             Axis::Pp => (c.dp, c.cp, c.tp) == (me.dp, me.cp, me.tp),
             Axis::Dp => (c.pp, c.cp, c.tp) == (me.pp, me.cp, me.tp),
             Axis::DpCp => (c.pp, c.tp) == (me.pp, me.tp),
-            Axis::Ep => (c.pp, c.tp, expert(c) / self.ep) == (me.pp, me.tp, expert(me) / self.ep),
-            Axis::ExpertDp => (c.pp, c.tp, expert(c) % self.ep) == (me.pp, me.tp, expert(me) % self.ep),
-            Axis::DpShard => (c.pp, c.tp, c.dp / self.dp_shard) == (me.pp, me.tp, me.dp / self.dp_shard),
-            Axis::DpReplicate => {
-                (c.pp, c.tp, c.cp, c.dp % self.dp_shard) == (me.pp, me.tp, me.cp, me.dp % self.dp_shard)
-            }
             Axis::World => true,
+            Axis::Cut(cut) => {
+                let n =
+                    self.cuts().find(|m| m.cut == cut).unwrap_or_else(|| panic!("the grid has no {} cut", cut.name)).n;
+                let part = |i: usize| match cut.along {
+                    Along::Blocks => i / n,
+                    Along::Strided => i % n,
+                };
+                (c.pp, c.tp, part(i(c))) == (me.pp, me.tp, part(i(me)))
+            }
         };
         (0..self.world_size()).filter(|&r| same(self.coords(r))).collect()
     }
@@ -246,24 +258,14 @@ impl Grid {
                 format!("{}/{}", opt(prev), opt(next)),
             );
         }
-        let mut carved = Vec::new();
-        if self.ep > 1 {
-            carved.push((Axis::Ep, format!("ep={}: ep groups (divide the experts)", self.ep)));
-            carved.push((Axis::ExpertDp, format!("ep={}: expert-data groups (same experts)", self.ep)));
-        }
-        if self.hybrid() {
-            carved.push((Axis::DpShard, format!("dp_shard={}: shard groups (ZeRO's chunks)", self.dp_shard)));
-            carved.push((Axis::DpReplicate, format!("dp_shard={}: replicate groups (same chunks)", self.dp_shard)));
-        }
-        {
-            for (axis, what) in carved {
-                let mut groups: Vec<Vec<usize>> = (0..self.world_size()).map(|r| self.group(r, axis)).collect();
-                groups.dedup();
-                groups.sort();
-                groups.dedup();
-                let listed: Vec<String> = groups.iter().map(|g| format!("{{{}}}", list(g))).collect();
-                let _ = writeln!(out, "{what}: {}", listed.join(" "));
-            }
+        for made in self.cuts() {
+            let Some((key, value)) = made.setting else { continue };
+            let mut groups: Vec<Vec<usize>> =
+                (0..self.world_size()).map(|r| self.group(r, Axis::Cut(made.cut))).collect();
+            groups.sort();
+            groups.dedup();
+            let listed: Vec<String> = groups.iter().map(|g| format!("{{{}}}", list(g))).collect();
+            let _ = writeln!(out, "{key}={value}: {}: {}", made.cut.what, listed.join(" "));
         }
         out
     }

@@ -30,16 +30,35 @@
 //! by far more than a rounding. `routing_tape.rs` records and replays the choices, so that such a
 //! parting can be told from a defect; it plugs in at the split's `choose`.
 
-use crate::comm::process_grid::Axis;
+use crate::comm::process_grid::{Along, Axis, Cut, Grid};
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{input_grad, owned, WeightGrads, Whole};
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, TpCut};
-use anyhow::Result;
+use anyhow::{bail, Result};
 use std::borrow::Cow;
 use std::ops::Range;
+
+/// The expert-parallel groups: consecutive blocks of ep ranks of the dp×cp group, which divide
+/// the experts among themselves (and all-to-all their tokens).
+pub const EP: Cut = Cut { name: "ep", what: "ep groups (divide the experts)", along: Along::Blocks };
+/// The expert-data groups: the dp×cp ranks ep apart, which hold the same experts (and average
+/// their gradients). Without expert parallelism, the whole dp×cp group.
+pub const EXPERT_DP: Cut = Cut { name: "edp", what: "expert-data groups (same experts)", along: Along::Strided };
+
+/// `grid` with the expert-parallel and expert-data groups of `parallel.ep` ranks: expert
+/// parallelism adds no ranks, it is carved out of the dp×cp group (as torchtitan and DeepSpeed
+/// place it).
+pub fn cut_grid(grid: Grid, ep: usize) -> Result<Grid> {
+    let members = grid.dp * grid.cp;
+    if ep == 0 || !members.is_multiple_of(ep) {
+        bail!("parallel.ep = {ep} does not divide dp × cp = {members}: the expert-parallel ranks are carved out of the dp×cp ranks");
+    }
+    let setting = (ep > 1).then_some(("ep", ep));
+    grid.with_cut(EP, ep, setting)?.with_cut(EXPERT_DP, ep, setting)
+}
 
 /// Where the experts of each MoE layer are: the seam expert parallelism plugs into. `Whole`: all
 /// of them here.
@@ -187,7 +206,7 @@ impl Moe {
         // ranks average its gradient (expert parallelism divides the experts over the ep axis)
         let mut expert = |name: String, shape: &[usize]| -> Result<Param> {
             let made = param(name, shape, ParamKind::Matrix, TpCut::Whole)?;
-            Ok(Param { replicas: Axis::ExpertDp, ..made })
+            Ok(Param { replicas: Axis::Cut(EXPERT_DP), ..made })
         };
         for e in held {
             let w = |n: &str| p(&format!("experts.{e}.{n}"));

@@ -2,8 +2,8 @@
 //!
 //! FSDP shards over every dp × cp rank, so each gather and reduce-scatter spans the whole group,
 //! across the slow links between nodes. Hybrid sharding (PyTorch's HSDP) cuts the data-parallel
-//! ranks into shard groups of `parallel.dp_shard` (inside a node; the grid carves them,
-//! `comm/process_grid.rs`), runs ZeRO within each (`zero.rs`, `fsdp.rs`, over the shard axis), and
+//! ranks into shard groups of `parallel.dp_shard` (inside a node; two cuts of the grid's dp×cp
+//! group, `SHARD` and `REPLICATE`, `comm/process_grid.rs`), runs ZeRO within each (`zero.rs`, `fsdp.rs`, over the shard axis), and
 //! keeps the groups as replicas of one another:
 //!
 //! ```text
@@ -17,8 +17,31 @@
 //! to each bucket's averaged chunks (`ZeroBuckets`'s `AfterReduce`): one all-reduce per bucket,
 //! once a step, of a 1/dp_shard share of the gradients — the only traffic that crosses nodes.
 
+use crate::comm::process_grid::{Along, Cut, Grid};
 use crate::comm::{Group, ReduceOp};
 use crate::parallel::zero::AfterReduce;
+use anyhow::{bail, Result};
+
+/// The shard groups: consecutive blocks of dp_shard replicas, with their cp ranks.
+pub const SHARD: Cut = Cut { name: "shard", what: "shard groups (ZeRO's chunks)", along: Along::Blocks };
+/// The replicate groups: the ranks with the same place in their shard groups.
+pub const REPLICATE: Cut = Cut { name: "replicate", what: "replicate groups (same chunks)", along: Along::Strided };
+
+/// `grid` with the shard and replicate groups of `parallel.dp_shard` replicas (0: all of dp, no
+/// hybrid sharding; the shard group is then the whole dp×cp group).
+pub fn cut_grid(grid: Grid, dp_shard: usize) -> Result<Grid> {
+    let dp_shard = if dp_shard == 0 { grid.dp } else { dp_shard };
+    if !grid.dp.is_multiple_of(dp_shard) {
+        bail!("parallel.dp_shard = {dp_shard} does not divide parallel.dp = {}: hybrid sharding cuts the dp replicas into equal shard groups", grid.dp);
+    }
+    let (n, setting) = (dp_shard * grid.cp, (dp_shard < grid.dp).then_some(("dp_shard", dp_shard)));
+    grid.with_cut(SHARD, n, setting)?.with_cut(REPLICATE, n, setting)
+}
+
+/// Is ZeRO hybrid in `grid`: sharded within groups and replicated across them?
+pub fn is_hybrid(grid: &Grid) -> bool {
+    grid.cuts().any(|made| made.cut == SHARD && made.setting.is_some())
+}
 
 /// Each shard group averaged its own data's gradients; across the `replicas` group (the ranks
 /// holding the same chunks) the chunks become the mean over all of them.

@@ -8,7 +8,7 @@
 //! `pipeline_parallel` (layers split into stages, AFAB; `pipeline_messages`, what the stages say;
 //! `pipeline_schedule`, a schedule as data, the order of a stage's forwards and backwards;
 //! `pipeline_1f1b`, 1F1B; `pipeline_actions`, the schedules walked as lists, interleaved;
-//! `pipeline_zero_bubble`, ZB-H1 and ZBV; `schedules`, every schedule by its config name) →
+//! `pipeline_zero_bubble`, ZB-H1 and ZBV; `schedules`, every schedule by its config name; `layout`, the grid with every lesson's cuts) →
 //! `context_parallel` (the sequence split, attention as a ring; `ulysses`, or an all-to-all to a
 //! head split) → `expert_parallel` (a mixture of experts' experts divided among ranks, tokens
 //! travelling to them by all-to-all). The model (`model/`) knows none of them: it
@@ -22,6 +22,7 @@ pub mod expert_parallel;
 pub mod fsdp;
 pub mod gather_formats;
 pub mod hybrid_sharding;
+pub mod layout;
 pub mod pipeline_1f1b;
 pub mod pipeline_actions;
 pub mod pipeline_messages;

@@ -60,14 +60,9 @@
 //! checkpoint's tensors by name, resuming into any layout. The price is a copy in and out of a
 //! flat buffer around each collective (`pack`, `unpack`), as FSDP2 pays.
 //!
-//! **Hybrid sharding (HSDP).** Sharding over every dp rank makes each gather and reduce-scatter
-//! span the whole dp×cp group, across nodes. `parallel.dp_shard` shards within groups of that
-//! many dp replicas (with their cp ranks: the shard group, `Axis::DpShard`, inside a node) and
-//! replicates across the groups (`Axis::DpReplicate`): on a 2-D mesh a master is `Shard(0)` on the
-//! shard axis and `Replicate` on the replicate axis. Its gradient is reduce-scattered inside the
-//! shard group, then each rank's chunk all-reduced across the replicate group (`Partial(avg)` →
-//! `Replicate`, once per step); the gathers never leave the shard group. Each rank holds 1/dp_shard
-//! of the state instead of 1/dp: memory traded for cheaper collectives.
+//! **Over which group.** ZeRO shards over the group it is given (`Sharding`): the whole dp×cp
+//! group here. A later lesson, hybrid sharding, gives it a smaller one and plugs into the seam
+//! after each bucket's reduce-scatter (`AfterReduce`).
 //!
 //! **Experts.** With expert parallelism (`expert_parallel.rs`) the experts are not replicated
 //! over the dp×cp ranks but over the expert-data group (dp×cp / ep ranks): their replicas' axis

@@ -21,6 +21,7 @@ use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ParallelConfig};
 use crate::data::Dataset;
+use crate::model::moe::{EP, EXPERT_DP};
 use crate::model::routing_tape::{self, RoutingTape};
 use crate::model::Param;
 use crate::parallel::context_parallel;
@@ -28,7 +29,7 @@ use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
 use crate::parallel::expert_parallel::ExpertGrads;
 use crate::parallel::fsdp::Fsdp;
 use crate::parallel::gather_formats;
-use crate::parallel::hybrid_sharding;
+use crate::parallel::hybrid_sharding::{self, REPLICATE, SHARD};
 use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::schedules;
 use crate::parallel::sequence_parallel::NormGradsOverTp;
@@ -59,10 +60,10 @@ impl<'g> Trainer<'g> {
         // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
         // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
         // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
-        let dense = if me.grid.hybrid() { Axis::DpShard } else { Axis::DpCp };
+        let dense = if hybrid_sharding::is_hybrid(&me.grid) { SHARD.into() } else { Axis::DpCp };
         let sharding = Sharding::new(p.zero_stage)
             .with(Axis::DpCp, (dense, me.group(dense)))
-            .with(Axis::ExpertDp, (Axis::ExpertDp, me.group(Axis::ExpertDp)));
+            .with(EXPERT_DP.into(), (EXPERT_DP.into(), me.group(EXPERT_DP)));
         if sharding.any() {
             model = zero::shard(model, &mut *optimizer, &sharding, p.zero_stage);
             // each weight gathered as its GEMMs read it: bf16 on a bf16 GPU, FP8 where they read FP8
@@ -80,11 +81,11 @@ impl<'g> Trainer<'g> {
             };
         }
         let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
-        let (pp, ep) = (me.group(Axis::Pp), me.group(Axis::Ep));
+        let (pp, ep) = (me.group(Axis::Pp), me.group(EP));
         // the norm's parts: the dense weights', then the experts' (each ep rank holds other experts)
         let axes = vec![
             NormAxis { axis: Axis::DpCp, parts: sharding.on(Axis::DpCp), others: None },
-            NormAxis { axis: Axis::ExpertDp, parts: sharding.on(Axis::ExpertDp), others: Some(ep) },
+            NormAxis { axis: EXPERT_DP.into(), parts: sharding.on(EXPERT_DP.into()), others: Some(ep) },
         ];
         let norm = NormGroups { tp, pp, axes };
         // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
@@ -123,19 +124,19 @@ fn gradients<'g>(
     all: (&[&Param], &[usize]),
 ) -> Gradients<'g> {
     let mut grads = Gradients::default();
-    for axis in [Axis::DpCp, Axis::ExpertDp] {
+    for axis in [Axis::DpCp, EXPERT_DP.into()] {
         let (params, chunks) = Gradients::replicated_over(all, axis);
         let list = (&params[..], &chunks[..]);
         let reducer: Box<dyn GradReduce> = match sharding.on(axis) {
             Some(group) => {
-                let hybrid = axis == Axis::DpCp && me.grid.hybrid();
-                let then = hybrid.then(|| hybrid_sharding::average_across(me.group(Axis::DpReplicate)));
+                let hybrid = axis == Axis::DpCp && hybrid_sharding::is_hybrid(&me.grid);
+                let then = hybrid.then(|| hybrid_sharding::average_across(me.group(REPLICATE)));
                 Box::new(ZeroBuckets::new((group, then), list, p.bucket_mb, p.zero_stage))
             }
             None => Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb)),
         };
         let reducer = match axis {
-            Axis::ExpertDp => Box::new(ExpertGrads { inner: reducer, ep: me.group(Axis::Ep).size() }),
+            Axis::Cut(EXPERT_DP) => Box::new(ExpertGrads { inner: reducer, ep: me.group(EP).size() }),
             _ => reducer,
         };
         grads.add(Which::Replicas(axis), reducer);

@@ -17,14 +17,15 @@
 
 use crate::comm::launcher::Capacity;
 use crate::comm::process_grid::Axis;
-use crate::comm::process_grid::Grid;
 use crate::config::{Config, DpMode, ModelConfig, Recompute};
+use crate::model::moe::EXPERT_DP;
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
 use crate::model::Llama;
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::{DType, TpCut};
 use crate::parallel::data_parallel::bucket_values;
+use crate::parallel::layout::grid_of;
 use crate::parallel::pipeline_schedule::Action;
 use crate::parallel::schedules;
 use anyhow::{bail, Result};
@@ -180,7 +181,7 @@ pub struct RankMemory {
 /// pipeline stage decides.
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
     let p = &cfg.parallel;
-    let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?.with_dp_shard(p.dp_shard)?;
+    let grid = grid_of(p)?;
     let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, schedules::stage_of(index, p))).collect();
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
 }
@@ -196,7 +197,7 @@ fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize) -> (
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
     for (name, shape, on_tp, replicas) in Llama::tensor_cuts(&one_layer, Stage::WHOLE) {
         let n = shape.iter().map(|&x| x as f64).product::<f64>() / if on_tp == TpCut::Whole { 1.0 } else { tp as f64 };
-        let expert = replicas == Axis::ExpertDp;
+        let expert = replicas == Axis::Cut(EXPERT_DP);
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {
             n if n.starts_with("model.layers.") => &mut layer,

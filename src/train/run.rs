@@ -16,16 +16,17 @@ use crate::comm::Group;
 use crate::config::{Config, CpMode};
 use crate::data::Dataset;
 use crate::model::fused_loss::FusedLoss;
+use crate::model::moe::EP;
 use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::routing_tape::TapeMode;
 use crate::model::{init, Llama, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::expert_parallel::ExpertParallel;
-use crate::parallel::schedules;
 use crate::parallel::sequence_parallel::SequenceParallel;
 use crate::parallel::tensor_parallel::TensorParallel;
 use crate::parallel::ulysses::Ulysses;
+use crate::parallel::{layout, schedules};
 use crate::train::memory::{self, Held};
 use anyhow::{Context, Result};
 use std::collections::HashMap;
@@ -168,7 +169,7 @@ impl Run {
     /// and every output before anything big is built; opens the data; prints what will run.
     pub(super) fn prepare(cfg: &Config, opts: Options) -> Result<Run> {
         let (t, p) = (&cfg.train, &cfg.parallel);
-        let grid = Grid::new(p.dp, p.pp, p.cp, p.tp)?.with_ep(p.ep)?.with_dp_shard(p.dp_shard)?;
+        let grid = layout::grid_of(p)?;
         let setup = Setup::from_config(cfg, !opts.one_process)?;
         let full_weights = memory::weights_per_rank(&cfg.model, 1, 1) * 4.0;
         let loaded = match (opts.resume, cfg.model.init_from.is_empty()) {
@@ -423,7 +424,7 @@ impl Shared<'_> {
             }
         }
         if cfg.parallel.ep > 1 {
-            model = model.with_expert_split(Box::new(ExpertParallel::new(me.group(Axis::Ep))));
+            model = model.with_expert_split(Box::new(ExpertParallel::new(me.group(EP))));
         }
         let cp = me.group(Axis::Cp);
         if cp.size() > 1 {

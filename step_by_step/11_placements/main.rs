@@ -13,6 +13,7 @@ use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
 use ferrotron::config::Config;
 use ferrotron::data::Dataset;
+use ferrotron::model::moe::{self, EP, EXPERT_DP};
 use ferrotron::model::optimizer::AdamW;
 use ferrotron::model::stage::Stage;
 use ferrotron::model::{Llama, Param};
@@ -121,7 +122,7 @@ fn placement(p: &Param, axis: Axis) -> Placement {
     match axis {
         Axis::Tp => p.tp.into(), // rows Shard(0), columns Shard(1), whole Replicate
         a if zero::chunk_of(p).is_some_and(|z| z.axis == a) => Placement::Shard(0),
-        Axis::Ep if p.replicas == Axis::ExpertDp => Placement::Shard(0),
+        Axis::Cut(EP) if p.replicas == Axis::Cut(EXPERT_DP) => Placement::Shard(0),
         _ => Placement::Replicate,
     }
 }
@@ -217,16 +218,16 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
     let moe = ferrotron::config::ModelConfig { num_local_experts: 4, num_experts_per_tok: 2, ..m.clone() };
     let dense: Vec<(String, Tensor)> =
         Llama::new(&moe, 3).params().iter().map(|p| (p.name.clone(), p.value.clone())).collect();
-    let ep = launch(Grid::new(2, 1, 1, 1)?.with_ep(2)?, Duration::from_secs(60), |me| {
-        let group = me.group(Axis::Ep);
+    let ep = launch(moe::cut_grid(Grid::new(2, 1, 1, 1)?, 2)?, Duration::from_secs(60), |me| {
+        let group = me.group(EP);
         let model = Llama::new(&moe, 3).with_expert_split(Box::new(ExpertParallel::new(group)));
-        let experts: Vec<&Param> = model.params().into_iter().filter(|p| p.replicas == Axis::ExpertDp).collect();
+        let experts: Vec<&Param> = model.params().into_iter().filter(|p| p.replicas == Axis::Cut(EXPERT_DP)).collect();
         // member j holds experts j·E/ep … (j+1)·E/ep − 1 of every layer, as the dense model has them
         let held = group.index() * 2..(group.index() + 1) * 2; // E / ep = 2
         Ok(experts.iter().all(|p| {
             let e: usize =
                 p.name.split(".experts.").nth(1).and_then(|r| r.split('.').next()?.parse().ok()).unwrap_or(usize::MAX);
-            placement(p, Axis::Ep) == Placement::Shard(0)
+            placement(p, EP.into()) == Placement::Shard(0)
                 && held.contains(&e)
                 && dense.iter().any(|(n, d)| *n == p.name && max_diff(d, &p.value) == 0.0)
         }) && !experts.is_empty())

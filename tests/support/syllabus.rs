@@ -26,7 +26,7 @@ pub struct Lesson {
     /// The tutorial's folder: `step_by_step/<step>/`.
     pub step: String,
     pub files: Vec<Entry>,
-    /// What this lesson adds to shared types and the config: `Axis::Ep`, `.precision`.
+    /// What this lesson adds to shared types and the config: `Precision::Fp8`, `.precision`.
     #[serde(default)]
     pub names: Vec<String>,
 }
