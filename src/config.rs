@@ -339,8 +339,8 @@ impl DeviceConfig {
     }
 
     /// What the linear layers' GEMMs read: the compute dtype, or FP8 (on the CPU, emulated).
-    pub fn gemms(&self) -> crate::ops::types::Precision {
-        use crate::ops::types::Precision;
+    pub fn gemms(&self) -> crate::ops::precision::Precision {
+        use crate::ops::precision::Precision;
         match (self.kind, self.dtype) {
             (_, DeviceDtype::Fp8) => Precision::Fp8,
             (_, DeviceDtype::Bf16) | (DeviceKind::Cuda, DeviceDtype::Auto) => Precision::Bf16,

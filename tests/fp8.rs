@@ -22,7 +22,8 @@ use ferrotron::config::Config;
 use ferrotron::model::init::normal;
 use ferrotron::model::split::Now;
 use ferrotron::model::{Llama, StageGrad, StageInput, StageOutput};
-use ferrotron::ops::fp8::{self, Fp8};
+use ferrotron::ops::fp8::Fp8;
+use ferrotron::ops::precision::gemms;
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::{self, Precision};
 
@@ -163,7 +164,7 @@ fn sets(extra: &[&str]) -> Vec<String> {
 /// layers' GEMMs in `p`.
 fn gradients(p: Precision, extra: &[&str]) -> Vec<(String, Vec<f32>)> {
     let cfg = Config::load(None, &sets(extra)).unwrap().model;
-    let mut model = Llama::new(&cfg, 5).with_gemms(fp8::gemms(p));
+    let mut model = Llama::new(&cfg, 5).with_gemms(gemms(p));
     let (batch, seq) = (4, 32u32);
     let tokens: Vec<u32> = (0..batch * seq).map(|i| (i * 13 + i / 7) % cfg.vocab_size as u32).collect();
     let targets: Vec<i32> = tokens.iter().map(|&t| (t as i32 * 5 + 3) % cfg.vocab_size as i32).collect();
@@ -199,7 +200,7 @@ fn one_steps_gradients_err_within_what_the_formats_predict() {
 #[test]
 fn the_output_layer_and_the_router_stay_in_bf16() {
     let cfg = Config::load(None, &sets(&["model.num_local_experts=4", "model.num_experts_per_tok=2"])).unwrap().model;
-    let model = Llama::new(&cfg, 5).with_gemms(fp8::gemms(Precision::Fp8));
+    let model = Llama::new(&cfg, 5).with_gemms(gemms(Precision::Fp8));
     for p in model.params() {
         let want = match ["lm_head", "block_sparse_moe.gate", "embed", "norm"].iter().position(|n| p.name.contains(n)) {
             Some(0 | 1) => Precision::Bf16, // stays bf16

@@ -10,7 +10,7 @@
 mod syllabus;
 
 use std::collections::{BTreeMap, BTreeSet};
-use syllabus::{code, module_of, reexported, referenced, root, sources, table, target, Table};
+use syllabus::{code, inline_children, module_of, reexported, referenced, root, sources, table, target, Table};
 
 /// Whether `code` names `name` as a whole: `Precision::Fp8` not followed by a letter, `.precision` not
 /// followed by one (a field or config key, not `.gemm_out`), `ZeroChunk` as a word.
@@ -53,7 +53,7 @@ fn later_uses(table: &Table, sources: &BTreeMap<String, String>) -> BTreeMap<(St
         let mut note = |b: usize, what: String| {
             found.entry((file.clone(), table.lesson[b].step.clone())).or_insert(what);
         };
-        for path in referenced(m, text) {
+        for path in referenced(m, text).into_iter().chain(inline_children(m, text)) {
             let Some(t) = resolve(path) else { continue };
             if let Some(&b) = lesson_of.get(t).filter(|&&b| b > a) {
                 note(b, format!("uses {}", path_of[t]));
@@ -128,11 +128,17 @@ fn the_check_catches_a_planted_use_of_each_kind() {
         "\nfn f(me: &Rank) -> usize { me.group(EP).size() }\n",
         "names EP, of the later lesson 20_experts",
     );
-    // a later lesson's field of a shared type: FP8's precision in tensor parallelism (06)
+    // a path into a child module of its own, inline: placements (11) in the ranks lesson's comm/mod.rs
     plant(
-        "parallel::data_parallel",
-        "\nfn f(p: &Param) -> bool { p.precision == Precision::F32 }\n",
-        "names .precision, of the later lesson 21_fp8",
+        "comm",
+        "\nfn f() -> placement::Placement { placement::Placement::Replicate }\n",
+        "uses src/comm/placement.rs, of the later lesson 11_placements",
+    );
+    // a later lesson's field of a shared type: the experts' (20) in the model's init (01)
+    plant(
+        "model::init",
+        "\nfn f(c: &ModelConfig) -> bool { c.num_local_experts > 0 }\n",
+        "names .num_local_experts, of the later lesson 20_experts",
     );
     // a later lesson's config key: hybrid sharding's (08) in ZeRO (06)
     plant(

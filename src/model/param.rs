@@ -32,7 +32,8 @@ pub struct Param {
     /// updates that part with its own gradient, and `value` is only what forward and backward
     /// compute with. `None`: the optimizer updates `value` itself with `grad` (`Param::trained`).
     pub trained_part: Option<Box<dyn TrainedPart>>,
-    /// What its GEMMs read, for a linear layer's weight (`ops/fp8.rs`): f32 by default;
+    /// What its GEMMs read, for a linear layer's weight (mixed precision, `ops/precision.rs`): f32
+    /// by default;
     /// `Llama::with_gemms` sets the run's precision.
     pub precision: Precision,
 }

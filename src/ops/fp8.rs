@@ -28,7 +28,8 @@
 //! one scale per tensor, an element far below the amax loses bits (below amax · 2⁻¹⁷ in E4M3 it is
 //! a subnormal or zero); finer scales (per row, per 128-block: "rowwise", MXFP8) trade that back.
 //!
-//! **Where the casts sit** (a linear layer y = x · Wᵀ; `ops::linear` and its two backward halves):
+//! **Where the casts sit** (a linear layer y = x · Wᵀ; `ops::linear` and its two backward halves,
+//! which read their operands as a `Precision` says: `ops/precision.rs`, FP8 one of them):
 //!
 //! ```text
 //! forward    y  = (e4m3(x·sx) · e4m3(W·sw)ᵀ) / (sx·sw)        → bf16
@@ -55,10 +56,6 @@
 //! saturating at the largest value, as `__NV_SATFINITE`): the CPU run shows what FP8 does to the
 //! curve, and the GPU path (`ops/gpu_fp8.rs`: cast kernels and a cuBLASLt FP8 GEMM) is checked
 //! against it.
-
-use crate::ops::types::Precision;
-use rayon::prelude::*;
-use std::borrow::Cow;
 
 /// One of the two FP8 formats.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -152,58 +149,6 @@ impl Fp8 {
     }
 }
 
-/// How one operand enters a GEMM of a linear layer: as it is, rounded to bf16, or scaled and
-/// cast to an FP8 format.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Cast {
-    None,
-    Bf16,
-    Fp8(Fp8),
-}
-
-impl Precision {
-    /// How this precision reads x and W (forward, and W again in backward).
-    pub fn values(self) -> Cast {
-        match self {
-            Precision::F32 => Cast::None,
-            Precision::Bf16 => Cast::Bf16,
-            Precision::Fp8 => Cast::Fp8(Fp8::E4M3),
-        }
-    }
-
-    /// How this precision reads output gradients dy.
-    pub fn gradients(self) -> Cast {
-        match self {
-            Precision::Fp8 => Cast::Fp8(Fp8::E5M2),
-            other => other.values(),
-        }
-    }
-
-    /// A GEMM output as a GPU of this precision writes it (bf16 in both mixed precisions), from
-    /// the f32 sums of the cast operands, multiplied back by `descale`.
-    pub fn output(self, mut y: Vec<f32>, descale: f32) -> Vec<f32> {
-        if self != Precision::F32 {
-            y.iter_mut().for_each(|v| *v = half::bf16::from_f32(*v * descale).to_f32());
-        }
-        y
-    }
-}
-
-/// What each weight's GEMMs read (by its name) in a run whose GEMMs read `run` (`device.dtype`;
-/// `Llama::with_gemms` takes it): under FP8 the output layer (and the embedding when it is tied
-/// to it) and a mixture of experts' router stay in bf16 — the logits feed the softmax and the
-/// router's scores a discrete top-k, where an FP8 rounding costs most; every other weight reads
-/// `run`.
-pub fn gemms(run: Precision) -> impl Fn(&str) -> Precision {
-    move |name| {
-        let bf16 = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight"];
-        match run {
-            Precision::Fp8 if bf16.iter().any(|s| name.ends_with(s)) => Precision::Bf16,
-            _ => run,
-        }
-    }
-}
-
 /// The scale current scaling gives a tensor of this amax: the power of two that puts its
 /// largest magnitude in the format's top binade, largest / amax rounded down (1 for an all-zero
 /// or non-finite tensor; at most 2¹²⁷ for a tiny one). `kernels/fp8.cu` computes the same.
@@ -213,20 +158,4 @@ pub fn scale_for(amax: f32, f: Fp8) -> f32 {
     }
     let s = (f.largest() / amax).min(f32::from_bits(254 << 23)); // 2¹²⁷
     f32::from_bits(s.to_bits() & 0xff80_0000) // the mantissa dropped: a power of two
-}
-
-/// `values` as a GEMM reads them under `cast`: (the numbers, the factor that multiplies their
-/// products back: 1/s for an FP8 cast with scale s, else 1).
-pub fn cast(values: &[f32], cast: Cast) -> (Cow<'_, [f32]>, f32) {
-    match cast {
-        Cast::None => (Cow::Borrowed(values), 1.0),
-        Cast::Bf16 => (Cow::Owned(values.iter().map(|&v| half::bf16::from_f32(v).to_f32()).collect()), 1.0),
-        Cast::Fp8(f) => {
-            // a pass over the tensor for its amax (∞ if any is not finite), then the cast; on
-            // the rayon threads, as a GPU runs both as kernels
-            let amax = values.par_iter().map(|v| if v.is_finite() { v.abs() } else { f32::INFINITY });
-            let s = scale_for(amax.reduce(|| 0.0, f32::max), f);
-            (Cow::Owned(values.par_iter().map(|&v| f.round(v * s)).collect()), 1.0 / s)
-        }
-    }
 }

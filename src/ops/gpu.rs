@@ -10,8 +10,9 @@
 use crate::cuda::device::{Buf, Data, Device};
 use crate::cuda::launch_table::{self, Addr};
 use crate::cuda::runtime::cuda_err;
+use crate::ops::precision::Precision;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::{AdamWSettings, Attn, DType, Precision};
+use crate::ops::types::{AdamWSettings, Attn, DType};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use std::sync::Arc;

@@ -38,8 +38,9 @@ use crate::cuda::launch_table::{self, amax_blocks, Addr, AMAX_BLOCKS, NORM_BLOCK
 use crate::cuda::runtime::cuda_err;
 use crate::ops::fp8::Fp8;
 use crate::ops::gpu::addr;
+use crate::ops::precision::Precision;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::{DType, Precision};
+use crate::ops::types::DType;
 use crate::ops::wire::slots;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublaslt::{result as lt, sys};

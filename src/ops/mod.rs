@@ -18,11 +18,13 @@ pub mod gpu;
 pub mod gpu_fp8;
 pub mod gpu_moe;
 pub mod moe;
+pub mod precision;
 pub mod tensor;
 pub mod types;
 pub mod wire;
 
-pub use types::{AdamWSettings, Attn, DType, Precision, TpCut};
+pub use precision::Precision;
+pub use types::{AdamWSettings, Attn, DType, TpCut};
 
 use crate::cuda::device::{fatal, Device};
 use cpu_math::View;
@@ -37,14 +39,14 @@ fn gpu<'a>(op: &str, ts: &[&'a Tensor]) -> Option<&'a Arc<Device>> {
     dev
 }
 
-/// y[m, n] = x[m, k] · w[n, k]ᵀ, the GEMM reading its operands in precision `p` (`fp8.rs`).
+/// y[m, n] = x[m, k] · w[n, k]ᵀ, the GEMM reading its operands in precision `p` (`precision.rs`).
 pub fn linear(x: &Tensor, w: &Tensor, p: Precision) -> Tensor {
     let (m, k, n) = (x.rows(), x.cols(), w.shape()[0]);
     assert_eq!(w.cols(), k, "linear: input has {k} features, weight expects {}", w.cols());
     if let Some(d) = gpu("linear", &[x, w]) {
         return fatal("linear", d.linear(x, w, p));
     }
-    let ((x, sx), (w, sw)) = (fp8::cast(x.host(), p.values()), fp8::cast(w.host(), p.values()));
+    let ((x, sx), (w, sw)) = (precision::cast(x.host(), p.values()), precision::cast(w.host(), p.values()));
     let y = cpu_math::product(m, k, n, View::rows(&x, k), View::transposed(&w, k));
     Tensor::from_vec(&[m, n], p.output(y, sx * sw))
 }
@@ -63,7 +65,7 @@ pub fn linear_input_grad(dy: &Tensor, w: &Tensor, p: Precision) -> Tensor {
     if let Some(d) = gpu("linear backward", &[dy, w]) {
         return fatal("linear backward", d.linear_input_grad(dy, w, p));
     }
-    let ((dy, sg), (w, sw)) = (fp8::cast(dy.host(), p.gradients()), fp8::cast(w.host(), p.values()));
+    let ((dy, sg), (w, sw)) = (precision::cast(dy.host(), p.gradients()), precision::cast(w.host(), p.values()));
     let dx = cpu_math::product(m, n, k, View::rows(&dy, n), View::rows(&w, k));
     Tensor::from_vec(&[m, k], p.output(dx, sg * sw))
 }
@@ -74,7 +76,7 @@ pub fn linear_input_grad_add(dy: &Tensor, w: &Tensor, p: Precision, dx: &mut Ten
     dx.written();
     assert_eq!((dx.rows(), dx.cols()), (dy.rows(), w.cols()), "linear input gradient: shapes");
     match gpu("linear backward", &[dy, w, dx]) {
-        Some(d) if p != Precision::Fp8 => fatal("linear backward", d.linear_input_grad_add(dy, w, dx)),
+        Some(d) if !p.scaled() => fatal("linear backward", d.linear_input_grad_add(dy, w, dx)),
         _ => add_assign(dx, &linear_input_grad(dy, w, p)),
     }
 }
@@ -87,9 +89,9 @@ pub fn linear_weight_grad(dy: &Tensor, x: &Tensor, dw: &mut Tensor, p: Precision
     if let Some(d) = gpu("linear weight gradient", &[dy, x, dw]) {
         return fatal("linear weight gradient", d.linear_weight_grad(dy, x, dw, p));
     }
-    let ((dy, sg), (x, sx)) = (fp8::cast(dy.host(), p.gradients()), fp8::cast(x.host(), p.values()));
+    let ((dy, sg), (x, sx)) = (precision::cast(dy.host(), p.gradients()), precision::cast(x.host(), p.values()));
     let (dy, x) = (View::transposed(&dy, n), View::rows(&x, k));
-    if p != Precision::Fp8 {
+    if !p.scaled() {
         return cpu_math::gemm(n, m, k, dy, x, dw.host_mut(), true);
     }
     // the fp32 gradient adds the product multiplied back by 1/(sg·sx), as cuBLASLt's scales do

@@ -22,28 +22,6 @@ impl DType {
     }
 }
 
-/// What a linear layer's GEMMs read (`device.dtype`; `ops/fp8.rs`): f32 as it is; bf16 (mixed
-/// precision: a GPU's bf16 tensors, which the CPU emulates by rounding the operands and the output
-/// to bf16); or FP8 with per-tensor current scaling (E4M3 values, E5M2 gradients, bf16 output).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub enum Precision {
-    F32,
-    Bf16,
-    Fp8,
-}
-
-impl Precision {
-    /// How a run names it: "f32", "bf16" (on the CPU: its GEMMs' rounding, emulated) or "bf16
-    /// with FP8 GEMMs".
-    pub fn name(self) -> &'static str {
-        match self {
-            Precision::F32 => "f32",
-            Precision::Bf16 => "bf16",
-            Precision::Fp8 => "bf16 with FP8 GEMMs",
-        }
-    }
-}
-
 /// The shape of one attention call: `seq` queries and `kv_seq` keys per sequence.
 #[derive(Clone, Copy, Debug)]
 pub struct Attn {

@@ -414,7 +414,7 @@ impl Shared<'_> {
             let scale = 1.0 / t.grad_accum_steps as f32;
             model = model.with_loss(Box::new(FusedLoss { rows: t.loss_chunk_rows, scale }));
         }
-        model = model.with_gemms(crate::ops::fp8::gemms(cfg.device.gemms()));
+        model = model.with_gemms(crate::ops::precision::gemms(cfg.device.gemms()));
         if self.nudge {
             for p in model.params_mut() {
                 p.value = Tensor::from_vec(

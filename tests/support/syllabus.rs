@@ -128,6 +128,32 @@ pub fn referenced(module: &str, text: &str) -> Vec<String> {
     out
 }
 
+/// The paths into its own child modules a module's code names inline (`fp8::cast(…)` in `ops`):
+/// a use for the syllabus, not an import for the layering (a child may still use its parent).
+pub fn inline_children(module: &str, text: &str) -> Vec<String> {
+    let code = code(text);
+    let mut out = Vec::new();
+    for child in children(&code) {
+        for (i, _) in code.match_indices(&format!("{child}::")) {
+            let before = code[..i].chars().next_back();
+            if !before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+                let path: String =
+                    code[i..].chars().take_while(|c| c.is_alphanumeric() || *c == '_' || *c == ':').collect();
+                out.push(join(module, &path));
+            }
+        }
+    }
+    out
+}
+
+/// The child modules a module declares (`mod x;`, `pub mod x;`).
+fn children(code: &str) -> Vec<&str> {
+    code.lines()
+        .filter_map(|l| l.trim().strip_prefix("pub mod ").or_else(|| l.trim().strip_prefix("mod ")))
+        .map(|l| l.trim_end_matches(';').trim())
+        .collect()
+}
+
 /// The paths a module re-exports (`pub use …`), as module paths relative to the crate: an item
 /// named through the module is the item of the path.
 pub fn reexported(module: &str, text: &str) -> Vec<String> {
@@ -138,11 +164,7 @@ pub fn reexported(module: &str, text: &str) -> Vec<String> {
 /// spelled out: `use crate::a::{b, c::D}` names a::b and a::c::D.
 fn used(module: &str, code: &str, exported: bool) -> Vec<String> {
     let parent = module.rsplit_once("::").map_or("", |(p, _)| p);
-    let children: Vec<&str> = code
-        .lines()
-        .filter_map(|l| l.trim().strip_prefix("pub mod ").or_else(|| l.trim().strip_prefix("mod ")))
-        .map(|l| l.trim_end_matches(';').trim())
-        .collect();
+    let children = children(code);
     let mut out = Vec::new();
     let mut statements = Vec::new();
     for (at, line) in code.lines().scan(0, |at, l| Some((std::mem::replace(at, *at + l.len() + 1), l))) {

@@ -173,7 +173,7 @@ impl<'g> Llama<'g> {
     }
 
     /// Its linear layers' GEMMs read what `gemms` says for each weight's name (f32 unless a run
-    /// sets it: bf16 on a GPU, or FP8 as its lesson's rule says, `ops/fp8.rs`'s `gemms`). The
+    /// sets it: bf16 on a GPU, or FP8 as its lesson's rule says, `ops/precision.rs`'s `gemms`). The
     /// norms' weights and an untied embedding are no GEMM's operands: f32 (what FSDP sends of
     /// them: `ops/wire.rs`).
     pub fn with_gemms(mut self, gemms: impl Fn(&str) -> Precision) -> Llama<'g> {
