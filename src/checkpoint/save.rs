@@ -32,15 +32,15 @@ use crate::comm::launcher::Rank;
 use crate::comm::placement::{redistribute, Placement};
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ModelConfig};
-use crate::model::moe::{EP, EXPERT_DP};
+use crate::model::moe::{self, EP};
 use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::stage::Stage;
 use crate::model::{Llama, Param, TensorSplit};
 use crate::ops;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::{DType, TpCut};
-use crate::parallel::schedules;
 use crate::parallel::zero;
+use crate::parallel::{layout, schedules};
 use anyhow::{bail, Context, Result};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -120,7 +120,7 @@ pub fn gather(
     };
     for (p, kept) in model.params().iter().zip(&kept) {
         let value = p.trained_values();
-        let spread = p.replicas == Axis::Cut(EXPERT_DP) && ep.size() > 1;
+        let spread = moe::is_expert(&p.name) && ep.size() > 1;
         if !spread && first_replica {
             flush(&mut experts, &mut emit)?;
         }
@@ -128,7 +128,7 @@ pub fn gather(
         for (which, t) in tensors.enumerate().take(kinds.len()) {
             // under ZeRO every rank of its chunk's axis holds a chunk (dp×cp, or the shard group
             // under hybrid sharding; an expert's, edp)
-            let axis = zero::chunk_of(p).map_or(p.replicas, |z| z.axis);
+            let axis = zero::chunk_of(p).map_or_else(|| layout::replicas(p), |z| z.axis);
             let unsharded = zero::whole(me.group(axis), p, t)?;
             if !(first_replica || spread && first_ep_group) {
                 continue;

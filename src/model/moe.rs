@@ -30,7 +30,7 @@
 //! by far more than a rounding. `routing_tape.rs` records and replays the choices, so that such a
 //! parting can be told from a defect; it plugs in at the split's `choose`.
 
-use crate::comm::process_grid::{Along, Axis, Cut, Grid};
+use crate::comm::process_grid::{Along, Cut, Grid};
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{input_grad, owned, WeightGrads, Whole};
@@ -47,6 +47,14 @@ pub const EP: Cut = Cut { name: "ep", what: "ep groups (divide the experts)", al
 /// The expert-data groups: the dp×cp ranks ep apart, which hold the same experts (and average
 /// their gradients). Without expert parallelism, the whole dp×cp group.
 pub const EXPERT_DP: Cut = Cut { name: "edp", what: "expert-data groups (same experts)", along: Along::Strided };
+
+/// Is the parameter named `name` an expert's (Hugging Face's Mixtral names: the router is
+/// `…block_sparse_moe.gate.weight`, expert e's matrices `…block_sparse_moe.experts.e.w1.weight`)?
+/// An expert's replicas are the ranks holding the same experts: the expert-data axis, whose ranks
+/// average its gradient (`parallel/layout.rs`).
+pub fn is_expert(name: &str) -> bool {
+    name.contains(".block_sparse_moe.experts.")
+}
 
 /// `grid` with the expert-parallel and expert-data groups of `parallel.ep` ranks: expert
 /// parallelism adds no ranks, it is carved out of the dp×cp group (as torchtitan and DeepSpeed
@@ -202,12 +210,7 @@ impl Moe {
         // sequence parallelism), so the router and the experts are whole on each
         let gate = param(p("gate"), &[total, d], ParamKind::Matrix, TpCut::Whole)?;
         let mut experts = Vec::new();
-        // an expert's replicas are the ranks holding the same experts: the expert-data axis, whose
-        // ranks average its gradient (expert parallelism divides the experts over the ep axis)
-        let mut expert = |name: String, shape: &[usize]| -> Result<Param> {
-            let made = param(name, shape, ParamKind::Matrix, TpCut::Whole)?;
-            Ok(Param { replicas: Axis::Cut(EXPERT_DP), ..made })
-        };
+        let mut expert = |name: String, shape: &[usize]| param(name, shape, ParamKind::Matrix, TpCut::Whole);
         for e in held {
             let w = |n: &str| p(&format!("experts.{e}.{n}"));
             experts.push(Expert {

@@ -1,9 +1,8 @@
 //! # Parameters: a named weight, its gradient, and where it lives on the grid
 //!
 //! Every parameter carries its Hugging Face name (so checkpoints load by name and gradients
-//! compare tensor by tensor), its gradient (accumulated by backward), how tensor parallelism cuts
-//! it (`TpCut`: its rows, its columns, or whole on every rank) and the axis of its replicas, the
-//! ranks holding the same part of it. What the optimizer updates is the weight itself, unless a
+//! compare tensor by tensor), its gradient (accumulated by backward) and how tensor parallelism
+//! cuts it (`TpCut`: its rows, its columns, or whole on every rank). What the optimizer updates is the weight itself, unless a
 //! later lesson keeps a trained part apart (ZeRO keeps only this rank's chunk of the master:
 //! `TrainedPart`). A parameter is always made whole first, from its own (seed, name) random
 //! stream, and then cut for its tp rank (`ops::tp_part`), so every layout starts from the same
@@ -13,7 +12,6 @@
 //! tp: Whole: every rank all of W   Rows: rank r rows [r·n/tp, (r+1)·n/tp) of W [n, ·]   Columns: its columns
 //! ```
 
-use crate::comm::process_grid::Axis;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, Precision, TpCut};
 use std::any::Any;
@@ -25,9 +23,6 @@ pub struct Param {
     pub grad: Tensor,
     /// How tensor parallelism cuts it (`value` is this rank's part): rows, columns, or whole.
     pub tp: TpCut,
-    /// The axis whose ranks hold the same slice of it and average its gradient: dp×cp, or for an
-    /// expert the expert-data axis (`parallel/expert_parallel.rs`).
-    pub replicas: Axis,
     /// Its trained part, where a later lesson keeps it apart from `value`: then the optimizer
     /// updates that part with its own gradient, and `value` is only what forward and backward
     /// compute with. `None`: the optimizer updates `value` itself with `grad` (`Param::trained`).
@@ -54,18 +49,9 @@ pub trait TrainedPart: Any {
 }
 
 impl Param {
-    /// A parameter holding `value` (its part, cut so by tensor parallelism), its gradient zero,
-    /// replicated over the dp×cp ranks.
+    /// A parameter holding `value` (its part, cut so by tensor parallelism), its gradient zero.
     pub fn new(name: String, value: Tensor, tp: TpCut) -> Param {
-        Param {
-            grad: Tensor::zeros(value.shape()),
-            name,
-            value,
-            tp,
-            replicas: Axis::DpCp,
-            trained_part: None,
-            precision: Precision::F32,
-        }
+        Param { grad: Tensor::zeros(value.shape()), name, value, tp, trained_part: None, precision: Precision::F32 }
     }
 
     /// The shape of the whole parameter (this tp rank's part), sharded or not.

@@ -26,6 +26,7 @@
 //! the average of its own chunk. (Step 11 restates both in placements: the all-reduce takes a
 //! gradient from `Partial(avg)`, each rank holding its own data's share, to `Replicate`.)
 
+use crate::comm::process_grid::Axis;
 use crate::comm::tensors::Pending;
 use crate::comm::{Group, ReduceOp};
 use crate::config::DpMode;
@@ -45,6 +46,16 @@ pub fn gradient_all_reduce(name: &str) -> bool {
 /// How many f32 values a bucket of `bucket_mb` MiB holds.
 pub fn bucket_values(bucket_mb: f64) -> usize {
     ((bucket_mb * (1 << 20) as f64) / 4.0).max(1.0) as usize
+}
+
+/// Which ranks hold the same values of a parameter, and so average its gradient: its replicas'
+/// axis. The layout answers it for every parameter (`parallel/layout.rs`); data parallelism's own
+/// answer, the dp×cp ranks for all of them, is `every_on_dp_cp`.
+pub type Replicas = fn(&Param) -> Axis;
+
+/// Every parameter replicated over the dp×cp ranks: plain data parallelism.
+pub fn every_on_dp_cp(_: &Param) -> Axis {
+    Axis::DpCp
 }
 
 /// Where a gradient goes once backward has made it: the data-parallel hook, and ZeRO's.

@@ -22,7 +22,7 @@
 //!
 //! Gradients: an expert's gradient on its rank sums the rows of all ep ranks' tokens, and the
 //! ranks holding the same experts average it as data parallelism does: their replicas' axis is
-//! the expert-data axis (`Param::replicas`; `model/moe.rs` makes them so), and each gradient
+//! the expert-data axis (`parallel/layout.rs`'s `replicas`, by `model/moe.rs`'s `is_expert`), and each gradient
 //! goes to the reducer of its axis (`train/gradients.rs`); divided by ep after that, it is the mean over every
 //! dp×cp rank's tokens, as for the weights every rank holds (`average_over_tokens`). ZeRO shards
 //! the expert weights over the expert-data group.

@@ -64,10 +64,10 @@
 //! group here. A later lesson, hybrid sharding, gives it a smaller one and plugs into the seam
 //! after each bucket's reduce-scatter (`AfterReduce`).
 //!
-//! **Experts.** With expert parallelism (`expert_parallel.rs`) the experts are not replicated
-//! over the dp×cp ranks but over the expert-data group (dp×cp / ep ranks): their replicas' axis
-//! (`Param::replicas`), the group that shards them (`Sharding`); alone in it, a rank keeps its
-//! experts whole.
+//! **Other replicas.** Each parameter is sharded over the group of its replicas' axis, which the
+//! layout names (`Replicas`): every parameter's is dp×cp here; a later lesson's parameters may
+//! have another (`Sharding::with` takes one group per axis). Alone in its group, a rank keeps the
+//! parameter whole.
 //!
 //! **Precision.** Gradients are reduce-scattered in fp32 (a sum of dp parts loses little there,
 //! much in bf16); weights are all-gathered in the compute dtype (bf16 on a GPU: half the bytes,
@@ -82,7 +82,7 @@ use crate::model::param::TrainedPart;
 use crate::model::{Llama, Param};
 use crate::ops;
 use crate::ops::tensor::{Place, Tensor};
-use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce};
+use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce, Replicas};
 use anyhow::Result;
 use std::any::Any;
 use std::borrow::Cow;
@@ -118,14 +118,16 @@ fn cut(t: &Tensor, r: usize, c: usize) -> Tensor {
 pub struct Sharding<'g> {
     /// The ZeRO stage: 0 shards nothing.
     stage: usize,
+    /// Each parameter's replicas' axis.
+    replicas: Replicas,
     /// Each sharded replicas' axis: (that axis, the axis of the group sharding it, the group).
     shards: Vec<(Axis, Axis, &'g Group)>,
 }
 
 impl<'g> Sharding<'g> {
-    /// ZeRO at `stage`, over no group yet.
-    pub fn new(stage: usize) -> Sharding<'g> {
-        Sharding { stage, shards: Vec::new() }
+    /// ZeRO at `stage`, over no group yet, for parameters whose replicas `replicas` says.
+    pub fn new(stage: usize, replicas: Replicas) -> Sharding<'g> {
+        Sharding { stage, replicas, shards: Vec::new() }
     }
 
     /// Shards the parameters replicated over `replicas` over `group` (on `axis`: the replicas'
@@ -143,7 +145,8 @@ impl<'g> Sharding<'g> {
 
     /// The axis whose group shards `p`.
     pub fn axis_of(&self, p: &Param) -> Axis {
-        self.find(p.replicas).map_or(p.replicas, |s| s.1)
+        let replicas = (self.replicas)(p);
+        self.find(replicas).map_or(replicas, |s| s.1)
     }
 
     /// The group sharding the parameters replicated over `axis`, if any.
@@ -153,7 +156,7 @@ impl<'g> Sharding<'g> {
 
     /// The group sharding `p`, if any.
     pub fn of(&self, p: &Param) -> Option<&'g Group> {
-        self.on(p.replicas)
+        self.on((self.replicas)(p))
     }
 
     pub fn any(&self) -> bool {

@@ -30,6 +30,7 @@ use crate::parallel::expert_parallel::ExpertGrads;
 use crate::parallel::fsdp::Fsdp;
 use crate::parallel::gather_formats;
 use crate::parallel::hybrid_sharding::{self, REPLICATE, SHARD};
+use crate::parallel::layout;
 use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::schedules;
 use crate::parallel::sequence_parallel::NormGradsOverTp;
@@ -61,7 +62,7 @@ impl<'g> Trainer<'g> {
         // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
         // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
         let dense = if hybrid_sharding::is_hybrid(&me.grid) { SHARD.into() } else { Axis::DpCp };
-        let sharding = Sharding::new(p.zero_stage)
+        let sharding = Sharding::new(p.zero_stage, layout::replicas)
             .with(Axis::DpCp, (dense, me.group(dense)))
             .with(EXPERT_DP.into(), (EXPERT_DP.into(), me.group(EXPERT_DP)));
         if sharding.any() {
@@ -87,7 +88,7 @@ impl<'g> Trainer<'g> {
             NormAxis { axis: Axis::DpCp, parts: sharding.on(Axis::DpCp), others: None },
             NormAxis { axis: EXPERT_DP.into(), parts: sharding.on(EXPERT_DP.into()), others: Some(ep) },
         ];
-        let norm = NormGroups { tp, pp, axes };
+        let norm = NormGroups { replicas: layout::replicas, tp, pp, axes };
         // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
         // parallelism)
         let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };
@@ -123,9 +124,9 @@ fn gradients<'g>(
     sharding: &Sharding<'g>,
     all: (&[&Param], &[usize]),
 ) -> Gradients<'g> {
-    let mut grads = Gradients::default();
+    let mut grads = Gradients::new(layout::replicas);
     for axis in [Axis::DpCp, EXPERT_DP.into()] {
-        let (params, chunks) = Gradients::replicated_over(all, axis);
+        let (params, chunks) = grads.replicated_over(all, axis);
         let list = (&params[..], &chunks[..]);
         let reducer: Box<dyn GradReduce> = match sharding.on(axis) {
             Some(group) => {

@@ -1,8 +1,8 @@
 //! # Each gradient's way from backward to the optimizer
 //!
 //! A gradient leaves backward as each rank's share of it: averaged over the ranks holding the
-//! same parameter — its replicas, on the axis `Param::replicas` names (dp×cp for the dense
-//! weights) — it becomes the gradient of the whole batch. Each axis has one reducer, and backward
+//! same parameter — its replicas, on the axis the layout names for it (`Replicas`: dp×cp for the
+//! dense weights) — it becomes the gradient of the whole batch. Each axis has one reducer, and backward
 //! hands every finished gradient to the reducer of its axis; `finish` waits for what is still in
 //! flight. Data parallelism's bucketed all-reduce is the first reducer
 //! (`parallel/data_parallel.rs`):
@@ -24,7 +24,7 @@ use crate::comm::{Group, ReduceOp};
 use crate::model::Param;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, TpCut};
-use crate::parallel::data_parallel::GradReduce;
+use crate::parallel::data_parallel::{GradReduce, Replicas};
 use anyhow::Result;
 
 /// Which gradients a reducer takes.
@@ -37,21 +37,27 @@ pub enum Which {
 }
 
 impl Which {
-    fn takes(self, p: &Param) -> bool {
+    fn takes(self, p: &Param, replicas: Replicas) -> bool {
         match self {
-            Which::Replicas(axis) => p.replicas == axis,
+            Which::Replicas(axis) => replicas(p) == axis,
             Which::Every => true,
         }
     }
 }
 
 /// The reducers of the step.
-#[derive(Default)]
 pub struct Gradients<'g> {
+    /// Each parameter's replicas' axis.
+    replicas: Replicas,
     reducers: Vec<(Which, Box<dyn GradReduce + 'g>)>,
 }
 
 impl<'g> Gradients<'g> {
+    /// No reducer yet, for parameters whose replicas `replicas` says.
+    pub fn new(replicas: Replicas) -> Gradients<'g> {
+        Gradients { replicas, reducers: Vec::new() }
+    }
+
     /// Adds the reducer of the gradients `which` names.
     pub fn add(&mut self, which: Which, reducer: Box<dyn GradReduce + 'g>) {
         self.reducers.push((which, reducer));
@@ -59,15 +65,19 @@ impl<'g> Gradients<'g> {
 
     /// Of `params` (in model order, `chunks` each one's model chunk), those replicated over
     /// `axis`, with their chunks: what a reducer of that axis plans its buckets for.
-    pub fn replicated_over<'p>((params, chunks): (&[&'p Param], &[usize]), axis: Axis) -> (Vec<&'p Param>, Vec<usize>) {
-        let mine = (0..params.len()).filter(|&i| params[i].replicas == axis);
+    pub fn replicated_over<'p>(
+        &self,
+        (params, chunks): (&[&'p Param], &[usize]),
+        axis: Axis,
+    ) -> (Vec<&'p Param>, Vec<usize>) {
+        let mine = (0..params.len()).filter(|&i| (self.replicas)(params[i]) == axis);
         mine.map(|i| (params[i], chunks[i])).unzip()
     }
 
     /// Backward's hook: `p`'s gradient of this micro-batch is complete (`last`: of the step's last).
     pub fn grad_ready(&mut self, p: &mut Param, last: bool) {
         for (which, reducer) in &mut self.reducers {
-            if which.takes(p) {
+            if which.takes(p, self.replicas) {
                 reducer.grad_ready(p, last);
             }
         }
@@ -82,7 +92,8 @@ impl<'g> Gradients<'g> {
     /// (the replicas' average; under ZeRO this rank's chunk of it).
     pub fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
         for (which, reducer) in &mut self.reducers {
-            let mut mine: Vec<&mut Param> = params.iter_mut().filter(|p| which.takes(p)).map(|p| &mut **p).collect();
+            let takes = |p: &Param| which.takes(p, self.replicas);
+            let mut mine: Vec<&mut Param> = params.iter_mut().filter(|p| takes(p)).map(|p| &mut **p).collect();
             reducer.finish(&mut mine)?;
         }
         Ok(())
@@ -110,7 +121,7 @@ pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<
     };
     let mut total: Option<Tensor> = None;
     for a in &groups.axes {
-        let on = |p: &Param| p.replicas == a.axis;
+        let on = |p: &Param| (groups.replicas)(p) == a.axis;
         if !params.iter().any(|p| on(p)) {
             continue;
         }
@@ -144,6 +155,8 @@ pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<
 
 /// The groups the gradient norm adds its parts over.
 pub struct NormGroups<'g> {
+    /// Each parameter's replicas' axis.
+    pub replicas: Replicas,
     pub tp: &'g Group,
     pub pp: &'g Group,
     /// Each replicas' axis, in the order their parts are added (dp×cp first).

@@ -16,9 +16,8 @@
 //! host memory it frees (`keep_freed_memory`).
 
 use crate::comm::launcher::Capacity;
-use crate::comm::process_grid::Axis;
 use crate::config::{Config, DpMode, ModelConfig, Recompute};
-use crate::model::moe::EXPERT_DP;
+use crate::model::moe;
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
 use crate::model::Llama;
@@ -195,9 +194,9 @@ fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize) -> (
     let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
     // (values, values in chunks) of the embedding, of one block, of the head
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
-    for (name, shape, on_tp, replicas) in Llama::tensor_cuts(&one_layer, Stage::WHOLE) {
+    for (name, shape, on_tp) in Llama::tensor_cuts(&one_layer, Stage::WHOLE) {
         let n = shape.iter().map(|&x| x as f64).product::<f64>() / if on_tp == TpCut::Whole { 1.0 } else { tp as f64 };
-        let expert = replicas == Axis::Cut(EXPERT_DP);
+        let expert = moe::is_expert(&name);
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {
             n if n.starts_with("model.layers.") => &mut layer,

@@ -13,11 +13,12 @@ use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
 use ferrotron::config::Config;
 use ferrotron::data::Dataset;
-use ferrotron::model::moe::{self, EP, EXPERT_DP};
+use ferrotron::model::moe::{self, EP};
 use ferrotron::model::optimizer::AdamW;
 use ferrotron::model::stage::Stage;
 use ferrotron::model::{Llama, Param};
 use ferrotron::ops::tensor::Tensor;
+use ferrotron::parallel::data_parallel::every_on_dp_cp;
 use ferrotron::parallel::expert_parallel::ExpertParallel;
 use ferrotron::parallel::sequence_parallel::SequenceParallel;
 use ferrotron::parallel::zero::{self, Sharding};
@@ -122,7 +123,7 @@ fn placement(p: &Param, axis: Axis) -> Placement {
     match axis {
         Axis::Tp => p.tp.into(), // rows Shard(0), columns Shard(1), whole Replicate
         a if zero::chunk_of(p).is_some_and(|z| z.axis == a) => Placement::Shard(0),
-        Axis::Cut(EP) if p.replicas == Axis::Cut(EXPERT_DP) => Placement::Shard(0),
+        Axis::Cut(EP) if moe::is_expert(&p.name) => Placement::Shard(0),
         _ => Placement::Replicate,
     }
 }
@@ -194,7 +195,7 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
             worst = worst.max(max_diff(&got, want));
         }
         // ZeRO: the master weights become Shard(0) of each one's flat values
-        let sharding = Sharding::new(1).with(Axis::DpCp, (Axis::DpCp, group));
+        let sharding = Sharding::new(1, every_on_dp_cp).with(Axis::DpCp, (Axis::DpCp, group));
         let model = zero::shard(model, &mut optimizer, &sharding, 1);
         let chunks = model.params().iter().zip(&values).all(|(p, d)| {
             let mine = part_of(&d.clone().with_shape(&[d.numel()]), placement(p, Axis::DpCp), (group.index(), 2));
@@ -221,7 +222,7 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
     let ep = launch(moe::cut_grid(Grid::new(2, 1, 1, 1)?, 2)?, Duration::from_secs(60), |me| {
         let group = me.group(EP);
         let model = Llama::new(&moe, 3).with_expert_split(Box::new(ExpertParallel::new(group)));
-        let experts: Vec<&Param> = model.params().into_iter().filter(|p| p.replicas == Axis::Cut(EXPERT_DP)).collect();
+        let experts: Vec<&Param> = model.params().into_iter().filter(|p| moe::is_expert(&p.name)).collect();
         // member j holds experts j·E/ep … (j+1)·E/ep − 1 of every layer, as the dense model has them
         let held = group.index() * 2..(group.index() + 1) * 2; // E / ep = 2
         Ok(experts.iter().all(|p| {

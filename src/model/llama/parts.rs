@@ -5,7 +5,6 @@
 //! the parameters in Hugging Face order, their device, and what the model holds.
 
 use super::{Cache, Head, HeadCache, Llama, LossHead, Unit, WholeLogits};
-use crate::comm::process_grid::Axis;
 use crate::config::ModelConfig;
 use crate::model::block::{Block, KeepAll, Keeps, Kept};
 use crate::model::init;
@@ -88,9 +87,8 @@ impl<'g> Llama<'g> {
         Llama::tensor_cuts(cfg, stage).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
     }
 
-    /// `tensor_shapes`, with how tensor parallelism cuts each tensor and its replicas' axis, in
-    /// the order of `params()`.
-    pub fn tensor_cuts(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, TpCut, Axis)> {
+    /// `tensor_shapes`, with how tensor parallelism cuts each tensor, in the order of `params()`.
+    pub fn tensor_cuts(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, TpCut)> {
         let mut shapes = HashMap::new();
         let made = Llama::parts(cfg, stage, &mut |name, shape, _, tp| {
             shapes.insert(name.clone(), shape.to_vec());
@@ -99,7 +97,7 @@ impl<'g> Llama<'g> {
         let (embed, layers, head) = made.expect("listing cannot fail");
         let head = head.iter().flat_map(|h| [Some(&h.norm), h.lm_head.as_ref()]).flatten();
         let params = embed.iter().chain(layers.iter().flat_map(Block::params)).chain(head);
-        params.map(|p| (p.name.clone(), shapes[&p.name].clone(), p.tp, p.replicas)).collect()
+        params.map(|p| (p.name.clone(), shapes[&p.name].clone(), p.tp)).collect()
     }
 
     /// The parameters of `stage`, each made by `param(name, full shape, kind, tp cut)`.
