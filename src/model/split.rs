@@ -7,7 +7,8 @@
 //! `parallel/tensor_parallel.rs` and `parallel/context_parallel.rs` answer them with collectives.
 //! (picotron swaps its model's layers for parallel ones; we hand the model the object that talks.)
 //!
-//! (A third, `WeightSplit`, says where the weights are between uses: ZeRO-3 gathers them.)
+//! (A third, `WeightSplit`, says where the weights are between uses: ZeRO-3 gathers them. A
+//! fourth, `LayerSplit`, says which layers this rank builds at all: a pipeline stage's.)
 //!
 //! ```text
 //! TensorSplit (Megatron's f and g)                SequenceSplit (the cp ring)
@@ -40,6 +41,7 @@ use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
 use anyhow::Result;
 use std::borrow::Cow;
+use std::ops::Range;
 
 /// How this rank's linear layers and vocabulary relate to the other tensor-parallel ranks'.
 pub trait TensorSplit {
@@ -115,6 +117,19 @@ pub trait WeightSplit {
     fn release(&self, unit: &mut [&mut Param]);
 }
 
+/// Which of the model's layers this rank holds, in which chunks (a chunk: layers computed one
+/// after another, between two hand-overs), and whether it holds the embedding before the first
+/// and the head after the last. `Whole`: every layer in one chunk, with both ends. A pipeline
+/// stage (`model/stage.rs`) holds one piece of the layers, or several.
+pub trait LayerSplit {
+    /// The layers (of `n`) of each chunk, in order.
+    fn chunk_layers(&self, n: usize) -> Vec<Range<usize>>;
+    /// Holds the embedding (before its chunk 0).
+    fn has_embedding(&self) -> bool;
+    /// Holds the final norm, the output layer and the loss (after its last chunk).
+    fn has_head(&self) -> bool;
+}
+
 /// Where a backward's weight gradients go.
 pub trait WeightGrads {
     /// dW += dyᵀ · x for each `(dy, W)` of `layers`, all reading `x`.
@@ -137,6 +152,18 @@ pub trait Deferred {
 
 /// One rank holds every matrix whole and every sequence whole: nothing to talk about.
 pub struct Whole;
+
+impl LayerSplit for Whole {
+    fn chunk_layers(&self, n: usize) -> Vec<Range<usize>> {
+        std::iter::once(0..n).collect() // one chunk: every layer
+    }
+    fn has_embedding(&self) -> bool {
+        true
+    }
+    fn has_head(&self) -> bool {
+        true
+    }
+}
 
 impl WeightSplit for Whole {
     fn gather(&self, _: &mut [&mut Param]) -> Result<()> {

@@ -2,7 +2,8 @@
 //!
 //! The model is built for one stage of the pipeline (`parallel/pipeline_parallel.rs` runs the
 //! stages): the first stage also holds the embedding, the last the final norm, the output layer
-//! and the loss. On one rank the stage is the whole model.
+//! and the loss. On one rank the stage is the whole model. The model asks a stage what to build
+//! through its `LayerSplit` seam (`model/split.rs`), implemented at the end of this file.
 //!
 //! With the interleaved schedule a rank holds `chunks` (V) non-adjacent pieces of the model: the
 //! layers are cut into p·V *virtual* stages and rank r holds virtual stages r, r + p, r + 2p, …
@@ -20,6 +21,7 @@
 //! V (zbv), p = 2:                    rank 0: 0 → rank 1: 1 → rank 1: 2 → rank 0: 3
 //! ```
 
+use crate::model::split::LayerSplit;
 use std::ops::Range;
 
 /// A pipeline stage: `index` of `count`, holding `chunks` model chunks (1 unless interleaved or
@@ -119,5 +121,18 @@ impl Stage {
         let (base, extra) = (n / self.count, n % self.count);
         let start = self.index * base + self.index.min(extra);
         start..start + base + usize::from(self.index < extra)
+    }
+}
+
+/// The model asks a stage which layers to build (`model/split.rs`).
+impl LayerSplit for Stage {
+    fn chunk_layers(&self, n: usize) -> Vec<Range<usize>> {
+        Stage::chunk_layers(self, n)
+    }
+    fn has_embedding(&self) -> bool {
+        self.is_first()
+    }
+    fn has_head(&self) -> bool {
+        self.is_last()
     }
 }

@@ -1,7 +1,7 @@
 //! # The model's parameters: building them, listing them, moving them
 //!
 //! Everything about a `Llama` but its forward and backward (`llama.rs`): building a rank's part
-//! of the model from the config (its pipeline stage and chunks, its tp slice of every tensor),
+//! of the model from the config (the layers it holds and their chunks, its tp slice of every tensor),
 //! the parameters in Hugging Face order, their device, and what the model holds.
 
 use super::{Cache, Head, HeadCache, Llama, LossHead, Unit, WholeLogits};
@@ -11,8 +11,7 @@ use crate::model::init;
 use crate::model::moe::ExpertSplit;
 use crate::model::param::{Param, ParamKind};
 use crate::model::routing_tape::{RoutingTape, Taped};
-use crate::model::split::{SequenceSplit, TensorSplit, WeightSplit, Whole};
-use crate::model::stage::Stage;
+use crate::model::split::{LayerSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, Precision, TpCut};
 use anyhow::Result;
@@ -22,15 +21,15 @@ use std::rc::Rc;
 impl<'g> Llama<'g> {
     /// A fresh model on one rank: every parameter from its own (seed, name) stream (`init.rs`).
     pub fn new(cfg: &ModelConfig, seed: u64) -> Llama<'static> {
-        Llama::init(cfg, seed, Box::new(Whole), Stage::WHOLE)
+        Llama::init(cfg, seed, Box::new(Whole), Whole)
     }
 
-    /// This rank's part of the same model: the layers of pipeline `stage`, each tensor split over
-    /// the tensor-parallel ranks as `tp` says. Parts are cut from the full initialised tensors, so every layout starts
-    /// from the single-rank model.
-    pub fn init(cfg: &ModelConfig, seed: u64, tp: Box<dyn TensorSplit + 'g>, stage: Stage) -> Llama<'g> {
+    /// This rank's part of the same model: the layers `held` says (a pipeline stage's), each
+    /// tensor split over the tensor-parallel ranks as `tp` says. Parts are cut from the full
+    /// initialised tensors, so every layout starts from the single-rank model.
+    pub fn init(cfg: &ModelConfig, seed: u64, tp: Box<dyn TensorSplit + 'g>, held: impl LayerSplit) -> Llama<'g> {
         let std = cfg.initializer_range;
-        Llama::build(cfg, tp, stage, |name, shape, kind| {
+        Llama::build(cfg, tp, held, |name, shape, kind| {
             Ok(match kind {
                 ParamKind::Matrix => init::normal(seed, name, shape, std),
                 ParamKind::Norm => init::ones(shape),
@@ -44,18 +43,18 @@ impl<'g> Llama<'g> {
     pub fn build(
         cfg: &ModelConfig,
         tp: Box<dyn TensorSplit + 'g>,
-        stage: Stage,
+        held: impl LayerSplit,
         mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
     ) -> Result<Llama<'g>> {
         let (index, count) = tp.part();
-        let (embed_tokens, layers, head) = Llama::parts(cfg, stage, &mut |name, shape, kind, tp| {
+        let (embed_tokens, layers, head) = Llama::parts(cfg, &held, &mut |name, shape, kind, tp| {
             let value = ops::tp_part(&make(&name, shape, kind)?, tp, (index, count)); // this tp rank's
             Ok(Param::new(name, value, tp))
         })?;
         let vocab_first = index * cfg.vocab_size / count;
         let caches = VecDeque::new();
         let mut at = 0; // chunk c holds the next `len` of this stage's layers
-        let chunks = (stage.chunk_layers(cfg.num_hidden_layers).iter())
+        let chunks = (held.chunk_layers(cfg.num_hidden_layers).iter())
             .map(|r| {
                 at += r.len();
                 at - r.len()..at
@@ -81,16 +80,17 @@ impl<'g> Llama<'g> {
         })
     }
 
-    /// The name and full shape of every tensor of pipeline `stage`, in Hugging Face order, from
-    /// the config alone (nothing allocated): what a checkpoint of this model must hold.
-    pub fn tensor_shapes(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>)> {
-        Llama::tensor_cuts(cfg, stage).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
+    /// The name and full shape of every tensor of the layers `held` says (a pipeline stage's), in
+    /// Hugging Face order, from the config alone (nothing allocated): what a checkpoint of this
+    /// model must hold.
+    pub fn tensor_shapes(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>)> {
+        Llama::tensor_cuts(cfg, held).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
     }
 
     /// `tensor_shapes`, with how tensor parallelism cuts each tensor, in the order of `params()`.
-    pub fn tensor_cuts(cfg: &ModelConfig, stage: Stage) -> Vec<(String, Vec<usize>, TpCut)> {
+    pub fn tensor_cuts(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>, TpCut)> {
         let mut shapes = HashMap::new();
-        let made = Llama::parts(cfg, stage, &mut |name, shape, _, tp| {
+        let made = Llama::parts(cfg, &held, &mut |name, shape, _, tp| {
             shapes.insert(name.clone(), shape.to_vec());
             Ok(Param::new(name, Tensor::zeros(&[0]), tp)) // nothing allocated
         });
@@ -100,25 +100,25 @@ impl<'g> Llama<'g> {
         params.map(|p| (p.name.clone(), shapes[&p.name].clone(), p.tp)).collect()
     }
 
-    /// The parameters of `stage`, each made by `param(name, full shape, kind, tp cut)`.
+    /// The parameters of the layers `held` says, each made by `param(name, full shape, kind, tp cut)`.
     #[allow(clippy::type_complexity)]
     fn parts(
         cfg: &ModelConfig,
-        stage: Stage,
+        held: &dyn LayerSplit,
         param: &mut impl FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>,
     ) -> Result<(Option<Param>, Vec<Block>, Option<Head>)> {
         let d = cfg.hidden_size;
         let (rows, whole) = (TpCut::Rows, TpCut::Whole); // on the tp axis: vocabulary rows
         let embed_name = "model.embed_tokens.weight".to_string();
-        let embed_tokens = match stage.is_first() {
+        let embed_tokens = match held.has_embedding() {
             true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, rows)?),
             false => None,
         };
         let mut layers = Vec::new();
-        for i in stage.layers(cfg.num_hidden_layers) {
+        for i in held.chunk_layers(cfg.num_hidden_layers).into_iter().flatten() {
             layers.push(Block::build(i, cfg, 0..cfg.num_local_experts, param)?);
         }
-        let head = match stage.is_last() {
+        let head = match held.has_head() {
             true => Some(Head {
                 norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, whole)?,
                 lm_head: match cfg.tie_word_embeddings {
