@@ -3,8 +3,9 @@
 //! index, the README's reading guide and `src/lib.rs` say the same; and no file of a lesson uses a
 //! later lesson — imports it or names a path into it, names one of its enum variants, its fields
 //! of a shared type or its config keys (`names`) — but where its `owes` lists that lesson, a
-//! move still to be made. A listed debt that is paid must leave the list, so it only shrinks. The
-//! check also runs on one planted violation of each kind, and must catch each.
+//! move still to be made, or its `calls` does (the step, which calls each lesson's seam by
+//! design). A listed debt that is paid must leave the list, so it only shrinks. The check also
+//! runs on one planted violation of each kind, and must catch each.
 
 #[path = "support/syllabus.rs"]
 mod syllabus;
@@ -74,21 +75,26 @@ fn last(path: &str) -> &str {
     path.rsplit("::").next().unwrap_or(path)
 }
 
-/// What the table's `owes` and the code disagree on, as sentences.
+/// What the table's `owes` and `calls` and the code disagree on, as sentences.
 fn debts_disagree(table: &Table, sources: &BTreeMap<String, String>) -> Vec<String> {
     let found = later_uses(table, sources);
-    let owed: BTreeSet<(String, String)> =
-        table.owes.iter().flat_map(|(file, steps)| steps.iter().map(|s| (file.clone(), s.clone()))).collect();
+    let pairs = |list: &BTreeMap<String, Vec<String>>| -> BTreeSet<(String, String)> {
+        list.iter().flat_map(|(file, steps)| steps.iter().map(|s| (file.clone(), s.clone()))).collect()
+    };
+    let (owed, called) = (pairs(&table.owes), pairs(&table.calls));
     let mut problems = Vec::new();
     for ((file, step), what) in &found {
-        if !owed.contains(&(file.clone(), step.clone())) {
+        let pair = (file.clone(), step.clone());
+        if !owed.contains(&pair) && !called.contains(&pair) {
             problems.push(format!(
                 "{file} {what}, of the later lesson {step}: move it into that lesson's files (or a seam it plugs into)"
             ));
         }
     }
-    for (file, step) in owed.iter().filter(|d| !found.contains_key(*d)) {
-        problems.push(format!("{file} no longer uses lesson {step}: take \"{step}\" off its `owes`"));
+    for (list, pairs) in [("owes", &owed), ("calls", &called)] {
+        for (file, step) in pairs.iter().filter(|d| !found.contains_key(*d)) {
+            problems.push(format!("{file} no longer uses lesson {step}: take \"{step}\" off its `{list}`"));
+        }
     }
     problems
 }
@@ -202,11 +208,18 @@ fn every_file_is_in_one_lesson_or_track_and_the_lessons_are_the_tutorial() {
     if lessons != steps {
         problems.push(format!("the lessons {lessons:?} are not the tutorial's steps {steps:?}"));
     }
-    for (file, steps) in &table.owes {
-        if !listed.contains_key(file) {
-            problems.push(format!("`owes` names {file}, which the table does not list"));
+    for (name, list) in [("owes", &table.owes), ("calls", &table.calls)] {
+        for (file, steps) in list {
+            if !listed.contains_key(file) {
+                problems.push(format!("`{name}` names {file}, which the table does not list"));
+            }
+            problems.extend(
+                steps.iter().filter(|s| !lessons.contains(s)).map(|s| format!("`{name}` names {s}, no lesson")),
+            );
         }
-        problems.extend(steps.iter().filter(|s| !lessons.contains(s)).map(|s| format!("`owes` names {s}, no lesson")));
+    }
+    if let Some(both) = table.owes.keys().find(|f| table.calls.contains_key(*f)) {
+        problems.push(format!("{both} is in both `owes` and `calls`: a file's later uses are one or the other"));
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
 }

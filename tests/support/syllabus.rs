@@ -18,6 +18,10 @@ pub struct Table {
     /// A lesson's files that still use later lessons: moves still to be made.
     #[serde(default)]
     pub owes: BTreeMap<String, Vec<String>>,
+    /// A lesson's files that call later lessons' seams by design (the step: each seam named by its
+    /// lesson, in the order a step runs them). Not debts; listed all the same, and checked as real.
+    #[serde(default)]
+    pub calls: BTreeMap<String, Vec<String>>,
 }
 
 #[derive(Deserialize)]
