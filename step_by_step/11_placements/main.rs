@@ -13,13 +13,11 @@ use ferrotron::comm::process_grid::{Axis, Grid};
 use ferrotron::comm::ReduceOp;
 use ferrotron::config::Config;
 use ferrotron::data::Dataset;
-use ferrotron::model::moe::{self, EP};
 use ferrotron::model::optimizer::AdamW;
 use ferrotron::model::stage::Stage;
 use ferrotron::model::{Llama, Param};
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::parallel::data_parallel::every_on_dp_cp;
-use ferrotron::parallel::expert_parallel::ExpertParallel;
 use ferrotron::parallel::sequence_parallel::SequenceParallel;
 use ferrotron::parallel::zero::{self, Sharding};
 use std::borrow::Cow;
@@ -116,14 +114,13 @@ const TABLE: [(&str, &str, &str, &str); 8] = [
     ),
 ];
 
-/// A parameter's placement on `axis`, in the words of this lesson: the tp slice (step 09),
-/// ZeRO's chunk on the axis sharding it (step 06), an expert's share of its layer's experts on the
-/// ep axis (step 20); replicated on any other axis.
+/// A parameter's placement on `axis`, in the words of this lesson: the tp slice (step 09), ZeRO's
+/// chunk on the axis sharding it (step 06); replicated on any other axis. (An expert's, its share
+/// of its layer's experts on the ep axis, is step 20's.)
 fn placement(p: &Param, axis: Axis) -> Placement {
     match axis {
         Axis::Tp => p.tp.into(), // rows Shard(0), columns Shard(1), whole Replicate
         a if zero::chunk_of(p).is_some_and(|z| z.axis == a) => Placement::Shard(0),
-        Axis::Cut(EP) if moe::is_expert(&p.name) => Placement::Shard(0),
         _ => Placement::Replicate,
     }
 }
@@ -214,29 +211,6 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
         "ZeRO over dp = 2: each master is Shard(0) of its flat values",
         dp.iter().all(|r| r.1),
         "every chunk, value for value",
-    )?;
-    // experts: the layer's experts are Shard(0) on ep, and replicated over the expert-data axis
-    let moe = ferrotron::config::ModelConfig { num_local_experts: 4, num_experts_per_tok: 2, ..m.clone() };
-    let dense: Vec<(String, Tensor)> =
-        Llama::new(&moe, 3).params().iter().map(|p| (p.name.clone(), p.value.clone())).collect();
-    let ep = launch(moe::cut_grid(Grid::new(2, 1, 1, 1)?, 2)?, Duration::from_secs(60), |me| {
-        let group = me.group(EP);
-        let model = Llama::new(&moe, 3).with_expert_split(Box::new(ExpertParallel::new(group)));
-        let experts: Vec<&Param> = model.params().into_iter().filter(|p| moe::is_expert(&p.name)).collect();
-        // member j holds experts j·E/ep … (j+1)·E/ep − 1 of every layer, as the dense model has them
-        let held = group.index() * 2..(group.index() + 1) * 2; // E / ep = 2
-        Ok(experts.iter().all(|p| {
-            let e: usize =
-                p.name.split(".experts.").nth(1).and_then(|r| r.split('.').next()?.parse().ok()).unwrap_or(usize::MAX);
-            placement(p, EP.into()) == Placement::Shard(0)
-                && held.contains(&e)
-                && dense.iter().any(|(n, d)| *n == p.name && max_diff(d, &p.value) == 0.0)
-        }) && !experts.is_empty())
-    })?;
-    common::claim(
-        "ep = 2: each rank holds its Shard(0) of every layer's experts",
-        ep.iter().all(|&ok| ok),
-        "value for value",
     )
 }
 

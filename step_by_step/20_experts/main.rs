@@ -7,11 +7,18 @@ mod common;
 
 use anyhow::Result;
 use ferrotron::comm::cost::{report, Link};
+use ferrotron::comm::launcher::launch;
+use ferrotron::comm::placement::{part_of, Placement};
+use ferrotron::comm::process_grid::Grid;
 use ferrotron::config::Config;
+use ferrotron::model::moe::{self, EP};
 use ferrotron::model::routing_tape::TapeMode;
+use ferrotron::model::{Llama, Param};
 use ferrotron::ops::moe::route;
 use ferrotron::ops::tensor::Tensor;
+use ferrotron::parallel::expert_parallel::ExpertParallel;
 use ferrotron::train::{train, train_all, Options, Summary};
+use std::time::Duration;
 
 /// The busiest expert's rows over the mean: 1 is perfectly even.
 fn imbalance(s: &Summary) -> f64 {
@@ -89,6 +96,26 @@ fn run(tiny: bool) -> Result<()> {
             &format!("{} of {} weight bytes", held.0, held.1),
         )?;
     }
+    // in placements' words (step 11): every layer's experts are Shard(0) on the ep axis,
+    // replicated over the expert-data axis; each rank's share is the dense model's, value for value
+    let dense: Vec<(String, Vec<f32>)> =
+        Llama::new(&one.model, 3).params().iter().map(|p| (p.name.clone(), p.value.to_vec())).collect();
+    let experts_of_a_layer = Tensor::from_vec(&[4], vec![0.0, 1.0, 2.0, 3.0]);
+    let ep = launch(moe::cut_grid(Grid::new(2, 1, 1, 1)?, 2)?, Duration::from_secs(60), |me| {
+        let group = me.group(EP);
+        let model = Llama::new(&one.model, 3).with_expert_split(Box::new(ExpertParallel::new(group)));
+        let mine = part_of(&experts_of_a_layer, Placement::Shard(0), (group.index(), group.size())).to_vec();
+        let held: Vec<&Param> = model.params().into_iter().filter(|p| moe::is_expert(&p.name)).collect();
+        let expert = |p: &Param| p.name.split(".experts.").nth(1)?.split('.').next()?.parse::<f32>().ok();
+        let same = |p: &Param| dense.iter().any(|(n, d)| *n == p.name && *d == p.value.to_vec());
+        let whole_share = held.len() == one.model.num_hidden_layers * mine.len() * 3; // w1, w2, w3
+        Ok(whole_share && held.iter().all(|p| expert(p).is_some_and(|e| mine.contains(&e)) && same(p)))
+    })?;
+    common::claim(
+        "ep = 2, in placements' words: each rank holds its Shard(0) of every layer's experts",
+        ep.iter().all(|&ok| ok),
+        "value for value",
+    )?;
     // the load-balancing loss (Switch): E · Σ f_e · P_e, pushing the routing towards even
     let balanced =
         common::config(tiny, &[&moe[..], &["train.micro_batch_size=8", "model.router_aux_loss_coef=0.1"]].concat())?;
