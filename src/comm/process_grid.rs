@@ -33,7 +33,7 @@ pub struct Grid {
     pub cp: usize,
     pub tp: usize,
     /// The groups later lessons cut out of the dp×cp group (`with_cut`).
-    cuts: [Option<Made>; MAX_CUTS],
+    cuts: [Option<GridCut>; MAX_CUTS],
 }
 
 /// A rank's position along each axis.
@@ -86,7 +86,7 @@ pub enum Along {
 /// A cut one grid has: its size n, and the setting that asked for it (shown in the table; `None`:
 /// the cut is there at its size that changes nothing, for code that asks for its group anyway).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Made {
+pub struct GridCut {
     pub cut: Cut,
     pub n: usize,
     pub setting: Option<(&'static str, usize)>,
@@ -142,14 +142,14 @@ impl Grid {
             bail!("the {} groups of {n}: {n} does not divide dp × cp = {members}", cut.name);
         }
         match self.cuts.iter_mut().find(|c| c.is_none_or(|c| c.cut == cut)) {
-            Some(free) => *free = Some(Made { cut, n, setting }),
+            Some(free) => *free = Some(GridCut { cut, n, setting }),
             None => bail!("a grid holds at most {MAX_CUTS} cuts of the dp×cp group"),
         }
         Ok(self)
     }
 
     /// The cuts this grid has.
-    pub fn cuts(&self) -> impl Iterator<Item = Made> + '_ {
+    pub fn cuts(&self) -> impl Iterator<Item = GridCut> + '_ {
         self.cuts.iter().flatten().copied()
     }
 
