@@ -64,7 +64,7 @@ pub enum Axis {
     Cut(Cut),
 }
 
-/// A cut of the dp×cp group, by the lesson that needs it (its members numbered i = dp_i · cp + cp_i).
+/// A cut of the dp×cp group (members i = dp_i · cp + cp_i), made by the lesson that needs it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Cut {
     /// Its name in group names and the comm report: "ep", "shard".

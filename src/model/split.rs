@@ -34,7 +34,7 @@
 //! embedding's scatter-add, whose backward is all weight gradient — to a `WeightGrads`. `Now`
 //! computes it on the spot: the plain backward of every lesson. A later lesson, the zero-bubble
 //! pipelines (`deferred_grads.rs`), plugs in another that keeps the W's inputs instead and runs
-//! them later; what it deferred (`Deferred`) waits in the model until `Llama::backward_weights` runs it.
+//! them later; what it deferred (`Deferred`) waits in the model for `Llama::backward_weights`.
 
 use crate::model::param::Param;
 use crate::ops::tensor::Tensor;

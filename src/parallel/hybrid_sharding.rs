@@ -3,8 +3,8 @@
 //! FSDP shards over every dp × cp rank, so each gather and reduce-scatter spans the whole group,
 //! across the slow links between nodes. Hybrid sharding (PyTorch's HSDP) cuts the data-parallel
 //! ranks into shard groups of `parallel.dp_shard` (inside a node; two cuts of the grid's dp×cp
-//! group, `SHARD` and `REPLICATE`, `comm/process_grid.rs`), runs ZeRO within each (`zero.rs`, `fsdp.rs`, over the shard axis), and
-//! keeps the groups as replicas of one another:
+//! group, `SHARD` and `REPLICATE`, `comm/process_grid.rs`), runs ZeRO within each (`zero.rs`,
+//! `fsdp.rs`, over the shard axis), and keeps the groups as replicas of one another:
 //!
 //! ```text
 //! dp = 4, dp_shard = 2:   shard groups {0 1} {2 3}     replicate groups {0 2} {1 3}

@@ -1,10 +1,10 @@
 //! # Each gradient's way from backward to the optimizer
 //!
 //! A gradient leaves backward as each rank's share of it: averaged over the ranks holding the
-//! same parameter — its replicas, on the axis the layout names for it (`Replicas`: dp×cp for the
-//! dense weights) — it becomes the gradient of the whole batch. Each axis has one reducer, and backward
-//! hands every finished gradient to the reducer of its axis; `finish` waits for what is still in
-//! flight. Data parallelism's bucketed all-reduce is the first reducer
+//! same parameter — its replicas, on the axis the layout names for it (`Replicas`: dp×cp for
+//! the dense weights) — it becomes the gradient of the whole batch. Each axis has one reducer,
+//! and backward hands every finished gradient to the reducer of its axis; `finish` waits for what
+//! is still in flight. Data parallelism's bucketed all-reduce is the first reducer
 //! (`parallel/data_parallel.rs`):
 //!
 //! ```text
