@@ -101,6 +101,16 @@ fn a_cut_is_made_by_its_lesson_and_one_as_wide_as_dp_cp_is_that_group() {
         Ok(())
     })
     .unwrap();
+    // a cut a setting asked for is its own group, even as wide as dp×cp: ep = dp = 2 (the comm
+    // report then counts the experts' collectives on "ep", not on "dp×cp")
+    let g = moe::cut_grid(Grid::new(2, 1, 1, 1).unwrap(), 2).unwrap();
+    assert_eq!(g.group(0, EP), g.group(0, Axis::DpCp));
+    ferrotron::comm::launcher::launch(g, Duration::from_secs(30), |me| {
+        assert!(!std::ptr::eq(me.group(EP), me.group(Axis::DpCp)));
+        assert_eq!(me.group(EP).name().split('[').next(), Some("ep"));
+        Ok(())
+    })
+    .unwrap();
     // a size that does not divide dp × cp is refused by the grid itself, naming the cut
     let e = Grid::new(2, 1, 2, 1).unwrap().with_cut(EP, 3, None).unwrap_err().to_string();
     assert!(e.contains("the ep groups of 3: 3 does not divide dp × cp = 4"), "{e}");

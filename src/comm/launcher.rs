@@ -40,7 +40,8 @@ pub struct Rank {
     /// This rank's GPU, when the run is on CUDA.
     pub gpu: Option<Gpu>,
     groups: Vec<(Axis, Group)>,
-    /// The cuts whose groups are this rank's dp×cp group (no second communicator for them).
+    /// The cuts no setting asked for whose groups are this rank's dp×cp group (no second
+    /// communicator for them).
     same_as_dp_cp: Vec<Axis>,
 }
 
@@ -152,8 +153,10 @@ pub fn choose_backend(choice: CommBackend, cuda: bool, world: usize, gpus: usize
 }
 
 impl Rank {
-    /// This rank's group along `axis`. A cut with the same ranks as the dp×cp group (the
-    /// expert-data group without expert parallelism) is the dp×cp group itself.
+    /// This rank's group along `axis`. A cut no setting asked for, with the same ranks as the
+    /// dp×cp group (the expert-data group without expert parallelism), is the dp×cp group itself;
+    /// a cut a setting asked for is its own group (and its own line in the comm report), even
+    /// when it spans dp×cp (the ep group at ep = dp).
     pub fn group(&self, axis: impl Into<Axis>) -> &Group {
         let axis = axis.into();
         let axis = if self.same_as_dp_cp.contains(&axis) { Axis::DpCp } else { axis };
@@ -248,10 +251,12 @@ fn run_rank<R>(
     crate::ops::tensor::start_meter(); // this rank's CPU tensors count in a meter of their own
     let (stream, comm_thread) = Stream::start();
     let dp_cp = grid.group(rank, Axis::DpCp);
-    let (same_as_dp_cp, own): (Vec<Axis>, Vec<Axis>) =
-        grid.axes().into_iter().partition(|&a| matches!(a, Axis::Cut(_)) && grid.group(rank, a) == dp_cp);
-    let groups = own
-        .into_iter()
+    let same_as_dp_cp: Vec<Axis> = (grid.cuts())
+        .filter(|c| c.setting.is_none() && grid.group(rank, c.cut) == dp_cp)
+        .map(|c| c.cut.into())
+        .collect();
+    let groups = (grid.axes().into_iter())
+        .filter(|axis| !same_as_dp_cp.contains(axis))
         .map(|axis| {
             let members = grid.group(rank, axis);
             let list: Vec<String> = members.iter().map(|r| r.to_string()).collect();

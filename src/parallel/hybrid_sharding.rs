@@ -27,20 +27,23 @@ pub const SHARD: Cut = Cut { name: "shard", what: "shard groups (ZeRO's chunks)"
 /// The replicate groups: the ranks with the same place in their shard groups.
 pub const REPLICATE: Cut = Cut { name: "replicate", what: "replicate groups (same chunks)", along: Along::Strided };
 
-/// `grid` with the shard and replicate groups of `parallel.dp_shard` replicas (0: all of dp, no
-/// hybrid sharding; the shard group is then the whole dp×cp group).
+/// `grid` with the shard and replicate groups of `parallel.dp_shard` replicas (0, or all of dp:
+/// no hybrid sharding, no cut; ZeRO then shards over the whole dp×cp group).
 pub fn cut_grid(grid: Grid, dp_shard: usize) -> Result<Grid> {
     let dp_shard = if dp_shard == 0 { grid.dp } else { dp_shard };
     if !grid.dp.is_multiple_of(dp_shard) {
         bail!("parallel.dp_shard = {dp_shard} does not divide parallel.dp = {}: hybrid sharding cuts the dp replicas into equal shard groups", grid.dp);
     }
-    let (n, setting) = (dp_shard * grid.cp, (dp_shard < grid.dp).then_some(("dp_shard", dp_shard)));
+    if dp_shard == grid.dp {
+        return Ok(grid);
+    }
+    let (n, setting) = (dp_shard * grid.cp, Some(("dp_shard", dp_shard)));
     grid.with_cut(SHARD, n, setting)?.with_cut(REPLICATE, n, setting)
 }
 
 /// Is ZeRO hybrid in `grid`: sharded within groups and replicated across them?
 pub fn is_hybrid(grid: &Grid) -> bool {
-    grid.cuts().any(|made| made.cut == SHARD && made.setting.is_some())
+    grid.cuts().any(|made| made.cut == SHARD)
 }
 
 /// Each shard group averaged its own data's gradients; across the `replicas` group (the ranks
