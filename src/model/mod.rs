@@ -4,9 +4,9 @@
 //! weight from its own random stream) → `block` (one transformer block; `moe`, its mixture of
 //! experts; `recompute`, keeping less of it for backward) → `llama` (the whole model, or one
 //! pipeline `stage` of it; its loss seam, which `fused_loss` plugs into for the loss without the
-//! logits) → `split` (the model's seams: the few points where a model cut across ranks must talk,
-//! and where a backward's weight gradients go: now, or kept by `deferred_grads` for a zero-bubble
-//! W) → `optimizer` (AdamW, clipping, the schedule) → `kv_cache` (generating text: each layer's keys and values kept, one
+//! logits) → `split` (the model's seams: where a model cut across ranks must talk, which layers a
+//! rank builds, where a backward's weight gradients go: now, or kept by `deferred_grads` for a
+//! zero-bubble W) → `optimizer` (AdamW, clipping, the schedule) → `kv_cache` (generating text: each layer's keys and values kept, one
 //! new row a step).
 
 pub mod block;

@@ -1,4 +1,4 @@
-//! # Parameters: a named weight, its gradient, and where it lives on the grid
+//! # Parameters: a named weight, its gradient, and how tensor parallelism cuts it
 //!
 //! Every parameter carries its Hugging Face name (so checkpoints load by name and gradients
 //! compare tensor by tensor), its gradient (accumulated by backward) and how tensor parallelism
