@@ -36,19 +36,17 @@ pub fn shifted_targets(seq: &[u32]) -> Vec<i32> {
 /// Mean next-token cross-entropy over all sequences, in nats.
 pub fn mean_loss(model: &mut Llama, seqs: &[Vec<u32>]) -> Result<f64> {
     // the language model's loss alone: a mixture of experts' balance loss is a training aid
-    let coef = std::mem::replace(&mut model.cfg.router_aux_loss_coef, 0.0);
+    let term = model.replace_loss_term(None);
     let (mut sum, mut count) = (0.0, 0usize);
-    for seq in seqs.iter().filter(|s| s.len() >= 2) {
-        let n = seq.len() - 1;
-        match model.forward(seq, 1, &shifted_targets(seq)) {
-            Ok(loss) => sum += loss as f64 * n as f64,
-            Err(e) => {
-                model.cfg.router_aux_loss_coef = coef;
-                return Err(e);
-            }
+    let mut each = || -> Result<()> {
+        for seq in seqs.iter().filter(|s| s.len() >= 2) {
+            let n = seq.len() - 1;
+            sum += model.forward(seq, 1, &shifted_targets(seq))? as f64 * n as f64;
+            count += n;
         }
-        count += n;
-    }
-    model.cfg.router_aux_loss_coef = coef;
-    Ok(sum / count as f64)
+        Ok(())
+    };
+    let done = each();
+    model.replace_loss_term(term);
+    done.map(|()| sum / count as f64)
 }

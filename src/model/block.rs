@@ -21,10 +21,9 @@
 //! in one another's GEMM (`linear_input_grad_add`, β = 1). The same numbers on the CPU; on a GPU
 //! a bf16 sum rounded once instead of twice.
 //!
-//! In a Mixtral block (`model.num_local_experts` > 0) the MLP is a mixture of experts
-//! (`moe.rs`): a router and E SwiGLU experts instead of gate, up and down. Its experts may be on
-//! other ranks (`Splits::ep`); it needs no tensor-parallel calls (every tp rank routes its rows
-//! itself).
+//! The MLP is a seam (`Mlp`, made by the model's `Mlps`): Llama's is `Dense`, below. A later
+//! lesson plugs in another kind with the same parameters' names and the same two calls: a mixture
+//! of experts (`moe.rs`), a router and E SwiGLU experts instead of gate, up and down.
 //!
 //! What a block keeps for its backward is a seam (`Keeps`): everything (`KeepAll`), unless a
 //! later lesson trades memory for compute (recomputation, `recompute.rs`) and keeps less: a cache
@@ -33,37 +32,164 @@
 
 use crate::config::ModelConfig;
 use crate::model::kv_cache::KvLayer;
-use crate::model::moe::ExpertSplit;
-use crate::model::moe::{Load, Moe, MoeCache};
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn, TpCut};
-use anyhow::Result;
+use anyhow::{anyhow, Result};
+use std::any::Any;
 use std::borrow::Cow;
+use std::collections::HashMap;
 
-pub(crate) struct Block {
+pub(crate) struct Block<'g> {
+    /// Its layer's number in the whole model.
+    layer: usize,
     q_proj: Param,
     k_proj: Param,
     v_proj: Param,
     o_proj: Param,
-    mlp: Mlp,
+    mlp: Box<dyn Mlp + 'g>,
     input_layernorm: Param,
     post_attention_layernorm: Param,
 }
 
-/// The block's MLP: Llama's dense SwiGLU, or Mixtral's mixture of experts.
-#[allow(clippy::large_enum_variant)] // one per block
-enum Mlp {
-    Dense { gate_proj: Param, up_proj: Param, down_proj: Param },
-    Moe(Moe),
+/// A block's MLP, from the normalised rows `xn` to what the residual adds: the seam a mixture of
+/// experts plugs into (`moe.rs`). `Dense` is Llama's.
+pub trait Mlp {
+    /// Its parameters, in Hugging Face order.
+    fn params(&self) -> Vec<&Param>;
+    fn params_mut(&mut self) -> Vec<&mut Param>;
+    /// Its parameters, given up (another kind of MLP is made of them: `Block::with_mlp`).
+    fn into_params(self: Box<Self>) -> Vec<Param>;
+    /// y from `xn` (this rank's rows; with sequence parallelism `tp` gathers the others'), and
+    /// what its backward needs.
+    fn forward(&self, tp: &dyn TensorSplit, xn: &Tensor) -> Result<(Tensor, Box<dyn MlpKept>)>;
+    /// dxn from dy (`xn`: the forward's input). Every weight GEMM goes to `w`.
+    fn backward(
+        &mut self,
+        tp: &dyn TensorSplit,
+        dy: &Tensor,
+        xn: Tensor,
+        kept: Box<dyn MlpKept>,
+        w: &mut dyn WeightGrads,
+    ) -> Result<Tensor>;
 }
 
-/// What the MLP's backward needs.
-#[allow(clippy::large_enum_variant)] // one per block and micro-batch in flight
-enum MlpCache {
-    Dense { gate: Tensor, up: Tensor, act: Tensor },
-    Moe(MoeCache),
+/// What an MLP's forward keeps for its backward.
+pub trait MlpKept: Any {
+    fn bytes(&self) -> usize;
+}
+
+/// `kept` as what an MLP of kind `K` keeps (its own forward made it).
+pub fn kept_as<K: MlpKept>(kept: Box<dyn MlpKept>) -> Result<Box<K>> {
+    (kept as Box<dyn Any>).downcast::<K>().map_err(|_| anyhow!("backward: an MLP was given what another kind keeps"))
+}
+
+/// A parameter's maker: `param(name, full shape, kind, cut on the tp axis)` keeps this rank's part.
+pub type MakeParam<'p> = dyn FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param> + 'p;
+
+/// How a model makes its blocks' MLPs, and what they add to its loss (with `Mlp`, the seam a
+/// mixture of experts plugs into).
+pub trait Mlps<'g> {
+    /// Layer `layer`'s MLP, each parameter asked of `param`.
+    fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Mlp + 'g>>;
+    /// A term the MLPs add to the model's loss (the experts' load-balancing loss); none here.
+    fn loss_term(&self) -> Option<Box<dyn LossTerm + 'g>> {
+        None
+    }
+}
+
+/// A term added to the loss at the output end, from what the MLPs saw in the same forward.
+pub trait LossTerm {
+    /// Adds the term of the forward that just reached the head into `loss` (a one-number f32
+    /// tensor); returns what its backward needs.
+    fn add(&self, loss: &mut Tensor) -> Result<Box<dyn TermKept>>;
+}
+
+/// What a loss term keeps for its backward.
+pub trait TermKept {
+    /// Its backward from the loss scaled by `scale`, before the blocks' (which read what it
+    /// leaves them: its gradient reaches the MLPs that made it).
+    fn backward(self: Box<Self>, scale: f32);
+}
+
+/// Llama's MLP: SwiGLU, down · (silu(gate · x) ⊙ up · x). Gate and up are column parallel (each
+/// tp rank its MLP features), down row parallel.
+pub struct Dense {
+    gate_proj: Param,
+    up_proj: Param,
+    down_proj: Param,
+}
+
+/// Llama's MLPs: every block's `Dense`.
+pub struct DenseMlps;
+
+impl<'g> Mlps<'g> for DenseMlps {
+    fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Mlp + 'g>> {
+        let (d, f, p) =
+            (cfg.hidden_size, cfg.intermediate_size, |s: &str| format!("model.layers.{layer}.mlp.{s}.weight"));
+        Ok(Box::new(Dense {
+            gate_proj: param(p("gate_proj"), &[f, d], ParamKind::Matrix, TpCut::Rows)?,
+            up_proj: param(p("up_proj"), &[f, d], ParamKind::Matrix, TpCut::Rows)?,
+            down_proj: param(p("down_proj"), &[d, f], ParamKind::Matrix, TpCut::Columns)?,
+        }))
+    }
+}
+
+/// What `Dense` keeps: the gate and up products and their SwiGLU.
+struct DenseKept {
+    gate: Tensor,
+    up: Tensor,
+    act: Tensor,
+}
+
+impl MlpKept for DenseKept {
+    fn bytes(&self) -> usize {
+        self.gate.bytes() + self.up.bytes() + self.act.bytes()
+    }
+}
+
+impl Mlp for Dense {
+    fn params(&self) -> Vec<&Param> {
+        vec![&self.gate_proj, &self.up_proj, &self.down_proj]
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        vec![&mut self.gate_proj, &mut self.up_proj, &mut self.down_proj]
+    }
+
+    fn into_params(self: Box<Self>) -> Vec<Param> {
+        vec![self.gate_proj, self.up_proj, self.down_proj]
+    }
+
+    fn forward(&self, tp: &dyn TensorSplit, xn: &Tensor) -> Result<(Tensor, Box<dyn MlpKept>)> {
+        let xin = tp.gather_rows(xn)?; // sequence parallel: every row
+        let gate = self.gate_proj.linear(&xin);
+        let up = self.up_proj.linear(&xin);
+        drop(xin);
+        let act = ops::swiglu(&gate, &up);
+        let out = tp.row_forward(&act, &self.down_proj)?; // g: Σ over the tp ranks
+        Ok((out, Box::new(DenseKept { gate, up, act })))
+    }
+
+    fn backward(
+        &mut self,
+        tp: &dyn TensorSplit,
+        dy: &Tensor,
+        xn: Tensor,
+        kept: Box<dyn MlpKept>,
+        w: &mut dyn WeightGrads,
+    ) -> Result<Tensor> {
+        let DenseKept { gate, up, act } = *kept_as::<DenseKept>(kept)?;
+        // right to left; down is row parallel: its backward is local (on every row: sequence
+        // parallelism gathers them)
+        let dy = tp.gather_rows(dy)?;
+        let dact = self.down_proj.linear_input_grad(&dy);
+        w.linear(Cow::Owned(act), vec![(dy, &mut self.down_proj)]);
+        let (dgate, dup) = ops::swiglu_backward(&dact, &gate, &up);
+        // f: one sum over the tp ranks for gate and up together
+        tp.column_backward(xn, vec![(dgate, &mut self.gate_proj), (dup, &mut self.up_proj)], w)
+    }
 }
 
 /// The activations one block's backward needs.
@@ -79,7 +205,7 @@ pub struct BlockCache {
     h: Tensor,
     xn2: Tensor,
     rstd2: Tensor,
-    mlp: MlpCache,
+    mlp: Box<dyn MlpKept>,
 }
 
 impl BlockCache {
@@ -88,11 +214,7 @@ impl BlockCache {
         let all = [&self.x, &self.xn1, &self.rstd1, &self.q, &self.k, &self.v];
         let more = [&self.h, &self.xn2, &self.rstd2];
         let core = self.core.as_ref().map_or(0, |(o, l)| o.bytes() + l.bytes());
-        let mlp = match &self.mlp {
-            MlpCache::Dense { gate, up, act } => gate.bytes() + up.bytes() + act.bytes(),
-            MlpCache::Moe(c) => c.bytes(),
-        };
-        all.iter().chain(&more).map(|t| t.bytes()).sum::<usize>() + core + mlp
+        all.iter().chain(&more).map(|t| t.bytes()).sum::<usize>() + core + self.mlp.bytes()
     }
 }
 
@@ -128,34 +250,20 @@ impl Kept {
     }
 }
 
-/// Who a block talks to: the other tensor-parallel ranks, the rest of the sequence, and the
-/// ranks holding the other experts.
+/// Who a block talks to: the other tensor-parallel ranks, and the rest of the sequence.
 #[derive(Clone, Copy)]
 pub(crate) struct Splits<'a> {
     pub tp: &'a dyn TensorSplit,
     pub seq: &'a dyn SequenceSplit,
-    pub ep: &'a dyn ExpertSplit,
 }
 
-/// What a block's forward did besides its output: attention score entries computed, and the
-/// MoE layer's routing (a dense block has none).
-pub(crate) struct Work {
-    pub attention: u64,
-    pub load: Option<Load>,
-}
-
-impl Block {
-    /// Layer `i`'s parameters in Hugging Face order, each asked of `param(name, full shape,
-    /// kind, placement on tp)` (which keeps this rank's slice); of a mixture of experts, the experts `held`.
-    pub(crate) fn build(
-        i: usize,
-        cfg: &ModelConfig,
-        held: std::ops::Range<usize>,
-        param: &mut impl FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>,
-    ) -> Result<Block> {
+impl<'g> Block<'g> {
+    /// Layer `i`'s parameters in Hugging Face order, each asked of `param` (which keeps this
+    /// rank's slice), its MLP made by `mlps`.
+    pub(crate) fn build(i: usize, cfg: &ModelConfig, mlps: &dyn Mlps<'g>, param: &mut MakeParam) -> Result<Block<'g>> {
         // on the tp axis: Megatron's column-parallel layers hold rows of W, its row-parallel ones columns
         let (rows, cols, whole) = (TpCut::Rows, TpCut::Columns, TpCut::Whole);
-        let (d, f, hd) = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim());
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim());
         let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
         let p = |s: &str| format!("model.layers.{i}.{s}.weight");
         let (q_proj, k_proj, v_proj, o_proj) = (
@@ -164,15 +272,9 @@ impl Block {
             param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
             param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix, cols)?,
         );
-        let mlp = match cfg.num_local_experts {
-            0 => Mlp::Dense {
-                gate_proj: param(p("mlp.gate_proj"), &[f, d], ParamKind::Matrix, rows)?,
-                up_proj: param(p("mlp.up_proj"), &[f, d], ParamKind::Matrix, rows)?,
-                down_proj: param(p("mlp.down_proj"), &[d, f], ParamKind::Matrix, cols)?,
-            },
-            _ => Mlp::Moe(Moe::build(i, cfg, held, param)?),
-        };
+        let mlp = mlps.make(i, cfg, param)?;
         Ok(Block {
+            layer: i,
             q_proj,
             k_proj,
             v_proj,
@@ -183,35 +285,35 @@ impl Block {
         })
     }
 
-    /// Of a mixture of experts, keeps only the experts `held` (expert parallelism).
-    pub(crate) fn keep_experts(&mut self, held: std::ops::Range<usize>) {
-        if let Mlp::Moe(m) = &mut self.mlp {
-            m.keep(held);
-        }
+    /// This block with the MLP `mlps` makes of its MLP's parameters (another kind over the same
+    /// weights: the experts divided among ranks, `moe.rs`). One it does not ask for is dropped.
+    pub(crate) fn with_mlp(self, mlps: &dyn Mlps<'g>, cfg: &ModelConfig) -> Result<Block<'g>> {
+        let mut had: HashMap<String, Param> = self.mlp.into_params().into_iter().map(|p| (p.name.clone(), p)).collect();
+        let layer = self.layer;
+        let mlp = mlps.make(layer, cfg, &mut |name, _, _, _| {
+            had.remove(&name).ok_or_else(|| anyhow!("layer {layer}'s MLP has no parameter {name}"))
+        })?;
+        Ok(Block { mlp, ..self })
     }
 
-    /// In Hugging Face order (a Mixtral block: the router, then each expert's w1, w2, w3).
+    /// In Hugging Face order (the MLP's in its own: a Mixtral block's router, then each expert's
+    /// w1, w2, w3).
     pub(crate) fn params(&self) -> Vec<&Param> {
         let mut v = vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
-        match &self.mlp {
-            Mlp::Dense { gate_proj, up_proj, down_proj } => v.extend([gate_proj, up_proj, down_proj]),
-            Mlp::Moe(m) => v.extend(m.params()),
-        }
+        v.extend(self.mlp.params());
         v.extend([&self.input_layernorm, &self.post_attention_layernorm]);
         v
     }
 
     pub(crate) fn params_mut(&mut self) -> Vec<&mut Param> {
         let mut v = vec![&mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.o_proj];
-        match &mut self.mlp {
-            Mlp::Dense { gate_proj, up_proj, down_proj } => v.extend([gate_proj, up_proj, down_proj]),
-            Mlp::Moe(m) => v.extend(m.params_mut()),
-        }
+        v.extend(self.mlp.params_mut());
         v.extend([&mut self.input_layernorm, &mut self.post_attention_layernorm]);
         v
     }
 
-    /// Returns the output, what `keeps` keeps for backward, and the work done.
+    /// Returns the output, what `keeps` keeps for backward, and the attention score entries
+    /// computed.
     pub(crate) fn forward(
         &self,
         split: Splits,
@@ -219,7 +321,7 @@ impl Block {
         (cfg, keeps): (&ModelConfig, &dyn Keeps),
         attn: Attn,
         positions: &[u32],
-    ) -> Result<(Tensor, Kept, Work)> {
+    ) -> Result<(Tensor, Kept, u64)> {
         let (out, cache, work) = self.run(split, x, cfg, attn, positions, None)?;
         Ok((out, keeps.keep(cache), work))
     }
@@ -248,7 +350,7 @@ impl Block {
         attn: Attn,
         positions: &[u32],
         past: Option<KvLayer>,
-    ) -> Result<(Tensor, BlockCache, Work)> {
+    ) -> Result<(Tensor, BlockCache, u64)> {
         let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, split.tp);
         // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
         let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
@@ -265,39 +367,22 @@ impl Block {
         };
         let mut h = tp.row_forward(&attn_out, &self.o_proj)?; // g: Σ over the tp ranks
         let (xn2, rstd2) = ops::add_rmsnorm(&mut h, &x, &self.post_attention_layernorm.value, eps); // h += x, normed
-        let (mut out, mlp, load) = match &self.mlp {
-            // MLP sub-block: gate, up column parallel (this rank's features), down row parallel
-            Mlp::Dense { gate_proj, up_proj, down_proj } => {
-                let xin = tp.gather_rows(&xn2)?;
-                let gate = gate_proj.linear(&xin);
-                let up = up_proj.linear(&xin);
-                drop(xin);
-                let act = ops::swiglu(&gate, &up);
-                let out = tp.row_forward(&act, down_proj)?; // g
-                (out, MlpCache::Dense { gate, up, act }, None)
-            }
-            // mixture of experts: on this rank's rows, whole (no tp call)
-            Mlp::Moe(moe) => {
-                let (out, cache, load) = moe.forward(split.ep, &xn2, cfg.router_aux_loss_coef > 0.0)?;
-                (out, MlpCache::Moe(cache), Some(load))
-            }
-        };
+        let (mut out, mlp) = self.mlp.forward(tp, &xn2)?; // MLP sub-block
         ops::add_assign(&mut out, &h);
         let core = Some((attn_out, lse));
         let cache = BlockCache { x, xn1, rstd1, q, k, v, core, h, xn2, rstd2, mlp };
-        Ok((out, cache, Work { attention: work, load }))
+        Ok((out, cache, work))
     }
 
-    /// `balance`: the load-balancing loss's gradient on each expert's router probability (a
-    /// mixture of experts with `router_aux_loss_coef` > 0; else empty). Every weight GEMM goes to
-    /// `w` (computed now, or kept for a zero-bubble W: `deferred_grads.rs`); the norms' weight
-    /// gradients are computed here with their input gradients.
+    /// Every weight GEMM goes to `w` (computed now, or kept for a zero-bubble W:
+    /// `deferred_grads.rs`); the norms' weight gradients are computed here with their input
+    /// gradients.
     pub(crate) fn backward(
         &mut self,
         split: Splits,
         dout: Tensor,
         kept: Kept,
-        (cfg, balance): (&ModelConfig, &[f32]),
+        cfg: &ModelConfig,
         (attn, positions): (Attn, &[u32]),
         w: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
@@ -306,20 +391,7 @@ impl Block {
             Kept::Cache(c) => *c,
             Kept::Input(x) => self.run(split, x, cfg, attn, positions, None)?.1, // full recomputation
         };
-        let dxn2 = match (&mut self.mlp, c.mlp) {
-            // MLP sub-block, right to left; down is row parallel: its backward is local (on every
-            // row: sequence parallelism gathers them)
-            (Mlp::Dense { gate_proj, up_proj, down_proj }, MlpCache::Dense { gate, up, act }) => {
-                let dy = tp.gather_rows(&dout)?;
-                let dact = down_proj.linear_input_grad(&dy);
-                w.linear(Cow::Owned(act), vec![(dy, down_proj)]);
-                let (dgate, dup) = ops::swiglu_backward(&dact, &gate, &up);
-                // f: one sum over the tp ranks for gate and up together
-                tp.column_backward(c.xn2, vec![(dgate, gate_proj), (dup, up_proj)], w)?
-            }
-            (Mlp::Moe(moe), MlpCache::Moe(cache)) => moe.backward(split.ep, &dout, c.xn2, cache, balance, w)?,
-            _ => anyhow::bail!("backward: a block was given the cache of another kind of MLP"),
-        };
+        let dxn2 = self.mlp.backward(tp, &dout, c.xn2, c.mlp, w)?; // MLP sub-block
         let ln2 = &mut self.post_attention_layernorm;
         // the residual carries dout straight through, added as the norm's dx is written
         let dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad, Some(&dout));

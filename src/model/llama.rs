@@ -21,9 +21,7 @@
 //! parameters and listing them is `llama/parts.rs`.
 
 use crate::config::ModelConfig;
-use crate::model::block::{Block, Keeps, Kept, Splits};
-use crate::model::moe::ExpertSplit;
-use crate::model::moe::{self, Load};
+use crate::model::block::{Block, Keeps, Kept, LossTerm, Splits, TermKept};
 use crate::model::param::Param;
 use crate::model::split::{Deferred, Now, SequenceSplit, TensorSplit, WeightGrads, WeightSplit};
 use crate::ops::tensor::Tensor;
@@ -47,9 +45,6 @@ struct Cache {
     blocks: Vec<Kept>,
     /// The output end, on the last pipeline stage.
     head: Option<HeadCache>,
-    /// The load-balancing loss's gradient on each expert's router probability, per unit of
-    /// loss scale (empty unless `router_aux_loss_coef` > 0).
-    balance: Vec<f32>,
 }
 
 /// What the head keeps from forward for backward: the final norm's input and 1/rms, and what
@@ -58,6 +53,8 @@ struct HeadCache {
     x_final: Tensor,
     rstd: Tensor,
     loss: Box<dyn LossKept>,
+    /// What the loss term keeps, when the model has one.
+    term: Option<Box<dyn TermKept>>,
 }
 
 impl HeadCache {
@@ -175,14 +172,12 @@ pub struct Llama<'g> {
     seq: Box<dyn SequenceSplit + 'g>,
     /// Where the weights are between uses (`Whole` unless FSDP shards them over the dp ranks).
     weights: Rc<dyn WeightSplit + 'g>,
-    /// Where a mixture of experts' experts are (`Whole` unless expert parallelism divides them).
-    experts: Box<dyn ExpertSplit + 'g>,
     /// The first vocabulary id of this rank's slice.
     vocab_first: usize,
     /// On the first pipeline stage.
     embed_tokens: Option<Param>,
     /// This stage's layers.
-    layers: Vec<Block>,
+    layers: Vec<Block<'g>>,
     /// Which of `layers` each model chunk holds (one chunk unless the pipeline is interleaved).
     chunks: Vec<Range<usize>>,
     /// On the last pipeline stage.
@@ -194,12 +189,12 @@ pub struct Llama<'g> {
     deferred: VecDeque<(usize, Box<dyn Deferred>)>,
     /// Attention score entries computed since the last `take_attention_work`.
     attention_work: u64,
-    /// Routed rows per expert of each MoE layer of this stage since the last `take_expert_load`.
-    expert_load: Vec<Vec<usize>>,
     /// What each block keeps for its backward (`KeepAll` unless recomputation keeps less).
     keeps: Box<dyn Keeps + 'g>,
     /// How the output end makes the loss (`WholeLogits` unless another is plugged in).
     loss: Box<dyn LossHead + 'g>,
+    /// A term the blocks' MLPs add to the loss (`Mlps::loss_term`; `None` for Llama's).
+    term: Option<Box<dyn LossTerm + 'g>>,
 }
 
 impl<'g> Llama<'g> {
@@ -259,29 +254,22 @@ impl<'g> Llama<'g> {
         let seq_positions = self.seq.positions(seq);
         let positions: Vec<u32> = (0..batch * seq).map(|r| seq_positions[r % seq]).collect();
         let mut blocks = Vec::with_capacity(self.layers.len());
-        let mut loads: Vec<Load> = Vec::new();
         for i in self.chunks[chunk].clone() {
             self.fetch(Unit::Layer(i), true)?;
-            let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
+            let split = Splits { tp: &*self.tp, seq: &*self.seq };
             let keep = (&self.cfg, &*self.keeps);
             let (out, cache, work) = self.layers[i].forward(split, x, keep, attn, &positions)?;
             self.free(Unit::Layer(i));
-            self.attention_work += work.attention;
-            if let Some(load) = work.load {
-                moe::count_routed(&mut self.expert_load, (i, self.layers.len()), &load); // the imbalance report
-                loads.push(load);
-            }
+            self.attention_work += work;
             blocks.push(cache);
             x = out;
         }
         if self.head.is_none() || chunk + 1 < self.chunks.len() {
-            let balance = Vec::new(); // the balance loss needs every layer: refused with pp > 1
-            self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: None, balance });
+            self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: None });
             return Ok(StageOutput::Hidden(x));
         }
-        let (mut loss, head) = self.head_forward(x, targets)?;
-        let balance = moe::add_balance_loss(&mut loss, &loads, &self.cfg); // a mixture of experts' aux loss
-        self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head), balance });
+        let (loss, head) = self.head_forward(x, targets)?;
+        self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head) });
         Ok(StageOutput::Loss(loss))
     }
 
@@ -353,10 +341,6 @@ impl<'g> Llama<'g> {
             .and_then(|at| self.caches.remove(at))
             .ok_or_else(|| anyhow!("backward: no forward through chunk {chunk} is waiting for its backward"))?;
         let first = self.vocab_first;
-        let balance: Vec<f32> = match &grad {
-            StageGrad::Loss(scale) => c.balance.iter().map(|g| g * scale).collect(),
-            StageGrad::Hidden(_) => Vec::new(),
-        };
         // each part of the cache is dropped as soon as its backward is done: the activations
         // held shrink while the gradients grow
         let mut dx = match (grad, c.head.take(), self.head.is_some()) {
@@ -366,10 +350,10 @@ impl<'g> Llama<'g> {
         };
         for i in self.chunks[chunk].clone().rev() {
             self.fetch(Unit::Layer(i), false)?;
-            let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
+            let split = Splits { tp: &*self.tp, seq: &*self.seq };
             let cache = c.blocks.pop().expect("one cache per layer");
             let attn = (c.attn, &c.positions[..]);
-            dx = self.layers[i].backward(split, dx, cache, (&self.cfg, &balance), attn, w)?;
+            dx = self.layers[i].backward(split, dx, cache, &self.cfg, attn, w)?;
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }
@@ -406,9 +390,10 @@ impl Llama<'_> {
         let (xn, rstd) = ops::rmsnorm(&x, &h.norm.value, self.cfg.rms_norm_eps);
         let weight = h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
         let out = OutputLayer { weight, tp: &*self.tp, first: self.vocab_first };
-        let (loss, kept) = self.loss.forward(xn, out, targets)?;
+        let (mut loss, kept) = self.loss.forward(xn, out, targets)?;
+        let term = self.term.as_ref().map(|t| t.add(&mut loss)).transpose()?;
         self.free(Unit::Head);
-        Ok((loss, HeadCache { x_final: x, rstd, loss: kept }))
+        Ok((loss, HeadCache { x_final: x, rstd, loss: kept, term }))
     }
 
     /// The head's backward from the loss scaled by `scale`: returns dx; the output layer's
@@ -421,6 +406,7 @@ impl Llama<'_> {
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Tensor> {
         self.fetch(Unit::Head, false)?;
+        hc.term.into_iter().for_each(|t| t.backward(scale));
         let h = self.head.as_mut().expect("the last stage has the head");
         let weight = h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
         let dxn = hc.loss.backward(scale, OutputLayer { weight, tp: &*self.tp, first: self.vocab_first }, w)?;

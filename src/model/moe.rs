@@ -19,11 +19,16 @@
 //! `ExpertSplit`'s business (below): `Whole` holds them all, `parallel/expert_parallel.rs`
 //! divides them among the ep ranks.
 //!
+//! It plugs into the block's MLP seam (`block.rs`'s `Mlp`, made by `Mlps`): `Moe` is one layer's,
+//! and what the layers share — where the experts are, the balance loss's parts, the load report —
+//! is one `Experts`, which also makes the layers. A dense block's code does not change.
+//!
 //! The router sees every token; an expert only the tokens sent to it, so how many each gets (the
 //! load) is a number worth watching: the metrics print it, and the Switch load-balancing loss
 //! (`model.router_aux_loss_coef`) pushes it towards even: E · Σ_e f_e · P_e, with f_e the share of
 //! routed rows that chose e and P_e the mean router probability of e, over all layers (as
-//! transformers computes it). Its gradient reaches the router through P only.
+//! transformers computes it). Its gradient reaches the router through P only. The MLPs' seam lets
+//! them add it to the loss at the output end (`Mlps::loss_term`: `Balance`).
 //!
 //! The choice is discrete: where a token's k-th and (k+1)-th probabilities are within a rounding,
 //! a run that sums in another order (a layout, on a GPU) sends it elsewhere, and the curves part
@@ -32,14 +37,18 @@
 
 use crate::comm::process_grid::{Along, Cut, Grid};
 use crate::config::ModelConfig;
+use crate::model::block::{kept_as, LossTerm, MakeParam, Mlp, MlpKept, Mlps, TermKept};
 use crate::model::param::{Param, ParamKind};
-use crate::model::split::{input_grad, owned, WeightGrads, Whole};
+use crate::model::split::{input_grad, owned, TensorSplit, WeightGrads, Whole};
 use crate::ops::moe::{self as route, Routing};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, TpCut};
 use anyhow::{bail, Result};
 use std::borrow::Cow;
+use std::cell::RefCell;
+use std::collections::BTreeMap;
 use std::ops::Range;
+use std::rc::Rc;
 
 /// The expert-parallel groups: consecutive blocks of ep ranks of the dp×cp group, which divide
 /// the experts among themselves (and all-to-all their tokens).
@@ -129,13 +138,80 @@ pub(crate) struct Expert {
     w3: Param,
 }
 
-pub(crate) struct Moe {
+/// What every MoE layer of a model shares, and what makes them (`Mlps`): where the experts are
+/// (the split, with the routing tape around it when one is asked for), the balance loss's parts,
+/// and the load report.
+pub struct Experts<'g> {
+    split: Box<dyn ExpertSplit + 'g>,
+    /// E, k and `router_aux_loss_coef`.
+    total: usize,
+    top_k: usize,
+    coef: f32,
+    /// With the balance loss on: this forward's routing, by layer (the loss head takes it).
+    loads: RefCell<BTreeMap<usize, Load>>,
+    /// The balance loss's gradient on each expert's probability for the backward under way, its
+    /// scale applied: the loss term's backward sets it, before the layers' backward reads it.
+    balance: Rc<RefCell<Vec<f32>>>,
+    /// Routed rows per expert of each layer, by the backwards since the last `take_load`.
+    seen: RefCell<BTreeMap<usize, Vec<usize>>>,
+}
+
+impl<'g> Experts<'g> {
+    /// A mixture of experts as `cfg` says, its experts where `split` puts them.
+    pub fn new(cfg: &ModelConfig, split: Box<dyn ExpertSplit + 'g>) -> Rc<Experts<'g>> {
+        Rc::new(Experts {
+            split,
+            total: cfg.num_local_experts,
+            top_k: cfg.num_experts_per_tok,
+            coef: cfg.router_aux_loss_coef,
+            loads: RefCell::default(),
+            balance: Rc::default(),
+            seen: RefCell::default(),
+        })
+    }
+
+    /// Routed rows to each expert, per MoE layer of this rank's model, by the backwards since the
+    /// last call (the imbalance report).
+    pub fn take_load(&self) -> Vec<Vec<usize>> {
+        std::mem::take(&mut *self.seen.borrow_mut()).into_values().collect()
+    }
+}
+
+impl<'g> Mlps<'g> for Rc<Experts<'g>> {
+    /// Layer `layer`'s router and the experts this rank holds, in Hugging Face order.
+    fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Mlp + 'g>> {
+        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
+        let p = |s: &str| format!("model.layers.{layer}.block_sparse_moe.{s}.weight");
+        // replicated over tp: every tp rank routes and computes the same rows (its own with
+        // sequence parallelism), so the router and the experts are whole on each
+        let gate = param(p("gate"), &[self.total, d], ParamKind::Matrix, TpCut::Whole)?;
+        let mut experts = Vec::new();
+        let mut expert = |name: String, shape: &[usize]| param(name, shape, ParamKind::Matrix, TpCut::Whole);
+        for e in self.split.held(self.total) {
+            let w = |n: &str| p(&format!("experts.{e}.{n}"));
+            experts.push(Expert {
+                w1: expert(w("w1"), &[f, d])?,
+                w2: expert(w("w2"), &[d, f])?,
+                w3: expert(w("w3"), &[f, d])?,
+            });
+        }
+        Ok(Box::new(Moe { gate, experts, shared: self.clone(), layer }))
+    }
+
+    /// The load-balancing loss, when `router_aux_loss_coef` > 0.
+    fn loss_term(&self) -> Option<Box<dyn LossTerm + 'g>> {
+        (self.coef > 0.0).then(|| Box::new(Balance(self.clone())) as Box<dyn LossTerm + 'g>)
+    }
+}
+
+/// One MoE layer: its router and the experts this rank holds.
+pub(crate) struct Moe<'g> {
     /// The router, `[E, d]`.
     gate: Param,
     /// The experts this rank holds (all E, or its ep share of them).
     experts: Vec<Expert>,
-    top_k: usize,
-    total: usize,
+    /// What every MoE layer of the model shares.
+    shared: Rc<Experts<'g>>,
     /// The layer's number (the routing tape names choices by it).
     layer: usize,
 }
@@ -179,71 +255,46 @@ pub(crate) struct MoeCache {
     ys: Tensor,
 }
 
-/// A layer's routing, for the load-balancing loss and the metrics (host numbers).
+/// A layer's routing, for the load-balancing loss (host numbers).
 #[derive(Clone, Debug, Default)]
 pub struct Load {
     /// Routed rows per expert (this rank's tokens).
     pub counts: Vec<usize>,
-    /// Σ over this rank's tokens of each expert's router probability (empty when nobody asked).
+    /// Σ over this rank's tokens of each expert's router probability.
     pub prob_sums: Vec<f32>,
 }
 
-impl MoeCache {
-    pub(crate) fn bytes(&self) -> usize {
+impl MlpKept for MoeCache {
+    fn bytes(&self) -> usize {
         let r = &self.routing;
         let experts: usize = self.experts.iter().flatten().flat_map(|e| e.iter().map(Tensor::bytes)).sum();
         [&r.probs, &r.weights, &self.ys].iter().map(|t| t.bytes()).sum::<usize>() + experts
     }
 }
 
-impl Moe {
-    /// Layer `i`'s router and this rank's experts (`held` of E), in Hugging Face order.
-    pub(crate) fn build(
-        i: usize,
-        cfg: &ModelConfig,
-        held: std::ops::Range<usize>,
-        param: &mut impl FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>,
-    ) -> Result<Moe> {
-        let (d, f, total) = (cfg.hidden_size, cfg.intermediate_size, cfg.num_local_experts);
-        let p = |s: &str| format!("model.layers.{i}.block_sparse_moe.{s}.weight");
-        // replicated over tp: every tp rank routes and computes the same rows (its own with
-        // sequence parallelism), so the router and the experts are whole on each
-        let gate = param(p("gate"), &[total, d], ParamKind::Matrix, TpCut::Whole)?;
-        let mut experts = Vec::new();
-        let mut expert = |name: String, shape: &[usize]| param(name, shape, ParamKind::Matrix, TpCut::Whole);
-        for e in held {
-            let w = |n: &str| p(&format!("experts.{e}.{n}"));
-            experts.push(Expert {
-                w1: expert(w("w1"), &[f, d])?,
-                w2: expert(w("w2"), &[d, f])?,
-                w3: expert(w("w3"), &[f, d])?,
-            });
-        }
-        Ok(Moe { gate, experts, top_k: cfg.num_experts_per_tok, total, layer: i })
-    }
-
-    /// Drops every expert but `held` (of all E, which this layer must still hold).
-    pub(crate) fn keep(&mut self, held: std::ops::Range<usize>) {
-        assert_eq!(self.experts.len(), self.total, "experts are divided once");
-        self.experts = self.experts.drain(held).collect();
-    }
-
-    pub(crate) fn params(&self) -> Vec<&Param> {
+impl Mlp for Moe<'_> {
+    fn params(&self) -> Vec<&Param> {
         let experts = self.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]);
         std::iter::once(&self.gate).chain(experts).collect()
     }
 
-    pub(crate) fn params_mut(&mut self) -> Vec<&mut Param> {
+    fn params_mut(&mut self) -> Vec<&mut Param> {
         let experts = self.experts.iter_mut().flat_map(|e| [&mut e.w1, &mut e.w2, &mut e.w3]);
         std::iter::once(&mut self.gate).chain(experts).collect()
     }
 
-    /// y `[T, d]` from x `[T, d]` (the normalised rows); `probs`: also sum the router
-    /// probabilities per expert (for the load-balancing loss).
-    pub(crate) fn forward(&self, ep: &dyn ExpertSplit, x: &Tensor, probs: bool) -> Result<(Tensor, MoeCache, Load)> {
-        let routing = route::route(&self.gate.linear(x), self.top_k); // a sync point on a GPU
+    fn into_params(self: Box<Self>) -> Vec<Param> {
+        let experts = self.experts.into_iter().flat_map(|e| [e.w1, e.w2, e.w3]);
+        std::iter::once(self.gate).chain(experts).collect()
+    }
+
+    /// y `[T, d]` from x `[T, d]` (the normalised rows): on this rank's rows, whole (every tp rank
+    /// routes its rows itself: no tp call).
+    fn forward(&self, _: &dyn TensorSplit, x: &Tensor) -> Result<(Tensor, Box<dyn MlpKept>)> {
+        let (ep, total, k) = (&*self.shared.split, self.shared.total, self.shared.top_k);
+        let routing = route::route(&self.gate.linear(x), k); // a sync point on a GPU
         let routing = ep.choose(self.layer, routing)?;
-        let plan = Plan::new(&routing.experts, self.total, self.top_k);
+        let plan = Plan::new(&routing.experts, total, k);
         let xs = route::gather_rows(x, &plan.order);
         let (xe, routed) = ep.dispatch(xs, &plan.counts)?;
         let d = xe.cols();
@@ -263,23 +314,28 @@ impl Moe {
         drop(xe);
         let ys = ep.combine(ye, &routed)?;
         let y = route::combine(&ys, &plan.slot, Some(&routing.weights), x.rows());
-        let prob_sums = if probs { column_sums(&routing.probs) } else { Vec::new() };
-        let load = Load { counts: plan.counts.clone(), prob_sums };
-        Ok((y, MoeCache { routing, plan, routed, experts, ys }, load))
+        if self.shared.coef > 0.0 {
+            // for the balance loss, added when the forward reaches the head
+            let load = Load { counts: plan.counts.clone(), prob_sums: column_sums(&routing.probs) };
+            self.shared.loads.borrow_mut().insert(self.layer, load);
+        }
+        Ok((y, Box::new(MoeCache { routing, plan, routed, experts, ys })))
     }
 
     /// dx from dy, both `[T, d]` (x: the forward's input); every weight GEMM goes to `w` (now,
-    /// or kept for a zero-bubble W). `balance`: the load-balancing loss's gradient on each
-    /// expert's probability (or empty).
-    pub(crate) fn backward(
+    /// or kept for a zero-bubble W). The router's gradient takes the balance loss's too, when it
+    /// is on.
+    fn backward(
         &mut self,
-        ep: &dyn ExpertSplit,
+        _: &dyn TensorSplit,
         dy: &Tensor,
         x: Tensor,
-        c: MoeCache,
-        balance: &[f32],
+        kept: Box<dyn MlpKept>,
         w: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
+        let c = *kept_as::<MoeCache>(kept)?;
+        let ep = &*self.shared.split;
+        count_routed(&mut self.shared.seen.borrow_mut(), self.layer, &c.plan.counts); // the imbalance report
         let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.plan.slot, &c.routing.weights);
         drop(c.ys);
         let dye = ep.dispatch_again(dys, &c.routed)?;
@@ -300,7 +356,7 @@ impl Moe {
         }
         let dxs = ep.combine(dxe, &c.routed)?;
         let mut dx = route::combine(&dxs, &c.plan.slot, None, x.rows()); // each token: the sum of its k copies
-        let dlogits = route::route_backward(&dweights, &c.routing, balance);
+        let dlogits = route::route_backward(&dweights, &c.routing, &self.shared.balance.borrow());
         self.gate.linear_input_grad_add(&dlogits, &mut dx);
         w.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);
         Ok(dx)
@@ -315,28 +371,44 @@ fn column_sums(p: &Tensor) -> Vec<f32> {
     sums.into_iter().map(|s| s as f32).collect()
 }
 
-/// Adds `load`'s routed rows per expert into the count of layer `layer` of `layers` (`seen`, one
-/// list per layer: the imbalance report, `Llama::take_expert_load`).
-pub fn count_routed(seen: &mut Vec<Vec<usize>>, (layer, layers): (usize, usize), load: &Load) {
-    seen.resize_with(layers, Vec::new);
-    let seen = &mut seen[layer];
-    seen.resize(load.counts.len(), 0);
-    seen.iter_mut().zip(&load.counts).for_each(|(s, c)| *s += c);
+/// Adds a layer's routed rows per expert (`counts`) into its count in `seen`.
+fn count_routed(seen: &mut BTreeMap<usize, Vec<usize>>, layer: usize, counts: &[usize]) {
+    let seen = seen.entry(layer).or_default();
+    seen.resize(counts.len(), 0);
+    seen.iter_mut().zip(counts).for_each(|(s, c)| *s += c);
 }
 
-/// With `router_aux_loss_coef` > 0 and MoE layers in `loads`: + coef · E · Σ_e f_e · P_e over all
-/// of them added into `loss`; returns the gradient on each expert's probability in every row
-/// that backward adds (empty when there is none).
-pub fn add_balance_loss(loss: &mut Tensor, loads: &[Load], cfg: &ModelConfig) -> Vec<f32> {
-    let coef = cfg.router_aux_loss_coef;
-    if coef <= 0.0 || loads.is_empty() {
-        return Vec::new();
+/// The load-balancing loss, from the routing of every MoE layer of the forward:
+/// + coef · E · Σ_e f_e · P_e.
+struct Balance<'g>(Rc<Experts<'g>>);
+
+/// What `Balance` keeps: its gradient on each expert's probability in every row (the same for
+/// every layer), per unit of loss scale, and where the MoE layers' backward reads it.
+struct BalanceKept {
+    grad: Vec<f32>,
+    to: Rc<RefCell<Vec<f32>>>,
+}
+
+impl LossTerm for Balance<'_> {
+    fn add(&self, loss: &mut Tensor) -> Result<Box<dyn TermKept>> {
+        let e = &self.0;
+        let loads = std::mem::take(&mut *e.loads.borrow_mut()); // this forward's, every layer
+        let loads: Vec<&Load> = loads.values().collect();
+        let mut grad = Vec::new();
+        if !loads.is_empty() {
+            let (aux, g) = balance_loss(&loads, e.total, e.top_k);
+            let aux = Tensor::from_host_in(&[1], vec![e.coef * aux], &loss.place(), loss.dtype());
+            ops::add_assign(loss, &aux);
+            grad = g.iter().map(|g| e.coef * g).collect();
+        }
+        Ok(Box::new(BalanceKept { grad, to: e.balance.clone() }))
     }
-    let (experts, k) = (cfg.num_local_experts, cfg.num_experts_per_tok);
-    let (aux, grad) = balance_loss(&loads.iter().collect::<Vec<_>>(), experts, k);
-    let aux = Tensor::from_host_in(&[1], vec![coef * aux], &loss.place(), loss.dtype());
-    ops::add_assign(loss, &aux);
-    grad.iter().map(|g| coef * g).collect()
+}
+
+impl TermKept for BalanceKept {
+    fn backward(self: Box<Self>, scale: f32) {
+        *self.to.borrow_mut() = self.grad.iter().map(|g| g * scale).collect();
+    }
 }
 
 /// The load-balancing loss over every layer's `Load` (E · Σ_e f_e · P_e, transformers'

@@ -5,7 +5,8 @@
 //!
 //! ```text
 //! the model        this rank's part, on its device; tp, sp, cp and the experts' splits are
-//!                  plugged in where the weights are made (`train/run.rs`, `model/split.rs`)
+//!                  plugged in where the weights are made (`train/run.rs`, `model/split.rs`;
+//!                  the experts, where expert parallelism and the routing tape put them: `experts`)
 //! ZeRO             1/dp of the optimizer state (stage 1), of the gradients (2), of the weights
 //!                  (3, FSDP: a `WeightSplit` gathering whole weights unit by unit)
 //! gradients        one reducer per axis that replicates parameters (`train/gradients.rs`)
@@ -21,12 +22,12 @@ use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ParallelConfig};
 use crate::data::Dataset;
-use crate::model::moe::{EP, EXPERT_DP};
-use crate::model::routing_tape::{self, RoutingTape};
-use crate::model::Param;
+use crate::model::moe::{ExpertSplit, Experts, EP, EXPERT_DP};
+use crate::model::routing_tape::{self, RoutingTape, Taped};
+use crate::model::{Param, Whole};
 use crate::parallel::context_parallel;
 use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
-use crate::parallel::expert_parallel::ExpertGrads;
+use crate::parallel::expert_parallel::{ExpertGrads, ExpertParallel};
 use crate::parallel::fsdp::Fsdp;
 use crate::parallel::gather_formats;
 use crate::parallel::hybrid_sharding::{self, REPLICATE, SHARD};
@@ -44,19 +45,14 @@ impl<'g> Trainer<'g> {
         me: &'g Rank,
         cfg: &'g Config,
         data: &'g Dataset,
-        tape: Option<Rc<RoutingTape>>,
+        (tape, experts): (Option<Rc<RoutingTape>>, Option<&Rc<Experts<'g>>>),
         shared: &Shared,
     ) -> Result<Trainer<'g>> {
         let (p, t, tp) = (&cfg.parallel, &cfg.train, me.group(Axis::Tp));
         if shared.spread {
             agree::settings(me.group(Axis::World), cfg)?; // processes started differently never train
         }
-        let (mut model, first_step) = shared.model(me, cfg)?; // this rank's part, on its device
-
-        // debugging a mixture of experts: its routing recorded, or replayed from another run
-        if let Some(tape) = &tape {
-            model = model.with_routing_tape(tape.clone());
-        }
+        let (mut model, first_step) = shared.model(me, cfg, experts)?; // this rank's part, on its device
         let mut optimizer = shared.optimizer(&mut model, tp, cfg)?;
         // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
         // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
@@ -112,6 +108,24 @@ impl<'g> Trainer<'g> {
         let feed = Feed::new(me, cfg, data, positions, told);
         Ok(Trainer { cfg, model, optimizer, grads, norm, feed, pipeline, first_step })
     }
+}
+
+/// A mixture of experts' shared parts on this rank (`None` for a dense model): its experts
+/// divided over the ep group (expert parallelism) or all here, and, debugging it, its routing
+/// recorded or replayed from another run (the routing tape around the split).
+pub(super) fn experts<'g>(me: &'g Rank, cfg: &Config, tape: Option<Rc<RoutingTape>>) -> Option<Rc<Experts<'g>>> {
+    if cfg.model.num_local_experts == 0 {
+        return None;
+    }
+    let split: Box<dyn ExpertSplit + 'g> = match cfg.parallel.ep {
+        1 => Box::new(Whole),
+        _ => Box::new(ExpertParallel::new(me.group(EP))),
+    };
+    let split = match tape {
+        Some(tape) => Box::new(Taped { inner: split, tape }),
+        None => split,
+    };
+    Some(Experts::new(&cfg.model, split))
 }
 
 /// Each gradient's way (`train/gradients.rs`): a reducer per axis that replicates parameters —

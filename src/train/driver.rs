@@ -24,6 +24,7 @@
 //! the walk (`parallel/schedules.rs`'s `Drained`). On NCCL a send waits on the GPU for its
 //! receive, so there the driver asks nothing inside a pipeline's step.
 
+use super::compose;
 use super::memory::Held;
 use super::run::Shared;
 use super::step::{Stepped, Trainer};
@@ -46,7 +47,8 @@ use std::time::Instant;
 pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, shared: Shared) -> Result<Summary> {
     // debugging a mixture of experts: its routing recorded, or replayed from another run
     let tape = opts.routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
-    let mut tr = Trainer::assemble(me, cfg, data, tape.clone(), &shared)?;
+    let experts = compose::experts(me, cfg, tape.clone()); // a mixture of experts' shared parts
+    let mut tr = Trainer::assemble(me, cfg, data, (tape.clone(), experts.as_ref()), &shared)?;
     let first_step = tr.first_step;
     let mut watch = Watch::new(me, cfg, opts, (first_step, tr.model.place()))?; // metrics, trace, timing, memory
     let pp = me.group(Axis::Pp);
@@ -80,7 +82,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
             false => None,
         };
         let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss };
-        watch.step_ends(&end, &mut tr.model)?;
+        watch.step_ends(&end, &mut tr.model, experts.as_deref())?;
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };
         let saved = shared.checkpoints.save_if_due(me, cfg, step, (&tr.model, &*tr.optimizer), signal.is_some())?;

@@ -16,13 +16,12 @@ use crate::comm::Group;
 use crate::config::{Config, CpMode};
 use crate::data::Dataset;
 use crate::model::fused_loss::FusedLoss;
-use crate::model::moe::EP;
+use crate::model::moe::Experts;
 use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::routing_tape::TapeMode;
 use crate::model::{init, Llama, TensorSplit};
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
-use crate::parallel::expert_parallel::ExpertParallel;
 use crate::parallel::sequence_parallel::SequenceParallel;
 use crate::parallel::tensor_parallel::TensorParallel;
 use crate::parallel::ulysses::Ulysses;
@@ -394,9 +393,14 @@ pub(super) struct Shared<'a> {
 }
 
 impl Shared<'_> {
-    /// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens), moved
-    /// to its device once, and the step to start from.
-    pub(super) fn model<'g>(&self, me: &'g Rank, cfg: &Config) -> Result<(Llama<'g>, usize)> {
+    /// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens, a mixture
+    /// of experts' layers as `experts` says), moved to its device once, and the step to start from.
+    pub(super) fn model<'g>(
+        &self,
+        me: &'g Rank,
+        cfg: &Config,
+        experts: Option<&std::rc::Rc<Experts<'g>>>,
+    ) -> Result<(Llama<'g>, usize)> {
         let stage = schedules::stage_of(me.coords.pp, &cfg.parallel);
         let tp: Box<dyn TensorSplit> = match cfg.parallel.sequence_parallel {
             true => Box::new(SequenceParallel::new(me.group(Axis::Tp))),
@@ -423,8 +427,10 @@ impl Shared<'_> {
                 );
             }
         }
-        if cfg.parallel.ep > 1 {
-            model = model.with_expert_split(Box::new(ExpertParallel::new(me.group(EP))));
+        if let Some(experts) = experts {
+            // a mixture of experts: its layers made again of the same weights, where the run
+            // puts the experts
+            model = model.with_mlps(experts)?;
         }
         let cp = me.group(Axis::Cp);
         if cp.size() > 1 {

@@ -12,6 +12,7 @@ use crate::comm::cost;
 use crate::comm::launcher::Rank;
 use crate::comm::trace::{Lane, Trace};
 use crate::config::Config;
+use crate::model::moe::Experts;
 use crate::model::Llama;
 use crate::ops::tensor::Place;
 use anyhow::Result;
@@ -98,12 +99,12 @@ impl<'a> Watch<'a> {
         }
     }
 
-    pub(super) fn step_ends(&mut self, end: &StepEnd, model: &mut Llama) -> Result<()> {
+    pub(super) fn step_ends(&mut self, end: &StepEnd, model: &mut Llama, experts: Option<&Experts>) -> Result<()> {
         let s = &mut self.summary;
         s.losses.push(end.loss);
         s.grad_norms.push(end.grad_norm);
         s.val_losses.extend(end.val_loss.map(|v| (end.step, v)));
-        let (expert_tokens, expert_imbalance) = metrics::expert_load(&model.take_expert_load());
+        let (expert_tokens, expert_imbalance) = metrics::expert_load(&experts.map_or(Vec::new(), Experts::take_load));
         s.expert_tokens.resize(expert_tokens.len(), 0);
         s.expert_tokens.iter_mut().zip(&expert_tokens).for_each(|(a, b)| *a += b);
         s.peak_activations = s.peak_activations.max(end.activations_held);

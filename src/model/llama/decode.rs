@@ -35,7 +35,7 @@ impl Llama<'_> {
         };
         let positions: Vec<u32> = (cache.len()..cache.len() + n).map(|p| p as u32).collect();
         for (i, layer) in self.layers.iter().enumerate() {
-            let split = Splits { tp: &*self.tp, seq: &*self.seq, ep: &*self.experts };
+            let split = Splits { tp: &*self.tp, seq: &*self.seq };
             x = layer.decode(split, x, cfg, attn, &positions, cache.layer(i))?;
         }
         cache.advance(n);

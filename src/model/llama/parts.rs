@@ -6,12 +6,10 @@
 
 use super::{Cache, Head, HeadCache, Llama, LossHead, Unit, WholeLogits};
 use crate::config::ModelConfig;
-use crate::model::block::{Block, KeepAll, Keeps, Kept};
-use crate::model::init;
-use crate::model::moe::ExpertSplit;
+use crate::model::block::{Block, KeepAll, Keeps, Kept, LossTerm, Mlps};
 use crate::model::param::{Param, ParamKind};
-use crate::model::routing_tape::{RoutingTape, Taped};
 use crate::model::split::{LayerSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
+use crate::model::{family, init};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, Precision, TpCut};
 use anyhow::Result;
@@ -38,8 +36,9 @@ impl<'g> Llama<'g> {
         .expect("init cannot fail")
     }
 
-    /// Builds the model, asking `make(name, full shape, kind)` for each parameter in Hugging Face
-    /// order, and keeping this tp rank's part of it.
+    /// Builds the model the config describes (`family.rs`: Llama's, or with `model.num_local_experts`
+    /// Mixtral's, all its experts here), asking `make(name, full shape, kind)` for each parameter
+    /// in Hugging Face order, and keeping this tp rank's part of it.
     pub fn build(
         cfg: &ModelConfig,
         tp: Box<dyn TensorSplit + 'g>,
@@ -47,7 +46,8 @@ impl<'g> Llama<'g> {
         mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
     ) -> Result<Llama<'g>> {
         let (index, count) = tp.part();
-        let (embed_tokens, layers, head) = Llama::parts(cfg, &held, &mut |name, shape, kind, tp| {
+        let mlps = family::mlps(cfg);
+        let (embed_tokens, layers, head) = Llama::parts(cfg, &held, &*mlps, &mut |name, shape, kind, tp| {
             let value = ops::tp_part(&make(&name, shape, kind)?, tp, (index, count)); // this tp rank's
             Ok(Param::new(name, value, tp))
         })?;
@@ -72,11 +72,10 @@ impl<'g> Llama<'g> {
             head,
             caches,
             deferred: VecDeque::new(),
-            experts: Box::new(Whole),
             attention_work: 0,
-            expert_load: Vec::new(),
             keeps: Box::new(KeepAll),
             loss: Box::new(WholeLogits),
+            term: mlps.loss_term(),
         })
     }
 
@@ -90,7 +89,7 @@ impl<'g> Llama<'g> {
     /// `tensor_shapes`, with how tensor parallelism cuts each tensor, in the order of `params()`.
     pub fn tensor_cuts(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>, TpCut)> {
         let mut shapes = HashMap::new();
-        let made = Llama::parts(cfg, &held, &mut |name, shape, _, tp| {
+        let made = Llama::parts(cfg, &held, &*family::mlps(cfg), &mut |name, shape, _, tp| {
             shapes.insert(name.clone(), shape.to_vec());
             Ok(Param::new(name, Tensor::zeros(&[0]), tp)) // nothing allocated
         });
@@ -100,13 +99,15 @@ impl<'g> Llama<'g> {
         params.map(|p| (p.name.clone(), shapes[&p.name].clone(), p.tp)).collect()
     }
 
-    /// The parameters of the layers `held` says, each made by `param(name, full shape, kind, tp cut)`.
+    /// The parameters of the layers `held` says, each made by `param(name, full shape, kind, tp
+    /// cut)`; the blocks' MLPs by `mlps`.
     #[allow(clippy::type_complexity)]
     fn parts(
         cfg: &ModelConfig,
         held: &dyn LayerSplit,
+        mlps: &dyn Mlps<'g>,
         param: &mut impl FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>,
-    ) -> Result<(Option<Param>, Vec<Block>, Option<Head>)> {
+    ) -> Result<(Option<Param>, Vec<Block<'g>>, Option<Head>)> {
         let d = cfg.hidden_size;
         let (rows, whole) = (TpCut::Rows, TpCut::Whole); // on the tp axis: vocabulary rows
         let embed_name = "model.embed_tokens.weight".to_string();
@@ -116,7 +117,7 @@ impl<'g> Llama<'g> {
         };
         let mut layers = Vec::new();
         for i in held.chunk_layers(cfg.num_hidden_layers).into_iter().flatten() {
-            layers.push(Block::build(i, cfg, 0..cfg.num_local_experts, param)?);
+            layers.push(Block::build(i, cfg, mlps, param)?);
         }
         let head = match held.has_head() {
             true => Some(Head {
@@ -129,14 +130,6 @@ impl<'g> Llama<'g> {
             false => None,
         };
         Ok((embed_tokens, layers, head))
-    }
-
-    /// Puts every MoE layer's routing on `tape` (recorded or replayed: `model/routing_tape.rs`),
-    /// around whichever expert split the model has.
-    pub fn with_routing_tape(mut self, tape: Rc<RoutingTape>) -> Llama<'g> {
-        let inner = std::mem::replace(&mut self.experts, Box::new(Whole));
-        self.experts = Box::new(Taped { inner, tape });
-        self
     }
 
     /// Splits every sequence as `seq` says: forward then takes this rank's tokens of each
@@ -153,14 +146,14 @@ impl<'g> Llama<'g> {
         self
     }
 
-    /// Keeps only the experts `ep` says this rank holds, and sends each MoE layer's routed rows
-    /// to the ranks holding theirs (expert parallelism, `parallel/expert_parallel.rs`). The
-    /// others were made (or read) with the model and are dropped here.
-    pub fn with_expert_split(mut self, ep: Box<dyn ExpertSplit + 'g>) -> Llama<'g> {
-        let held = ep.held(self.cfg.num_local_experts);
-        self.layers.iter_mut().for_each(|b| b.keep_experts(held.clone()));
-        self.experts = ep;
-        self
+    /// Gives every block the MLP `mlps` makes of its MLP's parameters (a later lesson's kind over
+    /// the same weights: a mixture of experts divided among ranks, `moe.rs`), and the model the
+    /// loss term they add; a parameter the new kind does not ask for is dropped.
+    pub fn with_mlps(mut self, mlps: &dyn Mlps<'g>) -> Result<Llama<'g>> {
+        let cfg = &self.cfg;
+        self.layers = self.layers.into_iter().map(|b| b.with_mlp(mlps, cfg)).collect::<Result<_>>()?;
+        self.term = mlps.loss_term();
+        Ok(self)
     }
 
     /// Makes the loss with `loss` (the plain `WholeLogits` keeps the whole logits for backward,
@@ -168,6 +161,11 @@ impl<'g> Llama<'g> {
     pub fn with_loss(mut self, loss: Box<dyn LossHead + 'g>) -> Llama<'g> {
         self.loss = loss;
         self
+    }
+
+    /// Adds `term` to the loss from now on (`None`: no term); returns the term it added before.
+    pub fn replace_loss_term(&mut self, term: Option<Box<dyn LossTerm + 'g>>) -> Option<Box<dyn LossTerm + 'g>> {
+        std::mem::replace(&mut self.term, term)
     }
 
     /// Its linear layers' GEMMs read what `gemms` says for each weight's name (f32 unless a run
@@ -331,12 +329,6 @@ impl<'g> Llama<'g> {
     /// Attention score entries (query × key pairs, all heads) computed since the last call.
     pub fn take_attention_work(&mut self) -> u64 {
         std::mem::take(&mut self.attention_work)
-    }
-
-    /// Rows routed to each expert, per MoE layer of this stage, by this rank's forwards since
-    /// the last call (empty for a dense model).
-    pub fn take_expert_load(&mut self) -> Vec<Vec<usize>> {
-        std::mem::take(&mut self.expert_load)
     }
 
     /// Zeroes every gradient (one freed once handed over, ZeRO-2/3's, stays freed; a trained

@@ -1,0 +1,25 @@
+//! # Which model a config describes
+//!
+//! A config with `model.num_local_experts` = 0 describes Llama: every block's MLP is dense
+//! (`block.rs`'s `Dense`), the loss the language model's. With E > 0 it describes Mixtral: every
+//! block's MLP is a mixture of E experts (`moe.rs`), and with `router_aux_loss_coef` > 0 the loss
+//! carries their load-balancing term. Both plug into the block's MLP seam (`Mlps`), so the
+//! model's own files never name the experts: this file is where the two families meet, as
+//! `transformers` picks a class by the config's `model_type`.
+//!
+//! What it makes holds every expert on this rank. A run's composition root (`train/run.rs`)
+//! makes the experts again of the same weights, where the run puts them (`Llama::with_mlps`).
+
+use crate::config::ModelConfig;
+use crate::model::block::{DenseMlps, Mlps};
+use crate::model::moe::Experts;
+use crate::model::split::Whole;
+
+/// The blocks' MLPs of the model `cfg` describes (and what they add to its loss), every expert
+/// on this rank.
+pub fn mlps<'g>(cfg: &ModelConfig) -> Box<dyn Mlps<'g> + 'g> {
+    match cfg.num_local_experts {
+        0 => Box::new(DenseMlps),
+        _ => Box::new(Experts::new(cfg, Box::new(Whole))),
+    }
+}
