@@ -13,6 +13,12 @@
 //!
 //! Standard output may be closed (`ferrotron train | head`) or full (`> /dev/full`): `say!`
 //! prints and ignores the failure, so a lost terminal never stops a run or loses a checkpoint.
+//!
+//! Every file a run reads comes in through one door too, `open_read` (and `read_bytes`,
+//! `read_text` on it): it opens without waiting and refuses anything but a regular file, so a
+//! FIFO named as a model, a checkpoint's state or a trace fails at once, naming the flag or key,
+//! instead of blocking for a writer that never comes. `tests/reads.rs` fails on a read anywhere
+//! else.
 
 use anyhow::{bail, Context, Result};
 use std::io::Write;
@@ -142,7 +148,7 @@ pub fn hold(lock_path: &Path, note: &str) -> Result<std::result::Result<std::fs:
         .open(lock_path)
         .with_context(|| format!("cannot open the lock file {}", lock_path.display()))?;
     if lock.try_lock().is_err() {
-        let holder = std::fs::read_to_string(lock_path).unwrap_or_default();
+        let holder = read_text(lock_path, "the lock file").unwrap_or_default();
         return Ok(Err(if holder.trim().is_empty() { "holder unknown".into() } else { holder.trim().to_string() }));
     }
     lock.set_len(0).and_then(|_| (&lock).write_all(note.as_bytes())).ok(); // informative only
@@ -162,15 +168,39 @@ pub fn cache_folder(setting: &str) -> Result<PathBuf> {
     }
 }
 
-/// Reads a text file the user named (`what`: its flag or key), refusing what is not a regular
-/// file: reading a FIFO would wait forever for a writer, a device might never end.
-pub fn read_text(path: &Path, what: &str) -> Result<String> {
-    let meta =
-        std::fs::metadata(path).with_context(|| format!("{what}: cannot read {}: check the path", path.display()))?;
-    if !meta.is_file() {
+/// Opens a file the run reads (`what`: the flag, key or role that names it, for the error),
+/// refusing what is not a regular file: reading a FIFO would wait forever for a writer, a device
+/// might never end. The open itself does not wait (`O_NONBLOCK`, which a regular file's reads
+/// ignore), and the check is of what was opened, so nothing can be swapped in between.
+pub fn open_read(path: &Path, what: &str) -> Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let cannot = || format!("{what}: cannot read {}: check the path", path.display());
+    let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).with_context(cannot)?;
+    if !file.metadata().with_context(cannot)?.is_file() {
         bail!("{what}: {} is not a regular file (a folder, a FIFO or a device): give a file", path.display());
     }
-    std::fs::read_to_string(path).with_context(|| format!("{what}: cannot read {} as UTF-8 text", path.display()))
+    Ok(file)
+}
+
+/// The whole of a file the run reads, through `open_read`.
+pub fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut open_read(path, what)?, &mut bytes)
+        .with_context(|| format!("{what}: cannot read {}", path.display()))?;
+    Ok(bytes)
+}
+
+/// A text file the run reads, through `open_read`.
+pub fn read_text(path: &Path, what: &str) -> Result<String> {
+    String::from_utf8(read_bytes(path, what)?)
+        .map_err(|_| anyhow::anyhow!("{what}: cannot read {} as UTF-8 text", path.display()))
+}
+
+/// Flushes a folder's entries (a rename into it) to disk; best effort, as a folder may refuse.
+pub fn sync_folder(dir: &Path) {
+    if let Ok(d) = std::fs::File::open(dir) {
+        let _ = d.sync_all();
+    }
 }
 
 /// Creates `dir` if needed and proves a file can be created in it.

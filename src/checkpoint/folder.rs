@@ -75,7 +75,7 @@ impl Folder {
         if existing != dir {
             return Ok(()); // the folder is created when saving
         }
-        if let Ok(lock) = File::open(dir.join(".lock")) {
+        if let Ok(lock) = crate::files::open_read(&dir.join(".lock"), "the checkpoint folder's lock") {
             if lock.try_lock_shared().is_err() {
                 bail!("checkpoint.dir = {} is in use by another run", dir.display());
             }
@@ -152,7 +152,7 @@ pub fn list(dir: &Path) -> Result<Vec<Listed>> {
 
 /// The run id recorded in a checkpoint folder, if it has a readable one.
 pub fn run_id_of(checkpoint: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(checkpoint.join("trainer_state.json")).ok()?;
+    let text = crate::files::read_text(&checkpoint.join("trainer_state.json"), "trainer_state.json").ok()?;
     let meta: serde_json::Value = serde_json::from_str(&text).ok()?;
     meta["run_id"].as_str().map(str::to_string)
 }

@@ -86,7 +86,7 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
     if !path.is_file() {
         bail!("cannot read {}: a Hugging Face model folder needs config.json", path.display());
     }
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let text = crate::files::read_text(path, "config.json")?;
     let j: Value =
         serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
     let file = path.display();
@@ -171,7 +171,7 @@ pub fn read_hf_weights(dir: &Path) -> Result<HashMap<String, Tensor>> {
     if !index.exists() {
         return read_safetensors(&dir.join("model.safetensors"));
     }
-    let text = std::fs::read_to_string(&index).with_context(|| format!("cannot read {}", index.display()))?;
+    let text = crate::files::read_text(&index, "the safetensors index")?;
     let j: Value =
         serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", index.display()))?;
     let Some(map) = j["weight_map"].as_object() else {
@@ -188,8 +188,7 @@ pub fn read_hf_weights(dir: &Path) -> Result<HashMap<String, Tensor>> {
 /// Every tensor of a safetensors file, widened to f32.
 pub fn read_safetensors(path: &Path) -> Result<HashMap<String, Tensor>> {
     use safetensors::Dtype;
-    let bytes =
-        std::fs::read(path).with_context(|| format!("cannot read {}: check that the file exists", path.display()))?;
+    let bytes = crate::files::read_bytes(path, "safetensors")?;
     let st = safetensors::SafeTensors::deserialize(&bytes).map_err(|e| {
         anyhow::anyhow!(
             "{}: not a valid safetensors file ({}); re-download or re-export it",

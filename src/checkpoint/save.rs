@@ -237,9 +237,7 @@ pub fn save(folder: &Folder, step: usize, state: &State, cfg: &Config, adam_step
         let _ = std::fs::remove_dir_all(&tmp); // a full disk leaves nothing half-written behind
         return Err(e);
     }
-    if let Ok(d) = std::fs::File::open(&folder.dir) {
-        let _ = d.sync_all(); // the rename itself reaches the disk
-    }
+    crate::files::sync_folder(&folder.dir); // the rename itself reaches the disk
     folder.prune(cfg.checkpoint.keep)?;
     Ok(final_dir)
 }
@@ -258,8 +256,8 @@ pub struct Resumed {
 
 pub fn load(dir: &Path) -> Result<Resumed> {
     let meta_path = dir.join("trainer_state.json");
-    let text = std::fs::read_to_string(&meta_path)
-        .with_context(|| format!("cannot read {}: not a ferrotron checkpoint folder", meta_path.display()))?;
+    let text = crate::files::read_text(&meta_path, "trainer_state.json")
+        .with_context(|| format!("{}: not a ferrotron checkpoint folder", dir.display()))?;
     let meta: serde_json::Value =
         serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", meta_path.display()))?;
     let whole = |key: &str, max: u64| {

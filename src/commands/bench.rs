@@ -164,8 +164,7 @@ pub struct Other {
 
 impl Other {
     pub fn read(path: &std::path::Path) -> Result<Other> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| anyhow::anyhow!("--against {}: cannot read it: {e}", path.display()))?;
+        let text = crate::files::read_text(path, "--against")?;
         serde_json::from_str(&text).map_err(|e| {
             anyhow::anyhow!(
                 "--against {}: not a bench JSON (tokens_per_s, tokens_per_step, device): {e}",

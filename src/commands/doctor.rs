@@ -85,7 +85,7 @@ fn loaded_from(name: &str) -> Option<String> {
             _ => (cudarc::nccl::sys::culib(), "libnccl").1,
         }
     };
-    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    let maps = crate::files::read_text(std::path::Path::new("/proc/self/maps"), "/proc").ok()?;
     maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.contains(stem)).map(str::to_string)
 }
 

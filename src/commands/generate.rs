@@ -180,7 +180,10 @@ pub fn pick(logits: &[f32], temperature: f32, top_k: usize, rng: &mut impl Rng) 
 pub fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
     for name in ["generation_config.json", "config.json"] {
         let path = dir.join(name);
-        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        if !path.exists() {
+            continue;
+        }
+        let text = crate::files::read_text(&path, name)?;
         let j: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
         let ids = match &j["eos_token_id"] {

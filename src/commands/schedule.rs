@@ -155,7 +155,7 @@ fn peaks(plans: &[Vec<Action>], chunks: usize) -> Vec<f64> {
 /// The last step of a real run, from the `forward i` / `backward i` spans of `train --trace`: a
 /// row per rank, time in units of the mean forward span.
 pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
-    let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("cannot read {}: {e}", path.display()))?;
+    let text = crate::files::read_text(path, "--trace")?;
     let json: serde_json::Value = serde_json::from_str(&text)
         .map_err(|e| anyhow::anyhow!("{}: not a trace-event JSON file: {e}", path.display()))?;
     let mut spans = Vec::new(); // (rank, action, start µs, end µs)

@@ -161,9 +161,8 @@ fn replaced(file: &str) -> Result<Option<(PathBuf, String)>> {
     if SAID.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner()).insert(path.clone()) {
         eprintln!("kernels: {} replaces the built-in {file} (FERROTRON_KERNELS)", path.display());
     }
-    let text = std::fs::read_to_string(&path).map_err(|e| {
-        anyhow!("FERROTRON_KERNELS: cannot read {}: {e}; fix the file or unset the variable", path.display())
-    })?;
+    let text = crate::files::read_text(&path, "FERROTRON_KERNELS")
+        .map_err(|e| anyhow!("{e:#}; fix the file or unset the variable"))?;
     Ok(Some((path, text)))
 }
 

@@ -104,8 +104,7 @@ pub fn read(shard: &Path, column: &str, each: &mut dyn FnMut(&str, u64) -> Resul
     match shard.extension().and_then(|e| e.to_str()) {
         Some("parquet") => read_parquet(shard, column, each),
         Some("jsonl") => {
-            let text =
-                std::fs::read_to_string(shard).with_context(|| format!("data.source: cannot read {shown} as UTF-8"))?;
+            let text = crate::files::read_text(shard, "data.source")?;
             for (i, line) in text.lines().enumerate() {
                 if line.trim().is_empty() {
                     continue;
@@ -120,8 +119,7 @@ pub fn read(shard: &Path, column: &str, each: &mut dyn FnMut(&str, u64) -> Resul
             Ok(())
         }
         _ => {
-            let text = std::fs::read_to_string(shard)
-                .with_context(|| format!("data.source: cannot read {shown} as UTF-8 text"))?;
+            let text = crate::files::read_text(shard, "data.source")?;
             each(&text, text.len() as u64)
         }
     }
@@ -130,7 +128,7 @@ pub fn read(shard: &Path, column: &str, each: &mut dyn FnMut(&str, u64) -> Resul
 /// The documents of a parquet file: column `column` (strings), row group by row group.
 fn read_parquet(shard: &Path, column: &str, each: &mut dyn FnMut(&str, u64) -> Result<()>) -> Result<()> {
     let shown = shard.display();
-    let file = std::fs::File::open(shard).with_context(|| format!("data.source: cannot open {shown}"))?;
+    let file = crate::files::open_read(shard, "data.source")?;
     let reader = SerializedFileReader::new(file).map_err(|e| anyhow::anyhow!("{shown}: not a parquet file ({e})"))?;
     let schema = reader.metadata().file_metadata().schema_descr_ptr();
     let Some(index) = (0..schema.num_columns()).find(|&i| schema.column(i).path().string() == column) else {

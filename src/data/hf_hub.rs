@@ -38,7 +38,7 @@ pub fn model_dir(id: &str) -> Result<PathBuf> {
     if single.is_err() {
         let index = fetch(repo.clone(), id, "model.safetensors.index.json")
             .map_err(|e| anyhow!("{id}: neither model.safetensors nor a sharded index: {e:#}"))?;
-        let j: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&index)?)?;
+        let j: serde_json::Value = serde_json::from_str(&crate::files::read_text(&index, id)?)?;
         let shards: std::collections::BTreeSet<&str> =
             j["weight_map"].as_object().into_iter().flatten().filter_map(|(_, f)| f.as_str()).collect();
         for shard in shards {
@@ -101,7 +101,7 @@ pub fn dataset_files(spec: &str) -> Result<Vec<PathBuf>> {
 /// relative to it.
 fn cached_files(repo: &Repo) -> Result<Vec<String>> {
     let folder = Cache::from_env().path().join(repo.folder_name());
-    let commit = std::fs::read_to_string(folder.join("refs").join(repo.revision()))?;
+    let commit = crate::files::read_text(&folder.join("refs").join(repo.revision()), "the Hub cache")?;
     let snapshot = folder.join("snapshots").join(commit.trim());
     let mut names = Vec::new();
     let mut todo = vec![snapshot.clone()];

@@ -46,7 +46,7 @@ impl Tokenizer {
                 path.display()
             );
         }
-        let t = tokenizers::Tokenizer::from_file(&path)
+        let t = tokenizers::Tokenizer::from_bytes(crate::files::read_bytes(&path, "data.tokenizer")?)
             .map_err(|e| anyhow::anyhow!("data.tokenizer: cannot load {} as a tokenizer.json: {e}", path.display()))?;
         Ok(Tokenizer::Bpe(Box::new(t), path))
     }
@@ -111,8 +111,7 @@ impl Tokens {
         if !cache.exists() {
             write_tokens(source, tokenizer, &cache)?;
         }
-        let file =
-            std::fs::File::open(&cache).with_context(|| format!("cannot open token file {}", cache.display()))?;
+        let file = crate::files::open_read(&cache, "the token file")?;
         // SAFETY: the file is written once, atomically, and never modified afterwards.
         let map = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", cache.display()))?;
         let count = map.get(8..16).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
@@ -155,8 +154,7 @@ fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Re
     let mut hash = crate::files::Fingerprint::default();
     let mut buf = vec![0u8; 1 << 20];
     for shard in &source.shards {
-        let mut file = std::fs::File::open(shard)
-            .with_context(|| format!("data.source: cannot read {}: check the path", shard.display()))?;
+        let mut file = crate::files::open_read(shard, "data.source")?;
         loop {
             let n = std::io::Read::read(&mut file, &mut buf)
                 .with_context(|| format!("data.source: cannot read {}", shard.display()))?;
@@ -170,9 +168,7 @@ fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Re
     hash.add(format!("|column {}|tokenizer|", source.column).as_bytes());
     match tokenizer {
         Tokenizer::Bytes => hash.add(b"bytes"),
-        Tokenizer::Bpe(_, path) => {
-            hash.add(&std::fs::read(path).with_context(|| format!("data.tokenizer: cannot read {}", path.display()))?)
-        }
+        Tokenizer::Bpe(_, path) => hash.add(&crate::files::read_bytes(path, "data.tokenizer")?),
     }
     let name: String =
         source.name.chars().map(|c| if c.is_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();

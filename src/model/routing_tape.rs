@@ -235,7 +235,7 @@ fn read(dir: &Path, cfg: &Config) -> Result<HashMap<Key, Vec<u32>>> {
     let (want, k) = (header(cfg), cfg.model.num_experts_per_tok);
     let mut choices = HashMap::new();
     for file in files {
-        let bytes = std::fs::read(&file).with_context(|| format!("{}: cannot read", what(&file)))?;
+        let bytes = crate::files::read_bytes(&file, "--replay-routing")?;
         let bad = |why: &str| anyhow::anyhow!("{}: {why}; record it again with --record-routing", what(&file));
         let body = bytes.strip_prefix(&MAGIC[..]).ok_or_else(|| bad("not a routing tape"))?;
         if body.len() % 4 != 0 || body.len() < 16 {

@@ -119,7 +119,7 @@ impl Metrics {
 fn open_history(path: &Path, first: usize) -> Result<std::fs::File> {
     let kept: String = match first {
         0 => String::new(),
-        _ => std::fs::read_to_string(path)
+        _ => crate::files::read_text(path, "--metrics")
             .unwrap_or_default()
             .lines()
             .filter(|l| {
