@@ -153,6 +153,10 @@ fn generate_errors_are_named() {
         (vec!["--model", model, "--tokens", "1 x"], "`x` is not a token id"),
         (vec!["--model", model, "--tokens", " , "], "give at least one token id"),
         (vec!["--model", model, "--tokens", "1", "--max-new-tokens", "0"], "--max-new-tokens 0"),
+        // sizes checked against the memory the KV cache needs, before anything is reserved (it
+        // panicked at 2^62 and aborted at 2^40)
+        (vec!["--model", model, "--tokens", "1", "--max-new-tokens", "4611686018427387904"], "give at most"),
+        (vec!["--model", model, "--tokens", "1", "--max-new-tokens", "1099511627776"], "of this machine; give at most"),
         (vec!["--model", model, "--tokens", "1", "--temperature", "-1"], "--temperature -1"),
         (vec!["--model", model, "--tokens", "1", "--temperature", "inf"], "--temperature inf"),
         (vec!["--model", "/no/such/model", "--tokens", "1"], "/no/such/model/config.json"),

@@ -127,7 +127,7 @@ impl Setup {
 impl Capacity {
     /// This machine's available memory (`MemAvailable` of /proc/meminfo), shared by `ranks`
     /// rank threads; unlimited where it cannot be read.
-    fn host(ranks: usize) -> Capacity {
+    pub fn host(ranks: usize) -> Capacity {
         let available = crate::files::read_text(std::path::Path::new("/proc/meminfo"), "/proc").ok().and_then(|m| {
             let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?.to_string();
             line.split_whitespace().nth(1)?.parse::<f64>().ok().map(|kib| kib * 1024.0)

@@ -19,6 +19,8 @@
 //!   sharpens the distribution towards greedy, large T flattens it; top-k cuts the long tail of
 //!   unlikely tokens that would otherwise be drawn now and then.
 
+use crate::comm::launcher::Capacity;
+use crate::config::ModelConfig;
 use crate::data::text::Tokenizer;
 use crate::model::kv_cache::KvCache;
 use crate::model::Llama;
@@ -80,10 +82,19 @@ pub fn run(
     if let Some(bad) = ids.iter().find(|&&t| t as usize >= m.cfg.vocab_size) {
         bail!("the prompt holds token id {bad}, but {}'s vocabulary has {} tokens", model.display(), m.cfg.vocab_size);
     }
-    if let Some(dtype) = gpu {
-        let gpu = crate::cuda::runtime::Gpu::open(0)?;
-        m.to_place(&crate::ops::tensor::Place::for_rank(Some(&gpu), dtype)?);
-    }
+    let room = match gpu {
+        Some(dtype) => {
+            let gpu = crate::cuda::runtime::Gpu::open(0)?;
+            m.to_place(&crate::ops::tensor::Place::for_rank(Some(&gpu), dtype)?);
+            Capacity {
+                bytes: crate::cuda::runtime::free_memory(0)? as f64,
+                ranks: 1,
+                what: "free memory of GPU 0".into(),
+            }
+        }
+        None => Capacity::host(1),
+    };
+    check_room(&m.cfg, ids.len(), sampling.max_new_tokens, &room, gpu.map_or(4, DType::size))?;
     let eos = eos_ids(model)?;
     let how = match sampling.temperature {
         0.0 => "greedy".to_string(),
@@ -120,6 +131,25 @@ pub fn run(
     Ok(())
 }
 
+/// Refuses a generation whose KV cache (`model/kv_cache.rs`: keys and values of every layer, a
+/// row a position, `bytes` a number) cannot fit in `room` before anything is reserved: the size a
+/// flag asks for is checked against what it costs.
+fn check_room(cfg: &ModelConfig, prompt: usize, new: usize, room: &Capacity, bytes: usize) -> Result<()> {
+    let row = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim() * bytes;
+    let fits = (room.bytes / row as f64).min(usize::MAX as f64) as usize;
+    if prompt.saturating_add(new) > fits {
+        let gib = |b: f64| b / (1u64 << 30) as f64;
+        bail!(
+            "--max-new-tokens {new}: the KV cache of {prompt} + {new} positions needs {:.1} GiB, more than the {:.1} GiB {}; give at most {}",
+            gib(row as f64 * (prompt as f64 + new as f64)),
+            gib(room.bytes),
+            room.what,
+            fits.saturating_sub(prompt).max(1),
+        );
+    }
+    Ok(())
+}
+
 /// Generates after `prompt`: the new tokens, ending with the end-of-text token if one of `eos`
 /// came. `on_token` sees each as it is picked (to print it at once).
 pub fn generate(
@@ -137,7 +167,7 @@ pub fn generate(
     let mut cache = KvCache::new(model.cfg.num_hidden_layers);
     let mut rng = crate::model::init::stream(s.seed, "generate");
     let mut logits = model.decode(prompt, &mut cache)?;
-    let mut new = Vec::with_capacity(s.max_new_tokens);
+    let mut new = Vec::new(); // grown as tokens come: a stop at end-of-text reserves no more
     loop {
         let token = pick(&logits, s.temperature, s.top_k, &mut rng);
         new.push(token);
