@@ -113,6 +113,14 @@ fn bench_reports_a_table_and_json() {
     let bad = Command::new(env!("CARGO_BIN_EXE_ferrotron")).arg("bench").arg("--against").arg(&other).output().unwrap();
     let err = String::from_utf8_lossy(&bad.stderr);
     assert!(err.contains("--against") && err.contains("not a bench JSON"), "{err}");
+    // a speed of 0 or below is no yardstick (it printed inf× and negative ratios)
+    for speed in ["0.0", "-5.0"] {
+        std::fs::write(&other, torch.replace("1000.0", speed)).unwrap();
+        let bad =
+            Command::new(env!("CARGO_BIN_EXE_ferrotron")).arg("bench").arg("--against").arg(&other).output().unwrap();
+        let err = String::from_utf8_lossy(&bad.stderr);
+        assert!(!bad.status.success() && err.contains("tokens_per_s is") && err.contains("positive"), "{speed}: {err}");
+    }
 }
 
 #[test]

@@ -165,12 +165,21 @@ pub struct Other {
 impl Other {
     pub fn read(path: &std::path::Path) -> Result<Other> {
         let text = crate::files::read_text(path, "--against")?;
-        serde_json::from_str(&text).map_err(|e| {
+        let other: Other = serde_json::from_str(&text).map_err(|e| {
             anyhow::anyhow!(
                 "--against {}: not a bench JSON (tokens_per_s, tokens_per_step, device): {e}",
                 path.display()
             )
-        })
+        })?;
+        // a ratio against 0 or a negative speed would print inf× or a negative multiple
+        if !(other.tokens_per_s.is_finite() && other.tokens_per_s > 0.0) {
+            anyhow::bail!(
+                "--against {}: tokens_per_s is {}; a run's speed is a positive number of tokens a second",
+                path.display(),
+                other.tokens_per_s
+            );
+        }
+        Ok(other)
     }
 
     /// One line: our tokens/s as a multiple of the other run's.
