@@ -503,6 +503,42 @@ fn a_closed_or_full_stdout_never_panics() {
 }
 
 #[test]
+fn a_signal_during_validation_stops_it_at_the_next_micro_batch() {
+    // a validation of 10⁹ batches would take years: a signal ends it within moments, and the run
+    // saves and exits as after any step; 2⁶² held-out sequences or more are refused at once
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let long = ["--set", "validation.every=1", "--set", "validation.batches=1000000000", "--set", "train.steps=3"];
+    let mut child = spawn(&train_args(&dir, &long));
+    let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    while !line.starts_with("data:") {
+        line.clear();
+        assert!(std::io::BufRead::read_line(&mut stdout, &mut line).unwrap() > 0, "the run did not start");
+    }
+    std::thread::sleep(Duration::from_millis(3000)); // step 1 is done (in ~0.1 s), its validation under way
+    signal(&child, libc::SIGTERM);
+    let signalled = Instant::now();
+    while child.try_wait().unwrap().is_none() {
+        if signalled.elapsed() > Duration::from_secs(20) {
+            child.kill().unwrap(); // fail, not hang
+            panic!("the validation went on 20 s after SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
+    assert_eq!(out.status.code(), Some(143), "{rest}{}", String::from_utf8_lossy(&out.stderr));
+    assert!(rest.contains("validation cut short by SIGTERM after "), "{rest}");
+    let saved =
+        std::fs::read_dir(&dir).unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with("step_"));
+    assert!(saved, "the finished step is saved: {rest}");
+    let huge = ["--set", "validation.every=1", "--set", "validation.batches=4611686018427387904"];
+    fails_with(&run(&train_args(&tmp.path().join("ck2"), &huge)), &["validation.batches", "2⁶²"]);
+}
+
+#[test]
 fn absurd_sizes_and_non_finite_floats_are_refused_in_a_line() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");

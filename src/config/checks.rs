@@ -107,6 +107,13 @@ impl Config {
         if v.every > 0 && v.batches == 0 {
             bail!("validation.batches = 0 with validation.every = {}: give 1 or more batches (or every = 0 for no validation)", v.every);
         }
+        let held_out = [v.batches, t.micro_batch_size, t.grad_accum_steps, p.dp]
+            .iter()
+            .try_fold(1u64, |n, &x| n.checked_mul(x as u64))
+            .filter(|&n| n < 1 << 62);
+        if v.every > 0 && held_out.is_none() {
+            bail!("validation.batches × train.micro_batch_size × train.grad_accum_steps × parallel.dp = {} × {} × {} × {} held-out sequences: more than the 2⁶² a run can draw; lower validation.batches", v.batches, t.micro_batch_size, t.grad_accum_steps, p.dp);
+        }
         if !(v.split > 0.0 && v.split < 1.0) {
             bail!(
                 "validation.split = {}: the held-out share of a text source must lie strictly between 0 and 1",
