@@ -81,9 +81,17 @@ pub struct Output<'a> {
     pub real: PathBuf,
 }
 
-/// Checks that the outputs of one run (flag, path) are writable and are different files: two
-/// outputs on one path would write over each other (`--metrics X --trace X`).
-pub fn check_outputs<'a>(outputs: &[(&'a str, Option<&'a Path>)]) -> Result<Vec<Output<'a>>> {
+/// Checks that the outputs of one run (flag, path) are writable, are different files (two
+/// outputs on one path would write over each other: `--metrics X --trace X`), and are none of
+/// the run's `inputs` (what names it, and the path of a file it reads or of a folder whose files
+/// it reads): an output there would write over what the run reads (`--metrics` onto its config,
+/// into the checkpoint it resumes, onto the checkpoint folder's lock).
+pub fn check_outputs<'a>(
+    outputs: &[(&'a str, Option<&'a Path>)],
+    inputs: &[(String, PathBuf)],
+) -> Result<Vec<Output<'a>>> {
+    let inputs: Vec<(&String, PathBuf)> =
+        inputs.iter().filter_map(|(w, p)| Some((w, p.canonicalize().ok()?))).collect();
     let mut seen: Vec<Output> = Vec::new();
     for &(flag, path) in outputs {
         let Some(path) = path else { continue };
@@ -94,6 +102,13 @@ pub fn check_outputs<'a>(outputs: &[(&'a str, Option<&'a Path>)]) -> Result<Vec<
         let real = folder_of(&target).canonicalize().map(|dir| dir.join(name)).unwrap_or(target);
         if let Some(other) = seen.iter().find(|o| o.real == real) {
             bail!("{flag} {} is also the {} file: give each output its own path", path.display(), other.flag);
+        }
+        if let Some((what, input)) = inputs.iter().find(|(_, input)| real.starts_with(input)) {
+            bail!(
+                "{flag} {} would write over {what} ({}), which this run reads: give the output another path",
+                path.display(),
+                input.display()
+            );
         }
         seen.push(Output { flag, path, real });
     }

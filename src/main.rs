@@ -273,7 +273,9 @@ fn train_command(
     let cfg = Config::load(config.as_deref(), &sets)?;
     // before, not after, training: each output writable, and no two on one file
     let outputs = [("--metrics", metrics.as_deref()), ("--trace", trace.as_deref()), ("--plot", plot.as_deref())];
-    let _claims = commands::claim_outputs(&outputs)?; // held until the run ends
+    // and none onto what the run reads (its config, data, checkpoints, the model it starts from)
+    let reads = [("--resume", resume.as_deref()), ("--replay-routing", replay_routing.as_deref())];
+    let _claims = commands::claim_outputs(&outputs, &commands::inputs(&reads, Some((&cfg, config.as_deref()))))?; // held until the run ends
     let outputs =
         commands::train::Outputs { metrics: metrics.as_deref(), trace: trace.as_deref(), plot: plot.as_deref() };
     let link = comm_report.then(|| Link::parse(&link)).flatten();
@@ -325,7 +327,8 @@ fn schedule_command(
             anyhow::bail!("--schedule {other}: expected afab, 1f1b, interleaved, zb-h1, zbv, both (afab and 1f1b), zero-bubble (1f1b, zb-h1 and zbv) or all")
         }
     };
-    ferrotron::files::check_writable(&out).context("--out")?;
+    let reads = commands::inputs(&[("--trace", trace.as_deref())], None);
+    let _claims = commands::claim_outputs(&[("--out", Some(&out))], &reads)?;
     let timelines = match &trace {
         Some(path) => vec![schedule::from_trace(path)?],
         None => {
@@ -369,7 +372,8 @@ fn eval_command(EvalArgs { model, tokens }: EvalArgs) -> Result<Exit> {
 
 fn memory_command(MemoryArgs { config, sets, measure, json }: MemoryArgs) -> Result<Exit> {
     let cfg = Config::load(config.as_deref(), &sets)?;
-    let _claims = commands::claim_outputs(&[("--json", json.as_deref())])?;
+    let reads = commands::inputs(&[], Some((&cfg, config.as_deref())));
+    let _claims = commands::claim_outputs(&[("--json", json.as_deref())], &reads)?;
     let ranks = memory::memory(&cfg, measure)?;
     say!("{}", memory::table(&cfg, &ranks).trim_end());
     if let Some(path) = &json {
@@ -398,7 +402,8 @@ fn bench_op(
         anyhow::bail!("--op attention times the attention kernels alone: leave out --profile, --against and --peak-tflops (they are for a training step)");
     }
     let cfg = Config::load(config.as_deref(), &sets)?;
-    let _claims = commands::claim_outputs(&[("--json", json.as_deref())])?;
+    let reads = commands::inputs(&[], Some((&cfg, config.as_deref())));
+    let _claims = commands::claim_outputs(&[("--json", json.as_deref())], &reads)?;
     let report = ferrotron::commands::bench_attention::bench_attention(&cfg, warmup, steps)?;
     say!("{}", ferrotron::commands::bench_attention::attention_table(&report).trim_end());
     let text = serde_json::to_string(&report)?;
@@ -416,7 +421,8 @@ fn bench_step(
 ) -> Result<Exit> {
     let cfg = Config::load(config.as_deref(), &sets)?;
     let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
-    let _claims = commands::claim_outputs(&[("--json", json.as_deref())])?;
+    let reads = commands::inputs(&[("--against", against.as_deref())], Some((&cfg, config.as_deref())));
+    let _claims = commands::claim_outputs(&[("--json", json.as_deref())], &reads)?;
     let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;
     say!("{}", bench::table(&report).trim_end());
     if profile {

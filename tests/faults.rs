@@ -481,6 +481,54 @@ fn outputs_are_written_whole_through_symlinks_and_checked_before_training() {
 }
 
 #[test]
+fn an_output_onto_what_the_run_reads_is_refused_and_the_input_is_left_alone() {
+    // outputs were compared only with each other: each of these wrote over its input, exit 0
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    let s = |p: &Path| p.to_str().unwrap().to_string();
+    ok(&run(&train_args(&dir, &["--set", "train.steps=2", "--set", "checkpoint.every=1"])));
+    let config = tmp.path().join("c.toml");
+    std::fs::write(&config, "[train]\nsteps = 2\n").unwrap();
+    let text = tmp.path().join("d.txt");
+    std::fs::write(&text, "some text to train on, ".repeat(50)).unwrap();
+    let state = dir.join("step_000002").join("trainer_state.json");
+    let source = format!("data.source=\"text:{}\"", s(&text));
+    let lock = dir.join(".lock");
+    let cases: Vec<(Vec<String>, &str, &Path)> = vec![
+        (vec!["--config".into(), s(&config), "--metrics".into(), s(&config)], "--config", &config),
+        (
+            vec!["--set".into(), source, "--set".into(), "model.vocab_size=256".into(), "--plot".into(), s(&text)],
+            "data.source",
+            &text,
+        ),
+        (
+            vec!["--resume".into(), "latest".into(), "--metrics".into(), s(&state)],
+            "a checkpoint of checkpoint.dir",
+            &state,
+        ),
+        (vec!["--metrics".into(), s(&lock)], "checkpoint.dir's lock", &lock),
+    ];
+    for (extra, named, input) in cases {
+        let before = std::fs::read(input).ok();
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        fails_with(&run(&train_args(&dir, &extra)), &["would write over", named]);
+        assert_eq!(std::fs::read(input).ok(), before, "{named}: left as it was");
+    }
+    let trace = tmp.path().join("t.json");
+    std::fs::write(&trace, "{}").unwrap();
+    fails_with(
+        &run(&["schedule".into(), "--trace".into(), s(&trace), "--out".into(), s(&trace)]),
+        &["--out", "--trace"],
+    );
+    let other = tmp.path().join("o.json");
+    std::fs::write(&other, r#"{"device": "cpu", "tokens_per_s": 1000.0, "tokens_per_step": 512}"#).unwrap();
+    let bench =
+        ["bench", "--steps", "1", "--warmup", "0", "--against", &s(&other), "--json", &s(&other)].map(String::from);
+    fails_with(&run(&bench), &["--json", "would write over --against"]);
+    assert!(std::fs::read_to_string(&other).unwrap().contains("1000.0"), "--against left as it was");
+}
+
+#[test]
 fn a_closed_or_full_stdout_never_panics() {
     let tmp = tempfile::tempdir().unwrap();
     let args = train_args(&tmp.path().join("ck"), &["--set", "train.steps=20", "--set", "checkpoint.every=10"]);

@@ -19,9 +19,46 @@ pub mod schedule;
 pub mod self_check;
 pub mod train;
 
-/// Checks a command's outputs (`files::check_outputs`) and claims them for this run
-/// (`files::claim`): in a multi-process run the first process writes them.
-pub fn claim_outputs(outputs: &[(&str, Option<&std::path::Path>)]) -> anyhow::Result<crate::files::Claims> {
-    let checked = crate::files::check_outputs(outputs)?;
+use crate::config::Config;
+use std::path::{Path, PathBuf};
+
+/// Checks a command's outputs against each other and against what it reads, `inputs`
+/// (`files::check_outputs`), and claims them for this run (`files::claim`): in a multi-process
+/// run the first process writes them.
+pub fn claim_outputs(
+    outputs: &[(&str, Option<&Path>)],
+    inputs: &[(String, PathBuf)],
+) -> anyhow::Result<crate::files::Claims> {
+    let checked = crate::files::check_outputs(outputs, inputs)?;
     crate::files::claim(&checked, crate::comm::wires::processes::leads())
+}
+
+/// What a command reads, by the flag or key that names it: `flags` (each given or not), and of
+/// the config `cfg` (with the `--config` file it came from): a text source's shards, a tokenizer
+/// file, the model folder it starts from, and the checkpoints of `checkpoint.dir` with the
+/// folder's lock. No output may be one of them (`claim_outputs`).
+pub fn inputs(flags: &[(&str, Option<&Path>)], cfg: Option<(&Config, Option<&Path>)>) -> Vec<(String, PathBuf)> {
+    let mut v: Vec<(String, PathBuf)> =
+        flags.iter().filter_map(|&(f, p)| Some((f.to_string(), p?.to_path_buf()))).collect();
+    let Some((cfg, file)) = cfg else { return v };
+    v.extend(file.map(|f| ("--config".to_string(), f.to_path_buf())));
+    if let Some(spec) = cfg.data.source.strip_prefix("text:") {
+        let shards = crate::data::documents::shards(spec).unwrap_or_default(); // a bad source fails later, named
+        v.extend(shards.into_iter().map(|s| ("data.source".to_string(), s)));
+    }
+    let local = |s: &str| !s.is_empty() && s != "bytes" && !s.starts_with("hub:");
+    if local(&cfg.data.tokenizer) {
+        v.push(("data.tokenizer".into(), PathBuf::from(&cfg.data.tokenizer)));
+    }
+    if local(&cfg.model.init_from) {
+        v.push(("model.init_from".into(), PathBuf::from(&cfg.model.init_from)));
+    }
+    let dir = Path::new(&cfg.checkpoint.dir);
+    if !cfg.checkpoint.dir.is_empty() {
+        v.push(("checkpoint.dir's lock".into(), dir.join(".lock")));
+        let steps = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path());
+        let steps = steps.filter(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("step_")));
+        v.extend(steps.map(|p| ("a checkpoint of checkpoint.dir".to_string(), p)));
+    }
+    v
 }
