@@ -62,6 +62,11 @@ fn bad_values_are_named() {
     assert!(config_error(&["train.lr=-1.0"]).contains("train.lr"));
     assert!(config_error(&["train.steps"]).contains("expected section.key=value"));
     assert!(config_error(&["parallel.timeout_s=0"]).contains("parallel.timeout_s = 0"));
+    assert!(config_error(&["parallel.timeout_s=1e-9"]).contains("from 1 to"), "a nanosecond is no timeout");
+    // a --set holding a second line: refused, not half-read (the second key was dropped)
+    let e = config_error(&["train.steps=2\ntrain.lr=5"]);
+    assert!(e.contains("--set") && e.contains("holds more"), "{e}");
+    assert!(!e.contains('\n'), "one line: {e}");
     assert!(config_error(&["parallel.backend=\"mpi\""]).contains("parallel.backend"));
     assert!(config_error(&["device.dtype=\"f16\""]).contains("device.dtype"));
     for dtype in ["bf16", "fp8"] {

@@ -248,9 +248,10 @@ impl Config {
         if p.zero_stage > 0 && p.dp_mode == DpMode::Naive {
             bail!("parallel.dp_mode = \"naive\" with parallel.zero_stage = {}: ZeRO reduce-scatters gradients in buckets; set dp_mode = \"bucketed\" or zero_stage = 0", p.zero_stage);
         }
-        if !(p.timeout_s > 0.0 && p.timeout_s <= MAX_TIMEOUT_S) {
+        // under a second every healthy collective that waits on a slower rank would time out
+        if !(p.timeout_s >= 1.0 && p.timeout_s <= MAX_TIMEOUT_S) {
             bail!(
-                "parallel.timeout_s = {}: it must be a positive number of seconds, at most {MAX_TIMEOUT_S} (a week)",
+                "parallel.timeout_s = {}: it must be a number of seconds from 1 to {MAX_TIMEOUT_S} (a week)",
                 p.timeout_s
             );
         }

@@ -38,11 +38,12 @@ pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
     if path.len() != 2 || path.iter().any(|p| p.is_empty()) {
         bail!("--set {set}: the key must be section.key, for example train.lr");
     }
-    let value = format!("v = {}", raw.trim())
-        .parse::<toml::Table>()
-        .ok()
-        .and_then(|mut t| t.remove("v"))
-        .unwrap_or_else(|| toml::Value::String(raw.trim().to_string()));
+    let parsed = format!("v = {}", raw.trim()).parse::<toml::Table>().ok();
+    if parsed.as_ref().is_some_and(|t| t.len() > 1) {
+        // `2\ntrain.lr=5` reads as two keys: the second would be dropped without a word
+        bail!("--set {}: one section.key=value a --set; this value holds more (a line break?)", set.escape_debug());
+    }
+    let value = parsed.and_then(|mut t| t.remove("v")).unwrap_or_else(|| toml::Value::String(raw.trim().to_string()));
     let section = table.entry(path[0]).or_insert_with(|| toml::Value::Table(toml::Table::new()));
     let Some(section) = section.as_table_mut() else {
         bail!("--set {set}: `{}` is not a section", path[0]);
