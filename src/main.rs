@@ -10,7 +10,7 @@ use ferrotron::comm::process_grid::Grid;
 use ferrotron::commands::{self, bench, converge, doctor, eval, generate, memory, schedule};
 use ferrotron::config::Config;
 use ferrotron::config::PpSchedule;
-use ferrotron::model::routing_tape::TapeMode;
+use ferrotron::model::routing_tape::{self, TapeMode};
 use ferrotron::say;
 use std::io::Write;
 use std::path::PathBuf;
@@ -274,7 +274,10 @@ fn train_command(
     // before, not after, training: each output writable, and no two on one file
     let outputs = [("--metrics", metrics.as_deref()), ("--trace", trace.as_deref()), ("--plot", plot.as_deref())];
     // and none onto what the run reads (its config, data, checkpoints, the model it starts from)
-    let reads = [("--resume", resume.as_deref()), ("--replay-routing", replay_routing.as_deref())];
+    // (a routing tape's folder may hold other files: its tapes are what is read)
+    let tapes = replay_routing.as_deref().and_then(|dir| routing_tape::tapes(dir).ok()).unwrap_or_default();
+    let mut reads = vec![("--resume", resume.as_deref())];
+    reads.extend(tapes.iter().map(|t| ("--replay-routing", Some(t.as_path()))));
     let _claims = commands::claim_outputs(&outputs, &commands::inputs(&reads, Some((&cfg, config.as_deref()))))?; // held until the run ends
     let outputs =
         commands::train::Outputs { metrics: metrics.as_deref(), trace: trace.as_deref(), plot: plot.as_deref() };
