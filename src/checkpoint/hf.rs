@@ -83,10 +83,10 @@ pub fn check_tensors(
 
 /// Reads the architecture from a Hugging Face `config.json`.
 pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
-    if !path.is_file() {
+    if !path.exists() {
         bail!("cannot read {}: a Hugging Face model folder needs config.json", path.display());
     }
-    let text = crate::files::read_text(path, "config.json")?;
+    let text = crate::files::read_text(path, "config.json")?; // a FIFO or a folder: refused there
     let j: Value =
         serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: not valid JSON: {e}", path.display()))?;
     let file = path.display();

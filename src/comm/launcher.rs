@@ -112,11 +112,7 @@ impl Setup {
         let backend = choose_backend(cfg.parallel.backend_asked(), cuda, world, gpus)?;
         let capacity = match cuda {
             // ranks share GPUs round-robin: GPU 0 holds the most
-            true => Capacity {
-                bytes: crate::cuda::runtime::free_memory(0)? as f64,
-                ranks: world.div_ceil(gpus),
-                what: "free memory of GPU 0".into(),
-            },
+            true => Capacity::gpu(world.div_ceil(gpus))?,
             false => Capacity::host(world),
         };
         let (sync_launches, spread) = (cfg.device.sync_launches, processes.is_some());
@@ -125,6 +121,13 @@ impl Setup {
 }
 
 impl Capacity {
+    /// GPU 0's free memory, shared by `ranks` rank threads (ranks share GPUs round-robin: GPU 0
+    /// holds the most).
+    pub fn gpu(ranks: usize) -> Result<Capacity> {
+        let bytes = crate::cuda::runtime::free_memory(0)? as f64;
+        Ok(Capacity { bytes, ranks, what: "free memory of GPU 0".into() })
+    }
+
     /// This machine's available memory (`MemAvailable` of /proc/meminfo), shared by `ranks`
     /// rank threads; unlimited where it cannot be read.
     pub fn host(ranks: usize) -> Capacity {

@@ -86,11 +86,7 @@ pub fn run(
         Some(dtype) => {
             let gpu = crate::cuda::runtime::Gpu::open(0)?;
             m.to_place(&crate::ops::tensor::Place::for_rank(Some(&gpu), dtype)?);
-            Capacity {
-                bytes: crate::cuda::runtime::free_memory(0)? as f64,
-                ranks: 1,
-                what: "free memory of GPU 0".into(),
-            }
+            Capacity::gpu(1)?
         }
         None => Capacity::host(1),
     };
