@@ -197,12 +197,24 @@ pub fn open_read(path: &Path, what: &str) -> Result<std::fs::File> {
     Ok(file)
 }
 
-/// The whole of a file the run reads, through `open_read`.
+/// The whole of a file the run reads, through `open_read`, a chunk at a time: a signal (under
+/// `train`) stops a read of gigabytes between two chunks (`signals.rs`).
 pub fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
+    const CHUNK: usize = 64 << 20;
+    let mut file = open_read(path, what)?;
+    let size = file.metadata().map_or(0, |m| m.len()) as usize;
     let mut bytes = Vec::new();
-    std::io::Read::read_to_end(&mut open_read(path, what)?, &mut bytes)
-        .with_context(|| format!("{what}: cannot read {}", path.display()))?;
-    Ok(bytes)
+    bytes.try_reserve_exact(size).map_err(|_| {
+        anyhow::anyhow!("{what}: {} is {size} bytes, more than this machine can hold in memory", path.display())
+    })?;
+    loop {
+        crate::signals::check(|| format!("reading {what} ({})", path.display()))?;
+        let n = std::io::Read::read_to_end(&mut std::io::Read::take(&mut file, CHUNK as u64), &mut bytes)
+            .with_context(|| format!("{what}: cannot read {}", path.display()))?;
+        if n == 0 {
+            return Ok(bytes);
+        }
+    }
 }
 
 /// A text file the run reads, through `open_read`.

@@ -14,7 +14,7 @@
 //! | `cuda/` | the GPU runtime beneath everything: devices, buffers, streams, NVRTC, the kernel table and its launches |
 //! | `commands/` | the tools around training: converge, bench, doctor (with the GPU self-check), eval, generate, memory, the schedule picture |
 //!
-//! Imports run one way between the folders, from the lowest: the plain values (`files`,
+//! Imports run one way between the folders, from the lowest: the plain values (`signals`, `files`,
 //! `config`, `ops/types.rs`, which every folder reads) → `cuda` (the GPU runtime) → `ops` →
 //! `comm` → `model` → `data` → `parallel` → `checkpoint` → `train` → `commands`.
 //! `tests/layering.rs` keeps it so, folder by folder and module by module. Every file also
@@ -32,4 +32,5 @@ pub mod files;
 pub mod model;
 pub mod ops;
 pub mod parallel;
+pub mod signals;
 pub mod train;

@@ -472,6 +472,12 @@ fn main() -> ExitCode {
     let (code, ok) = match run(Cli::parse()) {
         Ok(Exit::Done) => (ExitCode::SUCCESS, true),
         Ok(Exit::Signal(sig)) => (ExitCode::from((128 + sig) as u8), true), // stopped cleanly
+        // a signal stopped work outside the training step (a read, the data, a wait): 128 + signal,
+        // and the other processes, if any, stop too (as after an error)
+        Err(e) if ferrotron::signals::interrupted(&e).is_some() => {
+            let _ = writeln!(std::io::stderr(), "{e:#}");
+            (ExitCode::from((128 + ferrotron::signals::interrupted(&e).unwrap_or(0)) as u8), false)
+        }
         Err(e) => {
             let _ = writeln!(std::io::stderr(), "error: {e:#}");
             (ExitCode::FAILURE, false)

@@ -528,6 +528,51 @@ fn an_output_onto_what_the_run_reads_is_refused_and_the_input_is_left_alone() {
     assert!(std::fs::read_to_string(&other).unwrap().contains("1000.0"), "--against left as it was");
 }
 
+/// A resumed run reads the text its checkpoint trained on, by content: a data file rewritten
+/// under the same path is refused (or, with --allow-changes, named), and a checkpoint written
+/// before fingerprints existed resumes with a note that the data could not be compared.
+#[test]
+fn resuming_on_a_text_rewritten_under_the_same_path_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, text) = (tmp.path().join("ck"), tmp.path().join("d.txt"));
+    std::fs::write(&text, "one text, read the first time. ".repeat(300)).unwrap();
+    let sets = [
+        format!("data.source=\"text:{}\"", text.display()),
+        "data.tokenizer=\"bytes\"".into(),
+        format!("data.cache_dir=\"{}\"", tmp.path().join("cache").display()),
+        "checkpoint.every=2".into(),
+        "model.vocab_size=256".into(),
+    ];
+    let with = |steps: &str, extra: &[&str]| {
+        let mut a = train_args(&dir, &["--set", steps]);
+        sets.iter().for_each(|s| a.extend(["--set".into(), s.clone()]));
+        a.extend(extra.iter().map(|s| s.to_string()));
+        a
+    };
+    ok(&run(&with("train.steps=2", &[])));
+    let before = snapshot(&dir);
+    // the same text: resumes, without a note about the data
+    let same = ok(&run(&with("train.steps=3", &["--resume", "latest"])));
+    assert!(!same.contains("changed data") && !same.contains("predates"), "{same}");
+    std::fs::remove_dir_all(dir.join("step_000003")).ok();
+    std::fs::write(&text, "another text, written under the same name. ".repeat(300)).unwrap();
+    fails_with(
+        &run(&with("train.steps=4", &["--resume", "latest"])),
+        &["data.source", "changed since the checkpoint", "--allow-changes"],
+    );
+    assert_eq!(snapshot(&dir).keys().collect::<Vec<_>>(), before.keys().collect::<Vec<_>>(), "nothing written");
+    let allowed = ok(&run(&with("train.steps=3", &["--resume", "latest", "--allow-changes"])));
+    assert!(allowed.contains("continuing on changed data"), "{allowed}");
+    // a checkpoint from before the fingerprint: resumes, saying what it could not check
+    let state = dir.join("step_000002/trainer_state.json");
+    let mut meta: serde_json::Value = serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    meta.as_object_mut().unwrap().remove("data_fingerprint").unwrap();
+    std::fs::write(&state, meta.to_string()).unwrap();
+    std::fs::remove_dir_all(dir.join("step_000003")).ok();
+    let old = ok(&run(&with("train.steps=3", &["--resume", &dir.join("step_000002").display().to_string()])));
+    assert!(old.contains("predates data fingerprints"), "{old}");
+}
+
 #[test]
 fn a_closed_or_full_stdout_never_panics() {
     let tmp = tempfile::tempdir().unwrap();

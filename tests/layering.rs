@@ -30,8 +30,20 @@ fn layers() -> Vec<(String, Vec<String>)> {
 }
 
 /// The folders (and top-level files) of `src/`, lowest first: what `src/lib.rs`'s map says.
-const FOLDERS: &[&str] =
-    &["files", "config", "cuda", "ops", "comm", "model", "data", "parallel", "checkpoint", "train", "commands"];
+const FOLDERS: &[&str] = &[
+    "signals",
+    "files",
+    "config",
+    "cuda",
+    "ops",
+    "comm",
+    "model",
+    "data",
+    "parallel",
+    "checkpoint",
+    "train",
+    "commands",
+];
 
 /// Modules that must not name CUDA (`crate::cuda`, `cudarc`): the CPU lessons and the
 /// collective API. `x::` means the folder x and everything in it.

@@ -96,6 +96,56 @@ fn processes_started_with_other_settings_refuse_to_train_together() {
     }
 }
 
+/// One `data.source` path holding two texts on two machines (here: two working folders) is
+/// caught before step 0: the processes compare the text's content, not its path.
+#[test]
+fn processes_reading_different_text_under_one_path_refuse_to_train_together() {
+    let tmp = tempfile::tempdir().unwrap();
+    let port = common::processes::free_port().to_string();
+    let text = ["the same path, one text ", "the same path, another text "];
+    let start = |rank: usize| {
+        let folder = tmp.path().join(format!("machine{rank}"));
+        std::fs::create_dir_all(&folder).unwrap();
+        std::fs::write(folder.join("d.txt"), text[rank].repeat(200)).unwrap();
+        let sets = [
+            "parallel.dp=2",
+            "train.steps=2",
+            "data.source=\"text:d.txt\"",
+            "data.tokenizer=\"bytes\"",
+            "model.vocab_size=256",
+        ];
+        let cache = format!("data.cache_dir=\"{}\"", folder.join("cache").display());
+        let a = args(&["train"], &small(&[&sets[..], &[cache.as_str()]].concat()));
+        process_of(rank, 2, &port, &a).current_dir(&folder).spawn().unwrap()
+    };
+    let outs = wait_all(vec![start(0), start(1)], LIMIT);
+    for out in &outs {
+        let said = said(out);
+        assert_eq!(out.status.code(), Some(1), "{said}");
+        assert!(said.contains("the fingerprint of data.source's files = "), "{said}");
+        assert!(!said.contains("step 1 "), "no step was trained: {said}");
+    }
+}
+
+/// A signal while a process waits for the others to meet ends it at once (exit 128 + signal),
+/// not after `parallel.timeout_s`.
+#[test]
+fn a_signal_while_waiting_for_the_other_processes_stops_at_once() {
+    let port = common::processes::free_port().to_string();
+    let a = args(&["train"], &small(&["parallel.dp=2", "parallel.timeout_s=120"]));
+    for rank in [1, 0] {
+        let child = process_of(rank, 2, &port, &a).spawn().unwrap(); // its peer never comes
+        std::thread::sleep(Duration::from_millis(1500));
+        unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        let out = wait_all(vec![child], LIMIT).remove(0);
+        assert!(start.elapsed() < Duration::from_secs(10), "stopped at once, not after the timeout");
+        let said = said(&out);
+        assert_eq!(out.status.code(), Some(128 + libc::SIGTERM), "process {rank}: {said}");
+        assert!(said.contains("stopped by SIGTERM while"), "process {rank}: {said}");
+    }
+}
+
 /// A signal to one process, or to all, stops every process after the same step, one checkpoint is written,
 /// and every process exits 128 + the signal (a launcher or Slurm's requeue sees one truth).
 #[test]

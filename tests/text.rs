@@ -68,7 +68,7 @@ fn jsonl_documents_are_tokenised_once_with_eos_between() {
         want.extend(tok.encode(d).unwrap());
     }
     let Dataset::Text { tokens, .. } = &data else { panic!("a text source") };
-    assert_eq!(tokens.window(0, tokens.len()), want);
+    assert_eq!(tokens.window(0, tokens.len()).unwrap(), want);
     // the token file goes to the cache folder, not beside the source, and is reused
     let cached = token_files(&source);
     assert_eq!(cached.len(), 1);
@@ -165,7 +165,7 @@ fn an_edit_that_keeps_size_and_time_is_seen() {
     let cfg = text_config(&source, &["model.vocab_size=256", "data.tokenizer=\"bytes\""]);
     let ids = |cfg: &Config| {
         let Dataset::Text { tokens, .. } = Dataset::open(&cfg.data, &cfg.model).unwrap() else { panic!("text") };
-        tokens.window(0, tokens.len())
+        tokens.window(0, tokens.len()).unwrap()
     };
     std::fs::write(&source, "the first version of the text").unwrap();
     let time = std::fs::metadata(&source).unwrap().modified().unwrap();
@@ -175,4 +175,24 @@ fn an_edit_that_keeps_size_and_time_is_seen() {
     assert_eq!(std::fs::metadata(&source).unwrap().modified().unwrap(), time);
     assert_eq!(ids(&cfg), b"the other version of this txt".map(u32::from));
     assert_eq!(token_files(&source).len(), 2);
+}
+
+/// A token file cut short under a live run (another program truncating the cache) is an error
+/// naming the file at the next read, never a SIGBUS: the file is read, not mapped.
+#[test]
+fn a_token_file_cut_short_under_the_run_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let source = dir.path().join("cut.txt");
+    std::fs::write(&source, "a text long enough to be cut in half. ".repeat(50)).unwrap();
+    let cfg = text_config(&source, &["model.vocab_size=256", "data.tokenizer=\"bytes\""]);
+    let data = Dataset::open(&cfg.data, &cfg.model).unwrap();
+    assert!(data.fingerprint().is_some_and(|f| f.len() == 32));
+    let file = &token_files(&source)[0];
+    std::fs::File::options().write(true).open(file).unwrap().set_len(100).unwrap();
+    let Dataset::Text { tokens, .. } = &data else { panic!("a text source") };
+    let e = format!("{:#}", tokens.window(tokens.len() - 10, 10).unwrap_err());
+    assert!(e.contains(&file.display().to_string()) && e.contains("changed under this run"), "{e}");
+    // a fresh open sees a damaged file and says how to rebuild it
+    let e = format!("{:#}", Dataset::open(&cfg.data, &cfg.model).err().unwrap());
+    assert!(e.contains("not a complete token file; delete it"), "{e}");
 }

@@ -200,7 +200,15 @@ fn whole_shape(local: &[usize], cut: TpCut, n: usize) -> Vec<usize> {
 }
 
 /// Writes checkpoint `step` (steps done) into `folder`, atomically; keeps this run's newest `keep`.
-pub fn save(folder: &Folder, step: usize, state: &State, cfg: &Config, adam_steps: u32) -> Result<PathBuf> {
+/// `data` is the fingerprint of the text trained on (`Dataset::fingerprint`), for resume to compare.
+pub fn save(
+    folder: &Folder,
+    step: usize,
+    state: &State,
+    cfg: &Config,
+    adam_steps: u32,
+    data: Option<&str>,
+) -> Result<PathBuf> {
     let final_dir = folder.dir.join(format!("step_{step:06}"));
     if final_dir.exists() {
         bail!("{} already exists: a checkpoint is never overwritten", final_dir.display());
@@ -228,6 +236,7 @@ pub fn save(folder: &Folder, step: usize, state: &State, cfg: &Config, adam_step
             "step": step,
             "adam_steps": adam_steps,
             "run_id": folder.run_id,
+            "data_fingerprint": data,
             "config": toml::to_string(cfg).context("the config does not serialise")?,
         });
         write_file(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
@@ -250,6 +259,9 @@ pub struct Resumed {
     pub run_id: String,
     /// The config the checkpoint's run trained with.
     recorded: Config,
+    /// The fingerprint of the text it trained on (`None` inside: the synthetic source); `None`
+    /// where the checkpoint was written before ferrotron recorded it.
+    recorded_data: Option<Option<String>>,
     weights: HashMap<String, Tensor>,
     moments: HashMap<String, Tensor>,
 }
@@ -274,9 +286,10 @@ pub fn load(dir: &Path) -> Result<Resumed> {
         .as_str()
         .and_then(Config::from_recorded)
         .with_context(|| format!("{}: its \"config\" is missing or unreadable", meta_path.display()))?;
+    let recorded_data = meta.get("data_fingerprint").map(|v| v.as_str().map(str::to_string));
     let weights = read_safetensors(&dir.join("model.safetensors"))?;
     let moments = read_safetensors(&dir.join("optimizer.safetensors"))?;
-    Ok(Resumed { step, adam_steps, run_id, recorded, weights, moments })
+    Ok(Resumed { step, adam_steps, run_id, recorded, recorded_data, weights, moments })
 }
 
 impl Resumed {
@@ -314,6 +327,36 @@ impl Resumed {
             ));
         }
         Ok(notes)
+    }
+
+    /// Checks that the text the run trains on is, by content, the text the checkpoint's run
+    /// trained on (`data` its fingerprint now): a file of `data.source` rewritten under the same
+    /// path would otherwise go unnoticed. Returns notes; `allow_changes` turns a change into one.
+    pub fn check_data(&self, data: Option<&str>, dir: &Path, allow_changes: bool) -> Result<Vec<String>> {
+        let then = match &self.recorded_data {
+            None => {
+                return Ok(vec![format!(
+                    "{} predates data fingerprints: whether data.source's files changed since could not be checked",
+                    dir.display()
+                )])
+            }
+            Some(then) => then.as_deref(),
+        };
+        match (then, data) {
+            (Some(then), Some(now)) if then != now && !allow_changes => bail!(
+                "resuming {}: the files of data.source (or data.tokenizer) changed since the checkpoint was written (content fingerprint {now}, checkpoint: {then}); put the old files back, or add --allow-changes to continue on the new text",
+                dir.display()
+            ),
+            (Some(then), Some(now)) if then != now => {
+                Ok(vec![format!("continuing on changed data: the files of data.source differ from the checkpoint's (fingerprint {now}, checkpoint: {then})")])
+            }
+            _ => Ok(Vec::new()), // the same text, or another source (named with the settings)
+        }
+    }
+
+    /// Where this checkpoint stands, for the processes of a run to compare: its run and step.
+    pub fn point(&self) -> String {
+        format!("step {} of run {}", self.step, self.run_id)
     }
 
     /// This rank's model: the checkpoint's tensors, sliced for `tp` and `stage`.

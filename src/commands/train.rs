@@ -31,7 +31,7 @@ pub fn run(
     routing_tape: Option<TapeMode>,
 ) -> Result<Option<i32>> {
     let spans = out.trace.map(|_| Trace::default());
-    crate::train::stop::install(); // Ctrl-C and SIGTERM: stop at a micro-batch, save, exit
+    crate::signals::install(); // Ctrl-C and SIGTERM: stop at a micro-batch, save, exit
     let opts = crate::train::Options {
         metrics: out.metrics,
         trace: spans.as_ref(),
@@ -69,7 +69,7 @@ pub fn run(
     }
     if let Some(stopped) = &s.stopped {
         let step = s.first_step + s.losses.len();
-        let signal = crate::train::stop::name(stopped.signal);
+        let signal = crate::signals::name(stopped.signal);
         if let Some(micro) = stopped.dropped {
             let m = cfg.train.grad_accum_steps;
             say!("step {} dropped after {micro} of its {m} micro-batches: it trains again on resume", step + 1);

@@ -103,7 +103,7 @@ impl Dataset {
                     bail!("data.source: the text has {train_end} tokens to train on, fewer than train.seq_len + 1 = {len}");
                 }
                 let start = crate::model::init::stream(*seed, &format!("text/{index}")).gen_range(0..=train_end - len);
-                Ok(tokens.window(start, len))
+                tokens.window(start, len)
             }
         }
     }
@@ -136,8 +136,17 @@ impl Dataset {
                     .context("validation: nothing is held out; call hold_out first")?;
                 let start =
                     train_end + crate::model::init::stream(*seed, &format!("text/held-out/{i}")).gen_range(0..=span);
-                Ok(tokens.window(start, len))
+                tokens.window(start, len)
             }
+        }
+    }
+
+    /// What a text source's tokens were made from, by content (`data/text.rs`): a resumed run and
+    /// the processes of a run compare it. The synthetic source has none: its settings make it.
+    pub fn fingerprint(&self) -> Option<&str> {
+        match self {
+            Dataset::Synthetic(_) => None,
+            Dataset::Text { tokens, .. } => Some(&tokens.fingerprint),
         }
     }
 

@@ -9,7 +9,7 @@
 //! Tokenising is done once: the ids go to a token file in the cache folder (`data.cache_dir`;
 //! by default `~/.cache/ferrotron`, never beside the user's source), named by a fingerprint of
 //! the source's bytes and the tokenizer's, so an edited source is tokenised again even when its
-//! size and time stayed the same. Later runs map that file into memory and read windows of it
+//! size and time stayed the same. Later runs read windows of that file in place
 //! without loading it. Runs tokenising the same source at once each write a whole file and
 //! rename it into place; opening checks the ids against the vocabulary.
 //!
@@ -18,7 +18,6 @@
 //! ```
 
 use anyhow::{bail, Context, Result};
-use memmap2::Mmap;
 use std::path::{Path, PathBuf};
 
 pub enum Tokenizer {
@@ -91,47 +90,75 @@ impl Tokenizer {
     }
 }
 
-/// A tokenised source, mapped from its token file.
+/// A tokenised source, read from its token file in place: each window is one positioned read
+/// (`pread`) of its bytes, not a memory map. A map would turn the file shrinking under the run
+/// (someone truncating or rewriting the cache) into SIGBUS, which kills the process with no word;
+/// a read that comes back short is an error naming the file. The cost is one system call per
+/// sequence, a few microseconds against a step of milliseconds (BENCHMARKS.md, "token reads").
 pub struct Tokens {
-    map: Mmap,
+    file: std::fs::File,
+    path: PathBuf,
+    count: usize,
+    /// The fingerprint of what the tokens were made from (every shard's bytes, the text column,
+    /// the tokenizer): a resumed run and every process of a run compare it.
+    pub fingerprint: String,
 }
 
 const HEADER: usize = 16;
 
 impl Tokens {
-    /// Maps the token file of `source` for `tokenizer`, writing it first if needed, and checks
+    /// Opens the token file of `source` for `tokenizer`, writing it first if needed, and checks
     /// that every id is below `vocab` (a stale or foreign file would index past the embedding).
     pub fn open(source: &Source, tokenizer: &Tokenizer, vocab: usize, cache_folder: &Path) -> Result<Tokens> {
-        let cache = cache_path(source, tokenizer, cache_folder)?;
+        let (cache, fingerprint) = cache_path(source, tokenizer, cache_folder)?;
         if !cache.exists() {
             write_tokens(source, tokenizer, &cache)?;
         }
         let file = crate::files::open_read(&cache, "the token file")?;
-        // SAFETY: the file is written once, atomically, and never modified afterwards.
-        let map = unsafe { Mmap::map(&file) }.with_context(|| format!("cannot map {}", cache.display()))?;
-        let count = map.get(8..16).map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) as usize);
-        if &map[..4.min(map.len())] != b"FTOK" || count.map(|c| HEADER + 4 * c) != Some(map.len()) {
+        let size = file.metadata().with_context(|| format!("cannot read {}", cache.display()))?.len();
+        let mut header = [0u8; HEADER];
+        let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut header, 0);
+        let count = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
+        if read.is_err()
+            || &header[..4] != b"FTOK"
+            || count.checked_mul(4).and_then(|b| b.checked_add(16)) != Some(size)
+        {
             bail!("{}: not a complete token file; delete it and it will be rebuilt", cache.display());
         }
-        let ids = map[HEADER..].chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")));
-        if let Some(max) = ids.max().filter(|&m| m as usize >= vocab) {
-            bail!("{}: holds token id {max}, but model.vocab_size = {vocab}; delete the file to rebuild it, or raise model.vocab_size", cache.display());
+        let tokens = Tokens { file, path: cache, count: count as usize, fingerprint };
+        // every id below the vocabulary, a chunk at a time (the file may be larger than memory)
+        const CHUNK: usize = 1 << 20;
+        for start in (0..tokens.count).step_by(CHUNK) {
+            let ids = tokens.window(start, CHUNK.min(tokens.count - start))?;
+            if let Some(&max) = ids.iter().max().filter(|&&m| m as usize >= vocab) {
+                bail!("{}: holds token id {max}, but model.vocab_size = {vocab}; delete the file to rebuild it, or raise model.vocab_size", tokens.path.display());
+            }
+            crate::signals::check(|| format!("checking the token file {}", tokens.path.display()))?;
         }
-        Ok(Tokens { map })
+        Ok(tokens)
     }
 
     pub fn len(&self) -> usize {
-        (self.map.len() - HEADER) / 4
+        self.count
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// Tokens `start..start + len`.
-    pub fn window(&self, start: usize, len: usize) -> Vec<u32> {
-        let bytes = &self.map[HEADER + 4 * start..HEADER + 4 * (start + len)];
-        bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect()
+    /// Tokens `start..start + len`, read from the file; a file cut short since it was opened is
+    /// an error naming it.
+    pub fn window(&self, start: usize, len: usize) -> Result<Vec<u32>> {
+        let mut bytes = vec![0u8; 4 * len];
+        std::os::unix::fs::FileExt::read_exact_at(&self.file, &mut bytes, (HEADER + 4 * start) as u64).with_context(
+            || {
+                format!(
+                    "{}: the token file changed under this run (cut short?); delete it and start again to rebuild it",
+                    self.path.display()
+                )
+            },
+        )?;
+        Ok(bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect())
     }
 }
 
@@ -145,12 +172,14 @@ pub struct Source {
 
 /// `CACHE/tokens/NAME.<fingerprint>.tokens`: the fingerprint covers every byte of every shard, in
 /// order, the text column and the tokenizer's file (a 128-bit hash: two independent lanes).
-fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Result<PathBuf> {
+/// Returns the path and the fingerprint.
+fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Result<(PathBuf, String)> {
     let mut hash = crate::files::Fingerprint::default();
     let mut buf = vec![0u8; 1 << 20];
     for shard in &source.shards {
         let mut file = crate::files::open_read(shard, "data.source")?;
         loop {
+            crate::signals::check(|| format!("reading data.source ({})", shard.display()))?;
             let n = std::io::Read::read(&mut file, &mut buf)
                 .with_context(|| format!("data.source: cannot read {}", shard.display()))?;
             if n == 0 {
@@ -171,7 +200,7 @@ fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Re
     std::fs::create_dir_all(&folder).with_context(|| {
         format!("data.cache_dir: cannot create {}; set data.cache_dir to a writable folder", folder.display())
     })?;
-    Ok(folder.join(format!("{name}.{}.tokens", hash.hex())))
+    Ok((folder.join(format!("{name}.{}.tokens", hash.hex())), hash.hex()))
 }
 
 /// Tokenises every document of every shard, joined by the end-of-text token, into `cache`.
@@ -185,6 +214,7 @@ fn write_tokens(source: &Source, tokenizer: &Tokenizer, cache: &Path) -> Result<
     let (mut ids, mut docs): (Vec<u32>, usize) = (Vec::new(), 0);
     for shard in &source.shards {
         crate::data::documents::read(shard, &source.column, &mut |doc, bytes| {
+            crate::signals::check(|| format!("tokenising {}", shard.display()))?; // no token file yet
             if docs > 0 {
                 ids.extend(tokenizer.eos());
             }

@@ -11,7 +11,9 @@
 //! carries that error to every other process, so all of them stop with it before step 0
 //! ```
 //! Paths that may differ from one machine to the next (`checkpoint.dir`, `data.cache_dir`,
-//! `model.init_from`) are not compared.
+//! `model.init_from`) are not compared; what they hold is: the text's fingerprint (its files'
+//! content, so one path holding two texts on two machines is caught) and the checkpoint each
+//! process resumed (its run and step).
 
 use crate::comm::Group;
 use crate::config::{differing, Config, Settings};
@@ -20,10 +22,12 @@ use anyhow::{bail, Result};
 /// Not compared: paths that may differ from one machine to the next.
 const PER_MACHINE: [&str; 3] = ["checkpoint.dir", "data.cache_dir", "model.init_from"];
 
-/// Every rank of `world` gets rank 0's settings, and fails if its own differ.
-pub(super) fn settings(world: &Group, cfg: &Config) -> Result<()> {
+/// Every rank of `world` gets rank 0's settings and `facts` (what the run read: its data, its
+/// checkpoint), and fails if its own differ.
+pub(super) fn settings(world: &Group, cfg: &Config, facts: Settings) -> Result<()> {
     let mut mine = cfg.settings();
     mine.retain(|k, _| !PER_MACHINE.contains(&k.as_str()));
+    mine.extend(facts);
     let text: String = mine.iter().map(|(k, v)| format!("{k} = {v}\n")).collect();
     let mut len = [text.len() as f32]; // exact: a config is far under 2²⁴ bytes
     world.broadcast(&mut len, 0)?;
@@ -43,7 +47,7 @@ pub(super) fn settings(world: &Group, cfg: &Config) -> Result<()> {
     // the rank that differs fails; the others learn it from the run's abort, naming this error
     if !differences.is_empty() {
         bail!(
-            "the processes of this run were started with different settings: {}; start every process with the same config and --set",
+            "the processes of this run were started with different settings: {}; start every process with the same config, --set, data and --resume",
             differences.join(", ")
         );
     }

@@ -50,7 +50,7 @@ impl<'g> Trainer<'g> {
     ) -> Result<Trainer<'g>> {
         let (p, t, tp) = (&cfg.parallel, &cfg.train, me.group(Axis::Tp));
         if shared.spread {
-            agree::settings(me.group(Axis::World), cfg)?; // processes started differently never train
+            agree::settings(me.group(Axis::World), cfg, shared.facts(data))?; // processes started differently never train
         }
         let (mut model, first_step) = shared.model(me, cfg, experts)?; // this rank's part, on its device
         let mut optimizer = shared.optimizer(&mut model, tp, cfg)?;

@@ -180,7 +180,7 @@ impl Run {
         if let Some(path) = opts.metrics {
             crate::files::check_writable(path).context("--metrics")?;
         }
-        let (resumed, notes) = match opts.resume {
+        let (resumed, mut notes) = match opts.resume {
             Some(arg) => {
                 let dir = folder::resolve(arg, cfg)?;
                 let latest = arg.as_os_str() == "latest";
@@ -201,6 +201,7 @@ impl Run {
             dir: cfg.checkpoint.dir.clone().into(),
             run_id,
             resumed_step,
+            data: None, // known once the data is open, below
             signal_saves: true,
         };
         let writes = setup.spread.then(crate::comm::wires::processes::leads).unwrap_or(true); // rank 0 is here
@@ -212,6 +213,10 @@ impl Run {
         let mut data = Dataset::open(&cfg.data, &cfg.model)?;
         if cfg.validation.every > 0 {
             data.hold_out(cfg.validation.split, cfg.train.seq_len + 1)?; // a text's tail: never trained on
+        }
+        checkpoints.data = data.fingerprint().map(str::to_string);
+        if let Some((r, dir)) = &resumed {
+            notes.extend(r.check_data(data.fingerprint(), dir, opts.allow_changes)?);
         }
         let floor = data.entropy_floor(t.seq_len);
         if !opts.quiet {
@@ -291,6 +296,8 @@ pub(super) struct Checkpoints {
     dir: PathBuf,
     run_id: String,
     resumed_step: Option<usize>,
+    /// The fingerprint of the text trained on, recorded in each checkpoint.
+    data: Option<String>,
     /// False when no folder could take a signal's save (said at the start): the run then stops
     /// without one.
     signal_saves: bool,
@@ -354,7 +361,7 @@ impl Checkpoints {
             self.take()?;
             let folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
             let folder = folder.as_ref().expect("taken above");
-            save::save(folder, step + 1, &state, cfg, opt.steps_taken()).map(Some)
+            save::save(folder, step + 1, &state, cfg, opt.steps_taken(), self.data.as_deref()).map(Some)
         })
     }
 
@@ -393,6 +400,16 @@ pub(super) struct Shared<'a> {
 }
 
 impl Shared<'_> {
+    /// What the processes of a run must agree on besides the settings (`train/agree.rs`): the
+    /// text's content and the checkpoint resumed.
+    pub(super) fn facts(&self, data: &Dataset) -> crate::config::Settings {
+        let mut facts = crate::config::Settings::new();
+        let (data, resumed) = (data.fingerprint().unwrap_or("none"), self.resumed.map(Resumed::point));
+        facts.insert("the fingerprint of data.source's files".into(), data.to_string());
+        facts.insert("the checkpoint resumed (--resume)".into(), resumed.unwrap_or_else(|| "none".into()));
+        facts
+    }
+
     /// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens, a mixture
     /// of experts' layers as `experts` says), moved to its device once, and the step to start from.
     pub(super) fn model<'g>(

@@ -19,60 +19,17 @@
 //! points of its own schedule instead (`parallel/pipeline_parallel.rs`), and takes in the
 //! messages its neighbours sent before they stopped. On NCCL a pipeline's send waits on the GPU
 //! for its receive, so there a signal waits for the step's end.
+//!
+//! The handler and the flag it sets are `signals.rs`, at the bottom of the crate: the readers
+//! and waits outside the step ask it too.
 
 use crate::comm::{Group, ReduceOp};
 use crate::ops::tensor::Tensor;
 use anyhow::Result;
-use std::sync::atomic::{AtomicI32, Ordering};
-
-/// The first signal received, 0 while none.
-static RECEIVED: AtomicI32 = AtomicI32::new(0);
-
-/// Installs the handler for SIGINT and SIGTERM (the `ferrotron` binary does, for `train`).
-pub fn install() {
-    #[cfg(unix)]
-    for sig in [libc::SIGINT, libc::SIGTERM] {
-        // SAFETY: `on_signal` only touches an atomic and calls async-signal-safe functions.
-        unsafe {
-            libc::signal(sig, on_signal as *const () as libc::sighandler_t);
-        }
-    }
-}
-
-#[cfg(unix)]
-extern "C" fn on_signal(sig: libc::c_int) {
-    let first = RECEIVED.compare_exchange(0, sig, Ordering::SeqCst, Ordering::SeqCst).is_ok();
-    let msg: &[u8] = if first {
-        b"\nsignal received: stopping at the next micro-batch, then saving a checkpoint (signal again to stop at once)\n"
-    } else {
-        b"\nsecond signal: stopping now\n"
-    };
-    // SAFETY: write(2) and _exit(2) are async-signal-safe.
-    unsafe {
-        libc::write(2, msg.as_ptr().cast(), msg.len());
-        if !first {
-            libc::_exit(128 + sig);
-        }
-    }
-}
-
-/// The signal received so far, if any.
-pub fn received() -> Option<i32> {
-    Some(RECEIVED.load(Ordering::SeqCst)).filter(|&s| s != 0)
-}
 
 /// Whether any rank of `world` has seen a signal, and which: every rank gets the same answer.
 pub fn agreed(world: &Group) -> Result<Option<i32>> {
-    let mut seen = Tensor::from_vec(&[1], vec![received().unwrap_or(0) as f32]); // on the host: no GPU wait
+    let mut seen = Tensor::from_vec(&[1], vec![crate::signals::received().unwrap_or(0) as f32]); // on the host: no GPU wait
     world.all_reduce_tensor(&mut seen, ReduceOp::Max)?;
     Ok(Some(seen.to_vec()[0] as i32).filter(|&s| s != 0))
-}
-
-/// The signal's name, for messages.
-pub fn name(sig: i32) -> &'static str {
-    match sig {
-        libc::SIGINT => "SIGINT",
-        libc::SIGTERM => "SIGTERM",
-        _ => "a signal",
-    }
 }

@@ -15,7 +15,6 @@
 //! timeout paused as for a checkpoint. Gathering costs a checkpoint's traffic: validate every
 //! hundred steps, not every step. A signal ends it at the next micro-batch (`train/stop.rs`).
 
-use super::stop;
 use crate::checkpoint::hf::build_from;
 use crate::checkpoint::save::{self, Gather};
 use crate::comm::launcher::Rank;
@@ -57,10 +56,10 @@ pub(super) fn validate(
         let runs = cfg.validation.batches * t.grad_accum_steps * cfg.parallel.dp;
         let mut sum = 0.0;
         for r in 0..runs {
-            if let Some(sig) = stop::received() {
+            if let Some(sig) = crate::signals::received() {
                 // a signal ends validation at the next micro-batch: the run then stops after
                 // this step, as it would without one, and this step has no held-out loss
-                crate::say!("validation cut short by {} after {r} of {runs} micro-batches", stop::name(sig));
+                crate::say!("validation cut short by {} after {r} of {runs} micro-batches", crate::signals::name(sig));
                 return Ok(None);
             }
             let (tokens, targets) = data.held_out_rows((r * t.micro_batch_size) as u64, t.micro_batch_size, len)?;

@@ -211,6 +211,7 @@ fn read_u64(s: &mut TcpStream) -> Result<u64> {
 fn accept_until(listener: &TcpListener, deadline: Instant, why: impl Fn() -> String) -> Result<TcpStream> {
     listener.set_nonblocking(true)?;
     loop {
+        crate::signals::check(|| "waiting for the other processes to meet".into())?;
         match listener.accept() {
             Ok((s, _)) => {
                 s.set_nonblocking(false)?;
@@ -233,6 +234,7 @@ fn accept_until(listener: &TcpListener, deadline: Instant, why: impl Fn() -> Str
 /// on IPv4).
 fn connect_until(to: impl ToSocketAddrs + Copy + std::fmt::Debug, deadline: Instant, me: usize) -> Result<TcpStream> {
     loop {
+        crate::signals::check(|| format!("process {me} was trying to reach process 0"))?;
         let addrs: Vec<SocketAddr> =
             to.to_socket_addrs().map_err(|e| anyhow!("MASTER_ADDR: cannot resolve {to:?}: {e}"))?.collect();
         if addrs.is_empty() {
