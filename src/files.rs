@@ -22,6 +22,7 @@
 
 use anyhow::{bail, Context, Result};
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -73,33 +74,45 @@ pub fn check_writable(path: &Path) -> Result<()> {
     check_folder_writable(&dir).with_context(|| format!("cannot write {}", path.display()))
 }
 
-/// An output of a command: its flag, the path given, and the file it really writes (symlinks and
-/// `a/../b` followed).
+/// An output a command line asks for: its flag, the path given, and whether it is a folder (the
+/// command writes files inside it) or a file.
+pub struct Wanted<'a> {
+    pub flag: &'a str,
+    pub path: &'a Path,
+    pub folder: bool,
+}
+
+/// An output of a command, checked: its flag, the path given, and the file or folder it really
+/// writes (symlinks and `a/../b` followed).
 pub struct Output<'a> {
     pub flag: &'a str,
     pub path: &'a Path,
     pub real: PathBuf,
 }
 
-/// Checks that the outputs of one run (flag, path) are writable, are different files (two
-/// outputs on one path would write over each other: `--metrics X --trace X`), and are none of
-/// the run's `inputs` (what names it, and the path of a file it reads or of a folder whose files
-/// it reads): an output there would write over what the run reads (`--metrics` onto its config,
-/// into the checkpoint it resumes, onto the checkpoint folder's lock).
-pub fn check_outputs<'a>(
-    outputs: &[(&'a str, Option<&'a Path>)],
-    inputs: &[(String, PathBuf)],
-) -> Result<Vec<Output<'a>>> {
+/// Checks that the outputs of one run are writable, are different files (two outputs on one
+/// path would write over each other: `--metrics X --trace X`), are none of the run's `inputs`
+/// nor inside one (what names it, and the path of a file it reads or of a folder whose files it
+/// reads: `--metrics` onto its config, into the checkpoint it resumes), and are no lock a live
+/// process holds (a checkpoint folder's `.lock`, another output's claim).
+pub fn check_outputs<'a>(outputs: &[Wanted<'a>], inputs: &[(String, PathBuf)]) -> Result<Vec<Output<'a>>> {
     let inputs: Vec<(&String, PathBuf)> =
         inputs.iter().filter_map(|(w, p)| Some((w, p.canonicalize().ok()?))).collect();
     let mut seen: Vec<Output> = Vec::new();
-    for &(flag, path) in outputs {
-        let Some(path) = path else { continue };
-        check_writable(path).with_context(|| flag.to_string())?;
-        let target = output_target(path)?;
-        // the folder exists now (check_writable made it): its canonical form names the file
-        let name = target.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-        let real = folder_of(&target).canonicalize().map(|dir| dir.join(name)).unwrap_or(target);
+    for &Wanted { flag, path, folder } in outputs {
+        let real = match folder {
+            true => {
+                check_folder_writable(path).with_context(|| flag.to_string())?;
+                path.canonicalize().with_context(|| format!("{flag} {}", path.display()))?
+            }
+            false => {
+                check_writable(path).with_context(|| flag.to_string())?;
+                let target = output_target(path)?;
+                // the folder exists now (check_writable made it): its canonical form names the file
+                let name = target.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+                folder_of(&target).canonicalize().map(|dir| dir.join(name)).unwrap_or(target)
+            }
+        };
         if let Some(other) = seen.iter().find(|o| o.real == real) {
             bail!("{flag} {} is also the {} file: give each output its own path", path.display(), other.flag);
         }
@@ -110,34 +123,41 @@ pub fn check_outputs<'a>(
                 input.display()
             );
         }
+        if !folder && is_held(&real) {
+            bail!("{flag} {} is a lock file a live run holds: writing over it would let a second run in; give the output another path", path.display());
+        }
         seen.push(Output { flag, path, real });
     }
     Ok(seen)
 }
 
+/// Whether `path` is a file another open handle holds an advisory lock on (`flock`).
+fn is_held(path: &Path) -> bool {
+    let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path) else {
+        return false;
+    };
+    file.metadata().is_ok_and(|m| m.is_file()) && file.try_lock_shared().is_err()
+}
+
 /// Outputs this process writes, each claimed until it ends: a second live run given one of them
 /// is refused (as a second run on a checkpoint folder is), instead of the two writing over each
-/// other. The claim is a `flock` on `LOCKS/<hash of the real path>.lock`, so it goes away with the
-/// process, even after `kill -9`; the lock files stay, a few bytes each, naming the path.
+/// other. The claim is a `flock` on a lock file beside the output, `.NAME.lock` in its folder: keyed
+/// on the output's own place, so two runs with different caches or users still meet there. It goes
+/// away with the process, even after `kill -9`; the lock file stays, a few bytes naming its holder.
 pub struct Claims {
     _locks: Vec<std::fs::File>,
 }
 
 /// Claims `outputs` for this process (none where `mine` is false: in a multi-process run the first
-/// process writes them); refuses an output another live process holds. The locks live in the
-/// cache folder's `locks/`.
+/// process writes them); refuses an output another live process holds.
 pub fn claim(outputs: &[Output], mine: bool) -> Result<Claims> {
     let mut held = Vec::new();
-    if !mine || outputs.is_empty() {
+    if !mine {
         return Ok(Claims { _locks: held });
     }
-    let locks = cache_folder("").unwrap_or_else(|_| std::env::temp_dir().join("ferrotron")).join("locks");
-    std::fs::create_dir_all(&locks).with_context(|| format!("cannot create the lock folder {}", locks.display()))?;
     for o in outputs {
-        // a stable name for the path (std's hashers may change between Rust releases)
-        let mut hash = Fingerprint::default();
-        hash.add(o.real.as_os_str().as_encoded_bytes());
-        let lock_path = locks.join(format!("{}.lock", hash.hex()));
+        let name = o.real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
+        let lock_path = folder_of(&o.real).join(format!(".{name}.lock"));
         let note = format!("process {}, writing {}", std::process::id(), o.real.display());
         match hold(&lock_path, &note).with_context(|| o.flag.to_string())? {
             Ok(lock) => held.push(lock),
@@ -188,7 +208,6 @@ pub fn cache_folder(setting: &str) -> Result<PathBuf> {
 /// might never end. The open itself does not wait (`O_NONBLOCK`, which a regular file's reads
 /// ignore), and the check is of what was opened, so nothing can be swapped in between.
 pub fn open_read(path: &Path, what: &str) -> Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
     let cannot = || format!("{what}: cannot read {}: check the path", path.display());
     let file = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NONBLOCK).open(path).with_context(cannot)?;
     if !file.metadata().with_context(cannot)?.is_file() {

@@ -9,6 +9,7 @@
 
 pub mod bench;
 pub mod bench_attention;
+pub mod cli;
 pub mod converge;
 pub mod doctor;
 pub mod eval;
@@ -20,28 +21,30 @@ pub mod self_check;
 pub mod train;
 
 use crate::config::Config;
-use std::path::{Path, PathBuf};
+use cli::PathArg;
+use std::path::PathBuf;
 
-/// Checks a command's outputs against each other and against what it reads, `inputs`
-/// (`files::check_outputs`), and claims them for this run (`files::claim`): in a multi-process
-/// run the first process writes them.
-pub fn claim_outputs(
-    outputs: &[(&str, Option<&Path>)],
-    inputs: &[(String, PathBuf)],
-) -> anyhow::Result<crate::files::Claims> {
-    let checked = crate::files::check_outputs(outputs, inputs)?;
+/// Checks a command's outputs, the paths its command line `paths` writes, against each other and
+/// against everything it reads (`inputs`: its read flags and what `cfg` names), and claims them
+/// for this run (`files::claim`): in a multi-process run the first process writes them.
+pub fn claim_outputs(paths: &[PathArg], cfg: Option<&Config>) -> anyhow::Result<crate::files::Claims> {
+    let outputs: Vec<crate::files::Wanted> = paths
+        .iter()
+        .filter(|p| p.writes)
+        .map(|p| crate::files::Wanted { flag: &p.flag, path: &p.path, folder: p.folder })
+        .collect();
+    let checked = crate::files::check_outputs(&outputs, &inputs(paths, cfg))?;
     crate::files::claim(&checked, crate::comm::wires::processes::leads())
 }
 
-/// What a command reads, by the flag or key that names it: `flags` (each given or not), and of
-/// the config `cfg` (with the `--config` file it came from): a text source's shards, a tokenizer
-/// file, the model folder it starts from, and the checkpoints of `checkpoint.dir` with the
-/// folder's lock. No output may be one of them (`claim_outputs`).
-pub fn inputs(flags: &[(&str, Option<&Path>)], cfg: Option<(&Config, Option<&Path>)>) -> Vec<(String, PathBuf)> {
+/// What a command reads, by the flag or key that names it: the paths its command line reads (a
+/// folder whole: a checkpoint, a model, a routing tape), and of the config `cfg`: a text
+/// source's shards, a tokenizer file, the model folder it starts from, and the checkpoints of
+/// `checkpoint.dir` with the folder's lock. No output may be one of them or inside one.
+pub fn inputs(paths: &[PathArg], cfg: Option<&Config>) -> Vec<(String, PathBuf)> {
     let mut v: Vec<(String, PathBuf)> =
-        flags.iter().filter_map(|&(f, p)| Some((f.to_string(), p?.to_path_buf()))).collect();
-    let Some((cfg, file)) = cfg else { return v };
-    v.extend(file.map(|f| ("--config".to_string(), f.to_path_buf())));
+        paths.iter().filter(|p| !p.writes).map(|p| (p.flag.clone(), p.path.clone())).collect();
+    let Some(cfg) = cfg else { return v };
     if let Some(spec) = cfg.data.source.strip_prefix("text:") {
         let shards = crate::data::documents::shards(spec).unwrap_or_default(); // a bad source fails later, named
         v.extend(shards.into_iter().map(|s| ("data.source".to_string(), s)));
@@ -53,7 +56,7 @@ pub fn inputs(flags: &[(&str, Option<&Path>)], cfg: Option<(&Config, Option<&Pat
     if local(&cfg.model.init_from) {
         v.push(("model.init_from".into(), PathBuf::from(&cfg.model.init_from)));
     }
-    let dir = Path::new(&cfg.checkpoint.dir);
+    let dir = std::path::Path::new(&cfg.checkpoint.dir);
     if !cfg.checkpoint.dir.is_empty() {
         v.push(("checkpoint.dir's lock".into(), dir.join(".lock")));
         let steps = std::fs::read_dir(dir).into_iter().flatten().flatten().map(|e| e.path());

@@ -215,9 +215,8 @@ fn header(cfg: &Config) -> [u32; 3] {
     [cfg.model.num_experts_per_tok, cfg.train.seq_len, global_batch(cfg)].map(|v| v as u32)
 }
 
-/// The `.routing` files in `dir`, in name order.
-/// The `.routing` files of `dir`, in order.
-pub fn tapes(dir: &Path) -> Result<Vec<PathBuf>> {
+/// The `.routing` files of `dir`, in name order.
+fn tapes(dir: &Path) -> Result<Vec<PathBuf>> {
     let entries = std::fs::read_dir(dir).with_context(|| format!("cannot read the folder {}", dir.display()))?;
     let mut files: Vec<PathBuf> =
         entries.flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "routing")).collect();
