@@ -141,26 +141,35 @@ fn is_held(path: &Path) -> bool {
 
 /// Outputs this process writes, each claimed until it ends: a second live run given one of them
 /// is refused (as a second run on a checkpoint folder is), instead of the two writing over each
-/// other. The claim is a `flock` on a lock file beside the output, `.NAME.lock` in its folder: keyed
-/// on the output's own place, so two runs with different caches or users still meet there. It goes
-/// away with the process, even after `kill -9`; the lock file stays, a few bytes naming its holder.
+/// other. The claim is a `flock` on a lock file beside the output, `.NAME.lock` in its folder:
+/// keyed on the output's own place, so two runs with different caches or users still meet there.
+/// The OS drops it with the process, even after `kill -9`; a run that ends removes its lock files
+/// (while still holding them: see `hold`), a killed one leaves a few bytes naming it.
 pub struct Claims {
-    _locks: Vec<std::fs::File>,
+    locks: Vec<(std::fs::File, PathBuf)>,
+}
+
+impl Drop for Claims {
+    fn drop(&mut self) {
+        for (_, path) in &self.locks {
+            let _ = std::fs::remove_file(path);
+        }
+    }
 }
 
 /// Claims `outputs` for this process (none where `mine` is false: in a multi-process run the first
 /// process writes them); refuses an output another live process holds.
 pub fn claim(outputs: &[Output], mine: bool) -> Result<Claims> {
-    let mut held = Vec::new();
+    let mut claims = Claims { locks: Vec::new() };
     if !mine {
-        return Ok(Claims { _locks: held });
+        return Ok(claims);
     }
     for o in outputs {
         let name = o.real.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
         let lock_path = folder_of(&o.real).join(format!(".{name}.lock"));
         let note = format!("process {}, writing {}", std::process::id(), o.real.display());
         match hold(&lock_path, &note).with_context(|| o.flag.to_string())? {
-            Ok(lock) => held.push(lock),
+            Ok(lock) => claims.locks.push((lock, lock_path)),
             Err(holder) => bail!(
                 "{} {} is being written by another live run ({holder}): give this run its own path, or wait for that run to end",
                 o.flag,
@@ -168,26 +177,35 @@ pub fn claim(outputs: &[Output], mine: bool) -> Result<Claims> {
             ),
         }
     }
-    Ok(Claims { _locks: held })
+    Ok(claims)
 }
 
 /// Takes the advisory lock (`flock`) of `lock_path`, creating the file, and writes `note` in it
 /// for whoever is refused next; `Err(their note)` where another live process holds it. The OS
-/// drops the lock with the process, even after `kill -9`.
+/// drops the lock with the process, even after `kill -9`. A lock file may be removed by its holder
+/// as it ends (`Claims`): a lock taken on a file no longer at `lock_path` is let go and taken
+/// again on the file there now, so two processes never both hold "the" lock.
 pub fn hold(lock_path: &Path, note: &str) -> Result<std::result::Result<std::fs::File, String>> {
-    let lock = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false) // the holder's note stays readable to the refused
-        .read(true)
-        .write(true)
-        .open(lock_path)
-        .with_context(|| format!("cannot open the lock file {}", lock_path.display()))?;
-    if lock.try_lock().is_err() {
-        let holder = read_text(lock_path, "the lock file").unwrap_or_default();
-        return Ok(Err(if holder.trim().is_empty() { "holder unknown".into() } else { holder.trim().to_string() }));
+    use std::os::unix::fs::MetadataExt;
+    loop {
+        let lock = std::fs::OpenOptions::new()
+            .create(true)
+            .truncate(false) // the holder's note stays readable to the refused
+            .read(true)
+            .write(true)
+            .open(lock_path)
+            .with_context(|| format!("cannot open the lock file {}", lock_path.display()))?;
+        if lock.try_lock().is_err() {
+            let holder = read_text(lock_path, "the lock file").unwrap_or_default();
+            return Ok(Err(if holder.trim().is_empty() { "holder unknown".into() } else { holder.trim().to_string() }));
+        }
+        let here = |m: std::fs::Metadata| (m.dev(), m.ino());
+        if lock.metadata().map(here).ok() != std::fs::metadata(lock_path).map(here).ok() {
+            continue; // removed (or replaced) since it was opened: take the file there now
+        }
+        lock.set_len(0).and_then(|_| (&lock).write_all(note.as_bytes())).ok(); // informative only
+        return Ok(Ok(lock));
     }
-    lock.set_len(0).and_then(|_| (&lock).write_all(note.as_bytes())).ok(); // informative only
-    Ok(Ok(lock))
 }
 
 /// The cache folder `data.cache_dir` names, or, for `""`, `$FERROTRON_CACHE`, else

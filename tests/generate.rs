@@ -65,6 +65,10 @@ fn the_end_of_text_token_stops_a_generation() {
     assert_eq!(generate::eos_ids(dir.path()).unwrap(), [4]);
     std::fs::write(dir.path().join("generation_config.json"), "{\"eos_token_id\": \"4\"}").unwrap();
     assert!(generate::eos_ids(dir.path()).unwrap_err().to_string().contains("eos_token_id = \"4\" is not a token id"));
+    // 2^32 + 88 is no token id: refused, never read as 88
+    std::fs::write(dir.path().join("generation_config.json"), "{\"eos_token_id\": 4294967384}").unwrap();
+    let e = generate::eos_ids(dir.path()).unwrap_err().to_string();
+    assert!(e.contains("eos_token_id = 4294967384 is not a token id (a whole number below 2^32)"), "{e}");
 }
 
 #[test]

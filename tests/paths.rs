@@ -132,7 +132,7 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
     .into();
     // the config keys that name what a run reads (`commands::inputs`)
     let set = |k: &str, v: String| vec!["--set".to_string(), format!("{k}=\"{v}\"")];
-    let keys = vec![
+    let keys = [
         Input {
             name: "data.source".into(),
             args: [

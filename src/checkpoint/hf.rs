@@ -81,6 +81,68 @@ pub fn check_tensors(
     Ok(())
 }
 
+/// The keys of a Llama's or a Mixtral's `config.json`, as transformers' own config classes have
+/// them (`tests/fixtures/config_keys.json`), by what ferrotron does with each: none is passed
+/// over without a reason (`tests/hf_keys.rs`). Keys transformers does not know, it ignores, and
+/// so does ferrotron.
+pub mod keys {
+    /// Read into the model's config (`ModelConfig`), or deciding which model it is.
+    pub const READ: &[&str] = &[
+        "model_type",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rope_theta",
+        "rms_norm_eps",
+        "tie_word_embeddings",
+        "initializer_range",
+        "num_local_experts",
+        "num_experts_per_tok",
+        "router_aux_loss_coef",
+        "output_router_logits",
+    ];
+    /// Change the math where they leave their default: refused then, naming the key.
+    pub const REFUSED_UNLESS_DEFAULT: &[&str] = &[
+        "rope_parameters",
+        "rope_scaling",
+        "hidden_act",
+        "attention_bias",
+        "mlp_bias",
+        "attention_dropout",
+        "router_jitter_noise",
+        "sliding_window",
+        "quantization_config",
+    ];
+    /// Not the model's math: names, special token ids (`eos_token_id`: `generate`), the dtype
+    /// the weights were saved in (they are widened to f32), how transformers returns outputs,
+    /// and `pretraining_tp` (transformers 5 ignores it; in 4 it only cut the same GEMMs in parts).
+    pub const NOT_MATH: &[&str] = &[
+        "_name_or_path",
+        "architectures",
+        "transformers_version",
+        "dtype",
+        "torch_dtype",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "max_position_embeddings",
+        "use_cache",
+        "return_dict",
+        "output_attentions",
+        "output_hidden_states",
+        "id2label",
+        "label2id",
+        "problem_type",
+        "is_encoder_decoder",
+        "chunk_size_feed_forward",
+        "pretraining_tp",
+    ];
+}
+
 /// Reads the architecture from a Hugging Face `config.json`.
 pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
     if !path.exists() {
@@ -132,12 +194,22 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
     if let Some(act) = text("hidden_act")?.filter(|a| *a != "silu") {
         bail!("{file}: hidden_act = \"{act}\" is not supported; Llama uses \"silu\"");
     }
-    // rope_scaling is null or an object in every transformers version
-    let rope_type = text("rope_parameters.rope_type")?
-        .or(j["rope_scaling"]["rope_type"].as_str())
-        .or(j["rope_scaling"]["type"].as_str());
-    if let Some(kind) = rope_type.filter(|k| *k != "default") {
-        bail!("{file}: rope scaling \"{kind}\" is not supported; only plain RoPE is");
+    // RoPE's frequencies: plain unless any of the places transformers reads says otherwise
+    // (transformers 5: rope_parameters; 4: rope_scaling, its type under "rope_type" or "type");
+    // one of them saying "default" does not hide another's "llama3"
+    for key in ["rope_parameters.rope_type", "rope_scaling.rope_type", "rope_scaling.type"] {
+        if let Some(kind) = text(key)?.filter(|k| *k != "default") {
+            bail!("{file}: {key} = \"{kind}\": RoPE scaling is not supported (ferrotron's RoPE is plain, as rope_type \"default\"); use a model without it");
+        }
+    }
+    if let Some(v) = number("attention_dropout")?.filter(|x| *x != 0.0) {
+        bail!("{file}: attention_dropout = {v} is not supported (ferrotron's attention has no dropout); set it to 0");
+    }
+    if let Some(w) = opt_size("sliding_window")?.filter(|_| mixtral) {
+        bail!("{file}: sliding_window = {w} is not supported (ferrotron's attention sees every earlier token); set it to null");
+    }
+    if !j["quantization_config"].is_null() {
+        bail!("{file}: quantization_config is set: quantised weights are not supported; use the model's unquantised weights");
     }
     let heads = size("num_attention_heads")?;
     let cfg = ModelConfig {

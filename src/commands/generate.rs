@@ -92,6 +92,9 @@ pub fn run(
     };
     check_room(&m.cfg, ids.len(), sampling.max_new_tokens, &room, gpu.map_or(4, DType::size))?;
     let eos = eos_ids(model)?;
+    if let Some(id) = eos.iter().find(|&&id| id as usize >= m.cfg.vocab_size) {
+        bail!("{}: eos_token_id {id} is outside the vocabulary (vocab_size = {}): fix generation_config.json or config.json", model.display(), m.cfg.vocab_size);
+    }
     let how = match sampling.temperature {
         0.0 => "greedy".to_string(),
         t => format!("temperature {t}, top-k {}, seed {}", sampling.top_k, sampling.seed),
@@ -212,15 +215,21 @@ pub fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
         let text = crate::files::read_text(&path, name)?;
         let j: serde_json::Value =
             serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+        // a token id is below 2^32: a larger number is refused, never cut to its low bits
+        let id = |v: &serde_json::Value| v.as_u64().and_then(|n| u32::try_from(n).ok());
         let ids = match &j["eos_token_id"] {
             serde_json::Value::Null => continue,
-            serde_json::Value::Array(list) => list.iter().map(|v| v.as_u64()).collect::<Option<Vec<_>>>(),
-            v => v.as_u64().map(|id| vec![id]),
+            serde_json::Value::Array(list) => list.iter().map(id).collect::<Option<Vec<_>>>(),
+            v => id(v).map(|id| vec![id]),
         };
         let Some(ids) = ids else {
-            bail!("{}: eos_token_id = {} is not a token id or a list of them", path.display(), j["eos_token_id"]);
+            bail!(
+                "{}: eos_token_id = {} is not a token id (a whole number below 2^32) or a list of them",
+                path.display(),
+                j["eos_token_id"]
+            );
         };
-        return Ok(ids.into_iter().map(|id| id as u32).collect());
+        return Ok(ids);
     }
     Ok(Vec::new())
 }
