@@ -426,6 +426,21 @@ impl Config {
             let user: toml::Table = text.parse().map_err(|e: toml::de::Error| {
                 anyhow::anyhow!("{}: not valid TOML: {}", path.display(), one_line(&e.to_string()))
             })?;
+            // a section given as a value (`model = 5`) or as a list of tables (`[[train]]`)
+            for (key, value) in &user {
+                if table.get(key).is_some_and(toml::Value::is_table) && !value.is_table() {
+                    let written = match value {
+                        toml::Value::Array(a) if a.iter().all(toml::Value::is_table) => {
+                            format!("`[[{key}]]` (a list of tables)")
+                        }
+                        other => format!("`{key} = {other}`"),
+                    };
+                    anyhow::bail!(
+                        "{}: {written}, but `{key}` is one section: write `[{key}]` once, with its keys below it",
+                        path.display()
+                    );
+                }
+            }
             merge(&mut table, user);
         }
         for set in sets {

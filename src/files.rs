@@ -254,10 +254,15 @@ pub fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
     }
 }
 
-/// A text file the run reads, through `open_read`.
+/// A text file the run reads, through `open_read`. A UTF-8 byte-order mark at its start (what
+/// some Windows editors write) is no part of the text: dropped, as every reader of JSON, TOML or
+/// plain text here would otherwise fail on it at line 1, column 1.
 pub fn read_text(path: &Path, what: &str) -> Result<String> {
-    String::from_utf8(read_bytes(path, what)?)
-        .map_err(|_| anyhow::anyhow!("{what}: cannot read {} as UTF-8 text", path.display()))
+    let mut bytes = read_bytes(path, what)?;
+    if bytes.starts_with(b"\xef\xbb\xbf") {
+        bytes.drain(..3);
+    }
+    String::from_utf8(bytes).map_err(|_| anyhow::anyhow!("{what}: cannot read {} as UTF-8 text", path.display()))
 }
 
 /// Flushes a folder's entries (a rename into it) to disk; best effort, as a folder may refuse.

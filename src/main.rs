@@ -227,6 +227,31 @@ enum Exit {
     Signal(i32),
 }
 
+/// An error as one line, in the user's words: each cause of the chain joined by ": ", and an
+/// operating system's own phrase ("Not a directory (os error 20)") said plainly, for whatever
+/// file or flag the causes above it name.
+fn in_words(e: &anyhow::Error) -> String {
+    use std::io::ErrorKind::*;
+    let plain = |c: &(dyn std::error::Error + 'static)| match c.downcast_ref::<std::io::Error>() {
+        None => c.to_string(),
+        Some(io) => match io.kind() {
+            NotFound => "no such file or folder".into(),
+            PermissionDenied => "permission denied (check its owner and mode)".into(),
+            AlreadyExists => "a file is already there".into(),
+            NotADirectory => "a part of the path is a file, not a folder".into(),
+            IsADirectory => "it is a folder, not a file".into(),
+            DirectoryNotEmpty => "the folder is not empty".into(),
+            ReadOnlyFilesystem => "the file system is read-only".into(),
+            StorageFull => "the disk is full".into(),
+            _ if io.raw_os_error() == Some(libc::ENODEV) => {
+                "not a file that can be read (a folder or a device?)".into()
+            }
+            _ => io.to_string().split(" (os error").next().unwrap_or_default().to_string(),
+        },
+    };
+    e.chain().map(plain).collect::<Vec<_>>().join(": ")
+}
+
 fn main() -> ExitCode {
     ferrotron::train::memory::keep_freed_memory();
     // A GPU error inside an op unwinds its rank to the launcher, which ends the run with it as the
@@ -262,7 +287,7 @@ fn main() -> ExitCode {
             (ExitCode::from((128 + ferrotron::signals::interrupted(&e).unwrap_or(0)) as u8), false)
         }
         Err(e) => {
-            let _ = writeln!(std::io::stderr(), "error: {e:#}");
+            let _ = writeln!(std::io::stderr(), "error: {}", in_words(&e));
             (ExitCode::FAILURE, false)
         }
     };

@@ -209,6 +209,49 @@ fn cli_errors_are_one_line() {
     assert!(e.contains("config.json:1") && e.contains("is not a token id"), "{e}");
 }
 
+/// A UTF-8 byte-order mark at the start of a text file (a Windows editor's) is no part of it: a
+/// config and a `config.json` with one read as without (both failed at line 1, column 1 before).
+#[test]
+fn a_byte_order_mark_is_read_past() {
+    let dir = tempfile::tempdir().unwrap();
+    let bom = |text: &[u8]| [&b"\xef\xbb\xbf"[..], text].concat();
+    let toml = dir.path().join("c.toml");
+    std::fs::write(&toml, bom(b"[train]\nsteps = 7\n")).unwrap();
+    assert_eq!(Config::load(Some(&toml), &[]).unwrap().train.steps, 7);
+    let json = dir.path().join("config.json");
+    std::fs::write(&json, bom(&std::fs::read(fixture("gqa/config.json")).unwrap())).unwrap();
+    let plain = checkpoint::read_hf_config(&fixture("gqa/config.json")).unwrap();
+    assert_eq!(checkpoint::read_hf_config(&json).unwrap().hidden_size, plain.hidden_size);
+}
+
+/// The operating system's own phrases never reach the user bare: "No such file or directory
+/// (os error 2)", "Not a directory (os error 20)", "File exists (os error 17)" are said plainly.
+#[test]
+fn os_errors_are_said_in_plain_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, "x").unwrap();
+    let f = file.display();
+    for (args, want) in [
+        (vec!["train".to_string(), "--resume".into(), format!("{f}-missing")], "no such file or folder"),
+        (vec!["train".into(), "--config".into(), format!("{f}/c.toml")], "a part of the path is a file, not a folder"),
+        (vec!["train".into(), "--metrics".into(), format!("{f}/m.jsonl")], "cannot create folder"),
+        (
+            vec![
+                "train".into(),
+                "--set".into(),
+                format!("checkpoint.dir=\"{f}\""),
+                "--set".into(),
+                "checkpoint.every=1".into(),
+            ],
+            "a file is already there",
+        ),
+    ] {
+        let e = cli_error(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        assert!(e.contains(want) && !e.contains("os error"), "{args:?}: {e}");
+    }
+}
+
 fn fixture(rel: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
 }

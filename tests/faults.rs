@@ -552,8 +552,11 @@ fn resuming_on_a_text_rewritten_under_the_same_path_is_refused() {
     ok(&run(&with("train.steps=2", &[])));
     let before = snapshot(&dir);
     // the same text: resumes, without a note about the data
-    let same = ok(&run(&with("train.steps=3", &["--resume", "latest"])));
+    // (and a model.init_from beside --resume is said not to be read)
+    let init = format!("model.init_from=\"{}\"", dir.join("step_000002").display());
+    let same = ok(&run(&with("train.steps=3", &["--resume", "latest", "--set", &init])));
     assert!(!same.contains("changed data") && !same.contains("predates"), "{same}");
+    assert!(same.contains("is not read: the weights come from the checkpoint resumed"), "{same}");
     std::fs::remove_dir_all(dir.join("step_000003")).ok();
     std::fs::write(&text, "another text, written under the same name. ".repeat(300)).unwrap();
     fails_with(

@@ -209,6 +209,8 @@ fn path_cases(scratch: &Path) -> Vec<Case> {
         ("[data]\nsource = { a = 1 }", "data.source"),
         ("[model]\nhidden_size = 32\n[model]", "duplicate key"),
         ("[train]\nlr = 1e-3\nlr = 2e-3", "duplicate key"),
+        ("[[train]]\nsteps = 1", "write `[train]` once"),
+        ("[train]\nsteps = 1979-05-27T07:32:00Z", "the date-time 1979-05-27T07:32:00Z"),
     ]
     .into_iter()
     .enumerate()
@@ -464,7 +466,18 @@ fn judge(case: &Case, cwd: &Path) -> Option<String> {
     // a Rust debug dump, or serde's words for what a user wrote as a word or a section
     const DEBUG: &[&str] =
         &["panicked", "RUST_BACKTRACE", "Error {", "Custom {", "kind: ", "unit variant", "expected struct"];
-    const RUST_WORDS: &[&str] = &["invalid type", "expected usize", "expected u64", "expected u32", "expected f64"];
+    // and words of the layers below: the OS's own phrase, toml's inner names, serde's enums
+    const RUST_WORDS: &[&str] = &[
+        "invalid type",
+        "expected usize",
+        "expected u64",
+        "expected u32",
+        "expected f64",
+        "(os error",
+        "$__toml_private",
+        "untagged enum",
+        "[0]`",
+    ];
     let debug = DEBUG.iter().chain(RUST_WORDS).find(|d| err.contains(*d));
     if let Some(d) = debug.copied().or_else(|| rust_name(&err)) {
         return Some(format!("printed `{d}`: {err}"));

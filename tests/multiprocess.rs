@@ -271,6 +271,20 @@ fn the_launchers_environment_is_read() {
     assert_eq!(env(&[("OMPI_COMM_WORLD_SIZE", "1"), ("OMPI_COMM_WORLD_RANK", "0")]).unwrap(), None);
     let e = env(&[("OMPI_COMM_WORLD_SIZE", "2"), ("OMPI_COMM_WORLD_RANK", "2")]).unwrap_err().to_string();
     assert!(e.contains("inconsistent"), "{e}");
+    // a meeting point no process can meet at: port 0 (the OS's pick, known to process 0 alone),
+    // an IPv6 address (process 0 listens on IPv4): refused, naming the variable
+    let with = |k: &'static str, v: &'static str| {
+        let mut all: Vec<(&str, &str)> = torch.to_vec();
+        all.extend(master.iter().filter(|(m, _)| *m != k).copied());
+        all.push((k, v));
+        env(&all).unwrap_err().to_string()
+    };
+    let e = with("MASTER_PORT", "0");
+    assert!(e.contains("MASTER_PORT = 0: give the port process 0 listens on"), "{e}");
+    for v6 in ["::1", "[::1]", "fe80::1"] {
+        let e = with("MASTER_ADDR", v6);
+        assert!(e.contains("is an IPv6 address: process 0 listens on IPv4 only"), "{v6}: {e}");
+    }
     // a process's share of the ranks
     let two = Processes { index: 1, count: 2, local_index: 1, local_count: 2, wire: WireKind::Mpi };
     assert_eq!(two.share(8).unwrap(), 4..8);

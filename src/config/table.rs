@@ -58,7 +58,11 @@ pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
 pub(super) fn plain_words(msg: &str, key: &str, table: &toml::Table, read: &dyn Fn(toml::Table) -> String) -> String {
     let path: Vec<&str> = key.split('.').collect();
     let value = path[1..].iter().fold(table.get(path[0]), |at, k| at.and_then(|v| v.get(*k)));
-    let shown = value.map_or("this".to_string(), |v| v.to_string());
+    let shown = match value {
+        Some(toml::Value::Datetime(d)) => format!("the date-time {d}"), // not toml's inner table
+        Some(v) => v.to_string(),
+        None => "this".to_string(),
+    };
     if msg.contains("expected struct") {
         return format!(
             "is {shown}, but `{key}` is a section: give its keys (`[{key}]` in a file, or --set {key}.KEY=VALUE)"

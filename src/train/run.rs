@@ -188,7 +188,13 @@ impl Run {
                     true => folder::name_newest_good(&dir, e, |older| save::load(older).is_ok()),
                     false => e,
                 })?;
-                let notes = r.check(cfg, &dir, opts.allow_changes)?;
+                let mut notes = r.check(cfg, &dir, opts.allow_changes)?;
+                if !cfg.model.init_from.is_empty() {
+                    notes.push(format!(
+                        "model.init_from = {} is not read: the weights come from the checkpoint resumed",
+                        cfg.model.init_from
+                    ));
+                }
                 (Some((r, dir)), notes)
             }
             None => (None, Vec::new()),

@@ -128,6 +128,15 @@ pub fn from_env(vars: &dyn Fn(&str) -> Option<String>) -> Result<Option<Processe
     } else {
         return Ok(None);
     };
+    if let WireKind::Tcp { addr, port } = &found.wire {
+        // port 0 would have the OS pick one process 0 alone knows; process 0 listens on IPv4
+        if *port == 0 {
+            bail!("environment variable MASTER_PORT = 0: give the port process 0 listens on (1–65535), the same for every process");
+        }
+        if addr.trim_matches(['[', ']']).parse::<std::net::Ipv6Addr>().is_ok() {
+            bail!("environment variable MASTER_ADDR = {addr} is an IPv6 address: process 0 listens on IPv4 only; give its IPv4 address or a host name that resolves to one");
+        }
+    }
     if found.count == 0
         || found.index >= found.count
         || found.local_count == 0
