@@ -32,69 +32,46 @@ struct Case {
     want: Want,
 }
 
-/// Every float key: NaN, ±inf and absurd magnitudes are refused; these keys' names.
-const FLOATS: &[&str] = &[
-    "model.rope_theta",
-    "model.rms_norm_eps",
-    "model.initializer_range",
-    "model.router_aux_loss_coef",
-    "train.lr",
-    "train.min_lr",
-    "train.weight_decay",
-    "train.adam_eps",
-    "train.grad_clip",
-    "parallel.bucket_mb",
-    "parallel.timeout_s",
-    "data.copy_prob",
-    "validation.split",
-];
+/// The kinds of value a config key takes, read from the config itself (`config_keys`).
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Kind {
+    Float,
+    Integer,
+    Bool,
+    /// One of a few words: any other word is refused.
+    Word,
+    /// A path or a name: any word may be right.
+    Text,
+}
 
-/// Every integer key.
-const INTEGERS: &[&str] = &[
-    "model.vocab_size",
-    "model.hidden_size",
-    "model.intermediate_size",
-    "model.num_hidden_layers",
-    "model.num_attention_heads",
-    "model.num_key_value_heads",
-    "model.num_local_experts",
-    "model.num_experts_per_tok",
-    "train.seed",
-    "train.micro_batch_size",
-    "train.grad_accum_steps",
-    "train.seq_len",
-    "train.warmup_steps",
-    "parallel.dp",
-    "parallel.tp",
-    "parallel.pp",
-    "parallel.cp",
-    "parallel.ep",
-    "parallel.pp_virtual_stages",
-    "parallel.zero_stage",
-    "data.seed",
-    "data.markov_order",
-    "data.branching",
-    "data.copy_len",
-    "data.copy_lag",
-    "checkpoint.every",
-    "checkpoint.keep",
-    "validation.every",
-    "validation.batches",
-];
+/// Keys whose large values are valid runs of months (`train.steps = 2³²`): their huge values are
+/// not tried here (`tests/faults.rs` stops such a run by a signal).
+const LONG_RUNS: &[&str] = &["train.steps", "train.grad_accum_steps"];
 
-/// Every key that takes one of a few words.
-const WORDS: &[&str] = &[
-    "train.optimizer_dtype",
-    "train.recompute",
-    "parallel.cp_split",
-    "parallel.pp_schedule",
-    "parallel.dp_mode",
-    "parallel.backend",
-    "device.kind",
-    "device.dtype",
-];
-
-const BOOLS: &[&str] = &["model.tie_word_embeddings", "parallel.sequence_parallel", "device.sync_launches"];
+/// Every key of the config with its kind, found from the config, not listed by hand: the
+/// built-in config written as TOML gives each key and its type, and whether a made-up word is
+/// refused tells a key of a few words from a free one. A key added tomorrow is swept tomorrow.
+fn config_keys() -> Vec<(String, Kind)> {
+    let cfg = ferrotron::config::Config::load(None, &[]).unwrap();
+    let table = toml::Table::try_from(&cfg).unwrap();
+    let mut keys = Vec::new();
+    for (section, values) in &table {
+        for (key, value) in values.as_table().unwrap() {
+            let name = format!("{section}.{key}");
+            let word = |w: &str| ferrotron::config::Config::load(None, &[format!("{name}=\"{w}\"")]).is_err();
+            let kind = match value {
+                toml::Value::Float(_) => Kind::Float,
+                toml::Value::Integer(_) => Kind::Integer,
+                toml::Value::Boolean(_) => Kind::Bool,
+                toml::Value::String(_) if word("no-such-word") && word("nonsense") => Kind::Word,
+                toml::Value::String(_) => Kind::Text,
+                other => panic!("{name} = {other}: a kind of value the sweep does not know; teach it"),
+            };
+            keys.push((name, kind));
+        }
+    }
+    keys
+}
 
 fn leaf(key: &str) -> &'static str {
     Box::leak(key.rsplit('.').next().unwrap().to_string().into_boxed_str())
@@ -114,38 +91,49 @@ fn config_cases() -> Vec<Case> {
     let mut add = |key: &str, value: &str, want: Want| {
         cases.push(Case { args: train(&[format!("{key}={value}")]), want });
     };
-    for &key in FLOATS {
+    let keys = config_keys();
+    let count = |k: Kind| keys.iter().filter(|(_, kind)| *kind == k).count();
+    assert!(count(Kind::Float) >= 13 && count(Kind::Integer) >= 29 && count(Kind::Word) >= 8, "{keys:?}");
+    for (key, kind) in &keys {
         let name = leaf(key);
-        for v in ["nan", "inf", "-inf", "\"0.1\"", "[1.0]"] {
-            add(key, v, Want::Refused(name));
-        }
-        for v in ["-1.0", "0.0", "1e300"] {
-            add(key, v, Want::RefusedOrRuns(name));
-        }
-    }
-    for &key in INTEGERS {
-        let name = leaf(key);
-        for v in ["-1", "1.5", "\"4\"", "18446744073709551616", "true"] {
-            add(key, v, Want::Refused(name));
-        }
-        // a model this large is refused by the memory estimate, before anything is allocated
-        let named: &'static str =
-            if key.starts_with("model.") { Box::leak(format!("GiB|{name}").into()) } else { name };
-        for v in ["0", "4294967296", "9223372036854775807"] {
-            if key == "train.grad_accum_steps" && v == "4294967296" {
-                continue; // a valid step of 2³² micro-batches, for months: faults.rs stops one by a signal
+        match kind {
+            Kind::Float => {
+                for v in ["nan", "inf", "-inf", "\"0.1\"", "[1.0]"] {
+                    add(key, v, Want::Refused(name));
+                }
+                for v in ["-1.0", "0.0", "1e300"] {
+                    add(key, v, Want::RefusedOrRuns(name));
+                }
             }
-            add(key, v, Want::RefusedOrRuns(if v == "0" { name } else { named }));
-        }
-    }
-    for &key in WORDS {
-        for v in ["\"\"", "\"nonsense\"", "3"] {
-            add(key, v, Want::Refused(leaf(key)));
-        }
-    }
-    for &key in BOOLS {
-        for v in ["3", "\"yes\""] {
-            add(key, v, Want::Refused(leaf(key)));
+            Kind::Integer => {
+                for v in ["-1", "1.5", "\"4\"", "18446744073709551616", "true"] {
+                    add(key, v, Want::Refused(name));
+                }
+                // a model this large is refused by the memory estimate, before anything is allocated
+                let named: &'static str =
+                    if key.starts_with("model.") { Box::leak(format!("GiB|{name}").into()) } else { name };
+                add(key, "0", Want::RefusedOrRuns(name));
+                if !LONG_RUNS.contains(&key.as_str()) {
+                    for v in ["4294967296", "9223372036854775807"] {
+                        add(key, v, Want::RefusedOrRuns(named));
+                    }
+                }
+            }
+            Kind::Word => {
+                for v in ["\"\"", "\"nonsense\"", "3"] {
+                    add(key, v, Want::Refused(name));
+                }
+            }
+            Kind::Bool => {
+                for v in ["3", "\"yes\""] {
+                    add(key, v, Want::Refused(name));
+                }
+            }
+            Kind::Text => {
+                for v in ["3", "[1]", "{ a = 1 }"] {
+                    add(key, v, Want::Refused(name));
+                }
+            }
         }
     }
     for (key, v) in [("data.source", "\"nonsense\""), ("data.source", "3")] {
@@ -157,6 +145,49 @@ fn config_cases() -> Vec<Case> {
         cases.push(Case { args: train(&[set.to_string()]), want: Want::Refused("") });
     }
     cases
+}
+
+/// Every flag that names a file or folder, from the CLI's table (`src/commands/cli.rs`):
+/// (command, flag, whether the command writes it, whether it is a folder).
+fn path_flags() -> Vec<(String, String, bool, bool)> {
+    use clap::CommandFactory;
+    use ferrotron::commands::cli::{Cli, READS, WRITES};
+    let mut flags = Vec::new();
+    for sub in Cli::command().get_subcommands() {
+        for arg in sub.get_arguments() {
+            let writes = match arg.get_help_heading() {
+                Some(READS) => false,
+                Some(WRITES) => true,
+                _ => continue,
+            };
+            let folder = arg.get_value_hint() == clap::ValueHint::DirPath;
+            flags.push((sub.get_name().to_string(), format!("--{}", arg.get_long().unwrap()), writes, folder));
+        }
+    }
+    assert!(flags.len() >= 20, "{flags:?}");
+    flags
+}
+
+/// What `command` needs besides the flag under test, short and valid: a small model, one step.
+fn base_args(command: &str, scratch: &Path) -> Vec<String> {
+    let gqa = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gqa").display().to_string();
+    let tokens = scratch.join("tokens.txt");
+    std::fs::write(&tokens, "1 2 3 4 5\n").unwrap();
+    let sets = |mut a: Vec<String>| {
+        common::SMALL.iter().for_each(|s| a.extend(["--set".into(), s.to_string()]));
+        a
+    };
+    let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    match command {
+        "train" => train(&[]),
+        "converge" => sets(v(&["converge", "--variants", "dp=2", "--steps", "1"])),
+        "bench" => sets(v(&["bench", "--steps", "1", "--warmup", "0"])),
+        "memory" => sets(v(&["memory"])),
+        "schedule" => v(&["schedule"]),
+        "eval" => v(&["eval", "--model", &gqa, "--tokens", &tokens.display().to_string()]),
+        "generate" => v(&["generate", "--model", &gqa, "--tokens", "1", "--max-new-tokens", "1"]),
+        other => panic!("{other} takes a path: give the sweep its base arguments here"),
+    }
 }
 
 /// Bad paths: a FIFO, a folder, a missing file, garbage, for every argument that reads one.
@@ -181,18 +212,34 @@ fn path_cases(scratch: &Path) -> Vec<Case> {
     link("loop-b", &looped);
     let s = |p: &Path| p.display().to_string();
     let mut cases = Vec::new();
-    for bad in [&fifo, &garbage, &folder, &missing, &to_fifo, &to_folder, &dangling, &looped] {
+    // every flag of every command that names a file or folder (the CLI's own table), given each
+    // kind of wrong one: the line names the path or the flag
+    let wrong_inputs = [&fifo, &garbage, &folder, &missing, &to_fifo, &to_folder, &dangling, &looped];
+    for (command, flag, writes, folder_flag) in path_flags() {
+        let wrong: Vec<String> = match (writes, folder_flag) {
+            (false, _) => wrong_inputs.iter().map(|p| s(p)).collect(),
+            // an output file: a folder, a FIFO, a path under a file, such symlinks
+            (true, false) => {
+                vec![s(&folder), s(&fifo), format!("{}/x.json", s(&garbage)), s(&to_fifo), s(&to_folder), s(&looped)]
+            }
+            // an output folder: a FIFO, a file, a path under a file, such symlinks
+            (true, true) => vec![s(&fifo), s(&garbage), format!("{}/x", s(&garbage)), s(&to_fifo), s(&looped)],
+        };
+        for bad in wrong {
+            if !writes && folder_flag && bad == s(&folder) {
+                continue; // an empty folder is a folder: refused for its missing files, named below
+            }
+            let named: &'static str = Box::leak(format!("{bad}|{flag}").into_boxed_str());
+            let mut args = base_args(&command, scratch);
+            match args.iter().position(|a| *a == flag) {
+                Some(i) => args[i + 1] = bad,
+                None => args.extend([flag.to_string(), bad]),
+            }
+            cases.push(Case { args, want: Want::Refused(named) });
+        }
+    }
+    for bad in wrong_inputs {
         let named: &'static str = Box::leak(s(bad).into_boxed_str());
-        cases.push(Case { args: vec!["train".into(), "--config".into(), s(bad)], want: Want::Refused(named) });
-        cases.push(Case { args: [train(&[]), vec!["--resume".into(), s(bad)]].concat(), want: Want::Refused(named) });
-        cases.push(Case {
-            args: vec!["eval".into(), "--model".into(), s(bad), "--tokens".into(), s(&garbage)],
-            want: Want::Refused(named),
-        });
-        cases.push(Case {
-            args: vec!["generate".into(), "--model".into(), s(bad), "--tokens".into(), "1".into()],
-            want: Want::Refused(named),
-        });
         let source = format!("data.source=\"text:{}\"", s(bad));
         let cache = format!("data.cache_dir=\"{}\"", s(&scratch.join("cache")));
         cases.push(Case { args: train(&[source, cache, "model.vocab_size=256".into()]), want: Want::Refused(named) });
@@ -227,12 +274,7 @@ fn path_cases(scratch: &Path) -> Vec<Case> {
             want: Want::Refused(named),
         });
     }
-    // outputs: a folder, a FIFO, a path under a file, a file given twice
-    for flag in ["--metrics", "--trace", "--plot"] {
-        for bad in [s(&folder), s(&fifo), format!("{}/x.json", s(&garbage)), s(&to_fifo), s(&to_folder), s(&looped)] {
-            cases.push(Case { args: [train(&[]), vec![flag.into(), bad]].concat(), want: Want::Refused(flag) });
-        }
-    }
+    // a file given for two outputs
     let same = s(&scratch.join("same.out"));
     cases.push(Case {
         args: [train(&[]), vec!["--metrics".into(), same.clone(), "--plot".into(), same]].concat(),
@@ -509,6 +551,7 @@ fn the_hostile_sweep() {
     cases.extend(command_cases());
     cases.extend(damaged_cases(scratch.path()));
     assert!(cases.len() >= 150, "only {} cases", cases.len());
+    eprintln!("the hostile sweep: {} cases", cases.len());
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     // two at a time: the machine's two cores
     let wrong: Vec<String> = std::thread::scope(|s| {
