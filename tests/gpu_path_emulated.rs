@@ -301,7 +301,9 @@ fn a_routing_replayed_on_the_gpu_path_is_the_cpus() {
     // fake GPUs under ep = 2: the replaced rows' weights are computed on the host and uploaded
     // (`model/routing_tape.rs`), and the curve is the CPU's one-rank replay of the same tape
     let tmp = tempfile::tempdir().unwrap();
-    let tape = tmp.path().to_str().unwrap();
+    // the tapes in a folder of their own: a folder a run reads takes none of its outputs
+    let tape_dir = tmp.path().join("tapes");
+    let tape = tape_dir.to_str().unwrap();
     let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2", "model.initializer_range=0.2"];
     let steps = ["train.steps=2", "train.warmup_steps=1", "train.micro_batch_size=2", "checkpoint.every=0"];
     let train = |name: &str, extra: &[&str], tape_args: &[&str]| {
