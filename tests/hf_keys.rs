@@ -1,5 +1,5 @@
-//! Foreign keys understood or refused: every key of transformers' own `LlamaConfig` and
-//! `MixtralConfig` (`tests/fixtures/config_keys.json`, written by
+//! Foreign keys understood or refused: every key of transformers' own `LlamaConfig`,
+//! `MixtralConfig` and `GenerationConfig` (`tests/fixtures/config_keys.json`, written by
 //! `tests/fixtures/make_config_keys.py` from transformers' classes) is one that ferrotron reads,
 //! refuses away from its default, or knows to be no part of the math (`checkpoint::hf::keys`); a
 //! key transformers adds in a later release fails this test until it is placed. The refusals are
@@ -10,7 +10,7 @@ use ferrotron::checkpoint::hf::{keys, read_hf_config};
 use std::path::Path;
 
 #[test]
-fn every_key_of_transformers_llama_and_mixtral_configs_is_placed() {
+fn every_key_of_transformers_config_classes_is_placed() {
     let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/config_keys.json");
     let j: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture).unwrap()).unwrap();
     let placed: Vec<&str> = [keys::READ, keys::REFUSED_UNLESS_DEFAULT, keys::NOT_MATH].concat();
@@ -21,6 +21,21 @@ fn every_key_of_transformers_llama_and_mixtral_configs_is_placed() {
         unplaced.extend(listed.iter().map(|k| k.as_str().unwrap()).filter(|k| !placed.contains(k)));
     }
     assert!(unplaced.is_empty(), "keys of transformers {} ferrotron has not placed: {unplaced:?}", j["transformers"]);
+    // and every key of transformers' GenerationConfig: read, noted as not applied, or not decoding
+    use ferrotron::commands::generate::decoding_keys;
+    let decoding: Vec<&str> = [decoding_keys::READ, decoding_keys::NOT_APPLIED, decoding_keys::NOT_DECODING].concat();
+    let listed = j["generation"].as_array().unwrap();
+    assert!(listed.len() > 60, "generation: {} keys", listed.len());
+    let unplaced: Vec<&str> = listed.iter().map(|k| k.as_str().unwrap()).filter(|k| !decoding.contains(k)).collect();
+    assert!(
+        unplaced.is_empty(),
+        "generation_config keys of transformers {} not placed: {unplaced:?}",
+        j["transformers"]
+    );
+    let mut once = decoding.clone();
+    once.sort();
+    once.dedup();
+    assert_eq!(once.len(), decoding.len(), "a generation key is in two lists");
     // a key placed twice would have two meanings
     let mut all = placed.clone();
     all.sort();
@@ -76,4 +91,21 @@ fn keys_that_change_the_math_are_refused_naming_the_key() {
         let e = format!("{:#}", read(extra.clone()).unwrap_err());
         assert!(e.contains(want) && e.contains("config.json"), "{extra}: {e}");
     }
+}
+
+/// A generation_config.json's decoding settings that `generate` does not apply are named in a
+/// note, with their values; its other keys pass without one.
+#[test]
+fn decoding_settings_not_applied_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let gen = dir.path().join("generation_config.json");
+    std::fs::write(
+        &gen,
+        r#"{"eos_token_id": 2, "bos_token_id": 1, "top_p": 0.9, "temperature": 0.6, "use_cache": true}"#,
+    )
+    .unwrap();
+    let noted = ferrotron::commands::generate::decoding_not_applied(dir.path()).unwrap();
+    assert_eq!(noted, ["temperature = 0.6", "top_p = 0.9"]);
+    std::fs::write(&gen, r#"{"eos_token_id": 2, "transformers_version": "5.24.0"}"#).unwrap();
+    assert!(ferrotron::commands::generate::decoding_not_applied(dir.path()).unwrap().is_empty());
 }

@@ -95,6 +95,10 @@ pub fn run(
     if let Some(id) = eos.iter().find(|&&id| id as usize >= m.cfg.vocab_size) {
         bail!("{}: eos_token_id {id} is outside the vocabulary (vocab_size = {}): fix generation_config.json or config.json", model.display(), m.cfg.vocab_size);
     }
+    let not_applied = decoding_not_applied(model)?;
+    if !not_applied.is_empty() {
+        crate::say!("note: {}/generation_config.json sets {}: not applied (generate decodes by its own flags: --temperature, --top-k, --max-new-tokens)", model.display(), not_applied.join(", "));
+    }
     let how = match sampling.temperature {
         0.0 => "greedy".to_string(),
         t => format!("temperature {t}, top-k {}, seed {}", sampling.top_k, sampling.seed),
@@ -202,6 +206,108 @@ pub fn pick(logits: &[f32], temperature: f32, top_k: usize, rng: &mut impl Rng) 
         draw -= w;
     }
     order[0] as u32 // only reached through rounding at the very end of the range
+}
+
+/// The keys of a `generation_config.json`, as transformers' `GenerationConfig` has them
+/// (`tests/fixtures/config_keys.json`), by what `generate` does with each: none is passed over
+/// without a word (`tests/hf_keys.rs`).
+pub mod decoding_keys {
+    /// Read: the tokens that end the text.
+    pub const READ: &[&str] = &["eos_token_id"];
+    /// Change what transformers' `generate()` would draw; ferrotron decodes by its flags alone, so
+    /// a folder that sets one is told so in a note, naming each with its value.
+    pub const NOT_APPLIED: &[&str] = &[
+        "do_sample",
+        "temperature",
+        "top_k",
+        "top_p",
+        "top_h",
+        "min_p",
+        "typical_p",
+        "epsilon_cutoff",
+        "eta_cutoff",
+        "max_length",
+        "max_new_tokens",
+        "min_length",
+        "min_new_tokens",
+        "max_time",
+        "stop_strings",
+        "repetition_penalty",
+        "no_repeat_ngram_size",
+        "bad_words_ids",
+        "force_words_ids",
+        "constraints",
+        "sequence_bias",
+        "suppress_tokens",
+        "begin_suppress_tokens",
+        "forced_bos_token_id",
+        "forced_eos_token_id",
+        "exponential_decay_length_penalty",
+        "renormalize_logits",
+        "remove_invalid_values",
+        "num_beams",
+        "num_beam_groups",
+        "diversity_penalty",
+        "length_penalty",
+        "early_stopping",
+        "penalty_alpha",
+        "guidance_scale",
+        "dola_layers",
+        "token_healing",
+        "watermarking_config",
+        "num_return_sequences",
+    ];
+    /// Not decoding: other token ids, what transformers returns and caches, how it compiles and
+    /// batches, speculative decoding (an assistant proposes, the model decides: the same text),
+    /// and the encoder-decoder models' keys (a Llama has no encoder).
+    pub const NOT_DECODING: &[&str] = &[
+        "_from_model_config",
+        "transformers_version",
+        "bos_token_id",
+        "pad_token_id",
+        "decoder_start_token_id",
+        "output_attentions",
+        "output_hidden_states",
+        "output_logits",
+        "output_scores",
+        "return_dict_in_generate",
+        "use_cache",
+        "cache_config",
+        "cache_implementation",
+        "max_cache_len",
+        "compile_config",
+        "disable_compile",
+        "prefill_chunk_size",
+        "continuous_batching_config",
+        "low_memory",
+        "assistant_confidence_threshold",
+        "assistant_early_exit",
+        "assistant_ensemble_weight",
+        "assistant_lookbehind",
+        "is_assistant",
+        "num_assistant_tokens",
+        "num_assistant_tokens_schedule",
+        "prompt_lookup_num_tokens",
+        "max_matching_ngram_size",
+        "speculation_type",
+        "target_lookbehind",
+        "use_mtp",
+        "encoder_no_repeat_ngram_size",
+        "encoder_repetition_penalty",
+    ];
+}
+
+/// The decoding settings of a folder's `generation_config.json` that `generate` does not apply
+/// (`decoding_keys::NOT_APPLIED`), each as `key = value`; none without the file.
+pub fn decoding_not_applied(dir: &Path) -> Result<Vec<String>> {
+    let path = dir.join("generation_config.json");
+    if !path.exists() {
+        return Ok(Vec::new());
+    }
+    let text = crate::files::read_text(&path, "generation_config.json")?;
+    let j: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", path.display()))?;
+    Ok(decoding_keys::NOT_APPLIED.iter().filter(|k| !j[**k].is_null()).map(|k| format!("{k} = {}", j[*k])).collect())
 }
 
 /// The end-of-text ids of a Hugging Face folder: `eos_token_id` (a number or a list) of its
