@@ -129,6 +129,12 @@ fn corrupt_safetensors_is_named() {
     std::fs::write(dir.path().join("model.safetensors"), &good[..good.len() / 2]).unwrap();
     let e = err(checkpoint::load_hf(dir.path()));
     assert!(e.contains("model.safetensors: not a valid safetensors file"), "{e}");
+    // two intact tensors sharing their bytes (aliased offsets): said so, not "outside the file"
+    let header = r#"{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"b":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}"#;
+    let file = [&(header.len() as u64).to_le_bytes()[..], header.as_bytes(), &[0u8; 16]].concat();
+    std::fs::write(dir.path().join("aliased.safetensors"), file).unwrap();
+    let e = err(checkpoint::read_safetensors(&dir.path().join("aliased.safetensors")));
+    assert!(e.contains("do not start where the tensor before it ends") && !e.contains("outside the file"), "{e}");
 }
 
 #[test]

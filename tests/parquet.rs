@@ -132,6 +132,32 @@ fn parquet_errors_name_the_file_and_the_column() {
         let err = format!("{:#}", Dataset::open(&cfg.data, &cfg.model).err().expect("refused"));
         assert!(err.contains(named), "{source} {column}: {err}");
     }
+    // a list of strings a row, `text` (its leaf `text.list.element`): named as a list, not missing
+    let lists = cache.path().join("lists.parquet");
+    write_list_column(&lists);
+    let cfg = parquet_config(lists.to_str().unwrap(), cache.path(), &[]);
+    let err = format!("{:#}", Dataset::open(&cfg.data, &cfg.model).err().expect("refused"));
+    assert!(err.contains("column \"text\" (data.text_column) is a list or a group (text.list.element)"), "{err}");
     let err = Config::load(None, &["data.source=\"text:x.txt\"".into(), "data.text_column=\"\"".into()]).unwrap_err();
     assert!(format!("{err:#}").contains("data.text_column"), "{err:#}");
+}
+
+/// A parquet file whose `text` column is a list of strings a row (two rows: ["a", "b"], ["c"]).
+fn write_list_column(path: &Path) {
+    use parquet::data_type::{ByteArray, ByteArrayType};
+    use parquet::file::properties::WriterProperties;
+    use parquet::file::writer::SerializedFileWriter;
+    let schema =
+        "message m { REQUIRED GROUP text (LIST) { REPEATED GROUP list { REQUIRED BYTE_ARRAY element (UTF8); } } }";
+    let schema = std::sync::Arc::new(parquet::schema::parser::parse_message_type(schema).unwrap());
+    let file = std::fs::File::create(path).unwrap();
+    let mut writer = SerializedFileWriter::new(file, schema, WriterProperties::builder().build().into()).unwrap();
+    let mut group = writer.next_row_group().unwrap();
+    while let Some(mut column) = group.next_column().unwrap() {
+        let values: Vec<ByteArray> = ["a", "b", "c"].map(ByteArray::from).to_vec();
+        column.typed::<ByteArrayType>().write_batch(&values, Some(&[1, 1, 1]), Some(&[0, 1, 0])).unwrap();
+        column.close().unwrap();
+    }
+    group.close().unwrap();
+    writer.close().unwrap();
 }

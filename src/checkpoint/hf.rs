@@ -293,7 +293,10 @@ fn damage(e: &safetensors::SafeTensorError) -> String {
             "its header is not the JSON table of tensors".into()
         }
         E::MetadataIncompleteBuffer => "its tensors do not cover its bytes: cut off, or with bytes added".into(),
-        E::InvalidOffset(name) | E::TensorNotFound(name) => format!("tensor {name} lies outside the file"),
+        E::InvalidOffset(name) => format!(
+            "tensor {name}'s bytes do not start where the tensor before it ends (safetensors gives each tensor its own bytes, in order: shared, overlapping or out-of-order offsets are not a valid file)"
+        ),
+        E::TensorNotFound(name) => format!("it has no tensor {name}"),
         E::TensorInvalidInfo | E::InvalidTensorView(..) | E::ValidationOverflow => {
             "a tensor's shape and dtype do not match its bytes".into()
         }

@@ -132,6 +132,13 @@ fn read_parquet(shard: &Path, column: &str, each: &mut dyn FnMut(&str, u64) -> R
     let reader = SerializedFileReader::new(file).map_err(|e| anyhow::anyhow!("{shown}: not a parquet file ({e})"))?;
     let schema = reader.metadata().file_metadata().schema_descr_ptr();
     let Some(index) = (0..schema.num_columns()).find(|&i| schema.column(i).path().string() == column) else {
+        // a list or a group of that name has leaves below it (`text.list.element`)
+        if let Some(i) = (0..schema.num_columns()).find(|&i| schema.column(i).path().parts()[0] == column) {
+            let leaf = schema.column(i).path().string();
+            bail!(
+                "{shown}: column \"{column}\" (data.text_column) is a list or a group ({leaf}), not one string a row"
+            );
+        }
         let names: Vec<String> = (0..schema.num_columns()).map(|i| schema.column(i).path().string()).collect();
         bail!("{shown}: no column \"{column}\" (data.text_column); it has {}", names.join(", "));
     };
