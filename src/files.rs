@@ -235,7 +235,9 @@ pub fn open_read(path: &Path, what: &str) -> Result<std::fs::File> {
 }
 
 /// The whole of a file the run reads, through `open_read`, a chunk at a time: a signal (under
-/// `train`) stops a read of gigabytes between two chunks (`signals.rs`).
+/// `train`) stops a read of gigabytes between two chunks (`signals.rs`). A file of one chunk is
+/// always read whole: the small reads a run makes after a signal (a checkpoint's run id while the
+/// signal's checkpoint is pruned) are part of stopping cleanly.
 pub fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
     const CHUNK: usize = 64 << 20;
     let mut file = open_read(path, what)?;
@@ -245,12 +247,12 @@ pub fn read_bytes(path: &Path, what: &str) -> Result<Vec<u8>> {
         anyhow::anyhow!("{what}: {} is {size} bytes, more than this machine can hold in memory", path.display())
     })?;
     loop {
-        crate::signals::check(|| format!("reading {what} ({})", path.display()))?;
         let n = std::io::Read::read_to_end(&mut std::io::Read::take(&mut file, CHUNK as u64), &mut bytes)
             .with_context(|| format!("{what}: cannot read {}", path.display()))?;
-        if n == 0 {
-            return Ok(bytes);
+        if n < CHUNK {
+            return Ok(bytes); // the end of the file
         }
+        crate::signals::check(|| format!("reading {what} ({})", path.display()))?;
     }
 }
 

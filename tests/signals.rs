@@ -1,7 +1,8 @@
 //! Every long phase outside the training step stops on a signal (`src/signals.rs`): with the
-//! handler installed and a SIGTERM received, a file read, the data's preparation (hashing the
-//! source, tokenising it, checking a token file), a checkpoint's and a Hugging Face folder's
-//! reads each end with `Interrupted` at their next chunk, and nothing is written. (The training
+//! handler installed and a SIGTERM received, a file read of more than one chunk, the data's
+//! preparation (hashing the source, tokenising it, checking a token file), a checkpoint's and a
+//! Hugging Face folder's weights each end with `Interrupted` at their next chunk, and nothing is
+//! written; a file of one chunk is still read whole. (The training
 //! step, validation and the wait for peers are signalled on the real binary: `tests/faults.rs`,
 //! `tests/multiprocess.rs`.) Its own test binary: the signal, once noted, stays for the process.
 
@@ -38,19 +39,27 @@ fn after_a_signal_every_read_and_the_data_preparation_stop_with_interrupted() {
         assert_eq!(interrupted(&e), Some(libc::SIGTERM), "{said}");
         assert!(said.contains("stopped by SIGTERM while") && said.contains(during), "{said}");
     };
-    stopped(ferrotron::files::read_bytes(&text, "a file").unwrap_err(), "reading a file");
-    stopped(ferrotron::files::read_text(&text, "a text").unwrap_err(), "reading a text");
+    // a file of more than one 64 MiB chunk stops after its first (sparse: no disk is used); one
+    // of a single chunk is read whole, as the small reads of a signal's own save must be
+    let big = tmp.path().join("big.bin");
+    std::fs::File::create(&big).unwrap().set_len((64 << 20) + 1).unwrap();
+    stopped(ferrotron::files::read_bytes(&big, "a file").unwrap_err(), "reading a file");
+    stopped(ferrotron::files::read_text(&big, "a text").unwrap_err(), "reading a text");
+    assert_eq!(ferrotron::files::read_bytes(&text, "a small file").unwrap().len(), 1900);
     // the data: a source already tokenised, and one that is not (no token file is left behind)
     let tokens_before = std::fs::read_dir(cache.join("tokens")).unwrap().count();
     stopped(Dataset::open(&cfg.data, &cfg.model).err().unwrap(), "data.source");
     let fresh = text_config(&other, &cache);
     stopped(Dataset::open(&fresh.data, &fresh.model).err().unwrap(), "data.source");
     assert_eq!(std::fs::read_dir(cache.join("tokens")).unwrap().count(), tokens_before, "nothing written");
-    // a checkpoint folder and a Hugging Face folder: their first file read stops
+    // a checkpoint folder and a Hugging Face folder: their large safetensors file stops
     let folder = tmp.path().join("model");
     std::fs::create_dir_all(&folder).unwrap();
-    std::fs::write(folder.join("config.json"), "{}").unwrap();
-    std::fs::write(folder.join("trainer_state.json"), "{}").unwrap();
-    stopped(ferrotron::checkpoint::save::load(&folder).err().unwrap(), "trainer_state.json");
-    stopped(ferrotron::checkpoint::hf::load_hf(&folder).err().unwrap(), "config.json");
+    let gqa = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gqa/config.json");
+    std::fs::copy(gqa, folder.join("config.json")).unwrap();
+    let state = r#"{"step": 1, "adam_steps": 1, "run_id": "0-0", "config": ""}"#;
+    std::fs::write(folder.join("trainer_state.json"), state).unwrap();
+    std::fs::hard_link(&big, folder.join("model.safetensors")).unwrap();
+    stopped(ferrotron::checkpoint::save::load(&folder).err().unwrap(), "model.safetensors");
+    stopped(ferrotron::checkpoint::hf::load_hf(&folder).err().unwrap(), "model.safetensors");
 }
