@@ -40,6 +40,41 @@ fn train_prints_floor_and_summary_and_writes_metrics() {
     assert!((first - 64f64.ln()).abs() < 0.1, "first loss {first}");
 }
 
+/// A run says what it did: where each checkpoint went, how often a text is read, and that bf16 on
+/// a CPU is emulated there.
+#[test]
+fn train_says_where_checkpoints_go_what_the_data_is_and_what_is_emulated() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let text = dir.path().join("d.txt");
+    std::fs::write(&text, "a short text, read many times. ".repeat(40)).unwrap();
+    let out = ferrotron(&[
+        "train",
+        "--set",
+        "train.steps=4",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        &format!("checkpoint.dir=\"{}\"", ck.display()),
+        "--set",
+        &format!("data.source=\"text:{}\"", text.display()),
+        "--set",
+        "data.tokenizer=\"bytes\"",
+        "--set",
+        "model.vocab_size=256",
+        "--set",
+        &format!("data.cache_dir=\"{}\"", dir.path().join("cache").display()),
+        "--set",
+        "device.dtype=\"bf16\"",
+    ]);
+    for step in ["step_000002", "step_000004"] {
+        assert!(out.contains(&format!("checkpoint: {}", ck.join(step).display())), "{out}");
+    }
+    // 1240 tokens; 4 steps × 16 sequences × 128 tokens = 8192 read: about 6.6 times
+    assert!(out.contains("1240 tokens to train on; 4 steps read about 6.6 times that"), "{out}");
+    assert!(out.contains("on cpu in bf16, emulated on the CPU"), "{out}");
+}
+
 #[test]
 fn eval_prints_the_transformers_loss() {
     let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/tied_odd");

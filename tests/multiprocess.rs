@@ -368,6 +368,16 @@ fn a_bad_launch_is_one_clear_line() {
     let lonely = process_of(0, 2, &port, &a).output().unwrap();
     let e = String::from_utf8_lossy(&lonely.stderr);
     assert!(e.contains("for process(es) 1 (RANK) that never came"), "{e}");
+    // a long wait is never silent: every 10 s it says who it waits for and for how long
+    let a = args(&["train"], &small(&["parallel.dp=2", "parallel.timeout_s=11"]));
+    let port = common::processes::free_port().to_string();
+    let lonely = process_of(0, 2, &port, &a).output().unwrap();
+    let e = String::from_utf8_lossy(&lonely.stderr);
+    assert!(
+        e.contains("process 0 has waited 10s of 11s at MASTER_PORT") && e.contains("for process(es) 1 (RANK)"),
+        "{e}"
+    );
+    assert!(e.contains("that never came"), "{e}");
     // MASTER_ADDR at a server that is not ferrotron (it answers like a web server, then talks
     // on): one line naming the address, no abort on a length read from its bytes
     let server = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

@@ -31,7 +31,7 @@ pub enum Command {
     Converge(ConvergeArgs),
     /// Print every rank's coordinates and process groups for a dp × pp × cp × tp layout (and ep).
     Grid(GridArgs),
-    /// Draw the pipeline schedules (AFAB, 1F1B, interleaved) as an SVG timeline and print their bubbles.
+    /// Draw the pipeline schedules (AFAB, 1F1B, interleaved, ZB-H1, ZBV) as an SVG timeline and print their bubbles.
     Schedule(ScheduleArgs),
     /// Every rank's bytes of weights, gradients, optimizer state, activations and communication
     /// buffers for a layout (estimated from the shapes; --measure also trains two steps).

@@ -150,6 +150,15 @@ impl Dataset {
         }
     }
 
+    /// The tokens a text source trains on (its held-out tail excluded); none for the synthetic
+    /// source, which never repeats.
+    pub fn train_tokens(&self) -> Option<usize> {
+        match self {
+            Dataset::Synthetic(_) => None,
+            Dataset::Text { train_end, .. } => Some(*train_end),
+        }
+    }
+
     /// The entropy floor of next-token prediction at this sequence length, where known.
     pub fn entropy_floor(&self, seq_len: usize) -> Option<f64> {
         match self {

@@ -86,6 +86,9 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };
         let saved = shared.checkpoints.save_if_due(me, cfg, step, (&tr.model, &*tr.optimizer), signal.is_some())?;
+        if let (Some(at), None) = (&saved, signal) {
+            watch.saved(at); // a signal's save is said with the stop
+        }
         if let Some(signal) = signal {
             watch.stopped(Stopped { signal, checkpoint: saved, dropped: None });
             break;

@@ -105,6 +105,16 @@ impl Metrics {
         Ok(())
     }
 
+    /// A line between the steps' (where a checkpoint went): above the progress bar, or on its own
+    /// line where the bar is hidden; nothing when quiet.
+    pub fn note(&self, line: &str) {
+        match (self.bar.is_hidden(), self.every > 0) {
+            (false, _) => self.bar.println(line),
+            (true, true) => crate::say!("{line}"),
+            (true, false) => {}
+        }
+    }
+
     pub fn finish(mut self) -> Result<()> {
         self.bar.finish_and_clear();
         if let Some(f) = &mut self.file {

@@ -13,13 +13,14 @@ use crate::comm::launcher::{Rank, Setup};
 use crate::comm::process_grid::{Axis, Grid};
 use crate::comm::trace::Trace;
 use crate::comm::Group;
-use crate::config::{Config, CpMode};
+use crate::config::{Config, CpMode, DeviceKind};
 use crate::data::Dataset;
 use crate::model::fused_loss::FusedLoss;
 use crate::model::moe::Experts;
 use crate::model::optimizer::{AdamW, Optimizer};
 use crate::model::routing_tape::TapeMode;
 use crate::model::{init, Llama, TensorSplit};
+use crate::ops::precision::Precision;
 use crate::ops::tensor::{Place, Tensor};
 use crate::parallel::context_parallel::Ring;
 use crate::parallel::sequence_parallel::SequenceParallel;
@@ -235,7 +236,11 @@ impl Run {
                 t.seq_len,
                 t.steps,
                 format!("{:?}", cfg.device.kind).to_lowercase(),
-                cfg.device.gemms().name(),
+                match (cfg.device.kind, cfg.device.gemms()) {
+                    // the CPU rounds to the format and computes in f32: the numbers, not the speed
+                    (DeviceKind::Cpu, p) if p != Precision::F32 => format!("{}, emulated on the CPU", p.name()),
+                    (_, p) => p.name().to_string(),
+                },
                 grid.world_size(),
                 if grid.world_size() == 1 { "" } else { "s" },
             );
@@ -246,9 +251,19 @@ impl Run {
                 gib(setup.capacity.bytes),
                 setup.capacity.what
             );
-            match floor {
-                Some(f) => crate::say!("data: {} | entropy floor {f:.4} nats/token", cfg.data.source),
-                None => crate::say!("data: {} | entropy floor unknown", cfg.data.source),
+            match (floor, data.train_tokens()) {
+                (Some(f), _) => crate::say!("data: {} | entropy floor {f:.4} nats/token", cfg.data.source),
+                (None, Some(n)) => {
+                    // windows drawn at random places: on average each token is read this often
+                    let read = (t.steps * t.micro_batch_size * t.grad_accum_steps * p.dp * t.seq_len) as f64;
+                    crate::say!(
+                        "data: {} | {n} tokens to train on; {} steps read about {:.1} times that | entropy floor unknown",
+                        cfg.data.source,
+                        t.steps,
+                        read / n.max(1) as f64
+                    )
+                }
+                (None, None) => crate::say!("data: {} | entropy floor unknown", cfg.data.source),
             }
             if let Some((r, dir)) = &resumed {
                 crate::say!("resuming from {} (step {} of {})", dir.display(), r.step, t.steps);

@@ -137,6 +137,11 @@ impl<'a> Watch<'a> {
 
     /// Notes that a signal stopped the run, and the checkpoint it saved (`None` where another
     /// process wrote it).
+    /// Says where a checkpoint went (rank 0, which writes them).
+    pub(super) fn saved(&self, at: &std::path::Path) {
+        self.metrics.note(&format!("checkpoint: {}", at.display()));
+    }
+
     pub(super) fn stopped(&mut self, stopped: Stopped) {
         self.summary.stopped = Some(stopped);
     }

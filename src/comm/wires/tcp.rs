@@ -71,9 +71,19 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
         })?;
         let mut table = vec![(IpAddr::from([0, 0, 0, 0]), 0u16); me.count];
         while links.iter().flatten().count() + 1 < me.count {
-            let mut s = accept_until(&listener, deadline, || {
+            let missing = || -> String {
                 let missing: Vec<String> = (1..me.count).filter(|&i| table[i].1 == 0).map(|i| i.to_string()).collect();
-                format!("process 0 waited {:.0}s at MASTER_PORT = {port} for process(es) {} (RANK) that never came: did they start, with MASTER_ADDR pointing at this host?", timeout.as_secs_f64(), missing.join(", "))
+                missing.join(", ")
+            };
+            let waited = |s: u64| {
+                format!(
+                    "process 0 has waited {s}s of {:.0}s at MASTER_PORT = {port} for process(es) {} (RANK)",
+                    timeout.as_secs_f64(),
+                    missing()
+                )
+            };
+            let mut s = accept_until(&listener, deadline, waited, || {
+                format!("process 0 waited {:.0}s at MASTER_PORT = {port} for process(es) {} (RANK) that never came: did they start, with MASTER_ADDR pointing at this host?", timeout.as_secs_f64(), missing())
             })?;
             let Some((index, their_port)) = hello(&mut s) else {
                 continue; // not one of ours (a port scanner, a health check): not counted
@@ -131,7 +141,8 @@ pub fn connect(me: &Processes, (addr, port): (&str, u16), timeout: Duration, del
             *link = Some(s);
         }
         while links.iter().flatten().count() < me.count - 1 {
-            let mut s = accept_until(&listener, deadline, || {
+            let waited = |s: u64| format!("process {} has waited {s}s for the processes after it to connect", me.index);
+            let mut s = accept_until(&listener, deadline, waited, || {
                 format!(
                     "process {} waited {:.0}s for the processes after it to connect",
                     me.index,
@@ -207,10 +218,31 @@ fn read_u64(s: &mut TcpStream) -> Result<u64> {
     Ok(u64::from_le_bytes(b))
 }
 
-/// Accepts one connection before `deadline`, or fails with `why()`.
-fn accept_until(listener: &TcpListener, deadline: Instant, why: impl Fn() -> String) -> Result<TcpStream> {
+/// How often a wait for the other processes says so, on standard error: a wait of minutes
+/// (`parallel.timeout_s`, 300 by default) is never silent.
+const SAY_WAITING_EVERY: Duration = Duration::from_secs(10);
+
+/// Says `waited(seconds)` on standard error each `SAY_WAITING_EVERY` since `start`.
+fn say_waiting(start: Instant, said: &mut u64, waited: &dyn Fn(u64) -> String) {
+    let periods = start.elapsed().as_secs() / SAY_WAITING_EVERY.as_secs();
+    if periods > *said {
+        *said = periods;
+        let _ = writeln!(std::io::stderr(), "{}", waited(periods * SAY_WAITING_EVERY.as_secs()));
+    }
+}
+
+/// Accepts one connection before `deadline`, or fails with `why()`; says how long it has waited
+/// (`waited`) every `SAY_WAITING_EVERY`.
+fn accept_until(
+    listener: &TcpListener,
+    deadline: Instant,
+    waited: impl Fn(u64) -> String,
+    why: impl Fn() -> String,
+) -> Result<TcpStream> {
     listener.set_nonblocking(true)?;
+    let (start, mut said) = (Instant::now(), 0);
     loop {
+        say_waiting(start, &mut said, &waited);
         crate::signals::check(|| "waiting for the other processes to meet".into())?;
         match listener.accept() {
             Ok((s, _)) => {
@@ -233,7 +265,10 @@ fn accept_until(listener: &TcpListener, deadline: Instant, why: impl Fn() -> Str
 /// address the name resolves to is tried (`localhost` may be ::1 first, and process 0 listens
 /// on IPv4).
 fn connect_until(to: impl ToSocketAddrs + Copy + std::fmt::Debug, deadline: Instant, me: usize) -> Result<TcpStream> {
+    let (start, mut said) = (Instant::now(), 0);
+    let waited = |s: u64| format!("process {me} has waited {s}s to reach process 0 at {to:?}");
     loop {
+        say_waiting(start, &mut said, &waited);
         crate::signals::check(|| format!("process {me} was trying to reach process 0"))?;
         let addrs: Vec<SocketAddr> =
             to.to_socket_addrs().map_err(|e| anyhow!("MASTER_ADDR: cannot resolve {to:?}: {e}"))?.collect();
