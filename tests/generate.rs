@@ -187,3 +187,38 @@ fn generate_errors_are_named() {
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("new token ids: ") && text.contains("\n1 5 9 "), "{text}");
 }
+
+/// A checkpoint of a run on text remembers its tokenizer: `generate --prompt` on it needs no
+/// `--tokenizer` (it did, for a run on bytes); a checkpoint of the synthetic language still asks
+/// for token ids.
+#[test]
+fn a_text_checkpoint_brings_its_own_tokenizer() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("d.txt");
+    std::fs::write(&text, "words to train on, and more words. ".repeat(40)).unwrap();
+    let bin = env!("CARGO_BIN_EXE_ferrotron");
+    let trained = |source: &str, ck: &Path| {
+        let sets = [
+            "train.steps=1".to_string(),
+            "checkpoint.every=1".into(),
+            format!("checkpoint.dir=\"{}\"", ck.display()),
+            format!("data.source=\"{source}\""),
+            "data.tokenizer=\"bytes\"".into(),
+            "model.vocab_size=256".into(),
+            format!("data.cache_dir=\"{}\"", dir.path().join("cache").display()),
+        ];
+        let mut args = vec!["train".to_string()];
+        sets.iter().for_each(|s| args.extend(["--set".into(), s.clone()]));
+        assert!(Command::new(bin).args(&args).output().unwrap().status.success());
+        ck.join("step_000001")
+    };
+    let generate = |model: &Path| {
+        let args = ["generate", "--model", model.to_str().unwrap(), "--prompt", "words ", "--max-new-tokens", "3"];
+        Command::new(bin).args(args).output().unwrap()
+    };
+    let on_text = generate(&trained(&format!("text:{}", text.display()), &dir.path().join("a")));
+    assert!(on_text.status.success(), "{}", String::from_utf8_lossy(&on_text.stderr));
+    assert!(String::from_utf8_lossy(&on_text.stdout).contains("new token ids: "));
+    let synthetic = generate(&trained("synthetic", &dir.path().join("b")));
+    assert!(String::from_utf8_lossy(&synthetic.stderr).contains("--prompt needs a tokenizer"));
+}

@@ -111,3 +111,26 @@ fn the_metrics_carry_val_loss_on_the_due_steps_and_bad_settings_are_named() {
     .unwrap();
     assert!(train(&off, Options { quiet: true, ..Default::default() }).unwrap().val_losses.is_empty());
 }
+
+/// A validation step's tokens/s counts its training alone: 40 held-out batches after steps 4 and
+/// 8 (about twenty training steps' work each) leave those steps' speed near the others', where
+/// it fell to a fraction of it when the validation was counted in. (A 3× margin against the
+/// timing noise of a shared machine.)
+#[test]
+fn tokens_per_second_leaves_out_the_validation() {
+    let dir = tempfile::tempdir().unwrap();
+    let metrics = dir.path().join("m.jsonl");
+    let cfg = Config::load(None, &sets(&["validation.every=4", "validation.batches=40"])).unwrap();
+    train(&cfg, Options { quiet: true, metrics: Some(&metrics), ..Default::default() }).unwrap();
+    let lines: Vec<serde_json::Value> =
+        std::fs::read_to_string(&metrics).unwrap().lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    let speed = |l: &serde_json::Value| l["tokens_per_s"].as_f64().unwrap();
+    let (validated, plain): (Vec<_>, Vec<_>) = lines.iter().skip(1).partition(|l| !l["val_loss"].is_null());
+    assert!(validated.len() >= 2, "{lines:?}");
+    let mut plain: Vec<f64> = plain.iter().map(|l| speed(l)).collect();
+    plain.sort_by(f64::total_cmp);
+    let median = plain[plain.len() / 2];
+    for l in validated {
+        assert!(speed(l) > median / 3.0, "step {}: {} tok/s against a median of {median}", l["step"], speed(l));
+    }
+}

@@ -341,15 +341,38 @@ pub fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
 }
 
 /// The tokenizer for `--tokenizer` (a path, `bytes` or `hub:ORG/NAME`), else the folder's own
-/// `tokenizer.json`, else none (prompts must then be token ids).
+/// `tokenizer.json`, else, for a ferrotron checkpoint trained on text, the `data.tokenizer` its
+/// run recorded, else none (prompts must then be token ids: the synthetic language has no text).
 pub fn tokenizer_for(dir: &Path, choice: Option<&str>) -> Result<Option<Tokenizer>> {
     match choice {
         Some(spec) => Ok(Some(Tokenizer::load(spec).context("--tokenizer")?)),
         None if dir.join("tokenizer.json").is_file() => {
             Ok(Some(Tokenizer::load(&dir.join("tokenizer.json").to_string_lossy())?))
         }
-        None => Ok(None),
+        None => match recorded_tokenizer(dir)? {
+            Some(spec) => Ok(Some(Tokenizer::load(&spec).with_context(|| {
+                format!(
+                    "{}: the tokenizer its run trained with, data.tokenizer = {spec}; give --tokenizer",
+                    dir.display()
+                )
+            })?)),
+            None => Ok(None),
+        },
     }
+}
+
+/// The `data.tokenizer` of the run that wrote a ferrotron checkpoint, if it trained on text.
+fn recorded_tokenizer(dir: &Path) -> Result<Option<String>> {
+    let state = dir.join("trainer_state.json");
+    if !state.is_file() {
+        return Ok(None);
+    }
+    let text = crate::files::read_text(&state, "trainer_state.json")?;
+    let meta: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", state.display()))?;
+    let cfg = meta["config"].as_str().and_then(crate::config::Config::from_recorded);
+    let on_text = |c: &crate::config::Config| c.data.source.starts_with("text:") || c.data.source.starts_with("hub:");
+    Ok(cfg.filter(on_text).map(|c| c.data.tokenizer))
 }
 
 /// Token ids written as `--tokens "5 17 42"` (spaces or commas between them).

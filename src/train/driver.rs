@@ -77,11 +77,13 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         };
         let held = held.expect("a finished step had its gradients ready");
         // the loss on held-out data, of the whole model gathered onto rank 0 (`train/validate.rs`)
+        let validating = std::time::Instant::now();
         let val_loss = match validate::due(cfg, step) {
             true => validate::validate(me, cfg, data, &tr.model, &*tr.optimizer)?,
             false => None,
         };
-        let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss };
+        let validation_s = validating.elapsed().as_secs_f64();
+        let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss, validation_s };
         watch.step_ends(&end, &mut tr.model, experts.as_deref())?;
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };

@@ -30,6 +30,8 @@ pub(super) struct StepEnd {
     pub held: Held,
     /// The loss on held-out data after this step, where there was a validation (rank 0).
     pub val_loss: Option<f32>,
+    /// The seconds that validation took: not the step's (its tokens/s counts training alone).
+    pub validation_s: f64,
 }
 
 /// A rank's watch over its run: metrics, trace spans, step times, peaks.
@@ -115,7 +117,7 @@ impl<'a> Watch<'a> {
         s.peak_bytes = s.peak_bytes.max(peak);
         let step_peak = matches!(place, Place::Cuda(_)).then(|| peak as f64 / (1 << 20) as f64);
         s.gpu_peak_mib = step_peak.map(|p| p.max(s.gpu_peak_mib.unwrap_or(0.0)));
-        let seconds = self.step_start.elapsed().as_secs_f64();
+        let seconds = (self.step_start.elapsed().as_secs_f64() - end.validation_s).max(1e-9);
         s.step_s.push(seconds);
         // this step's calls, added up (on a GPU their timing events are read and let go here,
         // not kept for the whole run)
@@ -135,13 +137,13 @@ impl<'a> Watch<'a> {
         })
     }
 
-    /// Notes that a signal stopped the run, and the checkpoint it saved (`None` where another
-    /// process wrote it).
     /// Says where a checkpoint went (rank 0, which writes them).
     pub(super) fn saved(&self, at: &std::path::Path) {
         self.metrics.note(&format!("checkpoint: {}", at.display()));
     }
 
+    /// Notes that a signal stopped the run, and the checkpoint it saved (`None` where another
+    /// process wrote it).
     pub(super) fn stopped(&mut self, stopped: Stopped) {
         self.summary.stopped = Some(stopped);
     }
