@@ -100,18 +100,11 @@ pub fn check_outputs<'a>(outputs: &[Wanted<'a>], inputs: &[(String, PathBuf)]) -
         inputs.iter().filter_map(|(w, p)| Some((w, p.canonicalize().ok()?))).collect();
     let mut seen: Vec<Output> = Vec::new();
     for &Wanted { flag, path, folder } in outputs {
+        // where it would write, found before anything is made: a refused output must not leave
+        // even an empty folder inside what the run reads
         let real = match folder {
-            true => {
-                check_folder_writable(path).with_context(|| flag.to_string())?;
-                path.canonicalize().with_context(|| format!("{flag} {}", path.display()))?
-            }
-            false => {
-                check_writable(path).with_context(|| flag.to_string())?;
-                let target = output_target(path)?;
-                // the folder exists now (check_writable made it): its canonical form names the file
-                let name = target.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-                folder_of(&target).canonicalize().map(|dir| dir.join(name)).unwrap_or(target)
-            }
+            true => real_path(path),
+            false => real_path(&output_target(path).with_context(|| flag.to_string())?),
         };
         if let Some(other) = seen.iter().find(|o| o.real == real) {
             bail!("{flag} {} is also the {} file: give each output its own path", path.display(), other.flag);
@@ -126,9 +119,39 @@ pub fn check_outputs<'a>(outputs: &[Wanted<'a>], inputs: &[(String, PathBuf)]) -
         if !folder && is_held(&real) {
             bail!("{flag} {} is a lock file a live run holds: writing over it would let a second run in; give the output another path", path.display());
         }
+        match folder {
+            true => check_folder_writable(path).with_context(|| flag.to_string())?,
+            false => check_writable(path).with_context(|| flag.to_string())?,
+        }
         seen.push(Output { flag, path, real });
     }
     Ok(seen)
+}
+
+/// `path` absolute, with symlinks and `..` followed as far as it exists, and the rest (not made
+/// yet) joined on, `.` and `..` taken as words: the place a write there would land.
+fn real_path(path: &Path) -> PathBuf {
+    let mut existing = path.to_path_buf();
+    let mut rest = Vec::new();
+    loop {
+        if let Ok(real) = existing.canonicalize() {
+            return rest.iter().rev().fold(real, |mut at: PathBuf, name: &std::ffi::OsString| {
+                match name.to_str() {
+                    Some(".") => {}
+                    Some("..") => drop(at.pop()),
+                    _ => at.push(name),
+                }
+                at
+            });
+        }
+        match existing.file_name() {
+            Some(name) => {
+                rest.push(name.to_os_string());
+                existing = folder_of(&existing);
+            }
+            None => return path.to_path_buf(), // `..` at the end of a missing path: left as given
+        }
+    }
 }
 
 /// Whether `path` is a file another open handle holds an advisory lock on (`flock`).
