@@ -1,5 +1,7 @@
 //! The command line as a user meets it: `train` with metrics, and `eval` on a checkpoint.
 
+mod common;
+
 use std::process::Command;
 
 fn ferrotron(args: &[&str]) -> String {
@@ -100,6 +102,9 @@ fn converge_prints_a_table_and_writes_csv_and_svg() {
     assert!(csv.starts_with("step,baseline,\"dp=2\""));
     let svg = std::fs::read_to_string(out_dir.join("losses.svg")).unwrap();
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>") && svg.matches("<polyline").count() == 5);
+    // the band the verdict holds the curves to is drawn, and the tolerance
+    assert!(svg.contains("<polygon") && svg.contains("allowed |Δloss|") && svg.contains("stroke-dasharray=\"2 3\""));
+    assert_eq!(common::svg::problems(&svg), Vec::<String>::new(), "the plot reads");
 }
 
 #[test]
@@ -138,6 +143,10 @@ fn train_plots_its_run_and_refuses_outputs_on_one_file() {
         assert!(picture.contains(part), "{part} missing from the plot");
     }
     assert_eq!(picture.matches("<circle").count(), 2, "a point per validation (steps 3 and 6)");
+    // steps counted from 1, as the progress line counts them: the title and the axis agree
+    assert!(picture.contains("steps 1 to 6 of 6</text>") && picture.contains(">1</text>") && picture.contains(">6</text>"));
+    assert!(!picture.contains(">0</text>"), "no step 0 on the axis");
+    assert_eq!(common::svg::problems(&picture), Vec::<String>::new(), "the plot reads");
     // one file for two outputs: refused before training, naming both flags; nothing written
     let same = dir.path().join("same.json");
     let link = dir.path().join("link.json");

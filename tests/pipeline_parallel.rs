@@ -213,3 +213,39 @@ fn the_trace_shows_every_axis_talking() {
     // the loss is broadcast from the last stage and averaged over dp×cp
     assert!(!trace.comm_spans(|n| n.starts_with("broadcast") && n.contains("pp[")).is_empty());
 }
+
+/// Every schedule's picture reads at every size up to p = 8, m = 32: no two labels print over each
+/// other, every label fits its box, every title fits the canvas (`common::svg`); and all five
+/// schedules drawn in one picture, on one clock.
+#[test]
+fn every_schedule_picture_reads() {
+    let mut drawn = 0;
+    let mut all = Vec::new();
+    for p in 2..=8 {
+        for m in [1, 2, 3, 4, 5, 7, 8, 12, 15, 16, 24, 31, 32] {
+            for (kind, chunks) in [
+                (PpSchedule::Afab, 1),
+                (PpSchedule::OneFOneB, 1),
+                (PpSchedule::Interleaved, 2),
+                (PpSchedule::Interleaved, 4),
+                (PpSchedule::ZbH1, 1),
+                (PpSchedule::Zbv, 2),
+            ] {
+                let Ok(t) = simulate(kind, p, m, chunks) else { continue }; // a size the schedule refuses
+                let slots = t.slots.len();
+                let svg = ferrotron::commands::schedule::svg(std::slice::from_ref(&t));
+                let problems = common::svg::problems(&svg);
+                assert!(problems.is_empty(), "{kind:?} p={p} m={m} V={chunks}:\n{}", problems.join("\n"));
+                let labels = svg.matches("text-anchor=\"middle\"").count();
+                assert_eq!(labels, slots, "{kind:?} p={p} m={m}: every box has its label");
+                drawn += 1;
+                if p == 8 && m == 32 {
+                    all.push(t);
+                }
+            }
+        }
+    }
+    assert!(drawn > 300, "{drawn} pictures");
+    let svg = ferrotron::commands::schedule::svg(&all);
+    assert_eq!(common::svg::problems(&svg), Vec::<String>::new(), "all six at p = 8, m = 32 in one picture");
+}

@@ -252,8 +252,9 @@ pub fn table(r: &Report) -> String {
     for o in &r.outcomes {
         let at = o.worst_step;
         let there = (o.losses.get(at).zip(r.baseline.get(at))).map_or(f32::NAN, |(a, b)| (a - b).abs());
-        let worst =
-            format!("{at}: {there:.1e} / {:.1e}", r.criterion.allowed.get(at).copied().unwrap_or(r.criterion.tol));
+        // steps shown from 1, as the progress line and the plots count them
+        let allowed = r.criterion.allowed.get(at).copied().unwrap_or(r.criterion.tol);
+        let worst = format!("{}: {there:.1e} / {allowed:.1e}", at + 1);
         s += &format!(
             "{:<width$}  {:>12.3e}  {worst:>28}  {}\n",
             o.label,
@@ -279,7 +280,8 @@ pub fn write_outputs(dir: &Path, r: &Report) -> Result<()> {
     csv.push('\n');
     let mut curves = vec![("baseline (1 rank)".to_string(), baseline.to_vec())];
     curves.extend(outcomes.iter().map(|o| (o.label.clone(), o.losses.clone())));
-    let svg = crate::commands::plot::loss_chart("loss per step: parallel variants against one rank", &curves);
+    let title = "loss per step: parallel variants against one rank";
+    let svg = crate::commands::plot::loss_chart(title, &curves, (&r.criterion.allowed, r.criterion.tol));
     for (name, bytes) in [("losses.csv", csv.as_bytes()), ("losses.svg", svg.as_bytes())] {
         let path = dir.join(name);
         crate::files::write_atomically(&path, bytes)?;

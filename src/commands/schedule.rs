@@ -230,47 +230,82 @@ pub fn from_trace(path: &std::path::Path) -> Result<Timeline> {
     })
 }
 
-/// The timelines one above the other, a row per stage, F boxes light, B boxes dark, W green.
+/// The timelines one above the other, a row per stage, F boxes light, B boxes dark, W green, on
+/// one clock so their lengths compare. The clock's scale is chosen so that the widest label fits
+/// its narrowest box (a chunk of an interleaved or V-shaped pipeline is 1/V of a stage's work, so
+/// its boxes are V times narrower); only past `MAX_ROW_PX` does it stop growing, and a box too
+/// narrow for its label is then drawn without one (a line under the rows says how many). Every
+/// title line is measured too, and the canvas is as wide as the widest.
 pub fn svg(timelines: &[Timeline]) -> String {
-    let (unit, row, left) = (18.0, 26.0, 150.0);
-    let width = left + timelines.iter().map(|t| t.makespan).fold(0.0, f64::max) * unit + 20.0;
-    let height: f64 = timelines.iter().map(|t| (t.stages as f64 + 2.5) * row).sum::<f64>() + 10.0;
+    use crate::commands::plot::{escape, text_width};
+    const FONT: f64 = 11.0; // labels, stage names, the second title line
+    const TITLE: f64 = 13.0;
+    const PAD: f64 = 2.0; // each side of a label inside its box
+    const MAX_ROW_PX: f64 = 32768.0;
+    let (row, left, box_h) = (26.0, 150.0, 22.0);
+    let label = |t: &Timeline, a: &Action| if t.chunks > 1 { format!("{a:#}") } else { a.to_string() };
+    let needed = timelines.iter().flat_map(|t| t.slots.iter().map(move |s| (t, s))).map(|(t, s)| {
+        (text_width(&label(t, &s.action), FONT) + 2.0 * PAD) / (s.end - s.start).max(1e-9)
+    });
+    let longest = timelines.iter().map(|t| t.makespan).fold(0.0, f64::max).max(1e-9);
+    let unit = needed.fold(18.0, f64::max).min(MAX_ROW_PX / longest);
+    let titles: Vec<[String; 2]> = timelines
+        .iter()
+        .map(|t| {
+            let formula = t.formula.map_or(String::new(), |f| format!(" (formula: {:.1}%)", 100.0 * f));
+            let peaks = t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(", ");
+            [
+                format!("{} — bubble {:.1}%{formula}", t.name, 100.0 * t.bubble()),
+                format!("peak micro-batch activations per stage: {peaks}"),
+            ]
+        })
+        .collect();
+    let title_px = titles.iter().map(|[a, b]| text_width(a, TITLE).max(text_width(b, FONT))).fold(0.0, f64::max);
+    let width = (left + longest * unit).max(10.0 + title_px) + 20.0;
+    let block = |t: &Timeline| 40.0 + t.stages as f64 * row + 24.0; // titles, rows, a note line
+    let height: f64 = timelines.iter().map(block).sum::<f64>() + 10.0;
     let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"11\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"{FONT}\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
     );
-    let mut top = 20.0;
-    for t in timelines {
-        let formula = t.formula.map_or(String::new(), |f| format!(" (formula: {:.1}%)", 100.0 * f));
-        let title = format!(
-            "{} — bubble {:.1}%{formula}; peak micro-batch activations per stage: {}",
-            crate::commands::plot::escape(&t.name),
-            100.0 * t.bubble(),
-            t.peak_activations.iter().map(|a| format!("{a:.2}")).collect::<Vec<_>>().join(", ")
-        );
-        let _ = writeln!(s, "<text x=\"10\" y=\"{top}\" font-size=\"13\">{title}</text>");
+    let mut top = 10.0;
+    for (t, [first, second]) in timelines.iter().zip(&titles) {
+        let _ = writeln!(s, "<text x=\"10\" y=\"{}\" font-size=\"{TITLE}\">{}</text>", top + 13.0, escape(first));
+        let _ = writeln!(s, "<text x=\"10\" y=\"{}\">{}</text>", top + 30.0, escape(second));
+        let rows = top + 40.0;
         for stage in 0..t.stages {
-            let y = top + 10.0 + stage as f64 * row;
-            let _ = writeln!(s, "<text x=\"10\" y=\"{}\">stage {stage}</text>", y + 16.0);
+            let y = rows + stage as f64 * row;
+            let _ = writeln!(s, "<text x=\"10\" y=\"{}\">stage {stage}</text>", y + 15.0);
             let _ = writeln!(
                 s,
-                "<rect x=\"{left}\" y=\"{y}\" width=\"{}\" height=\"22\" fill=\"#eee\"/>",
+                "<rect x=\"{left}\" y=\"{y}\" width=\"{}\" height=\"{box_h}\" fill=\"#eee\"/>",
                 t.makespan * unit
             );
         }
+        let mut unlabelled = 0;
         for slot in &t.slots {
-            let label = if t.chunks > 1 { format!("{:#}", slot.action) } else { slot.action.to_string() };
             let fill = match slot.action {
                 Action::Forward(w) => ["#9ecae1", "#c6dbef"][w.chunk % 2],
                 Action::Backward(w) | Action::InputGrad(w) => ["#3182bd", "#08519c"][w.chunk % 2],
                 Action::Weights(w) => ["#a1d99b", "#74c476"][w.chunk % 2],
             };
-            let (x, y, w) =
-                (left + slot.start * unit, top + 10.0 + slot.stage as f64 * row, (slot.end - slot.start) * unit);
-            let _ =
-                writeln!(s, "<rect x=\"{x}\" y=\"{y}\" width=\"{w}\" height=\"22\" fill=\"{fill}\" stroke=\"white\"/>");
-            let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{label}</text>", x + w / 2.0, y + 15.0);
+            let (x, y, w) = (left + slot.start * unit, rows + slot.stage as f64 * row, (slot.end - slot.start) * unit);
+            let _ = writeln!(
+                s,
+                "<rect x=\"{x}\" y=\"{y}\" width=\"{w}\" height=\"{box_h}\" fill=\"{fill}\" stroke=\"white\"/>"
+            );
+            let text = label(t, &slot.action);
+            match text_width(&text, FONT) + 2.0 * PAD <= w {
+                true => {
+                    let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{text}</text>", x + w / 2.0, y + 15.0);
+                }
+                false => unlabelled += 1,
+            }
         }
-        top += (t.stages as f64 + 2.5) * row;
+        if unlabelled > 0 {
+            let note = format!("{unlabelled} boxes too narrow for their labels at this width are drawn without them");
+            let _ = writeln!(s, "<text x=\"10\" y=\"{}\">{note}</text>", rows + t.stages as f64 * row + 15.0);
+        }
+        top += block(t);
     }
     s.push_str("</svg>\n");
     s

@@ -2,6 +2,8 @@
 
 #[allow(dead_code)] // the test files that start processes
 pub mod processes;
+#[allow(dead_code)] // the test files that draw
+pub mod svg;
 
 /// A model small enough to train in seconds (`--set` strings).
 #[allow(dead_code)] // not every test file trains
