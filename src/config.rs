@@ -1,7 +1,7 @@
-//! # Configuration: one TOML file, six sections, overrides from the command line
+//! # Configuration: one TOML file, seven sections, overrides from the command line
 //!
-//! A run is described by `[model]`, `[train]`, `[parallel]`, `[data]`, `[device]` and
-//! `[checkpoint]`. Every key has the value written in `configs/tiny.toml` (compiled into the
+//! A run is described by `[model]`, `[train]`, `[parallel]`, `[data]`, `[device]`,
+//! `[checkpoint]` and `[validation]`. Every key has the value written in `configs/tiny.toml` (compiled into the
 //! binary) unless your file or a `--set section.key=value` says otherwise, in that order.
 //! Unknown keys and wrong types are errors that name the key; `validate` (`config/checks.rs`)
 //! then checks that the values make sense together.
@@ -16,6 +16,10 @@ use table::{apply_set, merge, one_line, plain_words};
 
 /// The longest a rank may be configured to wait for the others (`parallel.timeout_s`): a week.
 pub const MAX_TIMEOUT_S: f64 = 604800.0;
+
+/// The most tokens a sample while training may add (`train.sample_tokens`): its KV cache grows
+/// with them on rank 0.
+pub const MAX_SAMPLE_TOKENS: usize = 4096;
 
 /// The built-in default run, `configs/tiny.toml`.
 pub const TINY: &str = include_str!("../configs/tiny.toml");
@@ -92,6 +96,14 @@ pub struct TrainConfig {
     /// loss and its gradient this many rows at a time in forward, never holding the whole
     /// `rows × vocab` logits; 0 keeps them whole for backward.
     pub loss_chunk_rows: usize,
+    /// Every this many steps (and after the last), a greedy continuation of `sample_prompt`
+    /// printed and kept in the metrics (`train/sample.rs`); 0: never.
+    pub sample_every: usize,
+    /// The text a sample continues (through `data.tokenizer`); empty: the first tokens of the
+    /// held-out data.
+    pub sample_prompt: String,
+    /// How many tokens each sample adds.
+    pub sample_tokens: usize,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]

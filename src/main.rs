@@ -165,7 +165,7 @@ fn memory_command(MemoryArgs { config, sets, measure, json }: MemoryArgs, paths:
 fn generate_command(
     GenerateArgs { model, prompt, tokens, max_new_tokens, temperature, top_k, seed, tokenizer, device, dtype }: GenerateArgs,
 ) -> Result<Exit> {
-    let sampling = generate::Sampling { max_new_tokens, temperature, top_k, seed };
+    let sampling = ferrotron::model::sampling::Sampling { max_new_tokens, temperature, top_k, seed };
     let dtype = if dtype == "f32" { ferrotron::ops::DType::F32 } else { ferrotron::ops::DType::Bf16 };
     let gpu = (device == "cuda").then_some(dtype);
     generate::run(&model, (prompt.as_deref(), tokens.as_deref()), &sampling, tokenizer.as_deref(), gpu)?;

@@ -25,6 +25,7 @@ pub mod metrics;
 mod run;
 mod step;
 pub mod stop;
+mod sample;
 mod validate;
 mod watch;
 

@@ -6,7 +6,8 @@
 
 use ferrotron::checkpoint::hf;
 use ferrotron::commands::eval::shifted_targets;
-use ferrotron::commands::generate::{self, pick, Sampling};
+use ferrotron::commands::generate;
+use ferrotron::model::sampling::{self, pick, Sampling};
 use ferrotron::model::kv_cache::KvCache;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -48,12 +49,15 @@ fn greedy(n: usize) -> Sampling {
 #[test]
 fn the_end_of_text_token_stops_a_generation() {
     let mut model = hf::load_hf(&fixture("gqa")).unwrap();
-    let free = generate::generate(&mut model, &[1, 5, 9], &greedy(12), &[], &mut |_| {}).unwrap();
+    let free = sampling::generate(&mut model, &[1, 5, 9], &greedy(12), &[], &mut |_| Ok(())).unwrap();
     assert_eq!(free.len(), 12);
     let eos = free[3];
     let first = free.iter().position(|&t| t == eos).unwrap();
     let mut seen = Vec::new();
-    let stopped = generate::generate(&mut model, &[1, 5, 9], &greedy(12), &[eos], &mut |t| seen.push(t)).unwrap();
+    let stopped = sampling::generate(&mut model, &[1, 5, 9], &greedy(12), &[eos], &mut |t| {
+        seen.push(t);
+        Ok(())
+    }).unwrap();
     assert_eq!(stopped, free[..=first], "stops after the end-of-text token, which it returns");
     assert_eq!(seen, stopped, "each token is handed on as it is picked");
     // the folder's own: generation_config.json first, then config.json (a number or a list)
@@ -97,12 +101,12 @@ fn the_sampler_draws_from_the_softmax_at_its_temperature_over_the_top_k() {
     let mut model = hf::load_hf(&fixture("gqa")).unwrap();
     let sampled = |seed| {
         let s = Sampling { max_new_tokens: 20, temperature: 1.0, top_k: 0, seed };
-        generate::generate(&mut hf::load_hf(&fixture("gqa")).unwrap(), &[1, 5, 9], &s, &[], &mut |_| {}).unwrap()
+        sampling::generate(&mut hf::load_hf(&fixture("gqa")).unwrap(), &[1, 5, 9], &s, &[], &mut |_| Ok(())).unwrap()
     };
     assert_eq!(sampled(3), sampled(3));
     assert_ne!(sampled(3), sampled(4));
     let bad = Sampling { temperature: f32::NAN, ..greedy(3) };
-    assert!(generate::generate(&mut model, &[1], &bad, &[], &mut |_| {})
+    assert!(sampling::generate(&mut model, &[1], &bad, &[], &mut |_| Ok(()))
         .unwrap_err()
         .to_string()
         .contains("--temperature NaN"));
@@ -129,7 +133,7 @@ fn greedy_decoding_equals_transformers() {
         let prompt = case["prompt"].as_str().unwrap();
         let prompt_ids = tok.encode(prompt).unwrap();
         assert_eq!(prompt_ids, ids(&case["prompt_ids"]), "{prompt:?}: the tokenizer");
-        let new = generate::generate(&mut model, &prompt_ids, &greedy(n), &eos, &mut |_| {}).unwrap();
+        let new = sampling::generate(&mut model, &prompt_ids, &greedy(n), &eos, &mut |_| Ok(())).unwrap();
         assert_eq!(new, ids(&case["new_ids"]), "{prompt:?}: greedy tokens");
         // the binary, from the text
         let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))

@@ -2,7 +2,8 @@
 //! handler installed and a SIGTERM received, a file read of more than one chunk, the data's
 //! preparation (hashing the source, tokenising it, checking a token file), a checkpoint's and a
 //! Hugging Face folder's weights each end with `Interrupted` at their next chunk, and nothing is
-//! written; a file of one chunk is still read whole. (The training
+//! written; a file of one chunk is still read whole; validation and a sample while training end
+//! without their result. (The training
 //! step, validation and the wait for peers are signalled on the real binary: `tests/faults.rs`,
 //! `tests/multiprocess.rs`.) Its own test binary: the signal, once noted, stays for the process.
 
@@ -62,4 +63,15 @@ fn after_a_signal_every_read_and_the_data_preparation_stop_with_interrupted() {
     std::fs::hard_link(&big, folder.join("model.safetensors")).unwrap();
     stopped(ferrotron::checkpoint::save::load(&folder).err().unwrap(), "model.safetensors");
     stopped(ferrotron::checkpoint::hf::load_hf(&folder).err().unwrap(), "model.safetensors");
+    // a sample while training ends at its next token, as validation at its next micro-batch:
+    // the step is kept, without a sample or a held-out loss
+    let metrics = tmp.path().join("m.jsonl");
+    let sets: Vec<String> = ["train.steps=1", "train.sample_every=1", "validation.every=1", "model.num_hidden_layers=1"]
+        .map(String::from)
+        .into();
+    let cfg = Config::load(None, &sets).unwrap();
+    let opts = ferrotron::train::Options { quiet: true, metrics: Some(&metrics), ..Default::default() };
+    assert_eq!(ferrotron::train::train(&cfg, opts).unwrap().losses.len(), 1);
+    let line = std::fs::read_to_string(&metrics).unwrap();
+    assert!(line.contains("\"loss\"") && !line.contains("sample") && !line.contains("val_loss"), "{line}");
 }

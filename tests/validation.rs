@@ -1,6 +1,7 @@
 //! Validation (`[validation]`, `train/validate.rs`): the held-out loss is the same under every
 //! parallel layout; held-out data is never trained on (synthetic indices apart, a text's tail cut
-//! off); it is in the metrics on the due steps only; the errors.
+//! off); it is in the metrics on the due steps only; the errors. And its sibling, samples while
+//! training (`train.sample_every`, `train/sample.rs`): the same text under every layout.
 
 mod common;
 
@@ -133,4 +134,64 @@ fn tokens_per_second_leaves_out_the_validation() {
     for l in validated {
         assert!(speed(l) > median / 3.0, "step {}: {} tok/s against a median of {median}", l["step"], speed(l));
     }
+}
+
+/// The samples of a run, from its metrics file: (step, sample).
+fn samples(extra: &[&str]) -> Vec<(u64, String)> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("m.jsonl");
+    let mut all = vec!["train.sample_every=5", "train.sample_tokens=12", "validation.every=0"];
+    all.extend(extra);
+    let cfg = Config::load(None, &sets(&all)).unwrap();
+    train(&cfg, Options { quiet: true, metrics: Some(&path), ..Default::default() }).unwrap();
+    let text = std::fs::read_to_string(&path).unwrap();
+    let lines = text.lines().map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap());
+    lines.filter_map(|j| Some((j["step"].as_u64()?, j["sample"].as_str()?.to_string()))).collect()
+}
+
+/// A sample is rank 0's greedy continuation by the gathered model: the same tokens under every
+/// layout, every `sample_every` steps and after the last; it continues the held-out data's first
+/// 16 tokens by default.
+#[test]
+fn samples_while_training_are_the_same_under_every_layout() {
+    let one = samples(&[]);
+    assert_eq!(one.iter().map(|s| s.0).collect::<Vec<_>>(), [4, 9, 11], "every 5 steps and after the last");
+    let cfg = Config::load(None, &sets(&[])).unwrap();
+    let data = Dataset::open(&cfg.data, &cfg.model).unwrap();
+    let first: Vec<String> = data.held_out(0, 16).unwrap().iter().map(|t| t.to_string()).collect();
+    let (prompt, new) = one[0].1.split_once(" → ").unwrap();
+    assert_eq!(prompt, first.join(" "), "the held-out data's first tokens");
+    assert_eq!(new.split(' ').count(), 12, "train.sample_tokens new tokens");
+    for layout in [
+        &["parallel.dp=2", "train.micro_batch_size=8", "parallel.zero_stage=3"][..],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+        &["parallel.pp=2", "train.grad_accum_steps=2", "train.micro_batch_size=8"],
+        &["parallel.cp=2"],
+    ] {
+        assert_eq!(samples(layout), one, "{layout:?}");
+    }
+}
+
+/// On text, `train.sample_prompt` is encoded by `data.tokenizer` and the sample is shown as text;
+/// without validation the default prompt is the text's own first tokens. The errors name the key.
+#[test]
+fn a_text_sample_continues_its_prompt_and_bad_settings_are_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let text = dir.path().join("t.txt");
+    std::fs::write(&text, "the cat sat on the mat. ".repeat(200)).unwrap();
+    let source = format!("data.source=\"text:{}\"", text.display());
+    let cache = format!("data.cache_dir=\"{}\"", dir.path().join("cache").display());
+    let base = [source.as_str(), cache.as_str(), "model.vocab_size=256", "train.sample_tokens=24", "train.steps=120", "train.sample_every=60"];
+    let with = |extra: &[&str]| samples(&base.iter().chain(extra).copied().collect::<Vec<_>>());
+    let prompted = with(&["train.sample_prompt=\"the cat\""]);
+    assert!(prompted[0].1.starts_with("\"the cat\" → \""), "{prompted:?}");
+    let learned = &prompted.last().unwrap().1;
+    assert!(learned.contains(" sat on the mat"), "120 steps learn the one sentence: {learned}");
+    let default = with(&[]);
+    assert!(default[0].1.starts_with("\"the cat sat on t\" → "), "the text's first 16 bytes: {default:?}");
+    let err = |extra: &[&str]| Config::load(None, &sets(extra)).err().map(|e| format!("{e:#}")).unwrap_or_default();
+    assert!(err(&["train.sample_every=2", "train.sample_tokens=0"]).contains("train.sample_tokens = 0"));
+    assert!(err(&["train.sample_every=2", "train.sample_tokens=5000"]).contains("from 1 to 4096"));
+    let synthetic = err(&["train.sample_prompt=\"hello\""]);
+    assert!(synthetic.contains("train.sample_prompt") && synthetic.contains("synthetic"), "{synthetic}");
 }

@@ -4,7 +4,7 @@
 //! Hugging Face `config.json`), the training and parallel settings against each other and the
 //! model, the device, and the data source. `Config::load` runs them after the TOML is read.
 
-use super::{table::first_non_finite, MAX_TIMEOUT_S};
+use super::{table::first_non_finite, MAX_SAMPLE_TOKENS, MAX_TIMEOUT_S};
 use super::{
     CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceDtype, DeviceKind, DpMode, ModelConfig, PpSchedule,
 };
@@ -102,6 +102,12 @@ impl Config {
             .filter(|&n| n < 1 << 62);
         if sequences.is_none() {
             bail!("train.steps × train.micro_batch_size × train.grad_accum_steps × parallel.dp = {} × {} × {} × {} sequences: more than the 2⁶² a run can draw; lower them", t.steps, t.micro_batch_size, t.grad_accum_steps, p.dp);
+        }
+        if t.sample_every > 0 && !(1..=MAX_SAMPLE_TOKENS).contains(&t.sample_tokens) {
+            bail!("train.sample_tokens = {} with train.sample_every = {}: give from 1 to {MAX_SAMPLE_TOKENS} tokens a sample (or sample_every = 0 for no samples)", t.sample_tokens, t.sample_every);
+        }
+        if !t.sample_prompt.is_empty() && self.data.source == "synthetic" {
+            bail!("train.sample_prompt = {:?}: the synthetic data has no text to encode it with; leave it empty (a sample then continues the held-out data's first tokens) or train on text", t.sample_prompt);
         }
         let v = &self.validation;
         if v.every > 0 && v.batches == 0 {

@@ -35,6 +35,8 @@ pub enum Dataset {
         tokens: crate::data::text::Tokens,
         seed: u64,
         train_end: usize,
+        /// What made the tokens, to read them back as text (samples while training).
+        tokenizer: crate::data::text::Tokenizer,
     },
 }
 
@@ -90,7 +92,7 @@ impl Dataset {
             let source = crate::data::text::Source { shards, column: d.text_column.clone(), name };
             let tokens = crate::data::text::Tokens::open(&source, &tokenizer, m.vocab_size, &cache)?;
             let train_end = tokens.len();
-            Ok(Dataset::Text { tokens, seed: d.seed, train_end })
+            Ok(Dataset::Text { tokens, seed: d.seed, train_end, tokenizer })
         }
     }
 
@@ -98,7 +100,7 @@ impl Dataset {
     pub fn sequence(&self, index: u64, len: usize) -> Result<Vec<u32>> {
         match self {
             Dataset::Synthetic(s) => Ok(s.sequence(index, len)),
-            Dataset::Text { tokens, seed, train_end } => {
+            Dataset::Text { tokens, seed, train_end, .. } => {
                 if *train_end < len {
                     bail!("data.source: the text has {train_end} tokens to train on, fewer than train.seq_len + 1 = {len}");
                 }
@@ -129,7 +131,7 @@ impl Dataset {
     pub fn held_out(&self, i: u64, len: usize) -> Result<Vec<u32>> {
         match self {
             Dataset::Synthetic(s) => Ok(s.sequence(HELD_OUT + i, len)),
-            Dataset::Text { tokens, seed, train_end } => {
+            Dataset::Text { tokens, seed, train_end, .. } => {
                 let span = tokens
                     .len()
                     .checked_sub(train_end + len)
@@ -138,6 +140,23 @@ impl Dataset {
                     train_end + crate::model::init::stream(*seed, &format!("text/held-out/{i}")).gen_range(0..=span);
                 tokens.window(start, len)
             }
+        }
+    }
+
+    /// The first `len` tokens of held-out sequence 0, or, where a text source holds nothing out
+    /// (no validation), of the text itself: what a sample continues by default.
+    pub fn first_tokens(&self, len: usize) -> Result<Vec<u32>> {
+        match self {
+            Dataset::Text { tokens, train_end, .. } if *train_end == tokens.len() => tokens.window(0, len.min(tokens.len())),
+            _ => self.held_out(0, len),
+        }
+    }
+
+    /// The tokenizer of a text source (none for the synthetic one: it has no text).
+    pub fn tokenizer(&self) -> Option<&crate::data::text::Tokenizer> {
+        match self {
+            Dataset::Synthetic(_) => None,
+            Dataset::Text { tokenizer, .. } => Some(tokenizer),
         }
     }
 

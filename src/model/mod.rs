@@ -22,6 +22,7 @@ pub mod optimizer;
 pub mod param;
 pub mod recompute;
 pub mod routing_tape;
+pub mod sampling;
 pub mod split;
 pub mod stage;
 

@@ -6,8 +6,8 @@
 //! ```text
 //! before a step   start its clock (and the GPU profile, when asked)
 //! the step        `Trainer::step` (train.rs), with the hooks below
-//! after it        the held-out loss when due (`validate.rs`), the step's line, metrics and
-//!                 trace (`watch.rs`), a checkpoint when due (`run.rs`)
+//! after it        the held-out loss and a sample when due (`validate.rs`, `sample.rs`), the
+//!                 step's line, metrics and trace (`watch.rs`), a checkpoint when due (`run.rs`)
 //! a signal        every rank agrees on it after the step, or between micro-batches (the
 //!                 hooks' stop points), saves where it stopped and ends (`stop.rs`)
 //! ```
@@ -29,7 +29,7 @@ use super::memory::Held;
 use super::run::Shared;
 use super::step::{Stepped, Trainer};
 use super::watch::{StepEnd, Watch};
-use super::{memory, stop, validate, Options, Stopped, Summary};
+use super::{memory, sample, stop, validate, Options, Stopped, Summary};
 use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
 use crate::comm::Group;
@@ -58,6 +58,8 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
     // where every stage may stop together: at the start of a round of the pipeline (1: anywhere)
     let (stage, one_stage) = (tr.pipeline.stage, pp.size() == 1);
     let round = if one_stage { 1 } else { stage.count * stage.chunks };
+    // what samples continue, found (and checked) before the first step
+    let prompt = (cfg.train.sample_every > 0).then(|| sample::prompt(cfg, data)).transpose()?;
     for step in first_step..cfg.train.steps {
         watch.step_starts(step);
         let (signal, held) = (Cell::new(None), Cell::new(None));
@@ -76,14 +78,13 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
             }
         };
         let held = held.expect("a finished step had its gradients ready");
-        // the loss on held-out data, of the whole model gathered onto rank 0 (`train/validate.rs`)
+        // the loss on held-out data and a sample, of the whole model gathered onto rank 0
+        // (`train/validate.rs`, `train/sample.rs`), when due
         let validating = std::time::Instant::now();
-        let val_loss = match validate::due(cfg, step) {
-            true => validate::validate(me, cfg, data, &tr.model, &*tr.optimizer)?,
-            false => None,
-        };
+        let state = (&tr.model, &*tr.optimizer);
+        let (val_loss, sample) = validate::after_step(me, (cfg, data), step, state, prompt.as_deref())?;
         let validation_s = validating.elapsed().as_secs_f64();
-        let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss, validation_s };
+        let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss, sample, validation_s };
         watch.step_ends(&end, &mut tr.model, experts.as_deref())?;
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };

@@ -19,6 +19,10 @@ pub struct StepLog {
     /// The loss on held-out data after this step, where there was a validation.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub val_loss: Option<f32>,
+    /// A greedy continuation after this step, where one was due (`train.sample_every`):
+    /// `"prompt" → "continuation"` (token ids for the synthetic data).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sample: Option<String>,
     pub lr: f32,
     pub grad_norm: f32,
     /// The most micro-batch activations rank 0 held at once during the step (pipeline memory).
@@ -101,6 +105,9 @@ impl Metrics {
             }
             self.bar.set_message(msg);
             self.bar.inc(1);
+        }
+        if let Some(sample) = &s.sample {
+            self.note(&format!("step {:>5} | sample: {sample}", s.step + 1));
         }
         Ok(())
     }

@@ -30,7 +30,9 @@ pub(super) struct StepEnd {
     pub held: Held,
     /// The loss on held-out data after this step, where there was a validation (rank 0).
     pub val_loss: Option<f32>,
-    /// The seconds that validation took: not the step's (its tokens/s counts training alone).
+    /// A greedy continuation of the sample prompt after this step, where one was due (rank 0).
+    pub sample: Option<String>,
+    /// The seconds that validation and sampling took: not the step's (its tokens/s counts training alone).
     pub validation_s: f64,
 }
 
@@ -127,6 +129,7 @@ impl<'a> Watch<'a> {
             activations: end.activations_held,
             loss: end.loss,
             val_loss: end.val_loss,
+            sample: end.sample.clone(),
             lr: end.lr,
             grad_norm: end.grad_norm as f32,
             gpu_peak_mib: step_peak,
