@@ -23,9 +23,9 @@ mod gradients;
 pub mod memory;
 pub mod metrics;
 mod run;
+mod sample;
 mod step;
 pub mod stop;
-mod sample;
 mod validate;
 mod watch;
 

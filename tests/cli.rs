@@ -144,7 +144,9 @@ fn train_plots_its_run_and_refuses_outputs_on_one_file() {
     }
     assert_eq!(picture.matches("<circle").count(), 2, "a point per validation (steps 3 and 6)");
     // steps counted from 1, as the progress line counts them: the title and the axis agree
-    assert!(picture.contains("steps 1 to 6 of 6</text>") && picture.contains(">1</text>") && picture.contains(">6</text>"));
+    assert!(
+        picture.contains("steps 1 to 6 of 6</text>") && picture.contains(">1</text>") && picture.contains(">6</text>")
+    );
     assert!(!picture.contains(">0</text>"), "no step 0 on the axis");
     assert_eq!(common::svg::problems(&picture), Vec::<String>::new(), "the plot reads");
     // one file for two outputs: refused before training, naming both flags; nothing written

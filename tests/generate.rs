@@ -7,8 +7,8 @@
 use ferrotron::checkpoint::hf;
 use ferrotron::commands::eval::shifted_targets;
 use ferrotron::commands::generate;
-use ferrotron::model::sampling::{self, pick, Sampling};
 use ferrotron::model::kv_cache::KvCache;
+use ferrotron::model::sampling::{self, pick, Sampling};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -57,7 +57,8 @@ fn the_end_of_text_token_stops_a_generation() {
     let stopped = sampling::generate(&mut model, &[1, 5, 9], &greedy(12), &[eos], &mut |t| {
         seen.push(t);
         Ok(())
-    }).unwrap();
+    })
+    .unwrap();
     assert_eq!(stopped, free[..=first], "stops after the end-of-text token, which it returns");
     assert_eq!(seen, stopped, "each token is handed on as it is picked");
     // the folder's own: generation_config.json first, then config.json (a number or a list)

@@ -66,9 +66,10 @@ fn after_a_signal_every_read_and_the_data_preparation_stop_with_interrupted() {
     // a sample while training ends at its next token, as validation at its next micro-batch:
     // the step is kept, without a sample or a held-out loss
     let metrics = tmp.path().join("m.jsonl");
-    let sets: Vec<String> = ["train.steps=1", "train.sample_every=1", "validation.every=1", "model.num_hidden_layers=1"]
-        .map(String::from)
-        .into();
+    let sets: Vec<String> =
+        ["train.steps=1", "train.sample_every=1", "validation.every=1", "model.num_hidden_layers=1"]
+            .map(String::from)
+            .into();
     let cfg = Config::load(None, &sets).unwrap();
     let opts = ferrotron::train::Options { quiet: true, metrics: Some(&metrics), ..Default::default() };
     assert_eq!(ferrotron::train::train(&cfg, opts).unwrap().losses.len(), 1);

@@ -181,7 +181,14 @@ fn a_text_sample_continues_its_prompt_and_bad_settings_are_refused() {
     std::fs::write(&text, "the cat sat on the mat. ".repeat(200)).unwrap();
     let source = format!("data.source=\"text:{}\"", text.display());
     let cache = format!("data.cache_dir=\"{}\"", dir.path().join("cache").display());
-    let base = [source.as_str(), cache.as_str(), "model.vocab_size=256", "train.sample_tokens=24", "train.steps=120", "train.sample_every=60"];
+    let base = [
+        source.as_str(),
+        cache.as_str(),
+        "model.vocab_size=256",
+        "train.sample_tokens=24",
+        "train.steps=120",
+        "train.sample_every=60",
+    ];
     let with = |extra: &[&str]| samples(&base.iter().chain(extra).copied().collect::<Vec<_>>());
     let prompted = with(&["train.sample_prompt=\"the cat\""]);
     assert!(prompted[0].1.starts_with("\"the cat\" → \""), "{prompted:?}");

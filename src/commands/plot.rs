@@ -162,7 +162,8 @@ fn panel(svg: &mut String, top: f64, label: &str, steps: usize, (lo, hi): (f64, 
     ticks.dedup();
     for s in ticks {
         let (x, _) = at(top, steps, (lo, hi), s, lo);
-        let _ = writeln!(svg, "<text x=\"{x:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>", top + PANEL + 16.0, s + 1);
+        let _ =
+            writeln!(svg, "<text x=\"{x:.1}\" y=\"{}\" text-anchor=\"middle\">{}</text>", top + PANEL + 16.0, s + 1);
     }
     let _ = writeln!(svg, "<text x=\"{LEFT}\" y=\"{}\">{} (x: step)</text>", top - 8.0, escape(label));
 }
@@ -178,7 +179,10 @@ fn polyline(
 ) {
     let points = coords(top, steps, range, pts);
     let (width, dash) = if wide { (4.0, "") } else { (1.5, " stroke-dasharray=\"6 3\"") };
-    let _ = writeln!(svg, "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"{width}\"{dash} points=\"{points}\"/>");
+    let _ = writeln!(
+        svg,
+        "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"{width}\"{dash} points=\"{points}\"/>"
+    );
 }
 
 /// Where the value `v` of index `s` is drawn in the panel at `top` (clamped into it).

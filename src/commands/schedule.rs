@@ -244,9 +244,10 @@ pub fn svg(timelines: &[Timeline]) -> String {
     const MAX_ROW_PX: f64 = 32768.0;
     let (row, left, box_h) = (26.0, 150.0, 22.0);
     let label = |t: &Timeline, a: &Action| if t.chunks > 1 { format!("{a:#}") } else { a.to_string() };
-    let needed = timelines.iter().flat_map(|t| t.slots.iter().map(move |s| (t, s))).map(|(t, s)| {
-        (text_width(&label(t, &s.action), FONT) + 2.0 * PAD) / (s.end - s.start).max(1e-9)
-    });
+    let needed = timelines
+        .iter()
+        .flat_map(|t| t.slots.iter().map(move |s| (t, s)))
+        .map(|(t, s)| (text_width(&label(t, &s.action), FONT) + 2.0 * PAD) / (s.end - s.start).max(1e-9));
     let longest = timelines.iter().map(|t| t.makespan).fold(0.0, f64::max).max(1e-9);
     let unit = needed.fold(18.0, f64::max).min(MAX_ROW_PX / longest);
     let titles: Vec<[String; 2]> = timelines
@@ -296,7 +297,12 @@ pub fn svg(timelines: &[Timeline]) -> String {
             let text = label(t, &slot.action);
             match text_width(&text, FONT) + 2.0 * PAD <= w {
                 true => {
-                    let _ = writeln!(s, "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{text}</text>", x + w / 2.0, y + 15.0);
+                    let _ = writeln!(
+                        s,
+                        "<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">{text}</text>",
+                        x + w / 2.0,
+                        y + 15.0
+                    );
                 }
                 false => unlabelled += 1,
             }

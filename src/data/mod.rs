@@ -147,7 +147,9 @@ impl Dataset {
     /// (no validation), of the text itself: what a sample continues by default.
     pub fn first_tokens(&self, len: usize) -> Result<Vec<u32>> {
         match self {
-            Dataset::Text { tokens, train_end, .. } if *train_end == tokens.len() => tokens.window(0, len.min(tokens.len())),
+            Dataset::Text { tokens, train_end, .. } if *train_end == tokens.len() => {
+                tokens.window(0, len.min(tokens.len()))
+            }
             _ => self.held_out(0, len),
         }
     }

@@ -16,6 +16,7 @@
 //! hundred steps, not every step. A signal ends it at the next micro-batch (`train/stop.rs`).
 //! A sample (`sample.rs`) due after the same step uses the same gathered model.
 
+use super::sample;
 use crate::checkpoint::hf::build_from;
 use crate::checkpoint::save::{self, Gather};
 use crate::comm::launcher::Rank;
@@ -25,7 +26,6 @@ use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
 use crate::model::{Llama, Whole};
-use super::sample;
 use anyhow::Result;
 use std::collections::HashMap;
 

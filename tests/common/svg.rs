@@ -47,12 +47,20 @@ pub fn problems(svg: &str) -> Vec<String> {
         };
         let t = Text { text, x0, x1: x0 + w, y0: y - size, y1: y + 0.25 * size };
         if t.x0 < 0.0 || t.x1 > width || t.y0 < 0.0 || t.y1 > height {
-            problems.push(format!("`{}` ({:.0}..{:.0} × {:.0}..{:.0}) is off the {width} × {height} canvas", t.text, t.x0, t.x1, t.y0, t.y1));
+            problems.push(format!(
+                "`{}` ({:.0}..{:.0} × {:.0}..{:.0}) is off the {width} × {height} canvas",
+                t.text, t.x0, t.x1, t.y0, t.y1
+            ));
         }
         if line.contains("text-anchor=\"middle\"") {
             if let Some((bx0, by0, bx1, by1)) = last_box {
                 if t.x0 < bx0 || t.x1 > bx1 || t.y0 < by0 || t.y1 > by1 {
-                    problems.push(format!("label `{}` ({:.1} wide) does not fit its box ({:.1} wide)", t.text, t.x1 - t.x0, bx1 - bx0));
+                    problems.push(format!(
+                        "label `{}` ({:.1} wide) does not fit its box ({:.1} wide)",
+                        t.text,
+                        t.x1 - t.x0,
+                        bx1 - bx0
+                    ));
                 }
             }
         }
