@@ -132,7 +132,7 @@ pub fn check_outputs<'a>(outputs: &[Wanted<'a>], inputs: &[(String, PathBuf)]) -
 /// yet) joined on, `.` and `..` taken as words: the place a write there would land.
 fn real_path(path: &Path) -> PathBuf {
     let mut existing = path.to_path_buf();
-    let mut rest = Vec::new();
+    let mut rest = Vec::new(); // the last components first, as they are taken off
     loop {
         if let Ok(real) = existing.canonicalize() {
             return rest.iter().rev().fold(real, |mut at: PathBuf, name: &std::ffi::OsString| {
@@ -144,12 +144,18 @@ fn real_path(path: &Path) -> PathBuf {
                 at
             });
         }
-        match existing.file_name() {
-            Some(name) => {
-                rest.push(name.to_os_string());
-                existing = folder_of(&existing);
+        // the last component, whatever it is: a name, or a `..` below a folder not made yet
+        // (`new/..`: the folder is made first, so the `..` lands back where it started)
+        let mut parts = existing.components();
+        match parts.next_back() {
+            Some(last) if existing.as_os_str() != "." => {
+                rest.push(last.as_os_str().to_os_string());
+                existing = match parts.as_path().as_os_str().is_empty() {
+                    true => PathBuf::from("."),
+                    false => parts.as_path().to_path_buf(),
+                };
             }
-            None => return path.to_path_buf(), // `..` at the end of a missing path: left as given
+            _ => return path.to_path_buf(),
         }
     }
 }

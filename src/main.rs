@@ -9,7 +9,7 @@ use ferrotron::comm::launcher;
 use ferrotron::comm::process_grid::Grid;
 use ferrotron::commands::cli::{
     BenchArgs, Cli, Command, ConvergeArgs, EvalArgs, GenerateArgs, GridArgs, MemoryArgs, PathArg, ScheduleArgs,
-    TrainArgs,
+    TokenizerArgs, TrainArgs,
 };
 use ferrotron::commands::{self, bench, converge, doctor, eval, generate, memory, schedule};
 use ferrotron::config::Config;
@@ -30,6 +30,7 @@ fn run(cli: Cli, paths: &[PathArg]) -> Result<Exit> {
         Command::Eval(a) => eval_command(a),
         Command::Memory(a) => memory_command(a, paths),
         Command::Generate(a) => generate_command(a),
+        Command::Tokenizer(a) => tokenizer_command(a, paths),
         Command::Doctor => doctor::doctor().map(|_| Exit::Done),
         Command::Bench(a) if a.op.is_some() => bench_op(a, paths),
         Command::Bench(a) => bench_step(a, paths),
@@ -169,6 +170,23 @@ fn generate_command(
     let dtype = if dtype == "f32" { ferrotron::ops::DType::F32 } else { ferrotron::ops::DType::Bf16 };
     let gpu = (device == "cuda").then_some(dtype);
     generate::run(&model, (prompt.as_deref(), tokens.as_deref()), &sampling, tokenizer.as_deref(), gpu)?;
+
+    Ok(Exit::Done)
+}
+
+fn tokenizer_command(
+    TokenizerArgs { source, vocab_size, text_column, out }: TokenizerArgs,
+    paths: &[PathArg],
+) -> Result<Exit> {
+    let plain_path = !source.contains(':') && source != "synthetic";
+    let source = if plain_path { format!("text:{source}") } else { source };
+    // the source as a config names it (its shards are then inputs no output may overwrite); a
+    // vocabulary of bytes, so that the check of a text source's model passes
+    let sets =
+        [format!("data.source={source:?}"), format!("data.text_column={text_column:?}"), "model.vocab_size=256".into()];
+    let cfg = Config::load(None, &sets).context("SOURCE")?;
+    let _claims = commands::claim_outputs(paths, Some(&cfg))?; // no output onto what it reads
+    ferrotron::commands::tokenizer::run(&cfg.data, vocab_size, &out)?;
 
     Ok(Exit::Done)
 }

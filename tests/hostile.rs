@@ -186,6 +186,7 @@ fn base_args(command: &str, scratch: &Path) -> Vec<String> {
         "schedule" => v(&["schedule"]),
         "eval" => v(&["eval", "--model", &gqa, "--tokens", &tokens.display().to_string()]),
         "generate" => v(&["generate", "--model", &gqa, "--tokens", "1", "--max-new-tokens", "1"]),
+        "tokenizer" => v(&["tokenizer", "--vocab-size", "260", &format!("text:{}", tokens.display())]),
         other => panic!("{other} takes a path: give the sweep its base arguments here"),
     }
 }

@@ -167,9 +167,16 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
         }
         let base: Vec<String> = match name {
             "converge" => vec!["converge".into(), "--variants".into(), "dp=2".into()],
+            "tokenizer" => {
+                ["tokenizer", "--vocab-size", "260", &format!("text:{}", s(at("d.txt")))].map(String::from).into()
+            }
             other => vec![other.into()],
         };
         let mut inputs: Vec<Input> = Vec::new();
+        if name == "tokenizer" {
+            // its SOURCE, a text as data.source names one
+            inputs.push(Input { name: "SOURCE".into(), args: Vec::new(), path: at("d.txt") });
+        }
         for arg in sub.get_arguments().filter(|a| a.get_help_heading() == Some(READS)) {
             let flag = format!("--{}", arg.get_long().unwrap());
             let path =
@@ -189,6 +196,9 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
                 // the input's own path, and (a folder) a file inside it and a path below a
                 // folder not made yet inside it
                 let mut targets = vec![input.path.clone()];
+                // and the input by way of a folder not made yet (`new/..`), which the write would make
+                let name = input.path.file_name().unwrap();
+                targets.push(input.path.parent().unwrap().join("not-made-yet/..").join(name));
                 if input.path.is_dir() {
                     targets.push(std::fs::read_dir(&input.path).unwrap().flatten().next().unwrap().path());
                     targets.push(input.path.join("new/../new/out"));

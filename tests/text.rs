@@ -196,3 +196,56 @@ fn a_token_file_cut_short_under_the_run_is_named() {
     let e = format!("{:#}", Dataset::open(&cfg.data, &cfg.model).err().unwrap());
     assert!(e.contains("not a complete token file; delete it"), "{e}");
 }
+
+/// `ferrotron tokenizer` learns a byte-level BPE from a source's documents (`data/bpe.rs`): on
+/// the fixture corpus it writes the tokenizer.json of the fixture, with which transformers'
+/// fast tokenizer gives the ids of expected.json (tests/fixtures/make_learned_tokenizer.py, which
+/// also checks the Python trainer learns the same merges); `data.tokenizer` takes it; a
+/// vocabulary below the bytes and a source with no text are refused in a line.
+#[test]
+fn a_learned_tokenizer_is_the_one_transformers_reads() {
+    let here = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/learned_tokenizer");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("tok.json");
+    let corpus = format!("text:{}", here.join("corpus.jsonl").display());
+    let run = |args: &[&str]| std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).output().unwrap();
+    let made = run(&["tokenizer", "--vocab-size", "300", &corpus, "--out", out.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&made.stdout);
+    assert!(made.status.success(), "{said}{}", String::from_utf8_lossy(&made.stderr));
+    // what docs/cli.md quotes
+    assert!(said.contains("learned 300 tokens (256 bytes, <|endoftext|>, 43 merges) from 72 documents, 6.0 kB, in "));
+    assert!(said.contains("1.69 bytes a token (on the first 6.0 kB; bytes as tokens: 1.00)"), "{said}");
+    let json = |p: &Path| serde_json::from_str::<serde_json::Value>(&std::fs::read_to_string(p).unwrap()).unwrap();
+    assert_eq!(json(&out), json(&here.join("tokenizer.json")), "the fixture's tokenizer, learned again");
+    let expected = json(&here.join("expected.json"));
+    let tok = Tokenizer::load(out.to_str().unwrap()).unwrap();
+    assert_eq!((tok.vocab_size() as u64, tok.eos().map(u64::from)), (300, expected["eos"].as_u64()));
+    for (text, ids) in expected["texts"].as_array().unwrap().iter().zip(expected["ids"].as_array().unwrap()) {
+        let want: Vec<u32> = ids.as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect();
+        let text = text.as_str().unwrap();
+        assert_eq!(tok.encode(text).unwrap(), want, "{text}: transformers' ids");
+        assert_eq!(tok.decode(&want).unwrap(), text);
+    }
+    // data.tokenizer takes it: the corpus is tokenised with it and trained on
+    let mut sets = text_config(&tmp.path().join("unused.txt"), &[]);
+    sets.data.source = corpus.clone();
+    sets.data.tokenizer = out.display().to_string();
+    sets.model.vocab_size = 300;
+    sets.train.steps = 2;
+    let data = Dataset::open(&sets.data, &sets.model).unwrap();
+    assert!(data.train_tokens().unwrap() > 2000, "about 6900 bytes at 1.7 bytes a token");
+    assert_eq!(train(&sets, Options { quiet: true, ..Default::default() }).unwrap().losses.len(), 2);
+    // refused in a line, nothing written
+    let refused = |args: &[&str], words: &[&str]| {
+        let o = run(args);
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{args:?}: {err}");
+        assert!(words.iter().all(|w| err.contains(w)) && err.lines().count() == 1, "{args:?}: {err}");
+    };
+    let other = tmp.path().join("other.json");
+    let o = other.to_str().unwrap();
+    refused(&["tokenizer", "--vocab-size", "100", &corpus, "--out", o], &["--vocab-size 100", "257"]);
+    refused(&["tokenizer", "--vocab-size", "300", "synthetic", "--out", o], &["SOURCE", "text:PATH"]);
+    refused(&["tokenizer", "--vocab-size", "300", "text:/no/such/file.txt", "--out", o], &["/no/such/file.txt"]);
+    assert!(!other.exists());
+}

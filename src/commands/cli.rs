@@ -41,6 +41,9 @@ pub enum Command {
     /// Sample from a model (a ferrotron checkpoint or a Hugging Face Llama folder) with a KV
     /// cache: greedy with --temperature 0, else drawn from the softmax over the top-k tokens.
     Generate(GenerateArgs),
+    /// Learn a byte-level BPE tokenizer from a text source and write its tokenizer.json (for
+    /// data.tokenizer, and loadable by transformers).
+    Tokenizer(TokenizerArgs),
     /// Check the CUDA setup: libraries, driver, GPUs, then self-tests on GPU 0.
     Doctor,
     /// Measure a config: step time, tokens/s, MFU and peak memory (warm-up steps excluded);
@@ -204,6 +207,23 @@ pub struct GenerateArgs {
     /// On a GPU: bf16 or f32 (the CPU computes in f32).
     #[arg(long, default_value = "bf16", value_parser = ["bf16", "f32"])]
     pub dtype: String,
+}
+
+#[derive(Args)]
+pub struct TokenizerArgs {
+    /// What to learn from, as data.source takes it: text:PATH (a .txt, .jsonl or .parquet file, a
+    /// folder or a glob of them) or hub:ORG/NAME/FILE.
+    #[arg(value_name = "SOURCE")]
+    pub source: String,
+    /// Tokens in the vocabulary: the 256 bytes, <|endoftext|> and the merges learned (257 or more).
+    #[arg(long)]
+    pub vocab_size: usize,
+    /// The JSON field or parquet column holding each document.
+    #[arg(long, default_value = "text")]
+    pub text_column: String,
+    /// Where the tokenizer goes.
+    #[arg(long, default_value = "tokenizer.json", help_heading = WRITES, value_hint = ValueHint::FilePath)]
+    pub out: PathBuf,
 }
 
 #[derive(Args)]

@@ -18,6 +18,7 @@ pub mod memory;
 pub mod plot;
 pub mod schedule;
 pub mod self_check;
+pub mod tokenizer;
 pub mod train;
 
 use crate::config::Config;

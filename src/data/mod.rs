@@ -20,6 +20,7 @@
 //! at a place drawn from (data seed, i). Either way, sequence `i` of the run depends only on
 //! (data seed, i), so the tokens of a step never depend on the topology.
 
+pub mod bpe;
 pub mod documents;
 pub mod hf_hub;
 pub mod text;
@@ -72,10 +73,8 @@ pub fn rows_at<T: Copy>(data: &[T], seq: usize, pos: &[u32]) -> Vec<T> {
 impl Dataset {
     /// Opens the source named by `data.source` (reading the file of a text source).
     pub fn open(d: &DataConfig, m: &ModelConfig) -> Result<Dataset> {
-        let (shards, spec) = match (d.source.strip_prefix("text:"), d.source.strip_prefix("hub:")) {
-            (Some(path), _) => (crate::data::documents::shards(path)?, path),
-            (_, Some(spec)) => (crate::data::hf_hub::dataset_files(spec)?, spec),
-            _ => return Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size))),
+        let Some(source) = text_source(&d.source, &d.text_column)? else {
+            return Ok(Dataset::Synthetic(Synthetic::new(d, m.vocab_size)));
         };
         {
             let tokenizer = crate::data::text::Tokenizer::load(&d.tokenizer)?;
@@ -88,8 +87,6 @@ impl Dataset {
                 );
             }
             let cache = crate::files::cache_folder(&d.cache_dir)?;
-            let name = spec.trim_end_matches('/').rsplit('/').next().unwrap_or("source").to_string();
-            let source = crate::data::text::Source { shards, column: d.text_column.clone(), name };
             let tokens = crate::data::text::Tokens::open(&source, &tokenizer, m.vocab_size, &cache)?;
             let train_end = tokens.len();
             Ok(Dataset::Text { tokens, seed: d.seed, train_end, tokenizer })
@@ -209,6 +206,19 @@ impl Dataset {
     pub fn held_out_rows(&self, first: u64, count: usize, len: usize) -> Result<(Vec<u32>, Vec<i32>)> {
         rows((first..first + count as u64).map(|i| self.held_out(i, len)))
     }
+}
+
+/// The documents `spec` names (`data.source`): `text:PATH` (a file, a folder or a glob) or
+/// `hub:ORG/NAME/FILE` (listed from the Hub or its cache), each document the `column` of its row;
+/// `None` for `synthetic`.
+pub fn text_source(spec: &str, column: &str) -> Result<Option<crate::data::text::Source>> {
+    let (shards, path) = match (spec.strip_prefix("text:"), spec.strip_prefix("hub:")) {
+        (Some(path), _) => (crate::data::documents::shards(path)?, path),
+        (_, Some(hub)) => (crate::data::hf_hub::dataset_files(hub)?, hub),
+        _ => return Ok(None),
+    };
+    let name = path.trim_end_matches('/').rsplit('/').next().unwrap_or("source").to_string();
+    Ok(Some(crate::data::text::Source { shards, column: column.to_string(), name }))
 }
 
 /// Sequences of seq_len + 1 tokens as model rows: (inputs: all but the last token of each,
