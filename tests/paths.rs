@@ -197,8 +197,8 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
                 // folder not made yet inside it
                 let mut targets = vec![input.path.clone()];
                 // and the input by way of a folder not made yet (`new/..`), which the write would make
-                let name = input.path.file_name().unwrap();
-                targets.push(input.path.parent().unwrap().join("not-made-yet/..").join(name));
+                let file = input.path.file_name().unwrap();
+                targets.push(input.path.parent().unwrap().join("not-made-yet/..").join(file));
                 if input.path.is_dir() {
                     targets.push(std::fs::read_dir(&input.path).unwrap().flatten().next().unwrap().path());
                     targets.push(input.path.join("new/../new/out"));
