@@ -12,10 +12,10 @@
 //! | `data/` | the synthetic language, real text and tokenizers, Hugging Face hub files |
 //! | `checkpoint/` | Hugging Face weights in and out, save and resume |
 //! | `cuda/` | the GPU runtime beneath everything: devices, buffers, streams, NVRTC, the kernel table and its launches |
-//! | `commands/` | the tools around training: converge, bench, doctor (with the GPU self-check), eval, generate, memory, the schedule picture |
+//! | `commands/` | the tools around training: converge, bench, doctor (with the GPU self-check), eval, generate, tokenizer, memory, the schedule picture |
 //!
 //! Imports run one way between the folders, from the lowest: the plain values (`signals`, `files`,
-//! `config`, `ops/types.rs`, which every folder reads) → `cuda` (the GPU runtime) → `ops` →
+//! `config`, `devices`, `ops/types.rs`, which every folder reads) → `cuda` (the GPU runtime) → `ops` →
 //! `comm` → `model` → `data` → `parallel` → `checkpoint` → `train` → `commands`.
 //! `tests/layering.rs` keeps it so, folder by folder and module by module. Every file also
 //! belongs to one lesson of the tutorial, or to one track no lesson teaches
@@ -28,6 +28,7 @@ pub mod commands;
 pub mod config;
 pub mod cuda;
 pub mod data;
+pub mod devices;
 pub mod files;
 pub mod model;
 pub mod ops;

@@ -1,8 +1,9 @@
 //! `ferrotron bench`: the FLOP formula, the memory formula against the activations the model
 //! really keeps (with each recompute mode), the peak table, and the command's table and JSON.
 
-use ferrotron::commands::bench::{self, flops_per_token, peak_tflops};
+use ferrotron::commands::bench;
 use ferrotron::config::{Config, Recompute};
+use ferrotron::devices::{flops_per_token, peak_tflops};
 use ferrotron::model::stage::Stage;
 use ferrotron::model::{Llama, StageInput};
 use ferrotron::ops::tensor::Tensor;
@@ -88,7 +89,8 @@ fn bench_reports_a_table_and_json() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
-    assert!(text.contains("tokens/s") && text.contains("MFU                  n/a"), "{text}");
+    // on the CPU, MFU is of its measured peak (recorded once, in the cache's calibration file)
+    assert!(text.contains("tokens/s") && text.contains("TFLOP/s (this CPU's f32 GEMM, measured once)"), "{text}");
     let json = text.lines().find_map(|l| l.strip_prefix("json: ")).expect("a json line");
     let v: serde_json::Value = serde_json::from_str(json).unwrap();
     assert_eq!(v["measured_steps"], 2);
@@ -197,4 +199,40 @@ fn bench_op_attention_is_for_the_gpu_and_alone() {
     assert_eq!(flops, 4.0 * 8.0 * 9.0 * 2048.0 * 2048.0 * 64.0 / 2.0);
     // GPU_MEASURED.md: PyTorch's FA2 forward at these shapes, 0.175 ms, is 220 TFLOP/s by this count
     assert!((flops / 0.175e-3 / 1e12 - 220.9).abs() < 1.0);
+}
+
+/// MFU on the progress line, in `--metrics` and in the summary, from the one device table: on the
+/// CPU, of the peak measured once and recorded in `calibration.json` in the cache folder (a
+/// second run reads it: a planted peak there is the one used).
+#[test]
+fn train_shows_mfu_against_the_recorded_cpu_peak() {
+    let cache = tempfile::tempdir().unwrap();
+    let metrics = cache.path().join("m.jsonl");
+    let run = || {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .env("FERROTRON_CACHE", cache.path())
+            .args(["train", "--metrics", metrics.to_str().unwrap(), "--set", "train.steps=4"])
+            .args(common::SMALL.iter().flat_map(|s| ["--set", s]))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8_lossy(&out.stdout).to_string()
+    };
+    let said = run();
+    let file = cache.path().join("calibration.json");
+    let key = ferrotron::devices::cpu_key();
+    let measured = ferrotron::devices::recorded_cpu_peak(&file, &key).expect("measured and recorded");
+    assert!(measured > 1e-4 && measured < 1e3, "{measured} TFLOP/s");
+    assert!(said.contains("| MFU ") && said.lines().any(|l| l.starts_with("done:") && l.contains("| MFU ")), "{said}");
+    // a planted peak is read back: a millionth of a TFLOP/s makes every step far above 100%
+    ferrotron::devices::record_cpu_peak(&file, &key, 1e-6).unwrap();
+    run();
+    let cfg = Config::load(None, &common::SMALL.iter().map(|s| s.to_string()).collect::<Vec<_>>()).unwrap();
+    let flops = flops_per_token(&cfg.model, cfg.train.seq_len);
+    for line in std::fs::read_to_string(&metrics).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let (mfu, tokens_per_s) = (v["mfu"].as_f64().unwrap(), v["tokens_per_s"].as_f64().unwrap());
+        let want = flops * tokens_per_s / (1e-6 * 1e12);
+        assert!((mfu / want - 1.0).abs() < 1e-9 && mfu > 1.0, "{line}");
+    }
 }

@@ -58,7 +58,12 @@ fn config_keys() -> Vec<(String, Kind)> {
     for (section, values) in &table {
         for (key, value) in values.as_table().unwrap() {
             let name = format!("{section}.{key}");
-            let word = |w: &str| ferrotron::config::Config::load(None, &[format!("{name}=\"{w}\"")]).is_err();
+            // a key that takes words refuses another word as an unknown variant (a text key may
+            // refuse it for another reason: `train.sample_prompt` on the synthetic data)
+            let word = |w: &str| {
+                let e = ferrotron::config::Config::load(None, &[format!("{name}=\"{w}\"")]).err();
+                e.is_some_and(|e| format!("{e:#}").contains("variant"))
+            };
             let kind = match value {
                 toml::Value::Float(_) => Kind::Float,
                 toml::Value::Integer(_) => Kind::Integer,

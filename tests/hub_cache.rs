@@ -1,7 +1,7 @@
 //! `hub:` names resolve through the Hugging Face cache without any network: a model (weights
 //! and tokenizer) and a dataset file laid out as `huggingface_hub` lays them out. (Downloads
-//! themselves need the internet and are not tested here.) Its own test binary, because it sets
-//! HF_HOME for the process.
+//! themselves need the internet and are not tested here; without a network or a cached copy,
+//! the error says so.) Its own test binary, because it sets HF_HOME and HF_ENDPOINT for the process.
 
 use ferrotron::config::Config;
 use ferrotron::train::{train, Options};
@@ -78,4 +78,24 @@ fn hub_names_resolve_from_the_cache_offline() {
     cfg.data.source = "hub:ferrotron/stories/data/train-*.parquet".into();
     cfg.data.cache_dir = home.path().join("tokens").display().to_string();
     assert!(train(&cfg, quiet).unwrap().losses[0].is_finite());
+
+    // no network and no cached copy: said in those words, with the cache's place and what to do
+    std::env::set_var("HF_ENDPOINT", "http://127.0.0.1:9"); // a mirror where nothing listens: refused at once
+    use ferrotron::data::hf_hub::{dataset_file, dataset_files, model_dir, tokenizer_file};
+    for (what, err) in [
+        ("a dataset glob", dataset_files("nobody/nothing/*.parquet").unwrap_err()),
+        ("a dataset file", dataset_file("nobody/nothing/a.parquet").unwrap_err()),
+        ("a model", model_dir("nobody/nothing").unwrap_err()),
+        ("a tokenizer", tokenizer_file("nobody/nothing").unwrap_err()),
+    ] {
+        let e = format!("{err:#}");
+        let cache = home.path().join("hub").display().to_string();
+        assert!(
+            e.contains("no network (the Hub cannot be reached) and no cached copy of") && e.contains(&cache),
+            "{what}: {e}"
+        );
+        assert!(e.contains("then offline") && !e.contains("os error"), "{what}: {e}");
+    }
+    // what is cached is still found, whatever the network
+    assert_eq!(dataset_files("ferrotron/stories/data/train-*.parquet").unwrap(), files);
 }

@@ -34,6 +34,7 @@ const FOLDERS: &[&str] = &[
     "signals",
     "files",
     "config",
+    "devices",
     "cuda",
     "ops",
     "comm",

@@ -31,6 +31,7 @@ const WRITERS: &[(&str, &[&str])] = &[
     ("checkpoint::save", &["checkpoint.dir"]),
     ("checkpoint::folder", &["checkpoint.dir"]),
     ("data::text", &["data.cache_dir"]),
+    ("devices", &["data.cache_dir"]),
 ];
 
 /// The folders a run owns: locked while it writes them (`checkpoint/folder.rs`) or named by the

@@ -1,58 +1,21 @@
 //! # Benchmarking: tokens per second, MFU and memory against a formula
 //!
 //! `ferrotron bench` trains a config for a few warm-up steps and then some measured steps, and
-//! reports the step time, the tokens per second, and the model FLOPs utilisation:
-//!
-//! ```text
-//! FLOPs per token = 6·N + 12·L·(H·d_head)·S      (PaLM, appendix B; also picotron and nanotron)
-//!   N: the weights that take part in a matrix product (every weight except an untied input
-//!      embedding, which is a lookup); 6 = 2 (multiply + add) × 3 (forward, and backward twice)
-//!   12·L·(H·d_head)·S: the attention scores and their use, Q·Kᵀ and P·V, forward and backward,
-//!      over the whole S × S square (the causal half that is skipped still counts, by convention)
-//! MFU = FLOPs per token × tokens per second / (peak FLOP/s of one GPU × GPUs)
-//! ```
-//! The peak is the GPU's dense bf16 tensor-core rate in mixed precision, or its f32 CUDA-core
-//! rate in f32 mode (cuBLAS runs without TF32 there), from the table below by GPU name;
-//! `--peak-tflops` gives it for other hardware (a CPU too).
+//! reports the step time, the tokens per second, and the model FLOPs utilisation: FLOPs per token
+//! × tokens per second over the peak FLOP/s of the devices (`devices.rs` has the formula and the
+//! table of peaks by GPU name; a CPU's is measured once). `--peak-tflops` gives the peak of one
+//! rank's device for other hardware.
 //!
 //! Memory: the peak the GPU's tensors reached in a step, next to what the formula expects (bytes
 //! per weight for weights, gradients and AdamW, plus the activations one micro-batch keeps for its
 //! backward, `train/memory.rs`), and the largest micro-batch that the GPU's memory would hold.
 
-use crate::config::{Config, ModelConfig};
-use crate::ops::DType;
+use crate::config::Config;
+use crate::devices::{flops_per_token, peak_tflops};
 use crate::train::memory::{activations_held, bytes_per_weight, weights_per_rank};
 use crate::train::{self, Options};
 use anyhow::{bail, Result};
 use serde::Serialize;
-
-/// Dense peak TFLOP/s (bf16 tensor cores, f32 CUDA cores) by a part of the GPU's name; the first
-/// match wins.
-const PEAKS: [(&str, f64, f64); 9] = [
-    ("H100 PCIe", 756.5, 51.2),
-    ("H100 NVL", 835.5, 60.0),
-    ("H100", 989.4, 66.9), // SXM (its name reads "H100 80GB HBM3")
-    ("H200", 989.4, 66.9), // and GH200
-    ("A100", 312.0, 19.5),
-    ("L40S", 362.1, 91.6),
-    ("L40", 181.0, 90.5), // before "L4", which its name contains
-    ("RTX 4090", 165.2, 82.6),
-    ("L4", 121.0, 30.3),
-];
-
-/// The peak of a GPU named `name` computing in `dtype`, in TFLOP/s, when the table knows it.
-pub fn peak_tflops(name: &str, dtype: DType) -> Option<f64> {
-    let (_, bf16, f32) = PEAKS.iter().find(|(part, _, _)| name.contains(part))?;
-    Some(if dtype == DType::Bf16 { *bf16 } else { *f32 })
-}
-
-/// FLOPs per trained token (forward and backward), by the formula above.
-pub fn flops_per_token(m: &ModelConfig, seq_len: usize) -> f64 {
-    let lookup_only = if m.tie_word_embeddings { 0.0 } else { m.vocab_size as f64 * m.hidden_size as f64 };
-    let n = m.parameter_count() - lookup_only;
-    let attention = 12.0 * (m.num_hidden_layers * m.num_attention_heads * m.head_dim() * seq_len) as f64;
-    6.0 * n + attention
-}
 
 #[derive(Serialize, Debug)]
 pub struct Report {
@@ -115,7 +78,13 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
     let flops = flops_per_token(m, t.seq_len);
     let achieved_tflops = flops * tokens_per_s / 1e12;
     let ranks = p.world_size();
-    let peak = peak_override.or_else(|| peak_tflops(&name, dtype));
+    // a GPU's peak by its name, one per rank; the CPU's measured once, shared by its ranks
+    let on_cpu = cfg.device.kind == crate::config::DeviceKind::Cpu;
+    let peak = peak_override.or_else(|| match on_cpu {
+        true => crate::devices::cpu_peak_tflops(&cfg.data.cache_dir, crate::ops::cpu_math::peak_tflops).ok(),
+        false => peak_tflops(&name, dtype),
+    });
+    let devices = if on_cpu { 1 } else { ranks };
     let static_bytes = bytes_per_weight(dtype) * weights_per_rank(m, p.tp, p.pp);
     let held = activations_held(&cfg, t.micro_batch_size, dtype);
     let per_sequence = activations_held(&cfg, 1, dtype);
@@ -134,7 +103,7 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
         flops_per_token: flops,
         achieved_tflops,
         peak_tflops: peak,
-        mfu: peak.map(|pk| achieved_tflops / (pk * ranks as f64)),
+        mfu: peak.map(|pk| achieved_tflops / (pk * devices as f64)),
         gpu_peak_mib: s.gpu_peak_mib,
         formula_static_mib: mib(static_bytes),
         formula_activations_mib: mib(held),
@@ -212,7 +181,7 @@ pub fn table(r: &Report) -> String {
         ),
         ("tokens/s", format!("{:.0}", r.tokens_per_s)),
         ("model TFLOP/s", format!("{:.2} ({:.3} GFLOP per token)", r.achieved_tflops, r.flops_per_token / 1e9)),
-        ("MFU", opt(r.mfu, &|m| format!("{:.1}% of {:.1} TFLOP/s per rank", 100.0 * m, r.peak_tflops.unwrap_or(0.0)))),
+        ("MFU", opt(r.mfu, &|m| format!("{:.1}% of {}", 100.0 * m, peak_in_words(r)))),
         ("peak memory", opt(r.gpu_peak_mib, &|m| format!("{m:.0} MiB (GPU tensors, rank 0)"))),
         (
             "formula",
@@ -224,4 +193,13 @@ pub fn table(r: &Report) -> String {
         ("largest micro-batch", r.max_micro_batch.map_or("n/a".to_string(), |b| format!("{b} sequences"))),
     ];
     rows.iter().map(|(k, v)| format!("{k:<20} {v}\n")).collect()
+}
+
+/// The peak MFU divides by: one GPU's, or the whole CPU's (its ranks share it).
+fn peak_in_words(r: &Report) -> String {
+    let peak = r.peak_tflops.unwrap_or(0.0);
+    match r.device.as_str() {
+        "cpu" => format!("{peak:.3} TFLOP/s (this CPU's f32 GEMM, measured once)"),
+        _ => format!("{peak:.1} TFLOP/s per rank"),
+    }
 }

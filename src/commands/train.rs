@@ -90,8 +90,9 @@ pub fn run(
         None => "unknown".into(),
     };
     let val = s.val_losses.last().map(|(_, v)| format!(" | val loss {v:.4} (held-out data)")).unwrap_or_default();
+    let mfu = s.mfu.map(|m| format!(" | MFU {:.1}%", 100.0 * m)).unwrap_or_default();
     say!(
-        "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth){val} | entropy floor {floor}",
+        "done: {} steps in {:.1}s | final loss {:.4} (mean of the last tenth){val}{mfu} | entropy floor {floor}",
         s.losses.len(),
         s.wall_s,
         s.final_loss()

@@ -5,9 +5,10 @@
 //! `data/train-*.parquet`: every matching file of the repository, in name order). Files are
 //! looked up in the usual Hugging Face cache first (`$HF_HOME/hub`, by default `~/.cache/huggingface/hub`, shared
 //! with transformers), so a repository that is already there needs no network; otherwise
-//! `hf-hub` downloads it into that cache.
+//! `hf-hub` downloads it into that cache (from `HF_ENDPOINT`, a mirror, where that is set).
+//! Without a network and without a cached copy, the error says exactly that.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, bail, Result};
 use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo};
 use std::path::PathBuf;
@@ -18,16 +19,42 @@ fn fetch(repo: Repo, id: &str, file: &str) -> Result<PathBuf> {
     if let Some(path) = cache.repo(repo.clone()).get(file) {
         return Ok(path);
     }
-    let api = ApiBuilder::from_cache(cache.clone())
+    let api = hub(cache.clone())
         .with_progress(true)
         .build()
         .map_err(|e| anyhow!("cannot set up Hugging Face downloads: {e}"))?;
-    api.repo(repo).get(file).map_err(|e| {
-        anyhow!(
+    api.repo(repo).get(file).map_err(|e| match offline(&e.to_string()) {
+        true => anyhow!(
+            "{id}: no network (the Hub cannot be reached) and no cached copy of {file} in the Hugging Face cache {}: {FETCH_ONCE}",
+            cache.path().display()
+        ),
+        false => anyhow!(
             "{id}: cannot download {file} ({e}), and it is not in the Hugging Face cache {}",
             cache.path().display()
-        )
+        ),
     })
+}
+
+/// The Hub's API over `cache`, at `HF_ENDPOINT` where that is set (a mirror), as transformers
+/// reads it.
+fn hub(cache: Cache) -> ApiBuilder {
+    let builder = ApiBuilder::from_cache(cache);
+    match std::env::var("HF_ENDPOINT") {
+        Ok(endpoint) if !endpoint.is_empty() => builder.with_endpoint(endpoint),
+        _ => builder,
+    }
+}
+
+/// What to do without a network.
+const FETCH_ONCE: &str = "run once where the Hub can be reached (or fill that cache elsewhere, e.g. `hf download`, and copy it; HF_HOME says where it is), then offline";
+
+/// Whether a request failed for want of a network (no name resolution, no route, refused, timed
+/// out), not because the Hub said no.
+fn offline(error: &str) -> bool {
+    let e = error.to_lowercase();
+    ["dns", "resolve", "connection refused", "connection failed", "network is unreachable", "timed out", "timeout"]
+        .iter()
+        .any(|w| e.contains(w))
 }
 
 /// `ORG/NAME` → the local folder of that model with `config.json` and its weights.
@@ -78,16 +105,18 @@ pub fn dataset_files(spec: &str) -> Result<Vec<PathBuf>> {
             && p.iter().zip(&f).all(|(p, f)| crate::data::documents::wildcard(p.as_bytes(), f.as_bytes()))
     };
     let repo = Repo::dataset(id.clone());
-    let listed = ApiBuilder::from_cache(Cache::from_env())
-        .build()
-        .ok()
-        .and_then(|api| api.repo(repo.clone()).info().ok())
-        .map(|info| info.siblings.into_iter().map(|s| s.rfilename).collect::<Vec<_>>());
-    let names = match listed {
-        Some(names) => names,
-        None => cached_files(&repo).with_context(|| {
-            format!("hub:{spec}: cannot list {id} on the Hub, and it is not in the Hugging Face cache")
-        })?,
+    let api = hub(Cache::from_env()).build().map_err(|e| e.to_string());
+    let listed = api.and_then(|api| api.repo(repo.clone()).info().map_err(|e| e.to_string()));
+    let names = match (listed, cached_files(&repo)) {
+        (Ok(info), _) => info.siblings.into_iter().map(|s| s.rfilename).collect(),
+        (Err(_), Ok(names)) => names, // offline: the cached snapshot's files
+        (Err(why), Err(_)) => {
+            let cache = Cache::from_env().path().display().to_string();
+            match offline(&why) {
+                true => bail!("hub:{spec}: no network (the Hub cannot be reached) and no cached copy of {id} in the Hugging Face cache {cache}: {FETCH_ONCE}"),
+                false => bail!("hub:{spec}: cannot list {id} on the Hub ({why}), and it is not in the Hugging Face cache {cache}"),
+            }
+        }
     };
     let mut files: Vec<String> = names.into_iter().filter(|n| matches(n)).collect();
     files.sort();

@@ -53,6 +53,25 @@ pub fn gemm(m: usize, k: usize, n: usize, a: View, b: View, c: &mut [f32], accum
     gemm_out(m, k, n, a, b, Out { c: c.as_mut_ptr(), row_stride: n }, accumulate);
 }
 
+/// The f32 rate this machine's `gemm` reaches on a square product of 1024 (every thread of the
+/// pool), in TFLOP/s: the best of three after one to warm up. The CPU's peak for MFU
+/// (`devices.rs`), measured once a machine.
+pub fn peak_tflops() -> f64 {
+    let n = 1024;
+    let (a, b) = (vec![0.5f32; n * n], vec![0.25f32; n * n]);
+    let mut c = vec![0.0f32; n * n];
+    let mut best = f64::MAX;
+    for i in 0..4 {
+        let start = std::time::Instant::now();
+        gemm(n, n, n, View::rows(&a, n), View::rows(&b, n), &mut c, false);
+        let s = start.elapsed().as_secs_f64();
+        if i > 0 {
+            best = best.min(s);
+        }
+    }
+    2.0 * (n * n * n) as f64 / best.max(1e-9) / 1e12
+}
+
 /// `a[m, k] · b[k, n]` in a new row-major buffer. The buffer is not zeroed first: with nothing
 /// to add to, the product writes every element without reading any (a memset of the output
 /// was ~3% of a step).

@@ -28,6 +28,9 @@ pub struct StepLog {
     /// The most micro-batch activations rank 0 held at once during the step (pipeline memory).
     pub activations: usize,
     pub tokens_per_s: f64,
+    /// Model FLOPs utilisation of the step (`devices.rs`), where the devices' peak is known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mfu: Option<f64>,
     pub elapsed_s: f64,
     /// On a GPU: the most memory rank 0's tensors held at once during the step (weights, their
     /// gradients and optimizer state, and the activations kept for backward), in MiB.
@@ -81,6 +84,9 @@ impl Metrics {
             f.write_all(line.as_bytes()).context("--metrics: write failed")?; // one write per step
         }
         let mut msg = format!("loss {:.4} | lr {:.2e} | {:.0} tok/s", s.loss, s.lr, s.tokens_per_s);
+        if let Some(mfu) = s.mfu {
+            msg += &format!(" | MFU {:.1}%", 100.0 * mfu);
+        }
         if let Some(mib) = s.gpu_peak_mib {
             msg += &format!(" | GPU peak {mib:.0} MiB");
         }

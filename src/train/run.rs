@@ -102,6 +102,8 @@ pub struct Summary {
     pub step_s: Vec<f64>,
     /// On a GPU: the most memory this rank's tensors held in any step, in MiB.
     pub gpu_peak_mib: Option<f64>,
+    /// Model FLOPs utilisation over the run's steps (rank 0, where the devices' peak is known).
+    pub mfu: Option<f64>,
     /// The most bytes this rank's tensors held at once in any step (GPU pool or CPU meter).
     pub peak_bytes: usize,
     /// What the model and optimizer held when the last step's gradients were complete.
@@ -130,6 +132,7 @@ impl Summary {
             attention_work: 0,
             step_s: Vec::new(),
             gpu_peak_mib: None,
+            mfu: None,
             peak_bytes: 0,
             held: Held::default(),
             comm: Vec::new(),

@@ -46,6 +46,9 @@ pub(super) struct Watch<'a> {
     metrics: Metrics,
     place: Place,
     tokens_per_step: f64,
+    /// The model FLOPs of a step, over the peak FLOP/s of the devices the run uses: MFU is this
+    /// over the step's seconds (`devices.rs`). None where the peak is unknown or nothing is shown.
+    flops_per_peak: Option<f64>,
     run_start: Instant,
     step_start: Instant,
     summary: Summary,
@@ -73,6 +76,10 @@ impl<'a> Watch<'a> {
         let metrics = Metrics::new((first_step, t.steps), jsonl, opts.quiet || rank != 0)?;
         let summary = Summary::new(first_step);
         let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
+        // only rank 0 shows MFU; a quiet run (converge's) has no line to show it on
+        let flops = crate::devices::flops_per_token(&cfg.model, t.seq_len) * tokens_per_step;
+        let peak = if rank == 0 && !opts.quiet { peak_tflops(cfg, &place) } else { None };
+        let flops_per_peak = peak.map(|tflops| flops / (tflops * 1e12));
         let (trace, profile_from_step, now) = (opts.trace, opts.profile_from_step, Instant::now());
         let (run_start, step_start) = (now, now);
         Ok(Watch {
@@ -83,6 +90,7 @@ impl<'a> Watch<'a> {
             metrics,
             place,
             tokens_per_step,
+            flops_per_peak,
             run_start,
             step_start,
             summary,
@@ -136,6 +144,7 @@ impl<'a> Watch<'a> {
             expert_tokens,
             expert_imbalance,
             tokens_per_s: self.tokens_per_step / seconds,
+            mfu: self.flops_per_peak.map(|f| f / seconds),
             elapsed_s: self.run_start.elapsed().as_secs_f64(),
         })
     }
@@ -158,6 +167,25 @@ impl<'a> Watch<'a> {
         s.checksum = model.checksum();
         s.attention_work /= s.losses.len().max(1) as u64;
         s.wall_s = self.run_start.elapsed().as_secs_f64();
+        // over the steps' own time (validation and checkpoints left out), as tokens/s is
+        let stepping: f64 = s.step_s.iter().sum();
+        s.mfu = self.flops_per_peak.map(|f| f * s.step_s.len() as f64 / stepping.max(1e-9));
         Ok(self.summary)
+    }
+}
+
+/// The peak TFLOP/s of every device the run uses, where known: a GPU's from its name (`devices.rs`)
+/// times the GPUs (ranks on GPUs of their own, else the GPUs they share); the CPU's measured once
+/// and recorded in the calibration file, the whole machine's (its ranks share it).
+fn peak_tflops(cfg: &Config, place: &Place) -> Option<f64> {
+    match place {
+        Place::Cuda(device) => {
+            let name = device.gpu.ctx.name().ok()?;
+            let per_gpu = crate::devices::peak_tflops(&name, cfg.device.compute_dtype())?;
+            let processes = crate::comm::wires::processes::current().ok().flatten().map_or(1, |p| p.count);
+            let gpus = crate::cuda::runtime::device_count().ok()? * processes;
+            Some(per_gpu * cfg.parallel.world_size().min(gpus) as f64)
+        }
+        Place::Cpu => crate::devices::cpu_peak_tflops(&cfg.data.cache_dir, crate::ops::cpu_math::peak_tflops).ok(),
     }
 }
