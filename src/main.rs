@@ -112,9 +112,21 @@ fn schedule_command(
     let _claims = commands::claim_outputs(paths, None)?;
     let timelines = match &trace {
         Some(path) => vec![schedule::from_trace(path)?],
+        // one schedule asked for: its refusal is the answer; of a set, those that cannot run at
+        // this size are left out, each with its reason (ZBV needs 2·pp − 1 micro-batches)
+        None if kinds.len() == 1 => vec![schedule::simulate(kinds[0], pp, microbatches, r#virtual)?],
         None => {
-            let play = |k| schedule::simulate(k, pp, microbatches, r#virtual);
-            kinds.into_iter().map(play).collect::<Result<Vec<_>>>()?
+            let mut drawn = Vec::new();
+            for kind in kinds {
+                match schedule::simulate(kind, pp, microbatches, r#virtual) {
+                    Ok(t) => drawn.push(t),
+                    Err(e) => say!("{} left out: {}", kind.name(), e.to_string().trim_start_matches("schedule: ")),
+                }
+            }
+            if drawn.is_empty() {
+                anyhow::bail!("--schedule {which}: none of its schedules runs at --pp {pp} --microbatches {microbatches} (reasons above)");
+            }
+            drawn
         }
     };
     for t in &timelines {
