@@ -10,8 +10,9 @@
 //!   Exercises) runs and exits 0, the commands of a lesson in order, in one scratch folder;
 //! - the counts the documents write (config sections; the pipeline schedules each command lists)
 //!   are the code's;
-//! - the README's first run, "What you will see": its header, its step-320 loss and rate and its
-//!   final loss are the default run's.
+//! - the README's first runs, "What you will see" and "After the first run": the header, the
+//!   step-320 loss and rate, the final and held-out losses, and every `generate` quoted on the
+//!   checkpoint that run saves, are what the default run and its commands print.
 //!
 //! A planted drift fails each (`tests/documents.rs`'s own test of the checker).
 
@@ -261,39 +262,85 @@ fn the_documents_counts_are_the_codes() {
     }
 }
 
-/// README.md's "What you will see": the default run's header, its line at step 320 (loss and
-/// learning rate) and its final loss, entropy floor and gap, as quoted. (The rates and times are
-/// one machine's, and the available memory is this machine's.)
+/// The `generate` quotes on the tiny model (`$ ferrotron generate --model tiny/step_000400 …` in
+/// a text block, or a `cargo run --release -- generate --model tiny/…` block followed by a
+/// console block), with the lines each quotes (a speed line left out).
+fn generate_quotes(name: &str, text: &str) -> Vec<(String, Vec<String>, Vec<String>)> {
+    let lines: Vec<&str> = text.lines().map(str::trim).collect();
+    let mut found = Vec::new();
+    for (i, line) in lines.iter().enumerate() {
+        let (args, out_from) = if let Some(a) = line.strip_prefix("$ ferrotron generate --model tiny/") {
+            (format!("generate --model tiny/{a}"), i + 1)
+        } else if let Some(a) = line.strip_prefix("cargo run --release -- generate --model tiny/") {
+            match (lines.get(i + 1), lines.get(i + 2)) {
+                (Some(&"```"), Some(&"```console")) => (format!("generate --model tiny/{a}"), i + 3),
+                _ => continue, // a command without its output
+            }
+        } else {
+            continue;
+        };
+        let quoted = lines[out_from..].iter().take_while(|l| **l != "```").filter(|l| !l.contains("tokens/s"));
+        found.push((format!("{name}:{}", i + 1), words(&args), quoted.map(|l| l.to_string()).collect()));
+    }
+    found
+}
+
+/// README.md's first run and the run after it: "What you will see" (the default run's header,
+/// its line at step 320, its final loss, floor and gap) and "After the first run" (its first
+/// command, run as written: the held-out loss at step 400 it quotes), then every quoted
+/// `generate` on the checkpoint that command saves (docs/cli.md, step 01). Rates, times and the
+/// machine's available memory are one machine's, and left out.
 #[test]
-fn the_readmes_first_run_is_what_the_default_run_prints() {
+fn the_readmes_first_runs_are_what_the_default_run_prints() {
     let readme = read("README.md");
-    let start = readme.find("## What you will see").unwrap();
-    let block = &readme[start..];
-    let block = &block[block.find("```text\n").unwrap() + 8..];
-    let block = &block[..block.find("```").unwrap()];
-    let dir = scratch();
-    let (ok, out) = run(&["train".into()], dir.path()); // the built-in config
-    assert!(ok, "{out}");
-    let quoted: Vec<&str> = block.lines().collect();
-    let printed = |prefix: &str| {
-        out.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no `{prefix}` line:\n{out}"))
+    let section = |title: &str| {
+        let s = &readme[readme.find(title).unwrap()..];
+        s[..s[3..].find("\n## ").unwrap() + 3].to_string()
     };
+    let seen = section("## What you will see");
+    let block = &seen[seen.find("```text\n").unwrap() + 8..];
+    let quoted: Vec<&str> = block[..block.find("```").unwrap()].lines().collect();
+    // the command of "After the first run", as written (its lines joined)
+    let after = section("## After the first run");
+    let sh = &after[after.find("```sh\n").unwrap() + 6..];
+    let joined = sh[..sh.find("```").unwrap()].replace("\\\n", " ");
+    let first = joined.lines().find(|l| l.starts_with("cargo run --release -- train")).unwrap();
+    let dir = scratch();
+    let (ok, out) = run(&words(first.strip_prefix("cargo run --release -- ").unwrap()), dir.path());
+    assert!(ok, "{first}: {out}");
+    let printed = |prefix: &str| out.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no `{prefix}` line:\n{out}"));
     assert_eq!(quoted[0], printed("model:"), "the header");
     assert_eq!(quoted[2], printed("data:"), "the data line");
     let upto = |l: &str, word: &str| l[..l.find(word).unwrap()].to_string();
     assert_eq!(upto(quoted[1], " of the "), upto(printed("memory:"), " of the "), "the memory estimate");
     // the bar's 320/400 against the plain line of step 320: its loss and learning rate
-    let bar = quoted[3];
-    let at = |s: &str, key: &str| {
-        s.split(" | ").find_map(|p| p.rsplit_once(key).map(|(_, v)| v.split(' ').next().unwrap().to_string()))
-    };
+    let at = |s: &str, key: &str| s.split(" | ").find_map(|p| p.rsplit_once(key).map(|(_, v)| v.split(' ').next().unwrap().to_string()));
     let step = printed("step   320 |");
     for key in ["loss ", "lr "] {
-        assert_eq!(at(bar, key), at(step, key), "{key}at step 320");
+        assert_eq!(at(quoted[3], key), at(step, key), "{key}at step 320");
     }
     let done = printed("done:");
     for part in ["final loss", "entropy floor"] {
         let q = quoted[4].split(" | ").find(|p| p.starts_with(part)).unwrap();
         assert!(done.split(" | ").any(|p| p == q), "{q} against {done}");
     }
+    // "step 400 | loss 1.1953 | … | val loss 1.1912": the held-out loss after the last step
+    let flat = after.split_whitespace().collect::<Vec<_>>().join(" ");
+    let line = &flat[flat.find("`step 400 | ").unwrap() + 1..];
+    let line = &line[..line.find('`').unwrap()];
+    let (loss, val) = (at(line, "loss ").unwrap(), at(line, "val loss ").unwrap());
+    let last = printed("step   400 |");
+    assert_eq!((at(last, "loss "), at(last, "val loss ")), (Some(loss), Some(val)), "{last}");
+    // every quoted generate on its checkpoint
+    let mut quotes = 0;
+    for doc in documents() {
+        for (at, args, lines) in generate_quotes(&doc, &read(&doc)) {
+            let (ok, out) = run(&args, dir.path());
+            let said: Vec<&str> = out.lines().map(str::trim).collect();
+            let missing: Vec<&String> = lines.iter().filter(|l| !said.contains(&l.as_str())).collect();
+            assert!(ok && missing.is_empty(), "{at}: `ferrotron {}` printed\n{out}\nnot {missing:?}", args.join(" "));
+            quotes += 1;
+        }
+    }
+    assert!(quotes >= 2, "{quotes} generate quotes");
 }
