@@ -58,7 +58,7 @@ pub fn calibration_file(cache_dir: &str) -> Result<PathBuf> {
 /// This machine's CPU as the calibration file keys it: its model name and thread count (a
 /// container with fewer threads measures again).
 pub fn cpu_key() -> String {
-    let info = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let info = crate::files::read_text(Path::new("/proc/cpuinfo"), "the CPU's name").unwrap_or_default();
     let model = info.lines().find_map(|l| l.strip_prefix("model name")).map(|l| l.trim_start_matches([' ', '\t', ':']));
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     format!("{} × {threads} threads", model.unwrap_or(std::env::consts::ARCH))
@@ -67,7 +67,7 @@ pub fn cpu_key() -> String {
 /// The f32 peak recorded for `key` in `file`, in TFLOP/s; none when not measured yet (or the file
 /// is unreadable: it is measured again and rewritten).
 pub fn recorded_cpu_peak(file: &Path, key: &str) -> Option<f64> {
-    let text = std::fs::read_to_string(file).ok()?;
+    let text = crate::files::read_text(file, "the calibration file").ok()?;
     let json: serde_json::Value = serde_json::from_str(&text).ok()?;
     json["cpu"][key]["f32_tflops"].as_f64().filter(|t| t.is_finite() && *t > 0.0)
 }
@@ -75,7 +75,8 @@ pub fn recorded_cpu_peak(file: &Path, key: &str) -> Option<f64> {
 /// Records `tflops` for `key` in `file`, keeping the other machines' entries (the cache folder
 /// may be shared); written whole, so a reader never sees half of it.
 pub fn record_cpu_peak(file: &Path, key: &str, tflops: f64) -> Result<()> {
-    let old = std::fs::read_to_string(file).ok().and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    let old = crate::files::read_text(file, "the calibration file").ok();
+    let old = old.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
     let mut json = old.filter(serde_json::Value::is_object).unwrap_or_else(|| serde_json::json!({}));
     if !json["cpu"].is_object() {
         json["cpu"] = serde_json::json!({});

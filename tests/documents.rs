@@ -308,13 +308,17 @@ fn the_readmes_first_runs_are_what_the_default_run_prints() {
     let dir = scratch();
     let (ok, out) = run(&words(first.strip_prefix("cargo run --release -- ").unwrap()), dir.path());
     assert!(ok, "{first}: {out}");
-    let printed = |prefix: &str| out.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no `{prefix}` line:\n{out}"));
+    let printed = |prefix: &str| {
+        out.lines().find(|l| l.starts_with(prefix)).unwrap_or_else(|| panic!("no `{prefix}` line:\n{out}"))
+    };
     assert_eq!(quoted[0], printed("model:"), "the header");
     assert_eq!(quoted[2], printed("data:"), "the data line");
     let upto = |l: &str, word: &str| l[..l.find(word).unwrap()].to_string();
     assert_eq!(upto(quoted[1], " of the "), upto(printed("memory:"), " of the "), "the memory estimate");
     // the bar's 320/400 against the plain line of step 320: its loss and learning rate
-    let at = |s: &str, key: &str| s.split(" | ").find_map(|p| p.rsplit_once(key).map(|(_, v)| v.split(' ').next().unwrap().to_string()));
+    let at = |s: &str, key: &str| {
+        s.split(" | ").find_map(|p| p.rsplit_once(key).map(|(_, v)| v.split(' ').next().unwrap().to_string()))
+    };
     let step = printed("step   320 |");
     for key in ["loss ", "lr "] {
         assert_eq!(at(quoted[3], key), at(step, key), "{key}at step 320");

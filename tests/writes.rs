@@ -32,6 +32,7 @@ const WRITERS: &[(&str, &[&str])] = &[
     ("checkpoint::folder", &["checkpoint.dir"]),
     ("data::text", &["data.cache_dir"]),
     ("devices", &["data.cache_dir"]),
+    ("commands::tokenizer", &["--out"]),
 ];
 
 /// The folders a run owns: locked while it writes them (`checkpoint/folder.rs`) or named by the
