@@ -116,15 +116,18 @@ fn schedule_command(
         // this size are left out, each with its reason (ZBV needs 2·pp − 1 micro-batches)
         None if kinds.len() == 1 => vec![schedule::simulate(kinds[0], pp, microbatches, r#virtual)?],
         None => {
+            let played: Vec<_> =
+                kinds.iter().map(|&k| (k, schedule::simulate(k, pp, microbatches, r#virtual))).collect();
+            if played.iter().all(|(_, p)| p.is_err()) {
+                // nothing to draw: the first one's reason is the answer (a size no schedule takes)
+                return Err(played.into_iter().find_map(|(_, p)| p.err()).expect("a set of schedules"));
+            }
             let mut drawn = Vec::new();
-            for kind in kinds {
-                match schedule::simulate(kind, pp, microbatches, r#virtual) {
+            for (kind, p) in played {
+                match p {
                     Ok(t) => drawn.push(t),
                     Err(e) => say!("{} left out: {}", kind.name(), e.to_string().trim_start_matches("schedule: ")),
                 }
-            }
-            if drawn.is_empty() {
-                anyhow::bail!("--schedule {which}: none of its schedules runs at --pp {pp} --microbatches {microbatches} (reasons above)");
             }
             drawn
         }

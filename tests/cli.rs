@@ -166,3 +166,19 @@ fn train_plots_its_run_and_refuses_outputs_on_one_file() {
         }
     }
 }
+
+/// A converge plot of many variants with long names, and a run plot with a long title, still
+/// read: the canvas grows with its legend and title (`tests/common/svg.rs`).
+#[test]
+fn plots_of_many_curves_and_long_names_read() {
+    let curves: Vec<(String, Vec<f32>)> = (0..40)
+        .map(|i| {
+            (format!("dp=2,tp=2,pp=2,cp=2,zero_stage=3,recompute=\"selective\" #{i}"), vec![4.0 - i as f32 * 0.01; 30])
+        })
+        .collect();
+    let svg = ferrotron::commands::plot::loss_chart("loss per step", &curves, (&[1e-4; 30], 1e-4));
+    assert_eq!(common::svg::problems(&svg), Vec::<String>::new());
+    let title = format!("text:{}: steps 1 to 3 of 3", "/a/very/long/path/to/a/corpus".repeat(8));
+    let svg = ferrotron::commands::plot::run_chart(&title, (0, 3), &[4.0, 3.0, 2.0], &[(2, 2.5)], &[1e-3; 3]);
+    assert_eq!(common::svg::problems(&svg), Vec::<String>::new());
+}

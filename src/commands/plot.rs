@@ -22,12 +22,14 @@ const PANEL: f64 = 250.0;
 const GAP: f64 = 70.0;
 const LEGEND: f64 = RIGHT + 20.0;
 
-/// The opening of a chart: as wide as its title and legend need (each measured by `text_width`).
+/// The opening of a chart: as wide as its title and legend need (each measured by `text_width`),
+/// and as tall as its legend, a line a curve.
 fn canvas(title: &str, names: &[(&str, &str)]) -> String {
     let legend = names.iter().map(|(n, _)| LEGEND + 26.0 + text_width(n, 12.0)).fold(0.0, f64::max);
     let width = W.max(LEFT + text_width(title, 14.0)).max(legend) + 10.0;
+    let height = H.max(TOP + 16.0 * names.len() as f64 + 20.0);
     format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{H}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{width}\" height=\"{height}\" font-family=\"sans-serif\" font-size=\"12\">\n\
          <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n<text x=\"{LEFT}\" y=\"20\" font-size=\"14\">{}</text>\n",
         escape(title)
     )
