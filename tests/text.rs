@@ -247,5 +247,8 @@ fn a_learned_tokenizer_is_the_one_transformers_reads() {
     refused(&["tokenizer", "--vocab-size", "100", &corpus, "--out", o], &["--vocab-size 100", "257"]);
     refused(&["tokenizer", "--vocab-size", "300", "synthetic", "--out", o], &["SOURCE", "text:PATH"]);
     refused(&["tokenizer", "--vocab-size", "300", "text:/no/such/file.txt", "--out", o], &["/no/such/file.txt"]);
+    let empty = tmp.path().join("empty.txt");
+    std::fs::write(&empty, "").unwrap();
+    refused(&["tokenizer", "--vocab-size", "300", empty.to_str().unwrap(), "--out", o], &["no text to learn from"]);
     assert!(!other.exists());
 }

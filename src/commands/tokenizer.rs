@@ -45,10 +45,11 @@ pub fn run(d: &DataConfig, vocab_size: usize, out: &Path) -> Result<()> {
         })?;
     }
     crate::say!(
-        "learned {size} tokens (256 bytes, {}, {} merges) from {} documents, {}, in {:.1} s",
+        "learned {size} tokens (256 bytes, {}, {} merges) from {} document{}, {}, in {:.1} s",
         bpe::END_OF_TEXT,
         size.saturating_sub(bpe::MIN_VOCAB),
         learned.documents,
+        if learned.documents == 1 { "" } else { "s" },
         amount(learned.bytes as usize),
         start.elapsed().as_secs_f64()
     );

@@ -85,8 +85,8 @@ pub fn learn(source: &Source, vocab_size: usize) -> Result<Learned> {
     let read = reader.join().map_err(|_| anyhow::anyhow!("the document reader panicked"))?;
     let (documents, bytes) = read?; // a reading error (or a signal) is the cause of a failed training
     trained.map_err(|e| anyhow::anyhow!("learning the tokenizer: {e}"))?;
-    if documents == 0 {
-        bail!("data.source: {} holds no document to learn from", source.name);
+    if bytes == 0 {
+        bail!("SOURCE: {} holds no text to learn from (every document of it is empty)", source.name);
     }
     Ok(Learned { tokenizer, documents, bytes })
 }
