@@ -195,12 +195,10 @@ fn tokenizer_command(
 ) -> Result<Exit> {
     let plain_path = !source.contains(':') && source != "synthetic";
     let source = if plain_path { format!("text:{source}") } else { source };
-    // the source as a config names it (its shards are then inputs no output may overwrite); a
-    // vocabulary of bytes, so that the check of a text source's model passes
-    let sets =
-        [format!("data.source={source:?}"), format!("data.text_column={text_column:?}"), "model.vocab_size=256".into()];
-    let cfg = Config::load(None, &sets).context("SOURCE")?;
-    let _claims = commands::claim_outputs(paths, Some(&cfg))?; // no output onto what it reads
+    // the source as a run's config would name it: its shards are then inputs no output may overwrite
+    let mut cfg = Config::load(None, &[])?;
+    (cfg.data.source, cfg.data.text_column) = (source, text_column);
+    let _claims = commands::claim_outputs(paths, Some(&cfg))?;
     ferrotron::commands::tokenizer::run(&cfg.data, vocab_size, &out)?;
 
     Ok(Exit::Done)

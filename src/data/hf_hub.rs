@@ -107,16 +107,18 @@ pub fn dataset_files(spec: &str) -> Result<Vec<PathBuf>> {
     let repo = Repo::dataset(id.clone());
     let api = hub(Cache::from_env()).build().map_err(|e| e.to_string());
     let listed = api.and_then(|api| api.repo(repo.clone()).info().map_err(|e| e.to_string()));
-    let names = match (listed, cached_files(&repo)) {
-        (Ok(info), _) => info.siblings.into_iter().map(|s| s.rfilename).collect(),
-        (Err(_), Ok(names)) => names, // offline: the cached snapshot's files
-        (Err(why), Err(_)) => {
-            let cache = Cache::from_env().path().display().to_string();
-            match offline(&why) {
-                true => bail!("hub:{spec}: no network (the Hub cannot be reached) and no cached copy of {id} in the Hugging Face cache {cache}: {FETCH_ONCE}"),
-                false => bail!("hub:{spec}: cannot list {id} on the Hub ({why}), and it is not in the Hugging Face cache {cache}"),
+    let names = match listed {
+        Ok(info) => info.siblings.into_iter().map(|s| s.rfilename).collect(),
+        Err(why) => match cached_files(&repo) {
+            Ok(names) => names, // offline: the cached snapshot's files
+            Err(_) => {
+                let cache = Cache::from_env().path().display().to_string();
+                match offline(&why) {
+                    true => bail!("hub:{spec}: no network (the Hub cannot be reached) and no cached copy of {id} in the Hugging Face cache {cache}: {FETCH_ONCE}"),
+                    false => bail!("hub:{spec}: cannot list {id} on the Hub ({why}), and it is not in the Hugging Face cache {cache}"),
+                }
             }
-        }
+        },
     };
     let mut files: Vec<String> = names.into_iter().filter(|n| matches(n)).collect();
     files.sort();

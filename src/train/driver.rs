@@ -50,7 +50,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
     let experts = compose::experts(me, cfg, tape.clone()); // a mixture of experts' shared parts
     let mut tr = Trainer::assemble(me, cfg, data, (tape.clone(), experts.as_ref()), &shared)?;
     let first_step = tr.first_step;
-    let mut watch = Watch::new(me, cfg, opts, (first_step, tr.model.place()))?; // metrics, trace, timing, memory
+    let mut watch = Watch::new(me, cfg, opts, (first_step, tr.model.place(), shared.cpu_peak))?; // metrics, trace, timing, memory
     let pp = me.group(Axis::Pp);
     // on NCCL a pipeline's send waits on the GPU for its receive, and a step stopped part-way
     // leaves some unreceived: there a signal waits for the step's end

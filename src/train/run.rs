@@ -165,6 +165,8 @@ pub(super) struct Run {
     /// The checkpoint is at `train.steps` already: nothing to train.
     pub finished: bool,
     nudge: bool,
+    /// The CPU's peak TFLOP/s for MFU, where a CPU run shows it (`devices.rs`).
+    cpu_peak: Option<f64>,
 }
 
 impl Run {
@@ -278,12 +280,19 @@ impl Run {
             false => Some(hf::pretrained(&cfg.model)?),
         };
         let resumed = resumed.map(|(r, _)| r);
-        Ok(Run { grid, setup, data, floor, resumed, pretrained, checkpoints, finished, nudge: opts.nudge_weights })
+        // the CPU's peak for MFU: recorded, or measured now (once a machine), before any rank
+        // computes beside the measurement; only where a progress line will show it
+        let shows_mfu = !opts.quiet && writes && cfg.device.kind == DeviceKind::Cpu;
+        let measure = || crate::devices::cpu_peak_tflops(&cfg.data.cache_dir, crate::ops::cpu_math::peak_tflops).ok();
+        let cpu_peak = shows_mfu.then(measure).flatten();
+        let nudge = opts.nudge_weights;
+        Ok(Run { grid, setup, data, floor, resumed, pretrained, checkpoints, finished, nudge, cpu_peak })
     }
 
     pub(super) fn shared(&self) -> Shared<'_> {
         let (resumed, pretrained) = (self.resumed.as_ref(), self.pretrained.as_ref());
-        Shared { resumed, pretrained, checkpoints: &self.checkpoints, nudge: self.nudge, spread: self.setup.spread }
+        let (nudge, spread, cpu_peak) = (self.nudge, self.setup.spread, self.cpu_peak);
+        Shared { resumed, pretrained, checkpoints: &self.checkpoints, nudge, spread, cpu_peak }
     }
 
     /// The summary of a run that had nothing left to train.
@@ -421,6 +430,8 @@ pub(super) struct Shared<'a> {
     nudge: bool,
     /// The ranks are spread over several processes (which must then agree on the settings).
     pub spread: bool,
+    /// The CPU's peak TFLOP/s for MFU, measured before the ranks started (`Run::prepare`).
+    pub cpu_peak: Option<f64>,
 }
 
 impl Shared<'_> {

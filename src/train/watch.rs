@@ -61,7 +61,7 @@ impl<'a> Watch<'a> {
         me: &'a Rank,
         cfg: &Config,
         opts: Options<'a>,
-        (first_step, place): (usize, Place),
+        (first_step, place, cpu_peak): (usize, Place, Option<f64>),
     ) -> Result<Watch<'a>> {
         let (t, rank) = (&cfg.train, me.rank);
         place.take_peak_bytes(); // the steps' peaks count from here, after the model was built
@@ -78,7 +78,7 @@ impl<'a> Watch<'a> {
         let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
         // only rank 0 shows MFU; a quiet run (converge's) has no line to show it on
         let flops = crate::devices::flops_per_token(&cfg.model, t.seq_len) * tokens_per_step;
-        let peak = if rank == 0 && !opts.quiet { peak_tflops(cfg, &place) } else { None };
+        let peak = if rank == 0 && !opts.quiet { peak_tflops(cfg, &place, cpu_peak) } else { None };
         let flops_per_peak = peak.map(|tflops| flops / (tflops * 1e12));
         let (trace, profile_from_step, now) = (opts.trace, opts.profile_from_step, Instant::now());
         let (run_start, step_start) = (now, now);
@@ -175,9 +175,9 @@ impl<'a> Watch<'a> {
 }
 
 /// The peak TFLOP/s of every device the run uses, where known: a GPU's from its name (`devices.rs`)
-/// times the GPUs (ranks on GPUs of their own, else the GPUs they share); the CPU's measured once
-/// and recorded in the calibration file, the whole machine's (its ranks share it).
-fn peak_tflops(cfg: &Config, place: &Place) -> Option<f64> {
+/// times the GPUs (ranks on GPUs of their own, else the GPUs they share); the CPU's, measured
+/// before the ranks started (`cpu_peak`), the whole machine's (its ranks share it).
+fn peak_tflops(cfg: &Config, place: &Place, cpu_peak: Option<f64>) -> Option<f64> {
     match place {
         Place::Cuda(device) => {
             let name = device.gpu.ctx.name().ok()?;
@@ -186,6 +186,6 @@ fn peak_tflops(cfg: &Config, place: &Place) -> Option<f64> {
             let gpus = crate::cuda::runtime::device_count().ok()? * processes;
             Some(per_gpu * cfg.parallel.world_size().min(gpus) as f64)
         }
-        Place::Cpu => crate::devices::cpu_peak_tflops(&cfg.data.cache_dir, crate::ops::cpu_math::peak_tflops).ok(),
+        Place::Cpu => cpu_peak,
     }
 }
