@@ -20,6 +20,8 @@ pub const MAX_TIMEOUT_S: f64 = 604800.0;
 /// The most tokens a sample while training may add (`train.sample_tokens`): its KV cache grows
 /// with them on rank 0.
 pub const MAX_SAMPLE_TOKENS: usize = 4096;
+/// The most Newton–Schulz iterations a Muon update may take (5 is usual; PyTorch refuses 100).
+pub const MAX_NS_STEPS: usize = 99;
 
 /// The built-in default run, `configs/tiny.toml`.
 pub const TINY: &str = include_str!("../configs/tiny.toml");
@@ -86,8 +88,23 @@ pub struct TrainConfig {
     pub adam_eps: f32,
     /// Global gradient-norm clipping threshold; 0 turns clipping off.
     pub grad_clip: f32,
-    /// What AdamW keeps its moments in: `f32`, or `bf16` (half the optimizer's memory).
+    /// What AdamW keeps its moments in (and Muon its momentum): `f32`, or `bf16` (half the
+    /// optimizer's memory).
     pub optimizer_dtype: MomentsDtype,
+    /// What updates the blocks' matrices: `adamw`, or `muon` (`model/muon.rs`: momentum made
+    /// orthogonal by Newton–Schulz; everything else stays with AdamW).
+    pub optimizer: OptimizerKind,
+    /// Muon's peak learning rate; its rate at a step is `muon_lr × lr_at(step) / lr` (the same
+    /// warmup and cosine).
+    pub muon_lr: f32,
+    /// Muon's momentum μ, and whether its update looks ahead (Nesterov).
+    pub muon_momentum: f32,
+    pub muon_nesterov: bool,
+    /// Newton–Schulz iterations per update.
+    pub muon_ns_steps: usize,
+    /// How Muon's rate follows a matrix's shape: `original` (× √max(1, rows/cols)),
+    /// `match_rms_adamw` (× 0.2·√max(rows, cols)) or `spectral_unclamped` (× √(rows/cols)).
+    pub muon_adjust_lr: MuonAdjustLr,
     /// What each block keeps for backward (`model/block.rs`): `none` (everything), `selective`
     /// (not the attention core's output: recomputed from q, k, v), `full` (its input only:
     /// backward runs the block's forward again).
@@ -112,6 +129,21 @@ pub enum Recompute {
     None,
     Selective,
     Full,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "lowercase")]
+pub enum OptimizerKind {
+    Adamw,
+    Muon,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum MuonAdjustLr {
+    Original,
+    MatchRmsAdamw,
+    SpectralUnclamped,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]

@@ -33,7 +33,7 @@ use crate::comm::placement::{redistribute, Placement};
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, ModelConfig};
 use crate::model::moe::{self, EP};
-use crate::model::optimizer::{AdamW, Optimizer};
+use crate::model::optimizer::{Optimizer, StateKinds};
 use crate::model::stage::Stage;
 use crate::model::{Llama, Param, TensorSplit};
 use crate::ops;
@@ -93,30 +93,29 @@ pub fn gather(
 ) -> Result<Option<State>> {
     // each parameter's weight, and (every parameter alike) its optimizer state by name
     let kept = optimizer.state();
-    let mut kinds: Vec<Option<&str>> = vec![None];
-    if what == Gather::WeightsAndMoments {
-        kinds.extend(kept.first().into_iter().flatten().map(|(kind, _)| Some(*kind)));
-    }
+    // how many of each parameter's tensors go: its weight, then its state (if asked)
+    let count = |state: usize| if what == Gather::WeightsAndMoments { 1 + state } else { 1 };
     let (tp, pp, ep) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(EP));
     let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
     // expert parallelism: the first replica's ep group holds every expert between its members
     let first_ep_group = me.coords.dp * cfg.parallel.cp + me.coords.cp < ep.size();
     let mut state = (first_replica && me.coords.tp == 0 && me.coords.pp == 0).then(State::default);
-    let mut emit = |name: &str, which: usize, whole: &Tensor| -> Result<()> {
+    let mut emit = |name: &str, kind: Option<&str>, whole: &Tensor| -> Result<()> {
         match (&mut state, me.coords.tp) {
-            (Some(state), _) => state.push(name, kinds[which], Tensor::from_vec(whole.shape(), whole.to_vec())), // to the host
+            (Some(state), _) => state.push(name, kind, Tensor::from_vec(whole.shape(), whole.to_vec())), // to the host
             (None, 0) => pp.send_tensor(whole, 0)?,
             (None, _) => {} // tp-rank 0 of the stage speaks for it
         }
         Ok(())
     };
     // a layer's experts, gathered from the ep ranks, sent in the checkpoint's order (expert by
-    // expert) once the layer's last one is in: (expert, matrix, which, name, tensor)
-    let mut experts: Vec<(usize, String, usize, String, Tensor)> = Vec::new();
-    let flush = |experts: &mut Vec<(usize, String, usize, String, Tensor)>,
-                 emit: &mut dyn FnMut(&str, usize, &Tensor) -> Result<()>| {
+    // expert) once the layer's last one is in: (expert, matrix, which, its kind, name, tensor)
+    type Expert = (usize, String, usize, Option<&'static str>, String, Tensor);
+    type Emit<'e> = dyn FnMut(&str, Option<&str>, &Tensor) -> Result<()> + 'e;
+    let mut experts: Vec<Expert> = Vec::new();
+    let flush = |experts: &mut Vec<Expert>, emit: &mut Emit| {
         experts.sort_by(|a, b| (a.0, &a.1, a.2).cmp(&(b.0, &b.1, b.2)));
-        experts.drain(..).try_for_each(|(_, _, which, name, t)| emit(&name, which, &t))
+        experts.drain(..).try_for_each(|(_, _, _, kind, name, t)| emit(&name, kind, &t))
     };
     for (p, kept) in model.params().iter().zip(&kept) {
         let value = p.trained_values();
@@ -124,8 +123,8 @@ pub fn gather(
         if !spread && first_replica {
             flush(&mut experts, &mut emit)?;
         }
-        let tensors = std::iter::once(value).chain(kept.iter().map(|(_, t)| *t));
-        for (which, t) in tensors.enumerate().take(kinds.len()) {
+        let tensors = std::iter::once((None, value)).chain(kept.iter().map(|(kind, t)| (Some(*kind), *t)));
+        for (which, (kind, t)) in tensors.enumerate().take(count(kept.len())) {
             // under ZeRO every rank of its chunk's axis holds a chunk (dp×cp, or the shard group
             // under hybrid sharding; an expert's, edp)
             let axis = zero::chunk_of(p).map_or_else(|| layout::replicas(p), |z| z.axis);
@@ -150,6 +149,7 @@ pub fn gather(
                         j * per + e,
                         matrix.clone(),
                         which,
+                        kind,
                         name,
                         ops::slice(&stacked, j * t.numel(), t.shape()),
                     ));
@@ -163,7 +163,7 @@ pub fn gather(
                 Placement::Replicate,
                 tp,
             )?;
-            emit(&p.name, which, &whole)?;
+            emit(&p.name, kind, &whole)?;
         }
     }
     flush(&mut experts, &mut emit)?;
@@ -172,7 +172,8 @@ pub fn gather(
     for stage in 1..pp.size() {
         let stage = schedules::stage_of(stage, &cfg.parallel);
         for (name, shape, ..) in Llama::tensor_shapes(&cfg.model, stage) {
-            for &kind in &kinds {
+            let kept = optimizer.kinds_of(&name, &shape);
+            for kind in std::iter::once(None).chain(kept.iter().map(|k| Some(*k))).take(count(kept.len())) {
                 let mut whole = Tensor::empty_on(&shape, &place, DType::F32); // written whole
                 pp.recv_tensor_into(&mut whole, stage.index)?;
                 state.push(&name, kind, Tensor::from_vec(&shape, whole.to_vec()));
@@ -295,7 +296,8 @@ pub fn load(dir: &Path) -> Result<Resumed> {
 impl Resumed {
     /// Checks the checkpoint against the configured run before anything is built; returns notes
     /// to print. `allow_changes` turns differences in the run's settings into notes.
-    pub fn check(&self, cfg: &Config, dir: &Path, allow_changes: bool) -> Result<Vec<String>> {
+    /// `kinds` names each tensor's optimizer state (`Optimizer::kinds_of` of the run's optimizer).
+    pub fn check(&self, cfg: &Config, dir: &Path, allow_changes: bool, kinds: StateKinds) -> Result<Vec<String>> {
         let t = &cfg.train;
         if self.step > t.steps {
             bail!(
@@ -307,9 +309,8 @@ impl Resumed {
         }
         let expected = Llama::tensor_shapes(&cfg.model, Stage::WHOLE);
         check_tensors(&self.weights, &expected, &dir.join("model.safetensors"), &cfg.model)?;
-        let moments: Vec<(String, Vec<usize>)> = AdamW::STATE
-            .iter()
-            .flat_map(|kind| expected.iter().map(move |(n, s)| (format!("{kind}.{n}"), s.clone())))
+        let moments: Vec<(String, Vec<usize>)> = (expected.iter())
+            .flat_map(|(n, s)| kinds(n, s).iter().map(move |kind| (format!("{kind}.{n}"), s.clone())))
             .collect();
         check_tensors(&self.moments, &moments, &dir.join("optimizer.safetensors"), &cfg.model)?;
         let differences = run_differences(&self.recorded, cfg);

@@ -4,7 +4,7 @@
 //! Hugging Face `config.json`), the training and parallel settings against each other and the
 //! model, the device, and the data source. `Config::load` runs them after the TOML is read.
 
-use super::{table::first_non_finite, MAX_SAMPLE_TOKENS, MAX_TIMEOUT_S};
+use super::{table::first_non_finite, MAX_NS_STEPS, MAX_SAMPLE_TOKENS, MAX_TIMEOUT_S};
 use super::{
     CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceDtype, DeviceKind, DpMode, ModelConfig, PpSchedule,
 };
@@ -143,6 +143,18 @@ impl Config {
         }
         if t.adam_eps <= 0.0 {
             bail!("train.adam_eps = {}: it must be positive (it keeps AdamW from dividing by zero)", t.adam_eps);
+        }
+        if !(t.muon_lr > 0.0 && t.muon_lr.is_finite()) {
+            bail!("train.muon_lr = {}: Muon's peak learning rate must be positive", t.muon_lr);
+        }
+        if !(0.0..1.0).contains(&t.muon_momentum) {
+            bail!("train.muon_momentum = {}: it must lie in [0, 1) (0.95 is usual)", t.muon_momentum);
+        }
+        if !(1..=MAX_NS_STEPS).contains(&t.muon_ns_steps) {
+            bail!(
+                "train.muon_ns_steps = {}: give from 1 to {MAX_NS_STEPS} Newton–Schulz iterations (5 is usual)",
+                t.muon_ns_steps
+            );
         }
         for (key, v) in [("train.weight_decay", t.weight_decay), ("train.grad_clip", t.grad_clip)] {
             if v < 0.0 {

@@ -18,6 +18,7 @@ pub mod init;
 pub mod kv_cache;
 pub mod llama;
 pub mod moe;
+pub mod muon;
 pub mod optimizer;
 pub mod param;
 pub mod recompute;

@@ -23,6 +23,7 @@ pub mod fsdp;
 pub mod gather_formats;
 pub mod hybrid_sharding;
 pub mod layout;
+pub mod muon_owners;
 pub mod pipeline_1f1b;
 pub mod pipeline_actions;
 pub mod pipeline_messages;

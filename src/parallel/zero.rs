@@ -101,7 +101,7 @@ pub fn real(n: usize, c: usize, r: usize) -> usize {
 }
 
 /// Chunk `r` of `c` values of `t`'s flat values: `[r·c, (r+1)·c)`, zeros past its end.
-fn cut(t: &Tensor, r: usize, c: usize) -> Tensor {
+pub fn cut(t: &Tensor, r: usize, c: usize) -> Tensor {
     let real = real(t.numel(), c, r);
     let mut part = if real < c { Tensor::zeros_as(&[c], t) } else { Tensor::empty_as(&[c], t) };
     if real > 0 {
@@ -560,6 +560,10 @@ impl Optimizer for GatherAfterUpdate<'_> {
 
     fn to_place(&mut self, place: &Place) {
         self.inner.to_place(place);
+    }
+
+    fn kinds_of(&self, name: &str, shape: &[usize]) -> &'static [&'static str] {
+        self.inner.kinds_of(name, shape)
     }
 }
 

@@ -11,6 +11,7 @@
 //!                  (3, FSDP: a `WeightSplit` gathering whole weights unit by unit)
 //! gradients        one reducer per axis that replicates parameters (`train/gradients.rs`)
 //! the norm         the groups the gradient norm sums over
+//! Muon's owners    where each matrix is whole for Newton–Schulz (`parallel/muon_owners.rs`)
 //! ```
 
 use super::agree;
@@ -23,6 +24,7 @@ use crate::comm::process_grid::Axis;
 use crate::config::{Config, ParallelConfig};
 use crate::data::Dataset;
 use crate::model::moe::{ExpertSplit, Experts, EP, EXPERT_DP};
+use crate::model::muon::{OneRank, WholeMatrices};
 use crate::model::routing_tape::{self, RoutingTape, Taped};
 use crate::model::{Param, Whole};
 use crate::parallel::context_parallel;
@@ -32,6 +34,7 @@ use crate::parallel::fsdp::Fsdp;
 use crate::parallel::gather_formats;
 use crate::parallel::hybrid_sharding::{self, REPLICATE, SHARD};
 use crate::parallel::layout;
+use crate::parallel::muon_owners::Owners;
 use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::schedules;
 use crate::parallel::sequence_parallel::NormGradsOverTp;
@@ -53,14 +56,20 @@ impl<'g> Trainer<'g> {
             agree::settings(me.group(Axis::World), cfg, shared.facts(data))?; // processes started differently never train
         }
         let (mut model, first_step) = shared.model(me, cfg, experts)?; // this rank's part, on its device
-        let mut optimizer = shared.optimizer(&mut model, tp, cfg)?;
-        // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
-        // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
-        // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
+                                                                       // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
+                                                                       // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
+                                                                       // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
         let dense = if hybrid_sharding::is_hybrid(&me.grid) { SHARD.into() } else { Axis::DpCp };
         let sharding = Sharding::new(p.zero_stage, layout::replicas)
             .with(Axis::DpCp, (dense, me.group(dense)))
             .with(EXPERT_DP.into(), (EXPERT_DP.into(), me.group(EXPERT_DP)));
+        // Muon's matrices whole for Newton–Schulz: each at one owner of the ranks holding its pieces
+        let alone = [Axis::DpCp, Axis::Tp, EXPERT_DP.into()].iter().all(|&a| me.group(a).size() == 1);
+        let wholes: Box<dyn WholeMatrices> = match alone {
+            true => Box::new(OneRank), // every matrix is whole here
+            false => Box::new(Owners::new(me, &sharding, layout::replicas, &model.params())),
+        };
+        let mut optimizer = shared.optimizer(&mut model, tp, cfg, wholes)?;
         if sharding.any() {
             model = zero::shard(model, &mut *optimizer, &sharding, p.zero_stage);
             // each weight gathered as its GEMMs read it: bf16 on a bf16 GPU, FP8 where they read FP8

@@ -13,11 +13,12 @@ use crate::comm::launcher::{Rank, Setup};
 use crate::comm::process_grid::{Axis, Grid};
 use crate::comm::trace::Trace;
 use crate::comm::Group;
-use crate::config::{Config, CpMode, DeviceKind};
+use crate::config::{Config, CpMode, DeviceKind, OptimizerKind};
 use crate::data::Dataset;
 use crate::model::fused_loss::FusedLoss;
 use crate::model::moe::Experts;
-use crate::model::optimizer::{AdamW, Optimizer};
+use crate::model::muon::{self, Muon, WholeMatrices};
+use crate::model::optimizer::{self, AdamW, Optimizer, StateKinds};
 use crate::model::routing_tape::TapeMode;
 use crate::model::{init, Llama, TensorSplit};
 use crate::ops::precision::Precision;
@@ -194,7 +195,7 @@ impl Run {
                     true => folder::name_newest_good(&dir, e, |older| save::load(older).is_ok()),
                     false => e,
                 })?;
-                let mut notes = r.check(cfg, &dir, opts.allow_changes)?;
+                let mut notes = r.check(cfg, &dir, opts.allow_changes, state_kinds(cfg))?;
                 if !cfg.model.init_from.is_empty() {
                     notes.push(format!(
                         "model.init_from = {} is not read: the weights come from the checkpoint resumed",
@@ -497,16 +498,42 @@ impl Shared<'_> {
         Ok((model, first_step))
     }
 
-    /// The optimizer (AdamW) over the model's parameters: fresh, or with the checkpoint's state
-    /// of this tp slice.
-    pub(super) fn optimizer(&self, model: &mut Llama, tp: &Group, cfg: &Config) -> Result<Box<dyn Optimizer>> {
-        let mut o = AdamW::new(&model.params_mut(), &cfg.train); // moments made next to the gradients
+    /// The optimizer over the model's parameters — AdamW, or Muon for the blocks' matrices with
+    /// AdamW for the rest (`wholes`: how the layout brings a matrix together) — fresh, or with
+    /// the checkpoint's state of this tp slice.
+    pub(super) fn optimizer<'g>(
+        &self,
+        model: &mut Llama,
+        tp: &Group,
+        cfg: &Config,
+        wholes: Box<dyn WholeMatrices + 'g>,
+    ) -> Result<Box<dyn Optimizer + 'g>> {
+        let (t, dtype) = (&cfg.train, cfg.train.optimizer_dtype.dtype());
+        let mut o: Box<dyn Optimizer + 'g> = match t.optimizer {
+            OptimizerKind::Adamw => {
+                let mut o = AdamW::new(&model.params_mut(), t); // moments made next to the gradients
+                o.keep_moments_in(dtype);
+                Box::new(o)
+            }
+            OptimizerKind::Muon => {
+                let mut o = Muon::new(&mut model.params_mut(), t, wholes);
+                o.keep_state_in(dtype);
+                Box::new(o)
+            }
+        };
         if let Some(r) = self.resumed {
-            r.load_optimizer(&mut o, &model.params(), (tp.index(), tp.size()))?;
-            o.to_place(&model.place()); // the moments were read into host memory
+            r.load_optimizer(&mut *o, &model.params(), (tp.index(), tp.size()))?;
+            o.to_place(&model.place()); // the state was read into host memory
         }
-        o.keep_moments_in(cfg.train.optimizer_dtype.dtype());
-        Ok(Box::new(o))
+        Ok(o)
+    }
+}
+
+/// The names of the state the run's optimizer keeps per parameter (what its checkpoints hold).
+fn state_kinds(cfg: &Config) -> StateKinds {
+    match cfg.train.optimizer {
+        OptimizerKind::Adamw => optimizer::adamw_kinds,
+        OptimizerKind::Muon => muon::state_names,
     }
 }
 
