@@ -221,3 +221,15 @@ fn the_momentum_is_saved_and_resumed_across_layouts() {
     let err = format!("{:#}", train(&resume, opts).err().expect("refused"));
     assert!(err.contains("momentum_buffer"), "{err}");
 }
+
+/// `ferrotron memory` counts Muon's state as the run holds it: one momentum per matrix value, in
+/// ZeRO's chunks too.
+#[test]
+fn memory_counts_the_momentum_as_held() {
+    for extra in [&[][..], &["parallel.dp=2", "train.micro_batch_size=4", "parallel.zero_stage=2"]] {
+        let cfg = Config::load(None, &sets(&[&["train.steps=1"][..], extra].concat())).unwrap();
+        let estimated = ferrotron::train::memory::per_rank(&cfg).unwrap()[0].optimizer_bytes;
+        let held = train_all(&cfg, Options { quiet: true, ..Default::default() }).unwrap()[0].held.optimizer;
+        assert_eq!(estimated, held as f64, "{extra:?}");
+    }
+}

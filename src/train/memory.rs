@@ -16,8 +16,8 @@
 //! host memory it frees (`keep_freed_memory`).
 
 use crate::comm::launcher::Capacity;
-use crate::config::{Config, DpMode, ModelConfig, Recompute};
-use crate::model::moe;
+use crate::config::{Config, DpMode, ModelConfig, OptimizerKind, Recompute};
+use crate::model::{moe, muon};
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
 use crate::model::Llama;
@@ -28,6 +28,13 @@ use crate::parallel::layout::grid_of;
 use crate::parallel::pipeline_schedule::Action;
 use crate::parallel::schedules;
 use anyhow::{bail, Result};
+
+/// Which tensors `sizes` counts, by name and whole shape.
+type Counted = dyn Fn(&str, &[usize]) -> bool;
+
+fn every(_: &str, _: &[usize]) -> bool {
+    true
+}
 
 /// Bytes per weight kept for training: in mixed precision an fp32 master, its bf16 copy, an fp32
 /// gradient and two fp32 AdamW moments (18); in f32 the weight, its gradient and the moments (16).
@@ -149,7 +156,7 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
 /// Weights of the busiest stage on one tp rank: matrices are split over tp, norms are whole.
 /// Counted from one layer's tensors times the stage's layers, so any depth costs nothing.
 pub fn weights_per_rank(m: &ModelConfig, tp: usize, pp: usize) -> f64 {
-    (0..pp).map(|index| sizes(m, (tp, 1), Stage::new(index, pp), 1).0).fold(0.0, f64::max)
+    (0..pp).map(|index| sizes(m, (tp, 1), Stage::new(index, pp), 1, &every).0).fold(0.0, f64::max)
 }
 
 /// One rank's memory by what holds it, in bytes (`ferrotron memory`).
@@ -190,11 +197,14 @@ pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
 /// embedding), the largest unit). Counted from one layer's tensors times the stage's layers, in
 /// f64: any depth and any absurd size cost nothing and never overflow. Experts: 1/ep of them,
 /// chunked over z/ep ranks (the expert-data group).
-fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize) -> (f64, f64, f64, f64) {
+fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize, counted: &Counted) -> (f64, f64, f64, f64) {
     let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
     // (values, values in chunks) of the embedding, of one block, of the head
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
     for (name, shape, on_tp) in Llama::tensor_cuts(&one_layer, Stage::WHOLE) {
+        if !counted(&name, &shape) {
+            continue;
+        }
         let n = shape.iter().map(|&x| x as f64).product::<f64>() / if on_tp == TpCut::Whole { 1.0 } else { tp as f64 };
         let expert = moe::is_expert(&name);
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
@@ -222,7 +232,13 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     // the ranks that share the replicated state: all of dp×cp, or a shard group's (hybrid)
     let z = if p.dp_shard == 0 { p.dp } else { p.dp_shard } * p.cp;
     let zero = if z > 1 { p.zero_stage } else { 0 };
-    let (whole, chunks, unit, any_unit) = sizes(&cfg.model, (p.tp, p.ep), stage, z);
+    let (whole, chunks, unit, any_unit) = sizes(&cfg.model, (p.tp, p.ep), stage, z, &every);
+    // Muon keeps one momentum for each value of the blocks' matrices, where AdamW keeps two moments
+    let muon: &Counted = &muon::updates;
+    let (matrices, matrix_chunks, ..) = match t.optimizer {
+        OptimizerKind::Adamw => (0.0, 0.0, 0.0, 0.0),
+        OptimizerKind::Muon => sizes(&cfg.model, (p.tp, p.ep), stage, z, muon),
+    };
     // the values of one bucket
     let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks);
     // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW's two
@@ -231,8 +247,8 @@ fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
     let on_gpu = cfg.device.kind == crate::config::DeviceKind::Cuda;
     let moments = if on_gpu && t.optimizer_dtype.dtype() == DType::Bf16 { 4.0 } else { 8.0 };
     let (master, optimizer) = match zero {
-        0 => (if dtype == DType::Bf16 { 4.0 * whole } else { 0.0 }, moments * whole),
-        _ => (4.0 * chunks, moments * chunks),
+        0 => (if dtype == DType::Bf16 { 4.0 * whole } else { 0.0 }, moments * (whole - matrices / 2.0)),
+        _ => (4.0 * chunks, moments * (chunks - matrix_chunks / 2.0)),
     };
     let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
 
