@@ -64,18 +64,20 @@ fn run(tiny: bool) -> Result<()> {
 
     // AdamW and Muon side by side, from the same init on the same batches
     let quiet = Options { quiet: true, ..Default::default() };
-    let adamw_run = train(&common::config(tiny, &["train.micro_batch_size=8"])?, quiet)?;
-    let cfg = common::config(tiny, &["train.micro_batch_size=8", "train.optimizer=\"muon\""])?;
+    // (40 steps at either size: `--tiny`'s 4 are still warming up)
+    let adamw_run = train(&common::config(tiny, &["train.micro_batch_size=8", "train.steps=40"])?, quiet)?;
+    let cfg = common::config(tiny, &["train.micro_batch_size=8", "train.steps=40", "train.optimizer=\"muon\""])?;
     let muon_run = train(&cfg, quiet)?;
     let (adamw, mine) = (&adamw_run.losses, &muon_run.losses);
     let target = final_loss(adamw);
-    let reached = mine.windows(adamw.len() / 10).position(|w| w.iter().sum::<f32>() / (w.len() as f32) <= target);
+    let window = (adamw.len() / 10).max(1);
+    let reached = mine.windows(window).position(|w| w.iter().sum::<f32>() / (w.len() as f32) <= target);
     println!(
         "after {} steps: AdamW {:.4}, Muon {:.4}; Muon reaches AdamW's final loss at step {}",
         adamw.len(),
         target,
         final_loss(mine),
-        reached.map_or("— (not yet)".into(), |i| (i + adamw.len() / 10).to_string())
+        reached.map_or("— (not yet)".into(), |i| (i + window).to_string())
     );
     common::claim("Muon ends below AdamW", final_loss(mine) < target, &format!("{:.4} < {target:.4}", final_loss(mine)))?;
 
@@ -84,9 +86,9 @@ fn run(tiny: bool) -> Result<()> {
     for (layout, axis, ranks) in [
         (&["parallel.dp=2", "train.micro_batch_size=4"][..], "dp×cp", 2),
         (&["parallel.dp=2", "train.micro_batch_size=4", "parallel.zero_stage=2"][..], "dp×cp", 2),
-        (&["parallel.tp=2"][..], "tp", 2),
+        (&["parallel.tp=2", "train.micro_batch_size=8"][..], "tp", 2),
     ] {
-        let cfg = common::config(tiny, &[&["train.optimizer=\"muon\""][..], layout].concat())?;
+        let cfg = common::config(tiny, &[&["train.optimizer=\"muon\"", "train.steps=40"][..], layout].concat())?;
         let all = train_all(&cfg, quiet)?;
         let nudged = (Options { nudge_weights: true, ..Default::default() }, "every initial weight moved by one ulp");
         common::follows_with(&format!("Muon with {}", layout.join(" ")), (&all[0].losses, mine), &cfg, 1e-4, nudged)?;
