@@ -233,3 +233,21 @@ fn memory_counts_the_momentum_as_held() {
         assert_eq!(estimated, held as f64, "{extra:?}");
     }
 }
+
+/// `train --comm-report` says whose all_to_all it counts on the dp axis.
+#[test]
+fn the_comm_report_names_the_owners_exchange() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+        .current_dir(tmp.path())
+        .args(["train", "--comm-report"])
+        .args(sets(&["parallel.dp=2", "train.micro_batch_size=4", "train.steps=2"]).iter().flat_map(|s| ["--set", s]))
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}");
+    let row =
+        text.lines().find(|l| l.starts_with("dp×cp") && l.contains("all_to_all")).unwrap_or_else(|| panic!("{text}"));
+    assert!(row.split_whitespace().nth(3) == Some("1.0"), "one call a step and rank: {row}");
+    assert!(text.contains("Muon's owners"), "{text}");
+}

@@ -17,10 +17,10 @@
 
 use crate::comm::launcher::Capacity;
 use crate::config::{Config, DpMode, ModelConfig, OptimizerKind, Recompute};
-use crate::model::{moe, muon};
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
 use crate::model::Llama;
+use crate::model::{moe, muon};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::{DType, TpCut};
 use crate::parallel::data_parallel::bucket_values;

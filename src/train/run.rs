@@ -16,7 +16,7 @@ use crate::comm::Group;
 use crate::config::{Config, CpMode, DeviceKind, OptimizerKind};
 use crate::data::Dataset;
 use crate::model::fused_loss::FusedLoss;
-use crate::model::moe::Experts;
+use crate::model::moe::{Experts, EP};
 use crate::model::muon::{self, Muon, WholeMatrices};
 use crate::model::optimizer::{self, AdamW, Optimizer, StateKinds};
 use crate::model::routing_tape::TapeMode;
@@ -308,6 +308,11 @@ impl Run {
             let steps = summaries[0].losses.len();
             let ranks: Vec<Vec<AxisTally>> = summaries.iter().map(|s| s.comm.clone()).collect();
             crate::say!("{}", cost::report(&ranks, steps, link).trim_end());
+            let exchanged = ranks.iter().flatten().any(|t| t.call == cost::Call::AllToAll && t.axis != EP.name);
+            if cfg.train.optimizer == OptimizerKind::Muon && exchanged {
+                // who made the calls: the report counts by axis and kind only
+                crate::say!("(all_to_all off the ep axis: Muon's owners gathering each matrix and sending its pieces back, step 23)");
+            }
         }
         if cfg.parallel.cp > 1 && !opts.quiet {
             let work: Vec<String> =

@@ -79,7 +79,11 @@ fn run(tiny: bool) -> Result<()> {
         final_loss(mine),
         reached.map_or("— (not yet)".into(), |i| (i + window).to_string())
     );
-    common::claim("Muon ends below AdamW", final_loss(mine) < target, &format!("{:.4} < {target:.4}", final_loss(mine)))?;
+    common::claim(
+        "Muon ends below AdamW",
+        final_loss(mine) < target,
+        &format!("{:.4} < {target:.4}", final_loss(mine)),
+    )?;
 
     // every layout on the one-device curve, and what the owners' exchange moves a step
     let n = muon_values(&cfg) as u64;
@@ -96,7 +100,8 @@ fn run(tiny: bool) -> Result<()> {
         // replicas: each owner sends its results to every rank; chunks (ZeRO) and tp slices:
         // every piece to its owner and back
         let want = if cfg.parallel.zero_stage == 0 && axis != "tp" { ranks * n * 4 } else { 2 * n * 4 };
-        let detail = format!("{} all_to_all calls, {} bytes a step over the ranks ({n} values of matrices)", t.calls, t.bytes);
+        let detail =
+            format!("{} all_to_all calls, {} bytes a step over the ranks ({n} values of matrices)", t.calls, t.bytes);
         common::claim(&format!("the owners' exchange on {axis} moves what the lesson says"), t.bytes == want, &detail)?;
     }
 
