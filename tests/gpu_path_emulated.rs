@@ -216,6 +216,26 @@ fn converge_over_nccl(dir: &Path, (name, extra): (&str, &[&str]), variants: &str
     any(ferrotron_no_nvrtc, ferrotron_no_gxx),
     ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
 )]
+fn muon_on_the_gpu_path_follows_the_cpu_and_its_owners_exchange_over_nccl() {
+    let Some(dir) = fake_driver() else { return };
+    // Newton–Schulz as cuBLAS GEMMs, the momentum and the update as GPU ops, f32
+    let steps = ["train.steps=3", "train.warmup_steps=1", "train.micro_batch_size=1", "train.optimizer=\"muon\""];
+    let cpu = losses(dir, "muon_cpu", &steps);
+    let f32 = losses(dir, "muon_f32", &[&steps[..], &["device.kind=cuda", "device.dtype=f32"]].concat());
+    assert!(max_diff(&cpu, &f32) <= 1e-4, "Muon in f32 on the GPU path {f32:?}, CPU {cpu:?}");
+    // bf16: each matrix's fp32 master updated, its bf16 copy written from it
+    let bf16 = losses(dir, "muon_bf16", &[&steps[..], &["device.kind=cuda", "device.dtype=bf16"]].concat());
+    assert!(max_diff(&cpu, &bf16) <= 0.05 && bf16[2] < bf16[0], "Muon in bf16 {bf16:?}, CPU {cpu:?}");
+    // the owners' all_to_all on device buffers through the (fake) NCCL, chunks and tp slices
+    let muon: &[&str] = &["train.optimizer=\"muon\""];
+    converge_over_nccl(dir, ("muon", muon), "dp=2;dp=2,zero_stage=2;tp=2", 4);
+}
+
+#[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
 fn zero_stages_over_nccl_follow_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // bf16 with bf16 AdamW moments, two ranks sharing the GPU (the host path): FSDP's chunks are
