@@ -226,6 +226,11 @@ fn muon_on_the_gpu_path_follows_the_cpu_and_its_owners_exchange_over_nccl() {
     // bf16: each matrix's fp32 master updated, its bf16 copy written from it
     let bf16 = losses(dir, "muon_bf16", &[&steps[..], &["device.kind=cuda", "device.dtype=bf16"]].concat());
     assert!(max_diff(&cpu, &bf16) <= 0.05 && bf16[2] < bf16[0], "Muon in bf16 {bf16:?}, CPU {cpu:?}");
+    // FP8: each updated weight's FP8 copies made again (FERROTRON_CHECK_CASTS compares every
+    // reuse with a fresh cast), against the CPU's emulated casts
+    let cpu8 = losses(dir, "muon_cpu_fp8", &[&steps[..], &["device.dtype=fp8"]].concat());
+    let fp8 = losses(dir, "muon_fp8", &[&steps[..], &["device.kind=cuda", "device.dtype=fp8"]].concat());
+    assert!(max_diff(&cpu8, &fp8) <= 0.05, "Muon in FP8 {fp8:?}, CPU {cpu8:?}");
     // the owners' all_to_all on device buffers through the (fake) NCCL, chunks and tp slices
     let muon: &[&str] = &["train.optimizer=\"muon\""];
     converge_over_nccl(dir, ("muon", muon), "dp=2;dp=2,zero_stage=2;tp=2", 4);

@@ -251,3 +251,22 @@ fn the_comm_report_names_the_owners_exchange() {
     assert!(row.split_whitespace().nth(3) == Some("1.0"), "one call a step and rank: {row}");
     assert!(text.contains("Muon's owners"), "{text}");
 }
+
+/// `train.optimizer_dtype = "bf16"` keeps Muon's momentum rounded to bf16 after each update, as
+/// it keeps AdamW's moments.
+#[test]
+fn the_momentum_is_kept_in_the_optimizer_dtype() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = format!("checkpoint.dir=\"{}\"", tmp.path().display());
+    let bf16 = ["train.steps=3", "checkpoint.every=3", "train.optimizer_dtype=\"bf16\"", &dir];
+    let f32 = ["train.steps=3", "train.optimizer_dtype=\"f32\""];
+    let a = train(&Config::load(None, &sets(&bf16)).unwrap(), Options { quiet: true, ..Default::default() }).unwrap();
+    let b = train(&Config::load(None, &sets(&f32)).unwrap(), Options { quiet: true, ..Default::default() }).unwrap();
+    // (the first update reads the momentum before it is rounded: the curves part at step 3)
+    assert!(a.losses[2] != b.losses[2], "the rounding moves the curve: {:?} vs {:?}", a.losses, b.losses);
+    let (_, state) = common::checkpoint_tensors(&tmp.path().join("step_000003"));
+    let momentum: Vec<f32> =
+        state.iter().filter(|(n, _)| n.starts_with("momentum_buffer.")).flat_map(|(_, v)| v.clone()).collect();
+    assert!(!momentum.is_empty() && momentum.iter().any(|v| *v != 0.0));
+    assert!(momentum.iter().all(|v| half::bf16::from_f32(*v).to_f32() == *v), "every value a bf16");
+}

@@ -79,23 +79,32 @@ pub fn state_names(name: &str, shape: &[usize]) -> &'static [&'static str] {
 const MOMENTUM: [&str; 1] = ["momentum_buffer"];
 
 /// Newton–Schulz: `steps` iterations of the quintic on `u` [rows, cols] (f32, on its device),
-/// from u/‖u‖_F. For a tall u the Gram matrix is taken the other way (XᵀX, cols × cols), which is
-/// the same iteration run on uᵀ.
+/// from u/‖u‖_F; the result in f32. For a tall u the Gram matrix is taken the other way (XᵀX,
+/// cols × cols), which is the same iteration run on uᵀ. The products run in the place's compute
+/// dtype: f32 on the CPU and in an f32 GPU run, bf16 in a bf16 GPU run (cuBLAS GEMMs in bf16 with
+/// fp32 accumulation, as PyTorch's Muon casts to bf16).
 pub fn newton_schulz(u: &Tensor, steps: usize) -> Tensor {
     let (a, b, c) = NS_COEFFICIENTS;
-    let ((rows, cols), place, f32) = ((u.rows(), u.cols()), u.place(), Precision::F32);
-    let mut x = ops::convert(u, DType::F32); // a copy, in f32
-    let norm = ops::sum_squares_total(&[&x], &place).to_vec()[0].sqrt(); // (on a GPU, a wait)
+    let ((rows, cols), place) = ((u.rows(), u.cols()), u.place());
+    let dtype = place.dtype();
+    let norm = ops::sum_squares_total(&[u], &place).to_vec()[0].sqrt(); // (on a GPU, a wait)
+    let mut x = ops::convert(u, dtype); // a copy, in the compute dtype
     ops::scale(&mut x, 1.0 / norm.max(NS_EPS));
     let wide = rows <= cols;
+    let f32 = Precision::F32; // (on a GPU the GEMM reads its tensors' dtype)
     for _ in 0..steps {
-        // A = X·Xᵀ [rows, rows] (wide), or XᵀX [cols, cols] (tall)
+        // A = X·Xᵀ [rows, rows] (wide), or XᵀX [cols, cols] (tall; the weight-gradient GEMM,
+        // which adds into an f32 tensor)
         let gram = if wide {
             ops::linear(&x, &x, f32)
         } else {
             let mut g = Tensor::zeros_on(&[cols, cols], &place, DType::F32);
             ops::linear_weight_grad(&x, &x, &mut g, f32);
-            g
+            if dtype == DType::F32 {
+                g
+            } else {
+                ops::convert(&g, dtype)
+            }
         };
         // P = b·A + c·A·A (A is symmetric: A·A is A·A's GEMM either way)
         let mut poly = ops::linear_input_grad(&gram, &gram, f32);
@@ -106,7 +115,11 @@ pub fn newton_schulz(u: &Tensor, steps: usize) -> Tensor {
         ops::scale(&mut x, a);
         ops::add_assign(&mut x, &moved);
     }
-    x
+    if dtype == DType::F32 {
+        x
+    } else {
+        ops::convert(&x, DType::F32)
+    }
 }
 
 /// The factor Muon's rate is multiplied by for a matrix of `shape` (the whole matrix).
