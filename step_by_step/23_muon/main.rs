@@ -100,8 +100,8 @@ fn run(tiny: bool) -> Result<()> {
         // replicas: each owner sends its results to every rank; chunks (ZeRO) and tp slices:
         // every piece to its owner and back
         let want = if cfg.parallel.zero_stage == 0 && axis != "tp" { ranks * n * 4 } else { 2 * n * 4 };
-        let detail =
-            format!("{} all_to_all calls, {} bytes a step over the ranks ({n} values of matrices)", t.calls, t.bytes);
+        let (calls, held) = (t.calls, all[0].held.optimizer);
+        let detail = format!("{calls} all_to_all calls, {} bytes a step over the ranks ({n} values of matrices); rank 0 holds {held} bytes of optimizer state", t.bytes);
         common::claim(&format!("the owners' exchange on {axis} moves what the lesson says"), t.bytes == want, &detail)?;
     }
 
