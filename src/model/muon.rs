@@ -3,23 +3,23 @@
 //! AdamW treats a weight matrix as a bag of numbers: each one gets its own step size from its
 //! own history. Muon (Jordan et al., 2024) treats it as what it is, a linear map. It keeps one
 //! momentum M per matrix (as SGD does), and instead of stepping along M it steps along the
-//! *orthogonal* matrix closest to it: with M = U·Σ·Vᵀ (its singular value decomposition), the
-//! update is O = U·Vᵀ — every direction M moves the map in, moved by the same amount. A gradient
+//! *orthogonal* matrix closest to it: with M = P·Σ·Qᵀ (its singular value decomposition), the
+//! update is O = P·Qᵀ — every direction M moves the map in, moved by the same amount. A gradient
 //! of a transformer's matrix is nearly low-rank: a few directions dominate and the rare ones
 //! hardly move under AdamW or SGD. Orthogonalising gives the rare directions the same step, which
-//! is why Muon reaches AdamW's loss in markedly fewer steps (on step 23's model, see its lesson).
+//! is why Muon often reaches AdamW's loss in fewer steps (step 23 measures how many, on its task).
 //!
 //! ```text
 //! one Muon step of a matrix W [rows, cols], gradient G (already clipped):
 //!   M ← μ·M + (1 − μ)·G                        momentum (elementwise, like AdamW's first moment)
 //!   U ← (1 − μ)·G + μ·M   (Nesterov; else U = M)
-//!   O ← NewtonSchulz₅(U)                        ≈ U·Vᵀ of U's SVD: needs the WHOLE matrix
+//!   O ← NewtonSchulz₅(U)                        ≈ P·Qᵀ of U's SVD: needs the WHOLE matrix
 //!   W ← W·(1 − lr·wd) − lr·√max(1, rows/cols)·O   (or 0.2·√max(rows, cols) to match AdamW's RMS)
 //! ```
 //! **Newton–Schulz.** An SVD per matrix per step would be slow on a GPU. Instead: scale U so its
 //! largest singular value is at most 1 (divide by its Frobenius norm, which is ≥ it), then apply
 //! the odd polynomial p(x) = a·x + b·x³ + c·x⁵ to its singular values five times. A polynomial in
-//! X·Xᵀ acts on the singular values alone (X = UΣVᵀ → X·(XᵀX)ᵏ = U·Σ^(2k+1)·Vᵀ), and needs only
+//! X·Xᵀ acts on the singular values alone (X = PΣQᵀ → X·(XᵀX)ᵏ = P·Σ^(2k+1)·Qᵀ), and needs only
 //! matrix products — the GEMMs a GPU is built for:
 //!
 //! ```text
@@ -28,7 +28,7 @@
 //! (for a tall U, the same on Uᵀ, so that A is the smaller Gram matrix). The coefficients are
 //! chosen for speed, not accuracy: p has a steep slope at 0 (a = 3.4, so small singular values
 //! grow fast) and maps [≈0.1, 1] into a band around 1 (about 0.7 to 1.2), not onto 1. So O is
-//! *not* U·Vᵀ — its singular values wobble around 1 — and that is fine: the point is that no
+//! *not* P·Qᵀ — its singular values wobble around 1 — and that is fine: the point is that no
 //! direction is left out, not that every step is exactly equal (PyTorch's `torch.optim.Muon`,
 //! nanochat and Megatron-LM use these same numbers).
 //!
