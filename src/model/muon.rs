@@ -246,7 +246,11 @@ impl Optimizer for Muon<'_> {
         let mut pieces = Vec::with_capacity(mats.len());
         for (p, kept) in mats.iter().zip(&mut self.momentum) {
             let g = p.trained_grad();
-            let mut m = ops::convert(kept, DType::F32); // M ← μ·M + (1 − μ)·G
+            // M ← μ·M + (1 − μ)·G: in place in f32; a bf16 momentum is read into f32 first
+            let mut m = match dtype {
+                DType::F32 => std::mem::replace(kept, Tensor::zeros(&[0])),
+                _ => ops::convert(kept, DType::F32),
+            };
             ops::scale(&mut m, mu);
             ops::add_scaled(&mut m, g.clone(), (1.0 - mu) * grad_scale);
             pieces.push(match s.nesterov {
