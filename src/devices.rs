@@ -22,24 +22,187 @@ use crate::ops::types::DType;
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
 
-/// Dense peak TFLOP/s (bf16 tensor cores, f32 CUDA cores) by a part of the GPU's name; the first
-/// match wins.
-const PEAKS: [(&str, f64, f64); 9] = [
-    ("H100 PCIe", 756.5, 51.2),
-    ("H100 NVL", 835.5, 60.0),
-    ("H100", 989.4, 66.9), // SXM (its name reads "H100 80GB HBM3")
-    ("H200", 989.4, 66.9), // and GH200
-    ("A100", 312.0, 19.5),
-    ("L40S", 362.1, 91.6),
-    ("L40", 181.0, 90.5), // before "L4", which its name contains
-    ("RTX 4090", 165.2, 82.6),
-    ("L4", 121.0, 30.3),
+/// A GPU as the vendor's datasheet gives it, per GPU: dense peak TFLOP/s (bf16 and FP8 tensor
+/// cores, f32 CUDA cores), memory, HBM bandwidth, and the links a node of them usually has (NVLink
+/// between the GPUs of a node, per direction; one InfiniBand or Ethernet adapter a GPU across
+/// nodes). `ferrotron plan` reads all of it (`--gpu KEY`), MFU only the peaks (by a part of the
+/// name the driver reports).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Gpu {
+    /// `--gpu`'s word for it ("" for a part only MFU looks up).
+    pub key: &'static str,
+    /// A part of the name the driver reports; the table's first match wins.
+    pub name: &'static str,
+    pub bf16_tflops: f64,
+    /// 0 where the GPU has no FP8 tensor cores.
+    pub fp8_tflops: f64,
+    pub f32_tflops: f64,
+    pub memory_gib: f64,
+    pub hbm_tb_s: f64,
+    /// NVLink (or PCIe where there is none) between two GPUs of a node, GB/s a direction.
+    pub node_gb_s: f64,
+    /// The network across nodes, GB/s a direction a GPU (400 Gb/s InfiniBand NDR: 50).
+    pub net_gb_s: f64,
+    /// Where the figures come from.
+    pub source: &'static str,
+}
+
+const NVIDIA: &str = "NVIDIA datasheet (dense, without sparsity)";
+
+/// The table, most specific names first ("H100 PCIe" before "H100", "L40" before "L4").
+pub const GPUS: [Gpu; 11] = [
+    Gpu {
+        key: "h100-pcie",
+        name: "H100 PCIe",
+        bf16_tflops: 756.5,
+        fp8_tflops: 1513.0,
+        f32_tflops: 51.2,
+        memory_gib: 80.0,
+        hbm_tb_s: 2.0,
+        node_gb_s: 25.0,
+        net_gb_s: 50.0,
+        source: NVIDIA,
+    },
+    Gpu {
+        key: "h100-nvl",
+        name: "H100 NVL",
+        bf16_tflops: 835.5,
+        fp8_tflops: 1671.0,
+        f32_tflops: 60.0,
+        memory_gib: 94.0,
+        hbm_tb_s: 3.9,
+        node_gb_s: 300.0,
+        net_gb_s: 50.0,
+        source: NVIDIA,
+    },
+    // SXM (its name reads "H100 80GB HBM3"): NVLink 4 at 900 GB/s both ways, NDR InfiniBand
+    Gpu {
+        key: "h100",
+        name: "H100",
+        bf16_tflops: 989.4,
+        fp8_tflops: 1978.9,
+        f32_tflops: 66.9,
+        memory_gib: 80.0,
+        hbm_tb_s: 3.35,
+        node_gb_s: 450.0,
+        net_gb_s: 50.0,
+        source: NVIDIA,
+    },
+    Gpu {
+        key: "",
+        name: "GH200",
+        bf16_tflops: 989.4,
+        fp8_tflops: 1978.9,
+        f32_tflops: 66.9,
+        memory_gib: 96.0,
+        hbm_tb_s: 4.0,
+        node_gb_s: 450.0,
+        net_gb_s: 50.0,
+        source: NVIDIA,
+    },
+    Gpu {
+        key: "h200",
+        name: "H200",
+        bf16_tflops: 989.4,
+        fp8_tflops: 1978.9,
+        f32_tflops: 66.9,
+        memory_gib: 141.0,
+        hbm_tb_s: 4.8,
+        node_gb_s: 450.0,
+        net_gb_s: 50.0,
+        source: NVIDIA,
+    },
+    // HGX B200 (per GPU): NVLink 5 at 1.8 TB/s both ways
+    Gpu {
+        key: "b200",
+        name: "B200",
+        bf16_tflops: 2250.0,
+        fp8_tflops: 4500.0,
+        f32_tflops: 75.0,
+        memory_gib: 180.0,
+        hbm_tb_s: 7.7,
+        node_gb_s: 900.0,
+        net_gb_s: 50.0,
+        source: NVIDIA,
+    },
+    // SXM 80 GB: NVLink 3 at 600 GB/s both ways, HDR InfiniBand (200 Gb/s)
+    Gpu {
+        key: "a100",
+        name: "A100",
+        bf16_tflops: 312.0,
+        fp8_tflops: 0.0,
+        f32_tflops: 19.5,
+        memory_gib: 80.0,
+        hbm_tb_s: 2.04,
+        node_gb_s: 300.0,
+        net_gb_s: 25.0,
+        source: NVIDIA,
+    },
+    // no NVLink: PCIe 4.0 ×16 between GPUs (25 GB/s achievable)
+    Gpu {
+        key: "l40s",
+        name: "L40S",
+        bf16_tflops: 362.1,
+        fp8_tflops: 733.0,
+        f32_tflops: 91.6,
+        memory_gib: 48.0,
+        hbm_tb_s: 0.864,
+        node_gb_s: 25.0,
+        net_gb_s: 25.0,
+        source: NVIDIA,
+    },
+    Gpu {
+        key: "l40",
+        name: "L40",
+        bf16_tflops: 181.0,
+        fp8_tflops: 362.0,
+        f32_tflops: 90.5,
+        memory_gib: 48.0,
+        hbm_tb_s: 0.864,
+        node_gb_s: 25.0,
+        net_gb_s: 25.0,
+        source: NVIDIA,
+    },
+    Gpu {
+        key: "",
+        name: "RTX 4090",
+        bf16_tflops: 165.2,
+        fp8_tflops: 330.3,
+        f32_tflops: 82.6,
+        memory_gib: 24.0,
+        hbm_tb_s: 1.0,
+        node_gb_s: 25.0,
+        net_gb_s: 12.5,
+        source: NVIDIA,
+    },
+    Gpu {
+        key: "l4",
+        name: "L4",
+        bf16_tflops: 121.0,
+        fp8_tflops: 242.5,
+        f32_tflops: 30.3,
+        memory_gib: 24.0,
+        hbm_tb_s: 0.3,
+        node_gb_s: 25.0,
+        net_gb_s: 12.5,
+        source: NVIDIA,
+    },
 ];
+
+/// The GPU `--gpu` names, by its key.
+pub fn gpu(key: &str) -> Option<&'static Gpu> {
+    GPUS.iter().find(|g| !g.key.is_empty() && g.key == key)
+}
+
+/// The keys `--gpu` takes, for a refusal's line.
+pub fn gpu_keys() -> String {
+    GPUS.iter().filter(|g| !g.key.is_empty()).map(|g| g.key).collect::<Vec<_>>().join(", ")
+}
 
 /// The peak of a GPU named `name` computing in `dtype`, in TFLOP/s, when the table knows it.
 pub fn peak_tflops(name: &str, dtype: DType) -> Option<f64> {
-    let (_, bf16, f32) = PEAKS.iter().find(|(part, _, _)| name.contains(part))?;
-    Some(if dtype == DType::Bf16 { *bf16 } else { *f32 })
+    let g = GPUS.iter().find(|g| name.contains(g.name))?;
+    Some(if dtype == DType::Bf16 { g.bf16_tflops } else { g.f32_tflops })
 }
 
 /// FLOPs per trained token (forward and backward), by the formula above.
@@ -73,15 +236,33 @@ pub fn recorded_cpu_peak(file: &Path, key: &str) -> Option<f64> {
 }
 
 /// Records `tflops` for `key` in `file`, keeping the other machines' entries (the cache folder
-/// may be shared); written whole, so a reader never sees half of it.
+/// may be shared) and this one's other measurements.
 pub fn record_cpu_peak(file: &Path, key: &str, tflops: f64) -> Result<()> {
+    record_cpu_field(file, key, "f32_tflops", serde_json::json!(tflops))?;
+    record_cpu_field(file, key, "how", serde_json::json!("ops::cpu_math::gemm, 1024³, all threads"))
+}
+
+/// What `file` records under `field` for the CPU `key` (none when not measured yet, or the file
+/// is unreadable).
+pub fn recorded_cpu_field(file: &Path, key: &str, field: &str) -> Option<serde_json::Value> {
+    let text = crate::files::read_text(file, "the calibration file").ok()?;
+    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    Some(json["cpu"][key][field].clone()).filter(|v| !v.is_null())
+}
+
+/// Records `value` under `field` for the CPU `key` in `file`, keeping everything else there;
+/// written whole, so a reader never sees half of it.
+pub fn record_cpu_field(file: &Path, key: &str, field: &str, value: serde_json::Value) -> Result<()> {
     let old = crate::files::read_text(file, "the calibration file").ok();
     let old = old.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
     let mut json = old.filter(serde_json::Value::is_object).unwrap_or_else(|| serde_json::json!({}));
     if !json["cpu"].is_object() {
         json["cpu"] = serde_json::json!({});
     }
-    json["cpu"][key] = serde_json::json!({ "f32_tflops": tflops, "how": "ops::cpu_math::gemm, 1024³, all threads" });
+    if !json["cpu"][key].is_object() {
+        json["cpu"][key] = serde_json::json!({});
+    }
+    json["cpu"][key][field] = value;
     if let Some(folder) = file.parent() {
         std::fs::create_dir_all(folder)
             .with_context(|| format!("data.cache_dir: cannot create {}", folder.display()))?;

@@ -8,10 +8,10 @@ use ferrotron::comm::cost::Link;
 use ferrotron::comm::launcher;
 use ferrotron::comm::process_grid::Grid;
 use ferrotron::commands::cli::{
-    BenchArgs, Cli, Command, ConvergeArgs, EvalArgs, GenerateArgs, GridArgs, MemoryArgs, PathArg, ScheduleArgs,
-    TokenizerArgs, TrainArgs,
+    BenchArgs, Cli, Command, ConvergeArgs, EvalArgs, GenerateArgs, GridArgs, MemoryArgs, PathArg, PlanArgs,
+    ScheduleArgs, TokenizerArgs, TrainArgs,
 };
-use ferrotron::commands::{self, bench, converge, doctor, eval, generate, memory, schedule};
+use ferrotron::commands::{self, bench, converge, doctor, eval, generate, memory, plan, schedule};
 use ferrotron::config::Config;
 use ferrotron::config::PpSchedule;
 use ferrotron::model::routing_tape::TapeMode;
@@ -29,10 +29,17 @@ fn run(cli: Cli, paths: &[PathArg]) -> Result<Exit> {
         Command::Grid(a) => grid_command(a),
         Command::Eval(a) => eval_command(a),
         Command::Memory(a) => memory_command(a, paths),
+        Command::Plan(a) => plan_command(a, paths),
         Command::Generate(a) => generate_command(a),
         Command::Tokenizer(a) => tokenizer_command(a, paths),
         Command::Doctor => doctor::doctor().map(|_| Exit::Done),
         Command::Bench(a) if a.op.is_some() => bench_op(a, paths),
+        Command::Bench(a) if a.calibrate => {
+            let cfg = Config::load(a.config.as_deref(), &a.sets)?;
+            let calibration = ferrotron::commands::calibrate::calibrate(&cfg.data.cache_dir)?;
+            say!("{}", ferrotron::commands::calibrate::table(&calibration).trim_end());
+            Ok(Exit::Done)
+        }
         Command::Bench(a) => bench_step(a, paths),
     }
 }
@@ -175,6 +182,43 @@ fn memory_command(MemoryArgs { config, sets, measure, json }: MemoryArgs, paths:
         ferrotron::files::write_atomically(path, memory::json(&ranks)?.as_bytes()).context("--json")?;
     }
 
+    Ok(Exit::Done)
+}
+
+fn plan_command(a: PlanArgs, paths: &[PathArg]) -> Result<Exit> {
+    let base = plan::model_of(a.config.as_deref(), &a.sets)?;
+    let _claims = commands::claim_outputs(paths, Some(&base))?;
+    let dtype = match a.dtype.as_str() {
+        "bf16" => ferrotron::config::DeviceDtype::Bf16,
+        "fp8" => ferrotron::config::DeviceDtype::Fp8,
+        other => anyhow::bail!("--dtype {other}: expected bf16 or fp8"),
+    };
+    let mut cluster = match a.gpu.as_str() {
+        "cpu" => plan::cpu_cluster(&base.data.cache_dir, a.gpus)?,
+        gpu => plan::cluster(gpu, (a.gpus, a.gpus_per_node), dtype, None)?,
+    };
+    plan::override_cluster(&mut cluster, (a.memory_gib, a.node_gb_s, a.net_gb_s))?;
+    let t = &base.train;
+    let seq_len = a.seq_len.unwrap_or(t.seq_len);
+    let default_tokens = t.micro_batch_size * t.grad_accum_steps * base.parallel.dp * seq_len;
+    let ask = plan::Ask {
+        global_batch_tokens: a.global_batch_tokens.unwrap_or(default_tokens),
+        seq_len,
+        dtype: if cluster.on_cpu { ferrotron::config::DeviceDtype::F32 } else { dtype },
+        all_schedules: a.all_schedules || cluster.on_cpu,
+    };
+    let layouts = plan::plan(&base, &cluster, &ask)?;
+    say!("{}", plan::table(&layouts, &cluster, a.top).trim_end());
+    if let Some(n) = a.explain {
+        let fit: Vec<&plan::Layout> = layouts.iter().filter(|l| l.fits).collect();
+        match fit.get(n.wrapping_sub(1)) {
+            Some(l) => say!("\nlayout {n}:\n{}", plan::explain(l, &cluster).trim_end()),
+            None => anyhow::bail!("--explain {n}: the table has layouts 1 to {}", fit.len()),
+        }
+    }
+    if let Some(path) = &a.json {
+        ferrotron::files::write_atomically(path, plan::json(&layouts, &cluster, &ask)?.as_bytes()).context("--json")?;
+    }
     Ok(Exit::Done)
 }
 

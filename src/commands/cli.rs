@@ -36,6 +36,9 @@ pub enum Command {
     /// Every rank's bytes of weights, gradients, optimizer state, activations and communication
     /// buffers for a layout (estimated from the shapes; --measure also trains two steps).
     Memory(MemoryArgs),
+    /// Which layout for a model on a cluster: every dp × tp × pp × cp × ep, ZeRO stage, schedule,
+    /// recomputation and micro-batch that fits, ranked by predicted tokens/s (nothing runs).
+    Plan(PlanArgs),
     /// Mean next-token loss of a Hugging Face Llama checkpoint on a token file.
     Eval(EvalArgs),
     /// Sample from a model (a ferrotron checkpoint or a Hugging Face Llama folder) with a KV
@@ -168,6 +171,55 @@ pub struct MemoryArgs {
 }
 
 #[derive(Args)]
+pub struct PlanArgs {
+    /// The model: a ferrotron TOML or a Hugging Face config.json (default: the built-in config).
+    #[arg(long, help_heading = READS, value_hint = ValueHint::FilePath)]
+    pub config: Option<PathBuf>,
+    #[arg(long = "set", value_name = "SECTION.KEY=VALUE")]
+    pub sets: Vec<String>,
+    /// How many GPUs (or, with --gpu cpu, ranks as threads on this machine).
+    #[arg(long, default_value_t = 8)]
+    pub gpus: usize,
+    #[arg(long, default_value_t = 8)]
+    pub gpus_per_node: usize,
+    /// h100, h200, b200, a100, l40s, … (the device table), or cpu: this machine as
+    /// `bench --calibrate` measured it.
+    #[arg(long, default_value = "h100")]
+    pub gpu: String,
+    /// Tokens a step over every rank (default: the config's micro_batch_size × grad_accum_steps
+    /// × dp × seq_len).
+    #[arg(long)]
+    pub global_batch_tokens: Option<usize>,
+    /// Default: the config's train.seq_len.
+    #[arg(long)]
+    pub seq_len: Option<usize>,
+    /// bf16 or fp8.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Also the pipeline schedules not yet paired for NCCL (interleaved, zb-h1, zbv).
+    #[arg(long)]
+    pub all_schedules: bool,
+    /// The GPU's memory, GiB (default: the table's).
+    #[arg(long)]
+    pub memory_gib: Option<f64>,
+    /// NVLink inside a node, GB/s a direction (default: the table's).
+    #[arg(long)]
+    pub node_gb_s: Option<f64>,
+    /// The network across nodes, GB/s a direction a GPU (default: the table's).
+    #[arg(long)]
+    pub net_gb_s: Option<f64>,
+    /// Rows of the table (the fastest layouts).
+    #[arg(long, default_value_t = 10)]
+    pub top: usize,
+    /// Print layout number N of the table in full.
+    #[arg(long, value_name = "N")]
+    pub explain: Option<usize>,
+    /// Also write every layout tried, with its config keys and prediction, to this file.
+    #[arg(long, value_name = "OUT.json", help_heading = WRITES, value_hint = ValueHint::FilePath)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Args)]
 pub struct EvalArgs {
     /// Folder with config.json and model.safetensors (or a sharded index).
     #[arg(long, help_heading = READS, value_hint = ValueHint::DirPath)]
@@ -256,6 +308,11 @@ pub struct BenchArgs {
     /// kernels (forward, forward+backward) on the config's shapes (GPU only).
     #[arg(long, value_name = "OP", value_parser = ["attention"])]
     pub op: Option<String>,
+    /// Measure what `plan --gpu cpu` predicts with on this machine (GEMMs, attention, the small
+    /// ops on every thread and on one, the wire between ranks) and record it in the cache
+    /// folder's calibration.json.
+    #[arg(long, conflicts_with_all = ["op", "profile", "against"])]
+    pub calibrate: bool,
 }
 
 /// A file or folder a command line names: its flag, its path, whether the command writes it

@@ -9,16 +9,20 @@
 
 pub mod bench;
 pub mod bench_attention;
+pub mod calibrate;
 pub mod cli;
 pub mod converge;
 pub mod doctor;
 pub mod eval;
 pub mod generate;
 pub mod memory;
+pub mod plan;
 pub mod plot;
 pub mod schedule;
 pub mod self_check;
+pub mod step_time;
 pub mod tokenizer;
+pub mod traffic;
 pub mod train;
 
 use crate::config::Config;

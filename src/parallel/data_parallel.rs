@@ -79,32 +79,40 @@ pub struct Plan {
     pub closes: bool,
 }
 
-/// The bucket planner (for data parallelism and ZeRO): `params` in model order, backward runs
-/// them last to first, each takes `width(p)` values, and a bucket holds at most `room` (or one
-/// parameter, if larger) of a single model chunk (`chunk_of`). Returns the plans and, by
-/// parameter name, (bucket, offset).
-pub fn plan_buckets(
-    (params, chunk_of): (&[&Param], &[usize]),
-    width: impl Fn(&Param) -> usize,
-    room: usize,
-) -> (Vec<Plan>, HashMap<String, (usize, usize)>) {
+/// The bucket planner (for data parallelism, ZeRO and `ferrotron plan`): parameters of
+/// `widths[i]` values in model order, backward runs them last to first, and a bucket holds at
+/// most `room` values (or one parameter, if larger) of a single model chunk (`chunk_of`).
+pub fn plan_buckets((widths, chunk_of): (&[usize], &[usize]), room: usize) -> Vec<Plan> {
     let mut plans: Vec<Plan> = Vec::new();
-    let mut place = HashMap::new();
-    for (i, p) in params.iter().enumerate().rev() {
-        let n = width(p);
+    for (i, &n) in widths.iter().enumerate().rev() {
         let other_chunk = |plan: &Plan| chunk_of[plan.members[0].0] != chunk_of[i];
         if plans.last().is_none_or(|plan| plan.len + n > room || other_chunk(plan)) {
             plans.push(Plan { members: Vec::new(), len: 0, closes: true });
         }
-        let index = plans.len() - 1;
-        let plan = &mut plans[index];
-        place.insert(p.name.clone(), (index, plan.len));
+        let plan = plans.last_mut().expect("pushed above");
         plan.members.push((i, plan.len));
         plan.len += n;
     }
     for b in 1..plans.len() {
         plans[b - 1].closes = chunk_of[plans[b].members[0].0] != chunk_of[plans[b - 1].members[0].0];
     }
+    plans
+}
+
+/// `params` planned into buckets (`plan_buckets`), each taking `width(p)` values; also, by
+/// parameter name, (bucket, offset).
+pub fn buckets_of(
+    (params, chunk_of): (&[&Param], &[usize]),
+    width: impl Fn(&Param) -> usize,
+    room: usize,
+) -> (Vec<Plan>, HashMap<String, (usize, usize)>) {
+    let widths: Vec<usize> = params.iter().map(|p| width(p)).collect();
+    let plans = plan_buckets((&widths, chunk_of), room);
+    let place = plans
+        .iter()
+        .enumerate()
+        .flat_map(|(b, plan)| plan.members.iter().map(move |&(i, at)| (params[i].name.clone(), (b, at))))
+        .collect();
     (plans, place)
 }
 
@@ -130,7 +138,7 @@ impl<'g> DataParallel<'g> {
     /// `group`; each bucket's buffer lives where the gradients do (on a GPU, the all-reduce never
     /// leaves it with NCCL).
     pub fn new(group: &'g Group, params: (&[&Param], &[usize]), mode: DpMode, bucket_mb: f64) -> DataParallel<'g> {
-        let (plans, place) = plan_buckets(params, |p| p.shape().iter().product(), bucket_values(bucket_mb));
+        let (plans, place) = buckets_of(params, |p| p.shape().iter().product(), bucket_values(bucket_mb));
         let buckets = match (mode, group.size()) {
             (DpMode::Bucketed, 2..) => (plans.into_iter())
                 .map(|plan| {

@@ -49,7 +49,7 @@ const SEQ: Placement = Placement::Shard(1);
 const HEADS: Placement = Placement::Shard(2);
 
 /// How often each KV head is repeated so that `n` ranks split them: r = n / gcd(kv, n).
-fn repeats(kv_heads: usize, n: usize) -> usize {
+pub fn repeats(kv_heads: usize, n: usize) -> usize {
     let gcd = (1..=kv_heads.min(n)).rev().find(|&d| kv_heads.is_multiple_of(d) && n.is_multiple_of(d)).unwrap_or(1);
     n / gcd
 }

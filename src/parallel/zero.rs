@@ -30,7 +30,7 @@
 //! optimizer                  AdamW on chunk r (master, m, v)  AdamW on chunk r
 //!                            → all-gather the new weights     (nothing: the next forward gathers)
 //! ```
-//! The gradients' half is below: data parallelism's buckets (`data_parallel::plan_buckets`),
+//! The gradients' half is below: data parallelism's buckets (`data_parallel::buckets_of`),
 //! reduce-scattered, once per step at stage 1 as stage 0 all-reduces, on every micro-batch at
 //! stage 2 and 3, since the full gradient is not kept. The weights' half, the all-gather, is
 //! at the end: at stage 1 and 2 the optimizer updates this rank's chunks and every rank then
@@ -82,7 +82,7 @@ use crate::model::param::TrainedPart;
 use crate::model::{Llama, Param};
 use crate::ops;
 use crate::ops::tensor::{Place, Tensor};
-use crate::parallel::data_parallel::{bucket_values, plan_buckets, GradReduce, Replicas};
+use crate::parallel::data_parallel::{bucket_values, buckets_of, GradReduce, Replicas};
 use anyhow::Result;
 use std::any::Any;
 use std::borrow::Cow;
@@ -320,7 +320,7 @@ impl<'g> ZeroBuckets<'g> {
     ) -> ZeroBuckets<'g> {
         let ranks = group.size();
         let room = (bucket_values(bucket_mb) / ranks).max(1);
-        let (plans, place) = plan_buckets(params, |p| chunk(p.shape().iter().product(), ranks), room);
+        let (plans, place) = buckets_of(params, |p| chunk(p.shape().iter().product(), ranks), room);
         let uneven = |i: usize| params.0[i].shape().iter().product::<usize>() % ranks != 0;
         let buckets = (plans.into_iter())
             .map(|plan| Bucket {

@@ -186,10 +186,16 @@ pub struct RankMemory {
 /// weights after the optimizer — whichever holds most. Ranks that differ only in dp, cp or tp index hold the same; the
 /// pipeline stage decides.
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
-    let p = &cfg.parallel;
-    let grid = grid_of(p)?;
-    let stages: Vec<RankMemory> = (0..p.pp).map(|index| stage_memory(cfg, schedules::stage_of(index, p))).collect();
+    let grid = grid_of(&cfg.parallel)?;
+    let stages = per_stage(cfg);
     Ok((0..grid.world_size()).map(|rank| RankMemory { rank, ..stages[grid.coords(rank).pp].clone() }).collect())
+}
+
+/// What a rank of each pipeline stage holds (`per_rank` without the grid: any number of ranks,
+/// for `ferrotron plan`).
+pub fn per_stage(cfg: &Config) -> Vec<RankMemory> {
+    let p = &cfg.parallel;
+    (0..p.pp).map(|index| stage_memory(cfg, schedules::stage_of(index, p))).collect()
 }
 
 /// Values of a rank of `stage` with `tp` tensor-parallel ranks: (whole, in ZeRO chunks over `z`

@@ -1,0 +1,185 @@
+//! # `ferrotron bench --calibrate`: the rates `plan` predicts with, measured on this machine
+//!
+//! A datasheet's peak is not what a run reaches: a small GEMM reaches a fraction of it, attention
+//! less, and the small ops are bound by memory and by the cost of starting each one. `plan`
+//! divides work by *measured* rates (`step_time::Rates`). On this CPU they are measured here, on
+//! every thread and on one (ranks as threads share the cores: with as many ranks as cores each
+//! computes on about one), and kept in `calibration.json` of the cache folder beside the CPU's
+//! peak; the wire between ranks (the local backend: shared memory between threads) too:
+//!
+//! ```text
+//! GEMM        cpu_math::gemm at the row counts and widths of small models, 2·m·k·n / time / peak
+//! attention   ops::attention forward + backward, causal FLOPs × 3.5 / time / peak
+//! small ops   ops::add_assign on 16 MiB (12 bytes an element) → GB/s; on 64 values → µs an op
+//! the wire    an all-reduce of 4 bytes between two ranks → α; of 8 MiB → β
+//! ```
+
+use crate::comm::launcher::{launch, Rank};
+use crate::comm::process_grid::{Axis, Grid};
+use crate::comm::ReduceOp;
+use crate::commands::step_time::{Rates, Wire};
+use crate::ops;
+use crate::ops::cpu_math::{gemm, View};
+use crate::ops::tensor::Tensor;
+use crate::ops::types::Attn;
+use anyhow::{Context, Result};
+use std::time::{Duration, Instant};
+
+/// What `bench --calibrate` records for this CPU.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct CpuCalibration {
+    /// Every thread of the pool on each op (one rank alone).
+    pub all_threads: Rates,
+    /// One thread (a rank among as many ranks as cores).
+    pub one_thread: Rates,
+    pub threads: usize,
+    /// The local backend between two ranks.
+    pub wire: Wire,
+}
+
+/// The best of `n` timings of `f` after one to warm up, in seconds.
+fn best(n: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    (0..n)
+        .map(|_| {
+            let start = Instant::now();
+            f();
+            start.elapsed().as_secs_f64()
+        })
+        .fold(f64::MAX, f64::min)
+}
+
+/// The rates of the op layer on the pool it runs in now.
+fn rates(source: &str) -> Rates {
+    let run = |m: usize, k: usize, n: usize| {
+        let (a, b) = (vec![0.5f32; m * k], vec![0.25f32; k * n]);
+        let mut c = vec![0.0f32; m * n];
+        let s = best(3, || gemm(m, k, n, View::rows(&a, k), View::rows(&b, n), &mut c, false));
+        (2.0 * (m * k * n) as f64, 2.0 * (m * k * n) as f64 / s)
+    };
+    let (_, peak) = run(1024, 1024, 1024);
+    // the shapes of small models' GEMMs: rows of a micro-batch, widths of a block
+    let mut gemm_points: Vec<(f64, f64)> = [
+        (512, 32, 32),
+        (512, 64, 64),
+        (1024, 128, 128),
+        (2048, 128, 384),
+        (2048, 384, 128),
+        (4096, 256, 256),
+        (2048, 512, 512),
+        (1024, 1024, 1024),
+    ]
+    .iter()
+    .map(|&(m, k, n)| {
+        let (flops, rate) = run(m, k, n);
+        (flops, rate / peak)
+    })
+    .collect();
+    gemm_points.sort_by(|a, b| a.0.total_cmp(&b.0));
+    gemm_points.dedup_by(|a, b| a.0 == b.0);
+    // attention: 4 sequences of 128, 8 heads (4 KV) of 16
+    let a = Attn { batch: 4, seq: 128, kv_seq: 128, heads: 8, kv_heads: 4, head_dim: 16 };
+    let fill = |rows: usize, cols: usize| {
+        Tensor::from_vec(&[rows, cols], (0..rows * cols).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect())
+    };
+    let (q, k, v) = (fill(512, 128), fill(512, 64), fill(512, 64));
+    let pos: Vec<u32> = (0..4).flat_map(|_| 0..128u32).collect();
+    let attention_s = best(3, || {
+        let (out, lse) = ops::attention(a, &q, &k, &v, (&pos, &pos));
+        let _ = ops::attention_backward(a, (&q, &k, &v), (&pos, &pos), (&out, &lse), &out);
+    });
+    let causal = 4.0 * (a.batch * a.heads * a.seq * a.seq * a.head_dim) as f64 / 2.0;
+    // small ops: bandwidth on 16 MiB, the fixed cost on 64 values
+    let n = 4 << 20;
+    let (mut x, y) = (Tensor::from_vec(&[n], vec![1.0; n]), Tensor::from_vec(&[n], vec![0.5; n]));
+    let big = best(3, || ops::add_assign(&mut x, &y));
+    let (mut u, w) = (Tensor::from_vec(&[64], vec![1.0; 64]), Tensor::from_vec(&[64], vec![0.5; 64]));
+    let tiny = best(50, || ops::add_assign(&mut u, &w));
+    Rates {
+        source: source.to_string(),
+        peak_tflops: peak / 1e12,
+        gemm: gemm_points,
+        attention: causal * 3.5 / attention_s / peak,
+        small_gb_s: 12.0 * n as f64 / big / 1e9,
+        op_us: tiny * 1e6,
+    }
+}
+
+/// α and β of the local backend between two ranks (threads): an all-reduce of 4 bytes is
+/// latency alone (2 hops), one of 8 MiB moves the bytes once each way (`step_time`'s model).
+fn wire() -> Result<Wire> {
+    let times = launch(Grid::new(2, 1, 1, 1)?, Duration::from_secs(60), |me: &Rank| {
+        let group = me.group(Axis::World);
+        let time = |values: usize| -> Result<f64> {
+            let mut t = Tensor::from_vec(&[values], vec![1.0; values]);
+            let mut best = f64::MAX;
+            for _ in 0..20 {
+                let start = Instant::now();
+                group.all_reduce_tensor(&mut t, ReduceOp::Sum)?;
+                best = best.min(start.elapsed().as_secs_f64());
+            }
+            Ok(best)
+        };
+        Ok((time(1)?, time(2 << 20)?))
+    })?;
+    let (small, large) = times[0];
+    let alpha = small / 2.0;
+    Ok(Wire { alpha_s: alpha, beta_b_s: (8 << 20) as f64 / (large - 2.0 * alpha).max(1e-9) })
+}
+
+/// Today's date (UTC), as YYYY-MM-DD.
+fn today() -> String {
+    let days =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400) as i64;
+    // days since 1970-01-01 to a civil date (Howard Hinnant's algorithm)
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let (d, m) = (doy - (153 * mp + 2) / 5 + 1, if mp < 10 { mp + 3 } else { mp - 9 });
+    format!("{:04}-{m:02}-{d:02}", yoe + era * 400 + i64::from(m <= 2))
+}
+
+/// Measures this CPU (a few seconds) and records it in `calibration.json` of `cache_dir`.
+pub fn calibrate(cache_dir: &str) -> Result<CpuCalibration> {
+    let threads = rayon::current_num_threads();
+    let date = today();
+    let all_threads = rates(&format!("this CPU, {threads} threads, measured {date} (bench --calibrate)"));
+    let one = rayon::ThreadPoolBuilder::new().num_threads(1).build().context("a one-thread pool")?;
+    let one_thread = one.install(|| rates(&format!("this CPU, one thread, measured {date} (bench --calibrate)")));
+    let calibration = CpuCalibration { all_threads, one_thread, threads, wire: wire()? };
+    let file = crate::devices::calibration_file(cache_dir)?;
+    crate::devices::record_cpu_field(&file, &crate::devices::cpu_key(), "plan", serde_json::to_value(&calibration)?)?;
+    Ok(calibration)
+}
+
+/// What `bench --calibrate` recorded for this CPU in `cache_dir`.
+pub fn recorded(cache_dir: &str) -> Result<CpuCalibration> {
+    let file = crate::devices::calibration_file(cache_dir)?;
+    let value = crate::devices::recorded_cpu_field(&file, &crate::devices::cpu_key(), "plan").with_context(|| {
+        format!("no calibration of this CPU in {}: run `ferrotron bench --calibrate` first", file.display())
+    })?;
+    serde_json::from_value(value).with_context(|| {
+        format!("{}: the plan's calibration is unreadable; run `ferrotron bench --calibrate` again", file.display())
+    })
+}
+
+/// A table of what was measured.
+pub fn table(c: &CpuCalibration) -> String {
+    let mut s = String::new();
+    for (what, r) in [(format!("{} threads", c.threads), &c.all_threads), ("1 thread".to_string(), &c.one_thread)] {
+        s += &format!("{what}: f32 GEMM peak {:.3} TFLOP/s; efficiency by GFLOP a call:", r.peak_tflops);
+        for (f, e) in &r.gemm {
+            s += &format!(" {:.3}→{:.2}", f / 1e9, e);
+        }
+        s += &format!("; attention {:.2}; small ops {:.1} GB/s, {:.1} µs an op\n", r.attention, r.small_gb_s, r.op_us);
+    }
+    s += &format!(
+        "the local backend between two ranks: α = {:.1} µs, β = {:.1} GB/s\n",
+        c.wire.alpha_s * 1e6,
+        c.wire.beta_b_s / 1e9
+    );
+    s
+}

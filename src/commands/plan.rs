@@ -1,0 +1,659 @@
+//! # `ferrotron plan`: which layout, for this model on this cluster, and why
+//!
+//! Every lesson before this one taught a way to cut the work; this one asks which cut to make.
+//! The Ultra-Scale Playbook's reasoning, done by the code the runs use:
+//!
+//! ```text
+//! 1. memory first   a layout that does not fit is no layout: weights, gradients and AdamW
+//!                   state shrink with tp, pp and ZeRO; activations with tp+sp, cp, pp's
+//!                   micro-batches in flight, recomputation and the fused loss
+//!                   (train/memory.rs, the same estimate `ferrotron memory` prints)
+//! 2. then time      compute at the rates the device reaches (step_time.rs), the bubble of the
+//!                   pipeline's schedule (the clock of `ferrotron schedule`), and each axis's
+//!                   bytes (traffic.rs, what the comm report's ledger counts) over the wire it
+//!                   crosses — NVLink inside a node, the network across — less what hides
+//!                   behind compute
+//! 3. rank           by tokens/s; a memory saver (recomputation, the fused loss) is taken only
+//!                   where a layout needs it to fit: it costs time and buys nothing else
+//! ```
+//! What falls out is the Playbook's advice, not coded in but found: tp inside a node (its
+//! all-reduces every block would crawl over the network), pp or ZeRO-3 across nodes when the
+//! weights do not fit, cp when the sequence is long, and micro-batches enough to keep the
+//! bubble small. `plan` tries every layout the run could take (dp, tp with and without sp, pp
+//! with each schedule, cp ring and Ulysses, ep for a mixture of experts, ZeRO 0–3 and hybrid
+//! sharding, recomputation, micro-batch size) and prints those that fit, fastest first.
+
+use crate::checkpoint::hf::read_hf_config;
+use crate::commands::calibrate;
+use crate::commands::schedule::simulate;
+use crate::commands::step_time::{self, MicroBatch, Rates, Wire, Wires};
+use crate::commands::traffic::{self, Flow};
+use crate::config::{Config, CpMode, DeviceDtype, DeviceKind, ModelConfig, PpSchedule, Recompute};
+use crate::devices::{self, Gpu};
+use crate::parallel::schedules::stage_of;
+use crate::train::memory::{per_stage, RankMemory};
+use anyhow::{bail, Result};
+use std::path::Path;
+
+/// The cluster: how many devices, how many a node, which, its wires, and the rates it reaches.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    pub gpus: usize,
+    pub per_node: usize,
+    /// What `--gpu` named ("cpu": this machine, ranks as threads).
+    pub name: String,
+    pub memory_bytes: f64,
+    pub wires: Wires,
+    pub rates: Rates,
+    /// The share of the rates one rank gets (ranks as threads sharing a CPU's cores; 1 on a GPU).
+    pub share: f64,
+    pub on_cpu: bool,
+}
+
+/// What `plan` is asked.
+#[derive(Clone, Debug)]
+pub struct Ask {
+    pub global_batch_tokens: usize,
+    pub seq_len: usize,
+    pub dtype: DeviceDtype,
+    /// Also the schedules whose messages are not yet paired for NCCL (interleaved, zero bubble).
+    pub all_schedules: bool,
+}
+
+/// One layout's prediction.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Layout {
+    pub dp: usize,
+    pub tp: usize,
+    pub pp: usize,
+    pub cp: usize,
+    pub ep: usize,
+    pub zero_stage: usize,
+    pub dp_shard: usize,
+    pub pp_schedule: &'static str,
+    pub pp_virtual_stages: usize,
+    pub cp_mode: &'static str,
+    pub sequence_parallel: bool,
+    pub recompute: &'static str,
+    pub micro_batch_size: usize,
+    pub grad_accum_steps: usize,
+    pub loss_chunk_rows: usize,
+    pub dtype: &'static str,
+    pub fits: bool,
+    pub memory_gib: f64,
+    pub step_s: Option<f64>,
+    pub tokens_per_s: Option<f64>,
+    pub mfu: Option<f64>,
+    pub breakdown: Option<Breakdown>,
+}
+
+/// Where a layout's step goes.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Breakdown {
+    /// The busiest rank's memory by kind, GiB: weights, gradients, optimizer, activations, buffers.
+    pub memory_gib: [f64; 5],
+    /// Compute of the step, bubble included, and the bubble's share of it.
+    pub compute_s: f64,
+    pub bubble: f64,
+    pub optimizer_s: f64,
+    /// Per axis and call: seconds on the wire, and of them exposed (not hidden behind compute).
+    pub comm: Vec<AxisTime>,
+    pub tokens_per_s_per_gpu: f64,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct AxisTime {
+    #[serde(flatten)]
+    pub flow: Flow,
+    pub wire_s: f64,
+    pub exposed_s: f64,
+    /// Whether its groups span more than a node (on the network's wire, not NVLink).
+    pub across_nodes: bool,
+}
+
+/// The model `--config` gives: a ferrotron TOML (with `--set`s) or a Hugging Face config.json.
+pub fn model_of(path: Option<&Path>, sets: &[String]) -> Result<Config> {
+    match path {
+        Some(p) if p.extension().is_some_and(|e| e == "json") => {
+            let mut cfg = Config::load(None, sets)?;
+            cfg.model = read_hf_config(p)?;
+            Ok(cfg)
+        }
+        _ => Config::load(path, sets),
+    }
+}
+
+/// The cluster `--gpu` names, with `--gpus`, `--gpus-per-node` and the overrides (GB/s a
+/// direction, GiB); `rates` replaces the GPU's calibration (a file `bench --calibrate` wrote).
+pub fn cluster(
+    gpu: &str,
+    (gpus, per_node): (usize, usize),
+    dtype: DeviceDtype,
+    rates: Option<Rates>,
+) -> Result<Cluster> {
+    if gpus == 0 || gpus > 1 << 20 {
+        bail!("--gpus {gpus}: give from 1 to {} GPUs", 1 << 20);
+    }
+    if per_node == 0 {
+        bail!("--gpus-per-node 0: a node holds at least one GPU");
+    }
+    if gpus > per_node && !gpus.is_multiple_of(per_node) {
+        bail!(
+            "--gpus {gpus} is not a whole number of nodes of --gpus-per-node {per_node}: give a multiple of {per_node}"
+        );
+    }
+    let Some(g) = devices::gpu(gpu) else {
+        bail!("--gpu {gpu}: not in the device table; give one of {} (or cpu, this machine)", devices::gpu_keys());
+    };
+    let peak = match dtype {
+        DeviceDtype::Fp8 if g.fp8_tflops == 0.0 => {
+            bail!("--dtype fp8 on {}: it has no FP8 tensor cores; use --dtype bf16", g.name)
+        }
+        DeviceDtype::Fp8 => g.fp8_tflops,
+        _ => g.bf16_tflops,
+    };
+    let rates = match rates {
+        Some(r) => r,
+        None if g.key == "h100" && dtype != DeviceDtype::Fp8 => Rates::h100(),
+        None => Rates::scaled(g, peak),
+    };
+    Ok(Cluster {
+        gpus,
+        per_node: per_node.min(gpus),
+        name: g.key.to_string(),
+        memory_bytes: g.memory_gib * (1u64 << 30) as f64,
+        wires: gpu_wires(g, per_node.min(gpus)),
+        rates,
+        share: 1.0,
+        on_cpu: false,
+    })
+}
+
+/// This machine's CPU with `ranks` ranks as threads, as `bench --calibrate` measured it: one rank
+/// computes on every thread; with as many ranks as threads or more, each on its share of one.
+pub fn cpu_cluster(cache_dir: &str, ranks: usize) -> Result<Cluster> {
+    if ranks == 0 {
+        bail!("--gpus 0: give at least one rank");
+    }
+    let c = calibrate::recorded(cache_dir)?;
+    let threads = c.threads as f64;
+    let (rates, share) = match ranks as f64 {
+        r if r >= threads => (c.one_thread, threads / r),
+        r => (c.all_threads, 1.0 / r),
+    };
+    let capacity = crate::comm::launcher::Capacity::host(ranks);
+    Ok(Cluster {
+        gpus: ranks,
+        per_node: ranks,
+        name: "cpu".into(),
+        memory_bytes: capacity.bytes / ranks as f64,
+        wires: Wires { node: c.wire, net: c.wire, per_node: ranks },
+        rates,
+        share,
+        on_cpu: true,
+    })
+}
+
+/// `--memory-gib`, `--node-gb-s`, `--net-gb-s` over the table's figures.
+pub fn override_cluster(
+    c: &mut Cluster,
+    (memory_gib, node, net): (Option<f64>, Option<f64>, Option<f64>),
+) -> Result<()> {
+    for (flag, v) in [("--memory-gib", memory_gib), ("--node-gb-s", node), ("--net-gb-s", net)] {
+        if v.is_some_and(|v| !(v > 0.0 && v.is_finite())) {
+            bail!("{flag} {}: give a positive number", v.unwrap_or(0.0));
+        }
+    }
+    if let Some(g) = memory_gib {
+        c.memory_bytes = g * (1u64 << 30) as f64;
+    }
+    if let Some(b) = node {
+        c.wires.node.beta_b_s = b * 1e9;
+    }
+    if let Some(b) = net {
+        c.wires.net.beta_b_s = b * 1e9;
+    }
+    Ok(())
+}
+
+/// A GPU's wires: NVLink (or PCIe) inside a node, the network across (α as `comm/cost.rs`'s
+/// links: 3 µs NVLink, 10 µs PCIe, 5 µs InfiniBand).
+fn gpu_wires(g: &Gpu, per_node: usize) -> Wires {
+    let node_alpha = if g.node_gb_s >= 100.0 { 3e-6 } else { 10e-6 };
+    Wires {
+        node: Wire { alpha_s: node_alpha, beta_b_s: g.node_gb_s * 1e9 },
+        net: Wire { alpha_s: 5e-6, beta_b_s: g.net_gb_s * 1e9 },
+        per_node,
+    }
+}
+
+/// The layouts to try: every cut of `gpus` into dp × tp × pp × cp (× ep), each ZeRO stage,
+/// schedule, cp mode, sp, and micro-batch size the config checks accept.
+fn candidates(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Config>> {
+    let m = &base.model;
+    let n = cluster.gpus;
+    let sequences = ask.global_batch_tokens / ask.seq_len;
+    let divisors = |x: usize| (1..=x).filter(move |d| x.is_multiple_of(*d));
+    let pow2 = |x: usize| x.is_power_of_two();
+    let mut out = Vec::new();
+    for tp in divisors(n).filter(|&t| pow2(t) && t <= cluster.per_node.max(1)) {
+        for cp in divisors(n / tp).filter(|&c| pow2(c) && c <= 64) {
+            for pp in divisors(n / (tp * cp)).filter(|&p| p <= m.num_hidden_layers && p <= 128) {
+                let dp = n / (tp * cp * pp);
+                let eps: Vec<usize> = match m.num_local_experts {
+                    0 => vec![1],
+                    e => divisors(dp * cp).filter(|&x| pow2(x) && e.is_multiple_of(x)).collect(),
+                };
+                for &ep in &eps {
+                    for mbs in [1, 2, 4, 8] {
+                        if !sequences.is_multiple_of(mbs * dp) {
+                            continue;
+                        }
+                        let grad_accum = sequences / (mbs * dp);
+                        for layout in shapes(base, (dp, tp, pp, cp, ep), (mbs, grad_accum), cluster, ask) {
+                            out.push(layout);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The variants of one cut: ZeRO stages and hybrid sharding, schedules, cp modes, sp.
+fn shapes(
+    base: &Config,
+    (dp, tp, pp, cp, ep): (usize, usize, usize, usize, usize),
+    (mbs, m): (usize, usize),
+    cluster: &Cluster,
+    ask: &Ask,
+) -> Vec<Config> {
+    let z = dp * cp;
+    let zeros: Vec<(usize, usize)> = {
+        let mut v = vec![(0, 0)];
+        if z > 1 {
+            v.extend([(1, 0), (2, 0), (3, 0)]);
+            // hybrid sharding: shard inside a node's worth of dp ranks, replicate across
+            let shard = (cluster.per_node / (tp * cp)).max(1);
+            if shard > 1 && shard < dp && dp.is_multiple_of(shard) {
+                v.extend([(2, shard), (3, shard)]);
+            }
+        }
+        v
+    };
+    let schedules: Vec<(PpSchedule, usize)> = match pp {
+        1 => vec![(PpSchedule::OneFOneB, 1)],
+        _ if ask.all_schedules => vec![
+            (PpSchedule::Afab, 1),
+            (PpSchedule::OneFOneB, 1),
+            (PpSchedule::Interleaved, 2),
+            (PpSchedule::Interleaved, 4),
+            (PpSchedule::ZbH1, 1),
+            (PpSchedule::Zbv, 2),
+        ],
+        _ => vec![(PpSchedule::Afab, 1), (PpSchedule::OneFOneB, 1)],
+    };
+    let modes: &[CpMode] = if cp > 1 { &[CpMode::Ring, CpMode::Ulysses] } else { &[CpMode::Ring] };
+    let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
+    let mut out = Vec::new();
+    for &(zero, shard) in &zeros {
+        for &(schedule, v) in &schedules {
+            for &mode in modes {
+                for &sp in sps {
+                    let mut c = base.clone();
+                    let p = &mut c.parallel;
+                    (p.dp, p.tp, p.pp, p.cp, p.ep) = (dp, tp, pp, cp, ep);
+                    (p.zero_stage, p.dp_shard, p.pp_schedule, p.pp_virtual_stages) = (zero, shard, schedule, v);
+                    (p.cp_mode, p.sequence_parallel) = (mode, sp);
+                    let t = &mut c.train;
+                    (t.micro_batch_size, t.grad_accum_steps, t.seq_len) = (mbs, m, ask.seq_len);
+                    (t.recompute, t.loss_chunk_rows, t.steps, t.warmup_steps) = (Recompute::None, 0, 1, 0);
+                    if c.validate().is_ok() {
+                        out.push(c);
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The memory savers, least costly first: a layout takes the first that makes it fit.
+const SAVERS: [(Recompute, usize); 4] =
+    [(Recompute::None, 0), (Recompute::None, 4096), (Recompute::Selective, 4096), (Recompute::Full, 4096)];
+
+/// The busiest rank's memory of `cfg`.
+fn busiest(cfg: &Config) -> RankMemory {
+    per_stage(cfg).into_iter().max_by(|a, b| a.total_bytes.total_cmp(&b.total_bytes)).expect("a stage at least")
+}
+
+/// Everything `plan` says of `cfg` on `cluster`.
+pub fn predict(cfg: &Config, cluster: &Cluster) -> Result<Layout> {
+    let (p, t) = (&cfg.parallel, &cfg.train);
+    let memory = busiest(cfg);
+    let fits = memory.total_bytes <= cluster.memory_bytes;
+    let mut layout = describe(cfg, fits, memory.total_bytes);
+    if !fits {
+        return Ok(layout);
+    }
+    // ranks sharing a CPU's cores each get their share of its rate
+    let share = cluster.share;
+    // the stages: the first (embedding) and the last (head) differ, the middle ones are the first's
+    let stages: Vec<usize> = if p.pp == 1 { vec![0] } else { vec![0, p.pp - 1] };
+    let mut worst: Option<(f64, Breakdown)> = None;
+    let timeline = match p.pp {
+        1 => None,
+        _ => Some(simulate(p.pp_schedule, p.pp, t.grad_accum_steps, stage_of(0, p).chunks)?),
+    };
+    let slowest: MicroBatch = stages
+        .iter()
+        .map(|&s| step_time::micro_batch(cfg, stage_of(s, p), &cluster.rates, share))
+        .max_by(|a, b| (a.forward + a.backward).total_cmp(&(b.forward + b.backward)))
+        .expect("a stage");
+    // the pipeline's clock counts a micro-batch's forward as 1 and its backward as 2
+    let (compute, bubble) = match &timeline {
+        None => (t.grad_accum_steps as f64 * (slowest.forward + slowest.backward), 0.0),
+        Some(tl) => (tl.makespan * (slowest.forward + slowest.backward) / 3.0, tl.bubble()),
+    };
+    for &s in &stages {
+        let stage = stage_of(s, p);
+        let mb = step_time::micro_batch(cfg, stage, &cluster.rates, share);
+        let flows = traffic::per_step(cfg, stage);
+        let timed = step_time::exposed(cfg, &flows, &cluster.wires, &mb, t.grad_accum_steps);
+        let hidden = step_time::tp_hidden(&timed, &mb, t.grad_accum_steps);
+        let comm: f64 = timed.iter().map(|(.., shown)| shown).sum::<f64>() - hidden;
+        let stage_memory = &per_stage(cfg)[s];
+        let trained = (stage_memory.optimizer_bytes / 8.0).max(1.0); // two 4-byte moments a value
+        let optimizer = step_time::optimizer_seconds(trained, &cluster.rates, share);
+        let step = compute + comm + optimizer;
+        let breakdown = Breakdown {
+            memory_gib: [
+                memory.weights_bytes,
+                memory.grads_bytes,
+                memory.optimizer_bytes,
+                memory.activations_bytes,
+                memory.comm_bytes,
+            ]
+            .map(gib),
+            compute_s: compute,
+            bubble,
+            optimizer_s: optimizer,
+            comm: timed
+                .into_iter()
+                .map(|(flow, wire_s, exposed_s)| {
+                    let across_nodes = step_time::span(cfg, flow.axis) > cluster.wires.per_node;
+                    AxisTime { flow, wire_s, exposed_s, across_nodes }
+                })
+                .collect(),
+            tokens_per_s_per_gpu: 0.0,
+        };
+        if worst.as_ref().is_none_or(|(w, _)| step > *w) {
+            worst = Some((step, breakdown));
+        }
+    }
+    let (step, mut breakdown) = worst.expect("a stage");
+    let tokens = (t.micro_batch_size * t.grad_accum_steps * p.dp * t.seq_len) as f64 / step;
+    breakdown.tokens_per_s_per_gpu = tokens / cluster.gpus as f64;
+    let flops = devices::flops_per_token(&cfg.model, t.seq_len) * tokens;
+    layout.step_s = Some(step);
+    layout.tokens_per_s = Some(tokens);
+    layout.mfu = Some(flops / (cluster.gpus as f64 * cluster.rates.peak_tflops * 1e12));
+    layout.breakdown = Some(breakdown);
+    Ok(layout)
+}
+
+fn gib(b: f64) -> f64 {
+    b / (1u64 << 30) as f64
+}
+
+/// The layout's keys, under their config names.
+fn describe(cfg: &Config, fits: bool, memory: f64) -> Layout {
+    let (p, t) = (&cfg.parallel, &cfg.train);
+    Layout {
+        dp: p.dp,
+        tp: p.tp,
+        pp: p.pp,
+        cp: p.cp,
+        ep: p.ep,
+        zero_stage: p.zero_stage,
+        dp_shard: p.dp_shard,
+        pp_schedule: p.pp_schedule.name(),
+        pp_virtual_stages: p.pp_virtual_stages,
+        cp_mode: if p.cp_mode == CpMode::Ring { "ring" } else { "ulysses" },
+        sequence_parallel: p.sequence_parallel,
+        recompute: match t.recompute {
+            Recompute::None => "none",
+            Recompute::Selective => "selective",
+            Recompute::Full => "full",
+        },
+        micro_batch_size: t.micro_batch_size,
+        grad_accum_steps: t.grad_accum_steps,
+        loss_chunk_rows: t.loss_chunk_rows,
+        dtype: match cfg.device.dtype {
+            DeviceDtype::Fp8 => "fp8",
+            DeviceDtype::F32 => "f32",
+            _ => "bf16",
+        },
+        fits,
+        memory_gib: gib(memory),
+        step_s: None,
+        tokens_per_s: None,
+        mfu: None,
+        breakdown: None,
+    }
+}
+
+/// Every layout of `model` on `cluster` for `ask`, the fitting ones first, fastest first. A
+/// layout that does not fit with any memory saver is kept (with its least memory) for `--json`.
+pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> {
+    check_ask(&base.model, ask)?;
+    let mut base = base.clone();
+    base.device.kind = if cluster.on_cpu { DeviceKind::Cpu } else { DeviceKind::Cuda };
+    base.device.dtype = ask.dtype;
+    base.checkpoint.every = 0;
+    base.validation.every = 0;
+    let mut out = Vec::new();
+    for c in candidates(&base, cluster, ask)? {
+        let mut tried = None;
+        for (recompute, rows) in SAVERS {
+            let mut s = c.clone();
+            (s.train.recompute, s.train.loss_chunk_rows) = (recompute, rows);
+            let memory = busiest(&s).total_bytes;
+            if memory <= cluster.memory_bytes {
+                tried = Some(predict(&s, cluster)?);
+                break;
+            }
+            if tried.as_ref().is_none_or(|l: &Layout| memory < l.memory_gib * (1u64 << 30) as f64) {
+                tried = Some(describe(&s, false, memory));
+            }
+        }
+        out.extend(tried);
+    }
+    out.sort_by(|a, b| {
+        b.tokens_per_s
+            .unwrap_or(-1.0)
+            .total_cmp(&a.tokens_per_s.unwrap_or(-1.0))
+            .then(a.memory_gib.total_cmp(&b.memory_gib))
+    });
+    Ok(out)
+}
+
+/// Refuses what no layout can answer, in one line.
+fn check_ask(m: &ModelConfig, ask: &Ask) -> Result<()> {
+    m.validate("model.")?;
+    if ask.seq_len < 2 {
+        bail!("--seq-len {}: a sequence needs at least 2 tokens", ask.seq_len);
+    }
+    if ask.global_batch_tokens < ask.seq_len || !ask.global_batch_tokens.is_multiple_of(ask.seq_len) {
+        bail!(
+            "--global-batch-tokens {} is not a whole number of sequences of --seq-len {}: give a multiple of {}",
+            ask.global_batch_tokens,
+            ask.seq_len,
+            ask.seq_len
+        );
+    }
+    let sequences = ask.global_batch_tokens / ask.seq_len;
+    if sequences > 1 << 40 {
+        bail!(
+            "--global-batch-tokens {}: more than 2⁴⁰ sequences a step; give a smaller batch",
+            ask.global_batch_tokens
+        );
+    }
+    Ok(())
+}
+
+/// The table a person reads: the `top` fastest layouts that fit.
+pub fn table(layouts: &[Layout], cluster: &Cluster, top: usize) -> String {
+    let fit: Vec<&Layout> = layouts.iter().filter(|l| l.fits).collect();
+    let mut s = format!(
+        "{} layouts tried, {} fit in {:.0} GiB a GPU; the fastest {}:\n",
+        layouts.len(),
+        fit.len(),
+        gib(cluster.memory_bytes),
+        top.min(fit.len())
+    );
+    s += &format!(
+        "{:>3}  {:>5} {:>3} {:>3} {:>3} {:>3}  {:<5} {:<11} {:<3} {:<9} {:>3} {:>5}  {:>8} {:>8} {:>10} {:>6}  {}\n",
+        "#",
+        "dp",
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "zero",
+        "schedule",
+        "sp",
+        "recompute",
+        "mbs",
+        "accum",
+        "GiB",
+        "step s",
+        "tokens/s",
+        "MFU",
+        "exposed comm"
+    );
+    for (i, l) in fit.iter().take(top).enumerate() {
+        let b = l.breakdown.as_ref().expect("a fitting layout is timed");
+        let zero = if l.dp_shard > 0 { format!("{}h{}", l.zero_stage, l.dp_shard) } else { l.zero_stage.to_string() };
+        let schedule = match (l.pp, l.pp_virtual_stages) {
+            (1, _) => "-".to_string(),
+            (_, 1) => l.pp_schedule.to_string(),
+            (_, v) => format!("{} v{v}", l.pp_schedule),
+        };
+        let cp = if l.cp > 1 && l.cp_mode == "ulysses" { format!("{}u", l.cp) } else { l.cp.to_string() };
+        let mut comm: Vec<(&str, f64)> = Vec::new();
+        for a in &b.comm {
+            match comm.iter_mut().find(|(axis, _)| *axis == a.flow.axis) {
+                Some(c) => c.1 += a.exposed_s,
+                None => comm.push((a.flow.axis, a.exposed_s)),
+            }
+        }
+        let comm: Vec<String> =
+            comm.iter().filter(|(_, t)| *t >= 1e-4).map(|(a, t)| format!("{a} {:.0} ms", t * 1e3)).collect();
+        s += &format!(
+            "{:>3}  {:>5} {:>3} {:>3} {:>3} {:>3}  {:<5} {:<11} {:<3} {:<9} {:>3} {:>5}  {:>8.1} {:>8.3} {:>10.0} {:>5.1}%  {}\n",
+            i + 1,
+            l.dp,
+            l.tp,
+            l.pp,
+            cp,
+            l.ep,
+            zero,
+            schedule,
+            if l.sequence_parallel { "sp" } else { "-" },
+            if l.loss_chunk_rows > 0 && l.recompute == "none" { "loss".to_string() } else { l.recompute.to_string() },
+            l.micro_batch_size,
+            l.grad_accum_steps,
+            l.memory_gib,
+            l.step_s.unwrap_or(0.0),
+            l.tokens_per_s.unwrap_or(0.0),
+            100.0 * l.mfu.unwrap_or(0.0),
+            comm.join(", ")
+        );
+    }
+    s
+}
+
+/// One layout in full (`--explain`).
+pub fn explain(l: &Layout, cluster: &Cluster) -> String {
+    let Some(b) = &l.breakdown else {
+        return format!(
+            "this layout needs {:.1} GiB a GPU, more than the {:.0} GiB there\n",
+            l.memory_gib,
+            gib(cluster.memory_bytes)
+        );
+    };
+    let mut s = format!(
+        "dp {} × tp {}{} × pp {} ({}{}) × cp {} ({}) × ep {}, ZeRO {}{}, micro-batch {} × {} accumulated, recompute {}{}\n",
+        l.dp,
+        l.tp,
+        if l.sequence_parallel { " (sp)" } else { "" },
+        l.pp,
+        l.pp_schedule,
+        if l.pp_virtual_stages > 1 { format!(", {} chunks a rank", l.pp_virtual_stages) } else { String::new() },
+        l.cp,
+        l.cp_mode,
+        l.ep,
+        l.zero_stage,
+        if l.dp_shard > 0 { format!(" in shard groups of {}", l.dp_shard) } else { String::new() },
+        l.micro_batch_size,
+        l.grad_accum_steps,
+        l.recompute,
+        if l.loss_chunk_rows > 0 { format!(", fused loss ({} rows a chunk)", l.loss_chunk_rows) } else { String::new() }
+    );
+    let [w, g, o, a, c] = b.memory_gib;
+    s += &format!("memory a GPU: {:.2} GiB = weights {w:.2} + gradients {g:.2} + optimizer {o:.2} + activations {a:.2} + buffers {c:.2} (of {:.0})\n", l.memory_gib, gib(cluster.memory_bytes));
+    s += &format!("rates: {}\n", cluster.rates.source);
+    s += &format!(
+        "step {:.3} s = compute {:.3} s (bubble {:.1}% of it) + optimizer {:.3} s + exposed communication {:.3} s\n",
+        l.step_s.unwrap_or(0.0),
+        b.compute_s,
+        100.0 * b.bubble,
+        b.optimizer_s,
+        l.step_s.unwrap_or(0.0) - b.compute_s - b.optimizer_s
+    );
+    s += &format!(
+        "{:<10} {:>6}  {:<14} {:>9} {:>12} {:>10} {:>10}  {}\n",
+        "axis", "ranks", "call", "calls", "MB", "wire ms", "exposed ms", "crosses"
+    );
+    for a in &b.comm {
+        let f = &a.flow;
+        let wire = if a.across_nodes { "nodes" } else { "a node" };
+        s += &format!(
+            "{:<10} {:>6}  {:<14} {:>9.0} {:>12.3} {:>10.3} {:>10.3}  {wire}\n",
+            f.axis,
+            f.ranks,
+            f.call.name(),
+            f.calls,
+            f.bytes / 1e6,
+            a.wire_s * 1e3,
+            a.exposed_s * 1e3
+        );
+    }
+    s += &format!(
+        "{:.0} tokens/s ({:.0} a GPU), MFU {:.1}%\n",
+        l.tokens_per_s.unwrap_or(0.0),
+        b.tokens_per_s_per_gpu,
+        100.0 * l.mfu.unwrap_or(0.0)
+    );
+    s
+}
+
+/// The JSON of `--json`: `{"cluster": …, "layouts": [...]}`.
+pub fn json(layouts: &[Layout], cluster: &Cluster, ask: &Ask) -> Result<String> {
+    Ok(serde_json::to_string_pretty(&serde_json::json!({
+        "cluster": {
+            "gpus": cluster.gpus,
+            "gpus_per_node": cluster.per_node,
+            "gpu": cluster.name,
+            "memory_gib": gib(cluster.memory_bytes),
+            "rates": cluster.rates,
+            "node": cluster.wires.node,
+            "net": cluster.wires.net,
+        },
+        "global_batch_tokens": ask.global_batch_tokens,
+        "seq_len": ask.seq_len,
+        "layouts": layouts,
+    }))?)
+}

@@ -1,0 +1,294 @@
+//! # A step's time from first principles: compute, communication, what hides behind what
+//!
+//! A step is micro-batches of forward and backward on every pipeline stage, the collectives of
+//! `traffic.rs` between and beside them, and the optimizer. Each part's time is its work over
+//! the rate the device reaches on that kind of work — a *calibrated* rate, not the datasheet's:
+//!
+//! ```text
+//! GEMMs       2·m·k·n FLOPs a call (backward: two of the same size) / (peak × efficiency(FLOPs of the call))
+//! attention   4·b·h·s²·d/2 FLOPs forward (causal), 2.5× that backward / (peak × attention efficiency)
+//! small ops   the bytes the norms, RoPE, SwiGLU, residual adds and the loss read and write
+//!             / the bandwidth they reach, + a fixed cost a launch
+//! optimizer   ~36 bytes a trained value (AdamW: master, gradient, two moments, the copy) / bandwidth
+//! a call      hops·α + moved bytes/β (comm/cost.rs), on NVLink inside a node, the network across
+//! ```
+//! Then the pipeline: the schedule's own clock (`commands/schedule.rs`, forward 1, backward 2)
+//! played with this stage's times gives the bubble. And the overlap, by the rules the step
+//! follows: a bucket's all-reduce (ZeRO: reduce-scatter) runs during the backward of the
+//! earlier layers, so only what outlasts that backward (and the last bucket) shows; FSDP's next
+//! unit is gathered while this one computes; a ring's K|V block travels while attention computes
+//! on the one in hand; tensor parallelism's, Ulysses', the experts' and the pipeline's messages
+//! wait on the critical path. What the calibration holds for a GPU, and where it comes from, is
+//! in `Rates`; `ferrotron bench --calibrate` measures this machine's.
+
+use crate::comm::cost::Call;
+use crate::commands::traffic::Flow;
+use crate::config::{Config, Recompute};
+use crate::devices::Gpu;
+use crate::model::stage::Stage;
+
+/// What a device reaches, measured: the basis of every time the plan predicts.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Rates {
+    /// Where these come from (a measurement and its date, or the figures it was derived from).
+    pub source: String,
+    /// The dense peak of the compute dtype, TFLOP/s.
+    pub peak_tflops: f64,
+    /// GEMM efficiency (fraction of the peak) by FLOPs a call: points (FLOPs, efficiency),
+    /// rising; between them interpolated on log FLOPs, outside them the nearest.
+    pub gemm: Vec<(f64, f64)>,
+    /// Attention forward + backward, fraction of the peak (causal FLOPs).
+    pub attention: f64,
+    /// The bandwidth small ops reach, GB/s.
+    pub small_gb_s: f64,
+    /// The fixed cost of one small op (a kernel launch, a thread pool's dispatch), µs.
+    pub op_us: f64,
+}
+
+impl Rates {
+    /// The GEMM efficiency at `flops` a call.
+    pub fn gemm_efficiency(&self, flops: f64) -> f64 {
+        let g = &self.gemm;
+        let (first, last) = (g[0], g[g.len() - 1]);
+        if flops <= first.0 {
+            return first.1;
+        }
+        if flops >= last.0 {
+            return last.1;
+        }
+        let i = g.iter().position(|p| p.0 >= flops).expect("inside the points");
+        let (a, b) = (g[i - 1], g[i]);
+        let f = (flops.ln() - a.0.ln()) / (b.0.ln() - a.0.ln());
+        a.1 + f * (b.1 - a.1)
+    }
+
+    /// Seconds of one GEMM of `flops`.
+    fn gemm(&self, flops: f64) -> f64 {
+        flops / (self.peak_tflops * 1e12 * self.gemm_efficiency(flops))
+    }
+
+    /// What an H100 SXM reached on 2026-11-26 (`../shared/GPU_MEASURED.md`, ferrotron's own
+    /// kernels and cuBLAS 13.1 in bf16): GEMM efficiencies from `bench --profile`'s per-shape
+    /// times at llama-1b and smollm-135m (576×192×16384: 3.6 GFLOP in 21.9 µs = 0.17 of 989.4;
+    /// 576×16384×576: 10.9 GFLOP in 22.9 µs = 0.48; 576×16384×1536: 29.0 in 44.2 µs = 0.66;
+    /// 2048×8192×2048: 68.7 in 95.7 µs = 0.73; 5632×8192×2048: 189 in 246 µs = 0.78); attention
+    /// 0.745 ms a layer forward + backward at smollm-135m b 8 (2026-11-27): 135 GFLOP causal,
+    /// 0.18; the small ops about 31 ms of the 102 ms 135M step (the step less attention's 45.9
+    /// and the GEMMs' 25) for the bytes `small_bytes` counts there: 1.03 TB/s, 0.31 of the HBM's
+    /// 3.35; 3 µs a launch (the profile's host gaps: 4.8 ms over ~1,600 launches).
+    pub fn h100() -> Rates {
+        Rates {
+            source: "H100 SXM measured 2026-11-26/27 (../shared/GPU_MEASURED.md)".into(),
+            peak_tflops: 989.4,
+            gemm: vec![(3.6e9, 0.17), (1.09e10, 0.48), (2.9e10, 0.66), (6.87e10, 0.73), (1.89e11, 0.78)],
+            attention: 0.18,
+            small_gb_s: 1030.0,
+            op_us: 3.0,
+        }
+    }
+
+    /// Another GPU of the table: the H100's measured efficiencies and small-op share of its HBM
+    /// bandwidth, on its own peak and bandwidth (an assumption, said in every answer).
+    pub fn scaled(gpu: &Gpu, peak_tflops: f64) -> Rates {
+        let h = Rates::h100();
+        Rates {
+            source: format!(
+                "{}: the H100's measured efficiencies on its datasheet peak and bandwidth (assumed)",
+                gpu.name
+            ),
+            peak_tflops,
+            small_gb_s: h.small_gb_s / 3.35 * gpu.hbm_tb_s,
+            ..h
+        }
+    }
+}
+
+/// A link's latency (s) and bandwidth (bytes/s) a direction.
+#[derive(Clone, Copy, Debug, serde::Serialize, serde::Deserialize)]
+pub struct Wire {
+    pub alpha_s: f64,
+    pub beta_b_s: f64,
+}
+
+/// The cluster's wires: inside a node, across nodes, and how many GPUs (ranks) a node holds.
+#[derive(Clone, Copy, Debug)]
+pub struct Wires {
+    pub node: Wire,
+    pub net: Wire,
+    pub per_node: usize,
+}
+
+/// How many consecutive ranks one group of `axis` spans (tp fastest, then cp, pp, dp: the grid's
+/// order): a group inside that many ranks stays inside a node when they fit in one.
+pub fn span(cfg: &Config, axis: &str) -> usize {
+    let p = &cfg.parallel;
+    let z = p.dp * p.cp;
+    // a cut of the dp×cp ranks in blocks of k (cp fastest, then dp, pp apart)
+    let blocks = |k: usize| if k <= p.cp { k * p.tp } else { k.div_ceil(p.cp) * p.tp * p.cp * p.pp };
+    match axis {
+        "tp" => p.tp,
+        "cp" => p.tp * p.cp,
+        "pp" => p.tp * p.cp * p.pp,
+        "ep" => blocks(p.ep),
+        "shard" => blocks(p.dp_shard * p.cp),
+        "dp×cp" => blocks(z),
+        _ => p.world_size(), // world, replicate, edp: strided over all of dp×cp
+    }
+}
+
+/// Seconds of `flow` on `wires`: latency by hops (an all-reduce by a tree, ⌈log₂ n⌉ up and down,
+/// as NCCL does for small messages; every other call by the ring's n − 1), bandwidth by the
+/// bytes each rank moves (`comm/cost.rs`).
+pub fn flow_seconds(cfg: &Config, flow: &Flow, wires: &Wires) -> f64 {
+    let n = flow.ranks as f64;
+    let wire = if span(cfg, flow.axis) <= wires.per_node { wires.node } else { wires.net };
+    let (hops, moved) = match flow.call {
+        Call::AllReduce => (2.0 * n.log2().ceil(), 2.0 * (n - 1.0) / n),
+        Call::AllGather | Call::ReduceScatter | Call::AllToAll => (n - 1.0, (n - 1.0) / n),
+        Call::Broadcast => (n.log2().ceil(), 1.0),
+        Call::P2p => (1.0, 1.0),
+    };
+    flow.calls * hops * wire.alpha_s + flow.bytes * moved / wire.beta_b_s
+}
+
+/// One micro-batch on one pipeline stage, in seconds.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct MicroBatch {
+    pub forward: f64,
+    pub backward: f64,
+    /// Of them, attention's (forward + backward): what a ring's transfers hide behind.
+    pub attention: f64,
+    /// Of the backward, the weight-gradient GEMMs: what tensor parallelism's backward all-reduce
+    /// runs beside.
+    pub weight_grads: f64,
+}
+
+/// Bytes a row's small ops read and write in one block's forward (the backward: twice that),
+/// elements of `e` bytes: two RMSNorms (x in, y out) and two residual adds (two in, one out) on
+/// d, RoPE on q and k, SwiGLU (gate, up in, product out), the casts around each GEMM's input.
+pub fn small_bytes(cfg: &Config, e: f64) -> f64 {
+    let (m, tp) = (&cfg.model, cfg.parallel.tp as f64);
+    let d = m.hidden_size as f64;
+    let (q, kv) =
+        ((m.num_attention_heads * m.head_dim()) as f64 / tp, (m.num_key_value_heads * m.head_dim()) as f64 / tp);
+    let f = match m.num_local_experts {
+        0 => m.intermediate_size as f64 / tp,
+        _ => (m.num_experts_per_tok * m.intermediate_size) as f64,
+    };
+    e * (2.0 * 2.0 * d + 2.0 * 3.0 * d + 2.0 * (q + kv) + 3.0 * f + 2.0 * d + q)
+}
+
+/// One micro-batch's forward and backward on `stage` at `rates`, with `ranks_sharing` ranks on
+/// each device (threads sharing a CPU's cores: each gets its share of the rate).
+pub fn micro_batch(cfg: &Config, stage: Stage, rates: &Rates, share: f64) -> MicroBatch {
+    let (m, t, p) = (&cfg.model, &cfg.train, &cfg.parallel);
+    let e = if cfg.device.compute_dtype() == crate::ops::DType::Bf16 { 2.0 } else { 4.0 };
+    let rows = (t.micro_batch_size * t.seq_len / p.cp) as f64;
+    let (d, tp) = (m.hidden_size as f64, p.tp as f64);
+    let (hd, heads, kvh) = (m.head_dim() as f64, m.num_attention_heads as f64 / tp, m.num_key_value_heads as f64 / tp);
+    let layers = stage.layer_count(m.num_hidden_layers) as f64;
+    // each GEMM of a block: (rows, k, n) forward; backward two of the same FLOPs
+    let mut gemms: Vec<(f64, f64, f64)> = vec![(rows, d, (heads + 2.0 * kvh) * hd), (rows, heads * hd, d)];
+    match m.num_local_experts {
+        0 => {
+            let f = m.intermediate_size as f64 / tp;
+            gemms.extend([(rows, d, 2.0 * f), (rows, f, d)]);
+        }
+        experts => {
+            // balanced: this rank's experts compute k rows for each of its rows, in E/ep GEMMs
+            let (k, mine) = (m.num_experts_per_tok as f64, (experts / p.ep) as f64);
+            let (per, f) = (rows * k / mine, m.intermediate_size as f64);
+            gemms.push((rows, d, experts as f64));
+            for _ in 0..mine as usize {
+                gemms.extend([(per, d, 2.0 * f), (per, f, d)]);
+            }
+        }
+    }
+    let gemm = |g: &[(f64, f64, f64)]| g.iter().map(|&(r, k, n)| rates.gemm(2.0 * r * k * n)).sum::<f64>() / share;
+    let layer_gemms = gemm(&gemms);
+    // attention: this rank's heads over its 1/cp of the causal square
+    let s = t.seq_len as f64;
+    let attention_forward = 4.0 * t.micro_batch_size as f64 * heads * s * s * hd / 2.0 / p.cp as f64;
+    let att = attention_forward * 3.5 / (rates.peak_tflops * 1e12 * rates.attention) / share;
+    let (att_f, att_b) = (att / 3.5, att * 2.5 / 3.5);
+    let small = |bytes: f64, ops: f64| (bytes / (rates.small_gb_s * 1e9) + ops * rates.op_us * 1e-6) / share;
+    let small_f = small(rows * small_bytes(cfg, e), 14.0);
+    let layer_f = layer_gemms + att_f + small_f;
+    let layer_b = 2.0 * layer_gemms + att_b + 2.0 * small_f;
+    let again = match t.recompute {
+        Recompute::None => 0.0,
+        Recompute::Selective => att_f,
+        Recompute::Full => layer_f,
+    };
+    // the head: the output layer's GEMM and the loss's passes over the logits
+    let (head_f, head_b) = match stage.is_last() {
+        true => {
+            let v = m.vocab_size as f64 / tp;
+            let g = gemm(&[(rows, d, v)]);
+            let passes = small(rows * v * 4.0 * 2.0, 4.0);
+            (g + passes, 2.0 * g + passes)
+        }
+        false => (0.0, 0.0),
+    };
+    MicroBatch {
+        forward: layers * layer_f + head_f,
+        backward: layers * (layer_b + again) + head_b,
+        attention: layers * (att_f + att_b),
+        weight_grads: layers * layer_gemms,
+    }
+}
+
+/// Seconds of the optimizer on `values` trained values (AdamW reads the master, the gradient
+/// and two moments and writes three of them and the compute copy: ~36 bytes) and of the
+/// gradient norm's pass (4 bytes).
+pub fn optimizer_seconds(values: f64, rates: &Rates, share: f64) -> f64 {
+    values * 40.0 / (rates.small_gb_s * 1e9) / share
+}
+
+/// The exposed communication of a step: each flow's time, less what hides behind compute by the
+/// rules the step follows (`m`: the micro-batch's times on this stage; `micro_batches`: of a
+/// step).
+pub fn exposed(
+    cfg: &Config,
+    flows: &[Flow],
+    wires: &Wires,
+    m: &MicroBatch,
+    micro_batches: usize,
+) -> Vec<(Flow, f64, f64)> {
+    let p = &cfg.parallel;
+    let mb = micro_batches as f64;
+    flows
+        .iter()
+        .map(|f| {
+            let t = flow_seconds(cfg, f, wires);
+            let shown = match (f.axis, f.call, f.exposed) {
+                (_, _, true) => t,
+                // ring attention: the next K|V block travels while attention computes on this one
+                ("cp", Call::P2p, false) => (t - mb * m.attention).max(0.0),
+                // pipeline messages wait on the critical path
+                ("pp", _, _) => t,
+                // the gradients' buckets: during the backward of the earlier layers (ZeRO-2/3: of
+                // every micro-batch; data parallelism and ZeRO-1: of the last), all but the last
+                (_, Call::AllReduce | Call::ReduceScatter, false) => {
+                    let window = if p.zero_stage >= 2 { mb * m.backward } else { m.backward };
+                    let last = t / f.calls.max(1.0);
+                    last + (t - last - window).max(0.0)
+                }
+                // FSDP: each unit's gather while the one before it computes
+                (_, Call::AllGather, false) => {
+                    let first = t / f.calls.max(1.0);
+                    first + (t - first - mb * (m.forward + m.backward)).max(0.0)
+                }
+                _ => t,
+            };
+            (f.clone(), t, shown)
+        })
+        .collect()
+}
+
+/// Tensor parallelism's backward all-reduces run beside the weight-gradient GEMMs (started before
+/// them, waited for after): of the tp time, the backward's half hides behind them.
+pub fn tp_hidden(flows: &[(Flow, f64, f64)], m: &MicroBatch, micro_batches: usize) -> f64 {
+    let tp: f64 = flows.iter().filter(|(f, ..)| f.axis == "tp").map(|(_, t, _)| t).sum();
+    (tp / 2.0).min(micro_batches as f64 * m.weight_grads)
+}
