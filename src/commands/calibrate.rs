@@ -8,9 +8,11 @@
 //! peak; the wire between ranks (the local backend: shared memory between threads) too:
 //!
 //! ```text
-//! GEMM        cpu_math::gemm at the row counts and widths of small models, 2·m·k·n / time / peak
+//! GEMM        a linear layer forward and backward (ops::linear, linear_backward) at the row counts
+//!             and widths of small models: 3 · 2·m·k·n / time / (the same at 1024³)
 //! attention   ops::attention forward + backward, causal FLOPs × 3.5 / time / peak
-//! small ops   ops::add_assign on 16 MiB (12 bytes an element) → GB/s; on 64 values → µs an op
+//! small ops   one block's norms, residual adds, RoPE and SwiGLU, forward and backward → the
+//!             bandwidth over the bytes step_time counts; ops::add_assign on 64 values → µs an op
 //! the wire    an all-reduce of 4 bytes between two ranks → α; of 8 MiB → β
 //! ```
 
@@ -19,7 +21,9 @@ use crate::comm::process_grid::{Axis, Grid};
 use crate::comm::ReduceOp;
 use crate::commands::step_time::{Rates, Wire};
 use crate::ops;
-use crate::ops::cpu_math::{gemm, View};
+use crate::ops::precision::Precision;
+use crate::config::Config;
+use crate::commands::step_time;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::Attn;
 use anyhow::{Context, Result};
@@ -49,60 +53,81 @@ fn best(n: usize, mut f: impl FnMut()) -> f64 {
         .fold(f64::MAX, f64::min)
 }
 
+/// A tensor of `rows × cols` small values (never zeros: a product of zeros can be faster).
+fn fill(rows: usize, cols: usize) -> Tensor {
+    Tensor::from_vec(&[rows, cols], (0..rows * cols).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect())
+}
+
 /// The rates of the op layer on the pool it runs in now.
 fn rates(source: &str) -> Rates {
-    let run = |m: usize, k: usize, n: usize| {
-        let (a, b) = (vec![0.5f32; m * k], vec![0.25f32; k * n]);
-        let mut c = vec![0.0f32; m * n];
-        let s = best(3, || gemm(m, k, n, View::rows(&a, k), View::rows(&b, n), &mut c, false));
-        (2.0 * (m * k * n) as f64, 2.0 * (m * k * n) as f64 / s)
+    // a linear layer forward and backward (x·wᵀ; dx = dy·w, dw += dyᵀ·x): 3 × 2·m·k·n FLOPs
+    let linear = |m: usize, k: usize, n: usize| {
+        let (x, w, dy) = (fill(m, k), fill(n, k), fill(m, n));
+        let mut dw = Tensor::zeros(&[n, k]);
+        let s = best(3, || {
+            let _ = ops::linear(&x, &w, Precision::F32);
+            let _ = ops::linear_backward(&dy, &x, &w, &mut dw, Precision::F32);
+        });
+        (2.0 * (m * k * n) as f64, 3.0 * 2.0 * (m * k * n) as f64 / s)
     };
-    let (_, peak) = run(1024, 1024, 1024);
-    // the shapes of small models' GEMMs: rows of a micro-batch, widths of a block
-    let mut gemm_points: Vec<(f64, f64)> = [
-        (512, 32, 32),
-        (512, 64, 64),
-        (1024, 128, 128),
-        (2048, 128, 384),
-        (2048, 384, 128),
-        (4096, 256, 256),
-        (2048, 512, 512),
-        (1024, 1024, 1024),
-    ]
-    .iter()
-    .map(|&(m, k, n)| {
-        let (flops, rate) = run(m, k, n);
-        (flops, rate / peak)
-    })
-    .collect();
-    gemm_points.sort_by(|a, b| a.0.total_cmp(&b.0));
-    gemm_points.dedup_by(|a, b| a.0 == b.0);
+    let (_, peak) = linear(1024, 1024, 1024);
+    // the shapes of small models' layers: rows of a micro-batch, widths of a block
+    let shapes = [(512, 32, 32), (512, 64, 64), (1024, 128, 128), (2048, 128, 384), (2048, 384, 128), (4096, 256, 256), (2048, 512, 512), (1024, 1024, 1024)];
+    let mut gemm: Vec<(f64, f64)> = shapes
+        .iter()
+        .map(|&(m, k, n)| {
+            let (flops, rate) = linear(m, k, n);
+            (flops, rate / peak)
+        })
+        .collect();
+    gemm.sort_by(|a, b| a.0.total_cmp(&b.0));
+    gemm.dedup_by(|a, b| a.0 == b.0);
     // attention: 4 sequences of 128, 8 heads (4 KV) of 16
     let a = Attn { batch: 4, seq: 128, kv_seq: 128, heads: 8, kv_heads: 4, head_dim: 16 };
-    let fill = |rows: usize, cols: usize| {
-        Tensor::from_vec(&[rows, cols], (0..rows * cols).map(|i| ((i % 17) as f32 - 8.0) * 0.01).collect())
-    };
     let (q, k, v) = (fill(512, 128), fill(512, 64), fill(512, 64));
-    let pos: Vec<u32> = (0..4).flat_map(|_| 0..128u32).collect();
+    let pos: Vec<u32> = (0..128u32).collect();
     let attention_s = best(3, || {
         let (out, lse) = ops::attention(a, &q, &k, &v, (&pos, &pos));
         let _ = ops::attention_backward(a, (&q, &k, &v), (&pos, &pos), (&out, &lse), &out);
     });
     let causal = 4.0 * (a.batch * a.heads * a.seq * a.seq * a.head_dim) as f64 / 2.0;
-    // small ops: bandwidth on 16 MiB, the fixed cost on 64 values
-    let n = 4 << 20;
-    let (mut x, y) = (Tensor::from_vec(&[n], vec![1.0; n]), Tensor::from_vec(&[n], vec![0.5; n]));
-    let big = best(3, || ops::add_assign(&mut x, &y));
+    // the small ops of one block, forward and backward, on 2048 rows of a d = 128 block: the
+    // bandwidth that makes `step_time::small_bytes` take as long; the fixed cost of an op on 64
+    // values
+    let small_s = best(3, || small_ops(2048, (128, 128, 64, 384)));
+    let block = Config::load(None, &["model.hidden_size=128".into(), "model.intermediate_size=384".into(), "model.num_attention_heads=8".into(), "model.num_key_value_heads=4".into()]);
+    let bytes = block.map_or(0.0, |c| 3.0 * 2048.0 * step_time::small_bytes(&c, 4.0));
     let (mut u, w) = (Tensor::from_vec(&[64], vec![1.0; 64]), Tensor::from_vec(&[64], vec![0.5; 64]));
     let tiny = best(50, || ops::add_assign(&mut u, &w));
     Rates {
         source: source.to_string(),
         peak_tflops: peak / 1e12,
-        gemm: gemm_points,
+        gemm,
         attention: causal * 3.5 / attention_s / peak,
-        small_gb_s: 12.0 * n as f64 / big / 1e9,
+        small_gb_s: bytes / small_s / 1e9,
         op_us: tiny * 1e6,
     }
+}
+
+/// One block's small ops on `rows` rows, forward and backward: two RMSNorms with their residual
+/// adds, RoPE on q and k, SwiGLU.
+fn small_ops(rows: usize, (d, q, kv, f): (usize, usize, usize, usize)) {
+    let (x, add, w) = (fill(rows, d), fill(rows, d), Tensor::from_vec(&[d], vec![1.0; d]));
+    let mut dw = Tensor::zeros(&[d]);
+    let pos: Vec<u32> = (0..rows as u32).collect();
+    for _ in 0..2 {
+        let mut h = x.clone();
+        let (y, rstd) = ops::add_rmsnorm(&mut h, &add, &w, 1e-5);
+        let _ = ops::rmsnorm_backward(&y, &h, &w, &rstd, &mut dw, Some(&add));
+    }
+    let (mut qt, mut kt) = (fill(rows, q), fill(rows, kv));
+    ops::rope(&mut qt, &pos, 16, 1e4);
+    ops::rope(&mut kt, &pos, 16, 1e4);
+    ops::rope_backward(&mut qt, &pos, 16, 1e4);
+    ops::rope_backward(&mut kt, &pos, 16, 1e4);
+    let (gate, up) = (fill(rows, f), fill(rows, f));
+    let h = ops::swiglu(&gate, &up);
+    let _ = ops::swiglu_backward(&h, &gate, &up);
 }
 
 /// α and β of the local backend between two ranks (threads): an all-reduce of 4 bytes is

@@ -169,18 +169,16 @@ pub fn cluster(
     })
 }
 
-/// This machine's CPU with `ranks` ranks as threads, as `bench --calibrate` measured it: one rank
-/// computes on every thread; with as many ranks as threads or more, each on its share of one.
+/// This machine's CPU with `ranks` ranks as threads, as `bench --calibrate` measured it: the
+/// ranks' ops all run on the one pool of the machine's threads, so each rank gets 1/ranks of
+/// what the whole pool reaches (the small ops, bound by memory, hardly scale with threads: one
+/// thread's rate would overstate what each of several ranks gets).
 pub fn cpu_cluster(cache_dir: &str, ranks: usize) -> Result<Cluster> {
     if ranks == 0 {
         bail!("--gpus 0: give at least one rank");
     }
     let c = calibrate::recorded(cache_dir)?;
-    let threads = c.threads as f64;
-    let (rates, share) = match ranks as f64 {
-        r if r >= threads => (c.one_thread, threads / r),
-        r => (c.all_threads, 1.0 / r),
-    };
+    let (rates, share) = (c.all_threads, 1.0 / ranks as f64);
     let capacity = crate::comm::launcher::Capacity::host(ranks);
     Ok(Cluster {
         gpus: ranks,
@@ -351,9 +349,13 @@ pub fn predict(cfg: &Config, cluster: &Cluster) -> Result<Layout> {
         .map(|&s| step_time::micro_batch(cfg, stage_of(s, p), &cluster.rates, share))
         .max_by(|a, b| (a.forward + a.backward).total_cmp(&(b.forward + b.backward)))
         .expect("a stage");
-    // the pipeline's clock counts a micro-batch's forward as 1 and its backward as 2
+    // the pipeline's clock counts a micro-batch's forward as 1 and its backward as 2; where the
+    // stages share a device's cores (ranks as threads), a stage idle in the bubble leaves them to
+    // the others: the step is their work alone
+    let work = t.grad_accum_steps as f64 * (slowest.forward + slowest.backward);
     let (compute, bubble) = match &timeline {
-        None => (t.grad_accum_steps as f64 * (slowest.forward + slowest.backward), 0.0),
+        None => (work, 0.0),
+        Some(tl) if cluster.share < 1.0 => (work, tl.bubble()),
         Some(tl) => (tl.makespan * (slowest.forward + slowest.backward) / 3.0, tl.bubble()),
     };
     for &s in &stages {
