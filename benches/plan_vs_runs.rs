@@ -20,7 +20,13 @@ const LAYOUTS: &[&[&str]] = &[
     &["parallel.tp=2", "parallel.sequence_parallel=true"],
     &["parallel.pp=2", "parallel.pp_schedule=afab", "train.grad_accum_steps=4", "train.micro_batch_size=4"],
     &["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.grad_accum_steps=4", "train.micro_batch_size=4"],
-    &["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2", "train.grad_accum_steps=4", "train.micro_batch_size=4"],
+    &[
+        "parallel.pp=2",
+        "parallel.pp_schedule=interleaved",
+        "parallel.pp_virtual_stages=2",
+        "train.grad_accum_steps=4",
+        "train.micro_batch_size=4",
+    ],
     &["parallel.pp=2", "parallel.pp_schedule=zb-h1", "train.grad_accum_steps=4", "train.micro_batch_size=4"],
     &["parallel.pp=2", "parallel.pp_schedule=zbv", "train.grad_accum_steps=4", "train.micro_batch_size=4"],
     &["parallel.cp=2"],
@@ -46,7 +52,11 @@ fn main() -> anyhow::Result<()> {
         let cluster = plan::cpu_cluster(&cfg.data.cache_dir, ranks)?;
         let predicted = plan::predict(&cfg, &cluster)?.step_s.expect("the tiny config fits") * 1e3;
         let measured = bench::bench(&cfg, 3, 12, None, false)?.step_ms;
-        let name = if sets.len() == 1 { "one rank".to_string() } else { sets[..sets.len() - 1].join(" ").replace("parallel.", "").replace("train.", "") };
+        let name = if sets.len() == 1 {
+            "one rank".to_string()
+        } else {
+            sets[..sets.len() - 1].join(" ").replace("parallel.", "").replace("train.", "")
+        };
         println!("| {name} | {ranks} | {predicted:.1} | {measured:.1} | {:.2} |", predicted / measured);
         rows.push((name, predicted, measured));
     }
@@ -60,6 +70,9 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    println!("\n{within} of {} predictions within 25 %; {right} of {pairs} pairs more than 15 % apart ranked right", rows.len());
+    println!(
+        "\n{within} of {} predictions within 25 %; {right} of {pairs} pairs more than 15 % apart ranked right",
+        rows.len()
+    );
     Ok(())
 }

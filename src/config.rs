@@ -464,6 +464,14 @@ impl Config {
 
     /// The built-in default (`configs/tiny.toml`) with `--set` overrides.
     pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config> {
+        let config = Config::read(path, sets)?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// `load` without the checks of the sections against each other: every key read and typed,
+    /// for a caller that changes the layout or the batch before it checks (`ferrotron plan`).
+    pub fn read(path: Option<&Path>, sets: &[String]) -> Result<Config> {
         let mut table: toml::Table = TINY.parse().expect("configs/tiny.toml is valid TOML");
         if let Some(path) = path {
             let text = crate::files::read_text(path, "--config")?;
@@ -504,7 +512,6 @@ impl Config {
             let again = |t| read(t).err().map(|(_, m)| m).unwrap_or_default();
             anyhow::anyhow!("config key `{key}`: {}{where_}", plain_words(&msg, &key, &table, &again))
         })?;
-        config.validate()?;
         Ok(config)
     }
 

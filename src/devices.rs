@@ -4,8 +4,9 @@
 //!
 //! ```text
 //! FLOPs per token = 6·N + 12·L·(H·d_head)·S      (PaLM, appendix B; also picotron and nanotron)
-//!   N: the weights that take part in a matrix product (every weight except an untied input
-//!      embedding, which is a lookup); 6 = 2 (multiply + add) × 3 (forward, and backward twice)
+//!   N: the weights that take part in a token's matrix products (every weight except an untied
+//!      input embedding, which is a lookup; of a mixture of experts only the k experts a token
+//!      is routed to); 6 = 2 (multiply + add) × 3 (forward, and backward twice)
 //!   12·L·(H·d_head)·S: the attention scores and their use, Q·Kᵀ and P·V, forward and backward,
 //!      over the whole S × S square (the causal half that is skipped still counts, by convention)
 //! MFU = FLOPs per token × tokens per second / the peak FLOP/s of the devices the run uses
@@ -208,7 +209,10 @@ pub fn peak_tflops(name: &str, dtype: DType) -> Option<f64> {
 /// FLOPs per trained token (forward and backward), by the formula above.
 pub fn flops_per_token(m: &ModelConfig, seq_len: usize) -> f64 {
     let lookup_only = if m.tie_word_embeddings { 0.0 } else { m.vocab_size as f64 * m.hidden_size as f64 };
-    let n = m.parameter_count() - lookup_only;
+    // a mixture of experts: a token passes through k of the E experts of a block, not all of them
+    let (e, k) = (m.num_local_experts as f64, m.num_experts_per_tok as f64);
+    let idle = (e - k).max(0.0) * 3.0 * (m.intermediate_size * m.hidden_size * m.num_hidden_layers) as f64;
+    let n = m.parameter_count() - lookup_only - idle;
     let attention = 12.0 * (m.num_hidden_layers * m.num_attention_heads * m.head_dim() * seq_len) as f64;
     6.0 * n + attention
 }

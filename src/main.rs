@@ -198,6 +198,10 @@ fn plan_command(a: PlanArgs, paths: &[PathArg]) -> Result<Exit> {
         gpu => plan::cluster(gpu, (a.gpus, a.gpus_per_node), dtype, None)?,
     };
     plan::override_cluster(&mut cluster, (a.memory_gib, a.node_gb_s, a.net_gb_s))?;
+    let hf = a.config.as_deref().is_some_and(plan::is_hf);
+    if hf && (a.seq_len.is_none() || a.global_batch_tokens.is_none()) {
+        anyhow::bail!("--config {}: a Hugging Face config.json holds no batch; give --seq-len and --global-batch-tokens (for example --seq-len 4096 --global-batch-tokens 4194304)", a.config.as_deref().map(|p| p.display().to_string()).unwrap_or_default());
+    }
     let t = &base.train;
     let seq_len = a.seq_len.unwrap_or(t.seq_len);
     let default_tokens = t.micro_batch_size * t.grad_accum_steps * base.parallel.dp * seq_len;
@@ -207,6 +211,15 @@ fn plan_command(a: PlanArgs, paths: &[PathArg]) -> Result<Exit> {
         dtype: if cluster.on_cpu { ferrotron::config::DeviceDtype::F32 } else { dtype },
         all_schedules: a.all_schedules || cluster.on_cpu,
     };
+    if a.fixed {
+        let layout = plan::fixed(&base, &cluster, &ask)?;
+        say!("{}", plan::explain(&layout, &cluster).trim_end());
+        if let Some(path) = &a.json {
+            let text = plan::json(std::slice::from_ref(&layout), &cluster, &ask)?;
+            ferrotron::files::write_atomically(path, text.as_bytes()).context("--json")?;
+        }
+        return Ok(Exit::Done);
+    }
     let layouts = plan::plan(&base, &cluster, &ask)?;
     say!("{}", plan::table(&layouts, &cluster, a.top).trim_end());
     if let Some(n) = a.explain {

@@ -19,11 +19,11 @@
 use crate::comm::launcher::{launch, Rank};
 use crate::comm::process_grid::{Axis, Grid};
 use crate::comm::ReduceOp;
+use crate::commands::step_time;
 use crate::commands::step_time::{Rates, Wire};
+use crate::config::Config;
 use crate::ops;
 use crate::ops::precision::Precision;
-use crate::config::Config;
-use crate::commands::step_time;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::Attn;
 use anyhow::{Context, Result};
@@ -72,7 +72,16 @@ fn rates(source: &str) -> Rates {
     };
     let (_, peak) = linear(1024, 1024, 1024);
     // the shapes of small models' layers: rows of a micro-batch, widths of a block
-    let shapes = [(512, 32, 32), (512, 64, 64), (1024, 128, 128), (2048, 128, 384), (2048, 384, 128), (4096, 256, 256), (2048, 512, 512), (1024, 1024, 1024)];
+    let shapes = [
+        (512, 32, 32),
+        (512, 64, 64),
+        (1024, 128, 128),
+        (2048, 128, 384),
+        (2048, 384, 128),
+        (4096, 256, 256),
+        (2048, 512, 512),
+        (1024, 1024, 1024),
+    ];
     let mut gemm: Vec<(f64, f64)> = shapes
         .iter()
         .map(|&(m, k, n)| {
@@ -95,7 +104,15 @@ fn rates(source: &str) -> Rates {
     // bandwidth that makes `step_time::small_bytes` take as long; the fixed cost of an op on 64
     // values
     let small_s = best(3, || small_ops(2048, (128, 128, 64, 384)));
-    let block = Config::load(None, &["model.hidden_size=128".into(), "model.intermediate_size=384".into(), "model.num_attention_heads=8".into(), "model.num_key_value_heads=4".into()]);
+    let block = Config::load(
+        None,
+        &[
+            "model.hidden_size=128".into(),
+            "model.intermediate_size=384".into(),
+            "model.num_attention_heads=8".into(),
+            "model.num_key_value_heads=4".into(),
+        ],
+    );
     let bytes = block.map_or(0.0, |c| 3.0 * 2048.0 * step_time::small_bytes(&c, 4.0));
     let (mut u, w) = (Tensor::from_vec(&[64], vec![1.0; 64]), Tensor::from_vec(&[64], vec![0.5; 64]));
     let tiny = best(50, || ops::add_assign(&mut u, &w));

@@ -212,8 +212,11 @@ pub struct PlanArgs {
     #[arg(long, default_value_t = 10)]
     pub top: usize,
     /// Print layout number N of the table in full.
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", conflicts_with = "fixed")]
     pub explain: Option<usize>,
+    /// Price only the layout the config and --set give (dp: what is left of the GPUs), in full.
+    #[arg(long)]
+    pub fixed: bool,
     /// Also write every layout tried, with its config keys and prediction, to this file.
     #[arg(long, value_name = "OUT.json", help_heading = WRITES, value_hint = ValueHint::FilePath)]
     pub json: Option<PathBuf>,

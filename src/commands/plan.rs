@@ -111,16 +111,23 @@ pub struct AxisTime {
     pub across_nodes: bool,
 }
 
-/// The model `--config` gives: a ferrotron TOML (with `--set`s) or a Hugging Face config.json.
+/// The model `--config` gives: a ferrotron TOML (with `--set`s) or a Hugging Face config.json;
+/// read, not yet checked (each layout is checked with its own batch).
 pub fn model_of(path: Option<&Path>, sets: &[String]) -> Result<Config> {
     match path {
-        Some(p) if p.extension().is_some_and(|e| e == "json") => {
-            let mut cfg = Config::load(None, sets)?;
-            cfg.model = read_hf_config(p)?;
-            Ok(cfg)
+        Some(p) if is_hf(p) => {
+            // the architecture as `--set model.…` before the user's own sets, checked as one config
+            let model = toml::Value::try_from(read_hf_config(p)?)?;
+            let keys = model.as_table().into_iter().flatten().map(|(k, v)| format!("model.{k}={v}"));
+            Config::read(None, &keys.chain(sets.iter().cloned()).collect::<Vec<_>>())
         }
-        _ => Config::load(path, sets),
+        _ => Config::read(path, sets),
     }
+}
+
+/// Whether `--config` names a Hugging Face config.json (else a ferrotron TOML).
+pub fn is_hf(path: &Path) -> bool {
+    path.extension().is_some_and(|e| e == "json")
 }
 
 /// The cluster `--gpu` names, with `--gpus`, `--gpus-per-node` and the overrides (GB/s a
@@ -481,6 +488,33 @@ pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> 
     Ok(out)
 }
 
+/// The one layout `base` gives (its parallel and train keys; dp is what is left of the GPUs, the
+/// micro-batches what is left of the global batch), priced whether or not it fits (`fits` says).
+pub fn fixed(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Layout> {
+    check_ask(&base.model, ask)?;
+    let mut c = base.clone();
+    (c.device.kind, c.device.dtype) = (if cluster.on_cpu { DeviceKind::Cpu } else { DeviceKind::Cuda }, ask.dtype);
+    let p = &mut c.parallel;
+    let cut = p.tp * p.pp * p.cp;
+    if !cluster.gpus.is_multiple_of(cut) {
+        bail!("--fixed: tp × pp × cp = {} × {} × {} = {cut} does not divide --gpus {}; choose degrees whose product divides it", p.tp, p.pp, p.cp, cluster.gpus);
+    }
+    p.dp = cluster.gpus / cut;
+    let t = &mut c.train;
+    let sequences = ask.global_batch_tokens / ask.seq_len;
+    if !sequences.is_multiple_of(t.micro_batch_size * p.dp) {
+        bail!("--fixed: {sequences} sequences a step do not split into dp {} × micro_batch_size {}: change --global-batch-tokens or train.micro_batch_size", p.dp, t.micro_batch_size);
+    }
+    (t.seq_len, t.grad_accum_steps, t.steps, t.warmup_steps) =
+        (ask.seq_len, sequences / (t.micro_batch_size * p.dp), 1, 0);
+    (c.checkpoint.every, c.validation.every) = (0, 0);
+    c.validate()?;
+    let fits = busiest(&c).total_bytes <= cluster.memory_bytes;
+    let mut priced = predict(&c, &Cluster { memory_bytes: f64::INFINITY, ..cluster.clone() })?;
+    priced.fits = fits;
+    Ok(priced)
+}
+
 /// Refuses what no layout can answer, in one line.
 fn check_ask(m: &ModelConfig, ask: &Ask) -> Result<()> {
     m.validate("model.")?;
@@ -586,6 +620,10 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
             gib(cluster.memory_bytes)
         );
     };
+    let fits = match l.fits {
+        true => String::new(),
+        false => format!(" — MORE than the {:.0} GiB there: it does not fit", gib(cluster.memory_bytes)),
+    };
     let mut s = format!(
         "dp {} × tp {}{} × pp {} ({}{}) × cp {} ({}) × ep {}, ZeRO {}{}, micro-batch {} × {} accumulated, recompute {}{}\n",
         l.dp,
@@ -605,7 +643,7 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
         if l.loss_chunk_rows > 0 { format!(", fused loss ({} rows a chunk)", l.loss_chunk_rows) } else { String::new() }
     );
     let [w, g, o, a, c] = b.memory_gib;
-    s += &format!("memory a GPU: {:.2} GiB = weights {w:.2} + gradients {g:.2} + optimizer {o:.2} + activations {a:.2} + buffers {c:.2} (of {:.0})\n", l.memory_gib, gib(cluster.memory_bytes));
+    s += &format!("memory a GPU: {:.2} GiB = weights {w:.2} + gradients {g:.2} + optimizer {o:.2} + activations {a:.2} + buffers {c:.2} (of {:.0}){fits}\n", l.memory_gib, gib(cluster.memory_bytes));
     s += &format!("rates: {}\n", cluster.rates.source);
     s += &format!(
         "step {:.3} s = compute {:.3} s (bubble {:.1}% of it) + optimizer {:.3} s + exposed communication {:.3} s\n",
