@@ -4,11 +4,15 @@
 mod common;
 
 use ferrotron::comm::cost::Call;
-use ferrotron::commands::traffic;
-use ferrotron::config::Config;
+use ferrotron::commands::schedule::simulate;
+use ferrotron::commands::{plan, traffic};
+use ferrotron::config::{Config, DeviceDtype};
 use ferrotron::parallel::layout::grid_of;
 use ferrotron::parallel::schedules::stage_of;
+use ferrotron::train::memory;
 use ferrotron::train::{train_all, Options};
+use std::path::Path;
+use std::process::Command;
 
 const STEPS: usize = 2;
 
@@ -69,52 +73,259 @@ fn ledger_matches(extra: &[&str]) {
 }
 
 #[test]
-fn debug_all() {
-    for l in [
-        &["parallel.dp=2"][..],
-        &["parallel.dp=2", "parallel.bucket_mb=0.01"],
-        &["parallel.dp=2", "parallel.dp_mode=naive"],
-        &["parallel.dp=2", "parallel.zero_stage=1", "parallel.bucket_mb=0.01"],
-        &["parallel.dp=2", "parallel.zero_stage=2"],
-        &["parallel.dp=2", "parallel.zero_stage=3"],
-        &["parallel.tp=2"],
-        &["parallel.tp=2", "parallel.sequence_parallel=true"],
-        &["parallel.pp=2"],
-        &["parallel.pp=2", "parallel.pp_schedule=afab"],
-        &[
-            "parallel.pp=2",
-            "parallel.pp_schedule=interleaved",
-            "parallel.pp_virtual_stages=2",
-            "model.num_hidden_layers=4",
-        ],
-        &["parallel.pp=2", "parallel.pp_schedule=zb-h1"],
-        &["parallel.pp=2", "parallel.pp_schedule=zbv", "model.num_hidden_layers=4"],
-        &["parallel.cp=2"],
-        &["parallel.cp=2", "parallel.cp_mode=ulysses"],
-        &["parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2"],
-        &["parallel.dp=2", "parallel.ep=2", "model.num_local_experts=4", "model.num_experts_per_tok=2"],
-        &[
-            "parallel.dp=4",
-            "parallel.ep=2",
-            "parallel.zero_stage=2",
-            "model.num_local_experts=4",
-            "model.num_experts_per_tok=2",
-        ],
-        &[
-            "parallel.dp=2",
-            "parallel.tp=2",
-            "parallel.pp=2",
-            "parallel.zero_stage=1",
-            "parallel.sequence_parallel=true",
-        ],
-        &["parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=3", "parallel.bucket_mb=0.01"],
-        &["parallel.pp=4", "model.num_hidden_layers=4", "parallel.pp_schedule=1f1b", "train.grad_accum_steps=8"],
-        &["parallel.cp=4", "parallel.cp_mode=ulysses", "model.num_key_value_heads=2"],
-        &["parallel.cp=3", "train.seq_len=48"],
+fn data_parallel_and_zero_bytes_equal_the_ledger() {
+    ledger_matches(&["parallel.dp=2"]);
+    ledger_matches(&["parallel.dp=2", "parallel.bucket_mb=0.01"]); // many buckets
+    ledger_matches(&["parallel.dp=2", "parallel.dp_mode=naive"]);
+    ledger_matches(&["parallel.dp=2", "parallel.zero_stage=1", "parallel.bucket_mb=0.01"]);
+    ledger_matches(&["parallel.dp=2", "parallel.zero_stage=2"]);
+    ledger_matches(&["parallel.dp=2", "parallel.zero_stage=3"]);
+    ledger_matches(&["parallel.dp=3", "parallel.zero_stage=3", "parallel.bucket_mb=0.01"]); // padded chunks
+    ledger_matches(&["parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2"]);
+    // hybrid
+}
+
+#[test]
+fn tensor_and_context_parallel_bytes_equal_the_ledger() {
+    ledger_matches(&["parallel.tp=2"]);
+    ledger_matches(&["parallel.tp=2", "parallel.sequence_parallel=true"]);
+    ledger_matches(&["parallel.cp=2"]);
+    ledger_matches(&["parallel.cp=3", "train.seq_len=48"]);
+    ledger_matches(&["parallel.cp=2", "parallel.cp_mode=ulysses"]);
+    ledger_matches(&["parallel.cp=4", "parallel.cp_mode=ulysses"]); // KV heads repeated
+    ledger_matches(&["parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=3", "parallel.bucket_mb=0.01"]);
+}
+
+#[test]
+fn pipeline_bytes_equal_the_ledger_for_every_schedule() {
+    let four = "model.num_hidden_layers=4";
+    ledger_matches(&["parallel.pp=2"]);
+    ledger_matches(&["parallel.pp=2", "parallel.pp_schedule=afab"]);
+    ledger_matches(&["parallel.pp=4", four, "train.grad_accum_steps=8"]);
+    ledger_matches(&["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2", four]);
+    ledger_matches(&["parallel.pp=2", "parallel.pp_schedule=zb-h1"]);
+    ledger_matches(&["parallel.pp=2", "parallel.pp_schedule=zbv", four]);
+    ledger_matches(&[
+        "parallel.dp=2",
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.zero_stage=1",
+        "parallel.sequence_parallel=true",
+    ]);
+}
+
+#[test]
+fn expert_bytes_equal_the_ledger_as_a_mean_over_the_ep_ranks() {
+    let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2"];
+    ledger_matches(&[&["parallel.dp=2", "parallel.ep=2"][..], &moe].concat());
+    ledger_matches(&[&["parallel.dp=4", "parallel.ep=2", "parallel.zero_stage=2"][..], &moe].concat());
+}
+
+/// A layout of the small model on GPUs (nothing runs: the plan and the estimate only read shapes).
+fn on_gpus(extra: &[&str]) -> Config {
+    let sets: Vec<String> = common::SMALL
+        .iter()
+        .chain(&["device.kind=\"cuda\"", "train.micro_batch_size=4", "train.grad_accum_steps=8"])
+        .chain(extra)
+        .map(|s| s.to_string())
+        .collect();
+    Config::load(None, &sets).unwrap()
+}
+
+fn h100s(n: usize) -> plan::Cluster {
+    plan::cluster("h100", (n, 8), DeviceDtype::Bf16, None).unwrap()
+}
+
+const LAYOUTS: &[&[&str]] = &[
+    &["parallel.dp=2"],
+    &["parallel.dp=4", "parallel.zero_stage=1"],
+    &["parallel.dp=2", "parallel.zero_stage=3", "train.recompute=\"selective\""],
+    &["parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2"],
+    &["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp=2"],
+    &["parallel.pp=2", "parallel.pp_schedule=afab", "train.loss_chunk_rows=16"],
+    &["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2", "model.num_hidden_layers=4"],
+    &["parallel.pp=2", "parallel.pp_schedule=zbv", "model.num_hidden_layers=4"],
+    &["parallel.cp=2", "parallel.dp=2", "parallel.zero_stage=2", "train.recompute=\"full\""],
+    &["parallel.dp=2", "parallel.ep=2", "model.num_local_experts=4", "model.num_experts_per_tok=2"],
+];
+
+#[test]
+fn plans_memory_is_ferrotron_memorys_for_the_same_layout() {
+    for extra in LAYOUTS {
+        let cfg = on_gpus(extra);
+        let layout = plan::predict(&cfg, &h100s(cfg.parallel.world_size())).unwrap();
+        let ranks = memory::per_rank(&cfg).unwrap();
+        let busiest = ranks.iter().map(|r| r.total_bytes).fold(0.0, f64::max);
+        assert_eq!(layout.memory_gib * (1u64 << 30) as f64, busiest, "{extra:?}");
+        let kinds = layout.breakdown.unwrap().memory_gib.iter().sum::<f64>();
+        assert!((kinds - layout.memory_gib).abs() < 1e-9, "{extra:?}: the kinds add up to the total");
+    }
+}
+
+#[test]
+fn plans_bubble_is_the_schedules() {
+    for extra in LAYOUTS.iter().filter(|l| l.iter().any(|s| s.starts_with("parallel.pp="))) {
+        let cfg = on_gpus(extra);
+        let p = &cfg.parallel;
+        let layout = plan::predict(&cfg, &h100s(cfg.parallel.world_size())).unwrap();
+        let chunks = ferrotron::parallel::schedules::stage_of(0, p).chunks;
+        let want = simulate(p.pp_schedule, p.pp, cfg.train.grad_accum_steps, chunks).unwrap().bubble();
+        assert_eq!(layout.breakdown.unwrap().bubble, want, "{extra:?}");
+        assert!(want > 0.0, "{extra:?}: a pipeline of 8 micro-batches has a bubble");
+    }
+}
+
+#[test]
+fn plan_searches_a_405b_model_on_16384_gpus_and_ranks_what_fits() {
+    let model = plan::model_of(Some(Path::new("tests/fixtures/plan/llama-3.1-405b.json")), &[]).unwrap();
+    let cluster = h100s(16384);
+    let ask =
+        plan::Ask { global_batch_tokens: 2048 * 8192, seq_len: 8192, dtype: DeviceDtype::Bf16, all_schedules: false };
+    let layouts = plan::plan(&model, &cluster, &ask).unwrap();
+    let fit: Vec<_> = layouts.iter().filter(|l| l.fits).collect();
+    assert!(!fit.is_empty(), "some layout of 405B fits on 16,384 H100s");
+    assert!(layouts.iter().any(|l| !l.fits), "and some does not (one rank cannot hold its weights)");
+    assert!(fit.windows(2).all(|w| w[0].tokens_per_s >= w[1].tokens_per_s), "fastest first");
+    for l in &fit {
+        assert!(l.memory_gib <= 80.0 && l.tp <= 8, "{l:?}");
+        assert_eq!(l.dp * l.tp * l.pp * l.cp, 16384);
+        assert_eq!(l.micro_batch_size * l.grad_accum_steps * l.dp, 2048, "the global batch is kept");
+        let b = l.breakdown.as_ref().unwrap();
+        assert!(b.compute_s > 0.0 && l.step_s.unwrap() >= b.compute_s && l.mfu.unwrap() < 1.0, "{l:?}");
+    }
+}
+
+#[test]
+fn tensor_parallelism_across_nodes_is_priced_on_the_network() {
+    // tp = 8 on nodes of 8 GPUs talks over NVLink; the same on nodes of 4 would cross the network
+    let wide = [
+        "model.hidden_size=1024",
+        "model.intermediate_size=2048",
+        "model.num_attention_heads=8",
+        "model.num_key_value_heads=4",
+        "train.seq_len=1024",
+        "parallel.tp=4",
+    ];
+    let cfg = on_gpus(&wide);
+    let inside = plan::predict(&cfg, &plan::cluster("h100", (4, 8), DeviceDtype::Bf16, None).unwrap()).unwrap();
+    let across = plan::predict(&cfg, &plan::cluster("h100", (4, 2), DeviceDtype::Bf16, None).unwrap()).unwrap();
+    let tp = |l: &plan::Layout| {
+        l.breakdown
+            .as_ref()
+            .unwrap()
+            .comm
+            .iter()
+            .filter(|a| a.flow.axis == "tp")
+            .map(|a| (a.wire_s, a.across_nodes))
+            .fold((0.0, false), |s, a| (s.0 + a.0, s.1 | a.1))
+    };
+    let ((fast, a), (slow, b)) = (tp(&inside), tp(&across));
+    assert!(!a && b, "inside a node, then across");
+    assert!(slow > 5.0 * fast, "450 GB/s NVLink against 50 GB/s: {fast} s vs {slow} s");
+}
+
+fn ferrotron(args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).output().unwrap();
+    (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
+}
+
+#[test]
+fn plan_refuses_impossible_inputs_in_one_line() {
+    let hf = "tests/fixtures/plan/llama-3-8b.json";
+    for (args, says) in [
+        (&["plan", "--gpus", "12", "--gpus-per-node", "8"][..], "--gpus 12 is not a whole number of nodes"),
+        (&["plan", "--gpu", "x100"], "--gpu x100: not in the device table"),
+        (&["plan", "--gpus", "0"], "--gpus 0"),
+        (&["plan", "--seq-len", "128", "--global-batch-tokens", "1000"], "not a whole number of sequences"),
+        (&["plan", "--config", hf], "a Hugging Face config.json holds no batch"),
+        (&["plan", "--gpu", "a100", "--dtype", "fp8"], "no FP8 tensor cores"),
+        (&["plan", "--net-gb-s", "0"], "--net-gb-s 0: give a positive number"),
+        (&["plan", "--fixed", "--gpus", "8", "--set", "parallel.tp=3"], "does not divide --gpus 8"),
+        (&["plan", "--explain", "9999"], "--explain 9999: the table has layouts 1 to"),
     ] {
-        let r = std::panic::catch_unwind(|| ledger_matches(l));
-        if r.is_err() {
-            eprintln!("FAILED {l:?}");
+        let (ok, _, err) = ferrotron(args);
+        assert!(!ok, "{args:?} must fail");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line, not {err}");
+        assert!(err.contains(says) && !err.contains("panicked"), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn plan_json_holds_every_layout_under_its_config_names_and_matches_the_table() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("plan.json");
+    let batch =
+        ["--config", "configs/llama-1b.toml", "--gpus", "16", "--seq-len", "2048", "--global-batch-tokens", "262144"];
+    let (ok, text, err) = ferrotron(
+        &[&["plan"][..], &batch, &["--top", "3", "--explain", "1", "--json", out.to_str().unwrap()]].concat(),
+    );
+    assert!(ok, "{err}");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    let layouts = json["layouts"].as_array().unwrap();
+    let keys = [
+        "dp",
+        "tp",
+        "pp",
+        "cp",
+        "ep",
+        "zero_stage",
+        "dp_shard",
+        "pp_schedule",
+        "pp_virtual_stages",
+        "cp_mode",
+        "sequence_parallel",
+        "recompute",
+        "micro_batch_size",
+        "grad_accum_steps",
+        "loss_chunk_rows",
+        "dtype",
+        "fits",
+        "memory_gib",
+        "step_s",
+        "tokens_per_s",
+        "mfu",
+        "breakdown",
+    ];
+    for l in layouts {
+        for k in keys {
+            assert!(l.get(k).is_some(), "{k} missing in {l}");
         }
     }
+    // each layout's keys, set on the config, price the same with --fixed
+    let best = &layouts[0];
+    let set = |k: &str| format!("parallel.{k}={}", best[k]);
+    let (ok, fixed, err) = ferrotron(
+        &[
+            &["plan", "--fixed"][..],
+            &batch,
+            &[
+                "--set",
+                &set("tp"),
+                "--set",
+                &set("pp"),
+                "--set",
+                &set("cp"),
+                "--set",
+                &set("zero_stage"),
+                "--set",
+                &set("dp_shard"),
+                "--set",
+                &format!("parallel.pp_schedule={}", best["pp_schedule"]),
+                "--set",
+                &format!("parallel.cp_mode={}", best["cp_mode"]),
+                "--set",
+                &set("sequence_parallel"),
+                "--set",
+                &format!("train.micro_batch_size={}", best["micro_batch_size"]),
+                "--set",
+                &format!("train.recompute={}", best["recompute"]),
+                "--set",
+                &format!("train.loss_chunk_rows={}", best["loss_chunk_rows"]),
+            ],
+        ]
+        .concat(),
+    );
+    assert!(ok, "{err}");
+    let tokens = format!("{:.0} tokens/s", best["tokens_per_s"].as_f64().unwrap());
+    assert!(fixed.contains(&tokens) && text.contains(&tokens), "{tokens} in\n{fixed}\n{text}");
 }
