@@ -335,8 +335,30 @@ fn busiest(cfg: &Config) -> RankMemory {
 
 /// Everything `plan` says of `cfg` on `cluster`.
 pub fn predict(cfg: &Config, cluster: &Cluster) -> Result<Layout> {
+    predict_with(cfg, cluster, &mut Clocks::default())
+}
+
+/// The pipeline clocks played so far, by (schedule, stages, micro-batches, chunks): (makespan,
+/// bubble). A search meets the same pipeline under many layouts; playing it is its costliest part.
+#[derive(Default)]
+pub struct Clocks(std::collections::HashMap<(&'static str, usize, usize, usize), (f64, f64)>);
+
+impl Clocks {
+    fn play(&mut self, kind: PpSchedule, stages: usize, m: usize, chunks: usize) -> Result<(f64, f64)> {
+        let key = (kind.name(), stages, m, chunks);
+        if let Some(&known) = self.0.get(&key) {
+            return Ok(known);
+        }
+        let tl = simulate(kind, stages, m, chunks)?;
+        self.0.insert(key, (tl.makespan, tl.bubble()));
+        Ok((tl.makespan, tl.bubble()))
+    }
+}
+
+fn predict_with(cfg: &Config, cluster: &Cluster, clocks: &mut Clocks) -> Result<Layout> {
     let (p, t) = (&cfg.parallel, &cfg.train);
-    let memory = busiest(cfg);
+    let stage_memory = per_stage(cfg);
+    let memory = stage_memory.iter().max_by(|a, b| a.total_bytes.total_cmp(&b.total_bytes)).expect("a stage").clone();
     let fits = memory.total_bytes <= cluster.memory_bytes;
     let mut layout = describe(cfg, fits, memory.total_bytes);
     if !fits {
@@ -349,7 +371,7 @@ pub fn predict(cfg: &Config, cluster: &Cluster) -> Result<Layout> {
     let mut worst: Option<(f64, Breakdown)> = None;
     let timeline = match p.pp {
         1 => None,
-        _ => Some(simulate(p.pp_schedule, p.pp, t.grad_accum_steps, stage_of(0, p).chunks)?),
+        _ => Some(clocks.play(p.pp_schedule, p.pp, t.grad_accum_steps, stage_of(0, p).chunks)?),
     };
     let slowest: MicroBatch = stages
         .iter()
@@ -360,10 +382,10 @@ pub fn predict(cfg: &Config, cluster: &Cluster) -> Result<Layout> {
     // stages share a device's cores (ranks as threads), a stage idle in the bubble leaves them to
     // the others: the step is their work alone
     let work = t.grad_accum_steps as f64 * (slowest.forward + slowest.backward);
-    let (compute, bubble) = match &timeline {
+    let (compute, bubble) = match timeline {
         None => (work, 0.0),
-        Some(tl) if cluster.share < 1.0 => (work, tl.bubble()),
-        Some(tl) => (tl.makespan * (slowest.forward + slowest.backward) / 3.0, tl.bubble()),
+        Some((_, bubble)) if cluster.share < 1.0 => (work, bubble),
+        Some((makespan, bubble)) => (makespan * (slowest.forward + slowest.backward) / 3.0, bubble),
     };
     for &s in &stages {
         let stage = stage_of(s, p);
@@ -372,8 +394,7 @@ pub fn predict(cfg: &Config, cluster: &Cluster) -> Result<Layout> {
         let timed = step_time::exposed(cfg, &flows, &cluster.wires, &mb, t.grad_accum_steps);
         let hidden = step_time::tp_hidden(&timed, &mb, t.grad_accum_steps);
         let comm: f64 = timed.iter().map(|(.., shown)| shown).sum::<f64>() - hidden;
-        let stage_memory = &per_stage(cfg)[s];
-        let trained = (stage_memory.optimizer_bytes / 8.0).max(1.0); // two 4-byte moments a value
+        let trained = (stage_memory[s].optimizer_bytes / 8.0).max(1.0); // two 4-byte moments a value
         let optimizer = step_time::optimizer_seconds(trained, &cluster.rates, share);
         let step = compute + comm + optimizer;
         let breakdown = Breakdown {
@@ -462,7 +483,7 @@ pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> 
     base.device.dtype = ask.dtype;
     base.checkpoint.every = 0;
     base.validation.every = 0;
-    let mut out = Vec::new();
+    let (mut out, mut clocks) = (Vec::new(), Clocks::default());
     for c in candidates(&base, cluster, ask)? {
         let mut tried = None;
         for (recompute, rows) in SAVERS {
@@ -470,7 +491,7 @@ pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> 
             (s.train.recompute, s.train.loss_chunk_rows) = (recompute, rows);
             let memory = busiest(&s).total_bytes;
             if memory <= cluster.memory_bytes {
-                tried = Some(predict(&s, cluster)?);
+                tried = Some(predict_with(&s, cluster, &mut clocks)?);
                 break;
             }
             if tried.as_ref().is_none_or(|l: &Layout| memory < l.memory_gib * (1u64 << 30) as f64) {

@@ -156,7 +156,8 @@ pub fn activations_held(cfg: &Config, batch: usize, dtype: DType) -> f64 {
 /// Weights of the busiest stage on one tp rank: matrices are split over tp, norms are whole.
 /// Counted from one layer's tensors times the stage's layers, so any depth costs nothing.
 pub fn weights_per_rank(m: &ModelConfig, tp: usize, pp: usize) -> f64 {
-    (0..pp).map(|index| sizes(m, (tp, 1), Stage::new(index, pp), 1, &every).0).fold(0.0, f64::max)
+    let cuts = one_layer(m);
+    (0..pp).map(|index| sizes((m, &cuts), (tp, 1), Stage::new(index, pp), 1, &every).0).fold(0.0, f64::max)
 }
 
 /// One rank's memory by what holds it, in bytes (`ferrotron memory`).
@@ -194,8 +195,8 @@ pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
 /// What a rank of each pipeline stage holds (`per_rank` without the grid: any number of ranks,
 /// for `ferrotron plan`).
 pub fn per_stage(cfg: &Config) -> Vec<RankMemory> {
-    let p = &cfg.parallel;
-    (0..p.pp).map(|index| stage_memory(cfg, schedules::stage_of(index, p))).collect()
+    let (p, cuts) = (&cfg.parallel, one_layer(&cfg.model));
+    (0..p.pp).map(|index| stage_memory(cfg, &cuts, schedules::stage_of(index, p))).collect()
 }
 
 /// Values of a rank of `stage` with `tp` tensor-parallel ranks: (whole, in ZeRO chunks over `z`
@@ -203,16 +204,22 @@ pub fn per_stage(cfg: &Config) -> Vec<RankMemory> {
 /// embedding), the largest unit). Counted from one layer's tensors times the stage's layers, in
 /// f64: any depth and any absurd size cost nothing and never overflow. Experts: 1/ep of them,
 /// chunked over z/ep ranks (the expert-data group).
-fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize, counted: &Counted) -> (f64, f64, f64, f64) {
-    let one_layer = ModelConfig { num_hidden_layers: 1, ..m.clone() };
+fn sizes(
+    (m, cuts): (&ModelConfig, &Cuts),
+    (tp, ep): (usize, usize),
+    stage: Stage,
+    z: usize,
+    counted: &Counted,
+) -> (f64, f64, f64, f64) {
     // (values, values in chunks) of the embedding, of one block, of the head
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
-    for (name, shape, on_tp) in Llama::tensor_cuts(&one_layer, Stage::WHOLE) {
-        if !counted(&name, &shape) {
+    for (name, shape, on_tp) in cuts {
+        if !counted(name, shape) {
             continue;
         }
+        let on_tp = *on_tp;
         let n = shape.iter().map(|&x| x as f64).product::<f64>() / if on_tp == TpCut::Whole { 1.0 } else { tp as f64 };
-        let expert = moe::is_expert(&name);
+        let expert = moe::is_expert(name);
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {
             n if n.starts_with("model.layers.") => &mut layer,
@@ -231,19 +238,27 @@ fn sizes(m: &ModelConfig, (tp, ep): (usize, usize), stage: Stage, z: usize, coun
     (whole, chunks, unit, unit.max(first * embed.0))
 }
 
-fn stage_memory(cfg: &Config, stage: Stage) -> RankMemory {
+/// A model's tensors, listed once: its one-layer twin's (name, whole shape, tp cut), which
+/// `sizes` multiplies by a stage's layers.
+type Cuts = Vec<(String, Vec<usize>, TpCut)>;
+
+fn one_layer(m: &ModelConfig) -> Cuts {
+    Llama::tensor_cuts(&ModelConfig { num_hidden_layers: 1, ..m.clone() }, Stage::WHOLE)
+}
+
+fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     let (t, p, dtype) = (&cfg.train, &cfg.parallel, cfg.device.compute_dtype());
     let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 }; // bytes of a compute copy
 
     // the ranks that share the replicated state: all of dp×cp, or a shard group's (hybrid)
     let z = if p.dp_shard == 0 { p.dp } else { p.dp_shard } * p.cp;
     let zero = if z > 1 { p.zero_stage } else { 0 };
-    let (whole, chunks, unit, any_unit) = sizes(&cfg.model, (p.tp, p.ep), stage, z, &every);
+    let (whole, chunks, unit, any_unit) = sizes((&cfg.model, cuts), (p.tp, p.ep), stage, z, &every);
     // Muon keeps one momentum for each value of the blocks' matrices, where AdamW keeps two moments
     let muon: &Counted = &muon::updates;
     let (matrices, matrix_chunks, ..) = match t.optimizer {
         OptimizerKind::Adamw => (0.0, 0.0, 0.0, 0.0),
-        OptimizerKind::Muon => sizes(&cfg.model, (p.tp, p.ep), stage, z, muon),
+        OptimizerKind::Muon => sizes((&cfg.model, cuts), (p.tp, p.ep), stage, z, muon),
     };
     // the values of one bucket
     let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks);
