@@ -25,7 +25,6 @@ use crate::comm::cost::Call;
 use crate::config::{Config, CpMode, DeviceKind, DpMode, PpSchedule};
 use crate::model::moe;
 use crate::model::stage::Stage;
-use crate::model::Llama;
 use crate::ops::{DType, TpCut};
 use crate::parallel::data_parallel::{bucket_values, plan_buckets, Plan};
 use crate::parallel::pipeline_schedule::sent_by;
@@ -79,27 +78,38 @@ struct Held {
     whole: bool,
 }
 
-/// Each tensor of `stage`, in model order.
+/// Each tensor of `stage`, in model order: its one-layer twin's tensors (listed once a model,
+/// `memory::one_layer`) repeated for each of its layers, the embedding first and the head last.
 fn tensors(cfg: &Config, stage: Stage) -> Vec<Held> {
     let (m, p) = (&cfg.model, &cfg.parallel);
-    let ranges = stage.chunk_layers(m.num_hidden_layers);
-    let chunk_of = |name: &str| match name.strip_prefix("model.layers.") {
-        Some(rest) => {
-            let layer: usize = rest.split('.').next().and_then(|i| i.parse().ok()).unwrap_or(0);
-            ranges.iter().position(|r| r.contains(&layer)).unwrap_or(0)
-        }
-        None if name == "model.embed_tokens.weight" => 0,
-        None => ranges.len() - 1,
+    let cuts = crate::train::memory::one_layer(m);
+    let held = |name: String, shape: &[usize], cut: TpCut, chunk: usize| {
+        let whole = cut == TpCut::Whole;
+        let n = shape.iter().product::<usize>() / if whole { 1 } else { p.tp };
+        let values = if moe::is_expert(&name) { n / p.ep } else { n };
+        Held { name, values, chunk, whole }
     };
-    Llama::tensor_cuts(m, stage)
-        .into_iter()
-        .map(|(name, shape, cut)| {
-            let whole = cut == TpCut::Whole;
-            let n = shape.iter().product::<usize>() / if whole { 1 } else { p.tp };
-            let values = if moe::is_expert(&name) { n / p.ep } else { n };
-            Held { chunk: chunk_of(&name), name, values, whole }
-        })
-        .collect()
+    let block = |(name, ..): &&(String, Vec<usize>, TpCut)| name.starts_with("model.layers.0.");
+    let mut out = Vec::new();
+    if stage.is_first() {
+        out.extend(
+            cuts.iter().filter(|c| c.0 == "model.embed_tokens.weight").map(|(n, s, c)| held(n.clone(), s, *c, 0)),
+        );
+    }
+    let ranges = stage.chunk_layers(m.num_hidden_layers);
+    for (chunk, range) in ranges.iter().enumerate() {
+        for layer in range.clone() {
+            for (name, shape, cut) in cuts.iter().filter(block) {
+                let name = name.replacen("model.layers.0.", &format!("model.layers.{layer}."), 1);
+                out.push(held(name, shape, *cut, chunk));
+            }
+        }
+    }
+    if stage.is_last() {
+        let head = cuts.iter().filter(|c| !block(c) && c.0 != "model.embed_tokens.weight");
+        out.extend(head.map(|(n, s, c)| held(n.clone(), s, *c, ranges.len() - 1)));
+    }
+    out
 }
 
 /// What one rank of pipeline `stage` sends per step of `cfg`, axis by axis.

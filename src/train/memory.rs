@@ -28,6 +28,8 @@ use crate::parallel::layout::grid_of;
 use crate::parallel::pipeline_schedule::Action;
 use crate::parallel::schedules;
 use anyhow::{bail, Result};
+use std::cell::RefCell;
+use std::rc::Rc;
 
 /// Which tensors `sizes` counts, by name and whole shape.
 type Counted = dyn Fn(&str, &[usize]) -> bool;
@@ -238,12 +240,28 @@ fn sizes(
     (whole, chunks, unit, unit.max(first * embed.0))
 }
 
-/// A model's tensors, listed once: its one-layer twin's (name, whole shape, tp cut), which
-/// `sizes` multiplies by a stage's layers.
-type Cuts = Vec<(String, Vec<usize>, TpCut)>;
+/// A model's tensors as its one-layer twin's (name, whole shape, tp cut), which `sizes`
+/// multiplies by a stage's layers.
+pub type Cuts = Vec<(String, Vec<usize>, TpCut)>;
 
-fn one_layer(m: &ModelConfig) -> Cuts {
-    Llama::tensor_cuts(&ModelConfig { num_hidden_layers: 1, ..m.clone() }, Stage::WHOLE)
+/// `m`'s one-layer twin's tensors, listed once a model on each thread (`ferrotron plan` asks for
+/// the same model's under thousands of layouts; listing them builds a block).
+pub fn one_layer(m: &ModelConfig) -> Rc<Cuts> {
+    thread_local! {
+        static LISTED: RefCell<Option<(ModelConfig, Rc<Cuts>)>> = const { RefCell::new(None) };
+    }
+    LISTED.with(|cell| {
+        let mut cell = cell.borrow_mut();
+        match &*cell {
+            Some((model, cuts)) if model == m => cuts.clone(),
+            _ => {
+                let cuts =
+                    Rc::new(Llama::tensor_cuts(&ModelConfig { num_hidden_layers: 1, ..m.clone() }, Stage::WHOLE));
+                *cell = Some((m.clone(), cuts.clone()));
+                cuts
+            }
+        }
+    })
 }
 
 fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
