@@ -645,16 +645,19 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
         true => String::new(),
         false => format!(" — MORE than the {:.0} GiB there: it does not fit", gib(cluster.memory_bytes)),
     };
+    let schedule = match (l.pp, l.pp_virtual_stages) {
+        (1, _) => String::new(),
+        (_, 1) => format!(" ({})", l.pp_schedule),
+        (_, v) => format!(" ({}, {v} chunks a rank)", l.pp_schedule),
+    };
+    let cp_mode = if l.cp > 1 { format!(" ({})", l.cp_mode) } else { String::new() };
     let mut s = format!(
-        "dp {} × tp {}{} × pp {} ({}{}) × cp {} ({}) × ep {}, ZeRO {}{}, micro-batch {} × {} accumulated, recompute {}{}\n",
+        "dp {} × tp {}{} × pp {}{schedule} × cp {}{cp_mode} × ep {}, ZeRO {}{}, micro-batch {} × {} accumulated, recompute {}{}\n",
         l.dp,
         l.tp,
         if l.sequence_parallel { " (sp)" } else { "" },
         l.pp,
-        l.pp_schedule,
-        if l.pp_virtual_stages > 1 { format!(", {} chunks a rank", l.pp_virtual_stages) } else { String::new() },
         l.cp,
-        l.cp_mode,
         l.ep,
         l.zero_stage,
         if l.dp_shard > 0 { format!(" in shard groups of {}", l.dp_shard) } else { String::new() },

@@ -67,23 +67,26 @@ impl Rates {
         flops / (self.peak_tflops * 1e12 * self.gemm_efficiency(flops))
     }
 
-    /// What an H100 SXM reached on 2026-11-26 (`../shared/GPU_MEASURED.md`, ferrotron's own
-    /// kernels and cuBLAS 13.1 in bf16): GEMM efficiencies from `bench --profile`'s per-shape
-    /// times at llama-1b and smollm-135m (576×192×16384: 3.6 GFLOP in 21.9 µs = 0.17 of 989.4;
-    /// 576×16384×576: 10.9 GFLOP in 22.9 µs = 0.48; 576×16384×1536: 29.0 in 44.2 µs = 0.66;
-    /// 2048×8192×2048: 68.7 in 95.7 µs = 0.73; 5632×8192×2048: 189 in 246 µs = 0.78); attention
-    /// 0.745 ms a layer forward + backward at smollm-135m b 8 (2026-11-27): 135 GFLOP causal,
-    /// 0.18; the small ops about 31 ms of the 102 ms 135M step (the step less attention's 45.9
-    /// and the GEMMs' 25) for the bytes `small_bytes` counts there: 1.03 TB/s, 0.31 of the HBM's
-    /// 3.35; 3 µs a launch (the profile's host gaps: 4.8 ms over ~1,600 launches).
+    /// What an H100 SXM reached with ferrotron's kernels (`BENCHMARKS.md`, 2026-11-26 and 27;
+    /// `../shared/GPU_MEASURED.md`), cuBLAS 13.1, bf16. GEMM efficiencies from `bench --profile`'s
+    /// time per shape (the GEMMs have not changed since): 576×192×16384, 3.6 GFLOP in 21.9 µs =
+    /// 0.17 of 989.4; 576×16384×576, 10.9 in 22.9 µs = 0.48; 576×16384×1536, 29.0 in 44.2 µs =
+    /// 0.66; 2048×8192×2048, 68.7 in 95.7 µs = 0.73; 5632×8192×2048, 189 in 246 µs = 0.78.
+    /// Attention: 0.745 ms a layer, forward + backward, at smollm-135m b 8 (2026-11-27): 135
+    /// GFLOP causal, 0.18. The small ops, from the 135M step's profile (2026-11-27, 75 ms): less
+    /// attention (21.8), the GEMMs (≈ 25), the optimizer's lists (2.0) and the GPU's idle time
+    /// (2.4) leaves 23.8 ms for the 53 GB `small_bytes` and the loss's passes count there: 2.23
+    /// TB/s (0.67 of the HBM's 3.35); the idle 2.4 ms over its ~1,270 small launches: 1.9 µs a
+    /// launch. smollm-360m and llama-1b are then predictions (BENCHMARKS.md sets them beside
+    /// their measured steps).
     pub fn h100() -> Rates {
         Rates {
-            source: "H100 SXM measured 2026-11-26/27 (../shared/GPU_MEASURED.md)".into(),
+            source: "H100 SXM, ferrotron's kernels, measured 2026-11-26/27 (BENCHMARKS.md)".into(),
             peak_tflops: 989.4,
             gemm: vec![(3.6e9, 0.17), (1.09e10, 0.48), (2.9e10, 0.66), (6.87e10, 0.73), (1.89e11, 0.78)],
             attention: 0.18,
-            small_gb_s: 1030.0,
-            op_us: 3.0,
+            small_gb_s: 2230.0,
+            op_us: 1.9,
         }
     }
 

@@ -79,7 +79,7 @@ pub struct Plan {
     pub closes: bool,
 }
 
-/// The bucket planner (for data parallelism, ZeRO and `ferrotron plan`): parameters of
+/// The bucket planner (for data parallelism and ZeRO): parameters of
 /// `widths[i]` values in model order, backward runs them last to first, and a bucket holds at
 /// most `room` values (or one parameter, if larger) of a single model chunk (`chunk_of`).
 pub fn plan_buckets((widths, chunk_of): (&[usize], &[usize]), room: usize) -> Vec<Plan> {
