@@ -188,6 +188,7 @@ fn base_args(command: &str, scratch: &Path) -> Vec<String> {
         "converge" => sets(v(&["converge", "--variants", "dp=2", "--steps", "1"])),
         "bench" => sets(v(&["bench", "--steps", "1", "--warmup", "0"])),
         "memory" => sets(v(&["memory"])),
+        "plan" => sets(v(&["plan", "--gpus", "2", "--top", "1"])),
         "schedule" => v(&["schedule"]),
         "eval" => v(&["eval", "--model", &gqa, "--tokens", &tokens.display().to_string()]),
         "generate" => v(&["generate", "--model", &gqa, "--tokens", "1", "--max-new-tokens", "1"]),
