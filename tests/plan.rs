@@ -329,3 +329,37 @@ fn plan_json_holds_every_layout_under_its_config_names_and_matches_the_table() {
     let tokens = format!("{:.0} tokens/s", best["tokens_per_s"].as_f64().unwrap());
     assert!(fixed.contains(&tokens) && text.contains(&tokens), "{tokens} in\n{fixed}\n{text}");
 }
+
+#[test]
+fn plan_on_this_cpu_needs_its_calibration_and_refuses_a_broken_one() {
+    let cache = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
+            .args(args)
+            .env("FERROTRON_CACHE", cache.path())
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+            String::from_utf8_lossy(&out.stderr).to_string(),
+        )
+    };
+    let (ok, _, err) = run(&["plan", "--gpu", "cpu", "--gpus", "2"]);
+    assert!(!ok && err.trim().lines().count() == 1 && err.contains("run `ferrotron bench --calibrate` first"), "{err}");
+    let (ok, text, err) = run(&["bench", "--calibrate"]);
+    assert!(ok, "{err}");
+    assert!(text.contains("the local backend between two ranks: α ="), "{text}");
+    let (ok, text, err) = run(&["plan", "--gpu", "cpu", "--gpus", "2", "--top", "2"]);
+    assert!(ok, "{err}");
+    assert!(text.contains("layouts tried") && text.lines().count() == 4, "{text}");
+    // a hand-edited calibration without GEMM points is refused, not a panic
+    let file = cache.path().join("calibration.json");
+    let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
+    for (_, machine) in json["cpu"].as_object_mut().unwrap() {
+        machine["plan"]["all_threads"]["gemm"] = serde_json::json!([]);
+    }
+    std::fs::write(&file, json.to_string()).unwrap();
+    let (ok, _, err) = run(&["plan", "--gpu", "cpu", "--gpus", "2"]);
+    assert!(!ok && err.trim().lines().count() == 1 && err.contains("calibration is unreadable"), "{err}");
+}

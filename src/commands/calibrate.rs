@@ -203,9 +203,24 @@ pub fn recorded(cache_dir: &str) -> Result<CpuCalibration> {
     let value = crate::devices::recorded_cpu_field(&file, &crate::devices::cpu_key(), "plan").with_context(|| {
         format!("no calibration of this CPU in {}: run `ferrotron bench --calibrate` first", file.display())
     })?;
-    serde_json::from_value(value).with_context(|| {
-        format!("{}: the plan's calibration is unreadable; run `ferrotron bench --calibrate` again", file.display())
-    })
+    let again =
+        || format!("{}: the plan's calibration is unreadable; run `ferrotron bench --calibrate` again", file.display());
+    let c: CpuCalibration = serde_json::from_value(value).with_context(again)?;
+    // a file edited by hand: every rate positive and finite, the GEMM points rising
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    let rates_ok = |r: &Rates| {
+        !r.gemm.is_empty()
+            && r.gemm.iter().all(|&(f, e)| positive(f) && positive(e))
+            && r.gemm.windows(2).all(|w| w[0].0 < w[1].0)
+            && [r.peak_tflops, r.attention, r.small_gb_s].into_iter().all(positive)
+            && r.op_us.is_finite()
+            && r.op_us >= 0.0
+    };
+    let wire_ok = c.wire.alpha_s.is_finite() && c.wire.alpha_s >= 0.0 && positive(c.wire.beta_b_s);
+    if !(rates_ok(&c.all_threads) && rates_ok(&c.one_thread) && wire_ok && c.threads > 0) {
+        anyhow::bail!("{}", again());
+    }
+    Ok(c)
 }
 
 /// A table of what was measured.

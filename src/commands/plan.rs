@@ -289,6 +289,8 @@ fn shapes(
     };
     let schedules: Vec<(PpSchedule, usize)> = match pp {
         1 => vec![(PpSchedule::OneFOneB, 1)],
+        // the clock plays at most `MAX_MICRO_BATCHES` of a pipeline
+        _ if m > MAX_MICRO_BATCHES => vec![],
         _ if ask.all_schedules => vec![
             (PpSchedule::Afab, 1),
             (PpSchedule::OneFOneB, 1),
@@ -323,6 +325,9 @@ fn shapes(
     }
     out
 }
+
+/// The most micro-batches of a pipeline the schedule's clock plays (`commands/schedule.rs`).
+const MAX_MICRO_BATCHES: usize = 4096;
 
 /// The memory savers, least costly first: a layout takes the first that makes it fit.
 const SAVERS: [(Recompute, usize); 4] =
