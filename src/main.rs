@@ -36,6 +36,9 @@ fn run(cli: Cli, paths: &[PathArg]) -> Result<Exit> {
         Command::Bench(a) if a.op.is_some() => bench_op(a, paths),
         Command::Bench(a) if a.calibrate => {
             let cfg = Config::load(a.config.as_deref(), &a.sets)?;
+            if cfg.device.kind == ferrotron::config::DeviceKind::Cuda {
+                anyhow::bail!("bench --calibrate measures this machine's CPU; a GPU's calibration is not measured yet (plan --gpu h100 uses the rates an H100 measured, src/commands/step_time.rs): leave out device.kind = \"cuda\"");
+            }
             let calibration = ferrotron::commands::calibrate::calibrate(&cfg.data.cache_dir)?;
             say!("{}", ferrotron::commands::calibrate::table(&calibration).trim_end());
             Ok(Exit::Done)

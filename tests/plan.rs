@@ -242,6 +242,7 @@ fn plan_refuses_impossible_inputs_in_one_line() {
         (&["plan", "--net-gb-s", "0"], "--net-gb-s 0: give a positive number"),
         (&["plan", "--fixed", "--gpus", "8", "--set", "parallel.tp=3"], "does not divide --gpus 8"),
         (&["plan", "--explain", "9999"], "--explain 9999: the table has layouts 1 to"),
+        (&["bench", "--calibrate", "--set", "device.kind=\"cuda\""], "a GPU's calibration is not measured yet"),
     ] {
         let (ok, _, err) = ferrotron(args);
         assert!(!ok, "{args:?} must fail");
