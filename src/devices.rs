@@ -75,6 +75,11 @@ pub fn gpu(key: &str) -> Option<&'static Gpu> {
     GPUS.iter().find(|g| !g.key.is_empty() && g.key == key)
 }
 
+/// The table's row for the GPU the driver names `name` (its first row whose name is part of it).
+pub fn gpu_named(name: &str) -> Option<&'static Gpu> {
+    GPUS.iter().find(|g| name.contains(g.name))
+}
+
 /// The keys `--gpu` takes, for a refusal's line.
 pub fn gpu_keys() -> String {
     GPUS.iter().filter(|g| !g.key.is_empty()).map(|g| g.key).collect::<Vec<_>>().join(", ")
@@ -82,7 +87,7 @@ pub fn gpu_keys() -> String {
 
 /// The peak of a GPU named `name` computing in `dtype`, in TFLOP/s, when the table knows it.
 pub fn peak_tflops(name: &str, dtype: DType) -> Option<f64> {
-    let g = GPUS.iter().find(|g| name.contains(g.name))?;
+    let g = gpu_named(name)?;
     Some(if dtype == DType::Bf16 { g.bf16_tflops } else { g.f32_tflops })
 }
 
@@ -97,7 +102,7 @@ pub fn flops_per_token(m: &ModelConfig, seq_len: usize) -> f64 {
     6.0 * n + attention
 }
 
-/// The CPU's calibration file: `calibration.json` in the cache folder `cache_dir` names.
+/// The calibration file (this machine's CPU, and GPUs measured here): `calibration.json` in the cache folder `cache_dir` names.
 pub fn calibration_file(cache_dir: &str) -> Result<PathBuf> {
     Ok(crate::files::cache_folder(cache_dir)?.join("calibration.json"))
 }
@@ -114,39 +119,42 @@ pub fn cpu_key() -> String {
 /// The f32 peak recorded for `key` in `file`, in TFLOP/s; none when not measured yet (or the file
 /// is unreadable: it is measured again and rewritten).
 pub fn recorded_cpu_peak(file: &Path, key: &str) -> Option<f64> {
-    let text = crate::files::read_text(file, "the calibration file").ok()?;
-    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-    json["cpu"][key]["f32_tflops"].as_f64().filter(|t| t.is_finite() && *t > 0.0)
+    recorded_field(file, &["cpu", key, "f32_tflops"])?.as_f64().filter(|t| t.is_finite() && *t > 0.0)
 }
 
 /// Records `tflops` for `key` in `file`, keeping the other machines' entries (the cache folder
 /// may be shared) and this one's other measurements.
 pub fn record_cpu_peak(file: &Path, key: &str, tflops: f64) -> Result<()> {
-    record_cpu_field(file, key, "f32_tflops", serde_json::json!(tflops))?;
-    record_cpu_field(file, key, "how", serde_json::json!("ops::cpu_math::gemm, 1024³, all threads"))
+    record_field(file, &["cpu", key, "f32_tflops"], serde_json::json!(tflops))?;
+    record_field(file, &["cpu", key, "how"], serde_json::json!("ops::cpu_math::gemm, 1024³, all threads"))
 }
 
-/// What `file` records under `field` for the CPU `key` (none when not measured yet, or the file
-/// is unreadable).
-pub fn recorded_cpu_field(file: &Path, key: &str, field: &str) -> Option<serde_json::Value> {
+/// What `file` records at `path` (`["cpu", key, field]`, `["gpu", name, dtype]`): none when not
+/// measured yet, or the file is unreadable.
+pub fn recorded_field(file: &Path, path: &[&str]) -> Option<serde_json::Value> {
     let text = crate::files::read_text(file, "the calibration file").ok()?;
-    let json: serde_json::Value = serde_json::from_str(&text).ok()?;
-    Some(json["cpu"][key][field].clone()).filter(|v| !v.is_null())
+    let mut json: serde_json::Value = serde_json::from_str(&text).ok()?;
+    for key in path {
+        json = json.get_mut(*key)?.take();
+    }
+    Some(json).filter(|v| !v.is_null())
 }
 
-/// Records `value` under `field` for the CPU `key` in `file`, keeping everything else there;
-/// written whole, so a reader never sees half of it.
-pub fn record_cpu_field(file: &Path, key: &str, field: &str, value: serde_json::Value) -> Result<()> {
+/// Records `value` at `path` in `file`, keeping everything else there (the cache folder may be
+/// shared by machines, and a machine records several measurements); written whole, so a reader
+/// never sees half of it.
+pub fn record_field(file: &Path, path: &[&str], value: serde_json::Value) -> Result<()> {
     let old = crate::files::read_text(file, "the calibration file").ok();
     let old = old.and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
     let mut json = old.filter(serde_json::Value::is_object).unwrap_or_else(|| serde_json::json!({}));
-    if !json["cpu"].is_object() {
-        json["cpu"] = serde_json::json!({});
+    let mut at = &mut json;
+    for key in path {
+        if !at[*key].is_object() {
+            at[*key] = serde_json::json!({});
+        }
+        at = &mut at[*key];
     }
-    if !json["cpu"][key].is_object() {
-        json["cpu"][key] = serde_json::json!({});
-    }
-    json["cpu"][key][field] = value;
+    *at = value;
     if let Some(folder) = file.parent() {
         std::fs::create_dir_all(folder)
             .with_context(|| format!("data.cache_dir: cannot create {}", folder.display()))?;

@@ -37,7 +37,9 @@ fn run(cli: Cli, paths: &[PathArg]) -> Result<Exit> {
         Command::Bench(a) if a.calibrate => {
             let cfg = Config::load(a.config.as_deref(), &a.sets)?;
             if cfg.device.kind == ferrotron::config::DeviceKind::Cuda {
-                anyhow::bail!("bench --calibrate measures this machine's CPU; a GPU's calibration is not measured yet (plan --gpu h100 uses the rates an H100 measured, src/commands/step_time.rs): leave out device.kind = \"cuda\"");
+                let calibration = ferrotron::commands::calibrate::calibrate_gpu(&cfg)?;
+                say!("{}", ferrotron::commands::calibrate::gpu_table(&calibration).trim_end());
+                return Ok(Exit::Done);
             }
             let calibration = ferrotron::commands::calibrate::calibrate(&cfg.data.cache_dir)?;
             say!("{}", ferrotron::commands::calibrate::table(&calibration).trim_end());
@@ -198,7 +200,11 @@ fn plan_command(a: PlanArgs, paths: &[PathArg]) -> Result<Exit> {
     };
     let mut cluster = match a.gpu.as_str() {
         "cpu" => plan::cpu_cluster(&base.data.cache_dir, a.gpus)?,
-        gpu => plan::cluster(gpu, (a.gpus, a.gpus_per_node), dtype, None)?,
+        gpu => {
+            // a calibration `bench --calibrate` recorded on such a GPU replaces the shipped rates
+            let measured = ferrotron::commands::calibrate::recorded_gpu(&base.data.cache_dir, gpu, dtype)?;
+            plan::cluster(gpu, (a.gpus, a.gpus_per_node), dtype, measured)?
+        }
     };
     plan::override_cluster(&mut cluster, (a.memory_gib, a.node_gb_s, a.net_gb_s))?;
     let hf = a.config.as_deref().is_some_and(plan::is_hf);

@@ -679,3 +679,78 @@ fn generating_on_the_gpu_path_picks_the_cpus_tokens() {
     let bf16 = ids(run_with(args("cuda", "bf16")));
     assert!(!bf16.is_empty() && bf16.split(' ').count() <= 8, "{bf16}");
 }
+
+/// `bench --calibrate` on a GPU: the op layer timed on device tensors at the config's shapes,
+/// NCCL between two GPUs, recorded under the GPU's name and dtype; `plan --gpu h100` then
+/// predicts with it (the fake GPU poses as an H100, so the device table names it).
+#[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
+fn a_gpu_is_calibrated_on_its_own_kernels_and_plan_predicts_with_it() {
+    let Some(dir) = fake_driver() else { return };
+    let cache = tempfile::tempdir().unwrap();
+    let cache_dir = cache.path().display().to_string();
+    let name = "NVIDIA H100 80GB HBM3 (fake)";
+    let small = [
+        "--set",
+        "model.hidden_size=64",
+        "--set",
+        "model.intermediate_size=128",
+        "--set",
+        "model.num_attention_heads=4",
+        "--set",
+        "model.num_key_value_heads=2",
+        "--set",
+        "train.seq_len=64",
+        "--set",
+        "train.micro_batch_size=2",
+        "--set",
+        "device.kind=\"cuda\"",
+    ];
+    let counts = cache.path().join("counts.json");
+    let calibrate = |gpus: &str| {
+        let env = [
+            ("FERROTRON_FAKE_GPUS", gpus),
+            ("FERROTRON_FAKE_GPU_NAME", name),
+            ("FERROTRON_CACHE", &cache_dir),
+            ("FERROTRON_FAKE_CUDA_COUNTS", counts.to_str().unwrap()),
+        ];
+        let out = run(dir, &env, &[&["bench", "--calibrate"][..], &small].concat());
+        let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+        assert!(out.status.success(), "{text}");
+        text
+    };
+    let one = calibrate("1");
+    // the GEMMs ran on the (fake) GPU: 12 shapes, 3 products a call, a warm-up and 3 timed calls
+    let tally: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&counts).unwrap()).unwrap();
+    assert!(tally["gemms"].as_i64().unwrap() >= 12 * 3 * 4, "{tally}");
+    assert!(one.contains(&format!("{name} (bf16): peak 989.4 TFLOP/s")), "{one}");
+    assert!(
+        one.contains("one GPU: no wire to measure") && one.contains("plan --gpu h100 --dtype bf16 predicts with it")
+    );
+    let two = calibrate("2");
+    assert!(two.contains("NCCL between GPUs 0 and 1: α ="), "{two}");
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(cache.path().join("calibration.json")).unwrap()).unwrap();
+    let c = &json["gpu"][name]["bf16"];
+    // the block's 4 GEMMs (k × n: 64 × 128, 64 × 64, 64 × 256, 128 × 64) at 32, 128 and 512
+    // rows: one point a FLOP count, rising
+    let mut flops: Vec<f64> = [32.0, 128.0, 512.0]
+        .iter()
+        .flat_map(|r| [64.0 * 128.0, 64.0 * 64.0, 64.0 * 256.0, 128.0 * 64.0].map(|kn| 2.0 * r * kn))
+        .collect();
+    flops.sort_by(f64::total_cmp);
+    flops.dedup();
+    let gemm: Vec<f64> = c["rates"]["gemm"].as_array().unwrap().iter().map(|p| p[0].as_f64().unwrap()).collect();
+    assert_eq!(gemm, flops, "{c}");
+    for field in ["attention", "small_gb_s"] {
+        assert!(c["rates"][field].as_f64().unwrap() > 0.0, "{field}: {c}");
+    }
+    assert!(c["wire"]["beta_b_s"].as_f64().unwrap() > 0.0, "{c}");
+    let out = run(dir, &[("FERROTRON_CACHE", &cache_dir)], &["plan", "--gpus", "8", "--top", "1", "--explain", "1"]);
+    let text = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success() && text.contains(&format!("rates: {name}, bf16, measured")), "{text}");
+    assert!(text.contains("inside a node NCCL as measured"), "{text}");
+}

@@ -225,7 +225,17 @@ fn tensor_parallelism_across_nodes_is_priced_on_the_network() {
 }
 
 fn ferrotron(args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).output().unwrap();
+    said(Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args))
+}
+
+/// `ferrotron ARGS` with its cache folder (the calibration file's) in `cache`.
+fn ferrotron_cached(cache: &std::path::Path, args: &[&str]) -> (bool, String, String) {
+    said(Command::new(env!("CARGO_BIN_EXE_ferrotron")).args(args).env("FERROTRON_CACHE", cache))
+}
+
+/// Whether `command` succeeded, and its stdout and stderr.
+fn said(command: &mut Command) -> (bool, String, String) {
+    let out = command.output().unwrap();
     (out.status.success(), String::from_utf8_lossy(&out.stdout).into(), String::from_utf8_lossy(&out.stderr).into())
 }
 
@@ -242,7 +252,7 @@ fn plan_refuses_impossible_inputs_in_one_line() {
         (&["plan", "--net-gb-s", "0"], "--net-gb-s 0: give a positive number"),
         (&["plan", "--fixed", "--gpus", "8", "--set", "parallel.tp=3"], "does not divide --gpus 8"),
         (&["plan", "--explain", "9999"], "--explain 9999: the table has layouts 1 to"),
-        (&["bench", "--calibrate", "--set", "device.kind=\"cuda\""], "a GPU's calibration is not measured yet"),
+        (&["bench", "--calibrate", "--set", "device.kind=\"cuda\""], "CUDA driver (libcuda) was not found"),
     ] {
         let (ok, _, err) = ferrotron(args);
         assert!(!ok, "{args:?} must fail");
@@ -334,18 +344,7 @@ fn plan_json_holds_every_layout_under_its_config_names_and_matches_the_table() {
 #[test]
 fn plan_on_this_cpu_needs_its_calibration_and_refuses_a_broken_one() {
     let cache = tempfile::tempdir().unwrap();
-    let run = |args: &[&str]| {
-        let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-            .args(args)
-            .env("FERROTRON_CACHE", cache.path())
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).to_string(),
-            String::from_utf8_lossy(&out.stderr).to_string(),
-        )
-    };
+    let run = |args: &[&str]| ferrotron_cached(cache.path(), args);
     let (ok, _, err) = run(&["plan", "--gpu", "cpu", "--gpus", "2"]);
     assert!(!ok && err.trim().lines().count() == 1 && err.contains("run `ferrotron bench --calibrate` first"), "{err}");
     let (ok, text, err) = run(&["bench", "--calibrate"]);
@@ -353,7 +352,8 @@ fn plan_on_this_cpu_needs_its_calibration_and_refuses_a_broken_one() {
     assert!(text.contains("the local backend between two ranks: α ="), "{text}");
     let (ok, text, err) = run(&["plan", "--gpu", "cpu", "--gpus", "2", "--top", "2"]);
     assert!(ok, "{err}");
-    assert!(text.contains("layouts tried") && text.lines().count() == 4, "{text}");
+    assert!(text.contains("layouts tried") && text.lines().count() == 5, "{text}");
+    assert!(text.contains("rates: this CPU,"), "{text}");
     // a hand-edited calibration without GEMM points is refused, not a panic
     let file = cache.path().join("calibration.json");
     let mut json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).unwrap();
@@ -363,4 +363,63 @@ fn plan_on_this_cpu_needs_its_calibration_and_refuses_a_broken_one() {
     std::fs::write(&file, json.to_string()).unwrap();
     let (ok, _, err) = run(&["plan", "--gpu", "cpu", "--gpus", "2"]);
     assert!(!ok && err.trim().lines().count() == 1 && err.contains("calibration is unreadable"), "{err}");
+}
+
+/// A GPU calibration as `bench --calibrate` records it (`calibrate::GpuCalibration`), by hand.
+fn gpu_calibration(name: &str, dtype: &str, measured: &str, source: &str, wire: bool) -> serde_json::Value {
+    serde_json::json!({
+        "name": name, "dtype": dtype, "measured": measured,
+        "rates": {
+            "source": source, "peak_tflops": 989.4,
+            "gemm": [[1e9, 0.2], [1e11, 0.4]], "attention": 0.1, "small_gb_s": 1000.0, "op_us": 4.0
+        },
+        "wire": if wire { serde_json::json!({"alpha_s": 2e-5, "beta_b_s": 1e11}) } else { serde_json::Value::Null },
+    })
+}
+
+#[test]
+fn plan_predicts_a_gpu_with_its_recorded_calibration_of_that_gpu_and_dtype() {
+    let cache = tempfile::tempdir().unwrap();
+    let run = |args: &[&str]| ferrotron_cached(cache.path(), args);
+    let ask = ["plan", "--config", "configs/llama-1b.toml", "--gpus", "8", "--top", "1", "--explain", "1"];
+    let (ok, shipped, err) = run(&ask);
+    assert!(ok, "{err}");
+    assert!(shipped.contains("rates: H100 SXM, ferrotron's kernels") && shipped.contains("the device table's links"));
+    // two calibrations of an H100 SXM (the later wins), one of an H100 PCIe (another --gpu), and
+    // an FP8 one of the SXM: `--gpu h100` in bf16 takes the later SXM one, and its wire
+    let file = cache.path().join("calibration.json");
+    let h100 = "NVIDIA H100 80GB HBM3";
+    let json = serde_json::json!({"gpu": {
+        h100: {
+            "bf16": gpu_calibration(h100, "bf16", "2026-11-28", "later SXM", true),
+            "fp8": gpu_calibration(h100, "fp8", "2026-11-28", "SXM in FP8", false),
+        },
+        "NVIDIA H100 SXM5 80GB": {"bf16": gpu_calibration("NVIDIA H100 SXM5 80GB", "bf16", "2026-01-01", "earlier SXM", false)},
+        "NVIDIA H100 PCIe": {"bf16": gpu_calibration("NVIDIA H100 PCIe", "bf16", "2026-12-01", "a PCIe card", false)},
+    }});
+    std::fs::write(&file, json.to_string()).unwrap();
+    let (ok, measured, err) = run(&ask);
+    assert!(ok, "{err}");
+    assert!(measured.contains("rates: later SXM"), "{measured}");
+    assert!(
+        measured.contains("inside a node α 20.0 µs, β 100 GB/s") && measured.contains("NCCL as measured 2026-11-28")
+    );
+    let step = |text: &str| text.lines().find(|l| l.starts_with("step ")).unwrap().to_string();
+    assert_ne!(step(&shipped), step(&measured), "the calibration changes the prediction");
+    let (ok, fp8, err) = run(&[&ask[..], &["--dtype", "fp8"]].concat());
+    assert!(ok && fp8.contains("rates: SXM in FP8") && fp8.contains("the device table's links"), "{err}{fp8}");
+    let (ok, pcie, err) = run(&[&ask[..], &["--gpu", "h100-pcie"]].concat());
+    assert!(ok && pcie.contains("rates: a PCIe card"), "{err}{pcie}");
+    let (ok, h200, _) = run(&[&ask[..], &["--gpu", "h200"]].concat());
+    assert!(ok && h200.contains("H200: the H100's measured efficiencies"), "{h200}");
+    // a hand-broken one is refused in a line that names it
+    let mut broken = json.clone();
+    broken["gpu"][h100]["bf16"]["rates"]["attention"] = serde_json::json!(-1.0);
+    std::fs::write(&file, broken.to_string()).unwrap();
+    let (ok, _, err) = run(&ask);
+    assert!(
+        !ok && err.trim().lines().count() == 1
+            && err.contains("the calibration of NVIDIA H100 80GB HBM3 (bf16) is unreadable"),
+        "{err}"
+    );
 }

@@ -44,6 +44,8 @@ pub struct Cluster {
     pub name: String,
     pub memory_bytes: f64,
     pub wires: Wires,
+    /// Where the wires' figures come from.
+    pub wires_source: String,
     pub rates: Rates,
     /// The share of the rates one rank gets (ranks as threads sharing a CPU's cores; 1 on a GPU).
     pub share: f64,
@@ -131,12 +133,13 @@ pub fn is_hf(path: &Path) -> bool {
 }
 
 /// The cluster `--gpu` names, with `--gpus`, `--gpus-per-node` and the overrides (GB/s a
-/// direction, GiB); `rates` replaces the GPU's calibration (a file `bench --calibrate` wrote).
+/// direction, GiB). `measured`, what `bench --calibrate` recorded on such a GPU, replaces the
+/// shipped rates, and where it measured NCCL between two of them, the link inside a node.
 pub fn cluster(
     gpu: &str,
     (gpus, per_node): (usize, usize),
     dtype: DeviceDtype,
-    rates: Option<Rates>,
+    measured: Option<calibrate::GpuCalibration>,
 ) -> Result<Cluster> {
     if gpus == 0 || gpus > 1 << 20 {
         bail!("--gpus {gpus}: give from 1 to {} GPUs", 1 << 20);
@@ -159,8 +162,19 @@ pub fn cluster(
         DeviceDtype::Fp8 => g.fp8_tflops,
         _ => g.bf16_tflops,
     };
-    let rates = match rates {
-        Some(r) => r,
+    let mut wires = gpu_wires(g, per_node.min(gpus));
+    let mut wires_source = format!("the device table's links for {}", g.name);
+    let rates = match measured {
+        Some(c) => {
+            if let Some(w) = c.wire {
+                wires.node = w;
+                wires_source = format!(
+                    "inside a node NCCL as measured {} (bench --calibrate); across, the device table's",
+                    c.measured
+                );
+            }
+            c.rates
+        }
         None if g.key == "h100" && dtype != DeviceDtype::Fp8 => Rates::h100(),
         None => Rates::scaled(g, peak),
     };
@@ -169,7 +183,8 @@ pub fn cluster(
         per_node: per_node.min(gpus),
         name: g.key.to_string(),
         memory_bytes: g.memory_gib * (1u64 << 30) as f64,
-        wires: gpu_wires(g, per_node.min(gpus)),
+        wires,
+        wires_source,
         rates,
         share: 1.0,
         on_cpu: false,
@@ -193,6 +208,7 @@ pub fn cpu_cluster(cache_dir: &str, ranks: usize) -> Result<Cluster> {
         name: "cpu".into(),
         memory_bytes: capacity.bytes / ranks as f64,
         wires: Wires { node: c.wire, net: c.wire, per_node: ranks },
+        wires_source: "the local backend between rank threads, as measured (bench --calibrate)".into(),
         rates,
         share,
         on_cpu: true,
@@ -634,7 +650,7 @@ pub fn table(layouts: &[Layout], cluster: &Cluster, top: usize) -> String {
             comm.join(", ")
         );
     }
-    s
+    s + &format!("rates: {}\n", cluster.rates.source)
 }
 
 /// One layout in full (`--explain`).
@@ -674,6 +690,15 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
     let [w, g, o, a, c] = b.memory_gib;
     s += &format!("memory a GPU: {:.2} GiB = weights {w:.2} + gradients {g:.2} + optimizer {o:.2} + activations {a:.2} + buffers {c:.2} (of {:.0}){fits}\n", l.memory_gib, gib(cluster.memory_bytes));
     s += &format!("rates: {}\n", cluster.rates.source);
+    let (node, net) = (cluster.wires.node, cluster.wires.net);
+    s += &format!(
+        "wires: inside a node α {:.1} µs, β {:.0} GB/s; across nodes α {:.1} µs, β {:.0} GB/s ({})\n",
+        node.alpha_s * 1e6,
+        node.beta_b_s / 1e9,
+        net.alpha_s * 1e6,
+        net.beta_b_s / 1e9,
+        cluster.wires_source
+    );
     s += &format!(
         "step {:.3} s = compute {:.3} s (bubble {:.1}% of it) + optimizer {:.3} s + exposed communication {:.3} s\n",
         l.step_s.unwrap_or(0.0),

@@ -94,7 +94,8 @@ CUresult cuDriverGetVersion(int* v) { *v = 12080; return OK; }
 CUresult cuDeviceGetCount(int* n) { *n = gpu_count(); return OK; }
 CUresult cuDeviceGet(int* d, int ordinal) { return ordinal >= 0 && ordinal < gpu_count() ? (*d = ordinal, OK) : INVALID_DEVICE; }
 CUresult cuDeviceGetName(char* name, int len, int) {
-    snprintf(name, len, "Fake CUDA device (CPU emulator)");
+    const char* posing = getenv("FERROTRON_FAKE_GPU_NAME"); // a test's stand-in for a GPU of the device table
+    snprintf(name, len, "%s", posing ? posing : "Fake CUDA device (CPU emulator)");
     return OK;
 }
 CUresult cuDeviceTotalMem_v2(size_t* bytes, int) { *bytes = (size_t)16 << 30; return OK; }
