@@ -581,9 +581,24 @@ fn bench_times_the_attention_kernels_alone() {
         args.extend(["--set", s]);
     }
     args.extend(["--set", "train.seq_len=150", "--set", "train.micro_batch_size=1"]);
-    let out = ferrotron(dir, &args);
+    let out = run(dir, &[("FERROTRON_EMULATOR_COSTS", "1")], &args);
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
+    let costs = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{text}{costs}");
+    // what the kernels' memory instructions would cost a GPU: (launches, ldmatrix, wavefronts an
+    // ldmatrix, cp.async, sectors per 512 bytes, mma.sync in flight a copy group)
+    let row = |kernel: &str| -> Vec<f64> {
+        let line = costs.lines().find(|l| l.starts_with(kernel)).unwrap_or_else(|| panic!("no {kernel} in\n{costs}"));
+        line.split_whitespace().skip(1).map(|w| w.parse().unwrap()).collect()
+    };
+    for kernel in ["flash_attention_forward_d64", "flash_attention_dq_d64", "flash_attention_dkdv_d64"] {
+        let c = row(kernel);
+        assert_eq!((c[2], c[4]), (4.0, 16.0), "{kernel}: bank conflicts or uncoalesced copies\n{costs}");
+    }
+    // the forward and dq copy the next K/V tile while this one's products run (dk/dv does not)
+    for kernel in ["flash_attention_forward_d64", "flash_attention_dq_d64"] {
+        assert!(row(kernel)[5] >= 8.0, "{kernel}: no copy in flight during the products\n{costs}");
+    }
     for line in ["flash_attention_forward_d64", "flash_attention_dkdv_d64", "head size 64", "forward+backward"] {
         assert!(text.contains(line), "no {line} in:\n{text}");
     }

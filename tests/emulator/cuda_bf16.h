@@ -84,12 +84,36 @@ struct Fiber {
     bool done = false;
     std::vector<AsyncCopy> issued;                 // cp.async copies not yet committed to a group
     std::vector<std::vector<AsyncCopy>> groups;    // committed groups, oldest first, not yet retired
+    unsigned long copies = 0, mmas = 0;            // cp.async and mma.sync this thread ran in its block
+    std::vector<unsigned long> committed_at;       // `mmas` when each group in `groups` was committed
+};
+// What the kernels' memory instructions would cost a GPU, counted as they run (warp_ptx.h), so
+// that a change to a kernel's layout or pipelining shows without a GPU:
+//   ldmatrix, wavefronts   warp ldmatrix.x4 instructions, and the shared-memory wavefronts they
+//                          take: a wavefront serves 32 banks of 4 bytes, so each 8-row matrix
+//                          takes as many as the most distinct words any one bank holds in it
+//                          (4 an instruction: no bank conflict)
+//   copies, sectors, copy_bytes  warp cp.async instructions (a thread's n-th copy with its
+//                          warp's n-th copies), the 32-byte global sectors they read and the bytes
+//                          they copy (16 a lane): 16 sectors per 512 bytes when every warp reads
+//                          whole sectors (coalesced)
+//   groups, mmas_in_flight copy groups with copies retired by a wait (each thread's), and the
+//                          mma.sync its warp ran between the group's commit and that wait: the
+//                          work the copies hide behind (0: each is waited for before any product)
+struct Costs {
+    unsigned long ldmatrix = 0, wavefronts = 0, copies = 0, sectors = 0, copy_bytes = 0, groups = 0, mmas_in_flight = 0;
+};
+inline Costs costs;
+// A warp's n-th cp.async: the sectors its lanes' valid copies read.
+struct WarpCopy {
+    std::vector<uintptr_t> sectors;
 };
 // What the lanes of a warp exchange at a warp-collective instruction: each lane writes its slot,
 // the warp meets at `sync`, each lane reads the slots it needs, the warp meets again.
 struct Warp {
     Barrier sync;
     alignas(16) unsigned char slot[32][64];
+    std::vector<WarpCopy> copies; // by n, folded into `costs` when the block ends
 };
 inline ucontext_t scheduler;
 inline std::vector<Fiber> fibers;
@@ -150,6 +174,8 @@ inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads
                     f.done = false;
                     f.issued.clear();
                     f.groups.clear();
+                    f.copies = f.mmas = 0;
+                    f.committed_at.clear();
                     getcontext(&f.context);
                     f.context.uc_stack = {f.stack.data(), 0, f.stack.size()};
                     f.context.uc_link = &scheduler;
@@ -170,6 +196,13 @@ inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads
                         abort();
                     }
                 }
+                for (Warp& w : warps) // each warp copy: the distinct sectors its lanes read
+                    for (WarpCopy& c : w.copies) {
+                        std::sort(c.sectors.begin(), c.sectors.end());
+                        costs.copies++;
+                        costs.copy_bytes += 16 * c.sectors.size();
+                        costs.sectors += std::unique(c.sectors.begin(), c.sectors.end()) - c.sectors.begin();
+                    }
             }
 }
 } // namespace emu

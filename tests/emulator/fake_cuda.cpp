@@ -28,6 +28,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "cuda_bf16.h"
 
@@ -58,6 +59,37 @@ struct Counts {
     }
 } counts;
 CUresult synced() { counts.syncs++; return sticky; }
+
+// With FERROTRON_EMULATOR_COSTS=1, what the emulated kernels' memory instructions would cost a
+// GPU (emu::Costs, cuda_bf16.h), per kernel and per launch, printed to stderr when the process
+// ends: `ferrotron bench --op attention` on the fake driver reports its kernels' bank wavefronts,
+// sectors and copies in flight.
+struct CostsByKernel {
+    std::map<std::string, std::pair<long, emu::Costs>> kernels; // name → launches, summed costs
+    void add(const char* name, const emu::Costs& before, const emu::Costs& after) {
+        auto& [launches, c] = kernels[name];
+        launches++;
+        c.ldmatrix += after.ldmatrix - before.ldmatrix, c.wavefronts += after.wavefronts - before.wavefronts;
+        c.copies += after.copies - before.copies, c.sectors += after.sectors - before.sectors;
+        c.copy_bytes += after.copy_bytes - before.copy_bytes;
+        c.groups += after.groups - before.groups, c.mmas_in_flight += after.mmas_in_flight - before.mmas_in_flight;
+    }
+    ~CostsByKernel() {
+        if (!getenv("FERROTRON_EMULATOR_COSTS")) return;
+        auto per = [](unsigned long a, unsigned long b) { return b ? (double)a / b : 0.0; };
+        fprintf(stderr, "emulator costs (tests/emulator/warp_ptx.h): ldmatrix and cp.async a launch; wavefronts an "
+                        "ldmatrix (4: no bank conflict); sectors per 512 bytes copied (16: coalesced); mma.sync a group's copies "
+                        "were in flight for (0: none hidden)\n");
+        fprintf(stderr, "%-36s %8s %9s %11s %9s %12s %13s\n", "kernel", "launches", "ldmatrix", "wavefronts", "cp.async",
+                "sectors/512B", "mma in flight");
+        for (auto& [name, k] : kernels) {
+            auto& [n, c] = k;
+            if (!c.ldmatrix && !c.copies) continue; // a kernel without these instructions
+            fprintf(stderr, "%-36s %8ld %9.1f %11.2f %9.1f %12.2f %13.2f\n", name.c_str(), n, per(c.ldmatrix, n),
+                    per(c.wavefronts, c.ldmatrix), per(c.copies, n), per(512 * c.sectors, c.copy_bytes), per(c.mmas_in_flight, c.groups));
+        }
+    }
+} costs_by_kernel;
 } // namespace
 extern "C" void fake_count_heuristic() { counts.lt_heuristics++; } // fake_cublaslt.cpp
 namespace {
@@ -230,7 +262,10 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
         sticky = ILLEGAL_ADDRESS; // this kernel "faults": the error shows at the next sync
         return OK;
     }
-    return emu_launch((const char*)f, gx, gy, gz, bx, params) == 0 ? OK : NOT_FOUND;
+    emu::Costs before = emu::costs;
+    int launched = emu_launch((const char*)f, gx, gy, gz, bx, params);
+    costs_by_kernel.add((const char*)f, before, emu::costs);
+    return launched == 0 ? OK : NOT_FOUND;
 }
 
 // cuBLAS: C = alpha·op(A)·op(B) + beta·C, column-major, f32 or bf16 matrices, float arithmetic.

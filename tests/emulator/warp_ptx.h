@@ -26,7 +26,9 @@
 //   cp_async_wait<N> cp.async.wait_group N: every group but the newest N has landed.
 //
 // A warp-collective instruction needs all 32 lanes: one reached after some lanes returned stops
-// the emulator, as would a misaligned address.
+// the emulator, as would a misaligned address. Each instruction also adds what it would cost a GPU
+// to emu::costs (cuda_bf16.h): ldmatrix its bank wavefronts, cp.async its sectors, mma.sync the
+// copies in flight while it runs.
 #pragma once
 #include "cuda_bf16.h"
 
@@ -59,6 +61,7 @@ inline float fast_exp2(float x) {
 inline void mma_16x8x16(float* c, const unsigned* a, const unsigned* b) {
     emu::whole_warp("mma.sync");
     emu::Warp& w = emu::warp();
+    emu::current->mmas++;
     unsigned mine[6] = {a[0], a[1], a[2], a[3], b[0], b[1]};
     memcpy(w.slot[emu::lane()], mine, sizeof mine);
     emu::wait(w.sync);
@@ -96,6 +99,21 @@ inline void ldmatrix(unsigned* r, smem_t address, bool transposed) {
     memcpy(w.slot[lane()], &row, sizeof row);
     wait(w.sync);
     int l = lane();
+    if (l == 0) { // the instruction's wavefronts: per matrix, its busiest bank's distinct words
+        costs.ldmatrix++;
+        for (int i = 0; i < 4; i++) {
+            uintptr_t words[32];
+            for (int r = 0; r < 8; r++) {
+                uintptr_t at;
+                memcpy(&at, w.slot[8 * i + r], sizeof at);
+                for (int k = 0; k < 4; k++) words[4 * r + k] = at / 4 + k;
+            }
+            std::sort(words, words + 32);
+            unsigned distinct = std::unique(words, words + 32) - words, per_bank[32] = {}, busiest = 0;
+            for (unsigned k = 0; k < distinct; k++) busiest = std::max(busiest, ++per_bank[words[k] % 32]);
+            costs.wavefronts += busiest;
+        }
+    }
     for (int i = 0; i < 4; i++) {
         auto at = [&](int r, int c) { // element (r, c) of matrix i: row r's address came from lane 8i + r
             const __nv_bfloat16* p;
@@ -117,21 +135,32 @@ inline void cp_async_16(smem_t dst, const void* src, bool valid) {
     emu::aligned(dst, 16, "cp.async (shared)");
     emu::aligned(src, 16, "cp.async (global)");
     emu::current->issued.push_back({dst, src, valid ? 16u : 0u});
+    auto& copies = emu::warp().copies; // this lane's n-th copy joins its warp's n-th
+    unsigned long n = emu::current->copies++;
+    if (copies.size() <= n) copies.resize(n + 1);
+    if (valid) copies[n].sectors.push_back((uintptr_t)src / 32); // (src-size 0 reads nothing)
 }
 
 inline void cp_async_commit() {
     emu::current->groups.push_back(std::move(emu::current->issued));
+    emu::current->committed_at.push_back(emu::current->mmas);
     emu::current->issued.clear();
 }
 
 template <int N>
 inline void cp_async_wait() {
     auto& groups = emu::current->groups;
+    auto& committed_at = emu::current->committed_at;
     while (groups.size() > (size_t)N) {
         for (const emu::AsyncCopy& c : groups.front()) {
             memset(c.dst, 0, 16);
             memcpy(c.dst, c.src, c.bytes);
         }
+        if (!groups.front().empty()) { // an empty group hides nothing
+            emu::costs.groups++;
+            emu::costs.mmas_in_flight += emu::current->mmas - committed_at.front();
+        }
         groups.erase(groups.begin());
+        committed_at.erase(committed_at.begin());
     }
 }
