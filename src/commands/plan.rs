@@ -250,7 +250,7 @@ fn gpu_wires(g: &Gpu, per_node: usize) -> Wires {
 
 /// The layouts to try: every cut of `gpus` into dp × tp × pp × cp (× ep), each ZeRO stage,
 /// schedule, cp mode, sp, and micro-batch size the config checks accept.
-fn candidates(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Config>> {
+fn candidates(base: &Config, cluster: &Cluster, ask: &Ask) -> Vec<Config> {
     let m = &base.model;
     let n = cluster.gpus;
     let sequences = ask.global_batch_tokens / ask.seq_len;
@@ -279,7 +279,7 @@ fn candidates(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Config>
             }
         }
     }
-    Ok(out)
+    out
 }
 
 /// The variants of one cut: ZeRO stages and hybrid sharding, schedules, cp modes, sp.
@@ -505,7 +505,7 @@ pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> 
     base.checkpoint.every = 0;
     base.validation.every = 0;
     let (mut out, mut clocks) = (Vec::new(), Clocks::default());
-    for c in candidates(&base, cluster, ask)? {
+    for c in candidates(&base, cluster, ask) {
         let mut tried = None;
         for (recompute, rows) in SAVERS {
             let mut s = c.clone();

@@ -96,8 +96,8 @@ impl Rates {
         let h = Rates::h100();
         Rates {
             source: format!(
-                "{}: the H100's measured efficiencies on its datasheet peak and bandwidth (assumed)",
-                gpu.name
+                "{}: the H100's measured efficiencies on its peak and bandwidth ({}; assumed)",
+                gpu.name, gpu.source
             ),
             peak_tflops,
             small_gb_s: h.small_gb_s / 3.35 * gpu.hbm_tb_s,
