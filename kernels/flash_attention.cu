@@ -71,7 +71,11 @@
 // Together with an 8-threads-a-row δ (0.108 → 0.018 ms) they took the layer from 1.528 to
 // 0.754 ms (PyTorch's FlashAttention-2: 0.766, cuDNN: 0.479). What only a GPU can say
 // is how these trade against each other; what the SASS says without one is where the issue slots,
-// the registers and the waits go, and that is what holds them between measurements.
+// the registers and the waits go (and an estimate of scheduler clocks per HMMA from them: 15.1,
+// 13.7, 14.5 at D 64 against FlashAttention-2's measured 17), and what the emulator says is what
+// the addresses cost: 4 bank wavefronts an ldmatrix (PAD), 16 sectors a warp's 512 bytes of
+// copies, and 32 products in flight during each copy group of the forward and dq, none in dk/dv
+// (FERROTRON_EMULATOR_COSTS=1; kernels/README.md). Those hold them between measurements.
 
 typedef __nv_bfloat16 bf16;
 #define WARPS 4
