@@ -22,6 +22,7 @@ use crate::model::stage::Stage;
 use crate::model::Llama;
 use crate::model::{moe, muon};
 use crate::ops::cpu_attention::QUERY_TILE;
+use crate::ops::precision::{self, Precision};
 use crate::ops::{DType, TpCut};
 use crate::parallel::data_parallel::bucket_values;
 use crate::parallel::layout::grid_of;
@@ -58,18 +59,28 @@ pub struct Keep {
     pub defers_weights: bool,
     /// `train.loss_chunk_rows`: > 0, the last stage keeps dxn instead of the logits.
     pub loss_rows: usize,
+    /// FP8 GEMMs on a GPU: a kept GEMM input keeps its FP8 copy too (`ops/gpu_fp8.rs`: both
+    /// layouts, a byte each, cast once and read again by the weight gradient).
+    pub fp8_copies: bool,
 }
 
 impl Keep {
     /// One rank, everything kept.
-    pub const WHOLE: Keep =
-        Keep { tp: 1, sequence_parallel: false, recompute: Recompute::None, defers_weights: false, loss_rows: 0 };
+    pub const WHOLE: Keep = Keep {
+        tp: 1,
+        sequence_parallel: false,
+        recompute: Recompute::None,
+        defers_weights: false,
+        loss_rows: 0,
+        fp8_copies: false,
+    };
 
     pub fn of(cfg: &Config) -> Keep {
         let p = &cfg.parallel;
         let defers_weights = p.pp > 1 && p.pp_schedule.splits_backward();
         let (tp, sequence_parallel, recompute) = (p.tp, p.sequence_parallel, cfg.train.recompute);
-        Keep { tp, sequence_parallel, recompute, defers_weights, loss_rows: cfg.train.loss_chunk_rows }
+        let fp8_copies = cfg.device.kind == crate::config::DeviceKind::Cuda && cfg.device.gemms() == Precision::Fp8;
+        Keep { tp, sequence_parallel, recompute, defers_weights, loss_rows: cfg.train.loss_chunk_rows, fp8_copies }
     }
 }
 
@@ -77,15 +88,20 @@ impl Keep {
 /// as `keep` says, and (second) what its backward computes again on top of that. Everything:
 /// the block input, two norms' outputs and the residual (`4d` per row: split by tp under
 /// sequence parallelism, like the two 1/rms rows in f32), q, k, v, the attention output and the
-/// MLP's (`mlp_bytes`) in the compute dtype, and the attention's lse in f32. Selective keeps
-/// all but the attention output and lse; full keeps the input alone.
+/// MLP's (`mlp_bytes`) in the compute dtype, and the attention's lse in f32; with FP8 GEMMs on a
+/// GPU, the FP8 copies (2 bytes a value: both layouts) of the inputs of the projections (the two
+/// norms' outputs, the attention output and, dense, the SwiGLU product). Selective keeps all but
+/// the attention output and lse; full keeps the input alone.
 fn layer_bytes(m: &ModelConfig, batch: f64, seq: f64, keep: Keep, e: f64) -> (f64, f64) {
     let tp = keep.tp;
     let (rows, split) = (batch * seq, batch * seq / if keep.sequence_parallel { tp as f64 } else { 1.0 });
     let (d, hd, heads) = (m.hidden_size as f64, m.head_dim() as f64, (m.num_attention_heads / tp) as f64);
     let (q, kv) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd);
-    let core = rows * q * e + batch * heads * seq * 4.0; // the attention output and lse
+    let fp8 = if keep.fp8_copies { 2.0 } else { 0.0 };
+    let dense_f = if m.num_local_experts == 0 { (m.intermediate_size / tp) as f64 } else { 0.0 };
+    let core = rows * q * (e + fp8) + batch * heads * seq * 4.0; // the attention output and lse
     let all = split * 4.0 * d * e
+        + rows * (2.0 * d + dense_f) * fp8
         + rows * (q + 2.0 * kv) * e
         + mlp_bytes(m, (rows, split), keep, e).0
         + 2.0 * split * 4.0
@@ -290,6 +306,16 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
         _ => (4.0 * chunks, moments * (chunks - matrix_chunks / 2.0)),
     };
     let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
+                                                                // FP8 GEMMs on a GPU: each FP8 weight's copy (2 bytes a value, both layouts), cast at its
+                                                                // first GEMM after the optimizer wrote it and kept until the next write
+    let fp8: &Counted = &|name, shape| shape.len() == 2 && precision::gemms(Precision::Fp8)(name) == Precision::Fp8;
+    let fp8_weights = match Keep::of(cfg).fp8_copies {
+        false => 0.0,
+        true => {
+            let (fp8_whole, _, fp8_unit, _) = sizes((&cfg.model, cuts), (p.tp, p.ep), stage, z, fp8);
+            2.0 * if zero == 3 { fp8_unit } else { fp8_whole }
+        }
+    };
 
     // backward: what the schedule keeps, and the first block backward's gradients on top of it:
     // the MLP's (`mlp_bytes`), or after the MLP's cache went, the attention's (measured: rows ×
@@ -332,7 +358,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
         (true, _) => filling,
     };
     let backward = RankMemory {
-        weights_bytes: master + compute,
+        weights_bytes: master + compute + fp8_weights,
         grads_bytes: grads,
         optimizer_bytes: optimizer,
         activations_bytes: activations,
@@ -347,7 +373,8 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
         ..backward.clone()
     };
     // ZeRO-1/2 after the optimizer: stage 1's full gradients, and two groups of updated chunks
-    // being gathered (packed in fp32, then in the compute dtype from every rank)
+    // being gathered (packed in fp32, then in the compute dtype from every rank); the FP8 copies
+    // went with the optimizer's writes
     let group = (bucket / z as f64).min(chunks);
     let groups_in_flight = if group < chunks { 2.0 } else { 1.0 };
     let gather = RankMemory {
@@ -363,7 +390,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // micro-batches'), the last unit's gradients (the embedding's on the first stage), the chunk
     // sums and the buckets still in flight
     let end = RankMemory {
-        weights_bytes: master + compute,
+        weights_bytes: master + compute + fp8_weights,
         grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * chunks,
         optimizer_bytes: optimizer,
         activations_bytes: one * (in_flight(cfg, stage, dtype) - 1.0),
