@@ -4,8 +4,9 @@
 //   s_ij = q_i·k_j / √D where key position ≤ query position,   p_ij = exp(s_ij − lse_i),
 //   o_i = Σ_j p_ij v_j;   backward: dp_ij = do_i·v_j,  ds_ij = p_ij (dp_ij − δ_i),  δ_i = do_i·o_i,
 //   dq_i = Σ_j ds_ij k_j / √D,  dk_j = Σ_i ds_ij q_i / √D,  dv_j = Σ_i p_ij do_i.
-// Same arguments and outputs (o, lse; dq, dk, dv), positions per row, so that a ring or zigzag
-// context-parallel block is the same kernel; a row that sees no key gets o = 0 and lse = −∞.
+// The same outputs (o, lse; dq, dk, dv, the backward's through fp32 parts in scratch memory) and
+// positions per row, so that a ring or zigzag context-parallel block is the same kernel; a row
+// that sees no key gets o = 0 and lse = −∞ (and dq = 0).
 //
 // Tiling (FlashAttention-2, Dao 2023). The seq × seq score matrix never exists: it is cut into
 // tiles of 16 rows per warp × N columns that live only in registers.
@@ -35,16 +36,18 @@
 // `cp.async` copies. Shared rows are padded by 8 bf16 (16 bytes), so that the 8 rows an ldmatrix
 // reads fall on 8 different bank groups (no conflicts).
 //
-// Forward and dq split the work by query rows (a block: 64 queries of one head, 4 warps), dk/dv
-// by key rows (a block: the keys of one KV head; it walks every query head of its group, so GQA
-// needs no repeated K/V and no atomics). Each output row has one owner, every sum runs in a fixed
-// order: the results are the same bits every run. dk/dv computes the transposed products
-// Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, so that Pᵀ and dSᵀ are again A operands for dV += Pᵀ·dO and
-// dK += dSᵀ·Q. δ comes from attention.cu's attention_delta, run first.
+// The forward splits the work by query rows (a block: 64 queries of one head, 4 warps); the
+// backward by key rows (a block: a tile of keys at a time, for one query head) and makes dq, dk
+// and dv in one pass, FlashAttention-2's five products (S, dP, dV, dK, dQ) instead of seven (a
+// separate dq kernel would make S and dP again). It computes the transposed products Sᵀ = K·Qᵀ
+// and dPᵀ = V·dOᵀ, so that Pᵀ and dSᵀ are A operands for dV += Pᵀ·dO and dK += dSᵀ·Q. No atomics
+// decide an order: every sum runs in a fixed order, the results are the same bits every run (the
+// pieces of dq and of a GQA group's dk, dv are added by flash_attention_sum_parts; below). δ
+// comes from attention.cu's attention_delta, run first.
 //
 // D (16, 32, 64, 128) is a template parameter, so fragment arrays are indexed by constants and
 // stay in registers (tests/kernels_compile.rs checks: no spills). Static shared memory is at most
-// 48 KiB a block, which sets the tiles (ForwardTiles, DqTiles, KeyTiles below).
+// 48 KiB a block, which sets the tiles (ForwardTiles, KeyTiles below).
 //
 // How fast, and why: four things a tensor-core kernel is tuned by, with this kernel's numbers
 // (one H100, smollm-135m's shapes: batch 8, 2048 tokens, 9 heads, 3 KV heads, D 64; forward +
@@ -55,32 +58,39 @@
 //     instructions of 64-bit address math per 16-byte copy, exp2f without fast math (4 a value),
 //     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
 //     a compile-time offset (load_rows, load_a), exponentials are one MUFU.EX2 (fast_exp2), and
-//     only a tile across the diagonal is masked (a warp-uniform branch): 10.2, 7.8 and 7.4 per
-//     HMMA counted over the whole loop, the diagonal's mask included (tests/kernels_sass.rs).
+//     only a tile across the diagonal is masked (a warp-uniform branch): 10.2 per HMMA in the
+//     forward and 7.2 in the one-pass backward (7.8 and 7.4 in the dq and dk/dv kernels it
+//     replaced), counted over the whole loop, the diagonal's mask included (tests/kernels_sass.rs).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
 //     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
-//     ptxas for 128 registers a thread in the forward (16 warps an SM) and 168 in dq and dk/dv
-//     (12): alone that took the layer from 1.020 to 0.911 ms.
-//  3. Overlap. The forward's and dq's loops issue the next tile's copies, then wait for this
-//     tile's (issued a whole turn earlier: `cp.async.wait_group 1`), then compute: copies and
-//     products run at once, for a second buffer of shared memory. In dk/dv the same cost smaller
-//     tiles, and the GPU said no (below).
+//     ptxas for 128 registers a thread in the forward (16 warps an SM): alone that took the layer
+//     from 1.020 to 0.911 ms. The backward holds dK and dV (64 registers at D 64) besides a
+//     tile's Pᵀ: at 168 registers (12 warps) ptxas spilled three values in the loop, so it runs
+//     at 2 blocks (8 warps) with 216.
+//  3. Overlap. The forward's loop issues the next tile's copies, then waits for this tile's
+//     (issued a whole turn earlier: `cp.async.wait_group 1`), then computes: copies and products
+//     run at once, for a second buffer of shared memory. The backward has no room for a second
+//     Q/dO buffer, so it issues the next tile's copies as soon as this tile's last read of Q and
+//     dO is done, and dQ's products (a fifth of the tile's) run while they fly.
 //  4. Balance. A grid's blocks start in index order as slots free up; under causal order blocks
-//     differ up to 32× in work, so the grids put the heaviest tiles first (query_block_start;
-//     tests/attention_balance.rs plays the launch on 132 SMs).
-// Together with an 8-threads-a-row δ (0.108 → 0.018 ms) they took the layer from 1.528 to
-// 0.754 ms (PyTorch's FlashAttention-2: 0.766, cuDNN: 0.479). What only a GPU can say
-// is how these trade against each other; what the SASS says without one is where the issue slots,
-// the registers and the waits go (and an estimate of scheduler clocks per HMMA from them: 15.1,
-// 13.7, 14.5 at D 64 against FlashAttention-2's measured 17), and what the emulator says is what
-// the addresses cost: 4 bank wavefronts an ldmatrix (PAD), 16 sectors a warp's 512 bytes of
-// copies, and 32 products in flight during each copy group of the forward and dq, none in dk/dv
+//     differ up to 32× in work, so the forward puts the heaviest tiles first (query_block_start),
+//     and the backward deals its key tiles to splits like a snake, so that each split's walk is
+//     about as long (tests/attention_balance.rs plays both launches on 132 SMs).
+// With the dq and dk/dv kernels, and an 8-threads-a-row δ (0.108 → 0.018 ms), these took the layer
+// from 1.528 to 0.754 ms on the H100 (PyTorch's FlashAttention-2: 0.766, cuDNN: 0.479); the
+// one-pass backward has not run on a GPU yet. What only a GPU can say is how these trade against
+// each other (the backward's splits trade balance for fp32 dQ copies to zero and add: at
+// smollm-135m, 3 of 37.7 MB each a layer); what the SASS says without one is where the issue
+// slots, the registers and the waits go (and an estimate of scheduler clocks per HMMA from them:
+// 15.1 for the forward, 16.7 for the backward at D 64, against FlashAttention-2's measured 17),
+// and what the emulator says is what the addresses cost: 4 bank wavefronts an ldmatrix (PAD),
+// 16 sectors a warp's 512 bytes of copies, and products in flight during each copy group
 // (FERROTRON_EMULATOR_COSTS=1; kernels/README.md). Those hold them between measurements.
 
 typedef __nv_bfloat16 bf16;
 #define WARPS 4
-#define THREADS (32 * WARPS) // a block of the forward and of dq
-#define BM (16 * WARPS)      // query rows a block of the forward and of dq
+#define THREADS (32 * WARPS) // a block of the forward
+#define BM (16 * WARPS)      // query rows a block of the forward
 #define PAD 8                // bf16 added to each shared row
 #define LOG2E 1.4426950408889634f
 #define NO_KEY 0xffffffffu // the position of a padding key: no query sees it
@@ -127,6 +137,12 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned* r, smem_t row) {
 __device__ __forceinline__ void cp_async_16(smem_t dst, const void* src, bool valid) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
+// *p += v, done by the memory system (L2): the thread issues it and goes on, waiting for no value.
+// Two of one thread to one address land in the order issued (the same-address order of the PTX
+// memory model), so a sum made only by one thread's adds comes out the same every run.
+__device__ __forceinline__ void red_add(float* p, float v) {
+    asm volatile("red.global.add.f32 [%0], %1;" ::"l"(p), "f"(v) : "memory");
+}
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
@@ -134,7 +150,7 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 #endif
 
-// ---- helpers shared by the three kernels --------------------------------------------------------
+// ---- helpers shared by the forward and the backward --------------------------------------------------------
 
 // Two floats as the bf16 pair of one operand register (the first in the low half).
 __device__ __forceinline__ unsigned pack(float lo, float hi) {
@@ -201,23 +217,37 @@ __device__ __forceinline__ void times_transposed(float (*c)[4], const unsigned (
         }
 }
 
+// acc (16 × C, as C/8 fragments) += A · B for one 16-wide slice of the inner dimension: a the A
+// fragment (16 × 16), B's 16 rows × C columns at `b` (a shared address: this lane's row of the
+// slice, as `b_lane` gives it), read transposed by ldmatrix.trans.
+template <int C>
+__device__ __forceinline__ void add_product(float (*acc)[4], const unsigned* a, smem_t b) {
+#pragma unroll
+    for (int np = 0; np < C / 16; np++) {
+        unsigned f[4];
+        ldmatrix_x4_trans(f, b + 16 * np * 2);
+        mma_16x8x16(acc[2 * np], a, &f[0]);
+        mma_16x8x16(acc[2 * np + 1], a, &f[2]);
+    }
+}
+
+// This lane's row address in a tile of rows W wide, for `add_product`'s B.
+template <int W>
+__device__ __forceinline__ smem_t b_lane(const bf16 (*rows)[W + PAD]) {
+    int lane = threadIdx.x % 32;
+    return smem(&rows[lane / 8 % 2 * 8 + lane % 8][lane / 16 * 8]);
+}
+
 // acc (16 × D, as D/8 fragments) += P · B, P (16 × N) the fp32 fragments p (C layout, cast to bf16
-// A operands two tiles at a time), B the N rows × D at `rows`, read transposed by ldmatrix.trans.
+// A operands two tiles at a time), B the N rows × D at `rows`.
 template <int D, int N>
 __device__ __forceinline__ void accumulate(float (*acc)[4], const float (*p)[4], const bf16 (*rows)[D + PAD]) {
-    int lane = threadIdx.x % 32;
-    smem_t base = smem(&rows[lane / 8 % 2 * 8 + lane % 8][lane / 16 * 8]);
+    smem_t base = b_lane<D>(rows);
 #pragma unroll
     for (int kk = 0; kk < N / 16; kk++) {
         const float *lo = p[2 * kk], *hi = p[2 * kk + 1];
         unsigned a[4] = {pack(lo[0], lo[1]), pack(lo[2], lo[3]), pack(hi[0], hi[1]), pack(hi[2], hi[3])};
-#pragma unroll
-        for (int np = 0; np < D / 16; np++) {
-            unsigned b[4];
-            ldmatrix_x4_trans(b, base + (16 * kk * (D + PAD) + 16 * np) * 2);
-            mma_16x8x16(acc[2 * np], a, &b[0]);
-            mma_16x8x16(acc[2 * np + 1], a, &b[2]);
-        }
+        add_product<D>(acc, a, base + 16 * kk * (D + PAD) * 2);
     }
 }
 
@@ -247,7 +277,7 @@ __device__ unsigned extreme_position(const unsigned* pos, int r0, int n, int len
 }
 
 // The first tile of N rows at or after r0 (len if none) holding a row that the block sees: a key
-// with position ≤ bound (forward, dq), or, with `queries`, a query with position ≥ bound (dk/dv).
+// with position ≤ bound (forward), or, with `queries`, a query with position ≥ bound (backward).
 // Positions are general (a ring or zigzag block's), so this reads them; called a tile ahead, its
 // loads overlap the current tile's products.
 template <int N>
@@ -273,7 +303,7 @@ __device__ void load_key_positions(const unsigned* k_pos, int j0, int kv_seq, un
 }
 
 // Starts copying the N key and value rows j.. of KV head g into kt and vt, and their positions
-// into kp (the forward's and dq's next tile).
+// into kp (the forward's next tile).
 template <int D, int N>
 __device__ __forceinline__ void load_kv_tile(const Shape& s, const bf16* k, const bf16* v, const unsigned* k_pos, int b,
                                              int g, int j, bf16 (*kt)[D + PAD], bf16 (*vt)[D + PAD], unsigned* kp) {
@@ -286,9 +316,8 @@ __device__ __forceinline__ void load_kv_tile(const Shape& s, const bf16* k, cons
 // fastest, then y, then z) as slots free up, so the grid puts heads in x, the batch in y and the
 // tiles in z, the heaviest tiles at z = 0: every head's heaviest blocks start first and the
 // grid ends on short ones (longest-first list scheduling; tests/attention_balance.rs plays it on
-// an H100's 132 SMs). Under causal order the last queries see the most keys (the forward's and
-// dq's blocks walk the tiles in reverse), and the first keys are seen by the most queries (dk/dv's
-// in order).
+// an H100's 132 SMs). Under causal order the last queries see the most keys: the forward's blocks
+// walk the tiles in reverse. (The backward's grid is (heads, batch, splits): see there.)
 __device__ __forceinline__ int query_block_start() { return (gridDim.z - 1 - blockIdx.z) * BM; }
 
 // ---- forward ----------------------------------------------------------------------------------
@@ -389,187 +418,235 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     write_rows<D>(s, o, inverse, out, b, s.seq, s.heads, h, r0);
 }
 
-// ---- backward: dq, a block per 64 query rows ----------------------------------------------------
-// Key tiles of KN rows: 16 at D = 128, where Q, dO and dQ already take 128 registers a lane (at
-// 32, ptxas spills). K and V tiles are double-buffered: the next tile's copies run during this
-// tile's four products. Q and dO are staged through the buffers first.
-
-template <int D>
-struct DqTiles {
-    static constexpr int KN = D <= 64 ? 64 : 16;                  // key rows a tile
-    static constexpr int ROWS = 2 * KN > BM ? 2 * KN : BM; // rows of each of ks, vs: two tiles, or Q's staging
-    static constexpr int BLOCKS = 3;                       // resident blocks an SM: ≤ 168 registers
-};
-
-template <int D>
-__device__ void dq(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
-                   const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dq_) {
-    constexpr int KN = DqTiles<D>::KN, ROWS = DqTiles<D>::ROWS;
-    __shared__ __align__(16) bf16 ks[ROWS][D + PAD], vs[ROWS][D + PAD]; // tile u at rows u·KN..
-    __shared__ unsigned kp[2][KN];
-    int b = blockIdx.y, h = blockIdx.x, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
-    int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
-    unsigned last = extreme_position(q_pos, i0, BM, s.seq, false), pi[2];
-    unsigned first_of_warp = extreme_position(q_pos, r0, 16, s.seq, true);
-    float ls[2], dl[2], scale = rsqrtf((float)D) * LOG2E;
-    for (int half = 0; half < 2; half++) {
-        int i = r0 + row + 8 * half;
-        bool in = i < s.seq;
-        long at_i = ((long)b * s.heads + h) * s.seq + i;
-        pi[half] = in ? q_pos[i] : 0;
-        ls[half] = in ? lse[at_i] * LOG2E : 0.0f;
-        dl[half] = in ? delta[at_i] : 0.0f;
-    }
-    load_rows<D, BM, THREADS>(q, b, s.seq, s.heads, h, i0, ks);
-    load_rows<D, BM, THREADS>(dout, b, s.seq, s.heads, h, i0, vs);
-    cp_async_commit();
-    cp_async_wait<0>();
-    __syncthreads();
-    unsigned qf[D / 16][4], dof[D / 16][4];
-    load_a<D>(qf, &ks[16 * w]);
-    load_a<D>(dof, &vs[16 * w]);
-    __syncthreads(); // every warp has its Q and dO before the first tile overwrites them
-    int j0 = next_tile<KN>(k_pos, 0, s.kv_seq, last, false), buf = 0;
-    if (j0 < s.kv_seq) load_kv_tile<D, KN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]);
-    cp_async_commit();
-    float acc[D / 8][4] = {};
-    while (j0 < s.kv_seq) {
-        int next = next_tile<KN>(k_pos, j0 + KN, s.kv_seq, last, false);
-        if (next < s.kv_seq) // into the other buffer, read last by the previous tile (barrier below)
-            load_kv_tile<D, KN>(s, k, v, k_pos, b, g, next, &ks[(buf ^ 1) * KN], &vs[(buf ^ 1) * KN], kp[buf ^ 1]);
-        cp_async_commit();
-        cp_async_wait<1>(); // this tile has landed; the next may still be in flight
-        __syncthreads();
-        float sc[KN / 8][4], dp[KN / 8][4];
-        times_transposed<D, KN>(sc, qf, &ks[buf * KN]);
-        times_transposed<D, KN>(dp, dof, &vs[buf * KN]);
-        if (extreme_position(kp[buf], 0, KN, KN, false) <= first_of_warp) { // every key visible to every row
-#pragma unroll
-            for (int n = 0; n < KN / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++)
-                    sc[n][e] = fast_exp2(fmaf(sc[n][e], scale, -ls[e / 2])) * (dp[n][e] - dl[e / 2]);
-        } else { // ds = p (dp − δ), 0 where masked (a row with no visible key has lse = −∞)
-#pragma unroll
-            for (int n = 0; n < KN / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) {
-                    bool seen = kp[buf][8 * n + 2 * t + e % 2] <= pi[e / 2];
-                    sc[n][e] = seen ? fast_exp2(fmaf(sc[n][e], scale, -ls[e / 2])) * (dp[n][e] - dl[e / 2]) : 0.0f;
-                }
-        }
-        accumulate<D, KN>(acc, sc, &ks[buf * KN]);
-        __syncthreads(); // every warp is done with this tile before the one after next overwrites it
-        j0 = next, buf ^= 1;
-    }
-    cp_async_wait<0>();
-    float factor[2] = {rsqrtf((float)D), rsqrtf((float)D)};
-    write_rows<D>(s, acc, factor, dq_, b, s.seq, s.heads, h, r0);
-}
-
-// ---- backward: dk and dv, a block per KEYS key rows of one KV head ------------------------------
-// The block walks every query head of its group, each over the query tiles that see its keys. One
-// Q and dO tile at a time, waited for before its products: double-buffered 32-query tiles (the
-// copies of the next during this one's products, as the forward does) measured slower on an H100
-// than these 64-query tiles alone (0.375 against 0.311 ms at smollm-135m, same call): twice the
-// barriers and per-tile work for half the products, and 12 warps an SM hide much of the wait.
+// ---- backward: dk, dv and dq in one pass (FlashAttention-2's 5 products) ---------------------
+// A block per (query head, batch, split): it walks its split's key tiles, and for each the query
+// tiles that see them, making the five products of a tile pair once: Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ
+// (recomputed from lse: no score is kept from the forward), then dV += Pᵀ·dO, dK += dSᵀ·Q and
+// dQ += dS·K. dK and dV of a key tile are finished when its walk ends; dQ of a query tile gets a
+// piece from every key tile that it sees, and those live in other blocks. Adding them with atomics
+// into one dQ would make the bits depend on which block came first, so (FlashAttention-2's
+// deterministic mode) each split has its own fp32 copy of dQ (`dq_parts`): a block owns its rows
+// of it, zeroes them, and adds its key tiles' pieces in its own order (a `red.add` of a thread
+// lands after that thread's earlier ones to the same address); `flash_attention_sum_parts` then
+// adds the splits in order. With GQA, heads of one group meet at the same K and V: each block
+// writes its head's dK and dV (`dk_parts`, `dv_parts`, one per query head) and the same kernel
+// adds the group's heads in order. The splits divide the key tiles like a snake (0, 2s−1, 2s,
+// 4s−1, … for split 0 of s), so that heavy first tiles and light last ones pair up; the launch
+// table picks s for an H100's 132 SMs (tests/attention_balance.rs). dS goes from registers
+// (where it is dSᵀ: rows are keys) through shared memory, read back transposed as dQ's A operand.
 
 template <int D>
 struct KeyTiles {
-    static constexpr int KEYS = D <= 64 ? 64 : 32;    // key rows a block (16 a warp)
-    static constexpr int QUERIES = D <= 64 ? 64 : 32; // query rows a tile
-    static constexpr int NT = KEYS * 2;               // threads a block: a warp per 16 keys
-    static constexpr int BLOCKS = D <= 64 ? 3 : 4;    // resident blocks an SM: ≤ 168 registers at D ≤ 64
+    static constexpr int KEYS = D <= 64 ? 64 : 32;       // key rows a tile (16 a warp)
+    static constexpr int QUERIES = KEYS;                 // query rows a tile: dQ's 16 a warp, as the keys
+    static constexpr int NT = KEYS * 2;                  // threads a block: a warp per 16 keys
+    static constexpr int BLOCKS = D <= 64 ? 2 : 4;       // resident blocks an SM: 8 warps (at 3, ptxas spills)
+    static constexpr int DQ_COLUMNS = D <= 32 ? D : 32; // dQ's columns made at a time (16 accumulators a lane)
 };
 
+// dQ rows r0.. (a warp's 16) += dS · K, added to `part` (fp32 rows of this head): A = dS, the
+// transpose of dst (N keys × the tile's queries, the warp's columns at q0) by ldmatrix.trans, B =
+// the N key rows at `ks`, read transposed as in `accumulate`; C columns at a time.
+template <int D, int N, int C>
+__device__ __forceinline__ void add_dq(float* part, const Shape& s, int b, int h, int r0, int q0,
+                                       const bf16 (*dst)[N + PAD], const bf16 (*ks)[D + PAD]) {
+    int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+    smem_t a_base = smem(&dst[lane / 16 * 8 + lane % 8][q0 + lane / 8 % 2 * 8]), b_base = b_lane<D>(ks);
+#pragma unroll
+    for (int c0 = 0; c0 < D; c0 += C) {
+        float acc[C / 8][4] = {};
+#pragma unroll
+        for (int kk = 0; kk < N / 16; kk++) {
+            unsigned a[4]; // (read again for each C columns: registers are what this loop lacks)
+            ldmatrix_x4_trans(a, a_base + 16 * kk * (N + PAD) * 2);
+            add_product<C>(acc, a, b_base + (16 * kk * (D + PAD) + c0) * 2);
+        }
+#pragma unroll
+        for (int half = 0; half < 2; half++) {
+            int i = r0 + g + 8 * half;
+            if (i >= s.seq) continue;
+            float* row = part + at(s, b, s.seq, i, s.heads, h) + c0 + 2 * t;
+#pragma unroll
+            for (int n = 0; n < C / 8; n++) red_add(row + 8 * n, acc[n][2 * half]), red_add(row + 8 * n + 1, acc[n][2 * half + 1]);
+        }
+    }
+}
+
+// Writes rows r0 + g and r0 + g + 8 (those below len) of the 16 × D fragments acc to the fp32 y.
 template <int D>
-__device__ void dkdv(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
-                     const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout, bf16* dk, bf16* dv) {
+__device__ void write_rows_f32(const Shape& s, const float (*acc)[4], float* y, int b, int len, int n_heads, int head,
+                               int r0) {
+    int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
+    for (int half = 0; half < 2; half++) {
+        int r = r0 + g + 8 * half;
+        if (r >= len) continue;
+        float2* row = (float2*)(y + at(s, b, len, r, n_heads, head));
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) row[4 * n + t] = {acc[n][2 * half], acc[n][2 * half + 1]};
+    }
+}
+
+// Starts copying query rows i0.. of head h of q and dO into qs and dos, and stages their positions,
+// lse (in log2 units) and δ in shared memory (plain stores, seen after the next __syncthreads).
+template <int D, int N, int NT>
+__device__ __forceinline__ void load_query_tile(const Shape& s, const bf16* q, const bf16* dout, const unsigned* q_pos,
+                                                const float* lse, const float* delta, int b, int h, int i0,
+                                                bf16 (*qs)[D + PAD], bf16 (*dos)[D + PAD], unsigned* qp, float* ls,
+                                                float* dl) {
+    load_rows<D, N, NT>(q, b, s.seq, s.heads, h, i0, qs);
+    load_rows<D, N, NT>(dout, b, s.seq, s.heads, h, i0, dos);
+    stage_query_rows(s, q_pos, lse, delta, b, h, i0, N, LOG2E, qp, ls, dl);
+}
+
+// The block's split's copy of dQ (made where it is used: a pointer kept in registers across the
+// loop costs two of them, and the loop has none to spare at D = 64).
+__device__ __forceinline__ float* dq_part(const Shape& s, float* dq_parts) {
+    return dq_parts + (long)blockIdx.z * s.batch * s.seq * s.heads * s.head_dim;
+}
+
+template <int D>
+__device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
+                         const unsigned* k_pos, const float* lse, const float* delta, const bf16* dout,
+                         float* dq_parts, float* dk_parts, float* dv_parts) {
     constexpr int KEYS = KeyTiles<D>::KEYS, QUERIES = KeyTiles<D>::QUERIES, NT = KeyTiles<D>::NT;
+    static_assert(QUERIES == 16 * (NT / 32), "dQ gives each warp 16 of a tile's queries");
     __shared__ __align__(16) bf16 ks[KEYS][D + PAD], vs[KEYS][D + PAD], qs[QUERIES][D + PAD], dos[QUERIES][D + PAD];
-    __shared__ unsigned qp[QUERIES];
+    __shared__ __align__(16) bf16 dst[KEYS][QUERIES + PAD]; // this tile pair's dSᵀ
+    // (kept here, not in registers: the loop has none to spare at D = 64)
+    __shared__ unsigned qp[QUERIES], kp[KEYS], first, last_of_warp[NT / 32];
     __shared__ float ls[QUERIES], dl[QUERIES];
-    int b = blockIdx.y, g = blockIdx.x, groups = s.heads / s.kv_heads, j0 = blockIdx.z * KEYS;
-    int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = j0 + 16 * w;
-    unsigned first = extreme_position(k_pos, j0, KEYS, s.kv_seq, true), pj[2];
-    unsigned last_of_warp = extreme_position(k_pos, r0, 16, s.kv_seq, false); // a tile of queries all ≥ it: no mask
-    for (int half = 0; half < 2; half++) pj[half] = r0 + row + 8 * half < s.kv_seq ? k_pos[r0 + row + 8 * half] : NO_KEY;
-    float scale = rsqrtf((float)D) * LOG2E;
-    load_rows<D, KEYS, NT>(k, b, s.kv_seq, s.kv_heads, g, j0, ks);
-    load_rows<D, KEYS, NT>(v, b, s.kv_seq, s.kv_heads, g, j0, vs);
-    cp_async_commit();
-    float dka[D / 8][4] = {}, dva[D / 8][4] = {};
-    // the first query tile that sees these keys: the same for every head (positions are per sequence)
-    int first_tile = next_tile<QUERIES>(q_pos, 0, s.seq, first, true);
-    for (int h = g * groups; h < (g + 1) * groups; h++) {
-        for (int i0 = first_tile; i0 < s.seq;
-             i0 = next_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, true)) {
-            __syncthreads(); // every warp is done with the previous tile
-            load_rows<D, QUERIES, NT>(q, b, s.seq, s.heads, h, i0, qs);
-            load_rows<D, QUERIES, NT>(dout, b, s.seq, s.heads, h, i0, dos);
-            cp_async_commit();
-            stage_query_rows(s, q_pos, lse, delta, b, h, i0, QUERIES, LOG2E, qp, ls, dl); // lse in log2 units
-            cp_async_wait<0>();
+    int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z, g = h / (s.heads / s.kv_heads);
+    int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+    constexpr float scale = LOG2E / (D == 16 ? 4.0f : D == 32 ? 5.656854249f : D == 64 ? 8.0f : 11.3137085f); // log2(e)/√D
+    // this block's rows of its split's dQ, zeroed: its key tiles add into them
+    for (int e = threadIdx.x; e < s.seq * (D / 4); e += NT)
+        *(float4*)(dq_part(s, dq_parts) + at(s, b, s.seq, e / (D / 4), s.heads, h) + e % (D / 4) * 4) = {0.0f, 0.0f, 0.0f, 0.0f};
+    int tiles = (s.kv_seq + KEYS - 1) / KEYS;
+    for (int turn = 0; turn < 2 * ((tiles + 2 * splits - 1) / (2 * splits)); turn++) {
+        // the snake: tiles split and 2·splits − 1 − split of each run of 2·splits
+        int j0 = (turn / 2 * 2 * splits + (turn % 2 == 0 ? split : 2 * splits - 1 - split)) * KEYS, r0 = j0 + 16 * w;
+        if (j0 >= s.kv_seq) continue;
+        unsigned key_first = extreme_position(k_pos, j0, KEYS, s.kv_seq, true);
+        // a tile of queries all at or after the warp's last key needs no mask; a warp of padding keys
+        // always masks (with no key to see, a query row's lse is −∞: unmasked, p would be ∞ there, and
+        // its dS, times the zeros of the padding K, NaN in dQ)
+        unsigned warp_last = r0 < s.kv_seq ? extreme_position(k_pos, r0, 16, s.kv_seq, false) : NO_KEY;
+        __syncthreads(); // every warp is done with the previous key tile (its K, in its last dQ)
+        int i0 = next_tile<QUERIES>(q_pos, 0, s.seq, key_first, true);
+        load_rows<D, KEYS, NT>(k, b, s.kv_seq, s.kv_heads, g, j0, ks);
+        load_rows<D, KEYS, NT>(v, b, s.kv_seq, s.kv_heads, g, j0, vs);
+        if (i0 < s.seq) load_query_tile<D, QUERIES, NT>(s, q, dout, q_pos, lse, delta, b, h, i0, qs, dos, qp, ls, dl);
+        cp_async_commit();
+        load_key_positions<KEYS>(k_pos, j0, s.kv_seq, kp);
+        if (threadIdx.x % 32 == 0) last_of_warp[w] = warp_last;
+        if (threadIdx.x == 0) first = key_first;
+        float dka[D / 8][4] = {}, dva[D / 8][4] = {};
+        while (i0 < s.seq) {
+            cp_async_wait<0>(); // this query tile (and, the first time, the key tile)
             __syncthreads();
-            // Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ for this warp's 16 keys; K and V fragments re-read each tile
-            // (kept in registers they would leave too few for the four accumulators at D = 128)
-            float st[QUERIES / 8][4], dpt[QUERIES / 8][4];
+            // Sᵀ = K·Qᵀ for this warp's 16 keys, then Pᵀ, then dV += Pᵀ·dO; then dPᵀ = V·dOᵀ 16 queries
+            // at a time, each turned at once into dSᵀ = Pᵀ (dPᵀ − δ) in place of Pᵀ; then dK += dSᵀ·Q.
+            // In this order Pᵀ and a whole dPᵀ are never held together (32 registers fewer than
+            // making both first), which keeps the loop within 168 registers. K and V fragments are
+            // re-read each tile, for the same reason.
+            float st[QUERIES / 8][4];
             {
                 unsigned kf[D / 16][4];
                 load_a<D>(kf, &ks[16 * w]);
                 times_transposed<D, QUERIES>(st, kf, qs);
             }
-            {
-                unsigned vf[D / 16][4];
-                load_a<D>(vf, &vs[16 * w]);
-                times_transposed<D, QUERIES>(dpt, vf, dos);
-            }
-            // pᵀ, and dsᵀ = pᵀ (dpᵀ − δ) in dpt; rows past the end have lse = +∞, so p = 0
-            if (extreme_position(qp, 0, QUERIES, QUERIES, true) >= last_of_warp) { // every query sees every key
+            // pᵀ; rows past the end have lse = +∞, so p = 0
+            if (extreme_position(qp, 0, QUERIES, QUERIES, true) >= last_of_warp[w]) { // every query sees every key
 #pragma unroll
                 for (int n = 0; n < QUERIES / 8; n++)
 #pragma unroll
-                    for (int e = 0; e < 4; e++) {
-                        int c = 8 * n + 2 * t + e % 2;
-                        st[n][e] = fast_exp2(fmaf(st[n][e], scale, -ls[c]));
-                        dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
-                    }
+                    for (int e = 0; e < 4; e++) st[n][e] = fast_exp2(fmaf(st[n][e], scale, -ls[8 * n + 2 * t + e % 2]));
             } else {
 #pragma unroll
                 for (int n = 0; n < QUERIES / 8; n++)
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
                         int c = 8 * n + 2 * t + e % 2;
-                        st[n][e] = pj[e / 2] <= qp[c] ? fast_exp2(fmaf(st[n][e], scale, -ls[c])) : 0.0f;
-                        dpt[n][e] = st[n][e] * (dpt[n][e] - dl[c]);
+                        bool seen = kp[16 * w + row + 8 * (e / 2)] <= qp[c];
+                        st[n][e] = seen ? fast_exp2(fmaf(st[n][e], scale, -ls[c])) : 0.0f;
                     }
             }
             accumulate<D, QUERIES>(dva, st, dos);
-            accumulate<D, QUERIES>(dka, dpt, qs);
+            {
+                unsigned vf[D / 16][4];
+                load_a<D>(vf, &vs[16 * w]);
+#pragma unroll
+                for (int np = 0; np < QUERIES / 16; np++) {
+                    float dpt[2][4];
+                    times_transposed<D, 16>(dpt, vf, &dos[16 * np]);
+#pragma unroll
+                    for (int n = 0; n < 2; n++)
+#pragma unroll
+                        for (int e = 0; e < 4; e++) {
+                            int c = 16 * np + 8 * n + 2 * t + e % 2;
+                            st[2 * np + n][e] *= dpt[n][e] - dl[c];
+                        }
+                }
+            }
+            // dSᵀ to shared memory in bf16; this warp reads its rows back as dK's A operand (so the
+            // fp32 dSᵀ dies here, before dK's products), and every warp reads columns for dQ
+#pragma unroll
+            for (int n = 0; n < QUERIES / 8; n++)
+#pragma unroll
+                for (int half = 0; half < 2; half++)
+                    *(unsigned*)&dst[16 * w + row + 8 * half][8 * n + 2 * t] = pack(st[n][2 * half], st[n][2 * half + 1]);
+            __syncwarp();
+            {
+                smem_t a_base = smem(&dst[16 * w + threadIdx.x % 16][threadIdx.x % 32 / 16 * 8]), b_base = b_lane<D>(qs);
+#pragma unroll
+                for (int kk = 0; kk < QUERIES / 16; kk++) {
+                    unsigned a[4];
+                    ldmatrix_x4(a, a_base + 32 * kk);
+                    add_product<D>(dka, a, b_base + 16 * kk * (D + PAD) * 2);
+                }
+            }
+            __syncthreads(); // every warp is done with qs, dos and the staged rows, and dst is whole
+            // the next query tile's copies, in flight during dQ's products
+            int next = next_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, true);
+            if (next < s.seq) load_query_tile<D, QUERIES, NT>(s, q, dout, q_pos, lse, delta, b, h, next, qs, dos, qp, ls, dl);
+            cp_async_commit();
+            add_dq<D, KEYS, KeyTiles<D>::DQ_COLUMNS>(dq_part(s, dq_parts), s, b, h, i0 + 16 * w, 16 * w, dst, ks);
+            i0 = next;
         }
+        cp_async_wait<0>(); // K and V, where no query tile was seen
+        write_rows_f32<D>(s, dka, dk_parts, b, s.kv_seq, s.heads, h, r0);
+        write_rows_f32<D>(s, dva, dv_parts, b, s.kv_seq, s.heads, h, r0);
     }
-    cp_async_wait<0>(); // K and V, where no query tile was seen
-    float factor[2] = {rsqrtf((float)D), rsqrtf((float)D)}, one[2] = {1.0f, 1.0f};
-    write_rows<D>(s, dka, factor, dk, b, s.kv_seq, s.kv_heads, g, r0);
-    write_rows<D>(s, dva, one, dv, b, s.kv_seq, s.kv_heads, g, r0);
+}
+
+// y[r, c] = factor · Σ_p x[r · row_stride + p · part_stride + c] for r < rows, c < width (4
+// columns a thread; width, the strides and x on 16 bytes), the parts added in order p = 0, 1, …:
+// dQ from its splits (factor 1/√D), dK and dV from the heads of their group (1/√D and 1).
+extern "C" __global__ void flash_attention_sum_parts(const float* x, bf16* y, long rows, int width, long row_stride,
+                                                     long part_stride, int parts, float factor) {
+    long e = ((long)blockIdx.x * blockDim.x + threadIdx.x) * 4;
+    if (e >= rows * width) return;
+    long r = e / width, c = e % width;
+    const float* from = x + r * row_stride + c;
+    float4 sum = *(const float4*)from;
+    for (int p = 1; p < parts; p++) {
+        float4 more = *(const float4*)(from + p * part_stride);
+        sum.x += more.x, sum.y += more.y, sum.z += more.z, sum.w += more.w;
+    }
+    *(uint2*)(y + e) = {pack(sum.x * factor, sum.y * factor), pack(sum.z * factor, sum.w * factor)};
 }
 
 #define EXPORT(D)                                                                                                      \
-    extern "C" __global__ void __launch_bounds__(THREADS, ForwardTiles<D>::BLOCKS) flash_attention_forward_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,      \
-                                                            const unsigned* q_pos, const unsigned* k_pos, bf16* out,   \
-                                                            float* lse) {                                              \
+    extern "C" __global__ void __launch_bounds__(THREADS, ForwardTiles<D>::BLOCKS) flash_attention_forward_d##D(       \
+        Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos, const unsigned* k_pos, bf16* out, \
+        float* lse) {                                                                                                  \
         forward<D>(s, q, k, v, q_pos, k_pos, out, lse);                                                                \
     }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(THREADS, DqTiles<D>::BLOCKS) flash_attention_dq_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,           \
-                                                       const unsigned* q_pos, const unsigned* k_pos, const float* lse, \
-                                                       const float* delta, const bf16* dout, bf16* dq_) {              \
-        dq<D>(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq_);                                                        \
-    }                                                                                                                  \
-    extern "C" __global__ void __launch_bounds__(KeyTiles<D>::NT, KeyTiles<D>::BLOCKS) flash_attention_dkdv_d##D(Shape s, const bf16* q, const bf16* k, const bf16* v,         \
-                                                         const unsigned* q_pos, const unsigned* k_pos,                 \
-                                                         const float* lse, const float* delta, const bf16* dout,       \
-                                                         bf16* dk, bf16* dv) {                                         \
-        dkdv<D>(s, q, k, v, q_pos, k_pos, lse, delta, dout, dk, dv);                                                   \
+    extern "C" __global__ void __launch_bounds__(KeyTiles<D>::NT, KeyTiles<D>::BLOCKS) flash_attention_backward_d##D(  \
+        Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos, const unsigned* k_pos,            \
+        const float* lse, const float* delta, const bf16* dout, float* dq_parts, float* dk_parts, float* dv_parts) {   \
+        backward<D>(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq_parts, dk_parts, dv_parts);                         \
     }
 EXPORT(16)
 EXPORT(32)

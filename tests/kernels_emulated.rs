@@ -396,13 +396,14 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
     let out = Tensor::from_vec(out.shape(), out.to_vec().into_iter().map(|v| c.round(v)).collect());
     let dout = c.rand(out.shape());
     let (dq, dk, dv) = ops::attention_backward(a, (&q, &k, &v), pos, (&out, &lse), &dout);
-    let (mut bout, mut blse, mut bdout, mut delta) =
-        (c.buf(&out), c.f32(&lse), c.buf(&dout), Buf::zeros(lse.numel(), DType::F32));
+    let scratch = launch_table::attention::backward_scratch(dt, a);
+    let (mut bout, mut blse, mut bdout, mut scratch) =
+        (c.buf(&out), c.f32(&lse), c.buf(&dout), Buf::poisoned(scratch, DType::F32));
     let (mut bdq, mut bdk, mut bdv) =
         (Buf::poisoned(dq.numel(), dt), Buf::poisoned(dk.numel(), dt), Buf::poisoned(dv.numel(), dt));
     let saved = (bout.addr(), blse.addr(), bdout.addr());
     let grads = (bdq.addr(), bdk.addr(), bdv.addr());
-    for l in launch_table::attention::backward(dt, a, qkv, positions, saved, delta.addr(), grads) {
+    for l in launch_table::attention::backward(dt, a, qkv, positions, saved, scratch.addr(), grads) {
         c.run(&l);
     }
     c.same(&format!("{what} dq"), &bdq, &dq);

@@ -3,7 +3,7 @@
 //! Attention is the one op whose cost grows with the square of the sequence, and the one a
 //! from-scratch repository most easily gets slow (it was 85% of the step before
 //! `kernels/flash_attention.cu`). This measures it without the rest of the step: the forward, and
-//! the forward with the backward (δ, dq, dk/dv), on a config's shapes (micro-batch, sequence,
+//! the forward with the backward (δ, dq, dk, dv), on a config's shapes (micro-batch, sequence,
 //! heads, KV heads, head size), in its compute dtype, as GPU time of the kernels (CUDA events,
 //! `cuda/profile.rs`), averaged over `steps` calls after `warmup`. The FLOPs are the causal half
 //! of the square, as FlashAttention's benchmarks count them:
@@ -86,7 +86,7 @@ pub fn bench_attention(cfg: &Config, warmup: usize, steps: usize) -> Result<Atte
         layer();
     }
     let rows = profile::finish()?;
-    // forward kernels are named *attention_forward*; the rest (δ, dq, dk/dv) is the backward
+    // forward kernels are named *attention_forward*; the rest (δ, dq, dk, dv, the sums of parts) is the backward
     let forward: Vec<&profile::Row> = rows.iter().filter(|r| r.name.contains("attention_forward")).collect();
     let attention_ms = |rs: &[&profile::Row]| rs.iter().map(|r| r.ms).sum::<f64>() / steps as f64;
     let every: Vec<&profile::Row> = rows.iter().filter(|r| r.name.contains("attention")).collect();

@@ -268,13 +268,14 @@ impl Device {
         dout: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)> {
         check_head_dim(a)?;
-        let delta = self.tensor(lse.shape(), DType::F32);
+        // δ and the backward's fp32 parts (`launch_table::attention::backward_scratch`)
+        let scratch = self.tensor(&[launch_table::attention::backward_scratch(q.dtype(), a)], DType::F32);
         let (dq, dk, dv) =
             (self.tensor(q.shape(), q.dtype()), self.tensor(k.shape(), k.dtype()), self.tensor(v.shape(), v.dtype()));
         let ((qp, _k1), (kp, _k2)) = (self.index_addr(pos.0)?, self.index_addr(pos.1)?);
         let (qkv, grads) = ((addr(q), addr(k), addr(v)), (addr(&dq), addr(&dk), addr(&dv)));
         let saved = (addr(out), addr(lse), addr(dout));
-        for l in launch_table::attention::backward(q.dtype(), a, qkv, (qp, kp), saved, addr(&delta), grads) {
+        for l in launch_table::attention::backward(q.dtype(), a, qkv, (qp, kp), saved, addr(&scratch), grads) {
             self.run(&l)?;
         }
         Ok((dq, dk, dv))

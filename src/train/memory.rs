@@ -7,7 +7,8 @@
 //! weights   Σ over the stage's tensors: matrices / tp (split), norms whole (replicated)
 //!           × bytes per weight: value, gradient, two AdamW moments (+ the bf16 copy on a GPU)
 //! activations  what one micro-batch keeps for backward × the micro-batches a stage holds at once
-//! attention    on the CPU, per core one query tile's scores and their gradient (2 × 32 × seq/cp)
+//! attention    on the CPU, per core one query tile's scores and their gradient (2 × 32 × seq/cp);
+//!              on a GPU, the backward's scratch (δ; on tensor cores the fp32 parts of dQ, dK, dV)
 //! loaded       a checkpoint or pretrained weights, kept in host memory for the ranks to slice
 //! ```
 //! and compares it with what the machine has (`MemAvailable` for CPU ranks, which share one
@@ -17,13 +18,14 @@
 
 use crate::comm::launcher::Capacity;
 use crate::config::{Config, DpMode, ModelConfig, OptimizerKind, Recompute};
+use crate::cuda::launch_table::attention::backward_scratch;
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
 use crate::model::Llama;
 use crate::model::{moe, muon};
 use crate::ops::cpu_attention::QUERY_TILE;
 use crate::ops::precision::{self, Precision};
-use crate::ops::{DType, TpCut};
+use crate::ops::{Attn, DType, TpCut};
 use crate::parallel::data_parallel::bucket_values;
 use crate::parallel::layout::grid_of;
 use crate::parallel::pipeline_schedule::Action;
@@ -334,7 +336,13 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     let head = one - layers * layer_kept;
     let split = rows / if p.sequence_parallel { p.tp as f64 } else { 1.0 };
     let (mlp_kept, mlp_backward) = mlp_bytes(&cfg.model, (rows, split), keep, e);
-    let block = mlp_backward.max(rows * (3.0 * d / p.tp as f64 + 5.0 * d) * e - mlp_kept) + layer_again;
+    // (on a GPU the attention's backward has scratch besides: δ, and on tensor cores the fp32
+    // parts of dQ, dK and dV it adds up, `backward_scratch`)
+    let m = &cfg.model;
+    let heads = (m.num_attention_heads / p.tp, m.num_key_value_heads / p.tp);
+    let attn = Attn { batch, seq, kv_seq: seq, heads: heads.0, kv_heads: heads.1, head_dim: m.head_dim() };
+    let scratch = if on_gpu { 4.0 * backward_scratch(dtype, attn) as f64 } else { 0.0 };
+    let block = mlp_backward.max(rows * (3.0 * d / p.tp as f64 + 5.0 * d) * e - mlp_kept + scratch) + layer_again;
     // the head: backward's logits gradient beside the logits, or the fused loss's chunk of
     // logits and its gradient (in forward)
     let logits = if keep.loss_rows > 0 { 2.0 * (keep.loss_rows as f64).min(rows) } else { rows } * v * e;

@@ -40,6 +40,12 @@ struct __align__(8) uint2 {
 struct __align__(16) uint4 {
     unsigned x, y, z, w;
 };
+struct __align__(8) float2 {
+    float x, y;
+};
+struct __align__(16) float4 {
+    float x, y, z, w;
+};
 struct dim3 {
     unsigned x = 1, y = 1, z = 1;
 };

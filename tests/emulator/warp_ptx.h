@@ -24,6 +24,7 @@
 //                   happens exactly then, so a kernel that reads before waiting reads old data.
 //   cp_async_commit cp.async.commit_group: the copies issued since the last commit form a group.
 //   cp_async_wait<N> cp.async.wait_group N: every group but the newest N has landed.
+//   red_add         red.global.add.f32: *p += v in the memory system, no value returned.
 //
 // A warp-collective instruction needs all 32 lanes: one reached after some lanes returned stops
 // the emulator, as would a misaligned address. Each instruction also adds what it would cost a GPU
@@ -130,6 +131,8 @@ inline void ldmatrix(unsigned* r, smem_t address, bool transposed) {
 
 inline void ldmatrix_x4(unsigned* r, smem_t row) { emu::ldmatrix(r, row, false); }
 inline void ldmatrix_x4_trans(unsigned* r, smem_t row) { emu::ldmatrix(r, row, true); }
+
+inline void red_add(float* p, float v) { *p += v; } // the fibers take turns: no other lane is between
 
 inline void cp_async_16(smem_t dst, const void* src, bool valid) {
     emu::aligned(dst, 16, "cp.async (shared)");

@@ -2,7 +2,7 @@
 //! size; the ring blocks' merge) and `kernels/flash_attention.cu` (FlashAttention-2 on tensor
 //! cores, bf16 at head sizes 16 to 128), which of the two by dtype, head size and alignment.
 
-use super::{each, launch, Addr, Arg, Launch, Ptr};
+use super::{each, int, launch, long, Addr, Arg, Launch, Ptr, F32};
 use crate::cuda::kernels::{kernel, Kernel};
 use crate::ops::types::{Attn, DType};
 
@@ -34,19 +34,88 @@ fn tensor_cores(dt: DType, a: Attn, tensors: &[Addr]) -> bool {
     dt == DType::Bf16 && TENSOR_CORE_HEAD_DIMS.contains(&a.head_dim) && tensors.iter().all(|t| t % 16 == 0)
 }
 
-/// `flash_attention.cu`'s forward and dq: a block of 4 warps per 64 query rows of one head. The
+/// `flash_attention.cu`'s forward: a block of 4 warps per 64 query rows of one head. The
 /// grid is (heads, batch, tiles), so that blocks start tile by tile, the heaviest first (the
 /// kernel maps z to its tile; `tests/attention_balance.rs`).
 fn flash_query_blocks(kernel: Kernel, a: Attn, args: Vec<Arg>) -> Launch {
     launch(kernel, ((a.heads as u32, a.batch as u32, a.seq.div_ceil(64) as u32), 128), args)
 }
 
-/// `flash_attention.cu`'s dk/dv: a warp per 16 key rows of one KV head, 64 keys a block (32 at
-/// head size 128, where shared memory holds fewer rows; `KeyTiles` in the kernel).
-/// The grid is (KV heads, batch, key tiles), as the forward's.
-fn flash_key_blocks(kernel: Kernel, a: Attn, args: Vec<Arg>) -> Launch {
-    let keys = if a.head_dim <= 64 { 64 } else { 32 };
-    launch(kernel, ((a.kv_heads as u32, a.batch as u32, a.kv_seq.div_ceil(keys) as u32), keys as u32 * 2), args)
+/// An H100's SMs (an H200 has as many): the backward's grid is shaped for them (on another GPU
+/// it is as correct, and balanced as its SMs allow).
+pub const SMS: usize = 132;
+
+/// Key rows a tile of `flash_attention.cu`'s backward (`KeyTiles`), and the blocks an SM holds
+/// (its `__launch_bounds__`).
+fn key_tile(a: Attn) -> (usize, usize) {
+    if a.head_dim <= 64 {
+        (64, 2)
+    } else {
+        (32, 4)
+    }
+}
+
+/// The key tiles of split `split` of `splits`, as the backward kernel walks them: the snake
+/// (split, 2·splits − 1 − split, then the same in each next run of 2·splits tiles), which pairs a
+/// heavy early tile with a light late one.
+pub fn split_tiles(tiles: usize, splits: usize, split: usize) -> impl Iterator<Item = usize> {
+    (0..tiles.div_ceil(2 * splits))
+        .flat_map(move |run| [run * 2 * splits + split, run * 2 * splits + 2 * splits - 1 - split])
+        .filter(move |&z| z < tiles)
+}
+
+/// How many splits of the key tiles the backward makes (each a block per query head and batch
+/// row, with its own fp32 copy of dQ): the count whose grid, played as waves of blocks on an
+/// H100's slots with each split's causal work (a key tile: the query tiles from it on), ends
+/// first; at most the slots over the blocks of one split (or 4), since every split costs a dQ
+/// copy to zero and add. Ties go to fewer splits.
+pub fn dq_splits(a: Attn) -> usize {
+    let (keys, per_sm) = key_tile(a);
+    let (tiles, query_tiles) = (a.kv_seq.div_ceil(keys), a.seq.div_ceil(keys));
+    let (blocks, slots) = ((a.heads * a.batch).max(1), SMS * per_sm);
+    let most = (slots / blocks).max(4).min(tiles).max(1);
+    let finish = |s: usize| {
+        let heaviest = (0..s).map(|p| split_tiles(tiles, s, p).map(|z| query_tiles.saturating_sub(z).max(1)).sum());
+        (blocks * s).div_ceil(slots) * heaviest.max().unwrap_or(0)
+    };
+    (1..=most).min_by_key(|&s| finish(s)).unwrap_or(1)
+}
+
+/// Where the backward's scratch keeps what (f32 offsets, each region on 256 bytes): δ, and on
+/// tensor cores dQ's parts (one per split), dK's and dV's (one per query head).
+struct Scratch {
+    dq_parts: usize,
+    dk_parts: usize,
+    dv_parts: usize,
+    end: usize,
+}
+
+fn scratch(dt: DType, a: Attn) -> Scratch {
+    let region = |n: usize| n.next_multiple_of(64);
+    let delta = region(a.batch * a.heads * a.seq);
+    if !(dt == DType::Bf16 && TENSOR_CORE_HEAD_DIMS.contains(&a.head_dim)) {
+        return Scratch { dq_parts: delta, dk_parts: delta, dv_parts: delta, end: delta };
+    }
+    let (q, kv) = (a.batch * a.seq * a.heads * a.head_dim, a.batch * a.kv_seq * a.heads * a.head_dim);
+    let dk_parts = delta + region(dq_splits(a) * q);
+    Scratch { dq_parts: delta, dk_parts, dv_parts: dk_parts + region(kv), end: dk_parts + 2 * region(kv) }
+}
+
+/// The f32 values of scratch memory `backward` needs (δ, and on tensor cores the parts it adds).
+pub fn backward_scratch(dt: DType, a: Attn) -> usize {
+    scratch(dt, a).end
+}
+
+/// `flash_attention_sum_parts`: y[r, ·] (`width` columns) = factor · Σ over `parts` of x.
+fn sum_parts(
+    (x, y): (Addr, Addr),
+    (rows, width): (usize, usize),
+    (row_stride, part_stride, parts): (usize, usize, usize),
+    factor: f32,
+) -> Launch {
+    let args =
+        vec![Ptr(x), Ptr(y), long(rows), int(width), long(row_stride), long(part_stride), int(parts), F32(factor)];
+    launch(kernel!("flash_attention_sum_parts"), each(rows * width / 4), args)
 }
 
 /// (out, lse) of queries q at q_pos against keys and values at k_pos.
@@ -68,7 +137,10 @@ pub fn forward(
 /// Threads a query row of `attention_delta` (`DELTA_LANES` in `attention.cu`).
 const DELTA_LANES: usize = 8;
 
-/// The backward in three launches: delta (f32, `[batch, heads, seq]` like lse), dq, then dk and dv.
+/// The backward: δ (f32, `[batch, heads, seq]` like lse) into the start of `scratch` (f32,
+/// `backward_scratch` values), then dq and dk/dv: on tensor cores one pass making all three into
+/// fp32 parts in `scratch` and three launches adding the parts; otherwise `attention.cu`'s dq and
+/// dk/dv kernels.
 #[allow(clippy::too_many_arguments)]
 pub fn backward(
     dt: DType,
@@ -76,29 +148,43 @@ pub fn backward(
     (q, k, v): (Addr, Addr, Addr),
     (q_pos, k_pos): (Addr, Addr),
     (out, lse, dout): (Addr, Addr, Addr),
-    delta: Addr,
+    scratch_at: Addr,
     (dq, dk, dv): (Addr, Addr, Addr),
-) -> [Launch; 3] {
+) -> Vec<Launch> {
     let shape = Arg::Shape(a.into());
+    let delta = scratch_at;
     let inputs = vec![shape.clone(), Ptr(q), Ptr(k), Ptr(v), Ptr(q_pos), Ptr(k_pos), Ptr(lse), Ptr(delta), Ptr(dout)];
     let delta_launch = launch(
         typed!("attention_delta", dt),
         each(a.batch * a.heads * a.seq * DELTA_LANES),
         vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
     );
-    let (dq_args, dkdv_args) = ([&inputs[..], &[Ptr(dq)]].concat(), [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat());
     if tensor_cores(dt, a, &[q, k, v, dout, dq, dk, dv]) {
-        return [
+        let (place, splits, d) = (scratch(dt, a), dq_splits(a), a.head_dim);
+        let at = |offset: usize| scratch_at + 4 * offset as Addr;
+        let (keys, _) = key_tile(a);
+        let parts = vec![Ptr(at(place.dq_parts)), Ptr(at(place.dk_parts)), Ptr(at(place.dv_parts))];
+        let grid = ((a.heads as u32, a.batch as u32, splits as u32), keys as u32 * 2);
+        let (groups, factor) = (a.heads / a.kv_heads, 1.0 / (d as f32).sqrt());
+        let (q_rows, kv_rows) = (a.batch * a.seq, a.batch * a.kv_seq * a.kv_heads);
+        return vec![
             delta_launch,
-            flash_query_blocks(tensor_core!("dq", a.head_dim), a, dq_args),
-            flash_key_blocks(tensor_core!("dkdv", a.head_dim), a, dkdv_args),
+            launch(tensor_core!("backward", d), grid, [inputs, parts].concat()),
+            sum_parts(
+                (at(place.dq_parts), dq),
+                (q_rows, a.heads * d),
+                (a.heads * d, q_rows * a.heads * d, splits),
+                factor,
+            ),
+            sum_parts((at(place.dk_parts), dk), (kv_rows, d), (groups * d, d, groups), factor),
+            sum_parts((at(place.dv_parts), dv), (kv_rows, d), (groups * d, d, groups), 1.0),
         ];
     }
     let key_blocks = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);
-    [
+    vec![
         delta_launch,
-        launch(typed!("attention_dq", dt), query_blocks(a), dq_args),
-        launch(typed!("attention_dkdv", dt), key_blocks, dkdv_args),
+        launch(typed!("attention_dq", dt), query_blocks(a), [&inputs[..], &[Ptr(dq)]].concat()),
+        launch(typed!("attention_dkdv", dt), key_blocks, [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat()),
     ]
 }
 
