@@ -59,14 +59,14 @@
 //     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
 //     a compile-time offset (load_rows, load_a), exponentials are one MUFU.EX2 (fast_exp2), and
 //     only a tile across the diagonal is masked (a warp-uniform branch): 10.2 per HMMA in the
-//     forward and 7.2 in the one-pass backward (7.8 and 7.4 in the dq and dk/dv kernels it
+//     forward and 7.0 in the one-pass backward (7.8 and 7.4 in the dq and dk/dv kernels it
 //     replaced), counted over the whole loop, the diagonal's mask included (tests/kernels_sass.rs).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
 //     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
 //     ptxas for 128 registers a thread in the forward (16 warps an SM): alone that took the layer
 //     from 1.020 to 0.911 ms. The backward holds dK and dV (64 registers at D 64) besides a
 //     tile's Pᵀ: at 168 registers (12 warps) ptxas spilled three values in the loop, so it runs
-//     at 2 blocks (8 warps) with 216.
+//     at 2 blocks (8 warps) with 218.
 //  3. Overlap. The forward's loop issues the next tile's copies, then waits for this tile's
 //     (issued a whole turn earlier: `cp.async.wait_group 1`), then computes: copies and products
 //     run at once, for a second buffer of shared memory. The backward has no room for a second
@@ -82,7 +82,7 @@
 // each other (the backward's splits trade balance for fp32 dQ copies to zero and add: at
 // smollm-135m, 3 of 37.7 MB each a layer); what the SASS says without one is where the issue
 // slots, the registers and the waits go (and an estimate of scheduler clocks per HMMA from them:
-// 15.1 for the forward, 16.7 for the backward at D 64, against FlashAttention-2's measured 17),
+// 15.1 for the forward, 16.3 for the backward at D 64, against FlashAttention-2's measured 17),
 // and what the emulator says is what the addresses cost: 4 bank wavefronts an ldmatrix (PAD),
 // 16 sectors a warp's 512 bytes of copies, and products in flight during each copy group
 // (FERROTRON_EMULATOR_COSTS=1; kernels/README.md). Those hold them between measurements.
@@ -514,8 +514,10 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
     __shared__ __align__(16) bf16 ks[KEYS][D + PAD], vs[KEYS][D + PAD], qs[QUERIES][D + PAD], dos[QUERIES][D + PAD];
     __shared__ __align__(16) bf16 dst[KEYS][QUERIES + PAD]; // this tile pair's dSᵀ
     // (kept here, not in registers: the loop has none to spare at D = 64)
-    __shared__ unsigned qp[QUERIES], kp[KEYS], first, last_of_warp[NT / 32];
-    __shared__ float ls[QUERIES], dl[QUERIES];
+    __shared__ unsigned kp[KEYS], first, last_of_warp[NT / 32];
+    // a lane reads columns 2t and 2t + 1 of these together, in one 8-byte load (ls2, dl2, qp2 below)
+    __shared__ __align__(8) unsigned qp[QUERIES];
+    __shared__ __align__(8) float ls[QUERIES], dl[QUERIES];
     int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z, g = h / (s.heads / s.kv_heads);
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
     constexpr float scale = LOG2E / (D == 16 ? 4.0f : D == 32 ? 5.656854249f : D == 64 ? 8.0f : 11.3137085f); // log2(e)/√D
@@ -557,20 +559,28 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
                 times_transposed<D, QUERIES>(st, kf, qs);
             }
             // pᵀ; rows past the end have lse = +∞, so p = 0
+            // (this lane's columns of fragment n are 8n + 2t and 8n + 2t + 1: pair 4n + t)
+            const float2 *ls2 = (const float2*)ls, *dl2 = (const float2*)dl;
+            const uint2* qp2 = (const uint2*)qp;
             if (extreme_position(qp, 0, QUERIES, QUERIES, true) >= last_of_warp[w]) { // every query sees every key
 #pragma unroll
-                for (int n = 0; n < QUERIES / 8; n++)
+                for (int n = 0; n < QUERIES / 8; n++) {
+                    float2 l = ls2[4 * n + t];
 #pragma unroll
-                    for (int e = 0; e < 4; e++) st[n][e] = fast_exp2(fmaf(st[n][e], scale, -ls[8 * n + 2 * t + e % 2]));
+                    for (int e = 0; e < 4; e++) st[n][e] = fast_exp2(fmaf(st[n][e], scale, -(e % 2 ? l.y : l.x)));
+                }
             } else {
+                unsigned key[2] = {kp[16 * w + row], kp[16 * w + row + 8]};
 #pragma unroll
-                for (int n = 0; n < QUERIES / 8; n++)
+                for (int n = 0; n < QUERIES / 8; n++) {
+                    float2 l = ls2[4 * n + t];
+                    uint2 p = qp2[4 * n + t];
 #pragma unroll
                     for (int e = 0; e < 4; e++) {
-                        int c = 8 * n + 2 * t + e % 2;
-                        bool seen = kp[16 * w + row + 8 * (e / 2)] <= qp[c];
-                        st[n][e] = seen ? fast_exp2(fmaf(st[n][e], scale, -ls[c])) : 0.0f;
+                        bool seen = key[e / 2] <= (e % 2 ? p.y : p.x);
+                        st[n][e] = seen ? fast_exp2(fmaf(st[n][e], scale, -(e % 2 ? l.y : l.x))) : 0.0f;
                     }
+                }
             }
             accumulate<D, QUERIES>(dva, st, dos);
             {
@@ -581,12 +591,11 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
                     float dpt[2][4];
                     times_transposed<D, 16>(dpt, vf, &dos[16 * np]);
 #pragma unroll
-                    for (int n = 0; n < 2; n++)
+                    for (int n = 0; n < 2; n++) {
+                        float2 d = dl2[4 * (2 * np + n) + t];
 #pragma unroll
-                        for (int e = 0; e < 4; e++) {
-                            int c = 16 * np + 8 * n + 2 * t + e % 2;
-                            st[2 * np + n][e] *= dpt[n][e] - dl[c];
-                        }
+                        for (int e = 0; e < 4; e++) st[2 * np + n][e] *= dpt[n][e] - (e % 2 ? d.y : d.x);
+                    }
                 }
             }
             // dSᵀ to shared memory in bf16; this warp reads its rows back as dK's A operand (so the

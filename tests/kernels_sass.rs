@@ -44,19 +44,20 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 /// The budgets: (kernel, most instructions per HMMA in its hot loop). Measured when set
-/// (2026-11-26) and rounded up a little: they catch regressions. The goal is 6.
+/// (the forward 2026-11-26, the one-pass backward 2026-11-28) and rounded up a little: they catch
+/// regressions. The goal is 6.
 const PER_HMMA: [(&str, f64); 4] = [
     ("flash_attention_forward_d64", 11.0),
     ("flash_attention_forward_d128", 9.25),
-    ("flash_attention_backward_d64", 7.5),
-    ("flash_attention_backward_d128", 8.75),
+    ("flash_attention_backward_d64", 7.25),
+    ("flash_attention_backward_d128", 8.5),
 ];
 const MIN_WARPS_PER_SM: u32 = 8;
 /// The estimate of scheduler clocks per HMMA must not pass this at head size 64 (the issue's
 /// goal, FlashAttention-2's measured 17 rounded up), nor rise more than 5 % above today's at 128.
 const CYCLES_PER_HMMA_D64: f64 = 18.0;
 const CYCLES_PER_HMMA_D128: [(&str, f64); 2] =
-    [("flash_attention_forward_d128", 21.5), ("flash_attention_backward_d128", 20.5)];
+    [("flash_attention_forward_d128", 21.5), ("flash_attention_backward_d128", 19.9)];
 
 /// The chance a warp can issue in a given clock: with `w` warps a scheduler issues in a clock
 /// with probability 1 − (1 − P)^w. Fitted to the H100's 0.43 instructions a clock at 2 warps a

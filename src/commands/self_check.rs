@@ -210,11 +210,24 @@ impl Check<'_> {
         let out = Tensor::from_vec(out.shape(), out.to_vec().into_iter().map(|v| self.round(v)).collect());
         let dout = self.rand(out.shape());
         let want = ops::attention_backward(a, (&q, &k, &v), pos, (&out, &lse), &dout);
-        let got =
-            ops::attention_backward(a, (&gq, &gk, &gv), pos, (&self.gpu(&out), &self.f32(&lse)), &self.gpu(&dout));
+        let (gout, glse, gdout) = (self.gpu(&out), self.f32(&lse), self.gpu(&dout));
+        let got = ops::attention_backward(a, (&gq, &gk, &gv), pos, (&gout, &glse), &gdout);
         self.same(&format!("{what} backward dq"), &got.0, &want.0)?;
         self.same(&format!("{what} backward dk"), &got.1, &want.1)?;
-        self.same(&format!("{what} backward dv"), &got.2, &want.2)
+        self.same(&format!("{what} backward dv"), &got.2, &want.2)?;
+        // the same bits again: no sum of the backward may depend on which block ran first
+        let again = ops::attention_backward(a, (&gq, &gk, &gv), pos, (&gout, &glse), &gdout);
+        for (name, first, second) in [("dq", &got.0, &again.0), ("dk", &got.1, &again.1), ("dv", &got.2, &again.2)] {
+            let bits = |t: &Tensor| t.to_vec().into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            if bits(first) != bits(second) {
+                bail!(
+                    "kernel self-test failed: {:?} {what} backward {name}: two runs differ (not deterministic)",
+                    self.dtype
+                );
+            }
+        }
+        self.report.push(format!("{:?} {what} backward: the same bits twice", self.dtype));
+        Ok(())
     }
 
     fn attention_merge(&mut self, a: Attn) -> Result<()> {
