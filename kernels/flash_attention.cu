@@ -251,18 +251,23 @@ __device__ __forceinline__ void accumulate(float (*acc)[4], const float (*p)[4],
     }
 }
 
+// Two adjacent values of a row, as one store: bf16 (the outputs) or fp32 (the backward's parts).
+__device__ __forceinline__ void store_pair(bf16* p, float a, float b) { *(unsigned*)p = pack(a, b); }
+__device__ __forceinline__ void store_pair(float* p, float a, float b) { *(float2*)p = {a, b}; }
+
 // Writes rows r0 + g and r0 + g + 8 (those below len) of the 16 × D fragments acc × factor to y.
-template <int D>
-__device__ void write_rows(const Shape& s, const float (*acc)[4], const float* factor, bf16* y, int b, int len,
+template <int D, typename T>
+__device__ void write_rows(const Shape& s, const float (*acc)[4], const float* factor, T* y, int b, int len,
                            int n_heads, int head, int r0) {
     int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+#pragma unroll
     for (int half = 0; half < 2; half++) {
         int r = r0 + g + 8 * half;
         if (r >= len) continue;
-        unsigned* row = (unsigned*)(y + at(s, b, len, r, n_heads, head));
+        T* row = y + at(s, b, len, r, n_heads, head) + 2 * t;
 #pragma unroll
         for (int n = 0; n < D / 8; n++)
-            row[4 * n + t] = pack(acc[n][2 * half] * factor[half], acc[n][2 * half + 1] * factor[half]);
+            store_pair(row + 8 * n, acc[n][2 * half] * factor[half], acc[n][2 * half + 1] * factor[half]);
     }
 }
 
@@ -472,21 +477,6 @@ __device__ __forceinline__ void add_dq(float* part, const Shape& s, int b, int h
     }
 }
 
-// Writes rows r0 + g and r0 + g + 8 (those below len) of the 16 × D fragments acc to the fp32 y.
-template <int D>
-__device__ void write_rows_f32(const Shape& s, const float (*acc)[4], float* y, int b, int len, int n_heads, int head,
-                               int r0) {
-    int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-#pragma unroll
-    for (int half = 0; half < 2; half++) {
-        int r = r0 + g + 8 * half;
-        if (r >= len) continue;
-        float2* row = (float2*)(y + at(s, b, len, r, n_heads, head));
-#pragma unroll
-        for (int n = 0; n < D / 8; n++) row[4 * n + t] = {acc[n][2 * half], acc[n][2 * half + 1]};
-    }
-}
-
 // Starts copying query rows i0.. of head h of q and dO into qs and dos, and stages their positions,
 // lse (in log2 units) and δ in shared memory (plain stores, seen after the next __syncthreads).
 template <int D, int N, int NT>
@@ -624,8 +614,9 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
             i0 = next;
         }
         cp_async_wait<0>(); // K and V, where no query tile was seen
-        write_rows_f32<D>(s, dka, dk_parts, b, s.kv_seq, s.heads, h, r0);
-        write_rows_f32<D>(s, dva, dv_parts, b, s.kv_seq, s.heads, h, r0);
+        const float one[2] = {1.0f, 1.0f}; // (1/√D is applied when the parts are added)
+        write_rows<D>(s, dka, one, dk_parts, b, s.kv_seq, s.heads, h, r0);
+        write_rows<D>(s, dva, one, dv_parts, b, s.kv_seq, s.heads, h, r0);
     }
 }
 

@@ -29,7 +29,7 @@
 //! It holds budgets, so that an edit that costs issue slots, occupancy or overlap fails here, not
 //! months later on a GPU: instructions per HMMA at head sizes 64 and 128, the clocks per HMMA
 //! estimate (at most 18 at head size 64, today's at 128), at least 8 warps per SM
-//! for every kernel, no local memory (spills) inside a hot loop, and in the forward and dq the
+//! for every kernel, no local memory (spills) inside a hot loop, and in both kernels the
 //! overlap above (tests/kernels_compile.rs adds: no spill anywhere in these kernels). Needs NVRTC (as tests/kernels_compile.rs) and `cuobjdump` with `nvdisasm` (the
 //! PyPI wheels nvidia-cuda-cuobjdump and nvidia-cuda-nvdisasm; 13.x reads NVRTC 12.9's cubins):
 //! on the PATH or in `$FERROTRON_SASS_TOOLS`. Prints why and passes without them, unless

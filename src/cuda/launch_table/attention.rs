@@ -87,6 +87,7 @@ pub fn dq_splits(a: Attn) -> usize {
 /// Where the backward's scratch keeps what (f32 offsets, each region on 256 bytes): δ, and on
 /// tensor cores dQ's parts (one per split), dK's and dV's (one per query head).
 struct Scratch {
+    splits: usize,
     dq_parts: usize,
     dk_parts: usize,
     dv_parts: usize,
@@ -97,11 +98,12 @@ fn scratch(dt: DType, a: Attn) -> Scratch {
     let region = |n: usize| n.next_multiple_of(64);
     let delta = region(a.batch * a.heads * a.seq);
     if !(dt == DType::Bf16 && TENSOR_CORE_HEAD_DIMS.contains(&a.head_dim)) {
-        return Scratch { dq_parts: delta, dk_parts: delta, dv_parts: delta, end: delta };
+        return Scratch { splits: 0, dq_parts: delta, dk_parts: delta, dv_parts: delta, end: delta };
     }
-    let (q, kv) = (a.batch * a.seq * a.heads * a.head_dim, a.batch * a.kv_seq * a.heads * a.head_dim);
-    let dk_parts = delta + region(dq_splits(a) * q);
-    Scratch { dq_parts: delta, dk_parts, dv_parts: dk_parts + region(kv), end: dk_parts + 2 * region(kv) }
+    let (q, kv, splits) =
+        (a.batch * a.seq * a.heads * a.head_dim, a.batch * a.kv_seq * a.heads * a.head_dim, dq_splits(a));
+    let dk_parts = delta + region(splits * q);
+    Scratch { splits, dq_parts: delta, dk_parts, dv_parts: dk_parts + region(kv), end: dk_parts + 2 * region(kv) }
 }
 
 /// The f32 values of scratch memory `backward` needs (δ, and on tensor cores the parts it adds).
@@ -163,7 +165,8 @@ pub fn backward(
         vec![shape, Ptr(out), Ptr(dout), Ptr(delta)],
     );
     if tensor_cores(dt, a, &[q, k, v, dout, dq, dk, dv]) {
-        let (place, splits, d) = (scratch(dt, a), dq_splits(a), a.head_dim);
+        let (place, d) = (scratch(dt, a), a.head_dim);
+        let splits = place.splits;
         let at = |offset: usize| scratch_at + 4 * offset as Addr;
         let (keys, _) = key_tile(a);
         let parts = vec![Ptr(at(place.dq_parts)), Ptr(at(place.dk_parts)), Ptr(at(place.dv_parts))];
