@@ -46,8 +46,13 @@
 // comes from attention.cu's attention_delta, run first.
 //
 // D (16, 32, 64, 128) is a template parameter, so fragment arrays are indexed by constants and
-// stay in registers (tests/kernels_compile.rs checks: no spills). Static shared memory is at most
-// 48 KiB a block, which sets the tiles (ForwardTiles, KeyTiles below).
+// stay in registers (tests/kernels_compile.rs checks: no spills). Shared memory sets the tiles
+// (ForwardTiles, KeyTiles below). A static `__shared__` array may take at most 48 KiB a block;
+// past that, memory must be dynamic (`extern __shared__`, DYNAMIC_SHARED here): its size is given
+// at each launch, and a function must opt in to more than 48 KiB before its first launch (the
+// attribute CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, up to 227 KiB on an H100). The
+// forward keeps its K and V tiles there: 64 keys a tile at every D, 68 KiB at D 128, where static
+// memory allowed 32 keys (twice the per-tile costs for each product; below).
 //
 // How fast, and why: four things a tensor-core kernel is tuned by, with this kernel's numbers
 // (one H100, smollm-135m's shapes: batch 8, 2048 tokens, 9 heads, 3 KV heads, D 64; forward +
@@ -58,9 +63,13 @@
 //     instructions of 64-bit address math per 16-byte copy, exp2f without fast math (4 a value),
 //     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
 //     a compile-time offset (load_rows, load_a), exponentials are one MUFU.EX2 (fast_exp2), and
-//     only a tile across the diagonal is masked (a warp-uniform branch): 10.2 per HMMA in the
-//     forward and 7.0 in the one-pass backward (7.8 and 7.4 in the dq and dk/dv kernels it
-//     replaced), counted over the whole loop, the diagonal's mask included (tests/kernels_sass.rs).
+//     only a tile across the diagonal is masked (a warp-uniform branch): 9.8 per HMMA in the
+//     forward and 6.9 in the one-pass backward at D 64 (7.8 and 7.4 in the dq and dk/dv kernels
+//     it replaced), counted over the whole loop, the diagonal's mask included
+//     (tests/kernels_sass.rs). What a tile costs besides its products (finding the next tile, its
+//     copies and positions, the barriers, each row's maximum and rescaling) is paid once for
+//     however many keys the tile holds: at D 128, 64-key tiles in dynamic shared memory took the
+//     forward from 8.5 to 6.0 per HMMA (32-key tiles: static memory's 48 KiB).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
 //     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
 //     ptxas for 128 registers a thread in the forward (16 warps an SM): alone that took the layer
@@ -82,7 +91,7 @@
 // each other (the backward's splits trade balance for fp32 dQ copies to zero and add: at
 // smollm-135m, 3 of 37.7 MB each a layer); what the SASS says without one is where the issue
 // slots, the registers and the waits go (and an estimate of scheduler clocks per HMMA from them:
-// 15.1 for the forward, 16.3 for the backward at D 64, against FlashAttention-2's measured 17),
+// 14.5 for the forward, 16.0 for the backward at D 64, against FlashAttention-2's measured 17),
 // and what the emulator says is what the addresses cost: 4 bank wavefronts an ldmatrix (PAD),
 // 16 sectors a warp's 512 bytes of copies, and products in flight during each copy group
 // (FERROTRON_EMULATOR_COSTS=1; kernels/README.md). Those hold them between measurements.
@@ -148,9 +157,26 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
     asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
+// The block's dynamic shared memory: sized by the launch (cuLaunchKernel's sharedMemBytes), past
+// 48 KiB only for a kernel whose CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES allows it (set
+// when the kernels load: cuda/device.rs). The size a launch gave: %dynamic_smem_size.
+#define DYNAMIC_SHARED(name) extern __shared__ __align__(128) unsigned char name[]
+__device__ __forceinline__ unsigned dynamic_shared_bytes() {
+    unsigned n;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+    return n;
+}
 #endif
 
 // ---- helpers shared by the forward and the backward --------------------------------------------------------
+
+// Scores are scaled by log2(e)/√D, so that exp(s/√D − ·) is one exp2: a compile-time constant
+// (an immediate in the multiply, no register).
+template <int D>
+__device__ __forceinline__ constexpr float log2e_over_sqrt() {
+    static_assert(D == 16 || D == 32 || D == 64 || D == 128, "a tensor-core head size");
+    return LOG2E / (D == 16 ? 4.0f : D == 32 ? 5.656854249f : D == 64 ? 8.0f : 11.3137085f);
+}
 
 // Two floats as the bf16 pair of one operand register (the first in the low half).
 __device__ __forceinline__ unsigned pack(float lo, float hi) {
@@ -176,8 +202,8 @@ __device__ __forceinline__ void load_rows(const bf16* x, int b, int len, int n_h
     if (r0 + N <= len) { // every row exists (all tiles but a sequence's last): no test, no select
 #pragma unroll
         for (int i = 0; i < COPIES; i++) cp_async_16(dst + i * STEP * (D + PAD) * 2, src + i * step, true);
-    } else {
-#pragma unroll
+    } else { // a sequence's last tile, once a walk: a loop kept rolled (fewer instructions in the loop around it)
+#pragma unroll 1
         for (int i = 0; i < COPIES; i++) {
             bool in = r0 + r + i * STEP < len;
             cp_async_16(dst + i * STEP * (D + PAD) * 2, in ? src + i * step : x, in); // padding: an address inside x
@@ -333,18 +359,24 @@ __device__ __forceinline__ int query_block_start() { return (gridDim.z - 1 - blo
 
 template <int D>
 struct ForwardTiles {
-    static constexpr int BN = D <= 64 ? 64 : 32;           // key rows a tile
+    static constexpr int BN = 64;                          // key rows a tile
     static constexpr int ROWS = 2 * BN > BM ? 2 * BN : BM; // rows of each of ks, vs: two tiles, or Q's staging
     // Q is staged in vs's last BM rows; where tile 0 lies apart from them, the two loads run together
     static constexpr bool Q_APART = BN + BM <= ROWS;
     static constexpr int BLOCKS = D <= 64 ? 4 : 2; // resident blocks an SM (__launch_bounds__): ≤ 128 registers at D ≤ 64
+    // ks and vs, in dynamic shared memory: at D 128 they take 68 KiB, past the 48 KiB that static
+    // arrays may (launch_table/attention.rs gives a launch these bytes; cuda/device.rs opts in)
+    static constexpr unsigned SHARED = 2 * ROWS * (D + PAD) * sizeof(bf16);
 };
 
 template <int D>
 __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                         const unsigned* k_pos, bf16* out, float* lse) {
     constexpr int BN = ForwardTiles<D>::BN, ROWS = ForwardTiles<D>::ROWS;
-    __shared__ __align__(16) bf16 ks[ROWS][D + PAD], vs[ROWS][D + PAD]; // tile u at rows u·BN..
+    DYNAMIC_SHARED(window);
+    if (dynamic_shared_bytes() < ForwardTiles<D>::SHARED) __trap(); // a launch that gave the tiles too little
+    typedef bf16 Row[D + PAD];
+    Row *ks = (Row*)window, *vs = ks + ROWS; // tile u at rows u·BN.. of each
     __shared__ unsigned kp[2][BN];
     int b = blockIdx.y, h = blockIdx.x, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
@@ -369,7 +401,7 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     if (!ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]);
     cp_async_commit();
     float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; // m in log2 units
-    float scale = rsqrtf((float)D) * LOG2E;
+    constexpr float scale = log2e_over_sqrt<D>();
     while (j0 < s.kv_seq) {
         int next = next_tile<BN>(k_pos, j0 + BN, s.kv_seq, last, false);
         if (next < s.kv_seq) // into the other buffer, read last by the previous tile (barrier below)
@@ -510,7 +542,7 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
     __shared__ __align__(8) float ls[QUERIES], dl[QUERIES];
     int h = blockIdx.x, b = blockIdx.y, split = blockIdx.z, splits = gridDim.z, g = h / (s.heads / s.kv_heads);
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-    constexpr float scale = LOG2E / (D == 16 ? 4.0f : D == 32 ? 5.656854249f : D == 64 ? 8.0f : 11.3137085f); // log2(e)/√D
+    constexpr float scale = log2e_over_sqrt<D>();
     // this block's rows of its split's dQ, zeroed: its key tiles add into them
     for (int e = threadIdx.x; e < s.seq * (D / 4); e += NT)
         *(float4*)(dq_part(s, dq_parts) + at(s, b, s.seq, e / (D / 4), s.heads, h) + e % (D / 4) * 4) = {0.0f, 0.0f, 0.0f, 0.0f};

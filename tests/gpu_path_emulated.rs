@@ -466,6 +466,12 @@ fn a_gpu_fault_ends_the_run_with_one_message_and_sync_launches_names_the_kernel(
             assert!(err.contains("kernel ") && err.contains("(device.sync_launches)"), "the faulting kernel: {err}");
         }
     }
+    // so does `doctor`, whose kernel self-test runs the ops outside a rank (a fault in its 30th launch)
+    let out = run(dir, &[("FERROTRON_FAKE_CUDA_FAIL_LAUNCH", "30")], &["doctor"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "doctor: {:?}\n{err}", out.status);
+    assert_eq!(err.lines().filter(|l| l.starts_with("error:")).count(), 1, "{err}");
+    assert!(err.contains("ILLEGAL_ADDRESS") && !err.contains("panicked at"), "{err}");
 }
 
 /// The fake driver's counts of one training step (two micro-batches, one GPU): the difference

@@ -116,6 +116,28 @@ fn each_kernel_is_in_the_table_once_and_the_catalogue_launches_it() {
     }
 }
 
+/// A kernel's dynamic shared memory is its own (the same at every shape, which is what a device
+/// opts each function in to when it opens: `launch_table::dynamic_shared`), and fits every GPU the
+/// kernels are built for: past 48 KiB, up to the 99 KiB an sm_86 or sm_89 block may opt in to.
+#[test]
+fn a_kernel_asks_the_same_dynamic_shared_memory_at_every_shape() {
+    use ferrotron::cuda::launch_table::{attention, dynamic_shared};
+    use ferrotron::ops::{Attn, DType};
+    let opted = dynamic_shared();
+    assert!(!opted.is_empty(), "the tensor-core forward keeps its tiles in dynamic shared memory");
+    for (kernel, bytes) in &opted {
+        assert!(*bytes <= 99 << 10, "{}: {bytes} bytes of dynamic shared memory a block", kernel.name());
+    }
+    for (batch, seq, heads, kv_heads) in [(1, 1, 1, 1), (3, 70, 6, 2), (8, 2048, 9, 3), (1, 8192, 64, 8)] {
+        for head_dim in attention::TENSOR_CORE_HEAD_DIMS {
+            let a = Attn { batch, seq, kv_seq: seq, heads, kv_heads, head_dim };
+            let l = attention::forward(DType::Bf16, a, (0, 0, 0), (0, 0), 0, 0);
+            let opted_in = opted.iter().find(|(k, _)| *k == l.kernel).map_or(0, |o| o.1);
+            assert_eq!(l.shared, opted_in, "{} at {a:?}", l.kernel.name());
+        }
+    }
+}
+
 /// ptxas on the PATH, or in the `bin/` beside the CUDA headers (a toolkit, or the nvcc wheel).
 fn ptxas() -> Option<PathBuf> {
     let beside_headers = include_dirs().ok()?.into_iter().map(|d| d.join("../bin/ptxas"));

@@ -18,7 +18,7 @@ use std::io::Write;
 #[path = "common/emulator.rs"]
 mod emulator;
 
-type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, u32, *const *mut c_void) -> i32;
+type LaunchFn = unsafe extern "C" fn(*const c_char, u32, u32, u32, u32, u32, *const *mut c_void) -> i32;
 
 /// The compiled kernels and the emulator's entry point.
 struct Emulator {
@@ -63,7 +63,7 @@ impl Emulator {
         let name = CString::new(l.kernel.name()).unwrap();
         let (x, y, z) = l.grid;
         // SAFETY: the glue calls the kernel with these argument slots, typed as the launch says.
-        let rc = unsafe { (self.launch)(name.as_ptr(), x, y, z, l.block, ptrs.as_ptr()) };
+        let rc = unsafe { (self.launch)(name.as_ptr(), x, y, z, l.block, l.shared, ptrs.as_ptr()) };
         assert_eq!(rc, 0, "the emulator has no kernel {}", l.kernel.name());
     }
 }

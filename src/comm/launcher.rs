@@ -25,10 +25,9 @@ use crate::comm::wires::processes;
 use crate::comm::wires::remote::Session;
 use crate::comm::{Group, Stream};
 use crate::config::{CommBackend, Config, DeviceKind};
-use crate::cuda::device::GPU_ERROR;
+use crate::cuda::device::catching_panics;
 use crate::cuda::runtime::Gpu;
 use anyhow::{anyhow, bail, Result};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -269,17 +268,9 @@ fn run_rank<R>(
         .collect();
     drop(stream);
     let mut me = Rank { rank, coords: grid.coords(rank), grid, gpu: None, groups, same_as_dp_cp };
-    let result = catch_unwind(AssertUnwindSafe(|| {
+    let result = catching_panics(|| {
         open_devices(&mut me, setup)?;
         f(&me)
-    }))
-    .unwrap_or_else(|panic| {
-        let msg =
-            panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
-        match msg.unwrap_or_default() {
-            gpu_error if gpu_error.starts_with(GPU_ERROR) => Err(anyhow!("{gpu_error}")), // an op's GPU failure
-            msg => Err(anyhow!("panicked: {msg}")),
-        }
     });
     if let Err(e) = &result {
         hub.abort(format!("rank {rank} failed: {e:#}")); // only the first failure's reason is kept

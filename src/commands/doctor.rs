@@ -54,7 +54,8 @@ pub fn doctor() -> Result<()> {
         crate::say!("GPU {ordinal}: {name}, sm_{major}{minor}, {mem:.1} GiB");
     }
     if crate::cuda::nvrtc::nvrtc_ready().is_ok() {
-        let report = crate::commands::self_check::self_test(&Gpu::open(0)?)?;
+        // (a GPU error inside an op panics, to stop a rank: here it is the check's error)
+        let report = crate::cuda::device::catching_panics(|| crate::commands::self_check::self_test(&Gpu::open(0)?))?;
         for line in &report {
             crate::say!("self-test: kernel {line}");
         }

@@ -43,6 +43,20 @@ pub(crate) fn fatal<T>(what: &str, r: Result<T>) -> T {
 /// launcher, which reports them as the run's one error line).
 pub const GPU_ERROR: &str = "CUDA ";
 
+/// `f()`, with a panic inside it made its error: a `fatal` GPU error as its message, any other
+/// (a bug, which the panic hook has already reported where it happened) as "panicked: …". The
+/// launcher runs each rank so, and `doctor` its kernel self-test.
+pub fn catching_panics<T>(f: impl FnOnce() -> Result<T>) -> Result<T> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let msg =
+            panic.downcast_ref::<&str>().map(|s| s.to_string()).or_else(|| panic.downcast_ref::<String>().cloned());
+        match msg.unwrap_or_default() {
+            gpu_error if gpu_error.starts_with(GPU_ERROR) => Err(anyhow!("{gpu_error}")), // an op's GPU failure
+            msg => Err(anyhow!("panicked: {msg}")),
+        }
+    })
+}
+
 /// A GPU buffer: f32, bf16, or a mixed-precision weight (fp32 master + bf16 compute copy).
 pub struct Buf {
     pub(crate) data: Data,
@@ -314,6 +328,22 @@ impl Drop for Bytes {
 unsafe impl Send for BlasLt {}
 unsafe impl Sync for BlasLt {}
 
+/// Lets each kernel that launches with dynamic shared memory have what its launches give: past
+/// 48 KiB a block, a launch fails unless its function opted in (a GPU of compute capability 8.0
+/// or newer allows 99 KiB to 227 KiB).
+fn opt_in_shared(functions: &[CudaFunction]) -> Result<()> {
+    use cudarc::driver::sys::CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES as MAX_DYNAMIC;
+    for (kernel, bytes) in launch_table::dynamic_shared() {
+        functions[kernel.index()].set_attribute(MAX_DYNAMIC, bytes as i32).map_err(|e| {
+            anyhow!(
+                "kernel {} needs {bytes} bytes of shared memory a block, more than this GPU allows ({e:?})",
+                kernel.name()
+            )
+        })?;
+    }
+    Ok(())
+}
+
 impl Device {
     /// The op layer on `gpu`, computing in `dtype`. Every kernel file is compiled here, before
     /// training starts, so a missing NVRTC or header shows up now and not in the first step.
@@ -327,6 +357,7 @@ impl Device {
             gpu.keep_freed_memory()?;
         }
         let functions = crate::cuda::nvrtc::load_kernels(gpu, crate::cuda::nvrtc::target(major, minor)?)?;
+        opt_in_shared(&functions)?;
         let blas = CudaBlas::new(gpu.compute.clone()).map_err(|e| anyhow!("cuBLAS cannot start: {e:?}"))?;
         let blas = ManuallyDrop::new(blas);
         Ok(Arc::new(Device {
@@ -367,7 +398,7 @@ impl Device {
                 Arg::AdamW(v) => b.arg(&**v),
             };
         }
-        let config = LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: 0 };
+        let config = LaunchConfig { grid_dim: l.grid, block_dim: (l.block, 1, 1), shared_mem_bytes: l.shared };
         crate::cuda::profile::timed(
             || name.to_string(),
             &self.gpu.compute,

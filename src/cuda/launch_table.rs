@@ -71,6 +71,10 @@ pub struct Launch {
     pub kernel: Kernel,
     pub grid: (u32, u32, u32),
     pub block: u32,
+    /// Bytes of dynamic shared memory a block gets (`extern __shared__`): a kernel's own need, the
+    /// same at every shape (0 for all but the tensor-core forward). Past 48 KiB a function must
+    /// opt in first: the device does so for each kernel when it opens (`dynamic_shared`).
+    pub shared: u32,
     pub args: Vec<Arg>,
 }
 
@@ -79,7 +83,13 @@ pub const THREADS: u32 = 256;
 pub const NORM_BLOCKS: usize = 256;
 
 fn launch(kernel: Kernel, (grid, block): ((u32, u32, u32), u32), args: Vec<Arg>) -> Launch {
-    Launch { kernel, grid, block, args }
+    Launch { kernel, grid, block, shared: 0, args }
+}
+
+/// The kernels that launch with dynamic shared memory, and the bytes they ask for: what a device
+/// raises CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES to when it loads them.
+pub fn dynamic_shared() -> Vec<(Kernel, u32)> {
+    catalogue().into_iter().filter(|l| l.shared > 0).map(|l| (l.kernel, l.shared)).collect()
 }
 
 /// The kernel `name_f32` or `name_bf16` by the dtype.

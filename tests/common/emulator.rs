@@ -1,7 +1,7 @@
 //! Builds the CUDA kernels as C++ for the CPU emulator (`tests/emulator/`): every
 //! `kernels/*.cu` file as NVRTC would see it, plus a glue file that calls each kernel of
 //! `launch_table::catalogue()` by name from an array of argument pointers (`emu_launch`, the layout
-//! of cuLaunchKernel's parameters) and says which names exist (`emu_has`). Shared by
+//! of cuLaunchKernel's parameters, with the launch's dynamic shared bytes) and says which names exist (`emu_has`). Shared by
 //! `tests/kernels_emulated.rs` (launches on host buffers) and `tests/gpu_path_emulated.rs` (the
 //! same library behind a fake CUDA driver).
 
@@ -69,10 +69,11 @@ fn glue() -> String {
         c += &format!("extern \"C\" void {name}({});\n", types.join(", "));
         c += &format!("static void call{i}(void** a) {{ {name}({}); }}\n", args.join(", "));
     }
-    c += "extern \"C\" int emu_launch(const char* name, unsigned x, unsigned y, unsigned z, unsigned block, void** a) {\n";
+    c += "extern \"C\" int emu_launch(const char* name, unsigned x, unsigned y, unsigned z, unsigned block, unsigned shared, \
+          void** a) {\n";
     for (i, name) in kernels.keys().enumerate() {
         c += &format!(
-            "    if (!strcmp(name, \"{name}\")) {{ emu::run(call{i}, a, dim3{{x, y, z}}, block); return 0; }}\n"
+            "    if (!strcmp(name, \"{name}\")) {{ emu::run(call{i}, a, dim3{{x, y, z}}, block, shared); return 0; }}\n"
         );
     }
     c += "    return -1;\n}\n";

@@ -8,7 +8,9 @@
 // yields; a barrier opens when every thread of its block (or warp) that has not returned has
 // reached it, as on a GPU, where an exited thread stops counting. A round in which no thread
 // moves means some threads wait at a barrier others never reach: the emulator says so and stops.
-// `__shared__` variables are statics: shared by the block that runs. One launch at a time.
+// `__shared__` variables are statics: shared by the block that runs; dynamic shared memory
+// (`extern __shared__`, warp_ptx.h's DYNAMIC_SHARED) is a window sized by the launch, poisoned at
+// each block and guarded past its end (emu::window). One launch at a time.
 // Kernels that use PTX (kernels/flash_attention.cu) test FERROTRON_EMULATOR and include
 // warp_ptx.h, which emulates those instructions lane by lane.
 #pragma once
@@ -129,6 +131,14 @@ inline std::vector<Warp> warps;
 inline unsigned long moves; // arrivals at barriers, openings and exits: a round without any is stuck
 inline void (*running_kernel)(void**);
 inline void** running_args;
+// Dynamic shared memory (`extern __shared__`, its size given by the launch): a kernel file's
+// DYNAMIC_SHARED (warp_ptx.h) names this window. Each block finds it filled with 0xff bytes (a bf16
+// or f32 NaN: a read before a write shows in the results), and past its end GUARD more of them: a
+// block that wrote there stops the emulator, one that read there computes NaN.
+constexpr unsigned GUARD = 1024;
+inline std::vector<unsigned char> window;
+inline unsigned window_bytes;
+inline unsigned char* dynamic_window() { return window.data() + (128 - (uintptr_t)window.data() % 128) % 128; }
 
 inline int lane() { return threadIdx.x % 32; }
 inline Warp& warp() { return warps[threadIdx.x / 32]; }
@@ -162,17 +172,20 @@ inline void fiber_main() {
 } // returns to the scheduler (uc_link)
 
 // Runs `kernel(args)` on every thread of every block of the grid (`threads` a multiple of 32, as
-// every launch has).
-inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads) {
+// every launch has), each block with `shared_bytes` of dynamic shared memory.
+inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads, unsigned shared_bytes) {
     gridDim = grid;
     blockDim = {threads, 1, 1};
     running_kernel = kernel;
     running_args = args;
+    window_bytes = shared_bytes;
+    window.resize(shared_bytes + GUARD + 128); // (+128: room to start on 128 bytes)
     if (fibers.size() < threads) fibers.resize(threads);
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
                 blockIdx = {x, y, z};
+                memset(dynamic_window(), 0xff, shared_bytes + GUARD);
                 block_sync = Barrier{threads};
                 warps.assign(threads / 32, Warp{Barrier{32}, {}});
                 for (unsigned t = 0; t < threads; t++) {
@@ -202,6 +215,11 @@ inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads
                         abort();
                     }
                 }
+                for (unsigned i = 0; i < GUARD; i++)
+                    if (dynamic_window()[shared_bytes + i] != 0xff) {
+                        fprintf(stderr, "emulator: block (%u,%u,%u) wrote past the %u bytes of dynamic shared memory its launch gave\n", x, y, z, shared_bytes);
+                        abort();
+                    }
                 for (Warp& w : warps) // each warp copy: the distinct sectors its lanes read
                     for (WarpCopy& c : w.copies) {
                         std::sort(c.sectors.begin(), c.sectors.end());
@@ -214,6 +232,10 @@ inline void run(void (*kernel)(void**), void** args, dim3 grid, unsigned threads
 } // namespace emu
 
 inline void __syncthreads() { emu::wait(emu::block_sync); }
+inline void __trap() { // on a GPU: the launch fails (an unspecified launch failure)
+    fprintf(stderr, "emulator: block (%u,%u,%u) thread %u trapped (__trap)\n", blockIdx.x, blockIdx.y, blockIdx.z, threadIdx.x);
+    abort();
+}
 
 namespace emu {
 // Every lane gives `mine` and gets the value of lane `from(lane)`: one exchange through the slots.

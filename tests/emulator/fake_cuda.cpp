@@ -4,7 +4,9 @@
 // rank), each with its own context and all sharing the host's memory; device memory is host memory (a device pointer is a host address); every call
 // is synchronous, so streams and events only record times; a module is the emulated kernels of
 // this library (tests/emulator/cuda_bf16.h, linked in with the glue), found by name at
-// cuModuleGetFunction and run by cuLaunchKernel, one launch at a time; cublasGemmEx is a plain
+// cuModuleGetFunction and run by cuLaunchKernel, one launch at a time, with the dynamic shared
+// memory it gives (past 48 KiB only for a function opted in by cuFuncSetAttribute, as a real
+// driver demands); cublasGemmEx is a plain
 // column-major GEMM with float accumulation, as cuBLAS defines it, summing over k in pieces
 // chosen by the shape as cuBLAS's split-k kernels do. Built as libcuda.so and
 // linked as libcublas.so too.
@@ -32,7 +34,7 @@
 
 #include "cuda_bf16.h"
 
-extern "C" int emu_launch(const char* name, unsigned x, unsigned y, unsigned z, unsigned block, void** a);
+extern "C" int emu_launch(const char* name, unsigned x, unsigned y, unsigned z, unsigned block, unsigned shared, void** a);
 extern "C" int emu_has(const char* name);
 
 namespace {
@@ -141,6 +143,8 @@ CUresult cuDeviceGetAttribute(int* v, int attribute, int) {
     case 76: *v = 0; break;   // minor
     case 16: *v = 132; break; // multiprocessors
     case 115: *v = 1; break;  // memory pools supported
+    case 8: *v = 48 << 10; break;   // shared memory a block, without opting in
+    case 97: *v = 227 << 10; break; // shared memory a block, opted in (an H100's)
     default: *v = 0;
     }
     return OK;
@@ -249,9 +253,32 @@ CUresult cuModuleGetFunction(void** f, void*, const char* name) {
     *f = strdup(name);
     return OK;
 }
+// Dynamic shared memory: a launch may give a block up to 48 KiB of it; more only to a function
+// whose CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES (8) was raised first, at most to the
+// device's opt-in limit (an H100's 227 KiB) — as a real driver, which fails such a launch with
+// CUDA_ERROR_INVALID_VALUE. The attribute is kept per function (name).
+const int STATIC_LIMIT = 48 << 10, OPT_IN_LIMIT = 227 << 10, MAX_DYNAMIC_SHARED = 8;
+std::map<std::string, int> dynamic_shared_allowed;
+std::mutex attributes;
+CUresult cuFuncSetAttribute(void* f, int attribute, int value) {
+    if (attribute != MAX_DYNAMIC_SHARED || value < 0 || value > OPT_IN_LIMIT) return INVALID_VALUE;
+    std::lock_guard<std::mutex> lock(attributes);
+    dynamic_shared_allowed[(const char*)f] = value;
+    return OK;
+}
+CUresult cuFuncGetAttribute(int* v, int attribute, void* f) {
+    if (attribute != MAX_DYNAMIC_SHARED) return INVALID_VALUE;
+    std::lock_guard<std::mutex> lock(attributes);
+    auto it = dynamic_shared_allowed.find((const char*)f);
+    *v = it == dynamic_shared_allowed.end() ? STATIC_LIMIT : it->second;
+    return OK;
+}
 CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz,
                         unsigned shared_bytes, void*, void** params, void** extra) {
-    if (by != 1 || bz != 1 || bx % 32 != 0 || shared_bytes != 0 || extra) return INVALID_VALUE;
+    if (by != 1 || bz != 1 || bx % 32 != 0 || extra) return INVALID_VALUE;
+    int allowed;
+    cuFuncGetAttribute(&allowed, MAX_DYNAMIC_SHARED, f);
+    if (shared_bytes > (unsigned)std::max(allowed, STATIC_LIMIT)) return INVALID_VALUE;
     std::lock_guard<std::mutex> one_at_a_time(launches);
     counts.launches++;
     if (!strncmp((const char*)f, "fp8_operand_", 12)) // (x, rows, cols, …)
@@ -263,7 +290,7 @@ CUresult cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned
         return OK;
     }
     emu::Costs before = emu::costs;
-    int launched = emu_launch((const char*)f, gx, gy, gz, bx, params);
+    int launched = emu_launch((const char*)f, gx, gy, gz, bx, shared_bytes, params);
     costs_by_kernel.add((const char*)f, before, emu::costs);
     return launched == 0 ? OK : NOT_FOUND;
 }

@@ -25,6 +25,8 @@
 //   cp_async_commit cp.async.commit_group: the copies issued since the last commit form a group.
 //   cp_async_wait<N> cp.async.wait_group N: every group but the newest N has landed.
 //   red_add         red.global.add.f32: *p += v in the memory system, no value returned.
+//   DYNAMIC_SHARED  extern __shared__ (the block's dynamic shared memory, sized by the launch), and
+//   dynamic_shared_bytes  that size (%dynamic_smem_size): the window of emu::run.
 //
 // A warp-collective instruction needs all 32 lanes: one reached after some lanes returned stops
 // the emulator, as would a misaligned address. Each instruction also adds what it would cost a GPU
@@ -52,6 +54,10 @@ inline float high(unsigned r) { return __bfloat162float({(uint16_t)(r >> 16)}); 
 
 typedef char* smem_t;
 inline smem_t smem(const void* p) { return (char*)p; }
+
+// extern __shared__: the launch's window (cuda_bf16.h), and its size as %dynamic_smem_size gives it.
+#define DYNAMIC_SHARED(name) unsigned char* name = emu::dynamic_window()
+inline unsigned dynamic_shared_bytes() { return emu::window_bytes; }
 
 inline float fast_exp2(float x) {
     float y = exp2f(x);

@@ -38,7 +38,17 @@ fn tensor_cores(dt: DType, a: Attn, tensors: &[Addr]) -> bool {
 /// grid is (heads, batch, tiles), so that blocks start tile by tile, the heaviest first (the
 /// kernel maps z to its tile; `tests/attention_balance.rs`).
 fn flash_query_blocks(kernel: Kernel, a: Attn, args: Vec<Arg>) -> Launch {
-    launch(kernel, ((a.heads as u32, a.batch as u32, a.seq.div_ceil(64) as u32), 128), args)
+    let blocks = launch(kernel, ((a.heads as u32, a.batch as u32, a.seq.div_ceil(64) as u32), 128), args);
+    Launch { shared: forward_shared(a.head_dim), ..blocks }
+}
+
+/// The forward's dynamic shared memory (`ForwardTiles::SHARED`): its K and V tiles, two of 64
+/// rows each (or Q's 64 rows at first), each row D + 8 bf16 (the padding against bank conflicts).
+/// At D 128 that is 68 KiB, past the 48 KiB a block gets without opting in.
+pub fn forward_shared(head_dim: usize) -> u32 {
+    const KEYS: usize = 64;
+    let rows = (2 * KEYS).max(64);
+    (2 * rows * (head_dim + 8) * 2) as u32
 }
 
 /// An H100's SMs (an H200 has as many): the backward's grid is shaped for them (on another GPU
