@@ -51,8 +51,8 @@
 // past that, memory must be dynamic (`extern __shared__`, DYNAMIC_SHARED here): its size is given
 // at each launch, and a function must opt in to more than 48 KiB before its first launch (the
 // attribute CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, up to 227 KiB on an H100). The
-// forward keeps its K and V tiles there: 64 keys a tile at every D, 68 KiB at D 128, where static
-// memory allowed 32 keys (twice the per-tile costs for each product; below).
+// forward keeps its K and V tiles there (72 KiB at D 64, 68 KiB at D 128: tiles of twice the keys
+// static memory allowed, which halves what each product pays of a tile's other costs; below).
 //
 // How fast, and why: four things a tensor-core kernel is tuned by, with this kernel's numbers
 // (one H100, smollm-135m's shapes: batch 8, 2048 tokens, 9 heads, 3 KV heads, D 64; forward +
@@ -64,18 +64,22 @@
 //     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
 //     a compile-time offset (load_rows, load_a), exponentials are one MUFU.EX2 (fast_exp2), and
 //     only a tile across the diagonal is masked (a warp-uniform branch): 9.8 per HMMA in the
-//     forward and 6.9 in the one-pass backward at D 64 (7.8 and 7.4 in the dq and dk/dv kernels
-//     it replaced), counted over the whole loop, the diagonal's mask included
+//     forward (of 64-key tiles) and 6.9 in the one-pass backward at D 64 (7.8 and 7.4 in the dq
+//     and dk/dv kernels it replaced), counted over the whole loop, the diagonal's mask included
 //     (tests/kernels_sass.rs). What a tile costs besides its products (finding the next tile, its
 //     copies and positions, the barriers, each row's maximum and rescaling) is paid once for
-//     however many keys the tile holds: at D 128, 64-key tiles in dynamic shared memory took the
-//     forward from 8.5 to 6.0 per HMMA (32-key tiles: static memory's 48 KiB).
+//     however many keys the tile holds: with its tiles in dynamic shared memory the forward takes
+//     128 keys a tile at D ≤ 64 and 64 at D 128, where static memory's 48 KiB allowed 64 and 32,
+//     and went from 9.8 to 7.6 per HMMA at D 64, from 8.5 to 6.0 at D 128.
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
 //     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
 //     ptxas for 128 registers a thread in the forward (16 warps an SM): alone that took the layer
-//     from 1.020 to 0.911 ms. The backward holds dK and dV (64 registers at D 64) besides a
-//     tile's Pᵀ: at 168 registers (12 warps) ptxas spilled three values in the loop, so it runs
-//     at 2 blocks (8 warps) with 218.
+//     from 1.020 to 0.911 ms. Its 128-key tiles at D 64 (below) trade some of that back: 167
+//     registers and 74 KiB of shared memory a block leave 3 blocks (12 warps) an SM, for a
+//     quarter fewer instructions a product (the SASS estimate: 14.5 → 13.4 clocks per HMMA; not
+//     yet timed on a GPU, which decides; ForwardTiles holds both numbers). The backward holds dK
+//     and dV (64 registers at D 64) besides a tile's Pᵀ: at 168 registers (12 warps) ptxas
+//     spilled three values in the loop, so it runs at 2 blocks (8 warps) with 218.
 //  3. Overlap. The forward's loop issues the next tile's copies, then waits for this tile's
 //     (issued a whole turn earlier: `cp.async.wait_group 1`), then computes: copies and products
 //     run at once, for a second buffer of shared memory. The backward has no room for a second
@@ -359,11 +363,13 @@ __device__ __forceinline__ int query_block_start() { return (gridDim.z - 1 - blo
 
 template <int D>
 struct ForwardTiles {
-    static constexpr int BN = 64;                          // key rows a tile
+    static constexpr int BN = D <= 64 ? 128 : 64; // key rows a tile
     static constexpr int ROWS = 2 * BN > BM ? 2 * BN : BM; // rows of each of ks, vs: two tiles, or Q's staging
     // Q is staged in vs's last BM rows; where tile 0 lies apart from them, the two loads run together
     static constexpr bool Q_APART = BN + BM <= ROWS;
-    static constexpr int BLOCKS = D <= 64 ? 4 : 2; // resident blocks an SM (__launch_bounds__): ≤ 128 registers at D ≤ 64
+    // resident blocks an SM (__launch_bounds__): ≤ 128 registers at D ≤ 32; at D 64, 3 (≤ 168
+    // registers), as many as its shared memory allows (3 × 75 KiB of an H100's 228)
+    static constexpr int BLOCKS = D <= 32 ? 4 : D == 64 ? 3 : 2;
     // ks and vs, in dynamic shared memory: at D 128 they take 68 KiB, past the 48 KiB that static
     // arrays may (launch_table/attention.rs gives a launch these bytes; cuda/device.rs opts in)
     static constexpr unsigned SHARED = 2 * ROWS * (D + PAD) * sizeof(bf16);
@@ -382,7 +388,7 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
     // The block's last query position (a tile with no key at or before it is skipped) and each
     // warp's first (a tile of keys all at or before it needs no mask) wait in shared memory, read
-    // once a tile: this keeps the walk within 128 registers (4 blocks an SM).
+    // once a tile: this keeps the walk within its registers (ForwardTiles::BLOCKS).
     __shared__ unsigned last, first_of_warp[WARPS];
     unsigned pi[2], block_last = extreme_position(q_pos, i0, BM, s.seq, false);
     unsigned warp_first = extreme_position(q_pos, r0, 16, s.seq, true);

@@ -42,12 +42,13 @@ fn flash_query_blocks(kernel: Kernel, a: Attn, args: Vec<Arg>) -> Launch {
     Launch { shared: forward_shared(a.head_dim), ..blocks }
 }
 
-/// The forward's dynamic shared memory (`ForwardTiles::SHARED`): its K and V tiles, two of 64
-/// rows each (or Q's 64 rows at first), each row D + 8 bf16 (the padding against bank conflicts).
-/// At D 128 that is 68 KiB, past the 48 KiB a block gets without opting in.
+/// The forward's dynamic shared memory (`ForwardTiles::SHARED`): its K and V tiles, two of each
+/// (128 keys a tile up to D 64, 64 at D 128), or Q's 64 rows at first, each row D + 8 bf16 (the
+/// padding against bank conflicts): 72 KiB at D 64, 68 KiB at D 128, past the 48 KiB a block
+/// gets without opting in.
 pub fn forward_shared(head_dim: usize) -> u32 {
-    const KEYS: usize = 64;
-    let rows = (2 * KEYS).max(64);
+    let keys = if head_dim <= 64 { 128 } else { 64 };
+    let rows = (2 * keys).max(64);
     (2 * rows * (head_dim + 8) * 2) as u32
 }
 
