@@ -62,21 +62,22 @@
 //     the speed. The first version issued 15 (forward), 10 (dq) and 11 (dk/dv) per HMMA: 42
 //     instructions of 64-bit address math per 16-byte copy, exp2f without fast math (4 a value),
 //     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
-//     a compile-time offset (load_rows, load_a), exponentials are one MUFU.EX2 (fast_exp2), and
-//     only a tile across the diagonal is masked (a warp-uniform branch): 9.8 per HMMA in the
-//     forward (of 64-key tiles) and 6.9 in the one-pass backward at D 64 (7.8 and 7.4 in the dq
-//     and dk/dv kernels it replaced), counted over the whole loop, the diagonal's mask included
+//     a compile-time offset (load_rows, load_a; one global offset serves the two tensors a tile
+//     copies, and shared addresses come from the compiler's own conversion, smem), exponentials
+//     are one MUFU.EX2 (fast_exp2), and only a tile across the diagonal is masked (a
+//     warp-uniform branch), counted over the whole loop, the diagonal's mask included
 //     (tests/kernels_sass.rs). What a tile costs besides its products (finding the next tile, its
 //     copies and positions, the barriers, each row's maximum and rescaling) is paid once for
 //     however many keys the tile holds: with its tiles in dynamic shared memory the forward takes
-//     128 keys a tile at D ≤ 64 and 64 at D 128, where static memory's 48 KiB allowed 64 and 32,
-//     and went from 9.8 to 7.6 per HMMA at D 64, from 8.5 to 6.0 at D 128.
+//     128 keys a tile at D ≤ 64 and 64 at D 128, where static memory's 48 KiB allowed 64 and 32.
+//     Per HMMA at D 64 and 128: forward 9.8 and 8.5 → 7.2 and 5.6; the one-pass backward 5.8 and
+//     5.9 (the dq and dk/dv kernels it replaced: 7.8 and 7.4 at D 64).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
 //     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
 //     ptxas for 128 registers a thread in the forward (16 warps an SM): alone that took the layer
-//     from 1.020 to 0.911 ms. Its 128-key tiles at D 64 (below) trade some of that back: 167
+//     from 1.020 to 0.911 ms. Its 128-key tiles at D 64 (below) trade some of that back: 166
 //     registers and 74 KiB of shared memory a block leave 3 blocks (12 warps) an SM, for a
-//     quarter fewer instructions a product (the SASS estimate: 14.5 → 13.4 clocks per HMMA; not
+//     quarter fewer instructions a product (the SASS estimate: 14.5 → 12.6 clocks per HMMA; not
 //     yet timed on a GPU, which decides; ForwardTiles holds both numbers). The backward holds dK
 //     and dV (64 registers at D 64) besides a tile's Pᵀ: at 168 registers (12 warps) ptxas
 //     spilled three values in the loop, so it runs at 2 blocks (8 warps) with 218.
@@ -95,7 +96,7 @@
 // each other (the backward's splits trade balance for fp32 dQ copies to zero and add: at
 // smollm-135m, 3 of 37.7 MB each a layer); what the SASS says without one is where the issue
 // slots, the registers and the waits go (and an estimate of scheduler clocks per HMMA from them:
-// 14.5 for the forward, 16.0 for the backward at D 64, against FlashAttention-2's measured 17),
+// 12.6 for the forward, 13.5 for the backward at D 64, against FlashAttention-2's measured 17),
 // and what the emulator says is what the addresses cost: 4 bank wavefronts an ldmatrix (PAD),
 // 16 sectors a warp's 512 bytes of copies, and products in flight during each copy group
 // (FERROTRON_EMULATOR_COSTS=1; kernels/README.md). Those hold them between measurements.
@@ -113,14 +114,13 @@ typedef __nv_bfloat16 bf16;
 #include "warp_ptx.h"
 #else
 // A shared-memory address: the 32-bit offset in the block's shared window. Made once per tile
-// from a generic pointer (cvta.to.shared); each copy and ldmatrix then adds a compile-time offset,
-// which the instruction carries as an immediate: no address arithmetic in the hot loop.
+// from a generic pointer; each copy and ldmatrix then adds a compile-time offset, which the
+// instruction carries as an immediate: no address arithmetic in the hot loop. The conversion is
+// the compiler's intrinsic, not an inline cvta.to.shared: it sees that the pointer came from a
+// shared array and folds the conversion away, where the asm made it build the 64-bit generic
+// address first (the window's base from two special registers) at every tile.
 typedef unsigned smem_t;
-__device__ __forceinline__ smem_t smem(const void* p) {
-    unsigned a;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
-    return a;
-}
+__device__ __forceinline__ smem_t smem(const void* p) { return (smem_t)__cvta_generic_to_shared(p); }
 // 2^x in one MUFU.EX2 (relative error about 2^-22; a subnormal result flushed to zero). exp2f
 // without fast math is four instructions (a range check, two multiplies and the MUFU).
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -188,29 +188,33 @@ __device__ __forceinline__ unsigned pack(float lo, float hi) {
            (unsigned)__bfloat16_as_ushort(__float2bfloat16(hi)) << 16;
 }
 
-// Starts copying rows r0..r0+N of head `head` of x [batch*len, heads*D] into t (zeros past len),
-// 16 bytes per cp.async by each of the block's NT threads; the caller commits and waits. A thread
-// copies the same 16-byte column of rows NT/(D/8) apart, so its addresses are one global and one
-// shared base plus compile-time steps: the 64-bit address math runs once a tile, not once a copy.
-template <int D, int N, int NT>
-__device__ __forceinline__ void load_rows(const bf16* x, int b, int len, int n_heads, int head, int r0,
-                                          bf16 (*t)[D + PAD]) {
+// Starts copying rows r0..r0+N of head `head` of each x[k] [batch*len, heads*D] (tensors of the
+// same layout: K and V, or Q and dO) into t[k] (zeros past len), 16 bytes per cp.async by each of
+// the block's NT threads; the caller commits and waits. A thread copies the same 16-byte column of
+// rows NT/(D/8) apart, so its addresses are one global offset and one shared base plus
+// compile-time steps: the 64-bit address math runs once a tile (for all T tensors), not once a copy.
+template <int D, int N, int NT, int T>
+__device__ __forceinline__ void load_rows(const bf16* const (&x)[T], int b, int len, int n_heads, int head, int r0,
+                                          bf16 (*const (&t)[T])[D + PAD]) {
     constexpr int CHUNKS = D / 8, STEP = NT / CHUNKS; // 16-byte pieces a row; rows between a thread's copies
     constexpr int COPIES = N < STEP ? 1 : N / STEP; // a thread's copies (threads past row N have none)
     static_assert(NT % CHUNKS == 0 && (N % STEP == 0 || STEP % N == 0), "the block's threads tile the rows exactly");
     int r = threadIdx.x / CHUNKS, c = threadIdx.x % CHUNKS * 8;
     if (N < STEP && r >= N) return;
     long step = (long)STEP * n_heads * D; // elements between a thread's rows
-    const bf16* src = x + ((long)b * len + r0 + r) * n_heads * D + (long)head * D + c;
-    smem_t dst = smem(&t[r][c]);
+    long at = ((long)b * len + r0 + r) * n_heads * D + (long)head * D + c;
     if (r0 + N <= len) { // every row exists (all tiles but a sequence's last): no test, no select
 #pragma unroll
-        for (int i = 0; i < COPIES; i++) cp_async_16(dst + i * STEP * (D + PAD) * 2, src + i * step, true);
+        for (int k = 0; k < T; k++)
+#pragma unroll
+            for (int i = 0; i < COPIES; i++) cp_async_16(smem(&t[k][r][c]) + i * STEP * (D + PAD) * 2, x[k] + at + i * step, true);
     } else { // a sequence's last tile, once a walk: a loop kept rolled (fewer instructions in the loop around it)
 #pragma unroll 1
         for (int i = 0; i < COPIES; i++) {
             bool in = r0 + r + i * STEP < len;
-            cp_async_16(dst + i * STEP * (D + PAD) * 2, in ? src + i * step : x, in); // padding: an address inside x
+#pragma unroll
+            for (int k = 0; k < T; k++) // padding: an address inside x[k]
+                cp_async_16(smem(&t[k][r][c]) + i * STEP * (D + PAD) * 2, in ? x[k] + at + i * step : x[k], in);
         }
     }
 }
@@ -342,8 +346,7 @@ __device__ void load_key_positions(const unsigned* k_pos, int j0, int kv_seq, un
 template <int D, int N>
 __device__ __forceinline__ void load_kv_tile(const Shape& s, const bf16* k, const bf16* v, const unsigned* k_pos, int b,
                                              int g, int j, bf16 (*kt)[D + PAD], bf16 (*vt)[D + PAD], unsigned* kp) {
-    load_rows<D, N, THREADS>(k, b, s.kv_seq, s.kv_heads, g, j, kt);
-    load_rows<D, N, THREADS>(v, b, s.kv_seq, s.kv_heads, g, j, vt);
+    load_rows<D, N, THREADS>({k, v}, b, s.kv_seq, s.kv_heads, g, j, {kt, vt});
     load_key_positions<N>(k_pos, j, s.kv_seq, kp);
 }
 
@@ -396,7 +399,7 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     if (threadIdx.x % 32 == 0) first_of_warp[w] = warp_first;
     for (int half = 0; half < 2; half++) pi[half] = r0 + row + 8 * half < s.seq ? q_pos[r0 + row + 8 * half] : 0;
     int j0 = next_tile<BN>(k_pos, 0, s.kv_seq, block_last, false), buf = 0;
-    load_rows<D, BM, THREADS>(q, b, s.seq, s.heads, h, i0, &vs[ROWS - BM]);
+    load_rows<D, BM, THREADS>({q}, b, s.seq, s.heads, h, i0, {&vs[ROWS - BM]});
     if (ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]); // beside Q
     cp_async_commit();
     cp_async_wait<0>();
@@ -495,6 +498,9 @@ __device__ __forceinline__ void add_dq(float* part, const Shape& s, int b, int h
                                        const bf16 (*dst)[N + PAD], const bf16 (*ks)[D + PAD]) {
     int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     smem_t a_base = smem(&dst[lane / 16 * 8 + lane % 8][q0 + lane / 8 % 2 * 8]), b_base = b_lane<D>(ks);
+    // this lane's two rows of dQ (g and g + 8), made once: each add below is a constant offset
+    float* rows[2] = {part + at(s, b, s.seq, r0 + g, s.heads, h) + 2 * t};
+    rows[1] = rows[0] + 8L * s.heads * D;
 #pragma unroll
     for (int c0 = 0; c0 < D; c0 += C) {
         float acc[C / 8][4] = {};
@@ -506,11 +512,10 @@ __device__ __forceinline__ void add_dq(float* part, const Shape& s, int b, int h
         }
 #pragma unroll
         for (int half = 0; half < 2; half++) {
-            int i = r0 + g + 8 * half;
-            if (i >= s.seq) continue;
-            float* row = part + at(s, b, s.seq, i, s.heads, h) + c0 + 2 * t;
+            if (r0 + g + 8 * half >= s.seq) continue;
 #pragma unroll
-            for (int n = 0; n < C / 8; n++) red_add(row + 8 * n, acc[n][2 * half]), red_add(row + 8 * n + 1, acc[n][2 * half + 1]);
+            for (int n = 0; n < C / 8; n++)
+                red_add(rows[half] + c0 + 8 * n, acc[n][2 * half]), red_add(rows[half] + c0 + 8 * n + 1, acc[n][2 * half + 1]);
         }
     }
 }
@@ -522,8 +527,7 @@ __device__ __forceinline__ void load_query_tile(const Shape& s, const bf16* q, c
                                                 const float* lse, const float* delta, int b, int h, int i0,
                                                 bf16 (*qs)[D + PAD], bf16 (*dos)[D + PAD], unsigned* qp, float* ls,
                                                 float* dl) {
-    load_rows<D, N, NT>(q, b, s.seq, s.heads, h, i0, qs);
-    load_rows<D, N, NT>(dout, b, s.seq, s.heads, h, i0, dos);
+    load_rows<D, N, NT>({q, dout}, b, s.seq, s.heads, h, i0, {qs, dos});
     stage_query_rows(s, q_pos, lse, delta, b, h, i0, N, LOG2E, qp, ls, dl);
 }
 
@@ -564,8 +568,7 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
         unsigned warp_last = r0 < s.kv_seq ? extreme_position(k_pos, r0, 16, s.kv_seq, false) : NO_KEY;
         __syncthreads(); // every warp is done with the previous key tile (its K, in its last dQ)
         int i0 = next_tile<QUERIES>(q_pos, 0, s.seq, key_first, true);
-        load_rows<D, KEYS, NT>(k, b, s.kv_seq, s.kv_heads, g, j0, ks);
-        load_rows<D, KEYS, NT>(v, b, s.kv_seq, s.kv_heads, g, j0, vs);
+        load_rows<D, KEYS, NT>({k, v}, b, s.kv_seq, s.kv_heads, g, j0, {ks, vs});
         if (i0 < s.seq) load_query_tile<D, QUERIES, NT>(s, q, dout, q_pos, lse, delta, b, h, i0, qs, dos, qp, ls, dl);
         cp_async_commit();
         load_key_positions<KEYS>(k_pos, j0, s.kv_seq, kp);
