@@ -77,10 +77,11 @@
 //     ptxas for 128 registers a thread in the forward (16 warps an SM): alone that took the layer
 //     from 1.020 to 0.911 ms. Its 128-key tiles at D 64 (below) trade some of that back: 166
 //     registers and 74 KiB of shared memory a block leave 3 blocks (12 warps) an SM, for a
-//     quarter fewer instructions a product (the SASS estimate: 14.5 → 12.6 clocks per HMMA; not
-//     yet timed on a GPU, which decides; ForwardTiles holds both numbers). The backward holds dK
-//     and dV (64 registers at D 64) besides a tile's Pᵀ: at 168 registers (12 warps) ptxas
-//     spilled three values in the loop, so it runs at 2 blocks (8 warps) with 218.
+//     fifth fewer instructions a product (the SASS estimate: 12.6 clocks per HMMA, against 13.2
+//     for 64-key tiles at 16 warps; not yet timed on a GPU, which decides; ForwardTiles holds
+//     both numbers). The backward holds dK and dV (64 registers at D 64) besides a tile's Pᵀ:
+//     at 168 registers (12 warps) ptxas spilled three values in the loop, so it runs at 2
+//     blocks (8 warps) with about 210.
 //  3. Overlap. The forward's loop issues the next tile's copies, then waits for this tile's
 //     (issued a whole turn earlier: `cp.async.wait_group 1`), then computes: copies and products
 //     run at once, for a second buffer of shared memory. The backward has no room for a second
