@@ -1,9 +1,9 @@
 //! Builds the CUDA kernels as C++ for the CPU emulator (`tests/emulator/`): every
 //! `kernels/*.cu` file as NVRTC would see it, plus a glue file that calls each kernel of
 //! `launch_table::catalogue()` by name from an array of argument pointers (`emu_launch`, the layout
-//! of cuLaunchKernel's parameters, with the launch's dynamic shared bytes) and says which names exist (`emu_has`). Shared by
-//! `tests/kernels_emulated.rs` (launches on host buffers) and `tests/gpu_path_emulated.rs` (the
-//! same library behind a fake CUDA driver).
+//! of cuLaunchKernel's parameters, with the launch's dynamic shared bytes) and says which names
+//! exist (`emu_has`). Shared by `tests/kernels_emulated.rs` (launches on host buffers) and
+//! `tests/gpu_path_emulated.rs` (the same library behind a fake CUDA driver).
 
 use ferrotron::cuda::launch_table::{self, Arg};
 use std::collections::BTreeMap;
