@@ -64,22 +64,25 @@
 //     the position mask on every score. Now each copy and ldmatrix is one base address a tile plus
 //     a compile-time offset (load_rows, load_a; one global offset serves the two tensors a tile
 //     copies, and shared addresses come from the compiler's own conversion, smem), exponentials
-//     are one MUFU.EX2 (fast_exp2), and only a tile across the diagonal is masked (a
-//     warp-uniform branch), counted over the whole loop, the diagonal's mask included
-//     (tests/kernels_sass.rs). What a tile costs besides its products (finding the next tile, its
-//     copies and positions, the barriers, each row's maximum and rescaling) is paid once for
-//     however many keys the tile holds: with its tiles in dynamic shared memory the forward takes
-//     128 keys a tile at D ≤ 64 and 64 at D 128, where static memory's 48 KiB allowed 64 and 32.
-//     Per HMMA at D 64 and 128: forward 9.8 and 8.5 → 7.2 and 5.6; the one-pass backward 5.8 and
-//     5.9 (the dq and dk/dv kernels it replaced: 7.8 and 7.4 at D 64).
+//     are one MUFU.EX2 (fast_exp2), and only a tile across the diagonal is masked: the forward
+//     walks its clear tiles in one loop and the tiles across the diagonal in a second
+//     (next_key_tile), so the loop nearly every tile runs has no mask in it, not even a branch
+//     around one (the backward masks behind a warp-uniform branch). What a tile costs besides its
+//     products (finding the next tile, its copies and positions, the barriers, each row's
+//     maximum and rescaling) is paid once for however many keys the tile holds: with its tiles
+//     in dynamic shared memory the forward takes 128 keys a tile at D ≤ 64 and 64 at D 128,
+//     where static memory's 48 KiB allowed 64 and 32. Per HMMA at D 64 and 128
+//     (tests/kernels_sass.rs): forward 9.8 and 8.5 → 5.7 and 5.0 (its loop across the diagonal
+//     7.1 and 5.4); the one-pass backward 5.8 and 5.9 (the dq and dk/dv kernels it replaced: 7.8
+//     and 7.4 at D 64).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
-//     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asks
+//     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asked
 //     ptxas for 128 registers a thread in the forward (16 warps an SM): alone that took the layer
-//     from 1.020 to 0.911 ms. Its 128-key tiles at D 64 (below) trade some of that back: 166
-//     registers and 74 KiB of shared memory a block leave 3 blocks (12 warps) an SM, for a
-//     fifth fewer instructions a product (the SASS estimate: 12.6 clocks per HMMA, against 13.2
-//     for 64-key tiles at 16 warps; not yet timed on a GPU, which decides; ForwardTiles holds
-//     both numbers). The backward holds dK and dV (64 registers at D 64) besides a tile's Pᵀ:
+//     from 1.020 to 0.911 ms. Its 128-key tiles (below) trade some of that back: 168 registers
+//     and 74 KiB of shared memory a block leave 3 blocks (12 warps) an SM, for a quarter fewer
+//     instructions a product (the SASS estimate at D 64: 10.1 clocks per HMMA, against 11.4 for
+//     64-key tiles at 16 warps, which spill at 128 registers; not yet timed on a GPU, which
+//     decides; ForwardTiles holds both numbers). The backward holds dK and dV (64 registers at D 64) besides a tile's Pᵀ:
 //     at 168 registers (12 warps) ptxas spilled three values in the loop, so it runs at 2
 //     blocks (8 warps) with about 210.
 //  3. Overlap. The forward's loop issues the next tile's copies, then waits for this tile's
@@ -97,7 +100,7 @@
 // each other (the backward's splits trade balance for fp32 dQ copies to zero and add: at
 // smollm-135m, 3 of 37.7 MB each a layer); what the SASS says without one is where the issue
 // slots, the registers and the waits go (and an estimate of scheduler clocks per HMMA from them:
-// 12.6 for the forward, 13.5 for the backward at D 64, against FlashAttention-2's measured 17),
+// 10.1 for the forward, 13.5 for the backward at D 64, against FlashAttention-2's measured 17),
 // and what the emulator says is what the addresses cost: 4 bank wavefronts an ldmatrix (PAD),
 // 16 sectors a warp's 512 bytes of copies, and products in flight during each copy group
 // (FERROTRON_EMULATOR_COSTS=1; kernels/README.md). Those hold them between measurements.
@@ -316,19 +319,19 @@ __device__ unsigned extreme_position(const unsigned* pos, int r0, int n, int len
     return smallest ? __reduce_min_sync(0xffffffff, m) : __reduce_max_sync(0xffffffff, m); // one REDUX
 }
 
-// The first tile of N rows at or after r0 (len if none) holding a row that the block sees: a key
-// with position ≤ bound (forward), or, with `queries`, a query with position ≥ bound (backward).
-// Positions are general (a ring or zigzag block's), so this reads them; called a tile ahead, its
-// loads overlap the current tile's products.
+// The first tile of N query rows at or after r0 (len if none) holding a query that sees the
+// block's keys: one with position ≥ bound, the block's first key position (the backward's walk;
+// the forward has next_key_tile, below). Positions are general (a ring or zigzag block's), so this
+// reads them.
 template <int N>
-__device__ int next_tile(const unsigned* pos, int r0, int len, unsigned bound, bool queries) {
+__device__ int next_query_tile(const unsigned* pos, int r0, int len, unsigned bound) {
     int lane = threadIdx.x % 32;
     for (; r0 < len; r0 += N) {
         bool seen = false;
 #pragma unroll
         for (int k = 0; k < (N + 31) / 32; k++) {
             int r = r0 + lane + 32 * k;
-            if (lane + 32 * k < N && r < len) seen |= queries ? pos[r] >= bound : pos[r] <= bound;
+            if (lane + 32 * k < N && r < len) seen |= pos[r] >= bound;
         }
         if (__any_sync(0xffffffff, seen)) return r0;
     }
@@ -371,18 +374,117 @@ struct ForwardTiles {
     static constexpr int ROWS = 2 * BN > BM ? 2 * BN : BM; // rows of each of ks, vs: two tiles, or Q's staging
     // Q is staged in vs's last BM rows; where tile 0 lies apart from them, the two loads run together
     static constexpr bool Q_APART = BN + BM <= ROWS;
-    // resident blocks an SM (__launch_bounds__): ≤ 128 registers at D ≤ 32; at D 64, 3 (≤ 168
-    // registers), as many as its shared memory allows (3 × 75 KiB of an H100's 228)
-    static constexpr int BLOCKS = D <= 32 ? 4 : D == 64 ? 3 : 2;
+    // resident blocks an SM (__launch_bounds__): at D ≤ 64, 3 (≤ 168 registers), as many as its
+    // shared memory allows at D 64 (3 × 75 KiB of an H100's 228); at D ≤ 32, 4 blocks (128
+    // registers) spill the two loops' scores. The way back to 16 warps at D 64: BN 64, BLOCKS 4
+    // and launch_table/attention.rs's forward_shared to match (7.7 instructions per HMMA and a
+    // 16-byte spill, against 5.7)
+    static constexpr int BLOCKS = D <= 64 ? 3 : 2;
     // ks and vs, in dynamic shared memory: at D 128 they take 68 KiB, past the 48 KiB that static
     // arrays may (launch_table/attention.rs gives a launch these bytes; cuda/device.rs opts in)
     static constexpr unsigned SHARED = 2 * ROWS * (D + PAD) * sizeof(bf16);
 };
 
+// The forward's walk takes its key tiles in two phases: first the clear ones, which every query row
+// of the block sees whole (every key exists and is at or before the block's first query position:
+// no mask), then the ones across the diagonal, which some row sees (a key at or before the block's
+// last position) but not every row all of (masked). Each phase is its own loop, so the clear
+// tiles, nearly all of them, run a loop with no mask in it. Under causal order this is the keys'
+// own order; with a ring or zigzag block's positions it may not be (only the sum's rounding can
+// change). Returns the first tile of N keys at or after r0 that the walk's phase (`across`) takes.
+// The clear phase notes the first tile across the diagonal that it passes (`diagonal`), and when
+// no clear tile is left it turns back to that one: `across` becomes true, and stays.
+template <int N>
+__device__ int next_key_tile(const unsigned* pos, int r0, int len, unsigned first, unsigned last, bool& across,
+                             int& diagonal) {
+    int lane = threadIdx.x % 32;
+    for (; r0 < len; r0 += N) {
+        bool seen = false, clear = true;
+#pragma unroll
+        for (int k = 0; k < (N + 31) / 32; k++) {
+            int r = r0 + lane + 32 * k;
+            unsigned p = r < len ? pos[r] : NO_KEY; // a padding key: masked
+            seen |= p <= last, clear &= p <= first;
+        }
+        bool whole = !__any_sync(0xffffffff, !clear); // (whole implies seen: first ≤ last)
+        if (!across && whole) return r0;
+        if (!whole && __any_sync(0xffffffff, seen)) {
+            if (across) return r0;
+            diagonal = min(diagonal, r0);
+        }
+    }
+    if (across || diagonal == len) return len;
+    across = true;
+    return diagonal;
+}
+
+// What a warp holds over the walk for its 16 query rows: Q's fragments, each row's position, and
+// the online softmax's m (the largest score so far, in log2 units), l (this lane's part of the row
+// sum; the group's parts are added at the end) and O.
+template <int D>
+struct ForwardRows {
+    unsigned qf[D / 16][4], pi[2];
+    float o[D / 8][4], m[2], l[2];
+};
+
+// One turn of the walk: the next tile's copies go out, tile j0 (in buffer buf) lands, and its
+// scores update the rows; ACROSS for a tile across the diagonal, which is masked. Returns the next
+// tile (and leaves `across` telling its phase).
+template <int D, bool ACROSS>
+__device__ __forceinline__ int forward_turn(const Shape& s, const bf16* k, const bf16* v, const unsigned* k_pos, int b,
+                                            int g, int j0, int& buf, bf16 (*ks)[D + PAD], bf16 (*vs)[D + PAD],
+                                            unsigned (*kp)[ForwardTiles<D>::BN], unsigned first, unsigned last,
+                                            bool& across, int& diagonal, ForwardRows<D>& r) {
+    constexpr int BN = ForwardTiles<D>::BN;
+    constexpr float scale = log2e_over_sqrt<D>();
+    int t = threadIdx.x % 4;
+    int next = next_key_tile<BN>(k_pos, j0 + BN, s.kv_seq, first, last, across, diagonal);
+    if (next < s.kv_seq) // into the other buffer, read last by the previous tile (barrier below)
+        load_kv_tile<D, BN>(s, k, v, k_pos, b, g, next, &ks[(buf ^ 1) * BN], &vs[(buf ^ 1) * BN], kp[buf ^ 1]);
+    cp_async_commit(); // (an empty group when there is no next tile: the count stays the same)
+    cp_async_wait<1>(); // this tile has landed; the next may still be in flight
+    __syncthreads();    // ... for every thread's copies
+    float sc[BN / 8][4];
+    times_transposed<D, BN>(sc, r.qf, &ks[buf * BN]);
+    if (ACROSS)
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+            for (int e = 0; e < 4; e++) // a later or padding key → −∞
+                if (kp[buf][8 * n + 2 * t + e % 2] > r.pi[e / 2]) sc[n][e] = -INFINITY;
+    float top[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+        for (int e = 0; e < 4; e++) top[e / 2] = fmaxf(top[e / 2], sc[n][e]);
+    for (int half = 0; half < 2; half++) {
+        for (int x = 1; x <= 2; x <<= 1) top[half] = fmaxf(top[half], __shfl_xor_sync(0xffffffff, top[half], x));
+        float m_new = fmaxf(r.m[half], top[half] * scale);
+        float base = m_new == -INFINITY ? 0.0f : m_new; // a row with no visible key yet: exp2(−∞) = 0
+        float correction = fast_exp2(r.m[half] - base);
+        r.l[half] *= correction;
+#pragma unroll
+        for (int n = 0; n < D / 8; n++) r.o[n][2 * half] *= correction, r.o[n][2 * half + 1] *= correction;
+#pragma unroll
+        for (int n = 0; n < BN / 8; n++)
+#pragma unroll
+            for (int e = 2 * half; e < 2 * half + 2; e++) {
+                sc[n][e] = fast_exp2(fmaf(sc[n][e], scale, -base));
+                r.l[half] += sc[n][e];
+            }
+        r.m[half] = m_new;
+    }
+    accumulate<D, BN>(r.o, sc, &vs[buf * BN]);
+    __syncthreads(); // every warp is done with this tile before the turn after next overwrites it
+    buf ^= 1;
+    return next;
+}
+
 template <int D>
 __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, const unsigned* q_pos,
                         const unsigned* k_pos, bf16* out, float* lse) {
     constexpr int BN = ForwardTiles<D>::BN, ROWS = ForwardTiles<D>::ROWS;
+    static_assert(BN % 32 == 0, "next_key_tile gives each lane whole keys of a tile");
     DYNAMIC_SHARED(window);
     if (dynamic_shared_bytes() < ForwardTiles<D>::SHARED) __trap(); // a launch that gave the tiles too little
     typedef bf16 Row[D + PAD];
@@ -390,79 +492,42 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     __shared__ unsigned kp[2][BN];
     int b = blockIdx.y, h = blockIdx.x, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
-    // The block's last query position (a tile with no key at or before it is skipped) and each
-    // warp's first (a tile of keys all at or before it needs no mask) wait in shared memory, read
-    // once a tile: this keeps the walk within its registers (ForwardTiles::BLOCKS).
-    __shared__ unsigned last, first_of_warp[WARPS];
-    unsigned pi[2], block_last = extreme_position(q_pos, i0, BM, s.seq, false);
-    unsigned warp_first = extreme_position(q_pos, r0, 16, s.seq, true);
-    if (threadIdx.x == 0) last = block_last;
-    if (threadIdx.x % 32 == 0) first_of_warp[w] = warp_first;
-    for (int half = 0; half < 2; half++) pi[half] = r0 + row + 8 * half < s.seq ? q_pos[r0 + row + 8 * half] : 0;
-    int j0 = next_tile<BN>(k_pos, 0, s.kv_seq, block_last, false), buf = 0;
+    // The block's first and last query positions (which tiles are clear, which are seen at all)
+    // wait in shared memory, read once a tile: this keeps the walk within its registers
+    // (ForwardTiles::BLOCKS).
+    __shared__ unsigned first, last;
+    unsigned block_first = extreme_position(q_pos, i0, BM, s.seq, true);
+    unsigned block_last = extreme_position(q_pos, i0, BM, s.seq, false);
+    if (threadIdx.x == 0) first = block_first, last = block_last;
+    ForwardRows<D> r = {{}, {}, {}, {-INFINITY, -INFINITY}, {0.0f, 0.0f}};
+    for (int half = 0; half < 2; half++) r.pi[half] = r0 + row + 8 * half < s.seq ? q_pos[r0 + row + 8 * half] : 0;
+    bool across = false;     // the walk is past its clear tiles
+    int diagonal = s.kv_seq; // the first tile across the diagonal
+    int j0 = next_key_tile<BN>(k_pos, 0, s.kv_seq, block_first, block_last, across, diagonal), buf = 0;
     load_rows<D, BM, THREADS>({q}, b, s.seq, s.heads, h, i0, {&vs[ROWS - BM]});
     if (ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]); // beside Q
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
-    unsigned qf[D / 16][4];
-    load_a<D>(qf, &vs[ROWS - BM + 16 * w]);
+    load_a<D>(r.qf, &vs[ROWS - BM + 16 * w]);
     __syncthreads(); // every warp has its Q before a tile overwrites it
     if (!ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]);
     cp_async_commit();
-    float o[D / 8][4] = {}, m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}; // m in log2 units
-    constexpr float scale = log2e_over_sqrt<D>();
-    while (j0 < s.kv_seq) {
-        int next = next_tile<BN>(k_pos, j0 + BN, s.kv_seq, last, false);
-        if (next < s.kv_seq) // into the other buffer, read last by the previous tile (barrier below)
-            load_kv_tile<D, BN>(s, k, v, k_pos, b, g, next, &ks[(buf ^ 1) * BN], &vs[(buf ^ 1) * BN], kp[buf ^ 1]);
-        cp_async_commit(); // (an empty group when there is no next tile: the count stays the same)
-        cp_async_wait<1>(); // this tile has landed; the next may still be in flight
-        __syncthreads();    // ... for every thread's copies
-        float sc[BN / 8][4];
-        times_transposed<D, BN>(sc, qf, &ks[buf * BN]);
-        if (extreme_position(kp[buf], 0, BN, BN, false) > first_of_warp[w]) // a tile across the diagonal: mask
-#pragma unroll
-            for (int n = 0; n < BN / 8; n++)
-#pragma unroll
-                for (int e = 0; e < 4; e++) // a later or padding key → −∞
-                    if (kp[buf][8 * n + 2 * t + e % 2] > pi[e / 2]) sc[n][e] = -INFINITY;
-        float top[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-        for (int n = 0; n < BN / 8; n++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) top[e / 2] = fmaxf(top[e / 2], sc[n][e]);
-        for (int half = 0; half < 2; half++) {
-            for (int x = 1; x <= 2; x <<= 1) top[half] = fmaxf(top[half], __shfl_xor_sync(0xffffffff, top[half], x));
-            float m_new = fmaxf(m[half], top[half] * scale);
-            float base = m_new == -INFINITY ? 0.0f : m_new; // a row with no visible key yet: exp2(−∞) = 0
-            float correction = fast_exp2(m[half] - base);
-            l[half] *= correction; // this lane's part of the row sum; the group's parts are added at the end
-#pragma unroll
-            for (int n = 0; n < D / 8; n++) o[n][2 * half] *= correction, o[n][2 * half + 1] *= correction;
-#pragma unroll
-            for (int n = 0; n < BN / 8; n++)
-#pragma unroll
-                for (int e = 2 * half; e < 2 * half + 2; e++) {
-                    sc[n][e] = fast_exp2(fmaf(sc[n][e], scale, -base));
-                    l[half] += sc[n][e];
-                }
-            m[half] = m_new;
-        }
-        accumulate<D, BN>(o, sc, &vs[buf * BN]);
-        __syncthreads(); // every warp is done with this tile before the turn after next overwrites it
-        j0 = next, buf ^= 1;
-    }
+    // the two phases, each its own loop (`across` tells the phase of tile j0)
+    while (j0 < s.kv_seq && !across)
+        j0 = forward_turn<D, false>(s, k, v, k_pos, b, g, j0, buf, ks, vs, kp, first, last, across, diagonal, r);
+    while (j0 < s.kv_seq)
+        j0 = forward_turn<D, true>(s, k, v, k_pos, b, g, j0, buf, ks, vs, kp, first, last, across, diagonal, r);
     cp_async_wait<0>();
     float inverse[2];
     for (int half = 0; half < 2; half++) {
-        for (int x = 1; x <= 2; x <<= 1) l[half] += __shfl_xor_sync(0xffffffff, l[half], x);
-        inverse[half] = l[half] > 0.0f ? 1.0f / l[half] : 0.0f;
+        for (int x = 1; x <= 2; x <<= 1) r.l[half] += __shfl_xor_sync(0xffffffff, r.l[half], x);
+        inverse[half] = r.l[half] > 0.0f ? 1.0f / r.l[half] : 0.0f;
         int i = r0 + row + 8 * half;
         if (t == 0 && i < s.seq)
-            lse[((long)b * s.heads + h) * s.seq + i] = l[half] > 0.0f ? (m[half] + log2f(l[half])) / LOG2E : -INFINITY;
+            lse[((long)b * s.heads + h) * s.seq + i] = r.l[half] > 0.0f ? (r.m[half] + log2f(r.l[half])) / LOG2E : -INFINITY;
     }
-    write_rows<D>(s, o, inverse, out, b, s.seq, s.heads, h, r0);
+    write_rows<D>(s, r.o, inverse, out, b, s.seq, s.heads, h, r0);
 }
 
 // ---- backward: dk, dv and dq in one pass (FlashAttention-2's 5 products) ---------------------
@@ -568,7 +633,7 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
         // its dS, times the zeros of the padding K, NaN in dQ)
         unsigned warp_last = r0 < s.kv_seq ? extreme_position(k_pos, r0, 16, s.kv_seq, false) : NO_KEY;
         __syncthreads(); // every warp is done with the previous key tile (its K, in its last dQ)
-        int i0 = next_tile<QUERIES>(q_pos, 0, s.seq, key_first, true);
+        int i0 = next_query_tile<QUERIES>(q_pos, 0, s.seq, key_first);
         load_rows<D, KEYS, NT>({k, v}, b, s.kv_seq, s.kv_heads, g, j0, {ks, vs});
         if (i0 < s.seq) load_query_tile<D, QUERIES, NT>(s, q, dout, q_pos, lse, delta, b, h, i0, qs, dos, qp, ls, dl);
         cp_async_commit();
@@ -649,7 +714,7 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
             }
             __syncthreads(); // every warp is done with qs, dos and the staged rows, and dst is whole
             // the next query tile's copies, in flight during dQ's products
-            int next = next_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, true);
+            int next = next_query_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first);
             if (next < s.seq) load_query_tile<D, QUERIES, NT>(s, q, dout, q_pos, lse, delta, b, h, next, qs, dos, qp, ls, dl);
             cp_async_commit();
             add_dq<D, KEYS, KeyTiles<D>::DQ_COLUMNS>(dq_part(s, dq_parts), s, b, h, i0 + 16 * w, 16 * w, dst, ks);
