@@ -390,8 +390,8 @@ struct ForwardTiles {
 // no mask), then the ones across the diagonal, which some row sees (a key at or before the block's
 // last position) but not every row all of (masked). Each phase is its own loop, so the clear
 // tiles, nearly all of them, run a loop with no mask in it. Under causal order this is the keys'
-// own order; with a ring or zigzag block's positions it may not be (only the sum's rounding can
-// change). Returns the first tile of N keys at or after r0 that the walk's phase (`across`) takes.
+// own order, and so it stays for a ring or zigzag block's keys; keys out of position order may be
+// walked out of their order (only the sum's rounding can change). Returns the first tile of N keys at or after r0 that the walk's phase (`across`) takes.
 // The clear phase notes the first tile across the diagonal that it passes (`diagonal`), and when
 // no clear tile is left it turns back to that one: `across` becomes true, and stays.
 template <int N>
