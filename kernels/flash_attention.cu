@@ -321,10 +321,16 @@ __device__ unsigned extreme_position(const unsigned* pos, int r0, int n, int len
 
 // The first tile of N query rows at or after r0 (len if none) holding a query that sees the
 // block's keys: one with position ≥ bound, the block's first key position (the backward's walk;
-// the forward has next_key_tile, below). Positions are general (a ring or zigzag block's), so this
-// reads them.
+// the forward has next_key_tile, below). Queries at consecutive positions q0, q0 + 1, … (one
+// sequence, or a ring block's; `consecutive` and q0, found once per block) make it arithmetic:
+// the tile of row bound − q0, and every tile after it. Other positions (zigzag's) are read, a
+// tile at a time.
 template <int N>
-__device__ int next_query_tile(const unsigned* pos, int r0, int len, unsigned bound) {
+__device__ int next_query_tile(const unsigned* pos, int r0, int len, unsigned bound, bool consecutive, unsigned q0) {
+    if (consecutive) {
+        int row = (int)(bound - q0); // the first query that sees the keys (positions < 2^31 apart)
+        return min(max(r0, row > 0 ? row / N * N : 0), len);
+    }
     int lane = threadIdx.x % 32;
     for (; r0 < len; r0 += N) {
         bool seen = false;
@@ -336,6 +342,20 @@ __device__ int next_query_tile(const unsigned* pos, int r0, int len, unsigned bo
         if (__any_sync(0xffffffff, seen)) return r0;
     }
     return len;
+}
+
+// Whether pos[0..len) are consecutive, pos[0] + r at row r, for the whole block (one barrier).
+template <int NT>
+__device__ bool consecutive_positions(const unsigned* pos, int len) {
+    __shared__ bool gap_of_warp[NT / 32];
+    bool gap = false;
+    for (int r = threadIdx.x; r < len; r += NT) gap |= pos[r] != pos[0] + r;
+    gap = __any_sync(0xffffffff, gap);
+    if (threadIdx.x % 32 == 0) gap_of_warp[threadIdx.x / 32] = gap;
+    __syncthreads();
+    bool consecutive = true;
+    for (int u = 0; u < NT / 32; u++) consecutive &= !gap_of_warp[u];
+    return consecutive;
 }
 
 // The positions of key rows j0..j0+N into kp (NO_KEY past the end); plain stores, seen after the
@@ -391,12 +411,37 @@ struct ForwardTiles {
 // last position) but not every row all of (masked). Each phase is its own loop, so the clear
 // tiles, nearly all of them, run a loop with no mask in it. Under causal order this is the keys'
 // own order, and so it stays for a ring or zigzag block's keys; keys out of position order may be
-// walked out of their order (only the sum's rounding can change). Returns the first tile of N keys at or after r0 that the walk's phase (`across`) takes.
-// The clear phase notes the first tile across the diagonal that it passes (`diagonal`), and when
-// no clear tile is left it turns back to that one: `across` becomes true, and stays.
+// walked out of their order (only the sum's rounding can change).
+//
+// Which tile is which comes from the positions. Keys at consecutive positions k0, k0 + 1, … (one
+// sequence, or a ring block's) make the walk a range, computed once per block (key_range):
+// tiles [0, clear) clear, [clear, seen) across. Other positions (zigzag's two chunks, any order)
+// are read: next_key_tile scans them a tile at a time.
+struct KeyWalk {
+    unsigned first, last; // the block's first and last query positions
+    int clear, seen;      // the range (seen < 0: the keys' positions are not consecutive)
+};
+
+// The range of keys at consecutive positions k0, k0 + 1, …: tile t (a multiple of N) is clear if
+// its N keys exist and the last, k0 + t + N − 1, is at most `first`; seen if t < len and k0 + t ≤
+// last.
 template <int N>
-__device__ int next_key_tile(const unsigned* pos, int r0, int len, unsigned first, unsigned last, bool& across,
-                             int& diagonal) {
+__device__ void key_range(KeyWalk& walk, unsigned k0, int len) {
+    long long clear_keys = (long long)walk.first - k0 + 1, seen_keys = (long long)walk.last - k0 + 1;
+    walk.clear = (int)min(clear_keys > 0 ? clear_keys / N : 0, (long long)(len / N)) * N;
+    walk.seen = (int)min(seen_keys > 0 ? (seen_keys + N - 1) / N : 0, (long long)((len + N - 1) / N)) * N;
+}
+
+// The first tile of N keys at or after r0 that the walk's phase (`across`) takes (len if none).
+// Scanning, the clear phase notes the first tile across the diagonal that it passes (`diagonal`),
+// and when no clear tile is left it turns back to that one: `across` becomes true, and stays.
+template <int N>
+__device__ int next_key_tile(const unsigned* pos, int r0, int len, const KeyWalk& walk, bool& across, int& diagonal) {
+    if (walk.seen >= 0) { // consecutive keys: the range (clear ≤ seen)
+        int next = across || r0 < walk.clear ? r0 : walk.clear;
+        across |= next >= walk.clear;
+        return next < walk.seen ? next : len;
+    }
     int lane = threadIdx.x % 32;
     for (; r0 < len; r0 += N) {
         bool seen = false, clear = true;
@@ -404,7 +449,7 @@ __device__ int next_key_tile(const unsigned* pos, int r0, int len, unsigned firs
         for (int k = 0; k < (N + 31) / 32; k++) {
             int r = r0 + lane + 32 * k;
             unsigned p = r < len ? pos[r] : NO_KEY; // a padding key: masked
-            seen |= p <= last, clear &= p <= first;
+            seen |= p <= walk.last, clear &= p <= walk.first;
         }
         bool whole = !__any_sync(0xffffffff, !clear); // (whole implies seen: first ≤ last)
         if (!across && whole) return r0;
@@ -433,12 +478,12 @@ struct ForwardRows {
 template <int D, bool ACROSS>
 __device__ __forceinline__ int forward_turn(const Shape& s, const bf16* k, const bf16* v, const unsigned* k_pos, int b,
                                             int g, int j0, int& buf, bf16 (*ks)[D + PAD], bf16 (*vs)[D + PAD],
-                                            unsigned (*kp)[ForwardTiles<D>::BN], unsigned first, unsigned last,
-                                            bool& across, int& diagonal, ForwardRows<D>& r) {
+                                            unsigned (*kp)[ForwardTiles<D>::BN], const KeyWalk& walk, bool& across,
+                                            int& diagonal, ForwardRows<D>& r) {
     constexpr int BN = ForwardTiles<D>::BN;
     constexpr float scale = log2e_over_sqrt<D>();
     int t = threadIdx.x % 4;
-    int next = next_key_tile<BN>(k_pos, j0 + BN, s.kv_seq, first, last, across, diagonal);
+    int next = next_key_tile<BN>(k_pos, j0 + BN, s.kv_seq, walk, across, diagonal);
     if (next < s.kv_seq) // into the other buffer, read last by the previous tile (barrier below)
         load_kv_tile<D, BN>(s, k, v, k_pos, b, g, next, &ks[(buf ^ 1) * BN], &vs[(buf ^ 1) * BN], kp[buf ^ 1]);
     cp_async_commit(); // (an empty group when there is no next tile: the count stays the same)
@@ -492,32 +537,43 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     __shared__ unsigned kp[2][BN];
     int b = blockIdx.y, h = blockIdx.x, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
-    // The block's first and last query positions (which tiles are clear, which are seen at all)
-    // wait in shared memory, read once a tile: this keeps the walk within its registers
-    // (ForwardTiles::BLOCKS).
-    __shared__ unsigned first, last;
-    unsigned block_first = extreme_position(q_pos, i0, BM, s.seq, true);
-    unsigned block_last = extreme_position(q_pos, i0, BM, s.seq, false);
-    if (threadIdx.x == 0) first = block_first, last = block_last;
+    // What the walk knows of the positions waits in shared memory, read once a tile: this keeps
+    // the walk within its registers (ForwardTiles::BLOCKS). The first tile is found by scanning,
+    // while each warp looks for a gap in the keys' positions; once every warp has, the block's
+    // range is made (or not) for the rest of the walk.
+    __shared__ KeyWalk walk;
+    __shared__ bool gap_of_warp[WARPS];
+    KeyWalk scan = {extreme_position(q_pos, i0, BM, s.seq, true), extreme_position(q_pos, i0, BM, s.seq, false), 0, -1};
     ForwardRows<D> r = {{}, {}, {}, {-INFINITY, -INFINITY}, {0.0f, 0.0f}};
-    for (int half = 0; half < 2; half++) r.pi[half] = r0 + row + 8 * half < s.seq ? q_pos[r0 + row + 8 * half] : 0;
     bool across = false;     // the walk is past its clear tiles
     int diagonal = s.kv_seq; // the first tile across the diagonal
-    int j0 = next_key_tile<BN>(k_pos, 0, s.kv_seq, block_first, block_last, across, diagonal), buf = 0;
+    int j0 = next_key_tile<BN>(k_pos, 0, s.kv_seq, scan, across, diagonal), buf = 0;
     load_rows<D, BM, THREADS>({q}, b, s.seq, s.heads, h, i0, {&vs[ROWS - BM]});
     if (ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]); // beside Q
     cp_async_commit();
+    bool gap = s.kv_seq == 0;
+    for (int e = threadIdx.x; e < s.kv_seq; e += THREADS) gap |= k_pos[e] != k_pos[0] + e;
+    gap = __any_sync(0xffffffff, gap);
+    if (threadIdx.x % 32 == 0) gap_of_warp[w] = gap;
     cp_async_wait<0>();
     __syncthreads();
+    if (threadIdx.x == 0) {
+        walk = scan;
+        bool consecutive = true;
+        for (int u = 0; u < WARPS; u++) consecutive &= !gap_of_warp[u];
+        if (consecutive) key_range<BN>(walk, k_pos[0], s.kv_seq);
+    }
     load_a<D>(r.qf, &vs[ROWS - BM + 16 * w]);
     __syncthreads(); // every warp has its Q before a tile overwrites it
     if (!ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]);
     cp_async_commit();
     // the two phases, each its own loop (`across` tells the phase of tile j0)
     while (j0 < s.kv_seq && !across)
-        j0 = forward_turn<D, false>(s, k, v, k_pos, b, g, j0, buf, ks, vs, kp, first, last, across, diagonal, r);
+        j0 = forward_turn<D, false>(s, k, v, k_pos, b, g, j0, buf, ks, vs, kp, walk, across, diagonal, r);
+    // the rows' positions, for the mask: read here, they take no register in the clear tiles' loop
+    for (int half = 0; half < 2; half++) r.pi[half] = r0 + row + 8 * half < s.seq ? q_pos[r0 + row + 8 * half] : 0;
     while (j0 < s.kv_seq)
-        j0 = forward_turn<D, true>(s, k, v, k_pos, b, g, j0, buf, ks, vs, kp, first, last, across, diagonal, r);
+        j0 = forward_turn<D, true>(s, k, v, k_pos, b, g, j0, buf, ks, vs, kp, walk, across, diagonal, r);
     cp_async_wait<0>();
     float inverse[2];
     for (int half = 0; half < 2; half++) {
@@ -622,6 +678,8 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
     // this block's rows of its split's dQ, zeroed: its key tiles add into them
     for (int e = threadIdx.x; e < s.seq * (D / 4); e += NT)
         *(float4*)(dq_part(s, dq_parts) + at(s, b, s.seq, e / (D / 4), s.heads, h) + e % (D / 4) * 4) = {0.0f, 0.0f, 0.0f, 0.0f};
+    bool consecutive = consecutive_positions<NT>(q_pos, s.seq);
+    unsigned q0 = consecutive && s.seq > 0 ? q_pos[0] : 0;
     int tiles = (s.kv_seq + KEYS - 1) / KEYS;
     for (int turn = 0; turn < 2 * ((tiles + 2 * splits - 1) / (2 * splits)); turn++) {
         // the snake: tiles split and 2·splits − 1 − split of each run of 2·splits
@@ -633,7 +691,7 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
         // its dS, times the zeros of the padding K, NaN in dQ)
         unsigned warp_last = r0 < s.kv_seq ? extreme_position(k_pos, r0, 16, s.kv_seq, false) : NO_KEY;
         __syncthreads(); // every warp is done with the previous key tile (its K, in its last dQ)
-        int i0 = next_query_tile<QUERIES>(q_pos, 0, s.seq, key_first);
+        int i0 = next_query_tile<QUERIES>(q_pos, 0, s.seq, key_first, consecutive, q0);
         load_rows<D, KEYS, NT>({k, v}, b, s.kv_seq, s.kv_heads, g, j0, {ks, vs});
         if (i0 < s.seq) load_query_tile<D, QUERIES, NT>(s, q, dout, q_pos, lse, delta, b, h, i0, qs, dos, qp, ls, dl);
         cp_async_commit();
@@ -714,7 +772,7 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
             }
             __syncthreads(); // every warp is done with qs, dos and the staged rows, and dst is whole
             // the next query tile's copies, in flight during dQ's products
-            int next = next_query_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first);
+            int next = next_query_tile<QUERIES>(q_pos, i0 + QUERIES, s.seq, first, consecutive, q0);
             if (next < s.seq) load_query_tile<D, QUERIES, NT>(s, q, dout, q_pos, lse, delta, b, h, next, qs, dos, qp, ls, dl);
             cp_async_commit();
             add_dq<D, KEYS, KeyTiles<D>::DQ_COLUMNS>(dq_part(s, dq_parts), s, b, h, i0 + 16 * w, 16 * w, dst, ks);

@@ -154,6 +154,14 @@ impl Check {
         }
         self.checked += 1;
     }
+    /// The same bits: two launches that must compute alike.
+    fn identical(&mut self, what: &str, got: &Buf, want: &Buf) {
+        let bits = |b: &Buf| b.values().iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+        let (got, want) = (bits(got), bits(want));
+        let first = got.iter().zip(&want).position(|(g, w)| g != w);
+        assert!(first.is_none(), "{:?} {what}: element {} differs in its bits", self.dt, first.unwrap_or(0));
+        self.checked += 1;
+    }
 }
 
 fn emulator() -> Option<Emulator> {
@@ -217,6 +225,18 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         let shuffled = Attn { batch: 1, seq: 128, kv_seq: 256, heads: 2, kv_heads: 1, head_dim: 64 };
         let (late, shuffled_keys): (Vec<u32>, Vec<u32>) = ((128..256).collect(), (128..256).chain(0..128).collect());
         attention(&mut c, shuffled, (&late, &shuffled_keys));
+        // consecutive keys (the forward's range, made once a block) at its edges: a block of
+        // queries 193..257, whose last sees only the first key of the third tile (256..384), and
+        // one of 254..318, whose first is one key short of the second tile (128..256), so that
+        // tile is across
+        let edge = Attn { batch: 1, seq: 128, kv_seq: 384, heads: 2, kv_heads: 1, head_dim: 64 };
+        let (edge_q, edge_k): (Vec<u32>, Vec<u32>) = ((193..257).chain(254..318).collect(), (0..384).collect());
+        attention(&mut c, edge, (&edge_q, &edge_k));
+        // and the backward's (consecutive queries): queries 1..129 against keys 0..128, so that
+        // the second key tile (64..128) is first seen by the last query of the first query tile
+        let shifted = Attn { batch: 1, seq: 128, kv_seq: 128, heads: 2, kv_heads: 2, head_dim: 64 };
+        let (shifted_q, shifted_k): (Vec<u32>, Vec<u32>) = ((1..129).collect(), (0..128).collect());
+        attention(&mut c, shifted, (&shifted_q, &shifted_k));
         attention(&mut c, Attn { head_dim: 32, ..ring }, (&q_pos, &k_pos));
         let gqa3 = Attn { batch: 2, seq: 75, kv_seq: 75, heads: 6, kv_heads: 2, head_dim: 64 };
         let pos: Vec<u32> = (0..75).collect();
@@ -237,7 +257,7 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert_eq!(checked, 197 + 2 * 2 * 8 + 2 * 5 * 5, "every check ran");
+    assert_eq!(checked, 197 + 2 * 2 * 8 + 2 * 7 * 5 + 10 * 5, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {
@@ -402,6 +422,21 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
     let what = format!("attention q{} k{} h{}/{} d{}", a.seq, a.kv_seq, a.heads, a.kv_heads, a.head_dim);
     c.same(&what, &bout, &out);
     c.same(&format!("{what} lse"), &blse, &lse);
+    // Consecutive positions (keys in the tensor-core forward, queries in its backward) make each
+    // walk a range, found once a block; others are scanned. The same rows at doubled positions
+    // (each key still seen by the same queries, the tiles in the same order, but with gaps) go by
+    // the scan, and must give the same bits.
+    let consecutive = |p: &[u32]| p.windows(2).all(|w| w[1] == w[0] + 1);
+    let both_ways = dt == DType::Bf16 && (consecutive(pos.0) || consecutive(pos.1));
+    let (mut q2, mut k2): (Vec<u32>, Vec<u32>) =
+        (qp.iter().map(|p| 2 * p).collect(), kp.iter().map(|p| 2 * p).collect());
+    let gaps = (q2.as_mut_ptr() as Addr, k2.as_mut_ptr() as Addr);
+    if both_ways {
+        let (mut sout, mut slse) = (Buf::poisoned(out.numel(), dt), Buf::poisoned(lse.numel(), DType::F32));
+        c.run(&launch_table::attention::forward(dt, a, qkv, gaps, sout.addr(), slse.addr()));
+        c.identical(&format!("{what}, by its range and by its scan"), &bout, &sout);
+        c.identical(&format!("{what} lse, by its range and by its scan"), &blse, &slse);
+    }
     // backward from the reference forward, rounded to the compute dtype
     let out = Tensor::from_vec(out.shape(), out.to_vec().into_iter().map(|v| c.round(v)).collect());
     let dout = c.rand(out.shape());
@@ -419,6 +454,16 @@ fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {
     c.same(&format!("{what} dq"), &bdq, &dq);
     c.same(&format!("{what} dk"), &bdk, &dk);
     c.same(&format!("{what} dv"), &bdv, &dv);
+    if both_ways {
+        let mut scanned = [&dq, &dk, &dv].map(|t| Buf::poisoned(t.numel(), dt));
+        let grads = (scanned[0].addr(), scanned[1].addr(), scanned[2].addr());
+        for l in launch_table::attention::backward(dt, a, qkv, gaps, saved, scratch.addr(), grads) {
+            c.run(&l);
+        }
+        for ((name, got), want) in ["dq", "dk", "dv"].iter().zip(&scanned).zip([&bdq, &bdk, &bdv]) {
+            c.identical(&format!("{what} {name}, by its range and by its scan"), want, got);
+        }
+    }
 }
 
 fn merge(c: &mut Check, a: Attn) {
