@@ -67,24 +67,27 @@
 //     are one MUFU.EX2 (fast_exp2), and only a tile across the diagonal is masked: the forward
 //     walks its clear tiles in one loop and the tiles across the diagonal in a second
 //     (next_key_tile), so the loop nearly every tile runs has no mask in it, not even a branch
-//     around one (the backward masks behind a warp-uniform branch). What a tile costs besides its
-//     products (finding the next tile, its copies and positions, the barriers, each row's
-//     maximum and rescaling) is paid once for however many keys the tile holds: with its tiles
-//     in dynamic shared memory the forward takes 128 keys a tile at D ≤ 64 and 64 at D 128,
-//     where static memory's 48 KiB allowed 64 and 32. Per HMMA at D 64 and 128
-//     (tests/kernels_sass.rs): forward 9.8 and 8.5 → 5.7 and 5.0 (its loop across the diagonal
-//     7.1 and 5.4); the one-pass backward 5.8 and 5.9 (the dq and dk/dv kernels it replaced: 7.8
+//     around one (the backward masks behind a warp-uniform branch). Which tile comes next is
+//     arithmetic where positions are consecutive (a range found once a block: key_range,
+//     next_query_tile), and a scan of the positions only where they are not (zigzag's). What a
+//     tile costs besides its products (finding the next tile, its copies and positions, the
+//     barriers, each row's maximum and rescaling) is paid once for however many keys the tile
+//     holds: with its tiles in dynamic shared memory the forward takes 128 keys a tile at D ≤ 64
+//     and 64 at D 128, where static memory's 48 KiB allowed 64 and 32. Per HMMA at D 64 and 128
+//     (tests/kernels_sass.rs, counting the scan too): forward 9.8 and 8.5 → 5.8 and 5.0 (its
+//     loop across the diagonal 7.3 and 5.8; a turn that takes the range skips 48 of the 746 at
+//     D 64: 5.5); the one-pass backward 5.9 and 6.0 (the dq and dk/dv kernels it replaced: 7.8
 //     and 7.4 at D 64).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
 //     (2 a scheduler) a stalled scheduler often has nothing else to issue. __launch_bounds__ asked
 //     ptxas for 128 registers a thread in the forward (16 warps an SM): alone that took the layer
 //     from 1.020 to 0.911 ms. Its 128-key tiles (below) trade some of that back: 168 registers
 //     and 74 KiB of shared memory a block leave 3 blocks (12 warps) an SM, for a quarter fewer
-//     instructions a product (the SASS estimate at D 64: 10.1 clocks per HMMA, against 11.4 for
-//     64-key tiles at 16 warps, which spill at 128 registers; not yet timed on a GPU, which
-//     decides; ForwardTiles holds both numbers). The backward holds dK and dV (64 registers at D 64) besides a tile's Pᵀ:
-//     at 168 registers (12 warps) ptxas spilled three values in the loop, so it runs at 2
-//     blocks (8 warps) with about 210.
+//     instructions a product (the SASS estimate at D 64: 10.2 clocks per HMMA, against about
+//     11.4 for 64-key tiles at 16 warps, which spill at 128 registers; not yet timed on a GPU,
+//     which decides; ForwardTiles holds both numbers). The backward holds dK and dV (64
+//     registers at D 64) besides a tile's Pᵀ: at 168 registers (12 warps) ptxas spilled three
+//     values in the loop, so it runs at 2 blocks (8 warps) with about 210.
 //  3. Overlap. The forward's loop issues the next tile's copies, then waits for this tile's
 //     (issued a whole turn earlier: `cp.async.wait_group 1`), then computes: copies and products
 //     run at once, for a second buffer of shared memory. The backward has no room for a second
@@ -100,7 +103,7 @@
 // each other (the backward's splits trade balance for fp32 dQ copies to zero and add: at
 // smollm-135m, 3 of 37.7 MB each a layer); what the SASS says without one is where the issue
 // slots, the registers and the waits go (and an estimate of scheduler clocks per HMMA from them:
-// 10.1 for the forward, 13.5 for the backward at D 64, against FlashAttention-2's measured 17),
+// 10.2 for the forward, 13.7 for the backward at D 64, against FlashAttention-2's measured 17),
 // and what the emulator says is what the addresses cost: 4 bank wavefronts an ldmatrix (PAD),
 // 16 sectors a warp's 512 bytes of copies, and products in flight during each copy group
 // (FERROTRON_EMULATOR_COSTS=1; kernels/README.md). Those hold them between measurements.
