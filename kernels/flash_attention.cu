@@ -75,7 +75,7 @@
 //     holds: with its tiles in dynamic shared memory the forward takes 128 keys a tile at D ≤ 64
 //     and 64 at D 128, where static memory's 48 KiB allowed 64 and 32. Per HMMA at D 64 and 128
 //     (tests/kernels_sass.rs, counting the scan too): forward 9.8 and 8.5 → 5.8 and 5.0 (its
-//     loop across the diagonal 7.3 and 5.8; a turn that takes the range skips 48 of the 746 at
+//     loop across the diagonal 7.3 and 5.8; a turn that takes the range skips 46 of the 744 at
 //     D 64: 5.5); the one-pass backward 5.9 and 6.0 (the dq and dk/dv kernels it replaced: 7.8
 //     and 7.4 at D 64).
 //  2. Occupancy. Latency (a global load: about 1 µs) is hidden by other warps; with 8 warps an SM
@@ -541,11 +541,10 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     int b = blockIdx.y, h = blockIdx.x, g = h / (s.heads / s.kv_heads), i0 = query_block_start();
     int w = threadIdx.x / 32, row = threadIdx.x % 32 / 4, t = threadIdx.x % 4, r0 = i0 + 16 * w;
     // What the walk knows of the positions waits in shared memory, read once a tile: this keeps
-    // the walk within its registers (ForwardTiles::BLOCKS). The first tile is found by scanning,
-    // while each warp looks for a gap in the keys' positions; once every warp has, the block's
-    // range is made (or not) for the rest of the walk.
+    // the walk within its registers (ForwardTiles::BLOCKS). The first tile is found by scanning;
+    // while it is copied, the block looks for a gap in the keys' positions and makes its range
+    // (or not) for the rest of the walk.
     __shared__ KeyWalk walk;
-    __shared__ bool gap_of_warp[WARPS];
     KeyWalk scan = {extreme_position(q_pos, i0, BM, s.seq, true), extreme_position(q_pos, i0, BM, s.seq, false), 0, -1};
     ForwardRows<D> r = {{}, {}, {}, {-INFINITY, -INFINITY}, {0.0f, 0.0f}};
     bool across = false;     // the walk is past its clear tiles
@@ -554,18 +553,13 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     load_rows<D, BM, THREADS>({q}, b, s.seq, s.heads, h, i0, {&vs[ROWS - BM]});
     if (ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]); // beside Q
     cp_async_commit();
-    bool gap = s.kv_seq == 0;
-    for (int e = threadIdx.x; e < s.kv_seq; e += THREADS) gap |= k_pos[e] != k_pos[0] + e;
-    gap = __any_sync(0xffffffff, gap);
-    if (threadIdx.x % 32 == 0) gap_of_warp[w] = gap;
-    cp_async_wait<0>();
-    __syncthreads();
+    bool consecutive = consecutive_positions<THREADS>(k_pos, s.kv_seq) && s.kv_seq > 0;
     if (threadIdx.x == 0) {
         walk = scan;
-        bool consecutive = true;
-        for (int u = 0; u < WARPS; u++) consecutive &= !gap_of_warp[u];
         if (consecutive) key_range<BN>(walk, k_pos[0], s.kv_seq);
     }
+    cp_async_wait<0>();
+    __syncthreads();
     load_a<D>(r.qf, &vs[ROWS - BM + 16 * w]);
     __syncthreads(); // every warp has its Q before a tile overwrites it
     if (!ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]);

@@ -6,8 +6,8 @@
 //!
 //! ```text
 //! kernel                       instr  HMMA  per HMMA  cycles/HMMA  regs  stack  smem   warps/SM  the loop, in order
-//! flash_attention_forward_d64    746   128      5.83         10.2   168     0  75904      12   cp18 W1 B H64 E12 H E … H12 B
-//!   and as many HMMA in    940            7.34  (the forward's tiles across the diagonal: cp18 W1 B H64 E12 …)
+//! flash_attention_forward_d64    744   128      5.81         10.2   168     0  75904      12   cp18 W1 B H64 E12 H E … H12 B
+//!   and as many HMMA in    937            7.32  (the forward's tiles across the diagonal: cp18 W1 B H64 E12 …)
 //! ```
 //! - instructions per HMMA: a sub-partition issues one instruction a clock and one m16n8k16 keeps
 //!   its tensor core busy 4–6 clocks, so above about 6 the issue slots, not the tensor cores, set
