@@ -347,11 +347,12 @@ __device__ int next_query_tile(const unsigned* pos, int r0, int len, unsigned bo
     return len;
 }
 
-// Whether pos[0..len) are consecutive, pos[0] + r at row r, for the whole block (one barrier).
+// Whether pos[0..len) are consecutive, pos[0] + r at row r (none: not), for the whole block (one
+// barrier).
 template <int NT>
 __device__ bool consecutive_positions(const unsigned* pos, int len) {
     __shared__ bool gap_of_warp[NT / 32];
-    bool gap = false;
+    bool gap = len == 0;
     for (int r = threadIdx.x; r < len; r += NT) gap |= pos[r] != pos[0] + r;
     gap = __any_sync(0xffffffff, gap);
     if (threadIdx.x % 32 == 0) gap_of_warp[threadIdx.x / 32] = gap;
@@ -401,7 +402,7 @@ struct ForwardTiles {
     // shared memory allows at D 64 (3 × 75 KiB of an H100's 228); at D ≤ 32, 4 blocks (128
     // registers) spill the two loops' scores. The way back to 16 warps at D 64: BN 64, BLOCKS 4
     // and launch_table/attention.rs's forward_shared to match (7.7 instructions per HMMA and a
-    // 16-byte spill, against 5.7)
+    // 16-byte spill, against 5.8)
     static constexpr int BLOCKS = D <= 64 ? 3 : 2;
     // ks and vs, in dynamic shared memory: at D 128 they take 68 KiB, past the 48 KiB that static
     // arrays may (launch_table/attention.rs gives a launch these bytes; cuda/device.rs opts in)
@@ -553,7 +554,7 @@ __device__ void forward(Shape s, const bf16* q, const bf16* k, const bf16* v, co
     load_rows<D, BM, THREADS>({q}, b, s.seq, s.heads, h, i0, {&vs[ROWS - BM]});
     if (ForwardTiles<D>::Q_APART && j0 < s.kv_seq) load_kv_tile<D, BN>(s, k, v, k_pos, b, g, j0, &ks[0], &vs[0], kp[0]); // beside Q
     cp_async_commit();
-    bool consecutive = consecutive_positions<THREADS>(k_pos, s.kv_seq) && s.kv_seq > 0;
+    bool consecutive = consecutive_positions<THREADS>(k_pos, s.kv_seq);
     if (threadIdx.x == 0) {
         walk = scan;
         if (consecutive) key_range<BN>(walk, k_pos[0], s.kv_seq);
@@ -676,7 +677,7 @@ __device__ void backward(Shape s, const bf16* q, const bf16* k, const bf16* v, c
     for (int e = threadIdx.x; e < s.seq * (D / 4); e += NT)
         *(float4*)(dq_part(s, dq_parts) + at(s, b, s.seq, e / (D / 4), s.heads, h) + e % (D / 4) * 4) = {0.0f, 0.0f, 0.0f, 0.0f};
     bool consecutive = consecutive_positions<NT>(q_pos, s.seq);
-    unsigned q0 = consecutive && s.seq > 0 ? q_pos[0] : 0;
+    unsigned q0 = consecutive ? q_pos[0] : 0;
     int tiles = (s.kv_seq + KEYS - 1) / KEYS;
     for (int turn = 0; turn < 2 * ((tiles + 2 * splits - 1) / (2 * splits)); turn++) {
         // the snake: tiles split and 2·splits − 1 − split of each run of 2·splits

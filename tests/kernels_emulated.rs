@@ -207,8 +207,9 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         merge(&mut c, ring);
         // in bf16 these run on tensor cores (flash_attention.cu): lengths that are not multiples
         // of a tile, several tiles, tiles skipped by causal order (contiguous, and zigzag's two
-        // chunks), keys out of position order, every head size, GQA ratios 1, 2, 3 and 8, ring blocks (queries that see no
-        // key, keys after every query), outputs poisoned with NaN beforehand
+        // chunks), keys out of position order, every head size, GQA ratios 1, 2, 3 and 8, ring
+        // blocks (queries that see no key, keys after every query), outputs poisoned with NaN
+        // beforehand
         // (the forward's key tiles: 128 rows up to head size 64, 64 at 128; the backward's 64 and 32)
         let long = Attn { batch: 1, seq: 300, kv_seq: 300, heads: 2, kv_heads: 1, head_dim: 64 };
         let pos: Vec<u32> = (0..300).collect();
