@@ -6,7 +6,7 @@
 //! | --- | --- |
 //! | `ops/` | tensors and the op layer the model is written in; `cpu.rs` is the reference math, `gpu.rs` its GPU twin |
 //! | `model/` | the Llama, forward and backward by hand; its parameters, init and AdamW |
-//! | `train/step.rs` | the training step, on one screen: micro-batches, each gradient's way, the optimizer (`train.rs` maps the loop around it) |
+//! | `train/step.rs` | the training step, on one screen: micro-batches, each gradient's way, the optimizer (the loop around it is `train/driver.rs`; `train.rs` maps the folder) |
 //! | `comm/` | the process grid; process groups and collectives; placements and the collective between two (`placement.rs`); ranks as threads (`local.rs`), the launcher, NCCL for GPU tensors; a run over several processes (`wires/`: TCP or MPI) |
 //! | `parallel/` | one lesson per parallelism: data, tensor, sequence, pipeline, context, ZeRO and FSDP, experts |
 //! | `data/` | the synthetic language, real text and tokenizers, Hugging Face hub files |

@@ -44,7 +44,7 @@ pub fn train(cfg: &Config, opts: Options) -> Result<Summary> {
 /// Trains and returns every rank's summary, in rank order: each rank a thread running the
 /// driver's `train_rank` (`comm/launcher.rs`, `train/driver.rs`).
 pub fn train_all(cfg: &Config, opts: Options) -> Result<Vec<Summary>> {
-    let run = Run::prepare(cfg, opts)?; // the grid, the data, where the weights come from
+    let run = Run::prepare(cfg, opts, compose::state_kinds(cfg))?; // the grid, the data, where the weights come from
     if run.finished {
         return Ok(run.nothing_to_train(cfg)); // the checkpoint is the run's last step
     }

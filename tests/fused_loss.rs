@@ -11,7 +11,8 @@ use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
 use ferrotron::model::fused_loss::FusedLoss;
 use ferrotron::model::split::Now;
-use ferrotron::model::{Llama, StageGrad, StageInput, StageOutput};
+use ferrotron::model::llama::pipeline::{StageGrad, StageInput, StageOutput};
+use ferrotron::model::Llama;
 
 fn sets(extra: &[&str]) -> Vec<String> {
     let run = [

@@ -7,6 +7,7 @@
 //! or cannot build the emulator, unless FERROTRON_REQUIRE_EMULATOR=1 (as in CI). The emulator's
 //! grid and shared memory are process-wide: the launches run one at a time, from this one test.
 
+use ferrotron::ops::ring_merge::attention_merge;
 use ferrotron::cuda::launch_table::{self, Addr, Arg, Launch};
 use ferrotron::ops::tensor::{Place, Tensor};
 use ferrotron::ops::DType;
@@ -479,7 +480,7 @@ fn merge(c: &mut Check, a: Attn) {
     let (mut lse, block_lse) = (Tensor::from_vec(&lse_shape, l), Tensor::from_vec(&lse_shape, bl));
     let (mut bout, mut blse, mut bbo, mut bbl) = (c.buf(&out), c.f32(&lse), c.buf(&block_out), c.f32(&block_lse));
     c.run(&launch_table::attention::merge(dt, a, (bout.addr(), blse.addr()), (bbo.addr(), bbl.addr())));
-    ops::attention_merge(a, (&mut out, &mut lse), &block_out, &block_lse);
+    attention_merge(a, (&mut out, &mut lse), &block_out, &block_lse);
     c.same("attention merge", &bout, &out);
     c.same("attention merge lse", &blse, &lse);
 }

@@ -71,8 +71,9 @@ const CYCLES_PER_HMMA_D128: [(&str, f64); 2] =
     [("flash_attention_forward_d128", 12.1), ("flash_attention_backward_d128", 14.4)];
 
 /// The chance a warp can issue in a given clock: with `w` warps a scheduler issues in a clock
-/// with probability 1 − (1 − P)^w. Fitted to the H100's 0.43 instructions a clock at 2 warps a
-/// scheduler (2026-11-26, `../shared/ATTENTION_REVIEW.md`): 1 − (1 − P)² = 0.43.
+/// with probability 1 − (1 − P)^w. Fitted to the 0.43 instructions a clock an H100 issued at 2 warps
+/// a scheduler (measured 2026-11-26, BENCHMARKS.md, "GPU: the FlashAttention-2 kernels on one H100,
+/// 2026-11-26"): 1 − (1 − P)² = 0.43.
 const P_READY: f64 = 0.245;
 /// Clocks a copy takes to land when nothing hides it (global memory on an H100, about 600: an
 /// assumption of the model, checked against the measured kernels in kernels/README.md).

@@ -1,13 +1,14 @@
 //! The architecture stays what `src/lib.rs` says: imports run one way, from the bottom layer up
 //! (values → GPU runtime → tensors → ops → comm → model → data → parallel → checkpoint → train →
 //! commands), no module imports a module that imports it back, the CPU lessons (`model/`,
-//! `parallel/`, `train.rs`) never name CUDA, and the collective API knows no NCCL. The folders
-//! are the layers too: a file may use files of its own folder and of the folders below it
-//! (`FOLDERS`), never above, but for the plain values (the first layer), which every folder may
-//! read. The check reads every `crate::…` path (in `use` lines and inline), every `super::…` path
-//! (each `use` group spelled out) and every use of a child module, in every file of `src/`; the
-//! layers come from `step_by_step/syllabus.toml`. It is also run on a planted cycle, a
-//! planted upward import and a planted upward arrow between folders, and must catch all three.
+//! `parallel/`, `train.rs` and the step's files in `train/`) never name CUDA, and the collective
+//! API knows no NCCL. The folders are the layers too: a file may use files of its own folder and
+//! of the folders below it (`FOLDERS`), never above, but for the plain values (the first layer),
+//! which every folder may read. The check reads every `crate::…` path (in `use` lines and
+//! inline), every `super::…` path (each `use` group spelled out) and every use of a child module,
+//! in every file of `src/`; the layers come from `step_by_step/syllabus.toml`. It is also run on
+//! a planted cycle, a planted upward import and a planted upward arrow between folders, and must
+//! catch all three.
 
 #[path = "support/syllabus.rs"]
 mod syllabus;

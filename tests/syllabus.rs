@@ -146,6 +146,28 @@ fn the_check_catches_a_planted_use_of_each_kind() {
         "\nfn f(c: &ModelConfig) -> bool { c.num_local_experts > 0 }\n",
         "names .num_local_experts, of the later lesson 20_experts",
     );
+    // a later lesson's method planted back into lesson 01's model: zero bubble's W (15), the
+    // pipeline's stage entry point (12), the experts' MLP swap (20), the ring's merge (16)
+    plant(
+        "model::llama",
+        "\nfn f(m: &mut Llama) { m.backward_weights(0, &mut |_| {}).ok(); }\n",
+        "names backward_weights, of the later lesson 15_zero_bubble",
+    );
+    plant(
+        "model::block",
+        "\nfn f(m: &mut Llama, t: &[u32]) { m.forward_chunk(0, t, 1, &[]).ok(); }\n",
+        "names forward_chunk, of the later lesson 12_pipeline_afab",
+    );
+    plant(
+        "model::llama::parts",
+        "\nimpl Block<'_> { fn with_mlp(self) -> Self { self } }\n",
+        "names with_mlp, of the later lesson 20_experts",
+    );
+    plant(
+        "ops",
+        "\npub fn merge(a: Attn, o: &mut Tensor) { attention_merge(a, o) }\n",
+        "names attention_merge, of the later lesson 16_context_parallel",
+    );
     // a later lesson's config key: hybrid sharding's (08) in ZeRO (06)
     plant(
         "parallel::zero",

@@ -190,9 +190,6 @@ impl optimizer::Optimizer for Sgd {
         self.steps = steps;
     }
     fn to_place(&mut self, _: &ferrotron::ops::tensor::Place) {}
-    fn kinds_of(&self, _: &str, _: &[usize]) -> &'static [&'static str] {
-        &[]
-    }
 }
 
 #[test]

@@ -65,11 +65,12 @@ impl State {
     }
 }
 
-/// What `gather` collects.
-#[derive(Clone, Copy, PartialEq)]
+/// What `gather` collects: the weights, or with them the optimizer's state, each parameter's
+/// named as the run's optimizer names it (`StateKinds`: what another pipeline stage sends).
+#[derive(Clone, Copy)]
 pub enum Gather {
     Weights,
-    WeightsAndMoments,
+    WeightsAndMoments(StateKinds),
 }
 
 /// Gathers the whole model and optimizer onto rank 0 (`Some` there, `None` elsewhere). Every rank
@@ -94,7 +95,7 @@ pub fn gather(
     // each parameter's weight, and (every parameter alike) its optimizer state by name
     let kept = optimizer.state();
     // how many of each parameter's tensors go: its weight, then its state (if asked)
-    let count = |state: usize| if what == Gather::WeightsAndMoments { 1 + state } else { 1 };
+    let count = |state: usize| if matches!(what, Gather::WeightsAndMoments(_)) { 1 + state } else { 1 };
     let (tp, pp, ep) = (me.group(Axis::Tp), me.group(Axis::Pp), me.group(EP));
     let first_replica = me.coords.dp == 0 && me.coords.cp == 0;
     // expert parallelism: the first replica's ep group holds every expert between its members
@@ -172,7 +173,10 @@ pub fn gather(
     for stage in 1..pp.size() {
         let stage = schedules::stage_of(stage, &cfg.parallel);
         for (name, shape, ..) in Llama::tensor_shapes(&cfg.model, stage) {
-            let kept = optimizer.kinds_of(&name, &shape);
+            let kept = match what {
+                Gather::WeightsAndMoments(kinds) => kinds(&name, &shape),
+                Gather::Weights => &[],
+            };
             for kind in std::iter::once(None).chain(kept.iter().map(|k| Some(*k))).take(count(kept.len())) {
                 let mut whole = Tensor::empty_on(&shape, &place, DType::F32); // written whole
                 pp.recv_tensor_into(&mut whole, stage.index)?;
@@ -296,7 +300,7 @@ pub fn load(dir: &Path) -> Result<Resumed> {
 impl Resumed {
     /// Checks the checkpoint against the configured run before anything is built; returns notes
     /// to print. `allow_changes` turns differences in the run's settings into notes.
-    /// `kinds` names each tensor's optimizer state (`Optimizer::kinds_of` of the run's optimizer).
+    /// `kinds` names each tensor's optimizer state (the run's optimizer's `StateKinds`).
     pub fn check(&self, cfg: &Config, dir: &Path, allow_changes: bool, kinds: StateKinds) -> Result<Vec<String>> {
         let t = &cfg.train;
         if self.step > t.steps {

@@ -1,8 +1,8 @@
 //! # Collectives on tensors: one call, whatever the device and the backend
 //!
-//! The lessons (`parallel/`, `model/optimizer.rs`, `train.rs`) move tensors with these calls:
-//! `tp.all_reduce_tensor(&mut y, Sum)`, `pp.send_recv_tensor(&y, next, shape, next)`, … Where the
-//! tensors live decides how they travel, not the lesson:
+//! The lessons (`parallel/`, `model/optimizer.rs`, `train/step.rs`, `train/gradients.rs`) move
+//! tensors with these calls: `tp.all_reduce_tensor(&mut y, Sum)`, `pp.send_recv_tensor(&y, next, shape, next)`,
+//! … Where the tensors live decides how they travel, not the lesson:
 //!
 //! ```text
 //! CPU tensor                         host memory ──── hub (comm/local.rs) ──── host memory

@@ -5,7 +5,7 @@
 //! estimated and measured), `doctor` (is this machine ready?), `eval` (a Hugging Face model's
 //! loss), `generate` (sampling from a model, with the KV cache), `schedule` (the pipeline picture), `plot` (the SVG charts they draw) and `train` (the
 //! command around the training loop). `main.rs`
-//! parses the CLI and calls these; the training loop itself is `train.rs` (its step `train/step.rs`).
+//! parses the CLI and calls these; the training loop itself is `train/driver.rs` (its step `train/step.rs`).
 
 pub mod bench;
 pub mod bench_attention;

@@ -8,6 +8,7 @@
 //! about 1e-5 in f32, about 1e-2 in bf16 (outputs are stored in bf16, 8 bits of mantissa).
 //! `ferrotron doctor` and `tests/kernels_gpu.rs` run it where there is a GPU.
 
+use crate::ops::ring_merge::attention_merge;
 use crate::cuda::device::Device;
 use crate::cuda::runtime::Gpu;
 use crate::ops::tensor::{Place, Tensor};
@@ -242,8 +243,8 @@ impl Check<'_> {
         let (mut out, mut lse, block_lse) =
             (out, Tensor::from_vec(&lse_shape, lse), Tensor::from_vec(&lse_shape, block_lse));
         let (mut gout, mut glse) = (self.gpu(&out), self.f32(&lse));
-        ops::attention_merge(a, (&mut out, &mut lse), &block_out, &block_lse);
-        ops::attention_merge(a, (&mut gout, &mut glse), &self.gpu(&block_out), &self.f32(&block_lse));
+        attention_merge(a, (&mut out, &mut lse), &block_out, &block_lse);
+        attention_merge(a, (&mut gout, &mut glse), &self.gpu(&block_out), &self.f32(&block_lse));
         self.same("attention merge", &gout, &out)?;
         self.same("attention merge lse", &glse, &lse)
     }

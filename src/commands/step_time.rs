@@ -67,11 +67,11 @@ impl Rates {
         flops / (self.peak_tflops * 1e12 * self.gemm_efficiency(flops))
     }
 
-    /// What an H100 SXM reached with ferrotron's kernels (`BENCHMARKS.md`, 2026-11-26 and 27;
-    /// `../shared/GPU_MEASURED.md`), cuBLAS 13.1, bf16. GEMM efficiencies from `bench --profile`'s
-    /// time per shape (the GEMMs have not changed since): 576×192×16384, 3.6 GFLOP in 21.9 µs =
-    /// 0.17 of 989.4; 576×16384×576, 10.9 in 22.9 µs = 0.48; 576×16384×1536, 29.0 in 44.2 µs =
-    /// 0.66; 2048×8192×2048, 68.7 in 95.7 µs = 0.73; 5632×8192×2048, 189 in 246 µs = 0.78.
+    /// What an H100 SXM reached with ferrotron's kernels (`BENCHMARKS.md`, 2026-11-24, 26 and 27),
+    /// cuBLAS 13.1, bf16. GEMM efficiencies from `bench --profile`'s time per shape on 2026-11-24
+    /// (BENCHMARKS.md lists them; the GEMMs have not changed since): 576×192×16384, 3.6 GFLOP in
+    /// 21.9 µs = 0.17 of 989.4; 576×16384×576, 10.9 in 22.9 µs = 0.48; 576×16384×1536, 29.0 in
+    /// 44.2 µs = 0.66; 2048×8192×2048, 68.7 in 95.7 µs = 0.73; 5632×8192×2048, 189 in 246 µs = 0.78.
     /// Attention: 0.745 ms a layer, forward + backward, at smollm-135m b 8 (2026-11-27): 135
     /// GFLOP causal, 0.18. The small ops, from the 135M step's profile (2026-11-27, 75 ms): less
     /// attention (21.8), the GEMMs (≈ 25), the optimizer's lists (2.0) and the GPU's idle time

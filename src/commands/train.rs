@@ -1,6 +1,6 @@
 //! # `ferrotron train`: a run, and what it says when it ends
 //!
-//! The training loop is `train.rs`; this is the command around it: signals handled, the run's
+//! The training loop is `train/driver.rs`; this is the command around it: signals handled, the run's
 //! outputs written (the trace by the first process, the plot), and its last words: nothing to
 //! train, stopped by a signal (where to resume), or done (the final loss against the floor).
 

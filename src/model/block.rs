@@ -31,7 +31,6 @@
 //! computes again whatever was not kept.
 
 use crate::config::ModelConfig;
-use crate::model::kv_cache::KvLayer;
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
@@ -39,18 +38,17 @@ use crate::ops::{self, Attn, TpCut};
 use anyhow::{anyhow, Result};
 use std::any::Any;
 use std::borrow::Cow;
-use std::collections::HashMap;
 
 pub(crate) struct Block<'g> {
     /// Its layer's number in the whole model.
-    layer: usize,
-    q_proj: Param,
-    k_proj: Param,
-    v_proj: Param,
-    o_proj: Param,
-    mlp: Box<dyn Mlp + 'g>,
-    input_layernorm: Param,
-    post_attention_layernorm: Param,
+    pub(super) layer: usize,
+    pub(super) q_proj: Param,
+    pub(super) k_proj: Param,
+    pub(super) v_proj: Param,
+    pub(super) o_proj: Param,
+    pub(super) mlp: Box<dyn Mlp + 'g>,
+    pub(super) input_layernorm: Param,
+    pub(super) post_attention_layernorm: Param,
 }
 
 /// A block's MLP, from the normalised rows `xn` to what the residual adds: the seam a mixture of
@@ -257,6 +255,15 @@ pub(crate) struct Splits<'a> {
     pub seq: &'a dyn SequenceSplit,
 }
 
+/// The attention core of a block's forward: (out, lse, score entries computed) of this rank's
+/// rows of q, k and v.
+pub(super) type Attend<'a> = &'a mut dyn FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)>;
+
+/// Causal attention over the sequence, wherever its keys are: the sequence split's.
+fn in_sequence<'a>(split: Splits<'a>, positions: &'a [u32]) -> impl FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)> + 'a {
+    move |a, q, k, v| split.seq.attention(a, q, k, v, &positions[..a.seq])
+}
+
 impl<'g> Block<'g> {
     /// Layer `i`'s parameters in Hugging Face order, each asked of `param` (which keeps this
     /// rank's slice), its MLP made by `mlps`.
@@ -285,17 +292,6 @@ impl<'g> Block<'g> {
         })
     }
 
-    /// This block with the MLP `mlps` makes of its MLP's parameters (another kind over the same
-    /// weights: the experts divided among ranks, `moe.rs`). One it does not ask for is dropped.
-    pub(crate) fn with_mlp(self, mlps: &dyn Mlps<'g>, cfg: &ModelConfig) -> Result<Block<'g>> {
-        let mut had: HashMap<String, Param> = self.mlp.into_params().into_iter().map(|p| (p.name.clone(), p)).collect();
-        let layer = self.layer;
-        let mlp = mlps.make(layer, cfg, &mut |name, _, _, _| {
-            had.remove(&name).ok_or_else(|| anyhow!("layer {layer}'s MLP has no parameter {name}"))
-        })?;
-        Ok(Block { mlp, ..self })
-    }
-
     /// In Hugging Face order (the MLP's in its own: a Mixtral block's router, then each expert's
     /// w1, w2, w3).
     pub(crate) fn params(&self) -> Vec<&Param> {
@@ -322,34 +318,20 @@ impl<'g> Block<'g> {
         attn: Attn,
         positions: &[u32],
     ) -> Result<(Tensor, Kept, u64)> {
-        let (out, cache, work) = self.run(split, x, cfg, attn, positions, None)?;
+        let (out, cache, work) = self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?;
         Ok((out, keeps.keep(cache), work))
     }
 
-    /// One step of generation (`model/kv_cache.rs`): the rows of `x`, at `positions` after the
-    /// cached ones, attend to the cached keys and values and to their own, which join the cache.
-    /// Nothing is kept for a backward.
-    pub(crate) fn decode(
+    /// The forward itself, keeping everything; the attention core is `attend`'s (the sequence
+    /// split's; generating, the KV cache's: `llama/decode.rs`).
+    pub(super) fn run(
         &self,
         split: Splits,
         x: Tensor,
         cfg: &ModelConfig,
         attn: Attn,
         positions: &[u32],
-        past: KvLayer,
-    ) -> Result<Tensor> {
-        Ok(self.run(split, x, cfg, attn, positions, Some(past))?.0)
-    }
-
-    /// The forward itself, keeping everything; with `past`, attending to the cached keys too.
-    fn run(
-        &self,
-        split: Splits,
-        x: Tensor,
-        cfg: &ModelConfig,
-        attn: Attn,
-        positions: &[u32],
-        past: Option<KvLayer>,
+        attend: Attend,
     ) -> Result<(Tensor, BlockCache, u64)> {
         let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, split.tp);
         // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
@@ -361,10 +343,7 @@ impl<'g> Block<'g> {
         drop(xin);
         ops::rope(&mut q, positions, hd, theta);
         ops::rope(&mut k, positions, hd, theta);
-        let (attn_out, lse, work) = match past {
-            None => split.seq.attention(attn, &q, &k, &v, &positions[..attn.seq])?,
-            Some(past) => past.attend(attn, &q, &k, &v, positions),
-        };
+        let (attn_out, lse, work) = attend(attn, &q, &k, &v)?;
         let mut h = tp.row_forward(&attn_out, &self.o_proj)?; // g: Σ over the tp ranks
         let (xn2, rstd2) = ops::add_rmsnorm(&mut h, &x, &self.post_attention_layernorm.value, eps); // h += x, normed
         let (mut out, mlp) = self.mlp.forward(tp, &xn2)?; // MLP sub-block
@@ -389,7 +368,7 @@ impl<'g> Block<'g> {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
         let c = match kept {
             Kept::Cache(c) => *c,
-            Kept::Input(x) => self.run(split, x, cfg, attn, positions, None)?.1, // full recomputation
+            Kept::Input(x) => self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?.1, // full recomputation
         };
         let dxn2 = self.mlp.backward(tp, &dout, c.xn2, c.mlp, w)?; // MLP sub-block
         let ln2 = &mut self.post_attention_layernorm;

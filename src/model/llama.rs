@@ -10,15 +10,15 @@
 //! model runs on whatever device the op layer supports. Parameter names are Hugging Face's, so a
 //! transformers checkpoint loads by name and a gradient can be compared tensor by tensor.
 //!
-//! The model is also the unit of every parallelism: it may hold one pipeline stage's layers
-//! (`forward_chunk`/`backward_chunk` of chunk 0, one cache per micro-batch in flight; with the
-//! interleaved schedule V chunks of them), a tp slice of every
-//! matrix (the output layer column parallel, the embedding vocab parallel, the blocks' layers in
-//! `block.rs`), and its rank's part of each sequence. Where those parts must talk it asks the
-//! `TensorSplit` and `SequenceSplit` it was given (`split.rs`), and around each unit of weights
-//! (the embedding, a block, the head) its `WeightSplit` (`fetch` and `free`, at the end of this
-//! file); on a single rank they are `Whole` and this is the plain dense model. Building the
-//! parameters and listing them is `llama/parts.rs`.
+//! On one rank this is the plain dense model, and that is all a first read needs. The model is
+//! also the unit every later lesson's parallelism works on, through seams it is handed and never
+//! looks into: how its matrices relate to the other tensor-parallel ranks' and its tokens to the
+//! rest of each sequence (`TensorSplit`, `SequenceSplit`, `split.rs`), where its weights are
+//! between uses (`WeightSplit`, around each unit: `fetch` and `free`, at the end of this file),
+//! which layers it holds (`LayerSplit`: `chunks`), what its blocks keep (`Keeps`) and how its
+//! loss is made (`LossHead`). On one rank each is `Whole` or the plain kind. Building the
+//! parameters and listing them is `llama/parts.rs`; what later lessons call on the model is in
+//! their own files beside it (`llama/pipeline.rs`, `llama/zero_bubble.rs`, `llama/experts.rs`).
 
 use crate::config::ModelConfig;
 use crate::model::block::{Block, Keeps, Kept, LossTerm, Splits, TermKept};
@@ -26,13 +26,16 @@ use crate::model::param::Param;
 use crate::model::split::{Deferred, Now, SequenceSplit, TensorSplit, WeightGrads, WeightSplit};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{anyhow, bail, Context, Result};
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::rc::Rc;
 
 mod decode; // generating: one step at a time, with the KV cache
+pub mod experts; // lesson 20: another kind of MLP over the same weights
 mod parts; // building the parameters, listing them, moving them
+pub mod pipeline; // lesson 12: one pipeline stage's forward and backward
+pub mod zero_bubble; // lesson 15: the weight gradients a backward left for later
 
 /// Everything one micro-batch's `forward` keeps for its `backward`.
 struct Cache {
@@ -145,56 +148,40 @@ struct Head {
     lm_head: Option<Param>,
 }
 
-/// What a pipeline stage receives: tokens (first stage) or the previous stage's activations.
-pub enum StageInput<'a> {
-    Tokens(&'a [u32]),
-    Hidden(Tensor),
-}
-
-/// What a stage produces: the mean loss (last stage; a one-number f32 tensor on the stage's
-/// device) or activations for the next stage.
-pub enum StageOutput {
-    Loss(Tensor),
-    Hidden(Tensor),
-}
-
-/// Where a stage's backward starts: the loss, scaled (last stage), or the next stage's gradient.
-pub enum StageGrad {
-    Loss(f32),
-    Hidden(Tensor),
-}
-
 pub struct Llama<'g> {
     pub cfg: ModelConfig,
+    /// The first vocabulary id of this rank's slice (0 on one rank).
+    vocab_first: usize,
+    /// The input end (on one rank always here).
+    embed_tokens: Option<Param>,
+    /// The blocks.
+    layers: Vec<Block<'g>>,
+    /// The final norm and the output layer (on one rank always here).
+    head: Option<Head>,
+    /// One per micro-batch whose forward is done and backward is not (the activation memory).
+    caches: VecDeque<Cache>,
+    /// Attention score entries computed since the last `take_attention_work`.
+    attention_work: u64,
+
+    // ── seams later lessons plug into — skip on a first read ──
     /// How this rank's matrices relate to the other tensor-parallel ranks' (`Whole` alone).
     tp: Box<dyn TensorSplit + 'g>,
     /// How this rank's tokens relate to the rest of each sequence (`Whole` unless cp splits it).
     seq: Box<dyn SequenceSplit + 'g>,
     /// Where the weights are between uses (`Whole` unless FSDP shards them over the dp ranks).
     weights: Rc<dyn WeightSplit + 'g>,
-    /// The first vocabulary id of this rank's slice.
-    vocab_first: usize,
-    /// On the first pipeline stage.
-    embed_tokens: Option<Param>,
-    /// This stage's layers.
-    layers: Vec<Block<'g>>,
-    /// Which of `layers` each model chunk holds (one chunk unless the pipeline is interleaved).
+    /// Which of `layers` each model chunk holds: one chunk, every layer, unless a pipeline stage
+    /// holds several (`LayerSplit`).
     chunks: Vec<Range<usize>>,
-    /// On the last pipeline stage.
-    head: Option<Head>,
-    /// One per micro-batch whose forward is done and backward is not (the activation memory).
-    caches: VecDeque<Cache>,
-    /// One per micro-batch (and its model chunk) whose backward kept its weight GEMMs (a
-    /// zero-bubble pipeline's B) and whose `backward_weights` has not run them yet.
-    deferred: VecDeque<(usize, Box<dyn Deferred>)>,
-    /// Attention score entries computed since the last `take_attention_work`.
-    attention_work: u64,
     /// What each block keeps for its backward (`KeepAll` unless recomputation keeps less).
     keeps: Box<dyn Keeps + 'g>,
     /// How the output end makes the loss (`WholeLogits` unless another is plugged in).
     loss: Box<dyn LossHead + 'g>,
     /// A term the blocks' MLPs add to the loss (`Mlps::loss_term`; `None` for Llama's).
     term: Option<Box<dyn LossTerm + 'g>>,
+    /// What a backward's `WeightGrads` deferred, per model chunk, until its W (empty unless a
+    /// zero-bubble pipeline keeps them).
+    deferred: VecDeque<(usize, Box<dyn Deferred>)>,
 }
 
 impl<'g> Llama<'g> {
@@ -209,37 +196,39 @@ impl<'g> Llama<'g> {
     /// training loop adds the micro-batches' losses there and reads the step's once).
     pub fn forward_loss(&mut self, tokens: &[u32], batch: usize, targets: &[i32]) -> Result<Tensor> {
         self.caches.clear();
-        self.deferred.clear();
-        match self.forward_chunk(0, StageInput::Tokens(tokens), batch, targets)? {
-            StageOutput::Loss(loss) => Ok(loss),
-            StageOutput::Hidden(_) => bail!("forward: this model is one pipeline stage, not the whole model"),
+        if self.embed_tokens.is_none() || !self.ends_with_head(0) {
+            bail!("forward: this model is one pipeline stage, not the whole model");
         }
+        let x = self.embed(tokens)?;
+        self.forward_layers(0, x, Some(tokens.to_vec()), batch, targets)
     }
 
-    /// One micro-batch of `batch` sequences through model chunk `chunk` of this stage (a stage
-    /// holds one chunk, or V with the interleaved pipeline): the embedding before chunk 0 of the
-    /// first stage, the head after the last chunk of the last stage; `targets` are used there.
-    /// The activations stay until this micro-batch's backward.
-    pub fn forward_chunk(
+    /// Whether model chunk `chunk` ends the model: the head comes after it.
+    fn ends_with_head(&self, chunk: usize) -> bool {
+        self.head.is_some() && chunk + 1 == self.chunks.len()
+    }
+
+    /// The model's input rows: the embedding of `tokens`.
+    fn embed(&mut self, tokens: &[u32]) -> Result<Tensor> {
+        self.fetch(Unit::Embedding, true)?;
+        let embed = self.embed_tokens.as_ref().context("forward: tokens given to a model without the embedding")?;
+        let x = self.tp.embedding_forward(embed, tokens, self.vocab_first)?;
+        self.free(Unit::Embedding);
+        Ok(x)
+    }
+
+    /// `x` (`batch` sequences' rows) through the layers of model chunk `chunk` — every layer, on
+    /// one rank — then, where the chunk ends the model, the head: returns the mean loss against
+    /// `targets`, or else the last layer's output. `tokens`: those `x` embeds, if it does (their
+    /// backward needs them). The activations stay until this micro-batch's backward.
+    fn forward_layers(
         &mut self,
         chunk: usize,
-        input: StageInput,
+        mut x: Tensor,
+        tokens: Option<Vec<u32>>,
         batch: usize,
         targets: &[i32],
-    ) -> Result<StageOutput> {
-        let (mut x, tokens) = match input {
-            StageInput::Tokens(t) => {
-                if self.embed_tokens.is_none() || chunk != 0 {
-                    bail!("forward: tokens given to a model chunk without the embedding");
-                }
-                self.fetch(Unit::Embedding, true)?;
-                let embed = self.embed_tokens.as_ref().expect("checked above");
-                let x = self.tp.embedding_forward(embed, t, self.vocab_first)?;
-                self.free(Unit::Embedding);
-                (x, Some(t.to_vec()))
-            }
-            StageInput::Hidden(x) => (x, None),
-        };
+    ) -> Result<Tensor> {
         let seq = x.rows() * self.tp.row_share() / batch; // this rank's tokens of each sequence
         let ranks = self.tp.part().1;
         let cfg = &self.cfg;
@@ -264,13 +253,13 @@ impl<'g> Llama<'g> {
             blocks.push(cache);
             x = out;
         }
-        if self.head.is_none() || chunk + 1 < self.chunks.len() {
+        if !self.ends_with_head(chunk) {
             self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: None });
-            return Ok(StageOutput::Hidden(x));
+            return Ok(x);
         }
         let (loss, head) = self.head_forward(x, targets)?;
         self.caches.push_back(Cache { chunk, tokens, positions, attn, blocks, head: Some(head) });
-        Ok(StageOutput::Loss(loss))
+        Ok(loss)
     }
 
     /// The logits of the last `forward`, `[rows, vocab]` (this rank's vocabulary slice).
@@ -286,53 +275,18 @@ impl<'g> Llama<'g> {
     /// `backward` that calls `ready(param)` as soon as a parameter's gradient is complete, so
     /// that data parallelism can start reducing it while the rest of backward runs.
     pub fn backward_with(&mut self, scale: f32, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
-        self.backward_chunk(0, StageGrad::Loss(scale), &mut Now, ready).map(drop)
+        self.backward_layers(0, (scale, None), &mut Now, ready).map(drop)
     }
 
-    /// The W half: the weight GEMMs of the oldest micro-batch whose backward through `chunk`
-    /// deferred them (`split.rs`). Then `ready` sees every parameter of the chunk, in
-    /// backward's order. It gathers no weight (a weight gradient reads none).
-    pub fn backward_weights(&mut self, chunk: usize, ready: &mut dyn FnMut(&mut Param)) -> Result<()> {
-        let oldest = self.deferred.iter().position(|(c, _)| *c == chunk);
-        let (_, kept) = oldest.and_then(|at| self.deferred.remove(at)).ok_or_else(|| {
-            anyhow!("backward: no backward through chunk {chunk} is waiting for its weight gradients")
-        })?;
-        // a tied output layer is the embedding: its gradient is complete in chunk 0's W only
-        let embedding = self.embed_tokens.as_ref().map(|e| e.name.clone()).filter(|_| chunk != 0);
-        let mut params = self.chunk_params_mut(chunk);
-        kept.apply(&mut params);
-        params.into_iter().filter(|p| Some(&p.name) != embedding.as_ref()).for_each(ready);
-        Ok(())
-    }
-
-    /// The parameters of model chunk `chunk`, in backward's order: the head's (after the last
-    /// chunk), the blocks' from the last, the embedding (before chunk 0, or as the head's tied
-    /// output layer; once).
-    fn chunk_params_mut(&mut self, chunk: usize) -> Vec<&mut Param> {
-        let mut v: Vec<&mut Param> = Vec::new();
-        let mut tied = false;
-        if let Some(h) = self.head.as_mut().filter(|_| chunk + 1 == self.chunks.len()) {
-            v.push(&mut h.norm);
-            tied = h.lm_head.is_none();
-            v.extend(h.lm_head.as_mut());
-        }
-        for layer in self.layers[self.chunks[chunk].clone()].iter_mut().rev() {
-            v.extend(layer.params_mut());
-        }
-        v.extend(self.embed_tokens.as_mut().filter(|_| chunk == 0 || tied));
-        v
-    }
-
-    /// The backward of the oldest micro-batch whose forward through model chunk `chunk` is done.
-    /// Returns the gradient of the chunk's input activations (`None` where its input was tokens).
-    /// Each weight GEMM goes to `w` (`split.rs`): with `Now` every gradient is made here,
-    /// and `ready(param)` hears each parameter as soon as its gradient is complete. A `w` that
-    /// keeps them (the zero-bubble pipelines' B) leaves them for `backward_weights`; its caller
-    /// then passes a `ready` that does nothing, since no gradient is complete yet.
-    pub fn backward_chunk(
+    /// The backward of the oldest micro-batch whose forward through model chunk `chunk` is done,
+    /// from `scale × loss` where the chunk ends with the head, else from `dy` (the gradient of
+    /// the chunk's output). Returns the gradient of the chunk's input (`None` where its input was
+    /// tokens). Each weight GEMM goes to `w` (`split.rs`): with `Now` every gradient is made here,
+    /// and `ready(param)` hears each parameter as soon as its gradient is complete.
+    fn backward_layers(
         &mut self,
         chunk: usize,
-        grad: StageGrad,
+        (scale, dy): (f32, Option<Tensor>),
         w: &mut dyn WeightGrads,
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Option<Tensor>> {
@@ -343,10 +297,10 @@ impl<'g> Llama<'g> {
         let first = self.vocab_first;
         // each part of the cache is dropped as soon as its backward is done: the activations
         // held shrink while the gradients grow
-        let mut dx = match (grad, c.head.take(), self.head.is_some()) {
-            (StageGrad::Loss(scale), Some(hc), true) => self.head_backward(hc, scale, w, ready)?,
-            (StageGrad::Hidden(dx), None, _) => dx,
-            _ => bail!("backward: a loss gradient goes to the last stage, an activation gradient to the others"),
+        let mut dx = match (dy, c.head.take()) {
+            (None, Some(hc)) => self.head_backward(hc, scale, w, ready)?,
+            (Some(dy), None) => dy,
+            _ => bail!("backward: the loss's gradient starts where the head is, an output's gradient elsewhere"),
         };
         for i in self.chunks[chunk].clone().rev() {
             self.fetch(Unit::Layer(i), false)?;
@@ -357,20 +311,16 @@ impl<'g> Llama<'g> {
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }
-        let dx = match (&c.tokens, &mut self.embed_tokens) {
+        match (&c.tokens, &mut self.embed_tokens) {
             (Some(tokens), Some(embed)) => {
                 embed.ensure_grad(); // the embedding's backward reads no weight: nothing to gather
                 let dx = self.tp.gather_rows(&dx)?; // sequence parallel: every row's gradient
                 w.embedding(embed, dx, tokens, first); // local: this rank's ids
                 ready(embed);
-                None
+                Ok(None)
             }
-            _ => Some(dx),
-        };
-        if let Some(kept) = w.deferred() {
-            self.deferred.push_back((chunk, kept)); // for `backward_weights`
+            _ => Ok(Some(dx)),
         }
-        Ok(dx)
     }
 }
 

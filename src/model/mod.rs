@@ -27,6 +27,6 @@ pub mod sampling;
 pub mod split;
 pub mod stage;
 
-pub use llama::{Llama, StageGrad, StageInput, StageOutput};
+pub use llama::Llama;
 pub use param::{Param, ParamKind};
 pub use split::{SequenceSplit, TensorSplit, WeightSplit, Whole};

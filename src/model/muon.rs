@@ -308,10 +308,6 @@ impl Optimizer for Muon<'_> {
         self.adamw.resume_at(steps);
     }
 
-    fn kinds_of(&self, name: &str, shape: &[usize]) -> &'static [&'static str] {
-        state_names(name, shape)
-    }
-
     fn to_place(&mut self, place: &Place) {
         self.adamw.to_place(place);
         self.momentum.iter_mut().for_each(|m| *m = m.to_dtype(place, self.dtype));

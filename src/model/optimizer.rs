@@ -98,12 +98,11 @@ pub trait Optimizer {
     fn resume_at(&mut self, steps: u32);
     /// Moves the state next to the parameters, to `place` (a resumed one is read on the host).
     fn to_place(&mut self, place: &Place);
-    /// The names of the state it keeps for the parameter `name` of (whole) `shape`, in `state`'s
-    /// order: what a checkpoint holds for it, known before any parameter is made.
-    fn kinds_of(&self, name: &str, shape: &[usize]) -> &'static [&'static str];
 }
 
-/// `Optimizer::kinds_of` as a function: a checkpoint is checked against it before anything is built.
+/// The names of the state an optimizer keeps for the parameter `name` of (whole) `shape`, in
+/// `Optimizer::state`'s order: what a checkpoint holds for it, known before any parameter is made
+/// (a checkpoint is checked against it before anything is built).
 pub type StateKinds = fn(&str, &[usize]) -> &'static [&'static str];
 
 /// AdamW keeps the same two moments for every parameter.
@@ -178,10 +177,6 @@ impl Optimizer for AdamW {
 
     fn resume_at(&mut self, steps: u32) {
         self.step = steps;
-    }
-
-    fn kinds_of(&self, name: &str, shape: &[usize]) -> &'static [&'static str] {
-        adamw_kinds(name, shape)
     }
 
     fn to_place(&mut self, place: &Place) {

@@ -35,8 +35,8 @@ pub struct Param {
 
 /// A parameter's trained part kept apart from its `value` (say, only this rank's chunk of its
 /// fp32 master): the values the optimizer updates, their gradient, and the whole parameter's
-/// shape. The lesson that keeps it so implements this for its own type, and reads the type back
-/// with `as_any`.
+/// shape. The lesson that keeps it so implements this for its own type (and, `Any` being its
+/// supertrait, reads the type back with a downcast).
 pub trait TrainedPart: Any {
     /// The values the optimizer updates, and their gradient.
     fn trained(&mut self) -> (&mut Tensor, &mut Tensor);
@@ -44,8 +44,6 @@ pub trait TrainedPart: Any {
     fn grad(&self) -> &Tensor;
     /// The shape of the whole parameter (this tp rank's part of it).
     fn shape(&self) -> &[usize];
-    fn as_any(&self) -> &dyn Any;
-    fn as_any_mut(&mut self) -> &mut dyn Any;
 }
 
 impl Param {

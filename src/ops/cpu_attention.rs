@@ -188,21 +188,3 @@ pub fn attention_backward(
         }
     }
 }
-
-/// The log-sum-exp merge of two partial attentions of the same queries (see `ops::attention_merge`).
-pub fn attention_merge(sh: &Attn, out: &mut [f32], lse: &mut [f32], block_out: &[f32], block_lse: &[f32]) {
-    let (t, hd) = (sh.seq, sh.head_dim);
-    for (bh, (l, &bl)) in lse.iter_mut().zip(block_lse).enumerate() {
-        if bl == f32::NEG_INFINITY {
-            continue; // the block adds nothing to this row
-        }
-        let (b, h, i) = (bh / (sh.heads * t), bh / t % sh.heads, bh % t);
-        let merged = if *l == f32::NEG_INFINITY { bl } else { l.max(bl) + (-(*l - bl).abs()).exp().ln_1p() };
-        let (keep, add) = ((*l - merged).exp(), (bl - merged).exp());
-        let at = (b * t + i) * sh.heads * hd + h * hd;
-        for (o, &x) in out[at..at + hd].iter_mut().zip(&block_out[at..at + hd]) {
-            *o = *o * keep + x * add;
-        }
-        *l = merged;
-    }
-}

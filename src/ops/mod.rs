@@ -11,6 +11,7 @@
 //! returned fresh.
 
 pub mod cpu;
+pub mod ring_merge;
 pub mod cpu_attention;
 pub mod cpu_math;
 pub mod fp8;
@@ -231,17 +232,6 @@ pub fn attention_backward(
         dv.host_mut(),
     );
     (dq, dk, dv)
-}
-
-/// Folds one block's attention (`block_out`, `block_lse`) into the running (`out`, `lse`):
-/// lse = log(e^lse + e^block_lse), out = e^(lse_old − lse)·out + e^(block_lse − lse)·block_out.
-pub fn attention_merge(a: Attn, (out, lse): (&mut Tensor, &mut Tensor), block_out: &Tensor, block_lse: &Tensor) {
-    out.written();
-    lse.written();
-    if let Some(d) = gpu("attention merge", &[out, lse, block_out, block_lse]) {
-        return fatal("attention merge", d.attention_merge(a, (out, lse), (block_out, block_lse)));
-    }
-    cpu_attention::attention_merge(&a, out.host_mut(), lse.host_mut(), block_out.host(), block_lse.host());
 }
 
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Tensor {

@@ -9,7 +9,7 @@
 //! step 1: rank r attends to rank r−1's K,V   ──pass it on──▶   …   (cp steps in all)
 //! ```
 //! Each block gives a partial softmax; partial results merge exactly through their
-//! log-sum-exp (`ops::attention_merge`), in fp32. The transfer of the next block overlaps the
+//! log-sum-exp (`ops/ring_merge.rs`), in fp32. The transfer of the next block overlaps the
 //! attention of the current one, and a block the causal mask hides entirely is skipped. The
 //! backward recomputes each block from the saved, merged log-sum-exp: dQ stays with the queries,
 //! dK and dV travel on around the ring with their block and arrive home after cp hops.
@@ -24,6 +24,7 @@
 //! other answer to the same question is `ulysses.rs`: an all-to-all to a head split, and
 //! attention on whole sequences (`parallel.cp_mode`).
 
+use crate::ops::ring_merge::attention_merge;
 use crate::comm::Group;
 use crate::config::CpSplit;
 use crate::model::SequenceSplit;
@@ -88,7 +89,7 @@ impl SequenceSplit for Ring<'_> {
         walk(self, a, (k, v), |k_blk, v_blk, k_pos| {
             if visible(pos, k_pos) {
                 let (o, l) = ops::attention(a, q, k_blk, v_blk, (pos, k_pos));
-                ops::attention_merge(a, (&mut out, &mut lse), &o, &l);
+                attention_merge(a, (&mut out, &mut lse), &o, &l);
                 done += work;
             }
             Ok(())

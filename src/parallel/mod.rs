@@ -42,7 +42,7 @@ use anyhow::Result;
 use std::time::Instant;
 
 /// What the driver around a training step (`train/driver.rs`) gives the code that runs the step's
-/// micro-batches — the loop of `train.rs`, or a pipeline schedule: where to record a compute
+/// micro-batches — the loop of `train/step.rs`, or a pipeline schedule: where to record a compute
 /// span, and points between micro-batches at which every rank may end the step together (a
 /// signal's early stop). The step's code calls it and knows nothing of what is behind it.
 pub trait StepHooks {

@@ -62,7 +62,8 @@
 use crate::comm::Group;
 use crate::model::split::{Now, WeightGrads};
 use crate::model::stage::Stage;
-use crate::model::{Llama, Param, StageGrad, StageInput, StageOutput};
+use crate::model::llama::pipeline::{StageGrad, StageInput, StageOutput};
+use crate::model::{Llama, Param};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
 use crate::parallel::pipeline_messages::Messages;
@@ -148,11 +149,11 @@ impl Walk for Afab {
 /// A stage's forward and backward of micro-batch i, with the step's bookkeeping: what a `Walk`
 /// drives.
 pub struct Runner<'a, 'm, 'g> {
-    model: &'m mut Llama<'g>,
+    pub(super) model: &'m mut Llama<'g>,
     pub plan: &'a StepPlan<'a>,
     pub stage: Stage,
     data: Data<'a>,
-    ready: &'a mut dyn FnMut(&mut Param, bool),
+    pub(super) ready: &'a mut dyn FnMut(&mut Param, bool),
     stats: StepStats,
     /// The forwards run so far in the step.
     pub forwards: usize,
@@ -234,20 +235,9 @@ impl Runner<'_, '_, '_> {
         self.backward_into(w, dy, &mut Now, true)
     }
 
-    /// `backward_chunk` whose weight GEMMs go to `kept`, which keeps them for a later `weights`
-    /// (a zero-bubble schedule's B): no gradient is complete yet.
-    pub fn input_grad(
-        &mut self,
-        w: (usize, usize),
-        dy: Option<Tensor>,
-        kept: &mut dyn WeightGrads,
-    ) -> Result<Option<Tensor>> {
-        self.backward_into(w, dy, kept, false)
-    }
-
     /// The backward through `w`'s chunk, its weight GEMMs to `weights`; `tell`: data parallelism
     /// hears of each gradient complete.
-    fn backward_into(
+    pub(super) fn backward_into(
         &mut self,
         (i, chunk): (usize, usize),
         dy: Option<Tensor>,
@@ -270,19 +260,10 @@ impl Runner<'_, '_, '_> {
         Ok(dx)
     }
 
-    /// The W of micro-batch `i` through model chunk `chunk`: the weight GEMMs its B left.
-    pub fn weights(&mut self, (i, chunk): (usize, usize)) -> Result<()> {
-        let start = Instant::now();
-        let last = i + 1 == self.plan.micro_batches;
-        let ready = &mut *self.ready;
-        self.model.backward_weights(chunk, &mut |p| ready(p, last))?;
-        self.hooks.span(name("weights", (i, chunk), self.stage), start);
-        Ok(())
-    }
 }
 
 /// A span's name: "forward 3", or with model chunks "forward 3.1" (micro-batch 3, chunk 1).
-fn name(what: &str, (micro, chunk): (usize, usize), stage: Stage) -> String {
+pub(super) fn name(what: &str, (micro, chunk): (usize, usize), stage: Stage) -> String {
     match stage.chunks {
         1 => format!("{what} {micro}"),
         _ => format!("{what} {micro}.{chunk}"),

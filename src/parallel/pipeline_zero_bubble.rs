@@ -21,9 +21,37 @@
 use crate::model::deferred_grads::Later;
 use crate::model::split::WeightGrads;
 use crate::model::stage::Stage;
+use crate::ops::tensor::Tensor;
 use crate::parallel::pipeline_1f1b::OneFOneB;
+use crate::parallel::pipeline_parallel::{name, Runner};
 use crate::parallel::pipeline_schedule::{Action, Actions, Schedule, Work};
+use anyhow::Result;
 use std::collections::VecDeque;
+use std::time::Instant;
+
+/// A stage's B and W, what `Listed` drives for a zero-bubble schedule.
+impl Runner<'_, '_, '_> {
+    /// `backward_chunk` whose weight GEMMs go to `kept`, which keeps them for a later `weights`
+    /// (a zero-bubble schedule's B): no gradient is complete yet.
+    pub fn input_grad(
+        &mut self,
+        w: (usize, usize),
+        dy: Option<Tensor>,
+        kept: &mut dyn WeightGrads,
+    ) -> Result<Option<Tensor>> {
+        self.backward_into(w, dy, kept, false)
+    }
+
+    /// The W of micro-batch `i` through model chunk `chunk`: the weight GEMMs its B left.
+    pub fn weights(&mut self, (i, chunk): (usize, usize)) -> Result<()> {
+        let start = Instant::now();
+        let last = i + 1 == self.plan.micro_batches;
+        let ready = &mut *self.ready;
+        self.model.backward_weights(chunk, &mut |p| ready(p, last))?;
+        self.hooks.span(name("weights", (i, chunk), self.stage), start);
+        Ok(())
+    }
+}
 
 /// ZB-H1: 1F1B's F and B, each stage's W's `stage` backwards late.
 pub struct ZbH1;

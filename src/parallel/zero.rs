@@ -209,24 +209,19 @@ impl TrainedPart for ZeroChunk {
     fn shape(&self) -> &[usize] {
         &self.shape
     }
-
-    fn as_any(&self) -> &dyn Any {
-        self
-    }
-
-    fn as_any_mut(&mut self) -> &mut dyn Any {
-        self
-    }
 }
 
-/// `p`'s chunk, if ZeRO shards it.
+/// `p`'s chunk, if ZeRO shards it: its trained part seen as what it is (`TrainedPart: Any`, so a
+/// `dyn TrainedPart` is a `dyn Any` too).
 pub fn chunk_of(p: &Param) -> Option<&ZeroChunk> {
-    p.trained_part.as_ref()?.as_any().downcast_ref()
+    let part: &dyn Any = p.trained_part.as_deref()?;
+    part.downcast_ref()
 }
 
 /// `p`'s chunk, to change, if ZeRO shards it.
 fn chunk_of_mut(p: &mut Param) -> Option<&mut ZeroChunk> {
-    p.trained_part.as_mut()?.as_any_mut().downcast_mut()
+    let part: &mut dyn Any = p.trained_part.as_deref_mut()?;
+    part.downcast_mut()
 }
 
 /// Shards the model's parameters and the optimizer's moments as `sharding` says, for ZeRO
@@ -562,9 +557,6 @@ impl Optimizer for GatherAfterUpdate<'_> {
         self.inner.to_place(place);
     }
 
-    fn kinds_of(&self, name: &str, shape: &[usize]) -> &'static [&'static str] {
-        self.inner.kinds_of(name, shape)
-    }
 }
 
 /// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights of every

@@ -1,33 +1,54 @@
 //! # The composition root: which lessons' parts this rank's step is made of
 //!
-//! The step (`train.rs`) calls a model, gradient reducers and an optimizer; what they are is
-//! decided here, once, from the config — the one place that names every lesson's part:
+//! The step (`train/step.rs`) calls a model, gradient reducers and an optimizer through seams
+//! that earlier lessons define; which part fills each seam is decided here, once, from the
+//! config — the one place that names every lesson's part. Each seam, what picks its part, and
+//! the lesson that teaches it:
 //!
 //! ```text
-//! the model        this rank's part, on its device; tp, sp, cp and the experts' splits are
-//!                  plugged in where the weights are made (`train/run.rs`, `model/split.rs`;
-//!                  the experts, where expert parallelism and the routing tape put them: `experts`)
-//! ZeRO             1/dp of the optimizer state (stage 1), of the gradients (2), of the weights
-//!                  (3, FSDP: a `WeightSplit` gathering whole weights unit by unit)
-//! gradients        one reducer per axis that replicates parameters (`train/gradients.rs`)
-//! the norm         the groups the gradient norm sums over
-//! Muon's owners    where each matrix is whole for Newton–Schulz (`parallel/muon_owners.rs`)
+//! seam (where it is)                       config key → the part plugged in           lesson
+//! TensorSplit (model/split.rs)             parallel.tp → TensorParallel                09
+//!                                          parallel.sequence_parallel → SequenceParallel 10
+//! SequenceSplit (model/split.rs)           parallel.cp, cp_mode → Ring | Ulysses        16, 17
+//! WeightSplit (model/split.rs)             parallel.zero_stage = 3 → Fsdp               07
+//! LayerSplit (model/split.rs)              parallel.pp → a pipeline Stage               12
+//! Keeps (model/block.rs)                   train.recompute → Recompute                  19
+//! LossHead (model/llama.rs)                train.loss_chunk_rows → FusedLoss            19
+//! Mlps (model/block.rs)                    model.num_local_experts, parallel.ep → Experts 20
+//! MicroBatches (train/feed.rs)             --record/--replay-routing → TellTape         20
+//! Optimizer (model/optimizer.rs)           train.optimizer → AdamW | Muon               01, 23
+//!                                          parallel.zero_stage = 1, 2 → GatherAfterUpdate 06
+//! GradReduce (parallel/data_parallel.rs)   parallel.dp_mode, bucket_mb → DataParallel   04, 05
+//!                                          parallel.zero_stage ≥ 2 → ZeroBuckets        06
+//!                                          parallel.dp_shard → within SHARD, then REPLICATE 08
+//!                                          parallel.ep → ExpertGrads                    20
+//! Walk (parallel/pipeline_parallel.rs)     parallel.pp_schedule → Afab | OneFOneB | Listed 12–15
+//! WholeMatrices (model/muon.rs)            train.optimizer = muon, sharded → Owners     23
+//! GEMM precision (ops/precision.rs)        device.dtype → f32 | bf16 | fp8              21
 //! ```
+//! Where the weights come from (a checkpoint resumed, pretrained weights, the init) is
+//! `train/run.rs`'s, with the run's checkpoints; the loop around the step is `train/driver.rs`'s.
+//! Whether a gradient belongs to the experts or the dense model is decided here, once, as the
+//! reducers are made (`Gradients::replicated_over`): the step hands each gradient to its reducer.
 
 use super::agree;
-use super::feed::{Feed, Told};
+use super::feed::{Feed, MicroBatches};
 use super::gradients::{Gradients, NormAxis, NormGroups, Which};
 use super::run::Shared;
 use super::step::Trainer;
+use super::run::Summary;
 use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
-use crate::config::{Config, ParallelConfig};
+use crate::config::{Config, CpMode, OptimizerKind, ParallelConfig};
 use crate::data::Dataset;
+use crate::model::fused_loss::FusedLoss;
 use crate::model::moe::{ExpertSplit, Experts, EP, EXPERT_DP};
-use crate::model::muon::{OneRank, WholeMatrices};
-use crate::model::routing_tape::{self, RoutingTape, Taped};
-use crate::model::{Param, Whole};
-use crate::parallel::context_parallel;
+use crate::model::muon::{self, Muon, OneRank, WholeMatrices};
+use crate::model::optimizer::{self, AdamW, Optimizer, StateKinds};
+use crate::model::routing_tape::{self, RoutingTape, TapeMode, Taped};
+use crate::model::{Llama, Param, TensorSplit, Whole};
+use crate::ops::tensor::Place;
+use crate::parallel::context_parallel::{self, Ring};
 use crate::parallel::data_parallel::{bucket_values, DataParallel, GradReduce};
 use crate::parallel::expert_parallel::{ExpertGrads, ExpertParallel};
 use crate::parallel::fsdp::Fsdp;
@@ -37,92 +58,208 @@ use crate::parallel::layout;
 use crate::parallel::muon_owners::Owners;
 use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::schedules;
-use crate::parallel::sequence_parallel::NormGradsOverTp;
+use crate::parallel::sequence_parallel::{NormGradsOverTp, SequenceParallel};
+use crate::parallel::tensor_parallel::TensorParallel;
+use crate::parallel::ulysses::Ulysses;
 use crate::parallel::zero::{self, GatherAfterUpdate, Sharding, ZeroBuckets};
 use anyhow::Result;
 use std::rc::Rc;
 
-impl<'g> Trainer<'g> {
-    /// Rank `me`'s model, optimizer and reducers for `cfg`, from where `shared` says.
-    pub(super) fn assemble(
-        me: &'g Rank,
-        cfg: &'g Config,
-        data: &'g Dataset,
-        (tape, experts): (Option<Rc<RoutingTape>>, Option<&Rc<Experts<'g>>>),
-        shared: &Shared,
-    ) -> Result<Trainer<'g>> {
-        let (p, t, tp) = (&cfg.parallel, &cfg.train, me.group(Axis::Tp));
-        if shared.spread {
-            agree::settings(me.group(Axis::World), cfg, shared.facts(data))?; // processes started differently never train
+/// What a run keeps of the lessons' parts beside the trainer: a mixture of experts' shared
+/// parts (whose rows the watch counts) and, debugging one, its routing tape (told when a step's
+/// micro-batches are over, saved at the end). Nothing for a dense model.
+pub(super) struct Beside<'g> {
+    experts: Option<Rc<Experts<'g>>>,
+    tape: Option<Rc<RoutingTape>>,
+}
+
+impl<'g> Beside<'g> {
+    /// The experts' shared parts, for the rows each routed.
+    pub fn experts(&self) -> Option<&Experts<'g>> {
+        self.experts.as_deref()
+    }
+
+    /// The step's micro-batches are done: forwards until the next one (validation's) are not taped.
+    pub fn step_done(&self) {
+        self.tape.iter().for_each(|t| t.idle());
+    }
+
+    /// At the run's end: a recorded tape saved, a replayed one's count in `summary`.
+    pub fn finish(&self, me: &Rank, cfg: &Config, summary: &mut Summary) -> Result<()> {
+        if let Some(tape) = &self.tape {
+            tape.save(me.rank, cfg)?;
+            summary.routing_replaced = tape.replaced();
         }
-        let (mut model, first_step) = shared.model(me, cfg, experts)?; // this rank's part, on its device
-                                                                       // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
-                                                                       // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
-                                                                       // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
-        let dense = if hybrid_sharding::is_hybrid(&me.grid) { SHARD.into() } else { Axis::DpCp };
-        let sharding = Sharding::new(p.zero_stage, layout::replicas)
-            .with(Axis::DpCp, (dense, me.group(dense)))
-            .with(EXPERT_DP.into(), (EXPERT_DP.into(), me.group(EXPERT_DP)));
-        // Muon's matrices whole for Newton–Schulz: each at one owner of the ranks holding its pieces
-        let alone = [Axis::DpCp, Axis::Tp, EXPERT_DP.into()].iter().all(|&a| me.group(a).size() == 1);
-        let wholes: Box<dyn WholeMatrices> = match alone {
-            true => Box::new(OneRank), // every matrix is whole here
-            false => Box::new(Owners::new(me, &sharding, layout::replicas, &model.params())),
+        Ok(())
+    }
+}
+
+/// Rank `me`'s trainer for `cfg`, from where `shared` says, and what the run keeps beside it.
+pub(super) fn assemble<'g>(
+    me: &'g Rank,
+    cfg: &'g Config,
+    data: &'g Dataset,
+    routing_tape: Option<TapeMode>,
+    shared: &Shared,
+) -> Result<(Trainer<'g>, Beside<'g>)> {
+    let (p, t, tp) = (&cfg.parallel, &cfg.train, me.group(Axis::Tp));
+    if shared.spread {
+        agree::settings(me.group(Axis::World), cfg, shared.facts(data))?; // processes started differently never train
+    }
+    // debugging a mixture of experts: its routing recorded, or replayed from another run
+    let tape = routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
+    let experts = experts(me, cfg, tape.clone()); // a mixture of experts' shared parts
+    let (mut model, first_step) = model(me, cfg, experts.as_ref(), shared)?; // this rank's part, on its device
+    // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
+    // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
+    // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
+    let dense = if hybrid_sharding::is_hybrid(&me.grid) { SHARD.into() } else { Axis::DpCp };
+    let sharding = Sharding::new(p.zero_stage, layout::replicas)
+        .with(Axis::DpCp, (dense, me.group(dense)))
+        .with(EXPERT_DP.into(), (EXPERT_DP.into(), me.group(EXPERT_DP)));
+    // Muon's matrices whole for Newton–Schulz: each at one owner of the ranks holding its pieces
+    let alone = [Axis::DpCp, Axis::Tp, EXPERT_DP.into()].iter().all(|&a| me.group(a).size() == 1);
+    let wholes: Box<dyn WholeMatrices> = match alone {
+        true => Box::new(OneRank), // every matrix is whole here
+        false => Box::new(Owners::new(me, &sharding, layout::replicas, &model.params())),
+    };
+    let mut optimizer = optimizer(&mut model, cfg, wholes);
+    shared.resume_optimizer(&mut *optimizer, &model, tp)?;
+    if sharding.any() {
+        model = zero::shard(model, &mut *optimizer, &sharding, p.zero_stage);
+        // each weight gathered as its GEMMs read it: bf16 on a bf16 GPU, FP8 where they read FP8
+        let formats = gather_formats::for_model(&model);
+        optimizer = match p.zero_stage {
+            3 => {
+                model = model.with_weight_split(Rc::new(Fsdp::new(sharding.clone(), formats))); // FSDP: unit by unit
+                optimizer
+            }
+            // ZeRO-1, 2: after each update the whole weights are gathered back
+            _ => {
+                let bucket = bucket_values(p.bucket_mb);
+                Box::new(GatherAfterUpdate { inner: optimizer, sharding: sharding.clone(), formats, bucket })
+            }
         };
-        let mut optimizer = shared.optimizer(&mut model, tp, cfg, wholes)?;
-        if sharding.any() {
-            model = zero::shard(model, &mut *optimizer, &sharding, p.zero_stage);
-            // each weight gathered as its GEMMs read it: bf16 on a bf16 GPU, FP8 where they read FP8
-            let formats = gather_formats::for_model(&model);
-            optimizer = match p.zero_stage {
-                3 => {
-                    model = model.with_weight_split(Rc::new(Fsdp::new(sharding.clone(), formats))); // FSDP: unit by unit
-                    optimizer
-                }
-                // ZeRO-1, 2: after each update the whole weights are gathered back
-                _ => {
-                    let bucket = bucket_values(p.bucket_mb);
-                    Box::new(GatherAfterUpdate { inner: optimizer, sharding: sharding.clone(), formats, bucket })
-                }
-            };
+    }
+    let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
+    let (pp, ep) = (me.group(Axis::Pp), me.group(EP));
+    // the norm's parts: the dense weights', then the experts' (each ep rank holds other experts)
+    let axes = vec![
+        NormAxis { axis: Axis::DpCp, parts: sharding.on(Axis::DpCp), others: None },
+        NormAxis { axis: EXPERT_DP.into(), parts: sharding.on(EXPERT_DP.into()), others: Some(ep) },
+    ];
+    let norm = NormGroups { replicas: layout::replicas, tp, pp, axes };
+    // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
+    // parallelism)
+    let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };
+    let (kind, micro_batches, batch, stage) =
+        (p.pp_schedule, t.grad_accum_steps, t.micro_batch_size, schedules::stage_of(pp.index(), p));
+    // how a stage walks its schedule: AFAB and 1F1B as loops, the others as lists of actions
+    let walk = schedules::walk_of(kind);
+    let hidden = [rows, cfg.model.hidden_size];
+    let pipeline = StepPlan { pp, walk, micro_batches, batch, stage, hidden };
+    // what a rank reads of each sequence: with context parallelism, its cp positions
+    let cp = me.group(Axis::Cp);
+    let positions = context_parallel::positions(p.cp_split, cp.size(), cp.index(), t.seq_len);
+    let feed = Feed::new(me, cfg, data, positions);
+    // the routing tape is told each micro-batch's rows (this rank's of them with sequence
+    // parallelism) before the micro-batch runs
+    let feed: Box<dyn MicroBatches + 'g> = match &tape {
+        Some(tape) => Box::new(TellTape { feed, tape: tape.clone(), cfg, me }),
+        None => Box::new(feed),
+    };
+    let trainer = Trainer { cfg, me, model, optimizer, grads, norm, feed, pipeline, first_step };
+    Ok((trainer, Beside { experts, tape }))
+}
+
+/// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens, a mixture of
+/// experts' layers as `experts` says), on its device, and the step to start from.
+fn model<'g>(
+    me: &'g Rank,
+    cfg: &Config,
+    experts: Option<&Rc<Experts<'g>>>,
+    shared: &Shared,
+) -> Result<(Llama<'g>, usize)> {
+    let (t, p) = (&cfg.train, &cfg.parallel);
+    let tp: Box<dyn TensorSplit> = match p.sequence_parallel {
+        true => Box::new(SequenceParallel::new(me.group(Axis::Tp))),
+        false => Box::new(TensorParallel::new(me.group(Axis::Tp))),
+    };
+    let (mut model, first_step) = shared.weights(cfg, tp, schedules::stage_of(me.coords.pp, p))?;
+    model = model.with_recompute(t.recompute);
+    if t.loss_chunk_rows > 0 {
+        // the fused loss makes its gradient in forward, for the step's scale 1/m
+        let scale = 1.0 / t.grad_accum_steps as f32;
+        model = model.with_loss(Box::new(FusedLoss { rows: t.loss_chunk_rows, scale }));
+    }
+    model = model.with_gemms(crate::ops::precision::gemms(cfg.device.gemms()));
+    if let Some(experts) = experts {
+        // a mixture of experts: its layers made again of the same weights, where the run puts
+        // the experts
+        model = model.with_mlps(experts)?;
+    }
+    let cp = me.group(Axis::Cp);
+    if cp.size() > 1 {
+        let split = p.cp_split;
+        model = match p.cp_mode {
+            CpMode::Ring => model.with_sequence_split(Box::new(Ring { group: cp, split })),
+            CpMode::Ulysses => model.with_sequence_split(Box::new(Ulysses { group: cp, split })),
+        };
+    }
+    // on a GPU, the weights move there once; the training step is the same code
+    model.to_place(&Place::for_rank(me.gpu.as_ref(), cfg.device.compute_dtype())?);
+    Ok((model, first_step))
+}
+
+/// The optimizer over the model's parameters, fresh: AdamW, or Muon for the blocks' matrices with
+/// AdamW for the rest (`wholes`: how the layout brings a matrix together).
+fn optimizer<'g>(model: &mut Llama, cfg: &Config, wholes: Box<dyn WholeMatrices + 'g>) -> Box<dyn Optimizer + 'g> {
+    let (t, dtype) = (&cfg.train, cfg.train.optimizer_dtype.dtype());
+    match t.optimizer {
+        OptimizerKind::Adamw => {
+            let mut o = AdamW::new(&model.params_mut(), t); // moments made next to the gradients
+            o.keep_moments_in(dtype);
+            Box::new(o)
         }
-        let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
-        let (pp, ep) = (me.group(Axis::Pp), me.group(EP));
-        // the norm's parts: the dense weights', then the experts' (each ep rank holds other experts)
-        let axes = vec![
-            NormAxis { axis: Axis::DpCp, parts: sharding.on(Axis::DpCp), others: None },
-            NormAxis { axis: EXPERT_DP.into(), parts: sharding.on(EXPERT_DP.into()), others: Some(ep) },
-        ];
-        let norm = NormGroups { replicas: layout::replicas, tp, pp, axes };
-        // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
-        // parallelism)
-        let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };
-        let (kind, micro_batches, batch, stage) =
-            (p.pp_schedule, t.grad_accum_steps, t.micro_batch_size, schedules::stage_of(pp.index(), p));
-        // how a stage walks its schedule: AFAB and 1F1B as loops, the others as lists of actions
-        let walk = schedules::walk_of(kind);
-        let hidden = [rows, cfg.model.hidden_size];
-        let pipeline = StepPlan { pp, walk, micro_batches, batch, stage, hidden };
-        // the routing tape is told each micro-batch's rows (this rank's of them with sequence
-        // parallelism) before the micro-batch runs
-        let told = tape.map(|tape| -> Told<'g> {
-            let sp = p.sequence_parallel.then(|| (tp.index(), tp.size()));
-            Box::new(move |step, micro, pos| {
-                tape.at(step, routing_tape::batch_rows(cfg, step, (me.coords.dp, micro), pos, sp))
-            })
-        });
-        // what a rank reads of each sequence: with context parallelism, its cp positions
-        let cp = me.group(Axis::Cp);
-        let positions = context_parallel::positions(p.cp_split, cp.size(), cp.index(), t.seq_len);
-        let feed = Feed::new(me, cfg, data, positions, told);
-        Ok(Trainer { cfg, model, optimizer, grads, norm, feed, pipeline, first_step })
+        OptimizerKind::Muon => {
+            let mut o = Muon::new(&mut model.params_mut(), t, wholes);
+            o.keep_state_in(dtype);
+            Box::new(o)
+        }
+    }
+}
+
+/// The names of the state the run's optimizer keeps per parameter (what its checkpoints hold).
+pub(super) fn state_kinds(cfg: &Config) -> StateKinds {
+    match cfg.train.optimizer {
+        OptimizerKind::Adamw => optimizer::adamw_kinds,
+        OptimizerKind::Muon => muon::state_names,
+    }
+}
+
+/// The feed, with the routing tape told each micro-batch's rows before it runs.
+struct TellTape<'g> {
+    feed: Feed<'g>,
+    tape: Rc<RoutingTape>,
+    cfg: &'g Config,
+    me: &'g Rank,
+}
+
+impl MicroBatches for TellTape<'_> {
+    fn micro_batch(&self, step: usize, micro: usize) -> Result<(Vec<u32>, Vec<i32>)> {
+        let (p, me) = (&self.cfg.parallel, self.me);
+        let tp = me.group(Axis::Tp);
+        let sp = p.sequence_parallel.then(|| (tp.index(), tp.size()));
+        let rows = routing_tape::batch_rows(self.cfg, step, (me.coords.dp, micro), self.feed.positions(), sp);
+        self.tape.at(step, rows);
+        self.feed.micro_batch(step, micro)
     }
 }
 
 /// A mixture of experts' shared parts on this rank (`None` for a dense model): its experts
 /// divided over the ep group (expert parallelism) or all here, and, debugging it, its routing
 /// recorded or replayed from another run (the routing tape around the split).
-pub(super) fn experts<'g>(me: &'g Rank, cfg: &Config, tape: Option<Rc<RoutingTape>>) -> Option<Rc<Experts<'g>>> {
+fn experts<'g>(me: &'g Rank, cfg: &Config, tape: Option<Rc<RoutingTape>>) -> Option<Rc<Experts<'g>>> {
     if cfg.model.num_local_experts == 0 {
         return None;
     }

@@ -5,7 +5,7 @@
 //!
 //! ```text
 //! before a step   start its clock (and the GPU profile, when asked)
-//! the step        `Trainer::step` (train.rs), with the hooks below
+//! the step        `Trainer::step` (`train/step.rs`), with the hooks below
 //! after it        the held-out loss and a sample when due (`validate.rs`, `sample.rs`), the
 //!                 step's line, metrics and trace (`watch.rs`), a checkpoint when due (`run.rs`)
 //! a signal        every rank agrees on it after the step, or between micro-batches (the
@@ -27,7 +27,7 @@
 use super::compose;
 use super::memory::Held;
 use super::run::Shared;
-use super::step::{Stepped, Trainer};
+use super::step::Stepped;
 use super::watch::{StepEnd, Watch};
 use super::{memory, sample, stop, validate, Options, Stopped, Summary};
 use crate::comm::launcher::Rank;
@@ -36,7 +36,6 @@ use crate::comm::Group;
 use crate::config::Config;
 use crate::data::Dataset;
 use crate::model::optimizer::Optimizer;
-use crate::model::routing_tape::RoutingTape;
 use crate::model::Llama;
 use crate::parallel::StepHooks;
 use anyhow::Result;
@@ -45,10 +44,8 @@ use std::time::Instant;
 
 /// The steps of one rank, from its first to the run's last, or to a signal.
 pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options, shared: Shared) -> Result<Summary> {
-    // debugging a mixture of experts: its routing recorded, or replayed from another run
-    let tape = opts.routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
-    let experts = compose::experts(me, cfg, tape.clone()); // a mixture of experts' shared parts
-    let mut tr = Trainer::assemble(me, cfg, data, (tape.clone(), experts.as_ref()), &shared)?;
+    // this rank's model, optimizer and reducers, as the config says (`train/compose.rs`)
+    let (mut tr, beside) = compose::assemble(me, cfg, data, opts.routing_tape, &shared)?;
     let first_step = tr.first_step;
     let mut watch = Watch::new(me, cfg, opts, (first_step, tr.model.place(), shared.cpu_peak))?; // metrics, trace, timing, memory
     let pp = me.group(Axis::Pp);
@@ -66,7 +63,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         let hooks = Hooks { watch: &watch, world: me.group(Axis::World), may_stop, round, signal, held };
         let stepped = tr.step(step, &hooks)?;
         let (signal, held) = (hooks.signal.get(), hooks.held.get());
-        tape.iter().for_each(|t| t.idle());
+        beside.step_done();
         let (loss, lr, grad_norm, activations_held) = match stepped {
             Stepped::Done { loss, lr, grad_norm, activations_held } => (loss, lr, grad_norm, activations_held),
             Stepped::Stopped { micro_batches } => {
@@ -85,7 +82,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         let (val_loss, sample) = validate::after_step(me, (cfg, data), step, state, prompt.as_deref())?;
         let validation_s = validating.elapsed().as_secs_f64();
         let end = StepEnd { step, loss, lr, grad_norm, activations_held, held, val_loss, sample, validation_s };
-        watch.step_ends(&end, &mut tr.model, experts.as_deref())?;
+        watch.step_ends(&end, &mut tr.model, beside.experts())?;
         // a signal stops every rank after the same step: they agree on it in one collective
         let signal = if opts.stop_on_signal { stop::agreed(me.group(Axis::World))? } else { None };
         let saved = shared.checkpoints.save_if_due(me, cfg, step, (&tr.model, &*tr.optimizer), signal.is_some())?;
@@ -98,10 +95,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
         }
     }
     let mut summary = watch.finish(&tr.model)?;
-    if let Some(tape) = &tape {
-        tape.save(me.rank, cfg)?;
-        summary.routing_replaced = tape.replaced();
-    }
+    beside.finish(me, cfg, &mut summary)?;
     Ok(summary)
 }
 

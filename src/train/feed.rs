@@ -10,9 +10,12 @@ use crate::config::Config;
 use crate::data::{self, Dataset};
 use anyhow::Result;
 
-/// Told each micro-batch's (step, micro-batch, this rank's positions of each sequence) before it
-/// runs: a hook for what must know which rows a micro-batch holds (a routing tape).
-pub(super) type Told<'g> = Box<dyn Fn(usize, usize, &[u32]) + 'g>;
+/// Where the step reads its micro-batches: `Feed` below, or a later lesson's wrapper around it
+/// (chosen by `train/compose.rs`).
+pub(super) trait MicroBatches {
+    /// Micro-batch `micro` of step `step` on this rank: (tokens, targets).
+    fn micro_batch(&self, step: usize, micro: usize) -> Result<(Vec<u32>, Vec<i32>)>;
+}
 
 /// A rank's micro-batches.
 pub(super) struct Feed<'g> {
@@ -21,31 +24,26 @@ pub(super) struct Feed<'g> {
     data: &'g Dataset,
     /// This rank's positions of each sequence (all of them without context parallelism).
     positions: Vec<u32>,
-    /// Who is told each micro-batch's rows (`Told`), if anyone.
-    told: Option<Told<'g>>,
 }
 
 impl<'g> Feed<'g> {
     /// Reads `positions` of each sequence (all of them without context parallelism).
-    pub fn new(
-        me: &'g Rank,
-        cfg: &'g Config,
-        data: &'g Dataset,
-        positions: Vec<u32>,
-        told: Option<Told<'g>>,
-    ) -> Feed<'g> {
-        Feed { me, cfg, data, positions, told }
+    pub fn new(me: &'g Rank, cfg: &'g Config, data: &'g Dataset, positions: Vec<u32>) -> Feed<'g> {
+        Feed { me, cfg, data, positions }
     }
 
-    /// Micro-batch `micro` of step `step` on this rank: (tokens, targets), its dp share and its
-    /// positions of each sequence.
-    pub fn micro_batch(&self, step: usize, micro: usize) -> Result<(Vec<u32>, Vec<i32>)> {
+    /// This rank's positions of each sequence.
+    pub fn positions(&self) -> &[u32] {
+        &self.positions
+    }
+}
+
+impl MicroBatches for Feed<'_> {
+    /// Its dp share of the global batch, and its positions of each sequence.
+    fn micro_batch(&self, step: usize, micro: usize) -> Result<(Vec<u32>, Vec<i32>)> {
         let (t, p, me) = (&self.cfg.train, &self.cfg.parallel, self.me);
         let (tokens, targets) = self.data.micro_batch(t, (me.coords.dp, p.dp), step, micro)?;
         let (seq, pos) = (t.seq_len, &self.positions);
-        if let Some(told) = &self.told {
-            told(step, micro, pos);
-        }
         Ok((data::rows_at(&tokens, seq, pos), data::rows_at(&targets, seq, pos)))
     }
 }

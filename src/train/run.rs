@@ -1,8 +1,9 @@
 //! # The bookkeeping around the training loop
 //!
-//! What `train.rs` keeps out of the loop's way: starting a run (the grid, the data, where the
-//! weights come from, the printout), each rank's model and optimizer on its device, checkpoints,
-//! and the summary a run returns. Watching each step (metrics, trace spans, timing, memory,
+//! What the loop (`train/driver.rs`) keeps out of its way: starting a run (the grid, the data,
+//! where the weights come from, the printout), each rank's starting weights and resumed optimizer
+//! state (which lessons' parts they go into is `train/compose.rs`'s), checkpoints, and the
+//! summary a run returns. Watching each step (metrics, trace spans, timing, memory,
 //! communication) is `train/watch.rs`.
 
 use crate::checkpoint::folder::{self, Folder};
@@ -13,21 +14,16 @@ use crate::comm::launcher::{Rank, Setup};
 use crate::comm::process_grid::{Axis, Grid};
 use crate::comm::trace::Trace;
 use crate::comm::Group;
-use crate::config::{Config, CpMode, DeviceKind, OptimizerKind};
+use crate::config::{Config, DeviceKind, OptimizerKind};
 use crate::data::Dataset;
-use crate::model::fused_loss::FusedLoss;
-use crate::model::moe::{Experts, EP};
-use crate::model::muon::{self, Muon, WholeMatrices};
-use crate::model::optimizer::{self, AdamW, Optimizer, StateKinds};
+use crate::model::moe::EP;
+use crate::model::optimizer::{Optimizer, StateKinds};
 use crate::model::routing_tape::TapeMode;
+use crate::model::stage::Stage;
 use crate::model::{init, Llama, TensorSplit};
 use crate::ops::precision::Precision;
-use crate::ops::tensor::{Place, Tensor};
-use crate::parallel::context_parallel::Ring;
-use crate::parallel::sequence_parallel::SequenceParallel;
-use crate::parallel::tensor_parallel::TensorParallel;
-use crate::parallel::ulysses::Ulysses;
-use crate::parallel::{layout, schedules};
+use crate::ops::tensor::Tensor;
+use crate::parallel::layout;
 use crate::train::memory::{self, Held};
 use anyhow::{Context, Result};
 use std::collections::HashMap;
@@ -173,7 +169,8 @@ pub(super) struct Run {
 impl Run {
     /// Checks the layout, the memory the ranks will need, the checkpoint or pretrained weights
     /// and every output before anything big is built; opens the data; prints what will run.
-    pub(super) fn prepare(cfg: &Config, opts: Options) -> Result<Run> {
+    /// `kinds`: the state the run's optimizer keeps per parameter (what its checkpoints hold).
+    pub(super) fn prepare(cfg: &Config, opts: Options, kinds: StateKinds) -> Result<Run> {
         let (t, p) = (&cfg.train, &cfg.parallel);
         let grid = layout::grid_of(p)?;
         let setup = Setup::from_config(cfg, !opts.one_process)?;
@@ -195,7 +192,7 @@ impl Run {
                     true => folder::name_newest_good(&dir, e, |older| save::load(older).is_ok()),
                     false => e,
                 })?;
-                let mut notes = r.check(cfg, &dir, opts.allow_changes, state_kinds(cfg))?;
+                let mut notes = r.check(cfg, &dir, opts.allow_changes, kinds)?;
                 if !cfg.model.init_from.is_empty() {
                     notes.push(format!(
                         "model.init_from = {} is not read: the weights come from the checkpoint resumed",
@@ -216,6 +213,7 @@ impl Run {
             resumed_step,
             data: None, // known once the data is open, below
             signal_saves: true,
+            kinds,
         };
         let writes = setup.spread.then(crate::comm::wires::processes::leads).unwrap_or(true); // rank 0 is here
         if cfg.checkpoint.every > 0 && !finished && writes {
@@ -340,6 +338,8 @@ pub(super) struct Checkpoints {
     /// False when no folder could take a signal's save (said at the start): the run then stops
     /// without one.
     signal_saves: bool,
+    /// The state the run's optimizer keeps per parameter.
+    kinds: StateKinds,
 }
 
 impl Checkpoints {
@@ -390,7 +390,7 @@ impl Checkpoints {
         if !(now || every > 0 && ((step + 1).is_multiple_of(every) || last)) {
             return Ok(None);
         }
-        let Some(state) = save::gather(me, cfg, model, opt, save::Gather::WeightsAndMoments)? else {
+        let Some(state) = save::gather(me, cfg, model, opt, save::Gather::WeightsAndMoments(self.kinds))? else {
             return Ok(None);
         };
         me.group(Axis::World).while_others_wait(|| {
@@ -451,32 +451,21 @@ impl Shared<'_> {
         facts
     }
 
-    /// This rank's part of the model (its pipeline stage, its tp slices, its cp tokens, a mixture
-    /// of experts' layers as `experts` says), moved to its device once, and the step to start from.
-    pub(super) fn model<'g>(
+    /// This rank's part of the model as it starts (the layers of its pipeline stage `stage`, cut
+    /// for tp as `tp` says), from where the run's weights come from: the checkpoint resumed, the
+    /// pretrained weights, or the init; and the step to start from. On the host: the
+    /// composition root plugs in the rest and moves it to its device.
+    pub(super) fn weights<'g>(
         &self,
-        me: &'g Rank,
         cfg: &Config,
-        experts: Option<&std::rc::Rc<Experts<'g>>>,
+        tp: Box<dyn TensorSplit + 'g>,
+        stage: Stage,
     ) -> Result<(Llama<'g>, usize)> {
-        let stage = schedules::stage_of(me.coords.pp, &cfg.parallel);
-        let tp: Box<dyn TensorSplit> = match cfg.parallel.sequence_parallel {
-            true => Box::new(SequenceParallel::new(me.group(Axis::Tp))),
-            false => Box::new(TensorParallel::new(me.group(Axis::Tp))),
-        };
         let (mut model, first_step) = match (self.resumed, self.pretrained) {
             (Some(r), _) => (r.model(&cfg.model, tp, stage)?, r.step),
             (None, Some(w)) => (hf::build_from(w, &cfg.model, tp, stage, &cfg.model.init_from)?, 0),
             (None, None) => (Llama::init(&cfg.model, cfg.train.seed, tp, stage), 0),
         };
-        let t = &cfg.train;
-        model = model.with_recompute(t.recompute);
-        if t.loss_chunk_rows > 0 {
-            // the fused loss makes its gradient in forward, for the step's scale 1/m
-            let scale = 1.0 / t.grad_accum_steps as f32;
-            model = model.with_loss(Box::new(FusedLoss { rows: t.loss_chunk_rows, scale }));
-        }
-        model = model.with_gemms(crate::ops::precision::gemms(cfg.device.gemms()));
         if self.nudge {
             for p in model.params_mut() {
                 p.value = Tensor::from_vec(
@@ -485,74 +474,15 @@ impl Shared<'_> {
                 );
             }
         }
-        if let Some(experts) = experts {
-            // a mixture of experts: its layers made again of the same weights, where the run
-            // puts the experts
-            model = model.with_mlps(experts)?;
-        }
-        let cp = me.group(Axis::Cp);
-        if cp.size() > 1 {
-            let split = cfg.parallel.cp_split;
-            model = match cfg.parallel.cp_mode {
-                CpMode::Ring => model.with_sequence_split(Box::new(Ring { group: cp, split })),
-                CpMode::Ulysses => model.with_sequence_split(Box::new(Ulysses { group: cp, split })),
-            };
-        }
-        // on a GPU, the weights move there once; the training step is the same code
-        model.to_place(&Place::for_rank(me.gpu.as_ref(), cfg.device.compute_dtype())?);
         Ok((model, first_step))
     }
 
-    /// The optimizer over the model's parameters — AdamW, or Muon for the blocks' matrices with
-    /// AdamW for the rest (`wholes`: how the layout brings a matrix together) — fresh, or with
-    /// the checkpoint's state of this tp slice.
-    pub(super) fn optimizer<'g>(
-        &self,
-        model: &mut Llama,
-        tp: &Group,
-        cfg: &Config,
-        wholes: Box<dyn WholeMatrices + 'g>,
-    ) -> Result<Box<dyn Optimizer + 'g>> {
-        let (t, dtype) = (&cfg.train, cfg.train.optimizer_dtype.dtype());
-        let mut o: Box<dyn Optimizer + 'g> = match t.optimizer {
-            OptimizerKind::Adamw => {
-                let mut o = AdamW::new(&model.params_mut(), t); // moments made next to the gradients
-                o.keep_moments_in(dtype);
-                Box::new(o)
-            }
-            OptimizerKind::Muon => {
-                let mut o = Muon::new(&mut model.params_mut(), t, wholes);
-                o.keep_state_in(dtype);
-                Box::new(o)
-            }
-        };
+    /// The checkpoint's optimizer state of this tp slice into `o`, when the run resumes.
+    pub(super) fn resume_optimizer(&self, o: &mut dyn Optimizer, model: &Llama, tp: &Group) -> Result<()> {
         if let Some(r) = self.resumed {
-            r.load_optimizer(&mut *o, &model.params(), (tp.index(), tp.size()))?;
+            r.load_optimizer(o, &model.params(), (tp.index(), tp.size()))?;
             o.to_place(&model.place()); // the state was read into host memory
         }
-        Ok(o)
+        Ok(())
     }
-}
-
-/// The names of the state the run's optimizer keeps per parameter (what its checkpoints hold).
-fn state_kinds(cfg: &Config) -> StateKinds {
-    match cfg.train.optimizer {
-        OptimizerKind::Adamw => optimizer::adamw_kinds,
-        OptimizerKind::Muon => muon::state_names,
-    }
-}
-
-/// Whether the step's loss is still a number: if not, the error says what most likely caused it.
-pub(super) fn finite(cfg: &Config, loss: f32, step: usize, first_step: usize) -> Result<()> {
-    if loss.is_finite() {
-        return Ok(());
-    }
-    let (t, m) = (&cfg.train, &cfg.model);
-    let why = match (step == first_step, first_step) {
-        (true, 0) if !m.init_from.is_empty() => format!("before any update: the weights of {} overflow the forward pass in {:?}", m.init_from, cfg.device.compute_dtype()),
-        (true, 0) => format!("before any update: the initial weights overflow the forward pass; check model.initializer_range = {} and model.rms_norm_eps = {}", m.initializer_range, m.rms_norm_eps),
-        (true, _) => "on the first step after resuming: the checkpoint's weights overflow the forward pass; resume an earlier checkpoint".into(),
-        (false, _) => format!("training diverged; lower train.lr (now {}) or set train.grad_clip (now {}, 0 is off)", t.lr, t.grad_clip),
-    };
-    anyhow::bail!("the loss became {loss} at step {step}: {why}")
 }

@@ -22,9 +22,9 @@
 //! averaged over its replicas' axis). The loss is the mean over all of the batch's tokens,
 //! whatever way it is cut into ranks and micro-batches (`train/feed.rs`: what a rank reads).
 
-use super::feed::Feed;
+use super::feed::MicroBatches;
 use super::gradients::{self, Gradients, NormGroups};
-use super::run;
+use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
 use crate::comm::ReduceOp;
 use crate::config::Config;
@@ -47,8 +47,9 @@ pub(super) struct Trainer<'g> {
     pub(super) grads: Gradients<'g>,
     /// The groups the gradient norm sums over.
     pub(super) norm: NormGroups<'g>,
-    /// What this rank reads: its micro-batches.
-    pub(super) feed: Feed<'g>,
+    pub(super) me: &'g Rank,
+    /// What this rank reads: its micro-batches (`train/feed.rs`).
+    pub(super) feed: Box<dyn MicroBatches + 'g>,
     /// This rank's pipeline stage and its part in the step (one stage without pipelining).
     pub(super) pipeline: StepPlan<'g>,
     pub(super) first_step: usize,
@@ -67,7 +68,7 @@ pub(super) enum Stepped {
 impl Trainer<'_> {
     /// One step of this rank: `hooks` are the driver's (`train/driver.rs`).
     pub(super) fn step(&mut self, step: usize, hooks: &dyn StepHooks) -> Result<Stepped> {
-        let (t, me, pp) = (&self.cfg.train, self.feed.me, self.pipeline.pp);
+        let (t, me, pp) = (&self.cfg.train, self.me, self.pipeline.pp);
         let (m, model, grads) = (t.grad_accum_steps, &mut self.model, &mut self.grads);
         model.zero_grads();
         let (mut loss, activations_held) = if pp.size() == 1 {
@@ -112,7 +113,7 @@ impl Trainer<'_> {
         let (loss, grad_norm) = (read[0], (read[1] as f64).sqrt());
         // 4. never an update from a NaN; the optimizer (AdamW) at this step's learning rate,
         //    clipping folded in (ZeRO-1, 2: this rank's chunks, then the whole weights gathered)
-        run::finite(self.cfg, loss, step, self.first_step)?;
+        finite(self.cfg, loss, step, self.first_step)?;
         let lr = optimizer::lr_at(t, step);
         self.optimizer.step(&mut params, lr, optimizer::clip_factor(grad_norm, t.grad_clip))?;
         hooks.span("optimizer".into(), span);
@@ -120,3 +121,18 @@ impl Trainer<'_> {
     }
 }
 // ─────────────────────────────── end of the step ───────────────────────────────
+
+/// Whether the step's loss is still a number: if not, the error says what most likely caused it.
+fn finite(cfg: &Config, loss: f32, step: usize, first_step: usize) -> Result<()> {
+    if loss.is_finite() {
+        return Ok(());
+    }
+    let (t, m) = (&cfg.train, &cfg.model);
+    let why = match (step == first_step, first_step) {
+        (true, 0) if !m.init_from.is_empty() => format!("before any update: the weights of {} overflow the forward pass in {:?}", m.init_from, cfg.device.compute_dtype()),
+        (true, 0) => format!("before any update: the initial weights overflow the forward pass; check model.initializer_range = {} and model.rms_norm_eps = {}", m.initializer_range, m.rms_norm_eps),
+        (true, _) => "on the first step after resuming: the checkpoint's weights overflow the forward pass; resume an earlier checkpoint".into(),
+        (false, _) => format!("training diverged; lower train.lr (now {}) or set train.grad_clip (now {}, 0 is off)", t.lr, t.grad_clip),
+    };
+    anyhow::bail!("the loss became {loss} at step {step}: {why}")
+}

@@ -1,7 +1,7 @@
 //! # Watching a rank's run: what each step printed, took, held and sent
 //!
-//! The loop (`train.rs`) tells its `Watch` when a step starts, each compute span, and what the
-//! step ended with; the watch writes the metrics line, records trace spans, times the step,
+//! The loop (`train/driver.rs`) tells its `Watch` when a step starts, each compute span, and what
+//! the step ended with; the watch writes the metrics line, records trace spans, times the step,
 //! reads the memory peak and adds up the step's communication, and hands the rank's `Summary`
 //! back at the end.
 

@@ -6,7 +6,7 @@
 
 use super::{Cache, Head, HeadCache, Llama, LossHead, Unit, WholeLogits};
 use crate::config::ModelConfig;
-use crate::model::block::{Block, KeepAll, Keeps, Kept, LossTerm, Mlps};
+use crate::model::block::{Block, KeepAll, Keeps, Kept, Mlps};
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{LayerSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::{family, init};
@@ -146,26 +146,11 @@ impl<'g> Llama<'g> {
         self
     }
 
-    /// Gives every block the MLP `mlps` makes of its MLP's parameters (a later lesson's kind over
-    /// the same weights: a mixture of experts divided among ranks, `moe.rs`), and the model the
-    /// loss term they add; a parameter the new kind does not ask for is dropped.
-    pub fn with_mlps(mut self, mlps: &dyn Mlps<'g>) -> Result<Llama<'g>> {
-        let cfg = &self.cfg;
-        self.layers = self.layers.into_iter().map(|b| b.with_mlp(mlps, cfg)).collect::<Result<_>>()?;
-        self.term = mlps.loss_term();
-        Ok(self)
-    }
-
     /// Makes the loss with `loss` (the plain `WholeLogits` keeps the whole logits for backward,
     /// and for `logits`).
     pub fn with_loss(mut self, loss: Box<dyn LossHead + 'g>) -> Llama<'g> {
         self.loss = loss;
         self
-    }
-
-    /// Adds `term` to the loss from now on (`None`: no term); returns the term it added before.
-    pub fn replace_loss_term(&mut self, term: Option<Box<dyn LossTerm + 'g>>) -> Option<Box<dyn LossTerm + 'g>> {
-        std::mem::replace(&mut self.term, term)
     }
 
     /// Its linear layers' GEMMs read what `gemms` says for each weight's name (f32 unless a run
@@ -309,13 +294,6 @@ impl<'g> Llama<'g> {
             }
         }
         h
-    }
-
-    /// Micro-batches whose activations this rank holds now (forward done, backward not yet, or
-    /// with a zero-bubble pipeline its weight gradients not yet; with model chunks, micro-batch
-    /// chunks, each 1/V of a micro-batch's).
-    pub fn activations_held(&self) -> usize {
-        self.caches.len() + self.deferred.len()
     }
 
     /// The bytes of the activations held for backward (all micro-batches in flight), and of the
