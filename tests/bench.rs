@@ -4,8 +4,8 @@
 use ferrotron::commands::bench;
 use ferrotron::config::{Config, Recompute};
 use ferrotron::devices::{flops_per_token, peak_tflops};
-use ferrotron::model::stage::Stage;
 use ferrotron::model::llama::pipeline::StageInput;
+use ferrotron::model::stage::Stage;
 use ferrotron::model::Llama;
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::ops::DType;

@@ -20,8 +20,8 @@ mod common;
 
 use ferrotron::config::Config;
 use ferrotron::model::init::normal;
-use ferrotron::model::split::Now;
 use ferrotron::model::llama::pipeline::{StageGrad, StageInput, StageOutput};
+use ferrotron::model::split::Now;
 use ferrotron::model::Llama;
 use ferrotron::ops::fp8::Fp8;
 use ferrotron::ops::precision::gemms;

@@ -10,8 +10,8 @@ mod common;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::config::Config;
 use ferrotron::model::fused_loss::FusedLoss;
-use ferrotron::model::split::Now;
 use ferrotron::model::llama::pipeline::{StageGrad, StageInput, StageOutput};
+use ferrotron::model::split::Now;
 use ferrotron::model::Llama;
 
 fn sets(extra: &[&str]) -> Vec<String> {

@@ -7,8 +7,8 @@
 //! or cannot build the emulator, unless FERROTRON_REQUIRE_EMULATOR=1 (as in CI). The emulator's
 //! grid and shared memory are process-wide: the launches run one at a time, from this one test.
 
-use ferrotron::ops::ring_merge::attention_merge;
 use ferrotron::cuda::launch_table::{self, Addr, Arg, Launch};
+use ferrotron::ops::ring_merge::attention_merge;
 use ferrotron::ops::tensor::{Place, Tensor};
 use ferrotron::ops::DType;
 use ferrotron::ops::{self, AdamWSettings, Attn};

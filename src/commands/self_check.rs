@@ -8,9 +8,9 @@
 //! about 1e-5 in f32, about 1e-2 in bf16 (outputs are stored in bf16, 8 bits of mantissa).
 //! `ferrotron doctor` and `tests/kernels_gpu.rs` run it where there is a GPU.
 
-use crate::ops::ring_merge::attention_merge;
 use crate::cuda::device::Device;
 use crate::cuda::runtime::Gpu;
+use crate::ops::ring_merge::attention_merge;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, AdamWSettings, Attn, DType, Precision};
 use anyhow::{bail, Result};

@@ -260,7 +260,10 @@ pub(crate) struct Splits<'a> {
 pub(super) type Attend<'a> = &'a mut dyn FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)>;
 
 /// Causal attention over the sequence, wherever its keys are: the sequence split's.
-fn in_sequence<'a>(split: Splits<'a>, positions: &'a [u32]) -> impl FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)> + 'a {
+fn in_sequence<'a>(
+    split: Splits<'a>,
+    positions: &'a [u32],
+) -> impl FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)> + 'a {
     move |a, q, k, v| split.seq.attention(a, q, k, v, &positions[..a.seq])
 }
 

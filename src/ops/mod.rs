@@ -11,7 +11,6 @@
 //! returned fresh.
 
 pub mod cpu;
-pub mod ring_merge;
 pub mod cpu_attention;
 pub mod cpu_math;
 pub mod fp8;
@@ -20,6 +19,7 @@ pub mod gpu_fp8;
 pub mod gpu_moe;
 pub mod moe;
 pub mod precision;
+pub mod ring_merge;
 pub mod tensor;
 pub mod types;
 pub mod wire;

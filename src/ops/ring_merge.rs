@@ -11,8 +11,8 @@
 //! so the ring's result is the one attention over every key would give (up to rounding). A row
 //! that saw no key of a block (lse_b = −∞) is left as it was.
 
-use super::types::Attn;
 use super::tensor::Tensor;
+use super::types::Attn;
 use super::{fatal, gpu};
 
 /// Folds one block's attention (`block_out`, `block_lse`) into the running (`out`, `lse`).

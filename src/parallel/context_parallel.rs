@@ -24,10 +24,10 @@
 //! other answer to the same question is `ulysses.rs`: an all-to-all to a head split, and
 //! attention on whole sequences (`parallel.cp_mode`).
 
-use crate::ops::ring_merge::attention_merge;
 use crate::comm::Group;
 use crate::config::CpSplit;
 use crate::model::SequenceSplit;
+use crate::ops::ring_merge::attention_merge;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn, DType};
 use anyhow::Result;

@@ -60,9 +60,9 @@
 //! is drained around the walk (`schedules.rs`).
 
 use crate::comm::Group;
+use crate::model::llama::pipeline::{StageGrad, StageInput, StageOutput};
 use crate::model::split::{Now, WeightGrads};
 use crate::model::stage::Stage;
-use crate::model::llama::pipeline::{StageGrad, StageInput, StageOutput};
 use crate::model::{Llama, Param};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, DType};
@@ -259,7 +259,6 @@ impl Runner<'_, '_, '_> {
         self.hooks.span(name("backward", (i, chunk), self.stage), start);
         Ok(dx)
     }
-
 }
 
 /// A span's name: "forward 3", or with model chunks "forward 3.1" (micro-batch 3, chunk 1).

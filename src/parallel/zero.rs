@@ -556,7 +556,6 @@ impl Optimizer for GatherAfterUpdate<'_> {
     fn to_place(&mut self, place: &Place) {
         self.inner.to_place(place);
     }
-
 }
 
 /// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights of every

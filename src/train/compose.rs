@@ -35,8 +35,8 @@ use super::agree;
 use super::feed::{Feed, MicroBatches};
 use super::gradients::{Gradients, NormAxis, NormGroups, Which};
 use super::run::Shared;
-use super::step::Trainer;
 use super::run::Summary;
+use super::step::Trainer;
 use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
 use crate::config::{Config, CpMode, OptimizerKind, ParallelConfig};
@@ -110,9 +110,9 @@ pub(super) fn assemble<'g>(
     let tape = routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
     let experts = experts(me, cfg, tape.clone()); // a mixture of experts' shared parts
     let (mut model, first_step) = model(me, cfg, experts.as_ref(), shared)?; // this rank's part, on its device
-    // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
-    // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
-    // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
+                                                                             // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
+                                                                             // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
+                                                                             // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
     let dense = if hybrid_sharding::is_hybrid(&me.grid) { SHARD.into() } else { Axis::DpCp };
     let sharding = Sharding::new(p.zero_stage, layout::replicas)
         .with(Axis::DpCp, (dense, me.group(dense)))
