@@ -24,7 +24,7 @@
 // of x (a third of the cast's traffic) and nothing else, and the amax is taken once a tensor,
 // whatever number of GEMMs reads its two layouts (src/ops/gpu_fp8.rs keeps them with the tensor).
 //   fp8_cast_*     the same cast into one contiguous array, for a weight packed for the wire
-//                  (src/ops/wire.rs: E4M3, scaled by the all-reduced maxima of every shard).
+//                  (src/ops/packing.rs: E4M3, scaled by the all-reduced maxima of every chunk).
 // The rounding is the CPU reference's, bit for bit: to nearest, ties to even, saturating at the
 // largest value (as __NV_SATFINITE), NaN for NaN and ±∞.
 
@@ -177,7 +177,7 @@ __device__ float from_e4m3(unsigned char b) {
     return sign * (1.0f + m / 8.0f) * __uint_as_float((unsigned)(127 + e - 7) << 23);
 }
 
-// A weight gathered as E4M3 bytes (ops/wire.rs): out[i] = value(q[i]) / s, s from the same
+// A weight gathered as E4M3 bytes (ops/packing.rs): out[i] = value(q[i]) / s, s from the same
 // all-reduced maxima the cast used, in the compute dtype.
 template <typename T>
 __device__ void decode(const unsigned char* q, long n, const float* partial, int partials, T* out) {

@@ -252,9 +252,9 @@ fn fp8_trains_within_two_percent_of_bf16_on_every_layout() {
 
 #[test]
 fn the_wire_formats_carry_what_the_gemms_read() {
-    use ferrotron::ops::wire;
+    use ferrotron::ops::packing;
     let t = gaussian(9, &[1001], 0.02); // odd: the last slot is half or a quarter full
-    let maxima = wire::abs_max(&t);
+    let maxima = packing::abs_max(&t);
     let amax = t.to_vec().iter().fold(0.0f32, |m, x| m.max(x.abs()));
     assert_eq!(maxima.to_vec().iter().cloned().fold(0.0, f32::max), amax);
     let s = ferrotron::ops::fp8::scale_for(amax, Fp8::E4M3);
@@ -263,20 +263,21 @@ fn the_wire_formats_carry_what_the_gemms_read() {
         (Precision::Bf16, 501, t.to_vec().iter().map(|&x| half::bf16::from_f32(x).to_f32()).collect()),
         (Precision::Fp8, 251, t.to_vec().iter().map(|&x| Fp8::E4M3.round(x * s) * (1.0 / s)).collect()),
     ] {
-        let packed = wire::pack(&t, w, Some(&maxima));
+        let packed = packing::pack(&t, w, Some(&maxima));
         assert_eq!(packed.numel(), slots, "{w:?}: {} bytes a number", 4 * slots / 1001);
         // placed after 3 slots of something else, as a unit's second weight is
         let mut after = vec![7.0f32; 3];
         after.extend(packed.to_vec());
         assert_eq!(
-            wire::unpack(&Tensor::from_vec(&[after.len()], after), 3, 1001, w, Some(&maxima)).to_vec(),
+            packing::unpack(&Tensor::from_vec(&[after.len()], after), 3, 1001, w, Some(&maxima)).to_vec(),
             want,
             "{w:?}"
         );
     }
     // what the GEMM reads of a weight gathered in FP8 is what it reads of the weight itself
     let x = gaussian(10, &[32, 1001], 1.0);
-    let gathered = wire::unpack(&wire::pack(&t, Precision::Fp8, Some(&maxima)), 0, 1001, Precision::Fp8, Some(&maxima));
+    let gathered =
+        packing::unpack(&packing::pack(&t, Precision::Fp8, Some(&maxima)), 0, 1001, Precision::Fp8, Some(&maxima));
     let y = |w: &Tensor| ops::linear(&x, &Tensor::from_vec(&[1, 1001], w.to_vec()), Precision::Fp8).to_vec();
     assert_eq!(y(&gathered), y(&t));
 }

@@ -171,7 +171,7 @@ pub fn fp8_operand(
 }
 
 /// `n` numbers of `x` cast to E4M3 bytes `y` with current scaling of the NORM_BLOCKS maxima at
-/// `partial` (a weight packed for the wire: `ops/wire.rs`).
+/// `partial` (a weight packed for the wire: `ops/packing.rs`).
 pub fn fp8_cast(dt: DType, (x, n): (Addr, usize), partial: Addr, y: Addr) -> Launch {
     launch(typed!("fp8_cast", dt), each(n), vec![Ptr(x), long(n), Ptr(partial), int(NORM_BLOCKS), Ptr(y)])
 }

@@ -26,16 +26,16 @@
 //! of experts (`moe.rs`), a router and E SwiGLU experts instead of gate, up and down.
 //!
 //! What a block keeps for its backward is a seam (`Keeps`): everything (`KeepAll`), unless a
-//! later lesson trades memory for compute (recomputation, `recompute.rs`) and keeps less: a cache
-//! without the attention core's output, or only the block's input (`Kept`). The backward
-//! computes again whatever was not kept.
+//! later lesson trades memory for compute (recomputation, `recompute.rs`) and keeps less; what
+//! it kept (`Kept`) is made whole again at the start of the backward, with what `Again` can
+//! compute: the block's forward, or its attention core.
 
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn, TpCut};
-use anyhow::{anyhow, Result};
+use anyhow::{anyhow, Context, Result};
 use std::any::Any;
 use std::borrow::Cow;
 
@@ -192,14 +192,14 @@ impl Mlp for Dense {
 
 /// The activations one block's backward needs.
 pub struct BlockCache {
-    pub(crate) x: Tensor,
+    pub(super) x: Tensor,
     xn1: Tensor,
     rstd1: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    /// The attention's output and log-sum-exp; `None` when backward computes them again.
-    pub(crate) core: Option<(Tensor, Tensor)>,
+    pub(super) q: Tensor,
+    pub(super) k: Tensor,
+    pub(super) v: Tensor,
+    /// The attention's output and log-sum-exp (`None` only where a `Kept` dropped them).
+    pub(super) core: Option<(Tensor, Tensor)>,
     h: Tensor,
     xn2: Tensor,
     rstd2: Tensor,
@@ -216,35 +216,42 @@ impl BlockCache {
     }
 }
 
-/// What a block keeps from its forward for its backward.
-pub enum Kept {
-    /// Every activation backward reads, or all but the attention core's (`core` is `None`).
-    Cache(Box<BlockCache>),
-    /// The block's input alone: backward runs the forward again first.
-    Input(Tensor),
-}
-
 /// What a block keeps of its forward's activations for its backward: the seam recomputation
 /// plugs into (`recompute.rs`).
 pub trait Keeps {
-    fn keep(&self, cache: BlockCache) -> Kept;
+    fn keep(&self, cache: BlockCache) -> Box<dyn Kept>;
+}
+
+/// What a block kept from its forward, until its backward.
+pub trait Kept {
+    /// The bytes it holds.
+    fn bytes(&self) -> usize;
+    /// The whole cache again, computing what was not kept with `again`.
+    fn whole(self: Box<Self>, again: Again) -> Result<BlockCache>;
+}
+
+/// What a block's backward can compute again: its forward from its input x, and its attention
+/// core (out, lse) from q, k and v.
+pub struct Again<'a> {
+    pub forward: &'a mut dyn FnMut(Tensor) -> Result<BlockCache>,
+    pub attention: &'a mut dyn FnMut(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
 }
 
 /// Every activation backward reads: the plain backward of every lesson.
 pub struct KeepAll;
 
 impl Keeps for KeepAll {
-    fn keep(&self, cache: BlockCache) -> Kept {
-        Kept::Cache(Box::new(cache))
+    fn keep(&self, cache: BlockCache) -> Box<dyn Kept> {
+        Box::new(cache)
     }
 }
 
-impl Kept {
-    pub(crate) fn bytes(&self) -> usize {
-        match self {
-            Kept::Cache(c) => c.bytes(),
-            Kept::Input(x) => x.bytes(),
-        }
+impl Kept for BlockCache {
+    fn bytes(&self) -> usize {
+        BlockCache::bytes(self)
+    }
+    fn whole(self: Box<Self>, _: Again) -> Result<BlockCache> {
+        Ok(*self) // nothing to compute again
     }
 }
 
@@ -320,7 +327,7 @@ impl<'g> Block<'g> {
         (cfg, keeps): (&ModelConfig, &dyn Keeps),
         attn: Attn,
         positions: &[u32],
-    ) -> Result<(Tensor, Kept, u64)> {
+    ) -> Result<(Tensor, Box<dyn Kept>, u64)> {
         let (out, cache, work) = self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?;
         Ok((out, keeps.keep(cache), work))
     }
@@ -363,27 +370,25 @@ impl<'g> Block<'g> {
         &mut self,
         split: Splits,
         dout: Tensor,
-        kept: Kept,
+        kept: Box<dyn Kept>,
         cfg: &ModelConfig,
         (attn, positions): (Attn, &[u32]),
         w: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
-        let c = match kept {
-            Kept::Cache(c) => *c,
-            Kept::Input(x) => self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?.1, // full recomputation
-        };
+        let pos = &positions[..attn.seq];
+        let c = kept.whole(Again {
+            forward: &mut |x| Ok(self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?.1),
+            attention: &mut |q, k, v| split.seq.attention(attn, q, k, v, pos).map(|(out, lse, _)| (out, lse)),
+        })?;
         let dxn2 = self.mlp.backward(tp, &dout, c.xn2, c.mlp, w)?; // MLP sub-block
         let ln2 = &mut self.post_attention_layernorm;
         // the residual carries dout straight through, added as the norm's dx is written
         let dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad, Some(&dout));
 
         // attention sub-block, right to left; o is row parallel: local
-        let (qkv, pos) = ((&c.q, &c.k, &c.v), &positions[..attn.seq]);
-        let (out, lse) = match c.core {
-            Some(core) => core,
-            None => split.seq.attention(attn, qkv.0, qkv.1, qkv.2, pos).map(|(o, l, _)| (o, l))?, // selective
-        };
+        let qkv = (&c.q, &c.k, &c.v);
+        let (out, lse) = c.core.context("backward: the attention core was neither kept nor computed again")?;
         let dy = tp.gather_rows(&dh)?;
         let dattn = self.o_proj.linear_input_grad(&dy);
         let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, qkv, pos, (&out, &lse), &dattn)?;

@@ -45,7 +45,7 @@ struct Cache {
     tokens: Option<Vec<u32>>,
     positions: Vec<u32>,
     attn: Attn,
-    blocks: Vec<Kept>,
+    blocks: Vec<Box<dyn Kept>>,
     /// The output end, on the last pipeline stage.
     head: Option<HeadCache>,
 }
@@ -278,6 +278,19 @@ impl<'g> Llama<'g> {
         self.backward_layers(0, (scale, None), &mut Now, ready).map(drop)
     }
 
+    /// Zeroes every gradient (one freed once handed over, ZeRO-2/3's, stays freed; a trained
+    /// part's gradient is freed: the step's reduce makes it again).
+    pub fn zero_grads(&mut self) {
+        let mut params = self.params_mut();
+        for p in params.iter_mut() {
+            if let Some(t) = &mut p.trained_part {
+                *t.trained().1 = Tensor::zeros(&[0]);
+            }
+        }
+        let mut grads: Vec<&mut Tensor> = params.into_iter().map(|p| &mut p.grad).filter(|g| g.numel() > 0).collect();
+        ops::fill_zeros(&mut grads); // on a GPU, a launch per 64 gradients
+    }
+
     /// The backward of the oldest micro-batch whose forward through model chunk `chunk` is done,
     /// from `scale × loss` where the chunk ends with the head, else from `dy` (the gradient of
     /// the chunk's output). Returns the gradient of the chunk's input (`None` where its input was
@@ -368,11 +381,13 @@ impl Llama<'_> {
     }
 }
 
-// The weights' units. `forward` and `backward` fetch each unit's weights from the `WeightSplit`
-// before it computes and free them after. With `Whole` both do nothing but, before a backward,
-// make sure each gradient exists; under ZeRO-3 a rank keeps 1/dp of every weight, and FSDP
+// ── the weights' units: a seam later lessons plug into — skip on a first read ──
+//
+// `forward` and `backward` fetch each unit's weights from the `WeightSplit` before it computes
+// and free them after. With `Whole` both do nothing but, before a backward, make sure each
+// gradient exists; under ZeRO-3 a rank keeps 1/dp of every weight, and FSDP
 // (`parallel/fsdp.rs`) gathers a unit's whole weights here and starts the next unit's gather
-// (which unit holds what, and which comes next: `llama/parts.rs`).
+// (which unit holds what, and which comes next: `unit` and `after`, below).
 //
 //   forward:   Embedding → Layer(0) → … → Layer(L-1) → Head       (each fetch prefetches the next)
 //   backward:  Head → Layer(L-1) → … → Layer(0)                   (the embedding's needs no weight)
@@ -395,5 +410,51 @@ impl Llama<'_> {
     fn free(&mut self, u: Unit) {
         let weights = self.weights.clone();
         weights.release(&mut self.unit_mut(u));
+    }
+
+    /// A unit's parameters: the embedding; a block's; the head's (the final norm and the output
+    /// layer, which is the embedding when they are tied).
+    fn unit(&self, u: Unit) -> Vec<&Param> {
+        match u {
+            Unit::Embedding => self.embed_tokens.iter().collect(),
+            Unit::Layer(i) => self.layers[i].params(),
+            Unit::Head => self
+                .head
+                .iter()
+                .flat_map(|h| [Some(&h.norm), h.lm_head.as_ref().or(self.embed_tokens.as_ref())])
+                .flatten()
+                .collect(),
+        }
+    }
+
+    fn unit_mut(&mut self, u: Unit) -> Vec<&mut Param> {
+        match u {
+            Unit::Embedding => self.embed_tokens.iter_mut().collect(),
+            Unit::Layer(i) => self.layers[i].params_mut(),
+            Unit::Head => {
+                let Some(h) = &mut self.head else { return Vec::new() };
+                vec![Some(&mut h.norm), h.lm_head.as_mut().or(self.embed_tokens.as_mut())]
+                    .into_iter()
+                    .flatten()
+                    .collect()
+            }
+        }
+    }
+
+    /// The unit computed after `u` in a forward (`forward` true) or a backward of this stage.
+    /// A backward never gathers the embedding: its gradient needs only the tokens.
+    /// (With the interleaved pipeline, within the model chunk of `u`: the next chunk's turn
+    /// comes later.)
+    fn after(&self, u: Unit, forward: bool) -> Option<Unit> {
+        let (layers, head) = (self.layers.len(), self.head.is_some());
+        let chunk = |i: usize| self.chunks.iter().find(|c| c.contains(&i)).cloned().unwrap_or(0..layers);
+        match (u, forward) {
+            (Unit::Embedding, true) => Some(Unit::Layer(0)),
+            (Unit::Layer(i), true) if i + 1 < chunk(i).end => Some(Unit::Layer(i + 1)),
+            (Unit::Layer(i), true) => (head && chunk(i).end == layers).then_some(Unit::Head),
+            (Unit::Head, false) => Some(Unit::Layer(layers - 1)),
+            (Unit::Layer(i), false) => (i > chunk(i).start).then(|| Unit::Layer(i - 1)),
+            _ => None,
+        }
     }
 }

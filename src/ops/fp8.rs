@@ -21,7 +21,7 @@
 //! so that its largest element lands in the format's top binade and nothing overflows, whatever
 //! the step did to the tensor. (A power of two costs at most that one binade of range and buys
 //! exactness: multiplying by s or 1/s only moves exponents, so the cast is the only rounding, and
-//! a weight cast once, decoded and cast again gives back the same bytes: `ops/wire.rs` counts on
+//! a weight cast once, decoded and cast again gives back the same bytes: `ops/packing.rs` counts on
 //! it. MXFP8's block scales are powers of two for the same reason.)
 //! (Delayed scaling guesses s from the amax of earlier steps, saving a pass over the tensor, and
 //! overflows when a tensor grows faster than its history: one reason current scaling won.) With

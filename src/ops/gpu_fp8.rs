@@ -38,10 +38,10 @@ use crate::cuda::launch_table::{self, amax_blocks, Addr, AMAX_BLOCKS, NORM_BLOCK
 use crate::cuda::runtime::cuda_err;
 use crate::ops::fp8::Fp8;
 use crate::ops::gpu::addr;
+use crate::ops::packing::slots;
 use crate::ops::precision::Precision;
 use crate::ops::tensor::Tensor;
 use crate::ops::types::DType;
-use crate::ops::wire::slots;
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublaslt::{result as lt, sys};
 use cudarc::driver::DevicePtr;
@@ -222,7 +222,7 @@ impl Device {
         Ok(host)
     }
 
-    // The wire formats of a gathered weight (`ops/wire.rs`): f32 slots holding f32, bf16 pairs or
+    // The packed formats of a gathered weight (`ops/packing.rs`): f32 slots holding f32, bf16 pairs or
     // FP8 quads.
 
     /// The largest |x| of each of NORM_BLOCKS slices of `t`.
@@ -233,12 +233,12 @@ impl Device {
         Ok(out)
     }
 
-    /// `t` packed into f32 slots in `wire` format (the bytes of a slot its numbers').
-    pub(crate) fn pack(self: &Arc<Self>, t: &Tensor, wire: Precision, amax: Option<&Tensor>) -> Result<Tensor> {
+    /// `t` packed into f32 slots in `format` (the bytes of a slot its numbers').
+    pub(crate) fn pack(self: &Arc<Self>, t: &Tensor, format: Precision, amax: Option<&Tensor>) -> Result<Tensor> {
         let (n, dt) = (t.numel(), t.dtype());
-        let out = self.tensor(&[slots(n, wire)], DType::F32);
+        let out = self.tensor(&[slots(n, format)], DType::F32);
         let (from, to) = (addr(t), addr(&out));
-        match (wire, dt) {
+        match (format, dt) {
             (Precision::Fp8, _) => {
                 let amax = addr(amax.ok_or_else(|| anyhow!("an FP8 weight packed without its maxima"))?);
                 self.run(&launch_table::fp8_cast(dt, (from, n), amax, to))?
@@ -257,16 +257,16 @@ impl Device {
         packed: &Tensor,
         at: usize,
         n: usize,
-        wire: Precision,
+        format: Precision,
         amax: Option<&Tensor>,
     ) -> Result<Tensor> {
         let from = addr(packed) + 4 * at as Addr;
-        let dt = if wire == Precision::F32 { DType::F32 } else { self.dtype };
+        let dt = if format == Precision::F32 { DType::F32 } else { self.dtype };
         let out = self.tensor(&[n], dt);
-        match wire {
+        match format {
             Precision::F32 => self.copy_bytes(from, addr(&out), 4 * n)?,
             Precision::Bf16 if dt == DType::Bf16 => self.copy_bytes(from, addr(&out), 2 * n)?,
-            Precision::Bf16 => bail!("a bf16 wire format on a GPU computing in f32"),
+            Precision::Bf16 => bail!("a bf16 packed format on a GPU computing in f32"),
             Precision::Fp8 => {
                 let amax = addr(amax.ok_or_else(|| anyhow!("an FP8 weight unpacked without its maxima"))?);
                 self.run(&launch_table::fp8_decode(dt, (from, n), amax, addr(&out)))?

@@ -18,11 +18,11 @@ pub mod gpu;
 pub mod gpu_fp8;
 pub mod gpu_moe;
 pub mod moe;
+pub mod packing;
 pub mod precision;
 pub mod ring_merge;
 pub mod tensor;
 pub mod types;
-pub mod wire;
 
 pub use precision::Precision;
 pub use types::{AdamWSettings, Attn, DType, TpCut};

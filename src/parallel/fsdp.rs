@@ -42,7 +42,7 @@ fn start_unit<'g>(sharding: &Sharding<'g>, unit: &[&Param], formats: &dyn Format
 /// Waits for a unit's gathers and puts its whole weights together.
 fn finish_unit(started: Started, unit: &mut [&mut Param]) -> Result<()> {
     for (group, places, pending) in started {
-        unpack(&pending.pending.wait()?, &pending.wires, &mut select(unit, &places), group.size());
+        unpack(&pending.pending.wait()?, &pending.packings, &mut select(unit, &places), group.size());
     }
     Ok(())
 }

@@ -4,7 +4,7 @@
 //! before each unit computes under FSDP), by default as its fp32 master. A GEMM reading bf16
 //! needs only bf16 (the GPU's mixed precision), and one reading FP8 only the FP8 bytes and the
 //! scale: this is the `Formats` ZeRO's gather plugs in to send each
-//! weight as its GEMMs read it (`Param::precision`; the packing itself is `ops/wire.rs`):
+//! weight as its GEMMs read it (`Param::precision`; the packing itself is `ops/packing.rs`):
 //!
 //! ```text
 //! a weight whose GEMMs read    travels as             slots of a chunk of c numbers
@@ -19,8 +19,8 @@
 use crate::comm::{Group, ReduceOp};
 use crate::model::{Llama, Param};
 use crate::ops::tensor::Tensor;
-use crate::ops::{self, wire, DType, Precision};
-use crate::parallel::zero::{chunk_of, Formats, Master, Wire};
+use crate::ops::{self, packing, DType, Precision};
+use crate::parallel::zero::{chunk_of, Formats, Master, Packing};
 use anyhow::Result;
 use std::borrow::Cow;
 use std::rc::Rc;
@@ -44,29 +44,29 @@ fn master(p: &Param) -> &Tensor {
     &chunk_of(p).expect("a sharded parameter").master
 }
 
-/// A chunk in a packed format (`ops/wire.rs`): bf16, or FP8 with the weight's maxima.
+/// A chunk in a packed format (`ops/packing.rs`): bf16, or FP8 with the weight's maxima.
 struct Packed {
     format: Precision,
     amax: Option<Tensor>,
 }
 
-impl Wire for Packed {
+impl Packing for Packed {
     fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor> {
-        Cow::Owned(wire::pack(chunk, self.format, self.amax.as_ref()))
+        Cow::Owned(packing::pack(chunk, self.format, self.amax.as_ref()))
     }
 
     fn slots(&self, c: usize) -> usize {
-        wire::slots(c, self.format)
+        packing::slots(c, self.format)
     }
 
     fn unpack<'t>(&self, gathered: &'t Tensor, from: usize, c: usize) -> (Cow<'t, Tensor>, usize) {
-        (Cow::Owned(wire::unpack(gathered, from, c, self.format, self.amax.as_ref())), 0)
+        (Cow::Owned(packing::unpack(gathered, from, c, self.format, self.amax.as_ref())), 0)
     }
 }
 
 impl Formats for AsGemmsRead {
     /// One all-reduce (max) of the unit's FP8 weights' maxima first, when it has any.
-    fn wires(&self, group: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Wire>>> {
+    fn packings(&self, group: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Packing>>> {
         let compute = params.first().map_or(DType::F32, |p| master(p).place().dtype());
         let format = |p: &Param| match (p.precision, compute) {
             (Precision::Fp8, _) => Precision::Fp8,
@@ -77,17 +77,18 @@ impl Formats for AsGemmsRead {
         let mut maxima = match fp8.is_empty() {
             true => Vec::new(),
             false => {
-                let mut all =
-                    ops::concat(&fp8.iter().map(|m| wire::abs_max(m)).collect::<Vec<_>>().iter().collect::<Vec<_>>());
+                let mut all = ops::concat(
+                    &fp8.iter().map(|m| packing::abs_max(m)).collect::<Vec<_>>().iter().collect::<Vec<_>>(),
+                );
                 group.all_reduce_tensor(&mut all, ReduceOp::Max)?; // a wait: every chunk's maxima
-                (0..fp8.len()).map(|i| ops::slice(&all, i * wire::MAXIMA, &[wire::MAXIMA])).collect()
+                (0..fp8.len()).map(|i| ops::slice(&all, i * packing::MAXIMA, &[packing::MAXIMA])).collect()
             }
         }
         .into_iter();
         Ok(params
             .iter()
             .map(|p| match format(p) {
-                Precision::F32 => Box::new(Master) as Box<dyn Wire>,
+                Precision::F32 => Box::new(Master) as Box<dyn Packing>,
                 Precision::Fp8 => Box::new(Packed { format: Precision::Fp8, amax: maxima.next() }),
                 format => Box::new(Packed { format, amax: None }),
             })

@@ -37,7 +37,7 @@
 //! gathers the updated whole weights (`GatherAfterUpdate`, wrapped around the optimizer). A gather
 //! packs this rank's chunks of several parameters side by side, so one all-gather returns every
 //! rank's chunks, rank after rank; `unpack` puts each parameter together without its padding.
-//! How each chunk travels is a seam (`Formats`, one `Wire` a parameter): the fp32 master as it
+//! How each chunk travels is a seam (`Formats`, one `Packing` a parameter): the fp32 master as it
 //! is (`Master`) unless the composition root plugs in another — the formats the GEMMs read, bf16
 //! or FP8 (`gather_formats.rs`). FSDP (`fsdp.rs`, stage 3) makes the same gather per unit, just
 //! before the unit computes.
@@ -154,9 +154,15 @@ impl<'g> Sharding<'g> {
         self.find(axis).map(|s| s.2)
     }
 
-    /// The group sharding `p`, if any.
+    /// The group sharding `p`, if any (as the parameters are sharded: `shard`).
     pub fn of(&self, p: &Param) -> Option<&'g Group> {
         self.on((self.replicas)(p))
+    }
+
+    /// The group of the shard axis `axis` (a `ZeroChunk`'s), if any: the group holding the other
+    /// chunks of a sharded parameter, known from its chunk without asking the layout again.
+    pub fn over(&self, axis: Axis) -> Option<&'g Group> {
+        self.shards.iter().find(|s| s.1 == axis).map(|s| s.2)
     }
 
     pub fn any(&self) -> bool {
@@ -429,7 +435,7 @@ pub fn whole(group: &Group, p: &Param, t: &Tensor) -> Result<Option<Tensor>> {
 pub fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Group, Vec<usize>)> {
     let mut out = Vec::new();
     for group in sharding.groups() {
-        let of = |p: &&Param| chunk_of(p).is_some() && sharding.of(p).is_some_and(|g| std::ptr::eq(g, group));
+        let of = |p: &&Param| chunk_of(p).and_then(|c| sharding.over(c.axis)).is_some_and(|g| std::ptr::eq(g, group));
         let places: Vec<usize> = (0..params.len()).filter(|&i| of(&params[i])).collect();
         if !places.is_empty() {
             out.push((group, places));
@@ -446,7 +452,7 @@ pub fn select<'a>(params: &'a mut [&mut Param], places: &[usize]) -> Vec<&'a mut
 
 /// How one weight's chunk travels in a gather, packed into f32 slots that every backend moves
 /// bit for bit.
-pub trait Wire {
+pub trait Packing {
     /// This rank's chunk, packed (`Cow::Borrowed`: sent as it is).
     fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor>;
     /// The slots a chunk of `c` numbers takes.
@@ -456,16 +462,16 @@ pub trait Wire {
     fn unpack<'t>(&self, gathered: &'t Tensor, from: usize, c: usize) -> (Cow<'t, Tensor>, usize);
 }
 
-/// The seam: each parameter's `Wire` for one gather of `params` over `group`, agreeing over the
+/// The seam: each parameter's `Packing` for one gather of `params` over `group`, agreeing over the
 /// group first whatever the formats need (FP8: each weight's amax over every chunk).
 pub trait Formats {
-    fn wires(&self, group: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Wire>>>;
+    fn packings(&self, group: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Packing>>>;
 }
 
 /// The fp32 master as it is: ZeRO's own format.
 pub struct Master;
 
-impl Wire for Master {
+impl Packing for Master {
     fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor> {
         Cow::Borrowed(chunk) // no copy
     }
@@ -480,44 +486,44 @@ impl Wire for Master {
 }
 
 impl Formats for Master {
-    fn wires(&self, _: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Wire>>> {
-        Ok(params.iter().map(|_| Box::new(Master) as Box<dyn Wire>).collect())
+    fn packings(&self, _: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Packing>>> {
+        Ok(params.iter().map(|_| Box::new(Master) as Box<dyn Packing>).collect())
     }
 }
 
-/// A gather in flight: every rank's packed chunks, and each parameter's wire.
+/// A gather in flight: every rank's packed chunks, and each parameter's packing.
 pub struct Gather {
     pub pending: Pending,
-    pub wires: Vec<Box<dyn Wire>>,
+    pub packings: Vec<Box<dyn Packing>>,
 }
 
 /// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
-/// rank packs its chunks side by side, each as its wire says.
+/// rank packs its chunks side by side, each as its packing says.
 pub fn start_gather(group: &Group, params: &[&Param], formats: &dyn Formats) -> Result<Gather> {
     let masters: Vec<&Tensor> = params.iter().map(|p| &chunk_of(p).expect("a sharded parameter").master).collect();
-    let wires = formats.wires(group, params)?;
-    let packed: Vec<Cow<Tensor>> = masters.iter().zip(&wires).map(|(m, w)| w.pack(m)).collect();
+    let packings = formats.packings(group, params)?;
+    let packed: Vec<Cow<Tensor>> = masters.iter().zip(&packings).map(|(m, w)| w.pack(m)).collect();
     let packed = ops::concat(&packed.iter().map(|p| &**p).collect::<Vec<_>>()); // this rank's chunks one after another
     let pending = group.all_gather_tensor_async(packed)?; // every rank's chunks, rank after rank
-    Ok(Gather { pending, wires })
+    Ok(Gather { pending, packings })
 }
 
 /// Puts the whole weights of `params` together from a gather: rank after rank, each rank's
-/// chunks of every parameter side by side, each as its wire packed it.
-pub fn unpack(gathered: &Tensor, wires: &[Box<dyn Wire>], params: &mut [&mut Param], ranks: usize) {
+/// chunks of every parameter side by side, each as its packing packed it.
+pub fn unpack(gathered: &Tensor, packings: &[Box<dyn Packing>], params: &mut [&mut Param], ranks: usize) {
     let width = gathered.numel() / ranks; // one rank's packed chunks, in f32 slots
     let mut at = 0;
-    for (p, wire) in params.iter_mut().zip(wires) {
+    for (p, packing) in params.iter_mut().zip(packings) {
         let shape = p.shape().to_vec();
         let (n, c) = (shape.iter().product(), chunk_of(p).expect("a sharded parameter").master.numel());
         let mut whole: Option<Tensor> = None;
         for r in 0..ranks {
-            let (part, from) = wire.unpack(gathered, r * width + at, c);
+            let (part, from) = packing.unpack(gathered, r * width + at, c);
             let whole = whole.get_or_insert_with(|| Tensor::empty_as(&shape, &part)); // written whole
             ops::copy(&part, from, whole, r * c, real(n, c, r));
         }
         p.value = whole.expect("at least one rank");
-        at += wire.slots(c);
+        at += packing.slots(c);
     }
 }
 
@@ -593,10 +599,10 @@ fn gather_group(group: &Group, params: &mut [&mut Param], (bucket, formats): (us
     };
     let mut next = groups.first().map(|g| start(params, g)).transpose()?;
     for (i, g) in groups.iter().enumerate() {
-        let Gather { pending, wires } = next.take().expect("started one group ahead");
+        let Gather { pending, packings } = next.take().expect("started one group ahead");
         let current = pending.wait()?;
         next = groups.get(i + 1).map(|g| start(params, g)).transpose()?;
-        unpack(&current, &wires, &mut params[g.clone()], group.size());
+        unpack(&current, &packings, &mut params[g.clone()], group.size());
     }
     Ok(())
 }

@@ -33,7 +33,7 @@
 
 use super::agree;
 use super::feed::{Feed, MicroBatches};
-use super::gradients::{Gradients, NormAxis, NormGroups, Which};
+use super::gradients::{AxisOf, Gradients, NormAxis, NormGroups, Which};
 use super::run::Shared;
 use super::run::Summary;
 use super::step::Trainer;
@@ -141,14 +141,16 @@ pub(super) fn assemble<'g>(
             }
         };
     }
-    let grads = gradients(me, p, &sharding, (&model.params()[..], &model.param_chunks()[..]));
+    // each parameter's replicas' axis, once: dp×cp, or an expert's expert-data axis
+    let axes_of = AxisOf::new(&model.params(), layout::replicas);
+    let grads = gradients(me, p, &sharding, axes_of.clone(), (&model.params()[..], &model.param_chunks()[..]));
     let (pp, ep) = (me.group(Axis::Pp), me.group(EP));
     // the norm's parts: the dense weights', then the experts' (each ep rank holds other experts)
     let axes = vec![
         NormAxis { axis: Axis::DpCp, parts: sharding.on(Axis::DpCp), others: None },
         NormAxis { axis: EXPERT_DP.into(), parts: sharding.on(EXPERT_DP.into()), others: Some(ep) },
     ];
-    let norm = NormGroups { replicas: layout::replicas, tp, pp, axes };
+    let norm = NormGroups { axes_of, tp, pp, axes };
     // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
     // parallelism)
     let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };
@@ -282,9 +284,10 @@ fn gradients<'g>(
     me: &'g Rank,
     p: &ParallelConfig,
     sharding: &Sharding<'g>,
+    axes_of: AxisOf,
     all: (&[&Param], &[usize]),
 ) -> Gradients<'g> {
-    let mut grads = Gradients::new(layout::replicas);
+    let mut grads = Gradients::new(axes_of);
     for axis in [Axis::DpCp, EXPERT_DP.into()] {
         let (params, chunks) = grads.replicated_over(all, axis);
         let list = (&params[..], &chunks[..]);

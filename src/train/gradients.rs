@@ -26,6 +26,8 @@ use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, TpCut};
 use crate::parallel::data_parallel::{GradReduce, Replicas};
 use anyhow::Result;
+use std::collections::HashMap;
+use std::rc::Rc;
 
 /// Which gradients a reducer takes.
 #[derive(Clone, Copy, PartialEq)]
@@ -37,25 +39,42 @@ pub enum Which {
 }
 
 impl Which {
-    fn takes(self, p: &Param, replicas: Replicas) -> bool {
+    fn takes(self, p: &Param, axes: &AxisOf) -> bool {
         match self {
-            Which::Replicas(axis) => replicas(p) == axis,
+            Which::Replicas(axis) => axes.of(p) == axis,
             Which::Every => true,
         }
+    }
+}
+
+/// Each parameter's replicas' axis, decided once from the model's parameters as the reducers are
+/// made (the layout's `Replicas`: dp×cp, or a later lesson's axis for its own parameters); the
+/// step then hands each gradient on by it, asking nothing of the parameter but its name.
+#[derive(Clone)]
+pub struct AxisOf(Rc<HashMap<String, Axis>>);
+
+impl AxisOf {
+    pub fn new(params: &[&Param], replicas: Replicas) -> AxisOf {
+        AxisOf(Rc::new(params.iter().map(|p| (p.name.clone(), replicas(p))).collect()))
+    }
+
+    /// `p`'s replicas' axis (dp×cp for a parameter it was not made with).
+    pub fn of(&self, p: &Param) -> Axis {
+        self.0.get(&p.name).copied().unwrap_or(Axis::DpCp)
     }
 }
 
 /// The reducers of the step.
 pub struct Gradients<'g> {
     /// Each parameter's replicas' axis.
-    replicas: Replicas,
+    axes: AxisOf,
     reducers: Vec<(Which, Box<dyn GradReduce + 'g>)>,
 }
 
 impl<'g> Gradients<'g> {
-    /// No reducer yet, for parameters whose replicas `replicas` says.
-    pub fn new(replicas: Replicas) -> Gradients<'g> {
-        Gradients { replicas, reducers: Vec::new() }
+    /// No reducer yet, for parameters whose replicas' axis `axes` says.
+    pub fn new(axes: AxisOf) -> Gradients<'g> {
+        Gradients { axes, reducers: Vec::new() }
     }
 
     /// Adds the reducer of the gradients `which` names.
@@ -70,14 +89,14 @@ impl<'g> Gradients<'g> {
         (params, chunks): (&[&'p Param], &[usize]),
         axis: Axis,
     ) -> (Vec<&'p Param>, Vec<usize>) {
-        let mine = (0..params.len()).filter(|&i| (self.replicas)(params[i]) == axis);
+        let mine = (0..params.len()).filter(|&i| self.axes.of(params[i]) == axis);
         mine.map(|i| (params[i], chunks[i])).unzip()
     }
 
     /// Backward's hook: `p`'s gradient of this micro-batch is complete (`last`: of the step's last).
     pub fn grad_ready(&mut self, p: &mut Param, last: bool) {
         for (which, reducer) in &mut self.reducers {
-            if which.takes(p, self.replicas) {
+            if which.takes(p, &self.axes) {
                 reducer.grad_ready(p, last);
             }
         }
@@ -92,7 +111,7 @@ impl<'g> Gradients<'g> {
     /// (the replicas' average; under ZeRO this rank's chunk of it).
     pub fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
         for (which, reducer) in &mut self.reducers {
-            let takes = |p: &Param| which.takes(p, self.replicas);
+            let takes = |p: &Param| which.takes(p, &self.axes);
             let mut mine: Vec<&mut Param> = params.iter_mut().filter(|p| takes(p)).map(|p| &mut **p).collect();
             reducer.finish(&mut mine)?;
         }
@@ -121,7 +140,7 @@ pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<
     };
     let mut total: Option<Tensor> = None;
     for a in &groups.axes {
-        let on = |p: &Param| (groups.replicas)(p) == a.axis;
+        let on = |p: &Param| groups.axes_of.of(p) == a.axis;
         if !params.iter().any(|p| on(p)) {
             continue;
         }
@@ -156,7 +175,7 @@ pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<
 /// The groups the gradient norm adds its parts over.
 pub struct NormGroups<'g> {
     /// Each parameter's replicas' axis.
-    pub replicas: Replicas,
+    pub axes_of: AxisOf,
     pub tp: &'g Group,
     pub pp: &'g Group,
     /// Each replicas' axis, in the order their parts are added (dp×cp first).

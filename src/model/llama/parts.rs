@@ -4,9 +4,9 @@
 //! of the model from the config (the layers it holds and their chunks, its tp slice of every tensor),
 //! the parameters in Hugging Face order, their device, and what the model holds.
 
-use super::{Cache, Head, HeadCache, Llama, LossHead, Unit, WholeLogits};
+use super::{Cache, Head, HeadCache, Llama, LossHead, WholeLogits};
 use crate::config::ModelConfig;
-use crate::model::block::{Block, KeepAll, Keeps, Kept, Mlps};
+use crate::model::block::{Block, KeepAll, Keeps, Mlps};
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{LayerSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::{family, init};
@@ -156,7 +156,7 @@ impl<'g> Llama<'g> {
     /// Its linear layers' GEMMs read what `gemms` says for each weight's name (f32 unless a run
     /// sets it: bf16 on a GPU, or FP8 as its lesson's rule says, `ops/precision.rs`'s `gemms`). The
     /// norms' weights and an untied embedding are no GEMM's operands: f32 (what FSDP sends of
-    /// them: `ops/wire.rs`).
+    /// them: `ops/packing.rs`).
     pub fn with_gemms(mut self, gemms: impl Fn(&str) -> Precision) -> Llama<'g> {
         let tied = self.cfg.tie_word_embeddings;
         for param in self.params_mut() {
@@ -213,55 +213,6 @@ impl<'g> Llama<'g> {
         v
     }
 
-    // The weights' units (`llama.rs`'s `fetch` and `free`, what a `WeightSplit` gathers
-    // together): what each holds, and their order.
-
-    /// A unit's parameters: the embedding; a block's; the head's (the final norm and the output
-    /// layer, which is the embedding when they are tied).
-    pub(super) fn unit(&self, u: Unit) -> Vec<&Param> {
-        match u {
-            Unit::Embedding => self.embed_tokens.iter().collect(),
-            Unit::Layer(i) => self.layers[i].params(),
-            Unit::Head => self
-                .head
-                .iter()
-                .flat_map(|h| [Some(&h.norm), h.lm_head.as_ref().or(self.embed_tokens.as_ref())])
-                .flatten()
-                .collect(),
-        }
-    }
-
-    pub(super) fn unit_mut(&mut self, u: Unit) -> Vec<&mut Param> {
-        match u {
-            Unit::Embedding => self.embed_tokens.iter_mut().collect(),
-            Unit::Layer(i) => self.layers[i].params_mut(),
-            Unit::Head => {
-                let Some(h) = &mut self.head else { return Vec::new() };
-                vec![Some(&mut h.norm), h.lm_head.as_mut().or(self.embed_tokens.as_mut())]
-                    .into_iter()
-                    .flatten()
-                    .collect()
-            }
-        }
-    }
-
-    /// The unit computed after `u` in a forward (`forward` true) or a backward of this stage.
-    /// A backward never gathers the embedding: its gradient needs only the tokens.
-    /// (With the interleaved pipeline, within the model chunk of `u`: the next chunk's turn
-    /// comes later.)
-    pub(super) fn after(&self, u: Unit, forward: bool) -> Option<Unit> {
-        let (layers, head) = (self.layers.len(), self.head.is_some());
-        let chunk = |i: usize| self.chunks.iter().find(|c| c.contains(&i)).cloned().unwrap_or(0..layers);
-        match (u, forward) {
-            (Unit::Embedding, true) => Some(Unit::Layer(0)),
-            (Unit::Layer(i), true) if i + 1 < chunk(i).end => Some(Unit::Layer(i + 1)),
-            (Unit::Layer(i), true) => (head && chunk(i).end == layers).then_some(Unit::Head),
-            (Unit::Head, false) => Some(Unit::Layer(layers - 1)),
-            (Unit::Layer(i), false) => (i > chunk(i).start).then(|| Unit::Layer(i - 1)),
-            _ => None,
-        }
-    }
-
     /// The device the model lives on.
     pub fn place(&self) -> Place {
         self.params()[0].place()
@@ -300,25 +251,12 @@ impl<'g> Llama<'g> {
     /// weight GEMMs' inputs a zero-bubble pipeline's W still has to read.
     pub fn activation_bytes(&self) -> usize {
         let cache =
-            |c: &Cache| c.blocks.iter().map(Kept::bytes).sum::<usize>() + c.head.as_ref().map_or(0, HeadCache::bytes);
+            |c: &Cache| c.blocks.iter().map(|k| k.bytes()).sum::<usize>() + c.head.as_ref().map_or(0, HeadCache::bytes);
         self.caches.iter().map(cache).sum::<usize>() + self.deferred.iter().map(|(_, kept)| kept.bytes()).sum::<usize>()
     }
 
     /// Attention score entries (query × key pairs, all heads) computed since the last call.
     pub fn take_attention_work(&mut self) -> u64 {
         std::mem::take(&mut self.attention_work)
-    }
-
-    /// Zeroes every gradient (one freed once handed over, ZeRO-2/3's, stays freed; a trained
-    /// part's gradient is freed: the step's reduce makes it again).
-    pub fn zero_grads(&mut self) {
-        let mut params = self.params_mut();
-        for p in params.iter_mut() {
-            if let Some(t) = &mut p.trained_part {
-                *t.trained().1 = Tensor::zeros(&[0]);
-            }
-        }
-        let mut grads: Vec<&mut Tensor> = params.into_iter().map(|p| &mut p.grad).filter(|g| g.numel() > 0).collect();
-        ops::fill_zeros(&mut grads); // on a GPU, a launch per 64 gradients
     }
 }

@@ -1,9 +1,9 @@
-//! # Weights on the wire: as their GEMMs read them
+//! # Packing a weight for a gather: as its GEMMs read it
 //!
 //! ZeRO gathers every weight from its chunks (`parallel/zero.rs`; FSDP before each layer
 //! computes), in the formats of `parallel/gather_formats.rs`. What travels need not be the fp32
 //! master: a GEMM reading bf16 needs only bf16, and one reading FP8 only the FP8 bytes and the
-//! scale. So a shard goes out in its weight's *wire format*, the GEMM's precision (`Precision`):
+//! scale. So a chunk goes out in its weight's *packed format*, the GEMM's precision (`Precision`):
 //! 4, 2 or 1 bytes a number, packed into f32 slots so that every backend and collective moves
 //! them as plain f32 buffers, bit for bit:
 //!
@@ -30,8 +30,8 @@ use crate::ops::{gpu, Precision};
 pub const MAXIMA: usize = NORM_BLOCKS;
 
 /// The f32 slots `n` numbers take on the wire.
-pub fn slots(n: usize, wire: Precision) -> usize {
-    match wire {
+pub fn slots(n: usize, format: Precision) -> usize {
+    match format {
         Precision::F32 => n,
         Precision::Bf16 => n.div_ceil(2),
         Precision::Fp8 => n.div_ceil(4),
@@ -51,14 +51,14 @@ pub fn abs_max(t: &Tensor) -> Tensor {
     Tensor::from_vec(&[MAXIMA], partial)
 }
 
-/// `t`'s numbers in `wire` format, packed into f32 slots (`amax`: for FP8, the weight's
+/// `t`'s numbers in `format`, packed into f32 slots (`amax`: for FP8, the weight's
 /// `abs_max` maxima over every shard).
-pub fn pack(t: &Tensor, wire: Precision, amax: Option<&Tensor>) -> Tensor {
+pub fn pack(t: &Tensor, format: Precision, amax: Option<&Tensor>) -> Tensor {
     if let Some(d) = gpu("pack", &[t]) {
-        return fatal("pack", d.pack(t, wire, amax));
+        return fatal("pack", d.pack(t, format, amax));
     }
     let v = t.host();
-    let bits: Vec<u32> = match wire {
+    let bits: Vec<u32> = match format {
         Precision::F32 => return Tensor::from_vec(&[v.len()], v.to_vec()),
         Precision::Bf16 => v.chunks(2).map(|p| p.iter().rev().fold(0, |w, &x| (w << 16) | bf16_bits(x))).collect(),
         Precision::Fp8 => {
@@ -69,20 +69,20 @@ pub fn pack(t: &Tensor, wire: Precision, amax: Option<&Tensor>) -> Tensor {
     Tensor::from_vec(&[bits.len()], bits.into_iter().map(f32::from_bits).collect())
 }
 
-/// The `n` numbers packed in `wire` format from slot `at` of `packed`, decoded into the compute
+/// The `n` numbers packed in `format` from slot `at` of `packed`, decoded into the compute
 /// dtype of `packed`'s device (`amax` as for `pack`).
-pub fn unpack(packed: &Tensor, at: usize, n: usize, wire: Precision, amax: Option<&Tensor>) -> Tensor {
+pub fn unpack(packed: &Tensor, at: usize, n: usize, format: Precision, amax: Option<&Tensor>) -> Tensor {
     if let Some(d) = gpu("unpack", &[packed]) {
-        return fatal("unpack", d.unpack(packed, at, n, wire, amax));
+        return fatal("unpack", d.unpack(packed, at, n, format, amax));
     }
-    let slots = &packed.host()[at..at + self::slots(n, wire)];
+    let slots = &packed.host()[at..at + self::slots(n, format)];
     let per_slot = |k: usize, f: &dyn Fn(u32) -> f32| -> Vec<f32> {
         let width = 32 / k;
         let every =
             slots.iter().flat_map(|s| (0..k).map(move |i| (s.to_bits() >> (i * width)) & ((1u64 << width) - 1) as u32));
         every.take(n).map(f).collect()
     };
-    let values = match wire {
+    let values = match format {
         Precision::F32 => slots.to_vec(),
         Precision::Bf16 => per_slot(2, &|b| half::bf16::from_bits(b as u16).to_f32()),
         Precision::Fp8 => {
