@@ -250,7 +250,7 @@ fn run_rank<R>(
     hub: Arc<Hub>,
     f: &(impl Fn(&Rank) -> Result<R> + Sync),
 ) -> Option<R> {
-    crate::ops::tensor::start_meter(); // this rank's CPU tensors count in a meter of their own
+    crate::ops::meter::start_meter(); // this rank's CPU tensors count in a meter of their own
     let (stream, comm_thread) = Stream::start();
     let dp_cp = grid.group(rank, Axis::DpCp);
     let same_as_dp_cp: Vec<Axis> = (grid.cuts())

@@ -26,7 +26,7 @@ use crate::config::{Config, CpMode, DeviceKind, DpMode, PpSchedule};
 use crate::model::moe;
 use crate::model::stage::Stage;
 use crate::ops::{DType, TpCut};
-use crate::parallel::data_parallel::{bucket_values, plan_buckets, Plan};
+use crate::parallel::data_parallel::{bucket_values, plan_buckets, BucketPlan};
 use crate::parallel::pipeline_schedule::sent_by;
 use crate::parallel::schedules::schedule_of;
 use crate::parallel::ulysses;
@@ -225,7 +225,7 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
 }
 
 /// Buckets of ZeRO's reduce-scatter for `list` sharded over `ranks`.
-fn zero_buckets(cfg: &Config, list: &[&Held], ranks: usize) -> Vec<Plan> {
+fn zero_buckets(cfg: &Config, list: &[&Held], ranks: usize) -> Vec<BucketPlan> {
     let widths: Vec<usize> = list.iter().map(|h| chunk(h.values, ranks)).collect();
     let chunks: Vec<usize> = list.iter().map(|h| h.chunk).collect();
     plan_buckets((&widths, &chunks), (bucket_values(cfg.parallel.bucket_mb) / ranks).max(1))

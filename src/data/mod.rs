@@ -22,11 +22,12 @@
 
 pub mod bpe;
 pub mod documents;
+pub mod held_out;
 pub mod hf_hub;
 pub mod text;
 
 use crate::config::{DataConfig, ModelConfig, TrainConfig};
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use rand::Rng;
 
 pub enum Dataset {
@@ -40,10 +41,6 @@ pub enum Dataset {
         tokenizer: crate::data::text::Tokenizer,
     },
 }
-
-/// Held-out sequence `i` of the synthetic source is stream sequence `HELD_OUT + i`: an index no
-/// training step reaches (step × global batch stays far below 2⁶²).
-const HELD_OUT: u64 = 1 << 62;
 
 pub struct Synthetic {
     seed: u64,
@@ -107,50 +104,6 @@ impl Dataset {
         }
     }
 
-    /// Holds out the last `share` of a text source for validation: training reads only the rest
-    /// (the synthetic source needs nothing: its held-out sequences are indices it never trains on).
-    pub fn hold_out(&mut self, share: f64, len: usize) -> Result<()> {
-        if let Dataset::Text { tokens, train_end, .. } = self {
-            let kept = ((tokens.len() as f64) * (1.0 - share)) as usize;
-            if kept < len || tokens.len() - kept < len {
-                bail!(
-                    "validation.split = {share}: of the text's {} tokens, {kept} are left to train on and {} held out, but each needs train.seq_len + 1 = {len}; use a longer text or another split",
-                    tokens.len(),
-                    tokens.len() - kept
-                );
-            }
-            *train_end = kept;
-        }
-        Ok(())
-    }
-
-    /// Held-out sequence `i`, `len` tokens long: never in a training batch.
-    pub fn held_out(&self, i: u64, len: usize) -> Result<Vec<u32>> {
-        match self {
-            Dataset::Synthetic(s) => Ok(s.sequence(HELD_OUT + i, len)),
-            Dataset::Text { tokens, seed, train_end, .. } => {
-                let span = tokens
-                    .len()
-                    .checked_sub(train_end + len)
-                    .context("validation: nothing is held out; call hold_out first")?;
-                let start =
-                    train_end + crate::model::init::stream(*seed, &format!("text/held-out/{i}")).gen_range(0..=span);
-                tokens.window(start, len)
-            }
-        }
-    }
-
-    /// The first `len` tokens of held-out sequence 0, or, where a text source holds nothing out
-    /// (no validation), of the text itself: what a sample continues by default.
-    pub fn first_tokens(&self, len: usize) -> Result<Vec<u32>> {
-        match self {
-            Dataset::Text { tokens, train_end, .. } if *train_end == tokens.len() => {
-                tokens.window(0, len.min(tokens.len()))
-            }
-            _ => self.held_out(0, len),
-        }
-    }
-
     /// The tokenizer of a text source (none for the synthetic one: it has no text).
     pub fn tokenizer(&self) -> Option<&crate::data::text::Tokenizer> {
         match self {
@@ -199,12 +152,6 @@ impl Dataset {
         let global = t.micro_batch_size * t.grad_accum_steps * dp;
         let first = (step * global + (dp_rank * t.grad_accum_steps + micro) * t.micro_batch_size) as u64;
         rows((first..first + t.micro_batch_size as u64).map(|i| self.sequence(i, t.seq_len + 1)))
-    }
-
-    /// Held-out sequences `first .. first + count` (validation), `len` tokens each, as (inputs,
-    /// next-token targets).
-    pub fn held_out_rows(&self, first: u64, count: usize, len: usize) -> Result<(Vec<u32>, Vec<i32>)> {
-        rows((first..first + count as u64).map(|i| self.held_out(i, len)))
     }
 }
 

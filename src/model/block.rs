@@ -62,14 +62,14 @@ pub trait Mlp {
     /// y from `xn` (this rank's rows; with sequence parallelism `tp` gathers the others'), and
     /// what its backward needs.
     fn forward(&self, tp: &dyn TensorSplit, xn: &Tensor) -> Result<(Tensor, Box<dyn MlpKept>)>;
-    /// dxn from dy (`xn`: the forward's input). Every weight GEMM goes to `w`.
+    /// dxn from dy (`xn`: the forward's input). Every weight GEMM goes to `dw`.
     fn backward(
         &mut self,
         tp: &dyn TensorSplit,
         dy: &Tensor,
         xn: Tensor,
         kept: Box<dyn MlpKept>,
-        w: &mut dyn WeightGrads,
+        dw: &mut dyn WeightGrads,
     ) -> Result<Tensor>;
 }
 
@@ -176,17 +176,17 @@ impl Mlp for Dense {
         dy: &Tensor,
         xn: Tensor,
         kept: Box<dyn MlpKept>,
-        w: &mut dyn WeightGrads,
+        dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let DenseKept { gate, up, act } = *kept_as::<DenseKept>(kept)?;
         // right to left; down is row parallel: its backward is local (on every row: sequence
         // parallelism gathers them)
         let dy = tp.gather_rows(dy)?;
         let dact = self.down_proj.linear_input_grad(&dy);
-        w.linear(Cow::Owned(act), vec![(dy, &mut self.down_proj)]);
+        dw.linear(Cow::Owned(act), vec![(dy, &mut self.down_proj)]);
         let (dgate, dup) = ops::swiglu_backward(&dact, &gate, &up);
         // f: one sum over the tp ranks for gate and up together
-        tp.column_backward(xn, vec![(dgate, &mut self.gate_proj), (dup, &mut self.up_proj)], w)
+        tp.column_backward(xn, vec![(dgate, &mut self.gate_proj), (dup, &mut self.up_proj)], dw)
     }
 }
 
@@ -363,7 +363,7 @@ impl<'g> Block<'g> {
         Ok((out, cache, work))
     }
 
-    /// Every weight GEMM goes to `w` (computed now, or kept for a zero-bubble W:
+    /// Every weight GEMM goes to `dw` (computed now, or kept for a zero-bubble W:
     /// `deferred_grads.rs`); the norms' weight gradients are computed here with their input
     /// gradients.
     pub(crate) fn backward(
@@ -373,7 +373,7 @@ impl<'g> Block<'g> {
         kept: Box<dyn Kept>,
         cfg: &ModelConfig,
         (attn, positions): (Attn, &[u32]),
-        w: &mut dyn WeightGrads,
+        dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
         let pos = &positions[..attn.seq];
@@ -381,7 +381,7 @@ impl<'g> Block<'g> {
             forward: &mut |x| Ok(self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?.1),
             attention: &mut |q, k, v| split.seq.attention(attn, q, k, v, pos).map(|(out, lse, _)| (out, lse)),
         })?;
-        let dxn2 = self.mlp.backward(tp, &dout, c.xn2, c.mlp, w)?; // MLP sub-block
+        let dxn2 = self.mlp.backward(tp, &dout, c.xn2, c.mlp, dw)?; // MLP sub-block
         let ln2 = &mut self.post_attention_layernorm;
         // the residual carries dout straight through, added as the norm's dx is written
         let dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad, Some(&dout));
@@ -392,12 +392,12 @@ impl<'g> Block<'g> {
         let dy = tp.gather_rows(&dh)?;
         let dattn = self.o_proj.linear_input_grad(&dy);
         let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, qkv, pos, (&out, &lse), &dattn)?;
-        w.linear(Cow::Owned(out), vec![(dy, &mut self.o_proj)]);
+        dw.linear(Cow::Owned(out), vec![(dy, &mut self.o_proj)]);
         ops::rope_backward(&mut dq, positions, hd, theta);
         ops::rope_backward(&mut dk, positions, hd, theta);
         // f: one sum over the tp ranks for q, k and v together
         let layers = vec![(dq, &mut self.q_proj), (dk, &mut self.k_proj), (dv, &mut self.v_proj)];
-        let dxn1 = tp.column_backward(c.xn1, layers, w)?;
+        let dxn1 = tp.column_backward(c.xn1, layers, dw)?;
         let ln1 = &mut self.input_layernorm;
         Ok(ops::rmsnorm_backward(&dxn1, &c.x, &ln1.value, &c.rstd1, &mut ln1.grad, Some(&dh)))
     }

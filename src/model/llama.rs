@@ -35,6 +35,7 @@ mod decode; // generating: one step at a time, with the KV cache
 pub mod experts; // lesson 20: another kind of MLP over the same weights
 mod parts; // building the parameters, listing them, moving them
 pub mod pipeline; // lesson 12: one pipeline stage's forward and backward
+mod shapes; // what a checkpoint holds: every tensor's name, shape and tp cut
 pub mod zero_bubble; // lesson 15: the weight gradients a backward left for later
 
 /// Everything one micro-batch's `forward` keeps for its `backward`.
@@ -78,8 +79,8 @@ pub trait LossHead {
 /// What a loss head keeps from forward for backward.
 pub trait LossKept {
     /// dxn (summed over the tp ranks) from the loss scaled by `scale`; the output layer's weight
-    /// gradient goes to `w`.
-    fn backward(self: Box<Self>, scale: f32, out: OutputLayer, w: &mut dyn WeightGrads) -> Result<Tensor>;
+    /// gradient goes to `dw`.
+    fn backward(self: Box<Self>, scale: f32, out: OutputLayer, dw: &mut dyn WeightGrads) -> Result<Tensor>;
     fn bytes(&self) -> usize;
     /// The logits, if it keeps them whole.
     fn logits(&self) -> Option<&Tensor>;
@@ -114,13 +115,13 @@ impl LossHead for WholeLogits {
 }
 
 impl LossKept for Logits {
-    fn backward(self: Box<Self>, scale: f32, out: OutputLayer, w: &mut dyn WeightGrads) -> Result<Tensor> {
+    fn backward(self: Box<Self>, scale: f32, out: OutputLayer, dw: &mut dyn WeightGrads) -> Result<Tensor> {
         // softmax − one-hot on this rank's vocabulary slice: local, the lse is global
         let count = self.targets.iter().filter(|&&t| t >= 0).count().max(1); // the loss is their mean
         let dlogits =
             ops::cross_entropy_backward(&self.logits, &self.targets, out.first, &self.lse, scale / count as f32);
         drop(self.logits);
-        out.tp.column_backward(self.xn, vec![(dlogits, out.weight)], w)
+        out.tp.column_backward(self.xn, vec![(dlogits, out.weight)], dw)
     }
 
     fn bytes(&self) -> usize {
@@ -294,13 +295,13 @@ impl<'g> Llama<'g> {
     /// The backward of the oldest micro-batch whose forward through model chunk `chunk` is done,
     /// from `scale × loss` where the chunk ends with the head, else from `dy` (the gradient of
     /// the chunk's output). Returns the gradient of the chunk's input (`None` where its input was
-    /// tokens). Each weight GEMM goes to `w` (`split.rs`): with `Now` every gradient is made here,
+    /// tokens). Each weight GEMM goes to `dw` (`split.rs`): with `Now` every gradient is made here,
     /// and `ready(param)` hears each parameter as soon as its gradient is complete.
     fn backward_layers(
         &mut self,
         chunk: usize,
         (scale, dy): (f32, Option<Tensor>),
-        w: &mut dyn WeightGrads,
+        dw: &mut dyn WeightGrads,
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Option<Tensor>> {
         let oldest = self.caches.iter().position(|c| c.chunk == chunk);
@@ -311,7 +312,7 @@ impl<'g> Llama<'g> {
         // each part of the cache is dropped as soon as its backward is done: the activations
         // held shrink while the gradients grow
         let mut dx = match (dy, c.head.take()) {
-            (None, Some(hc)) => self.head_backward(hc, scale, w, ready)?,
+            (None, Some(hc)) => self.head_backward(hc, scale, dw, ready)?,
             (Some(dy), None) => dy,
             _ => bail!("backward: the loss's gradient starts where the head is, an output's gradient elsewhere"),
         };
@@ -320,7 +321,7 @@ impl<'g> Llama<'g> {
             let split = Splits { tp: &*self.tp, seq: &*self.seq };
             let cache = c.blocks.pop().expect("one cache per layer");
             let attn = (c.attn, &c.positions[..]);
-            dx = self.layers[i].backward(split, dx, cache, &self.cfg, attn, w)?;
+            dx = self.layers[i].backward(split, dx, cache, &self.cfg, attn, dw)?;
             self.layers[i].params_mut().into_iter().for_each(&mut *ready);
             self.free(Unit::Layer(i));
         }
@@ -328,7 +329,7 @@ impl<'g> Llama<'g> {
             (Some(tokens), Some(embed)) => {
                 embed.ensure_grad(); // the embedding's backward reads no weight: nothing to gather
                 let dx = self.tp.gather_rows(&dx)?; // sequence parallel: every row's gradient
-                w.embedding(embed, dx, tokens, first); // local: this rank's ids
+                dw.embedding(embed, dx, tokens, first); // local: this rank's ids
                 ready(embed);
                 Ok(None)
             }
@@ -360,19 +361,19 @@ impl Llama<'_> {
     }
 
     /// The head's backward from the loss scaled by `scale`: returns dx; the output layer's
-    /// weight GEMM goes to `w`.
+    /// weight GEMM goes to `dw`.
     fn head_backward(
         &mut self,
         hc: HeadCache,
         scale: f32,
-        w: &mut dyn WeightGrads,
+        dw: &mut dyn WeightGrads,
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Tensor> {
         self.fetch(Unit::Head, false)?;
         hc.term.into_iter().for_each(|t| t.backward(scale));
         let h = self.head.as_mut().expect("the last stage has the head");
         let weight = h.lm_head.as_mut().or(self.embed_tokens.as_mut()).expect("a tied head has the embedding");
-        let dxn = hc.loss.backward(scale, OutputLayer { weight, tp: &*self.tp, first: self.vocab_first }, w)?;
+        let dxn = hc.loss.backward(scale, OutputLayer { weight, tp: &*self.tp, first: self.vocab_first }, dw)?;
         h.lm_head.iter_mut().for_each(&mut *ready); // a tied head's gradient is done with the embedding's
         let dx = ops::rmsnorm_backward(&dxn, &hc.x_final, &h.norm.value, &hc.rstd, &mut h.norm.grad, None);
         ready(&mut h.norm);

@@ -217,7 +217,7 @@ pub(crate) struct Moe<'g> {
 }
 
 /// How the routed rows are laid out (host): sorted by expert, each expert's rows in token order.
-struct Plan {
+struct Sorting {
     /// Routed rows per expert (all E).
     counts: Vec<usize>,
     /// Routed row i is token `order[i]`.
@@ -226,9 +226,9 @@ struct Plan {
     slot: Vec<u32>,
 }
 
-impl Plan {
+impl Sorting {
     /// A stable counting sort of the `T·k` choices by expert.
-    fn new(experts: &[u32], total: usize, k: usize) -> Plan {
+    fn new(experts: &[u32], total: usize, k: usize) -> Sorting {
         let mut counts = vec![0; total];
         experts.iter().for_each(|&e| counts[e as usize] += 1);
         let mut next: Vec<usize> = counts.iter().scan(0, |at, &c| Some(std::mem::replace(at, *at + c))).collect();
@@ -238,14 +238,14 @@ impl Plan {
             (order[*at], slot[i]) = ((i / k) as u32, *at as u32);
             *at += 1;
         }
-        Plan { counts, order, slot }
+        Sorting { counts, order, slot }
     }
 }
 
 /// What a MoE layer keeps for its backward.
 pub(crate) struct MoeCache {
     routing: Routing,
-    plan: Plan,
+    sorting: Sorting,
     /// Who sent how many rows to which expert (the all-to-all's counts; one sender without ep).
     routed: Routed,
     /// Per expert of this rank: the rows it got and its SwiGLU's gate, up and activation
@@ -294,9 +294,9 @@ impl Mlp for Moe<'_> {
         let (ep, total, k) = (&*self.shared.split, self.shared.total, self.shared.top_k);
         let routing = route::route(&self.gate.linear(x), k); // a sync point on a GPU
         let routing = ep.choose(self.layer, routing)?;
-        let plan = Plan::new(&routing.experts, total, k);
-        let xs = route::gather_rows(x, &plan.order);
-        let (xe, routed) = ep.dispatch(xs, &plan.counts)?;
+        let sorting = Sorting::new(&routing.experts, total, k);
+        let xs = route::gather_rows(x, &sorting.order);
+        let (xe, routed) = ep.dispatch(xs, &sorting.counts)?;
         let d = xe.cols();
         let mut ye = Tensor::empty_as(xe.shape(), &xe);
         let (mut at, mut experts) = (0, Vec::with_capacity(self.experts.len()));
@@ -313,16 +313,16 @@ impl Mlp for Moe<'_> {
         }
         drop(xe);
         let ys = ep.combine(ye, &routed)?;
-        let y = route::combine(&ys, &plan.slot, Some(&routing.weights), x.rows());
+        let y = route::combine(&ys, &sorting.slot, Some(&routing.weights), x.rows());
         if self.shared.coef > 0.0 {
             // for the balance loss, added when the forward reaches the head
-            let load = Load { counts: plan.counts.clone(), prob_sums: column_sums(&routing.probs) };
+            let load = Load { counts: sorting.counts.clone(), prob_sums: column_sums(&routing.probs) };
             self.shared.loads.borrow_mut().insert(self.layer, load);
         }
-        Ok((y, Box::new(MoeCache { routing, plan, routed, experts, ys })))
+        Ok((y, Box::new(MoeCache { routing, sorting, routed, experts, ys })))
     }
 
-    /// dx from dy, both `[T, d]` (x: the forward's input); every weight GEMM goes to `w` (now,
+    /// dx from dy, both `[T, d]` (x: the forward's input); every weight GEMM goes to `dw` (now,
     /// or kept for a zero-bubble W). The router's gradient takes the balance loss's too, when it
     /// is on.
     fn backward(
@@ -331,12 +331,12 @@ impl Mlp for Moe<'_> {
         dy: &Tensor,
         x: Tensor,
         kept: Box<dyn MlpKept>,
-        w: &mut dyn WeightGrads,
+        dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let c = *kept_as::<MoeCache>(kept)?;
         let ep = &*self.shared.split;
-        count_routed(&mut self.shared.seen.borrow_mut(), self.layer, &c.plan.counts); // the imbalance report
-        let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.plan.slot, &c.routing.weights);
+        count_routed(&mut self.shared.seen.borrow_mut(), self.layer, &c.sorting.counts); // the imbalance report
+        let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.sorting.slot, &c.routing.weights);
         drop(c.ys);
         let dye = ep.dispatch_again(dys, &c.routed)?;
         let d = dye.cols();
@@ -347,18 +347,18 @@ impl Mlp for Moe<'_> {
             let n = x_e.rows();
             let dy_e = ops::slice(&dye, at * d, &[n, d]);
             let dact = expert.w2.linear_input_grad(&dy_e);
-            w.linear(Cow::Owned(act), vec![(Cow::Owned(dy_e), &mut expert.w2)]);
+            dw.linear(Cow::Owned(act), vec![(Cow::Owned(dy_e), &mut expert.w2)]);
             let (dg, du) = ops::swiglu_backward(&dact, &gate, &up);
             let layers = vec![(dg, &mut expert.w1), (du, &mut expert.w3)];
             ops::copy(&input_grad(&layers), 0, &mut dxe, at * d, n * d);
-            w.linear(Cow::Owned(x_e), owned(layers));
+            dw.linear(Cow::Owned(x_e), owned(layers));
             at += n;
         }
         let dxs = ep.combine(dxe, &c.routed)?;
-        let mut dx = route::combine(&dxs, &c.plan.slot, None, x.rows()); // each token: the sum of its k copies
+        let mut dx = route::combine(&dxs, &c.sorting.slot, None, x.rows()); // each token: the sum of its k copies
         let dlogits = route::route_backward(&dweights, &c.routing, &self.shared.balance.borrow());
         self.gate.linear_input_grad_add(&dlogits, &mut dx);
-        w.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);
+        dw.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);
         Ok(dx)
     }
 }

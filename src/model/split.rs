@@ -67,9 +67,10 @@ pub trait TensorSplit {
 
     /// The backward of column-parallel layers that read the same input `x` (q, k, v; gate, up),
     /// each `(dy, W)`: returns dx = Σ dy · W over the layers and the ranks, and hands every
-    /// dW += dyᵀ · x to `w` (now, or kept for a zero-bubble schedule's W: `deferred_grads.rs`). `x`
+    /// dW += dyᵀ · x to `dw` (now, or kept for a zero-bubble schedule's W: `deferred_grads.rs`). `x`
     /// and dx have this rank's rows (all of them without sequence parallelism).
-    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut dyn WeightGrads) -> Result<Tensor>;
+    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, dw: &mut dyn WeightGrads)
+        -> Result<Tensor>;
 
     /// An input gradient each rank made from its own slice of a column-parallel layer (the fused
     /// loss's dxn): summed over the ranks, this rank's rows kept.
@@ -195,9 +196,14 @@ impl TensorSplit for Whole {
     fn row_forward(&self, x: &Tensor, w: &Param) -> Result<Tensor> {
         Ok(w.linear(x))
     }
-    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut dyn WeightGrads) -> Result<Tensor> {
+    fn column_backward(
+        &self,
+        x: Tensor,
+        layers: Vec<(Tensor, &mut Param)>,
+        dw: &mut dyn WeightGrads,
+    ) -> Result<Tensor> {
         let dx = input_grad(&layers);
-        w.linear(Cow::Owned(x), owned(layers));
+        dw.linear(Cow::Owned(x), owned(layers));
         Ok(dx)
     }
     fn sum_input_grad(&self, dx: Tensor) -> Result<Tensor> {

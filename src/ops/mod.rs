@@ -17,6 +17,7 @@ pub mod fp8;
 pub mod gpu;
 pub mod gpu_fp8;
 pub mod gpu_moe;
+pub mod meter;
 pub mod moe;
 pub mod packing;
 pub mod precision;

@@ -12,11 +12,9 @@
 
 use crate::cuda::device::{Buf, Device};
 use crate::cuda::runtime::Gpu;
+use crate::ops::meter::{self, HostBuf};
 use crate::ops::types::DType;
 use std::borrow::Cow;
-use std::cell::RefCell;
-use std::ops::{Deref, DerefMut};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Where a tensor's numbers live.
@@ -24,69 +22,6 @@ use std::sync::Arc;
 pub enum Storage {
     Cpu(HostBuf),
     Cuda(Buf),
-}
-
-/// What one rank's CPU tensors hold: the bytes now, and the most at once since the last look
-/// (`ferrotron memory --measure`; on a GPU the device's pool counts the same way).
-#[derive(Default, Debug)]
-pub struct Meter {
-    held: AtomicUsize,
-    peak: AtomicUsize,
-}
-
-thread_local! {
-    static METER: RefCell<Option<Arc<Meter>>> = const { RefCell::new(None) };
-}
-
-/// From now on the CPU tensors made on this thread count in a fresh meter (the launcher starts
-/// one on each rank's thread). A tensor remembers its meter, so it counts out wherever it is freed.
-pub fn start_meter() {
-    METER.with(|m| *m.borrow_mut() = Some(Arc::new(Meter::default())));
-}
-
-/// The host memory of a CPU tensor, counted in the meter of the thread that made it.
-#[derive(Debug)]
-pub struct HostBuf {
-    data: Vec<f32>,
-    meter: Option<Arc<Meter>>,
-}
-
-impl HostBuf {
-    fn new(data: Vec<f32>) -> HostBuf {
-        let meter = METER.with(|m| m.borrow().clone());
-        if let Some(m) = &meter {
-            let held = m.held.fetch_add(4 * data.len(), Ordering::Relaxed) + 4 * data.len();
-            m.peak.fetch_max(held, Ordering::Relaxed);
-        }
-        HostBuf { data, meter }
-    }
-}
-
-impl Clone for HostBuf {
-    fn clone(&self) -> HostBuf {
-        HostBuf::new(self.data.clone())
-    }
-}
-
-impl Drop for HostBuf {
-    fn drop(&mut self) {
-        if let Some(m) = &self.meter {
-            m.held.fetch_sub(4 * self.data.len(), Ordering::Relaxed);
-        }
-    }
-}
-
-impl Deref for HostBuf {
-    type Target = [f32];
-    fn deref(&self) -> &[f32] {
-        &self.data
-    }
-}
-
-impl DerefMut for HostBuf {
-    fn deref_mut(&mut self) -> &mut [f32] {
-        &mut self.data
-    }
 }
 
 /// A device tensors can be placed on.
@@ -110,9 +45,7 @@ impl Place {
     /// on the CPU those counted in this thread's meter (0 without one).
     pub fn take_peak_bytes(&self) -> usize {
         match self {
-            Place::Cpu => METER.with(|m| {
-                m.borrow().as_ref().map_or(0, |m| m.peak.swap(m.held.load(Ordering::Relaxed), Ordering::Relaxed))
-            }),
+            Place::Cpu => meter::take_peak_bytes(),
             Place::Cuda(dev) => dev.take_peak_bytes(),
         }
     }

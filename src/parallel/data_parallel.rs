@@ -69,7 +69,7 @@ pub trait GradReduce {
 }
 
 /// The plan of one bucket: a run of consecutive gradients, in backward order.
-pub struct Plan {
+pub struct BucketPlan {
     /// Each member's place in the parameter list, and its offset in the bucket.
     pub members: Vec<(usize, usize)>,
     /// The values side by side.
@@ -82,12 +82,12 @@ pub struct Plan {
 /// The bucket planner (for data parallelism and ZeRO): parameters of
 /// `widths[i]` values in model order, backward runs them last to first, and a bucket holds at
 /// most `room` values (or one parameter, if larger) of a single model chunk (`chunk_of`).
-pub fn plan_buckets((widths, chunk_of): (&[usize], &[usize]), room: usize) -> Vec<Plan> {
-    let mut plans: Vec<Plan> = Vec::new();
+pub fn plan_buckets((widths, chunk_of): (&[usize], &[usize]), room: usize) -> Vec<BucketPlan> {
+    let mut plans: Vec<BucketPlan> = Vec::new();
     for (i, &n) in widths.iter().enumerate().rev() {
-        let other_chunk = |plan: &Plan| chunk_of[plan.members[0].0] != chunk_of[i];
+        let other_chunk = |plan: &BucketPlan| chunk_of[plan.members[0].0] != chunk_of[i];
         if plans.last().is_none_or(|plan| plan.len + n > room || other_chunk(plan)) {
-            plans.push(Plan { members: Vec::new(), len: 0, closes: true });
+            plans.push(BucketPlan { members: Vec::new(), len: 0, closes: true });
         }
         let plan = plans.last_mut().expect("pushed above");
         plan.members.push((i, plan.len));
@@ -105,7 +105,7 @@ pub fn buckets_of(
     (params, chunk_of): (&[&Param], &[usize]),
     width: impl Fn(&Param) -> usize,
     room: usize,
-) -> (Vec<Plan>, HashMap<String, (usize, usize)>) {
+) -> (Vec<BucketPlan>, HashMap<String, (usize, usize)>) {
     let widths: Vec<usize> = params.iter().map(|p| width(p)).collect();
     let plans = plan_buckets((&widths, chunk_of), room);
     let place = plans

@@ -46,7 +46,7 @@ use anyhow::Result;
 
 /// Where one matrix's pieces go.
 #[derive(Clone, Debug)]
-struct Plan {
+struct MatrixOwner {
     /// Its data-parallel group (an index into `Owners::groups`), the owner's index in it, and
     /// whether ZeRO cuts it into chunks there (else every member holds it whole); `None`: no
     /// other rank holds it.
@@ -62,7 +62,7 @@ struct Plan {
 
 /// Muon's matrices brought together at their owners (the `WholeMatrices` seam for a layout).
 pub struct Owners<'g> {
-    plans: Vec<Plan>,
+    matrices: Vec<MatrixOwner>,
     groups: Vec<&'g Group>,
     tp: &'g Group,
 }
@@ -89,7 +89,7 @@ impl<'g> Owners<'g> {
         let tp = me.group(Axis::Tp);
         let mats: Vec<&&Param> = params.iter().filter(|p| muon::updates(&p.name, p.shape())).collect();
         let mut groups: Vec<&'g Group> = Vec::new();
-        let mut plans: Vec<Plan> = Vec::new();
+        let mut matrices: Vec<MatrixOwner> = Vec::new();
         for p in &mats {
             let (chunked, group) = match sharding.of(p) {
                 Some(g) => (true, g),
@@ -103,45 +103,48 @@ impl<'g> Owners<'g> {
             let dp = (group.size() > 1).then_some((at, 0, chunked));
             let chunk = if chunked && group.size() > 1 { zero::chunk(values, group.size()) } else { values };
             let tp = (tp.size() > 1).then(|| p.tp.dim()).flatten().map(|d| (0, d));
-            plans.push(Plan { dp, tp, values, chunk, shape: p.shape().to_vec() });
+            matrices.push(MatrixOwner { dp, tp, values, chunk, shape: p.shape().to_vec() });
         }
         // the data-parallel owners, group by group
         for (at, group) in groups.iter().enumerate() {
-            let members: Vec<usize> = (0..plans.len()).filter(|&i| plans[i].dp.is_some_and(|d| d.0 == at)).collect();
-            let sizes: Vec<(&str, usize)> = members.iter().map(|&i| (mats[i].name.as_str(), plans[i].values)).collect();
+            let members: Vec<usize> =
+                (0..matrices.len()).filter(|&i| matrices[i].dp.is_some_and(|d| d.0 == at)).collect();
+            let sizes: Vec<(&str, usize)> =
+                members.iter().map(|&i| (mats[i].name.as_str(), matrices[i].values)).collect();
             for (&i, owner) in members.iter().zip(assign(&sizes, group.size())) {
-                plans[i].dp.as_mut().expect("a member").1 = owner;
+                matrices[i].dp.as_mut().expect("a member").1 = owner;
             }
         }
         // the tp owners, among the matrices this rank's data-parallel index owns (its tp peers
         // share the index, so they pick the same)
-        let mine = |plan: &Plan| plan.dp.is_none_or(|(at, owner, _)| owner == groups[at].index());
-        let members: Vec<usize> = (0..plans.len()).filter(|&i| plans[i].tp.is_some() && mine(&plans[i])).collect();
-        let sizes: Vec<(&str, usize)> = members.iter().map(|&i| (mats[i].name.as_str(), plans[i].values)).collect();
+        let mine = |m: &MatrixOwner| m.dp.is_none_or(|(at, owner, _)| owner == groups[at].index());
+        let members: Vec<usize> =
+            (0..matrices.len()).filter(|&i| matrices[i].tp.is_some() && mine(&matrices[i])).collect();
+        let sizes: Vec<(&str, usize)> = members.iter().map(|&i| (mats[i].name.as_str(), matrices[i].values)).collect();
         for (&i, owner) in members.iter().zip(assign(&sizes, tp.size())) {
-            plans[i].tp.as_mut().expect("a member").0 = owner;
+            matrices[i].tp.as_mut().expect("a member").0 = owner;
         }
-        Owners { plans, groups, tp }
+        Owners { matrices, groups, tp }
     }
 
     /// Whether this rank owns matrix `i` in its data-parallel group.
     fn owns_dp(&self, i: usize) -> bool {
-        self.plans[i].dp.is_none_or(|(at, owner, _)| owner == self.groups[at].index())
+        self.matrices[i].dp.is_none_or(|(at, owner, _)| owner == self.groups[at].index())
     }
 
     /// Whether this rank runs Newton–Schulz on matrix `i`.
     fn owns(&self, i: usize) -> bool {
-        self.owns_dp(i) && self.plans[i].tp.is_none_or(|(owner, _)| owner == self.tp.index())
+        self.owns_dp(i) && self.matrices[i].tp.is_none_or(|(owner, _)| owner == self.tp.index())
     }
 
     /// The values of the matrices this rank runs Newton–Schulz on (what the lesson's exercise
     /// compares across ranks).
     pub fn load(&self) -> usize {
-        (0..self.plans.len()).filter(|&i| self.owns(i)).map(|i| self.plans[i].values * self.tp_size(i)).sum()
+        (0..self.matrices.len()).filter(|&i| self.owns(i)).map(|i| self.matrices[i].values * self.tp_size(i)).sum()
     }
 
     fn tp_size(&self, i: usize) -> usize {
-        if self.plans[i].tp.is_some() {
+        if self.matrices[i].tp.is_some() {
             self.tp.size()
         } else {
             1
@@ -185,7 +188,7 @@ fn join_slices(slices: &[Tensor], slice: &[usize], d: usize) -> Tensor {
 impl WholeMatrices for Owners<'_> {
     fn each_whole(&mut self, _: &[&Param], pieces: Vec<Tensor>, f: &dyn Fn(Tensor) -> Tensor) -> Result<Vec<Tensor>> {
         let Some(place) = pieces.first().map(|t| t.place()) else { return Ok(Vec::new()) };
-        let n = self.plans.len();
+        let n = self.matrices.len();
         let flat = |t: Tensor| {
             let k = t.numel();
             t.with_shape(&[k])
@@ -195,10 +198,10 @@ impl WholeMatrices for Owners<'_> {
         let mut slice: Vec<Option<Tensor>> = vec![None; n];
         for (at, group) in self.groups.iter().enumerate() {
             let ranks = group.size();
-            let members: Vec<usize> = (0..n).filter(|&i| self.plans[i].dp.is_some_and(|d| d.0 == at)).collect();
+            let members: Vec<usize> = (0..n).filter(|&i| self.matrices[i].dp.is_some_and(|d| d.0 == at)).collect();
             let chunked: Vec<usize> =
-                members.iter().copied().filter(|&i| self.plans[i].dp.expect("a member").2).collect();
-            for &i in members.iter().filter(|&&i| !self.plans[i].dp.expect("a member").2 && self.owns_dp(i)) {
+                members.iter().copied().filter(|&i| self.matrices[i].dp.expect("a member").2).collect();
+            for &i in members.iter().filter(|&&i| !self.matrices[i].dp.expect("a member").2 && self.owns_dp(i)) {
                 slice[i] = pieces[i].take(); // a replica: the owner has it already
             }
             if chunked.is_empty() {
@@ -206,44 +209,44 @@ impl WholeMatrices for Owners<'_> {
             }
             let mut out = vec![Vec::new(); ranks];
             for &i in &chunked {
-                out[self.plans[i].dp.expect("a member").1].push(pieces[i].take().expect("a piece"));
+                out[self.matrices[i].dp.expect("a member").1].push(pieces[i].take().expect("a piece"));
             }
             let mine: Vec<usize> = chunked.iter().copied().filter(|&i| self.owns_dp(i)).collect();
-            let each: usize = mine.iter().map(|&i| self.plans[i].chunk).sum();
+            let each: usize = mine.iter().map(|&i| self.matrices[i].chunk).sum();
             let got = exchange(group, out, &vec![each; ranks], &place)?;
             let mut at = 0;
             for &i in &mine {
-                let (c, values) = (self.plans[i].chunk, self.plans[i].values);
+                let (c, values) = (self.matrices[i].chunk, self.matrices[i].values);
                 let chunks: Vec<Tensor> = got.iter().map(|g| ops::slice(g, at, &[c])).collect();
                 let whole = ops::concat(&chunks.iter().collect::<Vec<_>>()); // padded at the end
                 slice[i] = Some(ops::slice(&whole, 0, &[values]));
                 at += c;
             }
         }
-        for i in (0..n).filter(|&i| self.plans[i].dp.is_none()) {
+        for i in (0..n).filter(|&i| self.matrices[i].dp.is_none()) {
             slice[i] = pieces[i].take();
         }
         // 2. the tp slices whole at the tp owner
         let mut whole: Vec<Option<Tensor>> = vec![None; n];
-        let on_tp: Vec<usize> = (0..n).filter(|&i| self.plans[i].tp.is_some() && self.owns_dp(i)).collect();
+        let on_tp: Vec<usize> = (0..n).filter(|&i| self.matrices[i].tp.is_some() && self.owns_dp(i)).collect();
         if !on_tp.is_empty() {
             let mut out = vec![Vec::new(); self.tp.size()];
             for &i in &on_tp {
-                out[self.plans[i].tp.expect("on tp").0].push(slice[i].take().expect("a slice"));
+                out[self.matrices[i].tp.expect("on tp").0].push(slice[i].take().expect("a slice"));
             }
             let mine: Vec<usize> = on_tp.iter().copied().filter(|&i| self.owns(i)).collect();
-            let each: usize = mine.iter().map(|&i| self.plans[i].values).sum();
+            let each: usize = mine.iter().map(|&i| self.matrices[i].values).sum();
             let got = exchange(self.tp, out, &vec![each; self.tp.size()], &place)?;
             let mut at = 0;
             for &i in &mine {
-                let plan = &self.plans[i];
-                let slices: Vec<Tensor> = got.iter().map(|g| ops::slice(g, at, &[plan.values])).collect();
-                whole[i] = Some(join_slices(&slices, &plan.shape, plan.tp.expect("on tp").1));
-                at += plan.values;
+                let m = &self.matrices[i];
+                let slices: Vec<Tensor> = got.iter().map(|g| ops::slice(g, at, &[m.values])).collect();
+                whole[i] = Some(join_slices(&slices, &m.shape, m.tp.expect("on tp").1));
+                at += m.values;
             }
         }
-        for i in (0..n).filter(|&i| self.plans[i].tp.is_none() && self.owns_dp(i)) {
-            whole[i] = slice[i].take().map(|t| t.with_shape(&self.plans[i].shape));
+        for i in (0..n).filter(|&i| self.matrices[i].tp.is_none() && self.owns_dp(i)) {
+            whole[i] = slice[i].take().map(|t| t.with_shape(&self.matrices[i].shape));
         }
         // 3. Newton–Schulz at the owners
         let mut result: Vec<Option<Tensor>> = whole.into_iter().map(|w| w.map(f)).collect();
@@ -251,7 +254,7 @@ impl WholeMatrices for Owners<'_> {
         if !on_tp.is_empty() {
             let mut out = vec![Vec::new(); self.tp.size()];
             for &i in on_tp.iter().filter(|&&i| self.owns(i)) {
-                let (o, d) = (result[i].take().expect("orthogonalised"), self.plans[i].tp.expect("on tp").1);
+                let (o, d) = (result[i].take().expect("orthogonalised"), self.matrices[i].tp.expect("on tp").1);
                 let cut = if d == 0 { TpCut::Rows } else { TpCut::Columns };
                 for (r, to) in out.iter_mut().enumerate() {
                     to.push(flat(ops::tp_part(&o, cut, (r, self.tp.size()))));
@@ -261,58 +264,58 @@ impl WholeMatrices for Owners<'_> {
                 .map(|r| {
                     on_tp
                         .iter()
-                        .filter(|&&i| self.plans[i].tp.expect("on tp").0 == r)
-                        .map(|&i| self.plans[i].values)
+                        .filter(|&&i| self.matrices[i].tp.expect("on tp").0 == r)
+                        .map(|&i| self.matrices[i].values)
                         .sum()
                 })
                 .collect();
             let got = exchange(self.tp, out, &counts, &place)?;
             let mut at = vec![0; self.tp.size()];
             for &i in &on_tp {
-                let r = self.plans[i].tp.expect("on tp").0;
-                result[i] = Some(ops::slice(&got[r], at[r], &[self.plans[i].values]));
-                at[r] += self.plans[i].values;
+                let r = self.matrices[i].tp.expect("on tp").0;
+                result[i] = Some(ops::slice(&got[r], at[r], &[self.matrices[i].values]));
+                at[r] += self.matrices[i].values;
             }
         }
         // 5. each rank's piece back from the data-parallel owner: its chunk, or the whole slice
         let mut back: Vec<Option<Tensor>> = vec![None; n];
         for (at, group) in self.groups.iter().enumerate() {
             let ranks = group.size();
-            let members: Vec<usize> = (0..n).filter(|&i| self.plans[i].dp.is_some_and(|d| d.0 == at)).collect();
+            let members: Vec<usize> = (0..n).filter(|&i| self.matrices[i].dp.is_some_and(|d| d.0 == at)).collect();
             if members.is_empty() {
                 continue;
             }
             let mut out = vec![Vec::new(); ranks];
             for &i in members.iter().filter(|&&i| self.owns_dp(i)) {
-                let (plan, o) = (&self.plans[i], flat(result[i].take().expect("orthogonalised")));
+                let (m, o) = (&self.matrices[i], flat(result[i].take().expect("orthogonalised")));
                 for (r, to) in out.iter_mut().enumerate() {
-                    to.push(match plan.dp.expect("a member").2 {
-                        true => zero::cut(&o, r, plan.chunk),
+                    to.push(match m.dp.expect("a member").2 {
+                        true => zero::cut(&o, r, m.chunk),
                         false => o.clone(),
                     });
                 }
             }
             let size = |i: usize| {
-                if self.plans[i].dp.expect("a member").2 {
-                    self.plans[i].chunk
+                if self.matrices[i].dp.expect("a member").2 {
+                    self.matrices[i].chunk
                 } else {
-                    self.plans[i].values
+                    self.matrices[i].values
                 }
             };
             let counts: Vec<usize> = (0..ranks)
                 .map(|r| {
-                    members.iter().filter(|&&i| self.plans[i].dp.expect("a member").1 == r).map(|&i| size(i)).sum()
+                    members.iter().filter(|&&i| self.matrices[i].dp.expect("a member").1 == r).map(|&i| size(i)).sum()
                 })
                 .collect();
             let got = exchange(group, out, &counts, &place)?;
             let mut from = vec![0; ranks];
             for &i in &members {
-                let r = self.plans[i].dp.expect("a member").1;
+                let r = self.matrices[i].dp.expect("a member").1;
                 back[i] = Some(ops::slice(&got[r], from[r], &[size(i)]));
                 from[r] += size(i);
             }
         }
-        for i in (0..n).filter(|&i| self.plans[i].dp.is_none()) {
+        for i in (0..n).filter(|&i| self.matrices[i].dp.is_none()) {
             back[i] = result[i].take();
         }
         Ok(back.into_iter().map(|b| b.expect("every matrix comes back")).collect())

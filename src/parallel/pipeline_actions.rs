@@ -25,29 +25,29 @@ impl Walk for Listed {
         let (schedule, stage, m) = (self.0, run.stage, run.plan.micro_batches);
         let mut mail = Mailbox::new(schedule, msg, m);
         for action in schedule.actions(stage.count, stage.index, m, stage.chunks) {
-            let w = action.work();
+            let work = action.work();
             match action {
                 Action::Forward(_) => {
                     if run.stops_here()? {
                         return Ok(Some(run.forwards));
                     }
-                    let x = mail.take(Carries::Activations, w)?;
-                    let y = run.forward_chunk((w.micro, w.chunk), x)?;
-                    mail.send(Carries::Activations, w, y)?;
+                    let x = mail.take(Carries::Activations, work)?;
+                    let y = run.forward_chunk((work.micro, work.chunk), x)?;
+                    mail.send(Carries::Activations, work, y)?;
                 }
                 Action::Backward(_) => {
-                    let dy = mail.take(Carries::Gradient, w)?;
-                    let dx = run.backward_chunk((w.micro, w.chunk), dy)?;
-                    mail.send(Carries::Gradient, w, dx)?;
+                    let dy = mail.take(Carries::Gradient, work)?;
+                    let dx = run.backward_chunk((work.micro, work.chunk), dy)?;
+                    mail.send(Carries::Gradient, work, dx)?;
                 }
                 // B: the weight GEMMs kept for the W (zero bubble: `pipeline_zero_bubble.rs`)
                 Action::InputGrad(_) => {
                     let mut kept = schedule.keeps_w().context("pipeline: a B in a schedule that keeps no W")?;
-                    let dy = mail.take(Carries::Gradient, w)?;
-                    let dx = run.input_grad((w.micro, w.chunk), dy, &mut *kept)?;
-                    mail.send(Carries::Gradient, w, dx)?;
+                    let dy = mail.take(Carries::Gradient, work)?;
+                    let dx = run.backward_input((work.micro, work.chunk), dy, &mut *kept)?;
+                    mail.send(Carries::Gradient, work, dx)?;
                 }
-                Action::Weights(_) => run.weights((w.micro, w.chunk))?,
+                Action::Weights(_) => run.weights((work.micro, work.chunk))?,
             }
         }
         Ok(None)
@@ -83,11 +83,11 @@ impl<'a> Mailbox<'a> {
         Mailbox { msg, expected, stash: HashMap::new() }
     }
 
-    /// The input of this rank's `what` of `w`, if it has one: the previous virtual stage's
+    /// The input of this rank's `what` of `work`, if it has one: the previous virtual stage's
     /// activations (forward) or the next one's gradient (backward), received now or earlier.
-    fn take(&mut self, what: Carries, w: Work) -> Result<Option<Tensor>> {
+    fn take(&mut self, what: Carries, work: Work) -> Result<Option<Tensor>> {
         let (stage, me) = (self.msg.stage, self.msg.stage.index);
-        let u = stage.virtual_stage(w.chunk);
+        let u = stage.virtual_stage(work.chunk);
         let theirs = match what {
             Carries::Activations if u == 0 => return Ok(None), // tokens
             Carries::Gradient if u + 1 == stage.count * stage.chunks => return Ok(None), // the loss
@@ -95,7 +95,7 @@ impl<'a> Mailbox<'a> {
             Carries::Gradient => u + 1,
         };
         let (from, chunk) = stage.place_of(theirs);
-        let key = (what, Work { chunk, ..w });
+        let key = (what, Work { chunk, ..work });
         while !self.stash.contains_key(&key) {
             let next = self.expected[from].next().filter(|_| from != me);
             let Some(next) = next else {
@@ -107,12 +107,12 @@ impl<'a> Mailbox<'a> {
         Ok(self.stash.remove(&key))
     }
 
-    /// Sends the result of this rank's `what` of `w` where the next step of its micro-batch runs
+    /// Sends the result of this rank's `what` of `work` where the next step of its micro-batch runs
     /// (into its own stash when that is this rank too).
-    fn send(&mut self, what: Carries, w: Work, t: Option<Tensor>) -> Result<()> {
+    fn send(&mut self, what: Carries, work: Work, t: Option<Tensor>) -> Result<()> {
         let action = match what {
-            Carries::Activations => Action::Forward(w),
-            Carries::Gradient => Action::Backward(w), // or its B: the gradient goes to the same rank
+            Carries::Activations => Action::Forward(work),
+            Carries::Gradient => Action::Backward(work), // or its B: the gradient goes to the same rank
         };
         match (sent_by(self.msg.stage, self.msg.stage.index, action), t) {
             (Some((to, key)), Some(t)) if to == self.msg.stage.index => {

@@ -231,17 +231,17 @@ impl Runner<'_, '_, '_> {
 
     /// `backward` of micro-batch `i` through model chunk `chunk`: its weight gradients made now,
     /// and data parallelism told of each one complete.
-    pub fn backward_chunk(&mut self, w: (usize, usize), dy: Option<Tensor>) -> Result<Option<Tensor>> {
-        self.backward_into(w, dy, &mut Now, true)
+    pub fn backward_chunk(&mut self, work: (usize, usize), dy: Option<Tensor>) -> Result<Option<Tensor>> {
+        self.backward_into(work, dy, &mut Now, true)
     }
 
-    /// The backward through `w`'s chunk, its weight GEMMs to `weights`; `tell`: data parallelism
+    /// The backward through `work`'s chunk, its weight GEMMs to `dw`; `tell`: data parallelism
     /// hears of each gradient complete.
     pub(super) fn backward_into(
         &mut self,
         (i, chunk): (usize, usize),
         dy: Option<Tensor>,
-        weights: &mut dyn WeightGrads,
+        dw: &mut dyn WeightGrads,
         tell: bool,
     ) -> Result<Option<Tensor>> {
         let start = Instant::now();
@@ -253,8 +253,8 @@ impl Runner<'_, '_, '_> {
         let last = i + 1 == self.plan.micro_batches;
         let ready = &mut *self.ready;
         let dx = match tell {
-            true => self.model.backward_chunk(chunk, grad, weights, &mut |p| ready(p, last))?,
-            false => self.model.backward_chunk(chunk, grad, weights, &mut |_| {})?,
+            true => self.model.backward_chunk(chunk, grad, dw, &mut |p| ready(p, last))?,
+            false => self.model.backward_chunk(chunk, grad, dw, &mut |_| {})?,
         };
         self.hooks.span(name("backward", (i, chunk), self.stage), start);
         Ok(dx)

@@ -33,13 +33,13 @@ use std::time::Instant;
 impl Runner<'_, '_, '_> {
     /// `backward_chunk` whose weight GEMMs go to `kept`, which keeps them for a later `weights`
     /// (a zero-bubble schedule's B): no gradient is complete yet.
-    pub fn input_grad(
+    pub fn backward_input(
         &mut self,
-        w: (usize, usize),
+        work: (usize, usize),
         dy: Option<Tensor>,
         kept: &mut dyn WeightGrads,
     ) -> Result<Option<Tensor>> {
-        self.backward_into(w, dy, kept, false)
+        self.backward_into(work, dy, kept, false)
     }
 
     /// The W of micro-batch `i` through model chunk `chunk`: the weight GEMMs its B left.
@@ -111,16 +111,16 @@ struct DelayedWeights {
 impl Iterator for DelayedWeights {
     type Item = Action;
     fn next(&mut self) -> Option<Action> {
-        if let Some(w) = self.next.take() {
-            return Some(w);
+        if let Some(work) = self.next.take() {
+            return Some(work);
         }
         match self.plan.next() {
-            Some(Action::Backward(w)) => {
-                self.pending.push_back(w);
+            Some(Action::Backward(work)) => {
+                self.pending.push_back(work);
                 if self.pending.len() > self.delay {
                     self.next = self.pending.pop_front().map(Action::Weights);
                 }
-                Some(Action::InputGrad(w))
+                Some(Action::InputGrad(work))
             }
             Some(a) => Some(a),
             None => self.pending.pop_front().map(Action::Weights),

@@ -76,11 +76,16 @@ impl TensorSplit for SequenceParallel<'_> {
     /// gathered again (started first, so it travels during the input-gradient GEMMs), the input
     /// gradient is summed over the ranks and scattered back to rows (started before the
     /// weight-gradient GEMMs, so it travels while they compute).
-    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut dyn WeightGrads) -> Result<Tensor> {
+    fn column_backward(
+        &self,
+        x: Tensor,
+        layers: Vec<(Tensor, &mut Param)>,
+        dw: &mut dyn WeightGrads,
+    ) -> Result<Tensor> {
         let gathering = self.group.all_gather_tensor_async(x)?; // (an asynchronous call owns what it sends)
         let scattering = self.group.reduce_scatter_tensor_async(input_grad(&layers), ReduceOp::Sum)?;
         // overlaps the reduce-scatter (or kept for later, the whole input with it)
-        w.linear(Cow::Owned(gathering.wait()?), owned(layers));
+        dw.linear(Cow::Owned(gathering.wait()?), owned(layers));
         scattering.wait()
     }
 

@@ -73,9 +73,14 @@ impl TensorSplit for TensorParallel<'_> {
 
     /// Column parallel backward of the layers reading `x`: this rank's dx = Σ dy·W, then `f`
     /// all-reduces it, asynchronously, while the weight-gradient GEMMs run.
-    fn column_backward(&self, x: Tensor, layers: Vec<(Tensor, &mut Param)>, w: &mut dyn WeightGrads) -> Result<Tensor> {
+    fn column_backward(
+        &self,
+        x: Tensor,
+        layers: Vec<(Tensor, &mut Param)>,
+        dw: &mut dyn WeightGrads,
+    ) -> Result<Tensor> {
         let pending = self.group.all_reduce_tensor_async(input_grad(&layers), ReduceOp::Sum)?; // f, started
-        w.linear(Cow::Owned(x), owned(layers)); // overlaps the all-reduce (or kept for later)
+        dw.linear(Cow::Owned(x), owned(layers)); // overlaps the all-reduce (or kept for later)
         pending.wait()
     }
 

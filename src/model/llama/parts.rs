@@ -13,7 +13,7 @@ use crate::model::{family, init};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, Precision, TpCut};
 use anyhow::Result;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::rc::Rc;
 
 impl<'g> Llama<'g> {
@@ -79,30 +79,10 @@ impl<'g> Llama<'g> {
         })
     }
 
-    /// The name and full shape of every tensor of the layers `held` says (a pipeline stage's), in
-    /// Hugging Face order, from the config alone (nothing allocated): what a checkpoint of this
-    /// model must hold.
-    pub fn tensor_shapes(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>)> {
-        Llama::tensor_cuts(cfg, held).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
-    }
-
-    /// `tensor_shapes`, with how tensor parallelism cuts each tensor, in the order of `params()`.
-    pub fn tensor_cuts(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>, TpCut)> {
-        let mut shapes = HashMap::new();
-        let made = Llama::parts(cfg, &held, &*family::mlps(cfg), &mut |name, shape, _, tp| {
-            shapes.insert(name.clone(), shape.to_vec());
-            Ok(Param::new(name, Tensor::zeros(&[0]), tp)) // nothing allocated
-        });
-        let (embed, layers, head) = made.expect("listing cannot fail");
-        let head = head.iter().flat_map(|h| [Some(&h.norm), h.lm_head.as_ref()]).flatten();
-        let params = embed.iter().chain(layers.iter().flat_map(Block::params)).chain(head);
-        params.map(|p| (p.name.clone(), shapes[&p.name].clone(), p.tp)).collect()
-    }
-
     /// The parameters of the layers `held` says, each made by `param(name, full shape, kind, tp
     /// cut)`; the blocks' MLPs by `mlps`.
     #[allow(clippy::type_complexity)]
-    fn parts(
+    pub(super) fn parts(
         cfg: &ModelConfig,
         held: &dyn LayerSplit,
         mlps: &dyn Mlps<'g>,

@@ -57,8 +57,8 @@ impl Llama<'_> {
 
     /// The backward of the oldest micro-batch whose forward through model chunk `chunk` is done.
     /// Returns the gradient of the chunk's input activations (`None` where its input was tokens).
-    /// Each weight GEMM goes to `w` (`split.rs`): with `Now` every gradient is made here,
-    /// and `ready(param)` hears each parameter as soon as its gradient is complete. A `w` that
+    /// Each weight GEMM goes to `dw` (`split.rs`): with `Now` every gradient is made here,
+    /// and `ready(param)` hears each parameter as soon as its gradient is complete. A `dw` that
     /// keeps them (the zero-bubble pipelines' B, `model/llama/zero_bubble.rs`) leaves them
     /// waiting in the model; its caller then passes a `ready` that does nothing, since no
     /// gradient is complete yet.
@@ -66,15 +66,15 @@ impl Llama<'_> {
         &mut self,
         chunk: usize,
         grad: StageGrad,
-        w: &mut dyn WeightGrads,
+        dw: &mut dyn WeightGrads,
         ready: &mut dyn FnMut(&mut Param),
     ) -> Result<Option<Tensor>> {
         let start = match grad {
             StageGrad::Loss(scale) => (scale, None),
             StageGrad::Hidden(dy) => (1.0, Some(dy)),
         };
-        let dx = self.backward_layers(chunk, start, w, ready)?;
-        if let Some(kept) = w.deferred() {
+        let dx = self.backward_layers(chunk, start, dw, ready)?;
+        if let Some(kept) = dw.deferred() {
             self.deferred.push_back((chunk, kept)); // until the schedule's W for this chunk
         }
         Ok(dx)

@@ -1,0 +1,38 @@
+//! # What a checkpoint of the model holds, from the config alone
+//!
+//! A checkpoint is checked, written and read tensor by tensor by name (`checkpoint/`). Which
+//! tensors a model (or one pipeline stage of it) has, their full shapes and how tensor
+//! parallelism cuts each, follow from the config: the model's own parts listing (`parts.rs`)
+//! run with nothing allocated.
+
+use super::Llama;
+use crate::config::ModelConfig;
+use crate::model::block::Block;
+use crate::model::family;
+use crate::model::param::Param;
+use crate::model::split::LayerSplit;
+use crate::ops::tensor::Tensor;
+use crate::ops::TpCut;
+use std::collections::HashMap;
+
+impl Llama<'_> {
+    /// The name and full shape of every tensor of the layers `held` says (a pipeline stage's), in
+    /// Hugging Face order, from the config alone (nothing allocated): what a checkpoint of this
+    /// model must hold.
+    pub fn tensor_shapes(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>)> {
+        Llama::tensor_cuts(cfg, held).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
+    }
+
+    /// `tensor_shapes`, with how tensor parallelism cuts each tensor, in the order of `params()`.
+    pub fn tensor_cuts(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>, TpCut)> {
+        let mut shapes = HashMap::new();
+        let made = Llama::parts(cfg, &held, &*family::mlps(cfg), &mut |name, shape, _, tp| {
+            shapes.insert(name.clone(), shape.to_vec());
+            Ok(Param::new(name, Tensor::zeros(&[0]), tp)) // nothing allocated
+        });
+        let (embed, layers, head) = made.expect("listing cannot fail");
+        let head = head.iter().flat_map(|h| [Some(&h.norm), h.lm_head.as_ref()]).flatten();
+        let params = embed.iter().chain(layers.iter().flat_map(Block::params)).chain(head);
+        params.map(|p| (p.name.clone(), shapes[&p.name].clone(), p.tp)).collect()
+    }
+}
