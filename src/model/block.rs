@@ -27,15 +27,16 @@
 //!
 //! What a block keeps for its backward is a seam (`Keeps`): everything (`KeepAll`), unless a
 //! later lesson trades memory for compute (recomputation, `recompute.rs`) and keeps less; what
-//! it kept (`Kept`) is made whole again at the start of the backward, with what `Again` can
-//! compute: the block's forward, or its attention core.
+//! it kept (`Kept`) gives back the cache at the start of the backward, running the block's
+//! forward again if it has to. A cache may leave out the attention core (its output and
+//! log-sum-exp): the backward then computes it where it needs it, from the kept q, k and v.
 
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn, TpCut};
-use anyhow::{anyhow, Context, Result};
+use anyhow::{anyhow, Result};
 use std::any::Any;
 use std::borrow::Cow;
 
@@ -195,10 +196,11 @@ pub struct BlockCache {
     pub(super) x: Tensor,
     xn1: Tensor,
     rstd1: Tensor,
-    pub(super) q: Tensor,
-    pub(super) k: Tensor,
-    pub(super) v: Tensor,
-    /// The attention's output and log-sum-exp (`None` only where a `Kept` dropped them).
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    /// The attention's output and log-sum-exp; `None` where a `Keeps` dropped them (the backward
+    /// computes them again from q, k and v when it reaches the attention).
     pub(super) core: Option<(Tensor, Tensor)>,
     h: Tensor,
     xn2: Tensor,
@@ -226,15 +228,9 @@ pub trait Keeps {
 pub trait Kept {
     /// The bytes it holds.
     fn bytes(&self) -> usize;
-    /// The whole cache again, computing what was not kept with `again`.
-    fn whole(self: Box<Self>, again: Again) -> Result<BlockCache>;
-}
-
-/// What a block's backward can compute again: its forward from its input x, and its attention
-/// core (out, lse) from q, k and v.
-pub struct Again<'a> {
-    pub forward: &'a mut dyn FnMut(Tensor) -> Result<BlockCache>,
-    pub attention: &'a mut dyn FnMut(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
+    /// The cache for the backward (perhaps without the attention core); `forward` runs the
+    /// block's forward again from its input x, keeping everything.
+    fn cache(self: Box<Self>, forward: &mut dyn FnMut(Tensor) -> Result<BlockCache>) -> Result<BlockCache>;
 }
 
 /// Every activation backward reads: the plain backward of every lesson.
@@ -250,8 +246,8 @@ impl Kept for BlockCache {
     fn bytes(&self) -> usize {
         BlockCache::bytes(self)
     }
-    fn whole(self: Box<Self>, _: Again) -> Result<BlockCache> {
-        Ok(*self) // nothing to compute again
+    fn cache(self: Box<Self>, _: &mut dyn FnMut(Tensor) -> Result<BlockCache>) -> Result<BlockCache> {
+        Ok(*self) // nothing to run again
     }
 }
 
@@ -376,19 +372,19 @@ impl<'g> Block<'g> {
         dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
-        let pos = &positions[..attn.seq];
-        let c = kept.whole(Again {
-            forward: &mut |x| Ok(self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?.1),
-            attention: &mut |q, k, v| split.seq.attention(attn, q, k, v, pos).map(|(out, lse, _)| (out, lse)),
-        })?;
+        let c =
+            kept.cache(&mut |x| Ok(self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?.1))?;
         let dxn2 = self.mlp.backward(tp, &dout, c.xn2, c.mlp, dw)?; // MLP sub-block
         let ln2 = &mut self.post_attention_layernorm;
         // the residual carries dout straight through, added as the norm's dx is written
         let dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad, Some(&dout));
 
         // attention sub-block, right to left; o is row parallel: local
-        let qkv = (&c.q, &c.k, &c.v);
-        let (out, lse) = c.core.context("backward: the attention core was neither kept nor computed again")?;
+        let (qkv, pos) = ((&c.q, &c.k, &c.v), &positions[..attn.seq]);
+        let (out, lse) = match c.core {
+            Some(core) => core,
+            None => split.seq.attention(attn, qkv.0, qkv.1, qkv.2, pos).map(|(o, l, _)| (o, l))?, // not kept: again
+        };
         let dy = tp.gather_rows(&dh)?;
         let dattn = self.o_proj.linear_input_grad(&dy);
         let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, qkv, pos, (&out, &lse), &dattn)?;

@@ -15,7 +15,7 @@
 //! not just close; under tp and cp the recomputed forward talks to the other ranks again.
 
 use crate::config::Recompute;
-use crate::model::block::{Again, BlockCache, Keeps, Kept};
+use crate::model::block::{BlockCache, Keeps, Kept};
 use crate::model::Llama;
 use crate::ops::tensor::Tensor;
 use anyhow::Result;
@@ -26,36 +26,22 @@ impl Keeps for Recompute {
             Recompute::None => Box::new(cache),
             Recompute::Selective => {
                 cache.core = None; // scores and softmax again in backward; the GEMM outputs stay
-                Box::new(WithoutCore(cache))
+                Box::new(cache)
             }
             Recompute::Full => Box::new(Input(cache.x)), // the rest is dropped here
         }
     }
 }
 
-/// Selective: every activation but the attention core's output and log-sum-exp.
-struct WithoutCore(BlockCache);
-
-impl Kept for WithoutCore {
-    fn bytes(&self) -> usize {
-        Kept::bytes(&self.0)
-    }
-    fn whole(self: Box<Self>, again: Again) -> Result<BlockCache> {
-        let mut c = self.0;
-        c.core = Some((again.attention)(&c.q, &c.k, &c.v)?); // the core again, from the kept q, k, v
-        Ok(c)
-    }
-}
-
-/// Full: the block's input alone.
+/// Full recomputation: the block's input alone.
 struct Input(Tensor);
 
 impl Kept for Input {
     fn bytes(&self) -> usize {
         self.0.bytes()
     }
-    fn whole(self: Box<Self>, again: Again) -> Result<BlockCache> {
-        (again.forward)(self.0) // the block's forward again, keeping everything
+    fn cache(self: Box<Self>, forward: &mut dyn FnMut(Tensor) -> Result<BlockCache>) -> Result<BlockCache> {
+        forward(self.0) // the block's forward again, keeping everything
     }
 }
 
