@@ -12,10 +12,11 @@
 // route_backward   dp_i = balance_i + Σ_{j: ids_j = i} (dw_j − Σ_j' dw_j'·w_j') / S (S the taken
 //                  probabilities' sum); dlogits_i = p_i · (dp_i − Σ_i' p_i'·dp_i'). One thread
 //                  per row, dp_i recomputed from the k ids where needed (no per-thread array).
-// gather_rows      out[i, :] = x[order[i], :]. One block per output row, threads over d.
-// combine          y[t, :] = Σ_j w[t, j] · ys[slot[t·k + j], :] (w = 1 when absent): each token
+// permute_rows     out[i, :] = x[order[i], :]. One block per output row, threads over d.
+// weighted_sum     y[t, :] = Σ_j w[t, j] · ys[slot[t·k + j], :] (w = 1 when absent): each token
 //                  adds its k rows in j order, no atomics. One block per token, threads over d.
-// combine_backward dys[slot[t·k + j], :] = w[t, j] · dy[t, :] and dw[t, j] = dy[t, :] · ys[slot, :].
+// weighted_sum_backward
+//                  dys[slot[t·k + j], :] = w[t, j] · dy[t, :] and dw[t, j] = dy[t, :] · ys[slot, :].
 //                  One block per routed pair (t, j), threads over d, the dot product a block sum.
 
 template <typename T>
@@ -73,13 +74,13 @@ __device__ void route_backward(const float* dweights, const float* probs, const 
 }
 
 template <typename T>
-__device__ void gather_rows(const T* x, const unsigned* order, int dim, T* out) {
+__device__ void permute_rows(const T* x, const unsigned* order, int dim, T* out) {
     long i = blockIdx.x, from = order[i];
     for (int d = threadIdx.x; d < dim; d += blockDim.x) out[i * dim + d] = x[from * dim + d];
 }
 
 template <typename T>
-__device__ void combine(const T* ys, const unsigned* slot, const float* weights, int k, int dim, T* y) {
+__device__ void weighted_sum(const T* ys, const unsigned* slot, const float* weights, int k, int dim, T* y) {
     long t = blockIdx.x;
     for (int d = threadIdx.x; d < dim; d += blockDim.x) {
         float acc = 0.0f;
@@ -89,7 +90,7 @@ __device__ void combine(const T* ys, const unsigned* slot, const float* weights,
 }
 
 template <typename T>
-__device__ void combine_backward(const T* dy, const T* ys, const unsigned* slot, const float* weights, int k, int dim,
+__device__ void weighted_sum_backward(const T* dy, const T* ys, const unsigned* slot, const float* weights, int k, int dim,
                                  T* dys, float* dweights) {
     __shared__ float scratch[32];
     long pair = blockIdx.x, t = pair / k, s = slot[pair];
@@ -114,17 +115,17 @@ __device__ void combine_backward(const T* dy, const T* ys, const unsigned* slot,
                                                        T* dlogits) {                                               \
         route_backward(dweights, probs, weights, ids, balance, rows, experts, k, dlogits);                        \
     }                                                                                                              \
-    extern "C" __global__ void gather_rows_##suffix(const T* x, const unsigned* order, int dim, T* out) {         \
-        gather_rows(x, order, dim, out);                                                                           \
+    extern "C" __global__ void permute_rows_##suffix(const T* x, const unsigned* order, int dim, T* out) {        \
+        permute_rows(x, order, dim, out);                                                                         \
     }                                                                                                              \
-    extern "C" __global__ void combine_##suffix(const T* ys, const unsigned* slot, const float* weights, int k,   \
-                                                int dim, T* y) {                                                   \
-        combine(ys, slot, weights, k, dim, y);                                                                     \
+    extern "C" __global__ void weighted_sum_##suffix(const T* ys, const unsigned* slot, const float* weights,      \
+                                                     int k, int dim, T* y) {                                       \
+        weighted_sum(ys, slot, weights, k, dim, y);                                                                \
     }                                                                                                              \
-    extern "C" __global__ void combine_backward_##suffix(const T* dy, const T* ys, const unsigned* slot,          \
-                                                         const float* weights, int k, int dim, T* dys,            \
-                                                         float* dweights) {                                        \
-        combine_backward(dy, ys, slot, weights, k, dim, dys, dweights);                                            \
+    extern "C" __global__ void weighted_sum_backward_##suffix(const T* dy, const T* ys, const unsigned* slot,      \
+                                                              const float* weights, int k, int dim, T* dys,        \
+                                                              float* dweights) {                                   \
+        weighted_sum_backward(dy, ys, slot, weights, k, dim, dys, dweights);                                       \
     }
 EXPORT(float, f32)
 EXPORT(__nv_bfloat16, bf16)

@@ -562,23 +562,23 @@ fn moe(c: &mut Check, (rows, experts, k): (usize, usize, usize), dim: usize) {
     let mut order: Vec<u32> = (0..n as u32).map(|i| i / k as u32).collect();
     order.sort_by_key(|&t| (want.experts[t as usize * k] as usize * 7 + t as usize) % n); // some permutation with repeats
     let (mut bx, mut xs) = (c.buf(&x), Buf::zeros(n * dim, dt));
-    c.run(&launch_table::moe::gather_rows(dt, bx.addr(), (order.as_mut_ptr() as Addr, n), dim, xs.addr()));
-    c.same("gather rows", &xs, &ferrotron::ops::moe::gather_rows(&x, &order));
+    c.run(&launch_table::moe::permute_rows(dt, bx.addr(), (order.as_mut_ptr() as Addr, n), dim, xs.addr()));
+    c.same("permute rows", &xs, &ferrotron::ops::moe::permute_rows(&x, &order));
     let mut slot: Vec<u32> = (0..n as u32).rev().collect(); // a permutation: each routed row once
     let ys = c.rand(&[n, dim]);
     let rw = Tensor::from_vec(&[rows, k], weights.values());
     let (mut bys, mut y) = (c.buf(&ys), Buf::zeros(rows * dim, dt));
     let at = slot.as_mut_ptr() as Addr;
-    c.run(&launch_table::moe::combine(dt, (bys.addr(), at, weights.addr()), (rows, k, dim), y.addr()));
-    c.same("combine (weighted)", &y, &ferrotron::ops::moe::combine(&ys, &slot, Some(&rw), rows));
+    c.run(&launch_table::moe::weighted_sum(dt, (bys.addr(), at, weights.addr()), (rows, k, dim), y.addr()));
+    c.same("weighted sum (weighted)", &y, &ferrotron::ops::moe::weighted_sum(&ys, &slot, Some(&rw), rows));
     let mut y1 = Buf::zeros(rows * dim, dt);
-    c.run(&launch_table::moe::combine(dt, (bys.addr(), at, 0), (rows, k, dim), y1.addr()));
-    c.same("combine (unit weights)", &y1, &ferrotron::ops::moe::combine(&ys, &slot, None, rows));
+    c.run(&launch_table::moe::weighted_sum(dt, (bys.addr(), at, 0), (rows, k, dim), y1.addr()));
+    c.same("weighted sum (unit weights)", &y1, &ferrotron::ops::moe::weighted_sum(&ys, &slot, None, rows));
     let dy = c.rand(&[rows, dim]);
-    let (want_dys, want_dw) = ferrotron::ops::moe::combine_backward(&dy, &ys, &slot, &rw);
+    let (want_dys, want_dw) = ferrotron::ops::moe::weighted_sum_backward(&dy, &ys, &slot, &rw);
     let (mut bdy, mut dys, mut dw) = (c.buf(&dy), Buf::zeros(n * dim, dt), Buf::zeros(n, DType::F32));
     let inputs = (bdy.addr(), bys.addr(), at, weights.addr());
-    c.run(&launch_table::moe::combine_backward(dt, inputs, (rows, k, dim), (dys.addr(), dw.addr())));
-    c.same("combine backward d rows", &dys, &want_dys);
-    c.same("combine backward d weights", &dw, &want_dw);
+    c.run(&launch_table::moe::weighted_sum_backward(dt, inputs, (rows, k, dim), (dys.addr(), dw.addr())));
+    c.same("weighted sum backward d rows", &dys, &want_dys);
+    c.same("weighted sum backward d weights", &dw, &want_dw);
 }

@@ -275,16 +275,16 @@ impl Check<'_> {
         let n = rows * k;
         let order: Vec<u32> = (0..n).map(|i| (i * 7 % rows) as u32).collect(); // tokens, repeated
         let x = self.rand(&[rows, dim]);
-        self.same("gather rows", &moe::gather_rows(&self.gpu(&x), &order), &moe::gather_rows(&x, &order))?;
+        self.same("permute rows", &moe::permute_rows(&self.gpu(&x), &order), &moe::permute_rows(&x, &order))?;
         let slot: Vec<u32> = (0..n as u32).rev().collect(); // each routed row once
         let (ys, dy) = (self.rand(&[n, dim]), self.rand(&[rows, dim]));
         let (gys, w) = (self.gpu(&ys), &want.weights);
-        let combined = moe::combine(&gys, &slot, Some(&got.weights), rows);
-        self.same("combine", &combined, &moe::combine(&ys, &slot, Some(w), rows))?;
-        let (dys, dws) = moe::combine_backward(&self.gpu(&dy), &gys, &slot, &got.weights);
-        let (want_dys, want_dws) = moe::combine_backward(&dy, &ys, &slot, w);
-        self.same("combine backward d rows", &dys, &want_dys)?;
-        self.same("combine backward d weights", &dws, &want_dws)
+        let combined = moe::weighted_sum(&gys, &slot, Some(&got.weights), rows);
+        self.same("weighted sum", &combined, &moe::weighted_sum(&ys, &slot, Some(w), rows))?;
+        let (dys, dws) = moe::weighted_sum_backward(&self.gpu(&dy), &gys, &slot, &got.weights);
+        let (want_dys, want_dws) = moe::weighted_sum_backward(&dy, &ys, &slot, w);
+        self.same("weighted sum backward d rows", &dys, &want_dys)?;
+        self.same("weighted sum backward d weights", &dws, &want_dws)
     }
 
     fn cross_entropy(&mut self, rows: usize, vocab: usize) -> Result<()> {

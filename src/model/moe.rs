@@ -8,7 +8,7 @@
 //! ```text
 //! x [T, d] ─ router: logits = x·Wgᵀ ─ softmax ─ top-k ─ weights [T, k] (renormalised to sum 1)
 //!    │                                            │ experts [T·k]
-//!    └─ gather_rows: each token once per chosen expert, sorted by expert ─ xs [T·k, d]
+//!    └─ permute_rows: each token once per chosen expert, sorted by expert ─ xs [T·k, d]
 //!         ─ dispatch (expert parallel: the all-to-all to the experts' ranks) ─ xe
 //!         ─ expert e on its rows: w2 · (silu(w1·x) ⊙ w3·x) ─ ye
 //!         ─ combine back (the all-to-all home) ─ ys ─ y[t] = Σ_j weight[t,j] · ys[t's j-th row]
@@ -295,7 +295,7 @@ impl Mlp for Moe<'_> {
         let routing = route::route(&self.gate.linear(x), k); // a sync point on a GPU
         let routing = ep.choose(self.layer, routing)?;
         let sorting = Sorting::new(&routing.experts, total, k);
-        let xs = route::gather_rows(x, &sorting.order);
+        let xs = route::permute_rows(x, &sorting.order);
         let (xe, routed) = ep.dispatch(xs, &sorting.counts)?;
         let d = xe.cols();
         let mut ye = Tensor::empty_as(xe.shape(), &xe);
@@ -313,7 +313,7 @@ impl Mlp for Moe<'_> {
         }
         drop(xe);
         let ys = ep.combine(ye, &routed)?;
-        let y = route::combine(&ys, &sorting.slot, Some(&routing.weights), x.rows());
+        let y = route::weighted_sum(&ys, &sorting.slot, Some(&routing.weights), x.rows());
         if self.shared.coef > 0.0 {
             // for the balance loss, added when the forward reaches the head
             let load = Load { counts: sorting.counts.clone(), prob_sums: column_sums(&routing.probs) };
@@ -336,7 +336,7 @@ impl Mlp for Moe<'_> {
         let c = *kept_as::<MoeCache>(kept)?;
         let ep = &*self.shared.split;
         count_routed(&mut self.shared.seen.borrow_mut(), self.layer, &c.sorting.counts); // the imbalance report
-        let (dys, dweights) = route::combine_backward(dy, &c.ys, &c.sorting.slot, &c.routing.weights);
+        let (dys, dweights) = route::weighted_sum_backward(dy, &c.ys, &c.sorting.slot, &c.routing.weights);
         drop(c.ys);
         let dye = ep.dispatch_again(dys, &c.routed)?;
         let d = dye.cols();
@@ -355,7 +355,7 @@ impl Mlp for Moe<'_> {
             at += n;
         }
         let dxs = ep.combine(dxe, &c.routed)?;
-        let mut dx = route::combine(&dxs, &c.sorting.slot, None, x.rows()); // each token: the sum of its k copies
+        let mut dx = route::weighted_sum(&dxs, &c.sorting.slot, None, x.rows()); // each token: the sum of its k copies
         let dlogits = route::route_backward(&dweights, &c.routing, &self.shared.balance.borrow());
         self.gate.linear_input_grad_add(&dlogits, &mut dx);
         dw.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);

@@ -39,16 +39,16 @@ impl Device {
     }
 
     /// `x` seen as rows of `d` values: those rows in `order`.
-    pub fn gather_rows(self: &Arc<Self>, x: &Tensor, d: usize, order: &[u32]) -> Result<Tensor> {
+    pub fn permute_rows(self: &Arc<Self>, x: &Tensor, d: usize, order: &[u32]) -> Result<Tensor> {
         let out = self.tensor(&[order.len(), d], x.dtype());
         if !order.is_empty() {
             let (at, _keep) = self.index_addr(order)?;
-            self.run(&moe::gather_rows(x.dtype(), addr(x), (at, order.len()), d, addr(&out)))?;
+            self.run(&moe::permute_rows(x.dtype(), addr(x), (at, order.len()), d, addr(&out)))?;
         }
         Ok(out)
     }
 
-    pub fn combine(
+    pub fn weighted_sum(
         self: &Arc<Self>,
         ys: &Tensor,
         slot: &[u32],
@@ -60,12 +60,12 @@ impl Device {
         if rows > 0 {
             let (at, _keep) = self.index_addr(slot)?;
             let w = weights.map_or(0, addr);
-            self.run(&moe::combine(ys.dtype(), (addr(ys), at, w), (rows, k, d), addr(&y)))?;
+            self.run(&moe::weighted_sum(ys.dtype(), (addr(ys), at, w), (rows, k, d), addr(&y)))?;
         }
         Ok(y)
     }
 
-    pub fn combine_backward(
+    pub fn weighted_sum_backward(
         self: &Arc<Self>,
         dy: &Tensor,
         ys: &Tensor,
@@ -77,7 +77,7 @@ impl Device {
         if rows > 0 {
             let (at, _keep) = self.index_addr(slot)?;
             let inputs = (addr(dy), addr(ys), at, addr(w));
-            self.run(&moe::combine_backward(dy.dtype(), inputs, (rows, k, d), (addr(&dys), addr(&dw))))?;
+            self.run(&moe::weighted_sum_backward(dy.dtype(), inputs, (rows, k, d), (addr(&dys), addr(&dw))))?;
         }
         Ok((dys, dw))
     }

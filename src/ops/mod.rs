@@ -420,7 +420,7 @@ pub fn tp_part(whole: &Tensor, cut: TpCut, (r, n): (usize, usize)) -> Tensor {
 /// experts sorts its tokens by expert with it, `ops/moe.rs`).
 pub fn gather_blocks(x: &Tensor, d: usize, order: &[u32]) -> Tensor {
     if let Some(dev) = gpu("gather rows", &[x]) {
-        return fatal("gather rows", dev.gather_rows(x, d, order));
+        return fatal("gather rows", dev.permute_rows(x, d, order));
     }
     let src = x.host();
     let mut out = Vec::with_capacity(order.len() * d);

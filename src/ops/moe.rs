@@ -5,18 +5,19 @@
 //!
 //! route           logits [T, E] → probs = softmax(logits) [T, E]; the k largest per row;
 //!                 weights [T, k] = those probs / their sum; experts (host, T·k ids)
-//! gather_rows     x [T, d], order [n] → xs [n, d], xs[i] = x[order[i]]   (tokens sorted by expert)
-//! combine         ys [n, d], slot [T·k], w [T, k] → y [T, d], y[t] = Σ_j w[t,j] · ys[slot[t·k+j]]
+//! permute_rows    x [T, d], order [n] → xs [n, d], xs[i] = x[order[i]]   (tokens sorted by expert)
+//! weighted_sum    ys [n, d], slot [T·k], w [T, k] → y [T, d], y[t] = Σ_j w[t,j] · ys[slot[t·k+j]]
 //! ```
 //! The expert each token goes to is decided on the host: how many rows each expert gets sets the
 //! sizes of its GEMMs (and, with expert parallelism, of the all-to-all), so the ids are read back
 //! once per layer (on a GPU, a CPU–GPU sync point, as in every MoE trainer that sizes its
 //! all-to-all). Ties in the top-k go to the lower expert id.
 //!
-//! Backward: `combine_backward` hands each routed row its share w · dy and each weight its
+//! Backward: `weighted_sum_backward` hands each routed row its share w · dy and each weight its
 //! dy · ys; `route_backward` takes the weights' gradient back through the renormalisation and the
 //! softmax (and adds the load-balancing loss's gradient on the probabilities); the backward of
-//! `gather_rows` is `combine` with unit weights (each token sums the gradients of its k copies).
+//! `permute_rows` is `weighted_sum` with unit weights (each token sums the gradients of its k
+//! copies).
 
 use super::tensor::Tensor;
 use super::{fatal, gpu};
@@ -124,16 +125,16 @@ pub fn route_backward(dweights: &Tensor, routing: &Routing, balance: &[f32]) -> 
 }
 
 /// The rows of `x` in `order`: `[order.len(), d]`.
-pub fn gather_rows(x: &Tensor, order: &[u32]) -> Tensor {
+pub fn permute_rows(x: &Tensor, order: &[u32]) -> Tensor {
     super::gather_blocks(x, x.cols(), order)
 }
 
 /// y[t] = Σ_j w[t, j] · ys[slot[t·k + j]] for `rows` rows (`weights` `[rows, k]`, or unit weights).
-pub fn combine(ys: &Tensor, slot: &[u32], weights: Option<&Tensor>, rows: usize) -> Tensor {
+pub fn weighted_sum(ys: &Tensor, slot: &[u32], weights: Option<&Tensor>, rows: usize) -> Tensor {
     let (d, k) = (ys.cols(), slot.len() / rows.max(1));
-    assert_eq!(slot.len(), rows * k, "combine: k slots per row");
-    if let Some(dev) = gpu("combine", &[ys]) {
-        return fatal("combine", dev.combine(ys, slot, weights, rows));
+    assert_eq!(slot.len(), rows * k, "weighted_sum: k slots per row");
+    if let Some(dev) = gpu("weighted sum", &[ys]) {
+        return fatal("weighted sum", dev.weighted_sum(ys, slot, weights, rows));
     }
     let (src, w) = (ys.host(), weights.map(|w| w.host()));
     let mut y = vec![0.0; rows * d];
@@ -145,12 +146,12 @@ pub fn combine(ys: &Tensor, slot: &[u32], weights: Option<&Tensor>, rows: usize)
     Tensor::from_vec(&[rows, d], y)
 }
 
-/// The backward of `combine` with weights: (d ys `[n, d]`, d weights `[rows, k]`).
-pub fn combine_backward(dy: &Tensor, ys: &Tensor, slot: &[u32], weights: &Tensor) -> (Tensor, Tensor) {
+/// The backward of `weighted_sum` with weights: (d ys `[n, d]`, d weights `[rows, k]`).
+pub fn weighted_sum_backward(dy: &Tensor, ys: &Tensor, slot: &[u32], weights: &Tensor) -> (Tensor, Tensor) {
     let (rows, d, k) = (dy.rows(), dy.cols(), weights.cols());
-    assert_eq!(slot.len(), rows * k, "combine backward: k slots per row");
-    if let Some(dev) = gpu("combine backward", &[dy, ys, weights]) {
-        return fatal("combine backward", dev.combine_backward(dy, ys, slot, weights));
+    assert_eq!(slot.len(), rows * k, "weighted sum backward: k slots per row");
+    if let Some(dev) = gpu("weighted sum backward", &[dy, ys, weights]) {
+        return fatal("weighted sum backward", dev.weighted_sum_backward(dy, ys, slot, weights));
     }
     let (g, src, w) = (dy.host(), ys.host(), weights.host());
     let (mut dys, mut dw) = (vec![0.0; ys.numel()], vec![0.0; rows * k]);

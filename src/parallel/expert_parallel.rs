@@ -31,7 +31,7 @@ use crate::comm::Group;
 use crate::model::moe::{ExpertSplit, Routed};
 use crate::model::Param;
 use crate::ops;
-use crate::ops::moe::gather_rows;
+use crate::ops::moe::permute_rows;
 use crate::ops::tensor::Tensor;
 use crate::parallel::data_parallel::GradReduce;
 use anyhow::Result;
@@ -111,14 +111,14 @@ impl ExpertSplit for ExpertParallel<'_> {
         let (send, recv) = routed.sizes();
         let received = self.group.all_to_all_tensor(&rows, &send, &recv)?;
         drop(rows);
-        Ok(gather_rows(&received, &routed.by_expert())) // sender-major → expert-major
+        Ok(permute_rows(&received, &routed.by_expert())) // sender-major → expert-major
     }
 
     fn combine(&self, rows: Tensor, routed: &Routed) -> Result<Tensor> {
         let order = routed.by_expert();
         let mut back = vec![0u32; order.len()]; // expert-major → sender-major: the inverse order
         order.iter().enumerate().for_each(|(i, &r)| back[r as usize] = i as u32);
-        let by_sender = gather_rows(&rows, &back);
+        let by_sender = permute_rows(&rows, &back);
         drop(rows);
         let (send, recv) = routed.sizes();
         self.group.all_to_all_tensor(&by_sender, &recv, &send) // every row home

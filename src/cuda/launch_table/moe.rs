@@ -39,24 +39,29 @@ pub fn route_backward(
 }
 
 /// out[i] = x[order[i]] for `n` rows of `dim`. One block per row.
-pub fn gather_rows(dt: DType, x: u64, (order, n): (u64, usize), dim: usize, out: u64) -> Launch {
-    launch(typed!("gather_rows", dt), rows(n), vec![Ptr(x), Ptr(order), int(dim), Ptr(out)])
+pub fn permute_rows(dt: DType, x: u64, (order, n): (u64, usize), dim: usize, out: u64) -> Launch {
+    launch(typed!("permute_rows", dt), rows(n), vec![Ptr(x), Ptr(order), int(dim), Ptr(out)])
 }
 
 /// y[t] = Σ_j w[t, j] · ys[slot[t·k + j]] for `n` rows; `weights` 0 for unit weights.
-pub fn combine(dt: DType, (ys, slot, weights): (u64, u64, u64), (n, k, dim): (usize, usize, usize), y: u64) -> Launch {
-    launch(typed!("combine", dt), rows(n), vec![Ptr(ys), Ptr(slot), Ptr(weights), int(k), int(dim), Ptr(y)])
+pub fn weighted_sum(
+    dt: DType,
+    (ys, slot, weights): (u64, u64, u64),
+    (n, k, dim): (usize, usize, usize),
+    y: u64,
+) -> Launch {
+    launch(typed!("weighted_sum", dt), rows(n), vec![Ptr(ys), Ptr(slot), Ptr(weights), int(k), int(dim), Ptr(y)])
 }
 
-/// d ys and d weights (f32) of `combine`, one block per routed pair of `n` rows × `k`.
-pub fn combine_backward(
+/// d ys and d weights (f32) of `weighted_sum`, one block per routed pair of `n` rows × `k`.
+pub fn weighted_sum_backward(
     dt: DType,
     (dy, ys, slot, weights): (u64, u64, u64, u64),
     (n, k, dim): (usize, usize, usize),
     (dys, dweights): (u64, u64),
 ) -> Launch {
     let args = vec![Ptr(dy), Ptr(ys), Ptr(slot), Ptr(weights), int(k), int(dim), Ptr(dys), Ptr(dweights)];
-    launch(typed!("combine_backward", dt), rows(n * k), args)
+    launch(typed!("weighted_sum_backward", dt), rows(n * k), args)
 }
 
 /// One launch of each, for the catalogue.
@@ -64,8 +69,8 @@ pub fn catalogue(dt: DType) -> Vec<Launch> {
     vec![
         route(dt, 0, (1, 2, 1), (0, 0, 0)),
         route_backward(dt, (0, 0, 0, 0), 0, (1, 2, 1), 0),
-        gather_rows(dt, 0, (0, 1), 1, 0),
-        combine(dt, (0, 0, 0), (1, 1, 1), 0),
-        combine_backward(dt, (0, 0, 0, 0), (1, 1, 1), (0, 0)),
+        permute_rows(dt, 0, (0, 1), 1, 0),
+        weighted_sum(dt, (0, 0, 0), (1, 1, 1), 0),
+        weighted_sum_backward(dt, (0, 0, 0, 0), (1, 1, 1), (0, 0)),
     ]
 }
