@@ -111,8 +111,10 @@ pub struct TrainConfig {
     pub recompute: Recompute,
     /// The loss without the logits (`model/fused_loss.rs`): > 0 computes the output layer, the
     /// loss and its gradient this many rows at a time in forward, never holding the whole
-    /// `rows × vocab` logits; 0 keeps them whole for backward.
-    pub loss_chunk_rows: usize,
+    /// `rows × vocab` logits (a *stripe* of rows at a time); 0 keeps them whole for backward.
+    /// (`loss_chunk_rows` before 2026-12-01, read still: configs and checkpoints of then.)
+    #[serde(alias = "loss_chunk_rows")]
+    pub loss_stripe_rows: usize,
     /// Every this many steps (and after the last), a greedy continuation of `sample_prompt`
     /// printed and kept in the metrics (`train/sample.rs`); 0: never.
     pub sample_every: usize,

@@ -1,5 +1,5 @@
-//! The loss without the logits (`train.loss_chunk_rows`): the chunked head's loss and gradients
-//! are the whole logits' within rounding, for chunks that divide the rows and chunks that do
+//! The loss without the logits (`train.loss_stripe_rows`): the striped head's loss and gradients
+//! are the whole logits' within rounding, for stripes that divide the rows and stripes that do
 //! not, dense and Mixtral; a backward asking another scale than forward's is refused; runs with
 //! it follow the single-rank curve with tp (and sequence parallelism), pp (1F1B and ZBV), dp
 //! with ZeRO-3 and cp; the measured peak falls by at least the logits' bytes and the memory
@@ -26,7 +26,7 @@ fn sets(extra: &[&str]) -> Vec<String> {
 }
 
 /// (loss, every gradient) of two micro-batches, forward and backward at scale 1/2, with the
-/// fused loss of `rows` rows a chunk (0: the whole logits).
+/// fused loss of `rows` rows a stripe (0: the whole logits).
 fn run(extra: &[&str], rows: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
     let cfg = Config::load(None, &sets(extra)).unwrap().model;
     let (batch, seq) = (2, 32);
@@ -52,7 +52,7 @@ fn run(extra: &[&str], rows: usize) -> (Vec<f32>, Vec<Vec<f32>>) {
 }
 
 #[test]
-fn the_chunked_loss_is_the_whole_logits_loss_within_rounding() {
+fn the_striped_loss_is_the_whole_logits_loss_within_rounding() {
     let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2", "model.router_aux_loss_coef=0.02"];
     for extra in [&[][..], &moe[..]] {
         let (want_loss, want_grads) = run(extra, 0);
@@ -85,14 +85,14 @@ fn a_backward_with_another_scale_than_forwards_is_refused() {
 }
 
 #[test]
-fn training_with_the_chunked_loss_follows_the_single_rank_curve() {
-    let spec = "train.loss_chunk_rows=24;\
-                tp=2,train.loss_chunk_rows=24;\
-                tp=2,sequence_parallel=true,train.loss_chunk_rows=16;\
-                pp=2,train.loss_chunk_rows=24;\
-                pp=2,pp_schedule=zbv,train.loss_chunk_rows=24;\
-                dp=2,zero_stage=3,grad_accum_steps=2,train.loss_chunk_rows=24;\
-                cp=2,train.loss_chunk_rows=24";
+fn training_with_the_striped_loss_follows_the_single_rank_curve() {
+    let spec = "train.loss_stripe_rows=24;\
+                tp=2,train.loss_stripe_rows=24;\
+                tp=2,sequence_parallel=true,train.loss_stripe_rows=16;\
+                pp=2,train.loss_stripe_rows=24;\
+                pp=2,pp_schedule=zbv,train.loss_stripe_rows=24;\
+                dp=2,zero_stage=3,grad_accum_steps=2,train.loss_stripe_rows=24;\
+                cp=2,train.loss_stripe_rows=24";
     let converge::Report { baseline, outcomes, .. } =
         converge::converge(None, &sets(&[]), &parse_variants(spec).unwrap(), 1e-4).unwrap();
     assert!(baseline[9] < baseline[0] - 0.2, "the baseline learns");
@@ -102,7 +102,7 @@ fn training_with_the_chunked_loss_follows_the_single_rank_curve() {
 }
 
 #[test]
-fn the_chunked_loss_lowers_the_peak_by_the_logits() {
+fn the_striped_loss_lowers_the_peak_by_the_logits() {
     // a vocabulary large beside the hidden size, as in a real model: the logits dominate
     let big = ["model.vocab_size=4096", "train.steps=2", "train.grad_accum_steps=1"];
     let peak = |rows: &str| {
@@ -116,7 +116,7 @@ fn the_chunked_loss_lowers_the_peak_by_the_logits() {
         );
         measured
     };
-    let (whole, chunked) = (peak("train.loss_chunk_rows=0"), peak("train.loss_chunk_rows=16"));
+    let (whole, striped) = (peak("train.loss_stripe_rows=0"), peak("train.loss_stripe_rows=16"));
     let logits = (2 * 32 * 4096 * 4) as f64; // rows × vocab in f32
-    assert!(whole - chunked >= logits, "the peak fell by {} bytes, the logits are {logits}", whole - chunked);
+    assert!(whole - striped >= logits, "the peak fell by {} bytes, the logits are {logits}", whole - striped);
 }

@@ -69,15 +69,15 @@ fn hybrid_sharding_cuts_dp_cp_into_shard_and_replicate_groups() {
     assert_eq!(g.group(5, SHARD), [4, 5, 6, 7]);
     assert_eq!(g.group(0, REPLICATE), [0, 4]);
     assert_eq!(g.group(3, REPLICATE), [3, 7]);
-    // a rank's chunk is found once in each replicate group's shard group
+    // a rank's partition is found once in each replicate group's shard group
     for r in 0..g.world_size() {
         let (shard, replicate) = (g.group(r, SHARD), g.group(r, REPLICATE));
         assert_eq!(shard.len() * replicate.len(), g.group(r, Axis::DpCp).len());
         assert_eq!(shard.iter().filter(|s| replicate.contains(s)).count(), 1);
     }
     let table = g.table();
-    assert!(table.contains("shard groups (ZeRO's chunks): {0,1,2,3} {4,5,6,7}"), "{table}");
-    assert!(table.contains("replicate groups (same chunks): {0,4} {1,5} {2,6} {3,7}"), "{table}");
+    assert!(table.contains("shard groups (ZeRO's partitions): {0,1,2,3} {4,5,6,7}"), "{table}");
+    assert!(table.contains("replicate groups (same partitions): {0,4} {1,5} {2,6} {3,7}"), "{table}");
     // 0 is all of dp; a size that does not divide dp is named
     assert!(!hybrid_sharding::is_hybrid(&hybrid_sharding::cut_grid(Grid::new(4, 1, 1, 1).unwrap(), 0).unwrap()));
     let e = hybrid_sharding::cut_grid(Grid::new(4, 1, 1, 1).unwrap(), 3).unwrap_err().to_string();

@@ -11,8 +11,9 @@ use ferrotron::comm::cost::Call;
 use ferrotron::commands::converge::{self, parse_variants};
 use ferrotron::commands::eval;
 use ferrotron::config::{Config, MuonAdjustLr};
-use ferrotron::model::muon::{self, Muon, OneRank};
+use ferrotron::model::muon::{self, Muon};
 use ferrotron::model::optimizer::{self, Optimizer};
+use ferrotron::model::Whole;
 use ferrotron::ops::tensor::Tensor;
 use ferrotron::parallel::muon_owners::assign;
 use ferrotron::train::{train, train_all, Options};
@@ -97,7 +98,7 @@ fn muon_and_adamw_follow_pytorch_step_for_step() {
         let seqs = eval::read_tokens(&fixtures.join("gqa/tokens.txt"), model.cfg.vocab_size).unwrap();
         let tokens: Vec<u32> = seqs.concat();
         let targets: Vec<i32> = seqs.iter().flat_map(|s| eval::shifted_targets(s)).collect();
-        let mut opt = Muon::new(&mut model.params_mut(), &t, Box::new(OneRank));
+        let mut opt = Muon::new(&mut model.params_mut(), &t, Box::new(Whole));
         let want: Vec<f64> = variant["losses"].as_array().unwrap().iter().map(|v| v.as_f64().unwrap()).collect();
         assert_eq!(want.len(), t.steps, "{name}: a loss per step");
         for (step, want) in want.iter().enumerate() {
@@ -160,8 +161,8 @@ fn muon_under_tensor_pipeline_and_expert_parallel_follows_one_rank() {
 }
 
 /// The owners' exchange per step on the dp axis, summed over the ranks: with replicas (ZeRO-0)
-/// each owner sends its matrices' results to every rank; under ZeRO every rank's chunk goes to
-/// the owner and comes back, chunk by chunk.
+/// each owner sends its matrices' results to every rank; under ZeRO every rank's partition goes to
+/// the owner and comes back, partition by partition.
 #[test]
 fn the_owners_exchange_costs_what_the_lesson_says() {
     let values = |cfg: &Config| -> u64 {
@@ -181,7 +182,7 @@ fn the_owners_exchange_costs_what_the_lesson_says() {
         let (n, r) = (values(&cfg), ranks as u64);
         let (want_calls, want_bytes) = match zero {
             0 => (1, r * n * 4), // each result to every rank
-            _ => (2, 2 * n * 4), // each chunk there and back (no padding: the sizes divide)
+            _ => (2, 2 * n * 4), // each partition there and back (no padding: the sizes divide)
         };
         assert_eq!((calls, bytes), (r * 2 * want_calls, 2 * want_bytes), "zero {zero}, dp {ranks}: 2 steps");
     }
@@ -223,7 +224,7 @@ fn the_momentum_is_saved_and_resumed_across_layouts() {
 }
 
 /// `ferrotron memory` counts Muon's state as the run holds it: one momentum per matrix value, in
-/// ZeRO's chunks too.
+/// ZeRO's partitions too.
 #[test]
 fn memory_counts_the_momentum_as_held() {
     for extra in [&[][..], &["parallel.dp=2", "train.micro_batch_size=4", "parallel.zero_stage=2"]] {

@@ -14,7 +14,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use syllabus::{code, inline_children, module_of, reexported, referenced, root, sources, table, target, Table};
 
 /// Whether `code` names `name` as a whole: `Precision::Fp8` not followed by a letter, `.precision` not
-/// followed by one (a field or config key, not `.gemm_out`), `ZeroChunk` as a word.
+/// followed by one (a field or config key, not `.gemm_out`), `ZeroPartition` as a word.
 fn names(code: &str, name: &str) -> bool {
     let is_word = |c: char| c.is_alphanumeric() || c == '_';
     code.match_indices(name).any(|(i, _)| {

@@ -78,6 +78,30 @@ fn lesson_line_references_point_at_their_code() {
     assert!(checked >= 100, "only {checked} references found");
 }
 
+/// The composition root opens with a table of every seam, "`Seam (src/file.rs:LINE)`", beside
+/// the config key that picks each part: each reference must land on its seam's line, as a
+/// lesson's does (`.ci/lesson_refs` moves these too).
+#[test]
+fn the_composition_roots_table_points_at_its_seams() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let compose = "src/train/compose.rs";
+    let text = std::fs::read_to_string(root.join(compose)).unwrap();
+    let (mut checked, mut wrong) = (0, Vec::new());
+    for row in text.lines().take_while(|l| l.starts_with("//!")) {
+        // "//! Seam (src/x.rs:12)   key → part   lesson"
+        let Some((seam, rest)) = row.trim_start_matches("//!").trim().split_once(" (src/") else { continue };
+        let Some((reference, _)) = rest.split_once(')') else { continue };
+        let Some((file, line)) = reference.split_once(':') else { continue };
+        let Ok(line) = line.parse::<usize>() else { continue };
+        if let Err(e) = check(root, &format!("src/{file}"), line, Some(seam)) {
+            wrong.push(format!("{compose}: {e}"));
+        }
+        checked += 1;
+    }
+    assert!(wrong.is_empty(), "{} of {checked} seams of the table do not land:\n{}", wrong.len(), wrong.join("\n"));
+    assert!(checked >= 12, "only {checked} seams found in {compose}'s table");
+}
+
 /// The checker itself: it refuses a comment, a closing brace, a name only in a trailing comment,
 /// a name that is only part of a word, and a reference that names nothing.
 #[test]

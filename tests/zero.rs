@@ -1,7 +1,7 @@
-//! ZeRO-1, 2 and 3 (FSDP): every stage reproduces the single-rank curve at dp 2, 3 (chunks
+//! ZeRO-1, 2 and 3 (FSDP): every stage reproduces the single-rank curve at dp 2, 3 (partitions
 //! padded) and 4, with accumulation, and composed with tp, pp and cp; so does hybrid sharding
 //! (HSDP, `parallel.dp_shard`); a checkpoint saved at one stage (or hybrid) resumes at another
-//! stage and layout on the uninterrupted curve, and one saved at dp 3 (every chunk padded) holds
+//! stage and layout on the uninterrupted curve, and one saved at dp 3 (every partition padded) holds
 //! the one-rank checkpoint's tensors; each stage holds the share it promises, measured
 //! from the tensors, and `ferrotron memory`'s estimate follows the measured peak.
 
@@ -131,8 +131,8 @@ fn a_checkpoint_resumes_across_stages_and_layouts() {
 
 #[test]
 fn a_checkpoint_of_padded_chunks_is_the_one_rank_checkpoint() {
-    // at dp 3 no tensor of the small model divides into chunks (32 norm values, 32·64 matrix
-    // values…): every rank's last chunk is padded, and the checkpoint must gather the chunks and
+    // at dp 3 no tensor of the small model divides into partitions (32 norm values, 32·64 matrix
+    // values…): every rank's last partition is padded, and the checkpoint must gather the partitions and
     // drop the padding. One step, saved; the learning rate is far below a weight's last bit, so
     // both save the weights they started from, and the moments agree to rounding.
     let tmp = tempfile::tempdir().unwrap();
@@ -181,22 +181,22 @@ fn close(a: usize, b: f64, rel: f64) -> bool {
 fn each_stage_holds_its_share_measured_and_the_estimate_follows() {
     let runs: Vec<(Summary, RankMemory)> = (0..=3).map(|stage| measured(stage, &[])).collect();
     let h: Vec<Held> = runs.iter().map(|(s, _)| s.held).collect();
-    // when the gradients are complete: AdamW state 1/dp from stage 1 on (chunks are padded to
-    // ⌈n/4⌉: a few values more), gradients 1/dp from stage 2 on, weights 1/dp at stage 3 (the
-    // masters' chunks; no whole weight is kept between uses)
+    // when the gradients are complete: AdamW state 1/dp from ZeRO-1 on (partitions are padded to
+    // ⌈n/4⌉: a few values more), gradients 1/dp from ZeRO-2 on, weights 1/dp at ZeRO-3 (the
+    // masters' partitions; no whole weight is kept between uses)
     for k in 1..=3 {
         assert!(close(h[k].optimizer, h[0].optimizer as f64 / 4.0, 0.01), "stage {k}: {:?} vs {:?}", h[k], h[0]);
     }
     assert!(
         close(h[1].grads, h[0].grads as f64 * 1.25, 0.01),
-        "stage 1 keeps full gradients and its chunk: {:?}",
+        "ZeRO-1 keeps full gradients and its partition: {:?}",
         h[1]
     );
     for k in 2..=3 {
         assert!(close(h[k].grads, h[0].grads as f64 / 4.0, 0.01), "stage {k}: {:?} vs {:?}", h[k], h[0]);
     }
-    assert!(close(h[3].weights, h[0].weights as f64 / 4.0, 0.01), "stage 3: {:?} vs {:?}", h[3], h[0]);
-    // the measured peak falls with every stage (stage 3 also holds a gathered layer and the next
+    assert!(close(h[3].weights, h[0].weights as f64 / 4.0, 0.01), "ZeRO-3: {:?} vs {:?}", h[3], h[0]);
+    // the measured peak falls with every stage (ZeRO-3 also holds a gathered layer and the next
     // one's gather at its busiest), and the estimate is within 10% of it
     for k in 1..=3 {
         assert!(
@@ -260,7 +260,7 @@ fn bf16_adamw_moments_change_the_curve_a_little_and_shard_like_fp32_ones() {
     // rounded moments move the curve (the option does something), and only a little
     assert!(diff > 1e-6 && diff < 0.05, "max |Δloss| {diff:e} between bf16 and fp32 moments");
     assert!(rounded[29] < rounded[0] - 0.5, "bf16 moments learn: {} → {}", rounded[0], rounded[29]);
-    // chunked over dp 2 with FSDP, the bf16 moments give the one-rank bf16-moment curve
+    // partitioned over dp 2 with FSDP, the bf16 moments give the one-rank bf16-moment curve
     let fsdp = run(&[bf16, "parallel.dp=2", "parallel.zero_stage=3", "train.micro_batch_size=6"]);
     let diff = fsdp.iter().zip(&rounded).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
     assert!(diff <= 1e-4, "FSDP with bf16 moments: max |Δloss| {diff:e}");

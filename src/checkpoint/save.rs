@@ -9,7 +9,7 @@
 //! trainer_state.json   the step, AdamW's step count, the run's config
 //! ```
 //! Tensors are saved whole, whatever the topology: every tensor goes from its placements
-//! (`comm/placement.rs`) to `Replicate` (ZeRO chunks and tp slices all-gathered), the
+//! (`comm/placement.rs`) to `Replicate` (ZeRO partitions and tp slices all-gathered), the
 //! pipeline stages send theirs to rank 0, which writes (with the lessons' collective calls: over
 //! NCCL between GPUs, and only rank 0 copies to the host). Loading slices them again for the new
 //! topology (`Llama::build`), so a checkpoint moves between layouts. Data order and the learning
@@ -74,7 +74,7 @@ pub enum Gather {
 }
 
 /// Gathers the whole model and optimizer onto rank 0 (`Some` there, `None` elsewhere). Every rank
-/// calls it; past the ZeRO chunks (all-gathered over dp×cp first), only the ranks of the first
+/// calls it; past the ZeRO partitions (all-gathered over dp×cp first), only the ranks of the first
 /// dp and cp replica take part.
 ///
 /// One tensor at a time, with the collective calls of the lessons, so on GPUs with NCCL nothing
@@ -126,9 +126,9 @@ pub fn gather(
         }
         let tensors = std::iter::once((None, value)).chain(kept.iter().map(|(kind, t)| (Some(*kind), *t)));
         for (which, (kind, t)) in tensors.enumerate().take(count(kept.len())) {
-            // under ZeRO every rank of its chunk's axis holds a chunk (dp×cp, or the shard group
+            // under ZeRO every rank of its partition's axis holds a partition (dp×cp, or the shard group
             // under hybrid sharding; an expert's, edp)
-            let axis = zero::chunk_of(p).map_or_else(|| layout::replicas(p), |z| z.axis);
+            let axis = zero::partition_of(p).map_or_else(|| layout::replicas(p), |z| z.axis);
             let unsharded = zero::whole(me.group(axis), p, t)?;
             if !(first_replica || spread && first_ep_group) {
                 continue;

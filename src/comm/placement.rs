@@ -234,7 +234,7 @@ pub fn redistribute(t: Cow<Tensor>, shape: &[usize], from: Placement, to: Placem
 }
 
 /// Starts a move that is one collective along the first dimension of a tensor laid out for it
-/// (`t` is already rank-major: a ZeRO bucket, a unit's packed weight chunks), and returns it in
+/// (`t` is already rank-major: a ZeRO bucket, a unit's packed weight partitions), and returns it in
 /// flight: Partial → Replicate (all-reduce), Partial → Shard(0) (reduce-scatter), Shard(0) →
 /// Replicate (all-gather, the slices one after another).
 pub fn start(t: Tensor, from: Placement, to: Placement, group: &Group) -> Result<Pending> {

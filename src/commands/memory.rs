@@ -73,9 +73,9 @@ pub fn table(cfg: &Config, ranks: &[RankMemory]) -> String {
     s += &format!("  optimizer    tp and pp split it; zero_stage 1 keeps {z}\n");
     s += "  activations  smaller micro_batch_size; cp and tp split them, sequence_parallel also the norms and residuals;\n";
     s += "               recompute selective or full keeps less; 1f1b holds fewer micro-batches than afab\n";
-    if cfg.train.loss_chunk_rows == 0 {
+    if cfg.train.loss_stripe_rows == 0 {
         s +=
-            "               train.loss_chunk_rows > 0 never holds the whole logits (rows × vocab, on the last stage)\n";
+            "               train.loss_stripe_rows > 0 never holds the whole logits (rows × vocab, on the last stage)\n";
     }
     if p.pp_schedule.splits_backward() {
         s += "               (zb-h1 and zbv hold pp on every stage: their W's wait with what they read)\n";

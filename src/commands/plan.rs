@@ -79,7 +79,7 @@ pub struct Layout {
     pub recompute: &'static str,
     pub micro_batch_size: usize,
     pub grad_accum_steps: usize,
-    pub loss_chunk_rows: usize,
+    pub loss_stripe_rows: usize,
     pub dtype: &'static str,
     pub fits: bool,
     pub memory_gib: f64,
@@ -331,7 +331,7 @@ fn shapes(
                     (p.cp_mode, p.sequence_parallel) = (mode, sp);
                     let t = &mut c.train;
                     (t.micro_batch_size, t.grad_accum_steps, t.seq_len) = (mbs, m, ask.seq_len);
-                    (t.recompute, t.loss_chunk_rows, t.steps, t.warmup_steps) = (Recompute::None, 0, 1, 0);
+                    (t.recompute, t.loss_stripe_rows, t.steps, t.warmup_steps) = (Recompute::None, 0, 1, 0);
                     if c.validate().is_ok() {
                         out.push(c);
                     }
@@ -480,7 +480,7 @@ fn describe(cfg: &Config, fits: bool, memory: f64) -> Layout {
         },
         micro_batch_size: t.micro_batch_size,
         grad_accum_steps: t.grad_accum_steps,
-        loss_chunk_rows: t.loss_chunk_rows,
+        loss_stripe_rows: t.loss_stripe_rows,
         dtype: match cfg.device.dtype {
             DeviceDtype::Fp8 => "fp8",
             DeviceDtype::F32 => "f32",
@@ -509,7 +509,7 @@ pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> 
         let mut tried = None;
         for (recompute, rows) in SAVERS {
             let mut s = c.clone();
-            (s.train.recompute, s.train.loss_chunk_rows) = (recompute, rows);
+            (s.train.recompute, s.train.loss_stripe_rows) = (recompute, rows);
             let memory = busiest(&s).total_bytes;
             if memory <= cluster.memory_bytes {
                 tried = Some(predict_with(&s, cluster, &mut clocks)?);
@@ -640,7 +640,7 @@ pub fn table(layouts: &[Layout], cluster: &Cluster, top: usize) -> String {
             zero,
             schedule,
             if l.sequence_parallel { "sp" } else { "-" },
-            if l.loss_chunk_rows > 0 && l.recompute == "none" { "loss".to_string() } else { l.recompute.to_string() },
+            if l.loss_stripe_rows > 0 && l.recompute == "none" { "loss".to_string() } else { l.recompute.to_string() },
             l.micro_batch_size,
             l.grad_accum_steps,
             l.memory_gib,
@@ -685,7 +685,7 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
         l.micro_batch_size,
         l.grad_accum_steps,
         l.recompute,
-        if l.loss_chunk_rows > 0 { format!(", fused loss ({} rows a chunk)", l.loss_chunk_rows) } else { String::new() }
+        if l.loss_stripe_rows > 0 { format!(", fused loss ({} rows a stripe)", l.loss_stripe_rows) } else { String::new() }
     );
     let [w, g, o, a, c] = b.memory_gib;
     s += &format!("memory a GPU: {:.2} GiB = weights {w:.2} + gradients {g:.2} + optimizer {o:.2} + activations {a:.2} + buffers {c:.2} (of {:.0}){fits}\n", l.memory_gib, gib(cluster.memory_bytes));

@@ -30,7 +30,7 @@ use crate::parallel::data_parallel::{bucket_values, plan_buckets, BucketPlan};
 use crate::parallel::pipeline_schedule::sent_by;
 use crate::parallel::schedules::schedule_of;
 use crate::parallel::ulysses;
-use crate::parallel::zero::chunk;
+use crate::parallel::zero::partition_size;
 
 /// One kind of call on one axis, per step, for one rank.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -137,11 +137,11 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
         f.add(tp, Call::AllGather, mb * gathers, mb * gathers * x, true);
         f.add(tp, Call::ReduceScatter, mb * scatters, mb * scatters * x, true);
         // the gradients of what every tp rank holds whole (the norms), summed over the rows each
-        // tp rank saw: under ZeRO each rank's chunks of them
+        // tp rank saw: under ZeRO each rank's partitions of them
         let trained = |h: &Held| match (p.zero_stage, moe::is_expert(&h.name)) {
             (0, _) => h.values,
-            (_, true) if edp > 1 => chunk(h.values, edp),
-            (_, false) if shard > 1 => chunk(h.values, shard),
+            (_, true) if edp > 1 => partition_size(h.values, edp),
+            (_, false) if shard > 1 => partition_size(h.values, shard),
             _ => h.values,
         };
         let norms: usize = list.iter().filter(|h| h.whole).map(trained).sum();
@@ -204,10 +204,10 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
     let (sync_axis, replicate) = if p.dp_shard == 0 || shard == z { ("dp×cp", 1) } else { ("shard", z / shard) };
     gradients(&mut f, cfg, (sync_axis, shard), &dense, e);
     if replicate > 1 && p.zero_stage > 0 {
-        // hybrid sharding: each shard's averaged chunks, across the replicas
-        let chunks: f64 = dense.iter().map(|h| chunk(h.values, shard) as f64).sum();
+        // hybrid sharding: each shard's averaged partitions, across the replicas
+        let partitions: f64 = dense.iter().map(|h| partition_size(h.values, shard) as f64).sum();
         let buckets = zero_buckets(cfg, &dense, shard).len() as f64;
-        f.add(("replicate", replicate), Call::AllReduce, buckets, 4.0 * chunks, false);
+        f.add(("replicate", replicate), Call::AllReduce, buckets, 4.0 * partitions, false);
     }
     if experts {
         let ranks = if edp == z { (sync_axis, shard) } else { ("edp", edp) };
@@ -226,7 +226,7 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
 
 /// Buckets of ZeRO's reduce-scatter for `list` sharded over `ranks`.
 fn zero_buckets(cfg: &Config, list: &[&Held], ranks: usize) -> Vec<BucketPlan> {
-    let widths: Vec<usize> = list.iter().map(|h| chunk(h.values, ranks)).collect();
+    let widths: Vec<usize> = list.iter().map(|h| partition_size(h.values, ranks)).collect();
     let chunks: Vec<usize> = list.iter().map(|h| h.chunk).collect();
     plan_buckets((&widths, &chunks), (bucket_values(cfg.parallel.bucket_mb) / ranks).max(1))
 }
@@ -254,15 +254,15 @@ fn gradients(f: &mut Flows, cfg: &Config, (axis, ranks): (&'static str, usize), 
         f.add(group, Call::AllReduce, calls as f64, 4.0 * values as f64, p.dp_mode == DpMode::Naive);
         return;
     }
-    // ZeRO: each bucket reduce-scattered (stage 1 on the last micro-batch, 2 and 3 on every one)
+    // ZeRO: each bucket reduce-scattered (ZeRO-1 on the last micro-batch, 2 and 3 on every one)
     let buckets = zero_buckets(cfg, list, ranks);
     let padded: usize = buckets.iter().map(|b| b.len * ranks).sum();
     let times = if zero == 1 { 1.0 } else { mb };
     f.add(group, Call::ReduceScatter, times * buckets.len() as f64, times * 4.0 * padded as f64, false);
-    // the norm's parts: the tp-split parameters' and the whole ones', each summed over the chunks
+    // the norm's parts: the tp-split parameters' and the whole ones', each summed over the partitions
     let parts = list.iter().any(|h| !h.whole) as u8 + list.iter().any(|h| h.whole) as u8;
     f.add(group, Call::AllReduce, parts as f64, 4.0 * parts as f64, true);
-    let gathered = |n: usize| (chunk(n, ranks) * ranks) as f64;
+    let gathered = |n: usize| (partition_size(n, ranks) * ranks) as f64;
     if zero == 3 {
         // FSDP: each unit (embedding, block, head) before its forward, and before its backward
         // but the last one's (still whole from its forward)
@@ -291,7 +291,7 @@ fn gradients(f: &mut Flows, cfg: &Config, (axis, ranks): (&'static str, usize), 
         let bucket = bucket_values(p.bucket_mb);
         let (mut groups, mut size, mut values) = (0usize, 0usize, 0.0);
         for h in list {
-            let c = chunk(h.values, ranks) * ranks;
+            let c = partition_size(h.values, ranks) * ranks;
             if groups == 0 || size + c > bucket {
                 (groups, size) = (groups + 1, 0);
             }

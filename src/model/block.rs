@@ -21,15 +21,22 @@
 //! in one another's GEMM (`linear_input_grad_add`, β = 1). The same numbers on the CPU; on a GPU
 //! a bf16 sum rounded once instead of twice.
 //!
-//! The MLP is a seam (`Mlp`, made by the model's `Mlps`): Llama's is `Dense`, below. A later
-//! lesson plugs in another kind with the same parameters' names and the same two calls: a mixture
-//! of experts (`moe.rs`), a router and E SwiGLU experts instead of gate, up and down.
+//! The attention and the MLP are seams (`Attention`, made by the model's `Attentions`; `Mlp`, made
+//! by its `Mlps`): Llama's are `Gqa` and `Dense`, below. A later lesson plugs in another kind with
+//! the same two calls: a mixture of experts (`moe.rs`), a router and E SwiGLU experts instead of
+//! gate, up and down; another attention, from the same normalised rows to the same residual add.
+//! What an attention hands on is fixed by the seams around it: its core — out and log-sum-exp of
+//! this rank's queries against the whole sequence's keys — is asked of the `attend` it is given
+//! (the `SequenceSplit`'s in training: one rank's, a ring's or Ulysses'; the KV cache's `KvLayer`
+//! when generating), and what it keeps (`AttentionKept`) can give up that core for recomputation
+//! to compute again (`Keeps`, selective recomputation).
 //!
 //! What a block keeps for its backward is a seam (`Keeps`): everything (`KeepAll`), unless a
 //! later lesson trades memory for compute (recomputation, `recompute.rs`) and keeps less; what
 //! it kept (`Kept`) gives back the cache at the start of the backward, running the block's
 //! forward again if it has to. A cache may leave out the attention core (its output and
-//! log-sum-exp): the backward then computes it where it needs it, from the kept q, k and v.
+//! log-sum-exp): the backward then computes it where it needs it, from what the attention kept
+//! (`Gqa`: q, k and v).
 
 use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind};
@@ -43,13 +50,159 @@ use std::borrow::Cow;
 pub(crate) struct Block<'g> {
     /// Its layer's number in the whole model.
     pub(super) layer: usize,
-    pub(super) q_proj: Param,
-    pub(super) k_proj: Param,
-    pub(super) v_proj: Param,
-    pub(super) o_proj: Param,
+    pub(super) attention: Box<dyn Attention + 'g>,
     pub(super) mlp: Box<dyn Mlp + 'g>,
     pub(super) input_layernorm: Param,
     pub(super) post_attention_layernorm: Param,
+}
+
+/// A block's attention, from the normalised rows `xn` to what the residual adds: the seam another
+/// kind of attention plugs into. `Gqa` is Llama's.
+pub trait Attention {
+    /// Its parameters, in Hugging Face order.
+    fn params(&self) -> Vec<&Param>;
+    fn params_mut(&mut self) -> Vec<&mut Param>;
+    /// Its output from `xn` (this rank's rows; with sequence parallelism `tp` gathers the others'),
+    /// its core asked of `attend`; what its backward needs; the score entries `attend` computed.
+    fn forward(
+        &self,
+        tp: &dyn TensorSplit,
+        xn: &Tensor,
+        at: (Attn, &[u32]),
+        attend: Attend,
+    ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)>;
+    /// dxn from dy, given the forward's input `xn` and what it kept (a core given up there is
+    /// computed again by `split.seq`). Every weight GEMM goes to `dw`.
+    fn backward(
+        &mut self,
+        split: Splits,
+        dy: &Tensor,
+        xn_kept: (Tensor, Box<dyn AttentionKept>),
+        at: (Attn, &[u32]),
+        dw: &mut dyn WeightGrads,
+    ) -> Result<Tensor>;
+}
+
+/// What an attention's forward keeps for its backward.
+pub trait AttentionKept: Any {
+    fn bytes(&self) -> usize;
+    /// Gives up the core (the attention's output and log-sum-exp): the backward computes it again
+    /// from what stays (selective recomputation).
+    fn drop_core(&mut self);
+}
+
+/// How a model makes its blocks' attentions (with `Attention`, the seam another kind plugs into).
+pub trait Attentions<'g> {
+    /// Layer `layer`'s attention, each parameter asked of `param`.
+    fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Attention + 'g>>;
+}
+
+/// Llama's attention: grouped-query attention with RoPE. q, k and v are column parallel (each tp
+/// rank its heads: its query heads and the KV heads they share), o row parallel.
+///
+/// ```text
+/// xn ─ q, k, v ─ rope(q), rope(k) ─ attend: softmax(q·kᵀ/√hd, causal) · v ─ o ─ out
+/// ```
+pub struct Gqa {
+    q_proj: Param,
+    k_proj: Param,
+    v_proj: Param,
+    o_proj: Param,
+    /// RoPE's base.
+    theta: f64,
+}
+
+/// Llama's attentions: every block's `Gqa`.
+pub struct GqaAttentions;
+
+impl<'g> Attentions<'g> for GqaAttentions {
+    fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Attention + 'g>> {
+        // on the tp axis: Megatron's column-parallel layers hold rows of W, its row-parallel ones columns
+        let (rows, cols) = (TpCut::Rows, TpCut::Columns);
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        let p = |s: &str| format!("model.layers.{layer}.self_attn.{s}.weight");
+        Ok(Box::new(Gqa {
+            q_proj: param(p("q_proj"), &[q_out, d], ParamKind::Matrix, rows)?,
+            k_proj: param(p("k_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
+            v_proj: param(p("v_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
+            o_proj: param(p("o_proj"), &[d, q_out], ParamKind::Matrix, cols)?,
+            theta: cfg.rope_theta,
+        }))
+    }
+}
+
+/// What `Gqa` keeps: q and k after RoPE, v, and the core (`None` once given up).
+struct GqaKept {
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    core: Option<(Tensor, Tensor)>,
+}
+
+impl AttentionKept for GqaKept {
+    fn bytes(&self) -> usize {
+        let core = self.core.as_ref().map_or(0, |(o, l)| o.bytes() + l.bytes());
+        self.q.bytes() + self.k.bytes() + self.v.bytes() + core
+    }
+    fn drop_core(&mut self) {
+        self.core = None; // scores and softmax again in backward; the GEMM outputs stay
+    }
+}
+
+impl Attention for Gqa {
+    fn params(&self) -> Vec<&Param> {
+        vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj]
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        vec![&mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.o_proj]
+    }
+
+    fn forward(
+        &self,
+        tp: &dyn TensorSplit,
+        xn: &Tensor,
+        (attn, positions): (Attn, &[u32]),
+        attend: Attend,
+    ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)> {
+        let xin = tp.gather_rows(xn)?; // sequence parallel: every row (else xn itself)
+        let mut q = self.q_proj.linear(&xin);
+        let mut k = self.k_proj.linear(&xin);
+        let v = self.v_proj.linear(&xin);
+        drop(xin);
+        ops::rope(&mut q, positions, attn.head_dim, self.theta);
+        ops::rope(&mut k, positions, attn.head_dim, self.theta);
+        let (out, lse, work) = attend(attn, &q, &k, &v)?;
+        let h = tp.row_forward(&out, &self.o_proj)?; // g: Σ over the tp ranks
+        Ok((h, Box::new(GqaKept { q, k, v, core: Some((out, lse)) }), work))
+    }
+
+    fn backward(
+        &mut self,
+        split: Splits,
+        dy: &Tensor,
+        (xn, kept): (Tensor, Box<dyn AttentionKept>),
+        (attn, positions): (Attn, &[u32]),
+        dw: &mut dyn WeightGrads,
+    ) -> Result<Tensor> {
+        let GqaKept { q, k, v, core } = *kept_as::<GqaKept>(kept)?;
+        let (tp, pos) = (split.tp, &positions[..attn.seq]);
+        let (out, lse) = match core {
+            Some(core) => core,
+            None => split.seq.attention(attn, &q, &k, &v, pos).map(|(o, l, _)| (o, l))?, // not kept: again
+        };
+        // right to left; o is row parallel: local (on every row: sequence parallelism gathers them)
+        let dy = tp.gather_rows(dy)?;
+        let dattn = self.o_proj.linear_input_grad(&dy);
+        let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, (&q, &k, &v), pos, (&out, &lse), &dattn)?;
+        dw.linear(Cow::Owned(out), vec![(dy, &mut self.o_proj)]);
+        ops::rope_backward(&mut dq, positions, attn.head_dim, self.theta);
+        ops::rope_backward(&mut dk, positions, attn.head_dim, self.theta);
+        // f: one sum over the tp ranks for q, k and v together
+        let layers = vec![(dq, &mut self.q_proj), (dk, &mut self.k_proj), (dv, &mut self.v_proj)];
+        tp.column_backward(xn, layers, dw)
+    }
 }
 
 /// A block's MLP, from the normalised rows `xn` to what the residual adds: the seam a mixture of
@@ -79,9 +232,10 @@ pub trait MlpKept: Any {
     fn bytes(&self) -> usize;
 }
 
-/// `kept` as what an MLP of kind `K` keeps (its own forward made it).
-pub fn kept_as<K: MlpKept>(kept: Box<dyn MlpKept>) -> Result<Box<K>> {
-    (kept as Box<dyn Any>).downcast::<K>().map_err(|_| anyhow!("backward: an MLP was given what another kind keeps"))
+/// `kept` as what a part of kind `K` keeps (its own forward made it): an MLP's (`MlpKept`) or an
+/// attention's (`AttentionKept`).
+pub fn kept_as<K: Any>(kept: Box<dyn Any>) -> Result<Box<K>> {
+    kept.downcast::<K>().map_err(|_| anyhow!("backward: a block's part was given what another kind keeps"))
 }
 
 /// A parameter's maker: `param(name, full shape, kind, cut on the tp axis)` keeps this rank's part.
@@ -196,12 +350,8 @@ pub struct BlockCache {
     pub(super) x: Tensor,
     xn1: Tensor,
     rstd1: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    /// The attention's output and log-sum-exp; `None` where a `Keeps` dropped them (the backward
-    /// computes them again from q, k and v when it reaches the attention).
-    pub(super) core: Option<(Tensor, Tensor)>,
+    /// What the attention keeps (a `Keeps` may have it give up its core: `drop_core`).
+    pub(super) attention: Box<dyn AttentionKept>,
     h: Tensor,
     xn2: Tensor,
     rstd2: Tensor,
@@ -211,10 +361,8 @@ pub struct BlockCache {
 impl BlockCache {
     /// The bytes these activations occupy.
     fn bytes(&self) -> usize {
-        let all = [&self.x, &self.xn1, &self.rstd1, &self.q, &self.k, &self.v];
-        let more = [&self.h, &self.xn2, &self.rstd2];
-        let core = self.core.as_ref().map_or(0, |(o, l)| o.bytes() + l.bytes());
-        all.iter().chain(&more).map(|t| t.bytes()).sum::<usize>() + core + self.mlp.bytes()
+        let all = [&self.x, &self.xn1, &self.rstd1, &self.h, &self.xn2, &self.rstd2];
+        all.iter().map(|t| t.bytes()).sum::<usize>() + self.attention.bytes() + self.mlp.bytes()
     }
 }
 
@@ -253,14 +401,14 @@ impl Kept for BlockCache {
 
 /// Who a block talks to: the other tensor-parallel ranks, and the rest of the sequence.
 #[derive(Clone, Copy)]
-pub(crate) struct Splits<'a> {
+pub struct Splits<'a> {
     pub tp: &'a dyn TensorSplit,
     pub seq: &'a dyn SequenceSplit,
 }
 
 /// The attention core of a block's forward: (out, lse, score entries computed) of this rank's
 /// rows of q, k and v.
-pub(super) type Attend<'a> = &'a mut dyn FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)>;
+pub type Attend<'a> = &'a mut dyn FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)>;
 
 /// Causal attention over the sequence, wherever its keys are: the sequence split's.
 fn in_sequence<'a>(
@@ -272,26 +420,20 @@ fn in_sequence<'a>(
 
 impl<'g> Block<'g> {
     /// Layer `i`'s parameters in Hugging Face order, each asked of `param` (which keeps this
-    /// rank's slice), its MLP made by `mlps`.
-    pub(crate) fn build(i: usize, cfg: &ModelConfig, mlps: &dyn Mlps<'g>, param: &mut MakeParam) -> Result<Block<'g>> {
-        // on the tp axis: Megatron's column-parallel layers hold rows of W, its row-parallel ones columns
-        let (rows, cols, whole) = (TpCut::Rows, TpCut::Columns, TpCut::Whole);
-        let (d, hd) = (cfg.hidden_size, cfg.head_dim());
-        let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+    /// rank's slice), its attention made by `attentions`, its MLP by `mlps`.
+    pub(crate) fn build(
+        i: usize,
+        cfg: &ModelConfig,
+        (attentions, mlps): (&dyn Attentions<'g>, &dyn Mlps<'g>),
+        param: &mut MakeParam,
+    ) -> Result<Block<'g>> {
+        let (d, whole) = (cfg.hidden_size, TpCut::Whole);
         let p = |s: &str| format!("model.layers.{i}.{s}.weight");
-        let (q_proj, k_proj, v_proj, o_proj) = (
-            param(p("self_attn.q_proj"), &[q_out, d], ParamKind::Matrix, rows)?,
-            param(p("self_attn.k_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
-            param(p("self_attn.v_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
-            param(p("self_attn.o_proj"), &[d, q_out], ParamKind::Matrix, cols)?,
-        );
+        let attention = attentions.make(i, cfg, param)?;
         let mlp = mlps.make(i, cfg, param)?;
         Ok(Block {
             layer: i,
-            q_proj,
-            k_proj,
-            v_proj,
-            o_proj,
+            attention,
             mlp,
             input_layernorm: param(p("input_layernorm"), &[d], ParamKind::Norm, whole)?,
             post_attention_layernorm: param(p("post_attention_layernorm"), &[d], ParamKind::Norm, whole)?,
@@ -301,14 +443,14 @@ impl<'g> Block<'g> {
     /// In Hugging Face order (the MLP's in its own: a Mixtral block's router, then each expert's
     /// w1, w2, w3).
     pub(crate) fn params(&self) -> Vec<&Param> {
-        let mut v = vec![&self.q_proj, &self.k_proj, &self.v_proj, &self.o_proj];
+        let mut v = self.attention.params();
         v.extend(self.mlp.params());
         v.extend([&self.input_layernorm, &self.post_attention_layernorm]);
         v
     }
 
     pub(crate) fn params_mut(&mut self) -> Vec<&mut Param> {
-        let mut v = vec![&mut self.q_proj, &mut self.k_proj, &mut self.v_proj, &mut self.o_proj];
+        let mut v = self.attention.params_mut();
         v.extend(self.mlp.params_mut());
         v.extend([&mut self.input_layernorm, &mut self.post_attention_layernorm]);
         v
@@ -339,23 +481,13 @@ impl<'g> Block<'g> {
         positions: &[u32],
         attend: Attend,
     ) -> Result<(Tensor, BlockCache, u64)> {
-        let (eps, hd, theta, tp) = (cfg.rms_norm_eps, attn.head_dim, cfg.rope_theta, split.tp);
-        // attention sub-block: q, k, v column parallel (this rank's heads), o row parallel
+        let (eps, tp) = (cfg.rms_norm_eps, split.tp);
         let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
-        let xin = tp.gather_rows(&xn1)?; // sequence parallel: every row (else xn1 itself)
-        let mut q = self.q_proj.linear(&xin);
-        let mut k = self.k_proj.linear(&xin);
-        let v = self.v_proj.linear(&xin);
-        drop(xin);
-        ops::rope(&mut q, positions, hd, theta);
-        ops::rope(&mut k, positions, hd, theta);
-        let (attn_out, lse, work) = attend(attn, &q, &k, &v)?;
-        let mut h = tp.row_forward(&attn_out, &self.o_proj)?; // g: Σ over the tp ranks
+        let (mut h, attention, work) = self.attention.forward(tp, &xn1, (attn, positions), attend)?; // attention sub-block
         let (xn2, rstd2) = ops::add_rmsnorm(&mut h, &x, &self.post_attention_layernorm.value, eps); // h += x, normed
         let (mut out, mlp) = self.mlp.forward(tp, &xn2)?; // MLP sub-block
         ops::add_assign(&mut out, &h);
-        let core = Some((attn_out, lse));
-        let cache = BlockCache { x, xn1, rstd1, q, k, v, core, h, xn2, rstd2, mlp };
+        let cache = BlockCache { x, xn1, rstd1, attention, h, xn2, rstd2, mlp };
         Ok((out, cache, work))
     }
 
@@ -371,29 +503,13 @@ impl<'g> Block<'g> {
         (attn, positions): (Attn, &[u32]),
         dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
-        let (hd, theta, tp) = (attn.head_dim, cfg.rope_theta, split.tp);
         let c =
             kept.cache(&mut |x| Ok(self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?.1))?;
-        let dxn2 = self.mlp.backward(tp, &dout, c.xn2, c.mlp, dw)?; // MLP sub-block
+        let dxn2 = self.mlp.backward(split.tp, &dout, c.xn2, c.mlp, dw)?; // MLP sub-block
         let ln2 = &mut self.post_attention_layernorm;
         // the residual carries dout straight through, added as the norm's dx is written
         let dh = ops::rmsnorm_backward(&dxn2, &c.h, &ln2.value, &c.rstd2, &mut ln2.grad, Some(&dout));
-
-        // attention sub-block, right to left; o is row parallel: local
-        let (qkv, pos) = ((&c.q, &c.k, &c.v), &positions[..attn.seq]);
-        let (out, lse) = match c.core {
-            Some(core) => core,
-            None => split.seq.attention(attn, qkv.0, qkv.1, qkv.2, pos).map(|(o, l, _)| (o, l))?, // not kept: again
-        };
-        let dy = tp.gather_rows(&dh)?;
-        let dattn = self.o_proj.linear_input_grad(&dy);
-        let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, qkv, pos, (&out, &lse), &dattn)?;
-        dw.linear(Cow::Owned(out), vec![(dy, &mut self.o_proj)]);
-        ops::rope_backward(&mut dq, positions, hd, theta);
-        ops::rope_backward(&mut dk, positions, hd, theta);
-        // f: one sum over the tp ranks for q, k and v together
-        let layers = vec![(dq, &mut self.q_proj), (dk, &mut self.k_proj), (dv, &mut self.v_proj)];
-        let dxn1 = tp.column_backward(c.xn1, layers, dw)?;
+        let dxn1 = self.attention.backward(split, &dh, (c.xn1, c.attention), (attn, positions), dw)?; // attention sub-block
         let ln1 = &mut self.input_layernorm;
         Ok(ops::rmsnorm_backward(&dxn1, &c.x, &ln1.value, &c.rstd1, &mut ln1.grad, Some(&dh)))
     }

@@ -5,15 +5,21 @@
 //! block's MLP is a mixture of E experts (`moe.rs`), and with `router_aux_loss_coef` > 0 the loss
 //! carries their load-balancing term. Both plug into the block's MLP seam (`Mlps`), so the
 //! model's own files never name the experts: this file is where the two families meet, as
-//! `transformers` picks a class by the config's `model_type`.
+//! `transformers` picks a class by the config's `model_type`. Both attend as Llama does
+//! (`block.rs`'s `Gqa`, through the block's attention seam, `Attentions`).
 //!
-//! What it makes holds every expert on this rank. A run's composition root (`train/run.rs`)
+//! What it makes holds every expert on this rank. The composition root (`train/compose.rs`)
 //! makes the experts again of the same weights, where the run puts them (`Llama::with_mlps`).
 
 use crate::config::ModelConfig;
-use crate::model::block::{DenseMlps, Mlps};
+use crate::model::block::{Attentions, DenseMlps, GqaAttentions, Mlps};
 use crate::model::moe::Experts;
 use crate::model::split::Whole;
+
+/// The blocks' attentions of the model `cfg` describes: Llama's and Mixtral's are grouped-query.
+pub fn attentions<'g>(_: &ModelConfig) -> Box<dyn Attentions<'g> + 'g> {
+    Box::new(GqaAttentions)
+}
 
 /// The blocks' MLPs of the model `cfg` describes (and what they add to its loss), every expert
 /// on this rank.

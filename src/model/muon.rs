@@ -37,18 +37,19 @@
 //! Muon recipe keeps them: an embedding row is a lookup, not a map, and a norm is a vector.
 //!
 //! **Why this lesson comes last.** Every lesson before relied on AdamW being elementwise: ZeRO
-//! cuts the optimizer's state into flat chunks, tensor parallelism keeps a slice of each
-//! matrix, and each rank updates what it holds. Newton–Schulz cannot work on a chunk or a slice:
+//! cuts the optimizer's state into flat partitions, tensor parallelism keeps a slice of each
+//! matrix, and each rank updates what it holds. Newton–Schulz cannot work on a partition or a slice:
 //! it needs the whole matrix. Here that is a seam, `WholeMatrices`: on one rank every piece *is*
-//! the whole matrix (`OneRank`); under data parallelism, ZeRO, FSDP and tensor parallelism
+//! the whole matrix (`Whole`); under data parallelism, ZeRO, FSDP and tensor parallelism
 //! each matrix gets one owner that gathers its pieces, orthogonalises, and sends each rank its
 //! piece of the result back (`parallel/muon_owners.rs`, where the cost of each layout is counted).
-//! The momentum itself stays elementwise, so ZeRO keeps it in chunks as it keeps AdamW's moments.
+//! The momentum itself stays elementwise, so ZeRO keeps it in partitions as it keeps AdamW's moments.
 
 use super::optimizer::{AdamW, Optimizer};
 use super::Param;
 use crate::config::{MuonAdjustLr, TrainConfig};
 use crate::model::moe;
+use crate::model::split::Whole;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, Precision};
 use anyhow::Result;
@@ -136,7 +137,7 @@ pub fn adjusted(adjust: MuonAdjustLr, shape: &[usize]) -> f32 {
 /// and hands each rank its piece of the result.
 pub trait WholeMatrices {
     /// `pieces[i]` is this rank's piece of the update of `params[i]` (shaped like its trained
-    /// part: all of it on one rank, a ZeRO chunk, a tp slice); `orthogonalise` turns a whole
+    /// part: all of it on one rank, a ZeRO partition, a tp slice); `orthogonalise` turns a whole
     /// update [rows, cols] into what is applied. Returns this rank's piece of each result, shaped
     /// like its piece.
     fn each_whole(
@@ -147,10 +148,8 @@ pub trait WholeMatrices {
     ) -> Result<Vec<Tensor>>;
 }
 
-/// One rank: every piece is the whole matrix.
-pub struct OneRank;
-
-impl WholeMatrices for OneRank {
+/// One rank (`Whole`, the one-rank answer of every seam): every piece is the whole matrix.
+impl WholeMatrices for Whole {
     fn each_whole(
         &mut self,
         params: &[&Param],
@@ -170,14 +169,14 @@ impl WholeMatrices for OneRank {
 pub struct Muon<'g> {
     /// For each parameter in the model's order: whether Muon updates it (else AdamW).
     muon: Vec<bool>,
-    /// One momentum per Muon matrix, shaped like its trained part (a ZeRO chunk keeps its chunk).
+    /// One momentum per Muon matrix, shaped like its trained part (under ZeRO, its partition).
     momentum: Vec<Tensor>,
     /// AdamW over the other parameters.
     adamw: AdamW,
     /// What the momentum is kept in (`train.optimizer_dtype`).
     dtype: DType,
     settings: Settings,
-    /// How the layout brings each matrix together (`OneRank`, or `parallel/muon_owners.rs`).
+    /// How the layout brings each matrix together (`Whole`, or `parallel/muon_owners.rs`).
     wholes: Box<dyn WholeMatrices + 'g>,
 }
 

@@ -12,7 +12,7 @@
 //! `train/gradients.rs`), scale every
 //! gradient down if the norm exceeds `grad_clip`, then update each parameter with AdamW. Weight
 //! decay is decoupled (applied to the weight, not added to the gradient) and skips norm weights.
-//! Under ZeRO (`parallel/zero.rs`) all of this runs on this rank's chunk of each parameter
+//! Under ZeRO (`parallel/zero.rs`) all of this runs on this rank's partition of each parameter
 //! (`Param::trained`): its master values, its averaged gradient, its moments.
 //!
 //! The step sees the update only through the `Optimizer` trait (the seam): AdamW is its first
@@ -39,7 +39,7 @@ pub fn lr_at(t: &TrainConfig, step: usize) -> f32 {
 }
 
 /// What the optimizer updates of a parameter, and with which gradient: its trained part where a
-/// later lesson keeps one apart (ZeRO: this rank's chunk of the master), else the weight itself
+/// later lesson keeps one apart (ZeRO: this rank's partition of the master), else the weight itself
 /// (a mixed-precision weight: its fp32 master) and its gradient.
 impl Param {
     pub fn trained(&mut self) -> (&mut Tensor, &mut Tensor) {
@@ -82,7 +82,7 @@ pub fn clip_factor(norm: f64, max_norm: f32) -> f32 {
 /// own and being chosen by the composition root (`train/compose.rs`), and neither the step nor
 /// ZeRO's lesson changes. Its state is laid out like the parameters it updates: one list of
 /// tensors per parameter, each shaped like the parameter's trained part, so that ZeRO keeps each
-/// rank's chunk of every one as it keeps the master's (which assumes an update reads a gradient
+/// rank's partition of every one as it keeps the master's (which assumes an update reads a gradient
 /// value by value, as AdamW's does).
 pub trait Optimizer {
     /// One update of every parameter of `params` (each its trained part: `Param::trained`) at
@@ -91,7 +91,7 @@ pub trait Optimizer {
     /// What it keeps, per parameter in `params`' order: each tensor with the name a checkpoint
     /// saves it under (`exp_avg.<parameter>`). What `ferrotron memory` counts for it.
     fn state(&self) -> Vec<Vec<(&'static str, &Tensor)>>;
-    /// The same tensors, to replace: ZeRO's chunks, a resumed checkpoint's.
+    /// The same tensors, to replace: ZeRO's partitions, a resumed checkpoint's.
     fn state_mut(&mut self) -> Vec<Vec<&mut Tensor>>;
     /// Updates made so far (a checkpoint keeps the count), and resuming at `steps`.
     fn steps_taken(&self) -> u32;

@@ -3,7 +3,7 @@
 //! Every parameter carries its Hugging Face name (so checkpoints load by name and gradients
 //! compare tensor by tensor), its gradient (accumulated by backward) and how tensor parallelism
 //! cuts it (`TpCut`: its rows, its columns, or whole on every rank). What the optimizer updates is the weight itself, unless a
-//! later lesson keeps a trained part apart (ZeRO keeps only this rank's chunk of the master:
+//! later lesson keeps a trained part apart (ZeRO keeps only this rank's partition of the master:
 //! `TrainedPart`). A parameter is always made whole first, from its own (seed, name) random
 //! stream, and then cut for its tp rank (`ops::tp_part`), so every layout starts from the same
 //! model.
@@ -33,7 +33,7 @@ pub struct Param {
     pub precision: Precision,
 }
 
-/// A parameter's trained part kept apart from its `value` (say, only this rank's chunk of its
+/// A parameter's trained part kept apart from its `value` (say, only this rank's partition of its
 /// fp32 master): the values the optimizer updates, their gradient, and the whole parameter's
 /// shape. The lesson that keeps it so implements this for its own type (and, `Any` being its
 /// supertrait, reads the type back with a downcast).

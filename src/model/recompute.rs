@@ -25,7 +25,7 @@ impl Keeps for Recompute {
         match self {
             Recompute::None => Box::new(cache),
             Recompute::Selective => {
-                cache.core = None; // scores and softmax again in backward; the GEMM outputs stay
+                cache.attention.drop_core(); // scores and softmax again in backward; the GEMM outputs stay
                 Box::new(cache)
             }
             Recompute::Full => Box::new(Input(cache.x)), // the rest is dropped here

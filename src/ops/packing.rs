@@ -1,9 +1,9 @@
 //! # Packing a weight for a gather: as its GEMMs read it
 //!
-//! ZeRO gathers every weight from its chunks (`parallel/zero.rs`; FSDP before each layer
+//! ZeRO gathers every weight from its partitions (`parallel/zero.rs`; FSDP before each layer
 //! computes), in the formats of `parallel/gather_formats.rs`. What travels need not be the fp32
 //! master: a GEMM reading bf16 needs only bf16, and one reading FP8 only the FP8 bytes and the
-//! scale. So a chunk goes out in its weight's *packed format*, the GEMM's precision (`Precision`):
+//! scale. So a partition goes out in its weight's *packed format*, the GEMM's precision (`Precision`):
 //! 4, 2 or 1 bytes a number, packed into f32 slots so that every backend and collective moves
 //! them as plain f32 buffers, bit for bit:
 //!

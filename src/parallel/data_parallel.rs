@@ -23,7 +23,7 @@
 //! same weights; a rank of a context-parallel group saw other tokens of the same sequences).
 //!
 //! ZeRO (`zero.rs`) takes the same buckets through a reduce-scatter instead, each rank keeping
-//! the average of its own chunk. (Step 11 restates both in placements: the all-reduce takes a
+//! the average of its own partition. (Step 11 restates both in placements: the all-reduce takes a
 //! gradient from `Partial(avg)`, each rank holding its own data's share, to `Replicate`.)
 
 use crate::comm::process_grid::Axis;

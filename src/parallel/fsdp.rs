@@ -1,9 +1,9 @@
-//! # FSDP (ZeRO-3): the weights gathered from their chunks just before they compute
+//! # FSDP (ZeRO-3): the weights gathered from their partitions just before they compute
 //!
-//! ZeRO (`zero.rs`) leaves each rank 1/dp of every weight's fp32 master, its chunk. A forward or
-//! backward needs the whole weight: an all-gather. Stages 1 and 2 gather every weight once per
-//! step, right after the optimizer updated the chunks (`zero.rs`'s `gather_weights`), and keep
-//! it. Stage 3 (FSDP) keeps nothing whole: the model asks for a unit (a block, the embedding, the
+//! ZeRO (`zero.rs`) leaves each rank 1/dp of every weight's fp32 master, its partition. A forward or
+//! backward needs the whole weight: an all-gather. ZeRO-1 and 2 gather every weight once per
+//! step, right after the optimizer updated the partitions (`zero.rs`'s `gather_weights`), and keep
+//! it. ZeRO-3 (FSDP) keeps nothing whole: the model asks for a unit (a block, the embedding, the
 //! head) just before it computes with it and frees it right after (`Fsdp`, the model's
 //! `WeightSplit`), and the next unit's gather is already in flight while this one computes:
 //!
@@ -11,15 +11,15 @@
 //! comm:     [gather layer 0][gather layer 1][gather layer 2] …
 //! compute:                  [layer 0]       [layer 1]       [layer 2] …   (free after each)
 //! ```
-//! A unit's gather is ZeRO's (`zero.rs`: `start_gather` packs this rank's chunks side by side,
-//! `unpack` puts each weight together, each chunk travelling as the `Formats` seam says), one per
-//! group that shards the unit's parameters: the experts' chunks are gathered over their own group,
+//! A unit's gather is ZeRO's (`zero.rs`: `start_gather` packs this rank's partitions side by side,
+//! `unpack` puts each weight together, each partition travelling as the `Formats` seam says), one per
+//! group that shards the unit's parameters: the experts' partitions are gathered over their own group,
 //! the expert-data ranks.
 
 use crate::comm::Group;
 use crate::model::{Param, WeightSplit};
 use crate::ops::tensor::Tensor;
-use crate::parallel::zero::{by_group, chunk_of, select, start_gather, unpack, Formats, Gather, Sharding};
+use crate::parallel::zero::{by_group, partition_of, select, start_gather, unpack, Formats, Gather, Sharding};
 use anyhow::Result;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;
@@ -47,7 +47,7 @@ fn finish_unit(started: Started, unit: &mut [&mut Param]) -> Result<()> {
     Ok(())
 }
 
-/// Stage 3: gathers a unit's whole weights before it computes (the next unit's gather already
+/// ZeRO-3: gathers a unit's whole weights before it computes (the next unit's gather already
 /// in flight while it does) and frees them after.
 pub struct Fsdp<'g> {
     sharding: Sharding<'g>,
@@ -100,8 +100,8 @@ impl WeightSplit for Fsdp<'_> {
                 group.trace_compute(|| unit_name(&first.name), start); // on this rank's trace
             }
         }
-        for p in unit.iter_mut().filter(|p| chunk_of(p).is_some()) {
-            p.value = Tensor::zeros(&[0]); // only the chunk in `shard` stays
+        for p in unit.iter_mut().filter(|p| partition_of(p).is_some()) {
+            p.value = Tensor::zeros(&[0]); // only the partition in `shard` stays
         }
     }
 }

@@ -1,26 +1,26 @@
 //! # The formats weights travel in when ZeRO gathers them: as their GEMMs read them
 //!
-//! ZeRO gathers every weight from its chunks (`zero.rs`: after the update at stages 1 and 2,
+//! ZeRO gathers every weight from its partitions (`zero.rs`: after the update at ZeRO-1 and 2,
 //! before each unit computes under FSDP), by default as its fp32 master. A GEMM reading bf16
 //! needs only bf16 (the GPU's mixed precision), and one reading FP8 only the FP8 bytes and the
 //! scale: this is the `Formats` ZeRO's gather plugs in to send each
 //! weight as its GEMMs read it (`Param::precision`; the packing itself is `ops/packing.rs`):
 //!
 //! ```text
-//! a weight whose GEMMs read    travels as             slots of a chunk of c numbers
+//! a weight whose GEMMs read    travels as             slots of a partition of c numbers
 //! FP8                          E4M3 bytes, 4 a slot   ⌈c/4⌉   (its amax agreed first)
 //! bf16, or any on a bf16 GPU   bf16, 2 a slot         ⌈c/2⌉
 //! f32                          the master as it is    c
 //! ```
-//! FP8 needs one scale for the whole weight, not one per chunk: before a gather, the group
-//! all-reduces (max) every FP8 weight's per-chunk maxima in one call, and each rank casts its
-//! chunk with the weight's scale.
+//! FP8 needs one scale for the whole weight, not one per partition: before a gather, the group
+//! all-reduces (max) every FP8 weight's per-partition maxima in one call, and each rank casts its
+//! partition with the weight's scale.
 
 use crate::comm::{Group, ReduceOp};
 use crate::model::{Llama, Param};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, packing, DType, Precision};
-use crate::parallel::zero::{chunk_of, Formats, Master, Packing};
+use crate::parallel::zero::{partition_of, Formats, Master, Packing};
 use anyhow::Result;
 use std::borrow::Cow;
 use std::rc::Rc;
@@ -39,20 +39,20 @@ pub fn for_model(model: &Llama) -> Rc<dyn Formats> {
     }
 }
 
-/// A sharded parameter's chunk of its fp32 master.
+/// A sharded parameter's partition of its fp32 master.
 fn master(p: &Param) -> &Tensor {
-    &chunk_of(p).expect("a sharded parameter").master
+    &partition_of(p).expect("a sharded parameter").master
 }
 
-/// A chunk in a packed format (`ops/packing.rs`): bf16, or FP8 with the weight's maxima.
+/// A partition in a packed format (`ops/packing.rs`): bf16, or FP8 with the weight's maxima.
 struct Packed {
     format: Precision,
     amax: Option<Tensor>,
 }
 
 impl Packing for Packed {
-    fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor> {
-        Cow::Owned(packing::pack(chunk, self.format, self.amax.as_ref()))
+    fn pack<'t>(&self, partition: &'t Tensor) -> Cow<'t, Tensor> {
+        Cow::Owned(packing::pack(partition, self.format, self.amax.as_ref()))
     }
 
     fn slots(&self, c: usize) -> usize {
@@ -80,7 +80,7 @@ impl Formats for AsGemmsRead {
                 let mut all = ops::concat(
                     &fp8.iter().map(|m| packing::abs_max(m)).collect::<Vec<_>>().iter().collect::<Vec<_>>(),
                 );
-                group.all_reduce_tensor(&mut all, ReduceOp::Max)?; // a wait: every chunk's maxima
+                group.all_reduce_tensor(&mut all, ReduceOp::Max)?; // a wait: every partition's maxima
                 (0..fp8.len()).map(|i| ops::slice(&all, i * packing::MAXIMA, &[packing::MAXIMA])).collect()
             }
         }

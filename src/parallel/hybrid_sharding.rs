@@ -9,12 +9,12 @@
 //! ```text
 //! dp = 4, dp_shard = 2:   shard groups {0 1} {2 3}     replicate groups {0 2} {1 3}
 //!
-//! backward   gradient ──reduce-scatter in the shard group──▶ my chunk of the group's mean
-//! step end   my chunk ──all-reduce across the replicate group──▶ the mean over all four
-//! forward    chunks ──all-gather in the shard group──▶ the whole weight (never leaves the node)
+//! backward   gradient ──reduce-scatter in the shard group──▶ my partition of the group's mean
+//! step end   my partition ──all-reduce across the replicate group──▶ the mean over all four
+//! forward    partitions ──all-gather in the shard group──▶ the whole weight (never leaves the node)
 //! ```
 //! The one thing it adds to ZeRO is the middle line, plugged into ZeRO's seam for what happens
-//! to each bucket's averaged chunks (`ZeroBuckets`'s `AfterReduce`): one all-reduce per bucket,
+//! to each bucket's averaged partitions (`ZeroBuckets`'s `AfterReduce`): one all-reduce per bucket,
 //! once a step, of a 1/dp_shard share of the gradients — the only traffic that crosses nodes.
 
 use crate::comm::process_grid::{Along, Cut, Grid};
@@ -23,9 +23,9 @@ use crate::parallel::zero::AfterReduce;
 use anyhow::{bail, Result};
 
 /// The shard groups: consecutive blocks of dp_shard replicas, with their cp ranks.
-pub const SHARD: Cut = Cut { name: "shard", what: "shard groups (ZeRO's chunks)", along: Along::Blocks };
+pub const SHARD: Cut = Cut { name: "shard", what: "shard groups (ZeRO's partitions)", along: Along::Blocks };
 /// The replicate groups: the ranks with the same place in their shard groups.
-pub const REPLICATE: Cut = Cut { name: "replicate", what: "replicate groups (same chunks)", along: Along::Strided };
+pub const REPLICATE: Cut = Cut { name: "replicate", what: "replicate groups (same partitions)", along: Along::Strided };
 
 /// `grid` with the shard and replicate groups of `parallel.dp_shard` replicas (0, or all of dp:
 /// no hybrid sharding, no cut; ZeRO then shards over the whole dp×cp group).
@@ -47,7 +47,7 @@ pub fn is_hybrid(grid: &Grid) -> bool {
 }
 
 /// Each shard group averaged its own data's gradients; across the `replicas` group (the ranks
-/// holding the same chunks) the chunks become the mean over all of them.
+/// holding the same partitions) the partitions become the mean over all of them.
 pub fn average_across<'g>(replicas: &'g Group) -> AfterReduce<'g> {
-    Box::new(move |chunks| replicas.all_reduce_tensor(chunks, ReduceOp::Avg))
+    Box::new(move |partitions| replicas.all_reduce_tensor(partitions, ReduceOp::Avg))
 }

@@ -2,7 +2,7 @@
 //!
 //! Read in the tutorial's order: `data_parallel` (same model, different data, averaged
 //! gradients) → `zero` (data parallelism that shards optimizer state, gradients and weights:
-//! ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their chunks) →
+//! ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their partitions) →
 //! `hybrid_sharding` (ZeRO within shard groups, replicas across them) → `tensor_parallel` (each
 //! matrix split across ranks) → `sequence_parallel` (and the rows between the matrices) →
 //! `pipeline_parallel` (layers split into stages, AFAB; `pipeline_messages`, what the stages say;

@@ -1,7 +1,7 @@
 //! # Muon under every layout: one owner per matrix
 //!
 //! Muon's Newton–Schulz (`model/muon.rs`) needs each matrix whole, and no earlier layout keeps
-//! it so: ZeRO cuts every parameter into flat chunks, one per data-parallel rank, and tensor
+//! it so: ZeRO cuts every parameter into flat partitions, one per data-parallel rank, and tensor
 //! parallelism gives each tp rank a slice. Gathering every matrix on every rank would work and
 //! would cost every rank the whole model's worth of traffic and of Newton–Schulz GEMMs. Instead
 //! (as nanochat and Megatron-LM distribute it) each matrix gets **one owner**: its pieces travel
@@ -14,15 +14,15 @@
 //! to the rank that owns the fewest values so far — the same answer on every rank, no message
 //!
 //! one step, per group of n ranks; U = the update of a matrix of N values (4 B each, f32)
-//!   ZeRO-1/2/3 (chunks)   all_to_all: each rank's chunk of U → the owner      (n−1)/n · N · 4 B
-//!                         owner: Newton–Schulz;  all_to_all: chunk r of O → rank r   the same
+//!   ZeRO-1/2/3 (partitions)   all_to_all: each rank's partition of U → the owner      (n−1)/n · N · 4 B
+//!                         owner: Newton–Schulz;  all_to_all: partition r of O → rank r   the same
 //!   ZeRO-0 (replicas)     every rank has U already: nothing goes out
 //!                         owner: Newton–Schulz;  all_to_all: O → every rank   (n−1) · N · 4 B
 //!   tensor parallel       the owner's tp group: each tp slice → the tp owner, O's slices back
 //!   pipeline              each stage owns its own matrices: nothing new
 //! ```
 //! So under ZeRO Muon moves two more reduce-scatters' worth of bytes per step (the gradient's
-//! reduce-scatter and the weights' all-gather are unchanged; the momentum stays in chunks:
+//! reduce-scatter and the weights' all-gather are unchanged; the momentum stays in partitions:
 //! it is elementwise); without ZeRO every rank receives the whole model's orthogonalised updates,
 //! an all-gather's worth. Under ZeRO-3 no weight is gathered for it: what travels is the update.
 //! Memory: the owner holds its matrices whole for Newton–Schulz (the update, X, the Gram matrix
@@ -48,14 +48,14 @@ use anyhow::Result;
 #[derive(Clone, Debug)]
 struct MatrixOwner {
     /// Its data-parallel group (an index into `Owners::groups`), the owner's index in it, and
-    /// whether ZeRO cuts it into chunks there (else every member holds it whole); `None`: no
+    /// whether ZeRO cuts it into partitions there (else every member holds it whole); `None`: no
     /// other rank holds it.
     dp: Option<(usize, usize, bool)>,
     /// Under tensor parallelism, the tp owner and the dimension the slices cut (`None`: whole).
     tp: Option<(usize, usize)>,
-    /// The values of this rank's tp slice of the matrix, and of its ZeRO chunk.
+    /// The values of this rank's tp slice of the matrix, and of its ZeRO partition.
     values: usize,
-    chunk: usize,
+    partition: usize,
     /// The tp slice's shape.
     shape: Vec<usize>,
 }
@@ -91,7 +91,7 @@ impl<'g> Owners<'g> {
         let mut groups: Vec<&'g Group> = Vec::new();
         let mut matrices: Vec<MatrixOwner> = Vec::new();
         for p in &mats {
-            let (chunked, group) = match sharding.of(p) {
+            let (partitioned, group) = match sharding.of(p) {
                 Some(g) => (true, g),
                 None => (false, me.group(replicas(p))),
             };
@@ -100,10 +100,11 @@ impl<'g> Owners<'g> {
                 groups.len() - 1
             });
             let values = p.shape().iter().product::<usize>();
-            let dp = (group.size() > 1).then_some((at, 0, chunked));
-            let chunk = if chunked && group.size() > 1 { zero::chunk(values, group.size()) } else { values };
+            let dp = (group.size() > 1).then_some((at, 0, partitioned));
+            let partition =
+                if partitioned && group.size() > 1 { zero::partition_size(values, group.size()) } else { values };
             let tp = (tp.size() > 1).then(|| p.tp.dim()).flatten().map(|d| (0, d));
-            matrices.push(MatrixOwner { dp, tp, values, chunk, shape: p.shape().to_vec() });
+            matrices.push(MatrixOwner { dp, tp, values, partition, shape: p.shape().to_vec() });
         }
         // the data-parallel owners, group by group
         for (at, group) in groups.iter().enumerate() {
@@ -199,26 +200,26 @@ impl WholeMatrices for Owners<'_> {
         for (at, group) in self.groups.iter().enumerate() {
             let ranks = group.size();
             let members: Vec<usize> = (0..n).filter(|&i| self.matrices[i].dp.is_some_and(|d| d.0 == at)).collect();
-            let chunked: Vec<usize> =
+            let partitioned: Vec<usize> =
                 members.iter().copied().filter(|&i| self.matrices[i].dp.expect("a member").2).collect();
             for &i in members.iter().filter(|&&i| !self.matrices[i].dp.expect("a member").2 && self.owns_dp(i)) {
                 slice[i] = pieces[i].take(); // a replica: the owner has it already
             }
-            if chunked.is_empty() {
+            if partitioned.is_empty() {
                 continue;
             }
             let mut out = vec![Vec::new(); ranks];
-            for &i in &chunked {
+            for &i in &partitioned {
                 out[self.matrices[i].dp.expect("a member").1].push(pieces[i].take().expect("a piece"));
             }
-            let mine: Vec<usize> = chunked.iter().copied().filter(|&i| self.owns_dp(i)).collect();
-            let each: usize = mine.iter().map(|&i| self.matrices[i].chunk).sum();
+            let mine: Vec<usize> = partitioned.iter().copied().filter(|&i| self.owns_dp(i)).collect();
+            let each: usize = mine.iter().map(|&i| self.matrices[i].partition).sum();
             let got = exchange(group, out, &vec![each; ranks], &place)?;
             let mut at = 0;
             for &i in &mine {
-                let (c, values) = (self.matrices[i].chunk, self.matrices[i].values);
-                let chunks: Vec<Tensor> = got.iter().map(|g| ops::slice(g, at, &[c])).collect();
-                let whole = ops::concat(&chunks.iter().collect::<Vec<_>>()); // padded at the end
+                let (c, values) = (self.matrices[i].partition, self.matrices[i].values);
+                let partitions: Vec<Tensor> = got.iter().map(|g| ops::slice(g, at, &[c])).collect();
+                let whole = ops::concat(&partitions.iter().collect::<Vec<_>>()); // padded at the end
                 slice[i] = Some(ops::slice(&whole, 0, &[values]));
                 at += c;
             }
@@ -277,7 +278,7 @@ impl WholeMatrices for Owners<'_> {
                 at[r] += self.matrices[i].values;
             }
         }
-        // 5. each rank's piece back from the data-parallel owner: its chunk, or the whole slice
+        // 5. each rank's piece back from the data-parallel owner: its partition, or the whole slice
         let mut back: Vec<Option<Tensor>> = vec![None; n];
         for (at, group) in self.groups.iter().enumerate() {
             let ranks = group.size();
@@ -290,14 +291,14 @@ impl WholeMatrices for Owners<'_> {
                 let (m, o) = (&self.matrices[i], flat(result[i].take().expect("orthogonalised")));
                 for (r, to) in out.iter_mut().enumerate() {
                     to.push(match m.dp.expect("a member").2 {
-                        true => zero::cut(&o, r, m.chunk),
+                        true => zero::cut(&o, r, m.partition),
                         false => o.clone(),
                     });
                 }
             }
             let size = |i: usize| {
                 if self.matrices[i].dp.expect("a member").2 {
-                    self.matrices[i].chunk
+                    self.matrices[i].partition
                 } else {
                     self.matrices[i].values
                 }

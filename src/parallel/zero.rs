@@ -4,42 +4,43 @@
 //! weight, 4 B of gradient and 8 B of AdamW moments (on a GPU in mixed precision, 2 B of bf16
 //! weight more, next to the fp32 master). But each rank only *needs* all of it for a moment:
 //! AdamW is elementwise, so rank r can update just its 1/dp of every parameter, if it has the
-//! averaged gradient of that 1/dp. ZeRO (DeepSpeed) stops replicating, stage by stage:
+//! averaged gradient of that 1/dp. ZeRO (DeepSpeed) stops replicating, one kind of state at a time:
 //!
 //! ```text
 //!              weights (compute copy)   master + AdamW moments   gradients          per rank
-//! stage 0      whole                    whole                    whole              16 B (18 on a GPU)
-//! stage 1      whole                    1/dp                     whole              8 + 12/dp
-//! stage 2      whole                    1/dp                     1/dp (+ a layer)   4 + 16/dp
-//! stage 3      a unit while it computes 1/dp                     1/dp (+ a layer)   16/dp
+//! ZeRO-0       whole                    whole                    whole              16 B (18 on a GPU)
+//! ZeRO-1       whole                    1/dp                     whole              8 + 12/dp
+//! ZeRO-2       whole                    1/dp                     1/dp (+ a layer)   4 + 16/dp
+//! ZeRO-3       a unit while it computes 1/dp                     1/dp (+ a layer)   16/dp
 //! ```
 //! (f32 compute, bytes per parameter; a GPU in bf16 keeps a 2 B compute copy instead of 4, and
-//! at stage 0 a 4 B master beside it. At stage 3 the unit is gathered from the master chunks.)
+//! at ZeRO-0 a 4 B master beside it. At ZeRO-3 the unit is gathered from the master partitions.)
 //!
 //! The averaging all-reduce of plain DP becomes its two halves: a **reduce-scatter** gives each
-//! rank the average of its own chunk of every gradient, each rank updates its chunk, and an
-//! **all-gather** brings every rank the updated weights. Same bytes on the wire as one all-reduce.
+//! rank the average of its own partition of every gradient, each rank updates its partition, and
+//! an **all-gather** brings every rank the updated weights. Same bytes on the wire as one all-reduce.
 //!
 //! ```text
-//! one step, rank r of dp            stage 1–2                           stage 3 (FSDP)
+//! one step, rank r of dp            ZeRO-1 and 2                     ZeRO-3 (FSDP)
 //! forward, unit by unit      use the whole weights            all-gather the unit → compute → free
 //!                                                             (the next unit's gather already started)
 //! backward, unit by unit     grads into buckets; when full:   all-gather → compute → free, and the
-//!                            reduce-scatter (stage 2: every   grads' reduce-scatter as in stage 2
+//!                            reduce-scatter (ZeRO-2: every    grads' reduce-scatter as in ZeRO-2
 //!                            micro-batch, the full grad freed)
-//! optimizer                  AdamW on chunk r (master, m, v)  AdamW on chunk r
+//! optimizer                  AdamW on partition r             AdamW on partition r
+//!                            (master, m, v)
 //!                            → all-gather the new weights     (nothing: the next forward gathers)
 //! ```
 //! The gradients' half is below: data parallelism's buckets (`data_parallel::buckets_of`),
-//! reduce-scattered, once per step at stage 1 as stage 0 all-reduces, on every micro-batch at
-//! stage 2 and 3, since the full gradient is not kept. The weights' half, the all-gather, is
-//! at the end: at stage 1 and 2 the optimizer updates this rank's chunks and every rank then
+//! reduce-scattered, once per step at ZeRO-1 as ZeRO-0 all-reduces, on every micro-batch at
+//! ZeRO-2 and 3, since the full gradient is not kept. The weights' half, the all-gather, is
+//! at the end: at ZeRO-1 and 2 the optimizer updates this rank's partitions and every rank then
 //! gathers the updated whole weights (`GatherAfterUpdate`, wrapped around the optimizer). A gather
-//! packs this rank's chunks of several parameters side by side, so one all-gather returns every
-//! rank's chunks, rank after rank; `unpack` puts each parameter together without its padding.
-//! How each chunk travels is a seam (`Formats`, one `Packing` a parameter): the fp32 master as it
+//! packs this rank's partitions of several parameters side by side, so one all-gather returns every
+//! rank's partitions, rank after rank; `unpack` puts each parameter together without its padding.
+//! How each partition travels is a seam (`Formats`, one `Packing` a parameter): the fp32 master as it
 //! is (`Master`) unless the composition root plugs in another — the formats the GEMMs read, bf16
-//! or FP8 (`gather_formats.rs`). FSDP (`fsdp.rs`, stage 3) makes the same gather per unit, just
+//! or FP8 (`gather_formats.rs`). FSDP (`fsdp.rs`, ZeRO-3) makes the same gather per unit, just
 //! before the unit computes.
 //!
 //! (Step 11 gives these moves their general names, placements: on the dp×cp axis a parameter's
@@ -47,14 +48,14 @@
 //! `Shard(0)`, a reduce-scatter, and its updated weight from `Shard(0)` to `Replicate`, an
 //! all-gather.)
 //!
-//! **The buckets, rank-major.** So that one reduce-scatter hands each rank whole chunks, a bucket
-//! is packed rank-major: rank 0's chunk of every member, then rank 1's, … . Stage 2 and 3 free
-//! each full gradient as soon as it is packed, and add each result into the bucket's chunk sums,
-//! which `finish` hands to the parameters' chunks.
+//! **The buckets, rank-major.** So that one reduce-scatter hands each rank whole partitions, a bucket
+//! is packed rank-major: rank 0's partition of every member, then rank 1's, … . ZeRO-2 and 3 free
+//! each full gradient as soon as it is packed, and add each result into the bucket's partition sums,
+//! which `finish` hands to the parameters' partitions.
 //!
 //! **How a parameter is cut.** Each parameter on its own, by its flat values: rank r keeps
-//! `[r·c, (r+1)·c)` with c = ⌈n / dp⌉, the last chunk padded with zeros. For a matrix whose rows
-//! divide by dp this is FSDP2's `Shard(0)`: a block of whole rows. We chose per-parameter chunks
+//! `[r·c, (r+1)·c)` with c = ⌈n / dp⌉, the last partition padded with zeros. For a matrix whose rows
+//! divide by dp this is FSDP2's `Shard(0)`: a block of whole rows. We chose per-parameter partitions
 //! over FSDP1's one flat buffer per unit because everything that works per parameter keeps
 //! working unchanged: AdamW with its weight-decay rule (matrices, not norms), clipping, the
 //! checkpoint's tensors by name, resuming into any layout. The price is a copy in and out of a
@@ -71,7 +72,7 @@
 //!
 //! **Precision.** Gradients are reduce-scattered in fp32 (a sum of dp parts loses little there,
 //! much in bf16); weights are all-gathered in the compute dtype (bf16 on a GPU: half the bytes,
-//! and what the kernels read anyway), from the fp32 master chunks.
+//! and what the kernels read anyway), from the fp32 master partitions.
 
 use crate::comm::process_grid::Axis;
 use crate::comm::tensors::Pending;
@@ -91,16 +92,16 @@ use std::rc::Rc;
 
 /// The values of a parameter of `n` values that each of `ranks` ranks keeps under ZeRO:
 /// ⌈n / ranks⌉ (the Shard(0) of its flat values).
-pub fn chunk(n: usize, ranks: usize) -> usize {
+pub fn partition_size(n: usize, ranks: usize) -> usize {
     n.div_ceil(ranks)
 }
 
-/// Of chunk `r` (of `c` values) of a parameter of `n` values, how many are real, not padding.
+/// Of partition `r` (of `c` values) of a parameter of `n` values, how many are real, not padding.
 pub fn real(n: usize, c: usize, r: usize) -> usize {
     n.saturating_sub(r * c).min(c)
 }
 
-/// Chunk `r` of `c` values of `t`'s flat values: `[r·c, (r+1)·c)`, zeros past its end.
+/// Partition `r` of `c` values of `t`'s flat values: `[r·c, (r+1)·c)`, zeros past its end.
 pub fn cut(t: &Tensor, r: usize, c: usize) -> Tensor {
     let real = real(t.numel(), c, r);
     let mut part = if real < c { Tensor::zeros_as(&[c], t) } else { Tensor::empty_as(&[c], t) };
@@ -116,8 +117,8 @@ pub fn cut(t: &Tensor, r: usize, c: usize) -> Tensor {
 /// added is kept whole (ZeRO off, or a group of one).
 #[derive(Clone)]
 pub struct Sharding<'g> {
-    /// The ZeRO stage: 0 shards nothing.
-    stage: usize,
+    /// The ZeRO stage (`parallel.zero_stage`): 0 shards nothing.
+    zero_stage: usize,
     /// Each parameter's replicas' axis.
     replicas: Replicas,
     /// Each sharded replicas' axis: (that axis, the axis of the group sharding it, the group).
@@ -125,15 +126,15 @@ pub struct Sharding<'g> {
 }
 
 impl<'g> Sharding<'g> {
-    /// ZeRO at `stage`, over no group yet, for parameters whose replicas `replicas` says.
-    pub fn new(stage: usize, replicas: Replicas) -> Sharding<'g> {
-        Sharding { stage, replicas, shards: Vec::new() }
+    /// ZeRO at `zero_stage`, over no group yet, for parameters whose replicas `replicas` says.
+    pub fn new(zero_stage: usize, replicas: Replicas) -> Sharding<'g> {
+        Sharding { zero_stage, replicas, shards: Vec::new() }
     }
 
     /// Shards the parameters replicated over `replicas` over `group` (on `axis`: the replicas'
     /// own, or under hybrid sharding the shard axis), when ZeRO is on and it has more than one rank.
     pub fn with(mut self, replicas: Axis, (axis, group): (Axis, &'g Group)) -> Sharding<'g> {
-        if self.stage > 0 && group.size() > 1 {
+        if self.zero_stage > 0 && group.size() > 1 {
             self.shards.push((replicas, axis, group));
         }
         self
@@ -159,8 +160,8 @@ impl<'g> Sharding<'g> {
         self.on((self.replicas)(p))
     }
 
-    /// The group of the shard axis `axis` (a `ZeroChunk`'s), if any: the group holding the other
-    /// chunks of a sharded parameter, known from its chunk without asking the layout again.
+    /// The group of the shard axis `axis` (a `ZeroPartition`'s), if any: the group holding the other
+    /// partitions of a sharded parameter, known from its partition without asking the layout again.
     pub fn over(&self, axis: Axis) -> Option<&'g Group> {
         self.shards.iter().find(|s| s.1 == axis).map(|s| s.2)
     }
@@ -181,16 +182,16 @@ impl<'g> Sharding<'g> {
     }
 }
 
-/// This rank's chunk of a parameter sharded over its replicas — the flat values
+/// This rank's partition of a parameter sharded over its replicas — the flat values
 /// `[index · len, (index + 1) · len)` of the (zero-padded) tensor — as the parameter's trained
 /// part (`Param::trained_part`): what the optimizer updates. `value` is then a compute copy of
 /// the whole (ZeRO-1, 2), or empty except while gathered for a forward or backward (ZeRO-3),
 /// and `grad` is freed once handed over (2, 3).
-pub struct ZeroChunk {
-    /// The axis whose ranks hold the other chunks: its replicas' axis, or under hybrid sharding
+pub struct ZeroPartition {
+    /// The axis whose ranks hold the other partitions: its replicas' axis, or under hybrid sharding
     /// the shard axis.
     pub axis: Axis,
-    /// The fp32 master values of the chunk: what AdamW updates.
+    /// The fp32 master values of the partition: what AdamW updates.
     pub master: Tensor,
     /// Their gradient, averaged over the data-parallel ranks (reduce-scattered); present from the
     /// end of backward to the next step's `zero_grads`.
@@ -199,7 +200,7 @@ pub struct ZeroChunk {
     pub shape: Vec<usize>,
 }
 
-impl TrainedPart for ZeroChunk {
+impl TrainedPart for ZeroPartition {
     fn trained(&mut self) -> (&mut Tensor, &mut Tensor) {
         (&mut self.master, &mut self.grad)
     }
@@ -217,28 +218,28 @@ impl TrainedPart for ZeroChunk {
     }
 }
 
-/// `p`'s chunk, if ZeRO shards it: its trained part seen as what it is (`TrainedPart: Any`, so a
+/// `p`'s partition, if ZeRO shards it: its trained part seen as what it is (`TrainedPart: Any`, so a
 /// `dyn TrainedPart` is a `dyn Any` too).
-pub fn chunk_of(p: &Param) -> Option<&ZeroChunk> {
+pub fn partition_of(p: &Param) -> Option<&ZeroPartition> {
     let part: &dyn Any = p.trained_part.as_deref()?;
     part.downcast_ref()
 }
 
-/// `p`'s chunk, to change, if ZeRO shards it.
-fn chunk_of_mut(p: &mut Param) -> Option<&mut ZeroChunk> {
+/// `p`'s partition, to change, if ZeRO shards it.
+fn partition_of_mut(p: &mut Param) -> Option<&mut ZeroPartition> {
     let part: &mut dyn Any = p.trained_part.as_deref_mut()?;
     part.downcast_mut()
 }
 
 /// Shards the model's parameters and the optimizer's moments as `sharding` says, for ZeRO
-/// `stage` 1–3: each rank keeps its chunk of every fp32 master, of its gradient and of both
-/// moments. Stage 2 and 3 free the full gradients (backward makes each again, briefly); stage 3
+/// `zero_stage` 1–3: each rank keeps its partition of every fp32 master, of its gradient and of both
+/// moments. ZeRO-2 and 3 free the full gradients (backward makes each again, briefly); ZeRO-3
 /// frees the whole weights too (`fsdp.rs` gathers them unit by unit).
 pub fn shard<'g>(
     mut model: Llama<'g>,
     optimizer: &mut dyn Optimizer,
     sharding: &Sharding<'g>,
-    stage: usize,
+    zero_stage: usize,
 ) -> Llama<'g> {
     let place = model.place();
     for (p, state) in model.params_mut().into_iter().zip(optimizer.state_mut()) {
@@ -246,39 +247,39 @@ pub fn shard<'g>(
         let n = p.value.numel();
         let master = p.value.master_copy().unwrap_or_else(|| p.value.clone()); // fp32, whole
 
-        // Replicate → Shard(0) of the flat values: this rank's chunk, nothing sent
-        let mine = |t: &Tensor| cut(t, group.index(), chunk(n, group.size()));
+        // Replicate → Shard(0) of the flat values: this rank's partition, nothing sent
+        let mine = |t: &Tensor| cut(t, group.index(), partition_size(n, group.size()));
         for t in state {
             *t = mine(t); // the optimizer's state, each tensor shaped like the parameter
         }
-        let grad = Tensor::zeros(&[0]); // the averaged chunk, made by each step's reduce-scatters
+        let grad = Tensor::zeros(&[0]); // the averaged partition, made by each step's reduce-scatters
         let axis = sharding.axis_of(p);
         p.trained_part =
-            Some(Box::new(ZeroChunk { axis, master: mine(&master), grad, shape: p.value.shape().to_vec() }));
-        p.value = match stage {
+            Some(Box::new(ZeroPartition { axis, master: mine(&master), grad, shape: p.value.shape().to_vec() }));
+        p.value = match zero_stage {
             3 => Tensor::zeros(&[0]),                   // gathered before each use
             _ => ops::convert(&p.value, place.dtype()), // the compute copy alone (no master)
         };
-        if stage >= 2 {
+        if zero_stage >= 2 {
             p.grad = Tensor::zeros(&[0]); // made by backward, handed to a bucket, freed
         }
     }
     model
 }
 
-/// A bucket of ZeRO: its members' chunks, rank-major, and its reduce-scatter.
+/// A bucket of ZeRO: its members' partitions, rank-major, and its reduce-scatter.
 struct Bucket {
     members: Vec<(usize, usize)>,
-    /// Every rank's chunks of the members, rank-major: made when the bucket starts filling,
+    /// Every rank's partitions of the members, rank-major: made when the bucket starts filling,
     /// freed when its reduce-scatter is done.
     flat: Option<Tensor>,
     waiting: usize,
     in_flight: Option<Result<Pending>>,
-    /// The values of this rank's chunks of the members, side by side.
+    /// The values of this rank's partitions of the members, side by side.
     width: usize,
-    /// Some member's values do not split evenly over the ranks (its last chunk is padded).
+    /// Some member's values do not split evenly over the ranks (its last partition is padded).
     padded: bool,
-    /// This rank's chunks of the members' averaged gradients, summed over the step's
+    /// This rank's partitions of the members' averaged gradients, summed over the step's
     /// micro-batches (made by the first reduce-scatter to land, handed over by `finish`).
     sums: Option<Tensor>,
     closes: bool,
@@ -288,40 +289,40 @@ struct Bucket {
 pub struct ZeroBuckets<'g> {
     group: &'g Group,
     /// 1: once per step; 2, 3: on every micro-batch, freeing the full gradients.
-    stage: usize,
+    zero_stage: usize,
     buckets: Vec<Bucket>,
     place: HashMap<String, (usize, usize)>,
     /// The buckets whose reduce-scatter is in flight, oldest first.
     in_flight: VecDeque<usize>,
     /// A collective that failed while backward ran, reported by `finish`.
     failed: Option<anyhow::Error>,
-    /// What a later lesson does to each bucket's averaged chunks once per step, before they are
+    /// What a later lesson does to each bucket's averaged partitions once per step, before they are
     /// handed to the parameters (`None`: nothing).
     then: Option<AfterReduce<'g>>,
 }
 
-/// A step over a bucket's averaged chunks (this rank's, side by side), once per step: the seam
+/// A step over a bucket's averaged partitions (this rank's, side by side), once per step: the seam
 /// where hybrid sharding averages them across its replicate group (`hybrid_sharding.rs`).
 pub type AfterReduce<'g> = Box<dyn FnMut(&mut Tensor) -> Result<()> + 'g>;
 
 /// ZeRO keeps at most this many reduce-scatters in flight: each holds its bucket's full-size
-/// gradients until it lands, and stage 2 must not keep them all.
+/// gradients until it lands, and ZeRO-2 must not keep them all.
 const IN_FLIGHT: usize = 2;
 
 impl<'g> ZeroBuckets<'g> {
     /// Plans the buckets of `params` (in model order, with their model chunks) sharded over
-    /// `group` at `stage` 1–3: a member takes one chunk per rank, so a bucket of `bucket_mb`
+    /// `group` at `zero_stage` 1–3: a member takes one partition per rank, so a bucket of `bucket_mb`
     /// holds 1/ranks of what a data-parallel one does, per rank; `then` runs over each bucket's
-    /// averaged chunks once per step.
+    /// averaged partitions once per step.
     pub fn new(
         (group, then): (&'g Group, Option<AfterReduce<'g>>),
         params: (&[&Param], &[usize]),
         bucket_mb: f64,
-        stage: usize,
+        zero_stage: usize,
     ) -> ZeroBuckets<'g> {
         let ranks = group.size();
         let room = (bucket_values(bucket_mb) / ranks).max(1);
-        let (plans, place) = buckets_of(params, |p| chunk(p.shape().iter().product(), ranks), room);
+        let (plans, place) = buckets_of(params, |p| partition_size(p.shape().iter().product(), ranks), room);
         let uneven = |i: usize| params.0[i].shape().iter().product::<usize>() % ranks != 0;
         let buckets = (plans.into_iter())
             .map(|plan| Bucket {
@@ -335,33 +336,33 @@ impl<'g> ZeroBuckets<'g> {
                 closes: plan.closes,
             })
             .collect();
-        ZeroBuckets { group, stage, buckets, place, in_flight: VecDeque::new(), failed: None, then }
+        ZeroBuckets { group, zero_stage, buckets, place, in_flight: VecDeque::new(), failed: None, then }
     }
 }
 
 impl GradReduce for ZeroBuckets<'_> {
-    /// The gradient's chunks go into its bucket, rank-major (stage 2, 3: the full gradient is
-    /// freed); a full bucket's reduce-scatter starts at once: on the last micro-batch (stage 1),
+    /// The gradient's partitions go into its bucket, rank-major (ZeRO-2, 3: the full gradient is
+    /// freed); a full bucket's reduce-scatter starts at once: on the last micro-batch (ZeRO-1),
     /// or on every one (2, 3).
     fn grad_ready(&mut self, p: &mut Param, last: bool) {
-        if self.stage < 2 && !last {
+        if self.zero_stage < 2 && !last {
             return;
         }
         let (b, offset) = self.place[&p.name];
         let (group, ranks) = (self.group, self.group.size());
         let bucket = &mut self.buckets[b];
         let (width, padded) = (bucket.width, bucket.padded);
-        // written whole, unless a member's last chunk is padded: then zeros under the padding
+        // written whole, unless a member's last partition is padded: then zeros under the padding
         let make = |like| match padded {
             true => Tensor::zeros_as(&[width * ranks], like),
             false => Tensor::empty_as(&[width * ranks], like),
         };
         let flat = bucket.flat.get_or_insert_with(|| make(&p.grad));
-        let (n, c) = (p.grad.numel(), chunk(p.grad.numel(), ranks));
+        let (n, c) = (p.grad.numel(), partition_size(p.grad.numel(), ranks));
         for r in 0..ranks {
-            ops::copy(&p.grad, r * c, flat, r * width + offset, real(n, c, r)); // rank r's chunk
+            ops::copy(&p.grad, r * c, flat, r * width + offset, real(n, c, r)); // rank r's partition
         }
-        if self.stage >= 2 {
+        if self.zero_stage >= 2 {
             p.grad = Tensor::zeros(&[0]); // handed over: the full gradient is not kept
         }
         bucket.waiting -= 1;
@@ -369,7 +370,7 @@ impl GradReduce for ZeroBuckets<'_> {
             return;
         }
         let flat = bucket.flat.take().expect("a bucket fills once per micro-batch");
-        bucket.in_flight = Some(group.reduce_scatter_tensor_async(flat, ReduceOp::Avg)); // each rank: its chunk's mean
+        bucket.in_flight = Some(group.reduce_scatter_tensor_async(flat, ReduceOp::Avg)); // each rank: its mean
         bucket.waiting = bucket.members.len();
         self.in_flight.push_back(b);
         // the last bucket of the backward: every reduce-scatter of this micro-batch lands now, so
@@ -383,7 +384,7 @@ impl GradReduce for ZeroBuckets<'_> {
         }
     }
 
-    /// Every parameter's chunk gets its averaged gradient (`ZeroChunk::grad`).
+    /// Every parameter's partition gets its averaged gradient (`ZeroPartition::grad`).
     fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
         if let Some(e) = self.failed.take() {
             return Err(e);
@@ -396,9 +397,9 @@ impl GradReduce for ZeroBuckets<'_> {
                 then(&mut sums)?;
             }
             for &(member, offset) in &bucket.members {
-                let chunk = chunk_of_mut(params[member]).expect("ZeRO shards every parameter");
-                let c = chunk.master.numel();
-                chunk.grad = ops::slice(&sums, offset, &[c]); // freed again by `zero_grads`
+                let partition = partition_of_mut(params[member]).expect("ZeRO shards every parameter");
+                let c = partition.master.numel();
+                partition.grad = ops::slice(&sums, offset, &[c]); // freed again by `zero_grads`
             }
         }
         Ok(())
@@ -406,7 +407,7 @@ impl GradReduce for ZeroBuckets<'_> {
 }
 
 /// Waits for a bucket's reduce-scatter in flight, if any, and adds its result (this rank's
-/// chunks) into the bucket's sums.
+/// partitions) into the bucket's sums.
 fn settle(bucket: &mut Bucket) -> Result<()> {
     if let Some(pending) = bucket.in_flight.take() {
         let mine = pending?.wait()?;
@@ -418,24 +419,25 @@ fn settle(bucket: &mut Bucket) -> Result<()> {
     Ok(())
 }
 
-/// A sharded parameter's tensor `t` (its master or a moment chunk) whole again, from every
-/// rank's chunk (for a checkpoint): an all-gather, the padding dropped (Shard(0) → Replicate);
+/// A sharded parameter's tensor `t` (its master or a moment partition) whole again, from every
+/// rank's partition (for a checkpoint): an all-gather, the padding dropped (Shard(0) → Replicate);
 /// `None` for a parameter not sharded.
 pub fn whole(group: &Group, p: &Param, t: &Tensor) -> Result<Option<Tensor>> {
-    let Some(chunk) = chunk_of(p) else { return Ok(None) };
-    let n = chunk.shape.iter().product::<usize>();
-    let gathered = group.all_gather_tensor(t)?; // every rank's chunk, rank after rank
-    Ok(Some(ops::slice(&gathered, 0, &[n]).with_shape(&chunk.shape))) // the padding is at the end
+    let Some(partition) = partition_of(p) else { return Ok(None) };
+    let n = partition.shape.iter().product::<usize>();
+    let gathered = group.all_gather_tensor(t)?; // every rank's partition, rank after rank
+    Ok(Some(ops::slice(&gathered, 0, &[n]).with_shape(&partition.shape))) // the padding is at the end
 }
 
-// ── the weights' half: the all-gather from the chunks (stage 1–2 after the update; FSDP per unit) ──
+// ── the weights' half: the all-gather from the partitions (ZeRO-1 and 2 after the update; FSDP per unit) ──
 
 /// The sharded parameters of `params` by the group sharding them (in the order the groups were
 /// added; one group where two axes share it), as places in `params`.
 pub fn by_group<'g>(sharding: &Sharding<'g>, params: &[&Param]) -> Vec<(&'g Group, Vec<usize>)> {
     let mut out = Vec::new();
     for group in sharding.groups() {
-        let of = |p: &&Param| chunk_of(p).and_then(|c| sharding.over(c.axis)).is_some_and(|g| std::ptr::eq(g, group));
+        let of =
+            |p: &&Param| partition_of(p).and_then(|c| sharding.over(c.axis)).is_some_and(|g| std::ptr::eq(g, group));
         let places: Vec<usize> = (0..params.len()).filter(|&i| of(&params[i])).collect();
         if !places.is_empty() {
             out.push((group, places));
@@ -450,20 +452,20 @@ pub fn select<'a>(params: &'a mut [&mut Param], places: &[usize]) -> Vec<&'a mut
     picked.map(|(_, p)| &mut **p).collect()
 }
 
-/// How one weight's chunk travels in a gather, packed into f32 slots that every backend moves
+/// How one weight's partition travels in a gather, packed into f32 slots that every backend moves
 /// bit for bit.
 pub trait Packing {
-    /// This rank's chunk, packed (`Cow::Borrowed`: sent as it is).
-    fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor>;
-    /// The slots a chunk of `c` numbers takes.
+    /// This rank's partition, packed (`Cow::Borrowed`: sent as it is).
+    fn pack<'t>(&self, partition: &'t Tensor) -> Cow<'t, Tensor>;
+    /// The slots a partition of `c` numbers takes.
     fn slots(&self, c: usize) -> usize;
-    /// The `c` numbers of the chunk packed at slot `from` of `gathered`: a tensor holding them,
+    /// The `c` numbers of the partition packed at slot `from` of `gathered`: a tensor holding them,
     /// and where they start in it.
     fn unpack<'t>(&self, gathered: &'t Tensor, from: usize, c: usize) -> (Cow<'t, Tensor>, usize);
 }
 
 /// The seam: each parameter's `Packing` for one gather of `params` over `group`, agreeing over the
-/// group first whatever the formats need (FP8: each weight's amax over every chunk).
+/// group first whatever the formats need (FP8: each weight's amax over every partition).
 pub trait Formats {
     fn packings(&self, group: &Group, params: &[&Param]) -> Result<Vec<Box<dyn Packing>>>;
 }
@@ -472,8 +474,8 @@ pub trait Formats {
 pub struct Master;
 
 impl Packing for Master {
-    fn pack<'t>(&self, chunk: &'t Tensor) -> Cow<'t, Tensor> {
-        Cow::Borrowed(chunk) // no copy
+    fn pack<'t>(&self, partition: &'t Tensor) -> Cow<'t, Tensor> {
+        Cow::Borrowed(partition) // no copy
     }
 
     fn slots(&self, c: usize) -> usize {
@@ -491,31 +493,31 @@ impl Formats for Master {
     }
 }
 
-/// A gather in flight: every rank's packed chunks, and each parameter's packing.
+/// A gather in flight: every rank's packed partitions, and each parameter's packing.
 pub struct Gather {
     pub pending: Pending,
     pub packings: Vec<Box<dyn Packing>>,
 }
 
-/// Starts the all-gather of the whole weights of `params` from every rank's master chunks: each
-/// rank packs its chunks side by side, each as its packing says.
+/// Starts the all-gather of the whole weights of `params` from every rank's master partitions: each
+/// rank packs its partitions side by side, each as its packing says.
 pub fn start_gather(group: &Group, params: &[&Param], formats: &dyn Formats) -> Result<Gather> {
-    let masters: Vec<&Tensor> = params.iter().map(|p| &chunk_of(p).expect("a sharded parameter").master).collect();
+    let masters: Vec<&Tensor> = params.iter().map(|p| &partition_of(p).expect("a sharded parameter").master).collect();
     let packings = formats.packings(group, params)?;
     let packed: Vec<Cow<Tensor>> = masters.iter().zip(&packings).map(|(m, w)| w.pack(m)).collect();
-    let packed = ops::concat(&packed.iter().map(|p| &**p).collect::<Vec<_>>()); // this rank's chunks one after another
-    let pending = group.all_gather_tensor_async(packed)?; // every rank's chunks, rank after rank
+    let packed = ops::concat(&packed.iter().map(|p| &**p).collect::<Vec<_>>()); // this rank's, one after another
+    let pending = group.all_gather_tensor_async(packed)?; // every rank's partitions, rank after rank
     Ok(Gather { pending, packings })
 }
 
 /// Puts the whole weights of `params` together from a gather: rank after rank, each rank's
-/// chunks of every parameter side by side, each as its packing packed it.
+/// partitions of every parameter side by side, each as its packing packed it.
 pub fn unpack(gathered: &Tensor, packings: &[Box<dyn Packing>], params: &mut [&mut Param], ranks: usize) {
-    let width = gathered.numel() / ranks; // one rank's packed chunks, in f32 slots
+    let width = gathered.numel() / ranks; // one rank's packed partitions, in f32 slots
     let mut at = 0;
     for (p, packing) in params.iter_mut().zip(packings) {
         let shape = p.shape().to_vec();
-        let (n, c) = (shape.iter().product(), chunk_of(p).expect("a sharded parameter").master.numel());
+        let (n, c) = (shape.iter().product(), partition_of(p).expect("a sharded parameter").master.numel());
         let mut whole: Option<Tensor> = None;
         for r in 0..ranks {
             let (part, from) = packing.unpack(gathered, r * width + at, c);
@@ -528,7 +530,7 @@ pub fn unpack(gathered: &Tensor, packings: &[Box<dyn Packing>], params: &mut [&m
 }
 
 /// ZeRO-1 and 2 as the step sees them, through the optimizer seam: the optimizer updates this
-/// rank's chunks, then every rank gets the updated whole weights (`gather_weights`).
+/// rank's partitions, then every rank gets the updated whole weights (`gather_weights`).
 pub struct GatherAfterUpdate<'g> {
     pub inner: Box<dyn Optimizer + 'g>,
     pub sharding: Sharding<'g>,
@@ -564,7 +566,7 @@ impl Optimizer for GatherAfterUpdate<'_> {
     }
 }
 
-/// Stage 1 and 2, after the optimizer step: every rank gets the updated whole weights of every
+/// ZeRO-1 and 2, after the optimizer step: every rank gets the updated whole weights of every
 /// sharded parameter, from the ranks sharding it (`gather_group`).
 pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], how: (usize, &dyn Formats)) -> Result<()> {
     let groups = by_group(sharding, &params.iter().map(|p| &**p).collect::<Vec<_>>());
@@ -576,15 +578,15 @@ pub fn gather_weights(sharding: &Sharding, params: &mut [&mut Param], how: (usiz
 
 /// The updated whole weights of `params`, all sharded over `group`, in groups that gather about
 /// `bucket` values (one all-gather each, the next one started before the current one is
-/// unpacked). The averaged gradient chunks are used up: freed first.
+/// unpacked). The averaged gradient partitions are used up: freed first.
 fn gather_group(group: &Group, params: &mut [&mut Param], (bucket, formats): (usize, &dyn Formats)) -> Result<()> {
     for p in params.iter_mut() {
-        chunk_of_mut(p).expect("a sharded parameter").grad = Tensor::zeros(&[0]);
+        partition_of_mut(p).expect("a sharded parameter").grad = Tensor::zeros(&[0]);
     }
     let mut groups: Vec<std::ops::Range<usize>> = Vec::new();
     let mut size = 0;
     for (i, p) in params.iter().enumerate() {
-        let c = chunk_of(p).expect("a sharded parameter").master.numel() * group.size(); // gathered
+        let c = partition_of(p).expect("a sharded parameter").master.numel() * group.size(); // gathered
         match groups.last_mut() {
             Some(g) if size + c <= bucket => g.end = i + 1,
             _ => {

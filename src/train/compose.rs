@@ -6,25 +6,26 @@
 //! the lesson that teaches it:
 //!
 //! ```text
-//! seam (where it is)                       config key → the part plugged in           lesson
-//! TensorSplit (model/split.rs)             parallel.tp → TensorParallel                09
-//!                                          parallel.sequence_parallel → SequenceParallel 10
-//! SequenceSplit (model/split.rs)           parallel.cp, cp_mode → Ring | Ulysses        16, 17
-//! WeightSplit (model/split.rs)             parallel.zero_stage = 3 → Fsdp               07
-//! LayerSplit (model/split.rs)              parallel.pp → a pipeline Stage               12
-//! Keeps (model/block.rs)                   train.recompute → Recompute                  19
-//! LossHead (model/llama.rs)                train.loss_chunk_rows → FusedLoss            19
-//! Mlps (model/block.rs)                    model.num_local_experts, parallel.ep → Experts 20
-//! MicroBatches (train/feed.rs)             --record/--replay-routing → TellTape         20
-//! Optimizer (model/optimizer.rs)           train.optimizer → AdamW | Muon               01, 23
-//!                                          parallel.zero_stage = 1, 2 → GatherAfterUpdate 06
-//! GradReduce (parallel/data_parallel.rs)   parallel.dp_mode, bucket_mb → DataParallel   04, 05
-//!                                          parallel.zero_stage ≥ 2 → ZeroBuckets        06
-//!                                          parallel.dp_shard → within SHARD, then REPLICATE 08
-//!                                          parallel.ep → ExpertGrads                    20
-//! Walk (parallel/pipeline_parallel.rs)     parallel.pp_schedule → Afab | OneFOneB | Listed 12–15
-//! WholeMatrices (model/muon.rs)            train.optimizer = muon, sharded → Owners     23
-//! GEMM precision (ops/precision.rs)        device.dtype → f32 | bf16 | fp8              21
+//! seam (where it is)                             config key → the part plugged in                  lesson
+//! TensorSplit (src/model/split.rs:47)            parallel.tp → TensorParallel                      09
+//!                                                parallel.sequence_parallel → SequenceParallel     10
+//! SequenceSplit (src/model/split.rs:89)          parallel.cp, cp_mode → Ring | Ulysses             16, 17
+//! WeightSplit (src/model/split.rs:112)           parallel.zero_stage = 3 → Fsdp                    07
+//! LayerSplit (src/model/split.rs:125)            parallel.pp → a pipeline Stage                    12
+//! Keeps (src/model/block.rs:371)                 train.recompute → Recompute                       19
+//! LossHead (src/model/llama.rs:73)               train.loss_stripe_rows → FusedLoss                19
+//! Attentions (src/model/block.rs:95)             the model's family (model/family.rs) → Gqa        01
+//! Mlps (src/model/block.rs:246)                  model.num_local_experts, parallel.ep → Experts    20
+//! MicroBatches (src/train/feed.rs:15)            --record/--replay-routing → TellTape              20
+//! Optimizer (src/model/optimizer.rs:87)          train.optimizer → AdamW | Muon                    01, 23
+//!                                                parallel.zero_stage = 1, 2 → GatherAfterUpdate    06
+//! GradReduce (src/parallel/data_parallel.rs:62)  parallel.dp_mode, bucket_mb → DataParallel        04, 05
+//!                                                parallel.zero_stage ≥ 2 → ZeroBuckets             06
+//!                                                parallel.dp_shard → within SHARD, then REPLICATE  08
+//!                                                parallel.ep → ExpertGrads                         20
+//! Walk (src/parallel/pipeline_parallel.rs:130)   parallel.pp_schedule → Afab | OneFOneB | Listed   12–15
+//! WholeMatrices (src/model/muon.rs:138)          train.optimizer = muon, sharded → Owners          23
+//! Precision (src/ops/precision.rs:24)            device.dtype → f32 | bf16 | fp8                   21
 //! ```
 //! Where the weights come from (a checkpoint resumed, pretrained weights, the init) is
 //! `train/run.rs`'s, with the run's checkpoints; the loop around the step is `train/driver.rs`'s.
@@ -43,7 +44,7 @@ use crate::config::{Config, CpMode, OptimizerKind, ParallelConfig};
 use crate::data::Dataset;
 use crate::model::fused_loss::FusedLoss;
 use crate::model::moe::{ExpertSplit, Experts, EP, EXPERT_DP};
-use crate::model::muon::{self, Muon, OneRank, WholeMatrices};
+use crate::model::muon::{self, Muon, WholeMatrices};
 use crate::model::optimizer::{self, AdamW, Optimizer, StateKinds};
 use crate::model::routing_tape::{self, RoutingTape, TapeMode, Taped};
 use crate::model::{Llama, Param, TensorSplit, Whole};
@@ -110,7 +111,7 @@ pub(super) fn assemble<'g>(
     let tape = routing_tape.map(|mode| RoutingTape::open(mode, cfg)).transpose()?;
     let experts = experts(me, cfg, tape.clone()); // a mixture of experts' shared parts
     let (mut model, first_step) = model(me, cfg, experts.as_ref(), shared)?; // this rank's part, on its device
-                                                                             // ZeRO: each dp rank keeps 1/dp of the optimizer state (stage 1), of the gradients (2), of
+                                                                             // ZeRO: each dp rank keeps 1/dp of the optimizer state (ZeRO-1), of the gradients (2), of
                                                                              // the weights (3); an expert, 1/(its expert-data ranks). Under hybrid sharding
                                                                              // (`parallel.dp_shard`) ZeRO works within the shard groups, replicated across them.
     let dense = if hybrid_sharding::is_hybrid(&me.grid) { SHARD.into() } else { Axis::DpCp };
@@ -120,7 +121,7 @@ pub(super) fn assemble<'g>(
     // Muon's matrices whole for Newton–Schulz: each at one owner of the ranks holding its pieces
     let alone = [Axis::DpCp, Axis::Tp, EXPERT_DP.into()].iter().all(|&a| me.group(a).size() == 1);
     let wholes: Box<dyn WholeMatrices> = match alone {
-        true => Box::new(OneRank), // every matrix is whole here
+        true => Box::new(Whole), // every matrix is whole here
         false => Box::new(Owners::new(me, &sharding, layout::replicas, &model.params())),
     };
     let mut optimizer = optimizer(&mut model, cfg, wholes);
@@ -189,10 +190,10 @@ fn model<'g>(
     };
     let (mut model, first_step) = shared.weights(cfg, tp, schedules::stage_of(me.coords.pp, p))?;
     model = model.with_recompute(t.recompute);
-    if t.loss_chunk_rows > 0 {
+    if t.loss_stripe_rows > 0 {
         // the fused loss makes its gradient in forward, for the step's scale 1/m
         let scale = 1.0 / t.grad_accum_steps as f32;
-        model = model.with_loss(Box::new(FusedLoss { rows: t.loss_chunk_rows, scale }));
+        model = model.with_loss(Box::new(FusedLoss { rows: t.loss_stripe_rows, scale }));
     }
     model = model.with_gemms(crate::ops::precision::gemms(cfg.device.gemms()));
     if let Some(experts) = experts {

@@ -108,7 +108,7 @@ impl<'g> Gradients<'g> {
     }
 
     /// After the step's last backward: every reducer in turn finishes the gradients it takes
-    /// (the replicas' average; under ZeRO this rank's chunk of it).
+    /// (the replicas' average; under ZeRO this rank's partition of it).
     pub fn finish(&mut self, params: &mut [&mut Param]) -> Result<()> {
         for (which, reducer) in &mut self.reducers {
             let takes = |p: &Param| which.takes(p, &self.axes);
@@ -124,7 +124,7 @@ impl<'g> Gradients<'g> {
 /// slices is summed over the tp group, plus the parameters every tp rank holds whole counted
 /// once, then summed over the stages. Each replicas' axis (`NormAxis`) adds its parameters' part
 /// this way in turn: where each rank holds only a part of every trained gradient (ZeRO's
-/// chunks), its sums are first added up over the group holding the other parts; where the
+/// partitions), its sums are first added up over the group holding the other parts; where the
 /// axis's other ranks hold other parameters (a later lesson's experts), over that group too. A
 /// one-number tensor on the rank's device: on GPUs the sums stay there (NCCL), and the step reads
 /// it together with the loss.

@@ -59,7 +59,7 @@ pub struct Keep {
     pub sequence_parallel: bool,
     pub recompute: Recompute,
     pub defers_weights: bool,
-    /// `train.loss_chunk_rows`: > 0, the last stage keeps dxn instead of the logits.
+    /// `train.loss_stripe_rows`: > 0, the last stage keeps dxn instead of the logits.
     pub loss_rows: usize,
     /// FP8 GEMMs on a GPU: a kept GEMM input keeps its FP8 copy too (`ops/gpu_fp8.rs`: both
     /// layouts, a byte each, cast once and read again by the weight gradient).
@@ -82,7 +82,7 @@ impl Keep {
         let defers_weights = p.pp > 1 && p.pp_schedule.splits_backward();
         let (tp, sequence_parallel, recompute) = (p.tp, p.sequence_parallel, cfg.train.recompute);
         let fp8_copies = cfg.device.kind == crate::config::DeviceKind::Cuda && cfg.device.gemms() == Precision::Fp8;
-        Keep { tp, sequence_parallel, recompute, defers_weights, loss_rows: cfg.train.loss_chunk_rows, fp8_copies }
+        Keep { tp, sequence_parallel, recompute, defers_weights, loss_rows: cfg.train.loss_stripe_rows, fp8_copies }
     }
 }
 
@@ -144,7 +144,7 @@ fn mlp_bytes(m: &ModelConfig, (rows, split): (f64, f64), keep: Keep, e: f64) -> 
 /// backward on one rank of pipeline `stage` (what `model/block.rs`'s `Kept` and the model's
 /// head cache hold): per layer `layer_bytes`; on the last stage also the final norm's input and
 /// output (split like the residual), its 1/rms, the logits and their lse (with the fused loss,
-/// `train.loss_chunk_rows`, the norm's input, its 1/rms and dxn instead).
+/// `train.loss_stripe_rows`, the norm's input, its 1/rms and dxn instead).
 pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, keep: Keep, stage: Stage, dtype: DType) -> f64 {
     let e = if dtype == DType::Bf16 { 2.0 } else { 4.0 };
     let (batch, seq) = (batch as f64, seq as f64);
@@ -186,7 +186,7 @@ pub struct RankMemory {
     pub rank: usize,
     /// What the forward reads (the compute copies, whole or a gathered unit) and the fp32 masters.
     pub weights_bytes: f64,
-    /// Full gradients (under ZeRO-2/3 a unit's), and under ZeRO the averaged chunks' sums.
+    /// Full gradients (under ZeRO-2/3 a unit's), and under ZeRO the averaged partitions' sums.
     pub grads_bytes: f64,
     /// AdamW's two moments.
     pub optimizer_bytes: f64,
@@ -203,7 +203,7 @@ pub struct RankMemory {
 /// Every rank's memory for `cfg`, estimated from the shapes (nothing is allocated), at the
 /// busiest moment of a step: the first block backward (every activation still held); under ZeRO
 /// also the second block backward (with the bucket the first filled), the end of a backward (the
-/// chunk sums and the buckets in flight) and, at stages 1–2, the all-gather of the updated
+/// partition sums and the buckets in flight) and, at ZeRO-1 and 2, the all-gather of the updated
 /// weights after the optimizer — whichever holds most. Ranks that differ only in dp, cp or tp index hold the same; the
 /// pipeline stage decides.
 pub fn per_rank(cfg: &Config) -> Result<Vec<RankMemory>> {
@@ -219,11 +219,11 @@ pub fn per_stage(cfg: &Config) -> Vec<RankMemory> {
     (0..p.pp).map(|index| stage_memory(cfg, &cuts, schedules::stage_of(index, p))).collect()
 }
 
-/// Values of a rank of `stage` with `tp` tensor-parallel ranks: (whole, in ZeRO chunks over `z`
+/// Values of a rank of `stage` with `tp` tensor-parallel ranks: (whole, in ZeRO partitions over `z`
 /// ranks, the largest FSDP unit a block backward may hold beside every activation (not the
 /// embedding), the largest unit). Counted from one layer's tensors times the stage's layers, in
 /// f64: any depth and any absurd size cost nothing and never overflow. Experts: 1/ep of them,
-/// chunked over z/ep ranks (the expert-data group).
+/// partitioned over z/ep ranks (the expert-data group).
 fn sizes(
     (m, cuts): (&ModelConfig, &Cuts),
     (tp, ep): (usize, usize),
@@ -231,7 +231,7 @@ fn sizes(
     z: usize,
     counted: &Counted,
 ) -> (f64, f64, f64, f64) {
-    // (values, values in chunks) of the embedding, of one block, of the head
+    // (values, values in partitions) of the embedding, of one block, of the head
     let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
     for (name, shape, on_tp) in cuts {
         if !counted(name, shape) {
@@ -251,11 +251,11 @@ fn sizes(
     let layers = stage.layer_count(m.num_hidden_layers) as f64;
     let (first, last) = (stage.is_first() as u8 as f64, stage.is_last() as u8 as f64);
     let whole = layers * layer.0 + first * embed.0 + last * head.0;
-    let chunks = layers * layer.1 + first * embed.1 + last * head.1;
+    let partitions = layers * layer.1 + first * embed.1 + last * head.1;
     // the head gathers the embedding it shares when they are tied
     let head_unit = last * (head.0 + if m.tie_word_embeddings { embed.0 } else { 0.0 });
     let unit = layer.0.max(head_unit);
-    (whole, chunks, unit, unit.max(first * embed.0))
+    (whole, partitions, unit, unit.max(first * embed.0))
 }
 
 /// A model's tensors as its one-layer twin's (name, whole shape, tp cut), which `sizes`
@@ -289,7 +289,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // the ranks that share the replicated state: all of dp×cp, or a shard group's (hybrid)
     let z = if p.dp_shard == 0 { p.dp } else { p.dp_shard } * p.cp;
     let zero = if z > 1 { p.zero_stage } else { 0 };
-    let (whole, chunks, unit, any_unit) = sizes((&cfg.model, cuts), (p.tp, p.ep), stage, z, &every);
+    let (whole, partitions, unit, any_unit) = sizes((&cfg.model, cuts), (p.tp, p.ep), stage, z, &every);
     // Muon keeps one momentum for each value of the blocks' matrices, where AdamW keeps two moments
     let muon: &Counted = &muon::updates;
     let (matrices, matrix_chunks, ..) = match t.optimizer {
@@ -297,15 +297,15 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
         OptimizerKind::Muon => sizes((&cfg.model, cuts), (p.tp, p.ep), stage, z, muon),
     };
     // the values of one bucket
-    let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * chunks);
-    // held all the time: fp32 masters (whole in mixed precision, or ZeRO's chunks), AdamW's two
+    let bucket = (bucket_values(p.bucket_mb) as f64).min(z as f64 * partitions);
+    // held all the time: fp32 masters (whole in mixed precision, or ZeRO's partitions), AdamW's two
     // moments (of 4 B, or 2 B in bf16 on a GPU: the CPU keeps bf16 values in f32), the compute
     // copies between uses (none under FSDP)
     let on_gpu = cfg.device.kind == crate::config::DeviceKind::Cuda;
     let moments = if on_gpu && t.optimizer_dtype.dtype() == DType::Bf16 { 4.0 } else { 8.0 };
     let (master, optimizer) = match zero {
         0 => (if dtype == DType::Bf16 { 4.0 * whole } else { 0.0 }, moments * (whole - matrices / 2.0)),
-        _ => (4.0 * chunks, moments * (chunks - matrix_chunks / 2.0)),
+        _ => (4.0 * partitions, moments * (partitions - matrix_chunks / 2.0)),
     };
     let compute = if zero == 3 { e * unit } else { e * whole }; // FSDP: the unit gathered now
                                                                 // FP8 GEMMs on a GPU: each FP8 weight's copy (2 bytes a value, both layouts), cast at its
@@ -322,7 +322,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // backward: what the schedule keeps, and the first block backward's gradients on top of it:
     // the MLP's (`mlp_bytes`), or after the MLP's cache went, the attention's (measured: rows ×
     // (3 attention widths per tp rank + 5 hidden widths)), with what that block recomputes; the
-    // gradients being written, and the bucket filling (stage 0 keeps a bucket per gradient); FSDP: the next
+    // gradients being written, and the bucket filling (ZeRO-0 keeps a bucket per gradient); FSDP: the next
     // unit's gather in flight
     let rows = (t.micro_batch_size * t.seq_len / p.cp) as f64;
     let (d, v) = (cfg.model.hidden_size as f64, (cfg.model.vocab_size / p.tp) as f64);
@@ -343,15 +343,15 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     let attn = Attn { batch, seq, kv_seq: seq, heads: heads.0, kv_heads: heads.1, head_dim: m.head_dim() };
     let scratch = if on_gpu { 4.0 * backward_scratch(dtype, attn) as f64 } else { 0.0 };
     let block = mlp_backward.max(rows * (3.0 * d / p.tp as f64 + 5.0 * d) * e - mlp_kept + scratch) + layer_again;
-    // the head: backward's logits gradient beside the logits, or the fused loss's chunk of
+    // the head: backward's logits gradient beside the logits, or the fused loss's stripe of
     // logits and its gradient (in forward)
     let logits = if keep.loss_rows > 0 { 2.0 * (keep.loss_rows as f64).min(rows) } else { rows } * v * e;
     let now = (one + logits).max(one - head + block);
     let activations = one * (in_flight(cfg, stage, dtype) - 1.0) + now;
-    // (ZeRO-2/3 with accumulation: the chunk sums of the earlier micro-batches as well)
+    // (ZeRO-2/3 with accumulation: the partition sums of the earlier micro-batches as well)
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
     let sums =
-        if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage, dtype) == 1.0 { 4.0 * chunks } else { 0.0 };
+        if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage, dtype) == 1.0 { 4.0 * partitions } else { 0.0 };
     let grads = sums + if zero >= 2 { 4.0 * unit } else { 4.0 * whole };
     // (ZeRO makes a bucket when its first gradient arrives: by then, on the last stage, the head's)
     let filling = if stage.is_last() { 4.0 * bucket } else { 0.0 };
@@ -380,11 +380,11 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
         comm_bytes: comm + if stage.is_last() { 0.0 } else { 4.0 * bucket },
         ..backward.clone()
     };
-    // ZeRO-1/2 after the optimizer: stage 1's full gradients, and two groups of updated chunks
+    // ZeRO-1/2 after the optimizer: ZeRO-1's full gradients, and two groups of updated partitions
     // being gathered (packed in fp32, then in the compute dtype from every rank); the FP8 copies
     // went with the optimizer's writes
-    let group = (bucket / z as f64).min(chunks);
-    let groups_in_flight = if group < chunks { 2.0 } else { 1.0 };
+    let group = (bucket / z as f64).min(partitions);
+    let groups_in_flight = if group < partitions { 2.0 } else { 1.0 };
     let gather = RankMemory {
         weights_bytes: master + compute,
         grads_bytes: if zero == 1 { 4.0 * whole } else { 0.0 },
@@ -395,14 +395,14 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     let total =
         |m: &RankMemory| m.weights_bytes + m.grads_bytes + m.optimizer_bytes + m.activations_bytes + m.comm_bytes;
     // ZeRO at the end of a backward: its activations gone (a pipeline stage still holds its other
-    // micro-batches'), the last unit's gradients (the embedding's on the first stage), the chunk
+    // micro-batches'), the last unit's gradients (the embedding's on the first stage), the partition
     // sums and the buckets still in flight
     let end = RankMemory {
         weights_bytes: master + compute + fp8_weights,
-        grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * chunks,
+        grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * partitions,
         optimizer_bytes: optimizer,
         activations_bytes: one * (in_flight(cfg, stage, dtype) - 1.0),
-        comm_bytes: 4.0 * (3.0 * bucket).min(z as f64 * chunks),
+        comm_bytes: 4.0 * (3.0 * bucket).min(z as f64 * partitions),
         ..Default::default()
     };
     let candidates = match zero {
@@ -417,9 +417,9 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
 /// What a rank's model and optimizer hold, counted from their tensors (`measured`, not estimated).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct Held {
-    /// Compute copies (whole or gathered) and fp32 masters (whole or ZeRO chunks).
+    /// Compute copies (whole or gathered) and fp32 masters (whole or ZeRO partitions).
     pub weights: usize,
-    /// Full gradients and ZeRO's averaged chunks.
+    /// Full gradients and ZeRO's averaged partitions.
     pub grads: usize,
     /// AdamW's moments.
     pub optimizer: usize,

@@ -10,7 +10,7 @@
 //!     starts while backward goes on with the earlier layers
 //! data parallel: wait until every gradient is the average over the dp ranks
 //! global gradient norm → clip → learning rate for this step → the optimizer (AdamW)
-//!     (ZeRO-1, 2: of this rank's chunks, then gathered back into whole weights)
+//!     (ZeRO-1, 2: of this rank's partitions, then gathered back into whole weights)
 //! ```
 //! On a GPU the loss stays on the device until the step reads it with the gradient norm: the
 //! step's one wait for the GPU.
@@ -97,7 +97,7 @@ impl Trainer<'_> {
             (stats.loss, stats.peak_activations)
         };
         // each gradient's way to the optimizer, in this order: 1. the average over its replicas
-        // (dp×cp; an expert's, edp): an all-reduce, or ZeRO's reduce-scatter to this rank's chunk;
+        // (dp×cp; an expert's, edp): an all-reduce, or ZeRO's reduce-scatter to this rank's partition;
         // 2. with sequence parallelism, the norms' sum over tp (`train/gradients.rs`)
         let span = Instant::now();
         grads.finish(&mut model.params_mut())?;
@@ -112,7 +112,7 @@ impl Trainer<'_> {
         let read = ops::concat(&[&loss, &grad_sq]).to_vec();
         let (loss, grad_norm) = (read[0], (read[1] as f64).sqrt());
         // 4. never an update from a NaN; the optimizer (AdamW) at this step's learning rate,
-        //    clipping folded in (ZeRO-1, 2: this rank's chunks, then the whole weights gathered)
+        //    clipping folded in (ZeRO-1, 2: this rank's partitions, then the whole weights gathered)
         finite(self.cfg, loss, step, self.first_step)?;
         let lr = optimizer::lr_at(t, step);
         self.optimizer.step(&mut params, lr, optimizer::clip_factor(grad_norm, t.grad_clip))?;

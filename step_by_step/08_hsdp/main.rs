@@ -50,8 +50,8 @@ fn run(tiny: bool) -> Result<()> {
         }
     }
     // the gathers and reduce-scatters stay inside a shard group; only an all-reduce of each
-    // rank's chunks crosses between the groups (the shard axis's small all-reduce is the
-    // gradient norm's sum over the chunks)
+    // rank's partitions crosses between the groups (the shard axis's small all-reduce is the
+    // gradient norm's sum over the partitions)
     let inside = hsdp_calls.iter().all(|&(axis, call)| match call {
         Call::AllGather | Call::ReduceScatter => axis == "shard",
         _ => axis != "replicate" || call == Call::AllReduce,

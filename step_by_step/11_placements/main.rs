@@ -115,12 +115,12 @@ const TABLE: [(&str, &str, &str, &str); 8] = [
 ];
 
 /// A parameter's placement on `axis`, in the words of this lesson: the tp slice (step 09), ZeRO's
-/// chunk on the axis sharding it (step 06); replicated on any other axis. (An expert's, its share
+/// partition on the axis sharding it (step 06); replicated on any other axis. (An expert's, its share
 /// of its layer's experts on the ep axis, is step 20's.)
 fn placement(p: &Param, axis: Axis) -> Placement {
     match axis {
         Axis::Tp => p.tp.into(), // rows Shard(0), columns Shard(1), whole Replicate
-        a if zero::chunk_of(p).is_some_and(|z| z.axis == a) => Placement::Shard(0),
+        a if zero::partition_of(p).is_some_and(|z| z.axis == a) => Placement::Shard(0),
         _ => Placement::Replicate,
     }
 }
@@ -194,12 +194,12 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
         // ZeRO: the master weights become Shard(0) of each one's flat values
         let sharding = Sharding::new(1, every_on_dp_cp).with(Axis::DpCp, (Axis::DpCp, group));
         let model = zero::shard(model, &mut optimizer, &sharding, 1);
-        let chunks = model.params().iter().zip(&values).all(|(p, d)| {
+        let partitions = model.params().iter().zip(&values).all(|(p, d)| {
             let mine = part_of(&d.clone().with_shape(&[d.numel()]), placement(p, Axis::DpCp), (group.index(), 2));
             placement(p, Axis::DpCp) == Placement::Shard(0)
-                && max_diff(&mine, &zero::chunk_of(p).expect("sharded").master) == 0.0
+                && max_diff(&mine, &zero::partition_of(p).expect("sharded").master) == 0.0
         });
-        Ok((worst, chunks))
+        Ok((worst, partitions))
     })?;
     let worst = dp.iter().map(|r| r.0).fold(0.0, f32::max);
     common::claim(
@@ -210,7 +210,7 @@ fn every_parallelism(cfg: &Config) -> Result<()> {
     common::claim(
         "ZeRO over dp = 2: each master is Shard(0) of its flat values",
         dp.iter().all(|r| r.1),
-        "every chunk, value for value",
+        "every partition, value for value",
     )
 }
 

@@ -87,7 +87,7 @@ fn run(tiny: bool) -> Result<()> {
         let nudged = (Options { nudge_weights: true, ..Default::default() }, "every initial weight moved by one ulp");
         common::follows_with(&format!("Muon with {}", layout.join(" ")), (&all[0].losses, mine), &cfg, 1e-4, nudged)?;
         let t = exchanged(&all, axis);
-        // replicas: each owner sends its results to every rank; chunks (ZeRO) and tp slices:
+        // replicas: each owner sends its results to every rank; partitions (ZeRO) and tp slices:
         // every piece to its owner and back
         let want = if cfg.parallel.zero_stage == 0 && axis != "tp" { ranks * n * 4 } else { 2 * n * 4 };
         let (calls, held) = (t.calls, all[0].held.optimizer);

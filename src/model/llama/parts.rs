@@ -6,7 +6,7 @@
 
 use super::{Cache, Head, HeadCache, Llama, LossHead, WholeLogits};
 use crate::config::ModelConfig;
-use crate::model::block::{Block, KeepAll, Keeps, Mlps};
+use crate::model::block::{Attentions, Block, KeepAll, Keeps, Mlps};
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{LayerSplit, SequenceSplit, TensorSplit, WeightSplit, Whole};
 use crate::model::{family, init};
@@ -22,12 +22,17 @@ impl<'g> Llama<'g> {
         Llama::init(cfg, seed, Box::new(Whole), Whole)
     }
 
-    /// This rank's part of the same model: the layers `held` says (a pipeline stage's), each
+    /// This rank's part of the same model: the layers `layer_split` says (a pipeline stage's), each
     /// tensor split over the tensor-parallel ranks as `tp` says. Parts are cut from the full
     /// initialised tensors, so every layout starts from the single-rank model.
-    pub fn init(cfg: &ModelConfig, seed: u64, tp: Box<dyn TensorSplit + 'g>, held: impl LayerSplit) -> Llama<'g> {
+    pub fn init(
+        cfg: &ModelConfig,
+        seed: u64,
+        tp: Box<dyn TensorSplit + 'g>,
+        layer_split: impl LayerSplit,
+    ) -> Llama<'g> {
         let std = cfg.initializer_range;
-        Llama::build(cfg, tp, held, |name, shape, kind| {
+        Llama::build(cfg, tp, layer_split, |name, shape, kind| {
             Ok(match kind {
                 ParamKind::Matrix => init::normal(seed, name, shape, std),
                 ParamKind::Norm => init::ones(shape),
@@ -42,19 +47,20 @@ impl<'g> Llama<'g> {
     pub fn build(
         cfg: &ModelConfig,
         tp: Box<dyn TensorSplit + 'g>,
-        held: impl LayerSplit,
+        layer_split: impl LayerSplit,
         mut make: impl FnMut(&str, &[usize], ParamKind) -> Result<Tensor>,
     ) -> Result<Llama<'g>> {
         let (index, count) = tp.part();
-        let mlps = family::mlps(cfg);
-        let (embed_tokens, layers, head) = Llama::parts(cfg, &held, &*mlps, &mut |name, shape, kind, tp| {
+        let (attentions, mlps) = (family::attentions(cfg), family::mlps(cfg));
+        let makers = (&*attentions, &*mlps);
+        let (embed_tokens, layers, head) = Llama::parts(cfg, &layer_split, makers, &mut |name, shape, kind, tp| {
             let value = ops::tp_part(&make(&name, shape, kind)?, tp, (index, count)); // this tp rank's
             Ok(Param::new(name, value, tp))
         })?;
         let vocab_first = index * cfg.vocab_size / count;
         let caches = VecDeque::new();
         let mut at = 0; // chunk c holds the next `len` of this stage's layers
-        let chunks = (held.chunk_layers(cfg.num_hidden_layers).iter())
+        let chunks = (layer_split.chunk_layers(cfg.num_hidden_layers).iter())
             .map(|r| {
                 at += r.len();
                 at - r.len()..at
@@ -79,27 +85,27 @@ impl<'g> Llama<'g> {
         })
     }
 
-    /// The parameters of the layers `held` says, each made by `param(name, full shape, kind, tp
-    /// cut)`; the blocks' MLPs by `mlps`.
+    /// The parameters of the layers `layer_split` says, each made by `param(name, full shape, kind, tp
+    /// cut)`; the blocks' attentions and MLPs by `makers`.
     #[allow(clippy::type_complexity)]
     pub(super) fn parts(
         cfg: &ModelConfig,
-        held: &dyn LayerSplit,
-        mlps: &dyn Mlps<'g>,
+        layer_split: &dyn LayerSplit,
+        makers: (&dyn Attentions<'g>, &dyn Mlps<'g>),
         param: &mut impl FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>,
     ) -> Result<(Option<Param>, Vec<Block<'g>>, Option<Head>)> {
         let d = cfg.hidden_size;
         let (rows, whole) = (TpCut::Rows, TpCut::Whole); // on the tp axis: vocabulary rows
         let embed_name = "model.embed_tokens.weight".to_string();
-        let embed_tokens = match held.has_embedding() {
+        let embed_tokens = match layer_split.has_embedding() {
             true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, rows)?),
             false => None,
         };
         let mut layers = Vec::new();
-        for i in held.chunk_layers(cfg.num_hidden_layers).into_iter().flatten() {
-            layers.push(Block::build(i, cfg, mlps, param)?);
+        for i in layer_split.chunk_layers(cfg.num_hidden_layers).into_iter().flatten() {
+            layers.push(Block::build(i, cfg, makers, param)?);
         }
-        let head = match held.has_head() {
+        let head = match layer_split.has_head() {
             true => Some(Head {
                 norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, whole)?,
                 lm_head: match cfg.tie_word_embeddings {
@@ -215,11 +221,11 @@ impl<'g> Llama<'g> {
     /// this rank's trained part.
     pub fn checksum(&self) -> u64 {
         let mut h: u64 = 0xcbf29ce484222325;
-        let held = |p: &&Param| match (&p.trained_part, p.value.numel()) {
+        let values = |p: &&Param| match (&p.trained_part, p.value.numel()) {
             (Some(t), 0) => t.values().to_vec(),
             _ => p.value.to_vec(),
         };
-        for x in self.params().iter().flat_map(held) {
+        for x in self.params().iter().flat_map(values) {
             for b in x.to_bits().to_le_bytes() {
                 h = (h ^ b as u64).wrapping_mul(0x100000001b3);
             }
@@ -227,7 +233,7 @@ impl<'g> Llama<'g> {
         h
     }
 
-    /// The bytes of the activations held for backward (all micro-batches in flight), and of the
+    /// The bytes of the activations layer_split for backward (all micro-batches in flight), and of the
     /// weight GEMMs' inputs a zero-bubble pipeline's W still has to read.
     pub fn activation_bytes(&self) -> usize {
         let cache =

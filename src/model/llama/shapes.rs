@@ -16,17 +16,18 @@ use crate::ops::TpCut;
 use std::collections::HashMap;
 
 impl Llama<'_> {
-    /// The name and full shape of every tensor of the layers `held` says (a pipeline stage's), in
+    /// The name and full shape of every tensor of the layers `layer_split` says (a pipeline stage's), in
     /// Hugging Face order, from the config alone (nothing allocated): what a checkpoint of this
     /// model must hold.
-    pub fn tensor_shapes(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>)> {
-        Llama::tensor_cuts(cfg, held).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
+    pub fn tensor_shapes(cfg: &ModelConfig, layer_split: impl LayerSplit) -> Vec<(String, Vec<usize>)> {
+        Llama::tensor_cuts(cfg, layer_split).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
     }
 
     /// `tensor_shapes`, with how tensor parallelism cuts each tensor, in the order of `params()`.
-    pub fn tensor_cuts(cfg: &ModelConfig, held: impl LayerSplit) -> Vec<(String, Vec<usize>, TpCut)> {
+    pub fn tensor_cuts(cfg: &ModelConfig, layer_split: impl LayerSplit) -> Vec<(String, Vec<usize>, TpCut)> {
         let mut shapes = HashMap::new();
-        let made = Llama::parts(cfg, &held, &*family::mlps(cfg), &mut |name, shape, _, tp| {
+        let (attentions, mlps) = (family::attentions(cfg), family::mlps(cfg));
+        let made = Llama::parts(cfg, &layer_split, (&*attentions, &*mlps), &mut |name, shape, _, tp| {
             shapes.insert(name.clone(), shape.to_vec());
             Ok(Param::new(name, Tensor::zeros(&[0]), tp)) // nothing allocated
         });
