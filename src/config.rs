@@ -12,7 +12,7 @@ mod table;
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
-use table::{apply_set, merge, one_line, plain_words};
+use table::{apply_set, merge, one_line, plain_words, renamed};
 
 /// The longest a rank may be configured to wait for the others (`parallel.timeout_s`): a week.
 pub const MAX_TIMEOUT_S: f64 = 604800.0;
@@ -112,8 +112,6 @@ pub struct TrainConfig {
     /// The loss without the logits (`model/fused_loss.rs`): > 0 computes the output layer, the
     /// loss and its gradient this many rows at a time in forward, never holding the whole
     /// `rows × vocab` logits (a *stripe* of rows at a time); 0 keeps them whole for backward.
-    /// (`loss_chunk_rows` before 2026-12-01, read still: configs and checkpoints of then.)
-    #[serde(alias = "loss_chunk_rows")]
     pub loss_stripe_rows: usize,
     /// Every this many steps (and after the last), a greedy continuation of `sample_prompt`
     /// printed and kept in the metrics (`train/sample.rs`); 0: never.
@@ -495,7 +493,7 @@ impl Config {
                     );
                 }
             }
-            merge(&mut table, user);
+            merge(&mut table, renamed(user, &path.display().to_string())?);
         }
         for set in sets {
             apply_set(&mut table, set)?;
@@ -521,7 +519,7 @@ impl Config {
     /// it was written takes its default.
     pub fn from_recorded(text: &str) -> Option<Config> {
         let mut table: toml::Table = TINY.parse().expect("configs/tiny.toml is valid TOML");
-        merge(&mut table, text.parse().ok()?);
+        merge(&mut table, renamed(text.parse().ok()?, "the recorded config").ok()?);
         toml::Value::Table(table).try_into().ok()
     }
 }

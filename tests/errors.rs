@@ -23,6 +23,24 @@ fn unknown_key_is_named() {
     assert!(e.contains("trian"), "{e}");
 }
 
+/// A key renamed since configs and checkpoints could first say it (`train.loss_chunk_rows`, now
+/// `train.loss_stripe_rows`) still means the new one, from a file, a `--set` or a checkpoint's
+/// recorded config; a file that gives both names is refused in one line.
+#[test]
+fn an_old_key_name_still_reads() {
+    let set = Config::load(None, &["train.loss_chunk_rows=16".to_string()]).unwrap();
+    assert_eq!(set.train.loss_stripe_rows, 16);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("old.toml");
+    std::fs::write(&file, "[train]\nloss_chunk_rows = 8\n").unwrap();
+    assert_eq!(Config::load(Some(&file), &[]).unwrap().train.loss_stripe_rows, 8);
+    let recorded = Config::from_recorded("[train]\nloss_chunk_rows = 24\n").expect("an older checkpoint's config");
+    assert_eq!(recorded.train.loss_stripe_rows, 24);
+    std::fs::write(&file, "[train]\nloss_chunk_rows = 8\nloss_stripe_rows = 4\n").unwrap();
+    let e = err(Config::load(Some(&file), &[]));
+    assert!(e.contains("old.toml") && e.contains("`train.loss_chunk_rows` is the old name of"), "{e}");
+}
+
 #[test]
 fn wrong_type_is_named() {
     let e = config_error(&["train.steps=\"many\""]);

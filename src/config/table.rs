@@ -29,6 +29,32 @@ pub(super) fn merge(base: &mut toml::Table, over: toml::Table) {
     }
 }
 
+/// Keys renamed since a config, a `--set` or a checkpoint's record could first say them:
+/// (section, the old name, the new one). The old name still means the new key.
+const RENAMED: [(&str, &str, &str); 1] = [
+    ("train", "loss_chunk_rows", "loss_stripe_rows"), // 2026-12-01: `chunk` is the pipeline's word
+];
+
+/// The name `key` of `section` goes by now.
+fn current<'k>(section: &str, key: &'k str) -> &'k str {
+    RENAMED.iter().find(|r| r.0 == section && r.1 == key).map_or(key, |r| r.2)
+}
+
+/// One layer of the config (a file, a checkpoint's record) with each old key under its new name;
+/// `source` names the layer where it gives both.
+pub(super) fn renamed(mut table: toml::Table, source: &str) -> Result<toml::Table> {
+    for (section, old, new) in RENAMED {
+        let Some(keys) = table.get_mut(section).and_then(toml::Value::as_table_mut) else { continue };
+        if let Some(value) = keys.remove(old) {
+            if keys.contains_key(new) {
+                bail!("{source}: `{section}.{old}` is the old name of `{section}.{new}`; give it once, as `{new}`");
+            }
+            keys.insert(new.to_string(), value);
+        }
+    }
+    Ok(table)
+}
+
 /// `section.key=value`; the value is read as TOML (`3`, `1e-3`, `true`, `"x"`), else as a string.
 pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
     let Some((path, raw)) = set.split_once('=') else {
@@ -48,7 +74,7 @@ pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
     let Some(section) = section.as_table_mut() else {
         bail!("--set {set}: `{}` is not a section", path[0]);
     };
-    section.insert(path[1].to_string(), value);
+    section.insert(current(path[0], path[1]).to_string(), value);
     Ok(())
 }
 
