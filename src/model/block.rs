@@ -146,7 +146,7 @@ impl AttentionKept for GqaKept {
         self.q.bytes() + self.k.bytes() + self.v.bytes() + core
     }
     fn drop_core(&mut self) {
-        self.core = None; // scores and softmax again in backward; the GEMM outputs stay
+        self.core = None; // out and lse go; q, k and v stay for the backward to attend again
     }
 }
 
