@@ -63,6 +63,18 @@ pub struct ModelConfig {
     /// Weight of the Switch load-balancing loss added to the cross-entropy; 0: off (as in
     /// transformers' default training path).
     pub router_aux_loss_coef: f32,
+    /// Multi-head latent attention (DeepSeek-V3's, `model/latent_attention.rs`) when > 0: the
+    /// width of the latent each token's keys and values are made from; 0: grouped-query attention.
+    pub kv_lora_rank: usize,
+    /// With MLA, the query's own latent width; 0: one `q_proj` (Hugging Face's null).
+    pub q_lora_rank: usize,
+    /// With MLA, per head: the query/key part without position, the rotated part (one key for
+    /// every head), the value.
+    pub qk_nope_head_dim: usize,
+    pub qk_rope_head_dim: usize,
+    pub v_head_dim: usize,
+    /// With MLA, RoPE's pairs: interleaved (x₂ᵢ, x₂ᵢ₊₁), DeepSeek's layout; false: split halves.
+    pub rope_interleave: bool,
     /// Start from these weights instead of a random init: a Hugging Face Llama folder whose
     /// config.json matches the keys above. Empty: random init.
     pub init_from: String,
@@ -402,6 +414,9 @@ pub enum DeviceKind {
 
 impl ModelConfig {
     pub fn head_dim(&self) -> usize {
+        if self.kv_lora_rank > 0 {
+            return self.qk_nope_head_dim + self.qk_rope_head_dim; // MLA: a query's (and key's) head
+        }
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
@@ -423,7 +438,16 @@ impl ModelConfig {
             0.0 => 3.0 * f * d,
             e => e * 3.0 * f * d + e * d, // the experts and the router
         };
-        let layer = 2.0 * q * d + 2.0 * kv * d + mlp + 2.0 * d; // q, o, k, v, MLP, two norms
+        let attention = match self.kv_lora_rank as f64 {
+            0.0 => 2.0 * q * d + 2.0 * kv * d, // q, o, k, v
+            c => {
+                let [ql, r, n, vd] =
+                    [self.q_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim].map(|x| x as f64);
+                let query = if ql == 0.0 { q * d } else { ql * d + ql + ql * q };
+                query + (c + r) * d + c + c * h * (n + vd) + h * vd * d // MLA: q, kv_a, its norm, kv_b, o
+            }
+        };
+        let layer = attention + mlp + 2.0 * d; // the MLP, two norms
         let embeddings = if self.tie_word_embeddings { 1.0 } else { 2.0 } * v * d;
         embeddings + l * layer + d
     }

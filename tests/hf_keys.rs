@@ -1,5 +1,5 @@
 //! Foreign keys understood or refused: every key of transformers' own `LlamaConfig`,
-//! `MixtralConfig` and `GenerationConfig` (`tests/fixtures/config_keys.json`, written by
+//! `MixtralConfig`, `DeepseekV3Config` and `GenerationConfig` (`tests/fixtures/config_keys.json`, written by
 //! `tests/fixtures/make_config_keys.py` from transformers' classes) is one that ferrotron reads,
 //! refuses away from its default, or knows to be no part of the math (`checkpoint::hf::keys`); a
 //! key transformers adds in a later release fails this test until it is placed. The refusals are
@@ -15,7 +15,7 @@ fn every_key_of_transformers_config_classes_is_placed() {
     let j: serde_json::Value = serde_json::from_slice(&std::fs::read(fixture).unwrap()).unwrap();
     let placed: Vec<&str> = [keys::READ, keys::REFUSED_UNLESS_DEFAULT, keys::NOT_MATH].concat();
     let mut unplaced = Vec::new();
-    for class in ["llama", "mixtral"] {
+    for class in ["llama", "mixtral", "deepseek_v3"] {
         let listed = j[class].as_array().unwrap();
         assert!(listed.len() > 30, "{class}: {} keys", listed.len());
         unplaced.extend(listed.iter().map(|k| k.as_str().unwrap()).filter(|k| !placed.contains(k)));

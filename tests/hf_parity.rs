@@ -1,6 +1,7 @@
 //! Hugging Face parity: for each fixture written by `tests/fixtures/make_hf_fixtures.py`, the
 //! model loaded through the same path as `ferrotron eval` must give transformers' loss (1e-5
 //! relative), logits (1e-4) and every parameter gradient (1e-4 relative to the tensor's norm).
+//! The DeepSeek-V3 fixtures hold latent attention (`model/latent_attention.rs`) in both layouts.
 //! The Mixtral fixtures add the router and every expert's gradient; with the load-balancing loss
 //! on, transformers' loss includes it, which `eval` (the language-model loss) leaves out.
 
@@ -79,4 +80,14 @@ fn mixtral_top1_of_3_with_the_balance_loss() {
 #[test]
 fn mixtral_top3_of_5_tied_with_the_balance_loss() {
     check_case("mixtral_top3_tied");
+}
+
+#[test]
+fn latent_attention_plain_query_interleaved_rope() {
+    check_case("mla_dense");
+}
+
+#[test]
+fn latent_attention_query_latent_split_half_rope_wide_values_tied() {
+    check_case("mla_q_latent");
 }

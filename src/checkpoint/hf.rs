@@ -81,10 +81,12 @@ pub fn check_tensors(
     Ok(())
 }
 
-/// The keys of a Llama's or a Mixtral's `config.json`, as transformers' own config classes have
-/// them (`tests/fixtures/config_keys.json`), by what ferrotron does with each: none is passed
-/// over without a reason (`tests/hf_keys.rs`). Keys transformers does not know, it ignores, and
-/// so does ferrotron.
+/// The keys of a Llama's, a Mixtral's or a DeepSeek-V3's `config.json`, as transformers' own
+/// config classes have them (`tests/fixtures/config_keys.json`), by what ferrotron does with
+/// each: none is passed over without a reason (`tests/hf_keys.rs`). Keys transformers does not
+/// know, it ignores, and so does ferrotron. DeepSeek-V3's multi-token-prediction layers
+/// (`num_nextn_predict_layers`) are not part of the model transformers runs: their tensors, in
+/// a folder that has them, are dropped (`drop_non_weights`).
 pub mod keys {
     /// Read into the model's config (`ModelConfig`), or deciding which model it is.
     pub const READ: &[&str] = &[
@@ -104,6 +106,15 @@ pub mod keys {
         "num_experts_per_tok",
         "router_aux_loss_coef",
         "output_router_logits",
+        "kv_lora_rank",
+        "q_lora_rank",
+        "qk_nope_head_dim",
+        "qk_rope_head_dim",
+        "v_head_dim",
+        "qk_head_dim",
+        "rope_interleave",
+        "first_k_dense_replace",
+        "n_routed_experts",
     ];
     /// Change the math where they leave their default: refused then, naming the key.
     pub const REFUSED_UNLESS_DEFAULT: &[&str] = &[
@@ -116,6 +127,12 @@ pub mod keys {
         "router_jitter_noise",
         "sliding_window",
         "quantization_config",
+        "moe_intermediate_size",
+        "n_shared_experts",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "routed_scaling_factor",
     ];
     /// Not the model's math: names, special token ids (`eos_token_id`: `generate`), the dtype
     /// the weights were saved in (they are widened to f32), how transformers returns outputs,
@@ -140,6 +157,7 @@ pub mod keys {
         "is_encoder_decoder",
         "chunk_size_feed_forward",
         "pretraining_tp",
+        "num_nextn_predict_layers",
     ];
 }
 
@@ -178,11 +196,19 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         |key: &str| -> Result<Option<&str>> { Ok(typed(key, "a string", &|v| v.is_string())?.and_then(Value::as_str)) };
 
     let model_type = text("model_type")?.unwrap_or("llama");
-    let mixtral = match model_type {
-        "llama" => false,
-        "mixtral" => true,
-        _ => bail!("{file}: model_type is \"{model_type}\"; only Llama and Mixtral models are supported"),
+    let (mixtral, deepseek) = match model_type {
+        "llama" => (false, false),
+        "mixtral" => (true, false),
+        "deepseek_v3" => (false, true),
+        _ => bail!("{file}: model_type is \"{model_type}\"; only Llama, Mixtral and DeepSeek-V3 models are supported"),
     };
+    if deepseek {
+        // DeepSeekMoE: layers from first_k_dense_replace on hold routed and shared experts
+        let (layers, dense) = (size("num_hidden_layers")?, opt_size("first_k_dense_replace")?.unwrap_or(3));
+        if opt_size("n_routed_experts")?.unwrap_or(256) > 0 && dense < layers {
+            bail!("{file}: first_k_dense_replace = {dense} < num_hidden_layers = {layers}: DeepSeekMoE layers (routed and shared experts) are not supported yet; only a DeepSeek-V3 whose layers are all dense (first_k_dense_replace >= num_hidden_layers) loads");
+        }
+    }
     if let Some(noise) = number("router_jitter_noise")?.filter(|x| mixtral && *x != 0.0) {
         bail!("{file}: router_jitter_noise = {noise} is not supported (ferrotron's router has no noise); set it to 0");
     }
@@ -212,6 +238,18 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         bail!("{file}: quantization_config is set: quantised weights are not supported; use the model's unquantised weights");
     }
     let heads = size("num_attention_heads")?;
+    // DeepSeek-V3's latent attention (transformers' defaults where a key is absent); its
+    // head_dim is derived (transformers writes qk_rope_head_dim there), and so is qk_head_dim
+    let latent = |key: &str, default: usize| -> Result<usize> {
+        Ok(if deepseek { opt_size(key)?.unwrap_or(default) } else { 0 })
+    };
+    let (nope, rope) = (latent("qk_nope_head_dim", 128)?, latent("qk_rope_head_dim", 64)?);
+    if let Some(qk) = opt_size("qk_head_dim")?.filter(|&qk| deepseek && qk != nope + rope) {
+        bail!(
+            "{file}: qk_head_dim = {qk}, but qk_nope_head_dim + qk_rope_head_dim = {}: the folder contradicts itself",
+            nope + rope
+        );
+    }
     let cfg = ModelConfig {
         vocab_size: size("vocab_size")?,
         hidden_size: size("hidden_size")?,
@@ -219,7 +257,7 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         num_hidden_layers: size("num_hidden_layers")?,
         num_attention_heads: heads,
         num_key_value_heads: opt_size("num_key_value_heads")?.unwrap_or(heads),
-        head_dim: opt_size("head_dim")?,
+        head_dim: if deepseek { None } else { opt_size("head_dim")? },
         rope_theta: number("rope_theta")?.or(number("rope_parameters.rope_theta")?).unwrap_or(10000.0),
         rms_norm_eps: number("rms_norm_eps")?.unwrap_or(1e-6) as f32,
         tie_word_embeddings: flag("tie_word_embeddings")?.unwrap_or(false),
@@ -231,6 +269,12 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
             Some(true) => number("router_aux_loss_coef")?.unwrap_or(0.001) as f32,
             _ => 0.0,
         },
+        kv_lora_rank: latent("kv_lora_rank", 512)?,
+        q_lora_rank: if deepseek && !j["q_lora_rank"].is_null() { latent("q_lora_rank", 1536)? } else { 0 },
+        qk_nope_head_dim: nope,
+        qk_rope_head_dim: rope,
+        v_head_dim: latent("v_head_dim", 128)?,
+        rope_interleave: flag("rope_interleave")?.unwrap_or(true),
         init_from: String::new(),
     };
     cfg.validate(&format!("{file}: "))?;

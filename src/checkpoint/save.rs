@@ -431,6 +431,28 @@ pub fn hf_config(m: &ModelConfig) -> String {
             all.remove("mlp_bias");
         }
     }
+    if m.kv_lora_rank > 0 {
+        // a DeepSeek-V3 whose MLPs are all dense: latent attention, no routed experts
+        let mla = serde_json::json!({
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "model_type": "deepseek_v3",
+            "kv_lora_rank": m.kv_lora_rank,
+            "q_lora_rank": (m.q_lora_rank > 0).then_some(m.q_lora_rank),
+            "qk_nope_head_dim": m.qk_nope_head_dim,
+            "qk_rope_head_dim": m.qk_rope_head_dim,
+            "qk_head_dim": m.qk_nope_head_dim + m.qk_rope_head_dim,
+            "head_dim": m.qk_rope_head_dim,
+            "v_head_dim": m.v_head_dim,
+            "rope_interleave": m.rope_interleave,
+            "first_k_dense_replace": m.num_hidden_layers,
+            "n_routed_experts": 0,
+            "num_nextn_predict_layers": 0,
+        });
+        if let (Some(all), Some(more)) = (j.as_object_mut(), mla.as_object()) {
+            all.extend(more.clone());
+            all.remove("mlp_bias");
+        }
+    }
     serde_json::to_string_pretty(&j).expect("JSON")
 }
 

@@ -27,7 +27,9 @@ impl ModelConfig {
             }
         }
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
-        if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(h) {
+        if self.kv_lora_rank > 0 {
+            self.validate_latent(prefix)?;
+        } else if self.head_dim.is_none() && !self.hidden_size.is_multiple_of(h) {
             bail!("{prefix}hidden_size = {} is not divisible by {prefix}num_attention_heads = {h}: change one, or set {prefix}head_dim", self.hidden_size);
         }
         if !h.is_multiple_of(kv) {
@@ -35,6 +37,15 @@ impl ModelConfig {
         }
         if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             bail!("{prefix}head_dim = {} must be even and positive: RoPE rotates pairs of features", self.head_dim());
+        }
+        let latent = [
+            ("q_lora_rank", self.q_lora_rank),
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+        ];
+        if let Some((key, v)) = latent.iter().find(|(_, v)| self.kv_lora_rank == 0 && *v > 0) {
+            bail!("{prefix}{key} = {v} with {prefix}kv_lora_rank = 0: it is a width of latent attention, which kv_lora_rank > 0 turns on; set kv_lora_rank or {key} = 0");
         }
         let (e, k) = (self.num_local_experts, self.num_experts_per_tok);
         match (e, k) {
@@ -55,6 +66,30 @@ impl ModelConfig {
             if !(v > 0.0 && v.is_finite()) {
                 bail!("{prefix}{key} = {v}: it must be a positive finite number");
             }
+        }
+        Ok(())
+    }
+
+    /// Multi-head latent attention's widths (`kv_lora_rank` > 0), or none of them without it.
+    fn validate_latent(&self, prefix: &str) -> Result<()> {
+        let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
+        if kv != h {
+            bail!("{prefix}num_key_value_heads = {kv} with {prefix}kv_lora_rank > 0: latent attention gives every head its own key and value; set num_key_value_heads = num_attention_heads = {h}");
+        }
+        for (key, v) in [
+            ("qk_nope_head_dim", self.qk_nope_head_dim),
+            ("qk_rope_head_dim", self.qk_rope_head_dim),
+            ("v_head_dim", self.v_head_dim),
+        ] {
+            if v == 0 {
+                bail!("{prefix}{key} = 0 with {prefix}kv_lora_rank > 0: latent attention needs it at least 1");
+            }
+        }
+        if !self.qk_rope_head_dim.is_multiple_of(2) {
+            bail!("{prefix}qk_rope_head_dim = {} must be even: RoPE rotates pairs of features", self.qk_rope_head_dim);
+        }
+        if let Some(hd) = self.head_dim.filter(|&hd| hd != self.qk_rope_head_dim) {
+            bail!("{prefix}head_dim = {hd} with {prefix}kv_lora_rank > 0: latent attention's widths are qk_nope_head_dim, qk_rope_head_dim and v_head_dim; leave head_dim out");
         }
         Ok(())
     }
@@ -170,6 +205,9 @@ impl Config {
         let chunks = if p.cp_split == CpSplit::Zigzag { 2 * p.cp } else { p.cp };
         if p.cp > 1 && !t.seq_len.is_multiple_of(chunks) {
             bail!("train.seq_len = {} does not split into {chunks} equal chunks for parallel.cp = {} (the {:?} split cuts {chunks} chunks): choose a seq_len divisible by {chunks}", t.seq_len, p.cp, p.cp_split);
+        }
+        if self.model.kv_lora_rank > 0 && p.tp > 1 {
+            bail!("parallel.tp = {} with model.kv_lora_rank > 0: latent attention does not split over tensor-parallel ranks yet (its latent path would be replicated, its gradients summed over tp); set parallel.tp = 1 and use dp, cp or pp", p.tp);
         }
         let heads = self.model.num_attention_heads / p.tp.max(1);
         if p.cp > 1 && p.cp_mode == CpMode::Ulysses && !heads.is_multiple_of(p.cp) {

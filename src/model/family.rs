@@ -6,19 +6,26 @@
 //! carries their load-balancing term. Both plug into the block's MLP seam (`Mlps`), so the
 //! model's own files never name the experts: this file is where the two families meet, as
 //! `transformers` picks a class by the config's `model_type`. Both attend as Llama does
-//! (`block.rs`'s `Gqa`, through the block's attention seam, `Attentions`).
+//! (`block.rs`'s `Gqa`, through the block's attention seam, `Attentions`); with
+//! `kv_lora_rank` > 0 the attention is DeepSeek-V3's multi-head latent attention
+//! (`latent_attention.rs`), through the same seam.
 //!
 //! What it makes holds every expert on this rank. The composition root (`train/compose.rs`)
 //! makes the experts again of the same weights, where the run puts them (`Llama::with_mlps`).
 
 use crate::config::ModelConfig;
 use crate::model::block::{Attentions, DenseMlps, GqaAttentions, Mlps};
+use crate::model::latent_attention::MlaAttentions;
 use crate::model::moe::Experts;
 use crate::model::split::Whole;
 
-/// The blocks' attentions of the model `cfg` describes: Llama's and Mixtral's are grouped-query.
-pub fn attentions<'g>(_: &ModelConfig) -> Box<dyn Attentions<'g> + 'g> {
-    Box::new(GqaAttentions)
+/// The blocks' attentions of the model `cfg` describes: Llama's and Mixtral's are grouped-query,
+/// DeepSeek-V3's (`kv_lora_rank` > 0) latent.
+pub fn attentions<'g>(cfg: &ModelConfig) -> Box<dyn Attentions<'g> + 'g> {
+    match cfg.kv_lora_rank {
+        0 => Box::new(GqaAttentions),
+        _ => Box::new(MlaAttentions),
+    }
 }
 
 /// The blocks' MLPs of the model `cfg` describes (and what they add to its loss), every expert

@@ -16,6 +16,7 @@ pub mod family;
 pub mod fused_loss;
 pub mod init;
 pub mod kv_cache;
+pub mod latent_attention;
 pub mod llama;
 pub mod moe;
 pub mod muon;

@@ -1,0 +1,405 @@
+//! # Multi-head latent attention (MLA): DeepSeek-V2/V3's attention, forward and backward
+//!
+//! Grouped-query attention saves KV-cache memory by sharing a key and a value among several
+//! query heads. MLA saves more and keeps a key and a value per head: each token writes one small
+//! *latent* vector c (`kv_lora_rank` values, 512 in V3) and one rotated key k_rot shared by every
+//! head (`qk_rope_head_dim`, 64); every head's key and value are linear images of c. A token's
+//! cache is c and k_rot, 576 numbers in V3, where its 128 heads of GQA-free keys and values would
+//! be 128 × (192 + 128) = 40,960.
+//!
+//! ```text
+//!             ┌ q_proj ───────────────────────────────┐            (q_lora_rank = 0)
+//! xn [T, d] ──┤ q_a_proj ─ rmsnorm ─ q_b_proj ────────┴─ q [T, H·(n+r)]: per head [q_nope | q_rot]
+//!             └ kv_a_proj_with_mqa ─ [c | k_rot]  (c: kv_lora_rank values, k_rot: r, one for all heads)
+//!                  c ─ rmsnorm ─ kv_b_proj ─ per head [k_nope (n) | v (v)]
+//! rope(q_rot), rope(k_rot) (interleaved pairs or split halves: `rope_interleave`)
+//! per head h:  Q_h = [q_nope_h | rope(q_rot_h)],  K_h = [k_nope_h | rope(k_rot)],  V_h = v_h
+//! out = softmax(Q·Kᵀ · (n+r)^-½, causal) · V ─ o_proj ─ [T, d]
+//! ```
+//! n = `qk_nope_head_dim`, r = `qk_rope_head_dim`, v = `v_head_dim`, H heads (as many KV heads).
+//! Why the rotated part is separate: RoPE turns a key by its position, so a key that must stay a
+//! fixed linear image of c cannot carry it; the r rotated dimensions ride beside, one copy shared.
+//! The two latent norms use their own epsilon (1e-6, as transformers builds them).
+//!
+//! What it costs in training: nothing is saved there. The core attends over expanded per-head keys
+//! and values as any attention does (the saving is the cache's, when generating), and the latent
+//! path adds two GEMMs and two norms per layer. Here the core is the same op every attention
+//! uses, through the same seam (`block.rs`'s `Attend`, the `SequenceSplit`: one rank, ring,
+//! zigzag, Ulysses): the query and key heads are n+r wide and the value heads v, so each is
+//! padded with zeros to D = max(n+r, v) and the query scaled so that the op's 1/√D is (n+r)^-½
+//! (zeros add nothing to a dot product; the padded output columns are zero and dropped). That is
+//! the plain, slower road: a kernel taught a value width of its own would skip the padding, and a
+//! ring would pass c and k_rot instead of the expanded keys and values (not done here).
+//!
+//! Tensor parallelism would split the heads (q_b/q_proj, kv_b, o_proj) and replicate the latent
+//! path, whose gradients are then sums over the ranks; this attention refuses tp > 1 for now
+//! (`config/checks.rs`).
+
+use crate::config::ModelConfig;
+use crate::model::block::{kept_as, Attend, Attention, AttentionKept, Attentions, MakeParam, Splits};
+use crate::model::param::{Param, ParamKind};
+use crate::model::split::{TensorSplit, WeightGrads};
+use crate::ops::tensor::Tensor;
+use crate::ops::{self, moe as route, Attn, TpCut};
+use anyhow::{anyhow, Result};
+use std::borrow::Cow;
+
+/// The epsilon of the two latent norms (transformers' `DeepseekV3RMSNorm` default; the
+/// config's `rms_norm_eps` is the block norms').
+pub const LATENT_EPS: f32 = 1e-6;
+
+/// The widths of one MLA layer.
+#[derive(Clone, Copy, Debug)]
+struct Dims {
+    heads: usize,
+    /// n, r, v: the query/key part without position, the rotated part, the value.
+    nope: usize,
+    rope: usize,
+    v: usize,
+    /// The latent c's width.
+    kv_rank: usize,
+}
+
+impl Dims {
+    /// n + r: a query or key head.
+    fn qk(&self) -> usize {
+        self.nope + self.rope
+    }
+    /// D: the head width the core attends in (query, key and value padded to it).
+    fn core(&self) -> usize {
+        self.qk().max(self.v)
+    }
+}
+
+/// How the query is made: one projection, or through its own latent (`q_lora_rank` > 0).
+enum Query {
+    Plain { q_proj: Param },
+    Latent { q_a_proj: Param, q_a_layernorm: Param, q_b_proj: Param },
+}
+
+/// One layer's multi-head latent attention.
+pub struct Mla {
+    query: Query,
+    kv_a_proj_with_mqa: Param,
+    kv_a_layernorm: Param,
+    kv_b_proj: Param,
+    o_proj: Param,
+    dims: Dims,
+    /// RoPE's base, and whether its pairs are (x₂ᵢ, x₂ᵢ₊₁) (DeepSeek's) or (xᵢ, xᵢ₊ᵣ/₂).
+    theta: f64,
+    interleave: bool,
+}
+
+/// DeepSeek-V3's attentions: every block's `Mla`.
+pub struct MlaAttentions;
+
+impl<'g> Attentions<'g> for MlaAttentions {
+    fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Attention + 'g>> {
+        let dims = Dims {
+            heads: cfg.num_attention_heads,
+            nope: cfg.qk_nope_head_dim,
+            rope: cfg.qk_rope_head_dim,
+            v: cfg.v_head_dim,
+            kv_rank: cfg.kv_lora_rank,
+        };
+        let (d, h, whole) = (cfg.hidden_size, dims.heads, TpCut::Whole);
+        let p = |s: &str| format!("model.layers.{layer}.self_attn.{s}.weight");
+        let (matrix, norm) = (ParamKind::Matrix, ParamKind::Norm);
+        let query = match cfg.q_lora_rank {
+            0 => Query::Plain { q_proj: param(p("q_proj"), &[h * dims.qk(), d], matrix, TpCut::Rows)? },
+            rank => Query::Latent {
+                q_a_proj: param(p("q_a_proj"), &[rank, d], matrix, whole)?,
+                q_a_layernorm: param(p("q_a_layernorm"), &[rank], norm, whole)?,
+                q_b_proj: param(p("q_b_proj"), &[h * dims.qk(), rank], matrix, TpCut::Rows)?,
+            },
+        };
+        Ok(Box::new(Mla {
+            query,
+            kv_a_proj_with_mqa: param(p("kv_a_proj_with_mqa"), &[dims.kv_rank + dims.rope, d], matrix, whole)?,
+            kv_a_layernorm: param(p("kv_a_layernorm"), &[dims.kv_rank], norm, whole)?,
+            kv_b_proj: param(p("kv_b_proj"), &[h * (dims.nope + dims.v), dims.kv_rank], matrix, TpCut::Rows)?,
+            o_proj: param(p("o_proj"), &[d, h * dims.v], matrix, TpCut::Columns)?,
+            dims,
+            theta: cfg.rope_theta,
+            interleave: cfg.rope_interleave,
+        }))
+    }
+}
+
+/// What `Mla` keeps: the latents and their norms' 1/rms, the core's padded q, k, v, and the core
+/// (`None` once given up).
+struct MlaKept {
+    /// The query's latent before and after its norm, and the norm's 1/rms (`q_lora_rank` > 0).
+    q_latent: Option<(Tensor, Tensor, Tensor)>,
+    /// c before and after its norm, and the norm's 1/rms.
+    c: Tensor,
+    c_normed: Tensor,
+    c_rstd: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    core: Option<(Tensor, Tensor)>,
+}
+
+impl AttentionKept for MlaKept {
+    fn bytes(&self) -> usize {
+        let q_latent = self.q_latent.as_ref().map_or(0, |(a, b, c)| a.bytes() + b.bytes() + c.bytes());
+        let core = self.core.as_ref().map_or(0, |(o, l)| o.bytes() + l.bytes());
+        let rest = [&self.c, &self.c_normed, &self.c_rstd, &self.q, &self.k, &self.v];
+        q_latent + core + rest.iter().map(|t| t.bytes()).sum::<usize>()
+    }
+    fn drop_core(&mut self) {
+        self.core = None; // out and lse go; the padded q, k and v stay for the backward to attend again
+    }
+}
+
+/// Where an output column comes from: column `1` of source `0`, or a zero.
+type Pick = Option<(usize, usize)>;
+
+/// `[rows, picks.len()]`: each column copied from a column of one of `sources` (each
+/// `[rows, width]`), or zero. One gather of blocks as wide as the runs allow (`ops::gather_blocks`,
+/// on the device the tensors are on).
+fn pick_columns(sources: &[&Tensor], picks: &[Pick]) -> Tensor {
+    let rows = sources[0].rows();
+    // the block width: every run of consecutive source columns, every source, cut in whole blocks
+    let mut g = picks.len();
+    for s in sources {
+        g = gcd(g, s.cols());
+    }
+    for (j, pick) in picks.iter().enumerate() {
+        let follows = j > 0
+            && match (picks[j - 1], *pick) {
+                (Some((a, i)), Some((b, k))) => a == b && i + 1 == k,
+                (None, None) => true,
+                _ => false,
+            };
+        if !follows {
+            g = gcd(g, j);
+            if let Some((_, c)) = pick {
+                g = gcd(g, *c);
+            }
+        }
+    }
+    let starts: Vec<usize> = sources.iter().scan(0, |at, s| Some(std::mem::replace(at, *at + s.numel()))).collect();
+    let zero = (starts.last().unwrap_or(&0) + sources.last().map_or(0, |s| s.numel())) / g; // the appended zeros
+    let starts = &starts;
+    let order: Vec<u32> = (0..rows)
+        .flat_map(|r| {
+            picks.chunks(g).map(move |block| match block[0] {
+                Some((s, c)) => ((starts[s] + r * sources[s].cols() + c) / g) as u32,
+                None => zero as u32,
+            })
+        })
+        .collect();
+    let mut all: Vec<&Tensor> = sources.to_vec();
+    let zeros = Tensor::zeros_as(&[g], sources[0]);
+    all.push(&zeros);
+    ops::gather_blocks(&ops::concat(&all), g, &order).with_shape(&[rows, picks.len()])
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 {
+        a
+    } else {
+        gcd(b, a % b)
+    }
+}
+
+impl Mla {
+    /// Column i of a rotated part as the rotation sees it: with interleaved pairs the evens
+    /// first, then the odds (transformers' output layout); else as stored.
+    fn rotated(&self, i: usize) -> usize {
+        let r = self.dims.rope;
+        match self.interleave {
+            true if i < r / 2 => 2 * i,
+            true => 2 * (i - r / 2) + 1,
+            false => i,
+        }
+    }
+
+    /// Where column `i` of the rotated layout sits in the stored layout, inverted: stored column
+    /// j → its place in the rotated layout.
+    fn stored(&self, j: usize) -> usize {
+        let r = self.dims.rope;
+        match self.interleave {
+            true if j % 2 == 0 => j / 2,
+            true => r / 2 + j / 2,
+            false => j,
+        }
+    }
+
+    /// The factor on the query that turns the core op's 1/√D into (n+r)^-½.
+    fn query_scale(&self) -> f32 {
+        (self.dims.core() as f64 / self.dims.qk() as f64).sqrt() as f32
+    }
+
+    /// The core's shape: H heads of D, one KV head per query head.
+    fn core_attn(&self, a: Attn) -> Attn {
+        Attn { heads: self.dims.heads, kv_heads: self.dims.heads, head_dim: self.dims.core(), ..a }
+    }
+}
+
+impl Attention for Mla {
+    fn params(&self) -> Vec<&Param> {
+        let mut v: Vec<&Param> = match &self.query {
+            Query::Plain { q_proj } => vec![q_proj],
+            Query::Latent { q_a_proj, q_a_layernorm, q_b_proj } => vec![q_a_proj, q_a_layernorm, q_b_proj],
+        };
+        v.extend([&self.kv_a_proj_with_mqa, &self.kv_a_layernorm, &self.kv_b_proj, &self.o_proj]);
+        v
+    }
+
+    fn params_mut(&mut self) -> Vec<&mut Param> {
+        let mut v: Vec<&mut Param> = match &mut self.query {
+            Query::Plain { q_proj } => vec![q_proj],
+            Query::Latent { q_a_proj, q_a_layernorm, q_b_proj } => vec![q_a_proj, q_a_layernorm, q_b_proj],
+        };
+        v.extend([&mut self.kv_a_proj_with_mqa, &mut self.kv_a_layernorm, &mut self.kv_b_proj, &mut self.o_proj]);
+        v
+    }
+
+    fn forward(
+        &self,
+        tp: &dyn TensorSplit,
+        xn: &Tensor,
+        (attn, positions): (Attn, &[u32]),
+        attend: Attend,
+    ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)> {
+        let Dims { heads, nope, rope, v: vd, kv_rank } = self.dims;
+        let (qk, dd) = (self.dims.qk(), self.dims.core());
+        let xin = tp.gather_rows(xn)?;
+        let (q, q_latent) = match &self.query {
+            Query::Plain { q_proj } => (q_proj.linear(&xin), None),
+            Query::Latent { q_a_proj, q_a_layernorm, q_b_proj } => {
+                let a = q_a_proj.linear(&xin);
+                let (a_normed, rstd) = ops::rmsnorm(&a, &q_a_layernorm.value, LATENT_EPS);
+                (q_b_proj.linear(&a_normed), Some((a, a_normed, rstd)))
+            }
+        };
+        let ckv = self.kv_a_proj_with_mqa.linear(&xin);
+        drop(xin);
+        let c = pick_columns(&[&ckv], &(0..kv_rank).map(|i| Some((0, i))).collect::<Vec<_>>());
+        let (c_normed, c_rstd) = ops::rmsnorm(&c, &self.kv_a_layernorm.value, LATENT_EPS);
+        let kv = self.kv_b_proj.linear(&c_normed); // per head [k_nope | v]
+                                                   // the rotated parts, in the rotation's layout, turned by their positions
+        let mut q_rot = pick_columns(&[&q], &per_head(heads, rope, |h, i| Some((0, h * qk + nope + self.rotated(i)))));
+        let mut k_rot =
+            pick_columns(&[&ckv], &(0..rope).map(|i| Some((0, kv_rank + self.rotated(i)))).collect::<Vec<_>>());
+        ops::rope(&mut q_rot, positions, rope, self.theta);
+        ops::rope(&mut k_rot, positions, rope, self.theta);
+        // the core's heads, D wide: [q_nope | q_rot | 0], [k_nope | k_rot | 0], [v | 0]
+        let (kv_w, nv) = (nope + vd, nope);
+        let mut qc = pick_columns(
+            &[&q, &q_rot],
+            &per_head(heads, dd, |h, i| match i {
+                i if i < nope => Some((0, h * qk + i)),
+                i if i < qk => Some((1, h * rope + i - nope)),
+                _ => None,
+            }),
+        );
+        let kc = pick_columns(
+            &[&kv, &k_rot],
+            &per_head(heads, dd, |h, i| match i {
+                i if i < nope => Some((0, h * kv_w + i)),
+                i if i < qk => Some((1, i - nope)),
+                _ => None,
+            }),
+        );
+        let vc = pick_columns(&[&kv], &per_head(heads, dd, |h, i| (i < vd).then_some((0, h * kv_w + nv + i))));
+        drop((q, ckv, kv, q_rot, k_rot));
+        if dd != qk {
+            ops::scale(&mut qc, self.query_scale());
+        }
+        let core = self.core_attn(attn);
+        let (out, lse, work) = attend(core, &qc, &kc, &vc)?;
+        let out_v = pick_columns(&[&out], &per_head(heads, vd, |h, i| Some((0, h * dd + i))));
+        let h = tp.row_forward(&out_v, &self.o_proj)?;
+        let kept = MlaKept { q_latent, c, c_normed, c_rstd, q: qc, k: kc, v: vc, core: Some((out, lse)) };
+        Ok((h, Box::new(kept), work))
+    }
+
+    fn backward(
+        &mut self,
+        split: Splits,
+        dy: &Tensor,
+        (xn, kept): (Tensor, Box<dyn AttentionKept>),
+        (attn, positions): (Attn, &[u32]),
+        dw: &mut dyn WeightGrads,
+    ) -> Result<Tensor> {
+        let MlaKept { q_latent, c, c_normed, c_rstd, q, k, v, core } = *kept_as::<MlaKept>(kept)?;
+        let Dims { heads, nope, rope, v: vd, kv_rank } = self.dims;
+        let (qk, dd, kv_w) = (self.dims.qk(), self.dims.core(), nope + vd);
+        let (tp, pos, a) = (split.tp, &positions[..attn.seq], self.core_attn(attn));
+        let (out, lse) = match core {
+            Some(core) => core,
+            None => split.seq.attention(a, &q, &k, &v, pos).map(|(o, l, _)| (o, l))?, // not kept: again
+        };
+        // o_proj is row parallel: local
+        let dy = tp.gather_rows(dy)?;
+        let dout_v = self.o_proj.linear_input_grad(&dy);
+        let out_v = pick_columns(&[&out], &per_head(heads, vd, |h, i| Some((0, h * dd + i))));
+        dw.linear(Cow::Owned(out_v), vec![(dy, &mut self.o_proj)]);
+        let dout = pick_columns(&[&dout_v], &per_head(heads, dd, |h, i| (i < vd).then_some((0, h * vd + i))));
+        drop(dout_v);
+        let (mut dq_c, dk_c, dv_c) = split.seq.attention_backward(a, (&q, &k, &v), pos, (&out, &lse), &dout)?;
+        drop((q, k, v, out, lse, dout));
+        if dd != qk {
+            ops::scale(&mut dq_c, self.query_scale());
+        }
+        // the rotated parts' gradients: the query's per head, the shared key's summed over heads,
+        // each turned back by its position
+        let mut dq_rot = pick_columns(&[&dq_c], &per_head(heads, rope, |h, i| Some((0, h * dd + nope + i))));
+        let dk_rot_heads = pick_columns(&[&dk_c], &per_head(heads, rope, |h, i| Some((0, h * dd + nope + i))));
+        let rows = dk_rot_heads.rows();
+        let each: Vec<u32> = (0..(rows * heads) as u32).collect();
+        let mut dk_rot = route::weighted_sum(&dk_rot_heads.with_shape(&[rows * heads, rope]), &each, None, rows);
+        ops::rope_backward(&mut dq_rot, positions, rope, self.theta);
+        ops::rope_backward(&mut dk_rot, positions, rope, self.theta);
+        // back to the projections' layouts: q per head [nope | rot as stored]; kv per head [k_nope | v]
+        let dq = pick_columns(
+            &[&dq_c, &dq_rot],
+            &per_head(heads, qk, |h, j| match j {
+                j if j < nope => Some((0, h * dd + j)),
+                j => Some((1, h * rope + self.stored(j - nope))),
+            }),
+        );
+        let dkv = pick_columns(
+            &[&dk_c, &dv_c],
+            &per_head(heads, kv_w, |h, j| match j {
+                j if j < nope => Some((0, h * dd + j)),
+                j => Some((1, h * dd + j - nope)),
+            }),
+        );
+        drop((dq_c, dk_c, dv_c, dq_rot));
+        // the latent c: kv_b, then its norm
+        let dc_normed = self.kv_b_proj.linear_input_grad(&dkv);
+        dw.linear(Cow::Owned(c_normed), vec![(Cow::Owned(dkv), &mut self.kv_b_proj)]);
+        let ln = &mut self.kv_a_layernorm;
+        let dc = ops::rmsnorm_backward(&dc_normed, &c, &ln.value, &c_rstd, &mut ln.grad, None);
+        let dckv = pick_columns(
+            &[&dc, &dk_rot],
+            &(0..kv_rank + rope)
+                .map(|j| if j < kv_rank { Some((0, j)) } else { Some((1, self.stored(j - kv_rank))) })
+                .collect::<Vec<_>>(),
+        );
+        // the two projections that read xn: one sum of their input gradients
+        match (&mut self.query, q_latent) {
+            (Query::Plain { q_proj }, _) => {
+                tp.column_backward(xn, vec![(dq, q_proj), (dckv, &mut self.kv_a_proj_with_mqa)], dw)
+            }
+            (Query::Latent { q_a_proj, q_a_layernorm, q_b_proj }, Some((qa, qa_normed, qa_rstd))) => {
+                let dqa_normed = q_b_proj.linear_input_grad(&dq);
+                dw.linear(Cow::Owned(qa_normed), vec![(Cow::Owned(dq), &mut *q_b_proj)]);
+                let ln = q_a_layernorm;
+                let dqa = ops::rmsnorm_backward(&dqa_normed, &qa, &ln.value, &qa_rstd, &mut ln.grad, None);
+                tp.column_backward(xn, vec![(dqa, q_a_proj), (dckv, &mut self.kv_a_proj_with_mqa)], dw)
+            }
+            (Query::Latent { .. }, None) => Err(anyhow!("backward: a latent query's forward kept no latent")),
+        }
+    }
+}
+
+/// `heads` runs of `width` picks, `pick(head, column)` each.
+fn per_head(heads: usize, width: usize, pick: impl Fn(usize, usize) -> Pick) -> Vec<Pick> {
+    (0..heads).flat_map(|h| (0..width).map(move |i| (h, i))).map(|(h, i)| pick(h, i)).collect()
+}
