@@ -71,15 +71,18 @@ impl Dims {
     }
 }
 
-/// How the query is made: one projection, or through its own latent (`q_lora_rank` > 0).
-enum Query {
-    Plain { q_proj: Param },
-    Latent { q_a_proj: Param, q_a_layernorm: Param, q_b_proj: Param },
+/// The query's own latent (`q_lora_rank` > 0): down to its width, then normed.
+struct QueryLatent {
+    q_a_proj: Param,
+    q_a_layernorm: Param,
 }
 
 /// One layer's multi-head latent attention.
 pub struct Mla {
-    query: Query,
+    /// With `q_lora_rank` > 0, what the query heads are made from; else they come from xn.
+    q_latent: Option<Box<QueryLatent>>,
+    /// What makes the query heads: `q_proj` from xn, or `q_b_proj` from the query's latent.
+    q_heads: Param,
     kv_a_proj_with_mqa: Param,
     kv_a_layernorm: Param,
     kv_b_proj: Param,
@@ -105,16 +108,19 @@ impl<'g> Attentions<'g> for MlaAttentions {
         let (d, h, whole) = (cfg.hidden_size, dims.heads, TpCut::Whole);
         let p = |s: &str| format!("model.layers.{layer}.self_attn.{s}.weight");
         let (matrix, norm) = (ParamKind::Matrix, ParamKind::Norm);
-        let query = match cfg.q_lora_rank {
-            0 => Query::Plain { q_proj: param(p("q_proj"), &[h * dims.qk(), d], matrix, TpCut::Rows)? },
-            rank => Query::Latent {
-                q_a_proj: param(p("q_a_proj"), &[rank, d], matrix, whole)?,
-                q_a_layernorm: param(p("q_a_layernorm"), &[rank], norm, whole)?,
-                q_b_proj: param(p("q_b_proj"), &[h * dims.qk(), rank], matrix, TpCut::Rows)?,
-            },
+        let (q_latent, q_heads) = match cfg.q_lora_rank {
+            0 => (None, param(p("q_proj"), &[h * dims.qk(), d], matrix, TpCut::Rows)?),
+            rank => (
+                Some(Box::new(QueryLatent {
+                    q_a_proj: param(p("q_a_proj"), &[rank, d], matrix, whole)?,
+                    q_a_layernorm: param(p("q_a_layernorm"), &[rank], norm, whole)?,
+                })),
+                param(p("q_b_proj"), &[h * dims.qk(), rank], matrix, TpCut::Rows)?,
+            ),
         };
         Ok(Box::new(Mla {
-            query,
+            q_latent,
+            q_heads,
             kv_a_proj_with_mqa: param(p("kv_a_proj_with_mqa"), &[dims.kv_rank + dims.rope, d], matrix, whole)?,
             kv_a_layernorm: param(p("kv_a_layernorm"), &[dims.kv_rank], norm, whole)?,
             kv_b_proj: param(p("kv_b_proj"), &[h * (dims.nope + dims.v), dims.kv_rank], matrix, TpCut::Rows)?,
@@ -222,7 +228,7 @@ impl Mla {
     fn stored(&self, j: usize) -> usize {
         let r = self.dims.rope;
         match self.interleave {
-            true if j % 2 == 0 => j / 2,
+            true if j.is_multiple_of(2) => j / 2,
             true => r / 2 + j / 2,
             false => j,
         }
@@ -241,20 +247,21 @@ impl Mla {
 
 impl Attention for Mla {
     fn params(&self) -> Vec<&Param> {
-        let mut v: Vec<&Param> = match &self.query {
-            Query::Plain { q_proj } => vec![q_proj],
-            Query::Latent { q_a_proj, q_a_layernorm, q_b_proj } => vec![q_a_proj, q_a_layernorm, q_b_proj],
-        };
-        v.extend([&self.kv_a_proj_with_mqa, &self.kv_a_layernorm, &self.kv_b_proj, &self.o_proj]);
+        let mut v: Vec<&Param> = self.q_latent.iter().flat_map(|l| [&l.q_a_proj, &l.q_a_layernorm]).collect();
+        v.extend([&self.q_heads, &self.kv_a_proj_with_mqa, &self.kv_a_layernorm, &self.kv_b_proj, &self.o_proj]);
         v
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
-        let mut v: Vec<&mut Param> = match &mut self.query {
-            Query::Plain { q_proj } => vec![q_proj],
-            Query::Latent { q_a_proj, q_a_layernorm, q_b_proj } => vec![q_a_proj, q_a_layernorm, q_b_proj],
-        };
-        v.extend([&mut self.kv_a_proj_with_mqa, &mut self.kv_a_layernorm, &mut self.kv_b_proj, &mut self.o_proj]);
+        let mut v: Vec<&mut Param> =
+            self.q_latent.iter_mut().flat_map(|l| [&mut l.q_a_proj, &mut l.q_a_layernorm]).collect();
+        v.extend([
+            &mut self.q_heads,
+            &mut self.kv_a_proj_with_mqa,
+            &mut self.kv_a_layernorm,
+            &mut self.kv_b_proj,
+            &mut self.o_proj,
+        ]);
         v
     }
 
@@ -268,12 +275,12 @@ impl Attention for Mla {
         let Dims { heads, nope, rope, v: vd, kv_rank } = self.dims;
         let (qk, dd) = (self.dims.qk(), self.dims.core());
         let xin = tp.gather_rows(xn)?;
-        let (q, q_latent) = match &self.query {
-            Query::Plain { q_proj } => (q_proj.linear(&xin), None),
-            Query::Latent { q_a_proj, q_a_layernorm, q_b_proj } => {
-                let a = q_a_proj.linear(&xin);
-                let (a_normed, rstd) = ops::rmsnorm(&a, &q_a_layernorm.value, LATENT_EPS);
-                (q_b_proj.linear(&a_normed), Some((a, a_normed, rstd)))
+        let (q, q_latent) = match &self.q_latent {
+            None => (self.q_heads.linear(&xin), None),
+            Some(l) => {
+                let a = l.q_a_proj.linear(&xin);
+                let (a_normed, rstd) = ops::rmsnorm(&a, &l.q_a_layernorm.value, LATENT_EPS);
+                (self.q_heads.linear(&a_normed), Some((a, a_normed, rstd)))
             }
         };
         let ckv = self.kv_a_proj_with_mqa.linear(&xin);
@@ -383,18 +390,18 @@ impl Attention for Mla {
                 .collect::<Vec<_>>(),
         );
         // the two projections that read xn: one sum of their input gradients
-        match (&mut self.query, q_latent) {
-            (Query::Plain { q_proj }, _) => {
-                tp.column_backward(xn, vec![(dq, q_proj), (dckv, &mut self.kv_a_proj_with_mqa)], dw)
+        match (&mut self.q_latent, q_latent) {
+            (None, _) => {
+                tp.column_backward(xn, vec![(dq, &mut self.q_heads), (dckv, &mut self.kv_a_proj_with_mqa)], dw)
             }
-            (Query::Latent { q_a_proj, q_a_layernorm, q_b_proj }, Some((qa, qa_normed, qa_rstd))) => {
-                let dqa_normed = q_b_proj.linear_input_grad(&dq);
-                dw.linear(Cow::Owned(qa_normed), vec![(Cow::Owned(dq), &mut *q_b_proj)]);
-                let ln = q_a_layernorm;
+            (Some(l), Some((qa, qa_normed, qa_rstd))) => {
+                let dqa_normed = self.q_heads.linear_input_grad(&dq);
+                dw.linear(Cow::Owned(qa_normed), vec![(Cow::Owned(dq), &mut self.q_heads)]);
+                let ln = &mut l.q_a_layernorm;
                 let dqa = ops::rmsnorm_backward(&dqa_normed, &qa, &ln.value, &qa_rstd, &mut ln.grad, None);
-                tp.column_backward(xn, vec![(dqa, q_a_proj), (dckv, &mut self.kv_a_proj_with_mqa)], dw)
+                tp.column_backward(xn, vec![(dqa, &mut l.q_a_proj), (dckv, &mut self.kv_a_proj_with_mqa)], dw)
             }
-            (Query::Latent { .. }, None) => Err(anyhow!("backward: a latent query's forward kept no latent")),
+            (Some(_), None) => Err(anyhow!("backward: a latent query's forward kept no latent")),
         }
     }
 }
