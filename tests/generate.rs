@@ -1,5 +1,5 @@
 //! Generating: the KV cache gives the logits of the full forward at every position (dense,
-//! grouped-query, multi-query, tied, mixture of experts); greedy decoding equals transformers'
+//! grouped-query, multi-query, tied, mixture of experts, latent attention); greedy decoding equals transformers'
 //! `generate(do_sample=False)` token for token on a Hugging Face folder with its tokenizer; the
 //! sampler draws from the softmax at its temperature over the top k; the end-of-text token stops
 //! a generation; the CLI's errors.
@@ -20,7 +20,9 @@ fn fixture(rel: &str) -> PathBuf {
 /// full forward's row at that position.
 #[test]
 fn the_kv_cache_gives_the_full_forwards_logits() {
-    for case in ["gqa", "tied_odd", "mha_v4_config", "mqa_sharded", "mixtral", "mixtral_top3_tied"] {
+    for case in
+        ["gqa", "tied_odd", "mha_v4_config", "mqa_sharded", "mixtral", "mixtral_top3_tied", "mla_dense", "mla_q_latent"]
+    {
         let mut model = hf::load_hf(&fixture(case)).unwrap();
         let vocab = model.cfg.vocab_size;
         let seq: Vec<u32> = (0..12).map(|i| ((i * 7 + 3) % vocab) as u32).collect();
