@@ -75,6 +75,26 @@ pub struct ModelConfig {
     pub v_head_dim: usize,
     /// With MLA, RoPE's pairs: interleaved (x₂ᵢ, x₂ᵢ₊₁), DeepSeek's layout; false: split halves.
     pub rope_interleave: bool,
+    /// DeepSeekMoE (`model/moe.rs`) when > 0: each of the `num_local_experts` routed experts is
+    /// this wide, its router scores by sigmoid and balances with a bias; 0: Mixtral's experts
+    /// (`intermediate_size` wide, softmax router).
+    pub moe_intermediate_size: usize,
+    /// With DeepSeekMoE: experts every token goes through (one SwiGLU this many experts wide).
+    pub n_shared_experts: usize,
+    /// With DeepSeekMoE: the first this many layers keep a dense MLP (`intermediate_size`).
+    pub first_k_dense_replace: usize,
+    /// With DeepSeekMoE: the experts in `n_group` groups; a token's experts come from its
+    /// `topk_group` best groups.
+    pub n_group: usize,
+    pub topk_group: usize,
+    /// With DeepSeekMoE: the chosen experts' scores divided by their sum (then scaled).
+    pub norm_topk_prob: bool,
+    /// With DeepSeekMoE: the factor on the chosen experts' weights.
+    pub routed_scaling_factor: f32,
+    /// With DeepSeekMoE: γ of the auxiliary-loss-free balancing, each expert's bias moved by
+    /// ±γ after every step towards the mean load (DeepSeek-V3 trained with 0.001); 0: the bias
+    /// stays as loaded.
+    pub bias_update_speed: f32,
     /// Start from these weights instead of a random init: a Hugging Face Llama folder whose
     /// config.json matches the keys above. Empty: random init.
     pub init_from: String,
@@ -434,9 +454,16 @@ impl ModelConfig {
         ]
         .map(|x| x as f64);
         let (q, kv) = (h * hd, kvh * hd);
-        let mlp = match self.num_local_experts as f64 {
-            0.0 => 3.0 * f * d,
-            e => e * 3.0 * f * d + e * d, // the experts and the router
+        let mlp = match (self.num_local_experts as f64, self.moe_intermediate_size as f64) {
+            (0.0, _) => 3.0 * f * d,
+            (e, 0.0) => e * 3.0 * f * d + e * d, // the experts and the router
+            (e, fe) => {
+                // DeepSeekMoE: the routed experts, the router, the shared experts; the first
+                // layers dense
+                let moe = e * 3.0 * fe * d + e * d + 3.0 * fe * self.n_shared_experts as f64 * d;
+                let dense = (self.first_k_dense_replace.min(self.num_hidden_layers) as f64) / l;
+                dense * 3.0 * f * d + (1.0 - dense) * moe
+            }
         };
         let attention = match self.kv_lora_rank as f64 {
             0.0 => 2.0 * q * d + 2.0 * kv * d, // q, o, k, v

@@ -1,7 +1,9 @@
 //! Hugging Face parity: for each fixture written by `tests/fixtures/make_hf_fixtures.py`, the
 //! model loaded through the same path as `ferrotron eval` must give transformers' loss (1e-5
 //! relative), logits (1e-4) and every parameter gradient (1e-4 relative to the tensor's norm).
-//! The DeepSeek-V3 fixtures hold latent attention (`model/latent_attention.rs`) in both layouts.
+//! The DeepSeek-V3 fixtures hold latent attention (`model/latent_attention.rs`) in both layouts,
+//! and DeepSeekMoE (`model/moe.rs`: grouped sigmoid routing with a non-zero correction bias,
+//! shared experts, dense first layers).
 //! The Mixtral fixtures add the router and every expert's gradient; with the load-balancing loss
 //! on, transformers' loss includes it, which `eval` (the language-model loss) leaves out.
 
@@ -90,4 +92,14 @@ fn latent_attention_plain_query_interleaved_rope() {
 #[test]
 fn latent_attention_query_latent_split_half_rope_wide_values_tied() {
     check_case("mla_q_latent");
+}
+
+#[test]
+fn deepseek_moe_grouped_top2_of_8_with_a_shared_expert_and_a_dense_first_layer() {
+    check_case("deepseek_moe");
+}
+
+#[test]
+fn deepseek_moe_top3_unnormalised_two_shared_experts_tied() {
+    check_case("deepseek_moe_unnormed");
 }

@@ -25,8 +25,15 @@ pub fn load_hf(dir: &Path) -> Result<Llama<'static>> {
         cfg.tie_word_embeddings = true;
     }
     drop_non_weights(&mut tensors, &cfg, dir)?;
-    check_tensors(&tensors, &Llama::tensor_shapes(&cfg, Stage::WHOLE), dir, &cfg)?;
+    check_tensors(&tensors, &expected_tensors(&cfg), dir, &cfg)?;
     build_from(&tensors, &cfg, Box::new(Whole), Stage::WHOLE, &dir.display().to_string())
+}
+
+/// Every tensor a folder of the model `cfg` describes holds: its parameters, then its buffers.
+pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
+    let mut all = Llama::tensor_shapes(cfg, Stage::WHOLE);
+    all.extend(Llama::buffer_shapes(cfg, Stage::WHOLE));
+    all
 }
 
 /// Hugging Face folders may store what is not a weight (old RoPE buffers), and a tied model may
@@ -115,6 +122,12 @@ pub mod keys {
         "rope_interleave",
         "first_k_dense_replace",
         "n_routed_experts",
+        "moe_intermediate_size",
+        "n_shared_experts",
+        "n_group",
+        "topk_group",
+        "norm_topk_prob",
+        "routed_scaling_factor",
     ];
     /// Change the math where they leave their default: refused then, naming the key.
     pub const REFUSED_UNLESS_DEFAULT: &[&str] = &[
@@ -127,12 +140,6 @@ pub mod keys {
         "router_jitter_noise",
         "sliding_window",
         "quantization_config",
-        "moe_intermediate_size",
-        "n_shared_experts",
-        "n_group",
-        "topk_group",
-        "norm_topk_prob",
-        "routed_scaling_factor",
     ];
     /// Not the model's math: names, special token ids (`eos_token_id`: `generate`), the dtype
     /// the weights were saved in (they are widened to f32), how transformers returns outputs,
@@ -202,13 +209,11 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         "deepseek_v3" => (false, true),
         _ => bail!("{file}: model_type is \"{model_type}\"; only Llama, Mixtral and DeepSeek-V3 models are supported"),
     };
-    if deepseek {
-        // DeepSeekMoE: layers from first_k_dense_replace on hold routed and shared experts
-        let (layers, dense) = (size("num_hidden_layers")?, opt_size("first_k_dense_replace")?.unwrap_or(3));
-        if opt_size("n_routed_experts")?.unwrap_or(256) > 0 && dense < layers {
-            bail!("{file}: first_k_dense_replace = {dense} < num_hidden_layers = {layers}: DeepSeekMoE layers (routed and shared experts) are not supported yet; only a DeepSeek-V3 whose layers are all dense (first_k_dense_replace >= num_hidden_layers) loads");
-        }
-    }
+    // DeepSeekMoE: the layers from first_k_dense_replace on hold routed and shared experts
+    // (transformers' defaults where a key is absent); none, and every layer is dense
+    let dense_below = opt_size("first_k_dense_replace")?.unwrap_or(3);
+    let routed = if deepseek { opt_size("n_routed_experts")?.unwrap_or(256) } else { 0 };
+    let moe = routed > 0 && dense_below < size("num_hidden_layers")?;
     if let Some(noise) = number("router_jitter_noise")?.filter(|x| mixtral && *x != 0.0) {
         bail!("{file}: router_jitter_noise = {noise} is not supported (ferrotron's router has no noise); set it to 0");
     }
@@ -262,13 +267,32 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         rms_norm_eps: number("rms_norm_eps")?.unwrap_or(1e-6) as f32,
         tie_word_embeddings: flag("tie_word_embeddings")?.unwrap_or(false),
         initializer_range: number("initializer_range")?.unwrap_or(0.02) as f32,
-        num_local_experts: if mixtral { size("num_local_experts")? } else { 0 },
-        num_experts_per_tok: if mixtral { size("num_experts_per_tok")? } else { 0 },
-        // transformers adds the balance loss only when the router logits are asked for
+        num_local_experts: if mixtral {
+            size("num_local_experts")?
+        } else if moe {
+            routed
+        } else {
+            0
+        },
+        num_experts_per_tok: match (mixtral, moe) {
+            (true, _) => size("num_experts_per_tok")?,
+            (_, true) => opt_size("num_experts_per_tok")?.unwrap_or(8),
+            _ => 0,
+        },
+        // transformers adds the balance loss only when the router logits are asked for (and
+        // never to DeepSeek-V3's, which balances by its bias)
         router_aux_loss_coef: match flag("output_router_logits")? {
-            Some(true) => number("router_aux_loss_coef")?.unwrap_or(0.001) as f32,
+            Some(true) if mixtral => number("router_aux_loss_coef")?.unwrap_or(0.001) as f32,
             _ => 0.0,
         },
+        moe_intermediate_size: if moe { opt_size("moe_intermediate_size")?.unwrap_or(2048) } else { 0 },
+        n_shared_experts: if moe { opt_size("n_shared_experts")?.unwrap_or(1) } else { 0 },
+        first_k_dense_replace: if moe { dense_below } else { 0 },
+        n_group: if moe { opt_size("n_group")?.unwrap_or(8) } else { 1 },
+        topk_group: if moe { opt_size("topk_group")?.unwrap_or(4) } else { 1 },
+        norm_topk_prob: if moe { flag("norm_topk_prob")?.unwrap_or(true) } else { true },
+        routed_scaling_factor: if moe { number("routed_scaling_factor")?.unwrap_or(2.5) as f32 } else { 1.0 },
+        bias_update_speed: 0.0, // evaluating a folder moves no bias; training sets it
         kv_lora_rank: latent("kv_lora_rank", 512)?,
         q_lora_rank: if deepseek && !j["q_lora_rank"].is_null() { latent("q_lora_rank", 1536)? } else { 0 },
         qk_nope_head_dim: nope,
@@ -379,9 +403,9 @@ pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
     let dir = dir.as_path();
     let theirs = read_hf_config(&dir.join("config.json"))?;
     let (a, b) = (toml::Table::try_from(cfg)?, toml::Table::try_from(&theirs)?);
-    for (key, mine) in
-        a.iter().filter(|(k, _)| !["initializer_range", "init_from", "router_aux_loss_coef"].contains(&k.as_str()))
-    {
+    for (key, mine) in a.iter().filter(|(k, _)| {
+        !["initializer_range", "init_from", "router_aux_loss_coef", "bias_update_speed"].contains(&k.as_str())
+    }) {
         let other = b.get(key);
         let same = match (mine, other) {
             (toml::Value::Float(x), Some(toml::Value::Float(y))) => (x - y).abs() <= 1e-6 * x.abs().max(1e-30),
@@ -394,6 +418,6 @@ pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
     }
     let mut tensors = read_hf_weights(dir)?;
     drop_non_weights(&mut tensors, cfg, dir)?;
-    check_tensors(&tensors, &Llama::tensor_shapes(cfg, Stage::WHOLE), dir, cfg)?;
+    check_tensors(&tensors, &expected_tensors(cfg), dir, cfg)?;
     Ok(tensors)
 }

@@ -27,7 +27,7 @@
 //! batch, data) are the ones the checkpoint recorded, or the differences are named.
 
 use crate::checkpoint::folder::Folder;
-use crate::checkpoint::hf::{build_from, check_tensors, full_tensor, read_safetensors};
+use crate::checkpoint::hf::{build_from, check_tensors, expected_tensors, full_tensor, read_safetensors};
 use crate::comm::launcher::Rank;
 use crate::comm::placement::{redistribute, Placement};
 use crate::comm::process_grid::Axis;
@@ -168,8 +168,14 @@ pub fn gather(
         }
     }
     flush(&mut experts, &mut emit)?;
-    let Some(mut state) = state else { return Ok(None) };
+    // the buffers (whole on every rank holding their layer), after the parameters
     let place = model.place();
+    for (name, t) in model.buffers() {
+        if first_replica {
+            emit(&name, None, &Tensor::from_host_in(t.shape(), t.to_vec(), &place, DType::F32))?;
+        }
+    }
+    let Some(mut state) = state else { return Ok(None) };
     for stage in 1..pp.size() {
         let stage = schedules::stage_of(stage, &cfg.parallel);
         for (name, shape, ..) in Llama::tensor_shapes(&cfg.model, stage) {
@@ -182,6 +188,11 @@ pub fn gather(
                 pp.recv_tensor_into(&mut whole, stage.index)?;
                 state.push(&name, kind, Tensor::from_vec(&shape, whole.to_vec()));
             }
+        }
+        for (name, shape) in Llama::buffer_shapes(&cfg.model, stage) {
+            let mut whole = Tensor::empty_on(&shape, &place, DType::F32); // written whole
+            pp.recv_tensor_into(&mut whole, stage.index)?;
+            state.push(&name, None, Tensor::from_vec(&shape, whole.to_vec()));
         }
     }
     Ok(Some(state))
@@ -312,7 +323,7 @@ impl Resumed {
             );
         }
         let expected = Llama::tensor_shapes(&cfg.model, Stage::WHOLE);
-        check_tensors(&self.weights, &expected, &dir.join("model.safetensors"), &cfg.model)?;
+        check_tensors(&self.weights, &expected_tensors(&cfg.model), &dir.join("model.safetensors"), &cfg.model)?;
         let moments: Vec<(String, Vec<usize>)> = (expected.iter())
             .flat_map(|(n, s)| kinds(n, s).iter().map(move |kind| (format!("{kind}.{n}"), s.clone())))
             .collect();
@@ -413,7 +424,7 @@ pub fn hf_config(m: &ModelConfig) -> String {
         "max_position_embeddings": 4096,
         "torch_dtype": "float32",
     });
-    if m.num_local_experts > 0 {
+    if m.num_local_experts > 0 && m.moe_intermediate_size == 0 {
         // a Mixtral: its experts replace the MLP; the balance loss counts when training asks
         // for the router logits
         let moe = serde_json::json!({
@@ -432,7 +443,8 @@ pub fn hf_config(m: &ModelConfig) -> String {
         }
     }
     if m.kv_lora_rank > 0 {
-        // a DeepSeek-V3 whose MLPs are all dense: latent attention, no routed experts
+        // a DeepSeek-V3: latent attention, and DeepSeekMoE's experts (or every MLP dense)
+        let moe = m.moe_intermediate_size > 0;
         let mla = serde_json::json!({
             "architectures": ["DeepseekV3ForCausalLM"],
             "model_type": "deepseek_v3",
@@ -444,8 +456,15 @@ pub fn hf_config(m: &ModelConfig) -> String {
             "head_dim": m.qk_rope_head_dim,
             "v_head_dim": m.v_head_dim,
             "rope_interleave": m.rope_interleave,
-            "first_k_dense_replace": m.num_hidden_layers,
-            "n_routed_experts": 0,
+            "first_k_dense_replace": if moe { m.first_k_dense_replace } else { m.num_hidden_layers },
+            "n_routed_experts": m.num_local_experts,
+            "num_experts_per_tok": m.num_experts_per_tok,
+            "moe_intermediate_size": m.moe_intermediate_size,
+            "n_shared_experts": m.n_shared_experts,
+            "n_group": m.n_group,
+            "topk_group": m.topk_group,
+            "norm_topk_prob": m.norm_topk_prob,
+            "routed_scaling_factor": shortest(m.routed_scaling_factor),
             "num_nextn_predict_layers": 0,
         });
         if let (Some(all), Some(more)) = (j.as_object_mut(), mla.as_object()) {

@@ -54,6 +54,7 @@ impl ModelConfig {
             (e, k) if k == 0 || k > e => bail!("{prefix}num_experts_per_tok = {k}: each token goes to between 1 and {prefix}num_local_experts = {e} experts"),
             _ => {}
         }
+        self.validate_deepseek_moe(prefix)?;
         let coef = self.router_aux_loss_coef;
         if !(coef >= 0.0 && coef.is_finite()) {
             bail!("{prefix}router_aux_loss_coef = {coef}: it must be 0 (off) or a positive finite number");
@@ -65,6 +66,48 @@ impl ModelConfig {
         ] {
             if !(v > 0.0 && v.is_finite()) {
                 bail!("{prefix}{key} = {v}: it must be a positive finite number");
+            }
+        }
+        Ok(())
+    }
+
+    /// DeepSeekMoE's settings (`moe_intermediate_size` > 0), or their defaults without it.
+    fn validate_deepseek_moe(&self, prefix: &str) -> Result<()> {
+        let (e, k, g, kept) = (self.num_local_experts, self.num_experts_per_tok, self.n_group, self.topk_group);
+        if self.moe_intermediate_size == 0 {
+            let defaults = [
+                ("n_shared_experts", self.n_shared_experts == 0, "0"),
+                ("first_k_dense_replace", self.first_k_dense_replace == 0, "0"),
+                ("n_group", g == 1, "1"),
+                ("topk_group", kept == 1, "1"),
+                ("routed_scaling_factor", self.routed_scaling_factor == 1.0, "1.0"),
+                ("bias_update_speed", self.bias_update_speed == 0.0, "0.0"),
+            ];
+            if let Some((key, _, default)) = defaults.iter().find(|(_, ok, _)| !ok) {
+                bail!("{prefix}{key} is set with {prefix}moe_intermediate_size = 0: it is a setting of DeepSeekMoE, which moe_intermediate_size > 0 turns on; set moe_intermediate_size or {key} = {default}");
+            }
+            return Ok(());
+        }
+        if self.kv_lora_rank == 0 {
+            bail!("{prefix}moe_intermediate_size > 0 with {prefix}kv_lora_rank = 0: a DeepSeekMoE model is DeepSeek-V3's, whose attention is latent (and whose checkpoints transformers reads as such); set kv_lora_rank and its widths");
+        }
+        if e == 0 {
+            bail!("{prefix}moe_intermediate_size > 0 with {prefix}num_local_experts = 0: DeepSeekMoE routes to num_local_experts experts; set it (and num_experts_per_tok)");
+        }
+        if g == 0 || !e.is_multiple_of(g) || e / g < 2 {
+            bail!("{prefix}n_group = {g}: it must divide {prefix}num_local_experts = {e} into groups of at least 2 experts (a group is scored by its two best)");
+        }
+        if kept == 0 || kept > g || k > kept * (e / g) {
+            bail!("{prefix}topk_group = {kept}: it must be between 1 and n_group = {g}, and its groups must hold at least num_experts_per_tok = {k} experts");
+        }
+        if self.router_aux_loss_coef > 0.0 {
+            bail!("{prefix}router_aux_loss_coef > 0 with DeepSeekMoE: its router balances by a bias (bias_update_speed), not the Switch loss; set router_aux_loss_coef = 0");
+        }
+        for (key, v) in
+            [("routed_scaling_factor", self.routed_scaling_factor), ("bias_update_speed", self.bias_update_speed)]
+        {
+            if !(v >= 0.0 && v.is_finite()) {
+                bail!("{prefix}{key} = {v}: it must be a finite number, 0 or more");
             }
         }
         Ok(())
@@ -84,6 +127,9 @@ impl ModelConfig {
             if v == 0 {
                 bail!("{prefix}{key} = 0 with {prefix}kv_lora_rank > 0: latent attention needs it at least 1");
             }
+        }
+        if self.num_local_experts > 0 && self.moe_intermediate_size == 0 {
+            bail!("{prefix}num_local_experts > 0 with {prefix}kv_lora_rank > 0 and moe_intermediate_size = 0: latent attention is DeepSeek-V3's, whose experts are DeepSeekMoE's (Mixtral's attend by GQA); set moe_intermediate_size, or kv_lora_rank = 0");
         }
         if !self.qk_rope_head_dim.is_multiple_of(2) {
             bail!("{prefix}qk_rope_head_dim = {} must be even: RoPE rotates pairs of features", self.qk_rope_head_dim);

@@ -213,6 +213,10 @@ pub trait Mlp {
     fn params_mut(&mut self) -> Vec<&mut Param>;
     /// Its parameters, given up (another kind of MLP is made of them: `Block::with_mlp`).
     fn into_params(self: Box<Self>) -> Vec<Param>;
+    /// What it keeps that no optimizer trains (buffers), by name, whole, on the host; none here.
+    fn buffers(&self) -> Vec<(String, Tensor)> {
+        Vec::new()
+    }
     /// y from `xn` (this rank's rows; with sequence parallelism `tp` gathers the others'), and
     /// what its backward needs.
     fn forward(&self, tp: &dyn TensorSplit, xn: &Tensor) -> Result<(Tensor, Box<dyn MlpKept>)>;

@@ -37,10 +37,10 @@
 
 use crate::comm::process_grid::{Along, Cut, Grid};
 use crate::config::ModelConfig;
-use crate::model::block::{kept_as, LossTerm, MakeParam, Mlp, MlpKept, Mlps, TermKept};
+use crate::model::block::{kept_as, DenseMlps, LossTerm, MakeParam, Mlp, MlpKept, Mlps, TermKept};
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{input_grad, owned, TensorSplit, WeightGrads, Whole};
-use crate::ops::moe::{self as route, Routing};
+use crate::ops::moe::{self as route, Choice, Router, Routing};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, TpCut};
 use anyhow::{bail, Result};
@@ -58,11 +58,12 @@ pub const EP: Cut = Cut { name: "ep", what: "ep groups (divide the experts)", al
 pub const EXPERT_DP: Cut = Cut { name: "edp", what: "expert-data groups (same experts)", along: Along::Strided };
 
 /// Is the parameter named `name` an expert's (Hugging Face's Mixtral names: the router is
-/// `…block_sparse_moe.gate.weight`, expert e's matrices `…block_sparse_moe.experts.e.w1.weight`)?
+/// `…block_sparse_moe.gate.weight`, expert e's matrices `…block_sparse_moe.experts.e.w1.weight`;
+/// DeepSeek-V3's `…mlp.gate.weight` and `…mlp.experts.e.gate_proj.weight`)?
 /// An expert's replicas are the ranks holding the same experts: the expert-data axis, whose ranks
 /// average its gradient (`parallel/layout.rs`).
 pub fn is_expert(name: &str) -> bool {
-    name.contains(".block_sparse_moe.experts.")
+    name.contains(".block_sparse_moe.experts.") || name.contains(".mlp.experts.")
 }
 
 /// `grid` with the expert-parallel and expert-data groups of `parallel.ep` ranks: expert
@@ -131,6 +132,16 @@ impl ExpertSplit for Whole {
     }
 }
 
+/// Which mixture a config describes: Mixtral's (a softmax router, experts `intermediate_size`
+/// wide, Hugging Face's `block_sparse_moe` names) or DeepSeekMoE's (`moe_intermediate_size` > 0:
+/// many narrow experts, a sigmoid router choosing within groups with a balancing bias, shared
+/// experts every token goes through, the first layers dense; the `mlp` names).
+#[derive(Clone, Copy)]
+enum Kind {
+    Mixtral,
+    DeepSeek { router: Router, groups: usize, kept: usize, shared: usize, dense_below: usize },
+}
+
 /// One expert: a SwiGLU MLP (w1 the gate, w3 the up projection, w2 the down projection).
 pub(crate) struct Expert {
     w1: Param,
@@ -143,10 +154,14 @@ pub(crate) struct Expert {
 /// and the load report.
 pub struct Experts<'g> {
     split: Box<dyn ExpertSplit + 'g>,
-    /// E, k and `router_aux_loss_coef`.
+    kind: Kind,
+    /// E, k, each expert's width and `router_aux_loss_coef`.
     total: usize,
     top_k: usize,
+    width: usize,
     coef: f32,
+    /// DeepSeekMoE: each MoE layer's correction bias (a buffer: chosen with, never trained).
+    biases: RefCell<BTreeMap<usize, Vec<f32>>>,
     /// With the balance loss on: this forward's routing, by layer (the loss head takes it).
     loads: RefCell<BTreeMap<usize, Load>>,
     /// The balance loss's gradient on each expert's probability for the backward under way, its
@@ -159,11 +174,28 @@ pub struct Experts<'g> {
 impl<'g> Experts<'g> {
     /// A mixture of experts as `cfg` says, its experts where `split` puts them.
     pub fn new(cfg: &ModelConfig, split: Box<dyn ExpertSplit + 'g>) -> Rc<Experts<'g>> {
+        let kind = match cfg.moe_intermediate_size {
+            0 => Kind::Mixtral,
+            _ => Kind::DeepSeek {
+                router: Router::Sigmoid {
+                    norm: cfg.norm_topk_prob,
+                    scale: cfg.routed_scaling_factor,
+                    dtype: crate::ops::DType::F32,
+                },
+                groups: cfg.n_group,
+                kept: cfg.topk_group,
+                shared: cfg.n_shared_experts,
+                dense_below: cfg.first_k_dense_replace,
+            },
+        };
         Rc::new(Experts {
             split,
+            kind,
             total: cfg.num_local_experts,
             top_k: cfg.num_experts_per_tok,
+            width: if cfg.moe_intermediate_size > 0 { cfg.moe_intermediate_size } else { cfg.intermediate_size },
             coef: cfg.router_aux_loss_coef,
+            biases: RefCell::default(),
             loads: RefCell::default(),
             balance: Rc::default(),
             seen: RefCell::default(),
@@ -178,10 +210,18 @@ impl<'g> Experts<'g> {
 }
 
 impl<'g> Mlps<'g> for Rc<Experts<'g>> {
-    /// Layer `layer`'s router and the experts this rank holds, in Hugging Face order.
+    /// Layer `layer`'s router and the experts this rank holds, in Hugging Face order (a
+    /// DeepSeekMoE's first layers: the dense MLP; its others also the shared experts, and the
+    /// router's correction bias, a buffer).
     fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Mlp + 'g>> {
-        let (d, f) = (cfg.hidden_size, cfg.intermediate_size);
-        let p = |s: &str| format!("model.layers.{layer}.block_sparse_moe.{s}.weight");
+        let (d, f) = (cfg.hidden_size, self.width);
+        // Hugging Face's names: (the router's and its bias', expert e's gate, down, up)
+        let (module, [w1, w2, w3]) = match self.kind {
+            Kind::Mixtral => ("block_sparse_moe", ["w1", "w2", "w3"]),
+            Kind::DeepSeek { dense_below, .. } if layer < dense_below => return DenseMlps.make(layer, cfg, param),
+            Kind::DeepSeek { .. } => ("mlp", ["gate_proj", "down_proj", "up_proj"]),
+        };
+        let p = |s: &str| format!("model.layers.{layer}.{module}.{s}.weight");
         // replicated over tp: every tp rank routes and computes the same rows (its own with
         // sequence parallelism), so the router and the experts are whole on each
         let gate = param(p("gate"), &[self.total, d], ParamKind::Matrix, TpCut::Whole)?;
@@ -190,12 +230,25 @@ impl<'g> Mlps<'g> for Rc<Experts<'g>> {
         for e in self.split.held(self.total) {
             let w = |n: &str| p(&format!("experts.{e}.{n}"));
             experts.push(Expert {
-                w1: expert(w("w1"), &[f, d])?,
-                w2: expert(w("w2"), &[d, f])?,
-                w3: expert(w("w3"), &[f, d])?,
+                w1: expert(w(w1), &[f, d])?,
+                w2: expert(w(w2), &[d, f])?,
+                w3: expert(w(w3), &[f, d])?,
             });
         }
-        Ok(Box::new(Moe { gate, experts, shared: self.clone(), layer }))
+        let mut shared_mlp = None;
+        if let Kind::DeepSeek { shared, .. } = self.kind {
+            let bias = param(bias_name(layer), &[self.total], ParamKind::Buffer, TpCut::Whole)?;
+            self.biases.borrow_mut().insert(layer, bias.value.to_vec());
+            // the shared experts: one SwiGLU `shared` experts wide, cut over tp as a dense MLP is
+            if shared > 0 {
+                let wide = ModelConfig { intermediate_size: f * shared, ..cfg.clone() };
+                let mut named = |name: String, shape: &[usize], kind, cut| {
+                    param(name.replace(".mlp.", ".mlp.shared_experts."), shape, kind, cut)
+                };
+                shared_mlp = Some(DenseMlps.make(layer, &wide, &mut named)?);
+            }
+        }
+        Ok(Box::new(Moe { gate, experts, shared_mlp, shared: self.clone(), layer }))
     }
 
     /// The load-balancing loss, when `router_aux_loss_coef` > 0.
@@ -204,12 +257,19 @@ impl<'g> Mlps<'g> for Rc<Experts<'g>> {
     }
 }
 
+/// The name of a DeepSeekMoE layer's correction bias (Hugging Face's).
+fn bias_name(layer: usize) -> String {
+    format!("model.layers.{layer}.mlp.gate.e_score_correction_bias")
+}
+
 /// One MoE layer: its router and the experts this rank holds.
 pub(crate) struct Moe<'g> {
     /// The router, `[E, d]`.
     gate: Param,
     /// The experts this rank holds (all E, or its ep share of them).
     experts: Vec<Expert>,
+    /// DeepSeekMoE's shared experts (a dense SwiGLU every token goes through), if it has them.
+    shared_mlp: Option<Box<dyn Mlp + 'g>>,
     /// What every MoE layer of the model shares.
     shared: Rc<Experts<'g>>,
     /// The layer's number (the routing tape names choices by it).
@@ -253,6 +313,8 @@ pub(crate) struct MoeCache {
     experts: Vec<Option<[Tensor; 4]>>,
     /// The experts' outputs back home, in routed-row order.
     ys: Tensor,
+    /// What the shared experts keep.
+    shared: Option<Box<dyn MlpKept>>,
 }
 
 /// A layer's routing, for the load-balancing loss (host numbers).
@@ -268,31 +330,63 @@ impl MlpKept for MoeCache {
     fn bytes(&self) -> usize {
         let r = &self.routing;
         let experts: usize = self.experts.iter().flatten().flat_map(|e| e.iter().map(Tensor::bytes)).sum();
-        [&r.probs, &r.weights, &self.ys].iter().map(|t| t.bytes()).sum::<usize>() + experts
+        let shared = self.shared.as_ref().map_or(0, |s| s.bytes());
+        [&r.probs, &r.weights, &self.ys].iter().map(|t| t.bytes()).sum::<usize>() + experts + shared
     }
 }
 
 impl Mlp for Moe<'_> {
     fn params(&self) -> Vec<&Param> {
         let experts = self.experts.iter().flat_map(|e| [&e.w1, &e.w2, &e.w3]);
-        std::iter::once(&self.gate).chain(experts).collect()
+        let shared = self.shared_mlp.iter().flat_map(|m| m.params());
+        std::iter::once(&self.gate).chain(experts).chain(shared).collect()
     }
 
     fn params_mut(&mut self) -> Vec<&mut Param> {
         let experts = self.experts.iter_mut().flat_map(|e| [&mut e.w1, &mut e.w2, &mut e.w3]);
-        std::iter::once(&mut self.gate).chain(experts).collect()
+        let shared = self.shared_mlp.iter_mut().flat_map(|m| m.params_mut());
+        std::iter::once(&mut self.gate).chain(experts).chain(shared).collect()
     }
 
+    /// DeepSeekMoE's correction bias, as it stands.
+    fn buffers(&self) -> Vec<(String, Tensor)> {
+        let biases = self.shared.biases.borrow();
+        let bias = biases.get(&self.layer);
+        bias.map(|b| (bias_name(self.layer), Tensor::from_vec(&[b.len()], b.clone()))).into_iter().collect()
+    }
+
+    /// Its parameters, and (DeepSeekMoE) the correction bias as it stands, for a layer made of
+    /// them again.
     fn into_params(self: Box<Self>) -> Vec<Param> {
+        let bias = self
+            .shared
+            .biases
+            .borrow()
+            .get(&self.layer)
+            .map(|b| Param::new(bias_name(self.layer), Tensor::from_vec(&[b.len()], b.clone()), TpCut::Whole));
         let experts = self.experts.into_iter().flat_map(|e| [e.w1, e.w2, e.w3]);
-        std::iter::once(self.gate).chain(experts).collect()
+        let shared = self.shared_mlp.into_iter().flat_map(|m| m.into_params());
+        std::iter::once(self.gate).chain(experts).chain(shared).chain(bias).collect()
     }
 
     /// y `[T, d]` from x `[T, d]` (the normalised rows): on this rank's rows, whole (every tp rank
     /// routes its rows itself: no tp call).
-    fn forward(&self, _: &dyn TensorSplit, x: &Tensor) -> Result<(Tensor, Box<dyn MlpKept>)> {
+    fn forward(&self, tp: &dyn TensorSplit, x: &Tensor) -> Result<(Tensor, Box<dyn MlpKept>)> {
         let (ep, total, k) = (&*self.shared.split, self.shared.total, self.shared.top_k);
-        let routing = route::route(&self.gate.linear(x), k); // a sync point on a GPU
+        let logits = self.gate.linear(x);
+        let routing = match self.shared.kind {
+            Kind::Mixtral => route::route(&logits, k), // a sync point on a GPU
+            Kind::DeepSeek { router, groups, kept, .. } => {
+                let biases = self.shared.biases.borrow();
+                let choice = Choice { bias: &biases[&self.layer], groups, kept };
+                let router = match router {
+                    Router::Sigmoid { norm, scale, .. } => Router::Sigmoid { norm, scale, dtype: logits.dtype() },
+                    other => other,
+                };
+                route::route_sigmoid(&logits, k, choice, router)
+            }
+        };
+        drop(logits);
         let routing = ep.choose(self.layer, routing)?;
         let sorting = Sorting::new(&routing.experts, total, k);
         let xs = route::permute_rows(x, &sorting.order);
@@ -313,13 +407,21 @@ impl Mlp for Moe<'_> {
         }
         drop(xe);
         let ys = ep.combine(ye, &routed)?;
-        let y = route::weighted_sum(&ys, &sorting.slot, Some(&routing.weights), x.rows());
+        let mut y = route::weighted_sum(&ys, &sorting.slot, Some(&routing.weights), x.rows());
+        let shared = match &self.shared_mlp {
+            Some(m) => {
+                let (out, kept) = m.forward(tp, x)?;
+                ops::add_assign(&mut y, &out);
+                Some(kept)
+            }
+            None => None,
+        };
         if self.shared.coef > 0.0 {
             // for the balance loss, added when the forward reaches the head
             let load = Load { counts: sorting.counts.clone(), prob_sums: column_sums(&routing.probs) };
             self.shared.loads.borrow_mut().insert(self.layer, load);
         }
-        Ok((y, Box::new(MoeCache { routing, sorting, routed, experts, ys })))
+        Ok((y, Box::new(MoeCache { routing, sorting, routed, experts, ys, shared })))
     }
 
     /// dx from dy, both `[T, d]` (x: the forward's input); every weight GEMM goes to `dw` (now,
@@ -327,13 +429,17 @@ impl Mlp for Moe<'_> {
     /// is on.
     fn backward(
         &mut self,
-        _: &dyn TensorSplit,
+        tp: &dyn TensorSplit,
         dy: &Tensor,
         x: Tensor,
         kept: Box<dyn MlpKept>,
         dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
-        let c = *kept_as::<MoeCache>(kept)?;
+        let mut c = *kept_as::<MoeCache>(kept)?;
+        let dx_shared = match (&mut self.shared_mlp, c.shared.take()) {
+            (Some(m), Some(kept)) => Some(m.backward(tp, dy, x.clone(), kept, dw)?),
+            _ => None,
+        };
         let ep = &*self.shared.split;
         count_routed(&mut self.shared.seen.borrow_mut(), self.layer, &c.sorting.counts); // the imbalance report
         let (dys, dweights) = route::weighted_sum_backward(dy, &c.ys, &c.sorting.slot, &c.routing.weights);
@@ -356,6 +462,9 @@ impl Mlp for Moe<'_> {
         }
         let dxs = ep.combine(dxe, &c.routed)?;
         let mut dx = route::weighted_sum(&dxs, &c.sorting.slot, None, x.rows()); // each token: the sum of its k copies
+        if let Some(d) = dx_shared {
+            ops::add_assign(&mut dx, &d);
+        }
         let dlogits = route::route_backward(&dweights, &c.routing, &self.shared.balance.borrow());
         self.gate.linear_input_grad_add(&dlogits, &mut dx);
         dw.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);

@@ -99,9 +99,11 @@ impl Param {
     }
 }
 
-/// What a parameter is, which decides its init: matrices are N(0, std²), norm weights ones.
+/// What a parameter is, which decides its init: matrices are N(0, std²), norm weights ones; a
+/// buffer (a tensor a part keeps but no optimizer trains, PyTorch's word) zeros.
 #[derive(Clone, Copy, PartialEq, Debug)]
 pub enum ParamKind {
     Matrix,
     Norm,
+    Buffer,
 }

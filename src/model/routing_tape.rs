@@ -174,7 +174,12 @@ impl RoutingTape {
             let (probs, mut weights) = (routing.probs.to_vec(), routing.weights.to_vec());
             for r in replaced {
                 routing.experts[r * k..(r + 1) * k].copy_from_slice(&wanted[r]);
-                route::shares(&probs[r * e..(r + 1) * e], &wanted[r], &mut weights[r * k..(r + 1) * k]);
+                route::router_shares(
+                    routing.router,
+                    &probs[r * e..(r + 1) * e],
+                    &wanted[r],
+                    &mut weights[r * k..(r + 1) * k],
+                );
             }
             routing.weights =
                 Tensor::from_host_in(routing.weights.shape(), weights, &routing.weights.place(), DType::F32);

@@ -9,7 +9,7 @@
 use crate::cuda::device::Device;
 use crate::cuda::launch_table::moe;
 use crate::ops::gpu::addr;
-use crate::ops::moe::Routing;
+use crate::ops::moe::{Router, Routing};
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::types::DType;
 use anyhow::Result;
@@ -23,7 +23,7 @@ impl Device {
         self.run(&moe::route(logits.dtype(), addr(logits), (t, e, k), (addr(&probs), addr(&weights), addr(&ids))))?;
         // a CPU–GPU sync point: the experts' row counts size their GEMMs and the all-to-all
         let experts = ids.to_vec().into_iter().map(|id| id as u32).collect();
-        Ok(Routing { probs, weights, experts })
+        Ok(Routing { probs, weights, experts, router: Router::Softmax })
     }
 
     pub fn route_backward(self: &Arc<Self>, dweights: &Tensor, r: &Routing, balance: &[f32]) -> Result<Tensor> {

@@ -87,7 +87,7 @@ impl Precision {
 /// `run`.
 pub fn gemms(run: Precision) -> impl Fn(&str) -> Precision {
     move |name| {
-        let bf16 = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight"];
+        let bf16 = ["lm_head.weight", "embed_tokens.weight", "block_sparse_moe.gate.weight", "mlp.gate.weight"];
         match run {
             Precision::Fp8 if bf16.iter().any(|s| name.ends_with(s)) => Precision::Bf16,
             _ => run,

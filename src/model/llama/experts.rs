@@ -24,6 +24,12 @@ impl<'g> Llama<'g> {
         Ok(self)
     }
 
+    /// Every buffer of this rank's layers (tensors no optimizer trains: DeepSeekMoE's balancing
+    /// biases), by name, whole, on the host, in the order `Llama::buffer_shapes` lists them.
+    pub fn buffers(&self) -> Vec<(String, crate::ops::tensor::Tensor)> {
+        self.layers.iter().flat_map(|b| b.mlp.buffers()).collect()
+    }
+
     /// Adds `term` to the loss from now on (`None`: no term); returns the term it added before.
     pub fn replace_loss_term(&mut self, term: Option<Box<dyn LossTerm + 'g>>) -> Option<Box<dyn LossTerm + 'g>> {
         std::mem::replace(&mut self.term, term)

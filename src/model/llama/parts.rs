@@ -36,6 +36,7 @@ impl<'g> Llama<'g> {
             Ok(match kind {
                 ParamKind::Matrix => init::normal(seed, name, shape, std),
                 ParamKind::Norm => init::ones(shape),
+                ParamKind::Buffer => Tensor::zeros(shape),
             })
         })
         .expect("init cannot fail")

@@ -9,7 +9,7 @@ use super::Llama;
 use crate::config::ModelConfig;
 use crate::model::block::Block;
 use crate::model::family;
-use crate::model::param::Param;
+use crate::model::param::{Param, ParamKind};
 use crate::model::split::LayerSplit;
 use crate::ops::tensor::Tensor;
 use crate::ops::TpCut;
@@ -21,6 +21,22 @@ impl Llama<'_> {
     /// model must hold.
     pub fn tensor_shapes(cfg: &ModelConfig, layer_split: impl LayerSplit) -> Vec<(String, Vec<usize>)> {
         Llama::tensor_cuts(cfg, layer_split).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
+    }
+
+    /// The name and shape of every buffer of the layers `layer_split` says (what a part keeps that
+    /// no optimizer trains: DeepSeekMoE's balancing bias), in the order they are made: a checkpoint
+    /// holds them beside the parameters.
+    pub fn buffer_shapes(cfg: &ModelConfig, layer_split: impl LayerSplit) -> Vec<(String, Vec<usize>)> {
+        let mut buffers = Vec::new();
+        let (attentions, mlps) = (family::attentions(cfg), family::mlps(cfg));
+        Llama::parts(cfg, &layer_split, (&*attentions, &*mlps), &mut |name, shape, kind, tp| {
+            if kind == ParamKind::Buffer {
+                buffers.push((name.clone(), shape.to_vec()));
+            }
+            Ok(Param::new(name, Tensor::zeros(&[0]), tp)) // nothing allocated
+        })
+        .expect("listing cannot fail");
+        buffers
     }
 
     /// `tensor_shapes`, with how tensor parallelism cuts each tensor, in the order of `params()`.
