@@ -36,12 +36,14 @@
 //! parting can be told from a defect; it plugs in at the split's `choose`.
 
 use crate::comm::process_grid::{Along, Cut, Grid};
+use crate::comm::Group;
 use crate::config::ModelConfig;
 use crate::model::block::{kept_as, DenseMlps, LossTerm, MakeParam, Mlp, MlpKept, Mlps, TermKept};
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{input_grad, owned, TensorSplit, WeightGrads, Whole};
 use crate::ops::moe::{self as route, Choice, Router, Routing};
 use crate::ops::tensor::Tensor;
+use crate::ops::types::ReduceOp;
 use crate::ops::{self, TpCut};
 use anyhow::{bail, Result};
 use std::borrow::Cow;
@@ -169,6 +171,10 @@ pub struct Experts<'g> {
     balance: Rc<RefCell<Vec<f32>>>,
     /// Routed rows per expert of each layer, by the backwards since the last `take_load`.
     seen: RefCell<BTreeMap<usize, Vec<usize>>>,
+    /// The same, by this step's backwards (DeepSeekMoE's bias update reads them: `balance`).
+    step_loads: RefCell<BTreeMap<usize, Vec<usize>>>,
+    /// γ, DeepSeekMoE's bias update speed (`model.bias_update_speed`).
+    speed: f32,
 }
 
 impl<'g> Experts<'g> {
@@ -199,7 +205,49 @@ impl<'g> Experts<'g> {
             loads: RefCell::default(),
             balance: Rc::default(),
             seen: RefCell::default(),
+            step_loads: RefCell::default(),
+            speed: cfg.bias_update_speed,
         })
+    }
+
+    /// After a step, DeepSeek-V3's auxiliary-loss-free balancing: each MoE layer's loads of the
+    /// step (routed rows per expert), summed over `groups` (the ranks that routed the step's other
+    /// tokens: dp×cp, and tp under sequence parallelism), move its bias,
+    /// b_e ← b_e + γ · sign(mean load − load_e): an overloaded expert is chosen less next step,
+    /// an idle one more. Every rank holding the layer makes the same update from the same sums,
+    /// so every layout does. The loads travel as f32 (exact to 2²⁴ rows an expert a step).
+    pub fn balance(&self, groups: &[&Group]) -> Result<()> {
+        let loads = std::mem::take(&mut *self.step_loads.borrow_mut());
+        if self.speed == 0.0 || !matches!(self.kind, Kind::DeepSeek { .. }) {
+            return Ok(());
+        }
+        let mut biases = self.biases.borrow_mut();
+        let e = self.total;
+        // every MoE layer of this rank at once, in layer order (a layer no row reached: zeros)
+        let mut flat: Vec<f32> =
+            biases.keys().flat_map(|l| loads.get(l).cloned().unwrap_or_else(|| vec![0; e])).map(|c| c as f32).collect();
+        for g in groups {
+            g.all_reduce(&mut flat, ReduceOp::Sum)?;
+        }
+        for (bias, load) in biases.values_mut().zip(flat.chunks(e)) {
+            let mean = load.iter().map(|&c| c as f64).sum::<f64>() / e as f64;
+            for (b, &c) in bias.iter_mut().zip(load) {
+                let c = c as f64;
+                *b += if c < mean {
+                    self.speed
+                } else if c > mean {
+                    -self.speed
+                } else {
+                    0.0
+                };
+            }
+        }
+        Ok(())
+    }
+
+    /// Each MoE layer's correction bias (DeepSeekMoE), by layer: what `balance` moves.
+    pub fn biases(&self) -> BTreeMap<usize, Vec<f32>> {
+        self.biases.borrow().clone()
     }
 
     /// Routed rows to each expert, per MoE layer of this rank's model, by the backwards since the
@@ -442,6 +490,7 @@ impl Mlp for Moe<'_> {
         };
         let ep = &*self.shared.split;
         count_routed(&mut self.shared.seen.borrow_mut(), self.layer, &c.sorting.counts); // the imbalance report
+        count_routed(&mut self.shared.step_loads.borrow_mut(), self.layer, &c.sorting.counts); // the bias update's
         let (dys, dweights) = route::weighted_sum_backward(dy, &c.ys, &c.sorting.slot, &c.routing.weights);
         drop(c.ys);
         let dye = ep.dispatch_again(dys, &c.routed)?;

@@ -85,6 +85,17 @@ impl<'g> Beside<'g> {
         self.tape.iter().for_each(|t| t.idle());
     }
 
+    /// After a finished step: DeepSeekMoE's bias balancing (`Experts::balance`) over the loads of
+    /// every rank that routed the step's other tokens.
+    pub fn balance(&self, me: &Rank, cfg: &Config) -> Result<()> {
+        let Some(experts) = &self.experts else { return Ok(()) };
+        let mut groups = vec![me.group(Axis::DpCp)];
+        if cfg.parallel.sequence_parallel {
+            groups.push(me.group(Axis::Tp)); // each tp rank routed its own rows
+        }
+        experts.balance(&groups)
+    }
+
     /// At the run's end: a recorded tape saved, a replayed one's count in `summary`.
     pub fn finish(&self, me: &Rank, cfg: &Config, summary: &mut Summary) -> Result<()> {
         if let Some(tape) = &self.tape {

@@ -74,6 +74,7 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
                 break;
             }
         };
+        beside.balance(me, cfg)?; // DeepSeekMoE's bias moves towards even loads
         let held = held.expect("a finished step had its gradients ready");
         // the loss on held-out data and a sample, of the whole model gathered onto rank 0
         // (`train/validate.rs`, `train/sample.rs`), when due
