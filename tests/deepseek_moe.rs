@@ -37,7 +37,8 @@ fn sets(extra: &[&str]) -> Vec<String> {
 
 #[test]
 fn every_layout_follows_the_single_rank_curve_with_the_bias_moving() {
-    let spec = "dp=2;dp=2,ep=2;dp=4,ep=4,micro_batch_size=1;pp=2;cp=2;dp=2,zero_stage=3;dp=2,ep=2,pp=2;recompute=full";
+    let spec = "dp=2;dp=2,ep=2;dp=4,ep=4,micro_batch_size=1;tp=2;tp=2,sequence_parallel=true;dp=2,ep=2,tp=2;\
+                pp=2;cp=2;dp=2,zero_stage=3;dp=2,ep=2,pp=2;recompute=full";
     let converge::Report { baseline, outcomes, .. } =
         converge::converge(None, &sets(&[]), &parse_variants(spec).unwrap(), 1e-5).unwrap();
     assert!(baseline[15] < baseline[0] - 0.3, "the baseline learns: {baseline:?}");

@@ -1,7 +1,8 @@
 //! DeepSeek-V3's multi-head latent attention (`model/latent_attention.rs`) in training: every
-//! layout this attention runs under follows the single-rank curve (context parallelism's ring,
-//! zigzag and Ulysses, data parallelism and ZeRO, the pipeline, recomputation), and the settings
-//! it cannot take are refused in one line naming the key. Its numbers against transformers are
+//! layout follows the single-rank curve (tensor parallelism with and without sequence
+//! parallelism, context parallelism's ring, zigzag and Ulysses, data parallelism and ZeRO, the
+//! pipeline, recomputation), and the settings it cannot take are refused in one line naming the
+//! key. Its numbers against transformers are
 //! `tests/hf_parity.rs`'s (`mla_dense`, `mla_q_latent`); its KV cache, `tests/generate.rs`'s.
 
 mod common;
@@ -31,8 +32,8 @@ fn sets(extra: &[&str]) -> Vec<String> {
 
 #[test]
 fn every_layout_follows_the_single_rank_curve() {
-    let spec = "cp=2;cp=2,cp_split=contiguous;cp=2,cp_mode=ulysses;dp=2,zero_stage=3;pp=2;dp=2,cp=2,pp=2;\
-                recompute=selective;recompute=full";
+    let spec = "tp=2;tp=4;tp=2,sequence_parallel=true;cp=2;cp=2,cp_split=contiguous;cp=2,cp_mode=ulysses;\
+                dp=2,zero_stage=3;tp=2,dp=2,zero_stage=2;pp=2;dp=2,cp=2,pp=2;tp=2,cp=2;recompute=selective;recompute=full";
     let converge::Report { baseline, outcomes, .. } =
         converge::converge(None, &sets(&[]), &parse_variants(spec).unwrap(), TOLERANCE).unwrap();
     assert!(baseline[29] < baseline[0] - 0.5, "the baseline learns: {baseline:?}");
@@ -46,7 +47,7 @@ fn every_layout_follows_the_single_rank_curve() {
 #[test]
 fn split_half_rope_and_wide_values_follow_too() {
     let base = sets(&["model.rope_interleave=false", "model.v_head_dim=20", "model.q_lora_rank=0"]);
-    let report = converge::converge(None, &base, &parse_variants("cp=2;dp=2").unwrap(), TOLERANCE).unwrap();
+    let report = converge::converge(None, &base, &parse_variants("cp=2;dp=2;tp=2").unwrap(), TOLERANCE).unwrap();
     for o in &report.outcomes {
         assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);
     }
@@ -58,7 +59,6 @@ fn what_it_cannot_take_is_refused_naming_the_key() {
         let e = format!("{:#}", Config::load(None, &sets(extra)).unwrap_err());
         assert!(e.contains(want), "{extra:?}: {e}");
     };
-    refused(&["parallel.tp=2"], "parallel.tp = 2 with model.kv_lora_rank > 0");
     refused(&["model.num_key_value_heads=2"], "model.num_key_value_heads = 2 with model.kv_lora_rank > 0");
     refused(&["model.qk_rope_head_dim=3"], "model.qk_rope_head_dim = 3 must be even");
     refused(&["model.v_head_dim=0"], "model.v_head_dim = 0 with model.kv_lora_rank > 0");

@@ -252,9 +252,6 @@ impl Config {
         if p.cp > 1 && !t.seq_len.is_multiple_of(chunks) {
             bail!("train.seq_len = {} does not split into {chunks} equal chunks for parallel.cp = {} (the {:?} split cuts {chunks} chunks): choose a seq_len divisible by {chunks}", t.seq_len, p.cp, p.cp_split);
         }
-        if self.model.kv_lora_rank > 0 && p.tp > 1 {
-            bail!("parallel.tp = {} with model.kv_lora_rank > 0: latent attention does not split over tensor-parallel ranks yet (its latent path would be replicated, its gradients summed over tp); set parallel.tp = 1 and use dp, cp or pp", p.tp);
-        }
         let heads = self.model.num_attention_heads / p.tp.max(1);
         if p.cp > 1 && p.cp_mode == CpMode::Ulysses && !heads.is_multiple_of(p.cp) {
             bail!("parallel.cp_mode = \"ulysses\" with parallel.cp = {}: each tp rank's {heads} attention heads (model.num_attention_heads / parallel.tp) must split evenly over the cp ranks; choose a cp that divides {heads}, or cp_mode = \"ring\"", p.cp);

@@ -31,9 +31,12 @@
 //! the plain, slower road: a kernel taught a value width of its own would skip the padding, and a
 //! ring would pass c and k_rot instead of the expanded keys and values (not done here).
 //!
-//! Tensor parallelism would split the heads (q_b/q_proj, kv_b, o_proj) and replicate the latent
-//! path, whose gradients are then sums over the ranks; this attention refuses tp > 1 for now
-//! (`config/checks.rs`).
+//! Tensor parallelism splits the heads (q_proj or q_b_proj, kv_b_proj and o_proj, as Megatron
+//! cuts them) and replicates the latent path (q_a_proj, kv_a_proj_with_mqa and the two latent
+//! norms): every rank computes the same latents, but its backward reaches them from its own
+//! heads only, so their gradients are partial sums, added over the tp ranks once a step
+//! (`partial_over_tp`; `parallel/latent_tensor_parallel.rs`). The rotated key's gradient is the
+//! sum over the heads of this rank, and so partial too: it flows into kv_a_proj_with_mqa's.
 
 use crate::config::ModelConfig;
 use crate::model::block::{kept_as, Attend, Attention, AttentionKept, Attentions, MakeParam, Splits};
@@ -48,10 +51,9 @@ use std::borrow::Cow;
 /// config's `rms_norm_eps` is the block norms').
 pub const LATENT_EPS: f32 = 1e-6;
 
-/// The widths of one MLA layer.
+/// The widths of one MLA layer's heads (how many this rank holds: its `Attn`'s).
 #[derive(Clone, Copy, Debug)]
 struct Dims {
-    heads: usize,
     /// n, r, v: the query/key part without position, the rotated part, the value.
     nope: usize,
     rope: usize,
@@ -99,13 +101,12 @@ pub struct MlaAttentions;
 impl<'g> Attentions<'g> for MlaAttentions {
     fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Attention + 'g>> {
         let dims = Dims {
-            heads: cfg.num_attention_heads,
             nope: cfg.qk_nope_head_dim,
             rope: cfg.qk_rope_head_dim,
             v: cfg.v_head_dim,
             kv_rank: cfg.kv_lora_rank,
         };
-        let (d, h, whole) = (cfg.hidden_size, dims.heads, TpCut::Whole);
+        let (d, h, whole) = (cfg.hidden_size, cfg.num_attention_heads, TpCut::Whole);
         let p = |s: &str| format!("model.layers.{layer}.self_attn.{s}.weight");
         let (matrix, norm) = (ParamKind::Matrix, ParamKind::Norm);
         let (q_latent, q_heads) = match cfg.q_lora_rank {
@@ -239,9 +240,9 @@ impl Mla {
         (self.dims.core() as f64 / self.dims.qk() as f64).sqrt() as f32
     }
 
-    /// The core's shape: H heads of D, one KV head per query head.
+    /// The core's shape: this rank's heads, D wide, one KV head per query head.
     fn core_attn(&self, a: Attn) -> Attn {
-        Attn { heads: self.dims.heads, kv_heads: self.dims.heads, head_dim: self.dims.core(), ..a }
+        Attn { kv_heads: a.heads, head_dim: self.dims.core(), ..a }
     }
 }
 
@@ -272,7 +273,7 @@ impl Attention for Mla {
         (attn, positions): (Attn, &[u32]),
         attend: Attend,
     ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)> {
-        let Dims { heads, nope, rope, v: vd, kv_rank } = self.dims;
+        let (Dims { nope, rope, v: vd, kv_rank }, heads) = (self.dims, attn.heads);
         let (qk, dd) = (self.dims.qk(), self.dims.core());
         let xin = tp.gather_rows(xn)?;
         let (q, q_latent) = match &self.q_latent {
@@ -334,7 +335,7 @@ impl Attention for Mla {
         dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let MlaKept { q_latent, c, c_normed, c_rstd, q, k, v, core } = *kept_as::<MlaKept>(kept)?;
-        let Dims { heads, nope, rope, v: vd, kv_rank } = self.dims;
+        let (Dims { nope, rope, v: vd, kv_rank }, heads) = (self.dims, attn.heads);
         let (qk, dd, kv_w) = (self.dims.qk(), self.dims.core(), nope + vd);
         let (tp, pos, a) = (split.tp, &positions[..attn.seq], self.core_attn(attn));
         let (out, lse) = match core {
@@ -404,6 +405,13 @@ impl Attention for Mla {
             (Some(_), None) => Err(anyhow!("backward: a latent query's forward kept no latent")),
         }
     }
+}
+
+/// Is the parameter named `name` one of the latent path's, replicated over tp with a gradient each
+/// rank makes from its own heads (a partial sum)?
+pub fn partial_over_tp(name: &str) -> bool {
+    let latent = ["q_a_proj.weight", "q_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"];
+    name.contains(".self_attn.") && latent.iter().any(|s| name.ends_with(s))
 }
 
 /// `heads` runs of `width` picks, `pick(head, column)` each.

@@ -22,6 +22,7 @@ pub mod expert_parallel;
 pub mod fsdp;
 pub mod gather_formats;
 pub mod hybrid_sharding;
+pub mod latent_tensor_parallel;
 pub mod layout;
 pub mod muon_owners;
 pub mod pipeline_1f1b;

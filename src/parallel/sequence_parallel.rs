@@ -110,7 +110,13 @@ impl TensorSplit for SequenceParallel<'_> {
 /// them packed together, after data parallelism has averaged them (both are sums, so the order
 /// does not matter) and before the gradient norm reads them.
 pub fn sum_replicated_grads(params: &mut [&mut Param], tp: &Group) -> Result<()> {
-    let mut norms: Vec<&mut Param> = params.iter_mut().filter(|p| p.tp == TpCut::Whole).map(|p| &mut **p).collect();
+    sum_grads_over_tp(params, tp, |p| p.tp == TpCut::Whole)
+}
+
+/// The gradients of the parameters `which` picks, summed over the tp ranks: one all-reduce of
+/// them packed together.
+pub fn sum_grads_over_tp(params: &mut [&mut Param], tp: &Group, which: impl Fn(&Param) -> bool) -> Result<()> {
+    let mut norms: Vec<&mut Param> = params.iter_mut().filter(|p| which(p)).map(|p| &mut **p).collect();
     if norms.is_empty() || tp.size() == 1 {
         return Ok(());
     }

@@ -40,7 +40,7 @@ use super::run::Summary;
 use super::step::Trainer;
 use crate::comm::launcher::Rank;
 use crate::comm::process_grid::Axis;
-use crate::config::{Config, CpMode, OptimizerKind, ParallelConfig};
+use crate::config::{Config, CpMode, OptimizerKind};
 use crate::data::Dataset;
 use crate::model::fused_loss::FusedLoss;
 use crate::model::moe::{ExpertSplit, Experts, EP, EXPERT_DP};
@@ -55,6 +55,7 @@ use crate::parallel::expert_parallel::{ExpertGrads, ExpertParallel};
 use crate::parallel::fsdp::Fsdp;
 use crate::parallel::gather_formats;
 use crate::parallel::hybrid_sharding::{self, REPLICATE, SHARD};
+use crate::parallel::latent_tensor_parallel::LatentGradsOverTp;
 use crate::parallel::layout;
 use crate::parallel::muon_owners::Owners;
 use crate::parallel::pipeline_parallel::StepPlan;
@@ -155,7 +156,7 @@ pub(super) fn assemble<'g>(
     }
     // each parameter's replicas' axis, once: dp×cp, or an expert's expert-data axis
     let axes_of = AxisOf::new(&model.params(), layout::replicas);
-    let grads = gradients(me, p, &sharding, axes_of.clone(), (&model.params()[..], &model.param_chunks()[..]));
+    let grads = gradients(me, cfg, &sharding, axes_of.clone(), (&model.params()[..], &model.param_chunks()[..]));
     let (pp, ep) = (me.group(Axis::Pp), me.group(EP));
     // the norm's parts: the dense weights', then the experts' (each ep rank holds other experts)
     let axes = vec![
@@ -291,15 +292,16 @@ fn experts<'g>(me: &'g Rank, cfg: &Config, tape: Option<Rc<RoutingTape>>) -> Opt
 /// Each gradient's way (`train/gradients.rs`): a reducer per axis that replicates parameters —
 /// data parallelism's all-reduce, or where ZeRO shards that axis its reduce-scatter (under hybrid
 /// sharding, within a shard group, then averaged across the replicate group); the experts' then
-/// divided by ep — and with sequence parallelism the norms' sum over tp after them.
+/// divided by ep — and with sequence parallelism the norms' sum over tp after them (without it,
+/// latent attention's latent path's).
 fn gradients<'g>(
     me: &'g Rank,
-    p: &ParallelConfig,
+    cfg: &Config,
     sharding: &Sharding<'g>,
     axes_of: AxisOf,
     all: (&[&Param], &[usize]),
 ) -> Gradients<'g> {
-    let mut grads = Gradients::new(axes_of);
+    let (p, mut grads) = (&cfg.parallel, Gradients::new(axes_of));
     for axis in [Axis::DpCp, EXPERT_DP.into()] {
         let (params, chunks) = grads.replicated_over(all, axis);
         let list = (&params[..], &chunks[..]);
@@ -319,6 +321,9 @@ fn gradients<'g>(
     }
     if p.sequence_parallel {
         grads.add(Which::Every, Box::new(NormGradsOverTp(me.group(Axis::Tp))));
+    } else if cfg.model.kv_lora_rank > 0 && p.tp > 1 {
+        // latent attention's replicated latent path: partial gradients, summed over tp
+        grads.add(Which::Every, Box::new(LatentGradsOverTp(me.group(Axis::Tp))));
     }
     grads
 }
