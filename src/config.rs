@@ -440,6 +440,20 @@ impl ModelConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// DeepSeekMoE's settings, when its experts are (`moe_intermediate_size` > 0); `None`: Mixtral's.
+    pub fn deepseek_moe(&self) -> Option<DeepSeekMoe> {
+        (self.moe_intermediate_size > 0).then_some(DeepSeekMoe {
+            width: self.moe_intermediate_size,
+            shared: self.n_shared_experts,
+            dense_below: self.first_k_dense_replace,
+            groups: self.n_group,
+            kept: self.topk_group,
+            norm: self.norm_topk_prob,
+            scale: self.routed_scaling_factor,
+            speed: self.bias_update_speed,
+        })
+    }
+
     /// The number of weights, from the shapes alone (`model/block.rs` and `model/llama.rs` make
     /// them); in f64, so that no config can overflow it.
     pub fn parameter_count(&self) -> f64 {
@@ -478,6 +492,23 @@ impl ModelConfig {
         let embeddings = if self.tie_word_embeddings { 1.0 } else { 2.0 } * v * d;
         embeddings + l * layer + d
     }
+}
+
+/// DeepSeekMoE's settings (`model/moe.rs`), read from the `[model]` keys by the config that has
+/// them (`ModelConfig::deepseek_moe`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DeepSeekMoe {
+    /// Each routed expert's width, the shared experts' count, the dense layers below the first MoE one.
+    pub width: usize,
+    pub shared: usize,
+    pub dense_below: usize,
+    /// The groups of experts, and how many of them a token's experts may come from.
+    pub groups: usize,
+    pub kept: usize,
+    /// The chosen scores renormalised; their factor; γ, the bias's step.
+    pub norm: bool,
+    pub scale: f32,
+    pub speed: f32,
 }
 
 /// A config's settings, `section.key` → value (`Config::settings`).

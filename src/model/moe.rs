@@ -180,18 +180,15 @@ pub struct Experts<'g> {
 impl<'g> Experts<'g> {
     /// A mixture of experts as `cfg` says, its experts where `split` puts them.
     pub fn new(cfg: &ModelConfig, split: Box<dyn ExpertSplit + 'g>) -> Rc<Experts<'g>> {
-        let kind = match cfg.moe_intermediate_size {
-            0 => Kind::Mixtral,
-            _ => Kind::DeepSeek {
-                router: Router::Sigmoid {
-                    norm: cfg.norm_topk_prob,
-                    scale: cfg.routed_scaling_factor,
-                    dtype: crate::ops::DType::F32,
-                },
-                groups: cfg.n_group,
-                kept: cfg.topk_group,
-                shared: cfg.n_shared_experts,
-                dense_below: cfg.first_k_dense_replace,
+        let deepseek = cfg.deepseek_moe();
+        let kind = match deepseek {
+            None => Kind::Mixtral,
+            Some(m) => Kind::DeepSeek {
+                router: Router::Sigmoid { norm: m.norm, scale: m.scale, dtype: crate::ops::DType::F32 },
+                groups: m.groups,
+                kept: m.kept,
+                shared: m.shared,
+                dense_below: m.dense_below,
             },
         };
         Rc::new(Experts {
@@ -199,14 +196,14 @@ impl<'g> Experts<'g> {
             kind,
             total: cfg.num_local_experts,
             top_k: cfg.num_experts_per_tok,
-            width: if cfg.moe_intermediate_size > 0 { cfg.moe_intermediate_size } else { cfg.intermediate_size },
+            width: deepseek.map_or(cfg.intermediate_size, |m| m.width),
             coef: cfg.router_aux_loss_coef,
             biases: RefCell::default(),
             loads: RefCell::default(),
             balance: Rc::default(),
             seen: RefCell::default(),
             step_loads: RefCell::default(),
-            speed: cfg.bias_update_speed,
+            speed: deepseek.map_or(0.0, |m| m.speed),
         })
     }
 
