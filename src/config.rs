@@ -511,6 +511,10 @@ pub struct DeepSeekMoe {
     pub speed: f32,
 }
 
+/// How a `model.init_from` folder's `[model]` keys are read (`Config::load_with`): the checkpoint
+/// code reads folders, the config does not.
+pub type FolderKeys<'a> = &'a dyn Fn(&str) -> Result<toml::Table>;
+
 /// A config's settings, `section.key` → value (`Config::settings`).
 pub type Settings = std::collections::BTreeMap<String, String>;
 
@@ -546,7 +550,14 @@ impl Config {
 
     /// The built-in default (`configs/tiny.toml`) with `--set` overrides.
     pub fn load(path: Option<&Path>, sets: &[String]) -> Result<Config> {
-        let config = Config::read(path, sets)?;
+        Config::load_with(path, sets, None)
+    }
+
+    /// `load`, where a `model.init_from` folder gives every `[model]` key that neither the file
+    /// nor a `--set` gives, as `folder_keys` reads them from it (the built-in defaults do not
+    /// count as given: a Hugging Face folder's shape need not be written again).
+    pub fn load_with(path: Option<&Path>, sets: &[String], folder_keys: Option<FolderKeys>) -> Result<Config> {
+        let config = Config::read_with(path, sets, folder_keys)?;
         config.validate()?;
         Ok(config)
     }
@@ -554,7 +565,16 @@ impl Config {
     /// `load` without the checks of the sections against each other: every key read and typed,
     /// for a caller that changes the layout or the batch before it checks (`ferrotron plan`).
     pub fn read(path: Option<&Path>, sets: &[String]) -> Result<Config> {
+        Config::read_with(path, sets, None)
+    }
+
+    fn read_with(path: Option<&Path>, sets: &[String], folder_keys: Option<FolderKeys>) -> Result<Config> {
         let mut table: toml::Table = TINY.parse().expect("configs/tiny.toml is valid TOML");
+        // the [model] keys the file and the --sets give (a model.init_from folder gives the rest)
+        let mut given: Vec<String> = sets
+            .iter()
+            .filter_map(|s| s.split_once('=')?.0.trim().strip_prefix("model.").map(str::to_string))
+            .collect();
         if let Some(path) = path {
             let text = crate::files::read_text(path, "--config")?;
             let user: toml::Table = text.parse().map_err(|e: toml::de::Error| {
@@ -575,10 +595,19 @@ impl Config {
                     );
                 }
             }
-            merge(&mut table, renamed(user, &path.display().to_string())?);
+            let user = renamed(user, &path.display().to_string())?;
+            given.extend(user.get("model").and_then(toml::Value::as_table).into_iter().flat_map(|m| m.keys().cloned()));
+            merge(&mut table, user);
         }
         for set in sets {
             apply_set(&mut table, set)?;
+        }
+        let init_from = table.get("model").and_then(|m| m.get("init_from")).and_then(toml::Value::as_str);
+        if let (Some(keys), Some(folder)) = (folder_keys, init_from.filter(|f| !f.is_empty())) {
+            let inherited = keys(folder)?;
+            if let Some(toml::Value::Table(model)) = table.get_mut("model") {
+                model.extend(inherited.into_iter().filter(|(k, _)| !given.contains(k)));
+            }
         }
         let read = |table: toml::Table| -> std::result::Result<Config, (String, String)> {
             serde_path_to_error::deserialize(toml::Value::Table(table)).map_err(|e| {

@@ -95,10 +95,19 @@ pub fn peak_tflops(name: &str, dtype: DType) -> Option<f64> {
 pub fn flops_per_token(m: &ModelConfig, seq_len: usize) -> f64 {
     let lookup_only = if m.tie_word_embeddings { 0.0 } else { m.vocab_size as f64 * m.hidden_size as f64 };
     // a mixture of experts: a token passes through k of the E experts of a block, not all of them
+    // (DeepSeekMoE's experts are their own width, and its first layers dense)
     let (e, k) = (m.num_local_experts as f64, m.num_experts_per_tok as f64);
-    let idle = (e - k).max(0.0) * 3.0 * (m.intermediate_size * m.hidden_size * m.num_hidden_layers) as f64;
+    let (width, dense) = m.deepseek_moe().map_or((m.intermediate_size, 0), |d| (d.width, d.dense_below));
+    let moe_layers = m.num_hidden_layers - dense.min(m.num_hidden_layers);
+    let idle = (e - k).max(0.0) * 3.0 * (width * m.hidden_size * moe_layers) as f64;
     let n = m.parameter_count() - lookup_only - idle;
-    let attention = 12.0 * (m.num_hidden_layers * m.num_attention_heads * m.head_dim() * seq_len) as f64;
+    // scores q·k (a query/key head wide) and their sum over the values (a value head wide), each
+    // 2 FLOPs a product and 3 passes (forward, two in backward); latent attention's heads differ
+    let (qk, v) = match m.kv_lora_rank {
+        0 => (m.head_dim(), m.head_dim()),
+        _ => (m.head_dim(), m.v_head_dim),
+    };
+    let attention = 6.0 * (m.num_hidden_layers * m.num_attention_heads * (qk + v) * seq_len) as f64;
     6.0 * n + attention
 }
 

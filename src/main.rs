@@ -35,7 +35,7 @@ fn run(cli: Cli, paths: &[PathArg]) -> Result<Exit> {
         Command::Doctor => doctor::doctor().map(|_| Exit::Done),
         Command::Bench(a) if a.op.is_some() => bench_op(a, paths),
         Command::Bench(a) if a.calibrate => {
-            let cfg = Config::load(a.config.as_deref(), &a.sets)?;
+            let cfg = commands::load_config(a.config.as_deref(), &a.sets)?;
             if cfg.device.kind == ferrotron::config::DeviceKind::Cuda {
                 let calibration = ferrotron::commands::calibrate::calibrate_gpu(&cfg)?;
                 say!("{}", ferrotron::commands::calibrate::gpu_table(&calibration).trim_end());
@@ -65,7 +65,7 @@ fn train_command(
     }: TrainArgs,
     paths: &[PathArg],
 ) -> Result<Exit> {
-    let cfg = Config::load(config.as_deref(), &sets)?;
+    let cfg = commands::load_config(config.as_deref(), &sets)?;
     // before, not after, training: each output writable, no two on one file, and none onto what
     // the run reads (its config, data, checkpoints, the model it starts from)
     let _claims = commands::claim_outputs(paths, Some(&cfg))?; // held until the run ends
@@ -90,7 +90,7 @@ fn converge_command(
     let variants = converge::parse_variants(&variants)?;
     converge::check_tol(tol)?;
     converge::plan(config.as_deref(), &sets, &variants)?; // every refusal before --out is made
-    let _claim = commands::claim_outputs(paths, Some(&Config::load(config.as_deref(), &sets)?))?;
+    let _claim = commands::claim_outputs(paths, Some(&commands::load_config(config.as_deref(), &sets)?))?;
     sets.extend(steps.map(|n| format!("train.steps={n}")));
     let report = converge::converge(config.as_deref(), &sets, &variants, tol)?;
     if ferrotron::comm::wires::processes::leads() {
@@ -179,7 +179,7 @@ fn eval_command(EvalArgs { model, tokens }: EvalArgs) -> Result<Exit> {
 }
 
 fn memory_command(MemoryArgs { config, sets, measure, json }: MemoryArgs, paths: &[PathArg]) -> Result<Exit> {
-    let cfg = Config::load(config.as_deref(), &sets)?;
+    let cfg = commands::load_config(config.as_deref(), &sets)?;
     let _claims = commands::claim_outputs(paths, Some(&cfg))?;
     let ranks = memory::memory(&cfg, measure)?;
     say!("{}", memory::table(&cfg, &ranks).trim_end());
@@ -278,7 +278,7 @@ fn bench_op(
     if profile || against.is_some() || peak_tflops.is_some() {
         anyhow::bail!("--op attention times the attention kernels alone: leave out --profile, --against and --peak-tflops (they are for a training step)");
     }
-    let cfg = Config::load(config.as_deref(), &sets)?;
+    let cfg = commands::load_config(config.as_deref(), &sets)?;
     let _claims = commands::claim_outputs(paths, Some(&cfg))?;
     let report = ferrotron::commands::bench_attention::bench_attention(&cfg, warmup, steps)?;
     say!("{}", ferrotron::commands::bench_attention::attention_table(&report).trim_end());
@@ -296,7 +296,7 @@ fn bench_step(
     BenchArgs { config, sets, steps, warmup, peak_tflops, json, against, profile, .. }: BenchArgs,
     paths: &[PathArg],
 ) -> Result<Exit> {
-    let cfg = Config::load(config.as_deref(), &sets)?;
+    let cfg = commands::load_config(config.as_deref(), &sets)?;
     let other = against.as_deref().map(bench::Other::read).transpose()?; // a bad file fails before the run
     let _claims = commands::claim_outputs(paths, Some(&cfg))?;
     let report = bench::bench(&cfg, warmup, steps, peak_tflops, profile)?;

@@ -41,15 +41,20 @@ fn every_key_of_transformers_config_classes_is_placed() {
     all.sort();
     all.dedup();
     assert_eq!(all.len(), placed.len(), "a key is in two lists");
-    // the config.json ferrotron writes holds only keys it reads or knows
-    let cfg = ferrotron::config::Config::load(
-        None,
-        &["model.num_local_experts=4".into(), "model.num_experts_per_tok=2".into()],
-    )
-    .unwrap();
-    let written: serde_json::Value = serde_json::from_str(&ferrotron::checkpoint::save::hf_config(&cfg.model)).unwrap();
-    for k in written.as_object().unwrap().keys() {
-        assert!(placed.contains(&k.as_str()), "ferrotron writes {k}, a key it does not place");
+    // the config.json ferrotron writes holds only keys it reads or knows: a Mixtral's, and a
+    // DeepSeek-V3's (latent attention and DeepSeekMoE)
+    let deepseek = "model.num_key_value_heads=8 model.kv_lora_rank=32 model.q_lora_rank=24 model.qk_nope_head_dim=16 \
+                    model.qk_rope_head_dim=8 model.v_head_dim=16 model.moe_intermediate_size=32 model.n_shared_experts=1 \
+                    model.first_k_dense_replace=1 model.n_group=2";
+    let experts = "model.num_local_experts=4 model.num_experts_per_tok=2";
+    for sets in [experts.to_string(), format!("{experts} {deepseek}")] {
+        let sets: Vec<String> = sets.split_whitespace().map(String::from).collect();
+        let cfg = ferrotron::config::Config::load(None, &sets).unwrap();
+        let written: serde_json::Value =
+            serde_json::from_str(&ferrotron::checkpoint::save::hf_config(&cfg.model)).unwrap();
+        for k in written.as_object().unwrap().keys() {
+            assert!(placed.contains(&k.as_str()), "ferrotron writes {k}, a key it does not place");
+        }
     }
 }
 

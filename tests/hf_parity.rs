@@ -103,3 +103,28 @@ fn deepseek_moe_grouped_top2_of_8_with_a_shared_expert_and_a_dense_first_layer()
 fn deepseek_moe_top3_unnormalised_two_shared_experts_tied() {
     check_case("deepseek_moe_unnormed");
 }
+
+/// With `model.init_from` a Hugging Face folder, every `[model]` key the run does not give comes
+/// from its config.json (the built-in defaults are not "given"), for Llama, Mixtral and DeepSeek-V3
+/// folders; a key the run gives and the folder contradicts is refused naming it.
+#[test]
+fn a_folder_gives_the_model_keys_a_run_leaves_out() {
+    for name in ["tied_odd", "mixtral", "deepseek_moe", "mla_q_latent"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+        let init = format!("model.init_from=\"{}\"", dir.display());
+        let cfg = ferrotron::commands::load_config(None, &[init.clone()]).unwrap();
+        let theirs = checkpoint::read_hf_config(&dir.join("config.json")).unwrap();
+        let plain = |m: &ferrotron::config::ModelConfig| ferrotron::config::ModelConfig {
+            initializer_range: 0.02,
+            init_from: String::new(),
+            head_dim: Some(m.head_dim()),
+            ..m.clone()
+        };
+        assert_eq!(plain(&cfg.model), plain(&theirs), "{name}");
+        checkpoint::pretrained(&cfg.model).unwrap(); // and the weights load
+        let wrong = [init, "model.num_hidden_layers=5".into()];
+        let cfg = ferrotron::commands::load_config(None, &wrong).unwrap();
+        let e = format!("{:#}", checkpoint::pretrained(&cfg.model).unwrap_err());
+        assert!(e.contains("num_hidden_layers") && e.contains("model.num_hidden_layers = 5"), "{name}: {e}");
+    }
+}

@@ -393,19 +393,39 @@ pub fn full_tensor(tensors: &HashMap<String, Tensor>, name: &str, shape: &[usize
     Ok(t.clone())
 }
 
+/// The `[model]` keys a run does not take from its `model.init_from` folder: how to initialise
+/// (the folder's weights replace it), and the training aids (the balance loss, the bias's step).
+const NOT_INHERITED: [&str; 4] = ["initializer_range", "init_from", "router_aux_loss_coef", "bias_update_speed"];
+
+/// The folder `model.init_from` names: a path, or a Hub model (`hub:ID`) in the local cache.
+fn folder_of(init_from: &str) -> Result<std::path::PathBuf> {
+    match init_from.strip_prefix("hub:") {
+        Some(id) => crate::data::hf_hub::model_dir(id),
+        None => Ok(std::path::PathBuf::from(init_from)),
+    }
+}
+
+/// The `[model]` keys of the folder `init_from` names, as a config inherits them
+/// (`Config::load_with`): its config.json read as ferrotron reads it, less the keys a run never
+/// takes from it, and less a head_dim that is the one the other keys imply.
+pub fn model_keys_of(init_from: &str) -> Result<toml::Table> {
+    let theirs = read_hf_config(&folder_of(init_from)?.join("config.json"))?;
+    let mut keys = toml::Table::try_from(&theirs)?;
+    keys.retain(|k, _| !NOT_INHERITED.iter().any(|n| *n == k));
+    if theirs.head_dim == Some(theirs.hidden_size / theirs.num_attention_heads.max(1)) {
+        keys.remove("head_dim"); // implied: a run that leaves it out is the same model
+    }
+    Ok(keys)
+}
+
 /// The weights of `model.init_from`, after checking that its config.json is the configured
 /// architecture.
 pub fn pretrained(cfg: &ModelConfig) -> Result<HashMap<String, Tensor>> {
-    let dir = match cfg.init_from.strip_prefix("hub:") {
-        Some(id) => crate::data::hf_hub::model_dir(id)?,
-        None => std::path::PathBuf::from(&cfg.init_from),
-    };
+    let dir = folder_of(&cfg.init_from)?;
     let dir = dir.as_path();
     let theirs = read_hf_config(&dir.join("config.json"))?;
     let (a, b) = (toml::Table::try_from(cfg)?, toml::Table::try_from(&theirs)?);
-    for (key, mine) in a.iter().filter(|(k, _)| {
-        !["initializer_range", "init_from", "router_aux_loss_coef", "bias_update_speed"].contains(&k.as_str())
-    }) {
+    for (key, mine) in a.iter().filter(|(k, _)| !NOT_INHERITED.contains(&k.as_str())) {
         let other = b.get(key);
         let same = match (mine, other) {
             (toml::Value::Float(x), Some(toml::Value::Float(y))) => (x - y).abs() <= 1e-6 * x.abs().max(1e-30),

@@ -35,7 +35,6 @@
 //! `pp`, `cp`, `pp_schedule`, `cp_split`, `cp_mode`, `dp_mode`, `bucket_mb`, `backend` (in `[parallel]`) and
 //! `grad_accum_steps`, `micro_batch_size` (in `[train]`).
 
-use crate::config::Config;
 use crate::train::{self, Options};
 use anyhow::{bail, Context, Result};
 use std::path::Path;
@@ -172,12 +171,12 @@ pub fn plan<'v>(
     sets: &[String],
     variants: &'v [Variant],
 ) -> Result<Vec<(&'v Variant, Vec<String>)>> {
-    let base = Config::load(path, sets)?;
+    let base = super::load_config(path, sets)?;
     let global = base.train.micro_batch_size * base.train.grad_accum_steps * base.parallel.dp;
     let mut planned = Vec::new();
     for v in variants {
         let load = |extra: &[String]| {
-            Config::load(path, &sets.iter().chain(extra).cloned().collect::<Vec<_>>())
+            super::load_config(path, &sets.iter().chain(extra).cloned().collect::<Vec<_>>())
                 .with_context(|| format!("variant `{}`", v.label))
         };
         let with_sets = load(&v.sets)?;
@@ -198,7 +197,7 @@ pub fn plan<'v>(
 /// The baseline's losses, the criterion, and each variant's outcome against them.
 pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol: f32) -> Result<Report> {
     check_tol(tol)?;
-    let base = Config::load(path, sets)?;
+    let base = super::load_config(path, sets)?;
     let (t, p) = (&base.train, &base.parallel);
     let global = t.micro_batch_size * t.grad_accum_steps * p.dp;
     let mut one_rank: Vec<String> = ["dp", "tp", "pp", "cp", "ep"].map(|a| format!("parallel.{a}=1")).into();
@@ -206,7 +205,7 @@ pub fn converge(path: Option<&Path>, sets: &[String], variants: &[Variant], tol:
     // started as several processes, each computes the baseline alone, and the variants together
     let run_as = |label: &str, extra: &[String], one_process: bool, nudge_weights: bool| -> Result<Vec<f32>> {
         let all: Vec<String> = sets.iter().chain(extra).cloned().collect();
-        let cfg = Config::load(path, &all).with_context(|| format!("variant `{label}`"))?;
+        let cfg = super::load_config(path, &all).with_context(|| format!("variant `{label}`"))?;
         let g = cfg.train.micro_batch_size * cfg.train.grad_accum_steps * cfg.parallel.dp;
         if g != global {
             bail!("variant `{label}`: global batch {g} sequences, but the baseline has {global}; set micro_batch_size so that micro_batch_size × grad_accum_steps × dp = {global}");

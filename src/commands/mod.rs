@@ -29,6 +29,13 @@ use crate::config::Config;
 use cli::PathArg;
 use std::path::PathBuf;
 
+/// The run's config from `--config` and `--set`, a `model.init_from` folder giving the `[model]`
+/// keys they leave out (`Config::load_with`, `checkpoint/hf.rs`'s `model_keys_of`): what every
+/// command that trains or measures a run reads.
+pub fn load_config(path: Option<&std::path::Path>, sets: &[String]) -> anyhow::Result<Config> {
+    Config::load_with(path, sets, Some(&crate::checkpoint::hf::model_keys_of))
+}
+
 /// Checks a command's outputs, the paths its command line `paths` writes, against each other and
 /// against everything it reads (`inputs`: its read flags and what `cfg` names), and claims them
 /// for this run (`files::claim`): in a multi-process run the first process writes them.
