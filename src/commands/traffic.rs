@@ -89,7 +89,7 @@ fn tensors(cfg: &Config, stage: Stage) -> Vec<Held> {
         let values = if moe::is_expert(&name) { n / p.ep } else { n };
         Held { name, values, chunk, whole }
     };
-    let block = |(name, ..): &&(String, Vec<usize>, TpCut)| name.starts_with("model.layers.0.");
+    let block = |(name, ..): &&(String, Vec<usize>, TpCut)| name.starts_with("model.layers.");
     let mut out = Vec::new();
     if stage.is_first() {
         out.extend(
@@ -99,8 +99,9 @@ fn tensors(cfg: &Config, stage: Stage) -> Vec<Held> {
     let ranges = stage.chunk_layers(m.num_hidden_layers);
     for (chunk, range) in ranges.iter().enumerate() {
         for layer in range.clone() {
-            for (name, shape, cut) in cuts.iter().filter(block) {
-                let name = name.replacen("model.layers.0.", &format!("model.layers.{layer}."), 1);
+            let twin = format!("model.layers.{}.", crate::train::memory::twin_of(m, layer)); // its twin's layer
+            for (name, shape, cut) in cuts.iter().filter(|c| c.0.starts_with(&twin)) {
+                let name = name.replacen(&twin, &format!("model.layers.{layer}."), 1);
                 out.push(held(name, shape, *cut, chunk));
             }
         }

@@ -93,19 +93,20 @@ impl Keep {
 /// MLP's (`mlp_bytes`) in the compute dtype, and the attention's lse in f32; with FP8 GEMMs on a
 /// GPU, the FP8 copies (2 bytes a value: both layouts) of the inputs of the projections (the two
 /// norms' outputs, the attention output and, dense, the SwiGLU product). Selective keeps all but
-/// the attention output and lse; full keeps the input alone.
-fn layer_bytes(m: &ModelConfig, batch: f64, seq: f64, keep: Keep, e: f64) -> (f64, f64) {
+/// the attention output and lse; full keeps the input alone. (Latent attention keeps its q, k and
+/// v padded to one head width, and its latents before and after their norms: `attention_bytes`.)
+/// `layer`: which layer (a DeepSeekMoE's first layers are dense).
+fn layer_bytes(m: &ModelConfig, layer: usize, batch: f64, seq: f64, keep: Keep, e: f64) -> (f64, f64) {
     let tp = keep.tp;
     let (rows, split) = (batch * seq, batch * seq / if keep.sequence_parallel { tp as f64 } else { 1.0 });
-    let (d, hd, heads) = (m.hidden_size as f64, m.head_dim() as f64, (m.num_attention_heads / tp) as f64);
-    let (q, kv) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd);
+    let d = m.hidden_size as f64;
     let fp8 = if keep.fp8_copies { 2.0 } else { 0.0 };
     let dense_f = if m.num_local_experts == 0 { (m.intermediate_size / tp) as f64 } else { 0.0 };
-    let core = rows * q * (e + fp8) + batch * heads * seq * 4.0; // the attention output and lse
+    let (qkv, core) = attention_bytes(m, (batch, seq), tp, e, fp8);
     let all = split * 4.0 * d * e
         + rows * (2.0 * d + dense_f) * fp8
-        + rows * (q + 2.0 * kv) * e
-        + mlp_bytes(m, (rows, split), keep, e).0
+        + qkv
+        + mlp_bytes(m, layer, (rows, split), keep, e).0
         + 2.0 * split * 4.0
         + core;
     match keep.recompute {
@@ -113,6 +114,24 @@ fn layer_bytes(m: &ModelConfig, batch: f64, seq: f64, keep: Keep, e: f64) -> (f6
         Recompute::Selective => (all - core, core),
         Recompute::Full => (split * d * e, all - split * d * e),
     }
+}
+
+/// (What a block's attention keeps besides its core, its core: the output and lse) for `batch`
+/// sequences of `seq` tokens on one of `tp` ranks. Grouped-query: q, k and v. Latent: q, k and v
+/// padded to D = max(n + r, v) a head, the latent c before and after its norm (and the query's,
+/// with `q_lora_rank`), their 1/rms in f32; its core is D wide a head too.
+fn attention_bytes(m: &ModelConfig, (batch, seq): (f64, f64), tp: usize, e: f64, fp8: f64) -> (f64, f64) {
+    let (rows, heads) = (batch * seq, (m.num_attention_heads / tp) as f64);
+    let lse = batch * heads * seq * 4.0;
+    if m.kv_lora_rank == 0 {
+        let hd = m.head_dim() as f64;
+        let (q, kv) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd);
+        return (rows * (q + 2.0 * kv) * e, rows * q * (e + fp8) + lse);
+    }
+    let wide = heads * m.head_dim().max(m.v_head_dim) as f64; // H·D
+    let latents = [m.kv_lora_rank, m.q_lora_rank].map(|c| c as f64);
+    let norms = if m.q_lora_rank > 0 { 2.0 } else { 1.0 };
+    (rows * (3.0 * wide + 2.0 * (latents[0] + latents[1])) * e + rows * norms * 4.0, rows * wide * (e + fp8) + lse)
 }
 
 /// (What the MLP of a block keeps for backward, the most its backward adds on top) for `rows`
@@ -125,19 +144,24 @@ fn layer_bytes(m: &ModelConfig, batch: f64, seq: f64, keep: Keep, e: f64) -> (f6
 /// product (the whole intermediate size: experts are not tp-split; with balanced experts each
 /// rank computes about k rows per row, whatever ep is), the router's probabilities (E) and
 /// weights (k) in f32; backward adds the same three gradients and three row gradients.
-fn mlp_bytes(m: &ModelConfig, (rows, split): (f64, f64), keep: Keep, e: f64) -> (f64, f64) {
+/// DeepSeekMoE: its experts are their own width, its shared experts a dense MLP beside them, and
+/// its first layers (`layer` below them) dense.
+fn mlp_bytes(m: &ModelConfig, layer: usize, (rows, split): (f64, f64), keep: Keep, e: f64) -> (f64, f64) {
     let d = m.hidden_size as f64;
-    match (m.num_local_experts as f64, m.num_experts_per_tok as f64) {
-        (0.0, _) => {
-            let f = (m.intermediate_size / keep.tp) as f64;
-            let adds = if keep.defers_weights { 3.0 * f } else { 2.0 * f } + 2.0 * d;
-            (rows * 3.0 * f * e, rows * adds * e)
-        }
-        (experts, k) => {
-            let (f, routed) = (m.intermediate_size as f64, split * k);
-            (routed * (2.0 * d + 3.0 * f) * e + split * (experts + k) * 4.0, routed * (3.0 * f + 3.0 * d) * e)
-        }
+    let dense = |width: usize| {
+        let f = (width / keep.tp) as f64;
+        let adds = if keep.defers_weights { 3.0 * f } else { 2.0 * f } + 2.0 * d;
+        (rows * 3.0 * f * e, rows * adds * e)
+    };
+    let deepseek = m.deepseek_moe();
+    if m.num_local_experts == 0 || deepseek.is_some_and(|s| layer < s.dense_below) {
+        return dense(m.intermediate_size);
     }
+    let (experts, k) = (m.num_local_experts as f64, m.num_experts_per_tok as f64);
+    let (f, routed) = (deepseek.map_or(m.intermediate_size, |s| s.width) as f64, split * k);
+    let shared = deepseek.filter(|s| s.shared > 0).map_or((0.0, 0.0), |s| dense(s.width * s.shared));
+    let kept = routed * (2.0 * d + 3.0 * f) * e + split * (experts + k) * 4.0;
+    (kept + shared.0, routed * (3.0 * f + 3.0 * d) * e + shared.1)
 }
 
 /// Bytes of the activations one micro-batch of `batch` sequences of `seq` tokens keeps for its
@@ -156,7 +180,8 @@ pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, keep: Keep, s
         (true, 0) => split * 2.0 * d * e + rows * vocab * e + (split + rows) * 4.0,
         (true, _) => split * d * e + rows * d * e + split * 4.0, // the norm's input, 1/rms and dxn
     };
-    stage.layer_count(m.num_hidden_layers) as f64 * layer_bytes(m, batch, seq, keep, e).0 + head
+    let layers = stage.chunk_layers(m.num_hidden_layers).into_iter().flatten();
+    layers.map(|i| layer_bytes(m, i, batch, seq, keep, e).0).sum::<f64>() + head
 }
 
 /// The most activation bytes a rank holds at once for micro-batches of `batch` sequences: a
@@ -231,8 +256,8 @@ fn sizes(
     z: usize,
     counted: &Counted,
 ) -> (f64, f64, f64, f64) {
-    // (values, values in partitions) of the embedding, of one block, of the head
-    let (mut embed, mut layer, mut head) = ((0.0, 0.0), (0.0, 0.0), (0.0, 0.0));
+    // (values, values in partitions) of the embedding, of each block of the twin, of the head
+    let (mut embed, mut layer, mut head) = ((0.0, 0.0), [(0.0, 0.0); 2], (0.0, 0.0));
     for (name, shape, on_tp) in cuts {
         if !counted(name, shape) {
             continue;
@@ -242,25 +267,42 @@ fn sizes(
         let expert = moe::is_expert(name);
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {
-            n if n.starts_with("model.layers.") => &mut layer,
+            n if n.starts_with("model.layers.1.") => &mut layer[1],
+            n if n.starts_with("model.layers.") => &mut layer[0],
             "model.embed_tokens.weight" => &mut embed,
             _ => &mut head, // the final norm and the output layer
         };
         *part = (part.0 + n, part.1 + (n / z as f64).ceil());
     }
-    let layers = stage.layer_count(m.num_hidden_layers) as f64;
+    let held: Vec<usize> =
+        stage.chunk_layers(m.num_hidden_layers).into_iter().flatten().map(|i| twin_of(m, i)).collect();
     let (first, last) = (stage.is_first() as u8 as f64, stage.is_last() as u8 as f64);
-    let whole = layers * layer.0 + first * embed.0 + last * head.0;
-    let partitions = layers * layer.1 + first * embed.1 + last * head.1;
+    let whole = held.iter().map(|&j| layer[j].0).sum::<f64>() + first * embed.0 + last * head.0;
+    let partitions = held.iter().map(|&j| layer[j].1).sum::<f64>() + first * embed.1 + last * head.1;
     // the head gathers the embedding it shares when they are tied
     let head_unit = last * (head.0 + if m.tie_word_embeddings { embed.0 } else { 0.0 });
-    let unit = layer.0.max(head_unit);
+    let unit = held.iter().map(|&j| layer[j].0).fold(head_unit, f64::max);
     (whole, partitions, unit, unit.max(first * embed.0))
 }
 
 /// A model's tensors as its one-layer twin's (name, whole shape, tp cut), which `sizes`
-/// multiplies by a stage's layers.
+/// multiplies by a stage's layers. (A DeepSeekMoE with dense first layers has a two-layer twin:
+/// a dense layer, then a MoE one: `twin_of`.)
 pub type Cuts = Vec<(String, Vec<usize>, TpCut)>;
+
+/// The model whose layers stand for every layer of `m`: one layer, or a dense and a MoE one.
+fn twin(m: &ModelConfig) -> ModelConfig {
+    let dense = m.deepseek_moe().map_or(0, |d| d.dense_below);
+    let two = dense > 0 && dense < m.num_hidden_layers;
+    let layers = if two { 2 } else { 1 };
+    ModelConfig { num_hidden_layers: layers, first_k_dense_replace: dense.min(1), ..m.clone() }
+}
+
+/// Which layer of `m`'s twin stands for its layer `layer`.
+pub fn twin_of(m: &ModelConfig, layer: usize) -> usize {
+    let dense = m.deepseek_moe().map_or(0, |d| d.dense_below);
+    usize::from(dense > 0 && dense < m.num_hidden_layers && layer >= dense)
+}
 
 /// `m`'s one-layer twin's tensors, listed once a model on each thread (`ferrotron plan` asks for
 /// the same model's under thousands of layouts; listing them builds a block).
@@ -273,8 +315,7 @@ pub fn one_layer(m: &ModelConfig) -> Rc<Cuts> {
         match &*cell {
             Some((model, cuts)) if model == m => cuts.clone(),
             _ => {
-                let cuts =
-                    Rc::new(Llama::tensor_cuts(&ModelConfig { num_hidden_layers: 1, ..m.clone() }, Stage::WHOLE));
+                let cuts = Rc::new(Llama::tensor_cuts(&twin(m), Stage::WHOLE));
                 *cell = Some((m.clone(), cuts.clone()));
                 cuts
             }
@@ -328,14 +369,17 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     let (d, v) = (cfg.model.hidden_size as f64, (cfg.model.vocab_size / p.tp) as f64);
     let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
     let one = activation_bytes(&cfg.model, batch, seq, keep, stage, dtype);
-    let layers = stage.layer_count(cfg.model.num_hidden_layers) as f64;
-    let (layer_kept, layer_again) = layer_bytes(&cfg.model, batch as f64, seq as f64, keep, e);
+    let held: Vec<usize> = stage.chunk_layers(cfg.model.num_hidden_layers).into_iter().flatten().collect();
+    let (batch_f, seq_f) = (batch as f64, seq as f64);
+    let kept_by = |i: usize| layer_bytes(&cfg.model, i, batch_f, seq_f, keep, e);
     // the backward of the micro-batch at hand frees its cache part by part: its peak is in the
-    // head's backward (the logits' gradient beside the logits) or in the first block's, after
-    // the head's cache went (what `activation_bytes` counts for the head)
-    let head = one - layers * layer_kept;
+    // head's backward (the logits' gradient beside the logits) or in the first block's (the
+    // stage's last layer), after the head's cache went (what `activation_bytes` counts for the head)
+    let head = one - held.iter().map(|&i| kept_by(i).0).sum::<f64>();
+    let last = held.last().copied().unwrap_or(0);
+    let layer_again = kept_by(last).1;
     let split = rows / if p.sequence_parallel { p.tp as f64 } else { 1.0 };
-    let (mlp_kept, mlp_backward) = mlp_bytes(&cfg.model, (rows, split), keep, e);
+    let (mlp_kept, mlp_backward) = mlp_bytes(&cfg.model, last, (rows, split), keep, e);
     // (on a GPU the attention's backward has scratch besides: δ, and on tensor cores the fp32
     // parts of dQ, dK and dV it adds up, `backward_scratch`)
     let m = &cfg.model;
@@ -376,7 +420,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // ZeRO, a stage without the head: its second block backward has one block's cache less, but
     // the bucket its first block's gradients went into
     let second = RankMemory {
-        activations_bytes: activations - (one - head) / layers,
+        activations_bytes: activations - (one - head) / held.len().max(1) as f64,
         comm_bytes: comm + if stage.is_last() { 0.0 } else { 4.0 * bucket },
         ..backward.clone()
     };
