@@ -411,7 +411,7 @@ fn folder_of(init_from: &str) -> Result<std::path::PathBuf> {
 pub fn model_keys_of(init_from: &str) -> Result<toml::Table> {
     let theirs = read_hf_config(&folder_of(init_from)?.join("config.json"))?;
     let mut keys = toml::Table::try_from(&theirs)?;
-    keys.retain(|k, _| !NOT_INHERITED.iter().any(|n| *n == k));
+    keys.retain(|k, _| !NOT_INHERITED.contains(&k));
     if theirs.head_dim == Some(theirs.hidden_size / theirs.num_attention_heads.max(1)) {
         keys.remove("head_dim"); // implied: a run that leaves it out is the same model
     }
