@@ -112,7 +112,7 @@ fn a_folder_gives_the_model_keys_a_run_leaves_out() {
     for name in ["tied_odd", "mixtral", "deepseek_moe", "mla_q_latent"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
         let init = format!("model.init_from=\"{}\"", dir.display());
-        let cfg = ferrotron::commands::load_config(None, &[init.clone()]).unwrap();
+        let cfg = ferrotron::commands::load_config(None, std::slice::from_ref(&init)).unwrap();
         let theirs = checkpoint::read_hf_config(&dir.join("config.json")).unwrap();
         let plain = |m: &ferrotron::config::ModelConfig| ferrotron::config::ModelConfig {
             initializer_range: 0.02,
