@@ -820,3 +820,35 @@ fn the_memory_estimate_counts_the_fp8_copies() {
     assert_eq!(ratios.len(), 1, "one rank in\n{text}");
     assert!((0.9..=1.1).contains(&ratios[0]), "estimate / measured {}\n{text}", ratios[0]);
 }
+
+#[test]
+#[cfg_attr(
+    any(ferrotron_no_nvrtc, ferrotron_no_gxx),
+    ignore = "needs NVRTC and g++ (C++20) for the fake GPU; .ci/run installs them"
+)]
+fn deepseek_v3_on_the_gpu_path_follows_the_cpu() {
+    let Some(dir) = fake_driver() else { return };
+    // latent attention (its core padded to 8: the gathers, RoPE on 4 of a head, the shared key's
+    // gradient summed over heads, all GPU launches) and DeepSeekMoE (the sigmoid router, read
+    // back to the host and its results written to the GPU; the shared expert; the bias moving)
+    let deepseek = [
+        "model.num_key_value_heads=4",
+        "model.kv_lora_rank=8",
+        "model.q_lora_rank=6",
+        "model.qk_nope_head_dim=4",
+        "model.qk_rope_head_dim=4",
+        "model.v_head_dim=6",
+        "model.num_local_experts=4",
+        "model.num_experts_per_tok=2",
+        "model.moe_intermediate_size=8",
+        "model.n_shared_experts=1",
+        "model.first_k_dense_replace=1",
+        "model.n_group=2",
+        "model.routed_scaling_factor=2.5",
+        "model.bias_update_speed=0.01",
+    ];
+    let steps = ["train.steps=3", "train.warmup_steps=1", "train.micro_batch_size=1"];
+    let cpu = losses(dir, "deepseek_cpu", &[&steps[..], &deepseek].concat());
+    let gpu = losses(dir, "deepseek_f32", &[&steps[..], &deepseek, &["device.kind=cuda", "device.dtype=f32"]].concat());
+    assert!(max_diff(&cpu, &gpu) <= 1e-4, "DeepSeek-V3 on the GPU path {gpu:?}, CPU {cpu:?}");
+}

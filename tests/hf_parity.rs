@@ -128,3 +128,46 @@ fn a_folder_gives_the_model_keys_a_run_leaves_out() {
         assert!(e.contains("num_hidden_layers") && e.contains("model.num_hidden_layers = 5"), "{name}: {e}");
     }
 }
+
+/// A DeepSeek-V3 folder's multi-token-prediction layers (stored after the last layer, as
+/// DeepSeek's own checkpoints hold them) are dropped as transformers drops them, saying so; the
+/// same tensors without `num_nextn_predict_layers` are refused as layers the config lacks.
+#[test]
+fn deepseek_multi_token_prediction_layers_are_dropped() {
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mla_dense");
+    let tmp = tempfile::tempdir().unwrap();
+    for f in ["config.json", "tokens.txt"] {
+        std::fs::copy(fixture.join(f), tmp.path().join(f)).unwrap();
+    }
+    let mut tensors: Vec<(String, Vec<usize>, Vec<u8>)> =
+        checkpoint::read_safetensors(&fixture.join("model.safetensors"))
+            .unwrap()
+            .into_iter()
+            .map(|(n, t)| (n, t.shape().to_vec(), t.to_vec().iter().flat_map(|x| x.to_le_bytes()).collect()))
+            .collect();
+    for name in ["model.layers.2.eh_proj.weight", "model.layers.2.self_attn.q_proj.weight"] {
+        tensors.push((name.into(), vec![4, 6], vec![0; 4 * 24]));
+    }
+    let views: Vec<(String, safetensors::tensor::TensorView)> = tensors
+        .iter()
+        .map(|(n, s, b)| {
+            (n.clone(), safetensors::tensor::TensorView::new(safetensors::Dtype::F32, s.clone(), b).unwrap())
+        })
+        .collect();
+    std::fs::write(tmp.path().join("model.safetensors"), safetensors::serialize(views, &None).unwrap()).unwrap();
+    let config = |mtp: usize| {
+        let mut j: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(fixture.join("config.json")).unwrap()).unwrap();
+        j["num_nextn_predict_layers"] = mtp.into();
+        std::fs::write(tmp.path().join("config.json"), j.to_string()).unwrap();
+    };
+    config(1);
+    let mut model = checkpoint::load_hf(tmp.path()).unwrap();
+    let seqs = eval::read_tokens(&tmp.path().join("tokens.txt"), model.cfg.vocab_size).unwrap();
+    let want = checkpoint::read_safetensors(&fixture.join("expected.safetensors")).unwrap()["loss"].to_vec()[0] as f64;
+    let loss = eval::mean_loss(&mut model, &seqs).unwrap();
+    assert!((loss - want).abs() <= 1e-5 * want, "with the MTP layer dropped: {loss} vs {want}");
+    config(0);
+    let e = format!("{:#}", checkpoint::load_hf(tmp.path()).err().unwrap());
+    assert!(e.contains("model.layers.2.") && e.contains("more layers than model.num_hidden_layers = 2"), "{e}");
+}

@@ -29,6 +29,17 @@ pub fn load_hf(dir: &Path) -> Result<Llama<'static>> {
     build_from(&tensors, &cfg, Box::new(Whole), Stage::WHOLE, &dir.display().to_string())
 }
 
+/// A DeepSeek-V3 folder's multi-token-prediction layers (`num_nextn_predict_layers`; 0 for
+/// every other model).
+fn mtp_layers(dir: &Path) -> Result<usize> {
+    let text = crate::files::read_text(&dir.join("config.json"), "config.json")?;
+    let j: Value = serde_json::from_str(&text).unwrap_or(Value::Null); // read_hf_config named any error
+    Ok(match j["model_type"].as_str() {
+        Some("deepseek_v3") => j["num_nextn_predict_layers"].as_u64().unwrap_or(0) as usize,
+        _ => 0,
+    })
+}
+
 /// Every tensor a folder of the model `cfg` describes holds: its parameters, then its buffers.
 pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let mut all = Llama::tensor_shapes(cfg, Stage::WHOLE);
@@ -37,9 +48,22 @@ pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
 }
 
 /// Hugging Face folders may store what is not a weight (old RoPE buffers), and a tied model may
-/// also store its output layer, a copy of the embedding that transformers ignores: both go.
+/// also store its output layer, a copy of the embedding that transformers ignores: both go. So do
+/// a DeepSeek-V3's multi-token-prediction layers (`num_nextn_predict_layers` of them, stored as
+/// the layers after the last), which transformers does not run either: said in a note.
 fn drop_non_weights(tensors: &mut HashMap<String, Tensor>, cfg: &ModelConfig, dir: &Path) -> Result<()> {
     tensors.retain(|name, _| !name.ends_with("rotary_emb.inv_freq"));
+    let (layers, mtp) = (cfg.num_hidden_layers, mtp_layers(dir)?);
+    let is_mtp = |name: &str| {
+        let layer = name.strip_prefix("model.layers.").and_then(|r| r.split('.').next()?.parse::<usize>().ok());
+        layer.is_some_and(|i| i >= layers && i < layers + mtp)
+    };
+    let before = tensors.len();
+    tensors.retain(|name, _| !is_mtp(name));
+    if tensors.len() < before {
+        let last = layers + mtp - 1;
+        crate::say!("note: {}: its multi-token-prediction layers (model.layers.{layers} to {last}, num_nextn_predict_layers = {mtp}) are not part of the model transformers runs, and are dropped", dir.display());
+    }
     if cfg.tie_word_embeddings {
         if let Some(head) = tensors.remove("lm_head.weight") {
             let embed = tensors.get("model.embed_tokens.weight");
