@@ -475,7 +475,21 @@ fn command_cases() -> Vec<Case> {
 /// A library's type or variant name in a message (`MetadataIncompleteBuffer`, `ParseIntError`):
 /// a word of two capitalised parts or more, outside a path, that is not one of the field's words.
 fn rust_name(err: &str) -> Option<&str> {
-    const OURS: &[&str] = &["NaN", "AdamW", "GiB", "MiB", "KiB", "TFLOP", "RoPE", "ZeRO", "SwiGLU", "RMSNorm"];
+    const OURS: &[&str] = &[
+        "NaN",
+        "AdamW",
+        "GiB",
+        "MiB",
+        "KiB",
+        "TFLOP",
+        "RoPE",
+        "ZeRO",
+        "SwiGLU",
+        "RMSNorm",
+        "DeepSeekMoE",
+        "DeepSeek-V3",
+        "MoE",
+    ];
     err.split(|c: char| c.is_whitespace() || "()[]{},:;'\"`".contains(c))
         .filter(|w| !w.contains('/') && !w.contains('.'))
         .find(|w| {

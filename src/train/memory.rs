@@ -180,8 +180,8 @@ pub fn activation_bytes(m: &ModelConfig, batch: usize, seq: usize, keep: Keep, s
         (true, 0) => split * 2.0 * d * e + rows * vocab * e + (split + rows) * 4.0,
         (true, _) => split * d * e + rows * d * e + split * 4.0, // the norm's input, 1/rms and dxn
     };
-    let layers = stage.chunk_layers(m.num_hidden_layers).into_iter().flatten();
-    layers.map(|i| layer_bytes(m, i, batch, seq, keep, e).0).sum::<f64>() + head
+    let counts = twin_counts(m, stage);
+    (0..2).map(|j| counts[j] as f64 * layer_bytes(m, stands_for(m, j), batch, seq, keep, e).0).sum::<f64>() + head
 }
 
 /// The most activation bytes a rank holds at once for micro-batches of `batch` sequences: a
@@ -274,14 +274,13 @@ fn sizes(
         };
         *part = (part.0 + n, part.1 + (n / z as f64).ceil());
     }
-    let held: Vec<usize> =
-        stage.chunk_layers(m.num_hidden_layers).into_iter().flatten().map(|i| twin_of(m, i)).collect();
+    let counts = twin_counts(m, stage).map(|c| c as f64);
     let (first, last) = (stage.is_first() as u8 as f64, stage.is_last() as u8 as f64);
-    let whole = held.iter().map(|&j| layer[j].0).sum::<f64>() + first * embed.0 + last * head.0;
-    let partitions = held.iter().map(|&j| layer[j].1).sum::<f64>() + first * embed.1 + last * head.1;
+    let whole = counts[0] * layer[0].0 + counts[1] * layer[1].0 + first * embed.0 + last * head.0;
+    let partitions = counts[0] * layer[0].1 + counts[1] * layer[1].1 + first * embed.1 + last * head.1;
     // the head gathers the embedding it shares when they are tied
     let head_unit = last * (head.0 + if m.tie_word_embeddings { embed.0 } else { 0.0 });
-    let unit = held.iter().map(|&j| layer[j].0).fold(head_unit, f64::max);
+    let unit = (0..2).filter(|&j| counts[j] > 0.0).map(|j| layer[j].0).fold(head_unit, f64::max);
     (whole, partitions, unit, unit.max(first * embed.0))
 }
 
@@ -300,8 +299,39 @@ fn twin(m: &ModelConfig) -> ModelConfig {
 
 /// Which layer of `m`'s twin stands for its layer `layer`.
 pub fn twin_of(m: &ModelConfig, layer: usize) -> usize {
+    usize::from(layer >= twin_boundary(m))
+}
+
+/// The first layer of `m` the twin's second layer stands for (`usize::MAX`: the twin has one).
+fn twin_boundary(m: &ModelConfig) -> usize {
     let dense = m.deepseek_moe().map_or(0, |d| d.dense_below);
-    usize::from(dense > 0 && dense < m.num_hidden_layers && layer >= dense)
+    if dense > 0 && dense < m.num_hidden_layers {
+        dense
+    } else {
+        usize::MAX
+    }
+}
+
+/// A layer of `m` that the twin's layer `j` stands for (its first).
+fn stands_for(m: &ModelConfig, j: usize) -> usize {
+    if j == 0 {
+        0
+    } else {
+        twin_boundary(m).min(m.num_hidden_layers)
+    }
+}
+
+/// How many of `stage`'s layers each layer of the twin stands for, counted by ranges: any depth
+/// costs nothing.
+fn twin_counts(m: &ModelConfig, stage: Stage) -> [usize; 2] {
+    let boundary = twin_boundary(m);
+    let mut counts = [0, 0];
+    for r in stage.chunk_layers(m.num_hidden_layers) {
+        let below = r.end.min(boundary).saturating_sub(r.start);
+        counts[0] += below;
+        counts[1] += r.len() - below;
+    }
+    counts
 }
 
 /// `m`'s one-layer twin's tensors, listed once a model on each thread (`ferrotron plan` asks for
@@ -369,14 +399,14 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     let (d, v) = (cfg.model.hidden_size as f64, (cfg.model.vocab_size / p.tp) as f64);
     let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
     let one = activation_bytes(&cfg.model, batch, seq, keep, stage, dtype);
-    let held: Vec<usize> = stage.chunk_layers(cfg.model.num_hidden_layers).into_iter().flatten().collect();
+    let counts = twin_counts(&cfg.model, stage);
     let (batch_f, seq_f) = (batch as f64, seq as f64);
     let kept_by = |i: usize| layer_bytes(&cfg.model, i, batch_f, seq_f, keep, e);
     // the backward of the micro-batch at hand frees its cache part by part: its peak is in the
     // head's backward (the logits' gradient beside the logits) or in the first block's (the
     // stage's last layer), after the head's cache went (what `activation_bytes` counts for the head)
-    let head = one - held.iter().map(|&i| kept_by(i).0).sum::<f64>();
-    let last = held.last().copied().unwrap_or(0);
+    let head = one - (0..2).map(|j| counts[j] as f64 * kept_by(stands_for(&cfg.model, j)).0).sum::<f64>();
+    let last = stage.chunk_layers(cfg.model.num_hidden_layers).last().map_or(0, |r| r.end.saturating_sub(1));
     let layer_again = kept_by(last).1;
     let split = rows / if p.sequence_parallel { p.tp as f64 } else { 1.0 };
     let (mlp_kept, mlp_backward) = mlp_bytes(&cfg.model, last, (rows, split), keep, e);
@@ -420,7 +450,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // ZeRO, a stage without the head: its second block backward has one block's cache less, but
     // the bucket its first block's gradients went into
     let second = RankMemory {
-        activations_bytes: activations - (one - head) / held.len().max(1) as f64,
+        activations_bytes: activations - (one - head) / (counts[0] + counts[1]).max(1) as f64,
         comm_bytes: comm + if stage.is_last() { 0.0 } else { 4.0 * bucket },
         ..backward.clone()
     };
