@@ -103,11 +103,8 @@ pub fn flops_per_token(m: &ModelConfig, seq_len: usize) -> f64 {
     let n = m.parameter_count() - lookup_only - idle;
     // scores q·k (a query/key head wide) and their sum over the values (a value head wide), each
     // 2 FLOPs a product and 3 passes (forward, two in backward); latent attention's heads differ
-    let (qk, v) = match m.kv_lora_rank {
-        0 => (m.head_dim(), m.head_dim()),
-        _ => (m.head_dim(), m.v_head_dim),
-    };
-    let attention = 6.0 * (m.num_hidden_layers * m.num_attention_heads * (qk + v) * seq_len) as f64;
+    let v = if m.kv_lora_rank > 0 { m.v_head_dim } else { m.head_dim() };
+    let attention = 6.0 * (m.num_hidden_layers * m.num_attention_heads * (m.head_dim() + v) * seq_len) as f64;
     6.0 * n + attention
 }
 

@@ -3,9 +3,11 @@
 //! A config with `model.num_local_experts` = 0 describes Llama: every block's MLP is dense
 //! (`block.rs`'s `Dense`), the loss the language model's. With E > 0 it describes Mixtral: every
 //! block's MLP is a mixture of E experts (`moe.rs`), and with `router_aux_loss_coef` > 0 the loss
-//! carries their load-balancing term. Both plug into the block's MLP seam (`Mlps`), so the
-//! model's own files never name the experts: this file is where the two families meet, as
-//! `transformers` picks a class by the config's `model_type`. Both attend as Llama does
+//! carries their load-balancing term; with `moe_intermediate_size` > 0 the mixture is
+//! DeepSeekMoE's (the same file: fine-grained and shared experts, a sigmoid router balanced by a
+//! bias). They plug into the block's MLP seam (`Mlps`), so the model's own files never name the
+//! experts: this file is where the families meet, as `transformers` picks a class by the config's
+//! `model_type`. Llama and Mixtral attend alike
 //! (`block.rs`'s `Gqa`, through the block's attention seam, `Attentions`); with
 //! `kv_lora_rank` > 0 the attention is DeepSeek-V3's multi-head latent attention
 //! (`latent_attention.rs`), through the same seam.

@@ -188,6 +188,7 @@ fn pick_columns(sources: &[&Tensor], picks: &[Pick]) -> Tensor {
         }
     }
     let starts: Vec<usize> = sources.iter().scan(0, |at, s| Some(std::mem::replace(at, *at + s.numel()))).collect();
+    let zeros_asked = picks.iter().any(Option::is_none);
     let zero = (starts.last().unwrap_or(&0) + sources.last().map_or(0, |s| s.numel())) / g; // the appended zeros
     let starts = &starts;
     let order: Vec<u32> = (0..rows)
@@ -198,6 +199,10 @@ fn pick_columns(sources: &[&Tensor], picks: &[Pick]) -> Tensor {
             })
         })
         .collect();
+    // one source and no zeros: gathered where it is; else the sources (and a block of zeros) in one
+    if let ([one], false) = (sources, zeros_asked) {
+        return ops::gather_blocks(one, g, &order).with_shape(&[rows, picks.len()]);
+    }
     let mut all: Vec<&Tensor> = sources.to_vec();
     let zeros = Tensor::zeros_as(&[g], sources[0]);
     all.push(&zeros);

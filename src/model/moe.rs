@@ -141,7 +141,7 @@ impl ExpertSplit for Whole {
 #[derive(Clone, Copy)]
 enum Kind {
     Mixtral,
-    DeepSeek { router: Router, groups: usize, kept: usize, shared: usize, dense_below: usize },
+    DeepSeek { norm: bool, scale: f32, groups: usize, kept: usize, shared: usize, dense_below: usize },
 }
 
 /// One expert: a SwiGLU MLP (w1 the gate, w3 the up projection, w2 the down projection).
@@ -184,7 +184,8 @@ impl<'g> Experts<'g> {
         let kind = match deepseek {
             None => Kind::Mixtral,
             Some(m) => Kind::DeepSeek {
-                router: Router::Sigmoid { norm: m.norm, scale: m.scale, dtype: crate::ops::DType::F32 },
+                norm: m.norm,
+                scale: m.scale,
                 groups: m.groups,
                 kept: m.kept,
                 shared: m.shared,
@@ -421,14 +422,10 @@ impl Mlp for Moe<'_> {
         let logits = self.gate.linear(x);
         let routing = match self.shared.kind {
             Kind::Mixtral => route::route(&logits, k), // a sync point on a GPU
-            Kind::DeepSeek { router, groups, kept, .. } => {
+            Kind::DeepSeek { norm, scale, groups, kept, .. } => {
                 let biases = self.shared.biases.borrow();
                 let choice = Choice { bias: &biases[&self.layer], groups, kept };
-                let router = match router {
-                    Router::Sigmoid { norm, scale, .. } => Router::Sigmoid { norm, scale, dtype: logits.dtype() },
-                    other => other,
-                };
-                route::route_sigmoid(&logits, k, choice, router)
+                route::route_sigmoid(&logits, k, choice, Router::Sigmoid { norm, scale, dtype: logits.dtype() })
             }
         };
         drop(logits);
