@@ -1,23 +1,23 @@
 // rope.cu — rotary position embedding, Hugging Face's half rotation, forward and backward.
 //
-// Math: for each head and i < half = head_dim/2, with angle = pos · theta^(−2i/head_dim):
+// Math: for each head and i < half = head_dim/2, with angle = pos · inv_freq[i] (plain RoPE:
+// inv_freq[i] = theta^(−2i/head_dim), made on the host with the rescaled ones of a longer
+// context, src/ops/rope_scaling.rs) and cos, sin both times `scale` (1 but under YaRN):
 //   (x[i], x[i+half]) ← (x[i]·cos − x[i+half]·sin, x[i+half]·cos + x[i]·sin).
 // The backward of a rotation is the rotation by −angle, applied to the gradient in place
 // (`inverse` = 1). The angles depend only on the positions, so `rope_table` computes cos and sin
 // once per micro-batch, [rows, half] each: in double (the large positions of long sequences need
 // it, as in the CPU reference), rounded to float; every layer's q and k, forward and backward,
-// then read the table instead of calling pow, cos and sin in double.
+// then read the table instead of calling cos and sin in double.
 // Decomposition: one thread per (row, i) entry of the table; one thread per (row, head, i) pair
 // of the rotation.
 
-extern "C" __global__ void rope_table(const unsigned* positions, long rows, int head_dim, double theta, float* cos_t,
-                                      float* sin_t) {
-    int half = head_dim / 2;
+extern "C" __global__ void rope_table(const unsigned* positions, long rows, int half, const double* inv_freq,
+                                      double scale, float* cos_t, float* sin_t) {
     for (long k = blockIdx.x * (long)blockDim.x + threadIdx.x; k < rows * half; k += (long)gridDim.x * blockDim.x) {
-        int i = k % half;
-        double angle = (double)positions[k / half] * pow(theta, -2.0 * i / head_dim);
-        cos_t[k] = (float)cos(angle);
-        sin_t[k] = (float)sin(angle);
+        double angle = (double)positions[k / half] * inv_freq[k % half];
+        cos_t[k] = (float)(cos(angle) * scale);
+        sin_t[k] = (float)(sin(angle) * scale);
     }
 }
 

@@ -95,9 +95,67 @@ pub struct ModelConfig {
     /// ±γ after every step towards the mean load (DeepSeek-V3 trained with 0.001); 0: the bias
     /// stays as loaded.
     pub bias_update_speed: f32,
+    /// RoPE's frequencies for a context longer than the one trained on (`ops/rope_scaling.rs`):
+    /// `[model.rope_scaling]`, Hugging Face's `rope_scaling` (or `rope_parameters`) dict.
+    pub rope_scaling: RopeScaling,
     /// Start from these weights instead of a random init: a Hugging Face Llama folder whose
     /// config.json matches the keys above. Empty: random init.
     pub init_from: String,
+}
+
+/// How RoPE's frequencies are rescaled (`ops/rope_scaling.rs`), with Hugging Face's names; a key
+/// another kind does not read keeps its default.
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RopeScaling {
+    /// `default` (plain RoPE), `linear`, `yarn` (DeepSeek-V3's) or `llama3`.
+    pub rope_type: RopeType,
+    /// How many times longer the context is than the one trained on (linear, yarn, llama3).
+    pub factor: f64,
+    /// The context length trained on (yarn, llama3).
+    pub original_max_position_embeddings: usize,
+    /// yarn: the factor on cos and sin; 0: derived from `factor` (and `mscale`, `mscale_all_dim`).
+    pub attention_factor: f64,
+    /// yarn: the rotations per original context above which a pair keeps its frequency
+    /// (`beta_fast`), below which it is divided by `factor` (`beta_slow`); a ramp between.
+    pub beta_fast: f64,
+    pub beta_slow: f64,
+    /// yarn: the terms of the derived `attention_factor`, and DeepSeek's softmax scale
+    /// (× (0.1·`mscale_all_dim`·ln `factor` + 1)²); 0: absent.
+    pub mscale: f64,
+    pub mscale_all_dim: f64,
+    /// yarn: the ramp's ends rounded outwards to whole pairs.
+    pub truncate: bool,
+    /// llama3: wavelengths above original / `low_freq_factor` are divided by `factor`, below
+    /// original / `high_freq_factor` kept, and smoothly between.
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+}
+
+impl RopeScaling {
+    /// Plain RoPE: the values `configs/tiny.toml` gives.
+    pub const PLAIN: RopeScaling = RopeScaling {
+        rope_type: RopeType::Default,
+        factor: 1.0,
+        original_max_position_embeddings: 0,
+        attention_factor: 0.0,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        mscale: 0.0,
+        mscale_all_dim: 0.0,
+        truncate: true,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+    };
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RopeType {
+    Default,
+    Linear,
+    Yarn,
+    Llama3,
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -573,7 +631,7 @@ impl Config {
         // the [model] keys the file and the --sets give (a model.init_from folder gives the rest)
         let mut given: Vec<String> = sets
             .iter()
-            .filter_map(|s| s.split_once('=')?.0.trim().strip_prefix("model.").map(str::to_string))
+            .filter_map(|s| s.split_once('=')?.0.trim().strip_prefix("model.")?.split('.').next().map(str::to_string))
             .collect();
         if let Some(path) = path {
             let text = crate::files::read_text(path, "--config")?;

@@ -279,3 +279,32 @@ fn os_errors_are_said_in_plain_words() {
 fn fixture(rel: &str) -> std::path::PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(rel)
 }
+
+/// `[model.rope_scaling]` is a table inside a section: its built-in values are plain RoPE
+/// (`RopeScaling::PLAIN`), a `--set` reaches its keys (`model.rope_scaling.factor`), and a key
+/// the chosen kind does not read, or a kind without what it needs, is refused naming the key.
+#[test]
+fn rope_scaling_is_set_by_its_keys_and_checked_by_its_kind() {
+    use ferrotron::config::{RopeScaling, RopeType};
+    let plain = Config::load(None, &[]).unwrap();
+    assert_eq!(plain.model.rope_scaling, RopeScaling::PLAIN);
+    let sets: Vec<String> = [
+        "model.rope_scaling.rope_type=\"yarn\"",
+        "model.rope_scaling.factor=4",
+        "model.rope_scaling.original_max_position_embeddings=64",
+    ]
+    .map(String::from)
+    .to_vec();
+    let yarn = Config::load(None, &sets).unwrap().model.rope_scaling;
+    assert_eq!((yarn.rope_type, yarn.factor, yarn.original_max_position_embeddings), (RopeType::Yarn, 4.0, 64));
+    let e = config_error(&["model.rope_scaling.factor=4"]);
+    assert!(e.contains("model.rope_scaling.factor = 4") && e.contains("does not read it"), "{e}");
+    let e = config_error(&["model.rope_scaling.rope_type=\"llama3\"", "model.rope_scaling.factor=8"]);
+    assert!(e.contains("model.rope_scaling.original_max_position_embeddings = 0"), "{e}");
+    let e = config_error(&["model.rope_scaling.rope_type=\"ntk\""]);
+    assert!(e.contains("rope_scaling.rope_type") && e.contains("`yarn`"), "{e}");
+    let e = config_error(&["model.rope_scaling.fctor=2"]);
+    assert!(e.contains("fctor"), "{e}");
+    let e = config_error(&["model.rope_theta.x=2"]);
+    assert!(e.contains("model.rope_theta") && e.contains("not a table"), "{e}");
+}

@@ -830,8 +830,14 @@ fn deepseek_v3_on_the_gpu_path_follows_the_cpu() {
     let Some(dir) = fake_driver() else { return };
     // latent attention (its core padded to 8: the gathers, RoPE on 4 of a head, the shared key's
     // gradient summed over heads, all GPU launches) and DeepSeekMoE (the sigmoid router, read
-    // back to the host and its results written to the GPU; the shared expert; the bias moving)
+    // back to the host and its results written to the GPU; the shared expert; the bias moving),
+    // RoPE rescaled by YaRN (the table's frequencies from the host, cos and sin scaled, the
+    // softmax scale times mscale²)
     let deepseek = [
+        "model.rope_scaling.rope_type=\"yarn\"",
+        "model.rope_scaling.factor=4",
+        "model.rope_scaling.original_max_position_embeddings=64",
+        "model.rope_scaling.mscale_all_dim=0.7",
         "model.num_key_value_heads=4",
         "model.kv_lora_rank=8",
         "model.q_lora_rank=6",

@@ -7,6 +7,7 @@
 //! does not hide a "llama3" scaling in another (it was run as plain RoPE before).
 
 use ferrotron::checkpoint::hf::{keys, read_hf_config};
+use ferrotron::config::RopeType;
 use std::path::Path;
 
 #[test]
@@ -75,14 +76,23 @@ fn keys_that_change_the_math_are_refused_naming_the_key() {
     read(serde_json::json!({})).unwrap();
     // the defaults pass
     read(serde_json::json!({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}, "rope_scaling": null, "attention_dropout": 0.0, "sliding_window": null, "pretraining_tp": 1})).unwrap();
+    // RoPE's rescaling is read where transformers 5 reads it: `rope_scaling` (transformers 4's
+    // name) before `rope_parameters`, its kind under "rope_type" or "type"
     let llama3 = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192});
+    let kind = |extra| read(extra).unwrap().rope_scaling;
+    let scaled = kind(serde_json::json!({"rope_parameters": {"rope_type": "default"}, "rope_scaling": llama3}));
+    assert_eq!((scaled.rope_type, scaled.original_max_position_embeddings), (RopeType::Llama3, 8192));
+    let scaled = kind(serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}));
+    assert_eq!((scaled.rope_type, scaled.factor), (RopeType::Linear, 2.0));
+    // YaRN without a factor: the ratio of max_position_embeddings to the trained context
+    let yarn = serde_json::json!({"rope_parameters": {"rope_type": "yarn", "original_max_position_embeddings": 1024}, "max_position_embeddings": 4096});
+    assert_eq!(kind(yarn).factor, 4.0);
     let refused = [
         (
-            serde_json::json!({"rope_parameters": {"rope_type": "default"}, "rope_scaling": llama3}),
-            "rope_scaling.rope_type = \"llama3\"",
+            serde_json::json!({"rope_scaling": {"type": "dynamic", "factor": 2.0}}),
+            "rope_scaling.rope_type = \"dynamic\"",
         ),
-        (serde_json::json!({"rope_scaling": {"type": "linear", "factor": 2.0}}), "rope_scaling.type = \"linear\""),
-        (serde_json::json!({"rope_parameters": {"rope_type": "yarn"}}), "rope_parameters.rope_type = \"yarn\""),
+        (serde_json::json!({"rope_parameters": {"rope_type": "longrope"}}), "rope_parameters.rope_type = \"longrope\""),
         (serde_json::json!({"attention_dropout": 0.1}), "attention_dropout = 0.1"),
         (serde_json::json!({"attention_bias": true}), "attention_bias = true"),
         (serde_json::json!({"hidden_act": "gelu"}), "hidden_act = \"gelu\""),

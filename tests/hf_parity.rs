@@ -104,12 +104,65 @@ fn deepseek_moe_top3_unnormalised_two_shared_experts_tied() {
     check_case("deepseek_moe_unnormed");
 }
 
+/// RoPE rescaled for a longer context (`ops/rope_scaling.rs`), as transformers computes it: YaRN
+/// on a Llama (the cos/sin factor derived, an unrounded ramp) and on DeepSeek-V3's latent
+/// attention as V3 configures it (the softmax scale times mscale², `rope_scaling` with "type"),
+/// and Llama 3's (a Llama 3.x folder's `rope_scaling`).
+#[test]
+fn yarn_on_a_llama_unrounded_ramp_derived_attention_factor() {
+    check_case("llama_yarn");
+}
+
+#[test]
+fn yarn_on_latent_attention_as_deepseek_v3_configures_it() {
+    check_case("mla_yarn");
+}
+
+#[test]
+fn llama3_rope_scaling() {
+    check_case("llama3_rope");
+}
+
+/// A rescaled RoPE leaves in a checkpoint as transformers reads it: `hf_config` written and read
+/// again gives the same config, for each kind; kinds ferrotron does not compute are refused in
+/// one line naming the key.
+#[test]
+fn rope_scaling_round_trips_through_config_json_and_unknown_kinds_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    for name in ["llama_yarn", "mla_yarn", "llama3_rope"] {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
+        let cfg = checkpoint::read_hf_config(&dir.join("config.json")).unwrap();
+        assert_ne!(cfg.rope_scaling.rope_type, ferrotron::config::RopeType::Default, "{name}");
+        let path = tmp.path().join("config.json");
+        std::fs::write(&path, ferrotron::checkpoint::save::hf_config(&cfg)).unwrap();
+        assert_eq!(checkpoint::read_hf_config(&path).unwrap(), cfg, "{name}");
+    }
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/llama_yarn");
+    let mut j: serde_json::Value = serde_json::from_slice(&std::fs::read(dir.join("config.json")).unwrap()).unwrap();
+    let path = tmp.path().join("config.json");
+    for (key, value, says) in [
+        ("rope_type", serde_json::json!("longrope"), "rope_parameters.rope_type = \"longrope\" is not supported"),
+        ("partial_rotary_factor", serde_json::json!(0.5), "rope_parameters.partial_rotary_factor = 0.5"),
+        ("factor", serde_json::json!("4"), "rope_parameters.factor = \"4\" is not a number"),
+    ] {
+        let mut bad = j.clone();
+        bad["rope_parameters"][key] = value;
+        std::fs::write(&path, bad.to_string()).unwrap();
+        let e = format!("{:#}", checkpoint::read_hf_config(&path).unwrap_err());
+        assert!(e.contains(says), "{key}: {e}");
+    }
+    j["rope_parameters"] = serde_json::json!({"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4});
+    std::fs::write(&path, j.to_string()).unwrap();
+    let e = format!("{:#}", checkpoint::read_hf_config(&path).unwrap_err());
+    assert!(e.contains("rope_parameters.low_freq_factor is missing"), "{e}");
+}
+
 /// With `model.init_from` a Hugging Face folder, every `[model]` key the run does not give comes
 /// from its config.json (the built-in defaults are not "given"), for Llama, Mixtral and DeepSeek-V3
 /// folders; a key the run gives and the folder contradicts is refused naming it.
 #[test]
 fn a_folder_gives_the_model_keys_a_run_leaves_out() {
-    for name in ["tied_odd", "mixtral", "deepseek_moe", "mla_q_latent"] {
+    for name in ["tied_odd", "mixtral", "deepseek_moe", "mla_q_latent", "mla_yarn"] {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures").join(name);
         let init = format!("model.init_from=\"{}\"", dir.display());
         let cfg = ferrotron::commands::load_config(None, std::slice::from_ref(&init)).unwrap();

@@ -11,7 +11,7 @@ use ferrotron::cuda::launch_table::{self, Addr, Arg, Launch};
 use ferrotron::ops::ring_merge::attention_merge;
 use ferrotron::ops::tensor::{Place, Tensor};
 use ferrotron::ops::DType;
-use ferrotron::ops::{self, AdamWSettings, Attn};
+use ferrotron::ops::{self, AdamWSettings, Attn, Rope};
 use half::bf16;
 use std::ffi::{c_char, c_void, CString};
 use std::io::Write;
@@ -259,7 +259,7 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert_eq!(checked, 197 + 2 * 2 * 8 + 2 * 7 * 5 + 10 * 5, "every check ran");
+    assert_eq!(checked, 201 + 2 * 2 * 8 + 2 * 7 * 5 + 10 * 5, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {
@@ -390,21 +390,29 @@ fn embedding(c: &mut Check, rows: usize, dim: usize, vocab: usize) {
 }
 
 fn rope(c: &mut Check, a: Attn) {
-    let dt = c.dt;
-    let n = a.batch * a.seq;
-    let mut positions: Vec<u32> = (0..n).map(|r| (r % a.seq) as u32 * 97).collect();
-    let mut x = c.rand(&[n, a.heads * a.head_dim]);
-    let mut bx = c.buf(&x);
-    let pos = positions.as_mut_ptr() as Addr;
-    let (mut cos, mut sin) = (Buf::zeros(n * a.head_dim / 2, DType::F32), Buf::zeros(n * a.head_dim / 2, DType::F32));
-    let table = (cos.addr(), sin.addr());
-    c.run(&launch_table::rope_table(pos, (n, a.head_dim), 10000.0, table));
-    c.run(&launch_table::rope(dt, bx.addr(), table, (n, a.heads, a.head_dim), false));
-    ops::rope(&mut x, &positions, a.head_dim, 10000.0);
-    c.same("rope", &bx, &x);
-    c.run(&launch_table::rope(dt, bx.addr(), table, (n, a.heads, a.head_dim), true));
-    ops::rope_backward(&mut x, &positions, a.head_dim, 10000.0);
-    c.same("rope backward", &bx, &x);
+    // plain RoPE, and frequencies and a scale as a longer context's (YaRN's) are
+    let mut scaled = Rope::plain(10000.0, a.head_dim);
+    scaled.inv_freq.iter_mut().enumerate().for_each(|(i, f)| *f /= 1.0 + i as f64);
+    scaled.scale = 1.3;
+    for rope in [Rope::plain(10000.0, a.head_dim), scaled] {
+        let dt = c.dt;
+        let n = a.batch * a.seq;
+        let mut positions: Vec<u32> = (0..n).map(|r| (r % a.seq) as u32 * 97).collect();
+        let mut x = c.rand(&[n, a.heads * a.head_dim]);
+        let mut bx = c.buf(&x);
+        let pos = positions.as_mut_ptr() as Addr;
+        let half = a.head_dim / 2;
+        let (mut cos, mut sin) = (Buf::zeros(n * half, DType::F32), Buf::zeros(n * half, DType::F32));
+        let table = (cos.addr(), sin.addr());
+        let mut inv_freq = rope.inv_freq.clone();
+        c.run(&launch_table::rope_table(pos, (n, half), (inv_freq.as_mut_ptr() as Addr, rope.scale), table));
+        c.run(&launch_table::rope(dt, bx.addr(), table, (n, a.heads, a.head_dim), false));
+        ops::rope(&mut x, &positions, &rope);
+        c.same("rope", &bx, &x);
+        c.run(&launch_table::rope(dt, bx.addr(), table, (n, a.heads, a.head_dim), true));
+        ops::rope_backward(&mut x, &positions, &rope);
+        c.same("rope backward", &bx, &x);
+    }
 }
 
 fn attention(c: &mut Check, a: Attn, pos: (&[u32], &[u32])) {

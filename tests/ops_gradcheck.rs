@@ -4,9 +4,10 @@
 //! op's backward applied to dy = R. We perturb sampled coordinates of each input by ±ε and compare
 //! (L(x+ε) − L(x−ε)) / 2ε with that gradient, relative to the gradient's largest entry.
 
+use ferrotron::config::{RopeScaling, RopeType};
 use ferrotron::model::{TensorSplit, Whole};
 use ferrotron::ops::tensor::Tensor;
-use ferrotron::ops::{self, Attn, Precision};
+use ferrotron::ops::{self, rope_scaling, Attn, Precision, Rope};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
@@ -84,14 +85,23 @@ fn rope() {
     let (rows, heads, hd) = (6, 3, 8);
     let positions = [0u32, 1, 2, 7, 30, 100];
     let (x, r) = (randn(&mut rng, rows * heads * hd, 1.0), randn(&mut rng, rows * heads * hd, 1.0));
-    let f = |xs: &[Vec<f32>]| {
-        let mut y = t(&[rows, heads * hd], &xs[0]);
-        ops::rope(&mut y, &positions, hd, 10000.0);
-        y.to_vec()
+    // plain, and YaRN's (cos and sin times its attention factor: the backward is scale · Rᵀ)
+    let yarn = RopeScaling {
+        rope_type: RopeType::Yarn,
+        factor: 4.0,
+        original_max_position_embeddings: 64,
+        ..RopeScaling::PLAIN
     };
-    let mut dx = t(&[rows, heads * hd], &r);
-    ops::rope_backward(&mut dx, &positions, hd, 10000.0);
-    check("rope", &[x], &r, f, &[dx.to_vec()]);
+    for rope in [Rope::plain(10000.0, hd), rope_scaling::rope_of(10000.0, &yarn, hd)] {
+        let f = |xs: &[Vec<f32>]| {
+            let mut y = t(&[rows, heads * hd], &xs[0]);
+            ops::rope(&mut y, &positions, &rope);
+            y.to_vec()
+        };
+        let mut dx = t(&[rows, heads * hd], &r);
+        ops::rope_backward(&mut dx, &positions, &rope);
+        check("rope", std::slice::from_ref(&x), &r, f, &[dx.to_vec()]);
+    }
 }
 
 #[test]

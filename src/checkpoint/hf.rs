@@ -8,7 +8,7 @@
 //! Weights stored in bf16 or f16 are widened to f32. A missing `lm_head.weight` means the output
 //! layer is tied to the embedding.
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, RopeScaling, RopeType};
 use crate::model::stage::Stage;
 use crate::model::{Llama, TensorSplit, Whole};
 use crate::ops::tensor::Tensor;
@@ -152,11 +152,13 @@ pub mod keys {
         "topk_group",
         "norm_topk_prob",
         "routed_scaling_factor",
+        // RoPE's rescaling for a longer context, and the context it is measured against
+        "rope_parameters",
+        "rope_scaling",
+        "max_position_embeddings",
     ];
     /// Change the math where they leave their default: refused then, naming the key.
     pub const REFUSED_UNLESS_DEFAULT: &[&str] = &[
-        "rope_parameters",
-        "rope_scaling",
         "hidden_act",
         "attention_bias",
         "mlp_bias",
@@ -177,7 +179,6 @@ pub mod keys {
         "bos_token_id",
         "eos_token_id",
         "pad_token_id",
-        "max_position_embeddings",
         "use_cache",
         "return_dict",
         "output_attentions",
@@ -249,14 +250,67 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
     if let Some(act) = text("hidden_act")?.filter(|a| *a != "silu") {
         bail!("{file}: hidden_act = \"{act}\" is not supported; Llama uses \"silu\"");
     }
-    // RoPE's frequencies: plain unless any of the places transformers reads says otherwise
-    // (transformers 5: rope_parameters; 4: rope_scaling, its type under "rope_type" or "type");
-    // one of them saying "default" does not hide another's "llama3"
-    for key in ["rope_parameters.rope_type", "rope_scaling.rope_type", "rope_scaling.type"] {
-        if let Some(kind) = text(key)?.filter(|k| *k != "default") {
-            bail!("{file}: {key} = \"{kind}\": RoPE scaling is not supported (ferrotron's RoPE is plain, as rope_type \"default\"); use a model without it");
+    // RoPE's frequencies, as transformers 5 reads them: the `rope_scaling` dict when there is
+    // one (transformers 4's name, which real DeepSeek-V3 folders use), else `rope_parameters`;
+    // its type under "rope_type" or "type"; the keys a kind leaves out, transformers' defaults
+    let dict =
+        if j["rope_scaling"].as_object().is_some_and(|d| !d.is_empty()) { "rope_scaling" } else { "rope_parameters" };
+    let inner = |k: &str| format!("{dict}.{k}");
+    let kind = text(&inner("rope_type"))?.or(text(&inner("type"))?).unwrap_or("default");
+    let rope_type = match kind {
+        "default" => RopeType::Default,
+        "linear" => RopeType::Linear,
+        "yarn" => RopeType::Yarn,
+        "llama3" => RopeType::Llama3,
+        other => bail!("{file}: {dict}.rope_type = \"{other}\" is not supported (ferrotron rescales RoPE as \"linear\", \"yarn\" or \"llama3\"); use a model without it"),
+    };
+    for key in [inner("partial_rotary_factor"), "partial_rotary_factor".into()] {
+        if let Some(part) = number(&key)?.filter(|p| *p != 1.0) {
+            bail!("{file}: {key} = {part} is not supported (ferrotron's RoPE turns the whole head); use a model without it");
         }
     }
+    let rope_scaling = if rope_type == RopeType::Default {
+        RopeScaling::PLAIN
+    } else {
+        // the context trained on: a top-level key first (as transformers gives it priority), then
+        // the dict's, then max_position_embeddings (its class default where absent)
+        let max_positions = opt_size("max_position_embeddings")?.unwrap_or(match (mixtral, deepseek) {
+            (true, _) => 131072,
+            (_, true) => 4096,
+            _ => 2048,
+        });
+        let original = match opt_size("original_max_position_embeddings")? {
+            Some(n) => n,
+            None => opt_size(&inner("original_max_position_embeddings"))?.unwrap_or(max_positions),
+        };
+        let needs = |key: &str| -> Result<f64> {
+            number(&inner(key))?
+                .with_context(|| format!("{file}: {dict}.{key} is missing; rope_type \"{kind}\" needs it"))
+        };
+        let d = RopeScaling::PLAIN;
+        let yarn = rope_type == RopeType::Yarn;
+        let llama3 = rope_type == RopeType::Llama3;
+        let or_default = |key: &str, default: f64| -> Result<f64> {
+            Ok(number(&inner(key))?.filter(|x| *x != 0.0).unwrap_or(default)) // Python's `or`: 0 is absent
+        };
+        RopeScaling {
+            rope_type,
+            factor: match number(&inner("factor"))? {
+                Some(f) => f,
+                None if yarn => max_positions as f64 / original.max(1) as f64,
+                None => needs("factor")?,
+            },
+            original_max_position_embeddings: if yarn || llama3 { original } else { 0 },
+            attention_factor: if yarn { number(&inner("attention_factor"))?.unwrap_or(0.0) } else { 0.0 },
+            beta_fast: if yarn { or_default("beta_fast", d.beta_fast)? } else { d.beta_fast },
+            beta_slow: if yarn { or_default("beta_slow", d.beta_slow)? } else { d.beta_slow },
+            mscale: if yarn { number(&inner("mscale"))?.unwrap_or(0.0) } else { 0.0 },
+            mscale_all_dim: number(&inner("mscale_all_dim"))?.unwrap_or(0.0),
+            truncate: if yarn { flag(&inner("truncate"))?.unwrap_or(true) } else { true },
+            low_freq_factor: if llama3 { needs("low_freq_factor")? } else { d.low_freq_factor },
+            high_freq_factor: if llama3 { needs("high_freq_factor")? } else { d.high_freq_factor },
+        }
+    };
     if let Some(v) = number("attention_dropout")?.filter(|x| *x != 0.0) {
         bail!("{file}: attention_dropout = {v} is not supported (ferrotron's attention has no dropout); set it to 0");
     }
@@ -287,7 +341,7 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         num_attention_heads: heads,
         num_key_value_heads: opt_size("num_key_value_heads")?.unwrap_or(heads),
         head_dim: if deepseek { None } else { opt_size("head_dim")? },
-        rope_theta: number("rope_theta")?.or(number("rope_parameters.rope_theta")?).unwrap_or(10000.0),
+        rope_theta: number(&inner("rope_theta"))?.or(number("rope_theta")?).unwrap_or(10000.0),
         rms_norm_eps: number("rms_norm_eps")?.unwrap_or(1e-6) as f32,
         tie_word_embeddings: flag("tie_word_embeddings")?.unwrap_or(false),
         initializer_range: number("initializer_range")?.unwrap_or(0.02) as f32,
@@ -323,6 +377,7 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         qk_rope_head_dim: rope,
         v_head_dim: latent("v_head_dim", 128)?,
         rope_interleave: flag("rope_interleave")?.unwrap_or(true),
+        rope_scaling,
         init_from: String::new(),
     };
     cfg.validate(&format!("{file}: "))?;

@@ -31,7 +31,7 @@ use crate::checkpoint::hf::{build_from, check_tensors, expected_tensors, full_te
 use crate::comm::launcher::Rank;
 use crate::comm::placement::{redistribute, Placement};
 use crate::comm::process_grid::Axis;
-use crate::config::{Config, ModelConfig};
+use crate::config::{Config, ModelConfig, RopeType};
 use crate::model::moe::{self, EP};
 use crate::model::optimizer::{Optimizer, StateKinds};
 use crate::model::stage::Stage;
@@ -472,7 +472,54 @@ pub fn hf_config(m: &ModelConfig) -> String {
             all.remove("mlp_bias");
         }
     }
+    if let Some((all, (scaling, trained))) = j.as_object_mut().zip(rope_scaling(m)) {
+        all.insert("rope_scaling".into(), scaling);
+        if trained > 0 {
+            all.insert(
+                "max_position_embeddings".into(),
+                ((m.rope_scaling.factor * trained as f64).round() as u64).into(),
+            );
+        }
+    }
     serde_json::to_string_pretty(&j).expect("JSON")
+}
+
+/// RoPE's rescaling as transformers reads it (`rope_scaling`, with the keys its kind reads), and
+/// the context trained on (0: not a key of the kind); `None` for plain RoPE.
+fn rope_scaling(m: &ModelConfig) -> Option<(serde_json::Value, usize)> {
+    let s = &m.rope_scaling;
+    let kind = toml::Value::try_from(s.rope_type).ok()?.as_str()?.to_string();
+    if s.rope_type == RopeType::Default {
+        return None;
+    }
+    let mut j = serde_json::json!({ "rope_type": kind, "rope_theta": m.rope_theta, "factor": s.factor });
+    let trained = match s.rope_type {
+        RopeType::Yarn | RopeType::Llama3 => s.original_max_position_embeddings,
+        _ => 0,
+    };
+    let extra = match s.rope_type {
+        RopeType::Yarn => serde_json::json!({
+            "original_max_position_embeddings": trained,
+            "beta_fast": s.beta_fast,
+            "beta_slow": s.beta_slow,
+            "truncate": s.truncate,
+            "attention_factor": (s.attention_factor > 0.0).then_some(s.attention_factor),
+            "mscale": (s.mscale != 0.0).then_some(s.mscale),
+        }),
+        RopeType::Llama3 => serde_json::json!({
+            "original_max_position_embeddings": trained,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+        }),
+        _ => serde_json::json!({}),
+    };
+    let all = j.as_object_mut()?;
+    all.extend(extra.as_object()?.clone());
+    if s.mscale_all_dim != 0.0 {
+        all.insert("mscale_all_dim".into(), s.mscale_all_dim.into()); // DeepSeek's softmax factor
+    }
+    all.retain(|_, v| !v.is_null());
+    Some((j, trained))
 }
 
 /// The shortest decimal that reads back as the same f32 (1e-5, not the f64 widening

@@ -254,10 +254,11 @@ fn small_ops(on: &On, rows: usize, (d, q, kv, f): (usize, usize, usize, usize), 
         let _ = ops::rmsnorm_backward(&y, &h, &w, &rstd, &mut dw, Some(&add));
     }
     let (mut qt, mut kt) = (on.tensor(rows, q), on.tensor(rows, kv));
-    ops::rope(&mut qt, &pos, hd, 1e4);
-    ops::rope(&mut kt, &pos, hd, 1e4);
-    ops::rope_backward(&mut qt, &pos, hd, 1e4);
-    ops::rope_backward(&mut kt, &pos, hd, 1e4);
+    let rope = ops::Rope::plain(1e4, hd);
+    ops::rope(&mut qt, &pos, &rope);
+    ops::rope(&mut kt, &pos, &rope);
+    ops::rope_backward(&mut qt, &pos, &rope);
+    ops::rope_backward(&mut kt, &pos, &rope);
     let (gate, up) = (on.tensor(rows, f), on.tensor(rows, f));
     let h = ops::swiglu(&gate, &up);
     let _ = ops::swiglu_backward(&h, &gate, &up);

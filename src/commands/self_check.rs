@@ -186,11 +186,12 @@ impl Check<'_> {
         let positions: Vec<u32> = (0..rows).map(|r| (r % a.seq) as u32 * 97).collect(); // large angles too
         let mut x = self.rand(&[rows, a.heads * a.head_dim]);
         let mut gx = self.gpu(&x);
-        ops::rope(&mut x, &positions, a.head_dim, 10000.0);
-        ops::rope(&mut gx, &positions, a.head_dim, 10000.0);
+        let rope = ops::Rope::plain(10000.0, a.head_dim);
+        ops::rope(&mut x, &positions, &rope);
+        ops::rope(&mut gx, &positions, &rope);
         self.same("rope", &gx, &x)?;
-        ops::rope_backward(&mut x, &positions, a.head_dim, 10000.0);
-        ops::rope_backward(&mut gx, &positions, a.head_dim, 10000.0);
+        ops::rope_backward(&mut x, &positions, &rope);
+        ops::rope_backward(&mut gx, &positions, &rope);
         self.same("rope backward (inverse rotation)", &gx, &x)
     }
 

@@ -7,6 +7,7 @@
 use super::{table::first_non_finite, MAX_NS_STEPS, MAX_SAMPLE_TOKENS, MAX_TIMEOUT_S};
 use super::{
     CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceDtype, DeviceKind, DpMode, ModelConfig, PpSchedule,
+    RopeScaling, RopeType,
 };
 use anyhow::{bail, Context, Result};
 
@@ -55,6 +56,7 @@ impl ModelConfig {
             _ => {}
         }
         self.validate_deepseek_moe(prefix)?;
+        self.validate_rope_scaling(prefix)?;
         let coef = self.router_aux_loss_coef;
         if !(coef >= 0.0 && coef.is_finite()) {
             bail!("{prefix}router_aux_loss_coef = {coef}: it must be 0 (off) or a positive finite number");
@@ -109,6 +111,90 @@ impl ModelConfig {
             if !(v >= 0.0 && v.is_finite()) {
                 bail!("{prefix}{key} = {v}: it must be a finite number, 0 or more");
             }
+        }
+        Ok(())
+    }
+
+    /// RoPE's rescaling: the keys its kind reads in range, the others at their defaults (a
+    /// `factor` without a `rope_type` would otherwise be ignored without a word).
+    fn validate_rope_scaling(&self, prefix: &str) -> Result<()> {
+        let s = &self.rope_scaling;
+        let kind = s.rope_type;
+        let key = |k: &str| format!("{prefix}rope_scaling.{k}");
+        let reads = |k: &str| match kind {
+            RopeType::Default => false,
+            _ if k == "mscale_all_dim" => true, // every kind: latent attention's softmax factor
+            RopeType::Linear => k == "factor",
+            RopeType::Yarn => !matches!(k, "low_freq_factor" | "high_freq_factor"),
+            RopeType::Llama3 => {
+                matches!(k, "factor" | "original_max_position_embeddings" | "low_freq_factor" | "high_freq_factor")
+            }
+        };
+        let d = RopeScaling::PLAIN;
+        let numbers = [
+            ("factor", s.factor, d.factor),
+            ("attention_factor", s.attention_factor, d.attention_factor),
+            ("beta_fast", s.beta_fast, d.beta_fast),
+            ("beta_slow", s.beta_slow, d.beta_slow),
+            ("mscale", s.mscale, d.mscale),
+            ("mscale_all_dim", s.mscale_all_dim, d.mscale_all_dim),
+            ("low_freq_factor", s.low_freq_factor, d.low_freq_factor),
+            ("high_freq_factor", s.high_freq_factor, d.high_freq_factor),
+        ];
+        let name = toml::Value::try_from(kind).map(|v| v.to_string()).unwrap_or_default();
+        for (k, v, default) in numbers {
+            if !reads(k) && v != default {
+                bail!("{} = {v} with {} = {name}: that kind of RoPE does not read it; set {} (\"linear\", \"yarn\" or \"llama3\") or leave {k} at {default}", key(k), key("rope_type"), key("rope_type"));
+            }
+            if reads(k) && !(v >= 0.0 && v.is_finite()) {
+                bail!("{} = {v}: it must be a finite number, 0 or more", key(k));
+            }
+        }
+        let orig = s.original_max_position_embeddings;
+        if !reads("original_max_position_embeddings") && orig != 0 {
+            bail!(
+                "{} = {orig} with {} = {name}: that kind of RoPE does not read it; leave it at 0",
+                key("original_max_position_embeddings"),
+                key("rope_type")
+            );
+        }
+        if !reads("truncate") && !s.truncate {
+            bail!(
+                "{} = false with {} = {name}: only yarn reads it; leave it at true",
+                key("truncate"),
+                key("rope_type")
+            );
+        }
+        if kind == RopeType::Default {
+            return Ok(());
+        }
+        if s.factor <= 0.0 {
+            bail!("{} = {}: the context's factor must be positive (1: the trained length)", key("factor"), s.factor);
+        }
+        if reads("original_max_position_embeddings") && orig == 0 {
+            bail!(
+                "{} = 0 with {} = {name}: give the context length the model was trained on",
+                key("original_max_position_embeddings"),
+                key("rope_type")
+            );
+        }
+        if kind == RopeType::Yarn && (s.beta_fast <= 0.0 || s.beta_slow <= 0.0) {
+            bail!(
+                "{} = {} and {} = {}: YaRN's turn counts must be positive (32 and 1 are usual)",
+                key("beta_fast"),
+                s.beta_fast,
+                key("beta_slow"),
+                s.beta_slow
+            );
+        }
+        if kind == RopeType::Llama3 && s.low_freq_factor >= s.high_freq_factor {
+            bail!(
+                "{} = {} must be less than {} = {} (1 and 4 are Llama 3's)",
+                key("low_freq_factor"),
+                s.low_freq_factor,
+                key("high_freq_factor"),
+                s.high_freq_factor
+            );
         }
         Ok(())
     }

@@ -55,14 +55,16 @@ pub(super) fn renamed(mut table: toml::Table, source: &str) -> Result<toml::Tabl
     Ok(table)
 }
 
-/// `section.key=value`; the value is read as TOML (`3`, `1e-3`, `true`, `"x"`), else as a string.
+/// `section.key=value`, or `section.table.key=value` for a key of a table inside a section
+/// (`model.rope_scaling.factor`); the value is read as TOML (`3`, `1e-3`, `true`, `"x"`), else as
+/// a string.
 pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
     let Some((path, raw)) = set.split_once('=') else {
         bail!("--set {set}: expected section.key=value, for example --set train.steps=100");
     };
     let path: Vec<&str> = path.trim().split('.').collect();
-    if path.len() != 2 || path.iter().any(|p| p.is_empty()) {
-        bail!("--set {set}: the key must be section.key, for example train.lr");
+    if !(2..=3).contains(&path.len()) || path.iter().any(|p| p.is_empty()) {
+        bail!("--set {set}: the key must be section.key (or section.table.key), for example train.lr");
     }
     let parsed = format!("v = {}", raw.trim()).parse::<toml::Table>().ok();
     if parsed.as_ref().is_some_and(|t| t.len() > 1) {
@@ -74,7 +76,19 @@ pub(super) fn apply_set(table: &mut toml::Table, set: &str) -> Result<()> {
     let Some(section) = section.as_table_mut() else {
         bail!("--set {set}: `{}` is not a section", path[0]);
     };
-    section.insert(current(path[0], path[1]).to_string(), value);
+    let key = current(path[0], path[1]).to_string();
+    match path.get(2) {
+        None => {
+            section.insert(key, value);
+        }
+        Some(inner) => {
+            let inside = section.entry(&key).or_insert_with(|| toml::Value::Table(toml::Table::new()));
+            let Some(inside) = inside.as_table_mut() else {
+                bail!("--set {set}: `{}.{key}` is not a table of keys", path[0]);
+            };
+            inside.insert(inner.to_string(), value);
+        }
+    }
     Ok(())
 }
 

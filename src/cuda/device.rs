@@ -21,7 +21,7 @@
 
 use crate::cuda::launch_table::{self, Addr, Arg, Launch};
 use crate::cuda::runtime::{cuda_err, Gpu, Staging};
-use crate::ops::types::DType;
+use crate::ops::types::{DType, Rope};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::CudaBlas;
 use cudarc::cublaslt::sys as lt_sys;
@@ -235,8 +235,8 @@ pub(crate) struct RopeTable {
     pub sin: Buf,
 }
 
-/// The table's key: the positions, the head size and θ's bits.
-type RopeKey = (Vec<u32>, usize, u64);
+/// The table's key: the positions and the angles' frequencies.
+type RopeKey = (Vec<u32>, Rope);
 
 /// One rank's GPU as the op layer sees it.
 pub struct Device {
@@ -503,26 +503,24 @@ impl Device {
 
     /// The RoPE cos/sin table of `positions` (computed on the GPU on first use, then reused by
     /// every layer of the micro-batch, forward and backward).
-    pub(crate) fn rope_table(
-        self: &Arc<Self>,
-        positions: &[u32],
-        head_dim: usize,
-        theta: f64,
-    ) -> Result<Arc<RopeTable>> {
-        let same = |(p, d, t): &RopeKey| p.as_slice() == positions && *d == head_dim && *t == theta.to_bits();
+    pub(crate) fn rope_table(self: &Arc<Self>, positions: &[u32], rope: &Rope) -> Result<Arc<RopeTable>> {
+        let same = |(p, r): &RopeKey| p.as_slice() == positions && r == rope;
         if let Some((_, t)) = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner()).iter().find(|(k, _)| same(k)) {
             return Ok(t.clone()); // every layer after the first: no allocation, no launch
         }
-        let n = positions.len() * head_dim / 2;
+        let half = rope.inv_freq.len();
+        let n = positions.len() * half;
         let table = Arc::new(RopeTable { cos: self.uninit(n, DType::F32), sin: self.uninit(n, DType::F32) });
         let (pos, _keep) = self.index_addr(positions)?;
+        let inv_freq = self.gpu.upload(&rope.inv_freq)?; // freed in stream order, after the launch
+        let freqs = (inv_freq.device_ptr(&self.gpu.compute).0, rope.scale);
         let out = (table.cos.f32_addr(), table.sin.f32_addr());
-        self.run(&launch_table::rope_table(pos, (positions.len(), head_dim), theta, out))?;
+        self.run(&launch_table::rope_table(pos, (positions.len(), half), freqs, out))?;
         let mut tables = self.rope_tables.lock().unwrap_or_else(|e| e.into_inner());
         if tables.len() == 4 {
             tables.pop_front();
         }
-        tables.push_back(((positions.to_vec(), head_dim, theta.to_bits()), table.clone()));
+        tables.push_back(((positions.to_vec(), rope.clone()), table.clone()));
         Ok(table)
     }
 

@@ -285,10 +285,16 @@ pub fn rmsnorm_backward(
     ]
 }
 
-/// cos and sin `[n, head_dim / 2]` (f32) of the rotation angles of n positions.
-pub fn rope_table(positions: Addr, (n, head_dim): (usize, usize), theta: f64, (cos, sin): (Addr, Addr)) -> Launch {
-    let args = vec![Ptr(positions), long(n), int(head_dim), F64(theta), Ptr(cos), Ptr(sin)];
-    launch(kernel!("rope_table"), each(n * head_dim / 2), args)
+/// cos and sin `[n, half]` (f32) of the rotation angles of n positions: position · inv_freq[i]
+/// (`half` f64 frequencies on the device), both times `scale`.
+pub fn rope_table(
+    positions: Addr,
+    (n, half): (usize, usize),
+    (inv_freq, scale): (Addr, f64),
+    (cos, sin): (Addr, Addr),
+) -> Launch {
+    let args = vec![Ptr(positions), long(n), int(half), Ptr(inv_freq), F64(scale), Ptr(cos), Ptr(sin)];
+    launch(kernel!("rope_table"), each(n * half), args)
 }
 
 /// Rotates x[n, heads·head_dim] in place by the angles of `rope_table` (by −angle when `inverse`).
@@ -528,7 +534,7 @@ pub fn catalogue() -> Vec<Launch> {
         log_sum_exp(0, 0, 0, 1),
         add_loss((0, 0, 0), 1, 1.0, 0),
         sum_rows(0, (1, 1), 0),
-        rope_table(0, (1, 2), 1.0, (0, 0)),
+        rope_table(0, (1, 1), (0, 1.0), (0, 0)),
     ];
     all.extend(sum_squares(&[(0, 1)], 0));
     all.extend(fill_zeros(&[(0, 1)]));

@@ -42,7 +42,7 @@ use crate::config::ModelConfig;
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
-use crate::ops::{self, Attn, TpCut};
+use crate::ops::{self, Attn, Rope, TpCut};
 use anyhow::{anyhow, Result};
 use std::any::Any;
 use std::borrow::Cow;
@@ -108,12 +108,14 @@ pub struct Gqa {
     k_proj: Param,
     v_proj: Param,
     o_proj: Param,
-    /// RoPE's base.
-    theta: f64,
+    rope: Rope,
 }
 
-/// Llama's attentions: every block's `Gqa`.
-pub struct GqaAttentions;
+/// Llama's attentions: every block's `Gqa`, turned by `rope` (the model's family makes it:
+/// `Rope::plain(rope_theta, head_dim)`, or rescaled for a longer context).
+pub struct GqaAttentions {
+    pub rope: Rope,
+}
 
 impl<'g> Attentions<'g> for GqaAttentions {
     fn make(&self, layer: usize, cfg: &ModelConfig, param: &mut MakeParam) -> Result<Box<dyn Attention + 'g>> {
@@ -127,7 +129,7 @@ impl<'g> Attentions<'g> for GqaAttentions {
             k_proj: param(p("k_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
             v_proj: param(p("v_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
             o_proj: param(p("o_proj"), &[d, q_out], ParamKind::Matrix, cols)?,
-            theta: cfg.rope_theta,
+            rope: self.rope.clone(),
         }))
     }
 }
@@ -171,8 +173,8 @@ impl Attention for Gqa {
         let mut k = self.k_proj.linear(&xin);
         let v = self.v_proj.linear(&xin);
         drop(xin);
-        ops::rope(&mut q, positions, attn.head_dim, self.theta);
-        ops::rope(&mut k, positions, attn.head_dim, self.theta);
+        ops::rope(&mut q, positions, &self.rope);
+        ops::rope(&mut k, positions, &self.rope);
         let (out, lse, work) = attend(attn, &q, &k, &v)?;
         let h = tp.row_forward(&out, &self.o_proj)?; // g: Σ over the tp ranks
         Ok((h, Box::new(GqaKept { q, k, v, core: Some((out, lse)) }), work))
@@ -197,8 +199,8 @@ impl Attention for Gqa {
         let dattn = self.o_proj.linear_input_grad(&dy);
         let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, (&q, &k, &v), pos, (&out, &lse), &dattn)?;
         dw.linear(Cow::Owned(out), vec![(dy, &mut self.o_proj)]);
-        ops::rope_backward(&mut dq, positions, attn.head_dim, self.theta);
-        ops::rope_backward(&mut dk, positions, attn.head_dim, self.theta);
+        ops::rope_backward(&mut dq, positions, &self.rope);
+        ops::rope_backward(&mut dk, positions, &self.rope);
         // f: one sum over the tp ranks for q, k and v together
         let layers = vec![(dq, &mut self.q_proj), (dk, &mut self.k_proj), (dv, &mut self.v_proj)];
         tp.column_backward(xn, layers, dw)

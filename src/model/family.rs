@@ -20,12 +20,13 @@ use crate::model::block::{Attentions, DenseMlps, GqaAttentions, Mlps};
 use crate::model::latent_attention::MlaAttentions;
 use crate::model::moe::Experts;
 use crate::model::split::Whole;
+use crate::ops::rope_scaling;
 
 /// The blocks' attentions of the model `cfg` describes: Llama's and Mixtral's are grouped-query,
 /// DeepSeek-V3's (`kv_lora_rank` > 0) latent.
 pub fn attentions<'g>(cfg: &ModelConfig) -> Box<dyn Attentions<'g> + 'g> {
     match cfg.kv_lora_rank {
-        0 => Box::new(GqaAttentions),
+        0 => Box::new(GqaAttentions { rope: rope_scaling::rope_of(cfg.rope_theta, &cfg.rope_scaling, cfg.head_dim()) }),
         _ => Box::new(MlaAttentions),
     }
 }

@@ -43,7 +43,7 @@ use crate::model::block::{kept_as, Attend, Attention, AttentionKept, Attentions,
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
-use crate::ops::{self, moe as route, Attn, TpCut};
+use crate::ops::{self, moe as route, rope_scaling, Attn, Rope, TpCut};
 use anyhow::{anyhow, Result};
 use std::borrow::Cow;
 
@@ -90,9 +90,18 @@ pub struct Mla {
     kv_b_proj: Param,
     o_proj: Param,
     dims: Dims,
-    /// RoPE's base, and whether its pairs are (x₂ᵢ, x₂ᵢ₊₁) (DeepSeek's) or (xᵢ, xᵢ₊ᵣ/₂).
-    theta: f64,
+    /// RoPE's rotation of the r rotated columns (YaRN's, for V3), and whether its pairs are
+    /// (x₂ᵢ, x₂ᵢ₊₁) (DeepSeek's) or (xᵢ, xᵢ₊ᵣ/₂).
+    rope: Rope,
     interleave: bool,
+    /// The factor on the query that turns the core op's 1/√D into the softmax scale.
+    query_scale: f32,
+}
+
+/// The factor on the query that turns the core op's 1/√D into the softmax scale (n+r)^-½ times
+/// `softmax_factor` (YaRN's mscale², 1 without it).
+fn query_scale(dims: Dims, softmax_factor: f64) -> f32 {
+    ((dims.core() as f64 / dims.qk() as f64).sqrt() * softmax_factor) as f32
 }
 
 /// DeepSeek-V3's attentions: every block's `Mla`.
@@ -127,8 +136,9 @@ impl<'g> Attentions<'g> for MlaAttentions {
             kv_b_proj: param(p("kv_b_proj"), &[h * (dims.nope + dims.v), dims.kv_rank], matrix, TpCut::Rows)?,
             o_proj: param(p("o_proj"), &[d, h * dims.v], matrix, TpCut::Columns)?,
             dims,
-            theta: cfg.rope_theta,
+            rope: rope_scaling::rope_of(cfg.rope_theta, &cfg.rope_scaling, dims.rope),
             interleave: cfg.rope_interleave,
+            query_scale: query_scale(dims, rope_scaling::softmax_factor(&cfg.rope_scaling)),
         }))
     }
 }
@@ -240,11 +250,6 @@ impl Mla {
         }
     }
 
-    /// The factor on the query that turns the core op's 1/√D into (n+r)^-½.
-    fn query_scale(&self) -> f32 {
-        (self.dims.core() as f64 / self.dims.qk() as f64).sqrt() as f32
-    }
-
     /// The core's shape: this rank's heads, D wide, one KV head per query head.
     fn core_attn(&self, a: Attn) -> Attn {
         Attn { kv_heads: a.heads, head_dim: self.dims.core(), ..a }
@@ -298,8 +303,8 @@ impl Attention for Mla {
         let mut q_rot = pick_columns(&[&q], &per_head(heads, rope, |h, i| Some((0, h * qk + nope + self.rotated(i)))));
         let mut k_rot =
             pick_columns(&[&ckv], &(0..rope).map(|i| Some((0, kv_rank + self.rotated(i)))).collect::<Vec<_>>());
-        ops::rope(&mut q_rot, positions, rope, self.theta);
-        ops::rope(&mut k_rot, positions, rope, self.theta);
+        ops::rope(&mut q_rot, positions, &self.rope);
+        ops::rope(&mut k_rot, positions, &self.rope);
         // the core's heads, D wide: [q_nope | q_rot | 0], [k_nope | k_rot | 0], [v | 0]
         let (kv_w, nv) = (nope + vd, nope);
         let mut qc = pick_columns(
@@ -320,8 +325,8 @@ impl Attention for Mla {
         );
         let vc = pick_columns(&[&kv], &per_head(heads, dd, |h, i| (i < vd).then_some((0, h * kv_w + nv + i))));
         drop((q, ckv, kv, q_rot, k_rot));
-        if dd != qk {
-            ops::scale(&mut qc, self.query_scale());
+        if self.query_scale != 1.0 {
+            ops::scale(&mut qc, self.query_scale);
         }
         let core = self.core_attn(attn);
         let (out, lse, work) = attend(core, &qc, &kc, &vc)?;
@@ -356,8 +361,8 @@ impl Attention for Mla {
         drop(dout_v);
         let (mut dq_c, dk_c, dv_c) = split.seq.attention_backward(a, (&q, &k, &v), pos, (&out, &lse), &dout)?;
         drop((q, k, v, out, lse, dout));
-        if dd != qk {
-            ops::scale(&mut dq_c, self.query_scale());
+        if self.query_scale != 1.0 {
+            ops::scale(&mut dq_c, self.query_scale);
         }
         // the rotated parts' gradients: the query's per head, the shared key's summed over heads,
         // each turned back by its position
@@ -366,8 +371,8 @@ impl Attention for Mla {
         let rows = dk_rot_heads.rows();
         let each: Vec<u32> = (0..(rows * heads) as u32).collect();
         let mut dk_rot = route::weighted_sum(&dk_rot_heads.with_shape(&[rows * heads, rope]), &each, None, rows);
-        ops::rope_backward(&mut dq_rot, positions, rope, self.theta);
-        ops::rope_backward(&mut dk_rot, positions, rope, self.theta);
+        ops::rope_backward(&mut dq_rot, positions, &self.rope);
+        ops::rope_backward(&mut dk_rot, positions, &self.rope);
         // back to the projections' layouts: q per head [nope | rot as stored]; kv per head [k_nope | v]
         let dq = pick_columns(
             &[&dq_c, &dq_rot],

@@ -11,7 +11,7 @@
 //! the Hugging Face layout `[rows, heads * head_dim]` (head-major inside a row).
 
 use crate::ops::cpu_math::{dot8, exp, max8, sum8_of};
-use crate::ops::types::{AdamWSettings, DType};
+use crate::ops::types::{AdamWSettings, DType, Rope};
 use half::bf16;
 use rayon::prelude::*;
 
@@ -70,23 +70,26 @@ pub fn rmsnorm_backward(dy: &[f32], x: &[f32], w: &[f32], rstd: &[f32], dx: &mut
 
 // ---------------------------------------------------------------------------------------------
 // RoPE, Hugging Face convention: the head vector is split in halves (x1, x2) and rotated as
-// (x1·cos − x2·sin, x2·cos + x1·sin) with angle pos · theta^(−2i/head_dim), i < head_dim/2.
-// The backward is the rotation by −angle.
+// (x1·cos − x2·sin, x2·cos + x1·sin) with angle pos · inv_freq[i], i < head_dim/2 (cos and sin
+// times the rope's scale). The backward is the rotation by −angle.
 
-pub fn rope(x: &mut [f32], positions: &[u32], heads: usize, head_dim: usize, theta: f64, inverse: bool) {
-    let half = head_dim / 2;
-    let inv_freq: Vec<f64> = (0..half).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
+/// cos and sin `[positions, head_dim / 2]` of `rope`'s angles (sin negated when `inverse`): in
+/// f64, rounded to f32, as `kernels/rope.cu`'s table.
+pub fn rope_table(positions: &[u32], rope: &Rope, inverse: bool) -> Vec<(f32, f32)> {
     let sign = if inverse { -1.0 } else { 1.0 };
+    let angles = positions.iter().flat_map(|&pos| rope.inv_freq.iter().map(move |f| (pos as f64 * f).sin_cos()));
+    angles.map(|(s, c)| ((sign * s * rope.scale) as f32, (c * rope.scale) as f32)).collect()
+}
+
+pub fn rope(x: &mut [f32], positions: &[u32], rope: &Rope, inverse: bool) {
+    let (head_dim, half) = (rope.head_dim(), rope.inv_freq.len());
     // (sin, cos) once per distinct position: every sequence of a batch repeats the same ones
     let mut distinct = positions.to_vec();
     distinct.sort_unstable();
     distinct.dedup();
-    let table: Vec<(f32, f32)> = distinct
-        .iter()
-        .flat_map(|&pos| inv_freq.iter().map(move |f| (pos as f64 * f).sin_cos()))
-        .map(|(s, c)| (sign * s as f32, c as f32))
-        .collect();
-    x.par_chunks_mut(heads * head_dim).zip(positions.par_iter()).for_each(|(row, pos)| {
+    let table = rope_table(&distinct, rope, inverse);
+    let row_len = x.len() / positions.len().max(1);
+    x.par_chunks_mut(row_len.max(1)).zip(positions.par_iter()).for_each(|(row, pos)| {
         let at = distinct.binary_search(pos).expect("every position is in the table") * half;
         let angles = &table[at..at + half];
         for head in row.chunks_mut(head_dim) {

@@ -12,7 +12,7 @@ use crate::cuda::launch_table::{self, Addr};
 use crate::cuda::runtime::cuda_err;
 use crate::ops::precision::Precision;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::{AdamWSettings, Attn, DType};
+use crate::ops::types::{AdamWSettings, Attn, DType, Rope};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use std::sync::Arc;
@@ -232,16 +232,9 @@ impl Device {
         Ok(dx)
     }
 
-    pub fn rope(
-        self: &Arc<Self>,
-        x: &Tensor,
-        positions: &[u32],
-        head_dim: usize,
-        theta: f64,
-        inverse: bool,
-    ) -> Result<()> {
-        let table = self.rope_table(positions, head_dim, theta)?;
-        let shape = (x.rows(), x.cols() / head_dim, head_dim);
+    pub fn rope(self: &Arc<Self>, x: &Tensor, positions: &[u32], rope: &Rope, inverse: bool) -> Result<()> {
+        let table = self.rope_table(positions, rope)?;
+        let shape = (x.rows(), x.cols() / rope.head_dim(), rope.head_dim());
         self.run(&launch_table::rope(x.dtype(), addr(x), (table.cos.f32_addr(), table.sin.f32_addr()), shape, inverse))
     }
 

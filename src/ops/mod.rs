@@ -22,11 +22,12 @@ pub mod moe;
 pub mod packing;
 pub mod precision;
 pub mod ring_merge;
+pub mod rope_scaling;
 pub mod tensor;
 pub mod types;
 
 pub use precision::Precision;
-pub use types::{AdamWSettings, Attn, DType, TpCut};
+pub use types::{AdamWSettings, Attn, DType, Rope, TpCut};
 
 use crate::cuda::device::{fatal, Device};
 use cpu_math::View;
@@ -172,23 +173,24 @@ pub fn rmsnorm_backward(
 }
 
 /// Rotates each head of `x` `[rows, heads*head_dim]` in place by its row's position.
-pub fn rope(x: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64) {
-    rotate(x, positions, head_dim, theta, false);
+pub fn rope(x: &mut Tensor, positions: &[u32], rope: &Rope) {
+    rotate(x, positions, rope, false);
 }
 
-/// The backward of a rotation is the inverse rotation, applied to the gradient in place.
-pub fn rope_backward(dx: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64) {
-    rotate(dx, positions, head_dim, theta, true);
+/// The backward of a rotation is the inverse rotation, applied to the gradient in place (times
+/// the same scale: the map is scale · R(angle), its transpose scale · R(−angle)).
+pub fn rope_backward(dx: &mut Tensor, positions: &[u32], rope: &Rope) {
+    rotate(dx, positions, rope, true);
 }
 
-fn rotate(x: &mut Tensor, positions: &[u32], head_dim: usize, theta: f64, inverse: bool) {
+fn rotate(x: &mut Tensor, positions: &[u32], rope: &Rope, inverse: bool) {
     x.written();
     assert_eq!(positions.len(), x.rows(), "rope: one position per row");
+    assert!(x.cols().is_multiple_of(rope.head_dim()), "rope: whole heads");
     if let Some(d) = gpu("rope", &[x]) {
-        return fatal("rope", d.rope(x, positions, head_dim, theta, inverse));
+        return fatal("rope", d.rope(x, positions, rope, inverse));
     }
-    let heads = x.cols() / head_dim;
-    cpu::rope(x.host_mut(), positions, heads, head_dim, theta, inverse);
+    cpu::rope(x.host_mut(), positions, rope, inverse);
 }
 /// Causal grouped-query attention of queries at positions `pos.0` against keys at positions
 /// `pos.1` (positions within a sequence, the same for every sequence of the batch; a key is seen

@@ -81,3 +81,25 @@ pub enum ReduceOp {
     Avg,
     Max,
 }
+
+/// RoPE's angles for heads `2 · inv_freq.len()` wide: pair i of a head turns by
+/// position · `inv_freq[i]`, and its cos and sin are multiplied by `scale`. Plain RoPE
+/// (`Rope::plain`) has inv_freq[i] = θ^(−2i/head_dim) and scale 1; a context longer than the one
+/// trained on rescales both (the model's family asks `rope_scaling.rs`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Rope {
+    pub inv_freq: Vec<f64>,
+    pub scale: f64,
+}
+
+impl Rope {
+    pub fn plain(theta: f64, head_dim: usize) -> Rope {
+        let inv_freq = (0..head_dim / 2).map(|i| theta.powf(-2.0 * i as f64 / head_dim as f64)).collect();
+        Rope { inv_freq, scale: 1.0 }
+    }
+
+    /// The width of the heads it turns.
+    pub fn head_dim(&self) -> usize {
+        2 * self.inv_freq.len()
+    }
+}
