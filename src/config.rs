@@ -95,6 +95,9 @@ pub struct ModelConfig {
     /// ±γ after every step towards the mean load (DeepSeek-V3 trained with 0.001); 0: the bias
     /// stays as loaded.
     pub bias_update_speed: f32,
+    /// With DeepSeekMoE: α of its complementary sequence-wise balance loss, per MoE layer and
+    /// training sequence α · Σ_e f_e · P_e (DeepSeek-V3 trained with 0.0001); 0: off.
+    pub seq_aux_loss_coef: f32,
     /// RoPE's frequencies for a context longer than the one trained on (`ops/rope_scaling.rs`):
     /// `[model.rope_scaling]`, Hugging Face's `rope_scaling` (or `rope_parameters`) dict.
     pub rope_scaling: RopeScaling,
@@ -509,6 +512,7 @@ impl ModelConfig {
             norm: self.norm_topk_prob,
             scale: self.routed_scaling_factor,
             speed: self.bias_update_speed,
+            seq_coef: self.seq_aux_loss_coef,
         })
     }
 
@@ -563,10 +567,12 @@ pub struct DeepSeekMoe {
     /// The groups of experts, and how many of them a token's experts may come from.
     pub groups: usize,
     pub kept: usize,
-    /// The chosen scores renormalised; their factor; γ, the bias's step.
+    /// The chosen scores renormalised; their factor; γ, the bias's step; α, the sequence-wise
+    /// balance loss's weight.
     pub norm: bool,
     pub scale: f32,
     pub speed: f32,
+    pub seq_coef: f32,
 }
 
 /// How a `model.init_from` folder's `[model]` keys are read (`Config::load_with`): the checkpoint

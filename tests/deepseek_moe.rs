@@ -78,7 +78,11 @@ fn a_resumed_run_continues_the_bias_bit_for_bit() {
 /// The busiest expert's rows over the mean, over an 80-step run (1.09 balanced with γ = 0.01,
 /// 1.71 with the bias fixed; the update's sign reversed, 3.87).
 fn late_imbalance(speed: &str) -> f64 {
-    let cfg = Config::load(None, &sets(&[speed, "train.steps=80"])).unwrap();
+    late_imbalance_with(&[speed])
+}
+
+fn late_imbalance_with(extra: &[&str]) -> f64 {
+    let cfg = Config::load(None, &sets(&[extra, &["train.steps=80"]].concat())).unwrap();
     let s: Summary = train(&cfg, Options { quiet: true, ..Default::default() }).unwrap();
     let t = &s.expert_tokens;
     *t.iter().max().unwrap() as f64 / (t.iter().sum::<usize>() as f64 / t.len() as f64)
@@ -88,6 +92,9 @@ fn late_imbalance(speed: &str) -> f64 {
 fn the_balancing_evens_the_load_that_nothing_else_does() {
     let (without, with) = (late_imbalance("model.bias_update_speed=0"), late_imbalance("model.bias_update_speed=0.01"));
     assert!(with < 0.8 * without, "max/mean load {with:.3} balanced, {without:.3} not");
+    let by_loss = late_imbalance_with(&["model.bias_update_speed=0", "model.seq_aux_loss_coef=0.1"]);
+    eprintln!("max/mean load: fixed bias {without:.3}, bias moving {with:.3}, sequence-wise loss alone {by_loss:.3}");
+    assert!(by_loss < 0.9 * without, "max/mean load {by_loss:.3} with the sequence-wise loss, {without:.3} without");
 }
 
 #[test]
@@ -109,6 +116,69 @@ fn what_it_cannot_take_is_refused_naming_the_key() {
             .concat();
     refused(&llama, "model.n_shared_experts is set with model.moe_intermediate_size = 0");
     refused(&["model.bias_update_speed=-1"], "model.bias_update_speed = -1");
+    refused(&["model.seq_aux_loss_coef=-0.1"], "model.seq_aux_loss_coef = -0.1");
+    for layout in ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2,parallel.sequence_parallel=true"] {
+        let sets: Vec<&str> = ["model.seq_aux_loss_coef=0.01"].into_iter().chain(layout.split(',')).collect();
+        refused(&sets, "model.seq_aux_loss_coef > 0 with pp, cp or sequence parallelism");
+    }
+    // on the built-in dense Llama
+    let e = format!("{:#}", Config::load(None, &["model.seq_aux_loss_coef=0.01".to_string()]).unwrap_err());
+    assert!(e.contains("seq_aux_loss_coef is set with model.moe_intermediate_size = 0"), "{e}");
+}
+
+/// The sequence-wise balance loss (DeepSeek-V3 §2.1.2) is its formula — by hand on one sequence
+/// of two rows: f = E/(k·T)·counts = (2, 0), P₀ = (0.5 + 0.8)/2, the term 2 · 0.65 = 1.3 — and its
+/// gradient on the router's logits is the term's, by central differences through the sigmoid and
+/// the normalisation over all experts (the choices held fixed), on three sequences of four rows.
+#[test]
+fn the_sequence_wise_balance_loss_is_its_formula_and_its_gradient() {
+    use ferrotron::model::moe::{sequence_balance, sequence_balance_backward};
+    let (term, grad) = sequence_balance(&[0.5, 0.5, 0.8, 0.2], &[0, 0], (2, 1, 2)).unwrap();
+    assert!((term - 1.3).abs() < 1e-6, "{term}");
+    assert_eq!(grad, [1.0, 0.0]); // f / T per row: ∂term/∂s'
+    assert!(sequence_balance(&[0.5; 6], &[0, 0, 1], (2, 1, 2)).is_err(), "three rows are not whole sequences of two");
+
+    let (experts, k, seq, rows) = (5, 2, 4, 12);
+    let z: Vec<f64> = (0..rows * experts).map(|i| (i * 37 % 23) as f64 / 7.0 - 1.5).collect();
+    let s = |z: &[f64]| z.iter().map(|&z| (1.0 / (1.0 + (-z).exp())) as f32).collect::<Vec<f32>>();
+    let scores = s(&z);
+    let chosen: Vec<u32> = scores
+        .chunks(experts)
+        .flat_map(|row| {
+            let mut ids: Vec<u32> = (0..experts as u32).collect();
+            ids.sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]));
+            ids.into_iter().take(k)
+        })
+        .collect();
+    let (_, g) = sequence_balance(&scores, &chosen, (experts, k, seq)).unwrap();
+    let dz = sequence_balance_backward(&scores, &g, (experts, seq));
+    for i in 0..rows * experts {
+        let h = 1e-3;
+        let at = |d: f64| {
+            let mut z = z.clone();
+            z[i] += d;
+            sequence_balance(&s(&z), &chosen, (experts, k, seq)).unwrap().0 as f64
+        };
+        let numeric = (at(h) - at(-h)) / (2.0 * h);
+        assert!((numeric - dz[i] as f64).abs() < 2e-4, "logit {i}: numeric {numeric}, analytic {}", dz[i]);
+    }
+}
+
+/// With the sequence-wise loss on (and the bias moving), every layout it may run under follows
+/// one rank, and the loss it reports carries the term.
+#[test]
+fn the_sequence_wise_balance_loss_follows_one_rank_under_dp_ep_tp_and_zero() {
+    let alpha = "model.seq_aux_loss_coef=0.05";
+    let spec = "dp=2;dp=2,ep=2;tp=2;dp=2,zero_stage=3;dp=2,ep=2,tp=2;recompute=full";
+    let converge::Report { baseline, outcomes, .. } =
+        converge::converge(None, &sets(&[alpha]), &parse_variants(spec).unwrap(), 1e-5).unwrap();
+    for o in &outcomes {
+        assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);
+    }
+    let without = converge::converge(None, &sets(&[]), &[], 1e-5).unwrap().baseline;
+    // the term is about α per MoE layer (f·P sums to 1 for an even load): there, and not more
+    let first = baseline[0] - without[0];
+    assert!(first > 0.03 && first < 0.2, "the first step's loss {} with the term, {} without", baseline[0], without[0]);
 }
 
 /// `ferrotron memory` counts latent attention's padded q, k, v and latents, the fine-grained and

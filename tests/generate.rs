@@ -17,12 +17,24 @@ fn fixture(rel: &str) -> PathBuf {
 }
 
 /// A prompt of 5 tokens, then 7 one at a time, through the cache: each step's logits are the
-/// full forward's row at that position.
+/// full forward's row at that position. Latent attention's cache holds its latent and shared
+/// rotated key, once a token (kv_lora_rank + qk_rope_head_dim values a layer), where GQA's holds
+/// every KV head's key and value; YaRN's rescaled rotation is the forward's too.
 #[test]
 fn the_kv_cache_gives_the_full_forwards_logits() {
-    for case in
-        ["gqa", "tied_odd", "mha_v4_config", "mqa_sharded", "mixtral", "mixtral_top3_tied", "mla_dense", "mla_q_latent"]
-    {
+    for case in [
+        "gqa",
+        "tied_odd",
+        "mha_v4_config",
+        "mqa_sharded",
+        "mixtral",
+        "mixtral_top3_tied",
+        "mla_dense",
+        "mla_q_latent",
+        "mla_yarn",
+        "deepseek_moe",
+        "llama_yarn",
+    ] {
         let mut model = hf::load_hf(&fixture(case)).unwrap();
         let vocab = model.cfg.vocab_size;
         let seq: Vec<u32> = (0..12).map(|i| ((i * 7 + 3) % vocab) as u32).collect();
@@ -34,6 +46,12 @@ fn the_kv_cache_gives_the_full_forwards_logits() {
             rows.push(model.decode(&[*t], &mut cache).unwrap());
         }
         assert_eq!(cache.len(), 12);
+        let c = &model.cfg;
+        let per_token = match c.kv_lora_rank {
+            0 => 2 * c.num_key_value_heads * c.head_dim(),
+            rank => rank + c.qk_rope_head_dim,
+        };
+        assert_eq!(cache.bytes(), 12 * c.num_hidden_layers * per_token * 4, "{case}: the cache's size");
         for (i, row) in rows.iter().enumerate() {
             let pos = 4 + i;
             let want = &full[pos * vocab..(pos + 1) * vocab];

@@ -50,30 +50,37 @@ const LONG_RUNS: &[&str] = &["train.steps", "train.grad_accum_steps"];
 
 /// Every key of the config with its kind, found from the config, not listed by hand: the
 /// built-in config written as TOML gives each key and its type, and whether a made-up word is
-/// refused tells a key of a few words from a free one. A key added tomorrow is swept tomorrow.
+/// refused tells a key of a few words from a free one. A key added tomorrow is swept tomorrow;
+/// so is a key of a table inside a section (`model.rope_scaling.factor`).
 fn config_keys() -> Vec<(String, Kind)> {
     let cfg = ferrotron::config::Config::load(None, &[]).unwrap();
     let table = toml::Table::try_from(&cfg).unwrap();
     let mut keys = Vec::new();
+    let mut leaves = Vec::new();
     for (section, values) in &table {
         for (key, value) in values.as_table().unwrap() {
-            let name = format!("{section}.{key}");
-            // a key that takes words refuses another word as an unknown variant (a text key may
-            // refuse it for another reason: `train.sample_prompt` on the synthetic data)
-            let word = |w: &str| {
-                let e = ferrotron::config::Config::load(None, &[format!("{name}=\"{w}\"")]).err();
-                e.is_some_and(|e| format!("{e:#}").contains("variant"))
-            };
-            let kind = match value {
-                toml::Value::Float(_) => Kind::Float,
-                toml::Value::Integer(_) => Kind::Integer,
-                toml::Value::Boolean(_) => Kind::Bool,
-                toml::Value::String(_) if word("no-such-word") && word("nonsense") => Kind::Word,
-                toml::Value::String(_) => Kind::Text,
-                other => panic!("{name} = {other}: a kind of value the sweep does not know; teach it"),
-            };
-            keys.push((name, kind));
+            match value.as_table() {
+                Some(inner) => leaves.extend(inner.iter().map(|(k, v)| (format!("{section}.{key}.{k}"), v.clone()))),
+                None => leaves.push((format!("{section}.{key}"), value.clone())),
+            }
         }
+    }
+    for (name, value) in leaves {
+        // a key that takes words refuses another word as an unknown variant (a text key may
+        // refuse it for another reason: `train.sample_prompt` on the synthetic data)
+        let word = |w: &str| {
+            let e = ferrotron::config::Config::load(None, &[format!("{name}=\"{w}\"")]).err();
+            e.is_some_and(|e| format!("{e:#}").contains("variant"))
+        };
+        let kind = match value {
+            toml::Value::Float(_) => Kind::Float,
+            toml::Value::Integer(_) => Kind::Integer,
+            toml::Value::Boolean(_) => Kind::Bool,
+            toml::Value::String(_) if word("no-such-word") && word("nonsense") => Kind::Word,
+            toml::Value::String(_) => Kind::Text,
+            other => panic!("{name} = {other}: a kind of value the sweep does not know; teach it"),
+        };
+        keys.push((name, kind));
     }
     keys
 }

@@ -53,6 +53,29 @@ fn split_half_rope_and_wide_values_follow_too() {
     }
 }
 
+/// YaRN's rescaled rotation (its frequencies and cos/sin factor, the softmax's mscale²) under the
+/// ring, where each rank turns its own positions, and Muon, which now updates
+/// `kv_a_proj_with_mqa` too (a replicated matrix under tp, its gradient summed there first).
+#[test]
+fn yarn_under_the_ring_and_muon_on_the_latent_path_follow_too() {
+    let yarn = [
+        "model.rope_scaling.rope_type=\"yarn\"",
+        "model.rope_scaling.factor=4",
+        "model.rope_scaling.original_max_position_embeddings=16",
+        "model.rope_scaling.mscale_all_dim=1",
+    ];
+    let report = converge::converge(None, &sets(&yarn), &parse_variants("cp=2;tp=2").unwrap(), TOLERANCE).unwrap();
+    for o in &report.outcomes {
+        assert!(o.pass, "YaRN, {}: max |Δloss| {:e}", o.label, o.max_diff);
+    }
+    let muon = sets(&["train.optimizer=\"muon\"", "train.steps=12"]);
+    let report =
+        converge::converge(None, &muon, &parse_variants("tp=2;dp=2,zero_stage=2;pp=2").unwrap(), 1e-4).unwrap();
+    for o in &report.outcomes {
+        assert!(o.pass, "Muon, {}: max |Δloss| {:e}", o.label, o.max_diff);
+    }
+}
+
 #[test]
 fn what_it_cannot_take_is_refused_naming_the_key() {
     let refused = |extra: &[&str], want: &str| {

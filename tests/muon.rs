@@ -81,6 +81,13 @@ fn the_rate_follows_the_shape_as_pytorch_adjusts_it() {
     assert!(!muon::updates("model.embed_tokens.weight", &[50, 8]));
     assert!(!muon::updates("lm_head.weight", &[50, 8]));
     assert!(!muon::updates("model.layers.0.input_layernorm.weight", &[8]));
+    // DeepSeek-V3's: latent attention's projections (kv_a_proj_with_mqa too), its experts, not its router
+    assert!(muon::updates("model.layers.0.self_attn.kv_a_proj_with_mqa.weight", &[12, 8]));
+    assert!(muon::updates("model.layers.0.self_attn.kv_b_proj.weight", &[20, 8]));
+    assert!(muon::updates("model.layers.1.mlp.experts.3.gate_proj.weight", &[4, 8]));
+    assert!(muon::updates("model.layers.1.mlp.shared_experts.up_proj.weight", &[4, 8]));
+    assert!(!muon::updates("model.layers.1.mlp.gate.weight", &[8, 8]));
+    assert!(!muon::updates("model.layers.0.self_attn.kv_a_layernorm.weight", &[12]));
 }
 
 /// Muon + AdamW from the `gqa` fixture's init on its batch, 30 steps, against PyTorch's losses.

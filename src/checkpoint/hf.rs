@@ -371,6 +371,7 @@ pub fn read_hf_config(path: &Path) -> Result<ModelConfig> {
         norm_topk_prob: if moe { flag("norm_topk_prob")?.unwrap_or(true) } else { true },
         routed_scaling_factor: if moe { number("routed_scaling_factor")?.unwrap_or(2.5) as f32 } else { 1.0 },
         bias_update_speed: 0.0, // evaluating a folder moves no bias; training sets it
+        seq_aux_loss_coef: 0.0, // transformers' DeepSeek-V3 adds no balance loss
         kv_lora_rank: latent("kv_lora_rank", 512)?,
         q_lora_rank: if deepseek && !j["q_lora_rank"].is_null() { latent("q_lora_rank", 1536)? } else { 0 },
         qk_nope_head_dim: nope,
@@ -474,7 +475,8 @@ pub fn full_tensor(tensors: &HashMap<String, Tensor>, name: &str, shape: &[usize
 
 /// The `[model]` keys a run does not take from its `model.init_from` folder: how to initialise
 /// (the folder's weights replace it), and the training aids (the balance loss, the bias's step).
-const NOT_INHERITED: [&str; 4] = ["initializer_range", "init_from", "router_aux_loss_coef", "bias_update_speed"];
+const NOT_INHERITED: [&str; 5] =
+    ["initializer_range", "init_from", "router_aux_loss_coef", "bias_update_speed", "seq_aux_loss_coef"];
 
 /// The folder `model.init_from` names: a path, or a Hub model (`hub:ID`) in the local cache.
 fn folder_of(init_from: &str) -> Result<std::path::PathBuf> {

@@ -84,6 +84,7 @@ impl ModelConfig {
                 ("topk_group", kept == 1, "1"),
                 ("routed_scaling_factor", self.routed_scaling_factor == 1.0, "1.0"),
                 ("bias_update_speed", self.bias_update_speed == 0.0, "0.0"),
+                ("seq_aux_loss_coef", self.seq_aux_loss_coef == 0.0, "0.0"),
             ];
             if let Some((key, _, default)) = defaults.iter().find(|(_, ok, _)| !ok) {
                 bail!("{prefix}{key} is set with {prefix}moe_intermediate_size = 0: it is a setting of DeepSeekMoE, which moe_intermediate_size > 0 turns on; set moe_intermediate_size or {key} = {default}");
@@ -105,9 +106,11 @@ impl ModelConfig {
         if self.router_aux_loss_coef > 0.0 {
             bail!("{prefix}router_aux_loss_coef > 0 with DeepSeekMoE: its router balances by a bias (bias_update_speed), not the Switch loss; set router_aux_loss_coef = 0");
         }
-        for (key, v) in
-            [("routed_scaling_factor", self.routed_scaling_factor), ("bias_update_speed", self.bias_update_speed)]
-        {
+        for (key, v) in [
+            ("routed_scaling_factor", self.routed_scaling_factor),
+            ("bias_update_speed", self.bias_update_speed),
+            ("seq_aux_loss_coef", self.seq_aux_loss_coef),
+        ] {
             if !(v >= 0.0 && v.is_finite()) {
                 bail!("{prefix}{key} = {v}: it must be a finite number, 0 or more");
             }
@@ -485,6 +488,9 @@ fn validate_experts(c: &Config) -> Result<()> {
     }
     if e > 0 && m.router_aux_loss_coef > 0.0 && (p.pp > 1 || p.cp > 1 || p.sequence_parallel) {
         bail!("model.router_aux_loss_coef > 0 with pp, cp or sequence parallelism: the balance loss counts every layer's routing over whole sequences, which those layouts hold apart; set router_aux_loss_coef = 0 or pp = cp = 1 and sequence_parallel = false");
+    }
+    if e > 0 && m.seq_aux_loss_coef > 0.0 && (p.pp > 1 || p.cp > 1 || p.sequence_parallel) {
+        bail!("model.seq_aux_loss_coef > 0 with pp, cp or sequence parallelism: the sequence-wise balance loss counts each layer's routing over whole sequences and adds it at the output end, which those layouts hold apart; set seq_aux_loss_coef = 0 or pp = cp = 1 and sequence_parallel = false");
     }
     Ok(())
 }

@@ -39,6 +39,7 @@
 //! (`Gqa`: q, k and v).
 
 use crate::config::ModelConfig;
+use crate::model::kv_cache::KvLayer;
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
@@ -46,6 +47,7 @@ use crate::ops::{self, Attn, Rope, TpCut};
 use anyhow::{anyhow, Result};
 use std::any::Any;
 use std::borrow::Cow;
+use std::rc::Rc;
 
 pub(crate) struct Block<'g> {
     /// Its layer's number in the whole model.
@@ -71,6 +73,18 @@ pub trait Attention {
         at: (Attn, &[u32]),
         attend: Attend,
     ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)>;
+    /// Generating: its output for one step of a sequence whose earlier keys and values `past`
+    /// holds, nothing kept. By default `forward`'s, its core the cache's; an attention whose
+    /// cache can hold less than its core's keys and values (latent attention's latent) goes its
+    /// own way.
+    fn generate(&self, tp: &dyn TensorSplit, xn: &Tensor, at: (Attn, &[u32]), past: KvLayer) -> Result<Tensor> {
+        let mut past = Some(past);
+        let attend = &mut |a, q: &Tensor, k: &Tensor, v: &Tensor| {
+            let past = past.take().ok_or_else(|| anyhow!("a layer attends once a step"))?;
+            Ok(past.attend(a, q, k, v, at.1))
+        };
+        Ok(self.forward(tp, xn, at, attend)?.0)
+    }
     /// dxn from dy, given the forward's input `xn` and what it kept (a core given up there is
     /// computed again by `split.seq`). Every weight GEMM goes to `dw`.
     fn backward(
@@ -108,13 +122,17 @@ pub struct Gqa {
     k_proj: Param,
     v_proj: Param,
     o_proj: Param,
-    rope: Rope,
+    rope: RopeOf,
 }
 
-/// Llama's attentions: every block's `Gqa`, turned by `rope` (the model's family makes it:
+/// RoPE's rotation of heads this wide: made when a forward asks (a few numbers), never for a
+/// model that is only counted.
+pub type RopeOf = Rc<dyn Fn(usize) -> Rope>;
+
+/// Llama's attentions: every block's `Gqa`, turned by `rope` (the model's family gives it:
 /// `Rope::plain(rope_theta, head_dim)`, or rescaled for a longer context).
 pub struct GqaAttentions {
-    pub rope: Rope,
+    pub rope: RopeOf,
 }
 
 impl<'g> Attentions<'g> for GqaAttentions {
@@ -129,7 +147,7 @@ impl<'g> Attentions<'g> for GqaAttentions {
             k_proj: param(p("k_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
             v_proj: param(p("v_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
             o_proj: param(p("o_proj"), &[d, q_out], ParamKind::Matrix, cols)?,
-            rope: self.rope.clone(),
+            rope: Rc::clone(&self.rope),
         }))
     }
 }
@@ -173,8 +191,9 @@ impl Attention for Gqa {
         let mut k = self.k_proj.linear(&xin);
         let v = self.v_proj.linear(&xin);
         drop(xin);
-        ops::rope(&mut q, positions, &self.rope);
-        ops::rope(&mut k, positions, &self.rope);
+        let rope = (self.rope)(attn.head_dim);
+        ops::rope(&mut q, positions, &rope);
+        ops::rope(&mut k, positions, &rope);
         let (out, lse, work) = attend(attn, &q, &k, &v)?;
         let h = tp.row_forward(&out, &self.o_proj)?; // g: Σ over the tp ranks
         Ok((h, Box::new(GqaKept { q, k, v, core: Some((out, lse)) }), work))
@@ -199,8 +218,9 @@ impl Attention for Gqa {
         let dattn = self.o_proj.linear_input_grad(&dy);
         let (mut dq, mut dk, dv) = split.seq.attention_backward(attn, (&q, &k, &v), pos, (&out, &lse), &dattn)?;
         dw.linear(Cow::Owned(out), vec![(dy, &mut self.o_proj)]);
-        ops::rope_backward(&mut dq, positions, &self.rope);
-        ops::rope_backward(&mut dk, positions, &self.rope);
+        let rope = (self.rope)(attn.head_dim);
+        ops::rope_backward(&mut dq, positions, &rope);
+        ops::rope_backward(&mut dk, positions, &rope);
         // f: one sum over the tp ranks for q, k and v together
         let layers = vec![(dq, &mut self.q_proj), (dk, &mut self.k_proj), (dv, &mut self.v_proj)];
         tp.column_backward(xn, layers, dw)
@@ -477,7 +497,7 @@ impl<'g> Block<'g> {
     }
 
     /// The forward itself, keeping everything; the attention core is `attend`'s (the sequence
-    /// split's; generating, the KV cache's: `llama/decode.rs`).
+    /// split's).
     pub(super) fn run(
         &self,
         split: Splits,
@@ -495,6 +515,25 @@ impl<'g> Block<'g> {
         ops::add_assign(&mut out, &h);
         let cache = BlockCache { x, xn1, rstd1, attention, h, xn2, rstd2, mlp };
         Ok((out, cache, work))
+    }
+
+    /// One step of generation (`llama/decode.rs`), nothing kept: the attention with its part of
+    /// the KV cache.
+    pub(crate) fn generate(
+        &self,
+        tp: &dyn TensorSplit,
+        x: Tensor,
+        cfg: &ModelConfig,
+        at: (Attn, &[u32]),
+        past: KvLayer,
+    ) -> Result<Tensor> {
+        let eps = cfg.rms_norm_eps;
+        let (xn1, _) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
+        let mut h = self.attention.generate(tp, &xn1, at, past)?;
+        let (xn2, _) = ops::add_rmsnorm(&mut h, &x, &self.post_attention_layernorm.value, eps);
+        let (mut out, _) = self.mlp.forward(tp, &xn2)?;
+        ops::add_assign(&mut out, &h);
+        Ok(out)
     }
 
     /// Every weight GEMM goes to `dw` (computed now, or kept for a zero-bubble W:

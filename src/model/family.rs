@@ -21,12 +21,16 @@ use crate::model::latent_attention::MlaAttentions;
 use crate::model::moe::Experts;
 use crate::model::split::Whole;
 use crate::ops::rope_scaling;
+use std::rc::Rc;
 
 /// The blocks' attentions of the model `cfg` describes: Llama's and Mixtral's are grouped-query,
 /// DeepSeek-V3's (`kv_lora_rank` > 0) latent.
 pub fn attentions<'g>(cfg: &ModelConfig) -> Box<dyn Attentions<'g> + 'g> {
     match cfg.kv_lora_rank {
-        0 => Box::new(GqaAttentions { rope: rope_scaling::rope_of(cfg.rope_theta, &cfg.rope_scaling, cfg.head_dim()) }),
+        0 => {
+            let (theta, scaling) = (cfg.rope_theta, cfg.rope_scaling);
+            Box::new(GqaAttentions { rope: Rc::new(move |head_dim| rope_scaling::rope_of(theta, &scaling, head_dim)) })
+        }
         _ => Box::new(MlaAttentions),
     }
 }
@@ -36,6 +40,6 @@ pub fn attentions<'g>(cfg: &ModelConfig) -> Box<dyn Attentions<'g> + 'g> {
 pub fn mlps<'g>(cfg: &ModelConfig) -> Box<dyn Mlps<'g> + 'g> {
     match cfg.num_local_experts {
         0 => Box::new(DenseMlps),
-        _ => Box::new(Experts::new(cfg, Box::new(Whole))),
+        _ => Box::new(Experts::new(cfg, Box::new(Whole), 0)), // nothing trains here: no sequence-wise loss
     }
 }

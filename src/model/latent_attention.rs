@@ -38,8 +38,9 @@
 //! (`partial_over_tp`; `parallel/latent_tensor_parallel.rs`). The rotated key's gradient is the
 //! sum over the heads of this rank, and so partial too: it flows into kv_a_proj_with_mqa's.
 
-use crate::config::ModelConfig;
+use crate::config::{ModelConfig, RopeScaling};
 use crate::model::block::{kept_as, Attend, Attention, AttentionKept, Attentions, MakeParam, Splits};
+use crate::model::kv_cache::KvLayer;
 use crate::model::param::{Param, ParamKind};
 use crate::model::split::{TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
@@ -90,9 +91,10 @@ pub struct Mla {
     kv_b_proj: Param,
     o_proj: Param,
     dims: Dims,
-    /// RoPE's rotation of the r rotated columns (YaRN's, for V3), and whether its pairs are
-    /// (x₂ᵢ, x₂ᵢ₊₁) (DeepSeek's) or (xᵢ, xᵢ₊ᵣ/₂).
-    rope: Rope,
+    /// RoPE's base and rescaling (YaRN, for V3: `rope` makes the rotation of the r rotated
+    /// columns), and whether its pairs are (x₂ᵢ, x₂ᵢ₊₁) (DeepSeek's) or (xᵢ, xᵢ₊ᵣ/₂).
+    theta: f64,
+    scaling: RopeScaling,
     interleave: bool,
     /// The factor on the query that turns the core op's 1/√D into the softmax scale.
     query_scale: f32,
@@ -136,7 +138,8 @@ impl<'g> Attentions<'g> for MlaAttentions {
             kv_b_proj: param(p("kv_b_proj"), &[h * (dims.nope + dims.v), dims.kv_rank], matrix, TpCut::Rows)?,
             o_proj: param(p("o_proj"), &[d, h * dims.v], matrix, TpCut::Columns)?,
             dims,
-            rope: rope_scaling::rope_of(cfg.rope_theta, &cfg.rope_scaling, dims.rope),
+            theta: cfg.rope_theta,
+            scaling: cfg.rope_scaling,
             interleave: cfg.rope_interleave,
             query_scale: query_scale(dims, rope_scaling::softmax_factor(&cfg.rope_scaling)),
         }))
@@ -250,9 +253,56 @@ impl Mla {
         }
     }
 
+    /// RoPE's rotation of the rotated columns (made when a forward asks: a few numbers).
+    fn rope(&self) -> Rope {
+        rope_scaling::rope_of(self.theta, &self.scaling, self.dims.rope)
+    }
+
     /// The core's shape: this rank's heads, D wide, one KV head per query head.
     fn core_attn(&self, a: Attn) -> Attn {
         Attn { kv_heads: a.heads, head_dim: self.dims.core(), ..a }
+    }
+}
+
+/// What a forward makes before the heads' keys and values: the query heads (and the query's
+/// latent: a, normed, rstd), `kv_a_proj_with_mqa`'s output, the latent c and c normed (its rstd),
+/// and the rotated parts of the query heads and of the shared key, turned by their positions (in
+/// the rotation's layout).
+struct Latents {
+    q: Tensor,
+    q_latent: Option<(Tensor, Tensor, Tensor)>,
+    ckv: Tensor,
+    c: Tensor,
+    c_normed: Tensor,
+    c_rstd: Tensor,
+    q_rot: Tensor,
+    k_rot: Tensor,
+}
+
+impl Mla {
+    fn latents(&self, tp: &dyn TensorSplit, xn: &Tensor, heads: usize, positions: &[u32]) -> Result<Latents> {
+        let Dims { nope, rope, kv_rank, .. } = self.dims;
+        let qk = self.dims.qk();
+        let xin = tp.gather_rows(xn)?;
+        let (q, q_latent) = match &self.q_latent {
+            None => (self.q_heads.linear(&xin), None),
+            Some(l) => {
+                let a = l.q_a_proj.linear(&xin);
+                let (a_normed, rstd) = ops::rmsnorm(&a, &l.q_a_layernorm.value, LATENT_EPS);
+                (self.q_heads.linear(&a_normed), Some((a, a_normed, rstd)))
+            }
+        };
+        let ckv = self.kv_a_proj_with_mqa.linear(&xin);
+        drop(xin);
+        let c = pick_columns(&[&ckv], &(0..kv_rank).map(|i| Some((0, i))).collect::<Vec<_>>());
+        let (c_normed, c_rstd) = ops::rmsnorm(&c, &self.kv_a_layernorm.value, LATENT_EPS);
+        let mut q_rot = pick_columns(&[&q], &per_head(heads, rope, |h, i| Some((0, h * qk + nope + self.rotated(i)))));
+        let mut k_rot =
+            pick_columns(&[&ckv], &(0..rope).map(|i| Some((0, kv_rank + self.rotated(i)))).collect::<Vec<_>>());
+        let turn = self.rope();
+        ops::rope(&mut q_rot, positions, &turn);
+        ops::rope(&mut k_rot, positions, &turn);
+        Ok(Latents { q, q_latent, ckv, c, c_normed, c_rstd, q_rot, k_rot })
     }
 }
 
@@ -283,29 +333,11 @@ impl Attention for Mla {
         (attn, positions): (Attn, &[u32]),
         attend: Attend,
     ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)> {
-        let (Dims { nope, rope, v: vd, kv_rank }, heads) = (self.dims, attn.heads);
+        let (Dims { nope, rope, v: vd, .. }, heads) = (self.dims, attn.heads);
         let (qk, dd) = (self.dims.qk(), self.dims.core());
-        let xin = tp.gather_rows(xn)?;
-        let (q, q_latent) = match &self.q_latent {
-            None => (self.q_heads.linear(&xin), None),
-            Some(l) => {
-                let a = l.q_a_proj.linear(&xin);
-                let (a_normed, rstd) = ops::rmsnorm(&a, &l.q_a_layernorm.value, LATENT_EPS);
-                (self.q_heads.linear(&a_normed), Some((a, a_normed, rstd)))
-            }
-        };
-        let ckv = self.kv_a_proj_with_mqa.linear(&xin);
-        drop(xin);
-        let c = pick_columns(&[&ckv], &(0..kv_rank).map(|i| Some((0, i))).collect::<Vec<_>>());
-        let (c_normed, c_rstd) = ops::rmsnorm(&c, &self.kv_a_layernorm.value, LATENT_EPS);
+        let Latents { q, q_latent, ckv, c, c_normed, c_rstd, q_rot, k_rot } = self.latents(tp, xn, heads, positions)?;
         let kv = self.kv_b_proj.linear(&c_normed); // per head [k_nope | v]
-                                                   // the rotated parts, in the rotation's layout, turned by their positions
-        let mut q_rot = pick_columns(&[&q], &per_head(heads, rope, |h, i| Some((0, h * qk + nope + self.rotated(i)))));
-        let mut k_rot =
-            pick_columns(&[&ckv], &(0..rope).map(|i| Some((0, kv_rank + self.rotated(i)))).collect::<Vec<_>>());
-        ops::rope(&mut q_rot, positions, &self.rope);
-        ops::rope(&mut k_rot, positions, &self.rope);
-        // the core's heads, D wide: [q_nope | q_rot | 0], [k_nope | k_rot | 0], [v | 0]
+                                                   // the core's heads, D wide: [q_nope | q_rot | 0], [k_nope | k_rot | 0], [v | 0]
         let (kv_w, nv) = (nope + vd, nope);
         let mut qc = pick_columns(
             &[&q, &q_rot],
@@ -334,6 +366,58 @@ impl Attention for Mla {
         let h = tp.row_forward(&out_v, &self.o_proj)?;
         let kept = MlaKept { q_latent, c, c_normed, c_rstd, q: qc, k: kc, v: vc, core: Some((out, lse)) };
         Ok((h, Box::new(kept), work))
+    }
+
+    /// Generating with the latent in the cache (DeepSeek's inference form). Head h's key is
+    /// W_UK·c and its value W_UV·c (W_UK, W_UV: its rows of kv_b_proj), so
+    /// q_nope·k_nope = (q_nope·W_UK)·c and o = W_UV·Σⱼ pⱼcⱼ: with the query moved into the latent
+    /// space, every head attends to one shared key [c | k_rot] (kv_lora_rank + r wide: 576
+    /// values a token in V3) which is also its value (the output's rotated columns are dropped),
+    /// and W_UV applies after the core. The cache keeps that one key a token (`KvLayer::attend`
+    /// holds a key that is its own value once), where the training form expands every head.
+    fn generate(
+        &self,
+        tp: &dyn TensorSplit,
+        xn: &Tensor,
+        (attn, positions): (Attn, &[u32]),
+        past: KvLayer,
+    ) -> Result<Tensor> {
+        let (Dims { nope, rope, v: vd, kv_rank }, heads) = (self.dims, attn.heads);
+        let (qk, wide) = (self.dims.qk(), kv_rank + rope);
+        let Latents { q, c_normed, q_rot, k_rot, .. } = self.latents(tp, xn, heads, positions)?;
+        let (kv_b, precision) = (&self.kv_b_proj.value, self.kv_b_proj.precision);
+        let rows_of =
+            |h: usize, from: usize, n: usize| ops::slice(kv_b, (h * (nope + vd) + from) * kv_rank, &[n, kv_rank]);
+        // each head's query in the latent space: q_nope · W_UK, [rows, kv_lora_rank]
+        let absorbed: Vec<Tensor> = (0..heads)
+            .map(|h| {
+                let q_nope = pick_columns(&[&q], &(0..nope).map(|i| Some((0, h * qk + i))).collect::<Vec<_>>());
+                ops::linear_input_grad(&q_nope, &rows_of(h, 0, nope), precision)
+            })
+            .collect();
+        let mut sources: Vec<&Tensor> = absorbed.iter().collect();
+        sources.push(&q_rot);
+        let mut q_wide = pick_columns(
+            &sources,
+            &per_head(heads, wide, |h, i| Some(if i < kv_rank { (h, i) } else { (heads, h * rope + i - kv_rank) })),
+        );
+        let key = pick_columns(
+            &[&c_normed, &k_rot],
+            &(0..wide).map(|i| Some(if i < kv_rank { (0, i) } else { (1, i - kv_rank) })).collect::<Vec<_>>(),
+        );
+        // the op's 1/√(kv_lora_rank + r) made the softmax scale
+        ops::scale(&mut q_wide, self.query_scale * (self.dims.core() as f32 / wide as f32).sqrt().recip());
+        let core = Attn { kv_heads: 1, head_dim: wide, ..attn };
+        let (out, _, _) = past.attend(core, &q_wide, &key, &key, positions);
+        let heads_v: Vec<Tensor> = (0..heads)
+            .map(|h| {
+                let o_latent =
+                    pick_columns(&[&out], &(0..kv_rank).map(|i| Some((0, h * wide + i))).collect::<Vec<_>>());
+                ops::linear(&o_latent, &rows_of(h, nope, vd), precision) // W_UV after the core
+            })
+            .collect();
+        let out_v = pick_columns(&heads_v.iter().collect::<Vec<_>>(), &per_head(heads, vd, |h, i| Some((h, i))));
+        tp.row_forward(&out_v, &self.o_proj)
     }
 
     fn backward(
@@ -371,8 +455,9 @@ impl Attention for Mla {
         let rows = dk_rot_heads.rows();
         let each: Vec<u32> = (0..(rows * heads) as u32).collect();
         let mut dk_rot = route::weighted_sum(&dk_rot_heads.with_shape(&[rows * heads, rope]), &each, None, rows);
-        ops::rope_backward(&mut dq_rot, positions, &self.rope);
-        ops::rope_backward(&mut dk_rot, positions, &self.rope);
+        let turn = self.rope();
+        ops::rope_backward(&mut dq_rot, positions, &turn);
+        ops::rope_backward(&mut dk_rot, positions, &turn);
         // back to the projections' layouts: q per head [nope | rot as stored]; kv per head [k_nope | v]
         let dq = pick_columns(
             &[&dq_c, &dq_rot],

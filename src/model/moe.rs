@@ -47,7 +47,7 @@ use crate::ops::types::ReduceOp;
 use crate::ops::{self, TpCut};
 use anyhow::{bail, Result};
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::collections::BTreeMap;
 use std::ops::Range;
 use std::rc::Rc;
@@ -175,11 +175,20 @@ pub struct Experts<'g> {
     step_loads: RefCell<BTreeMap<usize, Vec<usize>>>,
     /// γ, DeepSeekMoE's bias update speed (`model.bias_update_speed`).
     speed: f32,
+    /// DeepSeekMoE's sequence-wise balance loss: α (`model.seq_aux_loss_coef`), the rows of one
+    /// training sequence (0: not training, off), each MoE layer's term in this forward, and the
+    /// loss scale of the backward under way (its loss term's backward sets it).
+    seq_coef: f32,
+    seq_len: usize,
+    seq_terms: RefCell<BTreeMap<usize, f32>>,
+    seq_scale: Rc<Cell<f32>>,
 }
 
 impl<'g> Experts<'g> {
-    /// A mixture of experts as `cfg` says, its experts where `split` puts them.
-    pub fn new(cfg: &ModelConfig, split: Box<dyn ExpertSplit + 'g>) -> Rc<Experts<'g>> {
+    /// A mixture of experts as `cfg` says, its experts where `split` puts them; `seq_len`: the
+    /// rows of one training sequence (the unit of DeepSeekMoE's sequence-wise balance loss; 0
+    /// where nothing trains).
+    pub fn new(cfg: &ModelConfig, split: Box<dyn ExpertSplit + 'g>, seq_len: usize) -> Rc<Experts<'g>> {
         let deepseek = cfg.deepseek_moe();
         let kind = match deepseek {
             None => Kind::Mixtral,
@@ -205,6 +214,10 @@ impl<'g> Experts<'g> {
             seen: RefCell::default(),
             step_loads: RefCell::default(),
             speed: deepseek.map_or(0.0, |m| m.speed),
+            seq_coef: deepseek.map_or(0.0, |m| m.seq_coef),
+            seq_len,
+            seq_terms: RefCell::default(),
+            seq_scale: Rc::default(),
         })
     }
 
@@ -243,15 +256,20 @@ impl<'g> Experts<'g> {
         Ok(())
     }
 
+    /// Whether the forward adds DeepSeekMoE's sequence-wise balance loss.
+    fn sequence_wise(&self) -> bool {
+        self.seq_coef > 0.0 && self.seq_len > 0 && matches!(self.kind, Kind::DeepSeek { .. })
+    }
+
     /// Each MoE layer's correction bias (DeepSeekMoE), by layer: what `balance` moves.
     pub fn biases(&self) -> BTreeMap<usize, Vec<f32>> {
         self.biases.borrow().clone()
     }
 
-    /// Routed rows to each expert, per MoE layer of this rank's model, by the backwards since the
-    /// last call (the imbalance report).
-    pub fn take_load(&self) -> Vec<Vec<usize>> {
-        std::mem::take(&mut *self.seen.borrow_mut()).into_values().collect()
+    /// Routed rows to each expert, per MoE layer of this rank's model (by layer), by the
+    /// backwards since the last call (the imbalance report).
+    pub fn take_load(&self) -> BTreeMap<usize, Vec<usize>> {
+        std::mem::take(&mut *self.seen.borrow_mut())
     }
 }
 
@@ -297,8 +315,12 @@ impl<'g> Mlps<'g> for Rc<Experts<'g>> {
         Ok(Box::new(Moe { gate, experts, shared_mlp, shared: self.clone(), layer }))
     }
 
-    /// The load-balancing loss, when `router_aux_loss_coef` > 0.
+    /// The load-balancing loss, when `router_aux_loss_coef` > 0; DeepSeekMoE's sequence-wise
+    /// one, when `seq_aux_loss_coef` > 0 in training.
     fn loss_term(&self) -> Option<Box<dyn LossTerm + 'g>> {
+        if self.sequence_wise() {
+            return Some(Box::new(SequenceBalance(self.clone())));
+        }
         (self.coef > 0.0).then(|| Box::new(Balance(self.clone())) as Box<dyn LossTerm + 'g>)
     }
 }
@@ -361,6 +383,9 @@ pub(crate) struct MoeCache {
     ys: Tensor,
     /// What the shared experts keep.
     shared: Option<Box<dyn MlpKept>>,
+    /// The sequence-wise balance loss's gradient on each normalised score, per sequence and
+    /// expert, α applied (empty when it is off).
+    seq_grad: Vec<f32>,
 }
 
 /// A layer's routing, for the load-balancing loss (host numbers).
@@ -463,7 +488,16 @@ impl Mlp for Moe<'_> {
             let load = Load { counts: sorting.counts.clone(), prob_sums: column_sums(&routing.probs) };
             self.shared.loads.borrow_mut().insert(self.layer, load);
         }
-        Ok((y, Box::new(MoeCache { routing, sorting, routed, experts, ys, shared })))
+        let mut seq_grad = Vec::new();
+        if self.shared.sequence_wise() {
+            // this layer's term, added when the forward reaches the head (host numbers: on a GPU
+            // the scores are read back, as the sigmoid router's already are)
+            let s = &self.shared;
+            let (term, grad) = sequence_balance(&routing.probs.to_vec(), &routing.experts, (total, k, s.seq_len))?;
+            s.seq_terms.borrow_mut().insert(self.layer, s.seq_coef * term);
+            seq_grad = grad.iter().map(|g| s.seq_coef * g).collect();
+        }
+        Ok((y, Box::new(MoeCache { routing, sorting, routed, experts, ys, shared, seq_grad })))
     }
 
     /// dx from dy, both `[T, d]` (x: the forward's input); every weight GEMM goes to `dw` (now,
@@ -508,7 +542,14 @@ impl Mlp for Moe<'_> {
         if let Some(d) = dx_shared {
             ops::add_assign(&mut dx, &d);
         }
-        let dlogits = route::route_backward(&dweights, &c.routing, &self.shared.balance.borrow());
+        let mut dlogits = route::route_backward(&dweights, &c.routing, &self.shared.balance.borrow());
+        if !c.seq_grad.is_empty() {
+            let scaled: Vec<f32> = c.seq_grad.iter().map(|g| g * self.shared.seq_scale.get()).collect();
+            let shape = (self.shared.total, self.shared.seq_len);
+            let dz = sequence_balance_backward(&c.routing.probs.to_vec(), &scaled, shape);
+            let dz = Tensor::from_host_in(dlogits.shape(), dz, &dlogits.place(), dlogits.dtype());
+            ops::add_assign(&mut dlogits, &dz);
+        }
         self.gate.linear_input_grad_add(&dlogits, &mut dx);
         dw.linear(Cow::Owned(x), vec![(Cow::Owned(dlogits), &mut self.gate)]);
         Ok(dx)
@@ -573,4 +614,76 @@ pub fn balance_loss(loads: &[&Load], experts: usize, k: usize) -> (f32, Vec<f32>
     let p: Vec<f64> = (0..experts).map(|e| loads.iter().map(|l| l.prob_sums[e] as f64).sum::<f64>() / n).collect();
     let loss = experts as f64 * f.iter().zip(&p).map(|(a, b)| a * b).sum::<f64>();
     (loss as f32, f.iter().map(|fe| (experts as f64 * fe / n) as f32).collect())
+}
+
+/// DeepSeekMoE's complementary sequence-wise balance loss (DeepSeek-V3 §2.1.2): per MoE layer and
+/// training sequence of T rows, α · Σ_e f_e · P_e with f_e = E/(k·T) · (rows that chose e) and
+/// P_e = (1/T) · Σ_t s'_{t,e}, s' the sigmoid scores normalised over all E experts; averaged over
+/// the sequences. Its gradient reaches the router through P only.
+struct SequenceBalance<'g>(Rc<Experts<'g>>);
+
+/// What `SequenceBalance`'s backward sets: the loss scale the MoE layers' backward multiplies
+/// their kept gradient by.
+struct SequenceBalanceKept(Rc<Cell<f32>>);
+
+impl LossTerm for SequenceBalance<'_> {
+    fn add(&self, loss: &mut Tensor) -> Result<Box<dyn TermKept>> {
+        let terms = std::mem::take(&mut *self.0.seq_terms.borrow_mut()); // this forward's, every layer
+        let sum: f32 = terms.values().sum();
+        ops::add_assign(loss, &Tensor::from_host_in(&[1], vec![sum], &loss.place(), loss.dtype()));
+        Ok(Box::new(SequenceBalanceKept(self.0.seq_scale.clone())))
+    }
+}
+
+impl TermKept for SequenceBalanceKept {
+    fn backward(self: Box<Self>, scale: f32) {
+        self.0.set(scale);
+    }
+}
+
+/// One layer's sequence-wise balance term (α left out) from its scores `s` `[rows, E]` and its
+/// choices (`k` a row), the rows in sequences of `seq_len`: (the term, its gradient on each
+/// normalised score s'_{t,e}, the same for every row of a sequence: `[sequences, E]`).
+pub fn sequence_balance(
+    s: &[f32],
+    chosen: &[u32],
+    (experts, k, seq_len): (usize, usize, usize),
+) -> Result<(f32, Vec<f32>)> {
+    let rows = s.len() / experts;
+    if seq_len == 0 || !rows.is_multiple_of(seq_len) {
+        bail!("the sequence-wise balance loss needs whole sequences of {seq_len} rows, got {rows}");
+    }
+    let (sequences, t) = (rows / seq_len, seq_len as f64);
+    let (mut term, mut grad) = (0.0f64, vec![0.0f32; sequences * experts]);
+    for b in 0..sequences {
+        let (mut counts, mut p) = (vec![0usize; experts], vec![0.0f64; experts]);
+        for r in b * seq_len..(b + 1) * seq_len {
+            chosen[r * k..(r + 1) * k].iter().for_each(|&e| counts[e as usize] += 1);
+            let row = &s[r * experts..(r + 1) * experts];
+            let sum: f64 = row.iter().map(|&x| x as f64).sum();
+            row.iter().zip(&mut p).for_each(|(&x, p)| *p += x as f64 / sum / t);
+        }
+        for e in 0..experts {
+            let f = experts as f64 / (k as f64 * t) * counts[e] as f64;
+            term += f * p[e] / sequences as f64;
+            grad[b * experts + e] = (f / (t * sequences as f64)) as f32; // ∂term/∂s'_{t,e}
+        }
+    }
+    Ok((term as f32, grad))
+}
+
+/// The logits' gradient `[rows, E]` of the sequence-wise term from its gradient `g` on the
+/// normalised scores (per sequence, scaled): with S = Σ_j s_j and s' = s/S,
+/// ∂s_i = (g_i − Σ_j g_j·s'_j) / S, then through the sigmoid, ∂z = ∂s · s(1 − s).
+pub fn sequence_balance_backward(s: &[f32], g: &[f32], (experts, seq_len): (usize, usize)) -> Vec<f32> {
+    let mut dz = vec![0.0f32; s.len()];
+    for (r, (row, dz)) in s.chunks(experts).zip(dz.chunks_mut(experts)).enumerate() {
+        let g = &g[r / seq_len * experts..(r / seq_len + 1) * experts];
+        let sum: f32 = row.iter().sum();
+        let through: f32 = g.iter().zip(row).map(|(g, x)| g * x / sum).sum();
+        for ((dz, &x), &g) in dz.iter_mut().zip(row).zip(g) {
+            *dz = (g - through) / sum * x * (1.0 - x);
+        }
+    }
+    dz
 }

@@ -48,7 +48,6 @@
 use super::optimizer::{AdamW, Optimizer};
 use super::Param;
 use crate::config::{MuonAdjustLr, TrainConfig};
-use crate::model::moe;
 use crate::model::split::Whole;
 use crate::ops::tensor::{Place, Tensor};
 use crate::ops::{self, DType, Precision};
@@ -61,10 +60,10 @@ pub const NS_COEFFICIENTS: (f32, f32, f32) = (3.4445, -4.7750, 2.0315);
 const NS_EPS: f32 = 1e-7;
 
 /// Whether Muon updates the parameter `name` of `shape`: a block's matrix that a linear layer
-/// reads (attention's and the MLP's projections, an expert's), not the embedding, the output
-/// layer, a norm or a router.
+/// reads (attention's projections, latent attention's `kv_a_proj_with_mqa` among them, the MLP's,
+/// an expert's), not the embedding, the output layer, a norm (a vector) or a router (`….gate`).
 pub fn updates(name: &str, shape: &[usize]) -> bool {
-    shape.len() == 2 && name.starts_with("model.layers.") && (name.ends_with("_proj.weight") || moe::is_expert(name))
+    shape.len() == 2 && name.starts_with("model.layers.") && !name.ends_with(".gate.weight")
 }
 
 /// The state a checkpoint saves for a parameter: Muon's momentum under PyTorch's name, or AdamW's

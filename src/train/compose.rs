@@ -12,10 +12,10 @@
 //! SequenceSplit (src/model/split.rs:89)          parallel.cp, cp_mode → Ring | Ulysses             16, 17
 //! WeightSplit (src/model/split.rs:112)           parallel.zero_stage = 3 → Fsdp                    07
 //! LayerSplit (src/model/split.rs:125)            parallel.pp → a pipeline Stage                    12
-//! Keeps (src/model/block.rs:377)                 train.recompute → Recompute                       19
+//! Keeps (src/model/block.rs:397)                 train.recompute → Recompute                       19
 //! LossHead (src/model/llama.rs:73)               train.loss_stripe_rows → FusedLoss                19
-//! Attentions (src/model/block.rs:95)             the model's family (model/family.rs) → Gqa        01
-//! Mlps (src/model/block.rs:252)                  model.num_local_experts, parallel.ep → Experts    20
+//! Attentions (src/model/block.rs:109)             the model's family (model/family.rs) → Gqa        01
+//! Mlps (src/model/block.rs:272)                  model.num_local_experts, parallel.ep → Experts    20
 //! MicroBatches (src/train/feed.rs:15)            --record/--replay-routing → TellTape              20
 //! Optimizer (src/model/optimizer.rs:87)          train.optimizer → AdamW | Muon                    01, 23
 //!                                                parallel.zero_stage = 1, 2 → GatherAfterUpdate    06
@@ -24,7 +24,7 @@
 //!                                                parallel.dp_shard → within SHARD, then REPLICATE  08
 //!                                                parallel.ep → ExpertGrads                         20
 //! Walk (src/parallel/pipeline_parallel.rs:130)   parallel.pp_schedule → Afab | OneFOneB | Listed   12–15
-//! WholeMatrices (src/model/muon.rs:138)          train.optimizer = muon, sharded → Owners          23
+//! WholeMatrices (src/model/muon.rs:137)          train.optimizer = muon, sharded → Owners          23
 //! Precision (src/ops/precision.rs:24)            device.dtype → f32 | bf16 | fp8                   21
 //! ```
 //! Where the weights come from (a checkpoint resumed, pretrained weights, the init) is
@@ -286,7 +286,7 @@ fn experts<'g>(me: &'g Rank, cfg: &Config, tape: Option<Rc<RoutingTape>>) -> Opt
         Some(tape) => Box::new(Taped { inner: split, tape }),
         None => split,
     };
-    Some(Experts::new(&cfg.model, split))
+    Some(Experts::new(&cfg.model, split, cfg.train.seq_len)) // a training sequence: the sequence-wise loss's unit
 }
 
 /// Each gradient's way (`train/gradients.rs`): a reducer per axis that replicates parameters —

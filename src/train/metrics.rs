@@ -9,6 +9,7 @@
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::path::Path;
 
@@ -44,19 +45,38 @@ pub struct StepLog {
     /// most unbalanced layer (1 is perfectly even; E/k would be every token on the same experts).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub expert_imbalance: Option<f64>,
+    /// A mixture of experts, layer by layer (keys: the layer's number): the rows rank 0 routed to
+    /// each expert, and the busiest expert's rows over the mean.
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub expert_layer_tokens: BTreeMap<String, Vec<usize>>,
+    #[serde(skip_serializing_if = "BTreeMap::is_empty")]
+    pub expert_layer_imbalance: BTreeMap<String, f64>,
 }
 
-/// (rows per expert summed over the layers, the worst layer's max/mean) of one step's routing,
-/// per MoE layer and expert.
-pub fn expert_load(layers: &[Vec<usize>]) -> (Vec<usize>, Option<f64>) {
-    let width = layers.iter().map(Vec::len).max().unwrap_or(0);
-    let sums = (0..width).map(|e| layers.iter().map(|l| l.get(e).copied().unwrap_or(0)).sum()).collect();
-    let ratio = |l: &Vec<usize>| {
-        let mean = l.iter().sum::<usize>() as f64 / l.len().max(1) as f64;
-        l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
-    };
-    let worst = layers.iter().filter(|l| !l.is_empty()).map(ratio).reduce(f64::max);
-    (sums, worst)
+/// One step's routing on rank 0, from its rows per expert of each MoE layer (by layer).
+pub struct ExpertLoad {
+    /// Rows per expert, summed over the layers.
+    pub tokens: Vec<usize>,
+    /// Each layer's busiest expert's rows over the mean (1: even; E/k: every row on the same k).
+    pub imbalance: BTreeMap<usize, f64>,
+}
+
+impl ExpertLoad {
+    pub fn of(layers: &BTreeMap<usize, Vec<usize>>) -> ExpertLoad {
+        let width = layers.values().map(Vec::len).max().unwrap_or(0);
+        let tokens = (0..width).map(|e| layers.values().map(|l| l.get(e).copied().unwrap_or(0)).sum()).collect();
+        let ratio = |l: &Vec<usize>| {
+            let mean = l.iter().sum::<usize>() as f64 / l.len().max(1) as f64;
+            l.iter().copied().max().unwrap_or(0) as f64 / mean.max(f64::MIN_POSITIVE)
+        };
+        let imbalance = layers.iter().filter(|(_, l)| !l.is_empty()).map(|(&i, l)| (i, ratio(l))).collect();
+        ExpertLoad { tokens, imbalance }
+    }
+
+    /// The most unbalanced layer and its max/mean.
+    pub fn worst(&self) -> Option<(usize, f64)> {
+        self.imbalance.iter().map(|(&l, &r)| (l, r)).reduce(|a, b| if b.1 > a.1 { b } else { a })
+    }
 }
 
 pub struct Metrics {
@@ -92,6 +112,10 @@ impl Metrics {
         }
         if let Some(ratio) = s.expert_imbalance {
             msg += &format!(" | experts max/mean {ratio:.2}");
+            let worst = s.expert_layer_imbalance.iter().find(|(_, &r)| r == ratio);
+            if let Some(layer) = worst.map(|(l, _)| l).filter(|_| s.expert_layer_imbalance.len() > 1) {
+                msg += &format!(" (layer {layer})");
+            }
         }
         if let Some(v) = s.val_loss {
             msg += &format!(" | val loss {v:.4}");

@@ -6,7 +6,7 @@
 //! back at the end.
 
 use super::memory::Held;
-use super::metrics::{self, Metrics, StepLog};
+use super::metrics::{ExpertLoad, Metrics, StepLog};
 use super::run::{Options, Stopped, Summary};
 use crate::comm::cost;
 use crate::comm::launcher::Rank;
@@ -16,6 +16,7 @@ use crate::model::moe::Experts;
 use crate::model::Llama;
 use crate::ops::tensor::Place;
 use anyhow::Result;
+use std::collections::BTreeMap;
 use std::time::Instant;
 
 /// What the loop reports at the end of a step.
@@ -116,9 +117,10 @@ impl<'a> Watch<'a> {
         s.losses.push(end.loss);
         s.grad_norms.push(end.grad_norm);
         s.val_losses.extend(end.val_loss.map(|v| (end.step, v)));
-        let (expert_tokens, expert_imbalance) = metrics::expert_load(&experts.map_or(Vec::new(), Experts::take_load));
-        s.expert_tokens.resize(expert_tokens.len(), 0);
-        s.expert_tokens.iter_mut().zip(&expert_tokens).for_each(|(a, b)| *a += b);
+        let layers = experts.map_or(BTreeMap::new(), Experts::take_load);
+        let load = ExpertLoad::of(&layers);
+        s.expert_tokens.resize(load.tokens.len(), 0);
+        s.expert_tokens.iter_mut().zip(&load.tokens).for_each(|(a, b)| *a += b);
         s.peak_activations = s.peak_activations.max(end.activations_held);
         s.held = end.held;
         s.attention_work += model.take_attention_work();
@@ -141,8 +143,10 @@ impl<'a> Watch<'a> {
             lr: end.lr,
             grad_norm: end.grad_norm as f32,
             gpu_peak_mib: step_peak,
-            expert_tokens,
-            expert_imbalance,
+            expert_imbalance: load.worst().map(|(_, r)| r),
+            expert_layer_imbalance: load.imbalance.iter().map(|(l, r)| (l.to_string(), *r)).collect(),
+            expert_layer_tokens: layers.into_iter().map(|(l, t)| (l.to_string(), t)).collect(),
+            expert_tokens: load.tokens,
             tokens_per_s: self.tokens_per_step / seconds,
             mfu: self.flops_per_peak.map(|f| f / seconds),
             elapsed_s: self.run_start.elapsed().as_secs_f64(),

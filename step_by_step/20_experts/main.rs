@@ -103,7 +103,7 @@ fn run(tiny: bool) -> Result<()> {
     let experts_of_a_layer = Tensor::from_vec(&[4], vec![0.0, 1.0, 2.0, 3.0]);
     let ep = launch(moe::cut_grid(Grid::new(2, 1, 1, 1)?, 2)?, Duration::from_secs(60), |me| {
         let group = me.group(EP);
-        let experts = Experts::new(&one.model, Box::new(ExpertParallel::new(group))); // the MLP seam's maker
+        let experts = Experts::new(&one.model, Box::new(ExpertParallel::new(group)), 0); // the MLP seam's maker
         let model = Llama::new(&one.model, 3).with_mlps(&experts)?;
         let mine = part_of(&experts_of_a_layer, Placement::Shard(0), (group.index(), group.size())).to_vec();
         let held: Vec<&Param> = model.params().into_iter().filter(|p| moe::is_expert(&p.name)).collect();

@@ -5,11 +5,10 @@
 //! the cache. No loss and nothing kept for a backward: the logits of the last row are the answer.
 
 use super::Llama;
-use crate::model::block::Splits;
 use crate::model::kv_cache::KvCache;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn};
-use anyhow::{anyhow, bail, Result};
+use anyhow::{bail, Result};
 
 impl Llama<'_> {
     /// Runs `tokens` (a prompt, then one token a step) at positions `cache.len()..`, appending
@@ -35,14 +34,9 @@ impl Llama<'_> {
         };
         let positions: Vec<u32> = (cache.len()..cache.len() + n).map(|p| p as u32).collect();
         for (i, layer) in self.layers.iter().enumerate() {
-            let split = Splits { tp: &*self.tp, seq: &*self.seq };
             // the block's forward, its attention the cache's: this step's keys join the cached ones
-            let mut past = Some(cache.layer(i));
-            let attend = &mut |a, q: &Tensor, k: &Tensor, v: &Tensor| {
-                let past = past.take().ok_or_else(|| anyhow!("a layer attends once a step"))?;
-                Ok(past.attend(a, q, k, v, &positions))
-            };
-            x = layer.run(split, x, cfg, attn, &positions, attend)?.0; // nothing kept for a backward
+            x = layer.generate(&*self.tp, x, cfg, (attn, &positions), cache.layer(i))?;
+            // nothing kept for a backward
         }
         cache.advance(n);
         // only the last row's logits are needed: the head runs on it alone
