@@ -181,7 +181,7 @@ fn the_sequence_wise_balance_loss_follows_one_rank_under_dp_ep_tp_and_zero() {
     assert!(first > 0.03 && first < 0.2, "the first step's loss {} with the term, {} without", baseline[0], without[0]);
 }
 
-/// `ferrotron memory` counts latent attention's padded q, k, v and latents, the fine-grained and
+/// `ferrotron memory` counts latent attention's padded q, latents and keys' source, the fine-grained and
 /// shared experts, and the dense first layer: within fifteen percent of the measured peak (1.05
 /// to 1.11 here; it read 1.39× before it knew them, counting every layer as the dense first one).
 #[test]

@@ -88,3 +88,23 @@ fn what_it_cannot_take_is_refused_naming_the_key() {
     refused(&["model.head_dim=6"], "model.head_dim = 6 with model.kv_lora_rank > 0");
     refused(&["model.kv_lora_rank=0"], "with model.kv_lora_rank = 0: it is a width of latent attention");
 }
+
+/// The ring passes each block's latent and shared rotated key (kv_lora_rank + r = 24 values a
+/// token here), not the heads' keys and values made from them (2 × 4 heads × D = 12: 96): per
+/// layer and micro-batch, cp − 1 hops of blocks forward, cp − 1 again in the backward, which makes
+/// each block's heads again where it lands, and cp hops of the blocks' gradients. Passing the
+/// expanded heads instead sends 4 times the bytes; one hop too few or too many, another count.
+#[test]
+fn the_ring_passes_the_latent_not_the_heads() {
+    let (cp, seq, batch, accum, layers, token) = (4u64, 64u64, 4u64, 2u64, 2u64, 16 + 8);
+    let cfg = Config::load(None, &sets(&["parallel.cp=4", "train.seq_len=64", "train.steps=1"])).unwrap();
+    let summary = ferrotron::train::train(&cfg, ferrotron::train::Options { quiet: true, ..Default::default() }).unwrap();
+    let p2p: u64 = summary
+        .comm
+        .iter()
+        .filter(|t| t.axis == "cp" && t.call == ferrotron::comm::cost::Call::P2p)
+        .map(|t| t.tally.bytes)
+        .sum();
+    let block = batch * (seq / cp) * token * 4; // f32 on the CPU
+    assert_eq!(p2p, layers * accum * (3 * cp - 2) * block, "cp p2p bytes");
+}

@@ -41,7 +41,7 @@
 use crate::config::ModelConfig;
 use crate::model::kv_cache::KvLayer;
 use crate::model::param::{Param, ParamKind};
-use crate::model::split::{SequenceSplit, TensorSplit, WeightGrads};
+use crate::model::split::{MakeKeys, SequenceSplit, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn, Rope, TpCut};
 use anyhow::{anyhow, Result};
@@ -71,19 +71,14 @@ pub trait Attention {
         tp: &dyn TensorSplit,
         xn: &Tensor,
         at: (Attn, &[u32]),
-        attend: Attend,
+        attend: &mut dyn Attend,
     ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)>;
     /// Generating: its output for one step of a sequence whose earlier keys and values `past`
     /// holds, nothing kept. By default `forward`'s, its core the cache's; an attention whose
     /// cache can hold less than its core's keys and values (latent attention's latent) goes its
     /// own way.
     fn generate(&self, tp: &dyn TensorSplit, xn: &Tensor, at: (Attn, &[u32]), past: KvLayer) -> Result<Tensor> {
-        let mut past = Some(past);
-        let attend = &mut |a, q: &Tensor, k: &Tensor, v: &Tensor| {
-            let past = past.take().ok_or_else(|| anyhow!("a layer attends once a step"))?;
-            Ok(past.attend(a, q, k, v, at.1))
-        };
-        Ok(self.forward(tp, xn, at, attend)?.0)
+        Ok(self.forward(tp, xn, at, &mut InCache { past: Some(past), positions: at.1 })?.0)
     }
     /// dxn from dy, given the forward's input `xn` and what it kept (a core given up there is
     /// computed again by `split.seq`). Every weight GEMM goes to `dw`.
@@ -184,7 +179,7 @@ impl Attention for Gqa {
         tp: &dyn TensorSplit,
         xn: &Tensor,
         (attn, positions): (Attn, &[u32]),
-        attend: Attend,
+        attend: &mut dyn Attend,
     ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)> {
         let xin = tp.gather_rows(xn)?; // sequence parallel: every row (else xn itself)
         let mut q = self.q_proj.linear(&xin);
@@ -194,7 +189,7 @@ impl Attention for Gqa {
         let rope = (self.rope)(attn.head_dim);
         ops::rope(&mut q, positions, &rope);
         ops::rope(&mut k, positions, &rope);
-        let (out, lse, work) = attend(attn, &q, &k, &v)?;
+        let (out, lse, work) = attend.attend(attn, &q, &k, &v)?;
         let h = tp.row_forward(&out, &self.o_proj)?; // g: Σ over the tp ranks
         Ok((h, Box::new(GqaKept { q, k, v, core: Some((out, lse)) }), work))
     }
@@ -433,15 +428,43 @@ pub struct Splits<'a> {
 }
 
 /// The attention core of a block's forward: (out, lse, score entries computed) of this rank's
-/// rows of q, k and v.
-pub type Attend<'a> = &'a mut dyn FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)>;
+/// rows of q against the keys and values.
+pub trait Attend {
+    fn attend(&mut self, a: Attn, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, u64)>;
+    /// With keys and values made from `source` by `keys` (`SequenceSplit::attention_from`): by
+    /// default made here, then attended.
+    fn attend_from(&mut self, a: Attn, q: &Tensor, from: (&Tensor, &dyn MakeKeys)) -> Result<(Tensor, Tensor, u64)> {
+        let (k, v) = from.1.keys(from.0);
+        self.attend(a, q, &k, &v)
+    }
+}
 
-/// Causal attention over the sequence, wherever its keys are: the sequence split's.
-fn in_sequence<'a>(
+/// Causal attention over the sequence, wherever its keys are: the sequence split's (training).
+struct InSequence<'a> {
     split: Splits<'a>,
     positions: &'a [u32],
-) -> impl FnMut(Attn, &Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor, u64)> + 'a {
-    move |a, q, k, v| split.seq.attention(a, q, k, v, &positions[..a.seq])
+}
+
+impl Attend for InSequence<'_> {
+    fn attend(&mut self, a: Attn, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, u64)> {
+        self.split.seq.attention(a, q, k, v, &self.positions[..a.seq])
+    }
+    fn attend_from(&mut self, a: Attn, q: &Tensor, from: (&Tensor, &dyn MakeKeys)) -> Result<(Tensor, Tensor, u64)> {
+        self.split.seq.attention_from(a, q, from, &self.positions[..a.seq])
+    }
+}
+
+/// Attention to the earlier keys and values of the KV cache's layer and these (generating).
+struct InCache<'a> {
+    past: Option<KvLayer<'a>>,
+    positions: &'a [u32],
+}
+
+impl Attend for InCache<'_> {
+    fn attend(&mut self, a: Attn, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor, u64)> {
+        let past = self.past.take().ok_or_else(|| anyhow!("a layer attends once a step"))?;
+        Ok(past.attend(a, q, k, v, self.positions))
+    }
 }
 
 impl<'g> Block<'g> {
@@ -492,7 +515,7 @@ impl<'g> Block<'g> {
         attn: Attn,
         positions: &[u32],
     ) -> Result<(Tensor, Box<dyn Kept>, u64)> {
-        let (out, cache, work) = self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?;
+        let (out, cache, work) = self.run(split, x, cfg, attn, positions, &mut InSequence { split, positions })?;
         Ok((out, keeps.keep(cache), work))
     }
 
@@ -505,7 +528,7 @@ impl<'g> Block<'g> {
         cfg: &ModelConfig,
         attn: Attn,
         positions: &[u32],
-        attend: Attend,
+        attend: &mut dyn Attend,
     ) -> Result<(Tensor, BlockCache, u64)> {
         let (eps, tp) = (cfg.rms_norm_eps, split.tp);
         let (xn1, rstd1) = ops::rmsnorm(&x, &self.input_layernorm.value, eps);
@@ -549,7 +572,7 @@ impl<'g> Block<'g> {
         dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
         let c =
-            kept.cache(&mut |x| Ok(self.run(split, x, cfg, attn, positions, &mut in_sequence(split, positions))?.1))?;
+            kept.cache(&mut |x| Ok(self.run(split, x, cfg, attn, positions, &mut InSequence { split, positions })?.1))?;
         let dxn2 = self.mlp.backward(split.tp, &dout, c.xn2, c.mlp, dw)?; // MLP sub-block
         let ln2 = &mut self.post_attention_layernorm;
         // the residual carries dout straight through, added as the norm's dx is written

@@ -21,15 +21,22 @@
 //! fixed linear image of c cannot carry it; the r rotated dimensions ride beside, one copy shared.
 //! The two latent norms use their own epsilon (1e-6, as transformers builds them).
 //!
-//! What it costs in training: nothing is saved there. The core attends over expanded per-head keys
-//! and values as any attention does (the saving is the cache's, when generating), and the latent
-//! path adds two GEMMs and two norms per layer. Here the core is the same op every attention
-//! uses, through the same seam (`block.rs`'s `Attend`, the `SequenceSplit`: one rank, ring,
-//! zigzag, Ulysses): the query and key heads are n+r wide and the value heads v, so each is
+//! What it costs in training: little is saved there. The core attends over expanded per-head keys
+//! and values as any attention does (the big saving is the cache's, when generating), and the
+//! latent path adds two GEMMs and two norms per layer. Here the core is the same op every
+//! attention uses, through the same seam (`block.rs`'s `Attend`, the `SequenceSplit`: one rank,
+//! ring, zigzag, Ulysses): the query and key heads are n+r wide and the value heads v, so each is
 //! padded with zeros to D = max(n+r, v) and the query scaled so that the op's 1/√D is (n+r)^-½
 //! (zeros add nothing to a dot product; the padded output columns are zero and dropped). That is
-//! the plain, slower road: a kernel taught a value width of its own would skip the padding, and a
-//! ring would pass c and k_rot instead of the expanded keys and values (not done here).
+//! the plain, slower road: a kernel taught a value width of its own would skip the padding.
+//!
+//! What the core is handed is not the heads' keys and values but what they are made of, the
+//! *source* [c normed | rope(k_rot)] (`HeadsFromLatent`, a `MakeKeys`): one rank makes the heads
+//! once; the cp ring passes the source, kv_lora_rank + r values a token where the heads are
+//! 2·H·D (V3: 576 against 49,152), and every rank makes a block's heads where it lands — the
+//! kv_b_proj GEMM once per block it attends to, forward and backward, for 85× less traffic.
+//! The block's gradient travels home as the source's, kv_b_proj's weight gradient made on the
+//! way. The forward keeps the source, not the heads: the backward makes them again.
 //!
 //! Tensor parallelism splits the heads (q_proj or q_b_proj, kv_b_proj and o_proj, as Megatron
 //! cuts them) and replicates the latent path (q_a_proj, kv_a_proj_with_mqa and the two latent
@@ -42,7 +49,7 @@ use crate::config::{ModelConfig, RopeScaling};
 use crate::model::block::{kept_as, Attend, Attention, AttentionKept, Attentions, MakeParam, Splits};
 use crate::model::kv_cache::KvLayer;
 use crate::model::param::{Param, ParamKind};
-use crate::model::split::{TensorSplit, WeightGrads};
+use crate::model::split::{MakeKeys, MakeKeysBackward, TensorSplit, WeightGrads};
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, moe as route, rope_scaling, Attn, Rope, TpCut};
 use anyhow::{anyhow, Result};
@@ -146,18 +153,17 @@ impl<'g> Attentions<'g> for MlaAttentions {
     }
 }
 
-/// What `Mla` keeps: the latents and their norms' 1/rms, the core's padded q, k, v, and the core
-/// (`None` once given up).
+/// What `Mla` keeps: the latents and their norms' 1/rms, the core's padded q, the keys' and
+/// values' source, and the core (`None` once given up).
 struct MlaKept {
     /// The query's latent before and after its norm, and the norm's 1/rms (`q_lora_rank` > 0).
     q_latent: Option<(Tensor, Tensor, Tensor)>,
-    /// c before and after its norm, and the norm's 1/rms.
+    /// c before its norm, and the norm's 1/rms.
     c: Tensor,
-    c_normed: Tensor,
     c_rstd: Tensor,
     q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    /// [c normed | k_rot turned]: what the keys and values are made of (`HeadsFromLatent`).
+    source: Tensor,
     core: Option<(Tensor, Tensor)>,
 }
 
@@ -165,11 +171,89 @@ impl AttentionKept for MlaKept {
     fn bytes(&self) -> usize {
         let q_latent = self.q_latent.as_ref().map_or(0, |(a, b, c)| a.bytes() + b.bytes() + c.bytes());
         let core = self.core.as_ref().map_or(0, |(o, l)| o.bytes() + l.bytes());
-        let rest = [&self.c, &self.c_normed, &self.c_rstd, &self.q, &self.k, &self.v];
+        let rest = [&self.c, &self.c_rstd, &self.q, &self.source];
         q_latent + core + rest.iter().map(|t| t.bytes()).sum::<usize>()
     }
     fn drop_core(&mut self) {
-        self.core = None; // out and lse go; the padded q, k and v stay for the backward to attend again
+        self.core = None; // out and lse go; q and the source stay for the backward to attend again
+    }
+}
+
+/// Every head's key and value (padded to the core's D) made from a block's rows of the source
+/// [c normed | k_rot turned]: k_nope and v through kv_b_proj, the one rotated key copied to every
+/// head. What a ring passes is the source, kv_lora_rank + r values a token, where the heads it
+/// makes are 2·H·D (V3: 576 against 49,152); each rank makes a block's heads where it lands.
+struct HeadsFromLatent<'a> {
+    kv_b_proj: &'a Param,
+    dims: Dims,
+    heads: usize,
+}
+
+/// `HeadsFromLatent` with its backward: kv_b_proj's weight gradients go to `dw`.
+struct HeadsFromLatentBackward<'a> {
+    kv_b_proj: &'a mut Param,
+    dw: &'a mut dyn WeightGrads,
+    dims: Dims,
+    heads: usize,
+}
+
+/// The source's first kv_lora_rank columns: c normed.
+fn latent_of(source: &Tensor, kv_rank: usize) -> Tensor {
+    pick_columns(&[source], &(0..kv_rank).map(|i| Some((0, i))).collect::<Vec<_>>())
+}
+
+fn heads_from_latent(kv_b_proj: &Param, dims: Dims, heads: usize, source: &Tensor) -> (Tensor, Tensor) {
+    let Dims { nope, v: vd, kv_rank, .. } = dims;
+    let (qk, dd, kv_w) = (dims.qk(), dims.core(), nope + vd);
+    let kv = kv_b_proj.linear(&latent_of(source, kv_rank)); // per head [k_nope | v]
+    // the core's heads, D wide: [k_nope | k_rot | 0], [v | 0]
+    let k = pick_columns(
+        &[&kv, source],
+        &per_head(heads, dd, |h, i| match i {
+            i if i < nope => Some((0, h * kv_w + i)),
+            i if i < qk => Some((1, kv_rank + i - nope)),
+            _ => None,
+        }),
+    );
+    let v = pick_columns(&[&kv], &per_head(heads, dd, |h, i| (i < vd).then_some((0, h * kv_w + nope + i))));
+    (k, v)
+}
+
+impl MakeKeys for HeadsFromLatent<'_> {
+    fn keys(&self, source: &Tensor) -> (Tensor, Tensor) {
+        heads_from_latent(self.kv_b_proj, self.dims, self.heads, source)
+    }
+}
+
+impl MakeKeys for HeadsFromLatentBackward<'_> {
+    fn keys(&self, source: &Tensor) -> (Tensor, Tensor) {
+        heads_from_latent(self.kv_b_proj, self.dims, self.heads, source)
+    }
+}
+
+impl MakeKeysBackward for HeadsFromLatentBackward<'_> {
+    /// [dc normed | dk_rot]: the rotated key's gradient summed over the heads, c's through
+    /// kv_b_proj (whose weight gradient reads this block's c).
+    fn keys_backward(&mut self, source: &Tensor, dk: &Tensor, dv: &Tensor) -> Tensor {
+        let (Dims { nope, rope, v: vd, kv_rank }, heads) = (self.dims, self.heads);
+        let (dd, kv_w) = (self.dims.core(), nope + vd);
+        let dk_rot_heads = pick_columns(&[dk], &per_head(heads, rope, |h, i| Some((0, h * dd + nope + i))));
+        let rows = dk_rot_heads.rows();
+        let each: Vec<u32> = (0..(rows * heads) as u32).collect();
+        let dk_rot = route::weighted_sum(&dk_rot_heads.with_shape(&[rows * heads, rope]), &each, None, rows);
+        // kv_b_proj's layout: per head [k_nope | v]
+        let dkv = pick_columns(
+            &[dk, dv],
+            &per_head(heads, kv_w, |h, j| match j {
+                j if j < nope => Some((0, h * dd + j)),
+                j => Some((1, h * dd + j - nope)),
+            }),
+        );
+        let dc_normed = self.kv_b_proj.linear_input_grad(&dkv);
+        self.dw.linear(Cow::Owned(latent_of(source, kv_rank)), vec![(Cow::Owned(dkv), &mut *self.kv_b_proj)]);
+        let width = kv_rank + rope;
+        let picks: Vec<Pick> = (0..width).map(|j| Some(if j < kv_rank { (0, j) } else { (1, j - kv_rank) })).collect();
+        pick_columns(&[&dc_normed, &dk_rot], &picks)
     }
 }
 
@@ -265,18 +349,16 @@ impl Mla {
 }
 
 /// What a forward makes before the heads' keys and values: the query heads (and the query's
-/// latent: a, normed, rstd), `kv_a_proj_with_mqa`'s output, the latent c and c normed (its rstd),
-/// and the rotated parts of the query heads and of the shared key, turned by their positions (in
-/// the rotation's layout).
+/// latent: a, normed, rstd), the latent c (its norm's rstd), the rotated parts of the query
+/// heads, turned by their positions (in the rotation's layout), and the source every head's key
+/// and value are made of, [c normed | k_rot turned] (generating: the one shared key).
 struct Latents {
     q: Tensor,
     q_latent: Option<(Tensor, Tensor, Tensor)>,
-    ckv: Tensor,
     c: Tensor,
-    c_normed: Tensor,
     c_rstd: Tensor,
     q_rot: Tensor,
-    k_rot: Tensor,
+    source: Tensor,
 }
 
 impl Mla {
@@ -299,10 +381,18 @@ impl Mla {
         let mut q_rot = pick_columns(&[&q], &per_head(heads, rope, |h, i| Some((0, h * qk + nope + self.rotated(i)))));
         let mut k_rot =
             pick_columns(&[&ckv], &(0..rope).map(|i| Some((0, kv_rank + self.rotated(i)))).collect::<Vec<_>>());
+        drop(ckv);
         let turn = self.rope();
         ops::rope(&mut q_rot, positions, &turn);
         ops::rope(&mut k_rot, positions, &turn);
-        Ok(Latents { q, q_latent, ckv, c, c_normed, c_rstd, q_rot, k_rot })
+        let picks: Vec<Pick> = (0..kv_rank + rope).map(|i| Some(if i < kv_rank { (0, i) } else { (1, i - kv_rank) })).collect();
+        let source = pick_columns(&[&c_normed, &k_rot], &picks);
+        Ok(Latents { q, q_latent, c, c_rstd, q_rot, source })
+    }
+
+    /// What makes this rank's `heads` keys and values from the source.
+    fn heads_from_latent(&self, heads: usize) -> HeadsFromLatent<'_> {
+        HeadsFromLatent { kv_b_proj: &self.kv_b_proj, dims: self.dims, heads }
     }
 }
 
@@ -331,14 +421,12 @@ impl Attention for Mla {
         tp: &dyn TensorSplit,
         xn: &Tensor,
         (attn, positions): (Attn, &[u32]),
-        attend: Attend,
+        attend: &mut dyn Attend,
     ) -> Result<(Tensor, Box<dyn AttentionKept>, u64)> {
         let (Dims { nope, rope, v: vd, .. }, heads) = (self.dims, attn.heads);
         let (qk, dd) = (self.dims.qk(), self.dims.core());
-        let Latents { q, q_latent, ckv, c, c_normed, c_rstd, q_rot, k_rot } = self.latents(tp, xn, heads, positions)?;
-        let kv = self.kv_b_proj.linear(&c_normed); // per head [k_nope | v]
-                                                   // the core's heads, D wide: [q_nope | q_rot | 0], [k_nope | k_rot | 0], [v | 0]
-        let (kv_w, nv) = (nope + vd, nope);
+        let Latents { q, q_latent, c, c_rstd, q_rot, source } = self.latents(tp, xn, heads, positions)?;
+        // the core's query heads, D wide: [q_nope | q_rot | 0]
         let mut qc = pick_columns(
             &[&q, &q_rot],
             &per_head(heads, dd, |h, i| match i {
@@ -347,24 +435,15 @@ impl Attention for Mla {
                 _ => None,
             }),
         );
-        let kc = pick_columns(
-            &[&kv, &k_rot],
-            &per_head(heads, dd, |h, i| match i {
-                i if i < nope => Some((0, h * kv_w + i)),
-                i if i < qk => Some((1, i - nope)),
-                _ => None,
-            }),
-        );
-        let vc = pick_columns(&[&kv], &per_head(heads, dd, |h, i| (i < vd).then_some((0, h * kv_w + nv + i))));
-        drop((q, ckv, kv, q_rot, k_rot));
+        drop((q, q_rot));
         if self.query_scale != 1.0 {
             ops::scale(&mut qc, self.query_scale);
         }
         let core = self.core_attn(attn);
-        let (out, lse, work) = attend(core, &qc, &kc, &vc)?;
+        let (out, lse, work) = attend.attend_from(core, &qc, (&source, &self.heads_from_latent(heads)))?;
         let out_v = pick_columns(&[&out], &per_head(heads, vd, |h, i| Some((0, h * dd + i))));
         let h = tp.row_forward(&out_v, &self.o_proj)?;
-        let kept = MlaKept { q_latent, c, c_normed, c_rstd, q: qc, k: kc, v: vc, core: Some((out, lse)) };
+        let kept = MlaKept { q_latent, c, c_rstd, q: qc, source, core: Some((out, lse)) };
         Ok((h, Box::new(kept), work))
     }
 
@@ -384,7 +463,7 @@ impl Attention for Mla {
     ) -> Result<Tensor> {
         let (Dims { nope, rope, v: vd, kv_rank }, heads) = (self.dims, attn.heads);
         let (qk, wide) = (self.dims.qk(), kv_rank + rope);
-        let Latents { q, c_normed, q_rot, k_rot, .. } = self.latents(tp, xn, heads, positions)?;
+        let Latents { q, q_rot, source: key, .. } = self.latents(tp, xn, heads, positions)?;
         let (kv_b, precision) = (&self.kv_b_proj.value, self.kv_b_proj.precision);
         let rows_of =
             |h: usize, from: usize, n: usize| ops::slice(kv_b, (h * (nope + vd) + from) * kv_rank, &[n, kv_rank]);
@@ -400,10 +479,6 @@ impl Attention for Mla {
         let mut q_wide = pick_columns(
             &sources,
             &per_head(heads, wide, |h, i| Some(if i < kv_rank { (h, i) } else { (heads, h * rope + i - kv_rank) })),
-        );
-        let key = pick_columns(
-            &[&c_normed, &k_rot],
-            &(0..wide).map(|i| Some(if i < kv_rank { (0, i) } else { (1, i - kv_rank) })).collect::<Vec<_>>(),
         );
         // the op's 1/√(kv_lora_rank + r) made the softmax scale
         ops::scale(&mut q_wide, self.query_scale * (self.dims.core() as f32 / wide as f32).sqrt().recip());
@@ -428,13 +503,16 @@ impl Attention for Mla {
         (attn, positions): (Attn, &[u32]),
         dw: &mut dyn WeightGrads,
     ) -> Result<Tensor> {
-        let MlaKept { q_latent, c, c_normed, c_rstd, q, k, v, core } = *kept_as::<MlaKept>(kept)?;
+        let MlaKept { q_latent, c, c_rstd, q, source, core } = *kept_as::<MlaKept>(kept)?;
         let (Dims { nope, rope, v: vd, kv_rank }, heads) = (self.dims, attn.heads);
-        let (qk, dd, kv_w) = (self.dims.qk(), self.dims.core(), nope + vd);
+        let (qk, dd) = (self.dims.qk(), self.dims.core());
         let (tp, pos, a) = (split.tp, &positions[..attn.seq], self.core_attn(attn));
         let (out, lse) = match core {
             Some(core) => core,
-            None => split.seq.attention(a, &q, &k, &v, pos).map(|(o, l, _)| (o, l))?, // not kept: again
+            None => {
+                let from = (&source, &self.heads_from_latent(heads) as &dyn MakeKeys);
+                split.seq.attention_from(a, &q, from, pos).map(|(o, l, _)| (o, l))? // not kept: again
+            }
         };
         // o_proj is row parallel: local
         let dy = tp.gather_rows(dy)?;
@@ -443,22 +521,22 @@ impl Attention for Mla {
         dw.linear(Cow::Owned(out_v), vec![(dy, &mut self.o_proj)]);
         let dout = pick_columns(&[&dout_v], &per_head(heads, dd, |h, i| (i < vd).then_some((0, h * vd + i))));
         drop(dout_v);
-        let (mut dq_c, dk_c, dv_c) = split.seq.attention_backward(a, (&q, &k, &v), pos, (&out, &lse), &dout)?;
-        drop((q, k, v, out, lse, dout));
+        // the core's backward: kv_b_proj's weight gradient made on the way, block by block
+        let mut keys = HeadsFromLatentBackward { kv_b_proj: &mut self.kv_b_proj, dw: &mut *dw, dims: self.dims, heads };
+        let (mut dq_c, dsource) =
+            split.seq.attention_from_backward(a, &q, (&source, &mut keys), pos, (&out, &lse), &dout)?;
+        drop((keys, q, source, out, lse, dout));
         if self.query_scale != 1.0 {
             ops::scale(&mut dq_c, self.query_scale);
         }
-        // the rotated parts' gradients: the query's per head, the shared key's summed over heads,
-        // each turned back by its position
+        // the rotated parts' gradients, each turned back by its position: the query's per head,
+        // the shared key's (summed over heads) from the source's
         let mut dq_rot = pick_columns(&[&dq_c], &per_head(heads, rope, |h, i| Some((0, h * dd + nope + i))));
-        let dk_rot_heads = pick_columns(&[&dk_c], &per_head(heads, rope, |h, i| Some((0, h * dd + nope + i))));
-        let rows = dk_rot_heads.rows();
-        let each: Vec<u32> = (0..(rows * heads) as u32).collect();
-        let mut dk_rot = route::weighted_sum(&dk_rot_heads.with_shape(&[rows * heads, rope]), &each, None, rows);
+        let mut dk_rot = pick_columns(&[&dsource], &(0..rope).map(|i| Some((0, kv_rank + i))).collect::<Vec<_>>());
         let turn = self.rope();
         ops::rope_backward(&mut dq_rot, positions, &turn);
         ops::rope_backward(&mut dk_rot, positions, &turn);
-        // back to the projections' layouts: q per head [nope | rot as stored]; kv per head [k_nope | v]
+        // back to the query projection's layout: per head [nope | rot as stored]
         let dq = pick_columns(
             &[&dq_c, &dq_rot],
             &per_head(heads, qk, |h, j| match j {
@@ -466,17 +544,9 @@ impl Attention for Mla {
                 j => Some((1, h * rope + self.stored(j - nope))),
             }),
         );
-        let dkv = pick_columns(
-            &[&dk_c, &dv_c],
-            &per_head(heads, kv_w, |h, j| match j {
-                j if j < nope => Some((0, h * dd + j)),
-                j => Some((1, h * dd + j - nope)),
-            }),
-        );
-        drop((dq_c, dk_c, dv_c, dq_rot));
-        // the latent c: kv_b, then its norm
-        let dc_normed = self.kv_b_proj.linear_input_grad(&dkv);
-        dw.linear(Cow::Owned(c_normed), vec![(Cow::Owned(dkv), &mut self.kv_b_proj)]);
+        drop((dq_c, dq_rot));
+        // the latent c's norm
+        let dc_normed = latent_of(&dsource, kv_rank);
         let ln = &mut self.kv_a_layernorm;
         let dc = ops::rmsnorm_backward(&dc_normed, &c, &ln.value, &c_rstd, &mut ln.grad, None);
         let dckv = pick_columns(

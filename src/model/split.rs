@@ -15,6 +15,8 @@
 //!   row_forward       o, down: Σ partial products    positions  which tokens of each sequence
 //!   column_backward   q|k|v, gate|up: Σ dx           attention  every earlier key, wherever it is
 //!   embedding_forward Σ vocabulary slices            attention_backward
+//!                                                    attention_from  keys made from a smaller
+//!                                                      source (`MakeKeys`), which travels instead
 //!   cross_entropy     3 row statistics, all-reduced
 //!   gather_rows       sequence parallelism: the rows between the layers are split too
 //! ```
@@ -103,6 +105,50 @@ pub trait SequenceSplit {
         out_lse: (&Tensor, &Tensor),
         dout: &Tensor,
     ) -> Result<(Tensor, Tensor, Tensor)>;
+
+    /// `attention` with keys and values an attention makes from something smaller (`keys` makes
+    /// them from `source`, whose rows are this rank's tokens). By default they are made here and
+    /// attended; a split that passes key blocks between ranks (the ring) passes the source
+    /// instead and makes each block's keys where it lands.
+    fn attention_from(
+        &self,
+        a: Attn,
+        q: &Tensor,
+        (source, keys): (&Tensor, &dyn MakeKeys),
+        pos: &[u32],
+    ) -> Result<(Tensor, Tensor, u64)> {
+        let (k, v) = keys.keys(source);
+        self.attention(a, q, &k, &v, pos)
+    }
+
+    /// The backward of `attention_from`: (dq, dsource) of this rank's tokens.
+    fn attention_from_backward(
+        &self,
+        a: Attn,
+        q: &Tensor,
+        (source, keys): (&Tensor, &mut dyn MakeKeysBackward),
+        pos: &[u32],
+        out_lse: (&Tensor, &Tensor),
+        dout: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
+        let (k, v) = keys.keys(source);
+        let (dq, dk, dv) = self.attention_backward(a, (q, &k, &v), pos, out_lse, dout)?;
+        Ok((dq, keys.keys_backward(source, &dk, &dv)))
+    }
+}
+
+/// How an attention makes the keys and values of a block of tokens from its rows of a `source`
+/// (`SequenceSplit::attention_from`).
+pub trait MakeKeys {
+    /// (k, v) of the block whose rows of the source are `source`.
+    fn keys(&self, source: &Tensor) -> (Tensor, Tensor);
+}
+
+/// `MakeKeys` and its backward.
+pub trait MakeKeysBackward: MakeKeys {
+    /// The gradient of `source` from the gradients of the keys and values made from it; the
+    /// gradients of the weights that made them go where the maker sends them.
+    fn keys_backward(&mut self, source: &Tensor, dk: &Tensor, dv: &Tensor) -> Tensor;
 }
 
 /// Where this rank's weights are between uses. `Whole`: here, always (replicas, ZeRO-1 and 2).

@@ -14,6 +14,11 @@
 //! backward recomputes each block from the saved, merged log-sum-exp: dQ stays with the queries,
 //! dK and dV travel on around the ring with their block and arrive home after cp hops.
 //!
+//! What travels is a block's *source* of keys and values (`attention_from`): for most attentions
+//! k and v themselves; an attention whose keys and values are images of something smaller hands
+//! that instead, and its maker (`MakeKeys`) turns each block into keys and values where it lands —
+//! less traffic for more compute, the ring's trade to choose.
+//!
 //! **Split.** Cut contiguously, rank r holds positions `[r·T/cp, (r+1)·T/cp)` and its queries see
 //! r + 1 of the cp blocks: the last rank does cp times the work of the first. Zigzag cuts the
 //! sequence into 2·cp chunks and gives rank r chunks r and 2·cp − 1 − r, one early and one late,
@@ -26,7 +31,7 @@
 
 use crate::comm::Group;
 use crate::config::CpSplit;
-use crate::model::SequenceSplit;
+use crate::model::split::{MakeKeys, MakeKeysBackward, SequenceSplit};
 use crate::ops::ring_merge::attention_merge;
 use crate::ops::tensor::Tensor;
 use crate::ops::{self, Attn, DType};
@@ -79,16 +84,43 @@ impl SequenceSplit for Ring<'_> {
         positions(self.split, self.size(), self.group.index(), seq * self.size())
     }
 
-    /// Attention to every block of keys as it passes by, merged through the log-sum-exp.
+    /// Attention to every block of keys as it passes by: k and v travel as they are.
     fn attention(&self, a: Attn, q: &Tensor, k: &Tensor, v: &Tensor, pos: &[u32]) -> Result<(Tensor, Tensor, u64)> {
+        self.attention_from(a, q, (&ops::concat(&[k, v]), &AsGiven(k.shape().to_vec())), pos)
+    }
+
+    fn attention_backward(
+        &self,
+        a: Attn,
+        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        pos: &[u32],
+        out_lse: (&Tensor, &Tensor),
+        dout: &Tensor,
+    ) -> Result<(Tensor, Tensor, Tensor)> {
+        let (source, mut keys) = (ops::concat(&[k, v]), AsGiven(k.shape().to_vec()));
+        let (dq, dsource) = self.attention_from_backward(a, q, (&source, &mut keys), pos, out_lse, dout)?;
+        let [dk, dv] = unpack(&dsource, k.shape());
+        Ok((dq, dk, dv))
+    }
+
+    /// Attention to every block of keys as it passes by, merged through the log-sum-exp. What
+    /// travels is the block's source; its keys and values are made where it lands.
+    fn attention_from(
+        &self,
+        a: Attn,
+        q: &Tensor,
+        (source, keys): (&Tensor, &dyn MakeKeys),
+        pos: &[u32],
+    ) -> Result<(Tensor, Tensor, u64)> {
         let work = (a.batch * a.heads * a.seq * a.kv_seq) as u64;
         let mut out = Tensor::zeros_like(q);
         let no_key = vec![f32::NEG_INFINITY; a.batch * a.heads * a.seq];
         let mut lse = Tensor::from_vec(&[a.batch, a.heads, a.seq], no_key).to_dtype(&q.place(), DType::F32);
         let mut done = 0;
-        walk(self, a, (k, v), |k_blk, v_blk, k_pos| {
+        walk(self, a, source, |block, k_pos| {
             if visible(pos, k_pos) {
-                let (o, l) = ops::attention(a, q, k_blk, v_blk, (pos, k_pos));
+                let (k, v) = keys.keys(block);
+                let (o, l) = ops::attention(a, q, &k, &v, (pos, k_pos));
                 attention_merge(a, (&mut out, &mut lse), &o, &l);
                 done += work;
             }
@@ -97,59 +129,72 @@ impl SequenceSplit for Ring<'_> {
         Ok((out, lse, done))
     }
 
-    /// The backward from the merged `out` and `lse`: dq stays, dk and dv travel with their block.
-    fn attention_backward(
+    /// The backward from the merged `out` and `lse`: dq stays, the source's gradient travels with
+    /// its block.
+    fn attention_from_backward(
         &self,
         a: Attn,
-        (q, k, v): (&Tensor, &Tensor, &Tensor),
+        q: &Tensor,
+        (source, keys): (&Tensor, &mut dyn MakeKeysBackward),
         pos: &[u32],
         (out, lse): (&Tensor, &Tensor),
         dout: &Tensor,
-    ) -> Result<(Tensor, Tensor, Tensor)> {
+    ) -> Result<(Tensor, Tensor)> {
         let (next, prev) = self.next_prev();
         let mut dq = Tensor::zeros_like(q);
-        let (mut dk_blk, mut dv_blk) = (Tensor::zeros_like(k), Tensor::zeros_like(v));
-        walk(self, a, (k, v), |k_blk, v_blk, k_pos| {
+        let mut dblock = Tensor::zeros_like(source);
+        walk(self, a, source, |block, k_pos| {
             if visible(pos, k_pos) {
-                let (dq_i, dk_i, dv_i) = ops::attention_backward(a, (q, k_blk, v_blk), (pos, k_pos), (out, lse), dout);
+                let (k, v) = keys.keys(block);
+                let (dq_i, dk_i, dv_i) = ops::attention_backward(a, (q, &k, &v), (pos, k_pos), (out, lse), dout);
                 ops::add_assign(&mut dq, &dq_i);
-                ops::add_assign(&mut dk_blk, &dk_i);
-                ops::add_assign(&mut dv_blk, &dv_i);
+                ops::add_assign(&mut dblock, &keys.keys_backward(block, &dk_i, &dv_i));
             }
             // the block's gradient follows the block; after the last hop it is back with its owner
-            let grads = self.group.send_recv_tensor(&ops::concat(&[&dk_blk, &dv_blk]), next, &[2 * k.numel()], prev)?;
-            [dk_blk, dv_blk] = unpack(&grads, k.shape());
+            dblock = self.group.send_recv_tensor(&dblock, next, source.shape(), prev)?;
             Ok(())
         })?;
-        Ok((dq, dk_blk, dv_blk))
+        Ok((dq, dblock))
     }
 }
 
-/// Walks the ring: at step s this rank holds the K/V block of the rank s places before it (its
-/// own at step 0), and `visit(k, v, key positions)` runs on it while the block already travels
-/// on to the next rank (an async `send_recv`).
-fn walk(
-    ring: &Ring,
-    a: Attn,
-    (k, v): (&Tensor, &Tensor),
-    mut visit: impl FnMut(&Tensor, &Tensor, &[u32]) -> Result<()>,
-) -> Result<()> {
+/// Keys and values that travel as they are: the source is k then v, each of this shape.
+struct AsGiven(Vec<usize>);
+
+impl MakeKeys for AsGiven {
+    fn keys(&self, source: &Tensor) -> (Tensor, Tensor) {
+        let [k, v] = unpack(source, &self.0);
+        (k, v)
+    }
+}
+
+impl MakeKeysBackward for AsGiven {
+    fn keys_backward(&mut self, _: &Tensor, dk: &Tensor, dv: &Tensor) -> Tensor {
+        ops::concat(&[dk, dv])
+    }
+}
+
+/// Walks the ring: at step s this rank holds the block (a source of keys and values) of the rank
+/// s places before it (its own at step 0), and `visit(block, key positions)` runs on it while the
+/// block already travels on to the next rank (an async `send_recv`).
+fn walk(ring: &Ring, a: Attn, source: &Tensor, mut visit: impl FnMut(&Tensor, &[u32]) -> Result<()>) -> Result<()> {
     let (next, prev) = ring.next_prev();
-    let mut received: Option<[Tensor; 2]> = None; // the block in hand, after our own
+    let mut received: Option<Tensor> = None; // the block in hand, after our own
     for step in 0..ring.size() {
-        let (k_blk, v_blk) = received.as_ref().map_or((k, v), |[k, v]| (k, v));
+        let block = received.as_ref().unwrap_or(source);
         let pending = (step + 1 < ring.size())
-            .then(|| ring.group.send_recv_tensor_async(ops::concat(&[k_blk, v_blk]), next, &[2 * k.numel()], prev))
+            .then(|| ring.group.send_recv_tensor_async(ops::concat(&[block]), next, source.shape(), prev))
             .transpose()?;
-        visit(k_blk, v_blk, &ring.block_positions(step, a.seq))?;
+        visit(block, &ring.block_positions(step, a.seq))?;
         if let Some(pending) = pending {
-            received = Some(unpack(&pending.wait()?, k.shape()));
+            received = Some(pending.wait()?);
         }
     }
     Ok(())
 }
 
-/// The two tensors of a received block (K and V, or their gradients), each of `shape`.
+/// The two tensors of a block that holds two of `shape` one after the other (K and V, or their
+/// gradients).
 fn unpack(block: &Tensor, shape: &[usize]) -> [Tensor; 2] {
     let half = block.numel() / 2;
     [ops::slice(block, 0, shape), ops::slice(block, half, shape)]

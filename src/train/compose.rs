@@ -7,15 +7,15 @@
 //!
 //! ```text
 //! seam (where it is)                             config key → the part plugged in                  lesson
-//! TensorSplit (src/model/split.rs:47)            parallel.tp → TensorParallel                      09
+//! TensorSplit (src/model/split.rs:49)            parallel.tp → TensorParallel                      09
 //!                                                parallel.sequence_parallel → SequenceParallel     10
-//! SequenceSplit (src/model/split.rs:89)          parallel.cp, cp_mode → Ring | Ulysses             16, 17
-//! WeightSplit (src/model/split.rs:112)           parallel.zero_stage = 3 → Fsdp                    07
-//! LayerSplit (src/model/split.rs:125)            parallel.pp → a pipeline Stage                    12
-//! Keeps (src/model/block.rs:397)                 train.recompute → Recompute                       19
+//! SequenceSplit (src/model/split.rs:91)          parallel.cp, cp_mode → Ring | Ulysses             16, 17
+//! WeightSplit (src/model/split.rs:158)           parallel.zero_stage = 3 → Fsdp                    07
+//! LayerSplit (src/model/split.rs:171)            parallel.pp → a pipeline Stage                    12
+//! Keeps (src/model/block.rs:392)                 train.recompute → Recompute                       19
 //! LossHead (src/model/llama.rs:73)               train.loss_stripe_rows → FusedLoss                19
-//! Attentions (src/model/block.rs:109)             the model's family (model/family.rs) → Gqa        01
-//! Mlps (src/model/block.rs:272)                  model.num_local_experts, parallel.ep → Experts    20
+//! Attentions (src/model/block.rs:104)             the model's family (model/family.rs) → Gqa        01
+//! Mlps (src/model/block.rs:267)                  model.num_local_experts, parallel.ep → Experts    20
 //! MicroBatches (src/train/feed.rs:15)            --record/--replay-routing → TellTape              20
 //! Optimizer (src/model/optimizer.rs:87)          train.optimizer → AdamW | Muon                    01, 23
 //!                                                parallel.zero_stage = 1, 2 → GatherAfterUpdate    06

@@ -93,8 +93,8 @@ impl Keep {
 /// MLP's (`mlp_bytes`) in the compute dtype, and the attention's lse in f32; with FP8 GEMMs on a
 /// GPU, the FP8 copies (2 bytes a value: both layouts) of the inputs of the projections (the two
 /// norms' outputs, the attention output and, dense, the SwiGLU product). Selective keeps all but
-/// the attention output and lse; full keeps the input alone. (Latent attention keeps its q, k and
-/// v padded to one head width, and its latents before and after their norms: `attention_bytes`.)
+/// the attention output and lse; full keeps the input alone. (Latent attention keeps its q padded to
+/// one head width, its latents and what its keys and values are made of: `attention_bytes`.)
 /// `layer`: which layer (a DeepSeekMoE's first layers are dense).
 fn layer_bytes(m: &ModelConfig, layer: usize, batch: f64, seq: f64, keep: Keep, e: f64) -> (f64, f64) {
     let tp = keep.tp;
@@ -117,9 +117,10 @@ fn layer_bytes(m: &ModelConfig, layer: usize, batch: f64, seq: f64, keep: Keep, 
 }
 
 /// (What a block's attention keeps besides its core, its core: the output and lse) for `batch`
-/// sequences of `seq` tokens on one of `tp` ranks. Grouped-query: q, k and v. Latent: q, k and v
-/// padded to D = max(n + r, v) a head, the latent c before and after its norm (and the query's,
-/// with `q_lora_rank`), their 1/rms in f32; its core is D wide a head too.
+/// sequences of `seq` tokens on one of `tp` ranks. Grouped-query: q, k and v. Latent: q padded to
+/// D = max(n + r, v) a head, the latent c before its norm and the keys' source [c normed | k_rot]
+/// (the query's latent before and after its norm, with `q_lora_rank`), their 1/rms in f32; its
+/// core is D wide a head too. (The heads' keys and values are made again where they are used.)
 fn attention_bytes(m: &ModelConfig, (batch, seq): (f64, f64), tp: usize, e: f64, fp8: f64) -> (f64, f64) {
     let (rows, heads) = (batch * seq, (m.num_attention_heads / tp) as f64);
     let lse = batch * heads * seq * 4.0;
@@ -129,9 +130,9 @@ fn attention_bytes(m: &ModelConfig, (batch, seq): (f64, f64), tp: usize, e: f64,
         return (rows * (q + 2.0 * kv) * e, rows * q * (e + fp8) + lse);
     }
     let wide = heads * m.head_dim().max(m.v_head_dim) as f64; // H·D
-    let latents = [m.kv_lora_rank, m.q_lora_rank].map(|c| c as f64);
+    let (c, q_latent, r) = (m.kv_lora_rank as f64, m.q_lora_rank as f64, m.qk_rope_head_dim as f64);
     let norms = if m.q_lora_rank > 0 { 2.0 } else { 1.0 };
-    (rows * (3.0 * wide + 2.0 * (latents[0] + latents[1])) * e + rows * norms * 4.0, rows * wide * (e + fp8) + lse)
+    (rows * (wide + 2.0 * c + r + 2.0 * q_latent) * e + rows * norms * 4.0, rows * wide * (e + fp8) + lse)
 }
 
 /// (What the MLP of a block keeps for backward, the most its backward adds on top) for `rows`
