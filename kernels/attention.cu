@@ -7,51 +7,59 @@
 // attention (a row that sees no key gets o = 0 and lse = −∞; blocks merge by their lse).
 //
 // Forward: a block handles BQ query rows of one (b, h); each thread owns one query row. The keys
-// and values are walked in tiles of BK rows staged in shared memory; each thread keeps a running
+// and values are walked in tiles of TILE rows staged in shared memory; each thread keeps a running
 // max m, sum l and output accumulator and rescales them as each key arrives (online softmax), so
 // no seq × seq matrix ever exists. It writes o and lse (kept for backward and for ring merges).
 // Backward recomputes p from lse, in three kernels and without atomics (deterministic):
 //   attention_delta:  delta_i = Σ_d do_id · o_id            (8 threads per query row)
 //   attention_dq:     dq_i = Σ_j p_ij (do_i·v_j − delta_i) k_j / sqrt(d)   (thread per query row)
 //   attention_dkdv:   dk_j = Σ_{h in group, i} ds_ij q_i / sqrt(d), dv_j = Σ p_ij do_i (thread per key row)
-// head_dim is at most MAX_HEAD_DIM (the host checks).
+//
+// Head sizes. Each thread holds its row of q and o (dq: q, do, dq; dk/dv: k, v, dk, dv) in an
+// array of MAXD floats, and a block stages TILE rows of two tensors in f32 shared memory. The
+// kernels named attention_* take heads up to 128 (MAXD 128, TILE 32: 32 KiB of tiles); those named
+// attention_wide_* are the same code for heads up to 640 (latent attention's: 192 a head when it
+// trains, 576 in generate's absorbed form, which the tensor-core kernels are not built for), with
+// tiles of 8 rows so that two stay within the 48 KiB of static shared memory a block may have
+// (40 KiB). This is the slow road, stated: a thread's rows, indexed by a head size known only at
+// run time, live in local memory (cached, 10 KiB a thread for dk/dv), and a tile of 8 keys pays
+// a barrier for a quarter of the work. The host refuses heads wider than 640 (ops/gpu.rs).
 
-#define MAX_HEAD_DIM 128
-#define BQ 64
-#define BK 32
+#define BQ 64 // query rows (threads) a block of the forward and of dq
+#define BK 32 // key rows (threads) a block of dk/dv
 
-// The block stages key/value rows j0..j0+BK of KV head g into shared memory (zeros past the end,
+// The block stages key/value rows j0..j0+TILE of KV head g into shared memory (zeros past the end,
 // and a position no query reaches, so padding is masked), then waits for every thread.
-template <typename T>
+template <int MAXD, int TILE, typename T>
 __device__ void load_kv_tile(const Shape& s, const T* k, const T* v, const unsigned* k_pos, int b, int g, int j0,
-                             float (*ks)[MAX_HEAD_DIM], float (*vs)[MAX_HEAD_DIM], unsigned* kp) {
+                             float (*ks)[MAXD], float (*vs)[MAXD], unsigned* kp) {
     int d = s.head_dim;
-    for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
+    for (int e = threadIdx.x; e < TILE * d; e += blockDim.x) {
         int j = j0 + e / d, c = e % d;
         ks[e / d][c] = j < s.kv_seq ? load(k, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
         vs[e / d][c] = j < s.kv_seq ? load(v, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
     }
-    for (int e = threadIdx.x; e < BK; e += blockDim.x) kp[e] = j0 + e < s.kv_seq ? k_pos[j0 + e] : 0xffffffffu;
+    for (int e = threadIdx.x; e < TILE; e += blockDim.x) kp[e] = j0 + e < s.kv_seq ? k_pos[j0 + e] : 0xffffffffu;
     __syncthreads();
 }
 
-template <typename T>
+template <int MAXD, int TILE, typename T>
 __device__ void attention_forward(Shape s, const T* q, const T* k, const T* v, const unsigned* q_pos, const unsigned* k_pos, T* out, float* lse) {
-    __shared__ float ks[BK][MAX_HEAD_DIM], vs[BK][MAX_HEAD_DIM];
-    __shared__ unsigned kp[BK];
+    __shared__ float ks[TILE][MAXD], vs[TILE][MAXD];
+    __shared__ unsigned kp[TILE];
     int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads);
     int i = blockIdx.x * BQ + threadIdx.x, d = s.head_dim;
     bool active = i < s.seq;
-    float scale = rsqrtf((float)d), qi[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    float scale = rsqrtf((float)d), qi[MAXD], acc[MAXD];
     float m = -INFINITY, l = 0.0f;
     unsigned pi = active ? q_pos[i] : 0;
     for (int c = 0; c < d; c++) {
         qi[c] = active ? load(q, at(s, b, s.seq, i, s.heads, h) + c) * scale : 0.0f;
         acc[c] = 0.0f;
     }
-    for (int j0 = 0; j0 < s.kv_seq; j0 += BK) {
-        load_kv_tile(s, k, v, k_pos, b, g, j0, ks, vs, kp);
-        for (int jj = 0; jj < BK && active; jj++) {
+    for (int j0 = 0; j0 < s.kv_seq; j0 += TILE) {
+        load_kv_tile<MAXD, TILE>(s, k, v, k_pos, b, g, j0, ks, vs, kp);
+        for (int jj = 0; jj < TILE && active; jj++) {
             if (kp[jj] > pi) continue; // masked: the key comes after the query (or is padding)
             float sij = 0.0f;
             for (int c = 0; c < d; c++) sij += qi[c] * ks[jj][c];
@@ -101,14 +109,14 @@ __device__ void attention_delta(Shape s, const T* out, const T* dout, float* del
     if (part == 0 && r < (long)s.batch * s.heads * s.seq) delta[r] = acc;
 }
 
-template <typename T>
+template <int MAXD, int TILE, typename T>
 __device__ void attention_dq(Shape s, const T* q, const T* k, const T* v, const unsigned* q_pos, const unsigned* k_pos, const float* lse, const float* delta, const T* dout, T* dq) {
-    __shared__ float ks[BK][MAX_HEAD_DIM], vs[BK][MAX_HEAD_DIM];
-    __shared__ unsigned kp[BK];
+    __shared__ float ks[TILE][MAXD], vs[TILE][MAXD];
+    __shared__ unsigned kp[TILE];
     int b = blockIdx.z, h = blockIdx.y, g = h / (s.heads / s.kv_heads);
     int i = blockIdx.x * BQ + threadIdx.x, d = s.head_dim;
     bool active = i < s.seq;
-    float scale = rsqrtf((float)d), qi[MAX_HEAD_DIM], doi[MAX_HEAD_DIM], acc[MAX_HEAD_DIM];
+    float scale = rsqrtf((float)d), qi[MAXD], doi[MAXD], acc[MAXD];
     long row = ((long)b * s.heads + h) * s.seq + i;
     float li = active ? lse[row] : 0.0f, di = active ? delta[row] : 0.0f;
     unsigned pi = active ? q_pos[i] : 0;
@@ -117,9 +125,9 @@ __device__ void attention_dq(Shape s, const T* q, const T* k, const T* v, const 
         doi[c] = active ? load(dout, at(s, b, s.seq, i, s.heads, h) + c) : 0.0f;
         acc[c] = 0.0f;
     }
-    for (int j0 = 0; j0 < s.kv_seq; j0 += BK) {
-        load_kv_tile(s, k, v, k_pos, b, g, j0, ks, vs, kp);
-        for (int jj = 0; jj < BK && active; jj++) {
+    for (int j0 = 0; j0 < s.kv_seq; j0 += TILE) {
+        load_kv_tile<MAXD, TILE>(s, k, v, k_pos, b, g, j0, ks, vs, kp);
+        for (int jj = 0; jj < TILE && active; jj++) {
             if (kp[jj] > pi) continue;
             float sij = 0.0f, dp = 0.0f;
             for (int c = 0; c < d; c++) {
@@ -135,15 +143,15 @@ __device__ void attention_dq(Shape s, const T* q, const T* k, const T* v, const 
     for (int c = 0; c < d; c++) store(dq, at(s, b, s.seq, i, s.heads, h) + c, acc[c] * scale);
 }
 
-template <typename T>
+template <int MAXD, int TILE, typename T>
 __device__ void attention_dkdv(Shape s, const T* q, const T* k, const T* v, const unsigned* q_pos, const unsigned* k_pos, const float* lse, const float* delta, const T* dout, T* dk, T* dv) {
-    __shared__ float qs[BK][MAX_HEAD_DIM], dos[BK][MAX_HEAD_DIM];
-    __shared__ float ls[BK], ds_[BK];
-    __shared__ unsigned qp[BK];
+    __shared__ float qs[TILE][MAXD], dos[TILE][MAXD];
+    __shared__ float ls[TILE], ds_[TILE];
+    __shared__ unsigned qp[TILE];
     int b = blockIdx.z, g = blockIdx.y, groups = s.heads / s.kv_heads;
     int j = blockIdx.x * BK + threadIdx.x, d = s.head_dim;
     bool active = j < s.kv_seq;
-    float scale = rsqrtf((float)d), kj[MAX_HEAD_DIM], vj[MAX_HEAD_DIM], dkj[MAX_HEAD_DIM], dvj[MAX_HEAD_DIM];
+    float scale = rsqrtf((float)d), kj[MAXD], vj[MAXD], dkj[MAXD], dvj[MAXD];
     unsigned pj = active ? k_pos[j] : 0xffffffffu;
     for (int c = 0; c < d; c++) {
         kj[c] = active ? load(k, at(s, b, s.kv_seq, j, s.kv_heads, g) + c) : 0.0f;
@@ -151,15 +159,15 @@ __device__ void attention_dkdv(Shape s, const T* q, const T* k, const T* v, cons
         dkj[c] = dvj[c] = 0.0f;
     }
     for (int h = g * groups; h < (g + 1) * groups; h++) {
-        for (int i0 = 0; i0 < s.seq; i0 += BK) {
-            for (int e = threadIdx.x; e < BK * d; e += blockDim.x) {
+        for (int i0 = 0; i0 < s.seq; i0 += TILE) {
+            for (int e = threadIdx.x; e < TILE * d; e += blockDim.x) {
                 int i = i0 + e / d, c = e % d;
                 qs[e / d][c] = i < s.seq ? load(q, at(s, b, s.seq, i, s.heads, h) + c) * scale : 0.0f;
                 dos[e / d][c] = i < s.seq ? load(dout, at(s, b, s.seq, i, s.heads, h) + c) : 0.0f;
             }
-            stage_query_rows(s, q_pos, lse, delta, b, h, i0, BK, 1.0f, qp, ls, ds_);
+            stage_query_rows(s, q_pos, lse, delta, b, h, i0, TILE, 1.0f, qp, ls, ds_);
             __syncthreads();
-            for (int ii = 0; ii < BK && active; ii++) {
+            for (int ii = 0; ii < TILE && active; ii++) {
                 if (pj > qp[ii]) continue;
                 float sij = 0.0f, dp = 0.0f;
                 for (int c = 0; c < d; c++) {
@@ -199,24 +207,31 @@ __device__ void attention_merge(Shape s, T* out, float* lse, const T* block_out,
     lse[r] = merged;
 }
 
-#define EXPORT(T, suffix)                                                                                              \
-    extern "C" __global__ void attention_forward_##suffix(Shape s, const T* q, const T* k, const T* v,                 \
-                                                          const unsigned* q_pos, const unsigned* k_pos, T* out,        \
-                                                          float* lse) {                                                \
-        attention_forward(s, q, k, v, q_pos, k_pos, out, lse);                                                         \
+// The kernels a head size reads (above): attention_{name}_{suffix} up to 128, attention_wide_* up to 640.
+#define READABLE(T, suffix, wide, MAXD, TILE)                                                                          \
+    extern "C" __global__ void attention##wide##_forward_##suffix(Shape s, const T* q, const T* k, const T* v,         \
+                                                                  const unsigned* q_pos, const unsigned* k_pos,        \
+                                                                  T* out, float* lse) {                                \
+        attention_forward<MAXD, TILE>(s, q, k, v, q_pos, k_pos, out, lse);                                             \
     }                                                                                                                  \
+    extern "C" __global__ void attention##wide##_dq_##suffix(Shape s, const T* q, const T* k, const T* v,              \
+                                                             const unsigned* q_pos, const unsigned* k_pos,             \
+                                                             const float* lse, const float* delta, const T* dout,      \
+                                                             T* dq) {                                                  \
+        attention_dq<MAXD, TILE>(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq);                                      \
+    }                                                                                                                  \
+    extern "C" __global__ void attention##wide##_dkdv_##suffix(Shape s, const T* q, const T* k, const T* v,            \
+                                                               const unsigned* q_pos, const unsigned* k_pos,           \
+                                                               const float* lse, const float* delta, const T* dout,    \
+                                                               T* dk, T* dv) {                                         \
+        attention_dkdv<MAXD, TILE>(s, q, k, v, q_pos, k_pos, lse, delta, dout, dk, dv);                                \
+    }
+
+#define EXPORT(T, suffix)                                                                                              \
+    READABLE(T, suffix, , 128, 32)                                                                                     \
+    READABLE(T, suffix, _wide, 640, 8)                                                                                 \
     extern "C" __global__ void attention_delta_##suffix(Shape s, const T* out, const T* dout, float* delta) {          \
         attention_delta(s, out, dout, delta);                                                                          \
-    }                                                                                                                  \
-    extern "C" __global__ void attention_dq_##suffix(Shape s, const T* q, const T* k, const T* v,                      \
-                                                     const unsigned* q_pos, const unsigned* k_pos, const float* lse,   \
-                                                     const float* delta, const T* dout, T* dq) {                       \
-        attention_dq(s, q, k, v, q_pos, k_pos, lse, delta, dout, dq);                                                  \
-    }                                                                                                                  \
-    extern "C" __global__ void attention_dkdv_##suffix(Shape s, const T* q, const T* k, const T* v,                    \
-                                                       const unsigned* q_pos, const unsigned* k_pos, const float* lse, \
-                                                       const float* delta, const T* dout, T* dk, T* dv) {              \
-        attention_dkdv(s, q, k, v, q_pos, k_pos, lse, delta, dout, dk, dv);                                            \
     }                                                                                                                  \
     extern "C" __global__ void attention_merge_##suffix(Shape s, T* out, float* lse, const T* block_out,               \
                                                         const float* block_lse) {                                      \

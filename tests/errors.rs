@@ -93,8 +93,14 @@ fn bad_values_are_named() {
     }
     let e = config_error(&["device.kind=\"cuda\"", "device.dtype=\"fp8\"", "model.intermediate_size=200"]);
     assert!(e.contains("model.intermediate_size / parallel.tp = 200: cuBLASLt's FP8 GEMMs need"), "{e}");
-    let e = config_error(&["device.kind=\"cuda\"", "model.head_dim=256"]);
-    assert!(e.contains("model.head_dim = 256: the CUDA attention kernel supports head_dim up to 128"), "{e}");
+    let e = config_error(&["device.kind=\"cuda\"", "model.head_dim=768"]);
+    assert!(e.contains("model.head_dim = 768: the CUDA attention kernels take heads up to 640"), "{e}");
+    assert!(Config::load(None, &["device.kind=\"cuda\"".into(), "model.head_dim=256".into()]).is_ok(), "a 256 head");
+    // latent attention's core is as wide as the wider of its query/key and value heads
+    let mla =
+        ["device.kind=\"cuda\"", "model.num_key_value_heads=8", "model.kv_lora_rank=8", "model.qk_nope_head_dim=16"];
+    let e = config_error(&[&mla[..], &["model.qk_rope_head_dim=8", "model.v_head_dim=700"]].concat());
+    assert!(e.contains("model.head_dim = 700"), "{e}");
 }
 
 #[test]

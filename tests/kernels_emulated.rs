@@ -250,6 +250,15 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         attention(&mut c, gqa8, (&q_pos, &k_pos));
         let late: Vec<u32> = (200..290).collect();
         attention(&mut c, Attn { head_dim: 128, heads: 2, ..gqa8 }, (&q_pos, &late));
+        // heads past 128 (attention.cu's wide form, tiles of 8 rows, in bf16 too): latent
+        // attention's 192 on a ring step (a last tile of one key, queries that see no key), and
+        // generate's absorbed 576, one KV head, three new queries against the cache
+        let wide = Attn { batch: 1, seq: 20, kv_seq: 33, heads: 2, kv_heads: 1, head_dim: 192 };
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((10..30).collect(), (0..33).collect());
+        attention(&mut c, wide, (&q_pos, &k_pos));
+        let absorbed = Attn { batch: 2, seq: 3, kv_seq: 21, heads: 2, kv_heads: 1, head_dim: 576 };
+        let (q_pos, k_pos): (Vec<u32>, Vec<u32>) = ((18..21).collect(), (0..21).collect());
+        attention(&mut c, absorbed, (&q_pos, &k_pos));
         moe(&mut c, (13, 8, 2), 40);
         moe(&mut c, (5, 3, 3), 300); // every expert chosen, rows over one block of threads
         adamw(&mut c, 300, DType::F32);
@@ -259,7 +268,8 @@ fn kernels_match_the_cpu_reference_on_the_emulator() {
         checked += c.checked;
     }
     eprintln!("{checked} kernel outputs match the CPU reference");
-    assert_eq!(checked, 201 + 2 * 2 * 8 + 2 * 7 * 5 + 10 * 5, "every check ran");
+    // the wide heads: 5 checks each in f32, 10 in bf16 (by range and by scan)
+    assert_eq!(checked, 201 + 2 * 2 * 8 + 2 * 7 * 5 + 10 * 5 + 2 * 5 + 2 * 10, "every check ran");
 }
 
 fn rowwise(c: &mut Check, rows: usize, dim: usize) {

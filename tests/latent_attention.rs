@@ -98,7 +98,8 @@ fn what_it_cannot_take_is_refused_naming_the_key() {
 fn the_ring_passes_the_latent_not_the_heads() {
     let (cp, seq, batch, accum, layers, token) = (4u64, 64u64, 4u64, 2u64, 2u64, 16 + 8);
     let cfg = Config::load(None, &sets(&["parallel.cp=4", "train.seq_len=64", "train.steps=1"])).unwrap();
-    let summary = ferrotron::train::train(&cfg, ferrotron::train::Options { quiet: true, ..Default::default() }).unwrap();
+    let summary =
+        ferrotron::train::train(&cfg, ferrotron::train::Options { quiet: true, ..Default::default() }).unwrap();
     let p2p: u64 = summary
         .comm
         .iter()

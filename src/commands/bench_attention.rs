@@ -86,10 +86,11 @@ pub fn bench_attention(cfg: &Config, warmup: usize, steps: usize) -> Result<Atte
         layer();
     }
     let rows = profile::finish()?;
-    // forward kernels are named *attention_forward*; the rest (δ, dq, dk, dv, the sums of parts) is the backward
-    let forward: Vec<&profile::Row> = rows.iter().filter(|r| r.name.contains("attention_forward")).collect();
-    let attention_ms = |rs: &[&profile::Row]| rs.iter().map(|r| r.ms).sum::<f64>() / steps as f64;
+    // forward kernels are named *attention_forward* (attention_wide_forward_* past 128); the rest
+    // (δ, dq, dk, dv, the sums of parts) is the backward
     let every: Vec<&profile::Row> = rows.iter().filter(|r| r.name.contains("attention")).collect();
+    let forward: Vec<&profile::Row> = every.iter().copied().filter(|r| r.name.contains("_forward")).collect();
+    let attention_ms = |rs: &[&profile::Row]| rs.iter().map(|r| r.ms).sum::<f64>() / steps as f64;
     let (forward_ms, forward_backward_ms) = (attention_ms(&forward), attention_ms(&every));
     let flops = forward_flops(a);
     let per_kernel_ms = every.iter().map(|r| (r.name.clone(), r.ms / steps as f64)).collect();

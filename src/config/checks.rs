@@ -9,6 +9,7 @@ use super::{
     CommBackend, Config, CpMode, CpSplit, DataConfig, DeviceDtype, DeviceKind, DpMode, ModelConfig, PpSchedule,
     RopeScaling, RopeType,
 };
+use crate::ops::types::WIDE_HEAD_DIM;
 use anyhow::{bail, Context, Result};
 
 impl ModelConfig {
@@ -463,8 +464,11 @@ impl Config {
                 bail!("device.dtype = \"fp8\" on a GPU with {name} = {v}: cuBLASLt's FP8 GEMMs need every linear layer's features a multiple of 16; use device.dtype = \"bf16\" or other sizes");
             }
         }
-        if self.device.kind == DeviceKind::Cuda && self.model.head_dim() > 128 {
-            bail!("model.head_dim = {}: the CUDA attention kernel supports head_dim up to 128; use device.kind = \"cpu\" or a smaller head_dim", self.model.head_dim());
+        // the head the attention core sees: latent attention pads its query/key and value heads to one width
+        let m = &self.model;
+        let core = if m.kv_lora_rank > 0 { m.head_dim().max(m.v_head_dim) } else { m.head_dim() };
+        if self.device.kind == DeviceKind::Cuda && core > WIDE_HEAD_DIM {
+            bail!("model.head_dim = {core}: the CUDA attention kernels take heads up to {WIDE_HEAD_DIM} values wide (latent attention's: the larger of qk_nope_head_dim + qk_rope_head_dim and v_head_dim); use device.kind = \"cpu\" or a smaller head");
         }
         Ok(())
     }

@@ -8,7 +8,8 @@
 
 /// Every kernel: the file of `kernels/` it is in, and its `extern "C"` name. Functions with a
 /// `_f32` and a `_bf16` form are the same code in the two compute dtypes; `flash_attention_*_dN`
-/// is the tensor-core attention instantiated for head size N.
+/// is the tensor-core attention instantiated for head size N, `attention_wide_*` the readable one
+/// for heads wider than 128.
 pub const KERNELS: &[(&str, &str)] = &[
     ("elementwise", "cast_f32_to_bf16"),
     ("elementwise", "cast_bf16_to_f32"),
@@ -43,6 +44,12 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("attention", "attention_dq_bf16"),
     ("attention", "attention_dkdv_f32"),
     ("attention", "attention_dkdv_bf16"),
+    ("attention", "attention_wide_forward_f32"),
+    ("attention", "attention_wide_forward_bf16"),
+    ("attention", "attention_wide_dq_f32"),
+    ("attention", "attention_wide_dq_bf16"),
+    ("attention", "attention_wide_dkdv_f32"),
+    ("attention", "attention_wide_dkdv_bf16"),
     ("attention", "attention_merge_f32"),
     ("attention", "attention_merge_bf16"),
     ("flash_attention", "flash_attention_forward_d16"),

@@ -566,6 +566,12 @@ pub fn catalogue() -> Vec<Launch> {
         all.push(scale(dt, 0, 1.0, 1));
         all.extend(moe::catalogue(dt));
     }
+    // the readable attention's wide form
+    for dt in [DType::F32, DType::Bf16] {
+        let a = Attn { head_dim: 192, ..a };
+        all.push(attention::forward(dt, a, (0, 0, 0), (0, 0), 0, 0));
+        all.extend(attention::backward(dt, a, (0, 0, 0), (0, 0), (0, 0, 0), 0, (0, 0, 0)));
+    }
     // the tensor-core attention: bf16, each head size it is built for
     for head_dim in attention::TENSOR_CORE_HEAD_DIMS {
         let a = Attn { head_dim, ..a };

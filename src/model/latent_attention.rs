@@ -28,7 +28,9 @@
 //! ring, zigzag, Ulysses): the query and key heads are n+r wide and the value heads v, so each is
 //! padded with zeros to D = max(n+r, v) and the query scaled so that the op's 1/√D is (n+r)^-½
 //! (zeros add nothing to a dot product; the padded output columns are zero and dropped). That is
-//! the plain, slower road: a kernel taught a value width of its own would skip the padding.
+//! the plain, slower road: a kernel taught a value width of its own would skip the padding. On a
+//! GPU, V3's D = 192 (and generate's absorbed 576) is past the tensor-core kernels' 128, so it
+//! runs `kernels/attention.cu`'s wide form, slower still: FlashAttention-2 at 192 is not built.
 //!
 //! What the core is handed is not the heads' keys and values but what they are made of, the
 //! *source* [c normed | rope(k_rot)] (`HeadsFromLatent`, a `MakeKeys`): one rank makes the heads
@@ -206,7 +208,7 @@ fn heads_from_latent(kv_b_proj: &Param, dims: Dims, heads: usize, source: &Tenso
     let Dims { nope, v: vd, kv_rank, .. } = dims;
     let (qk, dd, kv_w) = (dims.qk(), dims.core(), nope + vd);
     let kv = kv_b_proj.linear(&latent_of(source, kv_rank)); // per head [k_nope | v]
-    // the core's heads, D wide: [k_nope | k_rot | 0], [v | 0]
+                                                            // the core's heads, D wide: [k_nope | k_rot | 0], [v | 0]
     let k = pick_columns(
         &[&kv, source],
         &per_head(heads, dd, |h, i| match i {
@@ -385,7 +387,8 @@ impl Mla {
         let turn = self.rope();
         ops::rope(&mut q_rot, positions, &turn);
         ops::rope(&mut k_rot, positions, &turn);
-        let picks: Vec<Pick> = (0..kv_rank + rope).map(|i| Some(if i < kv_rank { (0, i) } else { (1, i - kv_rank) })).collect();
+        let picks: Vec<Pick> =
+            (0..kv_rank + rope).map(|i| Some(if i < kv_rank { (0, i) } else { (1, i - kv_rank) })).collect();
         let source = pick_columns(&[&c_normed, &k_rot], &picks);
         Ok(Latents { q, q_latent, c, c_rstd, q_rot, source })
     }
@@ -511,7 +514,8 @@ impl Attention for Mla {
             Some(core) => core,
             None => {
                 let from = (&source, &self.heads_from_latent(heads) as &dyn MakeKeys);
-                split.seq.attention_from(a, &q, from, pos).map(|(o, l, _)| (o, l))? // not kept: again
+                split.seq.attention_from(a, &q, from, pos).map(|(o, l, _)| (o, l))?
+                // not kept: again
             }
         };
         // o_proj is row parallel: local

@@ -12,7 +12,7 @@ use crate::cuda::launch_table::{self, Addr};
 use crate::cuda::runtime::cuda_err;
 use crate::ops::precision::Precision;
 use crate::ops::tensor::Tensor;
-use crate::ops::types::{AdamWSettings, Attn, DType, Rope};
+use crate::ops::types::{AdamWSettings, Attn, DType, Rope, WIDE_HEAD_DIM};
 use anyhow::{anyhow, bail, Result};
 use cudarc::cublas::{result as blas, sys as blas_sys};
 use std::sync::Arc;
@@ -452,8 +452,9 @@ fn target_bits(targets: &[i32]) -> Vec<u32> {
 }
 
 fn check_head_dim(a: Attn) -> Result<()> {
-    if a.head_dim > 128 {
-        bail!("the CUDA attention kernel supports head_dim up to 128, not {}", a.head_dim);
+    let most = WIDE_HEAD_DIM;
+    if a.head_dim > most {
+        bail!("the CUDA attention kernels take heads up to {most} values wide, not {}: run on the CPU", a.head_dim);
     }
     Ok(())
 }

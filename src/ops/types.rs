@@ -33,6 +33,11 @@ pub struct Attn {
     pub head_dim: usize,
 }
 
+/// The widest head the CUDA attention kernels take (`kernels/attention.cu`'s wide form, past the
+/// tensor cores' 128): latent attention's 192 a head in training and 576 in generate's absorbed
+/// form fit. The config refuses wider heads on a GPU before a run starts.
+pub const WIDE_HEAD_DIM: usize = 640;
+
 /// AdamW's settings for one step.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct AdamWSettings {

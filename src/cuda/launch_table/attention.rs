@@ -1,6 +1,7 @@
 //! The launches of the attention: `kernels/attention.cu` (the readable kernels, f32 and any head
-//! size; the ring blocks' merge) and `kernels/flash_attention.cu` (FlashAttention-2 on tensor
-//! cores, bf16 at head sizes 16 to 128), which of the two by dtype, head size and alignment.
+//! size up to `ops::types::WIDE_HEAD_DIM`, its `attention_wide_*` form past 128; the ring blocks' merge) and
+//! `kernels/flash_attention.cu` (FlashAttention-2 on tensor cores, bf16 at head sizes 16 to 128),
+//! which of the two by dtype, head size and alignment.
 
 use super::{each, int, launch, long, Addr, Arg, Launch, Ptr, F32};
 use crate::cuda::kernels::{kernel, Kernel};
@@ -25,6 +26,12 @@ fn query_blocks(a: Attn) -> ((u32, u32, u32), u32) {
 
 /// The head sizes `kernels/flash_attention.cu` is instantiated for.
 pub const TENSOR_CORE_HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Whether `attention.cu`'s wide form runs this shape (heads up to `WIDE_HEAD_DIM`: a thread's
+/// rows in local memory, tiles of 8 rows; the slow road latent attention's heads take on a GPU).
+fn wide(a: Attn) -> bool {
+    a.head_dim > 128
+}
 
 /// Mixed precision with a head size it is built for runs attention on tensor cores
 /// (`flash_attention.cu`); f32 mode and other sizes run `attention.cu`, and so do tensors not on
@@ -147,7 +154,8 @@ pub fn forward(
     if tensor_cores(dt, a, &[q, k, v, out]) {
         return flash_query_blocks(tensor_core!("forward", a.head_dim), a, args);
     }
-    launch(typed!("attention_forward", dt), query_blocks(a), args)
+    let kernel = if wide(a) { typed!("attention_wide_forward", dt) } else { typed!("attention_forward", dt) };
+    launch(kernel, query_blocks(a), args)
 }
 
 /// Threads a query row of `attention_delta` (`DELTA_LANES` in `attention.cu`).
@@ -198,10 +206,15 @@ pub fn backward(
         ];
     }
     let key_blocks = ((a.kv_seq.div_ceil(32) as u32, a.kv_heads as u32, a.batch as u32), 32);
+    let (dq_kernel, dkdv_kernel) = if wide(a) {
+        (typed!("attention_wide_dq", dt), typed!("attention_wide_dkdv", dt))
+    } else {
+        (typed!("attention_dq", dt), typed!("attention_dkdv", dt))
+    };
     vec![
         delta_launch,
-        launch(typed!("attention_dq", dt), query_blocks(a), [&inputs[..], &[Ptr(dq)]].concat()),
-        launch(typed!("attention_dkdv", dt), key_blocks, [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat()),
+        launch(dq_kernel, query_blocks(a), [&inputs[..], &[Ptr(dq)]].concat()),
+        launch(dkdv_kernel, key_blocks, [&inputs[..], &[Ptr(dk), Ptr(dv)]].concat()),
     ]
 }
 
