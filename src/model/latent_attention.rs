@@ -207,8 +207,8 @@ fn latent_of(source: &Tensor, kv_rank: usize) -> Tensor {
 fn heads_from_latent(kv_b_proj: &Param, dims: Dims, heads: usize, source: &Tensor) -> (Tensor, Tensor) {
     let Dims { nope, v: vd, kv_rank, .. } = dims;
     let (qk, dd, kv_w) = (dims.qk(), dims.core(), nope + vd);
-    let kv = kv_b_proj.linear(&latent_of(source, kv_rank)); // per head [k_nope | v]
-                                                            // the core's heads, D wide: [k_nope | k_rot | 0], [v | 0]
+    // kv: per head [k_nope | v]; the core's heads, D wide: [k_nope | k_rot | 0], [v | 0]
+    let kv = kv_b_proj.linear(&latent_of(source, kv_rank));
     let k = pick_columns(
         &[&kv, source],
         &per_head(heads, dd, |h, i| match i {
@@ -513,9 +513,9 @@ impl Attention for Mla {
         let (out, lse) = match core {
             Some(core) => core,
             None => {
+                // not kept: made again
                 let from = (&source, &self.heads_from_latent(heads) as &dyn MakeKeys);
                 split.seq.attention_from(a, &q, from, pos).map(|(o, l, _)| (o, l))?
-                // not kept: again
             }
         };
         // o_proj is row parallel: local
