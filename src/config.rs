@@ -501,6 +501,15 @@ impl ModelConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// The head width the attention core computes in: `head_dim`, or latent attention's query/key
+    /// and value heads padded to the wider of the two (`model/latent_attention.rs`).
+    pub fn core_head_dim(&self) -> usize {
+        match self.kv_lora_rank {
+            0 => self.head_dim(),
+            _ => self.head_dim().max(self.v_head_dim),
+        }
+    }
+
     /// DeepSeekMoE's settings, when its experts are (`moe_intermediate_size` > 0); `None`: Mixtral's.
     pub fn deepseek_moe(&self) -> Option<DeepSeekMoe> {
         (self.moe_intermediate_size > 0).then_some(DeepSeekMoe {

@@ -96,6 +96,90 @@ fn tensor_and_context_parallel_bytes_equal_the_ledger() {
     ledger_matches(&["parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=3", "parallel.bucket_mb=0.01"]);
 }
 
+/// Latent attention: the ring passes each block's source (kv_lora_rank + qk_rope_head_dim a
+/// token), Ulysses moves the padded heads, tp sums the replicated latent path's gradients once a
+/// step; DeepSeekMoE's experts over ep.
+#[test]
+fn latent_attention_bytes_equal_the_ledger() {
+    let mla = [
+        "model.num_key_value_heads=4",
+        "model.kv_lora_rank=8",
+        "model.q_lora_rank=6",
+        "model.qk_nope_head_dim=4",
+        "model.qk_rope_head_dim=4",
+        "model.v_head_dim=6",
+    ];
+    for layout in [
+        &["parallel.cp=2"][..],
+        &["parallel.cp=3", "train.seq_len=48"],
+        &["parallel.cp=2", "parallel.cp_mode=ulysses"],
+        &["parallel.cp=2", "parallel.cp_mode=ulysses", "model.v_head_dim=12"], // heads padded to v
+        &["parallel.tp=2"],
+        &["parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=2"],
+        &["parallel.tp=2", "parallel.sequence_parallel=true"],
+    ] {
+        ledger_matches(&[&mla[..], layout].concat());
+    }
+    let deepseek_moe = [
+        "model.num_local_experts=4",
+        "model.num_experts_per_tok=2",
+        "model.moe_intermediate_size=8",
+        "model.n_shared_experts=1",
+    ];
+    ledger_matches(&[&mla[..], &deepseek_moe, &["parallel.dp=2", "parallel.ep=2"]].concat());
+}
+
+/// The step-time model prices every GEMM a layer runs: with each GEMM at 1 TFLOP/s and nothing
+/// else costing time, a micro-batch's forward is its GEMM FLOPs, counted here from the shapes by
+/// hand: latent attention's five projections (kv_b_proj once per ring block its heads are made
+/// for, and once more in the backward, which makes them again), DeepSeekMoE's router, k experts
+/// of their own width and the shared expert, its first layer dense, the head.
+#[test]
+fn the_step_time_model_prices_latent_attention_and_deepseek_moe_gemm_by_gemm() {
+    use ferrotron::commands::step_time::{micro_batch, Rates};
+    let rates = Rates {
+        source: "a GEMM at 1 TFLOP/s, nothing else".into(),
+        peak_tflops: 1.0,
+        gemm: vec![(1.0, 1.0)],
+        attention: 1e30,
+        small_gb_s: 1e30,
+        op_us: 0.0,
+    };
+    let deepseek = [
+        "model.num_hidden_layers=3",
+        "model.num_key_value_heads=4",
+        "model.kv_lora_rank=8",
+        "model.q_lora_rank=6",
+        "model.qk_nope_head_dim=4",
+        "model.qk_rope_head_dim=4",
+        "model.v_head_dim=6",
+        "model.num_local_experts=4",
+        "model.num_experts_per_tok=2",
+        "model.moe_intermediate_size=8",
+        "model.n_shared_experts=1",
+        "model.first_k_dense_replace=1",
+    ];
+    for (layout, blocks) in
+        [(&[][..], 1.0), (&["parallel.cp=2"], 2.0), (&["parallel.cp=2", "parallel.cp_mode=ulysses"], 1.0)]
+    {
+        let sets: Vec<String> = common::SMALL.iter().chain(&deepseek).chain(layout).map(|s| s.to_string()).collect();
+        let cfg = Config::load(None, &sets).unwrap();
+        let (m, t) = (&cfg.model, &cfg.train);
+        let rows = (t.micro_batch_size * t.seq_len / cfg.parallel.cp) as f64;
+        let (d, h) = (32.0, 4.0);
+        let latent = d * 6.0 + 6.0 * h * 8.0 + d * 12.0 + h * 6.0 * d; // q_a, q_b, kv_a, o
+        let kv_b = 8.0 * h * (4.0 + 6.0);
+        let (dense, moe) = (3.0 * d * 64.0, d * 4.0 + 2.0 * 3.0 * d * 8.0 + 3.0 * d * 8.0);
+        let per_token = 3.0 * (latent + blocks * kv_b) + dense + 2.0 * moe + d * m.vocab_size as f64;
+        let mb = micro_batch(&cfg, stage_of(0, &cfg.parallel), &rates, 1.0);
+        let want = 2.0 * rows * per_token;
+        let close = |got: f64, want: f64| ((got - want) / want).abs() < 1e-6;
+        assert!(close(mb.forward * 1e12, want), "{layout:?}: forward {} FLOPs, counted {want}", mb.forward * 1e12);
+        let again = 2.0 * rows * 3.0 * blocks * kv_b;
+        assert!(close(mb.backward * 1e12, 2.0 * want + again), "{layout:?}: backward {}", mb.backward * 1e12);
+    }
+}
+
 #[test]
 fn pipeline_bytes_equal_the_ledger_for_every_schedule() {
     let four = "model.num_hidden_layers=4";

@@ -20,10 +20,17 @@
 //! on the one in hand; tensor parallelism's, Ulysses', the experts' and the pipeline's messages
 //! wait on the critical path. What the calibration holds for a GPU, and where it comes from, is
 //! in `Rates`; `ferrotron bench --calibrate` measures this machine's.
+//!
+//! The GEMMs are the model's own, layer by layer: latent attention's five projections, kv_b_proj
+//! where its heads are made (once, or once per ring block, and again in the backward, which
+//! makes them from the kept latent), its core at the padded head width; DeepSeekMoE's router,
+//! experts of their own width and shared experts, its first layers dense. The core's rate is
+//! the calibration's: at heads past 128 a GPU runs the slower wide kernels, which only a
+//! calibration at those shapes has timed.
 
 use crate::comm::cost::Call;
 use crate::commands::traffic::Flow;
-use crate::config::{Config, Recompute};
+use crate::config::{Config, CpMode, Recompute};
 use crate::devices::Gpu;
 use crate::model::stage::Stage;
 
@@ -172,11 +179,18 @@ pub struct MicroBatch {
 pub fn small_bytes(cfg: &Config, e: f64) -> f64 {
     let (m, tp) = (&cfg.model, cfg.parallel.tp as f64);
     let d = m.hidden_size as f64;
-    let (q, kv) =
-        ((m.num_attention_heads * m.head_dim()) as f64 / tp, (m.num_key_value_heads * m.head_dim()) as f64 / tp);
-    let f = match m.num_local_experts {
-        0 => m.intermediate_size as f64 / tp,
-        _ => (m.num_experts_per_tok * m.intermediate_size) as f64,
+    // latent attention: its heads padded to the core's width, and its latents (replicated), normed
+    let (q, kv) = match m.kv_lora_rank {
+        0 => ((m.num_attention_heads * m.head_dim()) as f64 / tp, (m.num_key_value_heads * m.head_dim()) as f64 / tp),
+        rank => {
+            let heads = (m.num_attention_heads * m.core_head_dim()) as f64 / tp;
+            (heads, heads + (rank + m.qk_rope_head_dim + m.q_lora_rank) as f64)
+        }
+    };
+    let f = match (m.num_local_experts, m.deepseek_moe()) {
+        (0, _) => m.intermediate_size as f64 / tp,
+        (_, Some(ds)) => ((m.num_experts_per_tok + ds.shared) * ds.width) as f64,
+        (_, None) => (m.num_experts_per_tok * m.intermediate_size) as f64,
     };
     e * (2.0 * 2.0 * d + 2.0 * 3.0 * d + 2.0 * (q + kv) + 3.0 * f + 2.0 * d + q)
 }
@@ -188,36 +202,36 @@ pub fn micro_batch(cfg: &Config, stage: Stage, rates: &Rates, share: f64) -> Mic
     let e = if cfg.device.compute_dtype() == crate::ops::DType::Bf16 { 2.0 } else { 4.0 };
     let rows = (t.micro_batch_size * t.seq_len / p.cp) as f64;
     let (d, tp) = (m.hidden_size as f64, p.tp as f64);
-    let (hd, heads, kvh) = (m.head_dim() as f64, m.num_attention_heads as f64 / tp, m.num_key_value_heads as f64 / tp);
+    let heads = m.num_attention_heads as f64 / tp;
     let layers = stage.layer_count(m.num_hidden_layers) as f64;
-    // each GEMM of a block: (rows, k, n) forward; backward two of the same FLOPs
-    let mut gemms: Vec<(f64, f64, f64)> = vec![(rows, d, (heads + 2.0 * kvh) * hd), (rows, heads * hd, d)];
-    match m.num_local_experts {
-        0 => {
-            let f = m.intermediate_size as f64 / tp;
-            gemms.extend([(rows, d, 2.0 * f), (rows, f, d)]);
-        }
-        experts => {
-            // balanced: this rank's experts compute k rows for each of its rows, in E/ep GEMMs
-            let (k, mine) = (m.num_experts_per_tok as f64, (experts / p.ep) as f64);
-            let (per, f) = (rows * k / mine, m.intermediate_size as f64);
-            gemms.push((rows, d, experts as f64));
-            for _ in 0..mine as usize {
-                gemms.extend([(per, d, 2.0 * f), (per, f, d)]);
-            }
-        }
-    }
-    let gemm = |g: &[(f64, f64, f64)]| g.iter().map(|&(r, k, n)| rates.gemm(2.0 * r * k * n)).sum::<f64>() / share;
-    let layer_gemms = gemm(&gemms);
-    // attention: this rank's heads over its 1/cp of the causal square
+    let gemm = |g: &[Gemm]| g.iter().map(|&(r, k, n)| rates.gemm(2.0 * r * k * n)).sum::<f64>() / share;
+    // each GEMM of a block: (rows, k, n) forward; backward two of the same FLOPs. The MLP's differ
+    // by layer where DeepSeekMoE's first layers are dense: their mean over this stage's layers
+    let (attention, heads_made) = attention_gemms(cfg, rows);
+    let heads_made = gemm(&heads_made);
+    let dense = match m.deepseek_moe() {
+        Some(ds) => stage
+            .chunk_layers(m.num_hidden_layers)
+            .iter()
+            .map(|r| r.end.min(ds.dense_below).saturating_sub(r.start))
+            .sum(),
+        None if m.num_local_experts == 0 => stage.layer_count(m.num_hidden_layers),
+        None => 0,
+    } as f64;
+    let (dense_mlp, moe_mlp) = (gemm(&mlp_gemms(cfg, rows, false)), gemm(&mlp_gemms(cfg, rows, true)));
+    let mlp = if layers > 0.0 { (dense * dense_mlp + (layers - dense) * moe_mlp) / layers } else { 0.0 };
+    let layer_gemms = gemm(&attention) + mlp;
+    // attention: this rank's heads over its 1/cp of the causal square, in the core's head width
     let s = t.seq_len as f64;
-    let attention_forward = 4.0 * t.micro_batch_size as f64 * heads * s * s * hd / 2.0 / p.cp as f64;
+    let core = m.core_head_dim() as f64;
+    let attention_forward = 4.0 * t.micro_batch_size as f64 * heads * s * s * core / 2.0 / p.cp as f64;
     let att = attention_forward * 3.5 / (rates.peak_tflops * 1e12 * rates.attention) / share;
     let (att_f, att_b) = (att / 3.5, att * 2.5 / 3.5);
     let small = |bytes: f64, ops: f64| (bytes / (rates.small_gb_s * 1e9) + ops * rates.op_us * 1e-6) / share;
     let small_f = small(rows * small_bytes(cfg, e), 14.0);
-    let layer_f = layer_gemms + att_f + small_f;
-    let layer_b = 2.0 * layer_gemms + att_b + 2.0 * small_f;
+    let layer_f = layer_gemms + heads_made + att_f + small_f;
+    // latent attention's backward makes the heads again from the kept source, then their backward
+    let layer_b = 2.0 * layer_gemms + 3.0 * heads_made + att_b + 2.0 * small_f;
     let again = match t.recompute {
         Recompute::None => 0.0,
         Recompute::Selective => att_f,
@@ -237,8 +251,61 @@ pub fn micro_batch(cfg: &Config, stage: Stage, rates: &Rates, share: f64) -> Mic
         forward: layers * layer_f + head_f,
         backward: layers * (layer_b + again) + head_b,
         attention: layers * (att_f + att_b),
-        weight_grads: layers * layer_gemms,
+        weight_grads: layers * (layer_gemms + heads_made),
     }
+}
+
+/// One GEMM's forward shape: (rows, k, n).
+type Gemm = (f64, f64, f64);
+
+/// A block's MLP GEMMs, (rows, k, n) forward, on one rank: a dense SwiGLU (its columns split
+/// over tp), or a mixture of experts, balanced (this rank's experts compute k rows for each of its
+/// rows, in E/ep GEMMs), with DeepSeekMoE's router over its experts, its experts' own width and
+/// its shared experts (one SwiGLU, `n_shared_experts` × that width, over every row).
+fn mlp_gemms(cfg: &Config, rows: f64, moe: bool) -> Vec<Gemm> {
+    let (m, p) = (&cfg.model, &cfg.parallel);
+    let (d, tp) = (m.hidden_size as f64, p.tp as f64);
+    if !moe {
+        let f = m.intermediate_size as f64 / tp;
+        return vec![(rows, d, 2.0 * f), (rows, f, d)];
+    }
+    let experts = m.num_local_experts;
+    let (k, mine) = (m.num_experts_per_tok as f64, (experts / p.ep) as f64);
+    let (width, shared) = m.deepseek_moe().map_or((m.intermediate_size, 0), |ds| (ds.width, ds.shared));
+    let (per, f) = (rows * k / mine, width as f64);
+    let mut gemms = vec![(rows, d, experts as f64)];
+    for _ in 0..mine as usize {
+        gemms.extend([(per, d, 2.0 * f), (per, f, d)]);
+    }
+    if shared > 0 {
+        let s = (shared * width) as f64;
+        gemms.extend([(rows, d, 2.0 * s), (rows, s, d)]);
+    }
+    gemms
+}
+
+/// A block's attention GEMMs, (rows, k, n) forward, on one rank: those run once a micro-batch,
+/// and those that make the heads' keys and values where the core asks for them. GQA: q, k, v and
+/// o; nothing made later. Latent attention (`model/latent_attention.rs`): the query (plain, or
+/// through its latent), the replicated kv_a_proj_with_mqa, o_proj; and kv_b_proj, which makes the
+/// heads from the latent once, or under the ring once per block of keys that passes by (the
+/// busiest rank attends to all cp of them, contiguous or zigzag).
+fn attention_gemms(cfg: &Config, rows: f64) -> (Vec<Gemm>, Vec<Gemm>) {
+    let (m, p) = (&cfg.model, &cfg.parallel);
+    let (d, tp) = (m.hidden_size as f64, p.tp as f64);
+    let (hd, heads, kvh) = (m.head_dim() as f64, m.num_attention_heads as f64 / tp, m.num_key_value_heads as f64 / tp);
+    if m.kv_lora_rank == 0 {
+        return (vec![(rows, d, (heads + 2.0 * kvh) * hd), (rows, heads * hd, d)], Vec::new());
+    }
+    let (rank, rope, nope, v) =
+        (m.kv_lora_rank as f64, m.qk_rope_head_dim as f64, m.qk_nope_head_dim as f64, m.v_head_dim as f64);
+    let mut once = match m.q_lora_rank {
+        0 => vec![(rows, d, heads * hd)],
+        q_rank => vec![(rows, d, q_rank as f64), (rows, q_rank as f64, heads * hd)],
+    };
+    once.extend([(rows, d, rank + rope), (rows, heads * v, d)]);
+    let blocks = if p.cp > 1 && p.cp_mode == CpMode::Ring { p.cp } else { 1 };
+    (once, vec![(rows, rank, heads * (nope + v)); blocks])
 }
 
 /// Seconds of the optimizer on `values` trained values (AdamW reads the master, the gradient

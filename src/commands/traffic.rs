@@ -23,6 +23,7 @@
 
 use crate::comm::cost::Call;
 use crate::config::{Config, CpMode, DeviceKind, DpMode, PpSchedule};
+use crate::model::latent_attention::partial_over_tp;
 use crate::model::moe;
 use crate::model::stage::Stage;
 use crate::ops::{DType, TpCut};
@@ -132,24 +133,31 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
     let z = p.dp * p.cp;
     let shard = if p.dp_shard == 0 { z } else { p.dp_shard * p.cp };
     let edp = (z / p.ep.max(1)).max(1);
+    // a gradient summed over tp once a step: under ZeRO each rank's partitions of it
+    let trained = |h: &Held| match (p.zero_stage, moe::is_expert(&h.name)) {
+        (0, _) => h.values,
+        (_, true) if edp > 1 => partition_size(h.values, edp),
+        (_, false) if shard > 1 => partition_size(h.values, shard),
+        _ => h.values,
+    };
     if p.sequence_parallel {
         let gathers = 6.0 * layers + 2.0 * last + first;
         let scatters = 4.0 * layers + first + last;
         f.add(tp, Call::AllGather, mb * gathers, mb * gathers * x, true);
         f.add(tp, Call::ReduceScatter, mb * scatters, mb * scatters * x, true);
         // the gradients of what every tp rank holds whole (the norms), summed over the rows each
-        // tp rank saw: under ZeRO each rank's partitions of them
-        let trained = |h: &Held| match (p.zero_stage, moe::is_expert(&h.name)) {
-            (0, _) => h.values,
-            (_, true) if edp > 1 => partition_size(h.values, edp),
-            (_, false) if shard > 1 => partition_size(h.values, shard),
-            _ => h.values,
-        };
+        // tp rank saw
         let norms: usize = list.iter().filter(|h| h.whole).map(trained).sum();
         f.add(tp, Call::AllReduce, 1.0, 4.0 * norms as f64, true);
     } else {
         let sums = 4.0 * layers + first + last;
         f.add(tp, Call::AllReduce, mb * sums, mb * sums * x, true);
+        // latent attention's replicated latent path: each rank's gradient reached it from its own
+        // heads only, a partial sum (`parallel/latent_tensor_parallel.rs`)
+        let latent: usize = list.iter().filter(|h| partial_over_tp(&h.name)).map(trained).sum();
+        if latent > 0 {
+            f.add(tp, Call::AllReduce, 1.0, 4.0 * latent as f64, true);
+        }
     }
     // the cross-entropy's three row statistics over the vocabulary's slices, the norm's sum
     f.add(tp, Call::AllReduce, mb * 3.0 * last, mb * 3.0 * last * rows * 4.0, true);
@@ -157,13 +165,19 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
 
     // context parallelism
     let cp = ("cp", p.cp);
-    let kv = (m.num_key_value_heads / p.tp * m.head_dim()) as f64;
-    let q = (m.num_attention_heads / p.tp * m.head_dim()) as f64;
+    let kv = (m.num_key_value_heads / p.tp * m.core_head_dim()) as f64;
+    let q = (m.num_attention_heads / p.tp * m.core_head_dim()) as f64;
     match p.cp_mode {
         CpMode::Ring => {
             // forward: K|V handed on cp − 1 times while attention computes; backward: the same
-            // walk, and each of its cp steps hands the block's dK|dV on with it (and waits)
-            let block = 2.0 * rows * kv * e;
+            // walk, and each of its cp steps hands the block's dK|dV on with it (and waits).
+            // Latent attention's blocks are the keys' source, [c | rope(k_rot)], whole on every
+            // tp rank: its heads are made where a block lands
+            let per_row = match m.kv_lora_rank {
+                0 => 2.0 * kv,
+                rank => (rank + m.qk_rope_head_dim) as f64,
+            };
+            let block = rows * per_row * e;
             let hops = (p.cp - 1) as f64;
             f.add(cp, Call::P2p, mb * layers * 2.0 * hops, mb * layers * 2.0 * hops * block, false);
             f.add(cp, Call::P2p, mb * layers * p.cp as f64, mb * layers * p.cp as f64 * block, true);

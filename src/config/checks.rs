@@ -464,9 +464,7 @@ impl Config {
                 bail!("device.dtype = \"fp8\" on a GPU with {name} = {v}: cuBLASLt's FP8 GEMMs need every linear layer's features a multiple of 16; use device.dtype = \"bf16\" or other sizes");
             }
         }
-        // the head the attention core sees: latent attention pads its query/key and value heads to one width
-        let m = &self.model;
-        let core = if m.kv_lora_rank > 0 { m.head_dim().max(m.v_head_dim) } else { m.head_dim() };
+        let core = self.model.core_head_dim();
         if self.device.kind == DeviceKind::Cuda && core > WIDE_HEAD_DIM {
             bail!("model.head_dim = {core}: the CUDA attention kernels take heads up to {WIDE_HEAD_DIM} values wide (latent attention's: the larger of qk_nope_head_dim + qk_rope_head_dim and v_head_dim); use device.kind = \"cpu\" or a smaller head");
         }
