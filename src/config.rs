@@ -285,6 +285,11 @@ pub struct ParallelConfig {
     /// What the dp×cp ranks shard instead of replicating (`parallel/zero.rs`): 0 nothing, 1 the
     /// optimizer state, 2 also the gradients, 3 also the weights (FSDP).
     pub zero_stage: usize,
+    /// When ZeRO-2 and 3 reduce-scatter the gradients: `every_micro_batch` (each micro-batch's,
+    /// the full gradients freed as they are packed) or `once` (kept whole and accumulated across
+    /// the step's micro-batches, reduce-scattered after the last one's backward: less traffic,
+    /// more memory). ZeRO-0 and 1 reduce once a step either way.
+    pub zero_reduce: ZeroReduce,
     /// Hybrid sharding (HSDP): ZeRO shards within groups of `dp_shard` dp replicas and the groups
     /// replicate each other (gradients reduce-scattered inside a group, all-reduced across);
     /// 0: all of dp (plain ZeRO).
@@ -315,6 +320,13 @@ pub enum CpMode {
 pub enum DpMode {
     Naive,
     Bucketed,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(rename_all = "snake_case")]
+pub enum ZeroReduce {
+    EveryMicroBatch,
+    Once,
 }
 
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
@@ -510,6 +522,17 @@ impl ModelConfig {
         }
     }
 
+    /// Latent attention's shapes, when its latent is (`kv_lora_rank` > 0); `None`: GQA.
+    pub fn latent(&self) -> Option<Latent> {
+        (self.kv_lora_rank > 0).then_some(Latent {
+            kv_rank: self.kv_lora_rank,
+            q_rank: self.q_lora_rank,
+            nope: self.qk_nope_head_dim,
+            rope: self.qk_rope_head_dim,
+            v: self.v_head_dim,
+        })
+    }
+
     /// DeepSeekMoE's settings, when its experts are (`moe_intermediate_size` > 0); `None`: Mixtral's.
     pub fn deepseek_moe(&self) -> Option<DeepSeekMoe> {
         (self.moe_intermediate_size > 0).then_some(DeepSeekMoe {
@@ -563,6 +586,26 @@ impl ModelConfig {
         let embeddings = if self.tie_word_embeddings { 1.0 } else { 2.0 } * v * d;
         embeddings + l * layer + d
     }
+}
+
+/// Latent attention's shapes (`model/latent_attention.rs`), read from the `[model]` keys by the
+/// config that has them (`ModelConfig::latent`), for what prices it without building it (`plan`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Latent {
+    /// The keys' latent, the query's (0: a plain q_proj), and a head's parts: the query/key's
+    /// unrotated and rotated widths, the value's.
+    pub kv_rank: usize,
+    pub q_rank: usize,
+    pub nope: usize,
+    pub rope: usize,
+    pub v: usize,
+}
+
+/// Is the parameter named `name` one of latent attention's latent path (`model/latent_attention.rs`),
+/// replicated over tp with a gradient each rank makes from its own heads (a partial sum)?
+pub fn partial_over_tp(name: &str) -> bool {
+    let latent = ["q_a_proj.weight", "q_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"];
+    name.contains(".self_attn.") && latent.iter().any(|s| name.ends_with(s))
 }
 
 /// DeepSeekMoE's settings (`model/moe.rs`), read from the `[model]` keys by the config that has

@@ -80,6 +80,8 @@ fn data_parallel_and_zero_bytes_equal_the_ledger() {
     ledger_matches(&["parallel.dp=2", "parallel.zero_stage=1", "parallel.bucket_mb=0.01"]);
     ledger_matches(&["parallel.dp=2", "parallel.zero_stage=2"]);
     ledger_matches(&["parallel.dp=2", "parallel.zero_stage=3"]);
+    ledger_matches(&["parallel.dp=2", "parallel.zero_stage=2", "parallel.zero_reduce=once"]); // once a step
+    ledger_matches(&["parallel.dp=2", "parallel.zero_stage=3", "parallel.zero_reduce=once", "parallel.bucket_mb=0.01"]);
     ledger_matches(&["parallel.dp=3", "parallel.zero_stage=3", "parallel.bucket_mb=0.01"]); // padded chunks
     ledger_matches(&["parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2"]);
     // hybrid

@@ -42,6 +42,17 @@ fn stages_1_2_3_at_dp_2_3_4_follow_the_single_rank_curve() {
     );
 }
 
+/// ZeRO-2 and 3 reducing once a step (`parallel.zero_reduce = "once"`): the gradients add up
+/// whole over the micro-batches and are reduce-scattered after the last, on the same curve.
+#[test]
+fn reducing_once_a_step_follows_the_single_rank_curve() {
+    follow_the_single_rank_curve(
+        "dp=2,zero_stage=2,grad_accum_steps=3,zero_reduce=once;\
+         dp=2,zero_stage=3,grad_accum_steps=2,bucket_mb=0.01,zero_reduce=once;\
+         dp=2,pp=2,zero_stage=2,grad_accum_steps=2,zero_reduce=once;dp=4,dp_shard=2,zero_stage=3,grad_accum_steps=3,zero_reduce=once",
+    );
+}
+
 #[test]
 fn zero_composes_with_tp_pp_and_cp() {
     follow_the_single_rank_curve(
@@ -229,6 +240,7 @@ fn the_memory_estimate_is_within_ten_percent_of_the_measured_peak_for_every_layo
         "parallel.cp=2",
         "parallel.dp=2,parallel.zero_stage=1",
         "parallel.dp=2,parallel.zero_stage=2,train.grad_accum_steps=2",
+        "parallel.dp=2,parallel.zero_stage=2,train.grad_accum_steps=2,parallel.zero_reduce=\"once\"",
         "parallel.dp=2,parallel.zero_stage=3,parallel.bucket_mb=0.05",
         "parallel.dp=2,parallel.tp=2,parallel.pp=2,parallel.zero_stage=3",
         "parallel.dp=2,parallel.cp=2,parallel.zero_stage=2",

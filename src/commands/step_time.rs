@@ -180,11 +180,13 @@ pub fn small_bytes(cfg: &Config, e: f64) -> f64 {
     let (m, tp) = (&cfg.model, cfg.parallel.tp as f64);
     let d = m.hidden_size as f64;
     // latent attention: its heads padded to the core's width, and its latents (replicated), normed
-    let (q, kv) = match m.kv_lora_rank {
-        0 => ((m.num_attention_heads * m.head_dim()) as f64 / tp, (m.num_key_value_heads * m.head_dim()) as f64 / tp),
-        rank => {
+    let (q, kv) = match m.latent() {
+        None => {
+            ((m.num_attention_heads * m.head_dim()) as f64 / tp, (m.num_key_value_heads * m.head_dim()) as f64 / tp)
+        }
+        Some(l) => {
             let heads = (m.num_attention_heads * m.core_head_dim()) as f64 / tp;
-            (heads, heads + (rank + m.qk_rope_head_dim + m.q_lora_rank) as f64)
+            (heads, heads + (l.kv_rank + l.rope + l.q_rank) as f64)
         }
     };
     let f = match (m.num_local_experts, m.deepseek_moe()) {
@@ -294,12 +296,11 @@ fn attention_gemms(cfg: &Config, rows: f64) -> (Vec<Gemm>, Vec<Gemm>) {
     let (m, p) = (&cfg.model, &cfg.parallel);
     let (d, tp) = (m.hidden_size as f64, p.tp as f64);
     let (hd, heads, kvh) = (m.head_dim() as f64, m.num_attention_heads as f64 / tp, m.num_key_value_heads as f64 / tp);
-    if m.kv_lora_rank == 0 {
+    let Some(l) = m.latent() else {
         return (vec![(rows, d, (heads + 2.0 * kvh) * hd), (rows, heads * hd, d)], Vec::new());
-    }
-    let (rank, rope, nope, v) =
-        (m.kv_lora_rank as f64, m.qk_rope_head_dim as f64, m.qk_nope_head_dim as f64, m.v_head_dim as f64);
-    let mut once = match m.q_lora_rank {
+    };
+    let (rank, rope, nope, v) = (l.kv_rank as f64, l.rope as f64, l.nope as f64, l.v as f64);
+    let mut once = match l.q_rank {
         0 => vec![(rows, d, heads * hd)],
         q_rank => vec![(rows, d, q_rank as f64), (rows, q_rank as f64, heads * hd)],
     };

@@ -22,8 +22,7 @@
 //! one rank of a pipeline stage; a test holds them equal to the ledger of real runs.
 
 use crate::comm::cost::Call;
-use crate::config::{Config, CpMode, DeviceKind, DpMode, PpSchedule};
-use crate::model::latent_attention::partial_over_tp;
+use crate::config::{partial_over_tp, Config, CpMode, DeviceKind, DpMode, PpSchedule, ZeroReduce};
 use crate::model::moe;
 use crate::model::stage::Stage;
 use crate::ops::{DType, TpCut};
@@ -173,9 +172,9 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
             // walk, and each of its cp steps hands the block's dK|dV on with it (and waits).
             // Latent attention's blocks are the keys' source, [c | rope(k_rot)], whole on every
             // tp rank: its heads are made where a block lands
-            let per_row = match m.kv_lora_rank {
-                0 => 2.0 * kv,
-                rank => (rank + m.qk_rope_head_dim) as f64,
+            let per_row = match m.latent() {
+                None => 2.0 * kv,
+                Some(l) => (l.kv_rank + l.rope) as f64,
             };
             let block = rows * per_row * e;
             let hops = (p.cp - 1) as f64;
@@ -269,10 +268,11 @@ fn gradients(f: &mut Flows, cfg: &Config, (axis, ranks): (&'static str, usize), 
         f.add(group, Call::AllReduce, calls as f64, 4.0 * values as f64, p.dp_mode == DpMode::Naive);
         return;
     }
-    // ZeRO: each bucket reduce-scattered (ZeRO-1 on the last micro-batch, 2 and 3 on every one)
+    // ZeRO: each bucket reduce-scattered (ZeRO-1 on the last micro-batch, 2 and 3 on every one,
+    // or on the last with zero_reduce = "once")
     let buckets = zero_buckets(cfg, list, ranks);
     let padded: usize = buckets.iter().map(|b| b.len * ranks).sum();
-    let times = if zero == 1 { 1.0 } else { mb };
+    let times = if zero == 1 || p.zero_reduce == ZeroReduce::Once { 1.0 } else { mb };
     f.add(group, Call::ReduceScatter, times * buckets.len() as f64, times * 4.0 * padded as f64, false);
     // the norm's parts: the tp-split parameters' and the whole ones', each summed over the partitions
     let parts = list.iter().any(|h| !h.whole) as u8 + list.iter().any(|h| h.whole) as u8;

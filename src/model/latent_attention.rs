@@ -44,7 +44,7 @@
 //! cuts them) and replicates the latent path (q_a_proj, kv_a_proj_with_mqa and the two latent
 //! norms): every rank computes the same latents, but its backward reaches them from its own
 //! heads only, so their gradients are partial sums, added over the tp ranks once a step
-//! (`partial_over_tp`; `parallel/latent_tensor_parallel.rs`). The rotated key's gradient is the
+//! (`config::partial_over_tp`; `parallel/latent_tensor_parallel.rs`). The rotated key's gradient is the
 //! sum over the heads of this rank, and so partial too: it flows into kv_a_proj_with_mqa's.
 
 use crate::config::{ModelConfig, RopeScaling};
@@ -574,13 +574,6 @@ impl Attention for Mla {
             (Some(_), None) => Err(anyhow!("backward: a latent query's forward kept no latent")),
         }
     }
-}
-
-/// Is the parameter named `name` one of the latent path's, replicated over tp with a gradient each
-/// rank makes from its own heads (a partial sum)?
-pub fn partial_over_tp(name: &str) -> bool {
-    let latent = ["q_a_proj.weight", "q_a_layernorm.weight", "kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight"];
-    name.contains(".self_attn.") && latent.iter().any(|s| name.ends_with(s))
 }
 
 /// `heads` runs of `width` picks, `pick(head, column)` each.

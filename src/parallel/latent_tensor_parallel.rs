@@ -12,7 +12,7 @@
 //! reducer is not added then.
 
 use crate::comm::Group;
-use crate::model::latent_attention::partial_over_tp;
+use crate::config::partial_over_tp;
 use crate::model::Param;
 use crate::parallel::data_parallel::GradReduce;
 use crate::parallel::sequence_parallel::sum_grads_over_tp;

@@ -33,8 +33,13 @@
 //! ```
 //! The gradients' half is below: data parallelism's buckets (`data_parallel::buckets_of`),
 //! reduce-scattered, once per step at ZeRO-1 as ZeRO-0 all-reduces, on every micro-batch at
-//! ZeRO-2 and 3, since the full gradient is not kept. The weights' half, the all-gather, is
-//! at the end: at ZeRO-1 and 2 the optimizer updates this rank's partitions and every rank then
+//! ZeRO-2 and 3, since the full gradient is not kept — or, with `parallel.zero_reduce = "once"`,
+//! once a step at ZeRO-2 and 3 as well: each gradient adds up whole over the step's micro-batches
+//! and is reduce-scattered (and freed) in the last one's backward. That is the trade large runs
+//! make: 1/micro-batches of the traffic (Llama 3's ZeRO-2 at 16 micro-batches would move 16× the
+//! gradients a step), for full gradients held through the step, as ZeRO-1 holds them.
+//!
+//! The weights' half, the all-gather, is at the end: at ZeRO-1 and 2 the optimizer updates this rank's partitions and every rank then
 //! gathers the updated whole weights (`GatherAfterUpdate`, wrapped around the optimizer). A gather
 //! packs this rank's partitions of several parameters side by side, so one all-gather returns every
 //! rank's partitions, rank after rank; `unpack` puts each parameter together without its padding.
@@ -78,6 +83,7 @@ use crate::comm::process_grid::Axis;
 use crate::comm::tensors::Pending;
 use crate::comm::Group;
 use crate::comm::ReduceOp;
+use crate::config::ZeroReduce;
 use crate::model::optimizer::Optimizer;
 use crate::model::param::TrainedPart;
 use crate::model::{Llama, Param};
@@ -288,8 +294,11 @@ struct Bucket {
 /// ZeRO's gradient reduction: data parallelism's buckets, reduce-scattered.
 pub struct ZeroBuckets<'g> {
     group: &'g Group,
-    /// 1: once per step; 2, 3: on every micro-batch, freeing the full gradients.
+    /// 1: once per step; 2, 3: freeing the full gradients as they are packed.
     zero_stage: usize,
+    /// Reduce-scatter on every micro-batch (ZeRO-2 and 3 by default), or once a step, after the
+    /// last micro-batch's backward (ZeRO-1; ZeRO-2 and 3 with `parallel.zero_reduce = "once"`).
+    every_micro_batch: bool,
     buckets: Vec<Bucket>,
     place: HashMap<String, (usize, usize)>,
     /// The buckets whose reduce-scatter is in flight, oldest first.
@@ -313,12 +322,12 @@ impl<'g> ZeroBuckets<'g> {
     /// Plans the buckets of `params` (in model order, with their model chunks) sharded over
     /// `group` at `zero_stage` 1–3: a member takes one partition per rank, so a bucket of `bucket_mb`
     /// holds 1/ranks of what a data-parallel one does, per rank; `then` runs over each bucket's
-    /// averaged partitions once per step.
+    /// averaged partitions once per step; `reduce` says when ZeRO-2 and 3 reduce-scatter.
     pub fn new(
         (group, then): (&'g Group, Option<AfterReduce<'g>>),
         params: (&[&Param], &[usize]),
         bucket_mb: f64,
-        zero_stage: usize,
+        (zero_stage, reduce): (usize, ZeroReduce),
     ) -> ZeroBuckets<'g> {
         let ranks = group.size();
         let room = (bucket_values(bucket_mb) / ranks).max(1);
@@ -336,16 +345,18 @@ impl<'g> ZeroBuckets<'g> {
                 closes: plan.closes,
             })
             .collect();
-        ZeroBuckets { group, zero_stage, buckets, place, in_flight: VecDeque::new(), failed: None, then }
+        let every_micro_batch = zero_stage >= 2 && reduce == ZeroReduce::EveryMicroBatch;
+        let in_flight = VecDeque::new();
+        ZeroBuckets { group, zero_stage, every_micro_batch, buckets, place, in_flight, failed: None, then }
     }
 }
 
 impl GradReduce for ZeroBuckets<'_> {
     /// The gradient's partitions go into its bucket, rank-major (ZeRO-2, 3: the full gradient is
-    /// freed); a full bucket's reduce-scatter starts at once: on the last micro-batch (ZeRO-1),
-    /// or on every one (2, 3).
+    /// freed); a full bucket's reduce-scatter starts at once: on the last micro-batch (ZeRO-1, and
+    /// 2 and 3 reducing once: till then each gradient adds up whole), or on every one (2, 3).
     fn grad_ready(&mut self, p: &mut Param, last: bool) {
-        if self.zero_stage < 2 && !last {
+        if !self.every_micro_batch && !last {
             return;
         }
         let (b, offset) = self.place[&p.name];

@@ -309,7 +309,7 @@ fn gradients<'g>(
             Some(group) => {
                 let hybrid = axis == Axis::DpCp && hybrid_sharding::is_hybrid(&me.grid);
                 let then = hybrid.then(|| hybrid_sharding::average_across(me.group(REPLICATE)));
-                Box::new(ZeroBuckets::new((group, then), list, p.bucket_mb, p.zero_stage))
+                Box::new(ZeroBuckets::new((group, then), list, p.bucket_mb, (p.zero_stage, p.zero_reduce)))
             }
             None => Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb)),
         };

@@ -17,7 +17,7 @@
 //! host memory it frees (`keep_freed_memory`).
 
 use crate::comm::launcher::Capacity;
-use crate::config::{Config, DpMode, ModelConfig, OptimizerKind, Recompute};
+use crate::config::{Config, DpMode, ModelConfig, OptimizerKind, Recompute, ZeroReduce};
 use crate::cuda::launch_table::attention::backward_scratch;
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
@@ -425,9 +425,11 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     let activations = one * (in_flight(cfg, stage, dtype) - 1.0) + now;
     // (ZeRO-2/3 with accumulation: the partition sums of the earlier micro-batches as well)
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
+    // ZeRO-2/3 reducing once a step hold every gradient whole until the last micro-batch, as ZeRO-1
+    let each = zero >= 2 && p.zero_reduce == ZeroReduce::EveryMicroBatch;
     let sums =
-        if zero >= 2 && t.grad_accum_steps > 1 && in_flight(cfg, stage, dtype) == 1.0 { 4.0 * partitions } else { 0.0 };
-    let grads = sums + if zero >= 2 { 4.0 * unit } else { 4.0 * whole };
+        if each && t.grad_accum_steps > 1 && in_flight(cfg, stage, dtype) == 1.0 { 4.0 * partitions } else { 0.0 };
+    let grads = sums + if each { 4.0 * unit } else { 4.0 * whole };
     // (ZeRO makes a bucket when its first gradient arrives: by then, on the last stage, the head's)
     let filling = if stage.is_last() { 4.0 * bucket } else { 0.0 };
     // FSDP: while the first unit of the backward computes, the next one's gather is in flight
