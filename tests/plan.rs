@@ -98,19 +98,22 @@ fn tensor_and_context_parallel_bytes_equal_the_ledger() {
     ledger_matches(&["parallel.dp=2", "parallel.cp=2", "parallel.zero_stage=3", "parallel.bucket_mb=0.01"]);
 }
 
+/// Latent attention on the small model: every head its own KV head, both latents, a value head
+/// narrower than the query/key's.
+const MLA: [&str; 6] = [
+    "model.num_key_value_heads=4",
+    "model.kv_lora_rank=8",
+    "model.q_lora_rank=6",
+    "model.qk_nope_head_dim=4",
+    "model.qk_rope_head_dim=4",
+    "model.v_head_dim=6",
+];
+
 /// Latent attention: the ring passes each block's source (kv_lora_rank + qk_rope_head_dim a
 /// token), Ulysses moves the padded heads, tp sums the replicated latent path's gradients once a
 /// step; DeepSeekMoE's experts over ep.
 #[test]
 fn latent_attention_bytes_equal_the_ledger() {
-    let mla = [
-        "model.num_key_value_heads=4",
-        "model.kv_lora_rank=8",
-        "model.q_lora_rank=6",
-        "model.qk_nope_head_dim=4",
-        "model.qk_rope_head_dim=4",
-        "model.v_head_dim=6",
-    ];
     for layout in [
         &["parallel.cp=2"][..],
         &["parallel.cp=3", "train.seq_len=48"],
@@ -120,7 +123,7 @@ fn latent_attention_bytes_equal_the_ledger() {
         &["parallel.tp=2", "parallel.dp=2", "parallel.zero_stage=2"],
         &["parallel.tp=2", "parallel.sequence_parallel=true"],
     ] {
-        ledger_matches(&[&mla[..], layout].concat());
+        ledger_matches(&[&MLA[..], layout].concat());
     }
     let deepseek_moe = [
         "model.num_local_experts=4",
@@ -128,7 +131,7 @@ fn latent_attention_bytes_equal_the_ledger() {
         "model.moe_intermediate_size=8",
         "model.n_shared_experts=1",
     ];
-    ledger_matches(&[&mla[..], &deepseek_moe, &["parallel.dp=2", "parallel.ep=2"]].concat());
+    ledger_matches(&[&MLA[..], &deepseek_moe, &["parallel.dp=2", "parallel.ep=2"]].concat());
 }
 
 /// The step-time model prices every GEMM a layer runs: with each GEMM at 1 TFLOP/s and nothing
@@ -149,12 +152,6 @@ fn the_step_time_model_prices_latent_attention_and_deepseek_moe_gemm_by_gemm() {
     };
     let deepseek = [
         "model.num_hidden_layers=3",
-        "model.num_key_value_heads=4",
-        "model.kv_lora_rank=8",
-        "model.q_lora_rank=6",
-        "model.qk_nope_head_dim=4",
-        "model.qk_rope_head_dim=4",
-        "model.v_head_dim=6",
         "model.num_local_experts=4",
         "model.num_experts_per_tok=2",
         "model.moe_intermediate_size=8",
@@ -164,7 +161,8 @@ fn the_step_time_model_prices_latent_attention_and_deepseek_moe_gemm_by_gemm() {
     for (layout, blocks) in
         [(&[][..], 1.0), (&["parallel.cp=2"], 2.0), (&["parallel.cp=2", "parallel.cp_mode=ulysses"], 1.0)]
     {
-        let sets: Vec<String> = common::SMALL.iter().chain(&deepseek).chain(layout).map(|s| s.to_string()).collect();
+        let sets: Vec<String> =
+            common::SMALL.iter().chain(&MLA).chain(&deepseek).chain(layout).map(|s| s.to_string()).collect();
         let cfg = Config::load(None, &sets).unwrap();
         let (m, t) = (&cfg.model, &cfg.train);
         let rows = (t.micro_batch_size * t.seq_len / cfg.parallel.cp) as f64;
