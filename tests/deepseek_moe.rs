@@ -193,14 +193,6 @@ fn the_memory_estimate_counts_latent_attention_and_the_shared_experts() {
         let sets: Vec<String> =
             DEEPSEEK.iter().chain(&base).map(|s| s.to_string()).chain(layout.split(',').map(String::from)).collect();
         let cfg = Config::load(None, &sets).unwrap();
-        for r in ferrotron::commands::memory::memory(&cfg, true).unwrap() {
-            let m = r.measured_peak_bytes.unwrap();
-            assert!(
-                (r.total_bytes / m - 1.0).abs() <= 0.15,
-                "{layout}, rank {}: estimated {} B, measured {m} B",
-                r.rank,
-                r.total_bytes
-            );
-        }
+        common::memory_estimate_within(&cfg, 0.15, layout);
     }
 }

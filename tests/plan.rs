@@ -199,6 +199,17 @@ fn pipeline_bytes_equal_the_ledger_for_every_schedule() {
 }
 
 #[test]
+fn a_tied_embeddings_swap_between_the_pipelines_ends_equals_the_ledger() {
+    let (tied, four) = ("model.tie_word_embeddings=true", "model.num_hidden_layers=4");
+    ledger_matches(&[tied, "parallel.pp=2"]);
+    ledger_matches(&[tied, four, "parallel.pp=4", "parallel.pp_schedule=afab", "train.grad_accum_steps=8"]);
+    ledger_matches(&[tied, four, "parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual_stages=2"]);
+    ledger_matches(&[tied, "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=2"]);
+    ledger_matches(&[tied, "parallel.pp=2", "parallel.dp=2", "parallel.zero_stage=3", "parallel.bucket_mb=0.01"]);
+    ledger_matches(&[tied, "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true"]);
+}
+
+#[test]
 fn expert_bytes_equal_the_ledger_as_a_mean_over_the_ep_ranks() {
     let moe = ["model.num_local_experts=4", "model.num_experts_per_tok=2"];
     ledger_matches(&[&["parallel.dp=2", "parallel.ep=2"][..], &moe].concat());

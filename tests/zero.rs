@@ -248,15 +248,7 @@ fn the_memory_estimate_is_within_ten_percent_of_the_measured_peak_for_every_layo
     ] {
         let sets: Vec<String> = base.iter().map(|s| s.to_string()).chain(layout.split(',').map(String::from)).collect();
         let cfg = Config::load(None, &sets).unwrap();
-        for r in memory::memory(&cfg, true).unwrap() {
-            let m = r.measured_peak_bytes.unwrap();
-            assert!(
-                (r.total_bytes / m - 1.0).abs() <= 0.1,
-                "{layout}, rank {}: estimated {} B, measured {m} B",
-                r.rank,
-                r.total_bytes
-            );
-        }
+        common::memory_estimate_within(&cfg, 0.1, layout);
     }
 }
 

@@ -289,15 +289,7 @@ fn the_stages_hold_what_the_schedule_and_the_memory_estimate_say() {
         let kind = cfg.parallel.pp_schedule;
         let want: Vec<usize> = (0..pp).map(|s| schedule_of(kind).held(pp, s, m, v)).collect();
         assert_eq!(measured, want, "{kind:?} pp={pp} m={m}: micro-batch chunks held per stage");
-        for r in ferrotron::commands::memory::memory(&cfg, true).unwrap() {
-            let got = r.measured_peak_bytes.unwrap();
-            assert!(
-                (r.total_bytes / got - 1.0).abs() <= 0.1,
-                "{kind:?} rank {}: estimated {}, measured {got}",
-                r.rank,
-                r.total_bytes
-            );
-        }
+        common::memory_estimate_within(&cfg, 0.1, &format!("{kind:?}"));
     }
 }
 

@@ -118,7 +118,11 @@ pub fn gather(
         experts.sort_by(|a, b| (a.0, &a.1, a.2).cmp(&(b.0, &b.1, b.2)));
         experts.drain(..).try_for_each(|(_, _, _, kind, name, t)| emit(&name, kind, &t))
     };
+    let copy = model.tied_copy().map(|c| c.name.clone()); // the first stage writes it
     for (p, kept) in model.params().iter().zip(&kept) {
+        if copy.as_ref() == Some(&p.name) {
+            continue;
+        }
         let value = p.trained_values();
         let spread = moe::is_expert(&p.name) && ep.size() > 1;
         if !spread && first_replica {

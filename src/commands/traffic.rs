@@ -107,8 +107,12 @@ fn tensors(cfg: &Config, stage: Stage) -> Vec<Held> {
         }
     }
     if stage.is_last() {
-        let head = cuts.iter().filter(|c| !block(c) && c.0 != "model.embed_tokens.weight");
-        out.extend(head.map(|(n, s, c)| held(n.clone(), s, *c, ranges.len() - 1)));
+        // the final norm, the output layer (a tied model's last stage: its copy of the embedding)
+        let copy = m.tie_word_embeddings && !stage.is_first();
+        let head = cuts.iter().filter(|c| !block(c) && (copy || c.0 != "model.embed_tokens.weight"));
+        let mut head: Vec<Held> = head.map(|(n, s, c)| held(n.clone(), s, *c, ranges.len() - 1)).collect();
+        head.sort_by_key(|h| h.name == "model.embed_tokens.weight"); // the output layer after the norm
+        out.extend(head);
     }
     out
 }
@@ -201,6 +205,12 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
         f.add(pp, Call::P2p, calls, calls * msg, false);
         f.add(pp, Call::Broadcast, 1.0, 4.0, true); // the loss, from the last stage
         f.add(pp, Call::AllReduce, 1.0, 4.0, true); // the gradient norm's sum
+                                                    // a tied embedding's two halves of its gradient swapped between the first and the last
+                                                    // stage, once a step (under ZeRO this rank's partition of it)
+        if m.tie_word_embeddings && stage.is_first() != stage.is_last() {
+            let embedding = list.iter().find(|h| h.name == "model.embed_tokens.weight");
+            f.add(pp, Call::P2p, 1.0, 4.0 * embedding.map_or(0, trained) as f64, true);
+        }
     }
 
     // experts: each routed row to its expert's rank and back, forward and backward (what a rank
@@ -283,12 +293,11 @@ fn gradients(f: &mut Flows, cfg: &Config, (axis, ranks): (&'static str, usize), 
         // but the last one's (still whole from its forward)
         let mut units: Vec<f64> = Vec::new();
         let mut key = String::new();
-        for Held { name, values: n, .. } in list {
-            let unit = name.split('.').take(3).collect::<Vec<_>>().join(".");
-            let unit = if name.starts_with("model.layers.") {
-                unit
-            } else {
-                name.replace("model.norm.weight", "lm_head.weight")
+        for (i, Held { name, values: n, .. }) in list.iter().enumerate() {
+            let unit = match name.starts_with("model.layers.") {
+                true => name.split('.').take(3).collect::<Vec<_>>().join("."),
+                false if i == 0 => "embedding".into(),
+                false => "head".into(), // the final norm and the output layer (or a tied copy)
             };
             if unit != key || units.is_empty() {
                 units.push(0.0);
@@ -297,7 +306,7 @@ fn gradients(f: &mut Flows, cfg: &Config, (axis, ranks): (&'static str, usize), 
             *units.last_mut().expect("pushed") += gathered(*n);
         }
         // (the embedding's backward reads no weight: it is not gathered again)
-        let embedding = list.iter().any(|h| h.name == "model.embed_tokens.weight") as usize;
+        let embedding = list.first().is_some_and(|h| h.name == "model.embed_tokens.weight") as usize;
         let calls = (2 * units.len() - embedding) as f64;
         let bytes = 2.0 * units.iter().sum::<f64>() - if embedding == 1 { units[0] } else { 0.0 };
         f.add(group, Call::AllGather, mb * calls, mb * bytes * e, false);

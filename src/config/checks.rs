@@ -388,9 +388,6 @@ impl Config {
         if p.pp_schedule.unpaired() && p.backend == CommBackend::Nccl {
             bail!("parallel.pp_schedule = \"{kind}\" with parallel.backend = \"nccl\": its messages are not yet paired for NCCL (a large NCCL send waits for its receive); use backend \"local\" or \"auto\", or pp_schedule \"1f1b\"");
         }
-        if p.pp > 1 && self.model.tie_word_embeddings && p.pp_schedule != PpSchedule::Zbv {
-            bail!("model.tie_word_embeddings = true with parallel.pp = {}: the embedding (first stage) and the output layer (last stage) would need a shared gradient; untie them, set parallel.pp = 1, or use pp_schedule = \"zbv\" (its V holds both on rank 0)", p.pp);
-        }
         let m = &self.model;
         for (key, v) in [
             ("num_attention_heads", m.num_attention_heads),

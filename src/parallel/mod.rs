@@ -6,6 +6,7 @@
 //! `hybrid_sharding` (ZeRO within shard groups, replicas across them) → `tensor_parallel` (each
 //! matrix split across ranks) → `sequence_parallel` (and the rows between the matrices) →
 //! `pipeline_parallel` (layers split into stages, AFAB; `pipeline_messages`, what the stages say;
+//! `pipeline_tied`, a tied embedding's gradient summed between the first and the last stage;
 //! `pipeline_schedule`, a schedule as data, the order of a stage's forwards and backwards;
 //! `pipeline_1f1b`, 1F1B; `pipeline_actions`, the schedules walked as lists, interleaved;
 //! `pipeline_zero_bubble`, ZB-H1 and ZBV; `schedules`, every schedule by its config name; `layout`, the grid with every lesson's cuts) →
@@ -30,6 +31,7 @@ pub mod pipeline_actions;
 pub mod pipeline_messages;
 pub mod pipeline_parallel;
 pub mod pipeline_schedule;
+pub mod pipeline_tied;
 pub mod pipeline_zero_bubble;
 pub mod schedules;
 pub mod sequence_parallel;

@@ -23,6 +23,7 @@
 //!                                                parallel.zero_stage ≥ 2 → ZeroBuckets             06
 //!                                                parallel.dp_shard → within SHARD, then REPLICATE  08
 //!                                                parallel.ep → ExpertGrads                         20
+//!                                                tied embeddings, parallel.pp → TiedEmbedding      12
 //! Walk (src/parallel/pipeline_parallel.rs:130)   parallel.pp_schedule → Afab | OneFOneB | Listed   12–15
 //! WholeMatrices (src/model/muon.rs:137)          train.optimizer = muon, sharded → Owners          23
 //! Precision (src/ops/precision.rs:24)            device.dtype → f32 | bf16 | fp8                   21
@@ -47,6 +48,7 @@ use crate::model::moe::{ExpertSplit, Experts, EP, EXPERT_DP};
 use crate::model::muon::{self, Muon, WholeMatrices};
 use crate::model::optimizer::{self, AdamW, Optimizer, StateKinds};
 use crate::model::routing_tape::{self, RoutingTape, TapeMode, Taped};
+use crate::model::split::LayerSplit;
 use crate::model::{Llama, Param, TensorSplit, Whole};
 use crate::ops::tensor::Place;
 use crate::parallel::context_parallel::{self, Ring};
@@ -59,6 +61,7 @@ use crate::parallel::latent_tensor_parallel::LatentGradsOverTp;
 use crate::parallel::layout;
 use crate::parallel::muon_owners::Owners;
 use crate::parallel::pipeline_parallel::StepPlan;
+use crate::parallel::pipeline_tied::TiedEmbedding;
 use crate::parallel::schedules;
 use crate::parallel::sequence_parallel::{NormGradsOverTp, SequenceParallel};
 use crate::parallel::tensor_parallel::TensorParallel;
@@ -163,7 +166,9 @@ pub(super) fn assemble<'g>(
         NormAxis { axis: Axis::DpCp, parts: sharding.on(Axis::DpCp), others: None },
         NormAxis { axis: EXPERT_DP.into(), parts: sharding.on(EXPERT_DP.into()), others: Some(ep) },
     ];
-    let norm = NormGroups { axes_of, tp, pp, axes };
+    // a tied model's last stage holds a copy of the embedding: the first stage counts it
+    let copies = model.tied_copy().map(|c| c.name.clone()).into_iter().collect();
+    let norm = NormGroups { axes_of, tp, pp, axes, copies };
     // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
     // parallelism)
     let rows = t.micro_batch_size * t.seq_len / p.cp / if p.sequence_parallel { p.tp } else { 1 };
@@ -324,6 +329,15 @@ fn gradients<'g>(
     } else if cfg.model.kv_lora_rank > 0 && p.tp > 1 {
         // latent attention's replicated latent path: partial gradients, summed over tp
         grads.add(Which::Every, Box::new(LatentGradsOverTp(me.group(Axis::Tp))));
+    }
+    // a tied embedding on two stages (the first's embedding, the last's output layer): their
+    // gradients swapped and summed; a stage holding both, or neither, has nothing to swap
+    let pp = me.group(Axis::Pp);
+    let ends = |i| (schedules::stage_of(i, p).has_embedding(), schedules::stage_of(i, p).has_head());
+    let (embedding, head) = ends(pp.index());
+    if cfg.model.tie_word_embeddings && embedding != head {
+        let peer = (0..pp.size()).find(|&i| ends(i) == (head, embedding)).expect("a pipeline has both ends");
+        grads.add(Which::Every, Box::new(TiedEmbedding { pp, peer }));
     }
     grads
 }

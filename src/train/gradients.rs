@@ -131,7 +131,8 @@ impl<'g> Gradients<'g> {
 pub fn global_sum_squares(params: &[&mut Param], groups: &NormGroups) -> Result<Tensor> {
     let place = params.first().map_or(Place::Cpu, |p| p.place());
     let sum = |keep: &dyn Fn(&Param) -> bool, parts: Option<&Group>| -> Result<Tensor> {
-        let grads: Vec<&Tensor> = params.iter().filter(|p| keep(p)).map(|p| p.trained_grad()).collect();
+        let counted = |p: &&&mut Param| keep(p) && !groups.copies.contains(&p.name);
+        let grads: Vec<&Tensor> = params.iter().filter(counted).map(|p| p.trained_grad()).collect();
         let mut sum = ops::sum_squares_total(&grads, &place);
         if let Some(group) = parts {
             group.all_reduce_tensor(&mut sum, ReduceOp::Sum)?; // the other ranks' parts
@@ -180,6 +181,8 @@ pub struct NormGroups<'g> {
     pub pp: &'g Group,
     /// Each replicas' axis, in the order their parts are added (dp×cp first).
     pub axes: Vec<NormAxis<'g>>,
+    /// The parameters this rank holds as copies of another rank's, which counts them (once).
+    pub copies: Vec<String>,
 }
 
 /// The parameters replicated over `axis`, and the groups their sums are added over.

@@ -277,8 +277,11 @@ fn sizes(
     }
     let counts = twin_counts(m, stage).map(|c| c as f64);
     let (first, last) = (stage.is_first() as u8 as f64, stage.is_last() as u8 as f64);
-    let whole = counts[0] * layer[0].0 + counts[1] * layer[1].0 + first * embed.0 + last * head.0;
-    let partitions = counts[0] * layer[0].1 + counts[1] * layer[1].1 + first * embed.1 + last * head.1;
+    // a tied model's last stage holds a copy of the first's embedding as its output layer
+    let copy = if m.tie_word_embeddings && !stage.is_first() { last } else { 0.0 };
+    let embeds = first + copy;
+    let whole = counts[0] * layer[0].0 + counts[1] * layer[1].0 + embeds * embed.0 + last * head.0;
+    let partitions = counts[0] * layer[0].1 + counts[1] * layer[1].1 + embeds * embed.1 + last * head.1;
     // the head gathers the embedding it shares when they are tied
     let head_unit = last * (head.0 + if m.tie_word_embeddings { embed.0 } else { 0.0 });
     let unit = (0..2).filter(|&j| counts[j] > 0.0).map(|j| layer[j].0).fold(head_unit, f64::max);

@@ -106,3 +106,17 @@ pub fn assert_tensors_close(what: &str, got: &Tensors, want: &Tensors, tolerance
         assert!(a.len() == b.len() && diff <= tolerance * size, "{what}: {name} differs by {diff} (of {size})");
     }
 }
+
+/// Trains `cfg` two steps and asserts that each rank's estimated memory is within `tolerance`
+/// (a fraction) of its measured peak; `what` names the layout in a failure.
+#[allow(dead_code)] // used by the test files that measure memory
+pub fn memory_estimate_within(cfg: &ferrotron::config::Config, tolerance: f64, what: &str) {
+    for r in ferrotron::commands::memory::memory(cfg, true).unwrap() {
+        let m = r.measured_peak_bytes.unwrap();
+        let (rank, estimated) = (r.rank, r.total_bytes);
+        assert!(
+            (estimated / m - 1.0).abs() <= tolerance,
+            "{what}, rank {rank}: estimated {estimated} B, measured {m} B"
+        );
+    }
+}

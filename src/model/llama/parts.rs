@@ -97,9 +97,11 @@ impl<'g> Llama<'g> {
     ) -> Result<(Option<Param>, Vec<Block<'g>>, Option<Head>)> {
         let d = cfg.hidden_size;
         let (rows, whole) = (TpCut::Rows, TpCut::Whole); // on the tp axis: vocabulary rows
-        let embed_name = "model.embed_tokens.weight".to_string();
+        let embed = |param: &mut dyn FnMut(String, &[usize], ParamKind, TpCut) -> Result<Param>| {
+            param("model.embed_tokens.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, rows)
+        };
         let embed_tokens = match layer_split.has_embedding() {
-            true => Some(param(embed_name, &[cfg.vocab_size, d], ParamKind::Matrix, rows)?),
+            true => Some(embed(param)?),
             false => None,
         };
         let mut layers = Vec::new();
@@ -109,9 +111,13 @@ impl<'g> Llama<'g> {
         let head = match layer_split.has_head() {
             true => Some(Head {
                 norm: param("model.norm.weight".into(), &[d], ParamKind::Norm, whole)?,
-                lm_head: match cfg.tie_word_embeddings {
-                    true => None,
-                    false => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, rows)?),
+                // tied: the embedding itself where it is here; on a stage without it (the last
+                // of a pipeline) a copy of it, made as the embedding is — same name, same values —
+                // whose gradient the two stages sum before each update, so that the two stay equal
+                lm_head: match (cfg.tie_word_embeddings, layer_split.has_embedding()) {
+                    (true, true) => None,
+                    (true, false) => Some(embed(param)?),
+                    (false, _) => Some(param("lm_head.weight".into(), &[cfg.vocab_size, d], ParamKind::Matrix, rows)?),
                 },
             }),
             false => None,
@@ -158,6 +164,13 @@ impl<'g> Llama<'g> {
     pub fn with_keeps(mut self, keeps: Box<dyn Keeps + 'g>) -> Llama<'g> {
         self.keeps = keeps;
         self
+    }
+
+    /// The output layer this stage holds as a copy of another stage's embedding (a tied model's
+    /// last pipeline stage): the embedding's stage counts it in the gradient norm and writes it
+    /// in checkpoints.
+    pub fn tied_copy(&self) -> Option<&Param> {
+        self.head.as_ref()?.lm_head.as_ref().filter(|_| self.cfg.tie_word_embeddings)
     }
 
     /// Every parameter, in Hugging Face order.

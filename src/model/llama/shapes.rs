@@ -18,9 +18,13 @@ use std::collections::HashMap;
 impl Llama<'_> {
     /// The name and full shape of every tensor of the layers `layer_split` says (a pipeline stage's), in
     /// Hugging Face order, from the config alone (nothing allocated): what a checkpoint of this
-    /// model must hold.
+    /// model must hold (of a tied model's last stage, not the copy of the embedding it holds as
+    /// its output layer: the first stage writes that tensor).
     pub fn tensor_shapes(cfg: &ModelConfig, layer_split: impl LayerSplit) -> Vec<(String, Vec<usize>)> {
-        Llama::tensor_cuts(cfg, layer_split).into_iter().map(|(name, shape, ..)| (name, shape)).collect()
+        let copy = cfg.tie_word_embeddings && !layer_split.has_embedding();
+        let cuts = Llama::tensor_cuts(cfg, layer_split).into_iter();
+        let written = cuts.filter(|(name, ..)| !(copy && name == "model.embed_tokens.weight"));
+        written.map(|(name, shape, ..)| (name, shape)).collect()
     }
 
     /// The name and shape of every buffer of the layers `layer_split` says (what a part keeps that
