@@ -513,6 +513,12 @@ impl ModelConfig {
         self.head_dim.unwrap_or(self.hidden_size / self.num_attention_heads.max(1))
     }
 
+    /// The KV heads one of `tp` tensor-parallel ranks attends with: its share of them, or one (a
+    /// copy of the head its query heads read) when the KV heads are fewer than the ranks.
+    pub fn kv_heads_on(&self, tp: usize) -> usize {
+        (self.num_key_value_heads / tp.max(1)).max(1)
+    }
+
     /// The head width the attention core computes in: `head_dim`, or latent attention's query/key
     /// and value heads padded to the wider of the two (`model/latent_attention.rs`).
     pub fn core_head_dim(&self) -> usize {

@@ -70,7 +70,10 @@ fn bad_values_are_named() {
     let e = config_error(&["train.seq_len=1", "data.copy_prob=0"]);
     assert!(e.contains("train.seq_len = 1") && e.contains("2 or more"), "{e}");
     assert!(config_error(&["parallel.tp=3"]).contains("parallel.tp = 3 does not divide model.num_attention_heads = 8"));
-    assert!(config_error(&["parallel.tp=8"]).contains("does not divide model.num_key_value_heads = 4"));
+    // more ranks than KV heads share them (tp a multiple of the KV heads); neither is refused
+    let kv = ["model.num_attention_heads=12", "model.num_key_value_heads=3", "model.head_dim=16", "parallel.tp=4"];
+    assert!(config_error(&kv).contains("parallel.tp = 4 with model.num_key_value_heads = 3"));
+    assert!(Config::load(None, &["parallel.tp=8".to_string()]).is_ok(), "tp 8 over 4 KV heads: two copies each");
     assert!(config_error(&["parallel.tp=2", "model.intermediate_size=383"]).contains("model.intermediate_size = 383"));
     assert!(config_error(&["parallel.tp=0"]).contains("parallel.tp = 0"));
     assert!(config_error(&["parallel.pp_schedule=\"gpipe\""]).contains("parallel.pp_schedule"));

@@ -91,6 +91,16 @@ fn data_parallel_and_zero_bytes_equal_the_ledger() {
 fn tensor_and_context_parallel_bytes_equal_the_ledger() {
     ledger_matches(&["parallel.tp=2"]);
     ledger_matches(&["parallel.tp=2", "parallel.sequence_parallel=true"]);
+    // 2 KV heads over 4 ranks: the copies' gradients summed once a step (with ZeRO, partitions)
+    ledger_matches(&["parallel.tp=4"]);
+    ledger_matches(&[
+        "parallel.tp=4",
+        "parallel.sequence_parallel=true",
+        "parallel.cp=2",
+        "parallel.cp_mode=ulysses",
+        "model.num_attention_heads=8",
+    ]);
+    ledger_matches(&["parallel.tp=4", "parallel.dp=2", "parallel.zero_stage=2"]);
     ledger_matches(&["parallel.cp=2"]);
     ledger_matches(&["parallel.cp=3", "train.seq_len=48"]);
     ledger_matches(&["parallel.cp=2", "parallel.cp_mode=ulysses"]);

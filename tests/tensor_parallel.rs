@@ -202,3 +202,78 @@ fn a_block_talks_twice_forward_and_twice_backward() {
     // layer's f in backward
     assert_eq!((f1, b1), (4 + 2, 1 + 2));
 }
+
+/// A model with fewer KV heads than the tp ranks below: 8 query heads, 2 KV heads (4 query heads
+/// each), 4 values a head.
+const FEW_KV_HEADS: [&str; 9] = [
+    "model.hidden_size=32",
+    "model.intermediate_size=64",
+    "model.num_hidden_layers=2",
+    "model.num_attention_heads=8",
+    "model.num_key_value_heads=2",
+    "train.seq_len=32",
+    "data.copy_lag=8",
+    "train.micro_batch_size=4",
+    "train.warmup_steps=2",
+];
+
+#[test]
+fn kv_heads_fewer_than_tp_are_copied_and_follow_the_single_rank_curve() {
+    // tp 4 over 2 KV heads: ranks 0, 1 hold head 0, ranks 2, 3 head 1; tp 8, four copies of each
+    let mut sets: Vec<String> = FEW_KV_HEADS.iter().map(|s| s.to_string()).collect();
+    sets.push("train.steps=8".into());
+    let layouts = [
+        "tp=4",
+        "tp=8",
+        "tp=4,sequence_parallel=true",
+        "tp=4,cp=2",
+        "tp=4,cp=2,cp_split=contiguous",
+        "tp=4,cp=2,cp_mode=ulysses",
+        "tp=4,pp=2,grad_accum_steps=2,micro_batch_size=2",
+        "dp=2,tp=4,zero_stage=3",
+    ];
+    let variants = parse_variants(&layouts.join(";")).unwrap();
+    let converge::Report { baseline, outcomes, .. } = converge::converge(None, &sets, &variants, 1e-4).unwrap();
+    assert!(baseline[7] < baseline[0] - 0.1, "the baseline learns: {baseline:?}");
+    for o in &outcomes {
+        assert!(o.pass, "{}: max |Δloss| {:e}", o.label, o.max_diff);
+    }
+    // Muon orthogonalises each matrix whole: a copied head's slice joins the others once
+    sets.push("train.optimizer=muon".into());
+    let muon = parse_variants("tp=4;dp=2,tp=4,zero_stage=1").unwrap();
+    let converge::Report { outcomes, .. } = converge::converge(None, &sets, &muon, 1e-4).unwrap();
+    for o in &outcomes {
+        assert!(o.pass, "Muon, {}: max |Δloss| {:e}", o.label, o.max_diff);
+    }
+}
+
+#[test]
+fn a_copied_kv_head_is_one_tensor_in_a_checkpoint_and_resumes_into_any_tp() {
+    // 2 KV heads: tp 4 holds two copies of each, saved once; resumed at tp 1 and back
+    let base: Vec<String> = FEW_KV_HEADS.iter().map(|s| s.to_string()).collect();
+    common::checkpoints_move_between(&base, &["parallel.tp=4"], &["parallel.tp=1"]);
+    let muon = "train.optimizer=muon";
+    common::checkpoints_move_between(&base, &["parallel.tp=8", muon], &["parallel.tp=2", muon]);
+}
+
+#[test]
+fn memory_counts_a_copied_kv_head_on_every_rank_that_holds_it() {
+    // each rank's weights are exactly its parameters' values (4 bytes each on the CPU): at tp 4
+    // over 2 KV heads a rank's k_proj and v_proj are one whole head each, not a half
+    let base: Vec<String> = FEW_KV_HEADS.iter().map(|s| s.to_string()).collect();
+    for tp in [2, 4, 8] {
+        let cfg = Config::load(None, &[&base[..], &[format!("parallel.tp={tp}")]].concat()).unwrap();
+        let held = launch(tp_grid(tp), Duration::from_secs(30), |me| {
+            let model = Llama::init(&cfg.model, 7, Box::new(TensorParallel::new(me.group(Axis::Tp))), Stage::WHOLE);
+            let kv: Vec<usize> =
+                model.params().iter().filter(|p| p.name.contains("k_proj")).map(|p| p.value.rows()).collect();
+            assert!(kv.iter().all(|&r| r == 4 * (2 / tp).max(1)), "tp {tp}: k_proj rows {kv:?}");
+            Ok(model.params().iter().map(|p| p.value.numel()).sum::<usize>())
+        })
+        .unwrap();
+        for r in ferrotron::commands::memory::memory(&cfg, false).unwrap() {
+            assert_eq!(r.weights_bytes, 4.0 * held[r.rank] as f64, "tp {tp}, rank {}: weights", r.rank);
+        }
+        common::memory_estimate_within(&cfg, 0.1, &format!("tp {tp}"));
+    }
+}

@@ -161,14 +161,14 @@ pub fn gather(
                 }
                 continue;
             }
-            let whole = redistribute(
+            let gathered = redistribute(
                 Cow::Borrowed(t),
-                &whole_shape(t.shape(), p.tp, tp.size()),
+                &side_by_side(t.shape(), p.tp, tp.size()),
                 p.tp.into(),
                 Placement::Replicate,
                 tp,
             )?;
-            emit(&p.name, kind, &whole)?;
+            emit(&p.name, kind, &one_of_each(gathered, p.tp, tp.size()))?;
         }
     }
     flush(&mut experts, &mut emit)?;
@@ -210,13 +210,28 @@ fn expert_of(name: &str) -> (usize, String) {
     (e, parts.next().unwrap_or("").to_string())
 }
 
-/// The whole shape of a tensor of which a tp rank holds `local`, cut as `cut` says over `n` ranks.
-fn whole_shape(local: &[usize], cut: TpCut, n: usize) -> Vec<usize> {
+/// The shape of `k` tp parts `local` side by side along the dimension `cut` cuts: the `n` ranks'
+/// parts gathered with k = n, the whole tensor with k = `cut.parts(n)`.
+fn side_by_side(local: &[usize], cut: TpCut, k: usize) -> Vec<usize> {
     let mut whole = local.to_vec();
     if let Some(d) = cut.dim() {
-        whole[d] *= n;
+        whole[d] *= k;
     }
     whole
+}
+
+/// The whole tensor from the tp ranks' parts side by side: where ranks hold copies of a slice
+/// (KV heads fewer than the ranks, `TpCut::HeadRows`), the first rank's of each.
+fn one_of_each(gathered: Tensor, cut: TpCut, n: usize) -> Tensor {
+    let copies = cut.copies(n);
+    if copies == 1 {
+        return gathered;
+    }
+    let mut whole = gathered.shape().to_vec();
+    whole[0] /= copies;
+    let block = gathered.numel() / n; // one rank's part: rows of dimension 0
+    let firsts: Vec<Tensor> = (0..n / copies).map(|j| ops::slice(&gathered, j * copies * block, &[block])).collect();
+    ops::concat(&firsts.iter().collect::<Vec<_>>()).with_shape(&whole)
 }
 
 /// Writes checkpoint `step` (steps done) into `folder`, atomically; keeps this run's newest `keep`.
@@ -394,7 +409,7 @@ impl Resumed {
     ) -> Result<()> {
         let kinds: Vec<Vec<&str>> = o.state().iter().map(|s| s.iter().map(|(kind, _)| *kind).collect()).collect();
         for ((p, kinds), tensors) in params.iter().zip(kinds).zip(o.state_mut()) {
-            let full_shape = whole_shape(p.value.shape(), p.tp, count);
+            let full_shape = side_by_side(p.value.shape(), p.tp, p.tp.parts(count));
             for (kind, t) in kinds.iter().zip(tensors) {
                 let full =
                     full_tensor(&self.moments, &format!("{kind}.{}", p.name), &full_shape, "optimizer.safetensors")?;

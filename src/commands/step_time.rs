@@ -182,7 +182,7 @@ pub fn small_bytes(cfg: &Config, e: f64) -> f64 {
     // latent attention: its heads padded to the core's width, and its latents (replicated), normed
     let (q, kv) = match m.latent() {
         None => {
-            ((m.num_attention_heads * m.head_dim()) as f64 / tp, (m.num_key_value_heads * m.head_dim()) as f64 / tp)
+            ((m.num_attention_heads * m.head_dim()) as f64 / tp, (m.kv_heads_on(cfg.parallel.tp) * m.head_dim()) as f64)
         }
         Some(l) => {
             let heads = (m.num_attention_heads * m.core_head_dim()) as f64 / tp;
@@ -295,7 +295,7 @@ fn mlp_gemms(cfg: &Config, rows: f64, moe: bool) -> Vec<Gemm> {
 fn attention_gemms(cfg: &Config, rows: f64) -> (Vec<Gemm>, Vec<Gemm>) {
     let (m, p) = (&cfg.model, &cfg.parallel);
     let (d, tp) = (m.hidden_size as f64, p.tp as f64);
-    let (hd, heads, kvh) = (m.head_dim() as f64, m.num_attention_heads as f64 / tp, m.num_key_value_heads as f64 / tp);
+    let (hd, heads, kvh) = (m.head_dim() as f64, m.num_attention_heads as f64 / tp, m.kv_heads_on(p.tp) as f64);
     let Some(l) = m.latent() else {
         return (vec![(rows, d, (heads + 2.0 * kvh) * hd), (rows, heads * hd, d)], Vec::new());
     };

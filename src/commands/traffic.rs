@@ -70,8 +70,11 @@ impl Flows {
 /// A tensor of a stage as one rank holds it.
 struct Held {
     name: String,
-    /// Values on this rank: 1/tp of a split one, 1/ep of the experts.
+    /// Values on this rank: 1/tp of a split one (of a copied KV head's, 1/kv_heads), 1/ep of the
+    /// experts.
     values: usize,
+    /// The tp ranks holding the same slice (1 but for KV heads fewer than the ranks).
+    copies: usize,
     /// Its model chunk.
     chunk: usize,
     /// Whole on every tp rank (a norm, the router, an expert).
@@ -84,10 +87,10 @@ fn tensors(cfg: &Config, stage: Stage) -> Vec<Held> {
     let (m, p) = (&cfg.model, &cfg.parallel);
     let cuts = crate::train::memory::one_layer(m);
     let held = |name: String, shape: &[usize], cut: TpCut, chunk: usize| {
-        let whole = cut == TpCut::Whole;
-        let n = shape.iter().product::<usize>() / if whole { 1 } else { p.tp };
+        let (whole, copies) = (cut == TpCut::Whole, cut.copies(p.tp));
+        let n = shape.iter().product::<usize>() / cut.parts(p.tp);
         let values = if moe::is_expert(&name) { n / p.ep } else { n };
-        Held { name, values, chunk, whole }
+        Held { name, values, chunk, whole, copies }
     };
     let block = |(name, ..): &&(String, Vec<usize>, TpCut)| name.starts_with("model.layers.");
     let mut out = Vec::new();
@@ -162,13 +165,19 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
             f.add(tp, Call::AllReduce, 1.0, 4.0 * latent as f64, true);
         }
     }
+    // KV heads fewer than the tp ranks: the copies' gradients added up, in a buffer of every slot
+    // (`parallel/shared_kv_heads.rs`)
+    let copied: usize = list.iter().filter(|h| h.copies > 1).map(|h| trained(h) * p.tp / h.copies).sum();
+    if copied > 0 {
+        f.add(tp, Call::AllReduce, 1.0, 4.0 * copied as f64, true);
+    }
     // the cross-entropy's three row statistics over the vocabulary's slices, the norm's sum
     f.add(tp, Call::AllReduce, mb * 3.0 * last, mb * 3.0 * last * rows * 4.0, true);
     f.add(tp, Call::AllReduce, 1.0, 4.0, true);
 
     // context parallelism
     let cp = ("cp", p.cp);
-    let kv = (m.num_key_value_heads / p.tp * m.core_head_dim()) as f64;
+    let kv = (m.kv_heads_on(p.tp) * m.core_head_dim()) as f64;
     let q = (m.num_attention_heads / p.tp * m.core_head_dim()) as f64;
     match p.cp_mode {
         CpMode::Ring => {
@@ -189,7 +198,7 @@ pub fn per_step(cfg: &Config, stage: Stage) -> Vec<Flow> {
             // rows → heads before attention, heads → rows after: forward q, k, v, then the output
             // and lse back; backward q, k, v, out, dout, lse, then dq, dk, dv back (k and v
             // repeated where cp does not divide the KV heads)
-            let kv = kv * ulysses::repeats(m.num_key_value_heads / p.tp, p.cp) as f64;
+            let kv = kv * ulysses::repeats(m.kv_heads_on(p.tp), p.cp) as f64;
             let lse = rows * (m.num_attention_heads / p.tp) as f64 * 4.0;
             let forward = rows * (2.0 * q + 2.0 * kv) * e + lse;
             let backward = rows * (4.0 * q + 4.0 * kv) * e + lse;

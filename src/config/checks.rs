@@ -391,13 +391,16 @@ impl Config {
         let m = &self.model;
         for (key, v) in [
             ("num_attention_heads", m.num_attention_heads),
-            ("num_key_value_heads", m.num_key_value_heads),
             ("intermediate_size", m.intermediate_size),
             ("vocab_size", m.vocab_size),
         ] {
             if !v.is_multiple_of(p.tp) {
-                bail!("parallel.tp = {} does not divide model.{key} = {v}: tensor parallelism gives each rank whole attention heads, whole KV heads, and equal slices of the MLP and the vocabulary; choose a tp that divides all four", p.tp);
+                bail!("parallel.tp = {} does not divide model.{key} = {v}: tensor parallelism gives each rank whole attention heads and equal slices of the MLP and the vocabulary; choose a tp that divides all three", p.tp);
             }
+        }
+        let kv = m.num_key_value_heads;
+        if !kv.is_multiple_of(p.tp) && !p.tp.is_multiple_of(kv) {
+            bail!("parallel.tp = {} with model.num_key_value_heads = {kv}: each tp rank holds whole KV heads, or with more ranks than KV heads an equal number of ranks share each one; choose a tp that divides {kv} or is a multiple of it", p.tp);
         }
         if p.sequence_parallel {
             if p.tp == 1 {
@@ -455,7 +458,7 @@ impl Config {
                 ("model.hidden_size", m.hidden_size),
                 ("model.intermediate_size / parallel.tp", m.intermediate_size / tp),
                 ("model.num_attention_heads × head_dim / parallel.tp", m.num_attention_heads * m.head_dim() / tp),
-                ("model.num_key_value_heads × head_dim / parallel.tp", m.num_key_value_heads * m.head_dim() / tp),
+                ("model.num_key_value_heads × head_dim / parallel.tp", m.kv_heads_on(tp) * m.head_dim()),
             ];
             if let Some((name, v)) = features.into_iter().find(|(_, v)| v % 16 != 0) {
                 bail!("device.dtype = \"fp8\" on a GPU with {name} = {v}: cuBLASLt's FP8 GEMMs need every linear layer's features a multiple of 16; use device.dtype = \"bf16\" or other sizes");

@@ -107,7 +107,8 @@ pub trait Attentions<'g> {
 }
 
 /// Llama's attention: grouped-query attention with RoPE. q, k and v are column parallel (each tp
-/// rank its heads: its query heads and the KV heads they share), o row parallel.
+/// rank its heads: its query heads and the KV heads they share, a copy of one when the KV heads
+/// are fewer than the ranks), o row parallel.
 ///
 /// ```text
 /// xn ─ q, k, v ─ rope(q), rope(k) ─ attend: softmax(q·kᵀ/√hd, causal) · v ─ o ─ out
@@ -136,11 +137,12 @@ impl<'g> Attentions<'g> for GqaAttentions {
         let (rows, cols) = (TpCut::Rows, TpCut::Columns);
         let (d, hd) = (cfg.hidden_size, cfg.head_dim());
         let (q_out, kv_out) = (cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd);
+        let kv_rows = TpCut::HeadRows(cfg.num_key_value_heads); // whole KV heads, copied if too few
         let p = |s: &str| format!("model.layers.{layer}.self_attn.{s}.weight");
         Ok(Box::new(Gqa {
             q_proj: param(p("q_proj"), &[q_out, d], ParamKind::Matrix, rows)?,
-            k_proj: param(p("k_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
-            v_proj: param(p("v_proj"), &[kv_out, d], ParamKind::Matrix, rows)?,
+            k_proj: param(p("k_proj"), &[kv_out, d], ParamKind::Matrix, kv_rows)?,
+            v_proj: param(p("v_proj"), &[kv_out, d], ParamKind::Matrix, kv_rows)?,
             o_proj: param(p("o_proj"), &[d, q_out], ParamKind::Matrix, cols)?,
             rope: Rc::clone(&self.rope),
         }))

@@ -238,7 +238,7 @@ impl<'g> Llama<'g> {
             seq,
             kv_seq: seq,
             heads: cfg.num_attention_heads / ranks, // this rank's heads
-            kv_heads: cfg.num_key_value_heads / ranks,
+            kv_heads: cfg.kv_heads_on(ranks),       // its KV heads, or the one it holds a copy of
             head_dim: cfg.head_dim(),
         };
         let seq_positions = self.seq.positions(seq);

@@ -410,9 +410,9 @@ pub fn slice_along(whole: &Tensor, shape: &[usize], d: usize, (r, n): (usize, us
 }
 
 /// Tensor-parallel rank `r`'s part (of `n`) of a whole weight, cut as `cut` says.
-pub fn tp_part(whole: &Tensor, cut: TpCut, (r, n): (usize, usize)) -> Tensor {
+pub fn tp_part(whole: &Tensor, cut: TpCut, rank: (usize, usize)) -> Tensor {
     match cut.dim() {
-        Some(d) => slice_along(whole, whole.shape(), d, (r, n)),
+        Some(d) => slice_along(whole, whole.shape(), d, cut.part_of(rank)),
         None => whole.clone(),
     }
 }

@@ -57,13 +57,21 @@ pub struct AdamWSettings {
 }
 
 /// How tensor parallelism (step 09) cuts a weight W `[out, in]` over its ranks: rank r of n holds
-/// the r-th of n slices of its rows (Megatron's column-parallel layers: q, k, v, gate, up, the
+/// the r-th of n slices of its rows (Megatron's column-parallel layers: q, gate, up, the
 /// embedding and the output layer) or of its columns (row-parallel: o, down); norms and routers
-/// stay whole on every rank. On one rank every cut is the whole weight. (Step 11 names these
+/// stay whole on every rank. k and v are rows of whole KV heads (`HeadRows(kv_heads)`): cut as
+/// rows while n divides the heads; with more ranks than KV heads, n / kv_heads neighbouring ranks
+/// hold the same head (copies). On one rank every cut is the whole weight. (Step 11 names these
 /// `Shard(0)`, `Shard(1)` and `Replicate`: placements on the tp axis.)
+///
+/// ```text
+/// HeadRows(2), n = 4:   rank 0 1 │ 2 3      rank r holds head ⌊r · 2 / 4⌋: two copies of each
+///                       head   0 │   1
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TpCut {
     Rows,
+    HeadRows(usize),
     Columns,
     Whole,
 }
@@ -72,9 +80,33 @@ impl TpCut {
     /// The dimension it cuts (`None`: whole).
     pub fn dim(self) -> Option<usize> {
         match self {
-            TpCut::Rows => Some(0),
+            TpCut::Rows | TpCut::HeadRows(_) => Some(0),
             TpCut::Columns => Some(1),
             TpCut::Whole => None,
+        }
+    }
+
+    /// How many different slices n ranks hold (1: whole).
+    pub fn parts(self, n: usize) -> usize {
+        match self {
+            TpCut::Rows | TpCut::Columns => n,
+            TpCut::HeadRows(heads) => n.min(heads),
+            TpCut::Whole => 1,
+        }
+    }
+
+    /// Rank r of n's slice: (its index, of how many) — r's own, or the one it holds a copy of.
+    pub fn part_of(self, (r, n): (usize, usize)) -> (usize, usize) {
+        let parts = self.parts(n);
+        (r * parts / n, parts)
+    }
+
+    /// How many of n ranks hold each slice of a cut weight (more than 1: copies, whose gradients
+    /// add up); a whole weight is not cut: 1.
+    pub fn copies(self, n: usize) -> usize {
+        match self {
+            TpCut::Whole => 1,
+            cut => n / cut.parts(n),
         }
     }
 }

@@ -4,7 +4,7 @@
 //! gradients) → `zero` (data parallelism that shards optimizer state, gradients and weights:
 //! ZeRO-1, 2, 3) → `fsdp` (its other half: the weights gathered from their partitions) →
 //! `hybrid_sharding` (ZeRO within shard groups, replicas across them) → `tensor_parallel` (each
-//! matrix split across ranks) → `sequence_parallel` (and the rows between the matrices) →
+//! matrix split across ranks; `shared_kv_heads`, KV heads copied when fewer than the ranks) → `sequence_parallel` (and the rows between the matrices) →
 //! `pipeline_parallel` (layers split into stages, AFAB; `pipeline_messages`, what the stages say;
 //! `pipeline_tied`, a tied embedding's gradient summed between the first and the last stage;
 //! `pipeline_schedule`, a schedule as data, the order of a stage's forwards and backwards;
@@ -35,6 +35,7 @@ pub mod pipeline_tied;
 pub mod pipeline_zero_bubble;
 pub mod schedules;
 pub mod sequence_parallel;
+pub mod shared_kv_heads;
 pub mod tensor_parallel;
 pub mod ulysses;
 pub mod zero;

@@ -51,8 +51,8 @@ struct MatrixOwner {
     /// whether ZeRO cuts it into partitions there (else every member holds it whole); `None`: no
     /// other rank holds it.
     dp: Option<(usize, usize, bool)>,
-    /// Under tensor parallelism, the tp owner and the dimension the slices cut (`None`: whole).
-    tp: Option<(usize, usize)>,
+    /// Under tensor parallelism, the tp owner and how the slices cut it (`None`: whole).
+    tp: Option<(usize, TpCut)>,
     /// The values of this rank's tp slice of the matrix, and of its ZeRO partition.
     values: usize,
     partition: usize,
@@ -103,7 +103,7 @@ impl<'g> Owners<'g> {
             let dp = (group.size() > 1).then_some((at, 0, partitioned));
             let partition =
                 if partitioned && group.size() > 1 { zero::partition_size(values, group.size()) } else { values };
-            let tp = (tp.size() > 1).then(|| p.tp.dim()).flatten().map(|d| (0, d));
+            let tp = (tp.size() > 1 && p.tp.dim().is_some()).then_some((0, p.tp));
             matrices.push(MatrixOwner { dp, tp, values, partition, shape: p.shape().to_vec() });
         }
         // the data-parallel owners, group by group
@@ -144,12 +144,9 @@ impl<'g> Owners<'g> {
         (0..self.matrices.len()).filter(|&i| self.owns(i)).map(|i| self.matrices[i].values * self.tp_size(i)).sum()
     }
 
+    /// The different tp slices of matrix `i` (ranks holding copies of a slice count once).
     fn tp_size(&self, i: usize) -> usize {
-        if self.matrices[i].tp.is_some() {
-            self.tp.size()
-        } else {
-            1
-        }
+        self.matrices[i].tp.map_or(1, |(_, cut)| cut.parts(self.tp.size()))
     }
 }
 
@@ -241,8 +238,11 @@ impl WholeMatrices for Owners<'_> {
             let mut at = 0;
             for &i in &mine {
                 let m = &self.matrices[i];
-                let slices: Vec<Tensor> = got.iter().map(|g| ops::slice(g, at, &[m.values])).collect();
-                whole[i] = Some(join_slices(&slices, &m.shape, m.tp.expect("on tp").1));
+                let cut = m.tp.expect("on tp").1;
+                // one slice of each run of copies (KV heads fewer than the ranks: equal updates)
+                let firsts = got.iter().step_by(cut.copies(self.tp.size()));
+                let slices: Vec<Tensor> = firsts.map(|g| ops::slice(g, at, &[m.values])).collect();
+                whole[i] = Some(join_slices(&slices, &m.shape, cut.dim().expect("a cut")));
                 at += m.values;
             }
         }
@@ -255,8 +255,7 @@ impl WholeMatrices for Owners<'_> {
         if !on_tp.is_empty() {
             let mut out = vec![Vec::new(); self.tp.size()];
             for &i in on_tp.iter().filter(|&&i| self.owns(i)) {
-                let (o, d) = (result[i].take().expect("orthogonalised"), self.matrices[i].tp.expect("on tp").1);
-                let cut = if d == 0 { TpCut::Rows } else { TpCut::Columns };
+                let (o, cut) = (result[i].take().expect("orthogonalised"), self.matrices[i].tp.expect("on tp").1);
                 for (r, to) in out.iter_mut().enumerate() {
                     to.push(flat(ops::tp_part(&o, cut, (r, self.tp.size()))));
                 }

@@ -12,10 +12,10 @@
 //! SequenceSplit (src/model/split.rs:91)          parallel.cp, cp_mode → Ring | Ulysses             16, 17
 //! WeightSplit (src/model/split.rs:158)           parallel.zero_stage = 3 → Fsdp                    07
 //! LayerSplit (src/model/split.rs:171)            parallel.pp → a pipeline Stage                    12
-//! Keeps (src/model/block.rs:392)                 train.recompute → Recompute                       19
+//! Keeps (src/model/block.rs:394)                 train.recompute → Recompute                       19
 //! LossHead (src/model/llama.rs:73)               train.loss_stripe_rows → FusedLoss                19
 //! Attentions (src/model/block.rs:104)             the model's family (model/family.rs) → Gqa        01
-//! Mlps (src/model/block.rs:267)                  model.num_local_experts, parallel.ep → Experts    20
+//! Mlps (src/model/block.rs:269)                  model.num_local_experts, parallel.ep → Experts    20
 //! MicroBatches (src/train/feed.rs:15)            --record/--replay-routing → TellTape              20
 //! Optimizer (src/model/optimizer.rs:87)          train.optimizer → AdamW | Muon                    01, 23
 //!                                                parallel.zero_stage = 1, 2 → GatherAfterUpdate    06
@@ -64,6 +64,7 @@ use crate::parallel::pipeline_parallel::StepPlan;
 use crate::parallel::pipeline_tied::TiedEmbedding;
 use crate::parallel::schedules;
 use crate::parallel::sequence_parallel::{NormGradsOverTp, SequenceParallel};
+use crate::parallel::shared_kv_heads::{self, SharedKvGrads};
 use crate::parallel::tensor_parallel::TensorParallel;
 use crate::parallel::ulysses::Ulysses;
 use crate::parallel::zero::{self, GatherAfterUpdate, Sharding, ZeroBuckets};
@@ -166,8 +167,10 @@ pub(super) fn assemble<'g>(
         NormAxis { axis: Axis::DpCp, parts: sharding.on(Axis::DpCp), others: None },
         NormAxis { axis: EXPERT_DP.into(), parts: sharding.on(EXPERT_DP.into()), others: Some(ep) },
     ];
-    // a tied model's last stage holds a copy of the embedding: the first stage counts it
-    let copies = model.tied_copy().map(|c| c.name.clone()).into_iter().collect();
+    // a tied model's last stage holds a copy of the embedding: the first stage counts it; a KV
+    // head copied over tp ranks is counted at the first of them
+    let mut copies: Vec<String> = model.tied_copy().map(|c| c.name.clone()).into_iter().collect();
+    copies.extend(shared_kv_heads::later_copies(&model.params(), tp));
     let norm = NormGroups { axes_of, tp, pp, axes, copies };
     // what travels between pipeline stages: this rank's rows (of them, 1/tp with sequence
     // parallelism)
@@ -329,6 +332,11 @@ fn gradients<'g>(
     } else if cfg.model.kv_lora_rank > 0 && p.tp > 1 {
         // latent attention's replicated latent path: partial gradients, summed over tp
         grads.add(Which::Every, Box::new(LatentGradsOverTp(me.group(Axis::Tp))));
+    }
+    // KV heads fewer than the tp ranks: each copy's gradient is its ranks' part, added up over tp
+    let tp = me.group(Axis::Tp);
+    if all.0.iter().any(|p| p.tp.copies(tp.size()) > 1) {
+        grads.add(Which::Every, Box::new(SharedKvGrads(tp)));
     }
     // a tied embedding on two stages (the first's embedding, the last's output layer): their
     // gradients swapped and summed; a stage holding both, or neither, has nothing to swap

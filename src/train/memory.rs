@@ -126,7 +126,7 @@ fn attention_bytes(m: &ModelConfig, (batch, seq): (f64, f64), tp: usize, e: f64,
     let lse = batch * heads * seq * 4.0;
     if m.kv_lora_rank == 0 {
         let hd = m.head_dim() as f64;
-        let (q, kv) = (heads * hd, (m.num_key_value_heads / tp) as f64 * hd);
+        let (q, kv) = (heads * hd, m.kv_heads_on(tp) as f64 * hd); // a copied KV head counts on each rank
         return (rows * (q + 2.0 * kv) * e, rows * q * (e + fp8) + lse);
     }
     let wide = heads * m.head_dim().max(m.v_head_dim) as f64; // H·D
@@ -264,7 +264,7 @@ fn sizes(
             continue;
         }
         let on_tp = *on_tp;
-        let n = shape.iter().map(|&x| x as f64).product::<f64>() / if on_tp == TpCut::Whole { 1.0 } else { tp as f64 };
+        let n = shape.iter().map(|&x| x as f64).product::<f64>() / on_tp.parts(tp) as f64; // a KV head's copies: each whole
         let expert = moe::is_expert(name);
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {
@@ -417,7 +417,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // (on a GPU the attention's backward has scratch besides: δ, and on tensor cores the fp32
     // parts of dQ, dK and dV it adds up, `backward_scratch`)
     let m = &cfg.model;
-    let heads = (m.num_attention_heads / p.tp, m.num_key_value_heads / p.tp);
+    let heads = (m.num_attention_heads / p.tp, m.kv_heads_on(p.tp));
     let attn = Attn { batch, seq, kv_seq: seq, heads: heads.0, kv_heads: heads.1, head_dim: m.head_dim() };
     let scratch = if on_gpu { 4.0 * backward_scratch(dtype, attn) as f64 } else { 0.0 };
     let block = mlp_backward.max(rows * (3.0 * d / p.tp as f64 + 5.0 * d) * e - mlp_kept + scratch) + layer_again;
