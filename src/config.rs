@@ -183,7 +183,7 @@ pub struct TrainConfig {
     pub grad_clip: f32,
     /// What AdamW keeps its moments in (and Muon its momentum): `f32`, or `bf16` (half the
     /// optimizer's memory).
-    pub optimizer_dtype: MomentsDtype,
+    pub optimizer_dtype: F32OrBf16,
     /// What updates the blocks' matrices: `adamw`, or `muon` (`model/muon.rs`: momentum made
     /// orthogonal by Newton–Schulz; everything else stays with AdamW).
     pub optimizer: OptimizerKind,
@@ -239,18 +239,19 @@ pub enum MuonAdjustLr {
     SpectralUnclamped,
 }
 
+/// A number format a setting picks: f32, or bf16 (half the bytes, 8 bits of mantissa).
 #[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(rename_all = "lowercase")]
-pub enum MomentsDtype {
+pub enum F32OrBf16 {
     F32,
     Bf16,
 }
 
-impl MomentsDtype {
+impl F32OrBf16 {
     pub fn dtype(self) -> crate::ops::types::DType {
         match self {
-            MomentsDtype::F32 => crate::ops::types::DType::F32,
-            MomentsDtype::Bf16 => crate::ops::types::DType::Bf16,
+            F32OrBf16::F32 => crate::ops::types::DType::F32,
+            F32OrBf16::Bf16 => crate::ops::types::DType::Bf16,
         }
     }
 }
@@ -290,6 +291,10 @@ pub struct ParallelConfig {
     /// the step's micro-batches, reduce-scattered after the last one's backward: less traffic,
     /// more memory). ZeRO-0 and 1 reduce once a step either way.
     pub zero_reduce: ZeroReduce,
+    /// What the data-parallel gradient reduction moves (the dense all-reduce's buckets, ZeRO's
+    /// reduce-scatters): `f32`, or `bf16` (half the bytes: each bucket converted for the wire and
+    /// back, the step's sums kept in f32).
+    pub reduce_dtype: F32OrBf16,
     /// Hybrid sharding (HSDP): ZeRO shards within groups of `dp_shard` dp replicas and the groups
     /// replicate each other (gradients reduce-scattered inside a group, all-reduced across);
     /// 0: all of dp (plain ZeRO).

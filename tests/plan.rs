@@ -84,6 +84,11 @@ fn data_parallel_and_zero_bytes_equal_the_ledger() {
     ledger_matches(&["parallel.dp=2", "parallel.zero_stage=3", "parallel.zero_reduce=once", "parallel.bucket_mb=0.01"]);
     ledger_matches(&["parallel.dp=3", "parallel.zero_stage=3", "parallel.bucket_mb=0.01"]); // padded chunks
     ledger_matches(&["parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2"]);
+    // gradients moved in bf16: half the bytes of the all-reduce and of the reduce-scatters
+    ledger_matches(&["parallel.dp=2", "parallel.reduce_dtype=bf16"]);
+    ledger_matches(&["parallel.dp=2", "parallel.dp_mode=naive", "parallel.reduce_dtype=bf16"]);
+    ledger_matches(&["parallel.dp=2", "parallel.zero_stage=2", "parallel.reduce_dtype=bf16"]);
+    ledger_matches(&["parallel.dp=4", "parallel.zero_stage=3", "parallel.dp_shard=2", "parallel.reduce_dtype=bf16"]);
     // hybrid
 }
 

@@ -241,6 +241,8 @@ fn the_memory_estimate_is_within_ten_percent_of_the_measured_peak_for_every_layo
         "parallel.dp=2,parallel.zero_stage=1",
         "parallel.dp=2,parallel.zero_stage=2,train.grad_accum_steps=2",
         "parallel.dp=2,parallel.zero_stage=2,train.grad_accum_steps=2,parallel.zero_reduce=\"once\"",
+        "parallel.dp=2,parallel.zero_stage=2,train.grad_accum_steps=2,parallel.reduce_dtype=\"bf16\"",
+        "parallel.dp=2,parallel.reduce_dtype=\"bf16\"",
         "parallel.dp=2,parallel.zero_stage=3,parallel.bucket_mb=0.05",
         "parallel.dp=2,parallel.tp=2,parallel.pp=2,parallel.zero_stage=3",
         "parallel.dp=2,parallel.cp=2,parallel.zero_stage=2",
@@ -324,5 +326,40 @@ fn ferrotron_memory_writes_every_rank_as_json() {
         assert!((sum - r["total_bytes"].as_f64().unwrap()).abs() < 1.0, "{r}");
         let measured = r["measured_peak_bytes"].as_f64().unwrap();
         assert!((sum / measured - 1.0).abs() <= 0.1, "rank {i}: estimated {sum}, measured {measured}");
+    }
+}
+
+/// Gradients moved in bf16 (`parallel.reduce_dtype = "bf16"`): the same calls, half the bytes of
+/// every reduce-scatter and of the dense all-reduce; the curve leaves one rank's (each average is
+/// rounded to bf16) but stays within `converge`'s band for a lossy change.
+#[test]
+fn bf16_reductions_move_half_the_bytes_within_the_band_of_one_rank() {
+    let spec = "dp=2,reduce_dtype=bf16;dp=2,dp_mode=naive,reduce_dtype=bf16;\
+                dp=2,zero_stage=2,grad_accum_steps=3,reduce_dtype=bf16;\
+                dp=2,zero_stage=3,grad_accum_steps=2,zero_reduce=once,reduce_dtype=bf16";
+    let converge::Report { outcomes, .. } =
+        converge::converge(None, &sets(&["train.steps=60"]), &parse_variants(spec).unwrap(), 1e-2).unwrap();
+    for o in &outcomes {
+        // within a lossy change's band (converge --tol 1e-2; measured: 2e-4 to 5e-4), and off the
+        // curve: a run that never rounded would sit on it (under 1e-6, as the f32 layouts above)
+        assert!(o.pass && o.max_diff > 1e-6, "{}: max |Δloss| {:e}", o.label, o.max_diff);
+    }
+    // the comm report: per (call) on the dp×cp axis, calls and bytes of rank 0 over the run
+    let report = |extra: &[&str]| -> Vec<(String, u64, u64)> {
+        let cfg = Config::load(None, &sets(&[&["train.steps=2", "parallel.dp=2"], extra].concat())).unwrap();
+        let summary = train_all(&cfg, Options { quiet: true, ..Default::default() }).unwrap().remove(0);
+        let gradient = |name: &str| name == "all_reduce" || name == "reduce_scatter"; // not the weights' gathers
+        let grads = summary.comm.iter().filter(|t| t.axis == "dp×cp" && gradient(t.call.name()) && t.tally.bytes > 64);
+        grads.map(|t| (t.call.name().to_string(), t.tally.calls, t.tally.bytes)).collect()
+    };
+    for layout in [&[][..], &["parallel.zero_stage=2", "train.grad_accum_steps=3"]] {
+        let (f32s, bf16s) = (report(layout), report(&[layout, &["parallel.reduce_dtype=bf16"]].concat()));
+        assert!(!f32s.is_empty(), "{layout:?}: no gradient reduction seen");
+        // (the dp×cp axis also carries a few one-value sums, in f32 either way: at most 64 bytes)
+        let halved = |(a, b): (&(String, u64, u64), &(String, u64, u64))| {
+            a.0 == b.0 && a.1 == b.1 && b.2 >= a.2 / 2 && b.2 <= a.2 / 2 + 64
+        };
+        let same = f32s.len() == bf16s.len() && f32s.iter().zip(&bf16s).all(halved);
+        assert!(same, "{layout:?}: bf16 moves half the bytes in the same calls: {bf16s:?} vs f32 {f32s:?}");
     }
 }

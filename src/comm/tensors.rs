@@ -25,7 +25,9 @@ use super::cost::{self, Call};
 use super::device_link::{DeviceLink, Fence};
 use super::local::Op;
 use super::{values, Group, Handle, ReduceOp};
+use crate::ops;
 use crate::ops::tensor::{Place, Tensor};
+use crate::ops::types::DType;
 use anyhow::{bail, Result};
 use std::time::Instant;
 
@@ -35,6 +37,9 @@ pub struct Pending {
     how: How,
     /// A tensor a queued send still reads: kept alive until the call is over.
     _sent: Option<Tensor>,
+    /// Values that travelled in another format: (the wire's, the caller's), converted back on
+    /// arrival (`all_reduce_tensor_async_as`).
+    arrives: Option<(DType, DType)>,
 }
 
 /// The compute stream's wait for a call queued on the GPU (`Fence`).
@@ -60,7 +65,13 @@ impl Pending {
             }
             How::Done => {}
         }
-        Ok(tensor)
+        Ok(match self.arrives {
+            // a GPU's buffer in the wire's format converts back; the CPU's f32 numbers are rounded
+            // to it, as they would have arrived
+            Some((_, back)) if tensor.dtype() != back => ops::convert(&tensor, back),
+            Some((wire, _)) => ops::convert(&tensor, wire),
+            None => tensor,
+        })
     }
 }
 
@@ -107,9 +118,24 @@ impl Group {
     }
 
     /// Starts an in-place all-reduce of `t` over the group.
-    pub fn all_reduce_tensor_async(&self, mut t: Tensor, op: ReduceOp) -> Result<Pending> {
+    pub fn all_reduce_tensor_async(&self, t: Tensor, op: ReduceOp) -> Result<Pending> {
+        self.start_all_reduce(t, op, None)
+    }
+
+    /// Starts an all-reduce of `t` whose values travel as `wire` (bf16: half the bytes of f32):
+    /// converted for the wire, and back when they land, so `wait` gives `t`'s format. On the CPU,
+    /// whose tensors hold f32, they are rounded to `wire` before and after (the hub sums in f32,
+    /// as it does a GPU's bf16 tensors), and the ledger counts the wire's bytes.
+    pub fn all_reduce_tensor_async_as(&self, t: Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
+        match t.dtype() == wire {
+            true => self.all_reduce_tensor_async(t, op),
+            false => self.start_all_reduce(ops::convert(&t, wire), op, Some((wire, t.dtype()))),
+        }
+    }
+
+    fn start_all_reduce(&self, mut t: Tensor, op: ReduceOp, arrives: Option<(DType, DType)>) -> Result<Pending> {
         t.written();
-        self.count(Call::AllReduce, sent(&t));
+        self.count(Call::AllReduce, sent_as(&t, arrives));
         let how = match self.link_for(&t) {
             _ if self.size() == 1 => How::Done,
             Some(link) => {
@@ -119,7 +145,7 @@ impl Group {
             }
             None => How::Host(self.all_reduce_async(&t.host_view(), op)),
         };
-        Ok(Pending { tensor: t, how, _sent: None })
+        Ok(Pending { tensor: t, how, _sent: None, arrives })
     }
 
     /// `t` becomes the reduction of every member's `t`.
@@ -140,14 +166,14 @@ impl Group {
     /// Every member's `t`, concatenated in rank order along the first dimension.
     pub fn all_gather_tensor(&self, t: &Tensor) -> Result<Tensor> {
         let (into, how) = self.start_all_gather(t)?;
-        Pending { tensor: into, how, _sent: None }.wait() // `t` outlives the wait
+        Pending { tensor: into, how, _sent: None, arrives: None }.wait() // `t` outlives the wait
     }
 
     /// Starts `all_gather_tensor` (FSDP gathers the next unit's weights with it while the
     /// current one computes).
     pub fn all_gather_tensor_async(&self, t: Tensor) -> Result<Pending> {
         let (into, how) = self.start_all_gather(&t)?;
-        Ok(Pending { tensor: into, how, _sent: Some(t) })
+        Ok(Pending { tensor: into, how, _sent: Some(t), arrives: None })
     }
 
     fn start_all_gather(&self, t: &Tensor) -> Result<(Tensor, How)> {
@@ -167,25 +193,36 @@ impl Group {
 
     /// This member's chunk (along the first dimension) of the reduction of every member's `t`.
     pub fn reduce_scatter_tensor(&self, t: &Tensor, op: ReduceOp) -> Result<Tensor> {
-        let (into, how) = self.start_reduce_scatter(t, op)?;
-        Pending { tensor: into, how, _sent: None }.wait() // `t` outlives the wait
+        let (into, how) = self.start_reduce_scatter(t, op, None)?;
+        Pending { tensor: into, how, _sent: None, arrives: None }.wait() // `t` outlives the wait
     }
 
     /// Starts `reduce_scatter_tensor` (ZeRO reduce-scatters a bucket of gradients with it while
     /// backward goes on).
     pub fn reduce_scatter_tensor_async(&self, t: Tensor, op: ReduceOp) -> Result<Pending> {
-        let (into, how) = self.start_reduce_scatter(&t, op)?;
-        Ok(Pending { tensor: into, how, _sent: Some(t) })
+        let (into, how) = self.start_reduce_scatter(&t, op, None)?;
+        Ok(Pending { tensor: into, how, _sent: Some(t), arrives: None })
     }
 
-    fn start_reduce_scatter(&self, t: &Tensor, op: ReduceOp) -> Result<(Tensor, How)> {
+    /// Starts `reduce_scatter_tensor` with the values travelling as `wire`, as
+    /// `all_reduce_tensor_async_as` does.
+    pub fn reduce_scatter_tensor_async_as(&self, t: Tensor, op: ReduceOp, wire: DType) -> Result<Pending> {
+        if t.dtype() == wire {
+            return self.reduce_scatter_tensor_async(t, op);
+        }
+        let (arrives, t) = (Some((wire, t.dtype())), ops::convert(&t, wire));
+        let (into, how) = self.start_reduce_scatter(&t, op, arrives)?;
+        Ok(Pending { tensor: into, how, _sent: Some(t), arrives })
+    }
+
+    fn start_reduce_scatter(&self, t: &Tensor, op: ReduceOp, arrives: Option<(DType, DType)>) -> Result<(Tensor, How)> {
         let (mut shape, n) = (t.shape().to_vec(), self.size());
         if shape[0] % n != 0 {
             bail!("reduce_scatter on group {}: {} rows do not split into {n} equal chunks", self.name(), shape[0]);
         }
         shape[0] /= n;
         let mut into = Tensor::empty_as(&shape, t); // written whole
-        self.count(Call::ReduceScatter, sent(t));
+        self.count(Call::ReduceScatter, sent_as(t, arrives));
         let how = match self.link_for(t) {
             Some(link) => {
                 let what = || format!("{} of {}", Op::ReduceScatter(op).name(), values(t.numel()));
@@ -265,12 +302,12 @@ impl Group {
         let Some(link) = self.link_on(&place) else {
             let values = self.send_recv_async(&send.host_view(), to, shape.iter().product(), from);
             let landing = Tensor::empty_on(shape, &place, place.dtype());
-            return Ok(Pending { tensor: landing, how: How::Host(values), _sent: None });
+            return Ok(Pending { tensor: landing, how: How::Host(values), _sent: None, arrives: None });
         };
         let mut recv = Tensor::empty_on(shape, &place, place.dtype());
         let what = send_recv_name((send.numel(), to), (recv.numel(), from));
         let wait = self.traced(Call::P2p, what, link.send_recv(Some((&send, to)), Some((&mut recv, from)))?);
-        Ok(Pending { tensor: recv, how: How::Device(wait), _sent: Some(send) })
+        Ok(Pending { tensor: recv, how: How::Device(wait), _sent: Some(send), arrives: None })
     }
 
     /// `send_recv_tensor_async`, waited for.
@@ -326,6 +363,11 @@ impl Group {
 /// The bytes a tensor is as a message: its numbers in the dtype the kernels read.
 fn sent(t: &Tensor) -> usize {
     t.numel() * t.dtype().size()
+}
+
+/// The bytes `t` puts on the wire when its values travel as `arrives` says (its wire format).
+fn sent_as(t: &Tensor, arrives: Option<(DType, DType)>) -> usize {
+    arrives.map_or_else(|| sent(t), |(wire, _)| t.numel() * wire.size())
 }
 
 /// A traced send_recv's name, made only when the run is traced.

@@ -57,11 +57,11 @@ pub fn parse_variants(spec: &str) -> Result<Vec<Variant>> {
             let key = key.trim();
             let full = match key {
                 _ if key.contains('.') => key.to_string(),
-                "dp" | "tp" | "pp" | "cp" | "ep" | "sequence_parallel" | "pp_schedule" | "pp_virtual_stages" | "cp_split" | "cp_mode" | "dp_mode" | "bucket_mb" | "zero_stage" | "zero_reduce" | "dp_shard" | "backend" => {
+                "dp" | "tp" | "pp" | "cp" | "ep" | "sequence_parallel" | "pp_schedule" | "pp_virtual_stages" | "cp_split" | "cp_mode" | "dp_mode" | "bucket_mb" | "zero_stage" | "zero_reduce" | "reduce_dtype" | "dp_shard" | "backend" => {
                     format!("parallel.{key}")
                 }
                 "grad_accum_steps" | "micro_batch_size" | "recompute" => format!("train.{key}"),
-                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, ep, sequence_parallel, pp_schedule, pp_virtual_stages, cp_split, cp_mode, dp_mode, bucket_mb, zero_stage, zero_reduce, dp_shard, backend, grad_accum_steps, micro_batch_size, recompute"),
+                _ => bail!("--variants: unknown key `{key}` in `{label}`: use section.key, or dp, tp, pp, cp, ep, sequence_parallel, pp_schedule, pp_virtual_stages, cp_split, cp_mode, dp_mode, bucket_mb, zero_stage, zero_reduce, reduce_dtype, dp_shard, backend, grad_accum_steps, micro_batch_size, recompute"),
             };
             if let Some(twice) = sets.iter().find(|s: &&String| s.split_once('=').is_some_and(|(k, _)| k == full)) {
                 bail!(

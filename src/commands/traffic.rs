@@ -274,6 +274,7 @@ fn gradients(f: &mut Flows, cfg: &Config, (axis, ranks): (&'static str, usize), 
     let group = (axis, ranks);
     let mb = t.grad_accum_steps as f64;
     let zero = p.zero_stage;
+    let wire = p.reduce_dtype.dtype().size() as f64; // a gradient's bytes on the wire (bf16: 2)
     if zero == 0 {
         let values: usize = list.iter().map(|h| h.values).sum();
         let calls = match p.dp_mode {
@@ -284,7 +285,7 @@ fn gradients(f: &mut Flows, cfg: &Config, (axis, ranks): (&'static str, usize), 
                 plan_buckets((&widths, &chunks), bucket_values(p.bucket_mb)).len()
             }
         };
-        f.add(group, Call::AllReduce, calls as f64, 4.0 * values as f64, p.dp_mode == DpMode::Naive);
+        f.add(group, Call::AllReduce, calls as f64, wire * values as f64, p.dp_mode == DpMode::Naive);
         return;
     }
     // ZeRO: each bucket reduce-scattered (ZeRO-1 on the last micro-batch, 2 and 3 on every one,
@@ -292,7 +293,7 @@ fn gradients(f: &mut Flows, cfg: &Config, (axis, ranks): (&'static str, usize), 
     let buckets = zero_buckets(cfg, list, ranks);
     let padded: usize = buckets.iter().map(|b| b.len * ranks).sum();
     let times = if zero == 1 || p.zero_reduce == ZeroReduce::Once { 1.0 } else { mb };
-    f.add(group, Call::ReduceScatter, times * buckets.len() as f64, times * 4.0 * padded as f64, false);
+    f.add(group, Call::ReduceScatter, times * buckets.len() as f64, times * wire * padded as f64, false);
     // the norm's parts: the tp-split parameters' and the whole ones', each summed over the partitions
     let parts = list.iter().any(|h| !h.whole) as u8 + list.iter().any(|h| h.whole) as u8;
     f.add(group, Call::AllReduce, parts as f64, 4.0 * parts as f64, true);

@@ -131,6 +131,8 @@ pub struct DataParallel<'g> {
     buckets: Vec<Bucket>,
     /// Parameter name → (bucket, offset in the bucket).
     place: HashMap<String, (usize, usize)>,
+    /// What the all-reduces move: f32, or bf16 (`moving`).
+    wire: DType,
 }
 
 impl<'g> DataParallel<'g> {
@@ -149,7 +151,13 @@ impl<'g> DataParallel<'g> {
                 .collect(),
             _ => Vec::new(), // nothing to pack: naive mode, or alone
         };
-        DataParallel { group, mode, buckets, place }
+        DataParallel { group, mode, buckets, place, wire: DType::F32 }
+    }
+
+    /// The same, its all-reduces moving the gradients as `wire` (bf16: half the bytes, each
+    /// bucket converted for the wire and back; the average comes back to the f32 gradients).
+    pub fn moving(self, wire: DType) -> DataParallel<'g> {
+        DataParallel { wire, ..self }
     }
 }
 
@@ -168,7 +176,7 @@ impl GradReduce for DataParallel<'_> {
         if bucket.waiting == 0 {
             let flat = bucket.flat.take().expect("filled above");
             // the all-reduce: every rank gets the mean over the group
-            bucket.in_flight = Some(self.group.all_reduce_tensor_async(flat, ReduceOp::Avg));
+            bucket.in_flight = Some(self.group.all_reduce_tensor_async_as(flat, ReduceOp::Avg, self.wire));
         }
     }
 
@@ -180,7 +188,9 @@ impl GradReduce for DataParallel<'_> {
         }
         if self.mode == DpMode::Naive {
             for p in params.iter_mut() {
-                self.group.all_reduce_tensor(&mut p.grad, ReduceOp::Avg)?; // in place, the mean over the group
+                let grad = std::mem::replace(&mut p.grad, Tensor::zeros(&[0]));
+                p.grad = self.group.all_reduce_tensor_async_as(grad, ReduceOp::Avg, self.wire)?.wait()?;
+                // the mean over the group
             }
             return Ok(());
         }

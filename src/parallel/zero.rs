@@ -75,9 +75,20 @@
 //! have another (`Sharding::with` takes one group per axis). Alone in its group, a rank keeps the
 //! parameter whole.
 //!
-//! **Precision.** Gradients are reduce-scattered in fp32 (a sum of dp parts loses little there,
-//! much in bf16); weights are all-gathered in the compute dtype (bf16 on a GPU: half the bytes,
-//! and what the kernels read anyway), from the fp32 master partitions.
+//! **Precision.** Gradients are reduce-scattered in fp32 by default (a sum of dp parts loses
+//! little there); `parallel.reduce_dtype = "bf16"` moves them in bf16 instead, as many large runs
+//! do: each bucket is converted for the wire and its result back, and the step's sums (over
+//! micro-batches) and the partitions the optimizer reads stay fp32 — half the gradient traffic,
+//! for each average rounded to 8 bits of mantissa (NCCL also adds the parts in bf16; the CPU hub
+//! adds the rounded parts in f32 and rounds the sum). Dense data parallelism's all-reduce moves
+//! what the same setting says. Weights are all-gathered in the compute dtype (bf16 on a GPU:
+//! half the bytes, and what the kernels read anyway), from the fp32 master partitions.
+//!
+//! ```text
+//! gradients reduced a step (G = their f32 bytes, m micro-batches)   "f32"     "bf16"
+//! ZeRO-0 (all-reduce), ZeRO-1, ZeRO-2/3 "once"                       G         G/2
+//! ZeRO-2/3 every micro-batch                                         m · G     m · G/2
+//! ```
 
 use crate::comm::process_grid::Axis;
 use crate::comm::tensors::Pending;
@@ -89,6 +100,7 @@ use crate::model::param::TrainedPart;
 use crate::model::{Llama, Param};
 use crate::ops;
 use crate::ops::tensor::{Place, Tensor};
+use crate::ops::DType;
 use crate::parallel::data_parallel::{bucket_values, buckets_of, GradReduce, Replicas};
 use anyhow::Result;
 use std::any::Any;
@@ -308,6 +320,8 @@ pub struct ZeroBuckets<'g> {
     /// What a later lesson does to each bucket's averaged partitions once per step, before they are
     /// handed to the parameters (`None`: nothing).
     then: Option<AfterReduce<'g>>,
+    /// What the reduce-scatters move: f32, or bf16 (`moving`).
+    wire: DType,
 }
 
 /// A step over a bucket's averaged partitions (this rank's, side by side), once per step: the seam
@@ -347,7 +361,15 @@ impl<'g> ZeroBuckets<'g> {
             .collect();
         let every_micro_batch = zero_stage >= 2 && reduce == ZeroReduce::EveryMicroBatch;
         let in_flight = VecDeque::new();
-        ZeroBuckets { group, zero_stage, every_micro_batch, buckets, place, in_flight, failed: None, then }
+        let wire = DType::F32;
+        ZeroBuckets { group, zero_stage, every_micro_batch, buckets, place, in_flight, failed: None, then, wire }
+    }
+
+    /// The same, its reduce-scatters moving the gradients as `wire` (`parallel.reduce_dtype`):
+    /// each bucket converted for the wire, each rank's partitions of the result converted back
+    /// and added up in f32.
+    pub fn moving(self, wire: DType) -> ZeroBuckets<'g> {
+        ZeroBuckets { wire, ..self }
     }
 }
 
@@ -381,7 +403,7 @@ impl GradReduce for ZeroBuckets<'_> {
             return;
         }
         let flat = bucket.flat.take().expect("a bucket fills once per micro-batch");
-        bucket.in_flight = Some(group.reduce_scatter_tensor_async(flat, ReduceOp::Avg)); // each rank: its mean
+        bucket.in_flight = Some(group.reduce_scatter_tensor_async_as(flat, ReduceOp::Avg, self.wire)); // each rank: its mean
         bucket.waiting = bucket.members.len();
         self.in_flight.push_back(b);
         // the last bucket of the backward: every reduce-scatter of this micro-batch lands now, so

@@ -21,6 +21,8 @@
 //!                                                parallel.zero_stage = 1, 2 → GatherAfterUpdate    06
 //! GradReduce (src/parallel/data_parallel.rs:62)  parallel.dp_mode, bucket_mb → DataParallel        04, 05
 //!                                                parallel.zero_stage ≥ 2 → ZeroBuckets             06
+//!                                                parallel.reduce_dtype → the buckets' wire format  06
+//!                                                parallel.tp > KV heads → SharedKvGrads            09
 //!                                                parallel.dp_shard → within SHARD, then REPLICATE  08
 //!                                                parallel.ep → ExpertGrads                         20
 //!                                                tied embeddings, parallel.pp → TiedEmbedding      12
@@ -317,9 +319,12 @@ fn gradients<'g>(
             Some(group) => {
                 let hybrid = axis == Axis::DpCp && hybrid_sharding::is_hybrid(&me.grid);
                 let then = hybrid.then(|| hybrid_sharding::average_across(me.group(REPLICATE)));
-                Box::new(ZeroBuckets::new((group, then), list, p.bucket_mb, (p.zero_stage, p.zero_reduce)))
+                let zero = ZeroBuckets::new((group, then), list, p.bucket_mb, (p.zero_stage, p.zero_reduce));
+                Box::new(zero.moving(p.reduce_dtype.dtype()))
             }
-            None => Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb)),
+            None => {
+                Box::new(DataParallel::new(me.group(axis), list, p.dp_mode, p.bucket_mb).moving(p.reduce_dtype.dtype()))
+            }
         };
         let reducer = match axis {
             Axis::Cut(EXPERT_DP) => Box::new(ExpertGrads { inner: reducer, ep: me.group(EP).size() }),

@@ -430,6 +430,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
     // ZeRO-2/3 reducing once a step hold every gradient whole until the last micro-batch, as ZeRO-1
     let each = zero >= 2 && p.zero_reduce == ZeroReduce::EveryMicroBatch;
+    let wire = p.reduce_dtype.dtype().size() as f64;
     let sums =
         if each && t.grad_accum_steps > 1 && in_flight(cfg, stage, dtype) == 1.0 { 4.0 * partitions } else { 0.0 };
     let grads = sums + if each { 4.0 * unit } else { 4.0 * whole };
@@ -482,7 +483,8 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
         grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * partitions,
         optimizer_bytes: optimizer,
         activations_bytes: one * (in_flight(cfg, stage, dtype) - 1.0),
-        comm_bytes: 4.0 * (3.0 * bucket).min(z as f64 * partitions),
+        // (a bucket filling in f32, two in flight as `parallel.reduce_dtype` moves them)
+        comm_bytes: (4.0 + 2.0 * wire) / 3.0 * (3.0 * bucket).min(z as f64 * partitions),
         ..Default::default()
     };
     let candidates = match zero {
