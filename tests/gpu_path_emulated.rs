@@ -185,14 +185,20 @@ fn every_parallelism_over_nccl_follows_one_rank() {
     let Some(dir) = fake_driver() else { return };
     // one fake GPU per rank, so every tensor collective of the step goes through the (fake) NCCL
     // on device buffers; f32, so the single-rank tolerance holds
-    converge_over_nccl(dir, ("nccl", &[]), "dp=2;tp=2;pp=2;cp=2;dp=2,tp=2,pp=2", 8);
+    // (tp = 4 over SMALL's 2 KV heads: each held by two ranks, their gradients summed over NCCL)
+    converge_over_nccl(dir, ("nccl", &[]), "dp=2;tp=2;pp=2;cp=2;dp=2,tp=2,pp=2;tp=4", 8);
 }
 
 /// `converge` of `variants` (3 steps, f32) on `gpus` fake GPUs with `backend = "nccl"`, several
 /// gradient buckets each collected as it fills; every variant must pass.
-fn converge_over_nccl(dir: &Path, (name, extra): (&str, &[&str]), variants: &str, gpus: usize) {
+fn converge_over_nccl(dir: &Path, name_extra: (&str, &[&str]), variants: &str, gpus: usize) {
+    converge_over_nccl_within(dir, name_extra, variants, gpus, "1e-4");
+}
+
+/// `converge_over_nccl` with the tolerance `tol` (`converge --tol`).
+fn converge_over_nccl_within(dir: &Path, (name, extra): (&str, &[&str]), variants: &str, gpus: usize, tol: &str) {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu_path_converge_{name}"));
-    let mut args = vec!["converge", "--variants", variants, "--steps", "3", "--out", out.to_str().unwrap()];
+    let mut args = vec!["converge", "--variants", variants, "--steps", "3", "--tol", tol, "--out", out.to_str().unwrap()];
     let sets = [
         "device.kind=cuda",
         "device.dtype=f32",
@@ -260,6 +266,10 @@ fn zero_stages_over_nccl_follow_one_rank() {
     // one fake GPU per rank: gradients reduce-scattered and weights all-gathered by the (fake)
     // NCCL on device buffers, from each rank's chunks; f32 for the single-rank tolerance
     converge_over_nccl(dir, ("zero", &[]), "dp=2,zero_stage=1;dp=2,zero_stage=2;dp=2,zero_stage=3,pp=2", 4);
+    // gradients moved in bf16: each bucket converted on the device, reduced by the (fake) NCCL in
+    // bf16, converted back into the f32 sums — within a lossy change's band
+    let bf16_wire = "dp=2,reduce_dtype=bf16;dp=2,zero_stage=2,reduce_dtype=bf16;dp=2,zero_stage=3,zero_reduce=once,reduce_dtype=bf16";
+    converge_over_nccl_within(dir, ("bf16_wire", &[]), bf16_wire, 4, "1e-2");
 }
 
 #[test]
