@@ -220,26 +220,35 @@ fn plan_command(a: PlanArgs, paths: &[PathArg]) -> Result<Exit> {
         dtype: if cluster.on_cpu { ferrotron::config::DeviceDtype::F32 } else { dtype },
         all_schedules: a.all_schedules || cluster.on_cpu,
     };
+    say!("{}", plan::header(&base, &cluster, &ask).trim_end());
     if a.fixed {
         let layout = plan::fixed(&base, &cluster, &ask)?;
         say!("{}", plan::explain(&layout, &cluster).trim_end());
         if let Some(path) = &a.json {
-            let text = plan::json(std::slice::from_ref(&layout), &cluster, &ask)?;
+            let text = plan::json(&base, std::slice::from_ref(&layout), &cluster, &ask, None)?;
             ferrotron::files::write_atomically(path, text.as_bytes()).context("--json")?;
         }
         return Ok(Exit::Done);
     }
     let layouts = plan::plan(&base, &cluster, &ask)?;
-    say!("{}", plan::table(&layouts, &cluster, a.top).trim_end());
+    let short = plan::shortfall(&base, &cluster, &ask, &layouts);
+    match &short {
+        None => say!("{}", plan::table(&layouts, &cluster, a.top).trim_end()),
+        Some(s) => say!("{} layouts tried\n{}", layouts.len(), plan::shortfall_text(s, &cluster).trim_end()),
+    }
     if let Some(n) = a.explain {
         let fit: Vec<&plan::Layout> = layouts.iter().filter(|l| l.fits).collect();
-        match fit.get(n.wrapping_sub(1)) {
-            Some(l) => say!("\nlayout {n}:\n{}", plan::explain(l, &cluster).trim_end()),
-            None => anyhow::bail!("--explain {n}: the table has layouts 1 to {}", fit.len()),
+        match (fit.get(n.wrapping_sub(1)), &short) {
+            (Some(l), _) => say!("\nlayout {n}:\n{}", plan::explain(l, &cluster).trim_end()),
+            (None, Some(_)) => {
+                say!("\n--explain {n}: no layout fits, so none is timed; the least memory any needs is above")
+            }
+            (None, None) => anyhow::bail!("--explain {n}: the table has layouts 1 to {}", fit.len()),
         }
     }
     if let Some(path) = &a.json {
-        ferrotron::files::write_atomically(path, plan::json(&layouts, &cluster, &ask)?.as_bytes()).context("--json")?;
+        let text = plan::json(&base, &layouts, &cluster, &ask, short.as_ref())?;
+        ferrotron::files::write_atomically(path, text.as_bytes()).context("--json")?;
     }
     Ok(Exit::Done)
 }

@@ -198,7 +198,8 @@ fn converge_over_nccl(dir: &Path, name_extra: (&str, &[&str]), variants: &str, g
 /// `converge_over_nccl` with the tolerance `tol` (`converge --tol`).
 fn converge_over_nccl_within(dir: &Path, (name, extra): (&str, &[&str]), variants: &str, gpus: usize, tol: &str) {
     let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("gpu_path_converge_{name}"));
-    let mut args = vec!["converge", "--variants", variants, "--steps", "3", "--tol", tol, "--out", out.to_str().unwrap()];
+    let mut args =
+        vec!["converge", "--variants", variants, "--steps", "3", "--tol", tol, "--out", out.to_str().unwrap()];
     let sets = [
         "device.kind=cuda",
         "device.dtype=f32",

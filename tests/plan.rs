@@ -462,7 +462,8 @@ fn plan_on_this_cpu_needs_its_calibration_and_refuses_a_broken_one() {
     assert!(text.contains("the local backend between two ranks: α ="), "{text}");
     let (ok, text, err) = run(&["plan", "--gpu", "cpu", "--gpus", "2", "--top", "2"]);
     assert!(ok, "{err}");
-    assert!(text.contains("layouts tried") && text.lines().count() == 5, "{text}");
+    // the header, the count, the column names, two layouts, the rates
+    assert!(text.starts_with("plan for a ") && text.contains("layouts tried") && text.lines().count() == 6, "{text}");
     assert!(text.contains("rates: this CPU,"), "{text}");
     // a hand-edited calibration without GEMM points is refused, not a panic
     let file = cache.path().join("calibration.json");
@@ -532,4 +533,51 @@ fn plan_predicts_a_gpu_with_its_recorded_calibration_of_that_gpu_and_dtype() {
             && err.contains("the calibration of NVIDIA H100 80GB HBM3 (bf16) is unreadable"),
         "{err}"
     );
+}
+
+#[test]
+fn when_nothing_fits_plan_says_the_least_memory_the_closest_saver_and_how_many_gpus_would_do() {
+    // the tiny model on 2 and on 4 H100s: a GPU between the least either needs fits on 4 only
+    let model = plan::model_of(None, &[]).unwrap();
+    let ask = plan::Ask { global_batch_tokens: 64 * 128, seq_len: 128, dtype: DeviceDtype::Bf16, all_schedules: false };
+    let least = |gpus: usize| {
+        // on GPUs of no memory nothing fits, so every layout comes with its least (every saver on)
+        let none = plan::Cluster { per_node: 2, memory_bytes: 0.0, ..h100s(gpus) };
+        let layouts = plan::plan(&model, &none, &ask).unwrap();
+        layouts.iter().map(|l| l.memory_gib).fold(f64::INFINITY, f64::min)
+    };
+    let (two, four) = (least(2), least(4));
+    assert!(four < two, "more GPUs need less a GPU: {four} vs {two} GiB");
+    let between = (two + four) / 2.0;
+    let cluster = plan::Cluster { per_node: 2, memory_bytes: between * (1u64 << 30) as f64, ..h100s(2) };
+    let layouts = plan::plan(&model, &cluster, &ask).unwrap();
+    let short = plan::shortfall(&model, &cluster, &ask, &layouts).expect("nothing fits");
+    assert!((short.least.memory_gib - two).abs() < 1e-9 && !short.least.fits, "{:?}", short.least);
+    assert_eq!(short.gpus_that_fit, Some(4), "the fewest GPUs on which a layout fits");
+    assert!(short.savers.windows(2).all(|w| w[0].1 <= w[1].1) && !short.savers.is_empty(), "{:?}", short.savers);
+    let text = plan::shortfall_text(&short, &cluster);
+    assert!(text.contains("the least any layout needs is") && text.contains("on 4 GPUs (2 nodes of 2)"), "{text}");
+    // where a layout fits there is no shortfall
+    assert!(plan::shortfall(&model, &h100s(2), &ask, &plan::plan(&model, &h100s(2), &ask).unwrap()).is_none());
+    // the command: the header names what it planned, --explain says why nothing is explained,
+    // --json holds the shortfall
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("plan.json");
+    let memory = format!("{:.6}", between);
+    let args = ["plan", "--gpus", "2", "--gpus-per-node", "2", "--memory-gib", &memory, "--seq-len", "128"];
+    let (ok, text, err) = ferrotron(
+        &[&args[..], &["--global-batch-tokens", "8192", "--explain", "1", "--json", out.to_str().unwrap()]].concat(),
+    );
+    assert!(ok, "{err}");
+    let header = text.lines().next().unwrap();
+    assert!(
+        header.starts_with("plan for a ")
+            && header.contains("M parameters (4 layers, hidden 128) on 2 × h100 (2 a node"),
+        "{text}"
+    );
+    assert!(text.contains("8192 tokens a step = 64 sequences of 128") && text.contains("nothing fits in"), "{text}");
+    assert!(text.contains("--explain 1: no layout fits"), "{text}");
+    let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
+    assert_eq!(json["nothing_fits"]["gpus_that_fit"], 4, "{}", json["nothing_fits"]);
+    assert!(json["model"]["parameters"].as_f64().unwrap() > 0.0);
 }

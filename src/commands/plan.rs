@@ -499,11 +499,7 @@ fn describe(cfg: &Config, fits: bool, memory: f64) -> Layout {
 /// layout that does not fit with any memory saver is kept (with its least memory) for `--json`.
 pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> {
     check_ask(&base.model, ask)?;
-    let mut base = base.clone();
-    base.device.kind = if cluster.on_cpu { DeviceKind::Cpu } else { DeviceKind::Cuda };
-    base.device.dtype = ask.dtype;
-    base.checkpoint.every = 0;
-    base.validation.every = 0;
+    let base = prepared(base, cluster, ask);
     let (mut out, mut clocks) = (Vec::new(), Clocks::default());
     for c in candidates(&base, cluster, ask) {
         let mut tried = None;
@@ -528,6 +524,120 @@ pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> 
             .then(a.memory_gib.total_cmp(&b.memory_gib))
     });
     Ok(out)
+}
+
+/// `base` set for planning on `cluster`: its device and dtype, no checkpoints or validation.
+fn prepared(base: &Config, cluster: &Cluster, ask: &Ask) -> Config {
+    let mut base = base.clone();
+    base.device.kind = if cluster.on_cpu { DeviceKind::Cpu } else { DeviceKind::Cuda };
+    base.device.dtype = ask.dtype;
+    base.checkpoint.every = 0;
+    base.validation.every = 0;
+    base
+}
+
+/// What `plan` says when no layout fits: the least memory any layout needs, the least with each
+/// memory saver (closest first), and the fewest GPUs on which one fits.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Shortfall {
+    /// The layout that needs the least memory a GPU (its `memory_gib`).
+    pub least: Layout,
+    /// Each saver and the least memory a GPU of the layouts using it, GiB, least first.
+    pub savers: Vec<(&'static str, f64)>,
+    /// The fewest GPUs (the cluster's count times 2, 4, … 64, nodes as they are) on which some
+    /// layout fits; `None`: not even on 64 times as many.
+    pub gpus_that_fit: Option<usize>,
+}
+
+/// The shortfall of `layouts` (what `plan` returned for `base` on `cluster`), if none fits.
+pub fn shortfall(base: &Config, cluster: &Cluster, ask: &Ask, layouts: &[Layout]) -> Option<Shortfall> {
+    if layouts.iter().any(|l| l.fits) {
+        return None;
+    }
+    let by_memory = |a: &&Layout, b: &&Layout| a.memory_gib.total_cmp(&b.memory_gib);
+    let least = layouts.iter().min_by(by_memory)?.clone();
+    type Uses = fn(&Layout) -> bool; // whether a layout uses the saver
+    let savers: [(&'static str, Uses); 5] = [
+        ("full recomputation", |l| l.recompute == "full"),
+        ("ZeRO-3", |l| l.zero_stage == 3),
+        ("context parallelism (cp > 1)", |l| l.cp > 1),
+        ("pipeline parallelism (pp > 1)", |l| l.pp > 1),
+        ("tensor parallelism (tp > 1)", |l| l.tp > 1),
+    ];
+    let mut least_with: Vec<(&'static str, f64)> = (savers.iter())
+        .filter_map(|(name, uses)| layouts.iter().filter(|l| uses(l)).min_by(by_memory).map(|l| (*name, l.memory_gib)))
+        .collect();
+    least_with.sort_by(|a, b| a.1.total_cmp(&b.1));
+    let base = prepared(base, cluster, ask);
+    let gpus_that_fit = (1..=6).map(|k| cluster.gpus << k).find(|&gpus| {
+        let more = Cluster { gpus, ..cluster.clone() };
+        candidates(&base, &more, ask).iter().any(|c| {
+            SAVERS.iter().any(|&(recompute, rows)| {
+                let mut s = c.clone();
+                (s.train.recompute, s.train.loss_stripe_rows) = (recompute, rows);
+                busiest(&s).total_bytes <= cluster.memory_bytes
+            })
+        })
+    });
+    Some(Shortfall { least, savers: least_with, gpus_that_fit })
+}
+
+/// The shortfall in words, in the table's place.
+pub fn shortfall_text(s: &Shortfall, cluster: &Cluster) -> String {
+    let l = &s.least;
+    let mut out = format!(
+        "nothing fits in {:.0} GiB a GPU: the least any layout needs is {:.1} GiB (dp {} × tp {} × pp {} × cp {}, ZeRO {}, recompute {}, micro-batch {})
+",
+        gib(cluster.memory_bytes),
+        l.memory_gib,
+        l.dp,
+        l.tp,
+        l.pp,
+        l.cp,
+        l.zero_stage,
+        l.recompute,
+        l.micro_batch_size
+    );
+    let savers: Vec<String> = s.savers.iter().map(|(name, g)| format!("{name} {g:.1} GiB")).collect();
+    if !savers.is_empty() {
+        out += &format!(
+            "the least with each memory saver, closest first: {}
+",
+            savers.join(", ")
+        );
+    }
+    out += &match s.gpus_that_fit {
+        Some(n) => format!(
+            "on {n} GPUs ({} nodes of {}) a layout fits
+",
+            n / cluster.per_node.max(1),
+            cluster.per_node
+        ),
+        None => format!(
+            "no layout fits on up to {} GPUs either: a smaller model, a shorter sequence or a larger GPU
+",
+            cluster.gpus << 6
+        ),
+    };
+    out
+}
+
+/// What `plan` planned for, in one line above its table.
+pub fn header(base: &Config, cluster: &Cluster, ask: &Ask) -> String {
+    let (m, n) = (&base.model, base.model.parameter_count());
+    let size = if n >= 1e9 { format!("{:.1}B", n / 1e9) } else { format!("{:.1}M", n / 1e6) };
+    format!(
+        "plan for a model of {size} parameters ({} layers, hidden {}) on {} × {} ({} a node, {:.0} GiB each): {} tokens a step = {} sequences of {}\n",
+        m.num_hidden_layers,
+        m.hidden_size,
+        cluster.gpus,
+        cluster.name,
+        cluster.per_node,
+        gib(cluster.memory_bytes),
+        ask.global_batch_tokens,
+        ask.global_batch_tokens / ask.seq_len,
+        ask.seq_len
+    )
 }
 
 /// The one layout `base` gives (its parallel and train keys; dp is what is left of the GPUs, the
@@ -734,9 +844,22 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
     s
 }
 
-/// The JSON of `--json`: `{"cluster": …, "layouts": [...]}`.
-pub fn json(layouts: &[Layout], cluster: &Cluster, ask: &Ask) -> Result<String> {
+/// The JSON of `--json`: `{"model": …, "cluster": …, "layouts": [...], "nothing_fits": …}`
+/// (`nothing_fits`: the shortfall, `null` when a layout fits).
+pub fn json(
+    base: &Config,
+    layouts: &[Layout],
+    cluster: &Cluster,
+    ask: &Ask,
+    short: Option<&Shortfall>,
+) -> Result<String> {
+    let m = &base.model;
     Ok(serde_json::to_string_pretty(&serde_json::json!({
+        "model": {
+            "parameters": m.parameter_count(),
+            "num_hidden_layers": m.num_hidden_layers,
+            "hidden_size": m.hidden_size,
+        },
         "cluster": {
             "gpus": cluster.gpus,
             "gpus_per_node": cluster.per_node,
@@ -749,5 +872,6 @@ pub fn json(layouts: &[Layout], cluster: &Cluster, ask: &Ask) -> Result<String> 
         "global_batch_tokens": ask.global_batch_tokens,
         "seq_len": ask.seq_len,
         "layouts": layouts,
+        "nothing_fits": short,
     }))?)
 }
