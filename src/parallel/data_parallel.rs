@@ -188,9 +188,9 @@ impl GradReduce for DataParallel<'_> {
         }
         if self.mode == DpMode::Naive {
             for p in params.iter_mut() {
+                // the mean over the group (moved as `wire`, back in the gradient's format)
                 let grad = std::mem::replace(&mut p.grad, Tensor::zeros(&[0]));
                 p.grad = self.group.all_reduce_tensor_async_as(grad, ReduceOp::Avg, self.wire)?.wait()?;
-                // the mean over the group
             }
             return Ok(());
         }

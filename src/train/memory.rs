@@ -264,7 +264,7 @@ fn sizes(
             continue;
         }
         let on_tp = *on_tp;
-        let n = shape.iter().map(|&x| x as f64).product::<f64>() / on_tp.parts(tp) as f64; // a KV head's copies: each whole
+        let n = shape.iter().map(|&x| x as f64).product::<f64>() / on_tp.parts(tp) as f64; // a copied KV head: whole on its rank
         let expert = moe::is_expert(name);
         let (n, z) = if expert { (n / ep as f64, (z / ep).max(1)) } else { (n, z) };
         let part = match name.as_str() {
@@ -430,7 +430,6 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // (a pipeline stage holding several micro-batches peaks in its first backward, before any)
     // ZeRO-2/3 reducing once a step hold every gradient whole until the last micro-batch, as ZeRO-1
     let each = zero >= 2 && p.zero_reduce == ZeroReduce::EveryMicroBatch;
-    let wire = p.reduce_dtype.dtype().size() as f64;
     let sums =
         if each && t.grad_accum_steps > 1 && in_flight(cfg, stage, dtype) == 1.0 { 4.0 * partitions } else { 0.0 };
     let grads = sums + if each { 4.0 * unit } else { 4.0 * whole };
@@ -478,6 +477,7 @@ fn stage_memory(cfg: &Config, cuts: &Cuts, stage: Stage) -> RankMemory {
     // ZeRO at the end of a backward: its activations gone (a pipeline stage still holds its other
     // micro-batches'), the last unit's gradients (the embedding's on the first stage), the partition
     // sums and the buckets still in flight
+    let wire = p.reduce_dtype.dtype().size() as f64;
     let end = RankMemory {
         weights_bytes: master + compute + fp8_weights,
         grads_bytes: 4.0 * if zero >= 2 { any_unit } else { whole } + 4.0 * partitions,
