@@ -218,23 +218,31 @@ fn plan_command(a: PlanArgs, paths: &[PathArg]) -> Result<Exit> {
         global_batch_tokens: a.global_batch_tokens.unwrap_or(default_tokens),
         seq_len,
         dtype: if cluster.on_cpu { ferrotron::config::DeviceDtype::F32 } else { dtype },
-        all_schedules: a.all_schedules || cluster.on_cpu,
+        runnable: a.runnable,
     };
     say!("{}", plan::header(&base, &cluster, &ask).trim_end());
     if a.fixed {
         let layout = plan::fixed(&base, &cluster, &ask)?;
         say!("{}", plan::explain(&layout, &cluster).trim_end());
         if let Some(path) = &a.json {
-            let text = plan::json(&base, std::slice::from_ref(&layout), &cluster, &ask, None)?;
+            let text = plan::json(&base, std::slice::from_ref(&layout), &cluster, &ask, None, &[])?;
             ferrotron::files::write_atomically(path, text.as_bytes()).context("--json")?;
         }
         return Ok(Exit::Done);
     }
-    let layouts = plan::plan(&base, &cluster, &ask)?;
-    let short = plan::shortfall(&base, &cluster, &ask, &layouts);
+    let searched = plan::plan(&base, &cluster, &ask)?;
+    if let Some(line) = plan::rounding(&searched, &ask) {
+        say!("{line}");
+    }
+    let layouts = &searched.layouts;
+    let short = plan::shortfall(&base, &cluster, &ask, layouts);
     match &short {
-        None => say!("{}", plan::table(&layouts, &cluster, a.top).trim_end()),
+        None => say!("{}", plan::table(layouts, &cluster, a.top).trim_end()),
         Some(s) => say!("{} layouts tried\n{}", layouts.len(), plan::shortfall_text(s, &cluster).trim_end()),
+    }
+    // nothing tried: the reasons are the answer
+    if a.explain_drops || layouts.is_empty() {
+        say!("{}", plan::drops_text(&searched.dropped).trim_end());
     }
     if let Some(n) = a.explain {
         let fit: Vec<&plan::Layout> = layouts.iter().filter(|l| l.fits).collect();
@@ -247,7 +255,7 @@ fn plan_command(a: PlanArgs, paths: &[PathArg]) -> Result<Exit> {
         }
     }
     if let Some(path) = &a.json {
-        let text = plan::json(&base, &layouts, &cluster, &ask, short.as_ref())?;
+        let text = plan::json(&base, layouts, &cluster, &ask, short.as_ref(), &searched.dropped)?;
         ferrotron::files::write_atomically(path, text.as_bytes()).context("--json")?;
     }
     Ok(Exit::Done)

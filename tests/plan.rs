@@ -164,6 +164,7 @@ fn the_step_time_model_prices_latent_attention_and_deepseek_moe_gemm_by_gemm() {
         attention: 1e30,
         small_gb_s: 1e30,
         op_us: 0.0,
+        overlap_slowdown: 0.0,
     };
     let deepseek = [
         "model.num_hidden_layers=3",
@@ -289,15 +290,18 @@ fn plans_bubble_is_the_schedules() {
 fn plan_searches_a_405b_model_on_16384_gpus_and_ranks_what_fits() {
     let model = plan::model_of(Some(Path::new("tests/fixtures/plan/llama-3.1-405b.json")), &[]).unwrap();
     let cluster = h100s(16384);
-    let ask =
-        plan::Ask { global_batch_tokens: 2048 * 8192, seq_len: 8192, dtype: DeviceDtype::Bf16, all_schedules: false };
-    let layouts = plan::plan(&model, &cluster, &ask).unwrap();
+    let ask = plan::Ask { global_batch_tokens: 2048 * 8192, seq_len: 8192, dtype: DeviceDtype::Bf16, runnable: false };
+    let layouts = plan::plan(&model, &cluster, &ask).unwrap().layouts;
     let fit: Vec<_> = layouts.iter().filter(|l| l.fits).collect();
     assert!(!fit.is_empty(), "some layout of 405B fits on 16,384 H100s");
     assert!(layouts.iter().any(|l| !l.fits), "and some does not (one rank cannot hold its weights)");
     assert!(fit.windows(2).all(|w| w[0].tokens_per_s >= w[1].tokens_per_s), "fastest first");
+    assert!(fit[0].tp <= 8, "the fastest keeps tensor parallelism inside a node: {:?}", fit[0]);
     for l in &fit {
-        assert!(l.memory_gib <= 80.0 && l.tp <= 8, "{l:?}");
+        assert!(l.memory_gib <= 80.0, "{l:?}");
+        // tp beyond a node is tried, and priced on the network
+        let crosses = l.breakdown.as_ref().unwrap().comm.iter().any(|a| a.flow.axis == "tp" && a.across_nodes);
+        assert_eq!(crosses, l.tp > 8, "{l:?}");
         assert_eq!(l.dp * l.tp * l.pp * l.cp, 16384);
         assert_eq!(l.micro_batch_size * l.grad_accum_steps * l.dp, 2048, "the global batch is kept");
         let b = l.breakdown.as_ref().unwrap();
@@ -462,8 +466,9 @@ fn plan_on_this_cpu_needs_its_calibration_and_refuses_a_broken_one() {
     assert!(text.contains("the local backend between two ranks: α ="), "{text}");
     let (ok, text, err) = run(&["plan", "--gpu", "cpu", "--gpus", "2", "--top", "2"]);
     assert!(ok, "{err}");
-    // the header, the count, the column names, two layouts, the rates
-    assert!(text.starts_with("plan for a ") && text.contains("layouts tried") && text.lines().count() == 6, "{text}");
+    // the header, the count, the column names, two layouts, the rates (and a key to the zero column)
+    let lines = text.lines().filter(|l| !l.starts_with("zero 3o:")).count();
+    assert!(text.starts_with("plan for a ") && text.contains("layouts tried") && lines == 6, "{text}");
     assert!(text.contains("rates: this CPU,"), "{text}");
     // a hand-edited calibration without GEMM points is refused, not a panic
     let file = cache.path().join("calibration.json");
@@ -539,18 +544,18 @@ fn plan_predicts_a_gpu_with_its_recorded_calibration_of_that_gpu_and_dtype() {
 fn when_nothing_fits_plan_says_the_least_memory_the_closest_saver_and_how_many_gpus_would_do() {
     // the tiny model on 2 and on 4 H100s: a GPU between the least either needs fits on 4 only
     let model = plan::model_of(None, &[]).unwrap();
-    let ask = plan::Ask { global_batch_tokens: 64 * 128, seq_len: 128, dtype: DeviceDtype::Bf16, all_schedules: false };
+    let ask = plan::Ask { global_batch_tokens: 64 * 128, seq_len: 128, dtype: DeviceDtype::Bf16, runnable: false };
     let least = |gpus: usize| {
         // on GPUs of no memory nothing fits, so every layout comes with its least (every saver on)
         let none = plan::Cluster { per_node: 2, memory_bytes: 0.0, ..h100s(gpus) };
-        let layouts = plan::plan(&model, &none, &ask).unwrap();
+        let layouts = plan::plan(&model, &none, &ask).unwrap().layouts;
         layouts.iter().map(|l| l.memory_gib).fold(f64::INFINITY, f64::min)
     };
     let (two, four) = (least(2), least(4));
     assert!(four < two, "more GPUs need less a GPU: {four} vs {two} GiB");
     let between = (two + four) / 2.0;
     let cluster = plan::Cluster { per_node: 2, memory_bytes: between * (1u64 << 30) as f64, ..h100s(2) };
-    let layouts = plan::plan(&model, &cluster, &ask).unwrap();
+    let layouts = plan::plan(&model, &cluster, &ask).unwrap().layouts;
     let short = plan::shortfall(&model, &cluster, &ask, &layouts).expect("nothing fits");
     assert!((short.least.memory_gib - two).abs() < 1e-9 && !short.least.fits, "{:?}", short.least);
     assert_eq!(short.gpus_that_fit, Some(4), "the fewest GPUs on which a layout fits");
@@ -558,7 +563,7 @@ fn when_nothing_fits_plan_says_the_least_memory_the_closest_saver_and_how_many_g
     let text = plan::shortfall_text(&short, &cluster);
     assert!(text.contains("the least any layout needs is") && text.contains("on 4 GPUs (2 nodes of 2)"), "{text}");
     // where a layout fits there is no shortfall
-    assert!(plan::shortfall(&model, &h100s(2), &ask, &plan::plan(&model, &h100s(2), &ask).unwrap()).is_none());
+    assert!(plan::shortfall(&model, &h100s(2), &ask, &plan::plan(&model, &h100s(2), &ask).unwrap().layouts).is_none());
     // the command: the header names what it planned, --explain says why nothing is explained,
     // --json holds the shortfall
     let tmp = tempfile::tempdir().unwrap();
@@ -580,4 +585,91 @@ fn when_nothing_fits_plan_says_the_least_memory_the_closest_saver_and_how_many_g
     let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&out).unwrap()).unwrap();
     assert_eq!(json["nothing_fits"]["gpus_that_fit"], 4, "{}", json["nothing_fits"]);
     assert!(json["model"]["parameters"].as_f64().unwrap() > 0.0);
+}
+
+#[test]
+fn a_steps_exposed_rows_add_up_to_its_time() {
+    // every row of --explain is what that call adds: compute + optimizer + the rows = the step
+    for extra in LAYOUTS.iter().chain(&[&["parallel.tp=2", "parallel.dp=2"][..], &["parallel.cp=2", "parallel.tp=2"]]) {
+        let cfg = on_gpus(extra);
+        let l = plan::predict(&cfg, &h100s(cfg.parallel.world_size())).unwrap();
+        let b = l.breakdown.as_ref().unwrap();
+        let rows: f64 = b.comm.iter().map(|a| a.exposed_s).sum();
+        let step = l.step_s.unwrap();
+        assert!(
+            (b.compute_s + b.optimizer_s + rows - step).abs() <= 1e-12 * step,
+            "{extra:?}: {step} s against the rows"
+        );
+        for a in &b.comm {
+            // a call hidden still costs the device its share while it runs
+            assert!(
+                a.exposed_s <= a.wire_s * (1.0 + 1e-12) && a.exposed_s >= a.wire_s * 20.0 / 132.0 * (1.0 - 1e-12),
+                "{extra:?}: {a:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_call_hides_only_behind_the_work_beside_it() {
+    use ferrotron::commands::step_time::{exposed, MicroBatch, Rates, Wire, Wires};
+    let cfg = on_gpus(&["parallel.cp=2", "parallel.dp=2", "parallel.zero_stage=3"]);
+    let wire = Wire { alpha_s: 0.0, beta_b_s: 1e9 };
+    let wires = Wires { node: wire, net: wire, per_node: 8 };
+    let rates = Rates { overlap_slowdown: 0.1, ..Rates::h100() };
+    let m = MicroBatch { forward: 8e-3, backward: 16e-3, ring_block: (1e-3, 2.5e-3), ..Default::default() };
+    let flow = |axis, call, calls: f64, secs: f64| traffic::Flow {
+        axis,
+        ranks: 2,
+        call,
+        calls,
+        bytes: calls * secs * 1e9 * 2.0, // a 2-rank gather moves half its bytes
+        exposed: false,
+    };
+    let beside = |t: f64, cover: f64| t - t.min(cover) + 0.1 * t.min(cover);
+    // the ring: 8 hops of 2 ms each, half in the forward behind a 1 ms block, half in the
+    // backward behind a 2.5 ms one (not behind the step's whole attention)
+    let ring = traffic::Flow { bytes: 8.0 * 2e-3 * 1e9, ..flow("cp", Call::P2p, 8.0, 2e-3) };
+    let got = exposed(&cfg, &[ring], (&wires, &rates), &m, 8)[0].2;
+    let want = 4.0 * (beside(2e-3, 1e-3) + beside(2e-3, 2.5e-3));
+    assert!((got - want).abs() < 1e-12, "ring: {got} s, want {want} s");
+    // FSDP's gathers: 8 micro-batches × 2 units × forward and backward; each behind the unit
+    // before it (8/2 ms forward, 16/2 backward), the first of the step waits
+    let gathers = flow("dp×cp", Call::AllGather, 32.0, 5e-3);
+    let got = exposed(&cfg, &[gathers], (&wires, &rates), &m, 8)[0].2;
+    let want = 5e-3 + 15.0 * beside(5e-3, 4e-3) + 16.0 * beside(5e-3, 8e-3);
+    assert!((got - want).abs() < 1e-12, "FSDP: {got} s, want {want} s");
+}
+
+#[test]
+fn the_search_cuts_by_divisors_rounds_the_batch_and_counts_what_it_sets_aside() {
+    // 6 heads on 6 GPUs: tp 3 and 6, cp 3, not only powers of two
+    let sets =
+        ["model.num_attention_heads=6", "model.num_key_value_heads=6", "model.hidden_size=192", "model.vocab_size=192"];
+    let model = plan::model_of(None, &sets.map(String::from)).unwrap();
+    let cluster = plan::Cluster { per_node: 6, ..h100s(6) };
+    // 65 sequences: no dp of 2, 3 or 6 divides it; each layout takes the nearest within 5 %
+    let ask = plan::Ask { global_batch_tokens: 65 * 96, seq_len: 96, dtype: DeviceDtype::Bf16, runnable: false };
+    let searched = plan::plan(&model, &cluster, &ask).unwrap();
+    let l = &searched.layouts;
+    assert!(l.iter().any(|l| l.tp == 3) && l.iter().any(|l| l.tp == 6) && l.iter().any(|l| l.cp == 3), "divisors");
+    assert!(searched.rounded > 0 && l.iter().all(|l| l.sequences.abs_diff(65) as f64 <= 0.05 * 65.0));
+    assert!(l.iter().all(|l| l.sequences == l.micro_batch_size * l.grad_accum_steps * l.dp));
+    assert!(plan::rounding(&searched, &ask).unwrap().contains("within 5 % of 65 sequences"));
+    // every schedule in the default search, those the GPU backend cannot run marked; ZeRO-3 once
+    assert!(l.iter().any(|l| l.pp_schedule == "interleaved" && !l.nccl_ready));
+    assert!(l.iter().any(|l| l.pp_schedule == "zbv") && l.iter().any(|l| l.zero_reduce == "once"));
+    let runnable = plan::plan(&model, &cluster, &plan::Ask { runnable: true, ..ask.clone() }).unwrap();
+    assert!(runnable.layouts.iter().all(|l| l.nccl_ready) && !runnable.layouts.is_empty());
+    // the drops, by reason, each with its first example
+    let reasons: Vec<&str> = runnable.dropped.iter().map(|d| d.reason.as_str()).collect();
+    assert!(reasons.contains(&"a schedule the GPU backend cannot run yet (--runnable)"), "{reasons:?}");
+    assert!(runnable.dropped.iter().all(|d| d.count > 0 && !d.example.is_empty()));
+    // 7 GPUs for the tiny model's 16 sequences, 4 heads and 4 layers: nothing to try, and the
+    // command says why
+    let (ok, text, err) = ferrotron(&["plan", "--gpus", "7", "--gpus-per-node", "7"]);
+    assert!(ok, "{err}");
+    for said in ["0 layouts tried", "candidates set aside", "the config check on parallel.tp", "within 5 %"] {
+        assert!(text.contains(said), "{said}: {text}");
+    }
 }

@@ -238,6 +238,13 @@ fn rates(on: &On, source: String, shapes: &Shapes, peak: Option<f64>) -> Result<
         attention: causal * 3.5 / attention_s / peak,
         small_gb_s: bytes / small_s / 1e9,
         op_us: op_s * 1e6,
+        // not timed here (it needs a collective running beside a GEMM): on a GPU the share
+        // `Rates::h100` takes from DeepSeek-V3's report; on a CPU none, the local backend's
+        // copies being in the calibrated steps already
+        overlap_slowdown: match on.place {
+            Place::Cpu => 0.0,
+            Place::Cuda(_) => Rates::h100().overlap_slowdown,
+        },
     })
 }
 
@@ -354,6 +361,7 @@ fn rates_ok(r: &Rates) -> bool {
         && [r.peak_tflops, r.attention, r.small_gb_s].into_iter().all(positive)
         && r.op_us.is_finite()
         && r.op_us >= 0.0
+        && (0.0..1.0).contains(&r.overlap_slowdown)
 }
 
 fn wire_ok(w: &Wire) -> bool {

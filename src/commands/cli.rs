@@ -196,9 +196,14 @@ pub struct PlanArgs {
     /// bf16 or fp8.
     #[arg(long, default_value = "bf16")]
     pub dtype: String,
-    /// Also the pipeline schedules not yet paired for NCCL (interleaved, zb-h1, zbv).
+    /// Only what ferrotron's GPU backend runs today: leave out the pipeline schedules not yet
+    /// paired for NCCL (interleaved, zb-h1, zbv), otherwise priced and marked `*`.
     #[arg(long)]
-    pub all_schedules: bool,
+    pub runnable: bool,
+    /// Also list the candidates the search set aside, counted by reason (the config check that
+    /// refused them, the search's bounds, a batch that does not divide).
+    #[arg(long)]
+    pub explain_drops: bool,
     /// The GPU's memory, GiB (default: the table's).
     #[arg(long)]
     pub memory_gib: Option<f64>,

@@ -28,7 +28,7 @@ use crate::commands::calibrate;
 use crate::commands::schedule::simulate;
 use crate::commands::step_time::{self, MicroBatch, Rates, Wire, Wires};
 use crate::commands::traffic::{self, Flow};
-use crate::config::{Config, CpMode, DeviceDtype, DeviceKind, ModelConfig, PpSchedule, Recompute};
+use crate::config::{Config, CpMode, DeviceDtype, DeviceKind, ModelConfig, PpSchedule, Recompute, ZeroReduce};
 use crate::devices::{self, Gpu};
 use crate::parallel::schedules::stage_of;
 use crate::train::memory::{per_stage, RankMemory};
@@ -58,8 +58,48 @@ pub struct Ask {
     pub global_batch_tokens: usize,
     pub seq_len: usize,
     pub dtype: DeviceDtype,
-    /// Also the schedules whose messages are not yet paired for NCCL (interleaved, zero bubble).
-    pub all_schedules: bool,
+    /// Only the layouts ferrotron's GPU backend runs today: not the schedules whose messages are
+    /// not yet paired for NCCL (interleaved, zero bubble), which are otherwise priced and marked.
+    pub runnable: bool,
+}
+
+/// What a search tried: every candidate priced (the fitting ones first, fastest first), and
+/// every one it set aside, counted by reason.
+#[derive(Clone, Debug)]
+pub struct Searched {
+    pub layouts: Vec<Layout>,
+    pub dropped: Vec<Dropped>,
+    /// Of the layouts, how many take a global batch other than the one asked (the nearest that
+    /// their dp × micro-batch divides).
+    pub rounded: usize,
+}
+
+/// Candidates set aside for one reason: how many, and the first one's words.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Dropped {
+    pub reason: String,
+    pub count: usize,
+    pub example: String,
+}
+
+/// The drops of a search, as they come.
+#[derive(Default)]
+struct Tally(Vec<Dropped>);
+
+impl Tally {
+    fn drop(&mut self, reason: &str, example: impl FnOnce() -> String) {
+        match self.0.iter_mut().find(|d| d.reason == reason) {
+            Some(d) => d.count += 1,
+            None => self.0.push(Dropped { reason: reason.into(), count: 1, example: example() }),
+        }
+    }
+
+    /// A config check's refusal, under the key it names first (`parallel.tp = 3 does not …`).
+    fn refused(&mut self, e: &anyhow::Error) {
+        let text = e.to_string();
+        let key = text.split([' ', ':']).next().unwrap_or("").to_string();
+        self.drop(&format!("the config check on {key}"), || text.clone());
+    }
 }
 
 /// One layout's prediction.
@@ -72,6 +112,9 @@ pub struct Layout {
     pub ep: usize,
     pub zero_stage: usize,
     pub dp_shard: usize,
+    /// ZeRO-2/3's gradient reduce-scatter: "every_micro_batch", or "once" a step (the
+    /// gradients accumulated whole first).
+    pub zero_reduce: &'static str,
     pub pp_schedule: &'static str,
     pub pp_virtual_stages: usize,
     pub cp_mode: &'static str,
@@ -81,6 +124,10 @@ pub struct Layout {
     pub grad_accum_steps: usize,
     pub loss_stripe_rows: usize,
     pub dtype: &'static str,
+    /// The step's sequences (the asked batch, or the nearest this dp × micro-batch divides).
+    pub sequences: usize,
+    /// Whether ferrotron's GPU backend runs it today (its pipeline's messages paired for NCCL).
+    pub nccl_ready: bool,
     pub fits: bool,
     pub memory_gib: f64,
     pub step_s: Option<f64>,
@@ -248,32 +295,44 @@ fn gpu_wires(g: &Gpu, per_node: usize) -> Wires {
     }
 }
 
-/// The layouts to try: every cut of `gpus` into dp × tp × pp × cp (× ep), each ZeRO stage,
-/// schedule, cp mode, sp, and micro-batch size the config checks accept.
-fn candidates(base: &Config, cluster: &Cluster, ask: &Ask) -> Vec<Config> {
+/// The layouts to try: every cut of `gpus` into dp × tp × pp × cp (× ep) by divisibility, each
+/// ZeRO stage and reduction, schedule, cp mode, sp and micro-batch size the config checks accept;
+/// what they refuse, and what the search's bounds leave out, counted in `tally`.
+fn candidates(base: &Config, cluster: &Cluster, ask: &Ask, tally: &mut Tally) -> Vec<Config> {
     let m = &base.model;
     let n = cluster.gpus;
     let sequences = ask.global_batch_tokens / ask.seq_len;
     let divisors = |x: usize| (1..=x).filter(move |d| x.is_multiple_of(*d));
-    let pow2 = |x: usize| x.is_power_of_two();
     let mut out = Vec::new();
-    for tp in divisors(n).filter(|&t| pow2(t) && t <= cluster.per_node.max(1)) {
-        for cp in divisors(n / tp).filter(|&c| pow2(c) && c <= 64) {
-            for pp in divisors(n / (tp * cp)).filter(|&p| p <= m.num_hidden_layers && p <= 128) {
+    for tp in divisors(n) {
+        for cp in divisors(n / tp) {
+            if cp > MAX_CP {
+                tally.drop(&format!("cp beyond the search's {MAX_CP}"), || format!("cp {cp} (tp {tp})"));
+                continue;
+            }
+            for pp in divisors(n / (tp * cp)) {
+                if pp > m.num_hidden_layers || pp > MAX_PP {
+                    let why = format!("pp beyond the layers or the search's {MAX_PP}");
+                    tally.drop(&why, || format!("pp {pp} (tp {tp}, cp {cp})"));
+                    continue;
+                }
                 let dp = n / (tp * cp * pp);
                 let eps: Vec<usize> = match m.num_local_experts {
                     0 => vec![1],
-                    e => divisors(dp * cp).filter(|&x| pow2(x) && e.is_multiple_of(x)).collect(),
+                    e => divisors(dp * cp).filter(|&x| e.is_multiple_of(x)).collect(),
                 };
                 for &ep in &eps {
                     for mbs in [1, 2, 4, 8] {
-                        if !sequences.is_multiple_of(mbs * dp) {
+                        // the nearest whole number of micro-batches, within the slack
+                        let accum = ((sequences as f64 / (mbs * dp) as f64).round() as usize).max(1);
+                        let moved = (accum * mbs * dp).abs_diff(sequences) as f64 / sequences as f64;
+                        if moved > BATCH_SLACK {
+                            tally.drop("dp × micro-batch does not divide the global batch within 5 %", || {
+                                format!("dp {dp} × micro-batch {mbs} against {sequences} sequences")
+                            });
                             continue;
                         }
-                        let grad_accum = sequences / (mbs * dp);
-                        for layout in shapes(base, (dp, tp, pp, cp, ep), (mbs, grad_accum), cluster, ask) {
-                            out.push(layout);
-                        }
+                        out.extend(shapes(base, (dp, tp, pp, cp, ep), (mbs, accum), cluster, ask, tally));
                     }
                 }
             }
@@ -282,32 +341,43 @@ fn candidates(base: &Config, cluster: &Cluster, ask: &Ask) -> Vec<Config> {
     out
 }
 
-/// The variants of one cut: ZeRO stages and hybrid sharding, schedules, cp modes, sp.
+/// The variants of one cut: ZeRO stages, reductions and hybrid sharding, schedules, cp modes, sp.
 fn shapes(
     base: &Config,
     (dp, tp, pp, cp, ep): (usize, usize, usize, usize, usize),
     (mbs, m): (usize, usize),
     cluster: &Cluster,
     ask: &Ask,
+    tally: &mut Tally,
 ) -> Vec<Config> {
     let z = dp * cp;
-    let zeros: Vec<(usize, usize)> = {
-        let mut v = vec![(0, 0)];
-        if z > 1 {
-            v.extend([(1, 0), (2, 0), (3, 0)]);
+    // (stage, shard group, reduction): ZeRO-3 also reducing once a step where a step has
+    // micro-batches to accumulate, its gradients accumulated whole (ZeRO-2 once moves what
+    // ZeRO-1 moves: no new layout)
+    let (each, once) = (ZeroReduce::EveryMicroBatch, ZeroReduce::Once);
+    let zeros: Vec<(usize, usize, ZeroReduce)> = {
+        let mut v = vec![(0, 0, each)];
+        let shard = (cluster.per_node / (tp * cp)).max(1);
+        for s in [0, shard] {
             // hybrid sharding: shard inside a node's worth of dp ranks, replicate across
-            let shard = (cluster.per_node / (tp * cp)).max(1);
-            if shard > 1 && shard < dp && dp.is_multiple_of(shard) {
-                v.extend([(2, shard), (3, shard)]);
+            let hybrid = s > 1 && s < dp && dp.is_multiple_of(s);
+            if z > 1 && (s == 0 || hybrid) {
+                v.extend([(2, s, each), (3, s, each)]);
+                v.extend((m > 1).then_some((3, s, once)));
             }
+        }
+        if z > 1 {
+            v.push((1, 0, each));
         }
         v
     };
     let schedules: Vec<(PpSchedule, usize)> = match pp {
         1 => vec![(PpSchedule::OneFOneB, 1)],
-        // the clock plays at most `MAX_MICRO_BATCHES` of a pipeline
-        _ if m > MAX_MICRO_BATCHES => vec![],
-        _ if ask.all_schedules => vec![
+        _ if m > MAX_MICRO_BATCHES => {
+            tally.drop("more micro-batches than the pipeline's clock plays (4096)", || format!("{m} of pp {pp}"));
+            vec![]
+        }
+        _ => vec![
             (PpSchedule::Afab, 1),
             (PpSchedule::OneFOneB, 1),
             (PpSchedule::Interleaved, 2),
@@ -315,25 +385,30 @@ fn shapes(
             (PpSchedule::ZbH1, 1),
             (PpSchedule::Zbv, 2),
         ],
-        _ => vec![(PpSchedule::Afab, 1), (PpSchedule::OneFOneB, 1)],
     };
     let modes: &[CpMode] = if cp > 1 { &[CpMode::Ring, CpMode::Ulysses] } else { &[CpMode::Ring] };
     let sps: &[bool] = if tp > 1 { &[false, true] } else { &[false] };
     let mut out = Vec::new();
-    for &(zero, shard) in &zeros {
+    for &(zero, shard, reduce) in &zeros {
         for &(schedule, v) in &schedules {
+            if ask.runnable && !cluster.on_cpu && schedule.unpaired() {
+                tally.drop("a schedule the GPU backend cannot run yet (--runnable)", || schedule.name().into());
+                continue;
+            }
             for &mode in modes {
                 for &sp in sps {
                     let mut c = base.clone();
                     let p = &mut c.parallel;
                     (p.dp, p.tp, p.pp, p.cp, p.ep) = (dp, tp, pp, cp, ep);
-                    (p.zero_stage, p.dp_shard, p.pp_schedule, p.pp_virtual_stages) = (zero, shard, schedule, v);
+                    (p.zero_stage, p.dp_shard, p.zero_reduce) = (zero, shard, reduce);
+                    (p.pp_schedule, p.pp_virtual_stages) = (schedule, v);
                     (p.cp_mode, p.sequence_parallel) = (mode, sp);
                     let t = &mut c.train;
                     (t.micro_batch_size, t.grad_accum_steps, t.seq_len) = (mbs, m, ask.seq_len);
                     (t.recompute, t.loss_stripe_rows, t.steps, t.warmup_steps) = (Recompute::None, 0, 1, 0);
-                    if c.validate().is_ok() {
-                        out.push(c);
+                    match c.validate() {
+                        Ok(()) => out.push(c),
+                        Err(e) => tally.refused(&e),
                     }
                 }
             }
@@ -341,6 +416,14 @@ fn shapes(
     }
     out
 }
+
+/// The search's bounds: a ring of more than 64 ranks, a pipeline of more than 128 stages.
+const MAX_CP: usize = 64;
+const MAX_PP: usize = 128;
+
+/// How far a layout's global batch may move from the one asked, to the nearest its dp ×
+/// micro-batch divides (a fraction).
+const BATCH_SLACK: f64 = 0.05;
 
 /// The most micro-batches of a pipeline the schedule's clock plays (`commands/schedule.rs`).
 const MAX_MICRO_BATCHES: usize = 4096;
@@ -351,12 +434,16 @@ const SAVERS: [(Recompute, usize); 4] =
 
 /// The busiest rank's memory of `cfg`.
 fn busiest(cfg: &Config) -> RankMemory {
-    per_stage(cfg).into_iter().max_by(|a, b| a.total_bytes.total_cmp(&b.total_bytes)).expect("a stage at least")
+    busiest_of(&per_stage(cfg)).clone()
+}
+
+fn busiest_of(stages: &[RankMemory]) -> &RankMemory {
+    stages.iter().max_by(|a, b| a.total_bytes.total_cmp(&b.total_bytes)).expect("a stage at least")
 }
 
 /// Everything `plan` says of `cfg` on `cluster`.
 pub fn predict(cfg: &Config, cluster: &Cluster) -> Result<Layout> {
-    predict_with(cfg, cluster, &mut Clocks::default())
+    predict_with(cfg, cluster, &mut Clocks::default(), per_stage(cfg))
 }
 
 /// The pipeline clocks played so far, by (schedule, stages, micro-batches, chunks): (makespan,
@@ -376,10 +463,10 @@ impl Clocks {
     }
 }
 
-fn predict_with(cfg: &Config, cluster: &Cluster, clocks: &mut Clocks) -> Result<Layout> {
+/// `predict` with the clocks played so far and `cfg`'s memory by stage.
+fn predict_with(cfg: &Config, cluster: &Cluster, clocks: &mut Clocks, stage_memory: Vec<RankMemory>) -> Result<Layout> {
     let (p, t) = (&cfg.parallel, &cfg.train);
-    let stage_memory = per_stage(cfg);
-    let memory = stage_memory.iter().max_by(|a, b| a.total_bytes.total_cmp(&b.total_bytes)).expect("a stage").clone();
+    let memory = busiest_of(&stage_memory).clone();
     let fits = memory.total_bytes <= cluster.memory_bytes;
     let mut layout = describe(cfg, fits, memory.total_bytes);
     if !fits {
@@ -412,9 +499,8 @@ fn predict_with(cfg: &Config, cluster: &Cluster, clocks: &mut Clocks) -> Result<
         let stage = stage_of(s, p);
         let mb = step_time::micro_batch(cfg, stage, &cluster.rates, share);
         let flows = traffic::per_step(cfg, stage);
-        let timed = step_time::exposed(cfg, &flows, &cluster.wires, &mb, t.grad_accum_steps);
-        let hidden = step_time::tp_hidden(&timed, &mb, t.grad_accum_steps);
-        let comm: f64 = timed.iter().map(|(.., shown)| shown).sum::<f64>() - hidden;
+        let timed = step_time::exposed(cfg, &flows, (&cluster.wires, &cluster.rates), &mb, t.grad_accum_steps);
+        let comm: f64 = timed.iter().map(|(.., shown)| shown).sum();
         let trained = (stage_memory[s].optimizer_bytes / 8.0).max(1.0); // two 4-byte moments a value
         let optimizer = step_time::optimizer_seconds(trained, &cluster.rates, share);
         let step = compute + comm + optimizer;
@@ -469,6 +555,10 @@ fn describe(cfg: &Config, fits: bool, memory: f64) -> Layout {
         ep: p.ep,
         zero_stage: p.zero_stage,
         dp_shard: p.dp_shard,
+        zero_reduce: match p.zero_reduce {
+            ZeroReduce::EveryMicroBatch => "every_micro_batch",
+            ZeroReduce::Once => "once",
+        },
         pp_schedule: p.pp_schedule.name(),
         pp_virtual_stages: p.pp_virtual_stages,
         cp_mode: if p.cp_mode == CpMode::Ring { "ring" } else { "ulysses" },
@@ -486,6 +576,8 @@ fn describe(cfg: &Config, fits: bool, memory: f64) -> Layout {
             DeviceDtype::F32 => "f32",
             _ => "bf16",
         },
+        sequences: t.micro_batch_size * t.grad_accum_steps * p.dp,
+        nccl_ready: p.pp == 1 || !p.pp_schedule.unpaired(),
         fits,
         memory_gib: gib(memory),
         step_s: None,
@@ -495,20 +587,49 @@ fn describe(cfg: &Config, fits: bool, memory: f64) -> Layout {
     }
 }
 
-/// Every layout of `model` on `cluster` for `ask`, the fitting ones first, fastest first. A
-/// layout that does not fit with any memory saver is kept (with its least memory) for `--json`.
-pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> {
+/// Every layout of `model` on `cluster` for `ask`, the fitting ones first, fastest first, and
+/// what the search set aside. A layout that does not fit with any memory saver is kept (with its
+/// least memory) for `--json`.
+pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Searched> {
     check_ask(&base.model, ask)?;
     let base = prepared(base, cluster, ask);
+    let mut tally = Tally::default();
+    let candidates = candidates(&base, cluster, ask, &mut tally);
+    // the candidates priced on every core, each thread a contiguous share (the order kept)
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let share = candidates.len().div_ceil(threads).max(1);
+    let priced: Vec<Result<Vec<Layout>>> = std::thread::scope(|scope| {
+        let work: Vec<_> = candidates.chunks(share).map(|part| scope.spawn(|| price(part, cluster))).collect();
+        work.into_iter().map(|w| w.join().expect("a pricing thread panicked")).collect()
+    });
+    let mut out = Vec::new();
+    for part in priced {
+        out.extend(part?);
+    }
+    out.sort_by(|a, b| {
+        b.tokens_per_s
+            .unwrap_or(-1.0)
+            .total_cmp(&a.tokens_per_s.unwrap_or(-1.0))
+            .then(a.memory_gib.total_cmp(&b.memory_gib))
+    });
+    let sequences = ask.global_batch_tokens / ask.seq_len;
+    let rounded = out.iter().filter(|l| l.sequences != sequences).count();
+    Ok(Searched { layouts: out, dropped: tally.0, rounded })
+}
+
+/// Each candidate of `part` priced with the first memory saver that makes it fit, or, where none
+/// does, described with its least memory.
+fn price(part: &[Config], cluster: &Cluster) -> Result<Vec<Layout>> {
     let (mut out, mut clocks) = (Vec::new(), Clocks::default());
-    for c in candidates(&base, cluster, ask) {
+    for c in part {
         let mut tried = None;
         for (recompute, rows) in SAVERS {
             let mut s = c.clone();
             (s.train.recompute, s.train.loss_stripe_rows) = (recompute, rows);
-            let memory = busiest(&s).total_bytes;
+            let stages = per_stage(&s);
+            let memory = busiest_of(&stages).total_bytes;
             if memory <= cluster.memory_bytes {
-                tried = Some(predict_with(&s, cluster, &mut clocks)?);
+                tried = Some(predict_with(&s, cluster, &mut clocks, stages)?);
                 break;
             }
             if tried.as_ref().is_none_or(|l: &Layout| memory < l.memory_gib * (1u64 << 30) as f64) {
@@ -517,12 +638,6 @@ pub fn plan(base: &Config, cluster: &Cluster, ask: &Ask) -> Result<Vec<Layout>> 
         }
         out.extend(tried);
     }
-    out.sort_by(|a, b| {
-        b.tokens_per_s
-            .unwrap_or(-1.0)
-            .total_cmp(&a.tokens_per_s.unwrap_or(-1.0))
-            .then(a.memory_gib.total_cmp(&b.memory_gib))
-    });
     Ok(out)
 }
 
@@ -571,7 +686,7 @@ pub fn shortfall(base: &Config, cluster: &Cluster, ask: &Ask, layouts: &[Layout]
     let base = prepared(base, cluster, ask);
     let gpus_that_fit = (1..=6).map(|k| cluster.gpus << k).find(|&gpus| {
         let more = Cluster { gpus, ..cluster.clone() };
-        candidates(&base, &more, ask).iter().any(|c| {
+        candidates(&base, &more, ask, &mut Tally::default()).iter().any(|c| {
             SAVERS.iter().any(|&(recompute, rows)| {
                 let mut s = c.clone();
                 (s.train.recompute, s.train.loss_stripe_rows) = (recompute, rows);
@@ -638,6 +753,37 @@ pub fn header(base: &Config, cluster: &Cluster, ask: &Ask) -> String {
         ask.global_batch_tokens / ask.seq_len,
         ask.seq_len
     )
+}
+
+/// The line under the header where some layouts took another batch than the one asked.
+pub fn rounding(searched: &Searched, ask: &Ask) -> Option<String> {
+    (searched.rounded > 0).then(|| {
+        format!(
+            "{} of the layouts take the nearest batch their dp × micro-batch divides, within 5 % of {} sequences (tokens/s at their own)",
+            searched.rounded,
+            ask.global_batch_tokens / ask.seq_len
+        )
+    })
+}
+
+/// What the search set aside, by reason, most first (`--explain-drops`; printed too when
+/// nothing was tried).
+pub fn drops_text(dropped: &[Dropped]) -> String {
+    let mut d: Vec<&Dropped> = dropped.iter().collect();
+    d.sort_by_key(|x| std::cmp::Reverse(x.count));
+    let total: usize = d.iter().map(|x| x.count).sum();
+    let mut s = format!(
+        "{total} candidates set aside:
+"
+    );
+    for x in d {
+        s += &format!(
+            "{:>8}  {} (the first: {})
+",
+            x.count, x.reason, x.example
+        );
+    }
+    s
 }
 
 /// The one layout `base` gives (its parallel and train keys; dp is what is left of the GPUs, the
@@ -724,10 +870,12 @@ pub fn table(layouts: &[Layout], cluster: &Cluster, top: usize) -> String {
     for (i, l) in fit.iter().take(top).enumerate() {
         let b = l.breakdown.as_ref().expect("a fitting layout is timed");
         let zero = if l.dp_shard > 0 { format!("{}h{}", l.zero_stage, l.dp_shard) } else { l.zero_stage.to_string() };
+        let zero = if l.zero_reduce == "once" { format!("{zero}o") } else { zero };
+        let unready = if l.nccl_ready || cluster.on_cpu { "" } else { "*" };
         let schedule = match (l.pp, l.pp_virtual_stages) {
             (1, _) => "-".to_string(),
-            (_, 1) => l.pp_schedule.to_string(),
-            (_, v) => format!("{} v{v}", l.pp_schedule),
+            (_, 1) => format!("{}{unready}", l.pp_schedule),
+            (_, v) => format!("{} v{v}{unready}", l.pp_schedule),
         };
         let cp = if l.cp > 1 && l.cp_mode == "ulysses" { format!("{}u", l.cp) } else { l.cp.to_string() };
         let mut comm: Vec<(&str, f64)> = Vec::new();
@@ -760,6 +908,12 @@ pub fn table(layouts: &[Layout], cluster: &Cluster, top: usize) -> String {
             comm.join(", ")
         );
     }
+    if !cluster.on_cpu && fit.iter().take(top).any(|l| !l.nccl_ready) {
+        s += "* priced, but ferrotron's GPU backend cannot run it yet (its messages are not paired for NCCL); --runnable leaves these out\n";
+    }
+    if fit.iter().take(top).any(|l| l.zero_reduce == "once") {
+        s += "zero 3o: ZeRO-3 reducing its gradients once a step (parallel.zero_reduce = \"once\")\n";
+    }
     s + &format!("rates: {}\n", cluster.rates.source)
 }
 
@@ -782,8 +936,14 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
         (_, v) => format!(" ({}, {v} chunks a rank)", l.pp_schedule),
     };
     let cp_mode = if l.cp > 1 { format!(" ({})", l.cp_mode) } else { String::new() };
+    let unready = match l.nccl_ready || cluster.on_cpu {
+        true => "",
+        false => {
+            "\n(priced; ferrotron's GPU backend cannot run this schedule yet: its messages are not paired for NCCL)"
+        }
+    };
     let mut s = format!(
-        "dp {} × tp {}{} × pp {}{schedule} × cp {}{cp_mode} × ep {}, ZeRO {}{}, micro-batch {} × {} accumulated, recompute {}{}\n",
+        "dp {} × tp {}{} × pp {}{schedule} × cp {}{cp_mode} × ep {}, ZeRO {}{}, micro-batch {} × {} accumulated, recompute {}{}{unready}\n",
         l.dp,
         l.tp,
         if l.sequence_parallel { " (sp)" } else { "" },
@@ -791,7 +951,12 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
         l.cp,
         l.ep,
         l.zero_stage,
-        if l.dp_shard > 0 { format!(" in shard groups of {}", l.dp_shard) } else { String::new() },
+        match (l.dp_shard, l.zero_reduce) {
+            (0, "once") => " (its gradients reduced once a step)".to_string(),
+            (0, _) => String::new(),
+            (k, "once") => format!(" in shard groups of {k} (its gradients reduced once a step)"),
+            (k, _) => format!(" in shard groups of {k}"),
+        },
         l.micro_batch_size,
         l.grad_accum_steps,
         l.recompute,
@@ -844,14 +1009,16 @@ pub fn explain(l: &Layout, cluster: &Cluster) -> String {
     s
 }
 
-/// The JSON of `--json`: `{"model": …, "cluster": …, "layouts": [...], "nothing_fits": …}`
-/// (`nothing_fits`: the shortfall, `null` when a layout fits).
+/// The JSON of `--json`: `{"model": …, "cluster": …, "layouts": [...], "dropped": [...],
+/// "nothing_fits": …}` (`dropped`: the search's set-aside candidates by reason; `nothing_fits`:
+/// the shortfall, `null` when a layout fits).
 pub fn json(
     base: &Config,
     layouts: &[Layout],
     cluster: &Cluster,
     ask: &Ask,
     short: Option<&Shortfall>,
+    dropped: &[Dropped],
 ) -> Result<String> {
     let m = &base.model;
     Ok(serde_json::to_string_pretty(&serde_json::json!({
@@ -872,6 +1039,7 @@ pub fn json(
         "global_batch_tokens": ask.global_batch_tokens,
         "seq_len": ask.seq_len,
         "layouts": layouts,
+        "dropped": dropped,
         "nothing_fits": short,
     }))?)
 }

@@ -13,13 +13,21 @@
 //! a call      hops·α + moved bytes/β (comm/cost.rs), on NVLink inside a node, the network across
 //! ```
 //! Then the pipeline: the schedule's own clock (`commands/schedule.rs`, forward 1, backward 2)
-//! played with this stage's times gives the bubble. And the overlap, by the rules the step
-//! follows: a bucket's all-reduce (ZeRO: reduce-scatter) runs during the backward of the
-//! earlier layers, so only what outlasts that backward (and the last bucket) shows; FSDP's next
-//! unit is gathered while this one computes; a ring's K|V block travels while attention computes
-//! on the one in hand; tensor parallelism's, Ulysses', the experts' and the pipeline's messages
-//! wait on the critical path. What the calibration holds for a GPU, and where it comes from, is
-//! in `Rates`; `ferrotron bench --calibrate` measures this machine's.
+//! played with this stage's times gives the bubble. And the overlap, call by call, against only
+//! the work that runs beside that call in the step (`exposed`):
+//!
+//! ```text
+//! call                          hides behind                                       the rest shows
+//! a ring's K|V hop              one block's attention in one layer (the one in hand) per hop
+//! FSDP's gather of a unit       the unit before it, computing (the first: nothing)  per unit
+//! a gradient bucket's reduce    the backward of the earlier layers (the last: none) per step
+//! tp's backward all-reduces     the weight-gradient GEMMs they are started before   per step
+//! Ulysses, experts, pipeline    nothing: the next op waits for them                 all of it
+//! ```
+//! and a call hidden is not free: while it runs it takes a share of the device from the compute
+//! beside it (NCCL's kernels occupy SMs), so its hidden part costs `Rates::overlap_slowdown` of
+//! itself. What the calibration holds for a GPU, and where it comes from, is in `Rates`;
+//! `ferrotron bench --calibrate` measures this machine's.
 //!
 //! The GEMMs are the model's own, layer by layer: latent attention's five projections, kv_b_proj
 //! where its heads are made (once, or once per ring block, and again in the backward, which
@@ -30,7 +38,7 @@
 
 use crate::comm::cost::Call;
 use crate::commands::traffic::Flow;
-use crate::config::{Config, CpMode, Recompute};
+use crate::config::{Config, CpMode, Recompute, ZeroReduce};
 use crate::devices::Gpu;
 use crate::model::stage::Stage;
 
@@ -50,6 +58,11 @@ pub struct Rates {
     pub small_gb_s: f64,
     /// The fixed cost of one small op (a kernel launch, a thread pool's dispatch), µs.
     pub op_us: f64,
+    /// The compute lost while a collective runs beside it, as a fraction of the collective's
+    /// hidden time: the share of the device its kernels take (0: none, as on a CPU, whose local
+    /// backend's copies the calibration's own steps already include).
+    #[serde(default)]
+    pub overlap_slowdown: f64,
 }
 
 impl Rates {
@@ -85,7 +98,10 @@ impl Rates {
     /// (2.4) leaves 23.8 ms for the 53 GB `small_bytes` and the loss's passes count there: 2.23
     /// TB/s (0.67 of the HBM's 3.35); the idle 2.4 ms over its ~1,270 small launches: 1.9 µs a
     /// launch. smollm-360m and llama-1b are then predictions (BENCHMARKS.md sets them beside
-    /// their measured steps).
+    /// their measured steps). The overlap's slowdown is not measured here: DeepSeek-V3's report
+    /// (arXiv:2412.19437, §3.2.2) gives its communication kernels 20 of an H800's 132 SMs to
+    /// fill InfiniBand and NVLink, so compute beside a collective keeps about 112/132 of the
+    /// device: 0.15 of the hidden time is lost.
     pub fn h100() -> Rates {
         Rates {
             source: "H100 SXM, ferrotron's kernels, measured 2026-11-26/27 (BENCHMARKS.md)".into(),
@@ -94,6 +110,7 @@ impl Rates {
             attention: 0.18,
             small_gb_s: 2230.0,
             op_us: 1.9,
+            overlap_slowdown: 20.0 / 132.0,
         }
     }
 
@@ -166,8 +183,11 @@ pub fn flow_seconds(cfg: &Config, flow: &Flow, wires: &Wires) -> f64 {
 pub struct MicroBatch {
     pub forward: f64,
     pub backward: f64,
-    /// Of them, attention's (forward + backward): what a ring's transfers hide behind.
+    /// Of them, attention's (forward + backward).
     pub attention: f64,
+    /// One K|V block's attention in one layer, forward and backward: what one ring hop hides
+    /// behind (the block in hand computes while the next travels).
+    pub ring_block: (f64, f64),
     /// Of the backward, the weight-gradient GEMMs: what tensor parallelism's backward all-reduce
     /// runs beside.
     pub weight_grads: f64,
@@ -231,9 +251,11 @@ pub fn micro_batch(cfg: &Config, stage: Stage, rates: &Rates, share: f64) -> Mic
     let (att_f, att_b) = (att / 3.5, att * 2.5 / 3.5);
     let small = |bytes: f64, ops: f64| (bytes / (rates.small_gb_s * 1e9) + ops * rates.op_us * 1e-6) / share;
     let small_f = small(rows * small_bytes(cfg, e), 14.0);
-    let layer_f = layer_gemms + heads_made + att_f + small_f;
+    let (ring_f, ring_b) = ring_small_ops(cfg, rows, e);
+    let (ring_f, ring_b) = (small(ring_f.0, ring_f.1), small(ring_b.0, ring_b.1));
+    let layer_f = layer_gemms + heads_made + att_f + small_f + ring_f;
     // latent attention's backward makes the heads again from the kept source, then their backward
-    let layer_b = 2.0 * layer_gemms + 3.0 * heads_made + att_b + 2.0 * small_f;
+    let layer_b = 2.0 * layer_gemms + 3.0 * heads_made + att_b + 2.0 * small_f + ring_b;
     let again = match t.recompute {
         Recompute::None => 0.0,
         Recompute::Selective => att_f,
@@ -253,8 +275,29 @@ pub fn micro_batch(cfg: &Config, stage: Stage, rates: &Rates, share: f64) -> Mic
         forward: layers * layer_f + head_f,
         backward: layers * (layer_b + again) + head_b,
         attention: layers * (att_f + att_b),
+        ring_block: (att_f / p.cp as f64, att_b / p.cp as f64),
         weight_grads: layers * (layer_gemms + heads_made),
     }
+}
+
+/// The ring's own small ops in one layer, (bytes, ops) forward and backward, as
+/// `parallel/context_parallel.rs` runs them on each of the cp blocks the busiest rank sees:
+/// forward, the block copied to send and split into its keys and values (4 × its bytes), the
+/// block's partial output merged into the running one (`ops/ring_merge.rs`: read both, write
+/// one); backward, the same copies, dq's partial added in, the block's dK|dV joined, added to
+/// the travelling gradient and copied to send. None without a ring.
+fn ring_small_ops(cfg: &Config, rows: f64, e: f64) -> ((f64, f64), (f64, f64)) {
+    let (m, p) = (&cfg.model, &cfg.parallel);
+    if p.cp == 1 || p.cp_mode != CpMode::Ring {
+        return ((0.0, 0.0), (0.0, 0.0));
+    }
+    let per_row = match m.latent() {
+        None => 2.0 * (m.kv_heads_on(p.tp) * m.core_head_dim()) as f64,
+        Some(l) => (l.kv_rank + l.rope) as f64,
+    };
+    let (block, q) = (rows * per_row * e, rows * (m.num_attention_heads / p.tp * m.core_head_dim()) as f64 * e);
+    let cp = p.cp as f64;
+    ((cp * (4.0 * block + 3.0 * q), cp * 4.0), (cp * (11.0 * block + 3.0 * q), cp * 6.0))
 }
 
 /// One GEMM's forward shape: (rows, k, n).
@@ -316,50 +359,57 @@ pub fn optimizer_seconds(values: f64, rates: &Rates, share: f64) -> f64 {
     values * 40.0 / (rates.small_gb_s * 1e9) / share
 }
 
-/// The exposed communication of a step: each flow's time, less what hides behind compute by the
-/// rules the step follows (`m`: the micro-batch's times on this stage; `micro_batches`: of a
-/// step).
+/// The exposed communication of a step: each flow's (wire time, time it adds to the step), by
+/// the rules of the module's table (`m`: the micro-batch's times on this stage; `micro_batches`:
+/// of a step). The second numbers add up to the step's communication: nothing is hidden
+/// elsewhere.
 pub fn exposed(
     cfg: &Config,
     flows: &[Flow],
-    wires: &Wires,
+    (wires, rates): (&Wires, &Rates),
     m: &MicroBatch,
     micro_batches: usize,
 ) -> Vec<(Flow, f64, f64)> {
     let p = &cfg.parallel;
     let mb = micro_batches as f64;
+    // a call of `t` s beside `cover` s of compute: what outlasts the cover, and what it took
+    let beside = |t: f64, cover: f64| {
+        let hidden = t.min(cover.max(0.0));
+        t - hidden + hidden * rates.overlap_slowdown
+    };
+    let times: Vec<f64> = flows.iter().map(|f| flow_seconds(cfg, f, wires)).collect();
+    // tensor parallelism's backward all-reduces (half its calls) run beside the weight-gradient
+    // GEMMs: that much of every tp call hides
+    let tp: f64 = flows.iter().zip(&times).filter(|(f, _)| f.axis == "tp").map(|(_, t)| t).sum();
+    let tp_hidden = if tp > 0.0 { (tp / 2.0).min(mb * m.weight_grads) / tp } else { 0.0 };
     flows
         .iter()
-        .map(|f| {
-            let t = flow_seconds(cfg, f, wires);
+        .zip(times)
+        .map(|(f, t)| {
+            let per = t / f.calls.max(1.0);
             let shown = match (f.axis, f.call, f.exposed) {
-                (_, _, true) => t,
-                // ring attention: the next K|V block travels while attention computes on this one
-                ("cp", Call::P2p, false) => (t - mb * m.attention).max(0.0),
-                // pipeline messages wait on the critical path
-                ("pp", _, _) => t,
-                // the gradients' buckets: during the backward of the earlier layers (ZeRO-2/3: of
-                // every micro-batch; data parallelism and ZeRO-1: of the last), all but the last
+                ("tp", ..) => t * (1.0 - tp_hidden) + t * tp_hidden * rates.overlap_slowdown,
+                (_, _, true) | ("pp", ..) => t,
+                // ring attention: each hop behind one block's attention, forward and backward
+                ("cp", Call::P2p, false) => f.calls / 2.0 * (beside(per, m.ring_block.0) + beside(per, m.ring_block.1)),
+                // the gradients' buckets: during the backward of the earlier layers (ZeRO-2/3
+                // reducing each micro-batch: of every one; else of the last), all but the last
                 (_, Call::AllReduce | Call::ReduceScatter, false) => {
-                    let window = if p.zero_stage >= 2 { mb * m.backward } else { m.backward };
-                    let last = t / f.calls.max(1.0);
-                    last + (t - last - window).max(0.0)
+                    let every = p.zero_stage >= 2 && p.zero_reduce == ZeroReduce::EveryMicroBatch;
+                    let window = if every { mb * m.backward } else { m.backward };
+                    per + beside(t - per, window)
                 }
-                // FSDP: each unit's gather while the one before it computes
+                // FSDP: each unit's gather (before its forward, and its backward) while the unit
+                // before it computes; the step's first waits
                 (_, Call::AllGather, false) => {
-                    let first = t / f.calls.max(1.0);
-                    first + (t - first - mb * (m.forward + m.backward)).max(0.0)
+                    let units = (f.calls / (2.0 * mb)).max(1.0);
+                    let (forward, backward) = (f.calls / 2.0, f.calls / 2.0);
+                    per + (forward - 1.0).max(0.0) * beside(per, m.forward / units)
+                        + backward * beside(per, m.backward / units)
                 }
                 _ => t,
             };
             (f.clone(), t, shown)
         })
         .collect()
-}
-
-/// Tensor parallelism's backward all-reduces run beside the weight-gradient GEMMs (started before
-/// them, waited for after): of the tp time, the backward's half hides behind them.
-pub fn tp_hidden(flows: &[(Flow, f64, f64)], m: &MicroBatch, micro_batches: usize) -> f64 {
-    let tp: f64 = flows.iter().filter(|(f, ..)| f.axis == "tp").map(|(_, t, _)| t).sum();
-    (tp / 2.0).min(micro_batches as f64 * m.weight_grads)
 }

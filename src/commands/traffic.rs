@@ -31,6 +31,8 @@ use crate::parallel::pipeline_schedule::sent_by;
 use crate::parallel::schedules::schedule_of;
 use crate::parallel::ulysses;
 use crate::parallel::zero::partition_size;
+use std::cell::RefCell;
+use std::collections::HashMap;
 
 /// One kind of call on one axis, per step, for one rank.
 #[derive(Clone, Debug, PartialEq, serde::Serialize)]
@@ -342,6 +344,9 @@ fn may_stop(cfg: &Config) -> bool {
     cfg.parallel.pp == 1 || cfg.device.kind != DeviceKind::Cuda
 }
 
+/// A pipeline's key: (schedule, stages, this stage, micro-batches, chunks).
+type Pipeline = (&'static str, usize, usize, usize, usize);
+
 /// Point-to-point calls of pipeline `stage` in a step: the 1F1B loop pairs a send with the next
 /// receive from the same neighbour (one call); AFAB and the listed schedules send and receive
 /// each message on its own.
@@ -362,7 +367,17 @@ fn pipeline_calls(cfg: &Config, stage: Stage) -> usize {
             ((m + warmup) * (prev + next) + usize::from(m > warmup) * prev) + apart * prev
         }
         _ => {
+            // walking every stage's action list is the costliest count of a plan's search, which
+            // meets the same pipeline under many layouts: counted once a pipeline on each thread
+            thread_local! {
+                static COUNTED: RefCell<HashMap<Pipeline, usize>> =
+                    RefCell::new(HashMap::new());
+            }
             let v = stage.chunks;
+            let key = (p.pp_schedule.name(), p.pp, s, m, v);
+            if let Some(n) = COUNTED.with(|c| c.borrow().get(&key).copied()) {
+                return n;
+            }
             let sent = schedule.actions(p.pp, s, m, v).filter(|&a| sent_by(stage, s, a).is_some_and(|(to, _)| to != s));
             let received = (0..p.pp).filter(|&from| from != s).map(|from| {
                 schedule
@@ -370,7 +385,9 @@ fn pipeline_calls(cfg: &Config, stage: Stage) -> usize {
                     .filter(|&a| sent_by(stage, from, a).is_some_and(|(to, _)| to == s))
                     .count()
             });
-            sent.count() + received.sum::<usize>()
+            let n = sent.count() + received.sum::<usize>();
+            COUNTED.with(|c| c.borrow_mut().insert(key, n));
+            n
         }
     }
 }

@@ -17,7 +17,7 @@
 //! host memory it frees (`keep_freed_memory`).
 
 use crate::comm::launcher::Capacity;
-use crate::config::{Config, DpMode, ModelConfig, OptimizerKind, Recompute, ZeroReduce};
+use crate::config::{Config, DpMode, ModelConfig, OptimizerKind, PpSchedule, Recompute, ZeroReduce};
 use crate::cuda::launch_table::attention::backward_scratch;
 use crate::model::optimizer::Optimizer;
 use crate::model::stage::Stage;
@@ -32,6 +32,7 @@ use crate::parallel::pipeline_schedule::Action;
 use crate::parallel::schedules;
 use anyhow::{bail, Result};
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
 
 /// Which tensors `sizes` counts, by name and whole shape.
@@ -538,19 +539,47 @@ fn in_flight(cfg: &Config, stage: Stage, dtype: DType) -> f64 {
     let (batch, seq, keep) = (t.micro_batch_size, t.seq_len / p.cp, Keep::of(cfg));
     let bytes: Vec<f64> =
         (0..v).map(|c| activation_bytes(&cfg.model, batch, seq, keep, stage.chunk(c), dtype)).collect();
-    let enough = schedule.warmup(p.pp, stage.index, m, v) + 2 * p.pp * v; // forwards
-    let (mut now, mut peak, mut forwards) = (vec![0.0; v], 0.0f64, 0);
-    for a in schedule.actions(p.pp, stage.index, m, v) {
+    let held = |counts: &Vec<u32>| counts.iter().zip(&bytes).map(|(&n, b)| n as f64 * b).sum::<f64>();
+    let peak = held_counts(p.pp_schedule, (p.pp, stage.index, m, v)).iter().map(held).fold(0.0, f64::max);
+    peak / bytes.iter().sum::<f64>()
+}
+
+/// Micro-batches held, by chunk: each state a walk passes through; and which walk: (schedule,
+/// [stages, this stage, micro-batches, chunks]).
+type Counts = Vec<Vec<u32>>;
+type Walk = (&'static str, [usize; 4]);
+
+/// Every count of micro-batches held by chunk that stage `s` of a `pp`-stage pipeline of `m`
+/// micro-batches and `v` chunks passes through in its schedule's first rounds (after them the
+/// counts repeat), each once. A plan's search weighs the same pipeline's counts under many
+/// layouts: walked once a pipeline on each thread.
+fn held_counts(kind: PpSchedule, (pp, s, m, v): (usize, usize, usize, usize)) -> Rc<Counts> {
+    thread_local! {
+        static WALKED: RefCell<HashMap<Walk, Rc<Counts>>> =
+            RefCell::new(HashMap::new());
+    }
+    let key = (kind.name(), [pp, s, m, v]);
+    if let Some(known) = WALKED.with(|w| w.borrow().get(&key).cloned()) {
+        return known;
+    }
+    let schedule = schedules::schedule_of(kind);
+    let enough = schedule.warmup(pp, s, m, v) + 2 * pp * v; // forwards
+    let (mut now, mut seen, mut forwards) = (vec![0u32; v], Vec::new(), 0);
+    for a in schedule.actions(pp, s, m, v) {
         let c = a.work().chunk;
         match a {
             Action::Forward(_) if forwards == enough => break,
-            Action::Forward(_) => (forwards, now[c]) = (forwards + 1, now[c] + 1.0),
+            Action::Forward(_) => (forwards, now[c]) = (forwards + 1, now[c] + 1),
             Action::InputGrad(_) => continue, // what it read stays for its W
-            Action::Backward(_) | Action::Weights(_) => now[c] -= 1.0,
+            Action::Backward(_) | Action::Weights(_) => now[c] -= 1,
         }
-        peak = peak.max(now.iter().zip(&bytes).map(|(n, b)| n * b).sum());
+        if !seen.contains(&now) {
+            seen.push(now.clone());
+        }
     }
-    peak / bytes.iter().sum::<f64>()
+    let seen = Rc::new(seen);
+    WALKED.with(|w| w.borrow_mut().insert(key, seen.clone()));
+    seen
 }
 
 /// What the busiest rank of `cfg` will hold, in bytes: (total, one line saying of what).

@@ -21,19 +21,25 @@ fn h100s(gpus: usize, per_node: usize) -> Result<Cluster> {
 }
 
 fn ask(seq_len: usize) -> Ask {
-    Ask { global_batch_tokens: 4 << 20, seq_len, dtype: DeviceDtype::Bf16, all_schedules: false }
+    Ask { global_batch_tokens: 4 << 20, seq_len, dtype: DeviceDtype::Bf16, runnable: false }
 }
 
 /// The line a layout gets here: its cut, memory, step and MFU.
 fn line(l: &Layout) -> String {
     format!(
-        "dp {} × tp {} × pp {} × cp {} × ep {}, ZeRO {}, {} micro-batches of {}, recompute {}: {:.1} GiB, {:.2} s a step, MFU {:.1}%",
+        "dp {} × tp {} × pp {}{} × cp {} × ep {}, ZeRO {}{}, {} micro-batches of {}, recompute {}: {:.1} GiB, {:.2} s a step, MFU {:.1}%",
         l.dp,
         l.tp,
         l.pp,
+        match (l.pp, l.pp_virtual_stages) {
+            (1, _) => String::new(),
+            (_, 1) => format!(" ({})", l.pp_schedule),
+            (_, v) => format!(" ({} ×{v})", l.pp_schedule),
+        },
         l.cp,
         l.ep,
         l.zero_stage,
+        if l.zero_reduce == "once" { " (reduced once a step)" } else { "" },
         l.grad_accum_steps,
         l.micro_batch_size,
         l.recompute,
@@ -69,7 +75,7 @@ fn run(_tiny: bool) -> Result<()> {
     )?;
 
     // 2. the search: every layout that fits, fastest first
-    let layouts = plan::plan(&model("llama-3-70b.json", &[])?, &cluster, &ask(8192))?;
+    let layouts = plan::plan(&model("llama-3-70b.json", &[])?, &cluster, &ask(8192))?.layouts;
     let fit: Vec<&Layout> = layouts.iter().filter(|l| l.fits).collect();
     println!(
         "70B on 512 H100s, 8,192 tokens a sequence, 4M a step: {} layouts tried, {} fit",
@@ -113,13 +119,13 @@ fn run(_tiny: bool) -> Result<()> {
     }
 
     // 5. long sequences: at 131,072 tokens a sequence the fastest layout cuts the sequence
-    let long = plan::plan(&model("llama-3-70b.json", &[])?, &cluster, &ask(131072))?;
+    let long = plan::plan(&model("llama-3-70b.json", &[])?, &cluster, &ask(131072))?.layouts;
     let best = long.iter().find(|l| l.fits).expect("a layout fits");
     println!("70B at 131,072 tokens a sequence: {}", line(best));
     common::claim("long sequences take context parallelism", best.cp > 1, &format!("cp {}", best.cp))?;
 
     // 6. a mixture of experts: Mixtral 8×22B, 4,096 tokens a sequence
-    let moe = plan::plan(&model("mixtral-8x22b.json", &[])?, &cluster, &ask(4096))?;
+    let moe = plan::plan(&model("mixtral-8x22b.json", &[])?, &cluster, &ask(4096))?.layouts;
     let fit: Vec<&Layout> = moe.iter().filter(|l| l.fits).collect();
     println!("Mixtral 8×22B on 512 H100s: {} layouts tried, {} fit", moe.len(), fit.len());
     for (i, l) in fit.iter().take(3).enumerate() {

@@ -91,6 +91,21 @@ pub fn split_tiles(tiles: usize, splits: usize, split: usize) -> impl Iterator<I
 /// rates; with few heads and long sequences the count grows (70B at 8k tokens, tp 8, 2 a
 /// micro-batch: 33 splits, 2.2 GB of copies a layer), which `ferrotron memory` counts.
 pub fn dq_splits(a: Attn) -> usize {
+    // played for every layout of a plan's search (`ferrotron memory` counts the copies): once a
+    // shape on each thread
+    thread_local! {
+        static PLAYED: std::cell::RefCell<std::collections::HashMap<[usize; 4], usize>> = Default::default();
+    }
+    let key = [a.seq, a.kv_seq, a.heads * a.batch, a.head_dim];
+    if let Some(n) = PLAYED.with(|p| p.borrow().get(&key).copied()) {
+        return n;
+    }
+    let n = splits_played(a);
+    PLAYED.with(|p| p.borrow_mut().insert(key, n));
+    n
+}
+
+fn splits_played(a: Attn) -> usize {
     let (keys, per_sm) = key_tile(a);
     let (tiles, query_tiles) = (a.kv_seq.div_ceil(keys), a.seq.div_ceil(keys));
     let (blocks, slots) = ((a.heads * a.batch).max(1), SMS * per_sm);
