@@ -673,3 +673,47 @@ fn the_search_cuts_by_divisors_rounds_the_batch_and_counts_what_it_sets_aside() 
         assert!(text.contains(said), "{said}: {text}");
     }
 }
+
+#[test]
+fn an_all_to_all_across_nodes_runs_on_nvlink_and_the_network_at_once() {
+    use ferrotron::commands::step_time::{flow_seconds, Wire, Wires};
+    let cfg =
+        on_gpus(&["parallel.dp=16", "parallel.ep=16", "model.num_local_experts=16", "model.num_experts_per_tok=2"]);
+    let (node, net) = (Wire { alpha_s: 3e-6, beta_b_s: 450e9 }, Wire { alpha_s: 5e-6, beta_b_s: 50e9 });
+    let flow =
+        |ranks| traffic::Flow { axis: "ep", ranks, call: Call::AllToAll, calls: 4.0, bytes: 1.6e9, exposed: true };
+    // 16 ranks on nodes of 8: 7 destinations over NVLink, 8 over the network, side by side
+    let two = flow_seconds(&cfg, &flow(16), &Wires { node, net, per_node: 8 });
+    let want = 4.0 * 15.0 * 5e-6 + (1.6e9 * 7.0 / 16.0 / 450e9_f64).max(1.6e9 * 8.0 / 16.0 / 50e9);
+    assert!((two - want).abs() < 1e-12, "{two} s, want {want} s");
+    // inside one node: NVLink alone, by the ring's count
+    let one = flow_seconds(&cfg, &flow(16), &Wires { node, net, per_node: 16 });
+    assert!((one - (4.0 * 15.0 * 3e-6 + 1.6e9 * 15.0 / 16.0 / 450e9)).abs() < 1e-12, "{one}");
+    // nodes of one GPU: every destination over the network
+    let apart = flow_seconds(&cfg, &flow(16), &Wires { node, net, per_node: 1 });
+    assert!((apart - (4.0 * 15.0 * 5e-6 + 1.6e9 * 15.0 / 16.0 / 50e9)).abs() < 1e-12, "{apart}");
+}
+
+#[test]
+fn a_gemm_is_priced_at_the_roofline_of_its_shape_and_attention_at_the_busiest_cp_rank() {
+    use ferrotron::commands::step_time::{micro_batch, Rates};
+    let h = Rates::h100();
+    // an expert's GEMM over 8 rows reads a 4096 × 4096 weight for 0.27 GFLOP: bandwidth-bound
+    let skinny = h.gemm_seconds((8.0, 4096.0, 4096.0), 2.0);
+    let read = (8.0 * 4096.0 * 2.0 + 4096.0 * 4096.0) * 2.0 / (h.small_gb_s * 1e9);
+    assert!((skinny - read).abs() < 1e-15, "{skinny} s, the bytes take {read} s");
+    // a square one of the same weight over 8192 rows: its FLOPs at the calibrated efficiency
+    let square = h.gemm_seconds((8192.0, 4096.0, 4096.0), 2.0);
+    let flops = 2.0 * 8192.0 * 4096.0 * 4096.0;
+    assert!((square - flops / (h.peak_tflops * 1e12 * h.gemm_efficiency(flops))).abs() < 1e-15, "{square}");
+    // a ring in contiguous chunks: its last rank attends (2cp − 1)/cp of the mean; zigzag and
+    // Ulysses the mean
+    let attention = |extra: &[&str]| {
+        let cfg = on_gpus(&[&["parallel.cp=4", "train.seq_len=64"][..], extra].concat());
+        micro_batch(&cfg, stage_of(0, &cfg.parallel), &h, 1.0).attention
+    };
+    let (zigzag, contiguous) =
+        (attention(&["parallel.cp_split=\"zigzag\""]), attention(&["parallel.cp_split=\"contiguous\""]));
+    assert!((contiguous / zigzag - 7.0 / 4.0).abs() < 1e-12, "{contiguous} against {zigzag}");
+    assert!((attention(&["parallel.cp_mode=\"ulysses\""]) / zigzag - 1.0).abs() < 1e-12);
+}

@@ -316,9 +316,11 @@ pub struct BenchArgs {
     /// kernels (forward, forward+backward) on the config's shapes (GPU only).
     #[arg(long, value_name = "OP", value_parser = ["attention"])]
     pub op: Option<String>,
-    /// Measure what `plan --gpu cpu` predicts with on this machine (GEMMs, attention, the small
-    /// ops on every thread and on one, the wire between ranks) and record it in the cache
-    /// folder's calibration.json.
+    /// Measure the rates `plan` predicts with and record them in the cache folder's
+    /// calibration.json: on the CPU (`device.kind = "cpu"`) what `plan --gpu cpu` uses (GEMMs,
+    /// attention, the small ops on every thread and on one, the wire between ranks); on a GPU
+    /// (`device.kind = "cuda"`) that GPU's kernels at the config's shapes in its dtype and NCCL's
+    /// wire between two GPUs, which `plan --gpu KEY --dtype D` of that kind then uses.
     #[arg(long, conflicts_with_all = ["op", "profile", "against"])]
     pub calibrate: bool,
 }

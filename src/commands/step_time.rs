@@ -5,8 +5,10 @@
 //! the rate the device reaches on that kind of work — a *calibrated* rate, not the datasheet's:
 //!
 //! ```text
-//! GEMMs       2·m·k·n FLOPs a call (backward: two of the same size) / (peak × efficiency(FLOPs of the call))
-//! attention   4·b·h·s²·d/2 FLOPs forward (causal), 2.5× that backward / (peak × attention efficiency)
+//! GEMMs       2·m·k·n FLOPs a call (backward: two of the same size) / (peak × efficiency(FLOPs of the call)),
+//!             or (m·k + k·n + m·n)·e bytes / bandwidth where that is longer (the roofline of the shape)
+//! attention   4·b·h·s²·d/2 FLOPs forward (causal; the busiest cp rank's share), 2.5× that backward
+//!             / (peak × attention efficiency)
 //! small ops   the bytes the norms, RoPE, SwiGLU, residual adds and the loss read and write
 //!             / the bandwidth they reach, + a fixed cost a launch
 //! optimizer   ~36 bytes a trained value (AdamW: master, gradient, two moments, the copy) / bandwidth
@@ -38,7 +40,7 @@
 
 use crate::comm::cost::Call;
 use crate::commands::traffic::Flow;
-use crate::config::{Config, CpMode, Recompute, ZeroReduce};
+use crate::config::{Config, CpMode, CpSplit, Recompute, ZeroReduce};
 use crate::devices::Gpu;
 use crate::model::stage::Stage;
 
@@ -82,9 +84,15 @@ impl Rates {
         a.1 + f * (b.1 - a.1)
     }
 
-    /// Seconds of one GEMM of `flops`.
-    fn gemm(&self, flops: f64) -> f64 {
-        flops / (self.peak_tflops * 1e12 * self.gemm_efficiency(flops))
+    /// Seconds of one GEMM of (rows, k, n) in elements of `e` bytes, at the roofline of its
+    /// shape: its FLOPs at the calibrated efficiency of their count, or — where the operands are
+    /// large against the work, as an expert's GEMM over a few rows — the time to read both and
+    /// write the product at the bandwidth the small ops reach, whichever is longer.
+    pub fn gemm_seconds(&self, (rows, k, n): (f64, f64, f64), e: f64) -> f64 {
+        let flops = 2.0 * rows * k * n;
+        let compute = flops / (self.peak_tflops * 1e12 * self.gemm_efficiency(flops));
+        let memory = (rows * k + k * n + rows * n) * e / (self.small_gb_s * 1e9);
+        compute.max(memory)
     }
 
     /// What an H100 SXM reached with ferrotron's kernels (`BENCHMARKS.md`, 2026-11-24, 26 and 27),
@@ -165,10 +173,20 @@ pub fn span(cfg: &Config, axis: &str) -> usize {
 
 /// Seconds of `flow` on `wires`: latency by hops (an all-reduce by a tree, ⌈log₂ n⌉ up and down,
 /// as NCCL does for small messages; every other call by the ring's n − 1), bandwidth by the
-/// bytes each rank moves (`comm/cost.rs`).
+/// bytes each rank moves (`comm/cost.rs`). An all-to-all across nodes is two wires at once: of
+/// its n − 1 destinations, the g − 1 in this rank's node take their share over NVLink while the
+/// n − g others take theirs over the network, and the slower of the two sets its time.
 pub fn flow_seconds(cfg: &Config, flow: &Flow, wires: &Wires) -> f64 {
     let n = flow.ranks as f64;
-    let wire = if span(cfg, flow.axis) <= wires.per_node { wires.node } else { wires.net };
+    let spans = span(cfg, flow.axis);
+    let wire = if spans <= wires.per_node { wires.node } else { wires.net };
+    if flow.call == Call::AllToAll && spans > wires.per_node {
+        // the group's ranks are spread evenly over its span: this many share a node
+        let g = (wires.per_node as f64 * n / spans as f64).floor().clamp(1.0, n);
+        let inside = flow.bytes * (g - 1.0) / n / wires.node.beta_b_s;
+        let across = flow.bytes * (n - g) / n / wires.net.beta_b_s;
+        return flow.calls * (n - 1.0) * wires.net.alpha_s + inside.max(across);
+    }
     let (hops, moved) = match flow.call {
         Call::AllReduce => (2.0 * n.log2().ceil(), 2.0 * (n - 1.0) / n),
         Call::AllGather | Call::ReduceScatter | Call::AllToAll => (n - 1.0, (n - 1.0) / n),
@@ -226,7 +244,7 @@ pub fn micro_batch(cfg: &Config, stage: Stage, rates: &Rates, share: f64) -> Mic
     let (d, tp) = (m.hidden_size as f64, p.tp as f64);
     let heads = m.num_attention_heads as f64 / tp;
     let layers = stage.layer_count(m.num_hidden_layers) as f64;
-    let gemm = |g: &[Gemm]| g.iter().map(|&(r, k, n)| rates.gemm(2.0 * r * k * n)).sum::<f64>() / share;
+    let gemm = |g: &[Gemm]| g.iter().map(|&shape| rates.gemm_seconds(shape, e)).sum::<f64>() / share;
     // each GEMM of a block: (rows, k, n) forward; backward two of the same FLOPs. The MLP's differ
     // by layer where DeepSeekMoE's first layers are dense: their mean over this stage's layers
     let (attention, heads_made) = attention_gemms(cfg, rows);
@@ -243,10 +261,18 @@ pub fn micro_batch(cfg: &Config, stage: Stage, rates: &Rates, share: f64) -> Mic
     let (dense_mlp, moe_mlp) = (gemm(&mlp_gemms(cfg, rows, false)), gemm(&mlp_gemms(cfg, rows, true)));
     let mlp = if layers > 0.0 { (dense * dense_mlp + (layers - dense) * moe_mlp) / layers } else { 0.0 };
     let layer_gemms = gemm(&attention) + mlp;
-    // attention: this rank's heads over its 1/cp of the causal square, in the core's head width
+    // attention: this rank's heads over its 1/cp of the causal square, in the core's head width;
+    // a ring cut in contiguous chunks gives its last rank the most (its queries see every key
+    // before them: (2cp − 1)/cp of the mean), which the others wait for; zigzag's pairs of
+    // chunks balance it
     let s = t.seq_len as f64;
     let core = m.core_head_dim() as f64;
-    let attention_forward = 4.0 * t.micro_batch_size as f64 * heads * s * s * core / 2.0 / p.cp as f64;
+    let cp = p.cp as f64;
+    let busiest = match (p.cp_mode, p.cp_split) {
+        (CpMode::Ring, CpSplit::Contiguous) => (2.0 * cp - 1.0) / cp,
+        _ => 1.0,
+    };
+    let attention_forward = 4.0 * t.micro_batch_size as f64 * heads * s * s * core / 2.0 / cp * busiest;
     let att = attention_forward * 3.5 / (rates.peak_tflops * 1e12 * rates.attention) / share;
     let (att_f, att_b) = (att / 3.5, att * 2.5 / 3.5);
     let small = |bytes: f64, ops: f64| (bytes / (rates.small_gb_s * 1e9) + ops * rates.op_us * 1e-6) / share;
