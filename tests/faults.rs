@@ -690,16 +690,45 @@ fn only_the_runs_own_temporary_folders_are_removed() {
     let left = dir.join("step_000003.18c2f0a1b2c3d4e5-3039.tmp"); // a killed run's half-written save
     std::fs::create_dir_all(&left).unwrap();
     std::fs::write(left.join("model.safetensors"), "half").unwrap();
-    ok(&run(&train_args(&dir, &["--set", "train.steps=2", "--set", "checkpoint.every=1"])));
+    // named like one, but holding what no checkpoint holds: someone's, left with a note
+    let look_alike = dir.join("step_000001.abc-123.tmp");
+    std::fs::create_dir_all(look_alike.join("drafts")).unwrap();
+    std::fs::write(look_alike.join("thesis.tex"), "mine").unwrap();
+    let nested = dir.join("step_000002.abc-124.tmp");
+    std::fs::create_dir_all(nested.join("model.safetensors")).unwrap(); // a folder, not the file
+    let said = run(&train_args(&dir, &["--set", "train.steps=2", "--set", "checkpoint.every=1"]));
+    ok(&said);
+    assert!(look_alike.join("thesis.tex").exists() && look_alike.join("drafts").is_dir() && nested.is_dir());
+    let out = String::from_utf8_lossy(&said.stdout).into_owned() + &String::from_utf8_lossy(&said.stderr);
+    assert!(out.contains("step_000001.abc-123.tmp is named like a half-written checkpoint but holds"), "{out}");
+    // what a checkpoint holds is exactly what a leftover may hold
+    let mut files: Vec<String> = std::fs::read_dir(dir.join("step_000002"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    files.sort();
+    assert_eq!(files, ferrotron::checkpoint::folder::FILES, "a checkpoint's files");
     assert_eq!(std::fs::read_to_string(dir.join("notes.tmp")).unwrap(), "the user's notes");
     assert!(dir.join("junk.tmp/keep").exists() && dir.join("step_000009.tmp").is_dir());
     assert!(!left.exists(), "the killed run's half-written folder is removed");
     let names: Vec<String> =
         std::fs::read_dir(&dir).unwrap().map(|e| e.unwrap().file_name().into_string().unwrap()).collect();
-    assert!(!names.iter().any(|n| ferrotron::checkpoint::folder::is_half_written(n)), "{names:?}");
+    let mut leftovers: Vec<&String> =
+        names.iter().filter(|n| ferrotron::checkpoint::folder::is_half_written(n)).collect();
+    leftovers.sort();
+    assert_eq!(
+        leftovers,
+        ["step_000001.abc-123.tmp", "step_000002.abc-124.tmp"].map(String::from).iter().collect::<Vec<_>>()
+    );
     assert!(ferrotron::checkpoint::folder::is_half_written("step_000012.18c2f0a1b2c3d4e5-3039.tmp"));
-    for not_ours in ["notes.tmp", "step_000012.tmp", "step_12.ab-cd.tmp", "step_000012.xyz-1.tmp", "step_000012.ab.tmp"]
-    {
+    for not_ours in [
+        "notes.tmp",
+        "step_000012.tmp",
+        "step_12.ab-cd.tmp",
+        "step_000012.xyz-1.tmp",
+        "step_000012.ab.tmp",
+        "step_000012.ab-123456789.tmp",
+    ] {
         assert!(!ferrotron::checkpoint::folder::is_half_written(not_ours), "{not_ours}");
     }
 }
@@ -789,4 +818,27 @@ fn a_damaged_newest_checkpoint_names_the_newest_good_one() {
     std::fs::rename(dir.join("step_000004"), tmp.path().join("damaged")).unwrap();
     ok(&run(&[more, vec!["--set".into(), "train.recompute=\"full\"".into()]].concat()));
     assert!(dir.join("step_000006").is_dir());
+}
+
+/// Issue 78, a path from a file: the run id a checkpoint records names the folders a resumed run
+/// saves into, so one that is not of the form a run makes is refused in one line, and nothing is
+/// made outside `checkpoint.dir`.
+#[test]
+fn a_run_id_read_from_a_checkpoint_is_one_a_run_makes() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("ck");
+    ok(&run(&train_args(&dir, &["--set", "train.steps=1", "--set", "checkpoint.every=1"])));
+    let state = dir.join("step_000001/trainer_state.json");
+    let text = std::fs::read_to_string(&state).unwrap();
+    let meta: serde_json::Value = serde_json::from_str(&text).unwrap();
+    let id = meta["run_id"].as_str().unwrap().to_string();
+    assert!(ferrotron::checkpoint::folder::is_run_id(&id), "{id}");
+    for bad in ["/../../../ESCAPED", "../x-1", "ab-cd/ef", "", "ab_cd", "ab-cd.tmp"] {
+        std::fs::write(&state, text.replace(&id, bad)).unwrap();
+        let checkpoint = dir.join("step_000001");
+        let resume = ["--resume", checkpoint.to_str().unwrap(), "--set", "train.steps=2"];
+        let said = run(&train_args(&dir, &resume));
+        fails_with(&said, &["\"run_id\" is", "not a run id ferrotron makes"]);
+        assert!(!tmp.path().join("ESCAPED").exists() && !dir.join("step_000002").exists(), "{bad}");
+    }
 }

@@ -12,7 +12,11 @@
 //!                        refuses another run's, and its own newer than the step it resumes
 //! ```
 //! Pruning (`checkpoint.keep`) then only ever deletes this run's older checkpoints. The lock is
-//! the operating system's (`flock`): it goes away with the process, even after `kill -9`.
+//! the operating system's (`flock`): it goes away with the process, even after `kill -9`. What
+//! a killed run left half-written (`step_NNNNNN.<run id>.tmp`) a later run removes only when it
+//! holds nothing but checkpoint files (`FILES`): a look-alike folder holding anything else is
+//! left where it is, with a note. A run id read from a file is one `new_run_id` makes or refused:
+//! it names folders.
 
 use crate::config::Config;
 use anyhow::{bail, Context, Result};
@@ -39,6 +43,16 @@ pub fn new_run_id() -> String {
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
     format!("{:x}-{:x}", now.as_nanos(), std::process::id())
 }
+
+/// Whether `id` has the form `new_run_id` makes: two hex numbers joined by `-` (at most 32 and 8
+/// digits: nanoseconds and a pid). Nothing else may become part of a folder's name.
+pub fn is_run_id(id: &str) -> bool {
+    let hex = |s: &str, most: usize| !s.is_empty() && s.len() <= most && s.chars().all(|c| c.is_ascii_hexdigit());
+    id.split_once('-').is_some_and(|(a, b)| hex(a, 32) && hex(b, 8))
+}
+
+/// The files a checkpoint folder holds (`checkpoint/save.rs` writes them, in this order).
+pub const FILES: [&str; 4] = ["config.json", "model.safetensors", "optimizer.safetensors", "trainer_state.json"];
 
 impl Folder {
     /// Takes `dir` for run `run_id`, which starts fresh (`resumed_step = None`) or continues from
@@ -161,21 +175,32 @@ pub fn run_id_of(checkpoint: &Path) -> Option<String> {
 /// (`step_NNNNNN.<run id>.tmp`, the run id being `new_run_id`'s two hex numbers)? Only such names
 /// are ever removed: a user's `notes.tmp` in the same folder is not the run's to delete.
 pub fn is_half_written(name: &str) -> bool {
-    let hex = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_hexdigit());
     let Some(rest) = name.strip_prefix("step_").and_then(|r| r.strip_suffix(".tmp")) else { return false };
     let Some((step, id)) = rest.split_once('.') else { return false };
-    step.len() >= 6
-        && step.chars().all(|c| c.is_ascii_digit())
-        && id.split_once('-').is_some_and(|(a, b)| hex(a) && hex(b))
+    step.len() >= 6 && step.chars().all(|c| c.is_ascii_digit()) && is_run_id(id)
 }
 
-/// Folders that killed runs left half-written (`is_half_written`); only called with the lock held,
-/// so nobody is writing them.
+/// Folders that killed runs left half-written (`is_half_written`) and that hold nothing but
+/// checkpoint files (`FILES`, plain files); only called with the lock held, so nobody is writing
+/// them. A folder named so that holds anything else is someone's: left, with a note.
 fn remove_half_written(dir: &Path) -> Result<()> {
     for e in std::fs::read_dir(dir).with_context(|| format!("cannot list {}", dir.display()))?.flatten() {
         let p = e.path();
-        if is_half_written(&e.file_name().to_string_lossy()) && p.is_dir() && !p.is_symlink() {
-            std::fs::remove_dir_all(&p).with_context(|| format!("cannot remove the half-written {}", p.display()))?;
+        if !(is_half_written(&e.file_name().to_string_lossy()) && p.is_dir() && !p.is_symlink()) {
+            continue;
+        }
+        let listed = std::fs::read_dir(&p).with_context(|| format!("cannot list {}", p.display()))?;
+        let foreign = listed.flatten().find(|f| {
+            let plain = f.file_type().is_ok_and(|t| t.is_file());
+            !(plain && FILES.iter().any(|name| f.file_name() == *name))
+        });
+        match foreign {
+            None => std::fs::remove_dir_all(&p).with_context(|| format!("cannot remove the half-written {}", p.display()))?,
+            Some(f) => crate::say!(
+                "note: {} is named like a half-written checkpoint but holds {}, which no checkpoint does: left as it is (remove it yourself if nobody needs it)",
+                p.display(),
+                f.file_name().to_string_lossy()
+            ),
         }
     }
     Ok(())

@@ -26,7 +26,7 @@
 //! shapes), and the settings that change the run's curve (learning rate and schedule, global
 //! batch, data) are the ones the checkpoint recorded, or the differences are named.
 
-use crate::checkpoint::folder::Folder;
+use crate::checkpoint::folder::{self, Folder};
 use crate::checkpoint::hf::{build_from, check_tensors, expected_tensors, full_tensor, read_safetensors};
 use crate::comm::launcher::Rank;
 use crate::comm::placement::{redistribute, Placement};
@@ -317,6 +317,10 @@ pub fn load(dir: &Path) -> Result<Resumed> {
     let Some(run_id) = meta["run_id"].as_str().map(str::to_string) else {
         bail!("{}: no run_id (written by an older ferrotron): start a new run", meta_path.display());
     };
+    // it names the folders this run saves into: only the form a run makes
+    if !folder::is_run_id(&run_id) {
+        bail!("{}: \"run_id\" is {:?}, not a run id ferrotron makes (two hex numbers joined by -): the file is damaged or was edited; start a new run", meta_path.display(), run_id.chars().take(80).collect::<String>());
+    }
     let recorded: Config = meta["config"]
         .as_str()
         .and_then(Config::from_recorded)
