@@ -326,10 +326,10 @@ fn candidates(base: &Config, cluster: &Cluster, ask: &Ask, tally: &mut Tally) ->
                         // the nearest whole number of micro-batches, within the slack
                         let accum = ((sequences as f64 / (mbs * dp) as f64).round() as usize).max(1);
                         let moved = (accum * mbs * dp).abs_diff(sequences) as f64 / sequences as f64;
-                        if moved > BATCH_SLACK {
-                            tally.drop("dp × micro-batch does not divide the global batch within 5 %", || {
-                                format!("dp {dp} × micro-batch {mbs} against {sequences} sequences")
-                            });
+                        if moved > SLACK_PERCENT as f64 / 100.0 {
+                            let why =
+                                format!("dp × micro-batch does not divide the global batch within {SLACK_PERCENT} %");
+                            tally.drop(&why, || format!("dp {dp} × micro-batch {mbs} against {sequences} sequences"));
                             continue;
                         }
                         out.extend(shapes(base, (dp, tp, pp, cp, ep), (mbs, accum), cluster, ask, tally));
@@ -374,7 +374,8 @@ fn shapes(
     let schedules: Vec<(PpSchedule, usize)> = match pp {
         1 => vec![(PpSchedule::OneFOneB, 1)],
         _ if m > MAX_MICRO_BATCHES => {
-            tally.drop("more micro-batches than the pipeline's clock plays (4096)", || format!("{m} of pp {pp}"));
+            let why = format!("more micro-batches than the pipeline's clock plays ({MAX_MICRO_BATCHES})");
+            tally.drop(&why, || format!("{m} of pp {pp}"));
             vec![]
         }
         _ => vec![
@@ -422,8 +423,8 @@ const MAX_CP: usize = 64;
 const MAX_PP: usize = 128;
 
 /// How far a layout's global batch may move from the one asked, to the nearest its dp ×
-/// micro-batch divides (a fraction).
-const BATCH_SLACK: f64 = 0.05;
+/// micro-batch divides, in per cent.
+const SLACK_PERCENT: usize = 5;
 
 /// The most micro-batches of a pipeline the schedule's clock plays (`commands/schedule.rs`).
 const MAX_MICRO_BATCHES: usize = 4096;
@@ -759,7 +760,7 @@ pub fn header(base: &Config, cluster: &Cluster, ask: &Ask) -> String {
 pub fn rounding(searched: &Searched, ask: &Ask) -> Option<String> {
     (searched.rounded > 0).then(|| {
         format!(
-            "{} of the layouts take the nearest batch their dp × micro-batch divides, within 5 % of {} sequences (tokens/s at their own)",
+            "{} of the layouts take the nearest batch their dp × micro-batch divides, within {SLACK_PERCENT} % of {} sequences (tokens/s at their own)",
             searched.rounded,
             ask.global_batch_tokens / ask.seq_len
         )
@@ -772,16 +773,9 @@ pub fn drops_text(dropped: &[Dropped]) -> String {
     let mut d: Vec<&Dropped> = dropped.iter().collect();
     d.sort_by_key(|x| std::cmp::Reverse(x.count));
     let total: usize = d.iter().map(|x| x.count).sum();
-    let mut s = format!(
-        "{total} candidates set aside:
-"
-    );
+    let mut s = format!("{total} candidates set aside:\n");
     for x in d {
-        s += &format!(
-            "{:>8}  {} (the first: {})
-",
-            x.count, x.reason, x.example
-        );
+        s += &format!("{:>8}  {} (the first: {})\n", x.count, x.reason, x.example);
     }
     s
 }

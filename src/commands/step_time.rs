@@ -428,10 +428,9 @@ pub fn exposed(
                 // FSDP: each unit's gather (before its forward, and its backward) while the unit
                 // before it computes; the step's first waits
                 (_, Call::AllGather, false) => {
-                    let units = (f.calls / (2.0 * mb)).max(1.0);
-                    let (forward, backward) = (f.calls / 2.0, f.calls / 2.0);
-                    per + (forward - 1.0).max(0.0) * beside(per, m.forward / units)
-                        + backward * beside(per, m.backward / units)
+                    let (units, half) = ((f.calls / (2.0 * mb)).max(1.0), f.calls / 2.0);
+                    per + (half - 1.0).max(0.0) * beside(per, m.forward / units)
+                        + half * beside(per, m.backward / units)
                 }
                 _ => t,
             };
