@@ -271,24 +271,6 @@ fn a_signal_during_a_save_lets_it_finish_then_stops_with_the_next() {
 }
 
 #[test]
-fn a_second_signal_stops_at_once_and_the_last_checkpoint_stays() {
-    let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("ck");
-    let metrics = tmp.path().join("m.jsonl");
-    let args = train_args(&dir, &["--set", "train.steps=100000", "--set", "checkpoint.every=10"]);
-    let child = spawn(&[args, vec!["--metrics".into(), metrics.to_str().unwrap().into()]].concat());
-    wait_for_lines(&metrics, 25);
-    // the second signal arrives inside the step the first one let finish
-    signal(&child, libc::SIGINT);
-    signal(&child, libc::SIGINT);
-    let out = child.wait_with_output().unwrap();
-    assert_eq!(out.status.code(), Some(130));
-    let listed = ferrotron::checkpoint::folder::list(&dir).unwrap();
-    assert!(!listed.is_empty());
-    listed.iter().for_each(|l| drop(ferrotron::checkpoint::save::load(&l.path).unwrap()));
-}
-
-#[test]
 fn a_reused_folder_is_refused_and_nothing_in_it_changes() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("ck");

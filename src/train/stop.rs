@@ -13,7 +13,9 @@
 //! then            a checkpoint of the last finished step to checkpoint.dir, the metrics
 //!                 flushed, where to resume printed, exit 128 + signal (130 for SIGINT, 143 for
 //!                 SIGTERM), as shells expect
-//! second signal   exits at once (the last complete checkpoint stays the latest)
+//! later signal    one within a second of the first is a copy of it (wrappers pass one on
+//!                 twice: `signals.rs`); one after that exits at once (the last complete
+//!                 checkpoint stays the latest)
 //! ```
 //! In a pipeline the ranks are never all between micro-batches at once: each asks at the same
 //! points of its own schedule instead (`parallel/pipeline_parallel.rs`), and takes in the
