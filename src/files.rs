@@ -109,13 +109,7 @@ pub fn check_outputs<'a>(outputs: &[Wanted<'a>], inputs: &[(String, PathBuf)]) -
         if let Some(other) = seen.iter().find(|o| o.real == real) {
             bail!("{flag} {} is also the {} file: give each output its own path", path.display(), other.flag);
         }
-        if let Some((what, input)) = inputs.iter().find(|(_, input)| real.starts_with(input)) {
-            bail!(
-                "{flag} {} would write over {what} ({}), which this run reads: give the output another path",
-                path.display(),
-                input.display()
-            );
-        }
+        refuse_inside(flag, path, &real, &inputs)?;
         if !folder && is_held(&real) {
             bail!("{flag} {} is a lock file a live run holds: writing over it would let a second run in; give the output another path", path.display());
         }
@@ -126,6 +120,29 @@ pub fn check_outputs<'a>(outputs: &[Wanted<'a>], inputs: &[(String, PathBuf)]) -
         seen.push(Output { flag, path, real });
     }
     Ok(seen)
+}
+
+/// Refuses an output (`flag` `path`, landing at `real`) that is one of `inputs` (canonical) or
+/// lies inside one.
+fn refuse_inside(flag: &str, path: &Path, real: &Path, inputs: &[(&String, PathBuf)]) -> Result<()> {
+    match inputs.iter().find(|(_, input)| real.starts_with(input)) {
+        Some((what, input)) => bail!(
+            "{flag} {} would write over {what} ({}), which this run reads: give the output another path",
+            path.display(),
+            input.display()
+        ),
+        None => Ok(()),
+    }
+}
+
+/// Checks that the folders config keys name for writing (`outputs`: the key and its folder) are
+/// none of the run's `inputs` nor inside one, before anything is made: a run writes a lock, a
+/// checkpoint, a token file or an empty folder into none of what it reads. (Nothing else is
+/// asked of them here: each is made and tried where it is first written.)
+pub fn check_folders(outputs: &[(&str, PathBuf)], inputs: &[(String, PathBuf)]) -> Result<()> {
+    let inputs: Vec<(&String, PathBuf)> =
+        inputs.iter().filter_map(|(w, p)| Some((w, p.canonicalize().ok()?))).collect();
+    outputs.iter().try_for_each(|(key, path)| refuse_inside(key, path, &real_path(path), &inputs))
 }
 
 /// `path` absolute, with symlinks and `..` followed as far as it exists, and the rest (not made

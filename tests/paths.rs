@@ -6,7 +6,9 @@
 //! - every path flag of every command declares its role (a planted undeclared flag is caught);
 //! - every output flag of every command is tried against every input the command has (its read
 //!   flags and the config keys that name files), given the input's own path or a path inside it:
-//!   each try is refused, naming the output's flag, and the input is left as it was;
+//!   each try is refused, naming the output's flag, and the input is left as it was; so is every
+//!   config key that names a folder to write (`commands::CONFIG_OUTPUTS`), and every config key
+//!   that takes a free string says whether it is read, written or no place;
 //! - an output claimed by a live run is refused to a second run, whatever its cache folder, and
 //!   a lock file a live run holds is never an output.
 //!
@@ -17,6 +19,7 @@ mod common;
 
 use clap::CommandFactory;
 use ferrotron::commands::cli::{Cli, READS, WRITES};
+use ferrotron::commands::CONFIG_OUTPUTS;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
@@ -66,6 +69,34 @@ fn every_path_flag_says_whether_it_is_read_or_written() {
     let found = undeclared(&planted);
     assert!(found.iter().any(|p| p.starts_with("report --out takes a path")), "{found:?}");
     assert!(found.iter().any(|p| p.starts_with("report --notes is read or written")), "{found:?}");
+}
+
+/// The config keys that name what a run reads, each tried below as an input of every command
+/// that reads a config (`commands::inputs`), and the string keys that name no place.
+const CONFIG_INPUTS: [&str; 4] = ["data.source", "data.tokenizer", "model.init_from", "checkpoint.dir"];
+const NOT_PLACES: [&str; 2] = ["train.sample_prompt", "data.text_column"];
+
+/// Of the config keys `free` that take any string (a path could be one), those that say neither
+/// that they are read (`CONFIG_INPUTS`), written (`commands::CONFIG_OUTPUTS`) nor no place at
+/// all: a new key that may name a place must take a side.
+fn unsorted_keys(free: &[String]) -> Vec<String> {
+    let outputs: Vec<&str> = CONFIG_OUTPUTS.iter().map(|(k, _)| *k).collect();
+    let sorted = |k: &str| CONFIG_INPUTS.contains(&k) || outputs.contains(&k) || NOT_PLACES.contains(&k);
+    free.iter().filter(|k| !sorted(k)).cloned().collect()
+}
+
+#[test]
+fn every_config_key_that_names_a_place_says_whether_it_is_read_or_written() {
+    use ferrotron::config::Config;
+    // every key whose value is a string that a path could be (a choice among names refuses it)
+    let settings = Config::load(None, &[]).unwrap().settings();
+    let takes_a_path = |k: &&String| Config::read(None, &[format!("{k}=\"some/where\"")]).is_ok();
+    let mut free: Vec<String> = settings.keys().filter(takes_a_path).cloned().collect();
+    assert!(free.len() >= 7, "{free:?}");
+    assert_eq!(unsorted_keys(&free), Vec::<String>::new());
+    // planted: a key naming a folder to write, added to the config alone
+    free.push("train.log_dir".into());
+    assert_eq!(unsorted_keys(&free), vec!["train.log_dir".to_string()]);
 }
 
 fn run(args: &[String], cwd: &Path) -> Output {
@@ -122,6 +153,8 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
     assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
     std::fs::write(at("other.json"), r#"{"tokens_per_s": 100.0, "tokens_per_step": 512, "device": "cpu"}"#).unwrap();
     std::fs::write(at("d.txt"), "a text to train on. ".repeat(100)).unwrap();
+    std::fs::create_dir(at("shards")).unwrap();
+    std::fs::write(at("shards/e.txt"), "a shard to train on. ".repeat(100)).unwrap();
     let tokenizer = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/tokenizer.json");
     std::fs::copy(tokenizer, at("tokenizer.json")).unwrap();
     let flag_fixture: BTreeMap<&str, PathBuf> = [
@@ -154,14 +187,35 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
             .concat(),
             path: at("tokenizer.json"),
         },
+        Input {
+            name: "data.source".into(),
+            args: [
+                set("data.source", format!("text:{}", s(at("shards")))),
+                vec!["--set".into(), "model.vocab_size=320".into()],
+            ]
+            .concat(),
+            path: at("shards"),
+        },
         Input { name: "model.init_from".into(), args: set("model.init_from", s(step.clone())), path: step.clone() },
         Input { name: "checkpoint.dir".into(), args: set("checkpoint.dir", s(ck.clone())), path: ck.join(".lock") },
     ];
+    let named: std::collections::BTreeSet<&str> = keys.iter().map(|k| k.name.as_str()).collect();
+    assert_eq!(named, CONFIG_INPUTS.into(), "each config input has a fixture here");
     let cli = Cli::command();
     let mut tries = 0;
     for sub in cli.get_subcommands() {
         let name = sub.get_name();
-        let outputs: Vec<&clap::Arg> = sub.get_arguments().filter(|a| a.get_help_heading() == Some(WRITES)).collect();
+        let has_config = sub.get_arguments().any(|a| a.get_long() == Some("config"));
+        // the output flags, and where the command reads a config, the keys that name a folder
+        // to write into (`commands::CONFIG_OUTPUTS`)
+        let mut outputs: Vec<String> = sub
+            .get_arguments()
+            .filter(|a| a.get_help_heading() == Some(WRITES))
+            .map(|a| format!("--{}", a.get_long().unwrap()))
+            .collect();
+        if has_config {
+            outputs.extend(CONFIG_OUTPUTS.iter().map(|(key, _)| key.to_string()));
+        }
         if outputs.is_empty() {
             continue;
         }
@@ -183,16 +237,20 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
                 flag_fixture.get(flag.as_str()).unwrap_or_else(|| panic!("{name} {flag}: give it a fixture here"));
             inputs.push(Input { name: flag.clone(), args: vec![flag, s(path.clone())], path: path.clone() });
         }
-        if sub.get_arguments().any(|a| a.get_long() == Some("config")) {
+        if has_config {
             inputs.extend(keys.iter().map(|k| Input {
                 name: k.name.clone(),
                 args: k.args.clone(),
                 path: k.path.clone(),
             }));
         }
-        for out in &outputs {
-            let flag = format!("--{}", out.get_long().unwrap());
-            for input in &inputs {
+        for flag in &outputs {
+            // a key is given as `--set KEY="PATH"`; the input named by that same key is not tried
+            let as_args = |target: &Path| match flag.starts_with("--") {
+                true => vec![flag.clone(), s(target.to_path_buf())],
+                false => set(flag, s(target.to_path_buf())),
+            };
+            for input in inputs.iter().filter(|i| &i.name != flag) {
                 // the input's own path, and (a folder) a file inside it and a path below a
                 // folder not made yet inside it
                 let mut targets = vec![input.path.clone()];
@@ -210,7 +268,7 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
                         args.extend(small(&[]));
                     }
                     args.extend(input.args.iter().cloned());
-                    args.extend([flag.clone(), s(target.clone())]);
+                    args.extend(as_args(&target));
                     let out = run(&args, tmp.path());
                     let err = String::from_utf8_lossy(&out.stderr);
                     assert!(
@@ -220,7 +278,7 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
                         input.name
                     );
                     assert!(
-                        err.contains(&flag) || err.contains("cannot be used with"),
+                        err.contains(flag.as_str()) || err.contains("cannot be used with"),
                         "{name} {flag} onto {}: {err}",
                         input.name
                     );
@@ -234,7 +292,7 @@ fn no_output_of_any_command_may_be_one_of_its_inputs() {
             }
         }
     }
-    assert!(tries >= 70, "{tries} tries");
+    assert!(tries >= 250, "{tries} tries");
 }
 
 /// An output claimed by a live run is refused to a second run even when the two use different

@@ -45,13 +45,28 @@ pub fn claim_outputs(paths: &[PathArg], cfg: Option<&Config>) -> anyhow::Result<
         .filter(|p| p.writes)
         .map(|p| crate::files::Wanted { flag: &p.flag, path: &p.path, folder: p.folder })
         .collect();
-    let checked = crate::files::check_outputs(&outputs, &inputs(paths, cfg))?;
+    let inputs = inputs(paths, cfg);
+    if let Some(cfg) = cfg {
+        let folders: Vec<(&str, PathBuf)> = CONFIG_OUTPUTS.iter().filter_map(|(k, f)| Some((*k, f(cfg)?))).collect();
+        crate::files::check_folders(&folders, &inputs)?;
+    }
+    let checked = crate::files::check_outputs(&outputs, &inputs)?;
     crate::files::claim(&checked, crate::comm::wires::processes::leads())
 }
 
+/// The folder a config key names, if it is set.
+pub type FolderOf = fn(&Config) -> Option<PathBuf>;
+
+/// The config keys that name a folder a run writes into, each with the folder it names (none:
+/// the key is unset). Checked against everything the run reads as the output flags are.
+pub const CONFIG_OUTPUTS: [(&str, FolderOf); 2] = [
+    ("checkpoint.dir", |c| Some(PathBuf::from(&c.checkpoint.dir)).filter(|p| !p.as_os_str().is_empty())),
+    ("data.cache_dir", |c| crate::files::cache_folder(&c.data.cache_dir).ok()), // no HOME: named later
+];
+
 /// What a command reads, by the flag or key that names it: the paths its command line reads (a
 /// folder whole: a checkpoint, a model, a routing tape), and of the config `cfg`: a text
-/// source's shards, a tokenizer file, the model folder it starts from, and the checkpoints of
+/// source's shards (and its folder, where it names one), a tokenizer file, the model folder it starts from, and the checkpoints of
 /// `checkpoint.dir` with the folder's lock. No output may be one of them or inside one.
 pub fn inputs(paths: &[PathArg], cfg: Option<&Config>) -> Vec<(String, PathBuf)> {
     let mut v: Vec<(String, PathBuf)> =
@@ -60,6 +75,10 @@ pub fn inputs(paths: &[PathArg], cfg: Option<&Config>) -> Vec<(String, PathBuf)>
     if let Some(spec) = cfg.data.source.strip_prefix("text:") {
         let shards = crate::data::documents::shards(spec).unwrap_or_default(); // a bad source fails later, named
         v.extend(shards.into_iter().map(|s| ("data.source".to_string(), s)));
+        if std::path::Path::new(spec).is_dir() {
+            // a folder of shards: a file written into it would be a shard of the next run
+            v.push(("data.source's folder".into(), PathBuf::from(spec)));
+        }
     }
     let local = |s: &str| !s.is_empty() && s != "bytes" && !s.starts_with("hub:");
     if local(&cfg.data.tokenizer) {
