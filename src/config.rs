@@ -754,10 +754,15 @@ impl Config {
     }
 
     /// A config recorded as TOML (a checkpoint's), over the built-in defaults: a key added since
-    /// it was written takes its default.
+    /// it was written takes its default. One without the sections every run has recorded since
+    /// the first (`[model]`, `[train]`, `[data]`) is no recording: `None`, as for a bad one.
     pub fn from_recorded(text: &str) -> Option<Config> {
         let mut table: toml::Table = TINY.parse().expect("configs/tiny.toml is valid TOML");
-        merge(&mut table, renamed(text.parse().ok()?, "the recorded config").ok()?);
+        let recorded: toml::Table = text.parse().ok()?;
+        if !["model", "train", "data"].iter().all(|s| recorded.get(*s).is_some_and(toml::Value::is_table)) {
+            return None;
+        }
+        merge(&mut table, renamed(recorded, "the recorded config").ok()?);
         toml::Value::Table(table).try_into().ok()
     }
 }

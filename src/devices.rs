@@ -122,10 +122,24 @@ pub fn cpu_key() -> String {
     format!("{} × {threads} threads", model.unwrap_or(std::env::consts::ARCH))
 }
 
-/// The f32 peak recorded for `key` in `file`, in TFLOP/s; none when not measured yet (or the file
-/// is unreadable: it is measured again and rewritten).
-pub fn recorded_cpu_peak(file: &Path, key: &str) -> Option<f64> {
-    recorded_field(file, &["cpu", key, "f32_tflops"])?.as_f64().filter(|t| t.is_finite() && *t > 0.0)
+/// What one CPU thread can do in f32, in TFLOP/s: a recorded peak outside these bounds, times
+/// the threads, is no measurement of this machine. The top is above any core's (two AVX-512 FMA
+/// units at 5 GHz are 0.32); the bottom, a thousandth of a core's today, is a measurement broken.
+pub const CPU_THREAD_TFLOPS: std::ops::RangeInclusive<f64> = 1e-4..=0.5;
+
+/// The f32 peak recorded for `key` in `file`, in TFLOP/s: `Ok(None)` when not measured yet (or
+/// the file is unreadable: it is measured again and rewritten), `Err` with the value when it lies
+/// outside what the machine's threads can do (`CPU_THREAD_TFLOPS`).
+pub fn recorded_cpu_peak(file: &Path, key: &str) -> Result<Option<f64>, f64> {
+    let Some(tflops) = recorded_field(file, &["cpu", key, "f32_tflops"]).and_then(|v| v.as_f64()) else {
+        return Ok(None);
+    };
+    let threads = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let (low, high) = (CPU_THREAD_TFLOPS.start() * threads, CPU_THREAD_TFLOPS.end() * threads);
+    match (low..=high).contains(&tflops) {
+        true => Ok(Some(tflops)),
+        false => Err(tflops),
+    }
 }
 
 /// Records `tflops` for `key` in `file`, keeping the other machines' entries (the cache folder
@@ -169,16 +183,49 @@ pub fn record_field(file: &Path, path: &[&str], value: serde_json::Value) -> Res
 }
 
 /// This machine's CPU peak in TFLOP/s: recorded in the calibration file of `cache_dir`, or
-/// `measure`d now (once a machine) and recorded. A file that cannot be written costs only the
-/// record: the measurement is used all the same.
+/// `measure`d now (once a machine, said as it starts) and recorded; a record outside what the
+/// machine can do is measured again, with a line that says so. A file that cannot be written
+/// costs only the record: the measurement is used all the same.
 pub fn cpu_peak_tflops(cache_dir: &str, measure: impl FnOnce() -> f64) -> Result<f64> {
     let (file, key) = (calibration_file(cache_dir)?, cpu_key());
-    if let Some(peak) = recorded_cpu_peak(&file, &key) {
-        return Ok(peak);
+    match recorded_cpu_peak(&file, &key) {
+        Ok(Some(peak)) => return Ok(peak),
+        Ok(None) => crate::say!(
+            "measuring this CPU's f32 peak for MFU (a second or two, once for this machine: recorded in {})",
+            file.display()
+        ),
+        Err(bad) => crate::say!(
+            "note: {} records {bad:e} TFLOP/s for this CPU, outside what its threads can do ({:e} to {} TFLOP/s each): measuring it again",
+            file.display(),
+            CPU_THREAD_TFLOPS.start(),
+            CPU_THREAD_TFLOPS.end()
+        ),
     }
-    let peak = measure();
-    if let Err(e) = record_cpu_peak(&file, &key, peak) {
+    Ok(record_measured(&file, &key, measure()))
+}
+
+/// Records `peak`, measured, for `key` in `file` (a note where it cannot be); returns it.
+fn record_measured(file: &Path, key: &str, peak: f64) -> f64 {
+    if let Err(e) = record_cpu_peak(file, key, peak) {
         crate::say!("note: the CPU's measured peak ({peak:.3} TFLOP/s) could not be recorded: {e:#}");
     }
-    Ok(peak)
+    peak
+}
+
+/// A step ran faster than the CPU's recorded peak (MFU above 100 %: the machine was busy when it
+/// was measured): measures it again and records the larger of that and the step's rate
+/// `achieved`, which the CPU plainly can reach. Returns the new peak and a line saying so.
+pub fn cpu_peak_beaten(
+    cache_dir: &str,
+    (recorded, achieved): (f64, f64),
+    measure: impl FnOnce() -> f64,
+) -> (f64, String) {
+    let again = measure();
+    let peak = again.max(achieved);
+    let kept = if again < achieved { ", below this step's rate, which is kept as the peak" } else { "" };
+    let said = format!("note: a step ran at {achieved:.4} TFLOP/s, above this CPU's recorded peak of {recorded:.4} (measured while the machine was busy?): measured again at {again:.4} TFLOP/s{kept}");
+    match calibration_file(cache_dir) {
+        Ok(file) => (record_measured(&file, &cpu_key(), peak), said),
+        Err(_) => (peak, said),
+    }
 }

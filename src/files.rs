@@ -386,8 +386,14 @@ impl Fingerprint {
         self.len += bytes.len() as u64;
     }
 
-    pub fn hex(&self) -> String {
+    /// The two lanes, the length folded into the second.
+    pub fn value(&self) -> [u64; 2] {
         let [a, b] = self.lanes;
-        format!("{a:016x}{:016x}", b ^ self.len.wrapping_mul(0x9e3779b97f4a7c15))
+        [a, b ^ self.len.wrapping_mul(0x9e3779b97f4a7c15)]
+    }
+
+    pub fn hex(&self) -> String {
+        let [a, b] = self.value();
+        format!("{a:016x}{b:016x}")
     }
 }

@@ -34,7 +34,8 @@ fn an_old_key_name_still_reads() {
     let file = dir.path().join("old.toml");
     std::fs::write(&file, "[train]\nloss_chunk_rows = 8\n").unwrap();
     assert_eq!(Config::load(Some(&file), &[]).unwrap().train.loss_stripe_rows, 8);
-    let recorded = Config::from_recorded("[train]\nloss_chunk_rows = 24\n").expect("an older checkpoint's config");
+    let recorded = Config::from_recorded("[model]\n[data]\n[train]\nloss_chunk_rows = 24\n")
+        .expect("an older checkpoint's config");
     assert_eq!(recorded.train.loss_stripe_rows, 24);
     std::fs::write(&file, "[train]\nloss_chunk_rows = 8\nloss_stripe_rows = 4\n").unwrap();
     let e = err(Config::load(Some(&file), &[]));

@@ -422,6 +422,117 @@ fn damaged_and_foreign_checkpoints_are_named_and_left_alone() {
     assert_eq!(snapshot(&dir), before);
 }
 
+/// Hostile values of each field of `trainer_state.json`, by the field's name: every field a run
+/// writes must be listed here (a new one fails the test until its cases are), each value refused
+/// where it is read, in one line naming the file and the field. `None`: the field taken out, with
+/// what the resume must then say (a field older checkpoints lack resumes with a note).
+fn hostile_fields() -> Vec<(&'static str, Vec<serde_json::Value>, Option<&'static str>)> {
+    use serde_json::json;
+    let escape = json!("/../../../ESCAPED");
+    vec![
+        ("step", vec![json!(-1), json!("2"), json!(1e30), json!(null), json!(3)], None),
+        ("adam_steps", vec![json!(3), json!(1), json!(-1), json!("2"), json!(4294967296u64)], None),
+        ("run_id", vec![escape.clone(), json!(""), json!("0-0/x"), json!(5), json!("a".repeat(100_000))], None),
+        (
+            "data_fingerprint",
+            vec![json!(null), escape.clone(), json!(5), json!("0123456789ABCDEF0123456789ABCDEF"), json!("00")],
+            Some("predates data fingerprints"),
+        ),
+        ("tokenizer_fingerprint", vec![escape.clone(), json!(7), json!("Bytes"), json!([])], Some("")),
+        ("config", vec![json!(""), json!(5), json!("[train]\nsteps = \"x\"\n"), escape], None),
+    ]
+}
+
+#[test]
+fn every_field_of_trainer_state_json_is_checked_where_it_is_read() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (dir, text) = (tmp.path().join("ck"), tmp.path().join("d.txt"));
+    std::fs::write(&text, "a text whose checkpoint will be edited. ".repeat(100)).unwrap();
+    let sets = [
+        format!("data.source=\"text:{}\"", text.display()),
+        "data.tokenizer=\"bytes\"".into(),
+        format!("data.cache_dir=\"{}\"", tmp.path().join("cache").display()),
+        "model.vocab_size=256".into(),
+    ];
+    let with = |ck: &Path, extra: &[&str]| {
+        let mut a = train_args(ck, extra);
+        sets.iter().for_each(|s| a.extend(["--set".into(), s.clone()]));
+        a
+    };
+    ok(&run(&with(&dir, &["--set", "train.steps=2", "--set", "checkpoint.every=2"])));
+    let state = dir.join("step_000002/trainer_state.json");
+    let meta: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&std::fs::read(&state).unwrap()).unwrap();
+    let cases = hostile_fields();
+    let listed: Vec<&str> = cases.iter().map(|(k, ..)| *k).collect();
+    let mut written: Vec<&str> = meta.keys().map(String::as_str).collect();
+    written.sort();
+    let mut sorted = listed.clone();
+    sorted.sort();
+    assert_eq!(written, sorted, "every field a checkpoint holds has its hostile values here");
+    let before = snapshot(&dir);
+    let mut tries = 0;
+    for (key, values, when_missing) in &cases {
+        let edits = values.iter().map(Some).chain([None]);
+        for (i, value) in edits.enumerate() {
+            let copy = tmp.path().join(format!("edited-{key}-{i}"));
+            std::fs::create_dir_all(&copy).unwrap();
+            for f in std::fs::read_dir(dir.join("step_000002")).unwrap().flatten() {
+                std::fs::copy(f.path(), copy.join(f.file_name())).unwrap();
+            }
+            let mut edited = meta.clone();
+            match value {
+                Some(v) => drop(edited.insert(key.to_string(), v.clone())),
+                None => drop(edited.remove(*key)),
+            }
+            std::fs::write(copy.join("trainer_state.json"), serde_json::to_string(&edited).unwrap()).unwrap();
+            let new = tmp.path().join(format!("new-{key}-{i}"));
+            let resume = ["--set", "train.steps=4", "--resume", copy.to_str().unwrap()];
+            let out = run(&with(&new, &resume));
+            match (value, when_missing) {
+                (None, Some(note)) => assert!(ok(&out).contains(note), "{key} taken out: {}", ok(&out)),
+                _ => {
+                    let err = fails_with(&out, &["trainer_state.json"]);
+                    let named = err.contains(&format!("\"{key}\"")) || err.contains(key) || err.contains("no run_id");
+                    assert!(named, "{key} = {value:?}: the field is named: {err}");
+                    assert!(err.len() < 600, "{key}: a short line: {err}");
+                    assert!(!new.exists(), "{key} = {value:?}: nothing made for the run");
+                }
+            }
+            tries += 1;
+        }
+    }
+    assert!(tries >= 30, "{tries}");
+    assert!(!Path::new("/ESCAPED").exists() && !tmp.path().join("ESCAPED").exists());
+    assert_eq!(snapshot(&dir), before, "the checkpoint itself is left alone");
+}
+
+/// Each metrics line names its run: resuming with the metrics file of another run (which would
+/// splice two curves into one) is refused and the file left as it was; the run's own resumes.
+#[test]
+fn resuming_onto_another_runs_metrics_file_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (a, b) = (tmp.path().join("a.jsonl"), tmp.path().join("b.jsonl"));
+    let trained = |dir: &str, metrics: &Path| {
+        let extra = ["--set", "train.steps=2", "--set", "checkpoint.every=2", "--metrics", metrics.to_str().unwrap()];
+        ok(&run(&train_args(&tmp.path().join(dir), &extra)))
+    };
+    trained("ck_a", &a);
+    trained("ck_b", &b);
+    let line: serde_json::Value =
+        serde_json::from_str(std::fs::read_to_string(&a).unwrap().lines().next().unwrap()).unwrap();
+    assert!(line["run"].as_str().is_some_and(ferrotron::checkpoint::folder::is_run_id), "{line}");
+    let resume = |metrics: &Path| {
+        let more = ["--set", "train.steps=3", "--resume", "latest", "--metrics", metrics.to_str().unwrap()];
+        run(&train_args(&tmp.path().join("ck_a"), &more))
+    };
+    let before = std::fs::read(&b).unwrap();
+    fails_with(&resume(&b), &["--metrics", "holds steps of run", "not of the run resumed"]);
+    assert_eq!(std::fs::read(&b).unwrap(), before, "the other run's file is left as it was");
+    ok(&resume(&a));
+    assert_eq!(curve(&a).len(), 3, "its own file goes on");
+}
+
 #[test]
 fn outputs_are_written_whole_through_symlinks_and_checked_before_training() {
     let tmp = tempfile::tempdir().unwrap();

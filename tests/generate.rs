@@ -222,14 +222,14 @@ fn a_text_checkpoint_brings_its_own_tokenizer() {
     let text = dir.path().join("d.txt");
     std::fs::write(&text, "words to train on, and more words. ".repeat(40)).unwrap();
     let bin = env!("CARGO_BIN_EXE_ferrotron");
-    let trained = |source: &str, ck: &Path| {
+    let trained_with = |source: &str, ck: &Path, tokenizer: &str, vocab: usize| {
         let sets = [
             "train.steps=1".to_string(),
             "checkpoint.every=1".into(),
             format!("checkpoint.dir=\"{}\"", ck.display()),
             format!("data.source=\"{source}\""),
-            "data.tokenizer=\"bytes\"".into(),
-            "model.vocab_size=256".into(),
+            format!("data.tokenizer=\"{tokenizer}\""),
+            format!("model.vocab_size={vocab}"),
             format!("data.cache_dir=\"{}\"", dir.path().join("cache").display()),
         ];
         let mut args = vec!["train".to_string()];
@@ -237,13 +237,34 @@ fn a_text_checkpoint_brings_its_own_tokenizer() {
         assert!(Command::new(bin).args(&args).output().unwrap().status.success());
         ck.join("step_000001")
     };
-    let generate = |model: &Path| {
+    let trained = |source: &str, ck: &Path| trained_with(source, ck, "bytes", 256);
+    let generate_with = |model: &Path, extra: &[&str]| {
         let args = ["generate", "--model", model.to_str().unwrap(), "--prompt", "words ", "--max-new-tokens", "3"];
-        Command::new(bin).args(args).output().unwrap()
+        Command::new(bin).args(args).args(extra).output().unwrap()
     };
+    let generate = |model: &Path| generate_with(model, &[]);
     let on_text = generate(&trained(&format!("text:{}", text.display()), &dir.path().join("a")));
     assert!(on_text.status.success(), "{}", String::from_utf8_lossy(&on_text.stderr));
     assert!(String::from_utf8_lossy(&on_text.stdout).contains("new token ids: "));
     let synthetic = generate(&trained("synthetic", &dir.path().join("b")));
     assert!(String::from_utf8_lossy(&synthetic.stderr).contains("--prompt needs a tokenizer"));
+    // the checkpoint records what its tokenizer was: the file at that path holding other content
+    // since is refused (an explicit --tokenizer of other content is noted)
+    let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer/tokenizer.json");
+    let (tokenizer, kept) = (dir.path().join("tokenizer.json"), dir.path().join("kept.json"));
+    std::fs::copy(&fixture, &tokenizer).unwrap();
+    std::fs::copy(&fixture, &kept).unwrap();
+    let bpe =
+        trained_with(&format!("text:{}", text.display()), &dir.path().join("c"), tokenizer.to_str().unwrap(), 320);
+    assert!(generate(&bpe).status.success());
+    let json: serde_json::Value = serde_json::from_slice(&std::fs::read(&fixture).unwrap()).unwrap();
+    std::fs::write(&tokenizer, serde_json::to_string_pretty(&json).unwrap()).unwrap(); // other bytes
+    let changed = generate(&bpe);
+    let err = String::from_utf8_lossy(&changed.stderr);
+    assert_eq!(changed.status.code(), Some(1), "{err}");
+    assert!(err.contains("holds other content now") && err.contains("give --tokenizer"), "{err}");
+    let kept_one = generate_with(&bpe, &["--tokenizer", kept.to_str().unwrap()]);
+    assert!(kept_one.status.success() && !String::from_utf8_lossy(&kept_one.stdout).contains("note:"));
+    let other = generate_with(&bpe, &["--tokenizer", tokenizer.to_str().unwrap()]);
+    assert!(String::from_utf8_lossy(&other.stdout).contains("is not the tokenizer"), "{other:?}");
 }

@@ -68,7 +68,7 @@ fn after_a_signal_every_read_and_the_data_preparation_stop_with_interrupted() {
     std::fs::create_dir_all(&folder).unwrap();
     let gqa = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/gqa/config.json");
     std::fs::copy(gqa, folder.join("config.json")).unwrap();
-    let state = r#"{"step": 1, "adam_steps": 1, "run_id": "0-0", "config": ""}"#;
+    let state = r#"{"step": 1, "adam_steps": 1, "run_id": "0-0", "config": "[model]\n[train]\n[data]\n"}"#;
     std::fs::write(folder.join("trainer_state.json"), state).unwrap();
     std::fs::hard_link(&big, folder.join("model.safetensors")).unwrap();
     stopped(ferrotron::checkpoint::save::load(&folder).err().unwrap(), "model.safetensors");

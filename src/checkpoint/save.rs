@@ -234,15 +234,24 @@ fn one_of_each(gathered: Tensor, cut: TpCut, n: usize) -> Tensor {
     ops::concat(&firsts.iter().collect::<Vec<_>>()).with_shape(&whole)
 }
 
+/// What a run on text trained on, by content, as each checkpoint records it: the fingerprint of
+/// its tokens' making (every shard, the text column, the tokenizer: `Dataset::fingerprint`),
+/// which a resumed run compares, and of its tokenizer alone, which `generate` compares.
+#[derive(Clone)]
+pub struct Trained {
+    pub data: String,
+    pub tokenizer: String,
+}
+
 /// Writes checkpoint `step` (steps done) into `folder`, atomically; keeps this run's newest `keep`.
-/// `data` is the fingerprint of the text trained on (`Dataset::fingerprint`), for resume to compare.
+/// `trained` says what text it trained on (none: the synthetic source).
 pub fn save(
     folder: &Folder,
     step: usize,
     state: &State,
     cfg: &Config,
     adam_steps: u32,
-    data: Option<&str>,
+    trained: Option<&Trained>,
 ) -> Result<PathBuf> {
     let final_dir = folder.dir.join(format!("step_{step:06}"));
     if final_dir.exists() {
@@ -271,7 +280,8 @@ pub fn save(
             "step": step,
             "adam_steps": adam_steps,
             "run_id": folder.run_id,
-            "data_fingerprint": data,
+            "data_fingerprint": trained.map(|t| &t.data),
+            "tokenizer_fingerprint": trained.map(|t| &t.tokenizer),
             "config": toml::to_string(cfg).context("the config does not serialise")?,
         });
         write_file(&tmp.join("trainer_state.json"), serde_json::to_string_pretty(&meta)?.as_bytes())?;
@@ -284,6 +294,33 @@ pub fn save(
     crate::files::sync_folder(&folder.dir); // the rename itself reaches the disk
     folder.prune(cfg.checkpoint.keep)?;
     Ok(final_dir)
+}
+
+/// Whether `f` is a fingerprint as `files::Fingerprint::hex` writes one.
+fn is_fingerprint(f: &str) -> bool {
+    f.len() == 32 && f.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
+/// A value read from a file, for a message: at most 80 characters of it.
+fn shown(v: &serde_json::Value) -> String {
+    let all = v.to_string();
+    match all.chars().count() > 80 {
+        true => format!("{}… ({} characters)", all.chars().take(80).collect::<String>(), all.chars().count()),
+        false => all,
+    }
+}
+
+/// The `tokenizer_fingerprint` of a checkpoint's `trainer_state.json` (`meta`, at `path`): the
+/// fingerprint of the tokenizer its run trained with, `bytes`, or none (the synthetic source, or
+/// a checkpoint written before it was recorded); anything else is damage.
+pub fn tokenizer_fingerprint(meta: &serde_json::Value, path: &Path) -> Result<Option<String>> {
+    match meta.get("tokenizer_fingerprint") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(v) => match v.as_str().filter(|f| *f == "bytes" || is_fingerprint(f)) {
+            Some(f) => Ok(Some(f.to_string())),
+            None => bail!("{}: \"tokenizer_fingerprint\" is {}, not one ferrotron makes (32 hex digits, or bytes): the file is damaged", path.display(), shown(v)),
+        },
+    }
 }
 
 /// A checkpoint read back, ready to be checked and sliced for this rank.
@@ -314,6 +351,11 @@ pub fn load(dir: &Path) -> Result<Resumed> {
         })
     };
     let (step, adam_steps) = (whole("step", u64::MAX)? as usize, whole("adam_steps", u32::MAX as u64)? as u32);
+    // one optimizer update a step, none skipped: a count apart from the step would resume the
+    // optimizer's bias corrections (and Muon's) onto another curve
+    if adam_steps as usize != step {
+        bail!("{}: \"adam_steps\" is {adam_steps} but \"step\" is {step}; a run makes one optimizer update a step, so the file is damaged or was edited: resume from another checkpoint", meta_path.display());
+    }
     let Some(run_id) = meta["run_id"].as_str().map(str::to_string) else {
         bail!("{}: no run_id (written by an older ferrotron): start a new run", meta_path.display());
     };
@@ -325,7 +367,15 @@ pub fn load(dir: &Path) -> Result<Resumed> {
         .as_str()
         .and_then(Config::from_recorded)
         .with_context(|| format!("{}: its \"config\" is missing or unreadable", meta_path.display()))?;
-    let recorded_data = meta.get("data_fingerprint").map(|v| v.as_str().map(str::to_string));
+    let recorded_data = match meta.get("data_fingerprint") {
+        None => None,
+        Some(serde_json::Value::Null) => Some(None),
+        Some(v) => match v.as_str().filter(|f| is_fingerprint(f)) {
+            Some(f) => Some(Some(f.to_string())),
+            None => bail!("{}: \"data_fingerprint\" is {}, not a fingerprint ferrotron makes (32 hex digits, or null for the synthetic source): the file is damaged", meta_path.display(), shown(v)),
+        },
+    };
+    tokenizer_fingerprint(&meta, &meta_path)?; // checked here, compared by generate
     let weights = read_safetensors(&dir.join("model.safetensors"))?;
     let moments = read_safetensors(&dir.join("optimizer.safetensors"))?;
     Ok(Resumed { step, adam_steps, run_id, recorded, recorded_data, weights, moments })
@@ -381,6 +431,16 @@ impl Resumed {
             }
             Some(then) => then.as_deref(),
         };
+        // recorded with the run's config: text leaves a fingerprint, the synthetic source none
+        let on_text = self.recorded.data.source != "synthetic";
+        if on_text != then.is_some() {
+            bail!(
+                "{}: its run trained on {}, but its trainer_state.json records {}: the file is damaged or was edited; resume from another checkpoint",
+                dir.display(),
+                self.recorded.data.source,
+                if on_text { "no data fingerprint (null)" } else { "a data fingerprint" }
+            );
+        }
         match (then, data) {
             (Some(then), Some(now)) if then != now && !allow_changes => bail!(
                 "resuming {}: the files of data.source (or data.tokenizer) changed since the checkpoint was written (content fingerprint {now}, checkpoint: {then}); put the old files back, or add --allow-changes to continue on the new text",

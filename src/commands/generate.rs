@@ -251,25 +251,38 @@ pub fn eos_ids(dir: &Path) -> Result<Vec<u32>> {
 /// `tokenizer.json`, else, for a ferrotron checkpoint trained on text, the `data.tokenizer` its
 /// run recorded, else none (prompts must then be token ids: the synthetic language has no text).
 pub fn tokenizer_for(dir: &Path, choice: Option<&str>) -> Result<Option<Tokenizer>> {
+    let recorded = recorded_tokenizer(dir)?;
+    // the checkpoint's run trained with a tokenizer of this content (none: not recorded)
+    let trained_with = recorded.as_ref().and_then(|(_, print)| print.as_deref());
     match choice {
-        Some(spec) => Ok(Some(Tokenizer::load(spec).context("--tokenizer")?)),
+        Some(spec) => {
+            let tok = Tokenizer::load(spec).context("--tokenizer")?;
+            if let Some(then) = trained_with.filter(|&then| then != tok.fingerprint()) {
+                crate::say!("note: --tokenizer {spec} is not the tokenizer {}'s run trained with (fingerprint {}, the run's: {then}): its ids may stand for other text", dir.display(), tok.fingerprint());
+            }
+            Ok(Some(tok))
+        }
         None if dir.join("tokenizer.json").is_file() => {
             Ok(Some(Tokenizer::load(&dir.join("tokenizer.json").to_string_lossy())?))
         }
-        None => match recorded_tokenizer(dir)? {
-            Some(spec) => Ok(Some(Tokenizer::load(&spec).with_context(|| {
-                format!(
-                    "{}: the tokenizer its run trained with, data.tokenizer = {spec}; give --tokenizer",
-                    dir.display()
-                )
-            })?)),
+        None => match &recorded {
+            Some((spec, _)) => {
+                let trained =
+                    || format!("{}: the tokenizer its run trained with, data.tokenizer = {spec}", dir.display());
+                let tok = Tokenizer::load(spec).with_context(|| format!("{}; give --tokenizer", trained()))?;
+                if let Some(then) = trained_with.filter(|&then| then != tok.fingerprint()) {
+                    bail!("{}, holds other content now (fingerprint {}, the run's: {then}): the text could be encoded with other ids; give --tokenizer with the one the run trained with", trained(), tok.fingerprint());
+                }
+                Ok(Some(tok))
+            }
             None => Ok(None),
         },
     }
 }
 
-/// The `data.tokenizer` of the run that wrote a ferrotron checkpoint, if it trained on text.
-fn recorded_tokenizer(dir: &Path) -> Result<Option<String>> {
+/// The `data.tokenizer` of the run that wrote a ferrotron checkpoint, if it trained on text, with
+/// the fingerprint of that tokenizer's content as the checkpoint records it (`checkpoint/save.rs`).
+fn recorded_tokenizer(dir: &Path) -> Result<Option<(String, Option<String>)>> {
     let state = dir.join("trainer_state.json");
     if !state.is_file() {
         return Ok(None);
@@ -279,7 +292,8 @@ fn recorded_tokenizer(dir: &Path) -> Result<Option<String>> {
         serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", state.display()))?;
     let cfg = meta["config"].as_str().and_then(crate::config::Config::from_recorded);
     let on_text = |c: &crate::config::Config| c.data.source.starts_with("text:") || c.data.source.starts_with("hub:");
-    Ok(cfg.filter(on_text).map(|c| c.data.tokenizer))
+    let Some(cfg) = cfg.filter(on_text) else { return Ok(None) };
+    Ok(Some((cfg.data.tokenizer, crate::checkpoint::save::tokenizer_fingerprint(&meta, &state)?)))
 }
 
 /// Token ids written as `--tokens "5 17 42"` (spaces or commas between them).

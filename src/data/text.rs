@@ -11,10 +11,15 @@
 //! the source's bytes and the tokenizer's, so an edited source is tokenised again even when its
 //! size and time stayed the same. Later runs read windows of that file in place
 //! without loading it. Runs tokenising the same source at once each write a whole file and
-//! rename it into place; opening checks the ids against the vocabulary.
+//! rename it into place. Opening reads every id once: each must be below the vocabulary, and
+//! together they must give the checksum the header holds, so a cache damaged since it was
+//! written (zeroed blocks, a bit flipped) is found before it trains anything, and is tokenised
+//! again from the source, with a note; so is a file of the first version, which had no checksum.
 //!
 //! ```text
-//! CACHE/tokens/NAME.<fp>.tokens:  "FTOK" | version u32 | count u64 | count × u32 token ids (LE)
+//! CACHE/tokens/NAME.<fp>.tokens:  "FTOK" | version u32 = 2 | count u64 | checksum 2 × u64
+//!                                 | count × u32 token ids            (all little-endian)
+//! checksum: files::Fingerprint of the ids' bytes
 //! ```
 
 use anyhow::{bail, Context, Result};
@@ -22,8 +27,8 @@ use std::path::{Path, PathBuf};
 
 pub enum Tokenizer {
     Bytes,
-    /// A Hugging Face tokenizer and the `tokenizer.json` it came from.
-    Bpe(Box<tokenizers::Tokenizer>, PathBuf),
+    /// A Hugging Face tokenizer, the `tokenizer.json` it came from, and that file's fingerprint.
+    Bpe(Box<tokenizers::Tokenizer>, PathBuf, String),
 }
 
 /// End-of-text tokens used by common tokenizers, looked up in this order.
@@ -40,15 +45,27 @@ impl Tokenizer {
             None => PathBuf::from(spec),
         };
         // through the door: a FIFO or a folder is refused there, naming data.tokenizer
-        let t = tokenizers::Tokenizer::from_bytes(crate::files::read_bytes(&path, "data.tokenizer")?)
+        let bytes = crate::files::read_bytes(&path, "data.tokenizer")?;
+        let mut print = crate::files::Fingerprint::default();
+        print.add(&bytes);
+        let t = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| anyhow::anyhow!("data.tokenizer: cannot load {} as a tokenizer.json: {e}", path.display()))?;
-        Ok(Tokenizer::Bpe(Box::new(t), path))
+        Ok(Tokenizer::Bpe(Box::new(t), path, print.hex()))
+    }
+
+    /// What the tokenizer is, by content: `bytes`, or the fingerprint of its `tokenizer.json`
+    /// (recorded in each checkpoint of a text run; `generate` compares it).
+    pub fn fingerprint(&self) -> &str {
+        match self {
+            Tokenizer::Bytes => "bytes",
+            Tokenizer::Bpe(_, _, print) => print,
+        }
     }
 
     pub fn vocab_size(&self) -> usize {
         match self {
             Tokenizer::Bytes => 256,
-            Tokenizer::Bpe(t, _) => t.get_vocab_size(true),
+            Tokenizer::Bpe(t, ..) => t.get_vocab_size(true),
         }
     }
 
@@ -56,7 +73,7 @@ impl Tokenizer {
     pub fn eos(&self) -> Option<u32> {
         match self {
             Tokenizer::Bytes => None,
-            Tokenizer::Bpe(t, _) => EOS_NAMES.iter().find_map(|n| t.token_to_id(n)),
+            Tokenizer::Bpe(t, ..) => EOS_NAMES.iter().find_map(|n| t.token_to_id(n)),
         }
     }
 
@@ -75,7 +92,7 @@ impl Tokenizer {
                 }
                 Ok(text)
             }
-            Tokenizer::Bpe(t, _) => t.decode(ids, false).map_err(|e| anyhow::anyhow!("tokenizer: {e}")),
+            Tokenizer::Bpe(t, ..) => t.decode(ids, false).map_err(|e| anyhow::anyhow!("tokenizer: {e}")),
         }
     }
 
@@ -83,7 +100,7 @@ impl Tokenizer {
     pub fn encode(&self, text: &str) -> Result<Vec<u32>> {
         match self {
             Tokenizer::Bytes => Ok(text.bytes().map(u32::from).collect()),
-            Tokenizer::Bpe(t, _) => {
+            Tokenizer::Bpe(t, ..) => {
                 Ok(t.encode(text, false).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?.get_ids().to_vec())
             }
         }
@@ -104,38 +121,79 @@ pub struct Tokens {
     pub fingerprint: String,
 }
 
-const HEADER: usize = 16;
+/// The token file's header: "FTOK", the version, the count, the checksum.
+const HEADER: usize = 32;
+/// The version this build writes; a file of another (version 1 had no checksum) is rebuilt.
+const VERSION: u32 = 2;
 
 impl Tokens {
-    /// Opens the token file of `source` for `tokenizer`, writing it first if needed, and checks
-    /// that every id is below `vocab` (a stale or foreign file would index past the embedding).
+    /// Opens the token file of `source` for `tokenizer`, writing it first if needed; checks that
+    /// every id is below `vocab` (a stale or foreign file would index past the embedding) and that
+    /// the ids give the header's checksum. A file of another version, or whose ids do not give its
+    /// checksum, is tokenised again from the source (whose bytes its name's fingerprint was just
+    /// taken of), with a note.
     pub fn open(source: &Source, tokenizer: &Tokenizer, vocab: usize, cache_folder: &Path) -> Result<Tokens> {
         let (cache, fingerprint) = cache_path(source, tokenizer, cache_folder)?;
         if !cache.exists() {
             write_tokens(source, tokenizer, &cache)?;
         }
-        let file = crate::files::open_read(&cache, "the token file")?;
-        let size = file.metadata().with_context(|| format!("cannot read {}", cache.display()))?.len();
-        let mut header = [0u8; HEADER];
-        let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut header, 0);
-        let count = u64::from_le_bytes(header[8..16].try_into().expect("8 bytes"));
-        if read.is_err()
-            || &header[..4] != b"FTOK"
-            || count.checked_mul(4).and_then(|b| b.checked_add(16)) != Some(size)
-        {
-            bail!("{}: not a complete token file; delete it and it will be rebuilt", cache.display());
-        }
-        let tokens = Tokens { file, path: cache, count: count as usize, fingerprint };
-        // every id below the vocabulary, a chunk at a time (the file may be larger than memory)
-        const CHUNK: usize = 1 << 20;
-        for start in (0..tokens.count).step_by(CHUNK) {
-            let ids = tokens.window(start, CHUNK.min(tokens.count - start))?;
-            if let Some(&max) = ids.iter().max().filter(|&&m| m as usize >= vocab) {
-                bail!("{}: holds token id {max}, but model.vocab_size = {vocab}; delete the file to rebuild it, or raise model.vocab_size", tokens.path.display());
+        match Tokens::check(&cache, &fingerprint, vocab)? {
+            Checked::Good(tokens) => Ok(tokens),
+            Checked::Stale(why) => {
+                crate::say!("note: the token file {} {why}: tokenising {} again", cache.display(), source.name);
+                write_tokens(source, tokenizer, &cache)?;
+                match Tokens::check(&cache, &fingerprint, vocab)? {
+                    Checked::Good(tokens) => Ok(tokens),
+                    Checked::Stale(why) => {
+                        bail!("{}: {why} even when written again; is the disk sound?", cache.display())
+                    }
+                }
             }
+        }
+    }
+
+    /// Reads the token file `path` once whole: its header, every id against `vocab`, the checksum.
+    fn check(path: &Path, fingerprint: &str, vocab: usize) -> Result<Checked> {
+        let file = crate::files::open_read(path, "the token file")?;
+        let size = file.metadata().with_context(|| format!("cannot read {}", path.display()))?.len();
+        let mut header = [0u8; HEADER];
+        let word = |h: &[u8; HEADER], at: usize| u64::from_le_bytes(h[at..at + 8].try_into().expect("8 bytes"));
+        let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut header[..8], 0);
+        if read.is_err() || &header[..4] != b"FTOK" {
+            return Ok(Checked::Stale("does not begin as a token file does".into()));
+        }
+        let version = u32::from_le_bytes(header[4..8].try_into().expect("4 bytes"));
+        if version != VERSION {
+            let why = format!("is of version {version}, this build reads version {VERSION} (with a checksum)");
+            return Ok(Checked::Stale(why));
+        }
+        let read = std::os::unix::fs::FileExt::read_exact_at(&file, &mut header, 0);
+        let count = word(&header, 8);
+        if read.is_err() || count.checked_mul(4).and_then(|b| b.checked_add(HEADER as u64)) != Some(size) {
+            return Ok(Checked::Stale(format!("is not complete ({size} bytes, its header counting {count} tokens)")));
+        }
+        let want = [word(&header, 16), word(&header, 24)];
+        let tokens = Tokens { file, path: path.into(), count: count as usize, fingerprint: fingerprint.into() };
+        // every id below the vocabulary and into the checksum, a chunk at a time (the file may be
+        // larger than memory)
+        const CHUNK: usize = 1 << 20;
+        let mut sum = crate::files::Fingerprint::default();
+        let mut largest = 0;
+        for start in (0..tokens.count).step_by(CHUNK) {
+            let bytes = tokens.bytes(start, CHUNK.min(tokens.count - start))?;
+            sum.add(&bytes);
+            largest = ids_of(&bytes).fold(largest, u32::max);
             crate::signals::check(|| format!("checking the token file {}", tokens.path.display()))?;
         }
-        Ok(tokens)
+        if sum.value() != want {
+            return Ok(Checked::Stale(
+                "holds ids that do not give the checksum in its header (damaged since it was written)".into(),
+            ));
+        }
+        if largest as usize >= vocab {
+            bail!("{}: holds token id {largest}, but model.vocab_size = {vocab}; raise model.vocab_size to the tokenizer's vocabulary", tokens.path.display());
+        }
+        Ok(Checked::Good(tokens))
     }
 
     pub fn len(&self) -> usize {
@@ -149,6 +207,11 @@ impl Tokens {
     /// Tokens `start..start + len`, read from the file; a file cut short since it was opened is
     /// an error naming it.
     pub fn window(&self, start: usize, len: usize) -> Result<Vec<u32>> {
+        Ok(ids_of(&self.bytes(start, len)?).collect())
+    }
+
+    /// The bytes of tokens `start..start + len`.
+    fn bytes(&self, start: usize, len: usize) -> Result<Vec<u8>> {
         let mut bytes = vec![0u8; 4 * len];
         std::os::unix::fs::FileExt::read_exact_at(&self.file, &mut bytes, (HEADER + 4 * start) as u64).with_context(
             || {
@@ -158,8 +221,20 @@ impl Tokens {
                 )
             },
         )?;
-        Ok(bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes"))).collect())
+        Ok(bytes)
     }
+}
+
+/// The ids little-endian `bytes` hold.
+fn ids_of(bytes: &[u8]) -> impl Iterator<Item = u32> + '_ {
+    bytes.chunks_exact(4).map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+}
+
+/// What reading a token file whole found.
+enum Checked {
+    Good(Tokens),
+    /// It is to be written again, for this reason.
+    Stale(String),
 }
 
 /// A text source: its shards in order (`data/documents.rs`), the text field of their rows, and a
@@ -192,7 +267,7 @@ fn cache_path(source: &Source, tokenizer: &Tokenizer, cache_folder: &Path) -> Re
     hash.add(format!("|column {}|tokenizer|", source.column).as_bytes());
     match tokenizer {
         Tokenizer::Bytes => hash.add(b"bytes"),
-        Tokenizer::Bpe(_, path) => hash.add(&crate::files::read_bytes(path, "data.tokenizer")?),
+        Tokenizer::Bpe(_, path, _) => hash.add(&crate::files::read_bytes(path, "data.tokenizer")?),
     }
     let name: String =
         source.name.chars().map(|c| if c.is_alphanumeric() || "-_.".contains(c) { c } else { '_' }).collect();
@@ -227,8 +302,13 @@ fn write_tokens(source: &Source, tokenizer: &Tokenizer, cache: &Path) -> Result<
     bar.finish_and_clear();
     let mut bytes = Vec::with_capacity(HEADER + 4 * ids.len());
     bytes.extend(b"FTOK");
-    bytes.extend(1u32.to_le_bytes());
+    bytes.extend(VERSION.to_le_bytes());
     bytes.extend((ids.len() as u64).to_le_bytes());
+    bytes.extend([0; 16]); // the checksum, once the ids are in
     bytes.extend(ids.iter().flat_map(|t| t.to_le_bytes()));
+    let mut sum = crate::files::Fingerprint::default();
+    sum.add(&bytes[HEADER..]);
+    let checksum: Vec<u8> = sum.value().iter().flat_map(|w| w.to_le_bytes()).collect();
+    bytes[16..HEADER].copy_from_slice(&checksum);
     crate::files::write_atomically(cache, &bytes).context("the token file")
 }

@@ -47,7 +47,8 @@ pub(super) fn train_rank(me: &Rank, cfg: &Config, data: &Dataset, opts: Options,
     // this rank's model, optimizer and reducers, as the config says (`train/compose.rs`)
     let (mut tr, beside) = compose::assemble(me, cfg, data, opts.routing_tape, &shared)?;
     let first_step = tr.first_step;
-    let mut watch = Watch::new(me, cfg, opts, (first_step, tr.model.place(), shared.cpu_peak))?; // metrics, trace, timing, memory
+    let at = (first_step, tr.model.place(), shared.cpu_peak, shared.checkpoints.run_id());
+    let mut watch = Watch::new(me, cfg, opts, at)?; // metrics, trace, timing, memory
     let pp = me.group(Axis::Pp);
     // on NCCL a pipeline's send waits on the GPU for its receive, and a step stopped part-way
     // leaves some unreceived: there a signal waits for the step's end

@@ -4,9 +4,11 @@
 //! the run when the output is not a terminal, as in CI logs) and, with `--metrics FILE`, written
 //! as one JSON object per line, so that curves can be plotted and compared across runs. Each line
 //! is written as its step ends, so a killed run's file holds every step it finished; a resumed
-//! run keeps the lines before its first step and appends after them.
+//! run keeps the lines before its first step and appends after them. Each line names its run
+//! (`"run"`, the id its checkpoints carry): a resumed run refuses a file that holds another
+//! run's steps, which would make one curve of two runs.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -83,24 +85,35 @@ pub struct Metrics {
     file: Option<std::fs::File>,
     bar: ProgressBar,
     every: usize,
+    /// The run's id, written on every line.
+    run: String,
+}
+
+/// A line of the metrics file: the run, then the step's numbers.
+#[derive(Serialize)]
+struct Line<'a> {
+    run: &'a str,
+    #[serde(flatten)]
+    step: &'a StepLog,
 }
 
 impl Metrics {
-    /// Metrics for steps `first..steps`; `jsonl` keeps its lines of steps before `first`.
-    pub fn new((first, steps): (usize, usize), jsonl: Option<&Path>, quiet: bool) -> Result<Metrics> {
-        let file =
-            jsonl.map(|p| open_history(p, first).with_context(|| format!("--metrics: cannot write {}", p.display())));
+    /// Metrics for steps `first..steps` of the run `run`; `jsonl` keeps its lines of steps before
+    /// `first`, which must be that run's.
+    pub fn new((first, steps): (usize, usize), jsonl: Option<&Path>, quiet: bool, run: &str) -> Result<Metrics> {
+        let file = jsonl.map(|p| open_history(p, first, run));
         let bar = if quiet { ProgressBar::hidden() } else { ProgressBar::new(steps as u64) };
         bar.set_position(first as u64);
         bar.set_style(
             ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed_precise}]").expect("valid template"),
         );
-        Ok(Metrics { file: file.transpose()?, bar, every: if quiet { 0 } else { steps.div_ceil(10) } })
+        let every = if quiet { 0 } else { steps.div_ceil(10) };
+        Ok(Metrics { file: file.transpose()?, bar, every, run: run.to_string() })
     }
 
     pub fn log(&mut self, s: &StepLog) -> Result<()> {
         if let Some(f) = &mut self.file {
-            let line = serde_json::to_string(s)? + "\n";
+            let line = serde_json::to_string(&Line { run: &self.run, step: s })? + "\n";
             f.write_all(line.as_bytes()).context("--metrics: write failed")?; // one write per step
         }
         let mut msg = format!("loss {:.4} | lr {:.2e} | {:.0} tok/s", s.loss, s.lr, s.tokens_per_s);
@@ -162,21 +175,36 @@ impl Metrics {
 }
 
 /// The metrics file, rewritten whole with its lines of steps before `first` (none for a new run),
-/// and opened to append.
-fn open_history(path: &Path, first: usize) -> Result<std::fs::File> {
-    let kept: String = match first {
-        0 => String::new(),
-        _ => crate::files::read_text(path, "--metrics")
-            .unwrap_or_default()
-            .lines()
-            .filter(|l| {
-                let step = serde_json::from_str::<serde_json::Value>(l).ok().and_then(|j| j["step"].as_u64());
-                step.is_some_and(|s| (s as usize) < first)
-            })
-            .map(|l| format!("{l}\n"))
-            .collect(),
-    };
-    crate::files::write_atomically(path, kept.as_bytes())?;
-    let target = crate::files::output_target(path)?;
-    Ok(std::fs::OpenOptions::new().append(true).open(target)?)
+/// and opened to append. A resumed run (`first` > 0) refuses a file holding a line of a run other
+/// than `run`; lines that name no run (written before lines named theirs) are kept, with a note.
+fn open_history(path: &Path, first: usize, run: &str) -> Result<std::fs::File> {
+    let mut kept = String::new();
+    if first > 0 {
+        let text = crate::files::read_text(path, "--metrics").unwrap_or_default();
+        let mut unnamed = 0;
+        for l in text.lines() {
+            let Ok(j) = serde_json::from_str::<serde_json::Value>(l) else { continue };
+            match j["run"].as_str() {
+                Some(other) if other != run => bail!(
+                    "--metrics {}: holds steps of run {:?}, not of the run resumed ({run}): one file would hold two runs' curves; give another file, or move that one away",
+                    path.display(),
+                    other.chars().take(40).collect::<String>()
+                ),
+                Some(_) => {}
+                None => unnamed += 1,
+            }
+            if j["step"].as_u64().is_some_and(|s| (s as usize) < first) {
+                kept += &format!("{l}\n");
+            }
+        }
+        if unnamed > 0 {
+            crate::say!("note: --metrics {}: {unnamed} lines name no run (written by an older ferrotron): kept, though whether they are this run's could not be checked", path.display());
+        }
+    }
+    let written = (|| -> Result<std::fs::File> {
+        crate::files::write_atomically(path, kept.as_bytes())?;
+        let target = crate::files::output_target(path)?;
+        Ok(std::fs::OpenOptions::new().append(true).open(target)?)
+    })();
+    written.with_context(|| format!("--metrics: cannot write {}", path.display()))
 }

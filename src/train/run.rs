@@ -211,7 +211,7 @@ impl Run {
             dir: cfg.checkpoint.dir.clone().into(),
             run_id,
             resumed_step,
-            data: None, // known once the data is open, below
+            trained: None, // known once the data is open, below
             signal_saves: true,
             kinds,
         };
@@ -225,7 +225,8 @@ impl Run {
         if cfg.validation.every > 0 {
             data.hold_out(cfg.validation.split, cfg.train.seq_len + 1)?; // a text's tail: never trained on
         }
-        checkpoints.data = data.fingerprint().map(str::to_string);
+        checkpoints.trained = (data.fingerprint().zip(data.tokenizer()))
+            .map(|(d, t)| save::Trained { data: d.to_string(), tokenizer: t.fingerprint().to_string() });
         if let Some((r, dir)) = &resumed {
             notes.extend(r.check_data(data.fingerprint(), dir, opts.allow_changes)?);
         }
@@ -333,8 +334,8 @@ pub(super) struct Checkpoints {
     dir: PathBuf,
     run_id: String,
     resumed_step: Option<usize>,
-    /// The fingerprint of the text trained on, recorded in each checkpoint.
-    data: Option<String>,
+    /// What text the run trains on, by content, recorded in each checkpoint.
+    trained: Option<save::Trained>,
     /// False when no folder could take a signal's save (said at the start): the run then stops
     /// without one.
     signal_saves: bool,
@@ -343,6 +344,11 @@ pub(super) struct Checkpoints {
 }
 
 impl Checkpoints {
+    /// The run's id: its checkpoints' folders and its metrics lines carry it.
+    pub(super) fn run_id(&self) -> &str {
+        &self.run_id
+    }
+
     fn take(&self) -> Result<()> {
         let mut folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
         if folder.is_none() {
@@ -400,7 +406,7 @@ impl Checkpoints {
             self.take()?;
             let folder = self.folder.lock().unwrap_or_else(|e| e.into_inner());
             let folder = folder.as_ref().expect("taken above");
-            save::save(folder, step + 1, &state, cfg, opt.steps_taken(), self.data.as_deref()).map(Some)
+            save::save(folder, step + 1, &state, cfg, opt.steps_taken(), self.trained.as_ref()).map(Some)
         })
     }
 

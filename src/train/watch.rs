@@ -50,6 +50,11 @@ pub(super) struct Watch<'a> {
     /// The model FLOPs of a step, over the peak FLOP/s of the devices the run uses: MFU is this
     /// over the step's seconds (`devices.rs`). None where the peak is unknown or nothing is shown.
     flops_per_peak: Option<f64>,
+    /// The model FLOPs of a step.
+    flops: f64,
+    /// On the CPU, where MFU is shown: the cache folder whose recorded peak a step above 100 %
+    /// measures again (once a run).
+    recalibrate: Option<String>,
     run_start: Instant,
     step_start: Instant,
     summary: Summary,
@@ -62,7 +67,7 @@ impl<'a> Watch<'a> {
         me: &'a Rank,
         cfg: &Config,
         opts: Options<'a>,
-        (first_step, place, cpu_peak): (usize, Place, Option<f64>),
+        (first_step, place, cpu_peak, run): (usize, Place, Option<f64>, &str),
     ) -> Result<Watch<'a>> {
         let (t, rank) = (&cfg.train, me.rank);
         place.take_peak_bytes(); // the steps' peaks count from here, after the model was built
@@ -74,13 +79,15 @@ impl<'a> Watch<'a> {
         }
         me.comm_tallies(); // the count starts with the first step, not with setting up
         let jsonl = opts.metrics.filter(|_| rank == 0);
-        let metrics = Metrics::new((first_step, t.steps), jsonl, opts.quiet || rank != 0)?;
+        let metrics = Metrics::new((first_step, t.steps), jsonl, opts.quiet || rank != 0, run)?;
         let summary = Summary::new(first_step);
         let tokens_per_step = (t.micro_batch_size * t.grad_accum_steps * cfg.parallel.dp * t.seq_len) as f64;
         // only rank 0 shows MFU; a quiet run (converge's) has no line to show it on
         let flops = crate::devices::flops_per_token(&cfg.model, t.seq_len) * tokens_per_step;
         let peak = if rank == 0 && !opts.quiet { peak_tflops(cfg, &place, cpu_peak) } else { None };
         let flops_per_peak = peak.map(|tflops| flops / (tflops * 1e12));
+        let on_cpu = matches!(place, Place::Cpu) && peak.is_some();
+        let recalibrate = on_cpu.then(|| cfg.data.cache_dir.clone());
         let (trace, profile_from_step, now) = (opts.trace, opts.profile_from_step, Instant::now());
         let (run_start, step_start) = (now, now);
         Ok(Watch {
@@ -92,6 +99,8 @@ impl<'a> Watch<'a> {
             place,
             tokens_per_step,
             flops_per_peak,
+            flops,
+            recalibrate,
             run_start,
             step_start,
             summary,
@@ -134,6 +143,15 @@ impl<'a> Watch<'a> {
         // this step's calls, added up (on a GPU their timing events are read and let go here,
         // not kept for the whole run)
         cost::merge(&mut s.comm, self.me.comm_tallies());
+        let mut mfu = self.flops_per_peak.map(|f| f / seconds);
+        if let (Some(m), Some(cache)) = (mfu.filter(|&m| m > 1.0), self.recalibrate.take()) {
+            // above 100 %: the recorded peak is wrong, not the step (once a run: this is a pause)
+            let rates = (self.flops / (m * seconds) / 1e12, self.flops / seconds / 1e12);
+            let (peak, said) = crate::devices::cpu_peak_beaten(&cache, rates, crate::ops::cpu_math::peak_tflops);
+            self.metrics.note(&said);
+            self.flops_per_peak = Some(self.flops / (peak * 1e12));
+            mfu = self.flops_per_peak.map(|f| f / seconds);
+        }
         self.metrics.log(&StepLog {
             step: end.step,
             activations: end.activations_held,
@@ -148,7 +166,7 @@ impl<'a> Watch<'a> {
             expert_layer_tokens: layers.into_iter().map(|(l, t)| (l.to_string(), t)).collect(),
             expert_tokens: load.tokens,
             tokens_per_s: self.tokens_per_step / seconds,
-            mfu: self.flops_per_peak.map(|f| f / seconds),
+            mfu,
             elapsed_s: self.run_start.elapsed().as_secs_f64(),
         })
     }
