@@ -84,7 +84,7 @@ fn bench_reports_a_table_and_json() {
     assert!(r.step_ms > 0.0 && r.tokens_per_s > 0.0 && r.mfu.unwrap() > 0.0);
     assert!((r.achieved_tflops - r.flops_per_token * r.tokens_per_s / 1e12).abs() < 1e-12);
     let out = Command::new(env!("CARGO_BIN_EXE_ferrotron"))
-        .args(["bench", "--steps", "2", "--warmup", "1"])
+        .args(["bench", "--steps", "2", "--warmup", "101"])
         .args(common::SMALL.iter().flat_map(|s| ["--set", s]))
         .output()
         .unwrap();
@@ -92,6 +92,8 @@ fn bench_reports_a_table_and_json() {
     assert!(out.status.success(), "{text}{}", String::from_utf8_lossy(&out.stderr));
     // on the CPU, MFU is of its measured peak (recorded once, in the cache's calibration file)
     assert!(text.contains("tokens/s") && text.contains("TFLOP/s (this CPU's f32 GEMM, measured once)"), "{text}");
+    // a warm-up past a hundred steps runs quietly: it is said before it starts
+    assert!(text.contains("warming up: 101 steps before the 2 measured (--warmup)"), "{text}");
     let json = text.lines().find_map(|l| l.strip_prefix("json: ")).expect("a json line");
     let v: serde_json::Value = serde_json::from_str(json).unwrap();
     assert_eq!(v["measured_steps"], 2);

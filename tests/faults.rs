@@ -720,6 +720,7 @@ fn a_signal_during_validation_stops_it_at_the_next_micro_batch() {
     std::io::Read::read_to_string(&mut stdout, &mut rest).unwrap();
     assert_eq!(out.status.code(), Some(143), "{rest}{}", String::from_utf8_lossy(&out.stderr));
     assert!(rest.contains("validation cut short by SIGTERM after "), "{rest}");
+    assert!(rest.contains("note: validation.batches = 1000000000: each validation"), "said before it began: {rest}");
     let saved =
         std::fs::read_dir(&dir).unwrap().flatten().any(|e| e.file_name().to_string_lossy().starts_with("step_"));
     assert!(saved, "the finished step is saved: {rest}");

@@ -287,6 +287,13 @@ fn a_learned_tokenizer_is_the_one_transformers_reads() {
     let other = tmp.path().join("other.json");
     let o = other.to_str().unwrap();
     refused(&["tokenizer", "--vocab-size", "100", &corpus, "--out", o], &["--vocab-size 100", "257"]);
+    // sizes the trainer of `tokenizers` would allocate tables for (10⁹ aborted it), refused first
+    for huge in ["1000000000", "18446744073709551615"] {
+        refused(
+            &["tokenizer", "--vocab-size", huge, &corpus, "--out", o],
+            &[&format!("--vocab-size {huge}"), "at most 2097152"],
+        );
+    }
     refused(&["tokenizer", "--vocab-size", "300", "synthetic", "--out", o], &["SOURCE", "text:PATH"]);
     refused(&["tokenizer", "--vocab-size", "300", "text:/no/such/file.txt", "--out", o], &["/no/such/file.txt"]);
     let empty = tmp.path().join("empty.txt");

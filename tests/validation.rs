@@ -201,4 +201,10 @@ fn a_text_sample_continues_its_prompt_and_bad_settings_are_refused() {
     assert!(err(&["train.sample_every=2", "train.sample_tokens=5000"]).contains("from 1 to 4096"));
     let synthetic = err(&["train.sample_prompt=\"hello\""]);
     assert!(synthetic.contains("train.sample_prompt") && synthetic.contains("synthetic"), "{synthetic}");
+    // a prompt longer than the positions the model trains on (SMALL: 32) is refused before the
+    // first step, in a line that does not echo it
+    let long = format!("train.sample_prompt=\"{}\"", "the cat sat. ".repeat(3000));
+    let cfg = Config::load(None, &sets(&[&base[..], &[long.as_str()]].concat())).unwrap();
+    let e = format!("{:#}", train(&cfg, Options { quiet: true, ..Default::default() }).err().unwrap());
+    assert!(e.contains("train.sample_prompt is 39000 tokens, more than train.seq_len = 32") && e.len() < 300, "{e}");
 }

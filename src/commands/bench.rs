@@ -44,6 +44,9 @@ pub struct Report {
     pub profile: Vec<crate::cuda::profile::Row>,
 }
 
+/// A warm-up of more steps than this is said before it starts (a GPU needs a few).
+const LONG_WARMUP: usize = 100;
+
 /// Trains `warmup + steps` steps of `cfg` and measures the last `steps`; with `profile`, times
 /// every GPU kernel of the measured steps (`cuda/profile.rs`).
 pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f64>, profile: bool) -> Result<Report> {
@@ -69,6 +72,10 @@ pub fn bench(cfg: &Config, warmup: usize, steps: usize, peak_override: Option<f6
         crate::config::DeviceKind::Cpu => ("cpu".to_string(), None),
     };
     let profile_from_step = profile.then_some(warmup);
+    if warmup > LONG_WARMUP {
+        // the run is quiet: a long warm-up would pass without a word
+        crate::say!("warming up: {warmup} steps before the {steps} measured (--warmup), no progress shown meanwhile");
+    }
     let s = train::train(&cfg, Options { quiet: true, profile_from_step, ..Default::default() })?;
     let profile = if profile { crate::cuda::profile::finish()? } else { Vec::new() };
     let measured = &s.step_s[warmup..];

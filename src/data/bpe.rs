@@ -38,6 +38,10 @@ pub const END_OF_TEXT: &str = "<|endoftext|>";
 
 /// The smallest vocabulary: the 256 bytes and the end-of-text token.
 pub const MIN_VOCAB: usize = 257;
+/// The largest vocabulary learnt: 8 times the largest in use (Gemma 3's 262,144). The trainer
+/// of `tokenizers` sizes its tables by the vocabulary before it reads a word, so a size past any
+/// use is refused here, before it allocates (10⁹ aborted the process in that allocation).
+pub const MAX_VOCAB: usize = 1 << 21;
 
 /// What a training read and made.
 pub struct Learned {
@@ -52,6 +56,9 @@ pub struct Learned {
 pub fn learn(source: &Source, vocab_size: usize) -> Result<Learned> {
     if vocab_size < MIN_VOCAB {
         bail!("--vocab-size {vocab_size}: a byte-level BPE has the 256 bytes and {END_OF_TEXT} at least; give {MIN_VOCAB} or more");
+    }
+    if vocab_size > MAX_VOCAB {
+        bail!("--vocab-size {vocab_size}: more than {MAX_VOCAB} tokens, 8 times the largest vocabulary in use (262,144); give at most {MAX_VOCAB}");
     }
     let mut tokenizer = Tokenizer::new(BPE::default());
     // GPT-2's layout: no space added before the text, offsets trimmed, the split regex on

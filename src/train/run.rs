@@ -274,6 +274,16 @@ impl Run {
                 crate::say!("resuming from {} (step {} of {})", dir.display(), r.step, t.steps);
             }
             notes.iter().for_each(|n| crate::say!("note: {n}"));
+            // a validation far longer than a step runs silently between two progress lines
+            let v = &cfg.validation;
+            if v.every > 0 && v.batches > LONG_VALIDATION * t.grad_accum_steps {
+                crate::say!(
+                    "note: validation.batches = {}: each validation ({} steps apart) runs the forward of about {} training steps, with no progress line of its own (a signal ends it at its next micro-batch)",
+                    v.batches,
+                    v.every,
+                    v.batches / t.grad_accum_steps
+                );
+            }
         }
         let pretrained = match cfg.model.init_from.is_empty() || resumed.is_some() {
             true => None,
@@ -328,6 +338,9 @@ impl Run {
 
 /// The run's checkpoint folder: taken at the start when the run saves every few steps, or when a
 /// signal first asks for a checkpoint.
+/// A validation of more than this many steps' micro-batches is said before the run starts.
+const LONG_VALIDATION: usize = 100;
+
 pub(super) struct Checkpoints {
     folder: Mutex<Option<Folder>>,
     /// `checkpoint.dir`, or where a signal's save goes when that folder would refuse it.

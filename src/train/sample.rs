@@ -37,6 +37,15 @@ pub(super) fn prompt(cfg: &Config, data: &Dataset) -> Result<Vec<u32>> {
     if ids.is_empty() {
         anyhow::bail!("train.sample_prompt = {text:?} is no tokens: give some text to continue (or \"\" for the data's first tokens)");
     }
+    // the model trains on seq_len positions: a prompt longer is a prefill past anything it saw
+    // (and, at 36,000 tokens, one that no signal could stop for many seconds)
+    if ids.len() > cfg.train.seq_len {
+        anyhow::bail!(
+            "train.sample_prompt is {} tokens, more than train.seq_len = {}: give a prompt of at most that many tokens",
+            ids.len(),
+            cfg.train.seq_len
+        );
+    }
     Ok(ids)
 }
 
