@@ -2,7 +2,7 @@
 //! `generate`, `doctor` and `bench` (their flags: `commands/cli.rs`).
 
 use anyhow::{Context, Result};
-use clap::{CommandFactory, FromArgMatches};
+use clap::FromArgMatches;
 use ferrotron::checkpoint::hf;
 use ferrotron::comm::cost::Link;
 use ferrotron::comm::launcher;
@@ -384,7 +384,7 @@ fn main() -> ExitCode {
     }
     // Output goes through `say!`, which ignores a closed or full stdout: a reader that goes away
     // (`ferrotron train | head`) costs the output, never the run or its checkpoints.
-    let command = Cli::command();
+    let command = commands::cli::command();
     let matches = command.clone().get_matches();
     let cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     let paths = match matches.subcommand() {

@@ -318,3 +318,39 @@ fn rope_scaling_is_set_by_its_keys_and_checked_by_its_kind() {
     let e = config_error(&["model.rope_theta.x=2"]);
     assert!(e.contains("model.rope_theta") && e.contains("not a table"), "{e}");
 }
+
+/// What each numeric flag of every command says to a negative number, parsed by `table`: `-1`
+/// given to a flag must be read as its value (refused naming the flag where the flag is a count),
+/// never as a flag of its own (clap's "unexpected argument '-1'", which names no flag).
+fn negative_number_errors(table: clap::Command) -> Vec<String> {
+    use std::any::TypeId;
+    let counts = [TypeId::of::<usize>(), TypeId::of::<u64>(), TypeId::of::<u32>()];
+    let numbers = [&counts[..], &[TypeId::of::<f32>(), TypeId::of::<f64>()]].concat();
+    let mut problems = Vec::new();
+    for sub in table.get_subcommands() {
+        let of = |a: &clap::Arg, types: &[TypeId]| types.iter().any(|t| a.get_value_parser().type_id() == *t);
+        for arg in sub.get_arguments().filter(|a| of(a, &numbers)) {
+            let flag = format!("--{}", arg.get_long().unwrap());
+            let said = match table.clone().try_get_matches_from(["ferrotron", sub.get_name(), &flag, "-1"]) {
+                Err(e) => e.render().to_string(),
+                Ok(_) => String::new(),
+            };
+            let count = of(arg, &counts);
+            if said.contains("unexpected argument '-1'") || count && !said.contains(&flag) {
+                problems.push(format!("{} {flag} -1: {}", sub.get_name(), said.lines().next().unwrap_or("")));
+            }
+        }
+    }
+    problems
+}
+
+#[test]
+fn a_negative_number_to_any_numeric_flag_is_refused_naming_the_flag() {
+    let table = ferrotron::commands::cli::command();
+    let flags = table.get_subcommands().flat_map(|s| s.get_arguments()).filter(|a| a.get_long() == Some("steps"));
+    assert!(flags.count() >= 2, "the walk sees the numeric flags");
+    assert_eq!(negative_number_errors(table), Vec::<String>::new());
+    // planted: the table as clap makes it, which reads `-1` as a flag
+    let planted = negative_number_errors(<ferrotron::commands::cli::Cli as clap::CommandFactory>::command());
+    assert!(planted.iter().any(|p| p.starts_with("bench --steps -1")), "{planted:?}");
+}

@@ -10,6 +10,17 @@
 use clap::{Args, Parser, Subcommand, ValueHint};
 use std::path::PathBuf;
 
+/// The command line as `main` parses it: the table below, with a value that starts with `-` and
+/// is a number (`--steps -1`) taken as the flag's value, so it is refused naming the flag
+/// (clap otherwise reads `-1` as a flag of its own: "unexpected argument '-1'", no flag named).
+pub fn command() -> clap::Command {
+    let numbers = |a: clap::Arg| match a.get_action().takes_values() {
+        true => a.allow_negative_numbers(true),
+        false => a,
+    };
+    <Cli as clap::CommandFactory>::command().mut_subcommands(move |s| s.mut_args(numbers))
+}
+
 /// The help heading of a flag naming a file or folder the command reads.
 pub const READS: &str = "Files it reads";
 /// The help heading of a flag naming a file or folder the command writes.
