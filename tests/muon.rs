@@ -218,7 +218,8 @@ fn the_momentum_is_saved_and_resumed_across_layouts() {
     assert!(names.contains(&"momentum_buffer.model.layers.0.self_attn.q_proj.weight"), "{names:?}");
     assert!(names.contains(&"exp_avg.model.embed_tokens.weight"), "{names:?}");
     assert!(!names.iter().any(|n| n.starts_with("exp_avg.model.layers.0.mlp")), "{names:?}");
-    // an AdamW checkpoint does not resume as Muon: its state names are the wrong ones
+    // an AdamW checkpoint does not resume as Muon, even with --allow-changes: refused in the
+    // run's words (the optimizer named), not by a missing tensor
     let dir = format!("checkpoint.dir=\"{}\"", tmp.path().join("c").display());
     let adamw =
         Config::load(None, &sets(&["train.steps=3", "checkpoint.every=3", &dir, "train.optimizer=\"adamw\""])).unwrap();
@@ -227,7 +228,25 @@ fn the_momentum_is_saved_and_resumed_across_layouts() {
     let step = tmp.path().join("c/step_000003");
     let opts = Options { quiet: true, resume: Some(&step), allow_changes: true, ..Default::default() };
     let err = format!("{:#}", train(&resume, opts).err().expect("refused"));
-    assert!(err.contains("momentum_buffer"), "{err}");
+    assert!(
+        err.contains("train.optimizer = adamw, and this run sets muon") && !err.contains("momentum_buffer"),
+        "{err}"
+    );
+    // a second moment below zero is damage, refused at the resume (not a NaN steps later)
+    let ck = tmp.path().join("c/step_000003/optimizer.safetensors");
+    let bytes = std::fs::read(&ck).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let at = header["exp_avg_sq.model.norm.weight"]["data_offsets"][0].as_u64().unwrap() as usize;
+    let mut damaged = bytes.clone();
+    damaged[8 + n + at..8 + n + at + 4].copy_from_slice(&(-1.0f32).to_le_bytes());
+    std::fs::write(&ck, damaged).unwrap();
+    let back = Config::load(None, &sets(&["train.steps=6", "train.optimizer=\"adamw\""])).unwrap();
+    let err = format!(
+        "{:#}",
+        train(&back, Options { quiet: true, resume: Some(&step), ..Default::default() }).err().unwrap()
+    );
+    assert!(err.contains("exp_avg_sq.model.norm.weight holds -1") && err.contains("never below zero"), "{err}");
 }
 
 /// `ferrotron memory` counts Muon's state as the run holds it: one momentum per matrix value, in

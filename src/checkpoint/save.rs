@@ -296,6 +296,11 @@ pub fn save(
     Ok(final_dir)
 }
 
+/// A config value as the config file writes it (`adamw`, `muon`).
+fn toml_word<T: serde::Serialize>(v: &T) -> String {
+    toml::Value::try_from(v).map_or_else(|_| "?".into(), |v| v.as_str().map_or_else(|| v.to_string(), str::to_string))
+}
+
 /// Whether `f` is a fingerprint as `files::Fingerprint::hex` writes one.
 fn is_fingerprint(f: &str) -> bool {
     f.len() == 32 && f.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
@@ -395,12 +400,27 @@ impl Resumed {
                 t.steps
             );
         }
+        // another optimizer keeps other state: said in the run's words before any tensor is missed
+        if self.recorded.train.optimizer != t.optimizer {
+            bail!(
+                "{} was trained with train.optimizer = {}, and this run sets {}: its optimizer state does not carry over to another optimizer; set train.optimizer back (or start from its weights alone with model.init_from)",
+                dir.display(),
+                toml_word(&self.recorded.train.optimizer),
+                toml_word(&t.optimizer)
+            );
+        }
         let expected = Llama::tensor_shapes(&cfg.model, Stage::WHOLE);
         check_tensors(&self.weights, &expected_tensors(&cfg.model), &dir.join("model.safetensors"), &cfg.model)?;
         let moments: Vec<(String, Vec<usize>)> = (expected.iter())
             .flat_map(|(n, s)| kinds(n, s).iter().map(move |kind| (format!("{kind}.{n}"), s.clone())))
             .collect();
         check_tensors(&self.moments, &moments, &dir.join("optimizer.safetensors"), &cfg.model)?;
+        // AdamW's second moments are running means of squares: one below zero is damage (its
+        // square root would turn the update into NaN, steps later, blamed on the learning rate)
+        let mut second = self.moments.iter().filter(|(n, _)| n.starts_with("exp_avg_sq."));
+        if let Some((name, x)) = second.find_map(|(n, t)| t.host_view().iter().find(|x| **x < 0.0).map(|&x| (n, x))) {
+            bail!("{}: {name} holds {x}, but a second moment is a mean of squares, never below zero: the file is damaged; resume from another checkpoint", dir.join("optimizer.safetensors").display());
+        }
         let differences = run_differences(&self.recorded, cfg);
         let mut notes = Vec::new();
         if !differences.is_empty() && !allow_changes {
