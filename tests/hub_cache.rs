@@ -98,4 +98,23 @@ fn hub_names_resolve_from_the_cache_offline() {
     }
     // what is cached is still found, whatever the network
     assert_eq!(dataset_files("ferrotron/stories/data/train-*.parquet").unwrap(), files);
+
+    // a name or file that would lead out of the cache is no Hub name: refused before any lookup
+    let long = "a".repeat(97);
+    for bad in ["../../etc", "..", "", "a/b/c", "-a/b", "a/b.", "a--b/c", "a b/c", "/etc", long.as_str()] {
+        let e = format!("{:#}", model_dir(bad).unwrap_err());
+        assert!(e.contains("not a Hugging Face repository name"), "{bad:?}: {e}");
+        let e = format!("{:#}", tokenizer_file(bad).unwrap_err());
+        assert!(e.contains("not a Hugging Face repository name"), "{bad:?}: {e}");
+    }
+    for bad in ["ferrotron/texts/../../x", "ferrotron/texts//x", "ferrotron/texts/./x"] {
+        let e = format!("{:#}", dataset_file(bad).unwrap_err());
+        assert!(e.contains("is not a file's path inside a repository"), "{bad}: {e}");
+    }
+    let e = format!("{:#}", dataset_files("../x/*.parquet").unwrap_err());
+    assert!(e.contains("not a Hugging Face repository name"), "{e}");
+    // HF_HOME naming a file: said with the variable, not as a missing cached copy
+    std::env::set_var("HF_HOME", &corpus);
+    let e = format!("{:#}", dataset_file("ferrotron/texts/train.txt").unwrap_err());
+    assert!(e.contains("is a file (set by HF_HOME=") && e.contains("point it at a folder"), "{e}");
 }

@@ -13,9 +13,41 @@ use hf_hub::api::sync::ApiBuilder;
 use hf_hub::{Cache, Repo};
 use std::path::PathBuf;
 
+/// The Hub's cache, once `id` is a repository name as the Hub makes them and `file` a path inside
+/// a repository: both become paths in the cache, so `hub:../../etc` must not. (The Hub's own
+/// rule: `[ORG/]NAME`, letters, digits, `-`, `_` and `.`, each part beginning and ending with a
+/// letter, digit or `_`, no `--` or `..`, at most 96 characters.) A cache root that is not a
+/// folder is named with the variable that put it there.
+fn checked(id: &str, file: &str) -> Result<Cache> {
+    let part_ok = |p: &str| {
+        let edge = |c: Option<char>| c.is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
+        edge(p.chars().next())
+            && edge(p.chars().last())
+            && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
+    };
+    let parts: Vec<&str> = id.split('/').collect();
+    if id.len() > 96 || id.contains("--") || id.contains("..") || parts.len() > 2 || !parts.iter().all(|p| part_ok(p)) {
+        let shown: String = id.chars().take(100).collect();
+        bail!("hub:{shown}: not a Hugging Face repository name (ORG/NAME: letters, digits, -, _ and ., no -- or .., at most 96 characters), e.g. hub:HuggingFaceTB/SmolLM2-135M");
+    }
+    let bad = |c: &str| c.is_empty() || c == "." || c == "..";
+    if file.starts_with('/') || file.split('/').any(bad) {
+        bail!("hub:{id}: {file:?} is not a file's path inside a repository (no leading /, no empty, . or .. parts)");
+    }
+    let cache = Cache::from_env();
+    // the cache folder, or the nearest part of its path that exists, must be a folder
+    let root = cache.path();
+    if let Some(file) = root.ancestors().find(|a| a.exists()).filter(|a| !a.is_dir()) {
+        let by = ["HF_HUB_CACHE", "HF_HOME"].into_iter().find(|v| std::env::var_os(v).is_some_and(|v| !v.is_empty()));
+        let by = by.map_or("the default".to_string(), |v| format!("{v}={}", std::env::var(v).unwrap_or_default()));
+        bail!("the Hugging Face cache {} cannot be a folder: {} is a file (set by {by}); point it at a folder (HF_HOME holds hub/ inside it), or unset it", root.display(), file.display());
+    }
+    Ok(cache)
+}
+
 /// A file of a model or dataset repository: from the cache, else downloaded into it.
 fn fetch(repo: Repo, id: &str, file: &str) -> Result<PathBuf> {
-    let cache = Cache::from_env();
+    let cache = checked(id, file)?;
     if let Some(path) = cache.repo(repo.clone()).get(file) {
         return Ok(path);
     }
@@ -105,7 +137,7 @@ pub fn dataset_files(spec: &str) -> Result<Vec<PathBuf>> {
             && p.iter().zip(&f).all(|(p, f)| crate::data::documents::wildcard(p.as_bytes(), f.as_bytes()))
     };
     let repo = Repo::dataset(id.clone());
-    let api = hub(Cache::from_env()).build().map_err(|e| e.to_string());
+    let api = hub(checked(&id, pattern)?).build().map_err(|e| e.to_string());
     let listed = api.and_then(|api| api.repo(repo.clone()).info().map_err(|e| e.to_string()));
     let names = match listed {
         Ok(info) => info.siblings.into_iter().map(|s| s.rfilename).collect(),
