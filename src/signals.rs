@@ -100,11 +100,14 @@ pub struct Interrupted {
     pub signal: i32,
     /// What was being done, as "reading model.safetensors".
     pub during: String,
+    /// What the work leaves behind, where it is more than nothing.
+    pub left: Option<String>,
 }
 
 impl std::fmt::Display for Interrupted {
     fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-        write!(f, "stopped by {} while {}: nothing was written", name(self.signal), self.during)
+        let left = self.left.as_deref().unwrap_or("nothing was written");
+        write!(f, "stopped by {} while {}: {left}", name(self.signal), self.during)
     }
 }
 
@@ -113,7 +116,18 @@ impl std::error::Error for Interrupted {}
 /// `Err(Interrupted)` once a signal has come: called between two pieces of long work.
 pub fn check(during: impl FnOnce() -> String) -> anyhow::Result<()> {
     match received() {
-        Some(signal) => Err(Interrupted { signal, during: during() }.into()),
+        Some(signal) => Err(Interrupted { signal, during: during(), left: None }.into()),
+        None => Ok(()),
+    }
+}
+
+/// `check`, for work that leaves something behind when it stops: `left` says what.
+pub fn check_leaving(during: impl FnOnce() -> (String, String)) -> anyhow::Result<()> {
+    match received() {
+        Some(signal) => {
+            let (during, left) = during();
+            Err(Interrupted { signal, during, left: Some(left) }.into())
+        }
         None => Ok(()),
     }
 }

@@ -183,7 +183,13 @@ impl Tokens {
             let bytes = tokens.bytes(start, CHUNK.min(tokens.count - start))?;
             sum.add(&bytes);
             largest = ids_of(&bytes).fold(largest, u32::max);
-            crate::signals::check(|| format!("checking the token file {}", tokens.path.display()))?;
+            crate::signals::check_leaving(|| {
+                let (path, done) = (tokens.path.display(), start * 100 / tokens.count.max(1));
+                (
+                    format!("checking the token file {path} ({done} % read)"),
+                    "the token file stays as it is, to be checked again by the next run".to_string(),
+                )
+            })?;
         }
         if sum.value() != want {
             return Ok(Checked::Stale(
@@ -300,6 +306,8 @@ fn write_tokens(source: &Source, tokenizer: &Tokenizer, cache: &Path) -> Result<
         })?;
     }
     bar.finish_and_clear();
+    // a signal during the last document: its ids are not written either
+    crate::signals::check(|| format!("tokenising {}", source.name))?;
     let mut bytes = Vec::with_capacity(HEADER + 4 * ids.len());
     bytes.extend(b"FTOK");
     bytes.extend(VERSION.to_le_bytes());
